@@ -1,0 +1,53 @@
+// Element types on the wire and in the caches, and conversions to and from fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "absl/strings/string_view.h"
+#include "absl/strings/string_view.h"
+
+namespace attnd {
+
+enum class DType : uint8_t { kF32, kBF16, kF16 };
+
+// Bytes per element.
+constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// The Open Inference Protocol name: "FP32", "BF16", "FP16".
+absl::string_view DTypeName(DType t);
+
+// Parses an OIP datatype string (upper case, as on the wire); nullopt for anything else.
+std::optional<DType> ParseDType(absl::string_view name);
+
+inline float BF16ToF32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN (quiet).
+inline uint16_t F32ToBF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float F16ToF32(uint16_t h);
+uint16_t F32ToF16(float f);
+
+// Rounds an fp32 value through `t` and back (the value a cache of that type stores).
+float RoundTo(DType t, float f);
+
+// dst[i] = float(src[i]) for n elements of type `t`.
+void ConvertToF32(DType t, const void* src, float* dst, size_t n);
+
+// dst[i] = t(src[i]) for n elements, round to nearest even.
+void ConvertFromF32(DType t, const float* src, void* dst, size_t n);
+
+}  // namespace attnd

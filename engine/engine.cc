@@ -1,0 +1,643 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/thread_pool.h"
+#include "kernels/cpu/attention_cpu.h"
+#include "kv_store/kv_cache.h"
+#include "kv_store/page_pool.h"
+
+namespace attnd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Bounds the indexer-score scratch of one wave of queries (floats).
+constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
+// Keys per indexer-scoring task, so one long query still spreads over all threads.
+constexpr int64_t kScoreChunk = 8192;
+// Heads per attention task.
+constexpr int kHeadGroup = 16;
+
+struct Device {
+  std::string name;
+  PagePool pool;
+  KvCache cache;
+  int64_t sequences = 0;
+};
+
+struct Sequence {
+  std::string id;
+  int device = 0;
+  std::vector<int32_t> pages;
+  int64_t length = 0;
+  uint64_t step = 0;  // the open step holding it, 0 if none
+};
+
+struct StepSeq {
+  Sequence* seq = nullptr;
+  int64_t q_len = 0;
+  int64_t new_len = 0;
+  std::vector<int32_t> new_pages;  // reserved by the step, owned by it until commit
+  std::vector<int32_t> table;      // seq->pages + new_pages
+};
+
+struct Step {
+  uint64_t id = 0;
+  std::vector<StepSeq> seqs;
+  int64_t tokens = 0;
+  int next_layer = 0;
+  bool busy = false;
+  bool abort_requested = false;
+  Clock::time_point last_used;
+  // Plan, built once per step: per token, its batch entry and absolute position.
+  std::vector<int32_t> tok_entry;
+  std::vector<int64_t> tok_pos;
+  // IndexShare carry: per token, the keys the last full layer selected (or all visible keys).
+  std::vector<std::vector<int32_t>> selected;
+  std::vector<uint8_t> select_all;
+  // Per-layer fp32 workspaces, reused across layers.
+  std::vector<float> q, index_q, index_w, scores;
+};
+
+void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n) {
+  if (src_t == dst_t) {
+    std::memcpy(dst, src, n * DTypeSize(src_t));
+    return;
+  }
+  thread_local std::vector<float> tmp;
+  if (tmp.size() < n) tmp.resize(n);
+  ConvertToF32(src_t, src, tmp.data(), n);
+  ConvertFromF32(dst_t, tmp.data(), dst, n);
+}
+
+const uint8_t* Bytes(const TensorView& t) { return static_cast<const uint8_t*>(t.data); }
+
+}  // namespace
+
+struct Engine::Impl {
+  EngineOptions options;
+  const ModelSpec& spec() const { return options.spec; }
+  const cpu::Kernels* kernels = nullptr;
+  std::unique_ptr<ThreadPool> pool;
+
+  mutable std::mutex mu;  // guards everything below
+  std::vector<Device> devices;
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
+  uint64_t next_step_id = 1;
+  int64_t steps_aborted = 0;
+
+  // mu held.
+  void AbortLocked(Step* step) {
+    for (StepSeq& s : step->seqs) {
+      for (int32_t p : s.new_pages) devices[s.seq->device].pool.Unref(p);
+      s.seq->step = 0;
+    }
+    ++steps_aborted;
+    steps.erase(step->id);
+  }
+  void CommitLocked(Step* step) {
+    for (StepSeq& s : step->seqs) {
+      s.seq->pages.insert(s.seq->pages.end(), s.new_pages.begin(), s.new_pages.end());
+      s.seq->length = s.new_len;
+      s.seq->step = 0;
+    }
+    steps.erase(step->id);
+  }
+
+  PagedRows LatentRows(const StepSeq& s, int layer) const {
+    const Device& d = devices[s.seq->device];
+    PagedRows r;
+    r.base = d.cache.LatentRow(layer, 0, 0);
+    r.pages = s.table.data();
+    r.page_size = spec().page_size;
+    r.row_stride = d.cache.latent_row_bytes();
+    r.page_stride = r.row_stride * spec().page_size;
+    r.dtype = options.cache_dtype;
+    r.dim = spec().latent_dim();
+    return r;
+  }
+  PagedRows IndexRows(const StepSeq& s, int slot) const {
+    const Device& d = devices[s.seq->device];
+    PagedRows r;
+    r.base = d.cache.IndexRow(slot, 0, 0);
+    r.pages = s.table.data();
+    r.page_size = spec().page_size;
+    r.row_stride = d.cache.index_row_bytes();
+    r.page_stride = r.row_stride * spec().page_size;
+    r.dtype = options.cache_dtype;
+    r.dim = spec().index_head_dim;
+    return r;
+  }
+
+  absl::Status ValidateInputs(const Step& st, int layer, const LayerInputs& in,
+                              size_t out_bytes) const;
+  void WriteKeys(Step& st, int layer, const LayerInputs& in);
+  void Select(Step& st, int layer);
+  void Attend(Step& st, int layer, DType out_dtype, uint8_t* out);
+  absl::Status Compute(Step& st, int layer, const LayerInputs& in, void* out, size_t out_bytes,
+                       LayerTrace* trace);
+};
+
+absl::Status Engine::Impl::ValidateInputs(const Step& st, int layer, const LayerInputs& in,
+                                          size_t out_bytes) const {
+  const ModelSpec& s = spec();
+  const int64_t T = st.tokens;
+  RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
+  RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
+  RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
+  RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
+  if (s.layers[layer] == LayerKind::kFull) {
+    RETURN_IF_ERROR(
+        CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
+    RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
+    RETURN_IF_ERROR(CheckTensor("index_w", in.index_w, {T, s.index_n_heads}));
+  } else {
+    const char* given = in.index_q.present   ? "index_q"
+                        : in.index_k.present ? "index_k"
+                        : in.index_w.present ? "index_w"
+                                             : nullptr;
+    if (given)
+      return absl::InvalidArgumentError(absl::StrCat(
+          given, ": given for layer ", layer, ", a ", LayerKindName(s.layers[layer]),
+          " layer; indexer tensors belong to full layers only"));
+  }
+  const size_t want = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank *
+                      DTypeSize(in.q_latent.dtype);
+  if (out_bytes != want)
+    return absl::InvalidArgumentError(absl::StrCat("output buffer: ", out_bytes,
+                                                   " bytes, expected ", want, " ([T, H, L] in ",
+                                                   DTypeName(in.q_latent.dtype), ")"));
+  return absl::OkStatus();
+}
+
+void Engine::Impl::WriteKeys(Step& st, int layer, const LayerInputs& in) {
+  const ModelSpec& s = spec();
+  const int L = s.kv_lora_rank, R = s.qk_rope_head_dim, Di = s.index_head_dim;
+  const int slot = s.FullSlot(layer);
+  const DType ct = options.cache_dtype;
+  const size_t ce = DTypeSize(ct);
+  pool->ParallelFor(st.tokens, [&](int64_t t) {
+    const StepSeq& e = st.seqs[st.tok_entry[t]];
+    const Device& d = devices[e.seq->device];
+    const int64_t pos = st.tok_pos[t];
+    const int32_t page = e.table[pos / s.page_size];
+    const int off = static_cast<int>(pos % s.page_size);
+    uint8_t* row = d.cache.LatentRow(layer, page, off);
+    CopyConvert(in.kv_latent.dtype, Bytes(in.kv_latent) + t * L * DTypeSize(in.kv_latent.dtype),
+                ct, row, L);
+    CopyConvert(in.k_rope.dtype, Bytes(in.k_rope) + t * R * DTypeSize(in.k_rope.dtype), ct,
+                row + L * ce, R);
+    if (slot >= 0)
+      CopyConvert(in.index_k.dtype, Bytes(in.index_k) + t * Di * DTypeSize(in.index_k.dtype), ct,
+                  d.cache.IndexRow(slot, page, off), Di);
+  });
+}
+
+void Engine::Impl::Select(Step& st, int layer) {
+  const ModelSpec& s = spec();
+  const int slot = s.FullSlot(layer);
+  const int Hi = s.index_n_heads, Di = s.index_head_dim;
+  // Which queries need the indexer at all: those whose selection could miss a visible key.
+  std::vector<int64_t> need;
+  for (int64_t t = 0; t < st.tokens; ++t) {
+    const int64_t n = st.tok_pos[t] + 1;
+    const StepSeq& e = st.seqs[st.tok_entry[t]];
+    bool all = false;
+    if (s.prefill == PrefillMode::kDense && e.q_len > 1) {
+      all = true;
+    } else if (s.selection == SelectionMode::kPageBudget) {
+      all = (n + s.page_size - 1) / s.page_size <= s.page_budget;
+    } else {
+      all = n <= s.index_topk;
+    }
+    st.select_all[t] = all;
+    if (all) {
+      st.selected[t].clear();
+    } else {
+      need.push_back(t);
+    }
+  }
+  for (size_t w0 = 0; w0 < need.size();) {
+    // A wave of queries whose score rows fit the scratch bound.
+    std::vector<int64_t> offset = {0};
+    size_t w1 = w0;
+    while (w1 < need.size()) {
+      const int64_t n = st.tok_pos[need[w1]] + 1;
+      if (w1 > w0 && offset.back() + n > kMaxScoreFloats) break;
+      offset.push_back(offset.back() + n);
+      ++w1;
+    }
+    if (st.scores.size() < static_cast<size_t>(offset.back())) st.scores.resize(offset.back());
+    // Tasks: (query, chunk of keys).
+    std::vector<std::pair<int32_t, int64_t>> tasks;
+    for (size_t i = w0; i < w1; ++i)
+      for (int64_t k0 = 0; k0 < st.tok_pos[need[i]] + 1; k0 += kScoreChunk)
+        tasks.emplace_back(static_cast<int32_t>(i - w0), k0);
+    pool->ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t j) {
+      const auto [qi, k0] = tasks[j];
+      const int64_t t = need[w0 + qi];
+      const int64_t n = st.tok_pos[t] + 1;
+      cpu::IndexerScoreParams p;
+      p.q = st.index_q.data() + t * Hi * Di;
+      p.w = st.index_w.data() + t * Hi;
+      p.num_heads = Hi;
+      p.head_dim = Di;
+      p.keys = IndexRows(st.seqs[st.tok_entry[t]], slot);
+      p.begin = k0;
+      p.end = std::min(n, k0 + kScoreChunk);
+      p.scores = st.scores.data() + offset[qi] + k0;
+      cpu::IndexerScores(*kernels, p);
+    });
+    pool->ParallelFor(static_cast<int64_t>(w1 - w0), [&](int64_t qi) {
+      const int64_t t = need[w0 + qi];
+      const int64_t n = st.tok_pos[t] + 1;
+      const float* sc = st.scores.data() + offset[qi];
+      std::vector<int32_t>& sel = st.selected[t];
+      sel.clear();
+      switch (s.selection) {
+        case SelectionMode::kToken:
+          sel.resize(std::min<int64_t>(n, s.index_topk));
+          sel.resize(cpu::ExactTopK(sc, n, s.index_topk, sel.data()));
+          break;
+        case SelectionMode::kPageUnion: {
+          thread_local std::vector<int32_t> topk;
+          topk.resize(std::min<int64_t>(n, s.index_topk));
+          topk.resize(cpu::ExactTopK(sc, n, s.index_topk, topk.data()));
+          cpu::PageUnionSelect(sc, n, topk.data(), static_cast<int64_t>(topk.size()),
+                               s.page_size, s.page_union_max_pages, &sel);
+          break;
+        }
+        case SelectionMode::kPageBudget:
+          cpu::PageBudgetSelect(sc, n, s.page_size, s.page_budget, &sel);
+          break;
+      }
+    });
+    w0 = w1;
+  }
+}
+
+void Engine::Impl::Attend(Step& st, int layer, DType out_dtype, uint8_t* out) {
+  const ModelSpec& s = spec();
+  const int H = s.num_heads, L = s.kv_lora_rank, D = s.latent_dim();
+  const bool dense = s.layers[layer] == LayerKind::kDense;
+  const int groups = (H + kHeadGroup - 1) / kHeadGroup;
+  const size_t oe = DTypeSize(out_dtype);
+  pool->ParallelFor(st.tokens * groups, [&](int64_t task) {
+    const int64_t t = task / groups;
+    const int h0 = static_cast<int>(task % groups) * kHeadGroup;
+    const int hn = std::min(kHeadGroup, H - h0);
+    const int64_t pos = st.tok_pos[t];
+    thread_local std::vector<float> o;
+    if (o.size() < static_cast<size_t>(hn) * L) o.resize(static_cast<size_t>(hn) * L);
+    cpu::MlaParams p;
+    p.q = st.q.data() + (t * H + h0) * D;
+    p.num_heads = hn;
+    p.latent_dim = L;
+    p.rope_dim = s.qk_rope_head_dim;
+    p.kv = LatentRows(st.seqs[st.tok_entry[t]], layer);
+    p.sm_scale = static_cast<float>(s.sm_scale);
+    p.out = o.data();
+    p.end = pos + 1;
+    if (dense) {
+      if (s.sliding_window > 0) p.begin = std::max<int64_t>(0, pos + 1 - s.sliding_window);
+      p.soft_cap = static_cast<float>(s.soft_cap);
+    } else if (!st.select_all[t]) {
+      p.positions = st.selected[t].data();
+      p.num_keys = static_cast<int64_t>(st.selected[t].size());
+    }
+    cpu::MlaAttend(*kernels, p);
+    ConvertFromF32(out_dtype, o.data(), out + (t * H + h0) * L * oe, static_cast<size_t>(hn) * L);
+  });
+}
+
+absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
+                                   size_t out_bytes, LayerTrace* trace) {
+  RETURN_IF_ERROR(ValidateInputs(st, layer, in, out_bytes));
+  const ModelSpec& s = spec();
+  const int H = s.num_heads, L = s.kv_lora_rank, R = s.qk_rope_head_dim, D = L + R;
+  const LayerKind kind = s.layers[layer];
+  // Queries to fp32: [T, H, L+R] with q_latent | q_rope per head.
+  st.q.resize(static_cast<size_t>(st.tokens) * H * D);
+  pool->ParallelFor(st.tokens, [&](int64_t t) {
+    const size_t el = DTypeSize(in.q_latent.dtype), er = DTypeSize(in.q_rope.dtype);
+    for (int h = 0; h < H; ++h) {
+      float* q = st.q.data() + (t * H + h) * D;
+      ConvertToF32(in.q_latent.dtype, Bytes(in.q_latent) + (t * H + h) * L * el, q, L);
+      ConvertToF32(in.q_rope.dtype, Bytes(in.q_rope) + (t * H + h) * R * er, q + L, R);
+    }
+  });
+  if (kind == LayerKind::kFull) {
+    const int64_t nq = st.tokens * s.index_n_heads * s.index_head_dim;
+    st.index_q.resize(nq);
+    ConvertToF32(in.index_q.dtype, in.index_q.data, st.index_q.data(), nq);
+    st.index_w.resize(st.tokens * s.index_n_heads);
+    ConvertToF32(in.index_w.dtype, in.index_w.data, st.index_w.data(),
+                 st.tokens * s.index_n_heads);
+  }
+  WriteKeys(st, layer, in);
+  if (kind == LayerKind::kFull) Select(st, layer);
+  Attend(st, layer, in.q_latent.dtype, static_cast<uint8_t*>(out));
+  if (trace) {
+    trace->keys.assign(st.tokens, {});
+    for (int64_t t = 0; t < st.tokens; ++t) {
+      const int64_t pos = st.tok_pos[t];
+      auto& k = trace->keys[t];
+      if (kind == LayerKind::kDense || st.select_all[t]) {
+        const int64_t lo = kind == LayerKind::kDense && s.sliding_window > 0
+                               ? std::max<int64_t>(0, pos + 1 - s.sliding_window)
+                               : 0;
+        for (int64_t j = lo; j <= pos; ++j) k.push_back(static_cast<int32_t>(j));
+      } else {
+        k = st.selected[t];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  RETURN_IF_ERROR(ValidateModelSpec(options.spec));
+  if (options.num_devices < 1) return absl::InvalidArgumentError("need at least one device");
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->kernels = &cpu::GetKernels(options.isa);
+  impl->pool = std::make_unique<ThreadPool>(options.threads);
+  KvCacheConfig config = KvCacheConfig::ForModel(options.spec, options.cache_dtype, 0);
+  config.num_pages = options.pages_per_device > 0
+                         ? options.pages_per_device
+                         : config.PagesForBytes(options.cache_bytes_per_device);
+  for (int i = 0; i < options.num_devices; ++i) {
+    ASSIGN_OR_RETURN(KvCache cache, KvCache::Create(config));
+    impl->devices.push_back(
+        Device{absl::StrCat("cpu:", i), PagePool(config.num_pages), std::move(cache), 0});
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+const ModelSpec& Engine::spec() const { return impl_->spec(); }
+const EngineOptions& Engine::options() const { return impl_->options; }
+
+absl::Status Engine::OpenSequence(const std::string& id) {
+  if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->sequences.contains(id))
+    return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+  int best = 0;
+  for (int i = 1; i < static_cast<int>(impl_->devices.size()); ++i)
+    if (impl_->devices[i].pool.free_pages() > impl_->devices[best].pool.free_pages()) best = i;
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->device = best;
+  ++impl_->devices[best].sequences;
+  impl_->sequences.emplace(id, std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::ForkSequence(const std::string& id, const std::string& parent,
+                                  int64_t prefix_len) {
+  if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto pit = impl_->sequences.find(parent);
+  if (pit == impl_->sequences.end())
+    return absl::NotFoundError(absl::StrCat("fork parent '", parent, "' not found"));
+  if (impl_->sequences.contains(id))
+    return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+  const Sequence& par = *pit->second;
+  if (prefix_len < 0 || prefix_len > par.length)
+    return absl::OutOfRangeError(absl::StrCat("fork prefix_len ", prefix_len, " outside [0, ",
+                                              par.length, "] (parent '", parent, "' length)"));
+  const int ps = impl_->spec().page_size;
+  const int64_t full = prefix_len / ps;
+  const int rem = static_cast<int>(prefix_len % ps);
+  Device& dev = impl_->devices[par.device];
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->device = par.device;
+  seq->length = prefix_len;
+  seq->pages.assign(par.pages.begin(), par.pages.begin() + full);
+  if (rem > 0) {
+    if (!dev.pool.Allocate(1, &seq->pages))
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KV cache full on ", dev.name, ": fork needs 1 page for the partial last page, 0 free"));
+    dev.cache.CopyPagePrefix(par.pages[full], seq->pages.back(), rem);
+  }
+  for (int64_t i = 0; i < full; ++i) dev.pool.Ref(seq->pages[i]);
+  ++dev.sequences;
+  impl_->sequences.emplace(id, std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CloseSequence(const std::string& id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->sequences.find(id);
+  if (it == impl_->sequences.end())
+    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+  Sequence& seq = *it->second;
+  if (seq.step != 0)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence '", id, "' is in open step ", seq.step, "; abort it first"));
+  Device& dev = impl_->devices[seq.device];
+  for (int32_t p : seq.pages) dev.pool.Unref(p);
+  --dev.sequences;
+  impl_->sequences.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->sequences.find(id);
+  if (it == impl_->sequences.end())
+    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+  const Sequence& s = *it->second;
+  return SequenceInfo{s.id, s.length, s.device, s.pages, s.step != 0};
+}
+
+std::vector<DeviceCapacity> Engine::Capacity() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::vector<DeviceCapacity> out;
+  for (const Device& d : impl_->devices)
+    out.push_back({d.name, d.pool.usable_pages(), d.pool.free_pages(),
+                   d.cache.config().BytesPerPage(), d.sequences});
+  return out;
+}
+
+int64_t Engine::num_sequences() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int64_t>(impl_->sequences.size());
+}
+
+int64_t Engine::num_open_steps() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int64_t>(impl_->steps.size());
+}
+
+int64_t Engine::steps_aborted() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->steps_aborted;
+}
+
+absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch) {
+  if (batch.empty()) return absl::InvalidArgumentError("step batch: empty");
+  const ModelSpec& spec = impl_->spec();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto step = std::make_unique<Step>();
+  std::vector<int32_t> need(impl_->devices.size(), 0);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const StepEntry& e = batch[i];
+    if (e.q_len < 1)
+      return absl::InvalidArgumentError(absl::StrCat("step batch[", i, "] ('", e.sequence_id,
+                                                     "'): q_len ", e.q_len, " must be >= 1"));
+    auto it = impl_->sequences.find(e.sequence_id);
+    if (it == impl_->sequences.end())
+      return absl::NotFoundError(
+          absl::StrCat("step batch[", i, "]: sequence '", e.sequence_id, "' not found"));
+    Sequence* seq = it->second.get();
+    for (const StepSeq& prev : step->seqs)
+      if (prev.seq == seq)
+        return absl::InvalidArgumentError(
+            absl::StrCat("step batch: sequence '", e.sequence_id, "' appears twice"));
+    if (seq->step != 0)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence '", e.sequence_id, "' is already in open step ", seq->step));
+    const int64_t new_len = seq->length + e.q_len;
+    if (new_len > spec.max_context)
+      return absl::OutOfRangeError(absl::StrCat("sequence '", e.sequence_id, "': length ",
+                                                seq->length, " + q_len ", e.q_len,
+                                                " exceeds max_context ", spec.max_context));
+    StepSeq s;
+    s.seq = seq;
+    s.q_len = e.q_len;
+    s.new_len = new_len;
+    need[seq->device] += static_cast<int32_t>((new_len + spec.page_size - 1) / spec.page_size -
+                                              static_cast<int64_t>(seq->pages.size()));
+    step->seqs.push_back(std::move(s));
+  }
+  for (size_t d = 0; d < impl_->devices.size(); ++d) {
+    const PagePool& pool = impl_->devices[d].pool;
+    if (need[d] > pool.free_pages())
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KV cache full on ", impl_->devices[d].name, ": step needs ", need[d],
+                       " new pages, ", pool.free_pages(), " of ", pool.usable_pages(), " free"));
+  }
+  // Everything checked: reserve (cannot fail now) and build the plan.
+  step->id = impl_->next_step_id++;
+  for (size_t i = 0; i < step->seqs.size(); ++i) {
+    StepSeq& s = step->seqs[i];
+    const int64_t pages = (s.new_len + spec.page_size - 1) / spec.page_size;
+    impl_->devices[s.seq->device].pool.Allocate(
+        static_cast<int32_t>(pages - static_cast<int64_t>(s.seq->pages.size())), &s.new_pages);
+    s.table = s.seq->pages;
+    s.table.insert(s.table.end(), s.new_pages.begin(), s.new_pages.end());
+    s.seq->step = step->id;
+    for (int64_t j = 0; j < s.q_len; ++j) {
+      step->tok_entry.push_back(static_cast<int32_t>(i));
+      step->tok_pos.push_back(s.seq->length + j);
+    }
+    step->tokens += s.q_len;
+  }
+  step->selected.resize(step->tokens);
+  step->select_all.assign(step->tokens, 1);
+  step->last_used = Clock::now();
+  const uint64_t id = step->id;
+  impl_->steps.emplace(id, std::move(step));
+  return id;
+}
+
+absl::StatusOr<int64_t> Engine::StepTokens(uint64_t step) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->steps.find(step);
+  if (it == impl_->steps.end()) return absl::NotFoundError(absl::StrCat("step ", step, " not found"));
+  return it->second->tokens;
+}
+
+absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in, void* out,
+                              size_t out_bytes, LayerTrace* trace) {
+  Step* st = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    auto it = impl_->steps.find(step_id);
+    if (it == impl_->steps.end())
+      return absl::NotFoundError(
+          absl::StrCat("step ", step_id, " not found (never opened, committed, aborted or expired)"));
+    st = it->second.get();
+    if (st->busy)
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step_id, ": a layer is already running"));
+    if (layer != st->next_layer) {
+      const int expected = st->next_layer;
+      impl_->AbortLocked(st);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", step_id, ": layer ", layer, " out of order, expected layer ", expected,
+          "; step aborted"));
+    }
+    st->busy = true;
+  }
+  absl::Status status = impl_->Compute(*st, layer, in, out, out_bytes, trace);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  st->busy = false;
+  st->last_used = Clock::now();
+  if (!status.ok() || st->abort_requested) {
+    impl_->AbortLocked(st);
+    if (status.ok()) return absl::CancelledError(absl::StrCat("step ", step_id, " was aborted"));
+    return status;
+  }
+  if (++st->next_layer == impl_->spec().num_layers()) impl_->CommitLocked(st);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::AbortStep(uint64_t step_id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->steps.find(step_id);
+  if (it == impl_->steps.end()) return absl::NotFoundError(absl::StrCat("step ", step_id, " not found"));
+  if (it->second->busy) {
+    it->second->abort_requested = true;  // the running layer aborts it when done
+  } else {
+    impl_->AbortLocked(it->second.get());
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int32_t> Engine::PageRefcounts(int device) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const PagePool& pool = impl_->devices.at(device).pool;
+  std::vector<int32_t> out(pool.num_pages());
+  for (int32_t p = 0; p < pool.num_pages(); ++p) out[p] = pool.refcount(p);
+  return out;
+}
+
+bool Engine::ReservedPageUntouched(int device) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const KvCache& c = impl_->devices.at(device).cache;
+  const auto zero = [](const uint8_t* p, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      if (p[i] != 0) return false;
+    return true;
+  };
+  const int ps = c.config().page_size;
+  for (int l = 0; l < c.config().num_layers; ++l)
+    if (!zero(c.LatentRow(l, 0, 0), ps * c.latent_row_bytes())) return false;
+  for (int s = 0; s < c.config().num_full_layers; ++s)
+    if (!zero(c.IndexRow(s, 0, 0), ps * c.index_row_bytes())) return false;
+  return true;
+}
+
+int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const auto now = Clock::now();
+  std::vector<Step*> expired;
+  for (auto& [id, st] : impl_->steps)
+    if (!st->busy && now - st->last_used > idle) expired.push_back(st.get());
+  for (Step* st : expired) impl_->AbortLocked(st);
+  return static_cast<int>(expired.size());
+}
+
+}  // namespace attnd

@@ -1,0 +1,130 @@
+// The attention engine: sequences, steps and the per-layer DSA computation over paged caches on
+// one or more devices. No gRPC here: the service drives this API.
+//
+// Usage:
+//   ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
+//   RETURN_IF_ERROR(engine->OpenSequence("req-1"));
+//   ASSIGN_OR_RETURN(uint64_t step, engine->BeginStep({{"req-1", 128}}));   // prefill 128
+//   for (int l = 0; l < spec.num_layers(); ++l)
+//     RETURN_IF_ERROR(engine->RunLayer(step, l, inputs[l], out, out_bytes));  // last one commits
+//
+// Thread safety: every method may be called from any thread. Layers of different steps run
+// concurrently; one step's layers run one at a time and in order.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_spec.h"
+#include "engine/tensor.h"
+#include "kernels/cpu/cpu_isa.h"
+
+namespace attnd {
+
+struct EngineOptions {
+  ModelSpec spec;
+  DType cache_dtype = DType::kBF16;  // bf16 in production; fp32 for exactness tests
+  int num_devices = 1;               // CPU devices cpu:0..cpu:N-1
+  int32_t pages_per_device = 0;      // pages incl. the reserved page 0; 0 = use cache_bytes
+  size_t cache_bytes_per_device = size_t{1} << 30;
+  int threads = 0;                   // compute threads; 0 = all cores
+  cpu::Isa isa = cpu::BestIsa();     // CPU inner-loop ISA (tests sweep every supported one)
+};
+
+// One batch entry of a step: `q_len` new tokens for the sequence.
+struct StepEntry {
+  std::string sequence_id;
+  int64_t q_len = 0;
+};
+
+// The tensors of one layer call (DESIGN §1), T = total new tokens of the step in batch order.
+// Indexer tensors are given on full layers only. Each may have its own dtype; the output takes
+// q_latent's.
+struct LayerInputs {
+  TensorView q_latent;   // [T, H, L]
+  TensorView q_rope;     // [T, H, R]
+  TensorView kv_latent;  // [T, L]
+  TensorView k_rope;     // [T, R]
+  TensorView index_q;    // [T, Hi, Di]
+  TensorView index_k;    // [T, Di]
+  TensorView index_w;    // [T, Hi]
+};
+
+// What each query attended on a layer (for tests and debugging).
+struct LayerTrace {
+  std::vector<std::vector<int32_t>> keys;  // [T] attended key positions, ascending
+};
+
+struct SequenceInfo {
+  std::string id;
+  int64_t length = 0;            // committed tokens
+  int device = 0;
+  std::vector<int32_t> pages;    // physical page ids, in order
+  bool in_step = false;
+};
+
+struct DeviceCapacity {
+  std::string name;       // "cpu:0"
+  int32_t pages_total = 0;  // usable pages (page 0 excluded)
+  int32_t pages_free = 0;
+  size_t bytes_per_page = 0;
+  int64_t sequences = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+  ~Engine();
+
+  const ModelSpec& spec() const;
+  const EngineOptions& options() const;
+
+  // ALREADY_EXISTS if the id is in use. Places the sequence on the device with most free pages.
+  absl::Status OpenSequence(const std::string& id);
+  // A new sequence holding the first `prefix_len` tokens of `parent` (on the parent's device):
+  // full pages are shared by reference, the partial last page is copied. NOT_FOUND (parent),
+  // ALREADY_EXISTS (id), OUT_OF_RANGE (prefix_len > parent length), RESOURCE_EXHAUSTED.
+  absl::Status ForkSequence(const std::string& id, const std::string& parent, int64_t prefix_len);
+  // FAILED_PRECONDITION while the sequence is in an open step.
+  absl::Status CloseSequence(const std::string& id);
+  absl::StatusOr<SequenceInfo> DescribeSequence(const std::string& id) const;
+  std::vector<DeviceCapacity> Capacity() const;
+  int64_t num_sequences() const;
+  int64_t num_open_steps() const;
+
+  // Opens a step: validates the batch and reserves every page its new tokens need, or fails
+  // (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED) and
+  // changes nothing. Returns the step id.
+  absl::StatusOr<uint64_t> BeginStep(const std::vector<StepEntry>& batch);
+  // Total new tokens T of an open step.
+  absl::StatusOr<int64_t> StepTokens(uint64_t step) const;
+  // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
+  // dtype (out_bytes must match). The last layer commits the step. Any error aborts the step, so
+  // every sequence is left as before it.
+  absl::Status RunLayer(uint64_t step, int layer, const LayerInputs& in, void* out,
+                        size_t out_bytes, LayerTrace* trace = nullptr);
+  // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
+  // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
+  absl::Status AbortStep(uint64_t step);
+  // Aborts steps idle for longer than `idle`; returns how many.
+  int ExpireIdleSteps(std::chrono::steady_clock::duration idle);
+  // Steps aborted so far, for any reason (errors, AbortStep, expiry).
+  int64_t steps_aborted() const;
+
+  // Introspection for tests and debugging: the reference count of every page of a device
+  // (index = page id; page 0 is reserved and always 1).
+  std::vector<int32_t> PageRefcounts(int device) const;
+  // True while no byte of the reserved page 0 was ever written, in any layer or indexer slot.
+  bool ReservedPageUntouched(int device) const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attnd

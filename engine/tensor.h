@@ -1,0 +1,37 @@
+// Tensors as the engine sees them: a dtype, a shape and a view of raw little-endian bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/dtype.h"
+
+namespace attnd {
+
+// A read-only view of a row-major tensor owned by the caller. `present == false` means the tensor
+// was not given at all (e.g. indexer inputs on a shared layer).
+struct TensorView {
+  static constexpr int kMaxRank = 4;
+  bool present = false;
+  DType dtype = DType::kBF16;
+  int rank = 0;
+  int64_t dims[kMaxRank] = {0, 0, 0, 0};
+  const void* data = nullptr;
+  size_t nbytes = 0;
+
+  static TensorView Of(DType dtype, std::initializer_list<int64_t> shape, const void* data,
+                       size_t nbytes);
+  int64_t num_elements() const;
+  std::string ShapeString() const;  // "[8, 16, 512]"
+};
+
+// Checks that `t` is present, has dtype in {BF16, FP16, FP32}, exactly `expected` dims and a
+// byte count matching them. The error (INVALID_ARGUMENT) names the tensor and says what was
+// expected and what came.
+absl::Status CheckTensor(const char* name, const TensorView& t,
+                         std::initializer_list<int64_t> expected);
+
+}  // namespace attnd

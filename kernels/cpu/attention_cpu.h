@@ -1,0 +1,64 @@
+// The CPU backend's per-query operations: indexer scores, exact top-k, page selection and
+// MLA attention over paged caches. Device-neutral inputs (PagedRows, spans as pointer + count);
+// fp32 accumulation everywhere. Every function is thread safe and may run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/cpu_isa.h"
+#include "kernels/paged_rows.h"
+
+namespace attnd::cpu {
+
+// I[s] = Σ_h w[h] · relu(q[h,:] · k[s,:]) for key positions s in [begin, end).
+struct IndexerScoreParams {
+  const float* q = nullptr;  // [num_heads, head_dim] indexer query of one token
+  const float* w = nullptr;  // [num_heads] indexer head weights
+  int num_heads = 0;
+  int head_dim = 0;
+  PagedRows keys;           // indexer-key cache rows, dim == head_dim
+  int64_t begin = 0;        // first key position
+  int64_t end = 0;          // one past the last
+  float* scores = nullptr;  // [end - begin] output
+};
+void IndexerScores(const Kernels& k, const IndexerScoreParams& p);
+
+// The exact top-k of scores[0, n): the k (or n when smaller) positions with the highest score,
+// ties to the lower position, NaN ranked below every number. Writes them to out in ascending
+// position order and returns how many were written.
+int64_t ExactTopK(const float* scores, int64_t n, int64_t k, int32_t* out);
+
+// Page selection for the page modes (DESIGN §2). `scores` covers positions [0, n) where n - 1 is
+// the query's position; the query's own page is (n - 1) / page_size. Both append the attended key
+// positions to *out in ascending order.
+//  - page_union: pages holding any of `topk` (positions), best `max_pages` by their best token,
+//    plus the own page.
+//  - page_budget: the best `budget` pages by their max token score, plus the own page.
+void PageUnionSelect(const float* scores, int64_t n, const int32_t* topk, int64_t num_topk,
+                     int page_size, int max_pages, std::vector<int32_t>* out);
+void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
+                      std::vector<int32_t>* out);
+
+// MLA for one query token over a set of keys, for heads [0, num_heads) of q:
+//   s_j = sm_scale·(q_latent·c_kv_j + q_rope·k_pe_j) [soft-capped], p = softmax(s),
+//   out = Σ_j p_j c_kv_j.
+// Keys are either the explicit `positions` (num_keys of them) or, when positions is null, the
+// range [begin, end).
+struct MlaParams {
+  const float* q = nullptr;  // [num_heads, L+R]: q_latent | q_rope per head
+  int num_heads = 0;
+  int latent_dim = 0;  // L
+  int rope_dim = 0;    // R
+  PagedRows kv;        // latent cache rows [c_kv | k_pe], dim == L+R
+  const int32_t* positions = nullptr;
+  int64_t num_keys = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+  float sm_scale = 1.0f;
+  float soft_cap = 0.0f;    // 0 = off
+  float* out = nullptr;     // [num_heads, L]
+};
+void MlaAttend(const Kernels& k, const MlaParams& p);
+
+}  // namespace attnd::cpu

@@ -1,0 +1,47 @@
+#include "kernels/cpu/cpu_isa.h"
+
+namespace attnd::cpu {
+
+namespace generic {
+#define ATTND_VW 4
+#include "kernels/cpu/cpu_isa_impl.inc"
+#undef ATTND_VW
+}  // namespace generic
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define ATTND_VW 8
+#include "kernels/cpu/cpu_isa_impl.inc"
+#undef ATTND_VW
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+absl::string_view IsaName(Isa isa) { return isa == Isa::kAvx2 ? "avx2" : "generic"; }
+
+std::vector<Isa> SupportedIsas() {
+  std::vector<Isa> out = {Isa::kGeneric};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(Isa::kAvx2);
+#endif
+  return out;
+}
+
+Isa BestIsa() {
+  static const Isa best = SupportedIsas().back();
+  return best;
+}
+
+const Kernels& GetKernels(Isa isa) {
+  static const Kernels kGeneric = {&generic::Gemm, &generic::ExpInplace};
+#if defined(__x86_64__)
+  static const Kernels kAvx2 = {&avx2::Gemm, &avx2::ExpInplace};
+  if (isa == Isa::kAvx2) return kAvx2;
+#endif
+  return kGeneric;
+}
+
+}  // namespace attnd::cpu

@@ -1,0 +1,31 @@
+// Run-time dispatch of the CPU backend's inner loops to the widest vector ISA the host has.
+// The default build targets baseline x86-64; AVX2+FMA code is compiled alongside it with
+// function-level target attributes and chosen at run time, never with -march=native.
+#pragma once
+
+#include "absl/strings/string_view.h"
+#include <vector>
+
+namespace attnd::cpu {
+
+enum class Isa { kGeneric, kAvx2 };
+
+absl::string_view IsaName(Isa isa);
+// Every ISA this host can run, widest last.
+std::vector<Isa> SupportedIsas();
+// The widest supported ISA (what the backend uses unless told otherwise).
+Isa BestIsa();
+
+// The inner loops, one table per ISA. All pointers are fp32, row-major.
+struct Kernels {
+  // C[M,N] = A[M,D] · B[D,N] (accumulate=false) or C += A·B (accumulate=true).
+  // lda/ldb/ldc are row strides in elements.
+  void (*gemm)(int M, int N, int D, const float* A, int lda, const float* B, int ldb, float* C,
+               int ldc, bool accumulate);
+  // x[i] = exp(x[i]); relative error below 2e-7 for x in [-87, 88]; -inf gives 0.
+  void (*exp_inplace)(float* x, int n);
+};
+
+const Kernels& GetKernels(Isa isa);
+
+}  // namespace attnd::cpu

@@ -1,0 +1,34 @@
+#include "kv_store/page_pool.h"
+
+#include <cassert>
+
+namespace attnd {
+
+PagePool::PagePool(int32_t num_pages) : refcount_(num_pages < 1 ? 1 : num_pages, 0) {
+  refcount_[0] = 1;  // reserved forever
+  free_.reserve(refcount_.size());
+  for (int32_t p = this->num_pages() - 1; p >= 1; --p) free_.push_back(p);
+}
+
+bool PagePool::Allocate(int32_t n, std::vector<int32_t>* out) {
+  if (n < 0 || n > free_pages()) return false;
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t p = free_.back();
+    free_.pop_back();
+    refcount_[p] = 1;
+    out->push_back(p);
+  }
+  return true;
+}
+
+void PagePool::Ref(int32_t page) {
+  assert(page > 0 && refcount_[page] > 0);
+  ++refcount_[page];
+}
+
+void PagePool::Unref(int32_t page) {
+  assert(page > 0 && refcount_[page] > 0);
+  if (--refcount_[page] == 0) free_.push_back(page);
+}
+
+}  // namespace attnd

@@ -1,0 +1,35 @@
+// A pool of fixed-size cache pages with reference counts, for one device.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace attnd {
+
+// Page ids are 0..num_pages-1. Page 0 is reserved: never handed out, so padding writes can land
+// there without touching a live page. Not thread safe: the owner serialises calls.
+class PagePool {
+ public:
+  explicit PagePool(int32_t num_pages);
+
+  int32_t num_pages() const { return static_cast<int32_t>(refcount_.size()); }
+  // Pages that can be handed out (page 0 excluded).
+  int32_t usable_pages() const { return num_pages() - 1; }
+  int32_t free_pages() const { return static_cast<int32_t>(free_.size()); }
+  int32_t used_pages() const { return usable_pages() - free_pages(); }
+  int32_t refcount(int32_t page) const { return refcount_[page]; }
+
+  // Appends n fresh pages (refcount 1) to *out, or appends nothing and returns false when fewer
+  // than n are free.
+  bool Allocate(int32_t n, std::vector<int32_t>* out);
+  // Adds a reference to a live page (prefix sharing).
+  void Ref(int32_t page);
+  // Drops a reference; the page returns to the free list at zero.
+  void Unref(int32_t page);
+
+ private:
+  std::vector<int32_t> refcount_;
+  std::vector<int32_t> free_;  // a stack; lowest ids handed out first
+};
+
+}  // namespace attnd

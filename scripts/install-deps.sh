@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what attnd needs to build and test, skipping whatever is already there.
+# Debian 12 packages (apt) and the Python client's packages (pip). Idempotent.
+set -euo pipefail
+
+apt_pkgs=(
+  build-essential cmake ninja-build ccache pkg-config clang-format
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libabsl-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  civetweb libcivetweb-dev
+  prometheus
+  python3-pip
+)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "install-deps: apt installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+py=${PYTHON:-python3}
+if ! "$py" -c "import grpc, grpc_tools, numpy, pytest, ml_dtypes" >/dev/null 2>&1; then
+  echo "install-deps: pip installing grpcio grpcio-tools numpy pytest ml_dtypes"
+  "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools numpy pytest ml_dtypes ||
+    "$py" -m pip install -q --disable-pip-version-check --break-system-packages \
+      grpcio grpcio-tools numpy pytest ml_dtypes
+fi

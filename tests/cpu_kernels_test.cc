@@ -1,0 +1,227 @@
+// The CPU backend's inner loops and per-query ops against naive float64 code, for every ISA the
+// host supports.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/cpu_isa.h"
+#include "kernels/reference/reference.h"
+
+namespace attnd::cpu {
+namespace {
+
+std::vector<float> Randn(size_t n, std::mt19937_64& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+class PerIsa : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(PerIsa, GemmMatchesNaiveOnRaggedShapes) {
+  const Kernels& k = GetKernels(GetParam());
+  std::mt19937_64 rng(1);
+  for (int M : {1, 5, 6, 7, 16}) {
+    for (int N : {3, 16, 32, 37, 64}) {
+      for (int D : {1, 8, 33, 128}) {
+        const int lda = D + 3, ldb = N + 5, ldc = N + 2;
+        auto A = Randn(M * lda, rng), B = Randn(D * ldb, rng), C = Randn(M * ldc, rng);
+        for (bool acc : {false, true}) {
+          auto got = C;
+          k.gemm(M, N, D, A.data(), lda, B.data(), ldb, got.data(), ldc, acc);
+          double err = 0, norm = 0;
+          for (int m = 0; m < M; ++m)
+            for (int n = 0; n < N; ++n) {
+              double ref = acc ? C[m * ldc + n] : 0.0;
+              for (int d = 0; d < D; ++d) ref += double(A[m * lda + d]) * B[d * ldb + n];
+              err = std::max(err, std::abs(ref - got[m * ldc + n]));
+              norm = std::max(norm, std::abs(ref));
+            }
+          EXPECT_LE(err, 1e-5 * (norm + 1)) << M << "x" << N << "x" << D << " acc=" << acc;
+          // Padding columns beyond N are untouched.
+          for (int m = 0; m < M; ++m)
+            for (int n = N; n < ldc; ++n) ASSERT_EQ(got[m * ldc + n], C[m * ldc + n]);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(PerIsa, ExpIsAccurateAndHandlesInfinity) {
+  const Kernels& k = GetKernels(GetParam());
+  std::vector<float> x;
+  for (float v = -87.0f; v <= 88.0f; v += 0.0137f) x.push_back(v);
+  x.push_back(-INFINITY);
+  x.push_back(-1000.0f);
+  auto y = x;
+  k.exp_inplace(y.data(), static_cast<int>(y.size()));
+  for (size_t i = 0; i + 2 < x.size(); ++i) {
+    const double ref = std::exp(double(x[i]));
+    ASSERT_LE(std::abs(y[i] - ref), 3e-7 * ref) << x[i];
+  }
+  EXPECT_EQ(y[y.size() - 2], 0.0f);
+  EXPECT_EQ(y.back(), 0.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(SupportedIsas()),
+                         [](const auto& info) { return std::string(IsaName(info.param)); });
+
+TEST(ExactTopK, MatchesFullSortWithTiesToLowerPositionAndNaNLast) {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t n = 1 + rng() % 400;
+    const int64_t k = 1 + rng() % 64;
+    std::vector<float> s(n);
+    for (auto& x : s) x = static_cast<float>(rng() % 20) - 5;  // many exact ties
+    if (trial % 3 == 0) s[rng() % n] = NAN;
+    std::vector<double> sd(s.begin(), s.end());
+    for (auto& x : sd)
+      if (std::isnan(x)) x = -INFINITY;
+    std::vector<int32_t> got(std::min(n, k));
+    got.resize(ExactTopK(s.data(), n, k, got.data()));
+    EXPECT_EQ(got, reference::TopK(sd, k)) << "n=" << n << " k=" << k;
+  }
+}
+
+ModelSpec SmallSpec(SelectionMode mode) {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.selection = mode;
+  s.page_union_max_pages = 3;
+  s.page_budget = 2;
+  s.index_topk = 10;
+  return s;
+}
+
+TEST(PageSelection, MatchesReferenceForUnionAndBudget) {
+  std::mt19937_64 rng(11);
+  for (auto mode : {SelectionMode::kPageUnion, SelectionMode::kPageBudget}) {
+    ModelSpec spec = SmallSpec(mode);
+    for (int trial = 0; trial < 100; ++trial) {
+      const int64_t n = 1 + rng() % 200;
+      auto s = Randn(n, rng);
+      std::vector<double> sd(s.begin(), s.end());
+      std::vector<int32_t> got;
+      if (mode == SelectionMode::kPageUnion) {
+        std::vector<int32_t> topk(std::min<int64_t>(n, spec.index_topk));
+        topk.resize(ExactTopK(s.data(), n, spec.index_topk, topk.data()));
+        PageUnionSelect(s.data(), n, topk.data(), topk.size(), spec.page_size,
+                        spec.page_union_max_pages, &got);
+      } else {
+        PageBudgetSelect(s.data(), n, spec.page_size, spec.page_budget, &got);
+      }
+      const auto want = reference::SelectKeys(spec, sd, false);
+      ASSERT_EQ(got, want) << "mode " << int(mode) << " n=" << n;
+      // The own page is always there, up to the query.
+      EXPECT_EQ(got.back(), n - 1);
+    }
+  }
+}
+
+// One sequence's rows, scattered over shuffled pages of a small pool.
+struct PagedSeq {
+  int ps = 16, dim = 0;
+  DType dtype = DType::kF32;
+  std::vector<int32_t> pages;
+  std::vector<uint8_t> pool;
+  std::vector<double> rows;  // unpaged values, as stored
+
+  PagedSeq(int64_t n, int dim_, DType t, std::mt19937_64& rng) : dim(dim_), dtype(t) {
+    const int64_t np = (n + ps - 1) / ps;
+    pages.resize(np);
+    std::iota(pages.begin(), pages.end(), 1);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    pool.assign((np + 1) * ps * dim * DTypeSize(t), 0);
+    auto v = Randn(n * dim, rng);
+    for (int64_t s = 0; s < n; ++s) {
+      uint8_t* dst = pool.data() + ((pages[s / ps] * ps) + s % ps) * dim * DTypeSize(t);
+      ConvertFromF32(t, v.data() + s * dim, dst, dim);
+      std::vector<float> back(dim);
+      ConvertToF32(t, dst, back.data(), dim);
+      rows.insert(rows.end(), back.begin(), back.end());
+    }
+  }
+  PagedRows view() const {
+    return PagedRows{pool.data(), pages.data(), ps, ps * dim * DTypeSize(dtype),
+                     dim * DTypeSize(dtype), dtype, dim};
+  }
+};
+
+TEST_P(PerIsa, IndexerScoresMatchReference) {
+  const Kernels& k = GetKernels(GetParam());
+  std::mt19937_64 rng(21);
+  ModelSpec spec = SmallSpec(SelectionMode::kToken);
+  spec.index_n_heads = 5;
+  spec.index_head_dim = 24;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const int64_t n = 150;
+    PagedSeq seq(n, spec.index_head_dim, t, rng);
+    auto q = Randn(spec.index_n_heads * spec.index_head_dim, rng);
+    auto w = Randn(spec.index_n_heads, rng);
+    std::vector<double> qd(q.begin(), q.end()), wd(w.begin(), w.end());
+    const auto ref = reference::IndexerScores(spec, qd.data(), wd.data(), seq.rows.data(), n);
+    std::vector<float> got(n, NAN);
+    // Two chunks, as the engine splits long queries.
+    for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 70}, {70, n}}) {
+      IndexerScoreParams p{q.data(), w.data(), spec.index_n_heads, spec.index_head_dim,
+                           seq.view(), b, e, got.data() + b};
+      IndexerScores(k, p);
+    }
+    for (int64_t s = 0; s < n; ++s) ASSERT_NEAR(got[s], ref[s], 1e-4 * (1 + std::abs(ref[s])));
+  }
+}
+
+TEST_P(PerIsa, MlaAttendMatchesReferenceForListsRangesAndSoftCap) {
+  const Kernels& k = GetKernels(GetParam());
+  std::mt19937_64 rng(31);
+  ModelSpec spec = SmallSpec(SelectionMode::kToken);
+  spec.num_heads = 7;
+  const int D = spec.latent_dim(), L = spec.kv_lora_rank, H = spec.num_heads;
+  const int64_t n = 101;
+  PagedSeq seq(n, D, DType::kF32, rng);
+  auto q = Randn(H * D, rng);
+  std::vector<double> qd(q.begin(), q.end());
+  std::vector<int32_t> list;
+  for (int32_t s = 0; s < n; s += 1 + rng() % 4) list.push_back(s);
+  for (double cap : {0.0, 2.5}) {
+    for (bool use_list : {true, false}) {
+      std::vector<int32_t> keys = list;
+      MlaParams p;
+      p.q = q.data();
+      p.num_heads = H;
+      p.latent_dim = L;
+      p.rope_dim = spec.qk_rope_head_dim;
+      p.kv = seq.view();
+      p.sm_scale = static_cast<float>(spec.sm_scale);
+      p.soft_cap = static_cast<float>(cap);
+      if (use_list) {
+        p.positions = list.data();
+        p.num_keys = static_cast<int64_t>(list.size());
+      } else {
+        p.begin = 13;
+        p.end = n;
+        keys.clear();
+        for (int32_t s = 13; s < n; ++s) keys.push_back(s);
+      }
+      std::vector<float> out(H * L, NAN);
+      p.out = out.data();
+      MlaAttend(k, p);
+      std::vector<double> ref(H * L);
+      reference::Attend(spec, qd.data(), seq.rows.data(), keys, cap, ref.data());
+      double num = 0, den = 0;
+      for (int i = 0; i < H * L; ++i) {
+        ASSERT_FALSE(std::isnan(out[i]));
+        num += (out[i] - ref[i]) * (out[i] - ref[i]);
+        den += ref[i] * ref[i];
+      }
+      EXPECT_LE(std::sqrt(num / den), 1e-5) << "cap=" << cap << " list=" << use_list;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnd::cpu

@@ -1,0 +1,93 @@
+// Test harness: drives an Engine with random steps and checks every layer against the float64
+// reference, keeping each sequence's full unpaged history on the side.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace attnd::testing {
+
+// A tensor held by the test: bytes in `dtype` plus the exact values those bytes encode.
+struct HostTensor {
+  bool present = false;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+  std::vector<double> values;
+  TensorView view() const;
+};
+
+// Random N(0, scale²) values rounded to dtype; never all zeros.
+HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
+                        double scale = 1.0);
+
+struct LayerData {
+  HostTensor q_latent, q_rope, kv_latent, k_rope, index_q, index_k, index_w;
+  LayerInputs inputs() const;
+};
+
+// Per-layer outcome of a step checked against the reference.
+struct LayerCheck {
+  double rel_l2 = 0;      // ||out - ref|| / ||ref|| over [T, H, L]
+  bool has_nan = false;
+  int selection_mismatches = 0;  // queries whose keys differ beyond score ties
+  int tie_swaps = 0;             // queries whose keys differ only at score ties
+};
+
+class Harness {
+ public:
+  explicit Harness(EngineOptions options);
+  Engine& engine() { return *engine_; }
+  const ModelSpec& spec() const { return engine_->spec(); }
+
+  void Open(const std::string& id);
+  void Fork(const std::string& id, const std::string& parent, int64_t prefix_len);
+  void Close(const std::string& id);
+  int64_t Length(const std::string& id) const;
+
+  // Random inputs for every layer of a step over `batch`, in `dtype`.
+  std::vector<LayerData> MakeInputs(const std::vector<StepEntry>& batch, DType dtype,
+                                    uint64_t seed);
+
+  // Runs the step on the engine. On success records the new keys in the histories and returns
+  // per-layer outputs (as doubles) and traces.
+  struct Result {
+    absl::Status status;
+    std::vector<std::vector<double>> out;  // [layer][T*H*L]
+    std::vector<LayerTrace> traces;
+  };
+  Result Run(const std::vector<StepEntry>& batch, const std::vector<LayerData>& layers);
+
+  // The reference outputs for a step that has just run (histories already include its keys),
+  // comparing selections with the engine's traces; fills checks[layer].
+  std::vector<std::vector<double>> Reference(const std::vector<StepEntry>& batch,
+                                             const std::vector<LayerData>& layers,
+                                             const std::vector<LayerTrace>& traces,
+                                             std::vector<LayerCheck>* checks) const;
+
+  // Run + Reference + the checks as gtest expectations with `tol` relative L2. Returns outputs.
+  std::vector<std::vector<double>> RunAndCheck(const std::vector<StepEntry>& batch, DType dtype,
+                                               uint64_t seed, double tol);
+
+  // Worst relative L2 seen by RunAndCheck so far.
+  double worst_rel_l2() const { return worst_; }
+
+ private:
+  struct History {
+    std::vector<std::vector<double>> kv;   // [layer][n * (L+R)] rounded to the cache dtype
+    std::vector<std::vector<double>> idx;  // [layer][n * Di] (full layers only)
+    int64_t length = 0;
+  };
+  std::unique_ptr<Engine> engine_;
+  std::map<std::string, History> hist_;
+  double worst_ = 0;
+};
+
+double RelL2(const std::vector<double>& a, const std::vector<double>& b);
+
+}  // namespace attnd::testing
