@@ -1,0 +1,278 @@
+// The engine's per-layer results against the float64 reference, and the equivalences the
+// contract promises (chunking, prefix forks, batch composition, K >= visible, IndexShare).
+#include <gtest/gtest.h>
+
+#include <tuple>
+
+#include "tests/engine_harness.h"
+
+namespace attnd::testing {
+namespace {
+
+ModelSpec TestSpec(int page_size, int heads, SelectionMode mode) {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.name = "test";
+  // full, shared, full, shared, dense: every layer kind in one model.
+  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kShared,
+              LayerKind::kDense};
+  s.page_size = page_size;
+  s.num_heads = heads;
+  s.index_topk = 24;
+  s.selection = mode;
+  s.page_union_max_pages = 3;
+  s.page_budget = 2;
+  s.sliding_window = 40;
+  s.soft_cap = 3.0;
+  return s;
+}
+
+double Tolerance(DType t) { return t == DType::kF32 ? 1e-5 : 1e-2; }
+DType CacheFor(DType t) { return t == DType::kF32 ? DType::kF32 : DType::kBF16; }
+
+EngineOptions Options(const ModelSpec& spec, DType input, int pages = 512) {
+  EngineOptions o;
+  o.spec = spec;
+  o.cache_dtype = CacheFor(input);
+  o.pages_per_device = pages;
+  o.threads = 2;
+  return o;
+}
+
+using SweepParam = std::tuple<int, DType, int, SelectionMode>;
+
+class Sweep : public ::testing::TestWithParam<SweepParam> {};
+
+// Prefill (page-aligned and not), a mixed batch of decode and extend with a cached prefix, then
+// decode until kv_len >> K; every layer of every step checked against float64.
+TEST_P(Sweep, EveryStepMatchesFloat64Reference) {
+  const auto [ps, dtype, heads, mode] = GetParam();
+  Harness h(Options(TestSpec(ps, heads, mode), dtype));
+  h.Open("a");
+  h.Open("b");
+  h.Open("c");
+  uint64_t seed = 100;
+  h.RunAndCheck({{"a", 37}, {"b", ps}, {"c", 5}}, dtype, seed++, Tolerance(dtype));
+  h.RunAndCheck({{"a", 1}, {"b", 70}, {"c", 1}}, dtype, seed++, Tolerance(dtype));
+  for (int i = 0; i < 3; ++i)
+    h.RunAndCheck({{"c", 1}, {"a", 1}, {"b", 1}}, dtype, seed++, Tolerance(dtype));
+  h.RunAndCheck({{"a", 2 * ps + 3}, {"c", 1}}, dtype, seed++, Tolerance(dtype));
+  EXPECT_GT(h.Length("b"), 3 * 24);  // kv_len >> K
+  EXPECT_GT(h.worst_rel_l2(), 0.0);  // the comparison is live
+}
+
+std::string SweepName(const ::testing::TestParamInfo<SweepParam>& info) {
+  const int ps = std::get<0>(info.param), heads = std::get<2>(info.param);
+  const DType dt = std::get<1>(info.param);
+  const SelectionMode mode = std::get<3>(info.param);
+  const char* m = mode == SelectionMode::kToken       ? "token"
+                  : mode == SelectionMode::kPageUnion ? "union"
+                                                      : "budget";
+  return "ps" + std::to_string(ps) + "_" + std::string(DTypeName(dt)) + "_h" +
+         std::to_string(heads) + "_" + m;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Engine, Sweep,
+    ::testing::Combine(::testing::Values(16, 64),
+                       ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(1, 4, 16),
+                       ::testing::Values(SelectionMode::kToken, SelectionMode::kPageUnion,
+                                         SelectionMode::kPageBudget)),
+    SweepName);
+
+class PerIsa : public ::testing::TestWithParam<cpu::Isa> {};
+
+TEST_P(PerIsa, LongContextDecodeMatchesReference) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
+  EngineOptions o = Options(spec, DType::kF32);
+  o.isa = GetParam();
+  Harness h(o);
+  h.Open("x");
+  h.Open("y");
+  h.RunAndCheck({{"x", 600}, {"y", 300}}, DType::kF32, 1, 1e-5);
+  for (int i = 0; i < 3; ++i) h.RunAndCheck({{"x", 1}, {"y", 1}}, DType::kF32, 2 + i, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(cpu::SupportedIsas()),
+                         [](const auto& info) { return std::string(cpu::IsaName(info.param)); });
+
+TEST(Engine, DensePrefillModeAttendsEveryVisibleKeyButDecodeStaysSparse) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
+  spec.prefill = PrefillMode::kDense;
+  Harness h(Options(spec, DType::kF32));
+  h.Open("p");
+  const auto layers = h.MakeInputs({{"p", 80}}, DType::kF32, 9);
+  auto r = h.Run({{"p", 80}}, layers);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(r.traces[0].keys[79].size(), 80u);  // > K = 24 keys: dense
+  std::vector<LayerCheck> checks;
+  auto ref = h.Reference({{"p", 80}}, layers, r.traces, &checks);
+  for (int l = 0; l < spec.num_layers(); ++l) EXPECT_LE(RelL2(r.out[l], ref[l]), 1e-5);
+  const auto dec = h.MakeInputs({{"p", 1}}, DType::kF32, 10);
+  auto d = h.Run({{"p", 1}}, dec);
+  ASSERT_TRUE(d.status.ok());
+  EXPECT_EQ(d.traces[0].keys[0].size(), 24u);  // decode: top-k
+}
+
+// Copies token rows [begin, end) of every layer's tensors.
+std::vector<LayerData> Slice(const std::vector<LayerData>& in, int64_t begin, int64_t end) {
+  auto cut = [&](const HostTensor& t) {
+    if (!t.present) return t;
+    HostTensor o = t;
+    int64_t row = 1;
+    for (size_t i = 1; i < t.shape.size(); ++i) row *= t.shape[i];
+    o.shape[0] = end - begin;
+    const size_t es = DTypeSize(t.dtype);
+    o.bytes.assign(t.bytes.begin() + begin * row * es, t.bytes.begin() + end * row * es);
+    o.values.assign(t.values.begin() + begin * row, t.values.begin() + end * row);
+    return o;
+  };
+  std::vector<LayerData> out;
+  for (const auto& l : in)
+    out.push_back({cut(l.q_latent), cut(l.q_rope), cut(l.kv_latent), cut(l.k_rope),
+                   cut(l.index_q), cut(l.index_k), cut(l.index_w)});
+  return out;
+}
+
+// Concatenates two inputs' token rows.
+std::vector<LayerData> Concat(const std::vector<LayerData>& a, const std::vector<LayerData>& b) {
+  auto cat = [](const HostTensor& x, const HostTensor& y) {
+    if (!x.present) return x;
+    HostTensor o = x;
+    o.shape[0] += y.shape[0];
+    o.bytes.insert(o.bytes.end(), y.bytes.begin(), y.bytes.end());
+    o.values.insert(o.values.end(), y.values.begin(), y.values.end());
+    return o;
+  };
+  std::vector<LayerData> out;
+  for (size_t l = 0; l < a.size(); ++l)
+    out.push_back({cat(a[l].q_latent, b[l].q_latent), cat(a[l].q_rope, b[l].q_rope),
+                   cat(a[l].kv_latent, b[l].kv_latent), cat(a[l].k_rope, b[l].k_rope),
+                   cat(a[l].index_q, b[l].index_q), cat(a[l].index_k, b[l].index_k),
+                   cat(a[l].index_w, b[l].index_w)});
+  return out;
+}
+
+// Rows [begin, end) of a layer output [T, H, L].
+std::vector<double> Rows(const std::vector<double>& out, const ModelSpec& s, int64_t begin,
+                         int64_t end) {
+  const int64_t row = int64_t{s.num_heads} * s.kv_lora_rank;
+  return {out.begin() + begin * row, out.begin() + end * row};
+}
+
+TEST(Engine, ChunkedPrefillEqualsSingleShot) {
+  for (auto mode : {SelectionMode::kToken, SelectionMode::kPageBudget}) {
+    ModelSpec spec = TestSpec(16, 4, mode);
+    Harness h(Options(spec, DType::kBF16));
+    h.Open("whole");
+    h.Open("chunked");
+    const auto all = h.MakeInputs({{"whole", 150}}, DType::kBF16, 77);
+    auto single = h.Run({{"whole", 150}}, all);
+    ASSERT_TRUE(single.status.ok());
+    const int64_t cuts[] = {0, 41, 100, 150};  // 3 chunks, none page aligned
+    for (int c = 0; c < 3; ++c) {
+      auto part = h.Run({{"chunked", cuts[c + 1] - cuts[c]}}, Slice(all, cuts[c], cuts[c + 1]));
+      ASSERT_TRUE(part.status.ok()) << part.status;
+      for (int l = 0; l < spec.num_layers(); ++l)
+        EXPECT_EQ(part.out[l], Rows(single.out[l], spec, cuts[c], cuts[c + 1]))
+            << "chunk " << c << " layer " << l;
+    }
+  }
+}
+
+TEST(Engine, ForkedPrefixPlusExtendEqualsRecomputingTheWholeSequence) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
+  Harness h(Options(spec, DType::kF32));
+  h.Open("parent");
+  const auto prefix = h.MakeInputs({{"parent", 100}}, DType::kF32, 5);
+  ASSERT_TRUE(h.Run({{"parent", 100}}, prefix).status.ok());
+  // Fork at 70: 4 shared full pages, a copied partial page (70 % 16 = 6).
+  h.Fork("child", "parent", 70);
+  const auto ext = h.MakeInputs({{"child", 30}}, DType::kF32, 6);
+  auto forked = h.Run({{"child", 30}}, ext);
+  ASSERT_TRUE(forked.status.ok());
+  std::vector<LayerCheck> checks;
+  auto ref = h.Reference({{"child", 30}}, ext, forked.traces, &checks);
+  h.Open("fresh");
+  auto whole = h.Run({{"fresh", 100}}, Concat(Slice(prefix, 0, 70), ext));
+  ASSERT_TRUE(whole.status.ok());
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    EXPECT_EQ(forked.out[l], Rows(whole.out[l], spec, 70, 100)) << "layer " << l;
+    EXPECT_LE(RelL2(forked.out[l], ref[l]), 1e-5);
+  }
+  auto info = h.engine().DescribeSequence("child");
+  auto pinfo = h.engine().DescribeSequence("parent");
+  ASSERT_TRUE(info.ok() && pinfo.ok());
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(info->pages[i], pinfo->pages[i]);
+  EXPECT_NE(info->pages[4], pinfo->pages[4]);
+}
+
+TEST(Engine, ResultsDoNotDependOnBatchCompositionOrOrder) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kPageUnion);
+  Harness h(Options(spec, DType::kBF16));
+  h.Open("base");
+  h.Open("other1");
+  h.Open("other2");
+  ASSERT_TRUE(h.Run({{"base", 90}, {"other1", 50}, {"other2", 33}},
+                    h.MakeInputs({{"base", 90}, {"other1", 50}, {"other2", 33}}, DType::kBF16, 1))
+                  .status.ok());
+  h.Fork("alone", "base", 90);
+  h.Fork("mixed", "base", 90);
+  const auto mine = h.MakeInputs({{"alone", 3}}, DType::kBF16, 2);
+  auto alone = h.Run({{"alone", 3}}, mine);
+  ASSERT_TRUE(alone.status.ok());
+  const auto o1 = h.MakeInputs({{"other1", 1}}, DType::kBF16, 3);
+  const auto o2 = h.MakeInputs({{"other2", 7}}, DType::kBF16, 4);
+  auto mixed = h.Run({{"other2", 7}, {"mixed", 3}, {"other1", 1}}, Concat(Concat(o2, mine), o1));
+  ASSERT_TRUE(mixed.status.ok());
+  for (int l = 0; l < spec.num_layers(); ++l)
+    EXPECT_EQ(alone.out[l], Rows(mixed.out[l], spec, 7, 10)) << "layer " << l;
+}
+
+TEST(Engine, TopKCoveringEveryVisibleKeyEqualsDenseCausalAttention) {
+  ModelSpec sparse = TestSpec(16, 4, SelectionMode::kToken);
+  sparse.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull};
+  sparse.index_topk = 1 << 20;
+  ModelSpec dense = sparse;
+  dense.layers.assign(3, LayerKind::kDense);
+  dense.sliding_window = 0;
+  dense.soft_cap = 0;
+  Harness hs(Options(sparse, DType::kF32));
+  Harness hd(Options(dense, DType::kF32));
+  hs.Open("s");
+  hd.Open("s");
+  for (auto [q, seed] : {std::pair<int64_t, uint64_t>{130, 1}, {1, 2}, {17, 3}}) {
+    const auto in = hs.MakeInputs({{"s", q}}, DType::kF32, seed);
+    auto a = hs.Run({{"s", q}}, in);
+    std::vector<LayerData> din = in;
+    for (auto& l : din) l.index_q = l.index_k = l.index_w = HostTensor{};
+    auto b = hd.Run({{"s", q}}, din);
+    ASSERT_TRUE(a.status.ok() && b.status.ok()) << a.status << b.status;
+    for (int l = 0; l < 3; ++l) EXPECT_LE(RelL2(a.out[l], b.out[l]), 1e-6);
+  }
+}
+
+TEST(Engine, SharedLayerAttendsThePrecedingFullLayersSelection) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
+  spec.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kDense, LayerKind::kShared,
+                 LayerKind::kFull, LayerKind::kShared};
+  Harness h(Options(spec, DType::kF32));
+  h.Open("s");
+  ASSERT_TRUE(h.Run({{"s", 200}}, h.MakeInputs({{"s", 200}}, DType::kF32, 1)).status.ok());
+  const auto in = h.MakeInputs({{"s", 2}}, DType::kF32, 2);
+  auto r = h.Run({{"s", 2}}, in);
+  ASSERT_TRUE(r.status.ok());
+  for (int t = 0; t < 2; ++t) {
+    EXPECT_EQ(r.traces[1].keys[t], r.traces[0].keys[t]);
+    EXPECT_EQ(r.traces[3].keys[t], r.traces[0].keys[t]);  // a dense layer in between
+    EXPECT_EQ(r.traces[5].keys[t], r.traces[4].keys[t]);
+    EXPECT_NE(r.traces[4].keys[t], r.traces[0].keys[t]);  // each full layer selects anew
+    EXPECT_EQ(r.traces[0].keys[t].size(), 24u);
+  }
+  std::vector<LayerCheck> checks;
+  auto ref = h.Reference({{"s", 2}}, in, r.traces, &checks);
+  for (int l = 0; l < spec.num_layers(); ++l) EXPECT_LE(RelL2(r.out[l], ref[l]), 1e-5);
+}
+
+}  // namespace
+}  // namespace attnd::testing

@@ -1,0 +1,246 @@
+// Step and sequence bookkeeping: aborts, exhaustion, forks, page 0, and the status of every bad
+// input, each leaving the engine exactly as it was.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/engine_harness.h"
+
+namespace attnd::testing {
+namespace {
+
+ModelSpec Spec() {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kShared};
+  return s;
+}
+
+EngineOptions Options(int32_t pages = 256) {
+  EngineOptions o;
+  o.spec = Spec();
+  o.cache_dtype = DType::kF32;
+  o.pages_per_device = pages;
+  o.threads = 2;
+  return o;
+}
+
+// Everything observable about the engine's state.
+struct Snapshot {
+  std::vector<SequenceInfo> seqs;
+  std::vector<int32_t> refcounts;
+  int32_t free_pages = 0;
+  int64_t open_steps = 0;
+
+  bool operator==(const Snapshot& o) const {
+    if (seqs.size() != o.seqs.size()) return false;
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (seqs[i].id != o.seqs[i].id || seqs[i].length != o.seqs[i].length ||
+          seqs[i].pages != o.seqs[i].pages || seqs[i].in_step != o.seqs[i].in_step)
+        return false;
+    return refcounts == o.refcounts && free_pages == o.free_pages && open_steps == o.open_steps;
+  }
+};
+
+Snapshot Take(Engine& e, const std::vector<std::string>& ids) {
+  Snapshot s;
+  for (const auto& id : ids) {
+    auto info = e.DescribeSequence(id);
+    EXPECT_TRUE(info.ok()) << id;
+    if (info.ok()) s.seqs.push_back(*info);
+  }
+  s.refcounts = e.PageRefcounts(0);
+  s.free_pages = e.Capacity()[0].pages_free;
+  s.open_steps = e.num_open_steps();
+  return s;
+}
+
+// Two prefilled sequences, one forked, so there are shared pages and partial pages.
+void Populate(Harness& h) {
+  h.Open("a");
+  h.Open("b");
+  h.RunAndCheck({{"a", 40}, {"b", 21}}, DType::kF32, 1, 1e-5);
+  h.Fork("c", "a", 35);
+}
+const std::vector<std::string> kIds = {"a", "b", "c"};
+
+TEST(EngineState, AbortAfterAnyLayerRestoresTheExactPriorState) {
+  for (int stop = 0; stop <= Spec().num_layers() - 1; ++stop) {
+    Harness h(Options());
+    Populate(h);
+    const Snapshot before = Take(h.engine(), kIds);
+    const std::vector<StepEntry> batch = {{"a", 1}, {"c", 30}, {"b", 12}};
+    const auto in = h.MakeInputs(batch, DType::kF32, 50 + stop);
+    auto step = h.engine().BeginStep(batch);
+    ASSERT_TRUE(step.ok());
+    EXPECT_FALSE(Take(h.engine(), kIds) == before);  // pages are reserved while open
+    for (int l = 0; l < stop; ++l) {
+      std::vector<uint8_t> out(43 * 4 * 32 * 4);
+      ASSERT_TRUE(h.engine().RunLayer(*step, l, in[l].inputs(), out.data(), out.size()).ok());
+    }
+    ASSERT_TRUE(h.engine().AbortStep(*step).ok());
+    EXPECT_TRUE(Take(h.engine(), kIds) == before) << "aborted after " << stop << " layers";
+    EXPECT_EQ(h.engine().AbortStep(*step).code(), absl::StatusCode::kNotFound);
+    // The sequences go on as if the step never happened (the reference has no trace of it).
+    h.RunAndCheck(batch, DType::kF32, 99, 1e-5);
+  }
+}
+
+TEST(EngineState, ExhaustingThePoolFailsCleanlyAndChangesNothing) {
+  Harness h(Options(12));  // 11 usable pages of 16 tokens
+  Populate(h);              // a: 3 pages, b: 2, c: 2 shared + 1 copied = 6 used
+  const Snapshot before = Take(h.engine(), kIds);
+  EXPECT_EQ(before.free_pages, 5);
+  auto step = h.engine().BeginStep({{"a", 1}, {"b", 100}});
+  ASSERT_EQ(step.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(step.status().message().find("KV cache full"), std::string::npos);
+  EXPECT_NE(step.status().message().find("pages"), std::string::npos);
+  EXPECT_TRUE(Take(h.engine(), kIds) == before);
+  EXPECT_EQ(h.engine().ForkSequence("d", "b", 20).code(), absl::StatusCode::kOk);
+  // Fill the pool exactly, then a fork needing a page for its partial tail fails cleanly.
+  h.RunAndCheck({{"a", 16 * 4 - 40}}, DType::kF32, 3, 1e-5);  // a: 4 pages, exactly full
+  const auto mid = Take(h.engine(), kIds);
+  auto fill = h.engine().BeginStep({{"b", 16 * mid.free_pages + 11}});  // b has 11 free rows
+  ASSERT_TRUE(fill.ok()) << fill.status();
+  ASSERT_TRUE(h.engine().AbortStep(*fill).ok());
+  h.RunAndCheck({{"b", 16 * mid.free_pages + 11}}, DType::kF32, 4, 1e-5);
+  EXPECT_EQ(h.engine().Capacity()[0].pages_free, 0);
+  const Snapshot full = Take(h.engine(), kIds);
+  EXPECT_EQ(h.engine().ForkSequence("e", "a", 20).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(h.engine().ForkSequence("f", "a", 32).ok());  // page aligned: shares, no copy
+  EXPECT_TRUE(h.engine().CloseSequence("f").ok());
+  EXPECT_TRUE(Take(h.engine(), kIds) == full);
+}
+
+TEST(EngineState, PageZeroNeverHoldsATokenAndIsNeverWritten) {
+  Harness h(Options(64));
+  Populate(h);
+  for (int i = 0; i < 5; ++i) h.RunAndCheck({{"a", 1}, {"b", 7}, {"c", 3}}, DType::kF32, 10 + i, 1e-5);
+  for (const auto& id : kIds) {
+    auto info = h.engine().DescribeSequence(id);
+    ASSERT_TRUE(info.ok());
+    for (int32_t p : info->pages) EXPECT_NE(p, 0) << id;
+  }
+  EXPECT_EQ(h.engine().PageRefcounts(0)[0], 1);
+  EXPECT_TRUE(h.engine().ReservedPageUntouched(0));
+}
+
+TEST(EngineState, ClosingAForkedParentKeepsTheChildIntact) {
+  Harness h(Options());
+  Populate(h);
+  const auto child = h.engine().DescribeSequence("c");
+  ASSERT_TRUE(child.ok());
+  h.Close("a");
+  for (int i = 0; i < 2; ++i) {
+    auto refs = h.engine().PageRefcounts(0);
+    for (int32_t p : child->pages) EXPECT_EQ(refs[p], 1) << "page " << p;
+  }
+  h.RunAndCheck({{"c", 1}}, DType::kF32, 20, 1e-5);
+  h.RunAndCheck({{"c", 17}}, DType::kF32, 21, 1e-5);
+  h.Close("c");
+  h.Close("b");
+  EXPECT_EQ(h.engine().Capacity()[0].pages_free, 255);
+}
+
+TEST(EngineState, IdleStepsExpireAndAbort) {
+  Harness h(Options());
+  Populate(h);
+  const Snapshot before = Take(h.engine(), kIds);
+  auto step = h.engine().BeginStep({{"a", 3}});
+  ASSERT_TRUE(step.ok());
+  EXPECT_EQ(h.engine().ExpireIdleSteps(std::chrono::hours(1)), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(h.engine().ExpireIdleSteps(std::chrono::milliseconds(5)), 1);
+  EXPECT_TRUE(Take(h.engine(), kIds) == before);
+  EXPECT_EQ(h.engine().steps_aborted(), 1);
+}
+
+// Each bad input: its status code, a message naming what was wrong, and no change.
+TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
+  Harness h(Options());
+  Populate(h);
+  Engine& e = h.engine();
+  const Snapshot before = Take(e, kIds);
+  auto expect = [&](absl::Status st, absl::StatusCode code, const char* needle) {
+    EXPECT_EQ(st.code(), code) << st;
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
+    EXPECT_TRUE(Take(e, kIds) == before) << needle;
+  };
+  // Sequences.
+  expect(e.OpenSequence("a"), absl::StatusCode::kAlreadyExists, "already exists");
+  expect(e.OpenSequence(""), absl::StatusCode::kInvalidArgument, "empty");
+  expect(e.ForkSequence("d", "zzz", 1), absl::StatusCode::kNotFound, "zzz");
+  expect(e.ForkSequence("b", "a", 1), absl::StatusCode::kAlreadyExists, "already exists");
+  expect(e.ForkSequence("d", "a", 41), absl::StatusCode::kOutOfRange, "prefix_len");
+  expect(e.CloseSequence("zzz"), absl::StatusCode::kNotFound, "zzz");
+  expect(e.DescribeSequence("zzz").status(), absl::StatusCode::kNotFound, "zzz");
+  // Step metadata.
+  expect(e.BeginStep({}).status(), absl::StatusCode::kInvalidArgument, "empty");
+  expect(e.BeginStep({{"zzz", 1}}).status(), absl::StatusCode::kNotFound, "zzz");
+  expect(e.BeginStep({{"a", 0}}).status(), absl::StatusCode::kInvalidArgument, "q_len");
+  expect(e.BeginStep({{"a", 1}, {"a", 2}}).status(), absl::StatusCode::kInvalidArgument, "twice");
+  expect(e.BeginStep({{"a", 1}, {"b", Spec().max_context}}).status(),
+         absl::StatusCode::kOutOfRange, "max_context");
+  expect(e.RunLayer(12345, 0, {}, nullptr, 0), absl::StatusCode::kNotFound, "12345");
+
+  // Layer inputs: each malformed tensor in turn, on a fresh step that the error aborts.
+  const std::vector<StepEntry> batch = {{"a", 2}, {"b", 1}};
+  const auto good = h.MakeInputs(batch, DType::kBF16, 7);
+  const size_t out_bytes = 3 * 4 * 32 * 2;
+  struct Case {
+    const char* name;
+    std::function<void(LayerInputs&, size_t&)> mutate;
+    const char* needle;
+  };
+  std::vector<uint8_t> extra(4096, 1);
+  const std::vector<Case> cases = {
+      {"q_latent shape", [](LayerInputs& in, size_t&) { in.q_latent.dims[1] = 5; }, "q_latent: shape [3, 5, 32], expected [3, 4, 32]"},
+      {"q_rope rank", [](LayerInputs& in, size_t&) { in.q_rope.rank = 2; }, "q_rope: shape"},
+      {"kv_latent bytes", [](LayerInputs& in, size_t&) { in.kv_latent.nbytes -= 2; }, "kv_latent: 190 bytes, expected 192"},
+      {"k_rope dtype vs bytes", [](LayerInputs& in, size_t&) { in.k_rope.dtype = DType::kF32; }, "k_rope:"},
+      {"token count", [](LayerInputs& in, size_t&) { in.kv_latent.dims[0] = 4; }, "kv_latent: shape [4, 32], expected [3, 32]"},
+      {"missing index_q", [](LayerInputs& in, size_t&) { in.index_q = TensorView{}; }, "index_q: missing"},
+      {"index_w shape", [](LayerInputs& in, size_t&) { in.index_w.dims[1] = 3; }, "index_w: shape"},
+      {"output size", [](LayerInputs&, size_t& n) { n -= 2; }, "output buffer"},
+  };
+  for (const auto& c : cases) {
+    auto step = e.BeginStep(batch);
+    ASSERT_TRUE(step.ok());
+    LayerInputs in = good[0].inputs();
+    size_t n = out_bytes;
+    c.mutate(in, n);
+    std::vector<uint8_t> out(out_bytes + 16);
+    expect(e.RunLayer(*step, 0, in, out.data(), n), absl::StatusCode::kInvalidArgument, c.needle);
+    EXPECT_EQ(e.RunLayer(*step, 0, good[0].inputs(), out.data(), out_bytes).code(),
+              absl::StatusCode::kNotFound)
+        << "the failed step was aborted: " << c.name;
+  }
+  // Indexer tensors on a shared layer.
+  {
+    auto step = e.BeginStep(batch);
+    ASSERT_TRUE(step.ok());
+    std::vector<uint8_t> out(out_bytes);
+    ASSERT_TRUE(e.RunLayer(*step, 0, good[0].inputs(), out.data(), out_bytes).ok());
+    LayerInputs in = good[1].inputs();
+    in.index_k = good[0].index_k.view();
+    expect(e.RunLayer(*step, 1, in, out.data(), out_bytes), absl::StatusCode::kInvalidArgument,
+           "index_k: given for layer 1, a shared layer");
+  }
+  // Layer out of order, then a sequence already in an open step.
+  {
+    auto step = e.BeginStep(batch);
+    ASSERT_TRUE(step.ok());
+    std::vector<uint8_t> out(out_bytes);
+    auto busy = e.BeginStep({{"c", 1}, {"b", 1}});
+    EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(busy.status().message().find("'b' is already in open step"), std::string::npos);
+    EXPECT_EQ(e.CloseSequence("a").code(), absl::StatusCode::kFailedPrecondition);
+    expect(e.RunLayer(*step, 2, good[2].inputs(), out.data(), out_bytes),
+           absl::StatusCode::kFailedPrecondition, "layer 2 out of order, expected layer 0");
+  }
+  EXPECT_EQ(e.num_open_steps(), 0);
+  // After all that, the engine still computes correctly.
+  h.RunAndCheck({{"a", 1}, {"b", 1}, {"c", 1}}, DType::kBF16, 8, 1e-2);
+}
+
+}  // namespace
+}  // namespace attnd::testing
