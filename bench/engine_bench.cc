@@ -1,0 +1,289 @@
+// One DSA layer at DeepSeek-V3.2 dims on the CPU backend, next to this machine's own limits
+// measured in the same binary: a streaming copy (bandwidth) and a register FMA loop (arithmetic).
+//
+//   build/bench/engine_bench                      # everything
+//   build/bench/engine_bench --benchmark_filter=Decode
+//
+// Each benchmark reports GFLOP/s and GB/s of the work it must do, and the fraction of the
+// measured peak that bounds it (frac_peak_flops / frac_peak_bw).
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstring>
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "common/thread_pool.h"
+#include "engine/engine.h"
+#include "kernels/cpu/attention_cpu.h"
+
+namespace attnd {
+namespace {
+
+int Threads() { return static_cast<int>(std::thread::hardware_concurrency()); }
+
+// Peak fp32 FLOP/s of all cores running the best ISA's FMA loop.
+double MeasureFlopPeak() {
+  static const double peak = [] {
+    const auto& k = cpu::GetKernels(cpu::BestIsa());
+    ThreadPool pool(Threads());
+    const long iters = 20'000'000;
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      pool.ParallelFor(pool.num_threads(), [&](int64_t) { benchmark::DoNotOptimize(k.fma_loop(iters)); });
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, double(iters) * k.fma_loop_flops * pool.num_threads() / s);
+    }
+    return best;
+  }();
+  return peak;
+}
+
+// Streaming copy bandwidth (bytes read + written per second), all cores, 1 GiB total traffic.
+double MeasureCopyBandwidth() {
+  static const double bw = [] {
+    ThreadPool pool(Threads());
+    const size_t n = size_t{256} << 20;
+    std::vector<char> a(n, 1), b(n, 2);
+    const int parts = pool.num_threads() * 4;
+    double best = 0;
+    for (int rep = 0; rep < 5; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      pool.ParallelFor(parts, [&](int64_t i) {
+        const size_t lo = n / parts * i;
+        std::memcpy(b.data() + lo, a.data() + lo, n / parts);
+      });
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, 2.0 * n / s);
+      benchmark::DoNotOptimize(b.data());
+    }
+    return best;
+  }();
+  return bw;
+}
+
+void Peaks(benchmark::State& state) {
+  for (auto _ : state) benchmark::DoNotOptimize(MeasureFlopPeak() + MeasureCopyBandwidth());
+  state.counters["peak_GFLOP/s"] = MeasureFlopPeak() / 1e9;
+  state.counters["peak_copy_GB/s"] = MeasureCopyBandwidth() / 1e9;
+  state.SetLabel(std::string(cpu::IsaName(cpu::BestIsa())));
+}
+BENCHMARK(Peaks)->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// The GEMM shapes of the hot loops, one core: S^T = K·q^T (MLA, indexer) and acc += P·V.
+void Gemm(benchmark::State& state) {
+  const int M = state.range(0), N = state.range(1), D = state.range(2);
+  const auto& k = cpu::GetKernels(cpu::BestIsa());
+  std::vector<float> a(M * D, 0.5f), b(D * N, 0.25f), c(M * N, 0.0f);
+  for (auto _ : state) {
+    k.gemm(M, N, D, a.data(), D, b.data(), N, c.data(), N, true);
+    benchmark::DoNotOptimize(c.data());
+  }
+  const double flops = 2.0 * M * N * D;
+  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_core_peak"] = benchmark::Counter(
+      flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
+      benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(Gemm)->Args({64, 16, 576})->Args({16, 512, 64})->Args({64, 64, 128})->ArgNames({"M", "N", "D"});
+
+// One query's sparse MLA (16 heads, 2048 keys of a 32K bf16 history), one core. Arg: 1 = the
+// keys are scattered (a top-k selection), 0 = contiguous (dense attention).
+void MlaOneQuery(benchmark::State& state) {
+  const bool scattered = state.range(0) == 1;
+  const int H = 16, L = 512, R = 64, D = L + R, ps = 64;
+  const int64_t n = 32768, K = 2048;
+  std::mt19937 rng(4);
+  std::vector<uint16_t> cache((n + ps) * D);
+  for (auto& x : cache) x = F32ToBF16(std::normal_distribution<float>(0, 1)(rng));
+  std::vector<int32_t> pages(n / ps);
+  for (int i = 0; i < n / ps; ++i) pages[i] = i + 1;
+  std::shuffle(pages.begin(), pages.end(), rng);
+  std::vector<int32_t> pos(n);
+  for (int i = 0; i < n; ++i) pos[i] = i;
+  if (scattered) std::shuffle(pos.begin(), pos.end(), rng);
+  pos.resize(K);
+  std::sort(pos.begin(), pos.end());
+  std::vector<float> q(H * D, 0.01f), out(H * L);
+  cpu::MlaParams p;
+  p.q = q.data();
+  p.num_heads = H;
+  p.latent_dim = L;
+  p.rope_dim = R;
+  p.kv = PagedRows{reinterpret_cast<const uint8_t*>(cache.data()), pages.data(), ps,
+                   size_t{ps} * D * 2, size_t{D} * 2, DType::kBF16, D};
+  p.positions = pos.data();
+  p.num_keys = K;
+  p.sm_scale = 0.1f;
+  p.out = out.data();
+  const auto& k = cpu::GetKernels(cpu::BestIsa());
+  for (auto _ : state) cpu::MlaAttend(k, p);
+  const double flops = 2.0 * H * K * (D + L);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_core_peak"] = benchmark::Counter(
+      flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
+      benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(MlaOneQuery)->Arg(0)->Arg(1)->ArgName("scattered");
+
+ModelSpec BenchSpec() {
+  ModelSpec s = PresetModelSpec("deepseek-v3.2").value();
+  s.name = "bench";
+  s.layers = {LayerKind::kFull, LayerKind::kShared};
+  s.num_heads = 16;
+  return s;
+}
+
+struct Tensors {
+  std::vector<std::vector<uint16_t>> bufs;
+  TensorView Add(std::mt19937& rng, std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    std::normal_distribution<float> dist(0, 1);
+    std::vector<uint16_t> b(n);
+    for (auto& x : b) x = F32ToBF16(dist(rng));
+    bufs.push_back(std::move(b));
+    return TensorView::Of(DType::kBF16, shape, bufs.back().data(), n * 2);
+  }
+};
+
+LayerInputs MakeInputs(const ModelSpec& s, int64_t T, bool full, bool write_only, Tensors& tb,
+                       std::mt19937& rng) {
+  LayerInputs in;
+  in.kv_latent = tb.Add(rng, {T, s.kv_lora_rank});
+  in.k_rope = tb.Add(rng, {T, s.qk_rope_head_dim});
+  if (full) in.index_k = tb.Add(rng, {T, s.index_head_dim});
+  if (write_only) return in;
+  in.q_latent = tb.Add(rng, {T, s.num_heads, s.kv_lora_rank});
+  in.q_rope = tb.Add(rng, {T, s.num_heads, s.qk_rope_head_dim});
+  if (full) {
+    in.index_q = tb.Add(rng, {T, s.index_n_heads, s.index_head_dim});
+    in.index_w = tb.Add(rng, {T, s.index_n_heads});
+  }
+  return in;
+}
+
+// An engine with `batch` sequences of `context` tokens, imported with write-only steps.
+std::unique_ptr<Engine> MakeEngine(int batch, int64_t context) {
+  EngineOptions o;
+  o.spec = BenchSpec();
+  o.cache_dtype = DType::kBF16;
+  const int64_t pages = batch * (context / o.spec.page_size + 64) + 16;
+  o.pages_per_device = static_cast<int32_t>(pages);
+  auto e = Engine::Create(o).value();
+  std::mt19937 rng(1);
+  for (int b = 0; b < batch; ++b) {
+    const std::string id = absl::StrCat("s", b);
+    if (!e->OpenSequence(id).ok()) std::abort();
+    for (int64_t done = 0; done < context;) {
+      const int64_t q = std::min<int64_t>(4096, context - done);
+      auto step = e->BeginStep({{id, q}}, StepOptions{true});
+      for (int l = 0; l < 2; ++l) {
+        Tensors tb;
+        if (!e->RunLayer(*step, l, MakeInputs(o.spec, q, l == 0, true, tb, rng), nullptr, 0).ok())
+          std::abort();
+      }
+      done += q;
+    }
+  }
+  return e;
+}
+
+void SetRates(benchmark::State& state, double flops, double bytes) {
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_peak_flops"] = benchmark::Counter(
+      flops / MeasureFlopPeak(), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_peak_bw"] = benchmark::Counter(
+      bytes / MeasureCopyBandwidth(), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Decode: batch 8, 16 heads, K = 2048. Arg 0: context; arg 1: 0 = full layer (indexer over the
+// whole context + top-k + sparse MLA), 1 = shared layer (sparse MLA over the carried selection).
+void Decode(benchmark::State& state) {
+  const int batch = 8;
+  const int64_t context = state.range(0);
+  const bool shared = state.range(1) == 1;
+  static std::map<int64_t, std::unique_ptr<Engine>> engines;
+  if (!engines.count(context)) engines[context] = MakeEngine(batch, context);
+  Engine& e = *engines[context];
+  const ModelSpec& s = e.spec();
+  std::mt19937 rng(2);
+  Tensors tb;
+  const LayerInputs full_in = MakeInputs(s, batch, true, false, tb, rng);
+  const LayerInputs shared_in = MakeInputs(s, batch, false, false, tb, rng);
+  std::vector<uint16_t> out(batch * s.num_heads * s.kv_lora_rank);
+  std::vector<StepEntry> entries;
+  for (int b = 0; b < batch; ++b) entries.push_back({absl::StrCat("s", b), 1});
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto step = e.BeginStep(entries).value();
+    if (!shared) state.ResumeTiming();
+    if (!e.RunLayer(step, 0, full_in, out.data(), out.size() * 2).ok()) std::abort();
+    if (shared) {
+      state.ResumeTiming();
+      if (!e.RunLayer(step, 1, shared_in, out.data(), out.size() * 2).ok()) std::abort();
+    } else {
+      state.PauseTiming();
+      (void)e.AbortStep(step);
+      state.ResumeTiming();
+    }
+  }
+  const double ctx = static_cast<double>(context);
+  const double H = s.num_heads, D = s.latent_dim(), L = s.kv_lora_rank, K = s.index_topk;
+  const double mla_flops = batch * H * K * (D + L) * 2;
+  const double mla_bytes = batch * K * D * 2;
+  double flops = mla_flops, bytes = mla_bytes;
+  if (!shared) {
+    flops += batch * ctx * s.index_n_heads * s.index_head_dim * 2.0;
+    bytes += batch * ctx * s.index_head_dim * 2.0;
+  }
+  SetRates(state, flops, bytes);
+  state.SetLabel(shared ? "shared layer" : "full layer");
+}
+BENCHMARK(Decode)
+    ->ArgsProduct({{8192, 32768}, {0, 1}})
+    ->ArgNames({"ctx", "shared"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
+
+// Prefill: 2048 new tokens of one sequence in one full layer (K = 2048 covers every visible
+// key, so this is dense causal MLA plus the indexer-key writes).
+void Prefill(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  EngineOptions o;
+  o.spec = BenchSpec();
+  o.pages_per_device = static_cast<int32_t>(T / o.spec.page_size + 8);
+  auto e = Engine::Create(o).value();
+  std::mt19937 rng(3);
+  Tensors tb;
+  const LayerInputs in = MakeInputs(o.spec, T, true, false, tb, rng);
+  std::vector<uint16_t> out(T * o.spec.num_heads * o.spec.kv_lora_rank);
+  if (!e->OpenSequence("p").ok()) std::abort();
+  for (auto _ : state) {
+    auto step = e->BeginStep({{"p", T}}).value();
+    if (!e->RunLayer(step, 0, in, out.data(), out.size() * 2).ok()) std::abort();
+    state.PauseTiming();
+    (void)e->AbortStep(step);
+    state.ResumeTiming();
+  }
+  const ModelSpec& s = o.spec;
+  const double pairs = static_cast<double>(T) * (T + 1) / 2;  // causal (query, key) pairs
+  const double flops = pairs * s.num_heads * (s.latent_dim() + s.kv_lora_rank) * 2;
+  const double bytes = static_cast<double>(T) * (s.latent_dim() + s.index_head_dim) * 2 +
+                       2.0 * T * s.num_heads * (s.latent_dim() + s.kv_lora_rank);
+  SetRates(state, flops, bytes);
+}
+BENCHMARK(Prefill)->Arg(2048)->ArgName("tokens")->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+}  // namespace
+}  // namespace attnd
+
+BENCHMARK_MAIN();

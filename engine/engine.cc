@@ -50,6 +50,7 @@ struct Step {
   uint64_t id = 0;
   std::vector<StepSeq> seqs;
   int64_t tokens = 0;
+  StepOptions options;
   int next_layer = 0;
   bool busy = false;
   bool abort_requested = false;
@@ -148,10 +149,19 @@ absl::Status Engine::Impl::ValidateInputs(const Step& st, int layer, const Layer
                                           size_t out_bytes) const {
   const ModelSpec& s = spec();
   const int64_t T = st.tokens;
-  RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
-  RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
+  if (st.options.write_only) {
+    if (s.layers[layer] == LayerKind::kFull)
+      RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
+    if (in.q_latent.present || in.q_rope.present || in.index_q.present || in.index_w.present ||
+        out_bytes != 0)
+      return absl::InvalidArgumentError(
+          "write-only step: give only kv_latent, k_rope and (full layers) index_k; no output");
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
+  RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
   if (s.layers[layer] == LayerKind::kFull) {
     RETURN_IF_ERROR(
         CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
@@ -319,6 +329,11 @@ void Engine::Impl::Attend(Step& st, int layer, DType out_dtype, uint8_t* out) {
 absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
                                    size_t out_bytes, LayerTrace* trace) {
   RETURN_IF_ERROR(ValidateInputs(st, layer, in, out_bytes));
+  if (st.options.write_only) {
+    WriteKeys(st, layer, in);
+    if (trace) trace->keys.assign(st.tokens, {});
+    return absl::OkStatus();
+  }
   const ModelSpec& s = spec();
   const int H = s.num_heads, L = s.kv_lora_rank, R = s.qk_rope_head_dim, D = L + R;
   const LayerKind kind = s.layers[layer];
@@ -333,9 +348,13 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
     }
   });
   if (kind == LayerKind::kFull) {
-    const int64_t nq = st.tokens * s.index_n_heads * s.index_head_dim;
-    st.index_q.resize(nq);
-    ConvertToF32(in.index_q.dtype, in.index_q.data, st.index_q.data(), nq);
+    const int64_t row = int64_t{s.index_n_heads} * s.index_head_dim;
+    st.index_q.resize(st.tokens * row);
+    const size_t es = DTypeSize(in.index_q.dtype);
+    pool->ParallelFor(st.tokens, [&](int64_t t) {
+      ConvertToF32(in.index_q.dtype, Bytes(in.index_q) + t * row * es, st.index_q.data() + t * row,
+                   row);
+    });
     st.index_w.resize(st.tokens * s.index_n_heads);
     ConvertToF32(in.index_w.dtype, in.index_w.data, st.index_w.data(),
                  st.tokens * s.index_n_heads);
@@ -485,11 +504,13 @@ int64_t Engine::steps_aborted() const {
   return impl_->steps_aborted;
 }
 
-absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch) {
+absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
+                                           const StepOptions& options) {
   if (batch.empty()) return absl::InvalidArgumentError("step batch: empty");
   const ModelSpec& spec = impl_->spec();
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto step = std::make_unique<Step>();
+  step->options = options;
   std::vector<int32_t> need(impl_->devices.size(), 0);
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepEntry& e = batch[i];

@@ -54,6 +54,14 @@ struct LayerInputs {
   TensorView index_w;    // [T, Hi]
 };
 
+// How a step runs.
+struct StepOptions {
+  // Write the new tokens' keys (kv_latent, k_rope, and index_k on full layers) and compute
+  // nothing: importing a prefix computed elsewhere (a KV handoff). Layers take no queries and
+  // produce no output.
+  bool write_only = false;
+};
+
 // What each query attended on a layer (for tests and debugging).
 struct LayerTrace {
   std::vector<std::vector<int32_t>> keys;  // [T] attended key positions, ascending
@@ -99,11 +107,12 @@ class Engine {
   // Opens a step: validates the batch and reserves every page its new tokens need, or fails
   // (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED) and
   // changes nothing. Returns the step id.
-  absl::StatusOr<uint64_t> BeginStep(const std::vector<StepEntry>& batch);
+  absl::StatusOr<uint64_t> BeginStep(const std::vector<StepEntry>& batch,
+                                     const StepOptions& options = {});
   // Total new tokens T of an open step.
   absl::StatusOr<int64_t> StepTokens(uint64_t step) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
-  // dtype (out_bytes must match). The last layer commits the step. Any error aborts the step, so
+  // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The last layer commits the step. Any error aborts the step, so
   // every sequence is left as before it.
   absl::Status RunLayer(uint64_t step, int layer, const LayerInputs& in, void* out,
                         size_t out_bytes, LayerTrace* trace = nullptr);

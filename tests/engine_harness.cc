@@ -114,10 +114,10 @@ std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, 
 }
 
 Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
-                             const std::vector<LayerData>& layers) {
+                             const std::vector<LayerData>& layers, const StepOptions& options) {
   Result r;
   const ModelSpec& s = spec();
-  auto step = engine_->BeginStep(batch);
+  auto step = engine_->BeginStep(batch, options);
   if (!step.ok()) {
     r.status = step.status();
     return r;
@@ -126,6 +126,15 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
   r.out.resize(s.num_layers());
   r.traces.resize(s.num_layers());
   for (int l = 0; l < s.num_layers(); ++l) {
+    if (options.write_only) {
+      LayerInputs in;
+      in.kv_latent = layers[l].kv_latent.view();
+      in.k_rope = layers[l].k_rope.view();
+      in.index_k = layers[l].index_k.view();
+      r.status = engine_->RunLayer(*step, l, in, nullptr, 0);
+      if (!r.status.ok()) return r;
+      continue;
+    }
     const DType odt = layers[l].q_latent.dtype;
     const size_t n = static_cast<size_t>(*T) * s.num_heads * s.kv_lora_rank;
     std::vector<uint8_t> out(n * DTypeSize(odt));

@@ -61,7 +61,9 @@ class Harness {
     std::vector<std::vector<double>> out;  // [layer][T*H*L]
     std::vector<LayerTrace> traces;
   };
-  Result Run(const std::vector<StepEntry>& batch, const std::vector<LayerData>& layers);
+  // With options.write_only the queries are not sent and no output comes back.
+  Result Run(const std::vector<StepEntry>& batch, const std::vector<LayerData>& layers,
+             const StepOptions& options = {});
 
   // The reference outputs for a step that has just run (histories already include its keys),
   // comparing selections with the engine's traces; fills checks[layer].

@@ -274,5 +274,30 @@ TEST(Engine, SharedLayerAttendsThePrecedingFullLayersSelection) {
   for (int l = 0; l < spec.num_layers(); ++l) EXPECT_LE(RelL2(r.out[l], ref[l]), 1e-5);
 }
 
+TEST(Engine, WriteOnlyImportThenDecodeEqualsComputingThePrefix) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
+  Harness h(Options(spec, DType::kBF16));
+  h.Open("computed");
+  h.Open("imported");
+  const auto prefix = h.MakeInputs({{"computed", 90}}, DType::kBF16, 1);
+  ASSERT_TRUE(h.Run({{"computed", 90}}, prefix).status.ok());
+  auto imp = h.Run({{"imported", 90}}, prefix, StepOptions{true});
+  ASSERT_TRUE(imp.status.ok()) << imp.status;
+  EXPECT_EQ(h.engine().DescribeSequence("imported")->length, 90);
+  const auto dec = h.MakeInputs({{"computed", 1}}, DType::kBF16, 2);
+  auto a = h.Run({{"computed", 1}}, dec);
+  auto b = h.Run({{"imported", 1}}, dec);
+  ASSERT_TRUE(a.status.ok() && b.status.ok());
+  for (int l = 0; l < spec.num_layers(); ++l) EXPECT_EQ(a.out[l], b.out[l]) << "layer " << l;
+  h.RunAndCheck({{"imported", 3}}, DType::kBF16, 3, 1e-2);
+  // A write-only step refuses queries and outputs.
+  auto step = h.engine().BeginStep({{"imported", 1}}, StepOptions{true});
+  ASSERT_TRUE(step.ok());
+  const auto in = h.MakeInputs({{"imported", 1}}, DType::kBF16, 4);
+  std::vector<uint8_t> out(4 * 32 * 2);
+  EXPECT_EQ(h.engine().RunLayer(*step, 0, in[0].inputs(), out.data(), out.size()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace attnd::testing

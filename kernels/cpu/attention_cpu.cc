@@ -27,8 +27,25 @@ float* Grow(std::vector<float>& v, size_t n) {
 }
 
 // Converts one cached row to fp32.
-inline void LoadRow(const PagedRows& rows, int64_t pos, float* dst) {
-  ConvertToF32(rows.dtype, rows.Row(pos), dst, rows.dim);
+inline void LoadRow(const Kernels& k, const PagedRows& rows, int64_t pos, float* dst) {
+  if (rows.dtype == DType::kBF16) {
+    k.bf16_to_f32(reinterpret_cast<const unsigned short*>(rows.Row(pos)), dst, rows.dim);
+  } else {
+    ConvertToF32(rows.dtype, rows.Row(pos), dst, rows.dim);
+  }
+}
+
+// Asks for a cached row a few iterations ahead, so the gather's misses overlap with work.
+inline void PrefetchRow(const PagedRows& rows, int64_t pos) {
+  const uint8_t* r = rows.Row(pos);
+  const size_t bytes = rows.dim * DTypeSize(rows.dtype);
+  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
+}
+
+// dst[c][r] = src[r][c] for a rows x cols matrix, optionally scaled.
+void Transpose(const float* src, int rows, int cols, float* dst, float scale = 1.0f) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c] * scale;
 }
 
 inline float RankKey(float s) { return std::isnan(s) ? kNegInf : s; }
@@ -68,29 +85,26 @@ std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int
 }  // namespace
 
 void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
+  // Scores are computed keys-major, S^T[key][head] = K[key,:] · q^T, so cached rows are used as
+  // they are (no per-tile transpose); only the query is transposed, once.
   constexpr int kTile = 64;
   Scratch& ws = ThreadScratch();
   const int D = p.head_dim, H = p.num_heads;
-  float* kt = Grow(ws.a, static_cast<size_t>(D) * kTile);
-  float* s = Grow(ws.b, static_cast<size_t>(H) * kTile);
-  float* row = Grow(ws.c, D);
-  float* acc = Grow(ws.d, kTile);
+  float* kr = Grow(ws.a, static_cast<size_t>(kTile) * D);
+  float* st = Grow(ws.b, static_cast<size_t>(kTile) * H);
+  float* qt = Grow(ws.c, static_cast<size_t>(D) * H);
+  Transpose(p.q, H, D, qt);
   for (int64_t t0 = p.begin; t0 < p.end; t0 += kTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, p.end - t0));
+    for (int j = 0; j < nk; ++j) LoadRow(k, p.keys, t0 + j, kr + j * D);
+    k.gemm(nk, H, D, kr, D, qt, H, st, H, false);
+    float* out = p.scores + (t0 - p.begin);
     for (int j = 0; j < nk; ++j) {
-      LoadRow(p.keys, t0 + j, row);
-      for (int d = 0; d < D; ++d) kt[d * kTile + j] = row[d];
+      const float* sj = st + j * H;
+      float acc = 0.0f;
+      for (int h = 0; h < H; ++h) acc += p.w[h] * std::max(sj[h], 0.0f);
+      out[j] = acc;
     }
-    for (int j = nk; j < kTile; ++j)
-      for (int d = 0; d < D; ++d) kt[d * kTile + j] = 0.0f;
-    k.gemm(H, kTile, D, p.q, D, kt, kTile, s, kTile, false);
-    for (int j = 0; j < kTile; ++j) acc[j] = 0.0f;
-    for (int h = 0; h < H; ++h) {
-      const float w = p.w[h];
-      const float* sh = s + h * kTile;
-      for (int j = 0; j < kTile; ++j) acc[j] += w * std::max(sh[j], 0.0f);
-    }
-    std::copy(acc, acc + nk, p.scores + (t0 - p.begin));
   }
 }
 
@@ -153,37 +167,42 @@ void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
 }
 
 void MlaAttend(const Kernels& k, const MlaParams& p) {
-  constexpr int kTile = 32;
+  // Per tile of keys: S^T[key][head] = K·(scale·q)^T straight from the cached rows, an online
+  // softmax per head, then acc[head] += P·c_kv. The query is transposed once per call.
+  constexpr int kTile = 64;
   const int H = p.num_heads, L = p.latent_dim, D = p.latent_dim + p.rope_dim;
   Scratch& ws = ThreadScratch();
   float* kr = Grow(ws.a, static_cast<size_t>(kTile) * D);  // [kTile, D] keys as rows
-  float* kt = Grow(ws.b, static_cast<size_t>(D) * kTile);  // [D, kTile] keys as columns
-  float* s = Grow(ws.c, static_cast<size_t>(H) * kTile);   // scores, then probabilities
+  float* st = Grow(ws.b, static_cast<size_t>(kTile) * H + static_cast<size_t>(D) * H);
+  float* qt = st + kTile * H;                                // [D, H] scaled query
+  float* s = Grow(ws.c, static_cast<size_t>(H) * kTile);     // [H, kTile] scores, then probs
   float* state = Grow(ws.d, static_cast<size_t>(H) * (L + 3));
-  float* acc = state;             // [H, L]
-  float* m = state + H * L;       // running max per head
-  float* l = m + H;               // running denominator per head
-  float* corr = l + H;            // this tile's rescale per head
+  float* acc = state;        // [H, L]
+  float* m = state + H * L;  // running max per head
+  float* l = m + H;          // running denominator per head
+  float* corr = l + H;       // this tile's rescale per head
   std::fill(acc, acc + H * L, 0.0f);
   std::fill(m, m + H, kNegInf);
   std::fill(l, l + H, 0.0f);
+  Transpose(p.q, H, D, qt, p.sm_scale);
   const int64_t total = p.positions ? p.num_keys : p.end - p.begin;
   const float cap = p.soft_cap;
   for (int64_t t0 = 0; t0 < total; t0 += kTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, total - t0));
     for (int j = 0; j < nk; ++j) {
       const int64_t pos = p.positions ? p.positions[t0 + j] : p.begin + t0 + j;
-      LoadRow(p.kv, pos, kr + j * D);
+      LoadRow(k, p.kv, pos, kr + j * D);
     }
-    std::fill(kr + nk * D, kr + kTile * D, 0.0f);
-    for (int j = 0; j < kTile; ++j)
-      for (int d = 0; d < D; ++d) kt[d * kTile + j] = kr[j * D + d];
-    k.gemm(H, kTile, D, p.q, D, kt, kTile, s, kTile, false);
+    // The next tile's rows stream into L2 while this tile computes.
+    for (int64_t j = t0 + kTile; j < std::min(total, t0 + 2 * kTile); ++j)
+      PrefetchRow(p.kv, p.positions ? p.positions[j] : p.begin + j);
+    k.gemm(nk, H, D, kr, D, qt, H, st, H, false);
+    Transpose(st, nk, H, s);  // s is [H, nk] now
     for (int h = 0; h < H; ++h) {
-      float* sh = s + h * kTile;
+      float* sh = s + h * nk;
       float mx = kNegInf;
       for (int j = 0; j < nk; ++j) {
-        float x = sh[j] * p.sm_scale;
+        float x = sh[j];
         if (cap > 0) x = cap * std::tanh(x / cap);
         sh[j] = x;
         mx = std::max(mx, x);
@@ -192,12 +211,11 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
       corr[h] = m[h] == kNegInf ? 0.0f : m[h] - m_new;  // log of the rescale factor
       m[h] = m_new;
       for (int j = 0; j < nk; ++j) sh[j] -= m_new;
-      for (int j = nk; j < kTile; ++j) sh[j] = kNegInf;
     }
-    k.exp_inplace(s, H * kTile);
+    k.exp_inplace(s, H * nk);
     k.exp_inplace(corr, H);
     for (int h = 0; h < H; ++h) {
-      const float* sh = s + h * kTile;
+      const float* sh = s + h * nk;
       float sum = 0.0f;
       for (int j = 0; j < nk; ++j) sum += sh[j];
       l[h] = l[h] * corr[h] + sum;
@@ -206,7 +224,7 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
         for (int d = 0; d < L; ++d) ah[d] *= corr[h];
       }
     }
-    k.gemm(H, L, kTile, s, kTile, kr, D, acc, L, true);
+    k.gemm(H, L, nk, s, nk, kr, D, acc, L, true);
   }
   for (int h = 0; h < H; ++h) {
     const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;

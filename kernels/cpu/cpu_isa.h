@@ -24,6 +24,12 @@ struct Kernels {
                int ldc, bool accumulate);
   // x[i] = exp(x[i]); relative error below 2e-7 for x in [-87, 88]; -inf gives 0.
   void (*exp_inplace)(float* x, int n);
+  // dst[i] = float(src[i]) for n bf16 values.
+  void (*bf16_to_f32)(const unsigned short* src, float* dst, int n);
+  // A register-only FMA loop for measuring this core's arithmetic peak: runs `iters` rounds of
+  // kFmaLoopFlops / 2 fused multiply-adds and returns a value that depends on all of them.
+  float (*fma_loop)(long iters);
+  int fma_loop_flops;  // flops per round
 };
 
 const Kernels& GetKernels(Isa isa);
