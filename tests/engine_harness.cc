@@ -40,18 +40,27 @@ HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64
   return t;
 }
 
+reference::LayerValues LayerData::values() const {
+  return {q_latent.values, q_rope.values,  kv_latent.values, k_rope.values,
+          index_q.values,  index_k.values, index_w.values};
+}
+
+namespace {
+std::vector<std::pair<std::string, int64_t>> Pairs(const std::vector<StepEntry>& batch) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (const auto& e : batch) out.emplace_back(e.sequence_id, e.q_len);
+  return out;
+}
+std::vector<reference::LayerValues> Values(const std::vector<LayerData>& layers) {
+  std::vector<reference::LayerValues> out;
+  for (const auto& l : layers) out.push_back(l.values());
+  return out;
+}
+}  // namespace
+
 LayerInputs LayerData::inputs() const {
   return LayerInputs{q_latent.view(), q_rope.view(),  kv_latent.view(), k_rope.view(),
                      index_q.view(),  index_k.view(), index_w.view()};
-}
-
-double RelL2(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 Harness::Harness(EngineOptions options) {
@@ -61,35 +70,25 @@ Harness::Harness(EngineOptions options) {
     std::abort();
   }
   engine_ = std::move(e).value();
+  oracle_ = std::make_unique<reference::StepOracle>(engine_->spec(), options.cache_dtype);
 }
 
 void Harness::Open(const std::string& id) {
   ASSERT_TRUE(engine_->OpenSequence(id).ok());
-  History h;
-  h.kv.resize(spec().num_layers());
-  h.idx.resize(spec().num_layers());
-  hist_[id] = std::move(h);
+  oracle_->Open(id);
 }
 
 void Harness::Fork(const std::string& id, const std::string& parent, int64_t prefix_len) {
   ASSERT_TRUE(engine_->ForkSequence(id, parent, prefix_len).ok());
-  const History& p = hist_.at(parent);
-  History h;
-  h.length = prefix_len;
-  for (size_t l = 0; l < p.kv.size(); ++l) {
-    h.kv.emplace_back(p.kv[l].begin(), p.kv[l].begin() + prefix_len * spec().latent_dim());
-    const size_t ni = p.idx[l].empty() ? 0 : prefix_len * spec().index_head_dim;
-    h.idx.emplace_back(p.idx[l].begin(), p.idx[l].begin() + ni);
-  }
-  hist_[id] = std::move(h);
+  oracle_->Fork(id, parent, prefix_len);
 }
 
 void Harness::Close(const std::string& id) {
   ASSERT_TRUE(engine_->CloseSequence(id).ok());
-  hist_.erase(id);
+  oracle_->Close(id);
 }
 
-int64_t Harness::Length(const std::string& id) const { return hist_.at(id).length; }
+int64_t Harness::Length(const std::string& id) const { return oracle_->Length(id); }
 
 std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, DType dtype,
                                            uint64_t seed) {
@@ -144,29 +143,7 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
     ConvertToF32(odt, out.data(), f.data(), n);
     r.out[l].assign(f.begin(), f.end());
   }
-  // Committed: extend the histories with the keys as the cache stores them.
-  const DType ct = engine_->options().cache_dtype;
-  int64_t t0 = 0;
-  for (const auto& e : batch) {
-    History& h = hist_.at(e.sequence_id);
-    for (int l = 0; l < s.num_layers(); ++l) {
-      const LayerData& d = layers[l];
-      for (int64_t j = 0; j < e.q_len; ++j) {
-        const int64_t t = t0 + j;
-        for (int i = 0; i < s.kv_lora_rank; ++i)
-          h.kv[l].push_back(RoundTo(ct, static_cast<float>(d.kv_latent.values[t * s.kv_lora_rank + i])));
-        for (int i = 0; i < s.qk_rope_head_dim; ++i)
-          h.kv[l].push_back(
-              RoundTo(ct, static_cast<float>(d.k_rope.values[t * s.qk_rope_head_dim + i])));
-        if (s.layers[l] == LayerKind::kFull)
-          for (int i = 0; i < s.index_head_dim; ++i)
-            h.idx[l].push_back(
-                RoundTo(ct, static_cast<float>(d.index_k.values[t * s.index_head_dim + i])));
-      }
-    }
-    h.length += e.q_len;
-    t0 += e.q_len;
-  }
+  oracle_->Commit(Pairs(batch), Values(layers));
   return r;
 }
 
@@ -174,65 +151,9 @@ std::vector<std::vector<double>> Harness::Reference(const std::vector<StepEntry>
                                                     const std::vector<LayerData>& layers,
                                                     const std::vector<LayerTrace>& traces,
                                                     std::vector<LayerCheck>* checks) const {
-  const ModelSpec& s = spec();
-  const int H = s.num_heads, L = s.kv_lora_rank, R = s.qk_rope_head_dim, D = L + R;
-  const int Hi = s.index_n_heads, Di = s.index_head_dim;
-  int64_t T = 0;
-  for (const auto& e : batch) T += e.q_len;
-  std::vector<std::vector<int32_t>> carry(T);
-  std::vector<std::vector<double>> out(s.num_layers(), std::vector<double>(T * H * L));
-  if (checks) checks->assign(s.num_layers(), LayerCheck{});
-  for (int l = 0; l < s.num_layers(); ++l) {
-    const LayerData& d = layers[l];
-    const LayerKind kind = s.layers[l];
-    int64_t t = 0;
-    for (const auto& e : batch) {
-      const History& h = hist_.at(e.sequence_id);
-      const int64_t old_len = h.length - e.q_len;
-      for (int64_t j = 0; j < e.q_len; ++j, ++t) {
-        const int64_t pos = old_len + j;
-        std::vector<double> q(H * D);
-        for (int hh = 0; hh < H; ++hh) {
-          for (int i = 0; i < L; ++i) q[hh * D + i] = d.q_latent.values[(t * H + hh) * L + i];
-          for (int i = 0; i < R; ++i) q[hh * D + L + i] = d.q_rope.values[(t * H + hh) * R + i];
-        }
-        std::vector<int32_t> keys;
-        double cap = 0;
-        if (kind == LayerKind::kDense) {
-          const int64_t lo = s.sliding_window > 0 ? std::max<int64_t>(0, pos + 1 - s.sliding_window) : 0;
-          for (int64_t k = lo; k <= pos; ++k) keys.push_back(static_cast<int32_t>(k));
-          cap = s.soft_cap;
-        } else if (kind == LayerKind::kShared) {
-          keys = carry[t];
-        } else {
-          const std::vector<double> scores =
-              reference::IndexerScores(s, d.index_q.values.data() + t * Hi * Di,
-                                       d.index_w.values.data() + t * Hi, h.idx[l].data(), pos + 1);
-          keys = reference::SelectKeys(s, scores, s.prefill == PrefillMode::kDense && e.q_len > 1);
-          if (!traces.empty() && traces[l].keys[t] != keys) {
-            // Accept the engine's choice when it differs only among keys whose float64 scores
-            // tie within fp32 rounding.
-            const auto& got = traces[l].keys[t];
-            std::vector<int32_t> extra, missing;
-            std::set_difference(got.begin(), got.end(), keys.begin(), keys.end(),
-                                std::back_inserter(extra));
-            std::set_difference(keys.begin(), keys.end(), got.begin(), got.end(),
-                                std::back_inserter(missing));
-            double scale = 0;
-            for (double x : scores) scale = std::max(scale, std::abs(x));
-            bool ties = s.selection == SelectionMode::kToken && extra.size() == missing.size();
-            for (int32_t a : extra)
-              for (int32_t b : missing) ties = ties && std::abs(scores[a] - scores[b]) <= 1e-5 * scale;
-            if (checks) ++(ties ? (*checks)[l].tie_swaps : (*checks)[l].selection_mismatches);
-            if (ties) keys = got;
-          }
-          carry[t] = keys;
-        }
-        reference::Attend(s, q.data(), h.kv[l].data(), keys, cap, out[l].data() + t * H * L);
-      }
-    }
-  }
-  return out;
+  std::vector<std::vector<std::vector<int32_t>>> keys;
+  for (const auto& t : traces) keys.push_back(t.keys);
+  return oracle_->Expected(Pairs(batch), Values(layers), traces.empty() ? nullptr : &keys, checks);
 }
 
 std::vector<std::vector<double>> Harness::RunAndCheck(const std::vector<StepEntry>& batch,

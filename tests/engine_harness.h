@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "kernels/reference/step_oracle.h"
 
 namespace attnd::testing {
 
@@ -29,15 +30,11 @@ HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, std::mt19937_64
 struct LayerData {
   HostTensor q_latent, q_rope, kv_latent, k_rope, index_q, index_k, index_w;
   LayerInputs inputs() const;
+  reference::LayerValues values() const;
 };
 
-// Per-layer outcome of a step checked against the reference.
-struct LayerCheck {
-  double rel_l2 = 0;      // ||out - ref|| / ||ref|| over [T, H, L]
-  bool has_nan = false;
-  int selection_mismatches = 0;  // queries whose keys differ beyond score ties
-  int tie_swaps = 0;             // queries whose keys differ only at score ties
-};
+using reference::LayerCheck;
+using reference::RelL2;
 
 class Harness {
  public:
@@ -80,16 +77,9 @@ class Harness {
   double worst_rel_l2() const { return worst_; }
 
  private:
-  struct History {
-    std::vector<std::vector<double>> kv;   // [layer][n * (L+R)] rounded to the cache dtype
-    std::vector<std::vector<double>> idx;  // [layer][n * Di] (full layers only)
-    int64_t length = 0;
-  };
   std::unique_ptr<Engine> engine_;
-  std::map<std::string, History> hist_;
+  std::unique_ptr<reference::StepOracle> oracle_;
   double worst_ = 0;
 };
-
-double RelL2(const std::vector<double>& a, const std::vector<double>& b);
 
 }  // namespace attnd::testing
