@@ -92,6 +92,7 @@ struct Engine::Impl {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
   uint64_t next_step_id = 1;
   int64_t steps_aborted = 0;
+  int64_t steps_committed = 0;
 
   // mu held.
   void AbortLocked(Step* step) {
@@ -108,6 +109,7 @@ struct Engine::Impl {
       s.seq->length = s.new_len;
       s.seq->step = 0;
     }
+    ++steps_committed;
     steps.erase(step->id);
   }
 
@@ -573,11 +575,14 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
   return id;
 }
 
-absl::StatusOr<int64_t> Engine::StepTokens(uint64_t step) const {
+absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(uint64_t step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->steps.find(step);
-  if (it == impl_->steps.end()) return absl::NotFoundError(absl::StrCat("step ", step, " not found"));
-  return it->second->tokens;
+  if (it == impl_->steps.end())
+    return absl::NotFoundError(
+        absl::StrCat("step ", step, " not found (never opened, committed, aborted or expired)"));
+  const Step& st = *it->second;
+  return StepInfo{st.tokens, st.options.write_only, st.next_layer};
 }
 
 absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in, void* out,
@@ -625,6 +630,11 @@ absl::Status Engine::AbortStep(uint64_t step_id) {
     impl_->AbortLocked(it->second.get());
   }
   return absl::OkStatus();
+}
+
+int64_t Engine::steps_committed() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->steps_committed;
 }
 
 std::vector<int32_t> Engine::PageRefcounts(int device) const {

@@ -109,8 +109,13 @@ class Engine {
   // changes nothing. Returns the step id.
   absl::StatusOr<uint64_t> BeginStep(const std::vector<StepEntry>& batch,
                                      const StepOptions& options = {});
-  // Total new tokens T of an open step.
-  absl::StatusOr<int64_t> StepTokens(uint64_t step) const;
+  // An open step's shape: total new tokens T, whether it is write-only, its next layer.
+  struct StepInfo {
+    int64_t tokens = 0;
+    bool write_only = false;
+    int next_layer = 0;
+  };
+  absl::StatusOr<StepInfo> DescribeStep(uint64_t step) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
   // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The last layer commits the step. Any error aborts the step, so
   // every sequence is left as before it.
@@ -121,8 +126,9 @@ class Engine {
   absl::Status AbortStep(uint64_t step);
   // Aborts steps idle for longer than `idle`; returns how many.
   int ExpireIdleSteps(std::chrono::steady_clock::duration idle);
-  // Steps aborted so far, for any reason (errors, AbortStep, expiry).
+  // Steps aborted so far, for any reason (errors, AbortStep, expiry), and steps committed.
   int64_t steps_aborted() const;
+  int64_t steps_committed() const;
 
   // Introspection for tests and debugging: the reference count of every page of a device
   // (index = page id; page 0 is reserved and always 1).

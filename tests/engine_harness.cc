@@ -121,7 +121,7 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
     r.status = step.status();
     return r;
   }
-  auto T = engine_->StepTokens(*step);
+  auto T = engine_->DescribeStep(*step)->tokens;
   r.out.resize(s.num_layers());
   r.traces.resize(s.num_layers());
   for (int l = 0; l < s.num_layers(); ++l) {
@@ -135,7 +135,7 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
       continue;
     }
     const DType odt = layers[l].q_latent.dtype;
-    const size_t n = static_cast<size_t>(*T) * s.num_heads * s.kv_lora_rank;
+    const size_t n = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank;
     std::vector<uint8_t> out(n * DTypeSize(odt));
     r.status = engine_->RunLayer(*step, l, layers[l].inputs(), out.data(), out.size(), &r.traces[l]);
     if (!r.status.ok()) return r;

@@ -13,8 +13,11 @@ _GENERATE = (
     "--grpc_python_out=client/python proto/attnd/v1/attention.proto"
 )
 
+import importlib
+
 try:
-    from . import attention_pb2, attention_pb2_grpc
+    attention_pb2 = importlib.import_module(f"{__name__}.attention_pb2")
+    attention_pb2_grpc = importlib.import_module(f"{__name__}.attention_pb2_grpc")
 except ModuleNotFoundError as e:  # only a missing stub file; other import errors pass through
     if e.name in (f"{__name__}.attention_pb2", f"{__name__}.attention_pb2_grpc"):
         raise ImportError(_GENERATE, name=e.name) from e

@@ -1,0 +1,300 @@
+// attnctl: talks to a running attnd.
+//   attnctl info  [--target=HOST:PORT]
+//   attnctl demo  [--target=...] [--sequences=6] [--prompt=1024] [--chunk=256] [--decode=24]
+//                 [--check-every=4] [--seed=1]
+//   attnctl bench [--target=...] [--batch=8] [--context=4096] [--steps=20]
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
+#include "client/workload.h"
+
+namespace attnd::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct Args {
+  std::string command;
+  std::map<std::string, std::string> flags;
+  std::string Get(const std::string& k, const std::string& d) const {
+    auto it = flags.find(k);
+    return it == flags.end() ? d : it->second;
+  }
+  int64_t Int(const std::string& k, int64_t d) const {
+    int64_t v = d;
+    if (flags.count(k) && !absl::SimpleAtoi(flags.at(k), &v)) {
+      std::fprintf(stderr, "attnctl: --%s wants an integer\n", k.c_str());
+      std::exit(2);
+    }
+    return v;
+  }
+};
+
+int Fail(const absl::Status& s, const char* what) {
+  std::fprintf(stderr, "attnctl: %s: %s\n", what, s.ToString().c_str());
+  return 1;
+}
+
+int Info(Client& c) {
+  auto info = c.Info();
+  if (!info.ok()) return Fail(info.status(), "info");
+  const auto& m = info->model();
+  std::printf("%s, backend %s (cpu isa %s), cache %s\n", info->version().c_str(),
+              info->backend().c_str(), info->cpu_isa().c_str(), info->cache_datatype().c_str());
+  std::string kinds;
+  for (const auto& k : m.layers()) kinds += static_cast<char>(std::toupper(k[0]));
+  std::printf("model %s: %d layers [%s], L=%d R=%d H=%d, indexer %dx%d, K=%d, page %d, "
+              "sm_scale %.6g, max_context %lld, selection %s, prefill %s\n",
+              m.name().c_str(), m.layers_size(), kinds.c_str(), m.kv_lora_rank(),
+              m.qk_rope_head_dim(), m.num_heads(), m.index_n_heads(), m.index_head_dim(),
+              m.index_topk(), m.page_size(), m.sm_scale(),
+              static_cast<long long>(m.max_context()), m.selection().c_str(), m.prefill().c_str());
+  for (const auto& d : info->devices())
+    std::printf("device %s: %d/%d pages free (%lld bytes each), %lld sequences\n", d.name().c_str(),
+                d.pages_free(), d.pages_total(), static_cast<long long>(d.bytes_per_page()),
+                static_cast<long long>(d.sequences()));
+  return 0;
+}
+
+// Runs one step over the stream, timing each layer; returns outputs per layer.
+absl::StatusOr<std::vector<std::vector<double>>> RunStep(StepStream& stream, const Batch& batch,
+                                                         std::vector<GeneratedLayer>& layers,
+                                                         LatencyStats* per_layer) {
+  auto begun = stream.Begin(batch);
+  if (!begun.ok()) return begun.status();
+  std::vector<std::vector<double>> outs;
+  for (auto& g : layers) {
+    const auto t0 = Clock::now();
+    auto out = stream.Layer(g.wire);
+    if (!out.ok()) return out.status();
+    per_layer->Add(Since(t0));
+    const auto& t = out->out();
+    const auto dt = ParseDType(t.datatype());
+    if (!dt) return absl::InternalError("server returned an unknown datatype");
+    const size_t n = t.data().size() / DTypeSize(*dt);
+    std::vector<float> f(n);
+    ConvertToF32(*dt, t.data().data(), f.data(), n);
+    outs.emplace_back(f.begin(), f.end());
+  }
+  return outs;
+}
+
+int Demo(Client& c, const Args& a) {
+  auto info = c.Info();
+  if (!info.ok()) return Fail(info.status(), "info");
+  auto spec_or = ModelSpecFromProto(info->model());
+  if (!spec_or.ok()) return Fail(spec_or.status(), "model spec");
+  const ModelSpec spec = *spec_or;
+  const DType cache = ParseDType(info->cache_datatype()).value_or(DType::kBF16);
+  const int S = static_cast<int>(a.Int("sequences", 6));
+  const int64_t prompt = a.Int("prompt", 1024), chunk = a.Int("chunk", 256);
+  const int decode = static_cast<int>(a.Int("decode", 24));
+  const int check_every = static_cast<int>(std::max<int64_t>(1, a.Int("check-every", 4)));
+  std::mt19937_64 rng(a.Int("seed", 1));
+  reference::StepOracle oracle(spec, cache);
+  const std::string tag = absl::StrCat("demo-", std::chrono::system_clock::now().time_since_epoch().count());
+  std::printf("demo: model %s (%d layers, H=%d, L=%d, K=%d), %d sequences, prompts up to %lld "
+              "tokens in chunks of %lld, %d decode steps\n",
+              spec.name.c_str(), spec.num_layers(), spec.num_heads, spec.kv_lora_rank,
+              spec.index_topk, S, static_cast<long long>(prompt), static_cast<long long>(chunk),
+              decode);
+  std::vector<std::string> ids;
+  std::map<std::string, int64_t> remaining;
+  for (int i = 0; i < S; ++i) {
+    const std::string id = absl::StrCat(tag, "-", i);
+    if (auto s = c.OpenSequence(id); !s.ok()) return Fail(s.status(), "open");
+    oracle.Open(id);
+    ids.push_back(id);
+    remaining[id] = std::max<int64_t>(1, prompt * (S - i) / S + 17 * i);  // different lengths
+  }
+  auto stream = c.OpenStream();
+  LatencyStats prefill_lat, decode_lat;
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  double prefill_secs = 0, decode_secs = 0, worst = 0;
+  int checked_layers = 0, failed = 0;
+  auto check = [&](const Batch& batch, const std::vector<GeneratedLayer>& g,
+                   const std::vector<std::vector<double>>& outs) {
+    std::vector<reference::LayerValues> values;
+    for (const auto& l : g) values.push_back(l.values);
+    const auto want = oracle.Expected(batch, values);
+    const double tol = 1e-2;
+    for (size_t l = 0; l < outs.size(); ++l) {
+      const double e = reference::RelL2(outs[l], want[l]);
+      bool nan = false;
+      for (double x : outs[l]) nan |= std::isnan(x);
+      worst = std::max(worst, e);
+      ++checked_layers;
+      if (!(e <= tol) || nan) ++failed;
+    }
+  };
+  auto step = [&](const Batch& batch, LatencyStats* lat, bool verify) -> absl::Status {
+    int64_t T = 0;
+    for (const auto& e : batch) T += e.second;
+    auto g = GenerateStep(spec, T, DType::kBF16, false, rng);
+    auto outs = RunStep(*stream, batch, g, lat);
+    if (!outs.ok()) return outs.status();
+    std::vector<reference::LayerValues> values;
+    for (const auto& l : g) values.push_back(l.values);
+    oracle.Commit(batch, values);
+    if (verify) check(batch, g, *outs);
+    return absl::OkStatus();
+  };
+  // 1. Chunked prefill, every sequence's next chunk in one batch (continuous batching).
+  const auto t_prefill = Clock::now();
+  for (int round = 0;; ++round) {
+    Batch batch;
+    for (const auto& id : ids)
+      if (remaining[id] > 0) batch.emplace_back(id, std::min(chunk, remaining[id]));
+    if (batch.empty()) break;
+    for (auto& [id, q] : batch) {
+      remaining[id] -= q;
+      prefill_tokens += q;
+    }
+    // Verify the smallest final chunk: cheap enough for the float64 oracle.
+    const bool verify = batch.size() == 1 && batch[0].second <= 64;
+    if (auto s = step(batch, &prefill_lat, verify); !s.ok()) return Fail(s, "prefill");
+  }
+  prefill_secs = Since(t_prefill);
+  // 2. Prefix-cache hits: two forks of the first sequence at a non-page-aligned prefix.
+  const int64_t prefix = std::min<int64_t>(oracle.Length(ids[0]) - 1, spec.page_size * 3 + 5);
+  for (int f = 0; f < 2; ++f) {
+    const std::string id = absl::StrCat(tag, "-fork", f);
+    if (auto s = c.OpenSequence(id, ids[0], prefix); !s.ok()) return Fail(s.status(), "fork");
+    oracle.Fork(id, ids[0], prefix);
+    ids.push_back(id);
+    if (auto s = step({{id, 9 + f}}, &prefill_lat, true); !s.ok()) return Fail(s, "fork extend");
+  }
+  // 3. Decode: every sequence, one token per step.
+  const auto t_decode = Clock::now();
+  for (int d = 0; d < decode; ++d) {
+    Batch batch;
+    for (const auto& id : ids) batch.emplace_back(id, 1);
+    decode_tokens += static_cast<int64_t>(batch.size());
+    const bool verify = d % check_every == check_every - 1;
+    const auto t0 = Clock::now();
+    if (auto s = step(batch, &decode_lat, verify); !s.ok()) return Fail(s, "decode");
+    decode_secs += Since(t0);
+  }
+  (void)t_decode;
+  if (auto s = stream->Close(); !s.ok()) return Fail(s, "close stream");
+  for (const auto& id : ids) (void)c.CloseSequence(id);
+
+  std::printf("\n%-10s %10s %12s %12s %12s %12s\n", "phase", "tokens", "tokens/s", "layer p50",
+              "layer p99", "layer calls");
+  std::printf("%-10s %10lld %12.1f %10.2fms %10.2fms %12zu\n", "prefill",
+              static_cast<long long>(prefill_tokens), prefill_tokens / prefill_secs,
+              prefill_lat.Percentile(50) * 1e3, prefill_lat.Percentile(99) * 1e3,
+              prefill_lat.count());
+  std::printf("%-10s %10lld %12.1f %10.2fms %10.2fms %12zu\n", "decode",
+              static_cast<long long>(decode_tokens), decode_tokens / decode_secs,
+              decode_lat.Percentile(50) * 1e3, decode_lat.Percentile(99) * 1e3, decode_lat.count());
+  std::printf("\nreference check: %d layer outputs against float64, worst relative L2 %.2e "
+              "(limit 1e-2 for bf16): %s\n",
+              checked_layers, worst, failed == 0 && checked_layers > 0 ? "PASS" : "FAIL");
+  return failed == 0 && checked_layers > 0 ? 0 : 1;
+}
+
+int Bench(Client& c, const Args& a) {
+  auto info = c.Info();
+  if (!info.ok()) return Fail(info.status(), "info");
+  auto spec_or = ModelSpecFromProto(info->model());
+  if (!spec_or.ok()) return Fail(spec_or.status(), "model spec");
+  const ModelSpec spec = *spec_or;
+  const int B = static_cast<int>(a.Int("batch", 8));
+  const int64_t context = a.Int("context", 4096);
+  const int steps = static_cast<int>(a.Int("steps", 20));
+  std::mt19937_64 rng(7);
+  const std::string tag = absl::StrCat("bench-", std::chrono::system_clock::now().time_since_epoch().count());
+  Batch prefix, decode;
+  for (int b = 0; b < B; ++b) {
+    const std::string id = absl::StrCat(tag, "-", b);
+    if (auto s = c.OpenSequence(id); !s.ok()) return Fail(s.status(), "open");
+    prefix.emplace_back(id, context);
+    decode.emplace_back(id, 1);
+  }
+  // Import the contexts with a write-only step (no attention computed).
+  {
+    auto g = GenerateStep(spec, B * context, DType::kBF16, true, rng);
+    auto begun = c.BeginStep(prefix, true);
+    if (!begun.ok()) return Fail(begun.status(), "import");
+    for (auto& l : g)
+      if (auto o = c.AttendLayer(begun->step_id(), l.wire); !o.ok()) return Fail(o.status(), "import");
+  }
+  auto g = GenerateStep(spec, B, DType::kBF16, false, rng);
+  size_t req_bytes = 0, resp_bytes = static_cast<size_t>(B) * spec.num_heads * spec.kv_lora_rank * 2;
+  for (const auto& l : g) req_bytes += l.wire.ByteSizeLong();
+  req_bytes /= g.size();
+  LatencyStats stream_lat, unary_lat, echo_lat;
+  auto stream = c.OpenStream();
+  for (int s = 0; s < steps; ++s) {
+    if (auto b = stream->Begin(decode); !b.ok()) return Fail(b.status(), "begin");
+    for (auto& l : g) {
+      const auto t0 = Clock::now();
+      if (auto o = stream->Layer(l.wire); !o.ok()) return Fail(o.status(), "stream layer");
+      stream_lat.Add(Since(t0));
+    }
+    auto b = c.BeginStep(decode);
+    if (!b.ok()) return Fail(b.status(), "begin");
+    for (auto& l : g) {
+      const auto t0 = Clock::now();
+      if (auto o = c.AttendLayer(b->step_id(), l.wire); !o.ok()) return Fail(o.status(), "unary layer");
+      unary_lat.Add(Since(t0));
+    }
+    const std::string payload(req_bytes, 'x');
+    for (size_t l = 0; l < g.size(); ++l) {
+      const auto t0 = Clock::now();
+      if (auto e = c.Echo(payload, static_cast<int64_t>(resp_bytes)); !e.ok()) return Fail(e, "echo");
+      echo_lat.Add(Since(t0));
+    }
+  }
+  (void)stream->Close();
+  for (const auto& [id, q] : decode) (void)c.CloseSequence(id);
+  std::printf("decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
+              "per layer\n",
+              B, static_cast<long long>(context), spec.num_heads, spec.num_layers(),
+              req_bytes / 1e3, resp_bytes / 1e3);
+  std::printf("%-22s %10s %10s %8s\n", "per-layer round trip", "p50", "p99", "calls");
+  for (auto& [name, st] : {std::pair<const char*, LatencyStats*>{"stream", &stream_lat},
+                           {"unary", &unary_lat}, {"echo (same bytes)", &echo_lat}})
+    std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
+                st->Percentile(99) * 1e3, st->count());
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnd::client
+
+int main(int argc, char** argv) {
+  using namespace attnd::client;
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s.rfind("--", 0) == 0) {
+      const size_t eq = s.find('=');
+      if (eq == std::string::npos) {
+        a.flags[s.substr(2)] = i + 1 < argc ? argv[++i] : "";
+      } else {
+        a.flags[s.substr(2, eq - 2)] = s.substr(eq + 1);
+      }
+    } else if (a.command.empty()) {
+      a.command = s;
+    }
+  }
+  if (a.command != "info" && a.command != "demo" && a.command != "bench") {
+    std::fprintf(stderr,
+                 "usage: attnctl info|demo|bench [--target=HOST:PORT] [command flags]\n"
+                 "  demo:  --sequences=6 --prompt=1024 --chunk=256 --decode=24 --check-every=4\n"
+                 "  bench: --batch=8 --context=4096 --steps=20\n");
+    return 2;
+  }
+  auto client = Client::Connect(a.Get("target", "localhost:50051"));
+  if (a.command == "info") return Info(*client);
+  if (a.command == "demo") return Demo(*client, a);
+  return Bench(*client, a);
+}

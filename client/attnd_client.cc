@@ -1,0 +1,180 @@
+#include "client/attnd_client.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attnd::client {
+
+v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
+                      size_t bytes) {
+  v1::Tensor t;
+  t.set_datatype(std::string(DTypeName(dtype)));
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_data(static_cast<const char*>(data), bytes);
+  return t;
+}
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.error_code())),
+                      s.error_message());
+}
+
+std::unique_ptr<Client> Client::Connect(const std::string& target, int max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
+  return std::unique_ptr<Client>(
+      new Client(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel)
+    : channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
+
+absl::StatusOr<v1::ServerInfoResponse> Client::Info() {
+  grpc::ClientContext ctx;
+  v1::ServerInfoResponse resp;
+  absl::Status s = FromGrpc(stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
+                                                      const std::string& parent,
+                                                      int64_t prefix_len) {
+  grpc::ClientContext ctx;
+  v1::OpenSequenceRequest req;
+  req.set_sequence_id(id);
+  req.set_fork_parent_id(parent);
+  req.set_fork_prefix_len(prefix_len);
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpc(stub_->OpenSequence(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::Status Client::CloseSequence(const std::string& id) {
+  grpc::ClientContext ctx;
+  v1::CloseSequenceRequest req;
+  req.set_sequence_id(id);
+  v1::CloseSequenceResponse resp;
+  return FromGrpc(stub_->CloseSequence(&ctx, req, &resp));
+}
+
+absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id) {
+  grpc::ClientContext ctx;
+  v1::DescribeSequenceRequest req;
+  req.set_sequence_id(id);
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpc(stub_->DescribeSequence(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+namespace {
+v1::BeginStepRequest MakeBegin(const Batch& batch, bool write_only) {
+  v1::BeginStepRequest req;
+  for (const auto& [id, q] : batch) {
+    auto* e = req.add_batch();
+    e->set_sequence_id(id);
+    e->set_q_len(q);
+  }
+  req.set_write_only(write_only);
+  return req;
+}
+}  // namespace
+
+absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool write_only) {
+  grpc::ClientContext ctx;
+  v1::BeginStepResponse resp;
+  absl::Status s = FromGrpc(stub_->BeginStep(&ctx, MakeBegin(batch, write_only), &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::LayerInputs& in) {
+  grpc::ClientContext ctx;
+  v1::AttendLayerRequest req;
+  req.set_step_id(step_id);
+  *req.mutable_inputs() = in;
+  v1::AttendLayerResponse resp;
+  absl::Status s = FromGrpc(stub_->AttendLayer(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return std::move(*resp.mutable_output());
+}
+
+absl::Status Client::AbortStep(uint64_t step_id) {
+  grpc::ClientContext ctx;
+  v1::AbortStepRequest req;
+  req.set_step_id(step_id);
+  v1::AbortStepResponse resp;
+  return FromGrpc(stub_->AbortStep(&ctx, req, &resp));
+}
+
+absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
+  grpc::ClientContext ctx;
+  v1::EchoRequest req;
+  req.set_payload(payload);
+  req.set_response_bytes(response_bytes);
+  v1::EchoResponse resp;
+  return FromGrpc(stub_->Echo(&ctx, req, &resp));
+}
+
+std::unique_ptr<StepStream> Client::OpenStream() {
+  return std::unique_ptr<StepStream>(new StepStream(stub_.get()));
+}
+
+StepStream::StepStream(v1::Attention::Stub* stub) : rw_(stub->Step(&ctx_)) {}
+
+StepStream::~StepStream() {
+  if (!closed_) {
+    ctx_.TryCancel();
+    (void)rw_->Finish();
+  }
+}
+
+absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& req) {
+  if (!error_.ok()) return error_;
+  if (closed_) return absl::FailedPreconditionError("stream closed");
+  v1::StepResponse resp;
+  if (!rw_->Write(req) || !rw_->Read(&resp)) {
+    closed_ = true;
+    error_ = FromGrpc(rw_->Finish());
+    if (error_.ok()) error_ = absl::UnavailableError("stream ended without a reply");
+    return error_;
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool write_only) {
+  v1::StepRequest req;
+  *req.mutable_begin() = MakeBegin(batch, write_only);
+  auto resp = RoundTrip(req);
+  if (!resp.ok()) return resp.status();
+  return std::move(*resp->mutable_begun());
+}
+
+absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {
+  v1::StepRequest req;
+  *req.mutable_layer() = in;
+  auto resp = RoundTrip(req);
+  if (!resp.ok()) return resp.status();
+  return std::move(*resp->mutable_layer());
+}
+
+absl::Status StepStream::Abort() {
+  v1::StepRequest req;
+  req.mutable_abort();
+  return RoundTrip(req).status();
+}
+
+absl::Status StepStream::Close() {
+  if (closed_) return error_;
+  closed_ = true;
+  rw_->WritesDone();
+  error_ = FromGrpc(rw_->Finish());
+  return error_;
+}
+
+void StepStream::Cancel() { ctx_.TryCancel(); }
+
+}  // namespace attnd::client

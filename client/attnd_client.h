@@ -1,0 +1,94 @@
+// The C++ client of attnd.v1: sequences, steps over the stream (fast path) or unary calls, and a
+// helper to build wire tensors. Synchronous; one Client may be shared by threads, one StepStream
+// may not.
+//
+//   auto client = attnd::client::Client::Connect("localhost:50051");
+//   client->OpenSequence("req-1");
+//   auto stream = client->OpenStream();
+//   auto begun = stream->Begin({{"req-1", 128}});
+//   for (int l = 0; l < num_layers; ++l) auto out = stream->Layer(inputs[l]);  // commits at last
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "common/dtype.h"
+
+namespace attnd::client {
+
+// (sequence id, q_len) in batch order.
+using Batch = std::vector<std::pair<std::string, int64_t>>;
+
+// A wire tensor holding a copy of `data` (bytes in `dtype`, row-major).
+v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
+                      size_t bytes);
+
+// gRPC status -> absl::Status, same code and message.
+absl::Status FromGrpc(const grpc::Status& s);
+
+class StepStream;
+
+class Client {
+ public:
+  // max_message_bytes raises the channel's send/receive limits (layer messages are large).
+  static std::unique_ptr<Client> Connect(const std::string& target,
+                                         int max_message_bytes = 1 << 30);
+
+  absl::StatusOr<v1::ServerInfoResponse> Info();
+  // Empty parent: a fresh sequence; otherwise a fork of the parent's first prefix_len tokens.
+  absl::StatusOr<v1::SequenceInfo> OpenSequence(const std::string& id,
+                                                const std::string& parent = "",
+                                                int64_t prefix_len = 0);
+  absl::Status CloseSequence(const std::string& id);
+  absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
+
+  // Unary steps.
+  absl::StatusOr<v1::BeginStepResponse> BeginStep(const Batch& batch, bool write_only = false);
+  absl::StatusOr<v1::LayerOutput> AttendLayer(uint64_t step_id, const v1::LayerInputs& in);
+  absl::Status AbortStep(uint64_t step_id);
+  // Diagnostics: a round trip of `payload` out and `response_bytes` back.
+  absl::Status Echo(const std::string& payload, int64_t response_bytes);
+
+  // A bidirectional step stream; many steps may follow on it.
+  std::unique_ptr<StepStream> OpenStream();
+
+  v1::Attention::Stub* stub() { return stub_.get(); }
+
+ private:
+  explicit Client(std::shared_ptr<grpc::Channel> channel);
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Attention::Stub> stub_;
+};
+
+// One Step RPC. After any error the stream is finished (the server aborted the open step) and
+// every later call returns that error.
+class StepStream {
+ public:
+  ~StepStream();
+  absl::StatusOr<v1::BeginStepResponse> Begin(const Batch& batch, bool write_only = false);
+  // Sends the next layer and waits for its output; committed is set on the last layer.
+  absl::StatusOr<v1::LayerOutput> Layer(const v1::LayerInputs& in);
+  absl::Status Abort();
+  // Half-closes and returns the call's final status.
+  absl::Status Close();
+  // Cancels the call (as a crashed client would): the server aborts any open step.
+  void Cancel();
+
+ private:
+  friend class Client;
+  explicit StepStream(v1::Attention::Stub* stub);
+  absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
+
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> rw_;
+  absl::Status error_;
+  bool closed_ = false;
+};
+
+}  // namespace attnd::client

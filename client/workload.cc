@@ -1,0 +1,112 @@
+#include "client/workload.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
+
+namespace attnd::client {
+
+absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec& m) {
+  ModelSpec s;
+  s.name = m.name();
+  for (const std::string& k : m.layers()) {
+    if (k == "full") {
+      s.layers.push_back(LayerKind::kFull);
+    } else if (k == "shared") {
+      s.layers.push_back(LayerKind::kShared);
+    } else if (k == "dense") {
+      s.layers.push_back(LayerKind::kDense);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("server reports unknown layer kind ", k));
+    }
+  }
+  s.kv_lora_rank = m.kv_lora_rank();
+  s.qk_rope_head_dim = m.qk_rope_head_dim();
+  s.num_heads = m.num_heads();
+  s.index_n_heads = m.index_n_heads();
+  s.index_head_dim = m.index_head_dim();
+  s.index_topk = m.index_topk();
+  s.page_size = m.page_size();
+  s.sm_scale = m.sm_scale();
+  s.max_context = m.max_context();
+  s.page_union_max_pages = m.page_union_max_pages();
+  if (m.selection() == "token") {
+    s.selection = SelectionMode::kToken;
+  } else if (m.selection() == "page_union") {
+    s.selection = SelectionMode::kPageUnion;
+  } else if (m.selection().rfind("page_budget:", 0) == 0) {
+    s.selection = SelectionMode::kPageBudget;
+    s.page_budget = std::atoi(m.selection().c_str() + 12);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown selection ", m.selection()));
+  }
+  s.prefill = m.prefill() == "dense" ? PrefillMode::kDense : PrefillMode::kSparse;
+  s.sliding_window = m.sliding_window();
+  s.soft_cap = m.soft_cap();
+  absl::Status st = ValidateModelSpec(s);
+  if (!st.ok()) return st;
+  return s;
+}
+
+namespace {
+
+v1::Tensor Random(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
+                  std::vector<double>* values) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> f(n);
+  for (float& x : f) x = dist(rng);
+  std::string bytes(n * DTypeSize(dtype), '\0');
+  ConvertFromF32(dtype, f.data(), bytes.data(), n);
+  ConvertToF32(dtype, bytes.data(), f.data(), n);
+  values->assign(f.begin(), f.end());
+  v1::Tensor t;
+  t.set_datatype(std::string(DTypeName(dtype)));
+  for (int64_t d : shape) t.add_shape(d);
+  *t.mutable_data() = std::move(bytes);
+  return t;
+}
+
+}  // namespace
+
+std::vector<GeneratedLayer> GenerateStep(const ModelSpec& s, int64_t T, DType dtype,
+                                         bool write_only, std::mt19937_64& rng) {
+  std::vector<GeneratedLayer> out(s.num_layers());
+  for (int l = 0; l < s.num_layers(); ++l) {
+    GeneratedLayer& g = out[l];
+    v1::LayerInputs& w = g.wire;
+    reference::LayerValues& v = g.values;
+    w.set_layer(l);
+    const bool full = s.layers[l] == LayerKind::kFull;
+    *w.mutable_kv_latent() = Random(dtype, {T, s.kv_lora_rank}, rng, &v.kv_latent);
+    *w.mutable_k_rope() = Random(dtype, {T, s.qk_rope_head_dim}, rng, &v.k_rope);
+    if (full) *w.mutable_index_k() = Random(dtype, {T, s.index_head_dim}, rng, &v.index_k);
+    if (write_only) continue;
+    *w.mutable_q_latent() = Random(dtype, {T, s.num_heads, s.kv_lora_rank}, rng, &v.q_latent);
+    *w.mutable_q_rope() = Random(dtype, {T, s.num_heads, s.qk_rope_head_dim}, rng, &v.q_rope);
+    if (full) {
+      *w.mutable_index_q() =
+          Random(dtype, {T, s.index_n_heads, s.index_head_dim}, rng, &v.index_q);
+      *w.mutable_index_w() = Random(dtype, {T, s.index_n_heads}, rng, &v.index_w);
+    }
+  }
+  return out;
+}
+
+double LatencyStats::Percentile(double p) const {
+  if (samples_.empty()) return 0;
+  std::vector<double> v = samples_;
+  std::sort(v.begin(), v.end());
+  const double rank = p / 100.0 * (v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(rank));
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (rank - lo);
+}
+
+double LatencyStats::Sum() const { return std::accumulate(samples_.begin(), samples_.end(), 0.0); }
+
+}  // namespace attnd::client

@@ -1,0 +1,296 @@
+#include "service/attention_service.h"
+
+#include <chrono>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "service/status_map.h"
+#include "service/tensor_codec.h"
+
+namespace attnd {
+namespace {
+
+constexpr char kVersion[] = "attnd 0.1.0";
+
+void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInfo* out) {
+  out->set_sequence_id(s.id);
+  out->set_length(s.length);
+  out->set_device(e.Capacity()[s.device].name);
+  out->set_num_pages(static_cast<int32_t>(s.pages.size()));
+  out->set_in_step(s.in_step);
+}
+
+absl::Status Draining() {
+  return absl::UnavailableError("attnd is draining: no new sequences or steps; retry elsewhere");
+}
+
+grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+  auto* r = ctx->DefaultReactor();
+  r->Finish(ToGrpcStatus(s));
+  return r;
+}
+
+}  // namespace
+
+AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMetrics* metrics,
+                                   ServiceOptions options)
+    : engine_(engine), executor_(executor), metrics_(metrics), options_(std::move(options)) {}
+
+grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerContext* ctx,
+                                                       const v1::ServerInfoRequest*,
+                                                       v1::ServerInfoResponse* resp) {
+  const ModelSpec& s = engine_->spec();
+  resp->set_version(kVersion);
+  v1::ModelSpec* m = resp->mutable_model();
+  m->set_name(s.name);
+  for (LayerKind k : s.layers) m->add_layers(std::string(LayerKindName(k)));
+  m->set_kv_lora_rank(s.kv_lora_rank);
+  m->set_qk_rope_head_dim(s.qk_rope_head_dim);
+  m->set_num_heads(s.num_heads);
+  m->set_index_n_heads(s.index_n_heads);
+  m->set_index_head_dim(s.index_head_dim);
+  m->set_index_topk(s.index_topk);
+  m->set_page_size(s.page_size);
+  m->set_sm_scale(s.sm_scale);
+  m->set_max_context(s.max_context);
+  m->set_selection(SelectionModeName(s));
+  m->set_page_union_max_pages(s.page_union_max_pages);
+  m->set_prefill(std::string(PrefillModeName(s.prefill)));
+  m->set_sliding_window(s.sliding_window);
+  m->set_soft_cap(s.soft_cap);
+  resp->set_backend(options_.backend);
+  resp->set_cpu_isa(std::string(cpu::IsaName(engine_->options().isa)));
+  resp->set_cache_datatype(std::string(DTypeName(engine_->options().cache_dtype)));
+  for (const DeviceCapacity& d : engine_->Capacity()) {
+    v1::DeviceInfo* out = resp->add_devices();
+    out->set_name(d.name);
+    out->set_pages_total(d.pages_total);
+    out->set_pages_free(d.pages_free);
+    out->set_bytes_per_page(static_cast<int64_t>(d.bytes_per_page));
+    out->set_sequences(d.sequences);
+  }
+  for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
+  resp->set_max_message_bytes(options_.max_message_bytes);
+  resp->set_step_idle_timeout_ms(options_.step_idle_timeout_ms);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionService::OpenSequence(grpc::CallbackServerContext* ctx,
+                                                         const v1::OpenSequenceRequest* req,
+                                                         v1::SequenceInfo* resp) {
+  if (draining_) return Done(ctx, Draining());
+  absl::Status s = req->fork_parent_id().empty()
+                       ? engine_->OpenSequence(req->sequence_id())
+                       : engine_->ForkSequence(req->sequence_id(), req->fork_parent_id(),
+                                               req->fork_prefix_len());
+  if (s.ok()) {
+    auto info = engine_->DescribeSequence(req->sequence_id());
+    s = info.status();
+    if (info.ok()) FillSequence(*info, *engine_, resp);
+  }
+  return Done(ctx, s);
+}
+
+grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerContext* ctx,
+                                                          const v1::CloseSequenceRequest* req,
+                                                          v1::CloseSequenceResponse*) {
+  return Done(ctx, engine_->CloseSequence(req->sequence_id()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::DescribeSequence(
+    grpc::CallbackServerContext* ctx, const v1::DescribeSequenceRequest* req,
+    v1::SequenceInfo* resp) {
+  auto info = engine_->DescribeSequence(req->sequence_id());
+  if (info.ok()) FillSequence(*info, *engine_, resp);
+  return Done(ctx, info.status());
+}
+
+absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req,
+                                                 v1::BeginStepResponse* resp) {
+  if (draining_) return Draining();
+  std::vector<StepEntry> batch;
+  batch.reserve(req.batch_size());
+  for (const auto& e : req.batch()) batch.push_back({e.sequence_id(), e.q_len()});
+  StepOptions opts;
+  opts.write_only = req.write_only();
+  ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
+  int64_t tokens = 0;
+  for (const auto& e : batch) tokens += e.q_len;
+  resp->set_step_id(step);
+  resp->set_num_tokens(tokens);
+  return step;
+}
+
+absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in,
+                                     v1::LayerOutput* out, Transport transport) {
+  const auto start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
+  absl::StatusOr<LayerInputs> views = ViewOf(in);
+  if (!views.ok()) {
+    (void)engine_->AbortStep(step);  // every error aborts the step, as in the engine
+    return views.status();
+  }
+  void* buf = nullptr;
+  size_t bytes = 0;
+  const ModelSpec& s = engine_->spec();
+  if (!info.write_only) {
+    const DType dt = views->q_latent.present ? views->q_latent.dtype : DType::kBF16;
+    buf = PrepareOutput(out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank);
+    bytes = out->out().data().size();
+  }
+  absl::Status st = engine_->RunLayer(step, in.layer(), *views, buf, bytes);
+  out->set_layer(in.layer());
+  const bool last = in.layer() == s.num_layers() - 1;
+  out->set_committed(st.ok() && last);
+  RETURN_IF_ERROR(st);
+  metrics_->LayerDone(transport, info.tokens,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContext* ctx,
+                                                      const v1::BeginStepRequest* req,
+                                                      v1::BeginStepResponse* resp) {
+  return Done(ctx, Begin(*req, resp).status());
+}
+
+grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerContext* ctx,
+                                                        const v1::AttendLayerRequest* req,
+                                                        v1::AttendLayerResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  executor_->Post([this, ctx, req, resp, reactor] {
+    absl::Status s = Layer(req->step_id(), req->inputs(), resp->mutable_output(), Transport::kUnary);
+    if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
+      // The caller will never see this layer's output: leave its sequences as before the step.
+      (void)engine_->AbortStep(req->step_id());
+      s = absl::CancelledError("call cancelled; step aborted");
+    }
+    reactor->Finish(ToGrpcStatus(s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContext* ctx,
+                                                      const v1::AbortStepRequest* req,
+                                                      v1::AbortStepResponse*) {
+  return Done(ctx, engine_->AbortStep(req->step_id()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
+                                                 const v1::EchoRequest* req,
+                                                 v1::EchoResponse* resp) {
+  if (req->response_bytes() < 0 || req->response_bytes() > options_.max_message_bytes)
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
+                         "response_bytes ", req->response_bytes(), " outside [0, ",
+                         options_.max_message_bytes, "]")));
+  resp->mutable_payload()->resize(static_cast<size_t>(req->response_bytes()));
+  return Done(ctx, absl::OkStatus());
+}
+
+// One bidirectional stream: a sequence of steps, one message and one reply at a time.
+class AttentionService::StepStream final
+    : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
+ public:
+  explicit StepStream(AttentionService* svc) : svc_(svc) { StartRead(&req_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed or the call is gone
+      const bool had_step = AbortOpenStep();
+      FinishOnce(had_step ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                         "stream closed with a step open; step aborted")
+                          : grpc::Status::OK);
+      return;
+    }
+    resp_.Clear();
+    switch (req_.kind_case()) {
+      case v1::StepRequest::kBegin: {
+        if (step_ != 0) {
+          return Fail(absl::FailedPreconditionError(absl::StrCat(
+              "step ", step_.load(), " is still open on this stream; send its layers or abort it")));
+        }
+        auto step = svc_->Begin(req_.begin(), resp_.mutable_begun());
+        if (!step.ok()) return Fail(step.status());
+        step_ = *step;
+        StartWrite(&resp_);
+        return;
+      }
+      case v1::StepRequest::kLayer: {
+        if (step_ == 0)
+          return Fail(absl::FailedPreconditionError("no open step on this stream: send begin"));
+        svc_->executor()->Post([this] {
+          absl::Status s =
+              svc_->Layer(step_, req_.layer(), resp_.mutable_layer(), Transport::kStream);
+          if (!s.ok()) {
+            step_ = 0;  // the engine aborted it
+            return Fail(s);
+          }
+          if (resp_.layer().committed()) step_ = 0;
+          StartWrite(&resp_);
+        });
+        return;
+      }
+      case v1::StepRequest::kAbort: {
+        AbortOpenStep();
+        resp_.mutable_aborted();
+        StartWrite(&resp_);
+        return;
+      }
+      default:
+        return Fail(absl::InvalidArgumentError("StepRequest: set one of begin, layer, abort"));
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      AbortOpenStep();
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "write failed; step aborted"));
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  void OnCancel() override {
+    // Reads and writes in flight fail and finish the call; an executing layer finishes and its
+    // write fails. Abort here too so a step never outlives a cancelled stream.
+    AbortOpenStep();
+  }
+
+  void OnDone() override {
+    AbortOpenStep();
+    delete this;
+  }
+
+ private:
+  // Returns whether a step was open.
+  bool AbortOpenStep() {
+    const uint64_t step = step_.exchange(0);
+    if (step == 0) return false;
+    (void)svc_->engine()->AbortStep(step);
+    return true;
+  }
+  void Fail(const absl::Status& s) {
+    AbortOpenStep();
+    FinishOnce(ToGrpcStatus(s));
+  }
+  void FinishOnce(const grpc::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    finished_ = true;
+    Finish(s);
+  }
+
+  AttentionService* svc_;
+  v1::StepRequest req_;
+  v1::StepResponse resp_;
+  std::atomic<uint64_t> step_{0};
+  std::mutex mu_;
+  bool finished_ = false;
+};
+
+grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* AttentionService::Step(
+    grpc::CallbackServerContext*) {
+  return new StepStream(this);
+}
+
+}  // namespace attnd

@@ -1,0 +1,108 @@
+#include "service/flags.h"
+
+#include <functional>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace attnd {
+
+std::string ServerUsage() {
+  return R"(usage: attnd [flags]
+  --grpc-address=ADDR          listen address (default 0.0.0.0)
+  --grpc-port=N                gRPC port (default 50051; 0 picks a free port and prints it)
+  --metrics-port=N             Prometheus /metrics port (default 9090; 0 disables)
+  --model=NAME                 preset: deepseek-v3.2, glm-5, glm-5.2, tiny, demo (default demo)
+  --model-file=PATH            JSON model spec (overrides --model)
+  --kv-cache-bytes=N           cache bytes per device (default 1073741824)
+  --kv-pages=N                 cache pages per device, incl. reserved page 0 (overrides bytes)
+  --cache-dtype=bf16|fp32      cache element type (default bf16)
+  --devices=cpu:0[,cpu:1...]   devices; each sequence lives on one (default cpu:0)
+  --threads=N                  compute threads (default: all cores)
+  --cpu-isa=auto|avx2|generic  CPU inner loops (default auto: the widest the host has)
+  --max-message-bytes=N        gRPC send/receive limit (default 1073741824)
+  --step-idle-timeout-ms=N     abort open steps idle this long (default 30000)
+  --shutdown-grace-ms=N        on SIGTERM, let RPCs finish this long (default 10000)
+)";
+}
+
+absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
+  ServerFlags f;
+  auto bad = [](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(what, "\n", ServerUsage()));
+  };
+  auto int_flag = [](auto* out) {
+    return [out](const std::string& v) {
+      int64_t x;
+      if (!absl::SimpleAtoi(v, &x) || x < 0) return false;
+      *out = static_cast<std::remove_pointer_t<decltype(out)>>(x);
+      return true;
+    };
+  };
+  auto str_flag = [](std::string* out) {
+    return [out](const std::string& v) {
+      *out = v;
+      return true;
+    };
+  };
+  const std::map<std::string, std::function<bool(const std::string&)>> flags = {
+      {"grpc-address", str_flag(&f.grpc_address)},
+      {"grpc-port", int_flag(&f.grpc_port)},
+      {"metrics-port", int_flag(&f.metrics_port)},
+      {"model", str_flag(&f.model)},
+      {"model-file", str_flag(&f.model_file)},
+      {"kv-cache-bytes", int_flag(&f.kv_cache_bytes)},
+      {"kv-pages", int_flag(&f.kv_pages)},
+      {"cache-dtype",
+       [&f](const std::string& v) {
+         if (v == "bf16") {
+           f.cache_dtype = DType::kBF16;
+         } else if (v == "fp32") {
+           f.cache_dtype = DType::kF32;
+         } else {
+           return false;
+         }
+         return true;
+       }},
+      {"devices",
+       [&f](const std::string& v) {
+         f.devices = absl::StrSplit(v, ',', absl::SkipEmpty());
+         return !f.devices.empty();
+       }},
+      {"threads", int_flag(&f.threads)},
+      {"cpu-isa",
+       [&f](const std::string& v) {
+         f.cpu_isa = v;
+         return v == "auto" || v == "avx2" || v == "generic";
+       }},
+      {"max-message-bytes", int_flag(&f.max_message_bytes)},
+      {"step-idle-timeout-ms", int_flag(&f.step_idle_timeout_ms)},
+      {"shutdown-grace-ms", int_flag(&f.shutdown_grace_ms)},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") return absl::CancelledError(ServerUsage());
+    if (arg.rfind("--", 0) != 0) return bad(absl::StrCat("unexpected argument '", arg, "'"));
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return bad(absl::StrCat("flag --", name, " needs a value"));
+    }
+    auto it = flags.find(name);
+    if (it == flags.end()) return bad(absl::StrCat("unknown flag --", name));
+    if (!it->second(value))
+      return bad(absl::StrCat("bad value '", value, "' for --", name));
+  }
+  if (f.grpc_port > 65535 || f.metrics_port > 65535) return bad("port out of range");
+  if (f.max_message_bytes > INT32_MAX) return bad("--max-message-bytes must fit in 2^31-1");
+  return f;
+}
+
+}  // namespace attnd

@@ -1,0 +1,58 @@
+// Serves a metrics::Registry at GET /metrics over plain HTTP (civetweb), for Prometheus to scrape.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "service/metrics.h"
+
+struct mg_connection;
+struct mg_context;
+
+namespace attnd::metrics {
+
+// An HTTP server with two civetweb worker threads. GET (or HEAD) /metrics answers 200 with
+// Registry::Serialize() as `text/plain; version=0.0.4; charset=utf-8`; other methods on /metrics
+// answer 405 and every other path 404. Stops (waiting for requests in progress) in the destructor.
+// The registry must outlive the server. port() is thread safe.
+//
+//   ASSIGN_OR_RETURN(std::unique_ptr<MetricsHttpServer> server,
+//                    MetricsHttpServer::Start("0.0.0.0:9090", &registry));
+class MetricsHttpServer {
+ public:
+  // Listens on `listen`: "HOST:PORT" with an IPv4 address or host name ("0.0.0.0:9090",
+  // "127.0.0.1:9090", "localhost:9090") or a bare "PORT" (all interfaces). PORT 0 binds a free
+  // port chosen by the kernel; port() tells which. IPv6 addresses are refused: Debian 12's civetweb
+  // is built without IPv6. Errors: InvalidArgument for a malformed `listen` or null registry;
+  // Unavailable, with civetweb's reason ("cannot bind to 127.0.0.1:9090: 98 (Address already in
+  // use)"), when the server cannot start.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
+                                                                  Registry* registry);
+
+  ~MetricsHttpServer();
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  // The TCP port listened on; the kernel's choice when started with port 0.
+  int port() const { return port_; }
+
+ private:
+  explicit MetricsHttpServer(Registry* registry) : registry_(registry) {}
+
+  static int HandleRequest(mg_connection* connection, void* server);
+  static int LogMessage(const mg_connection* connection, const char* message);
+
+  Registry* const registry_;
+  mg_context* context_ = nullptr;
+  int port_ = 0;
+  // civetweb reports why it failed to start only through its log callback; collected here while
+  // Start runs, then log lines go to stderr.
+  absl::Mutex log_mu_;
+  bool started_ ABSL_GUARDED_BY(log_mu_) = false;
+  std::string start_log_ ABSL_GUARDED_BY(log_mu_);
+};
+
+}  // namespace attnd::metrics

@@ -1,0 +1,167 @@
+#include "service/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "engine/engine.h"
+#include "service/attention_service.h"
+#include "service/metrics.h"
+#include "service/metrics_http.h"
+#include "service/service_metrics.h"
+
+namespace attnd {
+namespace {
+
+constexpr char kServiceName[] = "attnd.v1.Attention";
+
+absl::StatusOr<ModelSpec> LoadSpec(const ServerFlags& f) {
+  if (f.model_file.empty()) return PresetModelSpec(f.model);
+  std::ifstream in(f.model_file);
+  if (!in) return absl::NotFoundError(absl::StrCat("--model-file: cannot read ", f.model_file));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseModelSpecJson(text.str());
+}
+
+absl::StatusOr<int> CountCpuDevices(const std::vector<std::string>& devices) {
+  for (size_t i = 0; i < devices.size(); ++i) {
+    int index = -1;
+    if (devices[i].rfind("cuda:", 0) == 0)
+      return absl::UnimplementedError(absl::StrCat(
+          "--devices: ", devices[i], ": this build has no CUDA backend; use cpu:N"));
+    if (devices[i].rfind("cpu:", 0) != 0 || !absl::SimpleAtoi(devices[i].substr(4), &index) ||
+        index != static_cast<int>(i))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--devices: '", devices[i], "' must be cpu:", i, " (devices are numbered in order)"));
+  }
+  return static_cast<int>(devices.size());
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
+  EngineOptions o;
+  ASSIGN_OR_RETURN(o.spec, LoadSpec(f));
+  ASSIGN_OR_RETURN(o.num_devices, CountCpuDevices(f.devices));
+  o.cache_dtype = f.cache_dtype;
+  o.pages_per_device = f.kv_pages;
+  o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
+  o.threads = f.threads;
+  if (f.cpu_isa == "generic") {
+    o.isa = cpu::Isa::kGeneric;
+  } else if (f.cpu_isa == "avx2") {
+    const auto isas = cpu::SupportedIsas();
+    if (std::find(isas.begin(), isas.end(), cpu::Isa::kAvx2) == isas.end())
+      return absl::FailedPreconditionError("--cpu-isa=avx2: this CPU lacks AVX2/FMA");
+    o.isa = cpu::Isa::kAvx2;
+  }
+  return Engine::Create(o);
+}
+
+}  // namespace
+
+int RunServer(const ServerFlags& flags) {
+  // Every thread started from here on inherits the blocked signals; main waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto engine_or = MakeEngine(flags);
+  if (!engine_or.ok()) {
+    std::fprintf(stderr, "attnd: %s\n", std::string(engine_or.status().message()).c_str());
+    return 1;
+  }
+  std::unique_ptr<Engine> engine = std::move(engine_or).value();
+  Executor executor(8);
+  metrics::Registry registry;
+  ServiceMetrics service_metrics(&registry, engine.get());
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
+  if (flags.metrics_port > 0) {
+    auto m = metrics::MetricsHttpServer::Start(absl::StrCat(flags.grpc_address, ":", flags.metrics_port),
+                                      &registry);
+    if (!m.ok()) {
+      std::fprintf(stderr, "attnd: metrics: %s\n", std::string(m.status().message()).c_str());
+      return 1;
+    }
+    metrics_http = std::move(m).value();
+  }
+
+  ServiceOptions so;
+  so.max_message_bytes = flags.max_message_bytes;
+  so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
+  AttentionService service(engine.get(), &executor, &service_metrics, so);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string address = absl::StrCat(flags.grpc_address, ":", flags.grpc_port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(flags.max_message_bytes));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::fprintf(stderr, "attnd: cannot listen on %s\n", address.c_str());
+    return 1;
+  }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus("", true);
+  health->SetServingStatus(kServiceName, true);
+
+  const auto caps = engine->Capacity();
+  std::printf("attnd: serving attnd.v1 on %s:%d; model %s (%d layers), %zu device(s) x %d pages, "
+              "cpu isa %s, metrics %s\n",
+              flags.grpc_address.c_str(), port, engine->spec().name.c_str(),
+              engine->spec().num_layers(), caps.size(), caps[0].pages_total,
+              std::string(cpu::IsaName(engine->options().isa)).c_str(),
+              metrics_http ? absl::StrCat("on :", metrics_http->port(), "/metrics").c_str() : "off");
+  std::fflush(stdout);
+
+  // Idle steps expire in the background.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+  const auto idle = std::chrono::milliseconds(flags.step_idle_timeout_ms);
+  std::thread reaper([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    const auto period = std::clamp<std::chrono::milliseconds>(idle / 4, std::chrono::milliseconds(10),
+                                                              std::chrono::milliseconds(1000));
+    while (!cv.wait_for(lock, period, [&] { return stopping; }))
+      if (flags.step_idle_timeout_ms > 0) engine->ExpireIdleSteps(idle);
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("attnd: %s received, draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  std::fflush(stdout);
+  service.SetDraining();
+  health->SetServingStatus(kServiceName, false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(flags.shutdown_grace_ms));
+  server->Wait();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stopping = true;
+  }
+  cv.notify_all();
+  reaper.join();
+  const int aborted = engine->ExpireIdleSteps(std::chrono::milliseconds(0));
+  std::printf("attnd: stopped (%d open step(s) aborted at exit)\n", aborted);
+  return 0;
+}
+
+}  // namespace attnd

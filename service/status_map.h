@@ -1,0 +1,13 @@
+// The one place where engine errors become gRPC statuses (DESIGN §6).
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+
+namespace attnd {
+
+// Same code, same message. absl and gRPC share the canonical code numbering.
+grpc::Status ToGrpcStatus(const absl::Status& s);
+
+}  // namespace attnd
