@@ -94,7 +94,7 @@ void AppendEscaped(absl::string_view text, bool escape_quote, std::string* out) 
     } else if (c == '\n') {
       out->append("\\n");
     } else if (c == '"' && escape_quote) {
-      out->append("\\\"");
+      out->push_back(c);
     } else {
       out->push_back(c);
     }
@@ -102,8 +102,8 @@ void AppendEscaped(absl::string_view text, bool escape_quote, std::string* out) 
 }
 
 // Integers print as plain digits (counters read "1000000", not "1e+06"); other finite values as
-// the shortest text that reads back to the same double; infinities and NaN as Prometheus spells
-// them.
+// the shortest text that reads back to the same double, in %g style (0.0001 but 1e-05, as Go's
+// strconv 'g' writes small numbers); infinities and NaN as Prometheus spells them.
 void AppendValue(double value, std::string* out) {
   if (std::isnan(value)) {
     out->append("NaN");
@@ -113,7 +113,8 @@ void AppendValue(double value, std::string* out) {
     absl::StrAppend(out, static_cast<int64_t>(value));
   } else {
     char buffer[64];
-    const std::to_chars_result result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+    const std::to_chars_result result =
+        std::to_chars(buffer, buffer + sizeof(buffer), value, std::chars_format::general);
     out->append(buffer, result.ptr);
   }
 }

@@ -1,0 +1,67 @@
+#include "tests/server_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <regex>
+
+namespace attnd::testing {
+
+ServerProcess::ServerProcess(const std::string& binary, const std::vector<std::string>& args) {
+  int fds[2];
+  if (pipe(fds) != 0) std::abort();
+  pid_ = fork();
+  if (pid_ == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    std::vector<std::string> all = {binary, "--grpc-port=0", "--grpc-address=127.0.0.1"};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(binary.c_str(), argv.data());
+    std::perror("execv attnd");
+    _exit(127);
+  }
+  close(fds[1]);
+  stdout_fd_ = fds[0];
+  std::string out;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  const std::regex serving("serving attnd.v1 on [^ ]*:([0-9]+)");
+  std::smatch m;
+  while (!std::regex_search(out, m, serving)) {
+    pollfd p{stdout_fd_, POLLIN, 0};
+    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          deadline - std::chrono::steady_clock::now())
+                                          .count());
+    char buf[512];
+    ssize_t n = 0;
+    if (left <= 0 || poll(&p, 1, left) <= 0 || (n = read(stdout_fd_, buf, sizeof(buf))) <= 0) {
+      std::fprintf(stderr, "attnd did not start; its output:\n%s\n", out.c_str());
+      std::abort();
+    }
+    out.append(buf, n);
+  }
+  port_ = std::stoi(m[1]);
+}
+
+int ServerProcess::Stop() {
+  if (pid_ <= 0) return -1;
+  kill(pid_, SIGTERM);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  if (stdout_fd_ >= 0) close(stdout_fd_);
+  stdout_fd_ = -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+ServerProcess::~ServerProcess() { Stop(); }
+
+}  // namespace attnd::testing

@@ -1,0 +1,31 @@
+// Starts a real attnd binary for integration tests and stops it with SIGTERM.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace attnd::testing {
+
+class ServerProcess {
+ public:
+  // Runs `binary --grpc-port=0 <args>` and waits for its "serving" line; port() is the port it
+  // bound. Aborts the test binary if the server does not come up in 30 s.
+  ServerProcess(const std::string& binary, const std::vector<std::string>& args);
+  // Stops the server if still running.
+  ~ServerProcess();
+
+  int port() const { return port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+  // SIGTERM, then waits; returns the exit status (or 128 + signal).
+  int Stop();
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  int stdout_fd_ = -1;
+};
+
+}  // namespace attnd::testing

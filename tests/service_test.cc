@@ -1,0 +1,377 @@
+// Integration tests: a real attnd process on loopback, driven through the C++ client over the
+// stream and unary paths, checked against the float64 oracle.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
+#include "client/workload.h"
+#include "tests/server_process.h"
+
+namespace attnd::testing {
+namespace {
+
+using client::Batch;
+using client::Client;
+using client::GeneratedLayer;
+
+constexpr int64_t kMaxMessage = 4 << 20;
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new ServerProcess(ATTND_BINARY, {"--model=tiny", "--kv-pages=400", "--threads=2",
+                                               "--metrics-port=0", "--step-idle-timeout-ms=400",
+                                               absl::StrCat("--max-message-bytes=", kMaxMessage)});
+  }
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->Stop(), 0) << "attnd exits 0 on SIGTERM";
+    delete server_;
+  }
+  void SetUp() override {
+    client_ = Client::Connect(server_->target());
+    auto info = client_->Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    spec_ = client::ModelSpecFromProto(info->model()).value();
+    oracle_ = std::make_unique<reference::StepOracle>(spec_, DType::kBF16);
+  }
+
+  void Open(const std::string& id, const std::string& parent = "", int64_t prefix = 0) {
+    auto s = client_->OpenSequence(id, parent, prefix);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (parent.empty()) {
+      oracle_->Open(id);
+    } else {
+      oracle_->Fork(id, parent, prefix);
+    }
+  }
+
+  static std::vector<double> Decode(const v1::Tensor& t) {
+    const DType dt = ParseDType(t.datatype()).value();
+    const size_t n = t.data().size() / DTypeSize(dt);
+    std::vector<float> f(n);
+    ConvertToF32(dt, t.data().data(), f.data(), n);
+    return {f.begin(), f.end()};
+  }
+
+  // Runs a step over `stream` (or unary calls when null) and returns per-layer outputs.
+  absl::StatusOr<std::vector<std::vector<double>>> RunStep(client::StepStream* stream,
+                                                           const Batch& batch,
+                                                           const std::vector<GeneratedLayer>& g) {
+    std::vector<std::vector<double>> outs;
+    uint64_t step = 0;
+    if (stream) {
+      auto b = stream->Begin(batch);
+      if (!b.ok()) return b.status();
+    } else {
+      auto b = client_->BeginStep(batch);
+      if (!b.ok()) return b.status();
+      step = b->step_id();
+    }
+    for (size_t l = 0; l < g.size(); ++l) {
+      auto o = stream ? stream->Layer(g[l].wire) : client_->AttendLayer(step, g[l].wire);
+      if (!o.ok()) return o.status();
+      EXPECT_EQ(o->committed(), l + 1 == g.size());
+      outs.push_back(Decode(o->out()));
+    }
+    return outs;
+  }
+
+  // Checks outputs against the oracle (after committing the step's keys to it).
+  void Check(const Batch& batch, const std::vector<GeneratedLayer>& g,
+             const std::vector<std::vector<double>>& outs) {
+    std::vector<reference::LayerValues> v;
+    for (const auto& l : g) v.push_back(l.values);
+    const auto want = oracle_->Expected(batch, v);
+    ASSERT_EQ(want.size(), outs.size());
+    for (size_t l = 0; l < outs.size(); ++l) {
+      for (double x : outs[l]) ASSERT_FALSE(std::isnan(x));
+      EXPECT_LE(reference::RelL2(outs[l], want[l]), 1e-2) << "layer " << l;
+    }
+  }
+  void Commit(const Batch& batch, const std::vector<GeneratedLayer>& g) {
+    std::vector<reference::LayerValues> v;
+    for (const auto& l : g) v.push_back(l.values);
+    oracle_->Commit(batch, v);
+  }
+
+  int64_t Length(const std::string& id) {
+    auto d = client_->DescribeSequence(id);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? d->length() : -1;
+  }
+
+  static ServerProcess* server_;
+  std::unique_ptr<Client> client_;
+  ModelSpec spec_;
+  std::unique_ptr<reference::StepOracle> oracle_;
+  std::mt19937_64 rng_{42};
+};
+ServerProcess* ServiceTest::server_ = nullptr;
+
+// Two sequences with identical histories, one driven over the stream and one over unary calls:
+// chunked prefill, a mixed batch (decode + extend), forks and decode; outputs must be identical
+// and match the float64 reference.
+TEST_F(ServiceTest, StreamAndUnaryAgreeAndMatchTheReference) {
+  Open("su-s");
+  Open("su-u");
+  Open("su-other");
+  auto stream = client_->OpenStream();
+  auto both = [&](const std::vector<std::pair<int64_t, int64_t>>& plan, bool with_other) {
+    // plan: per transport sequence, q_len (same for s and u).
+    const int64_t q = plan[0].first;
+    Batch bs = {{"su-s", q}}, bu = {{"su-u", q}};
+    if (with_other) {
+      bs.emplace_back("su-other", plan[0].second);
+      bu.emplace_back("su-other", plan[0].second);
+    }
+    const int64_t T = q + (with_other ? plan[0].second : 0);
+    auto g = client::GenerateStep(spec_, T, DType::kBF16, false, rng_);
+    auto s = RunStep(stream.get(), bs, g);
+    ASSERT_TRUE(s.ok()) << s.status();
+    Commit(bs, g);
+    Check(bs, g, *s);
+    if (with_other) return;  // "su-other" moved on; the unary twin runs alone below
+    auto u = RunStep(nullptr, bu, g);
+    ASSERT_TRUE(u.ok()) << u.status();
+    Commit(bu, g);
+    for (size_t l = 0; l < g.size(); ++l) EXPECT_EQ((*s)[l], (*u)[l]) << "layer " << l;
+  };
+  both({{41, 0}}, false);  // three prefill chunks, not page aligned
+  both({{30, 0}}, false);
+  both({{29, 0}}, false);
+  for (int i = 0; i < 4; ++i) both({{1, 0}}, false);  // decode past K = 24
+  EXPECT_EQ(Length("su-s"), 104);
+  EXPECT_EQ(Length("su-u"), 104);
+  // A mixed batch: s decodes while another sequence prefills.
+  both({{1, 50}}, true);
+  // Forks of s at a non-aligned prefix, extended through each transport.
+  Open("su-f1", "su-s", 70);
+  Open("su-f2", "su-s", 70);
+  auto g = client::GenerateStep(spec_, 5, DType::kBF16, false, rng_);
+  auto a = RunStep(stream.get(), {{"su-f1", 5}}, g);
+  auto b = RunStep(nullptr, {{"su-f2", 5}}, g);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Commit({{"su-f1", 5}}, g);
+  Commit({{"su-f2", 5}}, g);
+  Check({{"su-f1", 5}}, g, *a);
+  for (size_t l = 0; l < g.size(); ++l) EXPECT_EQ((*a)[l], (*b)[l]);
+  EXPECT_TRUE(stream->Close().ok());
+  for (const char* id : {"su-s", "su-u", "su-other", "su-f1", "su-f2"})
+    EXPECT_TRUE(client_->CloseSequence(id).ok());
+}
+
+TEST_F(ServiceTest, SeveralClientsAtOnceOnDifferentSequences) {
+  const int kClients = 4;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      auto cl = Client::Connect(server_->target());
+      reference::StepOracle oracle(spec_, DType::kBF16);
+      std::mt19937_64 rng(100 + c);
+      const std::string id = absl::StrCat("many-", c);
+      if (!cl->OpenSequence(id).ok()) ++failures;
+      oracle.Open(id);
+      auto stream = cl->OpenStream();
+      for (int step = 0; step < 6; ++step) {
+        const int64_t q = step == 0 ? 30 + c : 1;
+        const Batch batch = {{id, q}};
+        auto g = client::GenerateStep(spec_, q, DType::kBF16, false, rng);
+        if (!stream->Begin(batch).ok()) {
+          ++failures;
+          return;
+        }
+        std::vector<std::vector<double>> outs;
+        for (auto& l : g) {
+          auto o = stream->Layer(l.wire);
+          if (!o.ok()) {
+            ++failures;
+            return;
+          }
+          outs.push_back(Decode(o->out()));
+        }
+        std::vector<reference::LayerValues> v;
+        for (auto& l : g) v.push_back(l.values);
+        oracle.Commit(batch, v);
+        const auto want = oracle.Expected(batch, v);
+        for (size_t l = 0; l < outs.size(); ++l)
+          if (!(reference::RelL2(outs[l], want[l]) <= 1e-2)) ++failures;
+      }
+      if (!stream->Close().ok() || !cl->CloseSequence(id).ok()) ++failures;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+// Every malformed field gets its own status and a message naming it; nothing changes; the
+// server keeps serving.
+TEST_F(ServiceTest, BadInputMatrix) {
+  Open("bad-a");
+  Open("bad-b");
+  {
+    auto g = client::GenerateStep(spec_, 20, DType::kBF16, false, rng_);
+    ASSERT_TRUE(RunStep(nullptr, {{"bad-a", 20}}, g).ok());
+    Commit({{"bad-a", 20}}, g);
+  }
+  auto state = [&] { return std::make_pair(Length("bad-a"), Length("bad-b")); };
+  const auto before = state();
+  const Batch batch = {{"bad-a", 2}, {"bad-b", 1}};
+  const auto good = client::GenerateStep(spec_, 3, DType::kBF16, false, rng_);
+  struct Case {
+    const char* what;
+    std::function<void(v1::LayerInputs&)> mutate;
+    absl::StatusCode code;
+    const char* needle;
+  };
+  const std::vector<Case> cases = {
+      {"datatype", [](v1::LayerInputs& in) { in.mutable_q_latent()->set_datatype("BF17"); },
+       absl::StatusCode::kInvalidArgument, "q_latent: datatype 'BF17'"},
+      {"lower-case datatype", [](v1::LayerInputs& in) { in.mutable_k_rope()->set_datatype("bf16"); },
+       absl::StatusCode::kInvalidArgument, "k_rope: datatype"},
+      {"shape", [](v1::LayerInputs& in) { in.mutable_q_rope()->set_shape(1, 3); },
+       absl::StatusCode::kInvalidArgument, "q_rope: shape [3, 3, 16], expected [3, 4, 16]"},
+      {"byte count", [](v1::LayerInputs& in) { in.mutable_kv_latent()->mutable_data()->pop_back(); },
+       absl::StatusCode::kInvalidArgument, "kv_latent: 191 bytes, expected 192"},
+      {"tokens vs batch", [](v1::LayerInputs& in) { in.mutable_index_k()->set_shape(0, 4); },
+       absl::StatusCode::kInvalidArgument, "index_k: shape [4, 16], expected [3, 16]"},
+      {"missing indexer", [](v1::LayerInputs& in) { in.clear_index_w(); },
+       absl::StatusCode::kInvalidArgument, "index_w: missing"},
+      {"layer out of order", [](v1::LayerInputs& in) { in.set_layer(2); },
+       absl::StatusCode::kFailedPrecondition, "layer 2 out of order, expected layer 0"},
+  };
+  for (bool use_stream : {true, false}) {
+    for (const auto& c : cases) {
+      v1::LayerInputs in = good[0].wire;
+      c.mutate(in);
+      absl::Status st;
+      if (use_stream) {
+        auto stream = client_->OpenStream();
+        ASSERT_TRUE(stream->Begin(batch).ok());
+        st = stream->Layer(in).status();
+      } else {
+        auto b = client_->BeginStep(batch);
+        ASSERT_TRUE(b.ok());
+        st = client_->AttendLayer(b->step_id(), in).status();
+        // The error aborted the step: it is gone.
+        EXPECT_EQ(client_->AttendLayer(b->step_id(), good[0].wire).status().code(),
+                  absl::StatusCode::kNotFound);
+      }
+      EXPECT_EQ(st.code(), c.code) << c.what << ": " << st;
+      EXPECT_NE(st.message().find(c.needle), std::string::npos) << c.what << ": " << st;
+      EXPECT_EQ(state(), before) << c.what;
+    }
+  }
+  // Sequence and step metadata.
+  EXPECT_EQ(client_->OpenSequence("bad-a").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->BeginStep({{"nope", 1}}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->AttendLayer(999999, good[0].wire).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->BeginStep({{"bad-a", 0}}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->OpenSequence("bad-c", "bad-a", 21).status().code(),
+            absl::StatusCode::kOutOfRange);
+  auto too_long = client_->BeginStep({{"bad-b", spec_.max_context + 1}});
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kOutOfRange);
+  auto too_many = client_->BeginStep({{"bad-b", 399 * 16}});  // more pages than the pool has
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(too_many.status().message().find("KV cache full"), std::string::npos);
+  {  // a sequence already in an open step
+    auto open = client_->BeginStep({{"bad-a", 1}});
+    ASSERT_TRUE(open.ok());
+    auto busy = client_->BeginStep({{"bad-b", 1}, {"bad-a", 1}});
+    EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(busy.status().message().find("'bad-a' is already in open step"), std::string::npos);
+    EXPECT_EQ(client_->CloseSequence("bad-a").code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(client_->AbortStep(open->step_id()).ok());
+  }
+  {  // oversize: gRPC's own limit, RESOURCE_EXHAUSTED before attnd sees it
+    v1::LayerInputs in = good[0].wire;
+    in.mutable_q_latent()->mutable_data()->resize(kMaxMessage + 1024);
+    auto b = client_->BeginStep(batch);
+    ASSERT_TRUE(b.ok());
+    auto st = client_->AttendLayer(b->step_id(), in).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    EXPECT_TRUE(client_->AbortStep(b->step_id()).ok());
+  }
+  {  // a stream message with nothing set
+    auto stream = client_->OpenStream();
+    auto st = stream->Abort();  // abort with no step open: fine, answered
+    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_EQ(stream->Layer(good[0].wire).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ(state(), before);
+  // Still serving, and still exact.
+  auto g = client::GenerateStep(spec_, 3, DType::kBF16, false, rng_);
+  auto out = RunStep(nullptr, batch, g);
+  ASSERT_TRUE(out.ok()) << out.status();
+  Commit(batch, g);
+  Check(batch, g, *out);
+  EXPECT_TRUE(client_->CloseSequence("bad-a").ok());
+  EXPECT_TRUE(client_->CloseSequence("bad-b").ok());
+}
+
+TEST_F(ServiceTest, CancelOrDisconnectMidStepLeavesSequencesAsBefore) {
+  Open("cx");
+  auto g0 = client::GenerateStep(spec_, 33, DType::kBF16, false, rng_);
+  ASSERT_TRUE(RunStep(nullptr, {{"cx", 33}}, g0).ok());
+  Commit({{"cx", 33}}, g0);
+  const auto before = client_->DescribeSequence("cx").value();
+  auto wait_idle = [&] {
+    for (int i = 0; i < 100; ++i) {
+      auto d = client_->DescribeSequence("cx");
+      if (d.ok() && !d->in_step()) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  auto g = client::GenerateStep(spec_, 17, DType::kBF16, false, rng_);
+  {  // cancel after two layers
+    auto stream = client_->OpenStream();
+    ASSERT_TRUE(stream->Begin({{"cx", 17}}).ok());
+    ASSERT_TRUE(stream->Layer(g[0].wire).ok());
+    ASSERT_TRUE(stream->Layer(g[1].wire).ok());
+    stream->Cancel();
+  }
+  wait_idle();
+  {  // half-close with a step open
+    auto stream = client_->OpenStream();
+    ASSERT_TRUE(stream->Begin({{"cx", 17}}).ok());
+    ASSERT_TRUE(stream->Layer(g[0].wire).ok());
+    EXPECT_EQ(stream->Close().code(), absl::StatusCode::kCancelled);
+  }
+  wait_idle();
+  {  // a unary step left idle expires (--step-idle-timeout-ms=400)
+    auto b = client_->BeginStep({{"cx", 17}});
+    ASSERT_TRUE(b.ok());
+    ASSERT_TRUE(client_->AttendLayer(b->step_id(), g[0].wire).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    EXPECT_EQ(client_->AttendLayer(b->step_id(), g[1].wire).status().code(),
+              absl::StatusCode::kNotFound);
+  }
+  const auto after = client_->DescribeSequence("cx").value();
+  EXPECT_EQ(after.length(), before.length());
+  EXPECT_EQ(after.num_pages(), before.num_pages());
+  EXPECT_FALSE(after.in_step());
+  // The sequence continues exactly as if those steps never happened.
+  auto out = RunStep(nullptr, {{"cx", 17}}, g);
+  ASSERT_TRUE(out.ok()) << out.status();
+  Commit({{"cx", 17}}, g);
+  Check({{"cx", 17}}, g, *out);
+  EXPECT_TRUE(client_->CloseSequence("cx").ok());
+}
+
+TEST_F(ServiceTest, ServerInfoDescribesModelAndCapacity) {
+  auto info = client_->Info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->model().name(), "tiny");
+  EXPECT_EQ(info->model().layers_size(), 4);
+  EXPECT_EQ(info->backend(), "cpu");
+  ASSERT_EQ(info->devices_size(), 1);
+  EXPECT_EQ(info->devices(0).pages_total(), 399);
+  EXPECT_EQ(info->max_message_bytes(), kMaxMessage);
+  EXPECT_TRUE(client_->Echo("ping", 1000).ok());
+}
+
+}  // namespace
+}  // namespace attnd::testing
