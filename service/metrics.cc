@@ -94,7 +94,7 @@ void AppendEscaped(absl::string_view text, bool escape_quote, std::string* out) 
     } else if (c == '\n') {
       out->append("\\n");
     } else if (c == '"' && escape_quote) {
-      out->push_back(c);
+      out->append("\\\"");
     } else {
       out->push_back(c);
     }

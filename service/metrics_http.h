@@ -32,6 +32,8 @@ class MetricsHttpServer {
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
                                                                   Registry* registry);
 
+  // Stops listening and waits for requests in progress; takes up to ~2 s because civetweb's
+  // listener thread notices the stop only between 2-s poll rounds.
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
