@@ -138,6 +138,8 @@ struct Engine::Impl {
     return r;
   }
 
+  bool CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from, int to,
+                    std::vector<int32_t>* out);
   absl::Status ValidateInputs(const Step& st, int layer, const LayerInputs& in,
                               size_t out_bytes) const;
   void WriteKeys(Step& st, int layer, const LayerInputs& in);
@@ -407,14 +409,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
 
-absl::Status Engine::OpenSequence(const std::string& id) {
+absl::Status Engine::OpenSequence(const std::string& id, int device) {
   if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->sequences.contains(id))
     return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
-  int best = 0;
-  for (int i = 1; i < static_cast<int>(impl_->devices.size()); ++i)
-    if (impl_->devices[i].pool.free_pages() > impl_->devices[best].pool.free_pages()) best = i;
+  const int n = static_cast<int>(impl_->devices.size());
+  if (device >= n)
+    return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
+  int best = device;
+  if (best < 0) {
+    best = 0;
+    for (int i = 1; i < n; ++i)
+      if (impl_->devices[i].pool.free_pages() > impl_->devices[best].pool.free_pages()) best = i;
+  }
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->device = best;
@@ -423,8 +431,26 @@ absl::Status Engine::OpenSequence(const std::string& id) {
   return absl::OkStatus();
 }
 
+int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
+
+// mu held. Copies the first `length` tokens of `pages` (on device `from`) into fresh pages on
+// device `to`, appending them to *out; false (nothing allocated) when `to` lacks pages.
+bool Engine::Impl::CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from,
+                                int to, std::vector<int32_t>* out) {
+  const int ps = spec().page_size;
+  const int32_t n = static_cast<int32_t>((length + ps - 1) / ps);
+  std::vector<int32_t> fresh;
+  if (!devices[to].pool.Allocate(n, &fresh)) return false;
+  for (int32_t i = 0; i < n; ++i) {
+    const int rows = static_cast<int>(std::min<int64_t>(ps, length - int64_t{i} * ps));
+    devices[from].cache.CopyPagePrefixTo(devices[to].cache, pages[i], fresh[i], rows);
+  }
+  out->insert(out->end(), fresh.begin(), fresh.end());
+  return true;
+}
+
 absl::Status Engine::ForkSequence(const std::string& id, const std::string& parent,
-                                  int64_t prefix_len) {
+                                  int64_t prefix_len, int device) {
   if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto pit = impl_->sequences.find(parent);
@@ -436,24 +462,62 @@ absl::Status Engine::ForkSequence(const std::string& id, const std::string& pare
   if (prefix_len < 0 || prefix_len > par.length)
     return absl::OutOfRangeError(absl::StrCat("fork prefix_len ", prefix_len, " outside [0, ",
                                               par.length, "] (parent '", parent, "' length)"));
-  const int ps = impl_->spec().page_size;
-  const int64_t full = prefix_len / ps;
-  const int rem = static_cast<int>(prefix_len % ps);
-  Device& dev = impl_->devices[par.device];
+  const int n = static_cast<int>(impl_->devices.size());
+  if (device >= n)
+    return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
+  const int target = device < 0 ? par.device : device;
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
-  seq->device = par.device;
+  seq->device = target;
   seq->length = prefix_len;
-  seq->pages.assign(par.pages.begin(), par.pages.begin() + full);
-  if (rem > 0) {
-    if (!dev.pool.Allocate(1, &seq->pages))
+  Device& dev = impl_->devices[target];
+  if (target != par.device) {
+    if (!impl_->CopyToDevice(par.pages, prefix_len, par.device, target, &seq->pages))
       return absl::ResourceExhaustedError(absl::StrCat(
-          "KV cache full on ", dev.name, ": fork needs 1 page for the partial last page, 0 free"));
-    dev.cache.CopyPagePrefix(par.pages[full], seq->pages.back(), rem);
+          "KV cache full on ", dev.name, ": a fork across devices copies every page"));
+  } else {
+    const int ps = impl_->spec().page_size;
+    const int64_t full = prefix_len / ps;
+    const int rem = static_cast<int>(prefix_len % ps);
+    seq->pages.assign(par.pages.begin(), par.pages.begin() + full);
+    if (rem > 0) {
+      if (!dev.pool.Allocate(1, &seq->pages))
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "KV cache full on ", dev.name, ": fork needs 1 page for the partial last page, 0 free"));
+      dev.cache.CopyPagePrefix(par.pages[full], seq->pages.back(), rem);
+    }
+    for (int64_t i = 0; i < full; ++i) dev.pool.Ref(seq->pages[i]);
   }
-  for (int64_t i = 0; i < full; ++i) dev.pool.Ref(seq->pages[i]);
   ++dev.sequences;
   impl_->sequences.emplace(id, std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::MigrateSequence(const std::string& id, int device) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->sequences.find(id);
+  if (it == impl_->sequences.end())
+    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+  Sequence& seq = *it->second;
+  const int n = static_cast<int>(impl_->devices.size());
+  if (device < 0 || device >= n)
+    return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
+  if (seq.step != 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", id, "' is in open step ", seq.step, "; migrate between steps"));
+  if (device == seq.device) return absl::OkStatus();
+  std::vector<int32_t> moved;
+  if (!impl_->CopyToDevice(seq.pages, seq.length, seq.device, device, &moved))
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache full on ",
+                                                     impl_->devices[device].name,
+                                                     ": migration needs ", seq.pages.size(),
+                                                     " pages"));
+  Device& from = impl_->devices[seq.device];
+  for (int32_t p : seq.pages) from.pool.Unref(p);
+  --from.sequences;
+  ++impl_->devices[device].sequences;
+  seq.pages = std::move(moved);
+  seq.device = device;
   return absl::OkStatus();
 }
 

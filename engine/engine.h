@@ -91,12 +91,20 @@ class Engine {
   const ModelSpec& spec() const;
   const EngineOptions& options() const;
 
-  // ALREADY_EXISTS if the id is in use. Places the sequence on the device with most free pages.
-  absl::Status OpenSequence(const std::string& id);
-  // A new sequence holding the first `prefix_len` tokens of `parent` (on the parent's device):
-  // full pages are shared by reference, the partial last page is copied. NOT_FOUND (parent),
-  // ALREADY_EXISTS (id), OUT_OF_RANGE (prefix_len > parent length), RESOURCE_EXHAUSTED.
-  absl::Status ForkSequence(const std::string& id, const std::string& parent, int64_t prefix_len);
+  // ALREADY_EXISTS if the id is in use. Places the sequence on `device`, or with device < 0 on
+  // the device with most free pages (ties to the lowest index).
+  absl::Status OpenSequence(const std::string& id, int device = -1);
+  // A new sequence holding the first `prefix_len` tokens of `parent`. On the parent's device
+  // (device < 0 or equal) full pages are shared by reference and the partial last page is
+  // copied; on another device every page is copied. NOT_FOUND (parent), ALREADY_EXISTS (id),
+  // OUT_OF_RANGE (prefix_len > parent length, bad device), RESOURCE_EXHAUSTED.
+  absl::Status ForkSequence(const std::string& id, const std::string& parent, int64_t prefix_len,
+                            int device = -1);
+  // Moves a sequence's pages to another device (rebalancing): copies every page, then drops its
+  // references on the source. FAILED_PRECONDITION while in an open step; RESOURCE_EXHAUSTED if
+  // the target lacks pages (nothing changes then).
+  absl::Status MigrateSequence(const std::string& id, int device);
+  int num_devices() const;
   // FAILED_PRECONDITION while the sequence is in an open step.
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<SequenceInfo> DescribeSequence(const std::string& id) const;

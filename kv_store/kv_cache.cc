@@ -74,11 +74,15 @@ KvCache::~KvCache() {
 }
 
 void KvCache::CopyPagePrefix(int32_t src, int32_t dst, int tokens) const {
+  CopyPagePrefixTo(*this, src, dst, tokens);
+}
+
+void KvCache::CopyPagePrefixTo(const KvCache& d, int32_t src, int32_t dst, int tokens) const {
   if (tokens <= 0) return;
   for (int l = 0; l < config_.num_layers; ++l)
-    std::memcpy(LatentRow(l, dst, 0), LatentRow(l, src, 0), tokens * latent_row_bytes());
+    std::memcpy(d.LatentRow(l, dst, 0), LatentRow(l, src, 0), tokens * latent_row_bytes());
   for (int s = 0; s < config_.num_full_layers; ++s)
-    std::memcpy(IndexRow(s, dst, 0), IndexRow(s, src, 0), tokens * index_row_bytes());
+    std::memcpy(d.IndexRow(s, dst, 0), IndexRow(s, src, 0), tokens * index_row_bytes());
 }
 
 }  // namespace attnd

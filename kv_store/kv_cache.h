@@ -51,6 +51,8 @@ class KvCache {
   }
   // Copies the first `tokens` rows of page `src` to page `dst` in every layer and slot.
   void CopyPagePrefix(int32_t src, int32_t dst, int tokens) const;
+  // The same into another cache of the same config (another device's pool).
+  void CopyPagePrefixTo(const KvCache& dst_cache, int32_t src, int32_t dst, int tokens) const;
 
  private:
   KvCache() = default;

@@ -73,13 +73,14 @@ Harness::Harness(EngineOptions options) {
   oracle_ = std::make_unique<reference::StepOracle>(engine_->spec(), options.cache_dtype);
 }
 
-void Harness::Open(const std::string& id) {
-  ASSERT_TRUE(engine_->OpenSequence(id).ok());
+void Harness::Open(const std::string& id, int device) {
+  ASSERT_TRUE(engine_->OpenSequence(id, device).ok());
   oracle_->Open(id);
 }
 
-void Harness::Fork(const std::string& id, const std::string& parent, int64_t prefix_len) {
-  ASSERT_TRUE(engine_->ForkSequence(id, parent, prefix_len).ok());
+void Harness::Fork(const std::string& id, const std::string& parent, int64_t prefix_len,
+                   int device) {
+  ASSERT_TRUE(engine_->ForkSequence(id, parent, prefix_len, device).ok());
   oracle_->Fork(id, parent, prefix_len);
 }
 
