@@ -4,12 +4,18 @@
 #include <mutex>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kv_store/kv_cache.h"
 #include "kv_store/page_pool.h"
+#ifdef ATTND_HAVE_CUDA
+#include <future>
+
+#include "kernels/cuda/cuda_device.h"
+#endif
 
 namespace attnd {
 namespace {
@@ -23,11 +29,25 @@ constexpr int64_t kScoreChunk = 8192;
 // Heads per attention task.
 constexpr int kHeadGroup = 16;
 
+// One device's pool and caches: host memory for cpu:N, device memory (held by `gpu`) for
+// cuda:N, whose host-side KvCache is then an untouched, lazily mapped placeholder.
 struct Device {
   std::string name;
   PagePool pool;
   KvCache cache;
+#ifdef ATTND_HAVE_CUDA
+  std::unique_ptr<cuda::CudaDevice> gpu;
+#endif
   int64_t sequences = 0;
+  Device(std::string n, PagePool p, KvCache c)
+      : name(std::move(n)), pool(std::move(p)), cache(std::move(c)) {}
+  bool is_gpu() const {
+#ifdef ATTND_HAVE_CUDA
+    return gpu != nullptr;
+#else
+    return false;
+#endif
+  }
 };
 
 struct Sequence {
@@ -55,9 +75,12 @@ struct Step {
   bool busy = false;
   bool abort_requested = false;
   Clock::time_point last_used;
-  // Plan, built once per step: per token, its batch entry and absolute position.
+  // Plan, built once per step: per token, its batch entry and absolute position; the tokens
+  // the CPU backend computes; the GPUs holding the rest.
   std::vector<int32_t> tok_entry;
   std::vector<int64_t> tok_pos;
+  std::vector<int64_t> cpu_tokens;
+  std::vector<int> gpu_devices;
   // IndexShare carry: per token, the keys the last full layer selected (or all visible keys).
   std::vector<std::vector<int32_t>> selected;
   std::vector<uint8_t> select_all;
@@ -95,7 +118,13 @@ struct Engine::Impl {
   int64_t steps_committed = 0;
 
   // mu held.
+  void EndGpuSteps(Step* step) {
+#ifdef ATTND_HAVE_CUDA
+    for (int d : step->gpu_devices) devices[d].gpu->EndStep(step->id);
+#endif
+  }
   void AbortLocked(Step* step) {
+    EndGpuSteps(step);
     for (StepSeq& s : step->seqs) {
       for (int32_t p : s.new_pages) devices[s.seq->device].pool.Unref(p);
       s.seq->step = 0;
@@ -104,6 +133,7 @@ struct Engine::Impl {
     steps.erase(step->id);
   }
   void CommitLocked(Step* step) {
+    EndGpuSteps(step);
     for (StepSeq& s : step->seqs) {
       s.seq->pages.insert(s.seq->pages.end(), s.new_pages.begin(), s.new_pages.end());
       s.seq->length = s.new_len;
@@ -140,6 +170,8 @@ struct Engine::Impl {
 
   bool CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from, int to,
                     std::vector<int32_t>* out);
+  // Copies `rows` rows of a page in every layer and slot, across devices of any kind.
+  void CopyPage(int from, int32_t src, int to, int32_t dst, int rows);
   absl::Status ValidateInputs(const Step& st, int layer, const LayerInputs& in,
                               size_t out_bytes) const;
   void WriteKeys(Step& st, int layer, const LayerInputs& in);
@@ -147,6 +179,9 @@ struct Engine::Impl {
   void Attend(Step& st, int layer, DType out_dtype, uint8_t* out);
   absl::Status Compute(Step& st, int layer, const LayerInputs& in, void* out, size_t out_bytes,
                        LayerTrace* trace);
+  absl::Status ComputeCpu(Step& st, int layer, const LayerInputs& in, void* out,
+                          LayerTrace* trace);
+  absl::Status BeginGpuSteps(Step& st);
 };
 
 absl::Status Engine::Impl::ValidateInputs(const Step& st, int layer, const LayerInputs& in,
@@ -196,7 +231,8 @@ void Engine::Impl::WriteKeys(Step& st, int layer, const LayerInputs& in) {
   const int slot = s.FullSlot(layer);
   const DType ct = options.cache_dtype;
   const size_t ce = DTypeSize(ct);
-  pool->ParallelFor(st.tokens, [&](int64_t t) {
+  pool->ParallelFor(static_cast<int64_t>(st.cpu_tokens.size()), [&](int64_t i) {
+    const int64_t t = st.cpu_tokens[i];
     const StepSeq& e = st.seqs[st.tok_entry[t]];
     const Device& d = devices[e.seq->device];
     const int64_t pos = st.tok_pos[t];
@@ -219,7 +255,7 @@ void Engine::Impl::Select(Step& st, int layer) {
   const int Hi = s.index_n_heads, Di = s.index_head_dim;
   // Which queries need the indexer at all: those whose selection could miss a visible key.
   std::vector<int64_t> need;
-  for (int64_t t = 0; t < st.tokens; ++t) {
+  for (const int64_t t : st.cpu_tokens) {
     const int64_t n = st.tok_pos[t] + 1;
     const StepSeq& e = st.seqs[st.tok_entry[t]];
     bool all = false;
@@ -302,8 +338,8 @@ void Engine::Impl::Attend(Step& st, int layer, DType out_dtype, uint8_t* out) {
   const bool dense = s.layers[layer] == LayerKind::kDense;
   const int groups = (H + kHeadGroup - 1) / kHeadGroup;
   const size_t oe = DTypeSize(out_dtype);
-  pool->ParallelFor(st.tokens * groups, [&](int64_t task) {
-    const int64_t t = task / groups;
+  pool->ParallelFor(static_cast<int64_t>(st.cpu_tokens.size()) * groups, [&](int64_t task) {
+    const int64_t t = st.cpu_tokens[task / groups];
     const int h0 = static_cast<int>(task % groups) * kHeadGroup;
     const int hn = std::min(kHeadGroup, H - h0);
     const int64_t pos = st.tok_pos[t];
@@ -330,12 +366,67 @@ void Engine::Impl::Attend(Step& st, int layer, DType out_dtype, uint8_t* out) {
   });
 }
 
+absl::Status Engine::Impl::BeginGpuSteps(Step& st) {
+#ifdef ATTND_HAVE_CUDA
+  for (int d = 0; d < static_cast<int>(devices.size()); ++d) {
+    if (!devices[d].is_gpu()) continue;
+    cuda::StepPlan plan;
+    std::vector<int32_t> entry_offset(st.seqs.size(), -1);
+    for (int64_t t = 0; t < st.tokens; ++t) {
+      const int e = st.tok_entry[t];
+      const StepSeq& s = st.seqs[e];
+      if (s.seq->device != d) continue;
+      if (entry_offset[e] < 0) {
+        entry_offset[e] = static_cast<int32_t>(plan.tables.size());
+        plan.tables.insert(plan.tables.end(), s.table.begin(), s.table.end());
+      }
+      plan.rows.push_back(t);
+      plan.pos.push_back(st.tok_pos[t]);
+      plan.dense_prefill.push_back(spec().prefill == PrefillMode::kDense && s.q_len > 1);
+      plan.table_offset.push_back(entry_offset[e]);
+    }
+    if (plan.rows.empty()) continue;
+    RETURN_IF_ERROR(devices[d].gpu->BeginStep(st.id, plan));
+    st.gpu_devices.push_back(d);
+  }
+#endif
+  return absl::OkStatus();
+}
+
 absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
                                    size_t out_bytes, LayerTrace* trace) {
   RETURN_IF_ERROR(ValidateInputs(st, layer, in, out_bytes));
+  if (trace) trace->keys.assign(st.tokens, {});
+#ifdef ATTND_HAVE_CUDA
+  // The GPUs' shares run concurrently with the CPU backend's.
+  std::vector<std::future<absl::Status>> gpu_work;
+  for (int d : st.gpu_devices) {
+    cuda::LayerCall call;
+    call.layer = layer;
+    call.in = &in;
+    call.out_dtype = in.q_latent.present ? in.q_latent.dtype : DType::kBF16;
+    call.out = st.options.write_only ? nullptr : static_cast<uint8_t*>(out);
+    call.trace = trace && !st.options.write_only ? &trace->keys : nullptr;
+    cuda::CudaDevice* gpu = devices[d].gpu.get();
+    const uint64_t id = st.id;
+    gpu_work.push_back(std::async(std::launch::async, [gpu, id, call] { return gpu->RunLayer(id, call); }));
+  }
+  absl::Status cpu_status = ComputeCpu(st, layer, in, out, trace);
+  for (auto& f : gpu_work) {
+    absl::Status g = f.get();
+    if (cpu_status.ok() && !g.ok()) cpu_status = g;
+  }
+  return cpu_status;
+#else
+  return ComputeCpu(st, layer, in, out, trace);
+#endif
+}
+
+absl::Status Engine::Impl::ComputeCpu(Step& st, int layer, const LayerInputs& in, void* out,
+                                      LayerTrace* trace) {
+  if (st.cpu_tokens.empty()) return absl::OkStatus();
   if (st.options.write_only) {
     WriteKeys(st, layer, in);
-    if (trace) trace->keys.assign(st.tokens, {});
     return absl::OkStatus();
   }
   const ModelSpec& s = spec();
@@ -343,7 +434,9 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   const LayerKind kind = s.layers[layer];
   // Queries to fp32: [T, H, L+R] with q_latent | q_rope per head.
   st.q.resize(static_cast<size_t>(st.tokens) * H * D);
-  pool->ParallelFor(st.tokens, [&](int64_t t) {
+  const int64_t ncpu = static_cast<int64_t>(st.cpu_tokens.size());
+  pool->ParallelFor(ncpu, [&](int64_t i) {
+    const int64_t t = st.cpu_tokens[i];
     const size_t el = DTypeSize(in.q_latent.dtype), er = DTypeSize(in.q_rope.dtype);
     for (int h = 0; h < H; ++h) {
       float* q = st.q.data() + (t * H + h) * D;
@@ -355,11 +448,12 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
     const int64_t row = int64_t{s.index_n_heads} * s.index_head_dim;
     st.index_q.resize(st.tokens * row);
     const size_t es = DTypeSize(in.index_q.dtype);
-    pool->ParallelFor(st.tokens, [&](int64_t t) {
+    pool->ParallelFor(ncpu, [&](int64_t i) {
+      const int64_t t = st.cpu_tokens[i];
       ConvertToF32(in.index_q.dtype, Bytes(in.index_q) + t * row * es, st.index_q.data() + t * row,
                    row);
     });
-    st.index_w.resize(st.tokens * s.index_n_heads);
+    st.index_w.resize(st.tokens * s.index_n_heads);  // all rows: a cheap conversion
     ConvertToF32(in.index_w.dtype, in.index_w.data, st.index_w.data(),
                  st.tokens * s.index_n_heads);
   }
@@ -367,8 +461,7 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   if (kind == LayerKind::kFull) Select(st, layer);
   Attend(st, layer, in.q_latent.dtype, static_cast<uint8_t*>(out));
   if (trace) {
-    trace->keys.assign(st.tokens, {});
-    for (int64_t t = 0; t < st.tokens; ++t) {
+    for (const int64_t t : st.cpu_tokens) {
       const int64_t pos = st.tok_pos[t];
       auto& k = trace->keys[t];
       if (kind == LayerKind::kDense || st.select_all[t]) {
@@ -398,10 +491,27 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   config.num_pages = options.pages_per_device > 0
                          ? options.pages_per_device
                          : config.PagesForBytes(options.cache_bytes_per_device);
-  for (int i = 0; i < options.num_devices; ++i) {
+  std::vector<std::string> names = options.devices;
+  if (names.empty())
+    for (int i = 0; i < options.num_devices; ++i) names.push_back(absl::StrCat("cpu:", i));
+  for (const std::string& name : names) {
+    const bool gpu = name.rfind("cuda:", 0) == 0;
+    int ordinal = -1;
+    if ((!gpu && name.rfind("cpu:", 0) != 0) ||
+        !absl::SimpleAtoi(name.substr(gpu ? 5 : 4), &ordinal) || ordinal < 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("device '", name, "': expected cpu:N or cuda:N"));
     ASSIGN_OR_RETURN(KvCache cache, KvCache::Create(config));
-    impl->devices.push_back(
-        Device{absl::StrCat("cpu:", i), PagePool(config.num_pages), std::move(cache), 0});
+    impl->devices.emplace_back(name, PagePool(config.num_pages), std::move(cache));
+    if (gpu) {
+#ifdef ATTND_HAVE_CUDA
+      ASSIGN_OR_RETURN(impl->devices.back().gpu,
+                       cuda::CudaDevice::Create(ordinal, options.spec, config));
+#else
+      return absl::UnimplementedError(
+          absl::StrCat("device '", name, "': this build has no CUDA backend (nvcc not found)"));
+#endif
+    }
   }
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -433,6 +543,14 @@ absl::Status Engine::OpenSequence(const std::string& id, int device) {
 
 int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
 
+bool Engine::CudaBuilt() {
+#ifdef ATTND_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 // mu held. Copies the first `length` tokens of `pages` (on device `from`) into fresh pages on
 // device `to`, appending them to *out; false (nothing allocated) when `to` lacks pages.
 bool Engine::Impl::CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from,
@@ -443,10 +561,51 @@ bool Engine::Impl::CopyToDevice(const std::vector<int32_t>& pages, int64_t lengt
   if (!devices[to].pool.Allocate(n, &fresh)) return false;
   for (int32_t i = 0; i < n; ++i) {
     const int rows = static_cast<int>(std::min<int64_t>(ps, length - int64_t{i} * ps));
-    devices[from].cache.CopyPagePrefixTo(devices[to].cache, pages[i], fresh[i], rows);
+    CopyPage(from, pages[i], to, fresh[i], rows);
   }
   out->insert(out->end(), fresh.begin(), fresh.end());
   return true;
+}
+
+void Engine::Impl::CopyPage(int from, int32_t src, int to, int32_t dst, int rows) {
+  Device& a = devices[from];
+  Device& b = devices[to];
+  if (!a.is_gpu() && !b.is_gpu()) {
+    a.cache.CopyPagePrefixTo(b.cache, src, dst, rows);
+    return;
+  }
+#ifdef ATTND_HAVE_CUDA
+  absl::Status st;
+  if (a.is_gpu() && b.is_gpu()) {
+    st = a.gpu->CopyPagePrefixTo(*b.gpu, src, dst, rows);
+  } else {
+    // Between host and GPU through staging laid out as [layers x rows x (L+R) | slots x rows x Di].
+    const KvCache& host = a.is_gpu() ? b.cache : a.cache;
+    const int32_t hp = a.is_gpu() ? dst : src;
+    std::vector<uint8_t> buf;
+    if (a.is_gpu()) st = a.gpu->ReadPage(src, rows, &buf);
+    const size_t lat = rows * host.latent_row_bytes(), idx = rows * host.index_row_bytes();
+    const auto& c = host.config();
+    if (!a.is_gpu()) buf.resize(c.num_layers * lat + c.num_full_layers * idx);
+    for (int l = 0; l < c.num_layers; ++l) {
+      uint8_t* h = host.LatentRow(l, hp, 0);
+      if (a.is_gpu()) std::memcpy(h, buf.data() + l * lat, lat);
+      else std::memcpy(buf.data() + l * lat, h, lat);
+    }
+    for (int k = 0; k < c.num_full_layers; ++k) {
+      uint8_t* h = host.IndexRow(k, hp, 0);
+      uint8_t* staged = buf.data() + c.num_layers * lat + k * idx;
+      if (a.is_gpu()) std::memcpy(h, staged, idx);
+      else std::memcpy(staged, h, idx);
+    }
+    if (!a.is_gpu()) st = b.gpu->WritePage(dst, rows, buf);
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "attnd: page copy %s -> %s failed: %s\n", a.name.c_str(),
+                 b.name.c_str(), std::string(st.message()).c_str());
+    std::abort();  // a device that cannot copy memory is broken; never serve wrong keys
+  }
+#endif
 }
 
 absl::Status Engine::ForkSequence(const std::string& id, const std::string& parent,
@@ -484,7 +643,7 @@ absl::Status Engine::ForkSequence(const std::string& id, const std::string& pare
       if (!dev.pool.Allocate(1, &seq->pages))
         return absl::ResourceExhaustedError(absl::StrCat(
             "KV cache full on ", dev.name, ": fork needs 1 page for the partial last page, 0 free"));
-      dev.cache.CopyPagePrefix(par.pages[full], seq->pages.back(), rem);
+      impl_->CopyPage(target, par.pages[full], target, seq->pages.back(), rem);
     }
     for (int64_t i = 0; i < full; ++i) dev.pool.Ref(seq->pages[i]);
   }
@@ -631,6 +790,13 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
     }
     step->tokens += s.q_len;
   }
+  for (int64_t t = 0; t < step->tokens; ++t)
+    if (!impl_->devices[step->seqs[step->tok_entry[t]].seq->device].is_gpu())
+      step->cpu_tokens.push_back(t);
+  if (absl::Status g = impl_->BeginGpuSteps(*step); !g.ok()) {
+    impl_->AbortLocked(step.get());  // not registered yet: releases pages, frees sequences
+    return g;
+  }
   step->selected.resize(step->tokens);
   step->select_all.assign(step->tokens, 1);
   step->last_used = Clock::now();
@@ -711,6 +877,9 @@ std::vector<int32_t> Engine::PageRefcounts(int device) const {
 
 bool Engine::ReservedPageUntouched(int device) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
+#ifdef ATTND_HAVE_CUDA
+  if (impl_->devices.at(device).is_gpu()) return impl_->devices[device].gpu->ReservedPageUntouched();
+#endif
   const KvCache& c = impl_->devices.at(device).cache;
   const auto zero = [](const uint8_t* p, size_t n) {
     for (size_t i = 0; i < n; ++i)

@@ -20,7 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/model_spec.h"
-#include "engine/tensor.h"
+#include "common/tensor.h"
 #include "kernels/cpu/cpu_isa.h"
 
 namespace attnd {
@@ -28,7 +28,9 @@ namespace attnd {
 struct EngineOptions {
   ModelSpec spec;
   DType cache_dtype = DType::kBF16;  // bf16 in production; fp32 for exactness tests
-  int num_devices = 1;               // CPU devices cpu:0..cpu:N-1
+  int num_devices = 1;               // CPU devices cpu:0..cpu:N-1 (when `devices` is empty)
+  // Explicit devices, in order: "cpu:N" or "cuda:N" (cuda needs a CUDA build and that GPU).
+  std::vector<std::string> devices;
   int32_t pages_per_device = 0;      // pages incl. the reserved page 0; 0 = use cache_bytes
   size_t cache_bytes_per_device = size_t{1} << 30;
   int threads = 0;                   // compute threads; 0 = all cores
@@ -39,19 +41,6 @@ struct EngineOptions {
 struct StepEntry {
   std::string sequence_id;
   int64_t q_len = 0;
-};
-
-// The tensors of one layer call (DESIGN §1), T = total new tokens of the step in batch order.
-// Indexer tensors are given on full layers only. Each may have its own dtype; the output takes
-// q_latent's.
-struct LayerInputs {
-  TensorView q_latent;   // [T, H, L]
-  TensorView q_rope;     // [T, H, R]
-  TensorView kv_latent;  // [T, L]
-  TensorView k_rope;     // [T, R]
-  TensorView index_q;    // [T, Hi, Di]
-  TensorView index_k;    // [T, Di]
-  TensorView index_w;    // [T, Hi]
 };
 
 // How a step runs.
@@ -105,6 +94,8 @@ class Engine {
   // the target lacks pages (nothing changes then).
   absl::Status MigrateSequence(const std::string& id, int device);
   int num_devices() const;
+  // Whether this build can drive CUDA devices (nvcc was found at build time).
+  static bool CudaBuilt();
   // FAILED_PRECONDITION while the sequence is in an open step.
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<SequenceInfo> DescribeSequence(const std::string& id) const;

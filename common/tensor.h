@@ -28,6 +28,19 @@ struct TensorView {
   std::string ShapeString() const;  // "[8, 16, 512]"
 };
 
+// The tensors of one layer call (DESIGN §1), T = total new tokens of the step in batch order.
+// Indexer tensors are given on full layers only. Each may have its own dtype; the output takes
+// q_latent's.
+struct LayerInputs {
+  TensorView q_latent;   // [T, H, L]
+  TensorView q_rope;     // [T, H, R]
+  TensorView kv_latent;  // [T, L]
+  TensorView k_rope;     // [T, R]
+  TensorView index_q;    // [T, Hi, Di]
+  TensorView index_k;    // [T, Di]
+  TensorView index_w;    // [T, Hi]
+};
+
 // Checks that `t` is present, has dtype in {BF16, FP16, FP32}, exactly `expected` dims and a
 // byte count matching them. The error (INVALID_ARGUMENT) names the tensor and says what was
 // expected and what came.

@@ -1,4 +1,4 @@
-#include "engine/tensor.h"
+#include "common/tensor.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

@@ -1,0 +1,407 @@
+// The CUDA backend's kernels. Correctness first: fp32 accumulation, exact radix top-k with ties
+// to the lower index, online softmax. Launchers return the launch error (never synchronise).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace attnd::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float Load(const void* base, int dtype, int64_t i) {
+  if (dtype == 0) return static_cast<const float*>(base)[i];
+  if (dtype == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  return __half2float(static_cast<const __half*>(base)[i]);
+}
+
+__device__ __forceinline__ void Store(void* base, int dtype, int64_t i, float v) {
+  if (dtype == 0) {
+    static_cast<float*>(base)[i] = v;
+  } else if (dtype == 1) {
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+  } else {
+    static_cast<__half*>(base)[i] = __float2half_rn(v);
+  }
+}
+
+// Order-preserving float -> uint32 (larger float, larger key); NaN -> 0 (lowest).
+__device__ __forceinline__ uint32_t Key(float f) {
+  if (isnan(f)) return 0u;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ const uint8_t* Row(const DevicePaged& c, const DeviceTables& t, int q,
+                                              int64_t pos) {
+  const int32_t page = t.tables[t.table_offset[q] + pos / t.page_size];
+  return c.base + static_cast<size_t>(page) * c.page_stride +
+         static_cast<size_t>(pos % t.page_size) * c.row_stride;
+}
+
+__global__ void ToF32Kernel(const void* src, int dtype, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = Load(src, dtype, i);
+}
+
+__global__ void FromF32Kernel(const float* src, int dtype, void* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    Store(dst, dtype, i, src[i]);
+}
+
+__global__ void WriteRowsKernel(WriteRowsParams p) {
+  const int r = blockIdx.x;
+  uint8_t* row = p.base + static_cast<size_t>(p.page[r]) * p.page_stride +
+                 static_cast<size_t>(p.offset[r]) * p.row_stride;
+  for (int d = threadIdx.x; d < p.dim; d += blockDim.x)
+    Store(row, p.dtype, p.col_offset + d, p.src[int64_t{r} * p.dim + d]);
+}
+
+// grid (key tiles, queries). Shared: q [Hi, Di] | w [Hi] | keys [kTile, Di + 1] | part [4, kTile]
+constexpr int kIdxTile = 64;
+__global__ void IndexerKernel(IndexerParams p) {
+  extern __shared__ float sm[];
+  const int qi = blockIdx.y;
+  const int q = p.queries[qi];
+  const int64_t n = p.tables.pos[q] + 1;
+  const int64_t t0 = int64_t{blockIdx.x} * kIdxTile;
+  if (t0 >= n) return;
+  const int H = p.heads, D = p.dim;
+  float* qs = sm;
+  float* ws = qs + H * D;
+  float* ks = ws + H;
+  float* part = ks + kIdxTile * (D + 1);
+  for (int i = threadIdx.x; i < H * D; i += blockDim.x) qs[i] = p.q[int64_t{q} * H * D + i];
+  for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = p.w[int64_t{q} * H + i];
+  const int nk = static_cast<int>(min(static_cast<int64_t>(kIdxTile), n - t0));
+  for (int i = threadIdx.x; i < kIdxTile * D; i += blockDim.x) {
+    const int j = i / D, d = i % D;
+    ks[j * (D + 1) + d] =
+        j < nk ? Load(Row(p.keys, p.tables, q, t0 + j), p.keys.dtype, d) : 0.0f;
+  }
+  __syncthreads();
+  const int j = threadIdx.x % kIdxTile;
+  const int group = threadIdx.x / kIdxTile;  // 0..3
+  float acc = 0.0f;
+  for (int h = group; h < H; h += blockDim.x / kIdxTile) {
+    float dot = 0.0f;
+    for (int d = 0; d < D; ++d) dot += qs[h * D + d] * ks[j * (D + 1) + d];
+    acc += ws[h] * fmaxf(dot, 0.0f);
+  }
+  part[group * kIdxTile + j] = acc;
+  __syncthreads();
+  if (threadIdx.x < nk) {
+    float total = 0.0f;
+    for (int g = 0; g < blockDim.x / kIdxTile; ++g) total += part[g * kIdxTile + threadIdx.x];
+    p.scores[p.score_offset[qi] + t0 + threadIdx.x] = total;
+  }
+}
+
+constexpr int kTopKThreads = 512;
+__global__ void TopKKernel(TopKParams p) {
+  using Scan = cub::BlockScan<int, kTopKThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ unsigned int hist[256];
+  __shared__ uint32_t prefix_s, mask_s;
+  __shared__ int64_t want_s;
+  __shared__ int running_take, running_eq;
+  const int qi = blockIdx.x;
+  const int64_t n = p.row_len[qi], off = p.row_offset[qi];
+  const int64_t orow = p.out_row ? p.out_row[qi] : qi;
+  int32_t* out = p.out + orow * p.out_stride;
+  auto key_at = [&](int64_t i) -> uint32_t {
+    return p.keys ? p.keys[off + i] : Key(p.scores[off + i]);
+  };
+  uint32_t threshold = 0;
+  int64_t take_equal = 0;
+  const bool all = p.k >= n;
+  if (!all) {
+    if (threadIdx.x == 0) {
+      prefix_s = 0;
+      mask_s = 0;
+      want_s = p.k;
+    }
+    __syncthreads();
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+      __syncthreads();
+      const uint32_t prefix = prefix_s, mask = mask_s;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const uint32_t k = key_at(i);
+        if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int64_t cum = 0;
+        for (int d = 255; d >= 0; --d) {
+          if (cum + hist[d] >= want_s) {
+            want_s -= cum;
+            prefix_s = prefix | (static_cast<uint32_t>(d) << shift);
+            mask_s = mask | (255u << shift);
+            break;
+          }
+          cum += hist[d];
+        }
+      }
+      __syncthreads();
+    }
+    threshold = prefix_s;
+    take_equal = want_s;
+  }
+  if (threadIdx.x == 0) {
+    running_take = 0;
+    running_eq = 0;
+  }
+  __syncthreads();
+  for (int64_t base = 0; base < n; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    uint32_t k = 0;
+    int gt = 0, eq = 0;
+    if (i < n) {
+      k = key_at(i);
+      gt = all || k > threshold;
+      eq = !all && k == threshold;
+    }
+    int eq_rank, eq_total;
+    Scan(scan).ExclusiveSum(eq, eq_rank, eq_total);
+    __syncthreads();
+    int take = gt || (eq && running_eq + eq_rank < take_equal);
+    if (p.drop_zero && k == 0) take = 0;
+    int out_rank, take_total;
+    Scan(scan).ExclusiveSum(take, out_rank, take_total);
+    if (take) out[running_take + out_rank] = static_cast<int32_t>(i);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      running_take += take_total;
+      running_eq += eq_total;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.out_count[orow] = running_take;
+}
+
+__global__ void PageMaxKernel(PageMaxParams p) {
+  const int qi = blockIdx.y;
+  const int64_t n = p.row_len[qi];
+  const int64_t pages = (n + p.page_size - 1) / p.page_size;
+  const int64_t pg = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (pg >= pages) return;
+  uint32_t best = 0;
+  const int64_t hi = min(n, (pg + 1) * p.page_size);
+  for (int64_t t = pg * p.page_size; t < hi; ++t)
+    best = max(best, Key(p.scores[p.row_offset[qi] + t]) | 1u);  // | 1: never "excluded"
+  p.page_keys[p.page_offset[qi] + pg] = best;
+}
+
+__global__ void PageHitKernel(PageHitParams p) {
+  const int qi = blockIdx.y;
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= p.selected_count[qi]) return;
+  const int32_t tok = p.selected[qi * p.sel_stride + i];
+  atomicMax(&p.page_keys[p.page_offset[qi] + tok / p.page_size],
+            Key(p.scores[p.row_offset[qi] + tok]) | 1u);
+}
+
+__global__ void ExpandKernel(ExpandParams p) {
+  const int qi = blockIdx.x;
+  const int64_t n = p.row_len[qi];
+  const int32_t own = static_cast<int32_t>((n - 1) / p.page_size);
+  const int32_t* pages = p.pages + qi * p.page_stride;
+  int count = p.page_count[qi];
+  const bool has_own = count > 0 && pages[count - 1] == own;  // ascending: own is the largest
+  const int total_pages = count + (has_own ? 0 : 1);
+  const int64_t orow = p.out_row ? p.out_row[qi] : qi;
+  int32_t* out = p.out + orow * p.out_stride;
+  for (int64_t i = threadIdx.x; i < int64_t{total_pages} * p.page_size; i += blockDim.x) {
+    const int slot = static_cast<int>(i / p.page_size);
+    const int32_t page = slot < count ? pages[slot] : own;
+    const int64_t key = int64_t{page} * p.page_size + i % p.page_size;
+    if (key < n) out[i] = static_cast<int32_t>(key);
+  }
+  if (threadIdx.x == 0)
+    p.out_count[orow] = static_cast<int32_t>(int64_t{total_pages - 1} * p.page_size +
+                                           (n - int64_t{own} * p.page_size));
+}
+
+// grid (queries, head groups). Shared: q [HB, D+1] | keys [kMlaTile, D+1] | s [HB, kMlaTile] |
+// m, l, corr [HB].
+constexpr int kMlaTile = 32;
+constexpr int kMlaHeads = 16;
+constexpr int kMlaDimsPerThread = 2;  // L <= kThreads * 2 = 512
+__global__ void MlaKernel(MlaParams p) {
+  extern __shared__ float sm[];
+  const int q = blockIdx.x;
+  const int h0 = blockIdx.y * kMlaHeads;
+  const int HB = min(kMlaHeads, p.heads - h0);
+  const int L = p.latent, D = p.latent + p.rope;
+  float* qs = sm;
+  float* ks = qs + kMlaHeads * (D + 1);
+  float* ss = ks + kMlaTile * (D + 1);
+  float* m = ss + kMlaHeads * kMlaTile;
+  float* l = m + kMlaHeads;
+  float* corr = l + kMlaHeads;
+  for (int i = threadIdx.x; i < HB * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    const int64_t head = int64_t{q} * p.heads + h0 + h;
+    const float v = d < L ? p.q_latent[head * L + d] : p.q_rope[head * p.rope + (d - L)];
+    qs[h * (D + 1) + d] = v * p.sm_scale;
+  }
+  if (threadIdx.x < kMlaHeads) {
+    m[threadIdx.x] = -INFINITY;
+    l[threadIdx.x] = 0.0f;
+  }
+  float acc[kMlaHeads][kMlaDimsPerThread];
+  for (int h = 0; h < kMlaHeads; ++h)
+    for (int i = 0; i < kMlaDimsPerThread; ++i) acc[h][i] = 0.0f;
+  const int64_t pos = p.tables.pos[q];
+  const bool range = p.sel == nullptr || (p.use_range && p.use_range[q]);
+  int64_t begin = 0, total = 0;
+  if (range) {
+    begin = p.window > 0 ? max(static_cast<int64_t>(0), pos + 1 - p.window) : 0;
+    total = pos + 1 - begin;
+  } else {
+    total = p.sel_count[q];
+  }
+  const int32_t* sel = range ? nullptr : p.sel + q * p.sel_stride;
+  __syncthreads();
+  for (int64_t t0 = 0; t0 < total; t0 += kMlaTile) {
+    const int nk = static_cast<int>(min(static_cast<int64_t>(kMlaTile), total - t0));
+    for (int i = threadIdx.x; i < kMlaTile * D; i += blockDim.x) {
+      const int j = i / D, d = i % D;
+      float v = 0.0f;
+      if (j < nk) {
+        const int64_t key = range ? begin + t0 + j : sel[t0 + j];
+        v = Load(Row(p.kv, p.tables, q, key), p.kv.dtype, d);
+      }
+      ks[j * (D + 1) + d] = v;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < HB * kMlaTile; i += blockDim.x) {
+      const int h = i / kMlaTile, j = i % kMlaTile;
+      float s = -INFINITY;
+      if (j < nk) {
+        float dot = 0.0f;
+        for (int d = 0; d < D; ++d) dot += qs[h * (D + 1) + d] * ks[j * (D + 1) + d];
+        s = p.soft_cap > 0 ? p.soft_cap * tanhf(dot / p.soft_cap) : dot;
+      }
+      ss[h * kMlaTile + j] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < HB) {  // one thread per head: the tile's softmax bookkeeping
+      const int h = threadIdx.x;
+      float mx = m[h];
+      for (int j = 0; j < nk; ++j) mx = fmaxf(mx, ss[h * kMlaTile + j]);
+      const float c = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mx);
+      float sum = 0.0f;
+      for (int j = 0; j < kMlaTile; ++j) {
+        const float e = j < nk ? __expf(ss[h * kMlaTile + j] - mx) : 0.0f;
+        ss[h * kMlaTile + j] = e;
+        sum += e;
+      }
+      l[h] = l[h] * c + sum;
+      m[h] = mx;
+      corr[h] = c;
+    }
+    __syncthreads();
+    for (int i = 0; i < kMlaDimsPerThread; ++i) {
+      const int d = threadIdx.x + i * blockDim.x;
+      if (d >= L) break;
+      for (int h = 0; h < HB; ++h) {
+        float a = acc[h][i] * corr[h];
+        for (int j = 0; j < nk; ++j) a += ss[h * kMlaTile + j] * ks[j * (D + 1) + d];
+        acc[h][i] = a;
+      }
+    }
+    __syncthreads();
+  }
+  for (int i = 0; i < kMlaDimsPerThread; ++i) {
+    const int d = threadIdx.x + i * blockDim.x;
+    if (d >= L) break;
+    for (int h = 0; h < HB; ++h) {
+      const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;
+      p.out[(int64_t{q} * p.heads + h0 + h) * L + d] = acc[h][i] * inv;
+    }
+  }
+}
+
+int Blocks(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)); }
+
+}  // namespace
+
+cudaError_t LaunchToF32(const void* src, int dtype, float* dst, int64_t count, cudaStream_t s) {
+  if (count <= 0) return cudaSuccess;
+  ToF32Kernel<<<Blocks(count), kThreads, 0, s>>>(src, dtype, dst, count);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFromF32(const float* src, int dtype, void* dst, int64_t count, cudaStream_t s) {
+  if (count <= 0) return cudaSuccess;
+  FromF32Kernel<<<Blocks(count), kThreads, 0, s>>>(src, dtype, dst, count);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s) {
+  if (p.n <= 0) return cudaSuccess;
+  WriteRowsKernel<<<p.n, 128, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s) {
+  if (p.nq <= 0) return cudaSuccess;
+  const size_t smem =
+      sizeof(float) * (p.heads * p.dim + p.heads + kIdxTile * (p.dim + 1) + 4 * kIdxTile);
+  cudaError_t e = cudaFuncSetAttribute(IndexerKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxTile - 1) / kIdxTile), p.nq);
+  IndexerKernel<<<grid, kThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
+  if (p.nq <= 0) return cudaSuccess;
+  TopKKernel<<<p.nq, kTopKThreads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPageMax(const PageMaxParams& p, cudaStream_t s) {
+  if (p.nq <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((p.max_pages + kThreads - 1) / kThreads), p.nq);
+  PageMaxKernel<<<grid, kThreads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPageHits(const PageHitParams& p, cudaStream_t s) {
+  if (p.nq <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((p.max_sel + kThreads - 1) / kThreads), p.nq);
+  PageHitKernel<<<grid, kThreads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s) {
+  if (p.nq <= 0) return cudaSuccess;
+  ExpandKernel<<<p.nq, kThreads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
+  if (p.n <= 0) return cudaSuccess;
+  if (p.latent > kThreads * kMlaDimsPerThread) return cudaErrorInvalidValue;
+  const int D = p.latent + p.rope;
+  const size_t smem = sizeof(float) * (kMlaHeads * (D + 1) + kMlaTile * (D + 1) +
+                                       kMlaHeads * kMlaTile + 3 * kMlaHeads);
+  cudaError_t e = cudaFuncSetAttribute(MlaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(p.n, (p.heads + kMlaHeads - 1) / kMlaHeads);
+  MlaKernel<<<grid, kThreads, smem, s>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace attnd::cuda

@@ -1,0 +1,118 @@
+// The CUDA backend against the float64 reference and against the CPU backend: every selection
+// mode and dtype, prefix forks, chunked prefill, and pages moving between a GPU and the host.
+// Every test skips, with the reason, where no GPU is visible.
+#include <gtest/gtest.h>
+
+#include "kernels/cuda/cuda_device.h"
+#include "tests/engine_harness.h"
+
+namespace attnd::testing {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                             \
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
+
+ModelSpec Spec(SelectionMode mode, int heads = 16) {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kDense};
+  s.num_heads = heads;
+  s.index_topk = 24;
+  s.selection = mode;
+  s.page_union_max_pages = 3;
+  s.page_budget = 2;
+  s.sliding_window = 40;
+  s.soft_cap = 3.0;
+  return s;
+}
+
+EngineOptions Options(const ModelSpec& spec, DType cache, std::vector<std::string> devices) {
+  EngineOptions o;
+  o.spec = spec;
+  o.cache_dtype = cache;
+  o.devices = std::move(devices);
+  o.pages_per_device = 256;
+  o.threads = 2;
+  return o;
+}
+
+class CudaParity : public ::testing::TestWithParam<std::tuple<SelectionMode, DType>> {};
+
+TEST_P(CudaParity, MatchesReferenceAndCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  const auto [mode, dtype] = GetParam();
+  const DType cache = dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
+  const double tol = dtype == DType::kF32 ? 1e-5 : 1e-2;
+  Harness gpu(Options(Spec(mode), cache, {"cuda:0"}));
+  Harness cpu(Options(Spec(mode), cache, {"cpu:0"}));
+  for (Harness* h : {&gpu, &cpu}) {
+    h->Open("a");
+    h->Open("b");
+  }
+  const std::vector<std::vector<StepEntry>> steps = {
+      {{"a", 70}, {"b", 33}}, {{"a", 1}, {"b", 20}}, {{"b", 1}, {"a", 1}}, {{"a", 1}, {"b", 1}}};
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto in = gpu.MakeInputs(steps[i], dtype, 100 + i);
+    auto g = gpu.Run(steps[i], in);
+    auto c = cpu.Run(steps[i], in);
+    ASSERT_TRUE(g.status.ok()) << g.status;
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    std::vector<LayerCheck> checks;
+    const auto ref = gpu.Reference(steps[i], in, g.traces, &checks);
+    for (size_t l = 0; l < g.out.size(); ++l) {
+      for (double x : g.out[l]) ASSERT_FALSE(std::isnan(x));
+      EXPECT_LE(RelL2(g.out[l], ref[l]), tol) << "step " << i << " layer " << l;
+      EXPECT_EQ(checks[l].selection_mismatches, 0) << "step " << i << " layer " << l;
+      EXPECT_EQ(g.traces[l].keys, c.traces[l].keys) << "top-k sets: GPU vs CPU, layer " << l;
+      EXPECT_LE(RelL2(g.out[l], c.out[l]), tol);
+    }
+  }
+  EXPECT_TRUE(gpu.engine().ReservedPageUntouched(0));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, CudaParity,
+    ::testing::Combine(::testing::Values(SelectionMode::kToken, SelectionMode::kPageUnion,
+                                         SelectionMode::kPageBudget),
+                       ::testing::Values(DType::kBF16, DType::kF32, DType::kF16)));
+
+TEST(Cuda, DensePrefillForksAndChunksMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  ModelSpec spec = Spec(SelectionMode::kToken, 4);
+  spec.prefill = PrefillMode::kDense;
+  Harness h(Options(spec, DType::kBF16, {"cuda:0"}));
+  h.Open("p");
+  h.RunAndCheck({{"p", 90}}, DType::kBF16, 1, 1e-2);
+  h.RunAndCheck({{"p", 41}}, DType::kBF16, 2, 1e-2);
+  h.Fork("c", "p", 77);
+  h.RunAndCheck({{"c", 5}, {"p", 1}}, DType::kBF16, 3, 1e-2);
+  h.RunAndCheck({{"c", 1}, {"p", 1}}, DType::kBF16, 4, 1e-2);
+}
+
+TEST(Cuda, PagesMoveBetweenHostAndGpuWithOutputsUnchanged) {
+  SKIP_WITHOUT_GPU();
+  Harness h(Options(Spec(SelectionMode::kToken, 4), DType::kBF16, {"cpu:0", "cuda:0"}));
+  h.Open("p", 0);
+  h.RunAndCheck({{"p", 60}}, DType::kBF16, 1, 1e-2);
+  h.Fork("g", "p", 60, 1);  // copied host -> GPU
+  h.Open("q", 1);
+  h.RunAndCheck({{"q", 30}, {"g", 2}, {"p", 2}}, DType::kBF16, 2, 1e-2);  // spans both devices
+  ASSERT_TRUE(h.engine().MigrateSequence("q", 0).ok());  // GPU -> host
+  ASSERT_TRUE(h.engine().MigrateSequence("p", 1).ok());  // host -> GPU
+  h.RunAndCheck({{"q", 1}, {"p", 1}, {"g", 1}}, DType::kBF16, 3, 1e-2);
+}
+
+TEST(Cuda, BuildWithoutCudaRejectsCudaDevicesClearly) {
+  if (Engine::CudaBuilt()) GTEST_SKIP() << "this build has the CUDA backend";
+  auto e = Engine::Create(Options(Spec(SelectionMode::kToken), DType::kBF16, {"cuda:0"}));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST(Cuda, MissingGpuIsAClearStartupError) {
+  if (!Engine::CudaBuilt() || cuda::DeviceCount() > 0) GTEST_SKIP() << "needs a CUDA build without a GPU";
+  auto e = Engine::Create(Options(Spec(SelectionMode::kToken), DType::kBF16, {"cuda:0"}));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+  EXPECT_NE(e.status().message().find("no such GPU"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace attnd::testing
