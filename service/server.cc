@@ -36,24 +36,10 @@ absl::StatusOr<ModelSpec> LoadSpec(const ServerFlags& f) {
   return ParseModelSpecJson(text.str());
 }
 
-absl::StatusOr<int> CountCpuDevices(const std::vector<std::string>& devices) {
-  for (size_t i = 0; i < devices.size(); ++i) {
-    int index = -1;
-    if (devices[i].rfind("cuda:", 0) == 0)
-      return absl::UnimplementedError(absl::StrCat(
-          "--devices: ", devices[i], ": this build has no CUDA backend; use cpu:N"));
-    if (devices[i].rfind("cpu:", 0) != 0 || !absl::SimpleAtoi(devices[i].substr(4), &index) ||
-        index != static_cast<int>(i))
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--devices: '", devices[i], "' must be cpu:", i, " (devices are numbered in order)"));
-  }
-  return static_cast<int>(devices.size());
-}
-
 absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   EngineOptions o;
   ASSIGN_OR_RETURN(o.spec, LoadSpec(f));
-  ASSIGN_OR_RETURN(o.num_devices, CountCpuDevices(f.devices));
+  o.devices = f.devices;  // "cpu:N" / "cuda:N", validated by the engine
   o.cache_dtype = f.cache_dtype;
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
@@ -100,6 +86,9 @@ int RunServer(const ServerFlags& flags) {
   }
 
   ServiceOptions so;
+  so.backend = "cpu";
+  for (const std::string& d : flags.devices)
+    if (d.rfind("cuda:", 0) == 0) so.backend = "cuda";
   so.max_message_bytes = flags.max_message_bytes;
   so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
   AttentionService service(engine.get(), &executor, &service_metrics, so);

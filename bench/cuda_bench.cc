@@ -1,0 +1,284 @@
+// GPU benchmark of the CUDA backend's kernels at DeepSeek-V3.2 dims, next to this GPU's
+// device-to-device copy bandwidth measured in the same run (the bf16 matmul rate comes from
+// bench/torch_ref.py in the same gpu-check run, so this binary needs no cuBLAS to carry).
+// Prints a table and writes JSON lines (--json=PATH) that scripts/gpu-check.sh joins with the
+// PyTorch timings of the same ops. Exits 0 with a message when no GPU is visible.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace {
+
+using attnd::cuda::DevicePaged;
+using attnd::cuda::DeviceTables;
+
+#define CHECK(x)                                                                      \
+  do {                                                                                \
+    cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+template <typename T>
+T* Alloc(size_t n) {
+  void* p = nullptr;
+  CHECK(cudaMalloc(&p, n * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+T* Upload(const std::vector<T>& v) {
+  T* d = Alloc<T>(std::max<size_t>(1, v.size()));
+  CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Fills a device buffer with N(0,1) bf16 (generated on the host in chunks).
+void RandomBf16(__nv_bfloat16* d, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0, 1);
+  const size_t chunk = size_t{1} << 24;
+  std::vector<__nv_bfloat16> h(std::min(n, chunk));
+  for (size_t off = 0; off < n; off += chunk) {
+    const size_t m = std::min(chunk, n - off);
+    for (size_t i = 0; i < m; ++i) h[i] = __float2bfloat16(dist(rng));
+    CHECK(cudaMemcpy(d + off, h.data(), m * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
+  }
+}
+
+void RandomF32(float* d, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0, 1);
+  std::vector<float> h(n);
+  for (auto& x : h) x = dist(rng);
+  CHECK(cudaMemcpy(d, h.data(), n * 4, cudaMemcpyHostToDevice));
+}
+
+// Median milliseconds of `reps` runs of fn on the default stream.
+double TimeMs(const std::function<void()>& fn, int reps = 10) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  fn();  // warm up
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    CHECK(cudaEventRecord(a));
+    fn();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Row {
+  std::string op, shape;
+  double ms, rate;  // GB/s or TFLOP/s
+  const char* unit;
+  double frac;
+};
+std::vector<Row> rows;
+FILE* json = nullptr;
+
+void Report(const std::string& op, const std::string& shape, double ms, double amount,
+            const char* unit, double limit) {
+  const double rate = amount / (ms * 1e-3);
+  const double frac = limit > 0 ? rate / limit : -1;
+  rows.push_back({op, shape, ms, rate, unit, frac});
+  if (json)
+    std::fprintf(json, "{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"rate\": %.2f, "
+                       "\"unit\": \"%s\", \"frac\": %.3f}\n",
+                 op.c_str(), shape.c_str(), ms, rate, unit, frac);
+}
+
+// A paged cache of `seqs` sequences of `ctx` tokens, rows of `dim` bf16, shuffled pages.
+struct PagedCache {
+  __nv_bfloat16* data = nullptr;
+  std::vector<int32_t> tables;
+  int page_size = 64;
+  int dim = 0;
+  PagedCache(int seqs, int64_t ctx, int dim_, uint64_t seed) : dim(dim_) {
+    const int64_t pages_per_seq = (ctx + page_size - 1) / page_size;
+    const int64_t pages = seqs * pages_per_seq + 1;
+    data = Alloc<__nv_bfloat16>(static_cast<size_t>(pages) * page_size * dim);
+    RandomBf16(data, static_cast<size_t>(pages) * page_size * dim, seed);
+    tables.resize(seqs * pages_per_seq);
+    std::iota(tables.begin(), tables.end(), 1);
+    std::shuffle(tables.begin(), tables.end(), std::mt19937_64(seed));
+  }
+  DevicePaged view() const {
+    DevicePaged p;
+    p.base = reinterpret_cast<const uint8_t*>(data);
+    p.row_stride = dim * 2;
+    p.page_stride = p.row_stride * page_size;
+    p.dtype = 1;
+    return p;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("cuda_bench: no CUDA device visible; nothing to measure\n");
+    return 0;
+  }
+  for (int i = 1; i < argc; ++i)
+    if (std::strncmp(argv[i], "--json=", 7) == 0) json = std::fopen(argv[i] + 7, "w");
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("GPU: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount,
+              prop.totalGlobalMem / double(1 << 30));
+
+  // Limits measured now: D2D copy (read + write bytes) and a bf16 GEMM.
+  const size_t copy_bytes = size_t{2} << 30;
+  char* a = Alloc<char>(copy_bytes);
+  char* b = Alloc<char>(copy_bytes);
+  const double copy_ms = TimeMs([&] { CHECK(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice)); });
+  const double copy_bw = 2.0 * copy_bytes / (copy_ms * 1e-3);
+  CHECK(cudaFree(a));
+  CHECK(cudaFree(b));
+  Report("copy D2D (limit)", "2 GiB", copy_ms, 2.0 * copy_bytes / 1e9, "GB/s", copy_bw / 1e9);
+
+  const int B = 64, H = 128, L = 512, R = 64, D = L + R, Hi = 64, Di = 128, K = 2048;
+  std::mt19937_64 rng(7);
+  // ---- indexer scoring + exact top-k at 64K ----
+  {
+    const int64_t ctx = 65536;
+    PagedCache idx(B, ctx, Di, 11);
+    std::vector<int64_t> pos(B, ctx - 1), off(B), len(B, ctx);
+    std::vector<int32_t> table_off(B), queries(B), out_row(B);
+    for (int i = 0; i < B; ++i) {
+      off[i] = i * ctx;
+      table_off[i] = static_cast<int32_t>(i * (ctx / 64));
+      queries[i] = out_row[i] = i;
+    }
+    float* q = Alloc<float>(size_t{B} * Hi * Di);
+    float* w = Alloc<float>(size_t{B} * Hi);
+    RandomF32(q, size_t{B} * Hi * Di, 3);
+    RandomF32(w, size_t{B} * Hi, 4);
+    float* scores = Alloc<float>(size_t{B} * ctx);
+    int32_t* sel = Alloc<int32_t>(size_t{B} * K);
+    int32_t* cnt = Alloc<int32_t>(B);
+    DeviceTables t{Upload(idx.tables), Upload(table_off), Upload(pos), 64};
+    attnd::cuda::IndexerParams ip;
+    ip.q = q;
+    ip.w = w;
+    ip.heads = Hi;
+    ip.dim = Di;
+    ip.keys = idx.view();
+    ip.tables = t;
+    ip.queries = Upload(queries);
+    ip.score_offset = Upload(off);
+    ip.nq = B;
+    ip.max_keys = ctx;
+    ip.scores = scores;
+    attnd::cuda::TopKParams tk;
+    tk.scores = scores;
+    tk.row_offset = ip.score_offset;
+    tk.row_len = Upload(len);
+    tk.nq = B;
+    tk.k = K;
+    tk.out = sel;
+    tk.out_stride = K;
+    tk.out_count = cnt;
+    const double ms_idx = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
+    const double ms_both = TimeMs([&] {
+      CHECK(attnd::cuda::LaunchIndexerScores(ip, 0));
+      CHECK(attnd::cuda::LaunchTopK(tk, 0));
+    });
+    const double bytes = double(B) * ctx * Di * 2;  // the indexer keys it must read
+    Report("indexer scores", "B=64 ctx=64K Hi=64 Di=128", ms_idx, bytes / 1e9, "GB/s", copy_bw / 1e9);
+    Report("indexer + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s", copy_bw / 1e9);
+  }
+  // ---- sparse MLA decode over a top-k selection ----
+  for (int64_t ctx : {int64_t{8192}, int64_t{65536}}) {
+    PagedCache kv(B, ctx, D, 21);
+    std::vector<int64_t> pos(B, ctx - 1);
+    std::vector<int32_t> table_off(B), sel(size_t{B} * K), cnt(B, K);
+    std::vector<int32_t> all(ctx);
+    std::iota(all.begin(), all.end(), 0);
+    for (int i = 0; i < B; ++i) {
+      table_off[i] = static_cast<int32_t>(i * (ctx / 64));
+      std::shuffle(all.begin(), all.end(), rng);
+      std::vector<int32_t> pick(all.begin(), all.begin() + K);
+      std::sort(pick.begin(), pick.end());
+      std::copy(pick.begin(), pick.end(), sel.begin() + static_cast<size_t>(i) * K);
+    }
+    float* ql = Alloc<float>(size_t{B} * H * L);
+    float* qr = Alloc<float>(size_t{B} * H * R);
+    RandomF32(ql, size_t{B} * H * L, 5);
+    RandomF32(qr, size_t{B} * H * R, 6);
+    float* out = Alloc<float>(size_t{B} * H * L);
+    attnd::cuda::MlaParams mp;
+    mp.q_latent = ql;
+    mp.q_rope = qr;
+    mp.n = B;
+    mp.heads = H;
+    mp.latent = L;
+    mp.rope = R;
+    mp.sm_scale = 0.135f;
+    mp.kv = kv.view();
+    mp.tables = DeviceTables{Upload(kv.tables), Upload(table_off), Upload(pos), 64};
+    mp.sel = Upload(sel);
+    mp.sel_count = Upload(cnt);
+    mp.sel_stride = K;
+    mp.out = out;
+    const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
+    const double bytes = double(B) * K * D * 2;  // the selected latent rows
+    Report("sparse MLA decode", "B=64 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K", ms,
+           bytes / 1e9, "GB/s", copy_bw / 1e9);
+    CHECK(cudaFree(kv.data));
+  }
+  // ---- a 4K-token prefill layer: dense causal MLA, 128 heads ----
+  {
+    const int64_t T = 4096;
+    PagedCache kv(1, T, D, 31);
+    std::vector<int64_t> pos(T);
+    std::iota(pos.begin(), pos.end(), 0);
+    std::vector<int32_t> table_off(T, 0);
+    float* ql = Alloc<float>(size_t{T} * H * L);
+    float* qr = Alloc<float>(size_t{T} * H * R);
+    RandomF32(ql, size_t{T} * H * L, 8);
+    RandomF32(qr, size_t{T} * H * R, 9);
+    float* out = Alloc<float>(size_t{T} * H * L);
+    attnd::cuda::MlaParams mp;
+    mp.q_latent = ql;
+    mp.q_rope = qr;
+    mp.n = static_cast<int>(T);
+    mp.heads = H;
+    mp.latent = L;
+    mp.rope = R;
+    mp.sm_scale = 0.135f;
+    mp.kv = kv.view();
+    mp.tables = DeviceTables{Upload(kv.tables), Upload(table_off), Upload(pos), 64};
+    mp.out = out;
+    const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); }, 3);
+    const double flops = double(T) * (T + 1) / 2 * H * (D + L) * 2;
+    // The fraction of the bf16 matmul rate is filled in by bench/gpu_report.py.
+    Report("prefill MLA (dense causal)", "T=4096 H=128", ms, flops / 1e12, "TFLOP/s", 0);
+  }
+  std::printf("\n%-28s %-28s %10s %12s %8s\n", "op", "shape", "time", "rate", "of limit");
+  for (const Row& r : rows)
+    std::printf("%-28s %-28s %8.3fms %8.1f %-7s %7.1f%%\n", r.op.c_str(), r.shape.c_str(), r.ms,
+                r.rate, r.unit, 100 * r.frac);
+  if (json) std::fclose(json);
+  return 0;
+}
