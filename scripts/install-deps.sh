@@ -25,9 +25,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
-if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes" >/dev/null 2>&1; then
-  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes"
-  "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes ||
+if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml" >/dev/null 2>&1; then
+  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml"
+  "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml ||
     "$py" -m pip install -q --disable-pip-version-check --break-system-packages \
-      grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes
+      grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml
 fi

@@ -1,0 +1,23 @@
+"""The Kubernetes manifests agree with the server: probe names, ports and flags."""
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_manifests_probe_the_right_health_names_and_ports():
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "attnd.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Service", "StatefulSet", "ServiceMonitor"}
+    assert kinds["Service"]["spec"]["clusterIP"] == "None"  # headless: clients hash over pods
+    pod = kinds["StatefulSet"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["readinessProbe"]["grpc"]["service"] == "attnd.v1.Attention"
+    assert c["livenessProbe"]["grpc"]["service"] == ""
+    assert c["startupProbe"]["grpc"]["port"] == 50051
+    args = dict(a[2:].split("=", 1) for a in c["args"])
+    assert args["grpc-port"] == "50051" and args["metrics-port"] == "9090"
+    assert pod["terminationGracePeriodSeconds"] * 1000 > int(args["shutdown-grace-ms"])
+    assert kinds["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"

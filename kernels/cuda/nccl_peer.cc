@@ -1,0 +1,92 @@
+#include "kernels/cuda/nccl_peer.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnd::cuda {
+
+struct NcclPeers::Impl {
+  void* lib = nullptr;
+  decltype(&ncclCommInitAll) init_all = nullptr;
+  decltype(&ncclCommDestroy) destroy = nullptr;
+  decltype(&ncclGroupStart) group_start = nullptr;
+  decltype(&ncclGroupEnd) group_end = nullptr;
+  decltype(&ncclSend) send = nullptr;
+  decltype(&ncclRecv) recv = nullptr;
+  decltype(&ncclGetErrorString) error_string = nullptr;
+  std::vector<int> ordinals;
+  std::vector<ncclComm_t> comms;
+  std::vector<cudaStream_t> streams;
+};
+
+absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<int>& ordinals) {
+  auto impl = std::make_unique<Impl>();
+  impl->lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+  if (!impl->lib) return absl::UnavailableError(absl::StrCat("NCCL not loadable: ", dlerror()));
+  auto sym = [&](const char* name) { return dlsym(impl->lib, name); };
+  impl->init_all = reinterpret_cast<decltype(&ncclCommInitAll)>(sym("ncclCommInitAll"));
+  impl->destroy = reinterpret_cast<decltype(&ncclCommDestroy)>(sym("ncclCommDestroy"));
+  impl->group_start = reinterpret_cast<decltype(&ncclGroupStart)>(sym("ncclGroupStart"));
+  impl->group_end = reinterpret_cast<decltype(&ncclGroupEnd)>(sym("ncclGroupEnd"));
+  impl->send = reinterpret_cast<decltype(&ncclSend)>(sym("ncclSend"));
+  impl->recv = reinterpret_cast<decltype(&ncclRecv)>(sym("ncclRecv"));
+  impl->error_string = reinterpret_cast<decltype(&ncclGetErrorString)>(sym("ncclGetErrorString"));
+  if (!impl->init_all || !impl->destroy || !impl->group_start || !impl->group_end || !impl->send ||
+      !impl->recv || !impl->error_string) {
+    dlclose(impl->lib);
+    return absl::UnavailableError("NCCL library lacks send/recv (needs NCCL >= 2.7)");
+  }
+  impl->ordinals = ordinals;
+  impl->comms.resize(ordinals.size());
+  const ncclResult_t r =
+      impl->init_all(impl->comms.data(), static_cast<int>(ordinals.size()), ordinals.data());
+  if (r != ncclSuccess) {
+    const std::string why = impl->error_string(r);
+    dlclose(impl->lib);
+    return absl::UnavailableError(absl::StrCat("ncclCommInitAll: ", why));
+  }
+  for (int ord : ordinals) {
+    cudaStream_t s = nullptr;
+    cudaSetDevice(ord);
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    impl->streams.push_back(s);
+  }
+  std::unique_ptr<NcclPeers> p(new NcclPeers());
+  p->impl_ = std::move(impl);
+  return p;
+}
+
+NcclPeers::~NcclPeers() {
+  if (!impl_) return;
+  for (size_t i = 0; i < impl_->comms.size(); ++i) {
+    cudaSetDevice(impl_->ordinals[i]);
+    cudaStreamDestroy(impl_->streams[i]);
+    impl_->destroy(impl_->comms[i]);
+  }
+  dlclose(impl_->lib);
+}
+
+absl::Status NcclPeers::Move(int from, int to, const std::vector<Transfer>& transfers) {
+  Impl& m = *impl_;
+  if (m.group_start() != ncclSuccess) return absl::InternalError("ncclGroupStart failed");
+  for (const Transfer& t : transfers) {
+    cudaSetDevice(m.ordinals[from]);
+    m.send(t.src, t.bytes, ncclUint8, to, m.comms[from], m.streams[from]);
+    cudaSetDevice(m.ordinals[to]);
+    m.recv(t.dst, t.bytes, ncclUint8, from, m.comms[to], m.streams[to]);
+  }
+  const ncclResult_t r = m.group_end();
+  if (r != ncclSuccess) return absl::InternalError(absl::StrCat("NCCL move: ", m.error_string(r)));
+  for (int rank : {from, to}) {
+    cudaSetDevice(m.ordinals[rank]);
+    const cudaError_t e = cudaStreamSynchronize(m.streams[rank]);
+    if (e != cudaSuccess)
+      return absl::InternalError(absl::StrCat("NCCL move: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::cuda
