@@ -22,13 +22,13 @@ namespace {
 using attnd::cuda::DevicePaged;
 using attnd::cuda::DeviceTables;
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
 template <typename T>
@@ -102,8 +102,9 @@ void Report(const std::string& op, const std::string& shape, double ms, double a
   const double frac = limit > 0 ? rate / limit : -1;
   rows.push_back({op, shape, ms, rate, unit, frac});
   if (json)
-    std::fprintf(json, "{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"rate\": %.2f, "
-                       "\"unit\": \"%s\", \"frac\": %.3f}\n",
+    std::fprintf(json,
+                 "{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"rate\": %.2f, "
+                 "\"unit\": \"%s\", \"frac\": %.3f}\n",
                  op.c_str(), shape.c_str(), ms, rate, unit, frac);
 }
 
@@ -151,7 +152,8 @@ int main(int argc, char** argv) {
   const size_t copy_bytes = size_t{2} << 30;
   char* a = Alloc<char>(copy_bytes);
   char* b = Alloc<char>(copy_bytes);
-  const double copy_ms = TimeMs([&] { CHECK(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice)); });
+  const double copy_ms =
+      TimeMs([&] { CHECK(cudaMemcpyAsync(b, a, copy_bytes, cudaMemcpyDeviceToDevice)); });
   const double copy_bw = 2.0 * copy_bytes / (copy_ms * 1e-3);
   CHECK(cudaFree(a));
   CHECK(cudaFree(b));
@@ -205,7 +207,8 @@ int main(int argc, char** argv) {
       CHECK(attnd::cuda::LaunchTopK(tk, 0));
     });
     const double bytes = double(B) * ctx * Di * 2;  // the indexer keys it must read
-    Report("indexer scores", "B=64 ctx=64K Hi=64 Di=128", ms_idx, bytes / 1e9, "GB/s", copy_bw / 1e9);
+    Report("indexer scores", "B=64 ctx=64K Hi=64 Di=128", ms_idx, bytes / 1e9, "GB/s",
+           copy_bw / 1e9);
     Report("indexer + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s", copy_bw / 1e9);
   }
   // ---- sparse MLA decode over a top-k selection ----

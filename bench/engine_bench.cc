@@ -8,9 +8,9 @@
 // measured peak that bounds it (frac_peak_flops / frac_peak_bw).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <algorithm>
 #include <map>
 #include <memory>
 #include <random>
@@ -34,7 +34,8 @@ double MeasureFlopPeak() {
     double best = 0;
     for (int rep = 0; rep < 3; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
-      pool.ParallelFor(pool.num_threads(), [&](int64_t) { benchmark::DoNotOptimize(k.fma_loop(iters)); });
+      pool.ParallelFor(pool.num_threads(),
+                       [&](int64_t) { benchmark::DoNotOptimize(k.fma_loop(iters)); });
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       best = std::max(best, double(iters) * k.fma_loop_flops * pool.num_threads() / s);
     }
@@ -84,12 +85,17 @@ void Gemm(benchmark::State& state) {
     benchmark::DoNotOptimize(c.data());
   }
   const double flops = 2.0 * M * N * D;
-  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["frac_core_peak"] = benchmark::Counter(
-      flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
-      benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_core_peak"] =
+      benchmark::Counter(flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(Gemm)->Args({64, 16, 576})->Args({16, 512, 64})->Args({64, 64, 128})->ArgNames({"M", "N", "D"});
+BENCHMARK(Gemm)
+    ->Args({64, 16, 576})
+    ->Args({16, 512, 64})
+    ->Args({64, 64, 128})
+    ->ArgNames({"M", "N", "D"});
 
 // One query's sparse MLA (16 heads, 2048 keys of a 32K bf16 history), one core. Arg: 1 = the
 // keys are scattered (a top-k selection), 0 = contiguous (dense attention).
@@ -114,8 +120,13 @@ void MlaOneQuery(benchmark::State& state) {
   p.num_heads = H;
   p.latent_dim = L;
   p.rope_dim = R;
-  p.kv = PagedRows{reinterpret_cast<const uint8_t*>(cache.data()), pages.data(), ps,
-                   size_t{ps} * D * 2, size_t{D} * 2, DType::kBF16, D};
+  p.kv = PagedRows{reinterpret_cast<const uint8_t*>(cache.data()),
+                   pages.data(),
+                   ps,
+                   size_t{ps} * D * 2,
+                   size_t{D} * 2,
+                   DType::kBF16,
+                   D};
   p.positions = pos.data();
   p.num_keys = K;
   p.sm_scale = 0.1f;
@@ -123,10 +134,11 @@ void MlaOneQuery(benchmark::State& state) {
   const auto& k = cpu::GetKernels(cpu::BestIsa());
   for (auto _ : state) cpu::MlaAttend(k, p);
   const double flops = 2.0 * H * K * (D + L);
-  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["frac_core_peak"] = benchmark::Counter(
-      flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
-      benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_core_peak"] =
+      benchmark::Counter(flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
+                         benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(MlaOneQuery)->Arg(0)->Arg(1)->ArgName("scattered");
 
@@ -198,8 +210,8 @@ void SetRates(benchmark::State& state, double flops, double bytes) {
       benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GB/s"] =
       benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["frac_peak_flops"] = benchmark::Counter(
-      flops / MeasureFlopPeak(), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["frac_peak_flops"] =
+      benchmark::Counter(flops / MeasureFlopPeak(), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["frac_peak_bw"] = benchmark::Counter(
       bytes / MeasureCopyBandwidth(), benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -281,7 +293,12 @@ void Prefill(benchmark::State& state) {
                        2.0 * T * s.num_heads * (s.latent_dim() + s.kv_lora_rank);
   SetRates(state, flops, bytes);
 }
-BENCHMARK(Prefill)->Arg(2048)->ArgName("tokens")->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+BENCHMARK(Prefill)
+    ->Arg(2048)
+    ->ArgName("tokens")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Iterations(3);
 
 }  // namespace
 }  // namespace attnd

@@ -17,7 +17,9 @@ namespace attnd::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 struct Args {
   std::string command;
@@ -49,12 +51,13 @@ int Info(Client& c) {
               info->backend().c_str(), info->cpu_isa().c_str(), info->cache_datatype().c_str());
   std::string kinds;
   for (const auto& k : m.layers()) kinds += static_cast<char>(std::toupper(k[0]));
-  std::printf("model %s: %d layers [%s], L=%d R=%d H=%d, indexer %dx%d, K=%d, page %d, "
-              "sm_scale %.6g, max_context %lld, selection %s, prefill %s\n",
-              m.name().c_str(), m.layers_size(), kinds.c_str(), m.kv_lora_rank(),
-              m.qk_rope_head_dim(), m.num_heads(), m.index_n_heads(), m.index_head_dim(),
-              m.index_topk(), m.page_size(), m.sm_scale(),
-              static_cast<long long>(m.max_context()), m.selection().c_str(), m.prefill().c_str());
+  std::printf(
+      "model %s: %d layers [%s], L=%d R=%d H=%d, indexer %dx%d, K=%d, page %d, "
+      "sm_scale %.6g, max_context %lld, selection %s, prefill %s\n",
+      m.name().c_str(), m.layers_size(), kinds.c_str(), m.kv_lora_rank(), m.qk_rope_head_dim(),
+      m.num_heads(), m.index_n_heads(), m.index_head_dim(), m.index_topk(), m.page_size(),
+      m.sm_scale(), static_cast<long long>(m.max_context()), m.selection().c_str(),
+      m.prefill().c_str());
   for (const auto& d : info->devices())
     std::printf("device %s: %d/%d pages free (%lld bytes each), %lld sequences\n", d.name().c_str(),
                 d.pages_free(), d.pages_total(), static_cast<long long>(d.bytes_per_page()),
@@ -98,12 +101,13 @@ int Demo(Client& c, const Args& a) {
   const int check_every = static_cast<int>(std::max<int64_t>(1, a.Int("check-every", 4)));
   std::mt19937_64 rng(a.Int("seed", 1));
   reference::StepOracle oracle(spec, cache);
-  const std::string tag = absl::StrCat("demo-", std::chrono::system_clock::now().time_since_epoch().count());
-  std::printf("demo: model %s (%d layers, H=%d, L=%d, K=%d), %d sequences, prompts up to %lld "
-              "tokens in chunks of %lld, %d decode steps\n",
-              spec.name.c_str(), spec.num_layers(), spec.num_heads, spec.kv_lora_rank,
-              spec.index_topk, S, static_cast<long long>(prompt), static_cast<long long>(chunk),
-              decode);
+  const std::string tag =
+      absl::StrCat("demo-", std::chrono::system_clock::now().time_since_epoch().count());
+  std::printf(
+      "demo: model %s (%d layers, H=%d, L=%d, K=%d), %d sequences, prompts up to %lld "
+      "tokens in chunks of %lld, %d decode steps\n",
+      spec.name.c_str(), spec.num_layers(), spec.num_heads, spec.kv_lora_rank, spec.index_topk, S,
+      static_cast<long long>(prompt), static_cast<long long>(chunk), decode);
   std::vector<std::string> ids;
   std::map<std::string, int64_t> remaining;
   for (int i = 0; i < S; ++i) {
@@ -181,8 +185,7 @@ int Demo(Client& c, const Args& a) {
     for (const auto& id : ids) batch.emplace_back(id, 1);
     decode_tokens += static_cast<int64_t>(batch.size());
     const bool verify = d % check_every == check_every - 1;
-    if (auto s = step(batch, &decode_lat, verify, &decode_secs); !s.ok())
-      return Fail(s, "decode");
+    if (auto s = step(batch, &decode_lat, verify, &decode_secs); !s.ok()) return Fail(s, "decode");
   }
   if (auto s = stream->Close(); !s.ok()) return Fail(s, "close stream");
   for (const auto& id : ids) (void)c.CloseSequence(id);
@@ -196,9 +199,10 @@ int Demo(Client& c, const Args& a) {
   std::printf("%-10s %10lld %12.1f %10.2fms %10.2fms %12zu\n", "decode",
               static_cast<long long>(decode_tokens), decode_tokens / decode_secs,
               decode_lat.Percentile(50) * 1e3, decode_lat.Percentile(99) * 1e3, decode_lat.count());
-  std::printf("\nreference check: %d layer outputs against float64, worst relative L2 %.2e "
-              "(limit 1e-2 for bf16): %s\n",
-              checked_layers, worst, failed == 0 && checked_layers > 0 ? "PASS" : "FAIL");
+  std::printf(
+      "\nreference check: %d layer outputs against float64, worst relative L2 %.2e "
+      "(limit 1e-2 for bf16): %s\n",
+      checked_layers, worst, failed == 0 && checked_layers > 0 ? "PASS" : "FAIL");
   return failed == 0 && checked_layers > 0 ? 0 : 1;
 }
 
@@ -212,7 +216,8 @@ int Bench(Client& c, const Args& a) {
   const int64_t context = a.Int("context", 4096);
   const int steps = static_cast<int>(a.Int("steps", 20));
   std::mt19937_64 rng(7);
-  const std::string tag = absl::StrCat("bench-", std::chrono::system_clock::now().time_since_epoch().count());
+  const std::string tag =
+      absl::StrCat("bench-", std::chrono::system_clock::now().time_since_epoch().count());
   Batch prefix, decode;
   for (int b = 0; b < B; ++b) {
     const std::string id = absl::StrCat(tag, "-", b);
@@ -226,10 +231,12 @@ int Bench(Client& c, const Args& a) {
     auto begun = c.BeginStep(prefix, true);
     if (!begun.ok()) return Fail(begun.status(), "import");
     for (auto& l : g)
-      if (auto o = c.AttendLayer(begun->step_id(), l.wire); !o.ok()) return Fail(o.status(), "import");
+      if (auto o = c.AttendLayer(begun->step_id(), l.wire); !o.ok())
+        return Fail(o.status(), "import");
   }
   auto g = GenerateStep(spec, B, DType::kBF16, false, rng);
-  size_t req_bytes = 0, resp_bytes = static_cast<size_t>(B) * spec.num_heads * spec.kv_lora_rank * 2;
+  size_t req_bytes = 0,
+         resp_bytes = static_cast<size_t>(B) * spec.num_heads * spec.kv_lora_rank * 2;
   for (const auto& l : g) req_bytes += l.wire.ByteSizeLong();
   req_bytes /= g.size();
   LatencyStats stream_lat, unary_lat, echo_lat;
@@ -245,25 +252,29 @@ int Bench(Client& c, const Args& a) {
     if (!b.ok()) return Fail(b.status(), "begin");
     for (auto& l : g) {
       const auto t0 = Clock::now();
-      if (auto o = c.AttendLayer(b->step_id(), l.wire); !o.ok()) return Fail(o.status(), "unary layer");
+      if (auto o = c.AttendLayer(b->step_id(), l.wire); !o.ok())
+        return Fail(o.status(), "unary layer");
       unary_lat.Add(Since(t0));
     }
     const std::string payload(req_bytes, 'x');
     for (size_t l = 0; l < g.size(); ++l) {
       const auto t0 = Clock::now();
-      if (auto e = c.Echo(payload, static_cast<int64_t>(resp_bytes)); !e.ok()) return Fail(e, "echo");
+      if (auto e = c.Echo(payload, static_cast<int64_t>(resp_bytes)); !e.ok())
+        return Fail(e, "echo");
       echo_lat.Add(Since(t0));
     }
   }
   (void)stream->Close();
   for (const auto& [id, q] : decode) (void)c.CloseSequence(id);
-  std::printf("decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
-              "per layer\n",
-              B, static_cast<long long>(context), spec.num_heads, spec.num_layers(),
-              req_bytes / 1e3, resp_bytes / 1e3);
+  std::printf(
+      "decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
+      "per layer\n",
+      B, static_cast<long long>(context), spec.num_heads, spec.num_layers(), req_bytes / 1e3,
+      resp_bytes / 1e3);
   std::printf("%-22s %10s %10s %8s\n", "per-layer round trip", "p50", "p99", "calls");
   for (auto& [name, st] : {std::pair<const char*, LatencyStats*>{"stream", &stream_lat},
-                           {"unary", &unary_lat}, {"echo (same bytes)", &echo_lat}})
+                           {"unary", &unary_lat},
+                           {"echo (same bytes)", &echo_lat}})
     std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
                 st->Percentile(99) * 1e3, st->count());
   return 0;

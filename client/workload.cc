@@ -89,8 +89,7 @@ std::vector<GeneratedLayer> GenerateStep(const ModelSpec& s, int64_t T, DType dt
     *w.mutable_q_latent() = Random(dtype, {T, s.num_heads, s.kv_lora_rank}, rng, &v.q_latent);
     *w.mutable_q_rope() = Random(dtype, {T, s.num_heads, s.qk_rope_head_dim}, rng, &v.q_rope);
     if (full) {
-      *w.mutable_index_q() =
-          Random(dtype, {T, s.index_n_heads, s.index_head_dim}, rng, &v.index_q);
+      *w.mutable_index_q() = Random(dtype, {T, s.index_n_heads, s.index_head_dim}, rng, &v.index_q);
       *w.mutable_index_w() = Random(dtype, {T, s.index_n_heads}, rng, &v.index_w);
     }
   }

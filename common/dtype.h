@@ -7,7 +7,6 @@
 #include <optional>
 
 #include "absl/strings/string_view.h"
-#include "absl/strings/string_view.h"
 
 namespace attnd {
 

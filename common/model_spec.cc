@@ -281,13 +281,14 @@ absl::StatusOr<ModelSpec> PresetModelSpec(absl::string_view name) {
   if (name == "glm-5.2") return Glm5(true);
   if (name == "tiny") return Tiny();
   if (name == "demo") return Demo();
-  return absl::NotFoundError(absl::StrCat("no model preset '", name, "'; presets: ",
-                                          absl::StrJoin(PresetModelNames(), ", ")));
+  return absl::NotFoundError(absl::StrCat("no model preset '", name,
+                                          "'; presets: ", absl::StrJoin(PresetModelNames(), ", ")));
 }
 
 absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text) {
   ASSIGN_OR_RETURN(Json doc, JsonReader(text).ReadDocument());
-  if (doc.kind != Json::kObject) return absl::InvalidArgumentError("model spec JSON: not an object");
+  if (doc.kind != Json::kObject)
+    return absl::InvalidArgumentError("model spec JSON: not an object");
   ModelSpec s;
   s.name = "custom";
   s.sm_scale = 0;
@@ -299,13 +300,15 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text) {
   for (const auto& [key, v] : doc.obj) {
     auto need = [&](Json::Kind k) -> absl::Status {
       if (v.kind != k)
-        return absl::InvalidArgumentError(absl::StrCat("model spec JSON: '", key, "' has the wrong type"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("model spec JSON: '", key, "' has the wrong type"));
       return absl::OkStatus();
     };
     auto integer = [&](auto* out) -> absl::Status {
       RETURN_IF_ERROR(need(Json::kNumber));
       if (v.num != std::floor(v.num) || std::abs(v.num) > 1e15)
-        return absl::InvalidArgumentError(absl::StrCat("model spec JSON: '", key, "' must be an integer"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("model spec JSON: '", key, "' must be an integer"));
       *out = static_cast<std::remove_pointer_t<decltype(out)>>(v.num);
       return absl::OkStatus();
     };

@@ -3,10 +3,10 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 
 namespace attnd {
@@ -18,7 +18,8 @@ enum class LayerKind : uint8_t { kFull, kShared, kDense };
 // How a full layer turns indexer scores into the keys attended (DESIGN §2).
 enum class SelectionMode : uint8_t {
   kToken,       // exactly the top-k tokens
-  kPageUnion,   // pages holding any top-k token, best `page_union_max_pages` by best token, + own page
+  kPageUnion,   // pages holding any top-k token, best `page_union_max_pages` by best token, + own
+                // page
   kPageBudget,  // best `page_budget` pages by max token score, + own page
 };
 

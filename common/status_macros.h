@@ -8,9 +8,9 @@
 #define ATTND_CONCAT_(a, b) ATTND_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define RETURN_IF_ERROR(expr)                    \
-  do {                                           \
-    ::absl::Status attnd_status_ = (expr);       \
+#define RETURN_IF_ERROR(expr)                      \
+  do {                                             \
+    ::absl::Status attnd_status_ = (expr);         \
     if (!attnd_status_.ok()) return attnd_status_; \
   } while (0)
 

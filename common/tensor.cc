@@ -31,7 +31,8 @@ std::string TensorView::ShapeString() const {
 absl::Status CheckTensor(const char* name, const TensorView& t,
                          std::initializer_list<int64_t> expected) {
   const std::string want = absl::StrCat("[", absl::StrJoin(expected, ", "), "]");
-  if (!t.present) return absl::InvalidArgumentError(absl::StrCat(name, ": missing; expected shape ", want));
+  if (!t.present)
+    return absl::InvalidArgumentError(absl::StrCat(name, ": missing; expected shape ", want));
   bool same = t.rank == static_cast<int>(expected.size());
   int i = 0;
   for (int64_t d : expected) same = same && t.dims[i++] == d;
@@ -42,8 +43,8 @@ absl::Status CheckTensor(const char* name, const TensorView& t,
     if (t.dims[j] < 0) return absl::InvalidArgumentError(absl::StrCat(name, ": negative dim"));
   const size_t bytes = static_cast<size_t>(t.num_elements()) * DTypeSize(t.dtype);
   if (t.nbytes != bytes)
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.nbytes, " bytes, expected ",
-                                                   bytes, " for ", DTypeName(t.dtype), want));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", t.nbytes, " bytes, expected ", bytes,
+                                                   " for ", DTypeName(t.dtype), want));
   if (t.data == nullptr && bytes > 0)
     return absl::InvalidArgumentError(absl::StrCat(name, ": no data"));
   return absl::OkStatus();

@@ -15,6 +15,7 @@
 #include <future>
 
 #include "kernels/cuda/cuda_device.h"
+#include "kernels/cuda/nccl_peer.h"
 #endif
 
 namespace attnd {
@@ -111,6 +112,11 @@ struct Engine::Impl {
 
   mutable std::mutex mu;  // guards everything below
   std::vector<Device> devices;
+#ifdef ATTND_HAVE_CUDA
+  // With two or more GPUs: NCCL communicators (rank per GPU device, -1 for CPU devices).
+  std::unique_ptr<cuda::NcclPeers> nccl;
+  std::vector<int> nccl_rank;
+#endif
   absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
   uint64_t next_step_id = 1;
@@ -179,8 +185,7 @@ struct Engine::Impl {
   void Attend(Step& st, int layer, DType out_dtype, uint8_t* out);
   absl::Status Compute(Step& st, int layer, const LayerInputs& in, void* out, size_t out_bytes,
                        LayerTrace* trace);
-  absl::Status ComputeCpu(Step& st, int layer, const LayerInputs& in, void* out,
-                          LayerTrace* trace);
+  absl::Status ComputeCpu(Step& st, int layer, const LayerInputs& in, void* out, LayerTrace* trace);
   absl::Status BeginGpuSteps(Step& st);
 };
 
@@ -202,8 +207,7 @@ absl::Status Engine::Impl::ValidateInputs(const Step& st, int layer, const Layer
   RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
   if (s.layers[layer] == LayerKind::kFull) {
-    RETURN_IF_ERROR(
-        CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
+    RETURN_IF_ERROR(CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
     RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
     RETURN_IF_ERROR(CheckTensor("index_w", in.index_w, {T, s.index_n_heads}));
   } else {
@@ -212,12 +216,12 @@ absl::Status Engine::Impl::ValidateInputs(const Step& st, int layer, const Layer
                         : in.index_w.present ? "index_w"
                                              : nullptr;
     if (given)
-      return absl::InvalidArgumentError(absl::StrCat(
-          given, ": given for layer ", layer, ", a ", LayerKindName(s.layers[layer]),
-          " layer; indexer tensors belong to full layers only"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(given, ": given for layer ", layer, ", a ", LayerKindName(s.layers[layer]),
+                       " layer; indexer tensors belong to full layers only"));
   }
-  const size_t want = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank *
-                      DTypeSize(in.q_latent.dtype);
+  const size_t want =
+      static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank * DTypeSize(in.q_latent.dtype);
   if (out_bytes != want)
     return absl::InvalidArgumentError(absl::StrCat("output buffer: ", out_bytes,
                                                    " bytes, expected ", want, " ([T, H, L] in ",
@@ -239,8 +243,8 @@ void Engine::Impl::WriteKeys(Step& st, int layer, const LayerInputs& in) {
     const int32_t page = e.table[pos / s.page_size];
     const int off = static_cast<int>(pos % s.page_size);
     uint8_t* row = d.cache.LatentRow(layer, page, off);
-    CopyConvert(in.kv_latent.dtype, Bytes(in.kv_latent) + t * L * DTypeSize(in.kv_latent.dtype),
-                ct, row, L);
+    CopyConvert(in.kv_latent.dtype, Bytes(in.kv_latent) + t * L * DTypeSize(in.kv_latent.dtype), ct,
+                row, L);
     CopyConvert(in.k_rope.dtype, Bytes(in.k_rope) + t * R * DTypeSize(in.k_rope.dtype), ct,
                 row + L * ce, R);
     if (slot >= 0)
@@ -319,8 +323,8 @@ void Engine::Impl::Select(Step& st, int layer) {
           thread_local std::vector<int32_t> topk;
           topk.resize(std::min<int64_t>(n, s.index_topk));
           topk.resize(cpu::ExactTopK(sc, n, s.index_topk, topk.data()));
-          cpu::PageUnionSelect(sc, n, topk.data(), static_cast<int64_t>(topk.size()),
-                               s.page_size, s.page_union_max_pages, &sel);
+          cpu::PageUnionSelect(sc, n, topk.data(), static_cast<int64_t>(topk.size()), s.page_size,
+                               s.page_union_max_pages, &sel);
           break;
         }
         case SelectionMode::kPageBudget:
@@ -409,7 +413,8 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
     call.trace = trace && !st.options.write_only ? &trace->keys : nullptr;
     cuda::CudaDevice* gpu = devices[d].gpu.get();
     const uint64_t id = st.id;
-    gpu_work.push_back(std::async(std::launch::async, [gpu, id, call] { return gpu->RunLayer(id, call); }));
+    gpu_work.push_back(
+        std::async(std::launch::async, [gpu, id, call] { return gpu->RunLayer(id, call); }));
   }
   absl::Status cpu_status = ComputeCpu(st, layer, in, out, trace);
   for (auto& f : gpu_work) {
@@ -454,8 +459,7 @@ absl::Status Engine::Impl::ComputeCpu(Step& st, int layer, const LayerInputs& in
                    row);
     });
     st.index_w.resize(st.tokens * s.index_n_heads);  // all rows: a cheap conversion
-    ConvertToF32(in.index_w.dtype, in.index_w.data, st.index_w.data(),
-                 st.tokens * s.index_n_heads);
+    ConvertToF32(in.index_w.dtype, in.index_w.data, st.index_w.data(), st.tokens * s.index_n_heads);
   }
   WriteKeys(st, layer, in);
   if (kind == LayerKind::kFull) Select(st, layer);
@@ -513,6 +517,22 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
 #endif
     }
   }
+#ifdef ATTND_HAVE_CUDA
+  std::vector<int> ordinals;
+  for (const Device& d : impl->devices) {
+    impl->nccl_rank.push_back(d.is_gpu() ? static_cast<int>(ordinals.size()) : -1);
+    if (d.is_gpu()) ordinals.push_back(d.gpu->ordinal());
+  }
+  if (ordinals.size() >= 2) {
+    auto peers = cuda::NcclPeers::Create(ordinals);
+    if (peers.ok()) {
+      impl->nccl = std::move(peers).value();
+    } else {  // cudaMemcpyPeer still works; say why NCCL is not used
+      std::fprintf(stderr, "attnd: page moves between GPUs use cudaMemcpyPeer: %s\n",
+                   std::string(peers.status().message()).c_str());
+    }
+  }
+#endif
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -553,8 +573,8 @@ bool Engine::CudaBuilt() {
 
 // mu held. Copies the first `length` tokens of `pages` (on device `from`) into fresh pages on
 // device `to`, appending them to *out; false (nothing allocated) when `to` lacks pages.
-bool Engine::Impl::CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from,
-                                int to, std::vector<int32_t>* out) {
+bool Engine::Impl::CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from, int to,
+                                std::vector<int32_t>* out) {
   const int ps = spec().page_size;
   const int32_t n = static_cast<int32_t>((length + ps - 1) / ps);
   std::vector<int32_t> fresh;
@@ -576,7 +596,12 @@ void Engine::Impl::CopyPage(int from, int32_t src, int to, int32_t dst, int rows
   }
 #ifdef ATTND_HAVE_CUDA
   absl::Status st;
-  if (a.is_gpu() && b.is_gpu()) {
+  if (a.is_gpu() && b.is_gpu() && nccl && from != to) {
+    std::vector<cuda::NcclPeers::Transfer> moves;
+    for (const auto& sp : a.gpu->PageCopySpans(*b.gpu, src, dst, rows))
+      moves.push_back({sp.src, sp.dst, sp.bytes});
+    st = nccl->Move(nccl_rank[from], nccl_rank[to], moves);
+  } else if (a.is_gpu() && b.is_gpu()) {
     st = a.gpu->CopyPagePrefixTo(*b.gpu, src, dst, rows);
   } else {
     // Between host and GPU through staging laid out as [layers x rows x (L+R) | slots x rows x Di].
@@ -589,20 +614,24 @@ void Engine::Impl::CopyPage(int from, int32_t src, int to, int32_t dst, int rows
     if (!a.is_gpu()) buf.resize(c.num_layers * lat + c.num_full_layers * idx);
     for (int l = 0; l < c.num_layers; ++l) {
       uint8_t* h = host.LatentRow(l, hp, 0);
-      if (a.is_gpu()) std::memcpy(h, buf.data() + l * lat, lat);
-      else std::memcpy(buf.data() + l * lat, h, lat);
+      if (a.is_gpu())
+        std::memcpy(h, buf.data() + l * lat, lat);
+      else
+        std::memcpy(buf.data() + l * lat, h, lat);
     }
     for (int k = 0; k < c.num_full_layers; ++k) {
       uint8_t* h = host.IndexRow(k, hp, 0);
       uint8_t* staged = buf.data() + c.num_layers * lat + k * idx;
-      if (a.is_gpu()) std::memcpy(h, staged, idx);
-      else std::memcpy(staged, h, idx);
+      if (a.is_gpu())
+        std::memcpy(h, staged, idx);
+      else
+        std::memcpy(staged, h, idx);
     }
     if (!a.is_gpu()) st = b.gpu->WritePage(dst, rows, buf);
   }
   if (!st.ok()) {
-    std::fprintf(stderr, "attnd: page copy %s -> %s failed: %s\n", a.name.c_str(),
-                 b.name.c_str(), std::string(st.message()).c_str());
+    std::fprintf(stderr, "attnd: page copy %s -> %s failed: %s\n", a.name.c_str(), b.name.c_str(),
+                 std::string(st.message()).c_str());
     std::abort();  // a device that cannot copy memory is broken; never serve wrong keys
   }
 #endif
@@ -632,8 +661,8 @@ absl::Status Engine::ForkSequence(const std::string& id, const std::string& pare
   Device& dev = impl_->devices[target];
   if (target != par.device) {
     if (!impl_->CopyToDevice(par.pages, prefix_len, par.device, target, &seq->pages))
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "KV cache full on ", dev.name, ": a fork across devices copies every page"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KV cache full on ", dev.name, ": a fork across devices copies every page"));
   } else {
     const int ps = impl_->spec().page_size;
     const int64_t full = prefix_len / ps;
@@ -641,8 +670,9 @@ absl::Status Engine::ForkSequence(const std::string& id, const std::string& pare
     seq->pages.assign(par.pages.begin(), par.pages.begin() + full);
     if (rem > 0) {
       if (!dev.pool.Allocate(1, &seq->pages))
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "KV cache full on ", dev.name, ": fork needs 1 page for the partial last page, 0 free"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("KV cache full on ", dev.name,
+                         ": fork needs 1 page for the partial last page, 0 free"));
       impl_->CopyPage(target, par.pages[full], target, seq->pages.back(), rem);
     }
     for (int64_t i = 0; i < full; ++i) dev.pool.Ref(seq->pages[i]);
@@ -662,15 +692,14 @@ absl::Status Engine::MigrateSequence(const std::string& id, int device) {
   if (device < 0 || device >= n)
     return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
   if (seq.step != 0)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence '", id, "' is in open step ", seq.step, "; migrate between steps"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence '", id, "' is in open step ", seq.step, "; migrate between steps"));
   if (device == seq.device) return absl::OkStatus();
   std::vector<int32_t> moved;
   if (!impl_->CopyToDevice(seq.pages, seq.length, seq.device, device, &moved))
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache full on ",
-                                                     impl_->devices[device].name,
-                                                     ": migration needs ", seq.pages.size(),
-                                                     " pages"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full on ", impl_->devices[device].name, ": migration needs ",
+                     seq.pages.size(), " pages"));
   Device& from = impl_->devices[seq.device];
   for (int32_t p : seq.pages) from.pool.Unref(p);
   --from.sequences;
@@ -752,8 +781,8 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
         return absl::InvalidArgumentError(
             absl::StrCat("step batch: sequence '", e.sequence_id, "' appears twice"));
     if (seq->step != 0)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence '", e.sequence_id, "' is already in open step ", seq->step));
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence '", e.sequence_id, "' is already in open step ", seq->step));
     const int64_t new_len = seq->length + e.q_len;
     if (new_len > spec.max_context)
       return absl::OutOfRangeError(absl::StrCat("sequence '", e.sequence_id, "': length ",
@@ -822,8 +851,8 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
     std::lock_guard<std::mutex> lock(impl_->mu);
     auto it = impl_->steps.find(step_id);
     if (it == impl_->steps.end())
-      return absl::NotFoundError(
-          absl::StrCat("step ", step_id, " not found (never opened, committed, aborted or expired)"));
+      return absl::NotFoundError(absl::StrCat(
+          "step ", step_id, " not found (never opened, committed, aborted or expired)"));
     st = it->second.get();
     if (st->busy)
       return absl::FailedPreconditionError(
@@ -831,9 +860,9 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
     if (layer != st->next_layer) {
       const int expected = st->next_layer;
       impl_->AbortLocked(st);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step ", step_id, ": layer ", layer, " out of order, expected layer ", expected,
-          "; step aborted"));
+      return absl::FailedPreconditionError(absl::StrCat("step ", step_id, ": layer ", layer,
+                                                        " out of order, expected layer ", expected,
+                                                        "; step aborted"));
     }
     st->busy = true;
   }
@@ -853,7 +882,8 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
 absl::Status Engine::AbortStep(uint64_t step_id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->steps.find(step_id);
-  if (it == impl_->steps.end()) return absl::NotFoundError(absl::StrCat("step ", step_id, " not found"));
+  if (it == impl_->steps.end())
+    return absl::NotFoundError(absl::StrCat("step ", step_id, " not found"));
   if (it->second->busy) {
     it->second->abort_requested = true;  // the running layer aborts it when done
   } else {
@@ -878,7 +908,8 @@ std::vector<int32_t> Engine::PageRefcounts(int device) const {
 bool Engine::ReservedPageUntouched(int device) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
 #ifdef ATTND_HAVE_CUDA
-  if (impl_->devices.at(device).is_gpu()) return impl_->devices[device].gpu->ReservedPageUntouched();
+  if (impl_->devices.at(device).is_gpu())
+    return impl_->devices[device].gpu->ReservedPageUntouched();
 #endif
   const KvCache& c = impl_->devices.at(device).cache;
   const auto zero = [](const uint8_t* p, size_t n) {

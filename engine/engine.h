@@ -31,10 +31,10 @@ struct EngineOptions {
   int num_devices = 1;               // CPU devices cpu:0..cpu:N-1 (when `devices` is empty)
   // Explicit devices, in order: "cpu:N" or "cuda:N" (cuda needs a CUDA build and that GPU).
   std::vector<std::string> devices;
-  int32_t pages_per_device = 0;      // pages incl. the reserved page 0; 0 = use cache_bytes
+  int32_t pages_per_device = 0;  // pages incl. the reserved page 0; 0 = use cache_bytes
   size_t cache_bytes_per_device = size_t{1} << 30;
-  int threads = 0;                   // compute threads; 0 = all cores
-  cpu::Isa isa = cpu::BestIsa();     // CPU inner-loop ISA (tests sweep every supported one)
+  int threads = 0;                // compute threads; 0 = all cores
+  cpu::Isa isa = cpu::BestIsa();  // CPU inner-loop ISA (tests sweep every supported one)
 };
 
 // One batch entry of a step: `q_len` new tokens for the sequence.
@@ -58,14 +58,14 @@ struct LayerTrace {
 
 struct SequenceInfo {
   std::string id;
-  int64_t length = 0;            // committed tokens
+  int64_t length = 0;  // committed tokens
   int device = 0;
-  std::vector<int32_t> pages;    // physical page ids, in order
+  std::vector<int32_t> pages;  // physical page ids, in order
   bool in_step = false;
 };
 
 struct DeviceCapacity {
-  std::string name;       // "cpu:0"
+  std::string name;         // "cpu:0"
   int32_t pages_total = 0;  // usable pages (page 0 excluded)
   int32_t pages_free = 0;
   size_t bytes_per_page = 0;
@@ -116,8 +116,8 @@ class Engine {
   };
   absl::StatusOr<StepInfo> DescribeStep(uint64_t step) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
-  // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The last layer commits the step. Any error aborts the step, so
-  // every sequence is left as before it.
+  // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The
+  // last layer commits the step. Any error aborts the step, so every sequence is left as before it.
   absl::Status RunLayer(uint64_t step, int layer, const LayerInputs& in, void* out,
                         size_t out_bytes, LayerTrace* trace = nullptr);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is

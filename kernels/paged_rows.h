@@ -11,7 +11,7 @@ namespace attnd {
 // Row `pos` of a sequence lives at base + pages[pos / page_size] * page_stride
 //   + (pos % page_size) * row_stride. Shared by host bookkeeping and every backend.
 struct PagedRows {
-  const uint8_t* base = nullptr;  // the layer's (or indexer slot's) cache buffer
+  const uint8_t* base = nullptr;   // the layer's (or indexer slot's) cache buffer
   const int32_t* pages = nullptr;  // [num_pages of the sequence] physical page ids
   int32_t page_size = 0;           // tokens per page
   size_t page_stride = 0;          // bytes between pages

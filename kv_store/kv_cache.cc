@@ -34,9 +34,9 @@ int32_t KvCacheConfig::PagesForBytes(size_t bytes) const {
 
 absl::StatusOr<KvCache> KvCache::Create(const KvCacheConfig& config) {
   if (config.num_pages < 2)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV cache needs at least 2 pages (page 0 is reserved), got ", config.num_pages,
-        "; one page costs ", config.BytesPerPage(), " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV cache needs at least 2 pages (page 0 is reserved), got ", config.num_pages,
+                     "; one page costs ", config.BytesPerPage(), " bytes"));
   KvCache c;
   c.config_ = config;
   const size_t latent = static_cast<size_t>(config.num_layers) * config.num_pages *
@@ -44,8 +44,8 @@ absl::StatusOr<KvCache> KvCache::Create(const KvCacheConfig& config) {
   const size_t index = static_cast<size_t>(config.num_full_layers) * config.num_pages *
                        config.page_size * c.index_row_bytes();
   c.bytes_ = latent + index;
-  void* p = mmap(nullptr, c.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
+  void* p = mmap(nullptr, c.bytes_, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED)
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot map ", c.bytes_, " bytes of host memory for the KV cache"));

@@ -42,12 +42,14 @@ class KvCache {
   size_t index_row_bytes() const { return config_.index_dim * DTypeSize(config_.dtype); }
 
   uint8_t* LatentRow(int layer, int32_t page, int offset) const {
-    return latent_ + ((static_cast<size_t>(layer) * config_.num_pages + page) * config_.page_size +
-                      offset) * latent_row_bytes();
+    return latent_ +
+           ((static_cast<size_t>(layer) * config_.num_pages + page) * config_.page_size + offset) *
+               latent_row_bytes();
   }
   uint8_t* IndexRow(int slot, int32_t page, int offset) const {
-    return index_ + ((static_cast<size_t>(slot) * config_.num_pages + page) * config_.page_size +
-                     offset) * index_row_bytes();
+    return index_ +
+           ((static_cast<size_t>(slot) * config_.num_pages + page) * config_.page_size + offset) *
+               index_row_bytes();
   }
   // Copies the first `tokens` rows of page `src` to page `dst` in every layer and slot.
   void CopyPagePrefix(int32_t src, int32_t dst, int tokens) const;

@@ -26,7 +26,7 @@ timeout 300 "$BUNDLE/cuda_test" --gtest_output="xml:$OUT/cuda_test.xml" 2>&1 | t
 if command -v compute-sanitizer >/dev/null 2>&1; then
   echo "== compute-sanitizer (memcheck) on one parity case"
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$BUNDLE/cuda_test" \
-    --gtest_filter='Modes/CudaParity.MatchesReferenceAndCpuBackend/0' 2>&1 | tail -8 || status=1
+    --gtest_filter='Modes/CudaParity.MatchesReferenceAndCpuBackend/token_BF16' 2>&1 | tail -8 || status=1
 fi
 echo "== kernel benchmark"
 BENCH="$BUNDLE/cuda_bench"

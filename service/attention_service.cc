@@ -98,9 +98,9 @@ grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerCo
   return Done(ctx, engine_->CloseSequence(req->sequence_id()));
 }
 
-grpc::ServerUnaryReactor* AttentionService::DescribeSequence(
-    grpc::CallbackServerContext* ctx, const v1::DescribeSequenceRequest* req,
-    v1::SequenceInfo* resp) {
+grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServerContext* ctx,
+                                                             const v1::DescribeSequenceRequest* req,
+                                                             v1::SequenceInfo* resp) {
   auto info = engine_->DescribeSequence(req->sequence_id());
   if (info.ok()) FillSequence(*info, *engine_, resp);
   return Done(ctx, info.status());
@@ -122,8 +122,8 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req
   return step;
 }
 
-absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in,
-                                     v1::LayerOutput* out, Transport transport) {
+absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
+                                     Transport transport) {
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
   absl::StatusOr<LayerInputs> views = ViewOf(in);
@@ -144,8 +144,9 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in,
   const bool last = in.layer() == s.num_layers() - 1;
   out->set_committed(st.ok() && last);
   RETURN_IF_ERROR(st);
-  metrics_->LayerDone(transport, info.tokens,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  metrics_->LayerDone(
+      transport, info.tokens,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return absl::OkStatus();
 }
 
@@ -160,7 +161,8 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
                                                         v1::AttendLayerResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
   executor_->Post([this, ctx, req, resp, reactor] {
-    absl::Status s = Layer(req->step_id(), req->inputs(), resp->mutable_output(), Transport::kUnary);
+    absl::Status s =
+        Layer(req->step_id(), req->inputs(), resp->mutable_output(), Transport::kUnary);
     if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
       // The caller will never see this layer's output: leave its sequences as before the step.
       (void)engine_->AbortStep(req->step_id());
@@ -181,9 +183,9 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ct
                                                  const v1::EchoRequest* req,
                                                  v1::EchoResponse* resp) {
   if (req->response_bytes() < 0 || req->response_bytes() > options_.max_message_bytes)
-    return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
-                         "response_bytes ", req->response_bytes(), " outside [0, ",
-                         options_.max_message_bytes, "]")));
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("response_bytes ",
+                                                             req->response_bytes(), " outside [0, ",
+                                                             options_.max_message_bytes, "]")));
   resp->mutable_payload()->resize(static_cast<size_t>(req->response_bytes()));
   return Done(ctx, absl::OkStatus());
 }
@@ -206,8 +208,9 @@ class AttentionService::StepStream final
     switch (req_.kind_case()) {
       case v1::StepRequest::kBegin: {
         if (step_ != 0) {
-          return Fail(absl::FailedPreconditionError(absl::StrCat(
-              "step ", step_.load(), " is still open on this stream; send its layers or abort it")));
+          return Fail(absl::FailedPreconditionError(
+              absl::StrCat("step ", step_.load(),
+                           " is still open on this stream; send its layers or abort it")));
         }
         auto step = svc_->Begin(req_.begin(), resp_.mutable_begun());
         if (!step.ok()) return Fail(step.status());

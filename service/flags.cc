@@ -98,8 +98,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     }
     auto it = flags.find(name);
     if (it == flags.end()) return bad(absl::StrCat("unknown flag --", name));
-    if (!it->second(value))
-      return bad(absl::StrCat("bad value '", value, "' for --", name));
+    if (!it->second(value)) return bad(absl::StrCat("bad value '", value, "' for --", name));
   }
   if (f.grpc_port > 65535 || f.metrics_port > 65535) return bad("port out of range");
   if (f.max_message_bytes > INT32_MAX) return bad("--max-message-bytes must fit in 2^31-1");

@@ -13,15 +13,15 @@ namespace attnd {
 struct ServerFlags {
   std::string grpc_address = "0.0.0.0";
   int grpc_port = 50051;
-  int metrics_port = 9090;         // 0 = no metrics endpoint
-  std::string model = "demo";      // a preset name
-  std::string model_file;          // a JSON model spec; wins over --model
+  int metrics_port = 9090;                    // 0 = no metrics endpoint
+  std::string model = "demo";                 // a preset name
+  std::string model_file;                     // a JSON model spec; wins over --model
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
-  int32_t kv_pages = 0;            // per device, incl. the reserved page 0; wins over bytes
+  int32_t kv_pages = 0;  // per device, incl. the reserved page 0; wins over bytes
   DType cache_dtype = DType::kBF16;
   std::vector<std::string> devices = {"cpu:0"};  // cpu:N and/or cuda:N
-  int threads = 0;                 // compute threads; 0 = all cores
-  std::string cpu_isa = "auto";    // auto, avx2, generic
+  int threads = 0;                               // compute threads; 0 = all cores
+  std::string cpu_isa = "auto";                  // auto, avx2, generic
   int64_t max_message_bytes = int64_t{1} << 30;
   int64_t step_idle_timeout_ms = 30000;
   int64_t shutdown_grace_ms = 10000;

@@ -76,8 +76,8 @@ int RunServer(const ServerFlags& flags) {
   ServiceMetrics service_metrics(&registry, engine.get());
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   if (flags.metrics_port > 0) {
-    auto m = metrics::MetricsHttpServer::Start(absl::StrCat(flags.grpc_address, ":", flags.metrics_port),
-                                      &registry);
+    auto m = metrics::MetricsHttpServer::Start(
+        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry);
     if (!m.ok()) {
       std::fprintf(stderr, "attnd: metrics: %s\n", std::string(m.status().message()).c_str());
       return 1;
@@ -112,12 +112,12 @@ int RunServer(const ServerFlags& flags) {
   health->SetServingStatus(kServiceName, true);
 
   const auto caps = engine->Capacity();
-  std::printf("attnd: serving attnd.v1 on %s:%d; model %s (%d layers), %zu device(s) x %d pages, "
-              "cpu isa %s, metrics %s\n",
-              flags.grpc_address.c_str(), port, engine->spec().name.c_str(),
-              engine->spec().num_layers(), caps.size(), caps[0].pages_total,
-              std::string(cpu::IsaName(engine->options().isa)).c_str(),
-              metrics_http ? absl::StrCat("on :", metrics_http->port(), "/metrics").c_str() : "off");
+  std::printf(
+      "attnd: serving attnd.v1 on %s:%d; model %s (%d layers), %zu device(s) x %d pages, "
+      "cpu isa %s, metrics %s\n",
+      flags.grpc_address.c_str(), port, engine->spec().name.c_str(), engine->spec().num_layers(),
+      caps.size(), caps[0].pages_total, std::string(cpu::IsaName(engine->options().isa)).c_str(),
+      metrics_http ? absl::StrCat("on :", metrics_http->port(), "/metrics").c_str() : "off");
   std::fflush(stdout);
 
   // Idle steps expire in the background.
@@ -127,8 +127,8 @@ int RunServer(const ServerFlags& flags) {
   const auto idle = std::chrono::milliseconds(flags.step_idle_timeout_ms);
   std::thread reaper([&] {
     std::unique_lock<std::mutex> lock(mu);
-    const auto period = std::clamp<std::chrono::milliseconds>(idle / 4, std::chrono::milliseconds(10),
-                                                              std::chrono::milliseconds(1000));
+    const auto period = std::clamp<std::chrono::milliseconds>(
+        idle / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
     while (!cv.wait_for(lock, period, [&] { return stopping; }))
       if (flags.step_idle_timeout_ms > 0) engine->ExpireIdleSteps(idle);
   });

@@ -7,8 +7,8 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
   auto& seconds = registry->AddHistogram(
       "attnd_layer_seconds", "Wall time of one layer call inside the server, by transport.",
       metrics::DefaultLatencyBuckets());
-  auto& tokens = registry->AddCounter(
-      "attnd_layer_tokens_total", "Query tokens processed, summed over layers, by transport.");
+  auto& tokens = registry->AddCounter("attnd_layer_tokens_total",
+                                      "Query tokens processed, summed over layers, by transport.");
   const char* names[2] = {"stream", "unary"};
   for (int i = 0; i < 2; ++i) {
     layer_seconds_[i] = &seconds.Add({{"transport", names[i]}});

@@ -10,8 +10,8 @@ absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t) {
   if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty()) return v;
   const auto dtype = ParseDType(t.datatype());
   if (!dtype)
-    return absl::InvalidArgumentError(absl::StrCat(name, ": datatype '", t.datatype(),
-                                                   "' is not one of BF16, FP16, FP32"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": datatype '", t.datatype(), "' is not one of BF16, FP16, FP32"));
   if (t.shape_size() > TensorView::kMaxRank)
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": rank ", t.shape_size(), " exceeds ", TensorView::kMaxRank));

@@ -146,8 +146,9 @@ struct PagedSeq {
     }
   }
   PagedRows view() const {
-    return PagedRows{pool.data(), pages.data(), ps, ps * dim * DTypeSize(dtype),
-                     dim * DTypeSize(dtype), dtype, dim};
+    return PagedRows{
+        pool.data(), pages.data(), ps, ps * dim * DTypeSize(dtype), dim * DTypeSize(dtype),
+        dtype,       dim};
   }
 };
 
@@ -167,8 +168,8 @@ TEST_P(PerIsa, IndexerScoresMatchReference) {
     std::vector<float> got(n, NAN);
     // Two chunks, as the engine splits long queries.
     for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 70}, {70, n}}) {
-      IndexerScoreParams p{q.data(), w.data(), spec.index_n_heads, spec.index_head_dim,
-                           seq.view(), b, e, got.data() + b};
+      IndexerScoreParams p{q.data(), w.data(), spec.index_n_heads, spec.index_head_dim, seq.view(),
+                           b,        e,        got.data() + b};
       IndexerScores(k, p);
     }
     for (int64_t s = 0; s < n; ++s) ASSERT_NEAR(got[s], ref[s], 1e-4 * (1 + std::abs(ref[s])));

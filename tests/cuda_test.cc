@@ -9,7 +9,7 @@
 namespace attnd::testing {
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                             \
+#define SKIP_WITHOUT_GPU() \
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
 
 ModelSpec Spec(SelectionMode mode, int heads = 16) {
@@ -69,11 +69,20 @@ TEST_P(CudaParity, MatchesReferenceAndCpuBackend) {
   EXPECT_TRUE(gpu.engine().ReservedPageUntouched(0));
 }
 
+std::string ParityName(const ::testing::TestParamInfo<std::tuple<SelectionMode, DType>>& info) {
+  const SelectionMode m = std::get<0>(info.param);
+  const char* mode = m == SelectionMode::kToken       ? "token"
+                     : m == SelectionMode::kPageUnion ? "union"
+                                                      : "budget";
+  return std::string(mode) + "_" + std::string(DTypeName(std::get<1>(info.param)));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Modes, CudaParity,
     ::testing::Combine(::testing::Values(SelectionMode::kToken, SelectionMode::kPageUnion,
                                          SelectionMode::kPageBudget),
-                       ::testing::Values(DType::kBF16, DType::kF32, DType::kF16)));
+                       ::testing::Values(DType::kBF16, DType::kF32, DType::kF16)),
+    ParityName);
 
 TEST(Cuda, DensePrefillForksAndChunksMatchTheReference) {
   SKIP_WITHOUT_GPU();
@@ -96,8 +105,8 @@ TEST(Cuda, PagesMoveBetweenHostAndGpuWithOutputsUnchanged) {
   h.Fork("g", "p", 60, 1);  // copied host -> GPU
   h.Open("q", 1);
   h.RunAndCheck({{"q", 30}, {"g", 2}, {"p", 2}}, DType::kBF16, 2, 1e-2);  // spans both devices
-  ASSERT_TRUE(h.engine().MigrateSequence("q", 0).ok());  // GPU -> host
-  ASSERT_TRUE(h.engine().MigrateSequence("p", 1).ok());  // host -> GPU
+  ASSERT_TRUE(h.engine().MigrateSequence("q", 0).ok());                   // GPU -> host
+  ASSERT_TRUE(h.engine().MigrateSequence("p", 1).ok());                   // host -> GPU
   h.RunAndCheck({{"q", 1}, {"p", 1}, {"g", 1}}, DType::kBF16, 3, 1e-2);
 }
 
@@ -108,7 +117,8 @@ TEST(Cuda, BuildWithoutCudaRejectsCudaDevicesClearly) {
 }
 
 TEST(Cuda, MissingGpuIsAClearStartupError) {
-  if (!Engine::CudaBuilt() || cuda::DeviceCount() > 0) GTEST_SKIP() << "needs a CUDA build without a GPU";
+  if (!Engine::CudaBuilt() || cuda::DeviceCount() > 0)
+    GTEST_SKIP() << "needs a CUDA build without a GPU";
   auto e = Engine::Create(Options(Spec(SelectionMode::kToken), DType::kBF16, {"cuda:0"}));
   EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
   EXPECT_NE(e.status().message().find("no such GPU"), std::string::npos);

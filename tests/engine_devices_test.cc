@@ -48,8 +48,8 @@ TEST(Devices, ABatchSpanningDevicesMatchesTheReferenceAndASingleDeviceRun) {
   }
   ASSERT_NE(DeviceOf(multi.engine(), "x"), DeviceOf(multi.engine(), "y"));
   for (int step = 0; step < 5; ++step) {
-    const std::vector<StepEntry> batch =
-        step == 0 ? std::vector<StepEntry>{{"x", 45}, {"y", 30}} : std::vector<StepEntry>{{"y", 1}, {"x", 2}};
+    const std::vector<StepEntry> batch = step == 0 ? std::vector<StepEntry>{{"x", 45}, {"y", 30}}
+                                                   : std::vector<StepEntry>{{"y", 1}, {"x", 2}};
     const auto a = multi.RunAndCheck(batch, DType::kF32, 10 + step, 1e-5);
     const auto b = single.RunAndCheck(batch, DType::kF32, 10 + step, 1e-5);
     EXPECT_EQ(a, b) << "step " << step << ": results do not depend on the device";

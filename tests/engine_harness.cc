@@ -138,7 +138,8 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
     const DType odt = layers[l].q_latent.dtype;
     const size_t n = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank;
     std::vector<uint8_t> out(n * DTypeSize(odt));
-    r.status = engine_->RunLayer(*step, l, layers[l].inputs(), out.data(), out.size(), &r.traces[l]);
+    r.status =
+        engine_->RunLayer(*step, l, layers[l].inputs(), out.data(), out.size(), &r.traces[l]);
     if (!r.status.ok()) return r;
     std::vector<float> f(n);
     ConvertToF32(odt, out.data(), f.data(), n);

@@ -129,8 +129,8 @@ std::vector<LayerData> Slice(const std::vector<LayerData>& in, int64_t begin, in
   };
   std::vector<LayerData> out;
   for (const auto& l : in)
-    out.push_back({cut(l.q_latent), cut(l.q_rope), cut(l.kv_latent), cut(l.k_rope),
-                   cut(l.index_q), cut(l.index_k), cut(l.index_w)});
+    out.push_back({cut(l.q_latent), cut(l.q_rope), cut(l.kv_latent), cut(l.k_rope), cut(l.index_q),
+                   cut(l.index_k), cut(l.index_w)});
   return out;
 }
 
@@ -254,8 +254,8 @@ TEST(Engine, TopKCoveringEveryVisibleKeyEqualsDenseCausalAttention) {
 
 TEST(Engine, SharedLayerAttendsThePrecedingFullLayersSelection) {
   ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
-  spec.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kDense, LayerKind::kShared,
-                 LayerKind::kFull, LayerKind::kShared};
+  spec.layers = {LayerKind::kFull,   LayerKind::kShared, LayerKind::kDense,
+                 LayerKind::kShared, LayerKind::kFull,   LayerKind::kShared};
   Harness h(Options(spec, DType::kF32));
   h.Open("s");
   ASSERT_TRUE(h.Run({{"s", 200}}, h.MakeInputs({{"s", 200}}, DType::kF32, 1)).status.ok());

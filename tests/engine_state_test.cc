@@ -87,7 +87,7 @@ TEST(EngineState, AbortAfterAnyLayerRestoresTheExactPriorState) {
 
 TEST(EngineState, ExhaustingThePoolFailsCleanlyAndChangesNothing) {
   Harness h(Options(12));  // 11 usable pages of 16 tokens
-  Populate(h);              // a: 3 pages, b: 2, c: 2 shared + 1 copied = 6 used
+  Populate(h);             // a: 3 pages, b: 2, c: 2 shared + 1 copied = 6 used
   const Snapshot before = Take(h.engine(), kIds);
   EXPECT_EQ(before.free_pages, 5);
   auto step = h.engine().BeginStep({{"a", 1}, {"b", 100}});
@@ -114,7 +114,8 @@ TEST(EngineState, ExhaustingThePoolFailsCleanlyAndChangesNothing) {
 TEST(EngineState, PageZeroNeverHoldsATokenAndIsNeverWritten) {
   Harness h(Options(64));
   Populate(h);
-  for (int i = 0; i < 5; ++i) h.RunAndCheck({{"a", 1}, {"b", 7}, {"c", 3}}, DType::kF32, 10 + i, 1e-5);
+  for (int i = 0; i < 5; ++i)
+    h.RunAndCheck({{"a", 1}, {"b", 7}, {"c", 3}}, DType::kF32, 10 + i, 1e-5);
   for (const auto& id : kIds) {
     auto info = h.engine().DescribeSequence(id);
     ASSERT_TRUE(info.ok());
@@ -178,8 +179,8 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
   expect(e.BeginStep({{"zzz", 1}}).status(), absl::StatusCode::kNotFound, "zzz");
   expect(e.BeginStep({{"a", 0}}).status(), absl::StatusCode::kInvalidArgument, "q_len");
   expect(e.BeginStep({{"a", 1}, {"a", 2}}).status(), absl::StatusCode::kInvalidArgument, "twice");
-  expect(e.BeginStep({{"a", 1}, {"b", Spec().max_context}}).status(),
-         absl::StatusCode::kOutOfRange, "max_context");
+  expect(e.BeginStep({{"a", 1}, {"b", Spec().max_context}}).status(), absl::StatusCode::kOutOfRange,
+         "max_context");
   expect(e.RunLayer(12345, 0, {}, nullptr, 0), absl::StatusCode::kNotFound, "12345");
 
   // Layer inputs: each malformed tensor in turn, on a fresh step that the error aborts.
@@ -193,12 +194,17 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
   };
   std::vector<uint8_t> extra(4096, 1);
   const std::vector<Case> cases = {
-      {"q_latent shape", [](LayerInputs& in, size_t&) { in.q_latent.dims[1] = 5; }, "q_latent: shape [3, 5, 32], expected [3, 4, 32]"},
+      {"q_latent shape", [](LayerInputs& in, size_t&) { in.q_latent.dims[1] = 5; },
+       "q_latent: shape [3, 5, 32], expected [3, 4, 32]"},
       {"q_rope rank", [](LayerInputs& in, size_t&) { in.q_rope.rank = 2; }, "q_rope: shape"},
-      {"kv_latent bytes", [](LayerInputs& in, size_t&) { in.kv_latent.nbytes -= 2; }, "kv_latent: 190 bytes, expected 192"},
-      {"k_rope dtype vs bytes", [](LayerInputs& in, size_t&) { in.k_rope.dtype = DType::kF32; }, "k_rope:"},
-      {"token count", [](LayerInputs& in, size_t&) { in.kv_latent.dims[0] = 4; }, "kv_latent: shape [4, 32], expected [3, 32]"},
-      {"missing index_q", [](LayerInputs& in, size_t&) { in.index_q = TensorView{}; }, "index_q: missing"},
+      {"kv_latent bytes", [](LayerInputs& in, size_t&) { in.kv_latent.nbytes -= 2; },
+       "kv_latent: 190 bytes, expected 192"},
+      {"k_rope dtype vs bytes", [](LayerInputs& in, size_t&) { in.k_rope.dtype = DType::kF32; },
+       "k_rope:"},
+      {"token count", [](LayerInputs& in, size_t&) { in.kv_latent.dims[0] = 4; },
+       "kv_latent: shape [4, 32], expected [3, 32]"},
+      {"missing index_q", [](LayerInputs& in, size_t&) { in.index_q = TensorView{}; },
+       "index_q: missing"},
       {"index_w shape", [](LayerInputs& in, size_t&) { in.index_w.dims[1] = 3; }, "index_w: shape"},
       {"output size", [](LayerInputs&, size_t& n) { n -= 2; }, "output buffer"},
   };

@@ -230,11 +230,13 @@ TEST_F(ServiceTest, BadInputMatrix) {
   const std::vector<Case> cases = {
       {"datatype", [](v1::LayerInputs& in) { in.mutable_q_latent()->set_datatype("BF17"); },
        absl::StatusCode::kInvalidArgument, "q_latent: datatype 'BF17'"},
-      {"lower-case datatype", [](v1::LayerInputs& in) { in.mutable_k_rope()->set_datatype("bf16"); },
+      {"lower-case datatype",
+       [](v1::LayerInputs& in) { in.mutable_k_rope()->set_datatype("bf16"); },
        absl::StatusCode::kInvalidArgument, "k_rope: datatype"},
       {"shape", [](v1::LayerInputs& in) { in.mutable_q_rope()->set_shape(1, 3); },
        absl::StatusCode::kInvalidArgument, "q_rope: shape [3, 3, 16], expected [3, 4, 16]"},
-      {"byte count", [](v1::LayerInputs& in) { in.mutable_kv_latent()->mutable_data()->pop_back(); },
+      {"byte count",
+       [](v1::LayerInputs& in) { in.mutable_kv_latent()->mutable_data()->pop_back(); },
        absl::StatusCode::kInvalidArgument, "kv_latent: 191 bytes, expected 192"},
       {"tokens vs batch", [](v1::LayerInputs& in) { in.mutable_index_k()->set_shape(0, 4); },
        absl::StatusCode::kInvalidArgument, "index_k: shape [4, 16], expected [3, 16]"},
@@ -268,7 +270,8 @@ TEST_F(ServiceTest, BadInputMatrix) {
   // Sequence and step metadata.
   EXPECT_EQ(client_->OpenSequence("bad-a").status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(client_->BeginStep({{"nope", 1}}).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(client_->AttendLayer(999999, good[0].wire).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->AttendLayer(999999, good[0].wire).status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->BeginStep({{"bad-a", 0}}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client_->OpenSequence("bad-c", "bad-a", 21).status().code(),
             absl::StatusCode::kOutOfRange);

@@ -174,8 +174,8 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   Scratch& ws = ThreadScratch();
   float* kr = Grow(ws.a, static_cast<size_t>(kTile) * D);  // [kTile, D] keys as rows
   float* st = Grow(ws.b, static_cast<size_t>(kTile) * H + static_cast<size_t>(D) * H);
-  float* qt = st + kTile * H;                                // [D, H] scaled query
-  float* s = Grow(ws.c, static_cast<size_t>(H) * kTile);     // [H, kTile] scores, then probs
+  float* qt = st + kTile * H;                             // [D, H] scaled query
+  float* s = Grow(ws.c, static_cast<size_t>(H) * kTile);  // [H, kTile] scores, then probs
   float* state = Grow(ws.d, static_cast<size_t>(H) * (L + 3));
   float* acc = state;        // [H, L]
   float* m = state + H * L;  // running max per head

@@ -56,8 +56,8 @@ struct MlaParams {
   int64_t begin = 0;
   int64_t end = 0;
   float sm_scale = 1.0f;
-  float soft_cap = 0.0f;    // 0 = off
-  float* out = nullptr;     // [num_heads, L]
+  float soft_cap = 0.0f;  // 0 = off
+  float* out = nullptr;   // [num_heads, L]
 };
 void MlaAttend(const Kernels& k, const MlaParams& p);
 

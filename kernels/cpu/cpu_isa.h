@@ -3,8 +3,9 @@
 // function-level target attributes and chosen at run time, never with -march=native.
 #pragma once
 
-#include "absl/strings/string_view.h"
 #include <vector>
+
+#include "absl/strings/string_view.h"
 
 namespace attnd::cpu {
 

@@ -6,8 +6,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <map>
-#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -16,12 +14,12 @@
 namespace attnd::cuda {
 namespace {
 
-#define CUDA_RETURN(expr)                                                              \
-  do {                                                                                 \
-    const cudaError_t attnd_cuda_err_ = (expr);                                        \
-    if (attnd_cuda_err_ != cudaSuccess)                                                \
-      return absl::InternalError(absl::StrCat("CUDA: ", #expr, ": ",                   \
-                                              cudaGetErrorString(attnd_cuda_err_)));   \
+#define CUDA_RETURN(expr)                                                            \
+  do {                                                                               \
+    const cudaError_t attnd_cuda_err_ = (expr);                                      \
+    if (attnd_cuda_err_ != cudaSuccess)                                              \
+      return absl::InternalError(                                                    \
+          absl::StrCat("CUDA: ", #expr, ": ", cudaGetErrorString(attnd_cuda_err_))); \
   } while (0)
 
 int Code(DType t) { return t == DType::kF32 ? 0 : t == DType::kBF16 ? 1 : 2; }
@@ -71,8 +69,8 @@ template <typename T>
 absl::Status Upload(DeviceBuffer& dst, const std::vector<T>& src, cudaStream_t s) {
   RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(1, src.size() * sizeof(T))));
   if (!src.empty())
-    CUDA_RETURN(cudaMemcpyAsync(dst.ptr, src.data(), src.size() * sizeof(T),
-                                cudaMemcpyHostToDevice, s));
+    CUDA_RETURN(
+        cudaMemcpyAsync(dst.ptr, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice, s));
   // Pageable source: synchronise so the vector may change afterwards.
   CUDA_RETURN(cudaStreamSynchronize(s));
   return absl::OkStatus();
@@ -110,7 +108,8 @@ struct CudaDevice::State {
   StepState* st = nullptr;
   // Per-layer scratch.
   DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, need, need_off,
-      need_len, tmp_sel, tmp_count, page_keys, page_off, page_list, page_count, out_f32, out_raw;
+      need_len, tmp_sel, tmp_count, page_keys, page_off, page_len, page_list, page_count, out_f32,
+      out_raw;
   HostBuffer staging;
 
   size_t RowBytes(int dim) const { return dim * DTypeSize(config.dtype); }
@@ -147,8 +146,8 @@ struct CudaDevice::State {
     const size_t es = DTypeSize(t.dtype), row = row_elems * es;
     RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row)));
     for (int64_t i = 0; i < st->n; ++i)
-      std::memcpy(staging.data() + i * row, static_cast<const uint8_t*>(t.data) + st->plan.rows[i] * row,
-                  row);
+      std::memcpy(staging.data() + i * row,
+                  static_cast<const uint8_t*>(t.data) + st->plan.rows[i] * row, row);
     RETURN_IF_ERROR(raw.Reserve(std::max<size_t>(1, st->n * row)));
     RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st->n * row_elems * 4)));
     CUDA_RETURN(cudaMemcpyAsync(raw.ptr, staging.ptr, st->n * row, cudaMemcpyHostToDevice, stream));
@@ -198,11 +197,14 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal, cons
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, s.total_bytes);
   if (e != cudaSuccess)
-    return absl::ResourceExhaustedError(absl::StrCat("cuda:", ordinal, ": cannot allocate ",
-                                                     s.total_bytes, " bytes of KV cache: ",
-                                                     cudaGetErrorString(e)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda:", ordinal, ": cannot allocate ", s.total_bytes,
+                     " bytes of KV cache: ", cudaGetErrorString(e)));
   s.cache = static_cast<uint8_t*>(p);
-  CUDA_RETURN(cudaMemset(s.cache, 0, s.total_bytes));
+  // On `stream` and waited for: a legacy-stream memset is asynchronous to the host and unordered
+  // with the non-blocking stream, so it could otherwise overwrite the first steps' writes.
+  CUDA_RETURN(cudaMemsetAsync(s.cache, 0, s.total_bytes, s.stream));
+  CUDA_RETURN(cudaStreamSynchronize(s.stream));
   return d;
 }
 
@@ -360,13 +362,13 @@ absl::Status CudaDevice::State::Select(int layer) {
   }
   std::vector<int64_t> npages(nq);
   for (int i = 0; i < nq; ++i) npages[i] = (len[i] + spec.page_size - 1) / spec.page_size;
-  RETURN_IF_ERROR(Upload(tmp_count, npages, stream));  // reused as the page rows' lengths
+  RETURN_IF_ERROR(Upload(page_len, npages, stream));
   RETURN_IF_ERROR(page_list.Reserve(nq * keep * 4));
   RETURN_IF_ERROR(page_count.Reserve(nq * 4));
   TopKParams pk;
   pk.keys = page_keys.as<uint32_t>();
   pk.row_offset = page_off.as<int64_t>();
-  pk.row_len = tmp_count.as<int64_t>();
+  pk.row_len = page_len.as<int64_t>();
   pk.nq = nq;
   pk.k = keep;
   pk.drop_zero = true;
@@ -453,15 +455,16 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
   CUDA_RETURN(LaunchFromF32(s.out_f32.as<float>(), Code(call.out_dtype), s.out_raw.ptr,
                             st.n * H * L, s.stream));
   RETURN_IF_ERROR(s.staging.Reserve(st.n * row));
-  CUDA_RETURN(cudaMemcpyAsync(s.staging.ptr, s.out_raw.ptr, st.n * row, cudaMemcpyDeviceToHost,
-                              s.stream));
+  CUDA_RETURN(
+      cudaMemcpyAsync(s.staging.ptr, s.out_raw.ptr, st.n * row, cudaMemcpyDeviceToHost, s.stream));
   CUDA_RETURN(cudaStreamSynchronize(s.stream));
   for (int64_t i = 0; i < st.n; ++i)
     std::memcpy(call.out + st.plan.rows[i] * row, s.staging.data() + i * row, row);
   if (call.trace) {
     std::vector<int32_t> sel(st.n * st.sel_cap), count(st.n);
     CUDA_RETURN(cudaMemcpy(sel.data(), st.sel.ptr, sel.size() * 4, cudaMemcpyDeviceToHost));
-    CUDA_RETURN(cudaMemcpy(count.data(), st.sel_count.ptr, count.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_RETURN(
+        cudaMemcpy(count.data(), st.sel_count.ptr, count.size() * 4, cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < st.n; ++i) {
       auto& k = (*call.trace)[st.plan.rows[i]];
       k.clear();
@@ -505,32 +508,58 @@ absl::Status CudaDevice::CopyPagePrefixTo(CudaDevice& d, int32_t src, int32_t ds
 absl::Status CudaDevice::ReadPage(int32_t page, int rows, std::vector<uint8_t>* host) {
   State& s = *s_;
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  const size_t lat = rows * s.RowBytes(s.config.latent_dim), idx = rows * s.RowBytes(s.config.index_dim);
+  const size_t lat = rows * s.RowBytes(s.config.latent_dim),
+               idx = rows * s.RowBytes(s.config.index_dim);
   host->resize(s.config.num_layers * lat + s.config.num_full_layers * idx);
+  // On the device's stream (ordered after its kernels), then waited for.
   for (int l = 0; l < s.config.num_layers; ++l)
-    CUDA_RETURN(cudaMemcpy(host->data() + l * lat, s.Latent(l).base + page * s.Latent(l).page_stride,
-                           lat, cudaMemcpyDeviceToHost));
+    CUDA_RETURN(cudaMemcpyAsync(host->data() + l * lat,
+                                s.Latent(l).base + page * s.Latent(l).page_stride, lat,
+                                cudaMemcpyDeviceToHost, s.stream));
   for (int k = 0; k < s.config.num_full_layers; ++k)
-    CUDA_RETURN(cudaMemcpy(host->data() + s.config.num_layers * lat + k * idx,
-                           s.Index(k).base + page * s.Index(k).page_stride, idx,
-                           cudaMemcpyDeviceToHost));
+    CUDA_RETURN(cudaMemcpyAsync(host->data() + s.config.num_layers * lat + k * idx,
+                                s.Index(k).base + page * s.Index(k).page_stride, idx,
+                                cudaMemcpyDeviceToHost, s.stream));
+  CUDA_RETURN(cudaStreamSynchronize(s.stream));
   return absl::OkStatus();
 }
 
 absl::Status CudaDevice::WritePage(int32_t page, int rows, const std::vector<uint8_t>& host) {
   State& s = *s_;
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  const size_t lat = rows * s.RowBytes(s.config.latent_dim), idx = rows * s.RowBytes(s.config.index_dim);
+  const size_t lat = rows * s.RowBytes(s.config.latent_dim),
+               idx = rows * s.RowBytes(s.config.index_dim);
   if (host.size() != s.config.num_layers * lat + s.config.num_full_layers * idx)
     return absl::InternalError("CUDA WritePage: staging size mismatch");
+  // On the device's stream, then waited for: a pageable cudaMemcpy may return before its DMA
+  // lands, and the legacy stream is unordered with the (non-blocking) stream the kernels use.
   for (int l = 0; l < s.config.num_layers; ++l)
-    CUDA_RETURN(cudaMemcpy(const_cast<uint8_t*>(s.Latent(l).base) + page * s.Latent(l).page_stride,
-                           host.data() + l * lat, lat, cudaMemcpyHostToDevice));
+    CUDA_RETURN(
+        cudaMemcpyAsync(const_cast<uint8_t*>(s.Latent(l).base) + page * s.Latent(l).page_stride,
+                        host.data() + l * lat, lat, cudaMemcpyHostToDevice, s.stream));
   for (int k = 0; k < s.config.num_full_layers; ++k)
-    CUDA_RETURN(cudaMemcpy(const_cast<uint8_t*>(s.Index(k).base) + page * s.Index(k).page_stride,
-                           host.data() + s.config.num_layers * lat + k * idx, idx,
-                           cudaMemcpyHostToDevice));
+    CUDA_RETURN(cudaMemcpyAsync(
+        const_cast<uint8_t*>(s.Index(k).base) + page * s.Index(k).page_stride,
+        host.data() + s.config.num_layers * lat + k * idx, idx, cudaMemcpyHostToDevice, s.stream));
+  CUDA_RETURN(cudaStreamSynchronize(s.stream));
   return absl::OkStatus();
+}
+
+std::vector<CudaDevice::Span> CudaDevice::PageCopySpans(CudaDevice& d, int32_t src, int32_t dst,
+                                                        int rows) {
+  State& s = *s_;
+  std::vector<Span> spans;
+  for (int l = 0; l < s.config.num_layers; ++l) {
+    const DevicePaged a = s.Latent(l), b = d.s_->Latent(l);
+    spans.push_back({a.base + src * a.page_stride,
+                     const_cast<uint8_t*>(b.base) + dst * b.page_stride, rows * a.row_stride});
+  }
+  for (int k = 0; k < s.config.num_full_layers; ++k) {
+    const DevicePaged a = s.Index(k), b = d.s_->Index(k);
+    spans.push_back({a.base + src * a.page_stride,
+                     const_cast<uint8_t*>(b.base) + dst * b.page_stride, rows * a.row_stride});
+  }
+  return spans;
 }
 
 bool CudaDevice::ReservedPageUntouched() {

@@ -20,11 +20,11 @@ int DeviceCount();
 
 // One step's share of tokens on this GPU, built once per step (plan once, run per layer).
 struct StepPlan {
-  std::vector<int64_t> rows;          // [n] rows of the layer tensors (step token index)
-  std::vector<int64_t> pos;           // [n] absolute positions
-  std::vector<uint8_t> dense_prefill; // [n] 1 = attend every visible key (prefill=dense, q_len>1)
-  std::vector<int32_t> table_offset;  // [n] offset of the token's page table in `tables`
-  std::vector<int32_t> tables;        // page tables of this device's sequences, concatenated
+  std::vector<int64_t> rows;           // [n] rows of the layer tensors (step token index)
+  std::vector<int64_t> pos;            // [n] absolute positions
+  std::vector<uint8_t> dense_prefill;  // [n] 1 = attend every visible key (prefill=dense, q_len>1)
+  std::vector<int32_t> table_offset;   // [n] offset of the token's page table in `tables`
+  std::vector<int32_t> tables;         // page tables of this device's sequences, concatenated
 };
 
 // One layer for the plan's tokens. Inputs are the whole step's host tensors (any wire dtype);
@@ -60,6 +60,15 @@ class CudaDevice {
   // Device-to-device (NVLink/PCIe peer, NCCL-free path) copy of a page prefix to another GPU.
   absl::Status CopyPagePrefixTo(CudaDevice& dst, int32_t src, int32_t dst_page, int rows);
   bool ReservedPageUntouched();
+
+  // The contiguous byte ranges of copying a page prefix to `dst` (every layer and slot), for
+  // moving pages with NCCL instead of CopyPagePrefixTo.
+  struct Span {
+    const void* src;
+    void* dst;
+    size_t bytes;
+  };
+  std::vector<Span> PageCopySpans(CudaDevice& dst, int32_t src, int32_t dst_page, int rows);
 
  private:
   struct State;

@@ -29,9 +29,11 @@ __device__ __forceinline__ void Store(void* base, int dtype, int64_t i, float v)
   }
 }
 
-// Order-preserving float -> uint32 (larger float, larger key); NaN -> 0 (lowest).
+// Order-preserving float -> uint32 (larger float, larger key), ranking like the CPU backend: NaN
+// ties with -inf (lowest) and -0 with +0. Never 0, the "excluded" page key.
 __device__ __forceinline__ uint32_t Key(float f) {
-  if (isnan(f)) return 0u;
+  if (isnan(f)) f = -INFINITY;
+  if (f == 0.0f) return 0x80000000u;  // -0 == +0
   const uint32_t u = __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
@@ -82,8 +84,7 @@ __global__ void IndexerKernel(IndexerParams p) {
   const int nk = static_cast<int>(min(static_cast<int64_t>(kIdxTile), n - t0));
   for (int i = threadIdx.x; i < kIdxTile * D; i += blockDim.x) {
     const int j = i / D, d = i % D;
-    ks[j * (D + 1) + d] =
-        j < nk ? Load(Row(p.keys, p.tables, q, t0 + j), p.keys.dtype, d) : 0.0f;
+    ks[j * (D + 1) + d] = j < nk ? Load(Row(p.keys, p.tables, q, t0 + j), p.keys.dtype, d) : 0.0f;
   }
   __syncthreads();
   const int j = threadIdx.x % kIdxTile;
@@ -92,7 +93,7 @@ __global__ void IndexerKernel(IndexerParams p) {
   for (int h = group; h < H; h += blockDim.x / kIdxTile) {
     float dot = 0.0f;
     for (int d = 0; d < D; ++d) dot += qs[h * D + d] * ks[j * (D + 1) + d];
-    acc += ws[h] * fmaxf(dot, 0.0f);
+    acc += ws[h] * (dot < 0.0f ? 0.0f : dot);  // relu like std::max(dot, 0): NaN stays NaN
   }
   part[group * kIdxTile + j] = acc;
   __syncthreads();
@@ -195,7 +196,7 @@ __global__ void PageMaxKernel(PageMaxParams p) {
   uint32_t best = 0;
   const int64_t hi = min(n, (pg + 1) * p.page_size);
   for (int64_t t = pg * p.page_size; t < hi; ++t)
-    best = max(best, Key(p.scores[p.row_offset[qi] + t]) | 1u);  // | 1: never "excluded"
+    best = max(best, Key(p.scores[p.row_offset[qi] + t]));  // Key is never 0 ("excluded")
   p.page_keys[p.page_offset[qi] + pg] = best;
 }
 
@@ -205,7 +206,7 @@ __global__ void PageHitKernel(PageHitParams p) {
   if (i >= p.selected_count[qi]) return;
   const int32_t tok = p.selected[qi * p.sel_stride + i];
   atomicMax(&p.page_keys[p.page_offset[qi] + tok / p.page_size],
-            Key(p.scores[p.row_offset[qi] + tok]) | 1u);
+            Key(p.scores[p.row_offset[qi] + tok]));
 }
 
 __global__ void ExpandKernel(ExpandParams p) {
@@ -226,7 +227,7 @@ __global__ void ExpandKernel(ExpandParams p) {
   }
   if (threadIdx.x == 0)
     p.out_count[orow] = static_cast<int32_t>(int64_t{total_pages - 1} * p.page_size +
-                                           (n - int64_t{own} * p.page_size));
+                                             (n - int64_t{own} * p.page_size));
 }
 
 // grid (queries, head groups). Shared: q [HB, D+1] | keys [kMlaTile, D+1] | s [HB, kMlaTile] |
@@ -309,10 +310,13 @@ __global__ void MlaKernel(MlaParams p) {
       corr[h] = c;
     }
     __syncthreads();
+    // Constant trip counts with guards keep acc[][] in registers (no local-memory spill).
+#pragma unroll
     for (int i = 0; i < kMlaDimsPerThread; ++i) {
       const int d = threadIdx.x + i * blockDim.x;
-      if (d >= L) break;
-      for (int h = 0; h < HB; ++h) {
+#pragma unroll
+      for (int h = 0; h < kMlaHeads; ++h) {
+        if (h >= HB || d >= L) continue;
         float a = acc[h][i] * corr[h];
         for (int j = 0; j < nk; ++j) a += ss[h * kMlaTile + j] * ks[j * (D + 1) + d];
         acc[h][i] = a;
@@ -320,17 +324,24 @@ __global__ void MlaKernel(MlaParams p) {
     }
     __syncthreads();
   }
+#pragma unroll
   for (int i = 0; i < kMlaDimsPerThread; ++i) {
     const int d = threadIdx.x + i * blockDim.x;
-    if (d >= L) break;
-    for (int h = 0; h < HB; ++h) {
+#pragma unroll
+    for (int h = 0; h < kMlaHeads; ++h) {
+      if (h >= HB || d >= L) continue;
       const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;
       p.out[(int64_t{q} * p.heads + h0 + h) * L + d] = acc[h][i] * inv;
     }
   }
 }
 
-int Blocks(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)); }
+int Blocks(int64_t n) {
+  return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
+}
+
+// grid.y (one query per y) is limited to 65535: the launchers below split longer query lists.
+constexpr int kMaxGridY = 65535;
 
 }  // namespace
 
@@ -353,15 +364,22 @@ cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s) {
 }
 
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s) {
-  if (p.nq <= 0) return cudaSuccess;
+  if (p.nq <= 0 || p.max_keys <= 0) return cudaSuccess;
   const size_t smem =
       sizeof(float) * (p.heads * p.dim + p.heads + kIdxTile * (p.dim + 1) + 4 * kIdxTile);
   cudaError_t e = cudaFuncSetAttribute(IndexerKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxTile - 1) / kIdxTile), p.nq);
-  IndexerKernel<<<grid, kThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
+    IndexerParams c = p;
+    c.queries += q0;
+    c.score_offset += q0;
+    c.nq = std::min(kMaxGridY, p.nq - q0);
+    const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxTile - 1) / kIdxTile), c.nq);
+    IndexerKernel<<<grid, kThreads, smem, s>>>(c);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
@@ -371,17 +389,34 @@ cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
 }
 
 cudaError_t LaunchPageMax(const PageMaxParams& p, cudaStream_t s) {
-  if (p.nq <= 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((p.max_pages + kThreads - 1) / kThreads), p.nq);
-  PageMaxKernel<<<grid, kThreads, 0, s>>>(p);
-  return cudaGetLastError();
+  if (p.nq <= 0 || p.max_pages <= 0) return cudaSuccess;
+  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
+    PageMaxParams c = p;
+    c.row_offset += q0;
+    c.row_len += q0;
+    c.page_offset += q0;
+    c.nq = std::min(kMaxGridY, p.nq - q0);
+    const dim3 grid(static_cast<unsigned>((p.max_pages + kThreads - 1) / kThreads), c.nq);
+    PageMaxKernel<<<grid, kThreads, 0, s>>>(c);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchPageHits(const PageHitParams& p, cudaStream_t s) {
-  if (p.nq <= 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((p.max_sel + kThreads - 1) / kThreads), p.nq);
-  PageHitKernel<<<grid, kThreads, 0, s>>>(p);
-  return cudaGetLastError();
+  if (p.nq <= 0 || p.max_sel <= 0) return cudaSuccess;
+  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
+    PageHitParams c = p;
+    c.row_offset += q0;
+    c.selected += q0 * p.sel_stride;
+    c.selected_count += q0;
+    c.page_offset += q0;
+    c.nq = std::min(kMaxGridY, p.nq - q0);
+    const dim3 grid(static_cast<unsigned>((p.max_sel + kThreads - 1) / kThreads), c.nq);
+    PageHitKernel<<<grid, kThreads, 0, s>>>(c);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s) {

@@ -31,45 +31,45 @@ cudaError_t LaunchToF32(const void* src, int dtype, float* dst, int64_t count, c
 cudaError_t LaunchFromF32(const float* src, int dtype, void* dst, int64_t count, cudaStream_t s);
 
 struct WriteRowsParams {
-  const float* src = nullptr;        // [n, dim] new rows
+  const float* src = nullptr;  // [n, dim] new rows
   int n = 0, dim = 0;
-  uint8_t* base = nullptr;           // cache buffer
+  uint8_t* base = nullptr;  // cache buffer
   size_t page_stride = 0, row_stride = 0;
-  int dtype = 1;                     // cache dtype
-  int col_offset = 0;                // first column written inside the cache row
-  const int32_t* page = nullptr;     // [n] physical page of each row
-  const int32_t* offset = nullptr;   // [n] row inside the page
+  int dtype = 1;                    // cache dtype
+  int col_offset = 0;               // first column written inside the cache row
+  const int32_t* page = nullptr;    // [n] physical page of each row
+  const int32_t* offset = nullptr;  // [n] row inside the page
 };
 cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s);
 
 // I[s] = Σ_h w[h] relu(q[h]·k[s]) for s in [0, pos+1) of each listed query.
 struct IndexerParams {
-  const float* q = nullptr;           // [n, Hi, Di]
-  const float* w = nullptr;           // [n, Hi]
+  const float* q = nullptr;  // [n, Hi, Di]
+  const float* w = nullptr;  // [n, Hi]
   int heads = 0, dim = 0;
   DevicePaged keys;
   DeviceTables tables;
   const int32_t* queries = nullptr;       // [nq] local query index
   const int64_t* score_offset = nullptr;  // [nq] where the query's scores start
   int nq = 0;
-  int64_t max_keys = 0;                   // longest row (grid size)
-  float* scores = nullptr;                // [sum of pos+1]
+  int64_t max_keys = 0;     // longest row (grid size)
+  float* scores = nullptr;  // [sum of pos+1]
 };
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s);
 
 // Exact top-k per row, ties to the lower index, NaN lowest; output ascending indices.
 struct TopKParams {
-  const float* scores = nullptr;      // row values, or
-  const uint32_t* keys = nullptr;     // order-preserving keys (0 = excluded when drop_zero)
+  const float* scores = nullptr;        // row values, or
+  const uint32_t* keys = nullptr;       // order-preserving keys (0 = excluded when drop_zero)
   const int64_t* row_offset = nullptr;  // [nq]
   const int64_t* row_len = nullptr;     // [nq]
   int nq = 0;
   int64_t k = 0;
-  bool drop_zero = false;             // omit entries whose key is 0
-  int32_t* out = nullptr;             // [rows, out_stride]
+  bool drop_zero = false;  // omit entries whose key is 0
+  int32_t* out = nullptr;  // [rows, out_stride]
   int64_t out_stride = 0;
-  int32_t* out_count = nullptr;       // [rows]
-  const int32_t* out_row = nullptr;   // [nq] output row of each query; null = the query index
+  int32_t* out_count = nullptr;      // [rows]
+  const int32_t* out_row = nullptr;  // [nq] output row of each query; null = the query index
 };
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s);
 
@@ -90,8 +90,8 @@ cudaError_t LaunchPageMax(const PageMaxParams& p, cudaStream_t s);
 // zeroed first.
 struct PageHitParams {
   const float* scores = nullptr;
-  const int64_t* row_offset = nullptr;   // [nq]
-  const int32_t* selected = nullptr;     // [nq, sel_stride] token indices
+  const int64_t* row_offset = nullptr;  // [nq]
+  const int32_t* selected = nullptr;    // [nq, sel_stride] token indices
   const int32_t* selected_count = nullptr;
   int64_t sel_stride = 0;
   const int64_t* page_offset = nullptr;  // [nq]
@@ -104,33 +104,33 @@ cudaError_t LaunchPageHits(const PageHitParams& p, cudaStream_t s);
 
 // Expands ascending page lists to key positions, adding the query's own page (rows <= pos).
 struct ExpandParams {
-  const int32_t* pages = nullptr;        // [nq, page_stride] ascending
-  const int32_t* page_count = nullptr;   // [nq]
+  const int32_t* pages = nullptr;       // [nq, page_stride] ascending
+  const int32_t* page_count = nullptr;  // [nq]
   int64_t page_stride = 0;
-  const int64_t* row_len = nullptr;      // [nq] visible keys (pos + 1)
+  const int64_t* row_len = nullptr;  // [nq] visible keys (pos + 1)
   int nq = 0;
   int page_size = 0;
-  int32_t* out = nullptr;                // [rows, out_stride]
+  int32_t* out = nullptr;  // [rows, out_stride]
   int64_t out_stride = 0;
-  int32_t* out_count = nullptr;          // [rows]
-  const int32_t* out_row = nullptr;      // [nq] output row of each query; null = the query index
+  int32_t* out_count = nullptr;      // [rows]
+  const int32_t* out_row = nullptr;  // [nq] output row of each query; null = the query index
 };
 cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s);
 
 // MLA: s = sm_scale·(q·[c_kv | k_pe]) [soft-capped], softmax, out = Σ p·c_kv, per query & head.
 struct MlaParams {
-  const float* q_latent = nullptr;   // [n, H, L]
-  const float* q_rope = nullptr;     // [n, H, R]
+  const float* q_latent = nullptr;  // [n, H, L]
+  const float* q_rope = nullptr;    // [n, H, R]
   int n = 0, heads = 0, latent = 0, rope = 0;
   float sm_scale = 1, soft_cap = 0;
   DevicePaged kv;
   DeviceTables tables;
-  const int32_t* sel = nullptr;      // [n, sel_stride] positions, or null: the range below
+  const int32_t* sel = nullptr;  // [n, sel_stride] positions, or null: the range below
   const int32_t* sel_count = nullptr;
   const uint8_t* use_range = nullptr;  // [n] 1 = attend [begin, pos] instead of sel
   int64_t sel_stride = 0;
-  int window = 0;                    // range mode: keys in (pos - window, pos]; 0 = all
-  float* out = nullptr;              // [n, H, L]
+  int window = 0;        // range mode: keys in (pos - window, pos]; 0 = all
+  float* out = nullptr;  // [n, H, L]
 };
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
 

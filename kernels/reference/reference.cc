@@ -36,8 +36,7 @@ std::vector<int32_t> TopK(const std::vector<double>& scores, int64_t k) {
 namespace {
 
 // Best `keep` pages of a page->score map (score descending, page ascending), plus `own`.
-std::vector<int32_t> KeepPages(const std::map<int32_t, double>& page_score, int keep,
-                               int32_t own) {
+std::vector<int32_t> KeepPages(const std::map<int32_t, double>& page_score, int keep, int32_t own) {
   std::vector<std::pair<int32_t, double>> v(page_score.begin(), page_score.end());
   std::stable_sort(v.begin(), v.end(),
                    [](const auto& a, const auto& b) { return a.second > b.second; });
@@ -51,7 +50,8 @@ std::vector<int32_t> KeepPages(const std::map<int32_t, double>& page_score, int 
 std::vector<int32_t> PagesToKeys(const std::vector<int32_t>& pages, int ps, int64_t n) {
   std::vector<int32_t> keys;
   for (int32_t p : pages)
-    for (int64_t s = static_cast<int64_t>(p) * ps; s < (p + 1) * static_cast<int64_t>(ps) && s < n; ++s)
+    for (int64_t s = static_cast<int64_t>(p) * ps; s < (p + 1) * static_cast<int64_t>(ps) && s < n;
+         ++s)
       keys.push_back(static_cast<int32_t>(s));
   return keys;
 }

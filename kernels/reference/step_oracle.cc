@@ -48,7 +48,9 @@ void StepOracle::Commit(const std::vector<std::pair<std::string, int64_t>>& batc
                         const std::vector<LayerValues>& layers) {
   const ModelSpec& s = spec_;
   const int L = s.kv_lora_rank, R = s.qk_rope_head_dim, Di = s.index_head_dim;
-  auto keep = [&](double v) { return static_cast<double>(RoundTo(cache_dtype_, static_cast<float>(v))); };
+  auto keep = [&](double v) {
+    return static_cast<double>(RoundTo(cache_dtype_, static_cast<float>(v)));
+  };
   int64_t t0 = 0;
   for (const auto& [id, q_len] : batch) {
     History& h = hist_.at(id);
@@ -103,8 +105,9 @@ std::vector<std::vector<double>> StepOracle::Expected(
         } else if (kind == LayerKind::kShared) {
           keys = carry[t];
         } else {
-          const std::vector<double> scores = IndexerScores(
-              s, d.index_q.data() + t * Hi * Di, d.index_w.data() + t * Hi, h.idx[l].data(), pos + 1);
+          const std::vector<double> scores =
+              IndexerScores(s, d.index_q.data() + t * Hi * Di, d.index_w.data() + t * Hi,
+                            h.idx[l].data(), pos + 1);
           keys = SelectKeys(s, scores, s.prefill == PrefillMode::kDense && q_len > 1);
           if (engine_keys && (*engine_keys)[l][t] != keys) {
             const auto& got = (*engine_keys)[l][t];
