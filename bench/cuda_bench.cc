@@ -45,17 +45,10 @@ T* Upload(const std::vector<T>& v) {
   return d;
 }
 
-// Fills a device buffer with N(0,1) bf16 (generated on the host in chunks).
+// N(0,1) bf16 generated on the device.
 void RandomBf16(__nv_bfloat16* d, size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0, 1);
-  const size_t chunk = size_t{1} << 24;
-  std::vector<__nv_bfloat16> h(std::min(n, chunk));
-  for (size_t off = 0; off < n; off += chunk) {
-    const size_t m = std::min(chunk, n - off);
-    for (size_t i = 0; i < m; ++i) h[i] = __float2bfloat16(dist(rng));
-    CHECK(cudaMemcpy(d + off, h.data(), m * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice));
-  }
+  CHECK(attnd::cuda::LaunchFillNormalBf16(d, static_cast<int64_t>(n), seed, 0));
+  CHECK(cudaDeviceSynchronize());
 }
 
 void RandomF32(float* d, size_t n, uint64_t seed) {

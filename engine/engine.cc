@@ -563,6 +563,15 @@ absl::Status Engine::OpenSequence(const std::string& id, int device) {
 
 int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
 
+std::vector<std::string> Engine::DefaultDevices() {
+  std::vector<std::string> out;
+#ifdef ATTND_HAVE_CUDA
+  for (int i = 0; i < cuda::DeviceCount(); ++i) out.push_back(absl::StrCat("cuda:", i));
+#endif
+  if (out.empty()) out.push_back("cpu:0");
+  return out;
+}
+
 bool Engine::CudaBuilt() {
 #ifdef ATTND_HAVE_CUDA
   return true;

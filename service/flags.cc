@@ -20,7 +20,8 @@ std::string ServerUsage() {
   --kv-pages=N                 cache pages per device, incl. reserved page 0 (overrides bytes)
   --cache-dtype=bf16|fp32      cache element type (default bf16)
   --devices=LIST               cpu:N and/or cuda:N, comma separated; each sequence lives on
-                               one device (default cpu:0; cuda needs a CUDA build and GPU)
+                               one device. auto (default): every GPU when this build has CUDA
+                               and a GPU is visible, else cpu:0. --devices=cpu:0 forces the CPU
   --threads=N                  compute threads (default: all cores)
   --cpu-isa=auto|avx2|generic  CPU inner loops (default auto: the widest the host has)
   --max-message-bytes=N        gRPC send/receive limit (default 1073741824)

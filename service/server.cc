@@ -40,6 +40,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   EngineOptions o;
   ASSIGN_OR_RETURN(o.spec, LoadSpec(f));
   o.devices = f.devices;  // "cpu:N" / "cuda:N", validated by the engine
+  if (o.devices.size() == 1 && o.devices[0] == "auto") o.devices = Engine::DefaultDevices();
   o.cache_dtype = f.cache_dtype;
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
@@ -87,8 +88,8 @@ int RunServer(const ServerFlags& flags) {
 
   ServiceOptions so;
   so.backend = "cpu";
-  for (const std::string& d : flags.devices)
-    if (d.rfind("cuda:", 0) == 0) so.backend = "cuda";
+  for (const DeviceCapacity& d : engine->Capacity())
+    if (d.name.rfind("cuda:", 0) == 0) so.backend = "cuda";
   so.max_message_bytes = flags.max_message_bytes;
   so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
   AttentionService service(engine.get(), &executor, &service_metrics, so);

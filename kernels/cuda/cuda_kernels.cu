@@ -57,6 +57,24 @@ __global__ void FromF32Kernel(const float* src, int dtype, void* dst, int64_t n)
     Store(dst, dtype, i, src[i]);
 }
 
+__device__ __forceinline__ uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+__global__ void FillNormalKernel(__nv_bfloat16* dst, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint64_t h = Mix(seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(i));
+    const float u1 = (static_cast<float>(h >> 40) + 1.0f) * (1.0f / 16777217.0f);  // (0, 1]
+    const float u2 = static_cast<float>((h >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    dst[i] = __float2bfloat16_rn(sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
 __global__ void WriteRowsKernel(WriteRowsParams p) {
   const int r = blockIdx.x;
   uint8_t* row = p.base + static_cast<size_t>(p.page[r]) * p.page_stride +
@@ -354,6 +372,13 @@ cudaError_t LaunchToF32(const void* src, int dtype, float* dst, int64_t count, c
 cudaError_t LaunchFromF32(const float* src, int dtype, void* dst, int64_t count, cudaStream_t s) {
   if (count <= 0) return cudaSuccess;
   FromF32Kernel<<<Blocks(count), kThreads, 0, s>>>(src, dtype, dst, count);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaStream_t s) {
+  if (count <= 0) return cudaSuccess;
+  FillNormalKernel<<<Blocks(count), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst), count,
+                                                      seed);
   return cudaGetLastError();
 }
 

@@ -30,6 +30,10 @@ cudaError_t LaunchToF32(const void* src, int dtype, float* dst, int64_t count, c
 // dst[i] = dtype(src[i]) (round to nearest even).
 cudaError_t LaunchFromF32(const float* src, int dtype, void* dst, int64_t count, cudaStream_t s);
 
+// Fills `count` bf16 values with N(0,1) from a counter-based hash of (seed, index): test and
+// benchmark data without a host round trip.
+cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaStream_t s);
+
 struct WriteRowsParams {
   const float* src = nullptr;  // [n, dim] new rows
   int n = 0, dim = 0;
