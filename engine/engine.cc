@@ -149,29 +149,26 @@ struct Engine::Impl {
     steps.erase(step->id);
   }
 
-  PagedRows LatentRows(const StepSeq& s, int layer) const {
-    const Device& d = devices[s.seq->device];
+  // A sequence's rows in one cache buffer of its device (a layer's latent rows or a full
+  // layer's indexer rows).
+  PagedRows Rows(const StepSeq& s, const uint8_t* base, size_t row_bytes, int dim) const {
     PagedRows r;
-    r.base = d.cache.LatentRow(layer, 0, 0);
+    r.base = base;
     r.pages = s.table.data();
     r.page_size = spec().page_size;
-    r.row_stride = d.cache.latent_row_bytes();
-    r.page_stride = r.row_stride * spec().page_size;
+    r.row_stride = row_bytes;
+    r.page_stride = row_bytes * spec().page_size;
     r.dtype = options.cache_dtype;
-    r.dim = spec().latent_dim();
+    r.dim = dim;
     return r;
   }
+  PagedRows LatentRows(const StepSeq& s, int layer) const {
+    const KvCache& c = devices[s.seq->device].cache;
+    return Rows(s, c.LatentRow(layer, 0, 0), c.latent_row_bytes(), spec().latent_dim());
+  }
   PagedRows IndexRows(const StepSeq& s, int slot) const {
-    const Device& d = devices[s.seq->device];
-    PagedRows r;
-    r.base = d.cache.IndexRow(slot, 0, 0);
-    r.pages = s.table.data();
-    r.page_size = spec().page_size;
-    r.row_stride = d.cache.index_row_bytes();
-    r.page_stride = r.row_stride * spec().page_size;
-    r.dtype = options.cache_dtype;
-    r.dim = spec().index_head_dim;
-    return r;
+    const KvCache& c = devices[s.seq->device].cache;
+    return Rows(s, c.IndexRow(slot, 0, 0), c.index_row_bytes(), spec().index_head_dim);
   }
 
   bool CopyToDevice(const std::vector<int32_t>& pages, int64_t length, int from, int to,

@@ -489,18 +489,8 @@ absl::Status CudaDevice::CopyPagePrefixTo(CudaDevice& d, int32_t src, int32_t ds
   State& s = *s_;
   if (rows <= 0) return absl::OkStatus();
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  for (int l = 0; l < s.config.num_layers; ++l) {
-    const DevicePaged a = s.Latent(l), b = d.s_->Latent(l);
-    CUDA_RETURN(cudaMemcpyPeerAsync(const_cast<uint8_t*>(b.base) + dst * b.page_stride, d.ordinal_,
-                                    a.base + src * a.page_stride, ordinal_, rows * a.row_stride,
-                                    s.stream));
-  }
-  for (int k = 0; k < s.config.num_full_layers; ++k) {
-    const DevicePaged a = s.Index(k), b = d.s_->Index(k);
-    CUDA_RETURN(cudaMemcpyPeerAsync(const_cast<uint8_t*>(b.base) + dst * b.page_stride, d.ordinal_,
-                                    a.base + src * a.page_stride, ordinal_, rows * a.row_stride,
-                                    s.stream));
-  }
+  for (const Span& sp : PageCopySpans(d, src, dst, rows))
+    CUDA_RETURN(cudaMemcpyPeerAsync(sp.dst, d.ordinal_, sp.src, ordinal_, sp.bytes, s.stream));
   CUDA_RETURN(cudaStreamSynchronize(s.stream));
   return absl::OkStatus();
 }
