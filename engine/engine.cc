@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
@@ -29,6 +30,8 @@ constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 constexpr int64_t kScoreChunk = 8192;
 // Heads per attention task.
 constexpr int kHeadGroup = 16;
+// Consecutive prefill queries sharing key tiles in one attention task.
+constexpr int kQueryBlock = 8;
 
 // One device's pool and caches: host memory for cpu:N, device memory (held by `gpu`) for
 // cuda:N, whose host-side KvCache is then an untouched, lazily mapped placeholder.
@@ -339,31 +342,77 @@ void Engine::Impl::Attend(Step& st, int layer, DType out_dtype, uint8_t* out) {
   const bool dense = s.layers[layer] == LayerKind::kDense;
   const int groups = (H + kHeadGroup - 1) / kHeadGroup;
   const size_t oe = DTypeSize(out_dtype);
-  pool->ParallelFor(static_cast<int64_t>(st.cpu_tokens.size()) * groups, [&](int64_t task) {
-    const int64_t t = st.cpu_tokens[task / groups];
+  // A query attends a contiguous range (dense layer, or a selection covering every visible key)
+  // or an explicit selection. Consecutive range queries of one sequence form a block that shares
+  // each converted key tile (prefill).
+  auto range_of = [&](int64_t t) {
+    const int64_t pos = st.tok_pos[t];
+    const int64_t lo =
+        dense && s.sliding_window > 0 ? std::max<int64_t>(0, pos + 1 - s.sliding_window) : 0;
+    return std::make_pair(lo, pos + 1);
+  };
+  auto is_range = [&](int64_t t) { return dense || st.select_all[t]; };
+  std::vector<std::pair<int64_t, int>> units;  // (index into cpu_tokens, queries)
+  const int64_t ncpu = static_cast<int64_t>(st.cpu_tokens.size());
+  for (int64_t i = 0; i < ncpu;) {
+    int n = 1;
+    const int64_t t = st.cpu_tokens[i];
+    if (is_range(t)) {
+      while (n < kQueryBlock && i + n < ncpu) {
+        const int64_t u = st.cpu_tokens[i + n];
+        if (!is_range(u) || st.tok_entry[u] != st.tok_entry[t] ||
+            st.tok_pos[u] != st.tok_pos[t] + n)
+          break;
+        ++n;
+      }
+    }
+    units.emplace_back(i, n);
+    i += n;
+  }
+  pool->ParallelFor(static_cast<int64_t>(units.size()) * groups, [&](int64_t task) {
+    const auto [i0, qn] = units[task / groups];
     const int h0 = static_cast<int>(task % groups) * kHeadGroup;
     const int hn = std::min(kHeadGroup, H - h0);
-    const int64_t pos = st.tok_pos[t];
-    thread_local std::vector<float> o;
-    if (o.size() < static_cast<size_t>(hn) * L) o.resize(static_cast<size_t>(hn) * L);
+    const int64_t t0 = st.cpu_tokens[i0];
+    thread_local std::vector<float> q, o;
+    thread_local std::vector<int64_t> lo, hi;
+    q.resize(static_cast<size_t>(qn) * hn * D);
+    o.resize(static_cast<size_t>(qn) * hn * L);
+    lo.resize(qn);
+    hi.resize(qn);
+    for (int j = 0; j < qn; ++j) {
+      const int64_t t = st.cpu_tokens[i0 + j];
+      std::copy_n(st.q.data() + (t * H + h0) * D, static_cast<size_t>(hn) * D,
+                  q.data() + static_cast<size_t>(j) * hn * D);
+      std::tie(lo[j], hi[j]) = range_of(t);
+    }
     cpu::MlaParams p;
-    p.q = st.q.data() + (t * H + h0) * D;
+    p.q = q.data();
     p.num_heads = hn;
+    p.num_queries = qn;
     p.latent_dim = L;
     p.rope_dim = s.qk_rope_head_dim;
-    p.kv = LatentRows(st.seqs[st.tok_entry[t]], layer);
+    p.kv = LatentRows(st.seqs[st.tok_entry[t0]], layer);
     p.sm_scale = static_cast<float>(s.sm_scale);
     p.out = o.data();
-    p.end = pos + 1;
-    if (dense) {
-      if (s.sliding_window > 0) p.begin = std::max<int64_t>(0, pos + 1 - s.sliding_window);
-      p.soft_cap = static_cast<float>(s.soft_cap);
-    } else if (!st.select_all[t]) {
-      p.positions = st.selected[t].data();
-      p.num_keys = static_cast<int64_t>(st.selected[t].size());
+    if (dense) p.soft_cap = static_cast<float>(s.soft_cap);
+    if (is_range(t0)) {
+      p.begin = lo[0];
+      p.end = hi[qn - 1];
+      if (qn > 1) {
+        p.row_begin = lo.data();
+        p.row_end = hi.data();
+      }
+    } else {
+      p.positions = st.selected[t0].data();
+      p.num_keys = static_cast<int64_t>(st.selected[t0].size());
     }
     cpu::MlaAttend(*kernels, p);
-    ConvertFromF32(out_dtype, o.data(), out + (t * H + h0) * L * oe, static_cast<size_t>(hn) * L);
+    for (int j = 0; j < qn; ++j) {
+      const int64_t t = st.cpu_tokens[i0 + j];
+      ConvertFromF32(out_dtype, o.data() + static_cast<size_t>(j) * hn * L,
+                     out + (t * H + h0) * L * oe, static_cast<size_t>(hn) * L);
+    }
   });
 }
 

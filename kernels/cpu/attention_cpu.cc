@@ -43,9 +43,11 @@ inline void PrefetchRow(const PagedRows& rows, int64_t pos) {
 }
 
 // dst[c][r] = src[r][c] for a rows x cols matrix, optionally scaled.
-void Transpose(const float* src, int rows, int cols, float* dst, float scale = 1.0f) {
+// dst[c * ldd + r] = src[r * lds + c] * scale for a rows x cols block.
+void Transpose(const float* src, int rows, int cols, int lds, float* dst, int ldd,
+               float scale = 1.0f) {
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c] * scale;
+    for (int c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c] * scale;
 }
 
 inline float RankKey(float s) { return std::isnan(s) ? kNegInf : s; }
@@ -93,7 +95,7 @@ void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
   float* kr = Grow(ws.a, static_cast<size_t>(kTile) * D);
   float* st = Grow(ws.b, static_cast<size_t>(kTile) * H);
   float* qt = Grow(ws.c, static_cast<size_t>(D) * H);
-  Transpose(p.q, H, D, qt);
+  Transpose(p.q, H, D, D, qt, H);
   for (int64_t t0 = p.begin; t0 < p.end; t0 += kTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, p.end - t0));
     for (int j = 0; j < nk; ++j) LoadRow(k, p.keys, t0 + j, kr + j * D);
@@ -170,11 +172,16 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   // Per tile of keys: S^T[key][head] = K·(scale·q)^T straight from the cached rows, an online
   // softmax per head, then acc[head] += P·c_kv. The query is transposed once per call.
   constexpr int kTile = 64;
-  const int H = p.num_heads, L = p.latent_dim, D = p.latent_dim + p.rope_dim;
+  // H counts score rows: heads x queries of the block.
+  const int H = p.num_heads * p.num_queries, L = p.latent_dim, D = p.latent_dim + p.rope_dim;
+  const bool masked = p.row_begin != nullptr && p.positions == nullptr;
   Scratch& ws = ThreadScratch();
   float* kr = Grow(ws.a, static_cast<size_t>(kTile) * D);  // [kTile, D] keys as rows
-  float* st = Grow(ws.b, static_cast<size_t>(kTile) * H + static_cast<size_t>(D) * H);
-  float* qt = st + kTile * H;                             // [D, H] scaled query
+  // Score columns padded to a multiple of 16 so every score takes the GEMM's vector path:
+  // a row's arithmetic is then the same whatever the block size (chunked == single-shot).
+  const int Hp = (H + 15) / 16 * 16;
+  float* st = Grow(ws.b, static_cast<size_t>(kTile) * Hp + static_cast<size_t>(D) * Hp);
+  float* qt = st + kTile * Hp;                            // [D, Hp] scaled query, zero padded
   float* s = Grow(ws.c, static_cast<size_t>(H) * kTile);  // [H, kTile] scores, then probs
   float* state = Grow(ws.d, static_cast<size_t>(H) * (L + 3));
   float* acc = state;        // [H, L]
@@ -184,7 +191,8 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   std::fill(acc, acc + H * L, 0.0f);
   std::fill(m, m + H, kNegInf);
   std::fill(l, l + H, 0.0f);
-  Transpose(p.q, H, D, qt, p.sm_scale);
+  std::fill(qt, qt + static_cast<size_t>(D) * Hp, 0.0f);
+  Transpose(p.q, H, D, D, qt, Hp, p.sm_scale);
   const int64_t total = p.positions ? p.num_keys : p.end - p.begin;
   const float cap = p.soft_cap;
   for (int64_t t0 = 0; t0 < total; t0 += kTile) {
@@ -196,8 +204,8 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
     // The next tile's rows stream into L2 while this tile computes.
     for (int64_t j = t0 + kTile; j < std::min(total, t0 + 2 * kTile); ++j)
       PrefetchRow(p.kv, p.positions ? p.positions[j] : p.begin + j);
-    k.gemm(nk, H, D, kr, D, qt, H, st, H, false);
-    Transpose(st, nk, H, s);  // s is [H, nk] now
+    k.gemm(nk, Hp, D, kr, D, qt, Hp, st, Hp, false);
+    Transpose(st, nk, H, Hp, s, nk);  // s is [H, nk] now
     for (int h = 0; h < H; ++h) {
       float* sh = s + h * nk;
       float mx = kNegInf;
@@ -207,9 +215,19 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
         sh[j] = x;
         mx = std::max(mx, x);
       }
+      if (masked) {  // this row's query sees keys [row_begin, row_end) only
+        const int qi = h / p.num_heads;
+        const int64_t lo = p.row_begin[qi] - (p.begin + t0), hi = p.row_end[qi] - (p.begin + t0);
+        mx = kNegInf;
+        for (int j = 0; j < nk; ++j) {
+          if (j < lo || j >= hi) sh[j] = kNegInf;
+          mx = std::max(mx, sh[j]);
+        }
+      }
       const float m_new = std::max(m[h], mx);
       corr[h] = m[h] == kNegInf ? 0.0f : m[h] - m_new;  // log of the rescale factor
       m[h] = m_new;
+      if (m_new == kNegInf) continue;  // nothing visible yet: the probabilities stay 0
       for (int j = 0; j < nk; ++j) sh[j] -= m_new;
     }
     k.exp_inplace(s, H * nk);

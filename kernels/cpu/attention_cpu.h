@@ -57,7 +57,13 @@ struct MlaParams {
   int64_t end = 0;
   float sm_scale = 1.0f;
   float soft_cap = 0.0f;  // 0 = off
-  float* out = nullptr;   // [num_heads, L]
+  float* out = nullptr;   // [num_queries * num_heads, L]
+  // A block of queries sharing the key range [begin, end) (prefill): q and out hold
+  // num_queries x num_heads rows, and query i sees only keys in [row_begin[i], row_end[i]).
+  // Sharing each converted key tile across the block is what makes prefill fast.
+  int num_queries = 1;
+  const int64_t* row_begin = nullptr;  // [num_queries]; range mode only
+  const int64_t* row_end = nullptr;    // [num_queries]; range mode only
 };
 void MlaAttend(const Kernels& k, const MlaParams& p);
 
