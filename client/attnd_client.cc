@@ -71,7 +71,7 @@ absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id)
 }
 
 namespace {
-v1::BeginStepRequest MakeBegin(const Batch& batch, bool write_only) {
+v1::BeginStepRequest MakeBegin(const Batch& batch, bool write_only, int num_shards) {
   v1::BeginStepRequest req;
   for (const auto& [id, q] : batch) {
     auto* e = req.add_batch();
@@ -79,14 +79,17 @@ v1::BeginStepRequest MakeBegin(const Batch& batch, bool write_only) {
     e->set_q_len(q);
   }
   req.set_write_only(write_only);
+  req.set_num_shards(num_shards);
   return req;
 }
 }  // namespace
 
-absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool write_only) {
+absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool write_only,
+                                                        int num_shards) {
   grpc::ClientContext ctx;
   v1::BeginStepResponse resp;
-  absl::Status s = FromGrpc(stub_->BeginStep(&ctx, MakeBegin(batch, write_only), &resp));
+  absl::Status s =
+      FromGrpc(stub_->BeginStep(&ctx, MakeBegin(batch, write_only, num_shards), &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -145,12 +148,22 @@ absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& re
   return resp;
 }
 
-absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool write_only) {
+absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool write_only,
+                                                        int num_shards) {
   v1::StepRequest req;
-  *req.mutable_begin() = MakeBegin(batch, write_only);
+  *req.mutable_begin() = MakeBegin(batch, write_only, num_shards);
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
   return std::move(*resp->mutable_begun());
+}
+
+absl::StatusOr<v1::BeginStepResponse> StepStream::Join(uint64_t step_id, int shard) {
+  v1::StepRequest req;
+  req.mutable_join()->set_step_id(step_id);
+  req.mutable_join()->set_shard(shard);
+  auto resp = RoundTrip(req);
+  if (!resp.ok()) return resp.status();
+  return std::move(*resp->mutable_joined());
 }
 
 absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {

@@ -49,7 +49,9 @@ class Client {
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
 
   // Unary steps.
-  absl::StatusOr<v1::BeginStepResponse> BeginStep(const Batch& batch, bool write_only = false);
+  // num_shards > 1 opens a sharded step (this caller is shard 0; see attention.proto).
+  absl::StatusOr<v1::BeginStepResponse> BeginStep(const Batch& batch, bool write_only = false,
+                                                  int num_shards = 0);
   absl::StatusOr<v1::LayerOutput> AttendLayer(uint64_t step_id, const v1::LayerInputs& in);
   absl::Status AbortStep(uint64_t step_id);
   // Diagnostics: a round trip of `payload` out and `response_bytes` back.
@@ -71,7 +73,10 @@ class Client {
 class StepStream {
  public:
   ~StepStream();
-  absl::StatusOr<v1::BeginStepResponse> Begin(const Batch& batch, bool write_only = false);
+  absl::StatusOr<v1::BeginStepResponse> Begin(const Batch& batch, bool write_only = false,
+                                              int num_shards = 0);
+  // Attaches this stream as shard `shard` of another stream's sharded step.
+  absl::StatusOr<v1::BeginStepResponse> Join(uint64_t step_id, int shard);
   // Sends the next layer and waits for its output; committed is set on the last layer.
   absl::StatusOr<v1::LayerOutput> Layer(const v1::LayerInputs& in);
   absl::Status Abort();

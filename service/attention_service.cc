@@ -1,6 +1,7 @@
 #include "service/attention_service.h"
 
 #include <chrono>
+#include <cstring>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -114,12 +115,122 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req
   for (const auto& e : req.batch()) batch.push_back({e.sequence_id(), e.q_len()});
   StepOptions opts;
   opts.write_only = req.write_only();
+  const int shards = req.num_shards();
+  const int H = engine_->spec().num_heads;
+  if (shards < 0 || (shards > 1 && (H % shards != 0 || req.write_only())))
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_shards: ", shards, " must divide the ", H,
+                     " heads (and write-only steps are not sharded)"));
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
+  if (shards > 1) shards_.Register(step, shards);
   int64_t tokens = 0;
   for (const auto& e : batch) tokens += e.q_len;
   resp->set_step_id(step);
   resp->set_num_tokens(tokens);
   return step;
+}
+
+absl::StatusOr<int64_t> AttentionService::Join(uint64_t step, int shard) {
+  RETURN_IF_ERROR(shards_.CheckJoin(step, shard));
+  ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
+  return info.tokens;
+}
+
+void AttentionService::AbortEverywhere(uint64_t step, const absl::Status& why) {
+  (void)engine_->AbortStep(step);
+  shards_.Fail(step, why);
+}
+
+void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
+  for (uint64_t step : shards_.Stale(idle))
+    AbortEverywhere(step,
+                    absl::DeadlineExceededError(absl::StrCat(
+                        "step ", step, ": a shard's layer message never came; step aborted")));
+}
+
+void AttentionService::LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::LayerOutput* out,
+                                  Transport transport, std::function<void(absl::Status)> done) {
+  if (shards_.NumShards(step) == 0) {
+    executor_->Post([this, step, in, out, transport, done = std::move(done)] {
+      done(Layer(step, *in, out, transport));
+    });
+    return;
+  }
+  auto parts = shards_.Add(step, {in, out, done});
+  if (!parts.ok()) {
+    AbortEverywhere(step, parts.status());
+    done(parts.status());
+    return;
+  }
+  if (!parts->has_value()) return;  // parked until the other shards arrive
+  executor_->Post([this, step, transport, all = std::move(**parts)] {
+    absl::Status s = LayerSharded(step, all, transport);
+    if (!s.ok()) {
+      (void)engine_->AbortStep(step);  // every error aborts the step
+      shards_.Forget(step);
+    } else if (all[0].out->committed()) {
+      shards_.Forget(step);
+    }
+    for (const auto& p : all) p.done(s);
+  });
+}
+
+absl::Status AttentionService::LayerSharded(uint64_t step,
+                                            const std::vector<ShardGather::Part>& parts,
+                                            Transport transport) {
+  const auto start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
+  const ModelSpec& s = engine_->spec();
+  const int S = static_cast<int>(parts.size());
+  const int Hs = s.num_heads / S, L = s.kv_lora_rank, R = s.qk_rope_head_dim;
+  const int64_t T = info.tokens;
+  std::vector<LayerInputs> v(S);
+  for (int k = 0; k < S; ++k) {
+    ASSIGN_OR_RETURN(v[k], ViewOf(*parts[k].in));
+    const std::string ql = absl::StrCat("q_latent (shard ", k, ")");
+    const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
+    RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
+    RETURN_IF_ERROR(CheckTensor(qr.c_str(), v[k].q_rope, {T, Hs, R}));
+    if (v[k].q_latent.dtype != v[0].q_latent.dtype || v[k].q_rope.dtype != v[0].q_rope.dtype)
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard ", k, ": q_latent/q_rope datatypes differ from shard 0's"));
+    if (k > 0 && (v[k].kv_latent.present || v[k].k_rope.present || v[k].index_q.present ||
+                  v[k].index_k.present || v[k].index_w.present))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard ", k, ": only shard 0 sends kv_latent, k_rope and the indexer tensors"));
+  }
+  // All heads, token-major: [T, H, *] from S slices of [T, H/S, *].
+  auto gather = [&](auto member, int dim) {
+    const DType dt = (v[0].*member).dtype;
+    const size_t slice = static_cast<size_t>(Hs) * dim * DTypeSize(dt);
+    std::string full(static_cast<size_t>(T) * S * slice, '\0');
+    for (int64_t t = 0; t < T; ++t)
+      for (int k = 0; k < S; ++k)
+        std::memcpy(full.data() + (t * S + k) * slice,
+                    static_cast<const char*>((v[k].*member).data) + t * slice, slice);
+    return full;
+  };
+  const std::string ql = gather(&LayerInputs::q_latent, L);
+  const std::string qr = gather(&LayerInputs::q_rope, R);
+  LayerInputs all = v[0];
+  const DType dt = v[0].q_latent.dtype;
+  all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, ql.data(), ql.size());
+  all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
+  std::string out(static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt), '\0');
+  const int layer = parts[0].in->layer();
+  RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size()));
+  const size_t slice = static_cast<size_t>(Hs) * L * DTypeSize(dt);
+  for (int k = 0; k < S; ++k) {
+    auto* dst = static_cast<char*>(PrepareOutput(parts[k].out->mutable_out(), dt, T, Hs, L));
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(dst + t * slice, out.data() + (t * S + k) * slice, slice);
+    parts[k].out->set_layer(layer);
+    parts[k].out->set_committed(layer == s.num_layers() - 1);
+  }
+  metrics_->LayerDone(
+      transport, T,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return absl::OkStatus();
 }
 
 absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
@@ -160,23 +271,24 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
                                                         const v1::AttendLayerRequest* req,
                                                         v1::AttendLayerResponse* resp) {
   auto* reactor = ctx->DefaultReactor();
-  executor_->Post([this, ctx, req, resp, reactor] {
-    absl::Status s =
-        Layer(req->step_id(), req->inputs(), resp->mutable_output(), Transport::kUnary);
-    if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
-      // The caller will never see this layer's output: leave its sequences as before the step.
-      (void)engine_->AbortStep(req->step_id());
-      s = absl::CancelledError("call cancelled; step aborted");
-    }
-    reactor->Finish(ToGrpcStatus(s));
-  });
+  LayerAsync(req->step_id(), &req->inputs(), resp->mutable_output(), Transport::kUnary,
+             [this, ctx, req, resp, reactor](absl::Status s) {
+               if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
+                 // The caller will never see this output: leave its sequences as before.
+                 s = absl::CancelledError("call cancelled; step aborted");
+                 AbortEverywhere(req->step_id(), s);
+               }
+               reactor->Finish(ToGrpcStatus(s));
+             });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContext* ctx,
                                                       const v1::AbortStepRequest* req,
                                                       v1::AbortStepResponse*) {
-  return Done(ctx, engine_->AbortStep(req->step_id()));
+  const absl::Status s = engine_->AbortStep(req->step_id());
+  shards_.Fail(req->step_id(), absl::CancelledError("step aborted by AbortStep"));
+  return Done(ctx, s);
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
@@ -221,16 +333,27 @@ class AttentionService::StepStream final
       case v1::StepRequest::kLayer: {
         if (step_ == 0)
           return Fail(absl::FailedPreconditionError("no open step on this stream: send begin"));
-        svc_->executor()->Post([this] {
-          absl::Status s =
-              svc_->Layer(step_, req_.layer(), resp_.mutable_layer(), Transport::kStream);
-          if (!s.ok()) {
-            step_ = 0;  // the engine aborted it
-            return Fail(s);
-          }
-          if (resp_.layer().committed()) step_ = 0;
-          StartWrite(&resp_);
-        });
+        svc_->LayerAsync(step_, &req_.layer(), resp_.mutable_layer(), Transport::kStream,
+                         [this](absl::Status s) {
+                           if (!s.ok()) {
+                             step_ = 0;  // the step was aborted for every shard
+                             return Fail(s);
+                           }
+                           if (resp_.layer().committed()) step_ = 0;
+                           StartWrite(&resp_);
+                         });
+        return;
+      }
+      case v1::StepRequest::kJoin: {
+        if (step_ != 0)
+          return Fail(absl::FailedPreconditionError(
+              absl::StrCat("step ", step_.load(), " is still open on this stream")));
+        auto tokens = svc_->Join(req_.join().step_id(), req_.join().shard());
+        if (!tokens.ok()) return Fail(tokens.status());
+        step_ = req_.join().step_id();
+        resp_.mutable_joined()->set_step_id(step_);
+        resp_.mutable_joined()->set_num_tokens(*tokens);
+        StartWrite(&resp_);
         return;
       }
       case v1::StepRequest::kAbort: {
@@ -240,7 +363,8 @@ class AttentionService::StepStream final
         return;
       }
       default:
-        return Fail(absl::InvalidArgumentError("StepRequest: set one of begin, layer, abort"));
+        return Fail(
+            absl::InvalidArgumentError("StepRequest: set one of begin, join, layer, abort"));
     }
   }
 
@@ -269,7 +393,7 @@ class AttentionService::StepStream final
   bool AbortOpenStep() {
     const uint64_t step = step_.exchange(0);
     if (step == 0) return false;
-    (void)svc_->engine()->AbortStep(step);
+    svc_->AbortEverywhere(step, absl::CancelledError("another shard's stream ended; step aborted"));
     return true;
   }
   void Fail(const absl::Status& s) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -10,6 +12,7 @@
 #include "engine/engine.h"
 #include "service/executor.h"
 #include "service/service_metrics.h"
+#include "service/shard_gather.h"
 
 namespace attnd {
 
@@ -55,16 +58,31 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
       grpc::CallbackServerContext* ctx) override;
 
-  // Shared by both transports. Blocking: call from the executor.
+  // Shared by both transports.
   absl::StatusOr<uint64_t> Begin(const v1::BeginStepRequest& req, v1::BeginStepResponse* resp);
-  absl::Status Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
-                     Transport transport);
+  // Attaches another shard to a sharded step; returns the step's token count.
+  absl::StatusOr<int64_t> Join(uint64_t step, int shard);
+  // Runs (or, for a sharded step, parks until every shard is in) one layer message and calls
+  // `done` from the executor; `in` and `out` stay valid until then.
+  void LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::LayerOutput* out,
+                  Transport transport, std::function<void(absl::Status)> done);
+  // Aborts a step for every shard: the engine step and any parked shard messages.
+  void AbortEverywhere(uint64_t step, const absl::Status& why);
+  // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.
+  void ReapShards(std::chrono::steady_clock::duration idle);
   Executor* executor() { return executor_; }
   Engine* engine() { return engine_; }
   ServiceMetrics* metrics() { return metrics_; }
 
  private:
   class StepStream;
+  // One layer of an unsharded step (blocking: runs on the executor).
+  absl::Status Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
+                     Transport transport);
+  // One layer of a sharded step from every shard's message (blocking).
+  absl::Status LayerSharded(uint64_t step, const std::vector<ShardGather::Part>& parts,
+                            Transport transport);
+  ShardGather shards_;
   Engine* engine_;
   Executor* executor_;
   ServiceMetrics* metrics_;

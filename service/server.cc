@@ -130,8 +130,11 @@ int RunServer(const ServerFlags& flags) {
     std::unique_lock<std::mutex> lock(mu);
     const auto period = std::clamp<std::chrono::milliseconds>(
         idle / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
-    while (!cv.wait_for(lock, period, [&] { return stopping; }))
-      if (flags.step_idle_timeout_ms > 0) engine->ExpireIdleSteps(idle);
+    while (!cv.wait_for(lock, period, [&] { return stopping; })) {
+      if (flags.step_idle_timeout_ms <= 0) continue;
+      engine->ExpireIdleSteps(idle);
+      service.ReapShards(idle);
+    }
   });
 
   int sig = 0;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -362,6 +363,150 @@ TEST_F(ServiceTest, CancelOrDisconnectMidStepLeavesSequencesAsBefore) {
   Commit({{"cx", 17}}, g);
   Check({{"cx", 17}}, g, *out);
   EXPECT_TRUE(client_->CloseSequence("cx").ok());
+}
+
+// Shard k's view of a layer: its slice of the heads of q_latent / q_rope; shard 0 also carries
+// the keys and indexer tensors.
+v1::LayerInputs ShardOf(const v1::LayerInputs& in, int S, int k) {
+  auto slice = [&](const v1::Tensor& t) {
+    v1::Tensor o = t;
+    const int64_t T = t.shape(0), H = t.shape(1), X = t.shape(2);
+    const size_t es = t.data().size() / (T * H * X), row = (H / S) * X * es;
+    o.set_shape(1, H / S);
+    o.mutable_data()->clear();
+    for (int64_t i = 0; i < T; ++i)
+      o.mutable_data()->append(t.data().substr((i * S + k) * row, row));
+    return o;
+  };
+  v1::LayerInputs out;
+  out.set_layer(in.layer());
+  out.set_shard(k);
+  *out.mutable_q_latent() = slice(in.q_latent());
+  *out.mutable_q_rope() = slice(in.q_rope());
+  if (k == 0) {
+    *out.mutable_kv_latent() = in.kv_latent();
+    *out.mutable_k_rope() = in.k_rope();
+    if (in.has_index_q()) {
+      *out.mutable_index_q() = in.index_q();
+      *out.mutable_index_k() = in.index_k();
+      *out.mutable_index_w() = in.index_w();
+    }
+  }
+  return out;
+}
+
+// Reassembles [T, H, L] from the shards' [T, H/S, L] outputs.
+std::vector<double> Unshard(const std::vector<std::vector<double>>& parts, int64_t T, int L) {
+  const int S = static_cast<int>(parts.size());
+  const size_t row = parts[0].size() / T;
+  std::vector<double> out;
+  for (int64_t t = 0; t < T; ++t)
+    for (int k = 0; k < S; ++k)
+      out.insert(out.end(), parts[k].begin() + t * row, parts[k].begin() + (t + 1) * row);
+  (void)L;
+  return out;
+}
+
+TEST_F(ServiceTest, ShardedStepsGatherHeadsAndEqualAnUnshardedStep) {
+  const int S = 2;
+  Open("sh-a");
+  Open("sh-b");
+  for (const auto& [q, stream_transport] :
+       std::vector<std::pair<int64_t, bool>>{{40, true}, {1, true}, {3, false}, {1, false}}) {
+    auto g = client::GenerateStep(spec_, q, DType::kBF16, false, rng_);
+    auto want = RunStep(nullptr, {{"sh-b", q}}, g);
+    ASSERT_TRUE(want.ok()) << want.status();
+    Commit({{"sh-b", q}}, g);
+    std::vector<std::vector<std::vector<double>>> got(S);  // [shard][layer]
+    std::vector<absl::Status> status(S);
+    std::promise<uint64_t> step_id;
+    auto shared_id = step_id.get_future().share();
+    std::vector<std::thread> shards;
+    for (int k = 0; k < S; ++k) {
+      shards.emplace_back([&, k] {
+        auto cl = Client::Connect(server_->target());
+        auto stream = cl->OpenStream();
+        if (k == 0) {
+          auto b = stream_transport ? stream->Begin({{"sh-a", q}}, false, S)
+                                    : cl->BeginStep({{"sh-a", q}}, false, S);
+          step_id.set_value(b.ok() ? b->step_id() : 0);
+          if (!b.ok()) {
+            status[k] = b.status();
+            return;
+          }
+        } else if (stream_transport) {
+          auto j = stream->Join(shared_id.get(), k);
+          if (!j.ok()) {
+            status[k] = j.status();
+            return;
+          }
+        }
+        for (const auto& l : g) {
+          auto o = stream_transport ? stream->Layer(ShardOf(l.wire, S, k))
+                                    : cl->AttendLayer(shared_id.get(), ShardOf(l.wire, S, k));
+          if (!o.ok()) {
+            status[k] = o.status();
+            return;
+          }
+          EXPECT_EQ(o->out().shape(1), spec_.num_heads / S);
+          got[k].push_back(Decode(o->out()));
+        }
+        status[k] = stream->Close();
+      });
+    }
+    for (auto& t : shards) t.join();
+    for (int k = 0; k < S; ++k) ASSERT_TRUE(status[k].ok()) << "shard " << k << ": " << status[k];
+    Commit({{"sh-a", q}}, g);
+    for (size_t l = 0; l < g.size(); ++l)
+      EXPECT_EQ(Unshard({got[0][l], got[1][l]}, q, spec_.kv_lora_rank), (*want)[l])
+          << "layer " << l << (stream_transport ? " (stream)" : " (unary)");
+  }
+  EXPECT_EQ(Length("sh-a"), Length("sh-b"));
+  // Bad sharding: heads not divisible, a joining shard out of range, keys from shard 1.
+  EXPECT_EQ(client_->BeginStep({{"sh-a", 1}}, false, 3).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const int64_t before = Length("sh-a");
+  {
+    auto s0 = client_->OpenStream();
+    auto b = s0->Begin({{"sh-a", 1}}, false, S);
+    ASSERT_TRUE(b.ok()) << b.status();
+    auto s1 = client_->OpenStream();
+    EXPECT_EQ(s1->Join(b->step_id(), 5).status().code(), absl::StatusCode::kInvalidArgument);
+    auto s2 = client_->OpenStream();
+    ASSERT_TRUE(s2->Join(b->step_id(), 1).ok());
+    auto g = client::GenerateStep(spec_, 1, DType::kBF16, false, rng_);
+    v1::LayerInputs bad = ShardOf(g[0].wire, S, 1);
+    *bad.mutable_kv_latent() = g[0].wire.kv_latent();
+    std::thread t0([&] {
+      auto st = s0->Layer(ShardOf(g[0].wire, S, 0)).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    });
+    auto st = s2->Layer(bad).status();
+    t0.join();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("only shard 0 sends"), std::string::npos) << st;
+  }
+  {  // a shard that disconnects while another waits: the step aborts for both
+    auto s0 = client_->OpenStream();
+    auto b = s0->Begin({{"sh-a", 1}}, false, S);
+    ASSERT_TRUE(b.ok());
+    auto s1 = client_->OpenStream();
+    ASSERT_TRUE(s1->Join(b->step_id(), 1).ok());
+    auto g = client::GenerateStep(spec_, 1, DType::kBF16, false, rng_);
+    std::thread t0([&] {
+      auto st = s0->Layer(ShardOf(g[0].wire, S, 0)).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kCancelled) << st;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    s1->Cancel();
+    t0.join();
+  }
+  for (int i = 0; i < 50 && client_->DescribeSequence("sh-a")->in_step(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(Length("sh-a"), before);
+  EXPECT_FALSE(client_->DescribeSequence("sh-a")->in_step());
+  EXPECT_TRUE(client_->CloseSequence("sh-a").ok());
+  EXPECT_TRUE(client_->CloseSequence("sh-b").ok());
 }
 
 TEST_F(ServiceTest, ServerInfoDescribesModelAndCapacity) {

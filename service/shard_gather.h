@@ -1,0 +1,56 @@
+// Tensor-parallel shards of one worker send their slice of the heads for each layer of a
+// sharded step; this collects them until every shard's message for the layer is in, then hands
+// the set to one computation (DESIGN §3). Thread safe.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attnd/v1/attention.pb.h"
+
+namespace attnd {
+
+class ShardGather {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // One shard's message: its inputs, where its output goes, and how to answer it. The pointers
+  // stay valid until `done` runs.
+  struct Part {
+    const v1::LayerInputs* in = nullptr;
+    v1::LayerOutput* out = nullptr;
+    std::function<void(absl::Status)> done;
+  };
+
+  void Register(uint64_t step, int num_shards);
+  // 0 when `step` is not sharded (or unknown).
+  int NumShards(uint64_t step) const;
+  // Checks that `shard` may join `step`: NOT_FOUND, INVALID_ARGUMENT (shard out of range).
+  absl::Status CheckJoin(uint64_t step, int shard) const;
+  // Parks one shard's message. Returns every shard's part (sorted by shard) when this was the
+  // last one for the layer, nullopt while others are missing, or an error (the part is not kept:
+  // its caller answers it) for a shard out of range, a repeated shard or a different layer.
+  absl::StatusOr<std::optional<std::vector<Part>>> Add(uint64_t step, Part part);
+  // Answers every parked part of `step` with `status` and forgets the step.
+  void Fail(uint64_t step, const absl::Status& status);
+  void Forget(uint64_t step);
+  // Sharded steps with a part parked longer than `idle` (some shard never came).
+  std::vector<uint64_t> Stale(Clock::duration idle) const;
+
+ private:
+  struct Entry {
+    int num_shards = 0;
+    int layer = -1;  // layer of the parked parts
+    Clock::time_point since;
+    std::vector<std::optional<Part>> parts;
+    int parked = 0;
+  };
+  mutable std::mutex mu_;
+  std::map<uint64_t, Entry> steps_;
+};
+
+}  // namespace attnd
