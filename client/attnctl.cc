@@ -5,6 +5,7 @@
 //   attnctl bench [--target=...] [--batch=8] [--context=4096] [--steps=20]
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <string>
 
@@ -239,7 +240,35 @@ int Bench(Client& c, const Args& a) {
          resp_bytes = static_cast<size_t>(B) * spec.num_heads * spec.kv_lora_rank * 2;
   for (const auto& l : g) req_bytes += l.wire.ByteSizeLong();
   req_bytes /= g.size();
-  LatencyStats stream_lat, unary_lat, echo_lat;
+  LatencyStats stream_lat, unary_lat, echo_lat, shm_lat;
+  // The same layers with every tensor in a shared-memory region (co-located client).
+  const std::string key = absl::StrCat("/", tag);
+  const size_t out_bytes = resp_bytes;
+  std::vector<v1::LayerInputs> shm_layers;
+  auto mem = SharedMemory::Create(key, (req_bytes + out_bytes) * g.size() + (1 << 20));
+  if (!mem.ok()) return Fail(mem.status(), "shared memory");
+  if (auto r = c.RegisterSharedMemory(tag, key, 0, static_cast<int64_t>((*mem)->size())); !r.ok())
+    return Fail(r, "register shared memory");
+  {
+    int64_t off = 0;
+    for (const auto& l : g) {
+      v1::LayerInputs in = l.wire;
+      for (v1::Tensor* t :
+           {in.mutable_q_latent(), in.mutable_q_rope(), in.mutable_kv_latent(), in.mutable_k_rope(),
+            in.mutable_index_q(), in.mutable_index_k(), in.mutable_index_w()}) {
+        if (t->datatype().empty()) continue;
+        std::memcpy((*mem)->data() + off, t->data().data(), t->data().size());
+        std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+        *t = ShmTensor(*ParseDType(t->datatype()), shape, tag, off);
+        off += t->shm().byte_size();
+      }
+      in.mutable_out_shm()->set_region(tag);
+      in.mutable_out_shm()->set_offset(off);
+      in.mutable_out_shm()->set_byte_size(static_cast<int64_t>(out_bytes));
+      off += static_cast<int64_t>(out_bytes);
+      shm_layers.push_back(std::move(in));
+    }
+  }
   auto stream = c.OpenStream();
   for (int s = 0; s < steps; ++s) {
     if (auto b = stream->Begin(decode); !b.ok()) return Fail(b.status(), "begin");
@@ -256,6 +285,12 @@ int Bench(Client& c, const Args& a) {
         return Fail(o.status(), "unary layer");
       unary_lat.Add(Since(t0));
     }
+    if (auto b2 = stream->Begin(decode); !b2.ok()) return Fail(b2.status(), "begin");
+    for (const auto& l : shm_layers) {
+      const auto t0 = Clock::now();
+      if (auto o = stream->Layer(l); !o.ok()) return Fail(o.status(), "shm layer");
+      shm_lat.Add(Since(t0));
+    }
     const std::string payload(req_bytes, 'x');
     for (size_t l = 0; l < g.size(); ++l) {
       const auto t0 = Clock::now();
@@ -265,6 +300,7 @@ int Bench(Client& c, const Args& a) {
     }
   }
   (void)stream->Close();
+  (void)c.UnregisterSharedMemory(tag);
   for (const auto& [id, q] : decode) (void)c.CloseSequence(id);
   std::printf(
       "decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
@@ -274,6 +310,7 @@ int Bench(Client& c, const Args& a) {
   std::printf("%-22s %10s %10s %8s\n", "per-layer round trip", "p50", "p99", "calls");
   for (auto& [name, st] : {std::pair<const char*, LatencyStats*>{"stream", &stream_lat},
                            {"unary", &unary_lat},
+                           {"stream + shared mem", &shm_lat},
                            {"echo (same bytes)", &echo_lat}})
     std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
                 st->Percentile(99) * 1e3, st->count());

@@ -1,5 +1,12 @@
 #include "client/attnd_client.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 
 namespace attnd::client {
@@ -11,6 +18,49 @@ v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void
   for (int64_t d : shape) t.add_shape(d);
   t.set_data(static_cast<const char*>(data), bytes);
   return t;
+}
+
+v1::Tensor ShmTensor(DType dtype, const std::vector<int64_t>& shape, const std::string& region,
+                     int64_t offset) {
+  v1::Tensor t;
+  t.set_datatype(std::string(DTypeName(dtype)));
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    t.add_shape(d);
+    n *= d;
+  }
+  t.mutable_shm()->set_region(region);
+  t.mutable_shm()->set_offset(offset);
+  t.mutable_shm()->set_byte_size(n * static_cast<int64_t>(DTypeSize(dtype)));
+  return t;
+}
+
+absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::string& key,
+                                                                   size_t bytes) {
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0)
+    return absl::InternalError(absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    close(fd);
+    shm_unlink(key.c_str());
+    return absl::InternalError(absl::StrCat("ftruncate ", key, ": ", std::strerror(errno)));
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    shm_unlink(key.c_str());
+    return absl::InternalError(absl::StrCat("mmap ", key, ": ", std::strerror(errno)));
+  }
+  std::unique_ptr<SharedMemory> m(new SharedMemory());
+  m->key_ = key;
+  m->base_ = base;
+  m->size_ = bytes;
+  return m;
+}
+
+SharedMemory::~SharedMemory() {
+  munmap(base_, size_);
+  shm_unlink(key_.c_str());
 }
 
 absl::Status FromGrpc(const grpc::Status& s) {
@@ -111,6 +161,26 @@ absl::Status Client::AbortStep(uint64_t step_id) {
   req.set_step_id(step_id);
   v1::AbortStepResponse resp;
   return FromGrpc(stub_->AbortStep(&ctx, req, &resp));
+}
+
+absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                          int64_t offset, int64_t bytes) {
+  grpc::ClientContext ctx;
+  v1::RegisterSharedMemoryRequest req;
+  req.set_name(name);
+  req.set_key(key);
+  req.set_offset(offset);
+  req.set_byte_size(bytes);
+  v1::RegisterSharedMemoryResponse resp;
+  return FromGrpc(stub_->RegisterSharedMemory(&ctx, req, &resp));
+}
+
+absl::Status Client::UnregisterSharedMemory(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::UnregisterSharedMemoryRequest req;
+  req.set_name(name);
+  v1::UnregisterSharedMemoryResponse resp;
+  return FromGrpc(stub_->UnregisterSharedMemory(&ctx, req, &resp));
 }
 
 absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {

@@ -29,6 +29,27 @@ using Batch = std::vector<std::pair<std::string, int64_t>>;
 v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
                       size_t bytes);
 
+// A wire tensor whose bytes are in a registered shared-memory region.
+v1::Tensor ShmTensor(DType dtype, const std::vector<int64_t>& shape, const std::string& region,
+                     int64_t offset);
+
+// A POSIX shared-memory object this process creates and maps (unlinked on destruction), for
+// passing tensors to a co-located attnd without copying them through gRPC.
+class SharedMemory {
+ public:
+  static absl::StatusOr<std::unique_ptr<SharedMemory>> Create(const std::string& key, size_t bytes);
+  ~SharedMemory();
+  uint8_t* data() const { return static_cast<uint8_t*>(base_); }
+  size_t size() const { return size_; }
+  const std::string& key() const { return key_; }
+
+ private:
+  SharedMemory() = default;
+  std::string key_;
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
 // gRPC status -> absl::Status, same code and message.
 absl::Status FromGrpc(const grpc::Status& s);
 
@@ -54,6 +75,10 @@ class Client {
                                                   int num_shards = 0);
   absl::StatusOr<v1::LayerOutput> AttendLayer(uint64_t step_id, const v1::LayerInputs& in);
   absl::Status AbortStep(uint64_t step_id);
+  // Shared memory (see attention.proto): a region `name` over [offset, offset + bytes) of `key`.
+  absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, int64_t offset,
+                                    int64_t bytes);
+  absl::Status UnregisterSharedMemory(const std::string& name);
   // Diagnostics: a round trip of `payload` out and `response_bytes` back.
   absl::Status Echo(const std::string& payload, int64_t response_bytes);
 

@@ -185,8 +185,9 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   const int Hs = s.num_heads / S, L = s.kv_lora_rank, R = s.qk_rope_head_dim;
   const int64_t T = info.tokens;
   std::vector<LayerInputs> v(S);
+  RegionHolds holds;
   for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(v[k], ViewOf(*parts[k].in));
+    ASSIGN_OR_RETURN(v[k], ViewOf(*parts[k].in, shm_, &holds));
     const std::string ql = absl::StrCat("q_latent (shard ", k, ")");
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
     RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
@@ -221,7 +222,9 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size()));
   const size_t slice = static_cast<size_t>(Hs) * L * DTypeSize(dt);
   for (int k = 0; k < S; ++k) {
-    auto* dst = static_cast<char*>(PrepareOutput(parts[k].out->mutable_out(), dt, T, Hs, L));
+    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T,
+                                                Hs, L, shm_, &holds));
+    auto* dst = static_cast<char*>(out_k);
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(dst + t * slice, out.data() + (t * S + k) * slice, slice);
     parts[k].out->set_layer(layer);
@@ -237,20 +240,27 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
                                      Transport transport) {
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
-  absl::StatusOr<LayerInputs> views = ViewOf(in);
-  if (!views.ok()) {
-    (void)engine_->AbortStep(step);  // every error aborts the step, as in the engine
-    return views.status();
-  }
+  const ModelSpec& s = engine_->spec();
+  RegionHolds holds;
   void* buf = nullptr;
   size_t bytes = 0;
-  const ModelSpec& s = engine_->spec();
-  if (!info.write_only) {
+  absl::StatusOr<LayerInputs> views = ViewOf(in, shm_, &holds);
+  absl::Status st = views.status();
+  if (st.ok() && !info.write_only) {
     const DType dt = views->q_latent.present ? views->q_latent.dtype : DType::kBF16;
-    buf = PrepareOutput(out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank);
-    bytes = out->out().data().size();
+    auto dst = PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,
+                             shm_, &holds);
+    st = dst.status();
+    if (st.ok()) {
+      buf = *dst;
+      bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
+    }
   }
-  absl::Status st = engine_->RunLayer(step, in.layer(), *views, buf, bytes);
+  if (!st.ok()) {
+    (void)engine_->AbortStep(step);  // every error aborts the step, as in the engine
+    return st;
+  }
+  st = engine_->RunLayer(step, in.layer(), *views, buf, bytes);
   out->set_layer(in.layer());
   const bool last = in.layer() == s.num_layers() - 1;
   out->set_committed(st.ok() && last);
@@ -289,6 +299,18 @@ grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContex
   const absl::Status s = engine_->AbortStep(req->step_id());
   shards_.Fail(req->step_id(), absl::CancelledError("step aborted by AbortStep"));
   return Done(ctx, s);
+}
+
+grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
+    v1::RegisterSharedMemoryResponse*) {
+  return Done(ctx, shm_.Register(req->name(), req->key(), req->offset(), req->byte_size()));
+}
+
+grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+    v1::UnregisterSharedMemoryResponse*) {
+  return Done(ctx, shm_.Unregister(req->name()));
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,

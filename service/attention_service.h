@@ -13,6 +13,7 @@
 #include "service/executor.h"
 #include "service/service_metrics.h"
 #include "service/shard_gather.h"
+#include "service/shm_registry.h"
 
 namespace attnd {
 
@@ -53,6 +54,12 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* AbortStep(grpc::CallbackServerContext* ctx,
                                       const v1::AbortStepRequest* req,
                                       v1::AbortStepResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(grpc::CallbackServerContext* ctx,
+                                                 const v1::RegisterSharedMemoryRequest* req,
+                                                 v1::RegisterSharedMemoryResponse* resp) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+      v1::UnregisterSharedMemoryResponse* resp) override;
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
                                  v1::EchoResponse* resp) override;
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
@@ -83,6 +90,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status LayerSharded(uint64_t step, const std::vector<ShardGather::Part>& parts,
                             Transport transport);
   ShardGather shards_;
+  ShmRegistry shm_;
   Engine* engine_;
   Executor* executor_;
   ServiceMetrics* metrics_;

@@ -1,8 +1,10 @@
 // Integration tests: a real attnd process on loopback, driven through the C++ client over the
 // stream and unary paths, checked against the float64 oracle.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <future>
 #include <thread>
 
@@ -507,6 +509,101 @@ TEST_F(ServiceTest, ShardedStepsGatherHeadsAndEqualAnUnshardedStep) {
   EXPECT_FALSE(client_->DescribeSequence("sh-a")->in_step());
   EXPECT_TRUE(client_->CloseSequence("sh-a").ok());
   EXPECT_TRUE(client_->CloseSequence("sh-b").ok());
+}
+
+// Moves every tensor of a layer message into `mem` (from *offset on) and points the message at
+// it, with the output into the region too.
+v1::LayerInputs ToShm(const v1::LayerInputs& in, client::SharedMemory& mem,
+                      const std::string& region, int64_t* offset, int64_t out_bytes) {
+  v1::LayerInputs o = in;
+  auto move = [&](v1::Tensor* t) {
+    if (t->datatype().empty()) return;
+    std::memcpy(mem.data() + *offset, t->data().data(), t->data().size());
+    std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+    *t = client::ShmTensor(*ParseDType(t->datatype()), shape, region, *offset);
+    *offset += t->shm().byte_size();
+  };
+  for (v1::Tensor* t :
+       {o.mutable_q_latent(), o.mutable_q_rope(), o.mutable_kv_latent(), o.mutable_k_rope(),
+        o.mutable_index_q(), o.mutable_index_k(), o.mutable_index_w()})
+    move(t);
+  o.mutable_out_shm()->set_region(region);
+  o.mutable_out_shm()->set_offset(*offset);
+  o.mutable_out_shm()->set_byte_size(out_bytes);
+  *offset += out_bytes;
+  return o;
+}
+
+TEST_F(ServiceTest, SharedMemoryTensorsGiveTheSameResultsAsBytes) {
+  const std::string key = absl::StrCat("/attnd-test-", getpid());
+  auto mem = client::SharedMemory::Create(key, 8 << 20);
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  ASSERT_TRUE(client_->RegisterSharedMemory("worker0", key, 0, 8 << 20).ok());
+  EXPECT_EQ(client_->RegisterSharedMemory("worker0", key, 0, 16).code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->RegisterSharedMemory("nokey", "/attnd-no-such-object", 0, 16).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->RegisterSharedMemory("toolong", key, 0, 16 << 20).code(),
+            absl::StatusCode::kInvalidArgument);
+  Open("shm-a");
+  Open("shm-b");
+  auto stream = client_->OpenStream();
+  for (int64_t q : {37, 1, 1}) {
+    auto g = client::GenerateStep(spec_, q, DType::kBF16, false, rng_);
+    auto want = RunStep(nullptr, {{"shm-b", q}}, g);
+    ASSERT_TRUE(want.ok());
+    Commit({{"shm-b", q}}, g);
+    ASSERT_TRUE(stream->Begin({{"shm-a", q}}).ok());
+    int64_t offset = 0;
+    const int64_t out_bytes = q * spec_.num_heads * spec_.kv_lora_rank * 2;
+    for (size_t l = 0; l < g.size(); ++l) {
+      const v1::LayerInputs in = ToShm(g[l].wire, **mem, "worker0", &offset, out_bytes);
+      auto o = stream->Layer(in);
+      ASSERT_TRUE(o.ok()) << o.status();
+      EXPECT_TRUE(o->out().data().empty());  // the bytes went to shared memory
+      EXPECT_EQ(o->out().shm().region(), "worker0");
+      v1::Tensor t = o->out();
+      t.set_data((*mem)->data() + in.out_shm().offset(), out_bytes);
+      t.clear_shm();
+      EXPECT_EQ(Decode(t), (*want)[l]) << "layer " << l;
+    }
+    Commit({{"shm-a", q}}, g);
+  }
+  EXPECT_TRUE(stream->Close().ok());
+  // Bad references: unknown region, a range past the region, both data and shm.
+  auto g = client::GenerateStep(spec_, 1, DType::kBF16, false, rng_);
+  struct Case {
+    std::function<void(v1::LayerInputs&)> mutate;
+    absl::StatusCode code;
+    const char* needle;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::LayerInputs& in) { in.mutable_q_latent()->mutable_shm()->set_region("nope"); },
+       absl::StatusCode::kNotFound, "q_latent: shared memory region 'nope' not registered"},
+      {[](v1::LayerInputs& in) { in.mutable_k_rope()->mutable_shm()->set_offset(8 << 20); },
+       absl::StatusCode::kInvalidArgument, "k_rope: ["},
+      {[](v1::LayerInputs& in) { in.mutable_kv_latent()->set_data("xx"); },
+       absl::StatusCode::kInvalidArgument, "kv_latent: both data and shm"},
+      {[](v1::LayerInputs& in) { in.mutable_out_shm()->set_byte_size(3); },
+       absl::StatusCode::kInvalidArgument, "out_shm: byte_size 3"},
+  };
+  const int64_t before = Length("shm-a");
+  for (const auto& c : cases) {
+    int64_t offset = 0;
+    v1::LayerInputs in =
+        ToShm(g[0].wire, **mem, "worker0", &offset, spec_.num_heads * spec_.kv_lora_rank * 2);
+    c.mutate(in);
+    auto b = client_->BeginStep({{"shm-a", 1}});
+    ASSERT_TRUE(b.ok());
+    auto st = client_->AttendLayer(b->step_id(), in).status();
+    EXPECT_EQ(st.code(), c.code) << st;
+    EXPECT_NE(st.message().find(c.needle), std::string::npos) << st;
+  }
+  EXPECT_EQ(Length("shm-a"), before);
+  EXPECT_TRUE(client_->UnregisterSharedMemory("worker0").ok());
+  EXPECT_EQ(client_->UnregisterSharedMemory("worker0").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(client_->CloseSequence("shm-a").ok());
+  EXPECT_TRUE(client_->CloseSequence("shm-b").ok());
 }
 
 TEST_F(ServiceTest, ServerInfoDescribesModelAndCapacity) {
