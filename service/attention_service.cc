@@ -349,12 +349,17 @@ class AttentionService::StepStream final
         auto step = svc_->Begin(req_.begin(), resp_.mutable_begun());
         if (!step.ok()) return Fail(step.status());
         step_ = *step;
+        shard_ = 0;
         StartWrite(&resp_);
         return;
       }
       case v1::StepRequest::kLayer: {
         if (step_ == 0)
           return Fail(absl::FailedPreconditionError("no open step on this stream: send begin"));
+        if (svc_->NumShards(step_) > 0 && req_.layer().shard() != shard_)
+          return Fail(absl::InvalidArgumentError(
+              absl::StrCat("shard: the message says ", req_.layer().shard(),
+                           " but this stream is shard ", shard_, " of step ", step_.load())));
         svc_->LayerAsync(step_, &req_.layer(), resp_.mutable_layer(), Transport::kStream,
                          [this](absl::Status s) {
                            if (!s.ok()) {
@@ -373,6 +378,7 @@ class AttentionService::StepStream final
         auto tokens = svc_->Join(req_.join().step_id(), req_.join().shard());
         if (!tokens.ok()) return Fail(tokens.status());
         step_ = req_.join().step_id();
+        shard_ = req_.join().shard();
         resp_.mutable_joined()->set_step_id(step_);
         resp_.mutable_joined()->set_num_tokens(*tokens);
         StartWrite(&resp_);
@@ -433,6 +439,7 @@ class AttentionService::StepStream final
   v1::StepRequest req_;
   v1::StepResponse resp_;
   std::atomic<uint64_t> step_{0};
+  int shard_ = 0;  // the shard this stream plays in a sharded step
   std::mutex mu_;
   bool finished_ = false;
 };

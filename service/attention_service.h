@@ -73,6 +73,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   // `done` from the executor; `in` and `out` stay valid until then.
   void LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::LayerOutput* out,
                   Transport transport, std::function<void(absl::Status)> done);
+  // Shards of a sharded step; 0 for an ordinary step.
+  int NumShards(uint64_t step) const { return shards_.NumShards(step); }
   // Aborts a step for every shard: the engine step and any parked shard messages.
   void AbortEverywhere(uint64_t step, const absl::Status& why);
   // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.

@@ -71,10 +71,12 @@ absl::StatusOr<std::pair<std::shared_ptr<ShmRegistry::Region>, uint8_t*>> ShmReg
           absl::StrCat(what, ": shared memory region '", name, "' not registered"));
     r = it->second;
   }
-  if (offset < 0 || size < 0 || static_cast<size_t>(offset + size) > r->size())
-    return absl::InvalidArgumentError(absl::StrCat(what, ": [", offset, ", ", offset + size,
-                                                   ") outside region '", name, "' of ", r->size(),
-                                                   " bytes"));
+  // Written so that no sum can overflow, whatever the client sends.
+  if (offset < 0 || size < 0 || static_cast<uint64_t>(offset) > r->size() ||
+      static_cast<uint64_t>(size) > r->size() - static_cast<uint64_t>(offset))
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + ", size,
+                                                   " bytes outside region '", name, "' of ",
+                                                   r->size(), " bytes"));
   uint8_t* p = r->data() + offset;
   return std::make_pair(std::move(r), p);
 }

@@ -477,6 +477,16 @@ TEST_F(ServiceTest, ShardedStepsGatherHeadsAndEqualAnUnshardedStep) {
     auto s2 = client_->OpenStream();
     ASSERT_TRUE(s2->Join(b->step_id(), 1).ok());
     auto g = client::GenerateStep(spec_, 1, DType::kBF16, false, rng_);
+    {  // a joined stream must speak as the shard it joined as
+      auto s3 = client_->OpenStream();
+      auto b3 = s3->Begin({{"sh-b", 1}}, false, S);
+      ASSERT_TRUE(b3.ok());
+      auto s4 = client_->OpenStream();
+      ASSERT_TRUE(s4->Join(b3->step_id(), 1).ok());
+      auto st = s4->Layer(ShardOf(g[0].wire, S, 0)).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_NE(st.message().find("this stream is shard 1"), std::string::npos) << st;
+    }
     v1::LayerInputs bad = ShardOf(g[0].wire, S, 1);
     *bad.mutable_kv_latent() = g[0].wire.kv_latent();
     std::thread t0([&] {
@@ -581,7 +591,7 @@ TEST_F(ServiceTest, SharedMemoryTensorsGiveTheSameResultsAsBytes) {
       {[](v1::LayerInputs& in) { in.mutable_q_latent()->mutable_shm()->set_region("nope"); },
        absl::StatusCode::kNotFound, "q_latent: shared memory region 'nope' not registered"},
       {[](v1::LayerInputs& in) { in.mutable_k_rope()->mutable_shm()->set_offset(8 << 20); },
-       absl::StatusCode::kInvalidArgument, "k_rope: ["},
+       absl::StatusCode::kInvalidArgument, "k_rope: offset"},
       {[](v1::LayerInputs& in) { in.mutable_kv_latent()->set_data("xx"); },
        absl::StatusCode::kInvalidArgument, "kv_latent: both data and shm"},
       {[](v1::LayerInputs& in) { in.mutable_out_shm()->set_byte_size(3); },

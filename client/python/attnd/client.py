@@ -12,12 +12,26 @@ numpy dtype             wire
 ======================  ========
 
 Arrays are sent little-endian, row-major, without padding, whatever their memory layout. A layer's
-output comes back as an array of q_latent's dtype and shape [T, H, L].
+output comes back as an array of q_latent's dtype and shape [T, H, L] ([T, H/num_shards, L] for one
+shard of a sharded step).
 
 A step runs two ways with one meaning: :meth:`AttndClient.stream` (one bidirectional ``Step`` RPC
 carrying many steps; the fast path) and the unary calls :meth:`AttndClient.begin_step`,
 :meth:`AttndClient.attend_layer` and :meth:`AttndClient.abort_step`. gRPC errors surface as
 :class:`AttndError` with the status code and the server's message.
+
+Sharded steps: the tensor-parallel shards of one worker share a step. Shard 0 opens it with
+``num_shards=S`` (S dividing H); every other shard attaches with :meth:`StepStream.join` (or, unary,
+calls :meth:`AttndClient.attend_layer` with the step id). Per layer each shard sends its heads of
+q_latent / q_rope ([T, H/S, *]) with ``shard=k``; shard 0 alone also sends kv_latent, k_rope and
+the indexer tensors. Each shard's call returns when every shard's message for the layer is in, with
+that shard's heads of the output, [T, H/S, L].
+
+Shared memory (a client on the server's host): :class:`ShmArena` creates a POSIX shared-memory
+object, :meth:`ShmArena.register` registers it as a region, :meth:`ShmArena.put` writes arrays into
+aligned slots and returns :class:`ShmTensor` references, which ``layer`` / ``attend_layer`` accept
+in place of any array; ``out=`` (a slot from :meth:`ShmArena.alloc`) has the server write the output
+into the region, and the call returns a numpy view of that slot.
 
 Example::
 
@@ -29,13 +43,25 @@ Example::
             for i in range(spec.num_layers):
                 out = stream.layer(i, q_latent=..., q_rope=..., kv_latent=..., k_rope=...,
                                    index_q=..., index_k=..., index_w=...)  # indexer: full layers
+        # the same with no tensor bytes on the wire (a client on the server's host)
+        with ShmArena(64 << 20) as arena, client.stream() as stream:
+            arena.register(client)
+            stream.begin([("s1", 1)])
+            out = arena.alloc((1, spec.num_heads, spec.kv_lora_rank), ml_dtypes.bfloat16)
+            mark = arena.used
+            for i in range(spec.num_layers):
+                arena.reset(mark)  # reuse the input slots layer after layer
+                y = stream.layer(i, q_latent=arena.put(q_latent), ..., out=out)  # y views `out`
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
-from typing import Iterator, List, Optional, Sequence, Tuple
+import sys
+from multiprocessing import resource_tracker, shared_memory
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import ml_dtypes
@@ -52,8 +78,11 @@ __all__ = [
     "ModelSpec",
     "SequenceInfo",
     "ServerInfo",
+    "ShmArena",
+    "ShmTensor",
     "StepInfo",
     "StepStream",
+    "TensorArg",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "from_tensor",
     "to_tensor",
@@ -88,6 +117,22 @@ class AttndError(Exception):
 # ---- tensors -----------------------------------------------------------------------------------
 
 
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype if dtype.byteorder in "=|" else dtype.newbyteorder("=")
+
+
+def _wire_name(dtype: np.dtype, uint16_as_bf16: bool) -> str:
+    """The wire datatype of a (native byte order) numpy dtype; TypeError if it has none."""
+    if dtype == np.uint16 and uint16_as_bf16:
+        return "BF16"
+    if dtype in _NAME_OF:
+        return _NAME_OF[dtype]
+    raise TypeError(
+        f"unsupported tensor dtype {dtype}: use float32, float16 or ml_dtypes.bfloat16"
+        + (" (or uint16 bf16 bits with uint16_as_bf16=True)" if dtype == np.uint16 else "")
+    )
+
+
 def to_tensor(array: np.ndarray, *, uint16_as_bf16: bool = False) -> pb.Tensor:
     """A numpy array as a wire Tensor (little-endian, row-major, no padding).
 
@@ -96,16 +141,8 @@ def to_tensor(array: np.ndarray, *, uint16_as_bf16: bool = False) -> pb.Tensor:
     dtypes.
     """
     a = np.asarray(array)
-    dt = a.dtype if a.dtype.byteorder in "=|" else a.dtype.newbyteorder("=")
-    if dt == np.uint16 and uint16_as_bf16:
-        name = "BF16"
-    elif dt in _NAME_OF:
-        name = _NAME_OF[dt]
-    else:
-        raise TypeError(
-            f"unsupported tensor dtype {a.dtype}: use float32, float16 or ml_dtypes.bfloat16"
-            + (" (or uint16 bf16 bits with uint16_as_bf16=True)" if dt == np.uint16 else "")
-        )
+    dt = _native(a.dtype)
+    name = _wire_name(dt, uint16_as_bf16)
     size = dt.itemsize
     native = np.ascontiguousarray(a, dtype=dt)
     data = native.view(f"=u{size}").astype(f"<u{size}", copy=False).tobytes()
@@ -128,6 +165,273 @@ def from_tensor(tensor: pb.Tensor, *, uint16_as_bf16: bool = False) -> np.ndarra
     if tensor.datatype == "BF16" and uint16_as_bf16:
         return bits.reshape(shape)
     return bits.view(dt).reshape(shape)
+
+
+# ---- shared memory -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmTensor:
+    """A tensor held in a registered shared-memory region: ``region`` (the name given to
+    RegisterSharedMemory), ``offset`` (bytes into the region), ``dtype`` and ``shape``.
+
+    Pass one wherever ``layer`` / ``attend_layer`` take an array (the message then carries the
+    reference instead of the bytes, which must be little-endian, row-major, unpadded), or as
+    ``out=`` to have the server write the layer output there. :meth:`ShmArena.alloc` and
+    :meth:`ShmArena.put` make them with ``arena`` set: the memory the client reads ``out=`` from.
+    """
+
+    region: str
+    offset: int
+    dtype: np.dtype
+    shape: Tuple[int, ...]
+    arena: Optional["ShmArena"] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _native(np.dtype(self.dtype)))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "offset", int(self.offset))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def ref(self) -> pb.SharedMemoryRef:
+        """The wire reference: region, offset and byte_size."""
+        return pb.SharedMemoryRef(region=self.region, offset=self.offset, byte_size=self.nbytes)
+
+    def to_tensor(self, *, uint16_as_bf16: bool = False) -> pb.Tensor:
+        """The wire Tensor: datatype and shape, and ``shm`` instead of ``data``."""
+        return pb.Tensor(datatype=_wire_name(self.dtype, uint16_as_bf16), shape=list(self.shape),
+                         shm=self.ref())
+
+
+#: A layer input: a numpy array (its bytes go in the message) or a reference into shared memory.
+TensorArg = Union[np.ndarray, ShmTensor]
+
+
+class ShmArena:
+    """A POSIX shared-memory object (``multiprocessing.shared_memory``) carved into aligned slots.
+
+    ``ShmArena(size)`` creates the object (``name`` defaults to a fresh "attnd-<pid>-<hex>";
+    ``/dev/shm/<name>`` on Linux); :meth:`attach` (or ``create=False``, ``size`` then ignored)
+    maps an existing one, e.g. another process's. Its key for RegisterSharedMemory is ``"/" + name``; :meth:`register`
+    registers the whole object as region ``region`` (default: ``name``). Slots are bump-allocated
+    ``alignment`` bytes apart: :meth:`alloc` reserves one, :meth:`put` reserves one and writes an
+    array into it, :meth:`write` overwrites one, :meth:`read` views one, :meth:`reset` frees the
+    slots allocated after a mark (``used``). Not thread-safe.
+
+    Lifetime: :meth:`close` (or leaving the ``with`` block) unregisters the region from the
+    clients it was registered with, unmaps the memory and — when this arena created the object —
+    unlinks it. The creator's object stays known to the multiprocessing resource tracker only as a
+    safety net against a crash (close() unregisters it, so nothing is warned about or unlinked
+    twice); an attached arena is never tracked, so no process but the creator unlinks the object.
+    Arrays returned by :meth:`read` (and by ``out=`` calls) view the mapping: drop or copy them
+    before close(), which otherwise unlinks but raises BufferError instead of unmapping.
+    """
+
+    def __init__(self, size: int, name: Optional[str] = None, *, region: Optional[str] = None,
+                 alignment: int = 64, create: bool = True) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment {alignment}: not a power of two")
+        if name is None:
+            if not create:
+                raise ValueError("attaching (create=False) needs the object's name")
+            name = f"attnd-{os.getpid()}-{os.urandom(4).hex()}"
+        name = name.lstrip("/")
+        if create:
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=int(size))
+        else:
+            self._shm = _attach_untracked(name)
+        self._owner = create
+        self.name: str = self._shm.name.lstrip("/")
+        self.region: str = region or self.name
+        self.size: int = int(size) if create else self._shm.size
+        self.alignment = int(alignment)
+        self._used = 0
+        self._clients: List["AttndClient"] = []
+        self._unmapped: Optional[shared_memory.SharedMemory] = None  # closed, not yet unmapped
+
+    @classmethod
+    def attach(cls, name: str, *, region: Optional[str] = None, alignment: int = 64
+               ) -> "ShmArena":
+        """Maps the existing object ``name`` (created by another ShmArena, possibly in another
+        process) without owning it: close() unmaps but does not unlink it."""
+        return cls(0, name, region=region, alignment=alignment, create=False)
+
+    # -- the object --
+
+    @property
+    def key(self) -> str:
+        """The POSIX shared-memory name, as for shm_open: ``"/" + name``."""
+        return "/" + self.name
+
+    @property
+    def buf(self) -> memoryview:
+        return self._mapping().buf
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated so far (a mark for :meth:`reset`)."""
+        return self._used
+
+    @property
+    def closed(self) -> bool:
+        return self._shm is None
+
+    def _mapping(self) -> shared_memory.SharedMemory:
+        if self._shm is None:
+            raise ValueError(f"shared-memory arena {self.name!r} is closed")
+        return self._shm
+
+    # -- slots --
+
+    def slot(self, offset: int, shape: Sequence[int], dtype) -> ShmTensor:
+        """A reference to ``offset`` in this arena's region, allocating nothing (and checking no
+        bounds: the server does)."""
+        return ShmTensor(self.region, offset, np.dtype(dtype), tuple(shape), arena=self)
+
+    def alloc(self, shape: Sequence[int], dtype) -> ShmTensor:
+        """Reserves an aligned slot for a ``dtype`` array of ``shape``; MemoryError when full."""
+        t = self.slot(0, shape, dtype)
+        start = -(-self._used // self.alignment) * self.alignment
+        if start + t.nbytes > self.size:
+            raise MemoryError(f"shared-memory arena {self.name!r}: {t.nbytes} bytes do not fit "
+                              f"({self._used} of {self.size} used)")
+        self._used = start + t.nbytes
+        return dataclasses.replace(t, offset=start)
+
+    def put(self, array: np.ndarray) -> ShmTensor:
+        """Allocates a slot for ``array`` and writes it there (little-endian, row-major)."""
+        a = np.asarray(array)
+        _check_dtype(a.dtype)
+        return self.write(self.alloc(a.shape, a.dtype), a)
+
+    def write(self, slot: ShmTensor, array: np.ndarray) -> ShmTensor:
+        """Writes ``array`` (the slot's shape; any layout and byte order) into ``slot``."""
+        a = np.asarray(array)
+        if a.shape != slot.shape or _native(a.dtype) != slot.dtype:
+            raise ValueError(f"array {a.dtype}{list(a.shape)} does not fit slot "
+                             f"{slot.dtype}{list(slot.shape)}")
+        size = slot.dtype.itemsize
+        self._check_slot(slot)
+        dst = self._view(slot, np.dtype(f"<u{size}"))
+        dst[...] = np.ascontiguousarray(a, dtype=slot.dtype).view(f"=u{size}")
+        return slot
+
+    def read(self, slot: ShmTensor, *, copy: bool = False) -> np.ndarray:
+        """The slot's contents as a ``slot.dtype`` array of ``slot.shape``: a view of the shared
+        memory (valid until the slot is rewritten; it keeps close() from unmapping), or a copy."""
+        self._check_slot(slot)
+        if sys.byteorder == "little":
+            view = self._view(slot, slot.dtype)
+            return view.copy() if copy else view
+        size = slot.dtype.itemsize  # big-endian host: the bytes are little-endian; always a copy
+        return self._view(slot, np.dtype(f"<u{size}")).astype(f"=u{size}").view(slot.dtype)
+
+    def _view(self, slot: ShmTensor, dtype: np.dtype) -> np.ndarray:
+        # np.frombuffer holds a buffer export of the memoryview, so close() cannot unmap the memory
+        # under a live view (np.ndarray(buffer=...) does not, and would crash on access).
+        count = int(np.prod(slot.shape, dtype=np.int64))
+        return np.frombuffer(self.buf, dtype=dtype, count=count, offset=slot.offset).reshape(
+            slot.shape)
+
+    def reset(self, mark: int = 0) -> None:
+        """Frees every slot allocated after ``mark`` (a value of ``used``; 0: all of them)."""
+        if not 0 <= mark <= self._used:
+            raise ValueError(f"reset mark {mark} outside [0, {self._used}]")
+        self._used = mark
+
+    def _check_slot(self, slot: ShmTensor) -> None:
+        if slot.region != self.region:
+            raise ValueError(f"slot of region {slot.region!r}, not this arena's {self.region!r}")
+        if slot.offset < 0 or slot.offset + slot.nbytes > self.size:
+            raise ValueError(f"slot [{slot.offset}, {slot.offset + slot.nbytes}) outside arena "
+                             f"{self.name!r} of {self.size} bytes")
+
+    # -- registration --
+
+    def register(self, client: "AttndClient") -> None:
+        """Registers the whole object as region ``region`` with ``client``'s server (once per
+        server); close() unregisters it."""
+        client.register_shared_memory(self.region, self.key, self.size)
+        self._clients.append(client)
+
+    def unregister(self, client: "AttndClient") -> None:
+        """Unregisters the region from ``client``'s server."""
+        client.unregister_shared_memory(self.region)
+        if client in self._clients:
+            self._clients.remove(client)
+
+    # -- lifetime --
+
+    def close(self) -> None:
+        """Unregisters the region from the clients registered through :meth:`register` (a region
+        already gone is fine), unlinks the object if this arena created it, and unmaps it.
+
+        BufferError while arrays from :meth:`read` (or ``out=`` calls) still view the memory: the
+        rest is done; drop them and call close() again to unmap."""
+        errors: List[Exception] = []
+        if self._shm is not None:
+            for client in list(self._clients):
+                try:
+                    self.unregister(client)
+                except AttndError as e:
+                    if e.code != grpc.StatusCode.NOT_FOUND:
+                        errors.append(e)
+                except ValueError as e:  # a closed channel
+                    errors.append(e)
+            self._clients.clear()
+            self._unmapped, self._shm = self._shm, None
+            if self._owner:
+                self._unmapped.unlink()  # also tells the resource tracker: nothing to clean up
+        if self._unmapped is not None:
+            try:
+                self._unmapped.close()
+            except BufferError as e:
+                raise BufferError(
+                    f"shared-memory arena {self.name!r}: numpy arrays still view it (read() or "
+                    "out= results); drop or copy them, then close() again to unmap it (it is "
+                    "already unregistered and unlinked)") from e
+            self._unmapped = None
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> "ShmArena":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except (BufferError, AttndError):
+            if exc_type is None:
+                raise  # otherwise keep the body's exception
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self._used}/{self.size} bytes used"
+        return f"ShmArena(name={self.name!r}, region={self.region!r}, {state})"
+
+
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
+    """Attaches to an existing object without the resource tracker adopting it (before Python
+    3.13 attaching registers the object, and the tracker unlinks it when this process exits)."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # the "/"-prefixed name it registered
+    return shm
+
+
+def _check_dtype(dtype: np.dtype) -> None:
+    dt = _native(dtype)
+    if dt not in _NAME_OF and dt != np.uint16:
+        _wire_name(dt, False)  # raises the usual TypeError
+
+
+def _dtype_of(x: Optional[TensorArg]) -> Optional[np.dtype]:
+    if x is None:
+        return None
+    return x.dtype if isinstance(x, ShmTensor) else np.asarray(x).dtype
 
 
 # ---- plain data --------------------------------------------------------------------------------
@@ -211,27 +515,60 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
     )
 
 
-def _batch(batch: Batch, write_only: bool) -> pb.BeginStepRequest:
+def _batch(batch: Batch, write_only: bool, num_shards: int = 0) -> pb.BeginStepRequest:
     entries = [pb.BatchEntry(sequence_id=sid, q_len=int(q_len)) for sid, q_len in batch]
-    return pb.BeginStepRequest(batch=entries, write_only=write_only)
+    return pb.BeginStepRequest(batch=entries, write_only=write_only, num_shards=int(num_shards))
 
 
-def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool) -> pb.LayerInputs:
-    msg = pb.LayerInputs(layer=int(layer))
-    for name, array in tensors.items():
-        if array is not None:
-            getattr(msg, name).CopyFrom(to_tensor(array, uint16_as_bf16=uint16_as_bf16))
+def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 0,
+                  out: Optional[ShmTensor] = None) -> pb.LayerInputs:
+    if shard == 0 and (tensors["kv_latent"] is None or tensors["k_rope"] is None):
+        raise TypeError("kv_latent and k_rope are required (only shards other than 0 of a sharded "
+                        "step leave them out)")
+    if out is not None:
+        if not isinstance(out, ShmTensor):
+            raise TypeError(f"out= takes a ShmTensor (a slot of a ShmArena), not {type(out)}")
+        if out.arena is None:
+            raise ValueError("out= needs a slot from ShmArena.alloc: the client reads the output "
+                             "from the arena's memory")
+        out.arena._mapping()  # ValueError if closed: before the server writes anything
+    msg = pb.LayerInputs(layer=int(layer), shard=int(shard))
+    for name, value in tensors.items():
+        if value is None:
+            continue
+        if isinstance(value, ShmTensor):
+            getattr(msg, name).CopyFrom(value.to_tensor(uint16_as_bf16=uint16_as_bf16))
+        else:
+            getattr(msg, name).CopyFrom(to_tensor(value, uint16_as_bf16=uint16_as_bf16))
+    if out is not None:
+        msg.out_shm.CopyFrom(out.ref())
     return msg
 
 
-def _output(out: pb.LayerOutput, raw_bf16: bool) -> Optional[np.ndarray]:
+def _output(out: pb.LayerOutput, raw_bf16: bool,
+            slot: Optional[ShmTensor] = None) -> Optional[np.ndarray]:
     if not out.HasField("out") or not out.out.datatype:
         return None  # a write-only step
-    return from_tensor(out.out, uint16_as_bf16=raw_bf16)
+    if slot is None:
+        return from_tensor(out.out, uint16_as_bf16=raw_bf16)
+    # out_shm: the server wrote the output into the slot; the reply names it and carries no bytes
+    t = out.out
+    dt = np.dtype(np.uint16) if t.datatype == "BF16" and raw_bf16 else _DTYPE_OF.get(t.datatype)
+    if dt is None:
+        raise ValueError(f"unsupported tensor datatype {t.datatype!r}")
+    got = ShmTensor(slot.region, slot.offset, dt, tuple(t.shape), arena=slot.arena)
+    if t.data:  # a server that ignored out_shm: put the bytes where they were asked for
+        return slot.arena.write(got, from_tensor(t, uint16_as_bf16=raw_bf16))
+    if not t.HasField("shm") or t.shm != slot.ref() or got.nbytes != slot.nbytes:
+        raise AttndError(grpc.StatusCode.INTERNAL,
+                         f"out_shm: the reply's output {t.datatype}{list(t.shape)} at "
+                         f"{t.shm.region!r}+{t.shm.offset} ({t.shm.byte_size} bytes) is not the "
+                         f"slot {slot.region!r}+{slot.offset} ({slot.nbytes} bytes) asked for")
+    return slot.arena.read(got)
 
 
-def _raw_bf16(q_latent: Optional[np.ndarray], uint16_as_bf16: bool) -> bool:
-    return uint16_as_bf16 and q_latent is not None and np.asarray(q_latent).dtype == np.uint16
+def _raw_bf16(q_latent: Optional[TensorArg], uint16_as_bf16: bool) -> bool:
+    return uint16_as_bf16 and _dtype_of(q_latent) == np.uint16
 
 
 # ---- the client --------------------------------------------------------------------------------
@@ -300,12 +637,16 @@ class AttndClient:
 
     # -- steps: unary --
 
-    def begin_step(self, batch: Batch, *, write_only: bool = False) -> StepInfo:
+    def begin_step(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0
+                   ) -> StepInfo:
         """Opens a step over ``batch`` (reserving its pages); then attend_layer 0..N-1 in order.
 
         ``write_only`` imports keys only (kv_latent, k_rope, index_k; no queries, no output).
+        ``num_shards`` > 1 opens a sharded step as its shard 0: S = num_shards tensor-parallel
+        shards (S must divide H; not with ``write_only``) each send their H/S heads per layer —
+        here through attend_layer with ``shard=k`` and this step id (unary shards need no join).
         """
-        resp = self._call(self._stub.BeginStep, _batch(batch, write_only))
+        resp = self._call(self._stub.BeginStep, _batch(batch, write_only, num_shards))
         return StepInfo(step_id=resp.step_id, num_tokens=resp.num_tokens)
 
     def attend_layer(
@@ -313,30 +654,57 @@ class AttndClient:
         step_id: int,
         layer: int,
         *,
-        q_latent: Optional[np.ndarray] = None,
-        q_rope: Optional[np.ndarray] = None,
-        kv_latent: np.ndarray,
-        k_rope: np.ndarray,
-        index_q: Optional[np.ndarray] = None,
-        index_k: Optional[np.ndarray] = None,
-        index_w: Optional[np.ndarray] = None,
+        q_latent: Optional[TensorArg] = None,
+        q_rope: Optional[TensorArg] = None,
+        kv_latent: Optional[TensorArg] = None,
+        k_rope: Optional[TensorArg] = None,
+        index_q: Optional[TensorArg] = None,
+        index_k: Optional[TensorArg] = None,
+        index_w: Optional[TensorArg] = None,
+        shard: int = 0,
+        out: Optional[ShmTensor] = None,
     ) -> Optional[np.ndarray]:
         """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only).
 
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
+        kv_latent and k_rope are required except from shards other than 0.
+
+        Any tensor may be a :class:`ShmTensor` (a reference into a registered shared-memory region)
+        instead of an array. Sharded steps: ``shard`` is this message's shard; q_latent / q_rope
+        hold its heads, [T, H/S, *]; shard 0 alone sends kv_latent, k_rope and the indexer tensors;
+        the call returns once every shard's message for the layer is in, with this shard's heads,
+        [T, H/S, L]. ``out``: a slot of a :class:`ShmArena` (its region registered, its byte size
+        the output's) that the server writes the output into; the call then returns a view of the
+        slot (valid until the slot is rewritten) instead of decoding bytes from the reply.
         """
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         request = pb.AttendLayerRequest(
-            step_id=step_id, inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16)
+            step_id=step_id,
+            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out),
         )
         resp = self._call(self._stub.AttendLayer, request)
-        return _output(resp.output, _raw_bf16(q_latent, self._uint16_as_bf16))
+        return _output(resp.output, _raw_bf16(q_latent, self._uint16_as_bf16), out)
 
     def abort_step(self, step_id: int) -> None:
         """Aborts an open step: every sequence in it is left as before the step."""
         self._call(self._stub.AbortStep, pb.AbortStepRequest(step_id=step_id))
+
+    # -- shared memory --
+
+    def register_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        """Registers ``[offset, offset + byte_size)`` of the POSIX shared-memory object ``key`` (as
+        for shm_open: "/attnd-worker-0") as region ``name``, for tensors and outputs of later layer
+        calls. ALREADY_EXISTS (name in use), NOT_FOUND (no such object), INVALID_ARGUMENT (range).
+        :meth:`ShmArena.register` registers a whole arena."""
+        request = pb.RegisterSharedMemoryRequest(name=name, key=key, offset=int(offset),
+                                                 byte_size=int(byte_size))
+        self._call(self._stub.RegisterSharedMemory, request)
+
+    def unregister_shared_memory(self, name: str) -> None:
+        """Forgets region ``name`` (NOT_FOUND if not registered); calls in flight keep using it."""
+        self._call(self._stub.UnregisterSharedMemory, pb.UnregisterSharedMemoryRequest(name=name))
 
     # -- steps: the stream --
 
@@ -364,6 +732,11 @@ class StepStream:
     error (raised as :class:`AttndError`) ends the stream and aborts its open step; open a new stream
     to go on. ``close()`` aborts an open step and ends the stream cleanly. As a context manager it
     closes on normal exit and cancels (which aborts an open step) on an exception. Not thread-safe.
+
+    Sharded steps: shard 0's stream calls ``begin(batch, num_shards=S)``; each other shard's stream
+    calls ``join(step_id, k)`` and then ``layer`` like shard 0 (``shard`` defaults to the joined
+    shard). Each shard needs its own stream (one per thread or process): a layer call returns only
+    when every shard has sent the layer. An error or abort on any shard aborts the step for all.
     """
 
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
@@ -372,6 +745,7 @@ class StepStream:
         self._call = stub.Step(self._request_iterator(), timeout=timeout)
         self._uint16_as_bf16 = uint16_as_bf16
         self._step: Optional[StepInfo] = None
+        self._shard = 0
         self._next_layer = 0
         self._closed = False
 
@@ -386,6 +760,7 @@ class StepStream:
         if not self._closed:
             self._closed = True
             self._step = None
+            self._shard = 0
             self._requests.put(None)  # ends the request iterator (half-close)
 
     def _roundtrip(self, request: pb.StepRequest, expect: str) -> pb.StepResponse:
@@ -414,6 +789,11 @@ class StepStream:
         return self._step
 
     @property
+    def shard(self) -> int:
+        """The shard this stream plays in the open step: the joined shard, else 0."""
+        return self._shard
+
+    @property
     def next_layer(self) -> int:
         """The layer the open step expects next."""
         return self._next_layer
@@ -422,10 +802,24 @@ class StepStream:
     def closed(self) -> bool:
         return self._closed
 
-    def begin(self, batch: Batch, *, write_only: bool = False) -> StepInfo:
-        """Opens a step over ``batch`` (none may be open on this stream)."""
-        response = self._roundtrip(pb.StepRequest(begin=_batch(batch, write_only)), "begun")
+    def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0) -> StepInfo:
+        """Opens a step over ``batch`` (none may be open on this stream); ``num_shards`` > 1 opens a
+        sharded step as its shard 0 (see :meth:`AttndClient.begin_step`)."""
+        request = pb.StepRequest(begin=_batch(batch, write_only, num_shards))
+        response = self._roundtrip(request, "begun")
         self._step = StepInfo(step_id=response.begun.step_id, num_tokens=response.begun.num_tokens)
+        self._shard = 0
+        self._next_layer = 0
+        return self._step
+
+    def join(self, step_id: int, shard: int) -> StepInfo:
+        """Attaches this stream to another shard's sharded step as shard ``shard`` (in [1, S)).
+        NOT_FOUND (no such open sharded step), INVALID_ARGUMENT (shard out of range)."""
+        request = pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard)))
+        response = self._roundtrip(request, "joined")
+        self._step = StepInfo(step_id=response.joined.step_id,
+                              num_tokens=response.joined.num_tokens)
+        self._shard = int(shard)
         self._next_layer = 0
         return self._step
 
@@ -433,23 +827,29 @@ class StepStream:
         self,
         layer: int,
         *,
-        q_latent: Optional[np.ndarray] = None,
-        q_rope: Optional[np.ndarray] = None,
-        kv_latent: np.ndarray,
-        k_rope: np.ndarray,
-        index_q: Optional[np.ndarray] = None,
-        index_k: Optional[np.ndarray] = None,
-        index_w: Optional[np.ndarray] = None,
+        q_latent: Optional[TensorArg] = None,
+        q_rope: Optional[TensorArg] = None,
+        kv_latent: Optional[TensorArg] = None,
+        k_rope: Optional[TensorArg] = None,
+        index_q: Optional[TensorArg] = None,
+        index_k: Optional[TensorArg] = None,
+        index_w: Optional[TensorArg] = None,
+        shard: Optional[int] = None,
+        out: Optional[ShmTensor] = None,
     ) -> Optional[np.ndarray]:
-        """Runs the open step's next layer; see :meth:`AttndClient.attend_layer`."""
+        """Runs the open step's next layer; see :meth:`AttndClient.attend_layer`. ``shard``
+        defaults to the shard this stream joined as (0 after ``begin``)."""
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
-        request = pb.StepRequest(layer=_layer_inputs(layer, tensors, self._uint16_as_bf16))
+        shard = self._shard if shard is None else int(shard)
+        request = pb.StepRequest(
+            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out))
         response = self._roundtrip(request, "layer")
         self._next_layer = int(layer) + 1
         if response.layer.committed:
             self._step = None
-        return _output(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16))
+            self._shard = 0
+        return _output(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""
@@ -457,6 +857,7 @@ class StepStream:
             return
         self._roundtrip(pb.StepRequest(abort=pb.AbortStepRequest()), "aborted")
         self._step = None
+        self._shard = 0
 
     def close(self) -> None:
         """Aborts an open step, ends the stream and waits for the server's OK."""
