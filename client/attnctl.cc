@@ -3,6 +3,7 @@
 //   attnctl demo  [--target=...] [--sequences=4] [--prompt=2200] [--chunk=512] [--decode=24]
 //                 [--check-every=4] [--seed=1]
 //   attnctl bench [--target=...] [--batch=8] [--context=4096] [--steps=20]
+//   attnctl handoff --sequence=ID --to=HOST:PORT [--target=...] [--chunk=4096] [--close-source]
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -317,6 +318,32 @@ int Bench(Client& c, const Args& a) {
   return 0;
 }
 
+// Moves a sequence to another server and, with --close-source, closes it here.
+int Handoff(Client& from, const Args& a) {
+  const std::string id = a.Get("sequence", "");
+  const std::string to_target = a.Get("to", "");
+  if (id.empty() || to_target.empty()) {
+    std::fprintf(stderr, "attnctl handoff: --sequence=ID and --to=HOST:PORT are required\n");
+    return 2;
+  }
+  auto to = Client::Connect(to_target);
+  auto info = from.DescribeSequence(id);
+  if (!info.ok()) return Fail(info.status(), "describe");
+  const auto t0 = Clock::now();
+  if (auto s = HandOffSequence(from, *to, id, a.Int("chunk", 4096)); !s.ok())
+    return Fail(s, "handoff");
+  const double secs = Since(t0);
+  auto there = to->DescribeSequence(id);
+  if (!there.ok() || there->length() != info->length())
+    return Fail(absl::InternalError("length differs after the handoff"), "verify");
+  std::printf("handed off '%s' (%lld tokens) to %s in %.3f s\n", id.c_str(),
+              static_cast<long long>(info->length()), to_target.c_str(), secs);
+  if (a.flags.count("close-source")) {
+    if (auto s = from.CloseSequence(id); !s.ok()) return Fail(s, "close source");
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace attnd::client
 
@@ -328,7 +355,9 @@ int main(int argc, char** argv) {
     if (s.rfind("--", 0) == 0) {
       const size_t eq = s.find('=');
       if (eq == std::string::npos) {
-        a.flags[s.substr(2)] = i + 1 < argc ? argv[++i] : "";
+        // "--flag value", or a bare switch when no value follows
+        const bool has_value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
+        a.flags[s.substr(2)] = has_value ? argv[++i] : "";
       } else {
         a.flags[s.substr(2, eq - 2)] = s.substr(eq + 1);
       }
@@ -336,15 +365,18 @@ int main(int argc, char** argv) {
       a.command = s;
     }
   }
-  if (a.command != "info" && a.command != "demo" && a.command != "bench") {
+  if (a.command != "info" && a.command != "demo" && a.command != "bench" &&
+      a.command != "handoff") {
     std::fprintf(stderr,
-                 "usage: attnctl info|demo|bench [--target=HOST:PORT] [command flags]\n"
+                 "usage: attnctl info|demo|bench|handoff [--target=HOST:PORT] [command flags]\n"
                  "  demo:  --sequences=4 --prompt=2200 --chunk=512 --decode=24 --check-every=4\n"
-                 "  bench: --batch=8 --context=4096 --steps=20\n");
+                 "  bench: --batch=8 --context=4096 --steps=20\n"
+                 "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n");
     return 2;
   }
   auto client = Client::Connect(a.Get("target", "localhost:50051"));
   if (a.command == "info") return Info(*client);
   if (a.command == "demo") return Demo(*client, a);
+  if (a.command == "handoff") return Handoff(*client, a);
   return Bench(*client, a);
 }

@@ -261,3 +261,42 @@ absl::Status StepStream::Close() {
 void StepStream::Cancel() { ctx_.TryCancel(); }
 
 }  // namespace attnd::client
+
+namespace attnd::client {
+
+absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
+                             int64_t chunk_tokens) {
+  if (auto s = to.OpenSequence(id); !s.ok()) return s.status();
+  auto fail = [&](absl::Status s) {
+    (void)to.CloseSequence(id);
+    return s;
+  };
+  grpc::ClientContext ctx;
+  v1::ExportSequenceRequest req;
+  req.set_sequence_id(id);
+  req.set_chunk_tokens(chunk_tokens);
+  auto reader = from.stub()->ExportSequence(&ctx, req);
+  v1::ExportChunk chunk;
+  uint64_t step = 0;
+  while (reader->Read(&chunk)) {
+    if (chunk.keys().layer() == 0) {
+      auto b = to.BeginStep({{id, chunk.tokens()}}, /*write_only=*/true);
+      if (!b.ok()) {
+        ctx.TryCancel();
+        (void)reader->Finish();
+        return fail(b.status());
+      }
+      step = b->step_id();
+    }
+    auto o = to.AttendLayer(step, chunk.keys());
+    if (!o.ok()) {
+      ctx.TryCancel();
+      (void)reader->Finish();
+      return fail(o.status());
+    }
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return fail(s);
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::client

@@ -54,6 +54,13 @@ class SharedMemory {
 absl::Status FromGrpc(const grpc::Status& s);
 
 class StepStream;
+class Client;
+
+// Copies sequence `id` from `from` to `to` (ExportSequence there, write-only steps here), in
+// chunks of `chunk_tokens`. On failure the partial copy on `to` is closed. The source is left
+// as it was; close it once the copy is confirmed.
+absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
+                             int64_t chunk_tokens = 4096);
 
 class Client {
  public:

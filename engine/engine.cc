@@ -737,6 +737,59 @@ absl::Status Engine::ForkSequence(const std::string& id, const std::string& pare
   return absl::OkStatus();
 }
 
+absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const std::string& id, int layer, int64_t begin,
+                                                   int64_t end) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->sequences.find(id);
+  if (it == impl_->sequences.end())
+    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+  const Sequence& seq = *it->second;
+  const ModelSpec& s = impl_->spec();
+  if (layer < 0 || layer >= s.num_layers())
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
+  if (begin < 0 || end < begin || end > seq.length)
+    return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
+                                              seq.length, " committed tokens of '", id, "'"));
+  const Device& dev = impl_->devices[seq.device];
+  const int slot = s.FullSlot(layer);
+  const size_t es = DTypeSize(impl_->options.cache_dtype);
+  const size_t L = s.kv_lora_rank * es, R = s.qk_rope_head_dim * es, Di = s.index_head_dim * es;
+  LayerRows out;
+  out.kv_latent.reserve((end - begin) * L);
+  out.k_rope.reserve((end - begin) * R);
+  const int ps = s.page_size;
+  std::vector<uint8_t> staged;  // a GPU page, all layers and slots (see CudaDevice::ReadPage)
+  for (int64_t pos = begin; pos < end;) {
+    const int32_t page = seq.pages[pos / ps];
+    const int off = static_cast<int>(pos % ps);
+    const int rows = static_cast<int>(std::min<int64_t>(ps - off, end - pos));
+    const uint8_t* lat = nullptr;
+    const uint8_t* idx = nullptr;
+    size_t lat_stride = L + R, idx_stride = Di;
+    if (!dev.is_gpu()) {
+      lat = dev.cache.LatentRow(layer, page, off);
+      if (slot >= 0) idx = dev.cache.IndexRow(slot, page, off);
+    } else {
+#ifdef ATTND_HAVE_CUDA
+      const int full_rows = off + rows;
+      RETURN_IF_ERROR(dev.gpu->ReadPage(page, full_rows, &staged));
+      lat = staged.data() + layer * full_rows * (L + R) + off * (L + R);
+      if (slot >= 0)
+        idx =
+            staged.data() + s.num_layers() * full_rows * (L + R) + slot * full_rows * Di + off * Di;
+#endif
+    }
+    for (int r = 0; r < rows; ++r) {
+      out.kv_latent.append(reinterpret_cast<const char*>(lat + r * lat_stride), L);
+      out.k_rope.append(reinterpret_cast<const char*>(lat + r * lat_stride + L), R);
+      if (idx) out.index_k.append(reinterpret_cast<const char*>(idx + r * idx_stride), Di);
+    }
+    pos += rows;
+  }
+  return out;
+}
+
 absl::Status Engine::MigrateSequence(const std::string& id, int device) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sequences.find(id);

@@ -94,6 +94,15 @@ class Engine {
   // the target lacks pages (nothing changes then).
   absl::Status MigrateSequence(const std::string& id, int device);
   int num_devices() const;
+  // Copies the committed cache rows [begin, end) of one layer of a sequence, as the cache stores
+  // them (dtype = cache dtype): kv_latent [n, L], k_rope [n, R] and, on full layers, index_k
+  // [n, Di] (empty otherwise). For handing a sequence to another server (export). NOT_FOUND,
+  // OUT_OF_RANGE (rows beyond the committed length or a bad layer).
+  struct LayerRows {
+    std::string kv_latent, k_rope, index_k;
+  };
+  absl::StatusOr<LayerRows> ReadRows(const std::string& id, int layer, int64_t begin,
+                                     int64_t end) const;
   // Whether this build can drive CUDA devices (nvcc was found at build time).
   static bool CudaBuilt();
   // Every visible GPU ("cuda:0", ...) in a CUDA build with GPUs, else {"cpu:0"}.

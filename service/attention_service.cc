@@ -301,6 +301,82 @@ grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContex
   return Done(ctx, s);
 }
 
+// Streams a sequence's keys chunk by chunk, one layer per message; the next message is read out
+// of the cache only when the previous one is written (bounded memory for long sequences).
+class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
+ public:
+  ExportStream(Engine* engine, const v1::ExportSequenceRequest& req)
+      : engine_(engine),
+        id_(req.sequence_id()),
+        chunk_(req.chunk_tokens() > 0 ? req.chunk_tokens() : 4096) {
+    auto info = engine_->DescribeSequence(id_);
+    if (!info.ok()) {
+      Finish(ToGrpcStatus(info.status()));
+      return;
+    }
+    length_ = info->length;
+    Next();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "export: client went away"));
+      return;
+    }
+    Next();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Next() {
+    const ModelSpec& s = engine_->spec();
+    if (begin_ >= length_) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const int64_t n = std::min(chunk_, length_ - begin_);
+    auto rows = engine_->ReadRows(id_, layer_, begin_, begin_ + n);
+    if (!rows.ok()) {
+      Finish(ToGrpcStatus(rows.status()));
+      return;
+    }
+    const std::string dt(DTypeName(engine_->options().cache_dtype));
+    msg_.Clear();
+    msg_.set_token_begin(begin_);
+    msg_.set_tokens(n);
+    msg_.set_length(length_);
+    v1::LayerInputs* k = msg_.mutable_keys();
+    k->set_layer(layer_);
+    auto set = [&](v1::Tensor* t, std::string* bytes, int64_t dim) {
+      t->set_datatype(dt);
+      t->add_shape(n);
+      t->add_shape(dim);
+      t->mutable_data()->swap(*bytes);
+    };
+    set(k->mutable_kv_latent(), &rows->kv_latent, s.kv_lora_rank);
+    set(k->mutable_k_rope(), &rows->k_rope, s.qk_rope_head_dim);
+    if (s.layers[layer_] == LayerKind::kFull)
+      set(k->mutable_index_k(), &rows->index_k, s.index_head_dim);
+    if (++layer_ == s.num_layers()) {
+      layer_ = 0;
+      begin_ += n;
+    }
+    StartWrite(&msg_);
+  }
+
+  Engine* engine_;
+  std::string id_;
+  int64_t chunk_;
+  int64_t length_ = 0;
+  int64_t begin_ = 0;
+  int layer_ = 0;
+  v1::ExportChunk msg_;
+};
+
+grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
+    grpc::CallbackServerContext*, const v1::ExportSequenceRequest* req) {
+  return new ExportStream(engine_, *req);
+}
+
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
     v1::RegisterSharedMemoryResponse*) {

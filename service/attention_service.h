@@ -60,6 +60,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* UnregisterSharedMemory(
       grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
       v1::UnregisterSharedMemoryResponse* resp) override;
+  grpc::ServerWriteReactor<v1::ExportChunk>* ExportSequence(
+      grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) override;
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
                                  v1::EchoResponse* resp) override;
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(

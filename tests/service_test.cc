@@ -616,6 +616,41 @@ TEST_F(ServiceTest, SharedMemoryTensorsGiveTheSameResultsAsBytes) {
   EXPECT_TRUE(client_->CloseSequence("shm-b").ok());
 }
 
+TEST_F(ServiceTest, HandOffMovesASequenceToAnotherServerExactly) {
+  ServerProcess other(ATTND_BINARY,
+                      {"--model=tiny", "--kv-pages=100", "--threads=1", "--metrics-port=0"});
+  auto to = Client::Connect(other.target());
+  Open("ho");
+  auto g = client::GenerateStep(spec_, 70, DType::kBF16, false, rng_);
+  ASSERT_TRUE(RunStep(nullptr, {{"ho", 70}}, g).ok());
+  Commit({{"ho", 70}}, g);
+  Open("ho-twin", "ho", 70);
+  // Small chunks: several write-only steps on the receiver, the last one partial.
+  ASSERT_TRUE(client::HandOffSequence(*client_, *to, "ho", 32).ok());
+  auto there = to->DescribeSequence("ho");
+  ASSERT_TRUE(there.ok()) << there.status();
+  EXPECT_EQ(there->length(), 70);
+  // The moved sequence computes exactly what its twin here computes.
+  auto step = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
+  auto here = RunStep(nullptr, {{"ho-twin", 2}}, step);
+  auto b = to->BeginStep({{"ho", 2}});
+  ASSERT_TRUE(here.ok() && b.ok());
+  for (size_t l = 0; l < step.size(); ++l) {
+    auto o = to->AttendLayer(b->step_id(), step[l].wire);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(Decode(o->out()), (*here)[l]) << "layer " << l;
+  }
+  Commit({{"ho-twin", 2}}, step);
+  // Errors: unknown source sequence (and nothing left behind), an id already on the target.
+  EXPECT_EQ(client::HandOffSequence(*client_, *to, "nope").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(to->DescribeSequence("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client::HandOffSequence(*client_, *to, "ho").code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(Length("ho"), 70);  // the source is untouched
+  EXPECT_EQ(other.Stop(), 0);
+  EXPECT_TRUE(client_->CloseSequence("ho").ok());
+  EXPECT_TRUE(client_->CloseSequence("ho-twin").ok());
+}
+
 TEST_F(ServiceTest, ServerInfoDescribesModelAndCapacity) {
   auto info = client_->Info();
   ASSERT_TRUE(info.ok());
