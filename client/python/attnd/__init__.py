@@ -20,6 +20,7 @@ from .client import (
     from_tensor,
     to_tensor,
 )
+from .router import rendezvous_weight, resolve_endpoints, route
 
 __all__ = [
     "AttndClient",
@@ -37,4 +38,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "from_tensor",
     "to_tensor",
+    "rendezvous_weight",
+    "resolve_endpoints",
+    "route",
 ]
