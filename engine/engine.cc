@@ -962,9 +962,11 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
       return absl::NotFoundError(absl::StrCat(
           "step ", step_id, " not found (never opened, committed, aborted or expired)"));
     st = it->second.get();
-    if (st->busy)
+    if (st->busy) {
+      st->abort_requested = true;  // every error aborts the step: the running layer does it
       return absl::FailedPreconditionError(
-          absl::StrCat("step ", step_id, ": a layer is already running"));
+          absl::StrCat("step ", step_id, ": a layer is already running; step aborted"));
+    }
     if (layer != st->next_layer) {
       const int expected = st->next_layer;
       impl_->AbortLocked(st);

@@ -141,7 +141,18 @@ void AttentionService::AbortEverywhere(uint64_t step, const absl::Status& why) {
   shards_.Fail(step, why);
 }
 
+void AttentionService::FailParkedShards() {
+  for (uint64_t step : shards_.Steps())
+    AbortEverywhere(step, absl::CancelledError("attnd is shutting down; step aborted"));
+}
+
 void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
+  // Steps the engine no longer has (expired while no shard was waiting): answer any parked part
+  // now and drop the entry, which would otherwise stay until every shard's stream ends.
+  for (uint64_t step : shards_.Steps())
+    if (!engine_->DescribeStep(step).ok())
+      shards_.Fail(step, absl::DeadlineExceededError(
+                             absl::StrCat("step ", step, " expired or ended; step aborted")));
   for (uint64_t step : shards_.Stale(idle))
     AbortEverywhere(step,
                     absl::DeadlineExceededError(absl::StrCat(
@@ -218,15 +229,20 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, ql.data(), ql.size());
   all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
   std::string out(static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt), '\0');
+  // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
+  // fail after it.
+  std::vector<char*> dst(S);
+  for (int k = 0; k < S; ++k) {
+    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T,
+                                                Hs, L, shm_, &holds));
+    dst[k] = static_cast<char*>(out_k);
+  }
   const int layer = parts[0].in->layer();
   RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size()));
   const size_t slice = static_cast<size_t>(Hs) * L * DTypeSize(dt);
   for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T,
-                                                Hs, L, shm_, &holds));
-    auto* dst = static_cast<char*>(out_k);
     for (int64_t t = 0; t < T; ++t)
-      std::memcpy(dst + t * slice, out.data() + (t * S + k) * slice, slice);
+      std::memcpy(dst[k] + t * slice, out.data() + (t * S + k) * slice, slice);
     parts[k].out->set_layer(layer);
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
@@ -504,10 +520,14 @@ class AttentionService::StepStream final
     AbortOpenStep();
     FinishOnce(ToGrpcStatus(s));
   }
+  // Finish is called outside mu_: once it is called OnDone may run (and delete this) on another
+  // thread at any moment, so nothing of this object may be touched after it.
   void FinishOnce(const grpc::Status& s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finished_) return;
-    finished_ = true;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
     Finish(s);
   }
 

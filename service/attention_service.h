@@ -81,6 +81,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   void AbortEverywhere(uint64_t step, const absl::Status& why);
   // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.
   void ReapShards(std::chrono::steady_clock::duration idle);
+  // Shutdown: answers every parked shard message (CANCELLED) so no call outlives the server.
+  void FailParkedShards();
   Executor* executor() { return executor_; }
   Engine* engine() { return engine_; }
   ServiceMetrics* metrics() { return metrics_; }

@@ -130,7 +130,8 @@ int RunServer(const ServerFlags& flags) {
     std::unique_lock<std::mutex> lock(mu);
     const auto period = std::clamp<std::chrono::milliseconds>(
         idle / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
-    while (!cv.wait_for(lock, period, [&] { return stopping; })) {
+    const auto wait = flags.step_idle_timeout_ms > 0 ? period : std::chrono::milliseconds(1000);
+    while (!cv.wait_for(lock, wait, [&] { return stopping; })) {
       if (flags.step_idle_timeout_ms <= 0) continue;
       engine->ExpireIdleSteps(idle);
       service.ReapShards(idle);
@@ -143,9 +144,26 @@ int RunServer(const ServerFlags& flags) {
   std::fflush(stdout);
   service.SetDraining();
   health->SetServingStatus(kServiceName, false);
+  // Shard messages parked for a shard that never comes would keep Shutdown waiting forever:
+  // when the grace period ends, answer them.
+  std::mutex grace_mu;
+  std::condition_variable grace_cv;
+  bool shut = false;
+  std::thread grace([&] {
+    std::unique_lock<std::mutex> lock(grace_mu);
+    if (!grace_cv.wait_for(lock, std::chrono::milliseconds(flags.shutdown_grace_ms),
+                           [&] { return shut; }))
+      service.FailParkedShards();
+  });
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(flags.shutdown_grace_ms));
   server->Wait();
+  {
+    std::lock_guard<std::mutex> lock(grace_mu);
+    shut = true;
+  }
+  grace_cv.notify_all();
+  grace.join();
   {
     std::lock_guard<std::mutex> lock(mu);
     stopping = true;

@@ -88,4 +88,11 @@ std::vector<uint64_t> ShardGather::Stale(Clock::duration idle) const {
   return out;
 }
 
+std::vector<uint64_t> ShardGather::Steps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> out;
+  for (const auto& [step, e] : steps_) out.push_back(step);
+  return out;
+}
+
 }  // namespace attnd

@@ -40,6 +40,8 @@ class ShardGather {
   void Forget(uint64_t step);
   // Sharded steps with a part parked longer than `idle` (some shard never came).
   std::vector<uint64_t> Stale(Clock::duration idle) const;
+  // Every registered step.
+  std::vector<uint64_t> Steps() const;
 
  private:
   struct Entry {

@@ -29,11 +29,12 @@ absl::Status ShmRegistry::Register(const std::string& name, const std::string& k
   if (fd < 0)
     return absl::NotFoundError(
         absl::StrCat("shared memory '", key, "': shm_open: ", std::strerror(errno)));
-  struct stat st;
-  if (fstat(fd, &st) != 0 || offset + byte_size > st.st_size) {
+  struct stat st {};
+  // Written so that no sum can overflow, whatever the client sends.
+  if (fstat(fd, &st) != 0 || offset > st.st_size || byte_size > st.st_size - offset) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("shared memory '", key, "': [", offset, ", ",
-                                                   offset + byte_size, ") beyond its ",
+    return absl::InvalidArgumentError(absl::StrCat("shared memory '", key, "': offset ", offset,
+                                                   " + ", byte_size, " bytes beyond its ",
                                                    static_cast<int64_t>(st.st_size), " bytes"));
   }
   // mmap wants a page-aligned offset: map from the page holding `offset`.

@@ -155,6 +155,36 @@ TEST(EngineState, IdleStepsExpireAndAbort) {
   EXPECT_EQ(h.engine().steps_aborted(), 1);
 }
 
+// A layer sent while another layer of the same step runs is an error and, like every error, aborts
+// the step: the running layer reports the abort and nothing changes.
+TEST(EngineState, ALayerSentWhileOneRunsAbortsTheStep) {
+  Harness h(Options(1024));
+  Populate(h);
+  const Snapshot before = Take(h.engine(), kIds);
+  const std::vector<StepEntry> batch = {{"b", 4000}};  // a slow layer 0
+  const auto in = h.MakeInputs(batch, DType::kF32, 30);
+  std::vector<uint8_t> out(4000 * 4 * 32 * 4);
+  bool overlapped = false;
+  for (int attempt = 0; attempt < 10 && !overlapped; ++attempt) {
+    auto step = h.engine().BeginStep(batch);
+    ASSERT_TRUE(step.ok());
+    absl::Status first;
+    std::thread t(
+        [&] { first = h.engine().RunLayer(*step, 0, in[0].inputs(), out.data(), out.size()); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    const absl::Status second =
+        h.engine().RunLayer(*step, 2, in[2].inputs(), out.data(), out.size());
+    t.join();
+    EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition) << second;
+    if (second.message().find("already running") != std::string::npos) {
+      overlapped = true;
+      EXPECT_EQ(first.code(), absl::StatusCode::kCancelled) << first;
+    }
+    EXPECT_TRUE(Take(h.engine(), kIds) == before) << "attempt " << attempt;
+  }
+  EXPECT_TRUE(overlapped) << "layer 0 never seen running";
+}
+
 // Each bad input: its status code, a message naming what was wrong, and no change.
 TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
   Harness h(Options());

@@ -521,6 +521,44 @@ TEST_F(ServiceTest, ShardedStepsGatherHeadsAndEqualAnUnshardedStep) {
   EXPECT_TRUE(client_->CloseSequence("sh-b").ok());
 }
 
+// An error on the last layer of a sharded step (here shard 1's output reference) commits nothing.
+TEST_F(ServiceTest, ShardedStepFailingOnItsLastLayerLeavesTheSequenceAsBefore) {
+  const int S = 2;
+  Open("sh-last");
+  auto g0 = client::GenerateStep(spec_, 5, DType::kBF16, false, rng_);
+  ASSERT_TRUE(RunStep(nullptr, {{"sh-last", 5}}, g0).ok());
+  Commit({{"sh-last", 5}}, g0);
+  const int64_t before = Length("sh-last");
+  auto g = client::GenerateStep(spec_, 3, DType::kBF16, false, rng_);
+  auto b = client_->BeginStep({{"sh-last", 3}}, false, S);
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<absl::Status> status(S);
+  std::vector<std::thread> shards;
+  for (int k = 0; k < S; ++k) {
+    shards.emplace_back([&, k] {
+      auto cl = Client::Connect(server_->target());
+      for (size_t l = 0; l < g.size(); ++l) {
+        v1::LayerInputs in = ShardOf(g[l].wire, S, k);
+        if (k == 1 && l + 1 == g.size()) in.mutable_out_shm()->set_byte_size(3);
+        status[k] = cl->AttendLayer(b->step_id(), in).status();
+        if (!status[k].ok()) return;
+      }
+    });
+  }
+  for (auto& t : shards) t.join();
+  for (int k = 0; k < S; ++k)
+    EXPECT_EQ(status[k].code(), absl::StatusCode::kInvalidArgument) << "shard " << k << status[k];
+  EXPECT_NE(status[1].message().find("out_shm: byte_size 3"), std::string::npos) << status[1];
+  EXPECT_EQ(Length("sh-last"), before);
+  EXPECT_FALSE(client_->DescribeSequence("sh-last")->in_step());
+  // The sequence goes on as if the failed step never happened.
+  auto out = RunStep(nullptr, {{"sh-last", 3}}, g);
+  ASSERT_TRUE(out.ok()) << out.status();
+  Commit({{"sh-last", 3}}, g);
+  Check({{"sh-last", 3}}, g, *out);
+  EXPECT_TRUE(client_->CloseSequence("sh-last").ok());
+}
+
 // Moves every tensor of a layer message into `mem` (from *offset on) and points the message at
 // it, with the output into the region too.
 v1::LayerInputs ToShm(const v1::LayerInputs& in, client::SharedMemory& mem,
@@ -554,6 +592,8 @@ TEST_F(ServiceTest, SharedMemoryTensorsGiveTheSameResultsAsBytes) {
   EXPECT_EQ(client_->RegisterSharedMemory("nokey", "/attnd-no-such-object", 0, 16).code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->RegisterSharedMemory("toolong", key, 0, 16 << 20).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->RegisterSharedMemory("overflow", key, INT64_MAX - 8, 16).code(),
             absl::StatusCode::kInvalidArgument);
   Open("shm-a");
   Open("shm-b");
@@ -649,6 +689,28 @@ TEST_F(ServiceTest, HandOffMovesASequenceToAnotherServerExactly) {
   EXPECT_EQ(other.Stop(), 0);
   EXPECT_TRUE(client_->CloseSequence("ho").ok());
   EXPECT_TRUE(client_->CloseSequence("ho-twin").ok());
+}
+
+TEST_F(ServiceTest, ShutdownAnswersAShardThatWaitsForAnotherShard) {
+  // No idle expiry: only the shutdown grace period can answer the waiting shard.
+  auto other = std::make_unique<ServerProcess>(
+      ATTND_BINARY,
+      std::vector<std::string>{"--model=tiny", "--kv-pages=64", "--threads=1", "--metrics-port=0",
+                               "--step-idle-timeout-ms=0", "--shutdown-grace-ms=300"});
+  auto c = Client::Connect(other->target());
+  ASSERT_TRUE(c->OpenSequence("wait").ok());
+  auto b = c->BeginStep({{"wait", 1}}, false, 2);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto g = client::GenerateStep(spec_, 1, DType::kBF16, false, rng_);
+  absl::Status parked;
+  std::thread shard0(
+      [&] { parked = c->AttendLayer(b->step_id(), ShardOf(g[0].wire, 2, 0)).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(other->Stop(), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  shard0.join();
+  EXPECT_FALSE(parked.ok());
 }
 
 TEST_F(ServiceTest, ServerInfoDescribesModelAndCapacity) {
