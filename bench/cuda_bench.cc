@@ -237,10 +237,14 @@ int main(int argc, char** argv) {
     mp.sel_count = Upload(cnt);
     mp.sel_stride = K;
     mp.out = out;
-    const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
     const double bytes = double(B) * K * D * 2;  // the selected latent rows
-    Report("sparse MLA decode", "B=64 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K", ms,
-           bytes / 1e9, "GB/s", copy_bw / 1e9);
+    const std::string shape = "B=64 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
+    for (bool tc : {false, true}) {
+      mp.tensor_cores = tc;
+      const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
+      Report(tc ? "sparse MLA decode (mma)" : "sparse MLA decode", shape, ms, bytes / 1e9, "GB/s",
+             copy_bw / 1e9);
+    }
     CHECK(cudaFree(kv.data));
   }
   // ---- a 4K-token prefill layer: dense causal MLA, 128 heads ----
@@ -266,10 +270,14 @@ int main(int argc, char** argv) {
     mp.kv = kv.view();
     mp.tables = DeviceTables{Upload(kv.tables), Upload(table_off), Upload(pos), 64};
     mp.out = out;
-    const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); }, 3);
     const double flops = double(T) * (T + 1) / 2 * H * (D + L) * 2;
-    // The fraction of the bf16 matmul rate is filled in by bench/gpu_report.py.
-    Report("prefill MLA (dense causal)", "T=4096 H=128", ms, flops / 1e12, "TFLOP/s", 0);
+    for (bool tc : {false, true}) {
+      mp.tensor_cores = tc;
+      const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); }, 3);
+      // The fraction of the bf16 matmul rate is filled in by bench/gpu_report.py.
+      Report(tc ? "prefill MLA (mma)" : "prefill MLA (dense causal)", "T=4096 H=128", ms,
+             flops / 1e12, "TFLOP/s", 0);
+    }
   }
   std::printf("\n%-28s %-28s %10s %12s %8s\n", "op", "shape", "time", "rate", "of limit");
   for (const Row& r : rows)

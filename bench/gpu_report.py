@@ -26,8 +26,11 @@ def main():
             pass
 
     def torch_ms(row):
+        op = row["op"].replace(" (mma)", "")
+        if op == "prefill MLA":
+            op = "prefill MLA (dense causal)"
         for r in torch_rows:
-            if r["op"] == row["op"] and ("shape_ctx" not in r or f"ctx={r['shape_ctx'] // 1024}K" in row["shape"]):
+            if r["op"] == op and ("shape_ctx" not in r or f"ctx={r['shape_ctx'] // 1024}K" in row["shape"]):
                 return r["torch_ms"]
         return None
 

@@ -23,6 +23,11 @@ echo "== parity tests"
 timeout 300 "$BUNDLE/cuda_test" --gtest_output="xml:$OUT/cuda_test.xml" 2>&1 | tee "$OUT/cuda_test.log" | \
   grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|error' | head -60
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== parity tests with the tensor-core MLA kernel (ATTND_CUDA_MLA=mma; not yet the default)"
+ATTND_CUDA_MLA=mma timeout 300 "$BUNDLE/cuda_test" --gtest_filter='*BF16*:Cuda.*' \
+  --gtest_output="xml:$OUT/cuda_test_mma.xml" 2>&1 | tee "$OUT/cuda_test_mma.log" | \
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure' | head -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || echo "gpu-check: the tensor-core MLA kernel fails parity (see $OUT/cuda_test_mma.log)"
 if command -v compute-sanitizer >/dev/null 2>&1; then
   echo "== compute-sanitizer (memcheck) on one parity case"
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$BUNDLE/cuda_test" \

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -23,6 +24,16 @@ namespace {
   } while (0)
 
 int Code(DType t) { return t == DType::kF32 ? 0 : t == DType::kBF16 ? 1 : 2; }
+
+// ATTND_CUDA_MLA=mma selects the bf16 tensor-core MLA kernel for bf16 requests; the SIMT kernel
+// stays the default until the tensor-core one has passed the parity tests on a GPU.
+bool TensorCoreMla() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTND_CUDA_MLA");
+    return v != nullptr && std::string(v) == "mma";
+  }();
+  return on;
+}
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {
@@ -448,6 +459,8 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
     mp.sel_stride = st.sel_cap;
   }
   mp.out = s.out_f32.as<float>();
+  mp.tensor_cores = TensorCoreMla() && in.q_latent.dtype == DType::kBF16 &&
+                    in.q_rope.dtype == DType::kBF16;
   CUDA_RETURN(LaunchMla(mp, s.stream));
   // 4. Output rows back in the request's dtype.
   const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * L * es;

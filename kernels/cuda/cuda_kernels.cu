@@ -354,6 +354,163 @@ __global__ void MlaKernel(MlaParams p) {
   }
 }
 
+
+// ---- MLA on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) ----
+// grid (queries, heads / 16), 8 warps. Per tile of 64 keys: S[16 heads][64 keys] = Q·K^T, each
+// warp 8 keys (D/16 k-steps); online softmax by 16 threads; O[16][L] += P·V, each warp L/8
+// columns. Shared: Q [16][D+8] bf16 | K [64][D+8] bf16 | P [16][64+8] bf16 | S [16][64] f32 |
+// m, l, corr [16] f32. Row pads of 8 bf16 keep the 32-bit fragment loads off one bank.
+constexpr int kMmaKeys = 64;
+
+__device__ __forceinline__ void Mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t Pair(const __nv_bfloat16* p) {  // p[0] low, p[1] high
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+__device__ __forceinline__ uint32_t Pack(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+
+__global__ void MlaMmaKernel(MlaParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int L = p.latent, D = p.latent + p.rope, DP = D + 8, PP = kMmaKeys + 8;
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  __nv_bfloat16* ks = qs + 16 * DP;
+  __nv_bfloat16* ps = ks + kMmaKeys * DP;
+  float* sf = reinterpret_cast<float*>(ps + 16 * PP);
+  float* m = sf + 16 * kMmaKeys;
+  float* l = m + 16;
+  float* corr = l + 16;
+  const int q = blockIdx.x, h0 = blockIdx.y * 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // fragment group and thread in group
+  for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+    const int h = i / D, d = i % D;
+    const int64_t head = int64_t{q} * p.heads + h0 + h;
+    qs[h * DP + d] = __float2bfloat16_rn(d < L ? p.q_latent[head * L + d]
+                                                : p.q_rope[head * p.rope + (d - L)]);
+  }
+  if (threadIdx.x < 16) {
+    m[threadIdx.x] = -INFINITY;
+    l[threadIdx.x] = 0.0f;
+  }
+  const int cols = L / 8;  // output columns per warp
+  const int ntiles = cols / 8;
+  float acc[8][4];  // up to 8 n-tiles of 8 columns (L <= 512)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  const int64_t pos = p.tables.pos[q];
+  const bool range = p.sel == nullptr || (p.use_range && p.use_range[q]);
+  int64_t begin = 0, total = 0;
+  if (range) {
+    begin = p.window > 0 ? max(static_cast<int64_t>(0), pos + 1 - p.window) : 0;
+    total = pos + 1 - begin;
+  } else {
+    total = p.sel_count[q];
+  }
+  const int32_t* sel = range ? nullptr : p.sel + q * p.sel_stride;
+  __syncthreads();
+  for (int64_t t0 = 0; t0 < total; t0 += kMmaKeys) {
+    const int nk = static_cast<int>(min(static_cast<int64_t>(kMmaKeys), total - t0));
+    // 1. Key rows into shared memory, 16 bytes at a time (D % 8 == 0).
+    const int chunks = D / 8;
+    for (int i = threadIdx.x; i < kMmaKeys * chunks; i += blockDim.x) {
+      const int j = i / chunks, c = i % chunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (j < nk) {
+        const int64_t key = range ? begin + t0 + j : sel[t0 + j];
+        v = reinterpret_cast<const uint4*>(Row(p.kv, p.tables, q, key))[c];
+      }
+      *reinterpret_cast<uint4*>(ks + j * DP + c * 8) = v;
+    }
+    __syncthreads();
+    // 2. Scores: warp w takes keys [8w, 8w + 8).
+    {
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const __nv_bfloat16* krow = ks + (warp * 8 + g) * DP;
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        const uint32_t a0 = Pair(qs + g * DP + k0 + 2 * t);
+        const uint32_t a1 = Pair(qs + (g + 8) * DP + k0 + 2 * t);
+        const uint32_t a2 = Pair(qs + g * DP + k0 + 8 + 2 * t);
+        const uint32_t a3 = Pair(qs + (g + 8) * DP + k0 + 8 + 2 * t);
+        Mma16816(c, a0, a1, a2, a3, Pair(krow + k0 + 2 * t), Pair(krow + k0 + 8 + 2 * t));
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int h = g + (i >= 2 ? 8 : 0), j = warp * 8 + 2 * t + (i & 1);
+        float x = c[i] * p.sm_scale;
+        if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
+        sf[h * kMmaKeys + j] = j < nk ? x : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // 3. Online softmax, one thread per head; probabilities to bf16 for the P·V product.
+    if (threadIdx.x < 16) {
+      const int h = threadIdx.x;
+      float mx = m[h];
+      for (int j = 0; j < nk; ++j) mx = fmaxf(mx, sf[h * kMmaKeys + j]);
+      const float cr = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mx);
+      float sum = 0.0f;
+      for (int j = 0; j < kMmaKeys; ++j) {
+        const __nv_bfloat16 e =
+            __float2bfloat16_rn(j < nk ? __expf(sf[h * kMmaKeys + j] - mx) : 0.0f);
+        ps[h * PP + j] = e;
+        sum += __bfloat162float(e);  // the denominator sums what the numerator uses
+      }
+      l[h] = l[h] * cr + sum;
+      m[h] = mx;
+      corr[h] = cr;
+    }
+    __syncthreads();
+    // 4. O += P·V: warp w owns columns [w * cols, (w + 1) * cols), n-tiles of 8.
+    const float c_lo = corr[g], c_hi = corr[g + 8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt >= ntiles) break;
+      acc[nt][0] *= c_lo;
+      acc[nt][1] *= c_lo;
+      acc[nt][2] *= c_hi;
+      acc[nt][3] *= c_hi;
+    }
+    for (int k0 = 0; k0 < kMmaKeys; k0 += 16) {
+      const uint32_t a0 = Pair(ps + g * PP + k0 + 2 * t);
+      const uint32_t a1 = Pair(ps + (g + 8) * PP + k0 + 2 * t);
+      const uint32_t a2 = Pair(ps + g * PP + k0 + 8 + 2 * t);
+      const uint32_t a3 = Pair(ps + (g + 8) * PP + k0 + 8 + 2 * t);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt >= ntiles) break;
+        const int col = warp * cols + nt * 8 + g;  // B's n index is the group
+        const __nv_bfloat16* v = ks + col;
+        const uint32_t b0 = Pack(v[(k0 + 2 * t) * DP], v[(k0 + 2 * t + 1) * DP]);
+        const uint32_t b1 = Pack(v[(k0 + 8 + 2 * t) * DP], v[(k0 + 9 + 2 * t) * DP]);
+        Mma16816(acc[nt], a0, a1, a2, a3, b0, b1);
+      }
+    }
+    __syncthreads();
+  }
+  const float inv_lo = l[g] > 0 ? 1.0f / l[g] : 0.0f, inv_hi = l[g + 8] > 0 ? 1.0f / l[g + 8] : 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    if (nt >= ntiles) break;
+    const int col = warp * cols + nt * 8 + 2 * t;
+    float* lo = p.out + (int64_t{q} * p.heads + h0 + g) * L + col;
+    float* hi = p.out + (int64_t{q} * p.heads + h0 + g + 8) * L + col;
+    lo[0] = acc[nt][0] * inv_lo;
+    lo[1] = acc[nt][1] * inv_lo;
+    hi[0] = acc[nt][2] * inv_hi;
+    hi[1] = acc[nt][3] * inv_hi;
+  }
+}
+
 int Blocks(int64_t n) {
   return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
@@ -450,8 +607,24 @@ cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+bool MlaUsesTensorCores(const MlaParams& p) {
+  const int D = p.latent + p.rope;
+  return p.tensor_cores && p.kv.dtype == 1 && p.heads % 16 == 0 && p.latent % 64 == 0 &&
+         p.latent <= 512 && D % 16 == 0 && p.kv.row_stride % 16 == 0;
+}
+
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
+  if (MlaUsesTensorCores(p)) {
+    const int D = p.latent + p.rope;
+    const size_t smem = 2 * (16 * (D + 8) + kMmaKeys * (D + 8) + 16 * (kMmaKeys + 8)) +
+                        4 * (16 * kMmaKeys + 3 * 16);
+    cudaError_t e = cudaFuncSetAttribute(
+        MlaMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    MlaMmaKernel<<<dim3(p.n, p.heads / 16), kThreads, smem, s>>>(p);
+    return cudaGetLastError();
+  }
   if (p.latent > kThreads * kMlaDimsPerThread) return cudaErrorInvalidValue;
   const int D = p.latent + p.rope;
   const size_t smem = sizeof(float) * (kMlaHeads * (D + 1) + kMlaTile * (D + 1) +

@@ -135,7 +135,13 @@ struct MlaParams {
   int64_t sel_stride = 0;
   int window = 0;        // range mode: keys in (pos - window, pos]; 0 = all
   float* out = nullptr;  // [n, H, L]
+  // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q and the probabilities to
+  // bf16, so it is meant for bf16 requests; it needs a bf16 cache, heads % 16 == 0,
+  // latent % 64 == 0 and (latent + rope) % 16 == 0, and otherwise the SIMT kernel runs.
+  bool tensor_cores = false;
 };
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
+// Whether LaunchMla would take the tensor-core kernel for `p`.
+bool MlaUsesTensorCores(const MlaParams& p);
 
 }  // namespace attnd::cuda
