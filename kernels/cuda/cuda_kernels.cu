@@ -354,7 +354,6 @@ __global__ void MlaKernel(MlaParams p) {
   }
 }
 
-
 // ---- MLA on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) ----
 // grid (queries, heads / 16), 8 warps. Per tile of 64 keys: S[16 heads][64 keys] = Q·K^T, each
 // warp 8 keys (D/16 k-steps); online softmax by 16 threads; O[16][L] += P·V, each warp L/8
@@ -396,8 +395,8 @@ __global__ void MlaMmaKernel(MlaParams p) {
   for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
     const int64_t head = int64_t{q} * p.heads + h0 + h;
-    qs[h * DP + d] = __float2bfloat16_rn(d < L ? p.q_latent[head * L + d]
-                                                : p.q_rope[head * p.rope + (d - L)]);
+    qs[h * DP + d] =
+        __float2bfloat16_rn(d < L ? p.q_latent[head * L + d] : p.q_rope[head * p.rope + (d - L)]);
   }
   if (threadIdx.x < 16) {
     m[threadIdx.x] = -INFINITY;
@@ -497,7 +496,8 @@ __global__ void MlaMmaKernel(MlaParams p) {
     }
     __syncthreads();
   }
-  const float inv_lo = l[g] > 0 ? 1.0f / l[g] : 0.0f, inv_hi = l[g + 8] > 0 ? 1.0f / l[g + 8] : 0.0f;
+  const float inv_lo = l[g] > 0 ? 1.0f / l[g] : 0.0f,
+              inv_hi = l[g + 8] > 0 ? 1.0f / l[g + 8] : 0.0f;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     if (nt >= ntiles) break;
@@ -610,7 +610,9 @@ cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s) {
 bool MlaUsesTensorCores(const MlaParams& p) {
   const int D = p.latent + p.rope;
   return p.tensor_cores && p.kv.dtype == 1 && p.heads % 16 == 0 && p.latent % 64 == 0 &&
-         p.latent <= 512 && D % 16 == 0 && p.kv.row_stride % 16 == 0;
+         p.latent <= 512 && D % 16 == 0 && p.kv.row_stride % 16 == 0 &&
+         p.kv.page_stride % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.kv.base) % 16 == 0;  // uint4 rows
 }
 
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
@@ -619,8 +621,8 @@ cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
     const int D = p.latent + p.rope;
     const size_t smem = 2 * (16 * (D + 8) + kMmaKeys * (D + 8) + 16 * (kMmaKeys + 8)) +
                         4 * (16 * kMmaKeys + 3 * 16);
-    cudaError_t e = cudaFuncSetAttribute(
-        MlaMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    cudaError_t e = cudaFuncSetAttribute(MlaMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
     if (e != cudaSuccess) return e;
     MlaMmaKernel<<<dim3(p.n, p.heads / 16), kThreads, smem, s>>>(p);
     return cudaGetLastError();

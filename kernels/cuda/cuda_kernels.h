@@ -137,7 +137,8 @@ struct MlaParams {
   float* out = nullptr;  // [n, H, L]
   // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q and the probabilities to
   // bf16, so it is meant for bf16 requests; it needs a bf16 cache, heads % 16 == 0,
-  // latent % 64 == 0 and (latent + rope) % 16 == 0, and otherwise the SIMT kernel runs.
+  // latent % 64 == 0 and <= 512, (latent + rope) % 16 == 0 and 16-byte aligned cache rows
+  // (base, page and row strides); otherwise the SIMT kernel runs.
   bool tensor_cores = false;
 };
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
