@@ -25,6 +25,11 @@ int ModelSpec::FullSlot(int layer) const {
   return slot;
 }
 
+int64_t FirstVisibleKey(const ModelSpec& spec, LayerKind kind, int64_t pos) {
+  if (kind != LayerKind::kDense || spec.sliding_window <= 0) return 0;
+  return std::max<int64_t>(0, pos + 1 - spec.sliding_window);
+}
+
 absl::string_view LayerKindName(LayerKind k) {
   switch (k) {
     case LayerKind::kFull:

@@ -69,6 +69,10 @@ std::vector<std::string> PresetModelNames();
 // sliding_window, soft_cap; "base": a preset the others override.
 absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view json);
 
+// The first key a query at `pos` sees when it attends a contiguous range on a layer of `kind`:
+// pos + 1 - sliding_window on dense layers with a window, else 0.
+int64_t FirstVisibleKey(const ModelSpec& spec, LayerKind kind, int64_t pos);
+
 absl::string_view LayerKindName(LayerKind k);
 std::string SelectionModeName(const ModelSpec& spec);  // "token", "page_union", "page_budget:8"
 absl::string_view PrefillModeName(PrefillMode m);

@@ -347,9 +347,7 @@ void Engine::Impl::Attend(Step& st, int layer, DType out_dtype, uint8_t* out) {
   // each converted key tile (prefill).
   auto range_of = [&](int64_t t) {
     const int64_t pos = st.tok_pos[t];
-    const int64_t lo =
-        dense && s.sliding_window > 0 ? std::max<int64_t>(0, pos + 1 - s.sliding_window) : 0;
-    return std::make_pair(lo, pos + 1);
+    return std::make_pair(FirstVisibleKey(s, s.layers[layer], pos), pos + 1);
   };
   auto is_range = [&](int64_t t) { return dense || st.select_all[t]; };
   std::vector<std::pair<int64_t, int>> units;  // (index into cpu_tokens, queries)
@@ -515,10 +513,8 @@ absl::Status Engine::Impl::ComputeCpu(Step& st, int layer, const LayerInputs& in
       const int64_t pos = st.tok_pos[t];
       auto& k = trace->keys[t];
       if (kind == LayerKind::kDense || st.select_all[t]) {
-        const int64_t lo = kind == LayerKind::kDense && s.sliding_window > 0
-                               ? std::max<int64_t>(0, pos + 1 - s.sliding_window)
-                               : 0;
-        for (int64_t j = lo; j <= pos; ++j) k.push_back(static_cast<int32_t>(j));
+        for (int64_t j = FirstVisibleKey(s, kind, pos); j <= pos; ++j)
+          k.push_back(static_cast<int32_t>(j));
       } else {
         k = st.selected[t];
       }

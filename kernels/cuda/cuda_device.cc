@@ -459,8 +459,8 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
     mp.sel_stride = st.sel_cap;
   }
   mp.out = s.out_f32.as<float>();
-  mp.tensor_cores = TensorCoreMla() && in.q_latent.dtype == DType::kBF16 &&
-                    in.q_rope.dtype == DType::kBF16;
+  mp.tensor_cores =
+      TensorCoreMla() && in.q_latent.dtype == DType::kBF16 && in.q_rope.dtype == DType::kBF16;
   CUDA_RETURN(LaunchMla(mp, s.stream));
   // 4. Output rows back in the request's dtype.
   const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * L * es;
@@ -482,10 +482,8 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
       auto& k = (*call.trace)[st.plan.rows[i]];
       k.clear();
       if (kind == LayerKind::kDense || st.use_range_host[i]) {
-        const int64_t lo = kind == LayerKind::kDense && sp.sliding_window > 0
-                               ? std::max<int64_t>(0, st.plan.pos[i] + 1 - sp.sliding_window)
-                               : 0;
-        for (int64_t j = lo; j <= st.plan.pos[i]; ++j) k.push_back(static_cast<int32_t>(j));
+        for (int64_t j = FirstVisibleKey(sp, kind, st.plan.pos[i]); j <= st.plan.pos[i]; ++j)
+          k.push_back(static_cast<int32_t>(j));
       } else {
         k.assign(sel.begin() + i * st.sel_cap, sel.begin() + i * st.sel_cap + count[i]);
       }

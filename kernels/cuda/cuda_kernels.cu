@@ -248,6 +248,22 @@ __global__ void ExpandKernel(ExpandParams p) {
                                              (n - int64_t{own} * p.page_size));
 }
 
+// The keys query q attends: a contiguous range [begin, pos] (dense layers, or a selection that
+// covers every visible key) or the explicit selected positions.
+struct KeySet {
+  const int32_t* sel;  // null in range mode
+  int64_t begin, total;
+  __device__ int64_t At(int64_t i) const { return sel ? sel[i] : begin + i; }
+};
+__device__ __forceinline__ KeySet KeysOf(const MlaParams& p, int q) {
+  const int64_t pos = p.tables.pos[q];
+  if (p.sel == nullptr || (p.use_range && p.use_range[q])) {
+    const int64_t begin = p.window > 0 ? max(static_cast<int64_t>(0), pos + 1 - p.window) : 0;
+    return {nullptr, begin, pos + 1 - begin};
+  }
+  return {p.sel + q * p.sel_stride, 0, p.sel_count[q]};
+}
+
 // grid (queries, head groups). Shared: q [HB, D+1] | keys [kMlaTile, D+1] | s [HB, kMlaTile] |
 // m, l, corr [HB].
 constexpr int kMlaTile = 32;
@@ -278,16 +294,8 @@ __global__ void MlaKernel(MlaParams p) {
   float acc[kMlaHeads][kMlaDimsPerThread];
   for (int h = 0; h < kMlaHeads; ++h)
     for (int i = 0; i < kMlaDimsPerThread; ++i) acc[h][i] = 0.0f;
-  const int64_t pos = p.tables.pos[q];
-  const bool range = p.sel == nullptr || (p.use_range && p.use_range[q]);
-  int64_t begin = 0, total = 0;
-  if (range) {
-    begin = p.window > 0 ? max(static_cast<int64_t>(0), pos + 1 - p.window) : 0;
-    total = pos + 1 - begin;
-  } else {
-    total = p.sel_count[q];
-  }
-  const int32_t* sel = range ? nullptr : p.sel + q * p.sel_stride;
+  const KeySet keys = KeysOf(p, q);
+  const int64_t total = keys.total;
   __syncthreads();
   for (int64_t t0 = 0; t0 < total; t0 += kMlaTile) {
     const int nk = static_cast<int>(min(static_cast<int64_t>(kMlaTile), total - t0));
@@ -295,8 +303,7 @@ __global__ void MlaKernel(MlaParams p) {
       const int j = i / D, d = i % D;
       float v = 0.0f;
       if (j < nk) {
-        const int64_t key = range ? begin + t0 + j : sel[t0 + j];
-        v = Load(Row(p.kv, p.tables, q, key), p.kv.dtype, d);
+        v = Load(Row(p.kv, p.tables, q, keys.At(t0 + j)), p.kv.dtype, d);
       }
       ks[j * (D + 1) + d] = v;
     }
@@ -407,16 +414,8 @@ __global__ void MlaMmaKernel(MlaParams p) {
   float acc[8][4];  // up to 8 n-tiles of 8 columns (L <= 512)
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  const int64_t pos = p.tables.pos[q];
-  const bool range = p.sel == nullptr || (p.use_range && p.use_range[q]);
-  int64_t begin = 0, total = 0;
-  if (range) {
-    begin = p.window > 0 ? max(static_cast<int64_t>(0), pos + 1 - p.window) : 0;
-    total = pos + 1 - begin;
-  } else {
-    total = p.sel_count[q];
-  }
-  const int32_t* sel = range ? nullptr : p.sel + q * p.sel_stride;
+  const KeySet keys = KeysOf(p, q);
+  const int64_t total = keys.total;
   __syncthreads();
   for (int64_t t0 = 0; t0 < total; t0 += kMmaKeys) {
     const int nk = static_cast<int>(min(static_cast<int64_t>(kMmaKeys), total - t0));
@@ -426,8 +425,7 @@ __global__ void MlaMmaKernel(MlaParams p) {
       const int j = i / chunks, c = i % chunks;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (j < nk) {
-        const int64_t key = range ? begin + t0 + j : sel[t0 + j];
-        v = reinterpret_cast<const uint4*>(Row(p.kv, p.tables, q, key))[c];
+        v = reinterpret_cast<const uint4*>(Row(p.kv, p.tables, q, keys.At(t0 + j)))[c];
       }
       *reinterpret_cast<uint4*>(ks + j * DP + c * 8) = v;
     }
