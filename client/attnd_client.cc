@@ -1,5 +1,8 @@
 #include "client/attnd_client.h"
 
+#include <chrono>
+#include <thread>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -196,7 +199,7 @@ std::unique_ptr<StepStream> Client::OpenStream() {
   return std::unique_ptr<StepStream>(new StepStream(stub_.get()));
 }
 
-StepStream::StepStream(v1::Attention::Stub* stub) : rw_(stub->Step(&ctx_)) {}
+StepStream::StepStream(v1::Attention::Stub* stub) : stub_(stub), rw_(stub->Step(&ctx_)) {}
 
 StepStream::~StepStream() {
   if (!closed_) {
@@ -224,6 +227,8 @@ absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool
   *req.mutable_begin() = MakeBegin(batch, write_only, num_shards);
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
+  open_ids_.clear();
+  for (const auto& e : batch) open_ids_.push_back(e.first);
   return std::move(*resp->mutable_begun());
 }
 
@@ -241,12 +246,14 @@ absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {
   *req.mutable_layer() = in;
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
+  if (resp->layer().committed()) open_ids_.clear();
   return std::move(*resp->mutable_layer());
 }
 
 absl::Status StepStream::Abort() {
   v1::StepRequest req;
   req.mutable_abort();
+  open_ids_.clear();  // the reply comes after the server released the step
   return RoundTrip(req).status();
 }
 
@@ -258,7 +265,30 @@ absl::Status StepStream::Close() {
   return error_;
 }
 
-void StepStream::Cancel() { ctx_.TryCancel(); }
+void StepStream::Cancel() {
+  ctx_.TryCancel();
+  if (!closed_) {
+    closed_ = true;
+    error_ = FromGrpc(rw_->Finish());
+    if (error_.ok()) error_ = absl::CancelledError("stream cancelled");
+  }
+  // The server aborts the open step when the cancel reaches it (a running layer finishes
+  // first). Wait, bounded, until it let go of the step's sequences, so the caller can begin a
+  // new step with them at once.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (const std::string& id : open_ids_) {
+    while (std::chrono::steady_clock::now() < deadline) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + (deadline - std::chrono::steady_clock::now()));
+      v1::DescribeSequenceRequest req;
+      req.set_sequence_id(id);
+      v1::SequenceInfo info;
+      if (!stub_->DescribeSequence(&ctx, req, &info).ok() || !info.in_step()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+  open_ids_.clear();
+}
 
 }  // namespace attnd::client
 

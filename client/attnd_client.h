@@ -114,7 +114,9 @@ class StepStream {
   absl::Status Abort();
   // Half-closes and returns the call's final status.
   absl::Status Close();
-  // Cancels the call (as a crashed client would): the server aborts any open step.
+  // Cancels the call (as a crashed client would): the server aborts any open step. Returns once
+  // the server has released the open step's sequences (bounded wait), so a new step may use
+  // them at once.
   void Cancel();
 
  private:
@@ -122,8 +124,10 @@ class StepStream {
   explicit StepStream(v1::Attention::Stub* stub);
   absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
 
+  v1::Attention::Stub* stub_;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> rw_;
+  std::vector<std::string> open_ids_;  // the open step's sequences
   absl::Status error_;
   bool closed_ = false;
 };

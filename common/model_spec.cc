@@ -30,6 +30,19 @@ int64_t FirstVisibleKey(const ModelSpec& spec, LayerKind kind, int64_t pos) {
   return std::max<int64_t>(0, pos + 1 - spec.sliding_window);
 }
 
+bool SelectsEveryVisibleKey(const ModelSpec& spec, int64_t visible) {
+  const int64_t pages = (visible + spec.page_size - 1) / spec.page_size;
+  switch (spec.selection) {
+    case SelectionMode::kToken:
+      return visible <= spec.index_topk;
+    case SelectionMode::kPageUnion:
+      return visible <= spec.index_topk && pages <= spec.page_union_max_pages;
+    case SelectionMode::kPageBudget:
+      return pages <= spec.page_budget;
+  }
+  return false;
+}
+
 absl::string_view LayerKindName(LayerKind k) {
   switch (k) {
     case LayerKind::kFull:

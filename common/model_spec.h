@@ -73,6 +73,12 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view json);
 // pos + 1 - sliding_window on dense layers with a window, else 0.
 int64_t FirstVisibleKey(const ModelSpec& spec, LayerKind kind, int64_t pos);
 
+// Whether a sparse (full or shared layer) query that sees `visible` keys selects every one of
+// them, so the indexer can be skipped: in token mode when visible <= K; in page_union mode when
+// also every visible page fits under page_union_max_pages; in page_budget mode when the visible
+// pages fit the budget. One rule for every backend.
+bool SelectsEveryVisibleKey(const ModelSpec& spec, int64_t visible);
+
 absl::string_view LayerKindName(LayerKind k);
 std::string SelectionModeName(const ModelSpec& spec);  // "token", "page_union", "page_budget:8"
 absl::string_view PrefillModeName(PrefillMode m);

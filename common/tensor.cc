@@ -1,5 +1,7 @@
 #include "common/tensor.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -48,6 +50,57 @@ absl::Status CheckTensor(const char* name, const TensorView& t,
   if (t.data == nullptr && bytes > 0)
     return absl::InvalidArgumentError(absl::StrCat(name, ": no data"));
   return absl::OkStatus();
+}
+
+namespace {
+
+// Index of the first element whose masked exponent bits are all ones (NaN or +-Inf); chunks of
+// 256 elements are OR-reduced first so the common all-finite case vectorises.
+template <typename U>
+int64_t FirstAllOnes(const void* data, int64_t n, U mask) {
+  const U* p = static_cast<const U*>(data);
+  constexpr int64_t kChunk = 256;
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t e = std::min(n, c + kChunk);
+    bool hit = false;
+    for (int64_t i = c; i < e; ++i) hit |= (p[i] & mask) == mask;
+    if (!hit) continue;
+    for (int64_t i = c; i < e; ++i)
+      if ((p[i] & mask) == mask) return i;
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t FirstNonFinite(const TensorView& t) {
+  if (!t.present || t.data == nullptr) return -1;
+  const int64_t n = t.num_elements();
+  switch (t.dtype) {
+    case DType::kF32:
+      return FirstAllOnes<uint32_t>(t.data, n, 0x7f800000u);
+    case DType::kBF16:
+      return FirstAllOnes<uint16_t>(t.data, n, 0x7f80u);
+    case DType::kF16:
+      return FirstAllOnes<uint16_t>(t.data, n, 0x7c00u);
+  }
+  return -1;
+}
+
+absl::Status CheckFinite(const char* name, const TensorView& t) {
+  int64_t i = FirstNonFinite(t);
+  if (i < 0) return absl::OkStatus();
+  const int64_t flat = i;
+  int64_t idx[TensorView::kMaxRank] = {0, 0, 0, 0};
+  for (int d = t.rank - 1; d >= 0; --d) {
+    if (t.dims[d] > 0) {
+      idx[d] = i % t.dims[d];
+      i /= t.dims[d];
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(name, ": non-finite value (NaN or Inf) at [",
+                                                 absl::StrJoin(idx, idx + t.rank, ", "),
+                                                 "] (element ", flat, ")"));
 }
 
 }  // namespace attnd

@@ -47,4 +47,11 @@ struct LayerInputs {
 absl::Status CheckTensor(const char* name, const TensorView& t,
                          std::initializer_list<int64_t> expected);
 
+// The flat index of the first NaN or infinite element of `t` (which CheckTensor accepted), or
+// -1 when every element is finite. Reads the bits (no conversion), so it is memory-bound.
+int64_t FirstNonFinite(const TensorView& t);
+
+// INVALID_ARGUMENT naming the tensor and the multi-index of its first non-finite element, or OK.
+absl::Status CheckFinite(const char* name, const TensorView& t);
+
 }  // namespace attnd

@@ -1,12 +1,17 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <new>
 #include <tuple>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/client_text.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/attention_cpu.h"
@@ -32,6 +37,8 @@ constexpr int64_t kScoreChunk = 8192;
 constexpr int kHeadGroup = 16;
 // Consecutive prefill queries sharing key tiles in one attention task.
 constexpr int kQueryBlock = 8;
+// Ended steps whose fate a late layer message is told (CANCELLED, DEADLINE_EXCEEDED, ...).
+constexpr size_t kRememberedFates = 8192;
 
 // One device's pool and caches: host memory for cpu:N, device memory (held by `gpu`) for
 // cuda:N, whose host-side KvCache is then an untouched, lazily mapped placeholder.
@@ -114,6 +121,7 @@ struct Engine::Impl {
   std::unique_ptr<ThreadPool> pool;
 
   mutable std::mutex mu;  // guards everything below
+  std::condition_variable step_ended;  // notified whenever a step commits or aborts
   std::vector<Device> devices;
 #ifdef ATTND_HAVE_CUDA
   // With two or more GPUs: NCCL communicators (rank per GPU device, -1 for CPU devices).
@@ -125,21 +133,34 @@ struct Engine::Impl {
   uint64_t next_step_id = 1;
   int64_t steps_aborted = 0;
   int64_t steps_committed = 0;
+  // What became of recently ended steps: the status a late message for one of them gets.
+  absl::flat_hash_map<uint64_t, absl::Status> fates;
+  std::deque<uint64_t> fate_order;
 
   // mu held.
+  void RememberFate(uint64_t id, absl::Status why) {
+    if (fates.insert_or_assign(id, std::move(why)).second) fate_order.push_back(id);
+    while (fate_order.size() > kRememberedFates) {
+      fates.erase(fate_order.front());
+      fate_order.pop_front();
+    }
+  }
   void EndGpuSteps(Step* step) {
 #ifdef ATTND_HAVE_CUDA
     for (int d : step->gpu_devices) devices[d].gpu->EndStep(step->id);
 #endif
   }
-  void AbortLocked(Step* step) {
+  // `why` is what a later message for this step is told (CANCELLED or DEADLINE_EXCEEDED).
+  void AbortLocked(Step* step, absl::Status why) {
     EndGpuSteps(step);
     for (StepSeq& s : step->seqs) {
       for (int32_t p : s.new_pages) devices[s.seq->device].pool.Unref(p);
       s.seq->step = 0;
     }
     ++steps_aborted;
+    RememberFate(step->id, std::move(why));
     steps.erase(step->id);
+    step_ended.notify_all();
   }
   void CommitLocked(Step* step) {
     EndGpuSteps(step);
@@ -149,8 +170,24 @@ struct Engine::Impl {
       s.seq->step = 0;
     }
     ++steps_committed;
+    RememberFate(step->id,
+                 absl::FailedPreconditionError(absl::StrCat(
+                     "step ", step->id, " already committed at its last layer; begin a new step")));
     steps.erase(step->id);
+    step_ended.notify_all();
   }
+  // The open step `id`, or the status its fate (or absence) gives. mu held.
+  absl::StatusOr<Step*> FindStep(uint64_t id) const {
+    auto it = steps.find(id);
+    if (it != steps.end()) return it->second.get();
+    auto f = fates.find(id);
+    if (f != fates.end()) return f->second;
+    return absl::NotFoundError(absl::StrCat("step ", id, " not found"));
+  }
+  absl::Status CheckNewId(const std::string& id) const;
+  // One attempt at BeginStep under mu; *wait_for is set to a conflicting step being aborted.
+  absl::StatusOr<uint64_t> TryBegin(const std::vector<StepEntry>& batch,
+                                    const StepOptions& options, uint64_t* wait_for);
 
   // A sequence's rows in one cache buffer of its device (a layer's latent rows or a full
   // layer's indexer rows).
@@ -180,6 +217,8 @@ struct Engine::Impl {
   void CopyPage(int from, int32_t src, int to, int32_t dst, int rows);
   absl::Status ValidateInputs(const Step& st, int layer, const LayerInputs& in,
                               size_t out_bytes) const;
+  absl::Status ValidateShapes(const Step& st, int layer, const LayerInputs& in,
+                              size_t out_bytes) const;
   void WriteKeys(Step& st, int layer, const LayerInputs& in);
   void Select(Step& st, int layer);
   void Attend(Step& st, int layer, DType out_dtype, uint8_t* out);
@@ -190,6 +229,18 @@ struct Engine::Impl {
 };
 
 absl::Status Engine::Impl::ValidateInputs(const Step& st, int layer, const LayerInputs& in,
+                                          size_t out_bytes) const {
+  RETURN_IF_ERROR(ValidateShapes(st, layer, in, out_bytes));
+  if (!options.limits.check_finite) return absl::OkStatus();
+  const std::pair<const char*, const TensorView*> all[] = {
+      {"q_latent", &in.q_latent}, {"q_rope", &in.q_rope},   {"kv_latent", &in.kv_latent},
+      {"k_rope", &in.k_rope},     {"index_q", &in.index_q}, {"index_k", &in.index_k},
+      {"index_w", &in.index_w}};
+  for (const auto& [name, t] : all) RETURN_IF_ERROR(CheckFinite(name, *t));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::ValidateShapes(const Step& st, int layer, const LayerInputs& in,
                                           size_t out_bytes) const {
   const ModelSpec& s = spec();
   const int64_t T = st.tokens;
@@ -265,10 +316,8 @@ void Engine::Impl::Select(Step& st, int layer) {
     bool all = false;
     if (s.prefill == PrefillMode::kDense && e.q_len > 1) {
       all = true;
-    } else if (s.selection == SelectionMode::kPageBudget) {
-      all = (n + s.page_size - 1) / s.page_size <= s.page_budget;
     } else {
-      all = n <= s.index_topk;
+      all = SelectsEveryVisibleKey(s, n);
     }
     st.select_all[t] = all;
     if (all) {
@@ -546,7 +595,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     if ((!gpu && name.rfind("cpu:", 0) != 0) ||
         !absl::SimpleAtoi(name.substr(gpu ? 5 : 4), &ordinal) || ordinal < 0)
       return absl::InvalidArgumentError(
-          absl::StrCat("device '", name, "': expected cpu:N or cuda:N"));
+          absl::StrCat("device ", Quote(name), ": expected cpu:N or cuda:N"));
     ASSIGN_OR_RETURN(KvCache cache, KvCache::Create(config));
     impl->devices.emplace_back(name, PagePool(config.num_pages), std::move(cache));
     if (gpu) {
@@ -555,7 +604,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
                        cuda::CudaDevice::Create(ordinal, options.spec, config));
 #else
       return absl::UnimplementedError(
-          absl::StrCat("device '", name, "': this build has no CUDA backend (nvcc not found)"));
+          absl::StrCat("device ", Quote(name), ": this build has no CUDA backend (nvcc not found)"));
 #endif
     }
   }
@@ -581,11 +630,26 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
 
-absl::Status Engine::OpenSequence(const std::string& id, int device) {
+absl::Status Engine::Impl::CheckNewId(const std::string& id) const {
   if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
+  if (id.size() > options.limits.max_id_bytes)
+    return absl::InvalidArgumentError(absl::StrCat("sequence id ", Quote(id), ": longer than ",
+                                                   options.limits.max_id_bytes,
+                                                   " bytes (--max-id-bytes)"));
+  if (sequences.contains(id))
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
+  if (static_cast<int64_t>(sequences.size()) >= options.limits.max_sequences)
+    return absl::ResourceExhaustedError(absl::StrCat("open sequences: the server holds its limit of ",
+                                                     options.limits.max_sequences,
+                                                     " (--max-sequences); close some first"));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::OpenSequence(const std::string& id, int device) {
   std::lock_guard<std::mutex> lock(impl_->mu);
+  RETURN_IF_ERROR(impl_->CheckNewId(id));
   if (impl_->sequences.contains(id))
-    return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   const int n = static_cast<int>(impl_->devices.size());
   if (device >= n)
     return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
@@ -690,17 +754,15 @@ void Engine::Impl::CopyPage(int from, int32_t src, int to, int32_t dst, int rows
 
 absl::Status Engine::ForkSequence(const std::string& id, const std::string& parent,
                                   int64_t prefix_len, int device) {
-  if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto pit = impl_->sequences.find(parent);
   if (pit == impl_->sequences.end())
-    return absl::NotFoundError(absl::StrCat("fork parent '", parent, "' not found"));
-  if (impl_->sequences.contains(id))
-    return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
+    return absl::NotFoundError(absl::StrCat("fork parent ", Quote(parent), " not found"));
+  RETURN_IF_ERROR(impl_->CheckNewId(id));
   const Sequence& par = *pit->second;
   if (prefix_len < 0 || prefix_len > par.length)
     return absl::OutOfRangeError(absl::StrCat("fork prefix_len ", prefix_len, " outside [0, ",
-                                              par.length, "] (parent '", parent, "' length)"));
+                                              par.length, "] (parent ", Quote(parent), " length)"));
   const int n = static_cast<int>(impl_->devices.size());
   if (device >= n)
     return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
@@ -738,7 +800,7 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const std::string& id, int la
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sequences.find(id);
   if (it == impl_->sequences.end())
-    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+    return absl::NotFoundError(absl::StrCat("sequence ", Quote(id), " not found"));
   const Sequence& seq = *it->second;
   const ModelSpec& s = impl_->spec();
   if (layer < 0 || layer >= s.num_layers())
@@ -746,7 +808,7 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const std::string& id, int la
         absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
   if (begin < 0 || end < begin || end > seq.length)
     return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
-                                              seq.length, " committed tokens of '", id, "'"));
+                                              seq.length, " committed tokens of ", Quote(id)));
   const Device& dev = impl_->devices[seq.device];
   const int slot = s.FullSlot(layer);
   const size_t es = DTypeSize(impl_->options.cache_dtype);
@@ -790,14 +852,14 @@ absl::Status Engine::MigrateSequence(const std::string& id, int device) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sequences.find(id);
   if (it == impl_->sequences.end())
-    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+    return absl::NotFoundError(absl::StrCat("sequence ", Quote(id), " not found"));
   Sequence& seq = *it->second;
   const int n = static_cast<int>(impl_->devices.size());
   if (device < 0 || device >= n)
     return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
   if (seq.step != 0)
     return absl::FailedPreconditionError(
-        absl::StrCat("sequence '", id, "' is in open step ", seq.step, "; migrate between steps"));
+        absl::StrCat("sequence ", Quote(id), " is in open step ", seq.step, "; migrate between steps"));
   if (device == seq.device) return absl::OkStatus();
   std::vector<int32_t> moved;
   if (!impl_->CopyToDevice(seq.pages, seq.length, seq.device, device, &moved))
@@ -817,11 +879,11 @@ absl::Status Engine::CloseSequence(const std::string& id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sequences.find(id);
   if (it == impl_->sequences.end())
-    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+    return absl::NotFoundError(absl::StrCat("sequence ", Quote(id), " not found"));
   Sequence& seq = *it->second;
   if (seq.step != 0)
     return absl::FailedPreconditionError(
-        absl::StrCat("sequence '", id, "' is in open step ", seq.step, "; abort it first"));
+        absl::StrCat("sequence ", Quote(id), " is in open step ", seq.step, "; abort it first"));
   Device& dev = impl_->devices[seq.device];
   for (int32_t p : seq.pages) dev.pool.Unref(p);
   --dev.sequences;
@@ -833,7 +895,7 @@ absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const std::string& id) con
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->sequences.find(id);
   if (it == impl_->sequences.end())
-    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+    return absl::NotFoundError(absl::StrCat("sequence ", Quote(id), " not found"));
   const Sequence& s = *it->second;
   return SequenceInfo{s.id, s.length, s.device, s.pages, s.step != 0};
 }
@@ -864,88 +926,135 @@ int64_t Engine::steps_aborted() const {
 
 absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
                                            const StepOptions& options) {
+  const EngineLimits& lim = impl_->options.limits;
   if (batch.empty()) return absl::InvalidArgumentError("step batch: empty");
-  const ModelSpec& spec = impl_->spec();
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (static_cast<int64_t>(batch.size()) > lim.max_batch_entries)
+    return absl::InvalidArgumentError(absl::StrCat("step batch: ", batch.size(),
+                                                   " entries, at most ", lim.max_batch_entries,
+                                                   " (--max-batch-entries)"));
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  const auto deadline = Clock::now() + lim.abort_wait;
+  for (;;) {
+    uint64_t wait_for = 0;
+    auto r = impl_->TryBegin(batch, options, &wait_for);
+    if (wait_for == 0) return r;
+    // A sequence is held by a step whose abort waits for its running layer: wait for it to end
+    // (a client that cancelled a step may retry at once), then validate again from scratch.
+    if (!impl_->step_ended.wait_until(lock, deadline,
+                                      [&] { return !impl_->steps.contains(wait_for); }))
+      return r;
+  }
+}
+
+absl::StatusOr<uint64_t> Engine::Impl::TryBegin(const std::vector<StepEntry>& batch,
+                                                const StepOptions& options, uint64_t* wait_for) {
+  const ModelSpec& spec = this->spec();
+  const EngineLimits& lim = this->options.limits;
   auto step = std::make_unique<Step>();
   step->options = options;
-  std::vector<int32_t> need(impl_->devices.size(), 0);
+  std::vector<int32_t> need(devices.size(), 0);
+  absl::flat_hash_set<const Sequence*> seen;
+  seen.reserve(batch.size());
+  step->seqs.reserve(batch.size());
+  int64_t tokens = 0;
+  // Every check before any state changes; every sum is bounded before it is formed.
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepEntry& e = batch[i];
-    if (e.q_len < 1)
-      return absl::InvalidArgumentError(absl::StrCat("step batch[", i, "] ('", e.sequence_id,
-                                                     "'): q_len ", e.q_len, " must be >= 1"));
-    auto it = impl_->sequences.find(e.sequence_id);
-    if (it == impl_->sequences.end())
+    auto it = sequences.find(e.sequence_id);
+    if (it == sequences.end())
       return absl::NotFoundError(
-          absl::StrCat("step batch[", i, "]: sequence '", e.sequence_id, "' not found"));
+          absl::StrCat("step batch[", i, "]: sequence ", Quote(e.sequence_id), " not found"));
     Sequence* seq = it->second.get();
-    for (const StepSeq& prev : step->seqs)
-      if (prev.seq == seq)
-        return absl::InvalidArgumentError(
-            absl::StrCat("step batch: sequence '", e.sequence_id, "' appears twice"));
-    if (seq->step != 0)
-      return absl::FailedPreconditionError(
-          absl::StrCat("sequence '", e.sequence_id, "' is already in open step ", seq->step));
-    const int64_t new_len = seq->length + e.q_len;
-    if (new_len > spec.max_context)
-      return absl::OutOfRangeError(absl::StrCat("sequence '", e.sequence_id, "': length ",
+    if (e.q_len < 1)
+      return absl::InvalidArgumentError(absl::StrCat("step batch[", i, "] (", Quote(seq->id),
+                                                     "): q_len ", e.q_len, " must be >= 1"));
+    // seq->length <= max_context always, so the subtraction cannot overflow.
+    if (e.q_len > spec.max_context - seq->length)
+      return absl::OutOfRangeError(absl::StrCat("sequence ", Quote(seq->id), ": length ",
                                                 seq->length, " + q_len ", e.q_len,
                                                 " exceeds max_context ", spec.max_context));
+    if (e.q_len > lim.max_step_tokens - tokens)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step batch[", i, "]: the step's tokens would exceed ", lim.max_step_tokens,
+          " (--max-step-tokens); split it into several steps"));
+    if (!seen.insert(seq).second)
+      return absl::InvalidArgumentError(
+          absl::StrCat("step batch: sequence ", Quote(seq->id), " appears twice"));
+    if (seq->step != 0) {
+      auto other = steps.find(seq->step);
+      if (other != steps.end() && other->second->abort_requested) *wait_for = seq->step;
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", Quote(seq->id), " is already in open step ", seq->step));
+    }
+    tokens += e.q_len;
     StepSeq s;
     s.seq = seq;
     s.q_len = e.q_len;
-    s.new_len = new_len;
-    need[seq->device] += static_cast<int32_t>((new_len + spec.page_size - 1) / spec.page_size -
+    s.new_len = seq->length + e.q_len;
+    need[seq->device] += static_cast<int32_t>((s.new_len + spec.page_size - 1) / spec.page_size -
                                               static_cast<int64_t>(seq->pages.size()));
     step->seqs.push_back(std::move(s));
   }
-  for (size_t d = 0; d < impl_->devices.size(); ++d) {
-    const PagePool& pool = impl_->devices[d].pool;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    const PagePool& pool = devices[d].pool;
     if (need[d] > pool.free_pages())
       return absl::ResourceExhaustedError(
-          absl::StrCat("KV cache full on ", impl_->devices[d].name, ": step needs ", need[d],
+          absl::StrCat("KV cache full on ", devices[d].name, ": step needs ", need[d],
                        " new pages, ", pool.free_pages(), " of ", pool.usable_pages(), " free"));
   }
-  // Everything checked: reserve (cannot fail now) and build the plan.
-  step->id = impl_->next_step_id++;
+  // The plan's memory before any state changes (an allocation failure changes nothing).
+  step->tokens = tokens;
+  step->tok_entry.reserve(tokens);
+  step->tok_pos.reserve(tokens);
   for (size_t i = 0; i < step->seqs.size(); ++i) {
     StepSeq& s = step->seqs[i];
     const int64_t pages = (s.new_len + spec.page_size - 1) / spec.page_size;
-    impl_->devices[s.seq->device].pool.Allocate(
-        static_cast<int32_t>(pages - static_cast<int64_t>(s.seq->pages.size())), &s.new_pages);
-    s.table = s.seq->pages;
-    s.table.insert(s.table.end(), s.new_pages.begin(), s.new_pages.end());
-    s.seq->step = step->id;
+    s.new_pages.reserve(pages - static_cast<int64_t>(s.seq->pages.size()));
+    s.table.reserve(pages);
     for (int64_t j = 0; j < s.q_len; ++j) {
       step->tok_entry.push_back(static_cast<int32_t>(i));
       step->tok_pos.push_back(s.seq->length + j);
     }
-    step->tokens += s.q_len;
   }
   for (int64_t t = 0; t < step->tokens; ++t)
-    if (!impl_->devices[step->seqs[step->tok_entry[t]].seq->device].is_gpu())
+    if (!devices[step->seqs[step->tok_entry[t]].seq->device].is_gpu())
       step->cpu_tokens.push_back(t);
-  if (absl::Status g = impl_->BeginGpuSteps(*step); !g.ok()) {
-    impl_->AbortLocked(step.get());  // not registered yet: releases pages, frees sequences
-    return g;
-  }
   step->selected.resize(step->tokens);
   step->select_all.assign(step->tokens, 1);
+  // Everything checked and allocated: reserve pages (cannot fail now) and bind the sequences.
+  step->id = next_step_id++;
+  for (StepSeq& s : step->seqs) {
+    const int64_t pages = (s.new_len + spec.page_size - 1) / spec.page_size;
+    devices[s.seq->device].pool.Allocate(
+        static_cast<int32_t>(pages - static_cast<int64_t>(s.seq->pages.size())), &s.new_pages);
+    s.table = s.seq->pages;
+    s.table.insert(s.table.end(), s.new_pages.begin(), s.new_pages.end());
+    s.seq->step = step->id;
+  }
+  if (absl::Status g = BeginGpuSteps(*step); !g.ok()) {
+    AbortLocked(step.get(), g);  // not registered yet: releases pages, frees sequences
+    return g;
+  }
   step->last_used = Clock::now();
   const uint64_t id = step->id;
-  impl_->steps.emplace(id, std::move(step));
+  steps.emplace(id, std::move(step));
   return id;
 }
 
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(uint64_t step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  auto it = impl_->steps.find(step);
-  if (it == impl_->steps.end())
-    return absl::NotFoundError(
-        absl::StrCat("step ", step, " not found (never opened, committed, aborted or expired)"));
-  const Step& st = *it->second;
-  return StepInfo{st.tokens, st.options.write_only, st.next_layer};
+  ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
+  return StepInfo{st->tokens, st->options.write_only, st->next_layer};
+}
+
+absl::Status Engine::CheckLayer(uint64_t step, int layer, const LayerInputs& in,
+                                size_t out_bytes) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
+  if (layer != st->next_layer)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, ": layer ", layer, " out of order, expected layer ", st->next_layer));
+  return impl_->ValidateShapes(*st, layer, in, out_bytes);
 }
 
 absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in, void* out,
@@ -953,33 +1062,42 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
   Step* st = nullptr;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    auto it = impl_->steps.find(step_id);
-    if (it == impl_->steps.end())
-      return absl::NotFoundError(absl::StrCat(
-          "step ", step_id, " not found (never opened, committed, aborted or expired)"));
-    st = it->second.get();
+    ASSIGN_OR_RETURN(st, impl_->FindStep(step_id));
     if (st->busy) {
       st->abort_requested = true;  // every error aborts the step: the running layer does it
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step_id, ": a layer is already running; step aborted"));
     }
     if (layer != st->next_layer) {
-      const int expected = st->next_layer;
-      impl_->AbortLocked(st);
-      return absl::FailedPreconditionError(absl::StrCat("step ", step_id, ": layer ", layer,
-                                                        " out of order, expected layer ", expected,
-                                                        "; step aborted"));
+      const absl::Status why = absl::FailedPreconditionError(absl::StrCat(
+          "step ", step_id, ": layer ", layer, " out of order, expected layer ", st->next_layer,
+          "; step aborted"));
+      impl_->AbortLocked(st, absl::CancelledError(absl::StrCat(
+                                 "step ", step_id, " was aborted: ", why.message())));
+      return why;
     }
     st->busy = true;
   }
-  absl::Status status = impl_->Compute(*st, layer, in, out, out_bytes, trace);
+  absl::Status status;
+  try {
+    status = impl_->Compute(*st, layer, in, out, out_bytes, trace);
+  } catch (const std::bad_alloc&) {
+    status = absl::ResourceExhaustedError(
+        absl::StrCat("step ", step_id, " layer ", layer, ": out of host memory; step aborted"));
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("step ", step_id, " layer ", layer, ": ", e.what()));
+  }
   std::lock_guard<std::mutex> lock(impl_->mu);
   st->busy = false;
   st->last_used = Clock::now();
   if (!status.ok() || st->abort_requested) {
-    impl_->AbortLocked(st);
-    if (status.ok()) return absl::CancelledError(absl::StrCat("step ", step_id, " was aborted"));
-    return status;
+    const absl::Status fate =
+        status.ok() ? absl::CancelledError(absl::StrCat("step ", step_id, " was aborted"))
+                    : absl::CancelledError(absl::StrCat("step ", step_id,
+                                                        " was aborted after an error: ",
+                                                        status.message()));
+    impl_->AbortLocked(st, fate);
+    return status.ok() ? fate : status;
   }
   if (++st->next_layer == impl_->spec().num_layers()) impl_->CommitLocked(st);
   return absl::OkStatus();
@@ -993,7 +1111,8 @@ absl::Status Engine::AbortStep(uint64_t step_id) {
   if (it->second->busy) {
     it->second->abort_requested = true;  // the running layer aborts it when done
   } else {
-    impl_->AbortLocked(it->second.get());
+    impl_->AbortLocked(it->second.get(),
+                       absl::CancelledError(absl::StrCat("step ", step_id, " was aborted")));
   }
   return absl::OkStatus();
 }
@@ -1037,7 +1156,11 @@ int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
   std::vector<Step*> expired;
   for (auto& [id, st] : impl_->steps)
     if (!st->busy && now - st->last_used > idle) expired.push_back(st.get());
-  for (Step* st : expired) impl_->AbortLocked(st);
+  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(idle).count();
+  for (Step* st : expired)
+    impl_->AbortLocked(st, absl::DeadlineExceededError(absl::StrCat(
+                               "step ", st->id, " expired: idle longer than ", ms,
+                               " ms; its sequences are as before it")));
   return static_cast<int>(expired.size());
 }
 

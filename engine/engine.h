@@ -25,6 +25,18 @@
 
 namespace attnd {
 
+// Per-request bounds, checked before any work or memory is spent (DESIGN §11).
+struct EngineLimits {
+  int64_t max_step_tokens = 65536;    // sum of q_len over one step's batch
+  int64_t max_batch_entries = 4096;   // sequences in one step
+  int64_t max_sequences = 65536;      // open sequences
+  size_t max_id_bytes = 256;          // a sequence id's length
+  bool check_finite = true;           // refuse NaN/Inf in any input tensor
+  // How long BeginStep waits for a conflicting step that is being aborted (its running layer
+  // finishes first) before answering FAILED_PRECONDITION.
+  std::chrono::milliseconds abort_wait{2000};
+};
+
 struct EngineOptions {
   ModelSpec spec;
   DType cache_dtype = DType::kBF16;  // bf16 in production; fp32 for exactness tests
@@ -35,6 +47,7 @@ struct EngineOptions {
   size_t cache_bytes_per_device = size_t{1} << 30;
   int threads = 0;                // compute threads; 0 = all cores
   cpu::Isa isa = cpu::BestIsa();  // CPU inner-loop ISA (tests sweep every supported one)
+  EngineLimits limits;
 };
 
 // One batch entry of a step: `q_len` new tokens for the sequence.
@@ -116,7 +129,8 @@ class Engine {
 
   // Opens a step: validates the batch and reserves every page its new tokens need, or fails
   // (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED) and
-  // changes nothing. Returns the step id.
+  // changes nothing. Returns the step id. A sequence held by a step that is being aborted (its
+  // running layer finishes first) is waited for, up to limits.abort_wait.
   absl::StatusOr<uint64_t> BeginStep(const std::vector<StepEntry>& batch,
                                      const StepOptions& options = {});
   // An open step's shape: total new tokens T, whether it is write-only, its next layer.
@@ -125,7 +139,12 @@ class Engine {
     bool write_only = false;
     int next_layer = 0;
   };
+  // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
+  // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).
   absl::StatusOr<StepInfo> DescribeStep(uint64_t step) const;
+  // Checks a layer's inputs against the open step without running or aborting anything: the
+  // service calls it before it allocates the output. Same errors as RunLayer.
+  absl::Status CheckLayer(uint64_t step, int layer, const LayerInputs& in, size_t out_bytes) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
   // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The
   // last layer commits the step. Any error aborts the step, so every sequence is left as before it.

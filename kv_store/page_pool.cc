@@ -12,6 +12,7 @@ PagePool::PagePool(int32_t num_pages) : refcount_(num_pages < 1 ? 1 : num_pages,
 
 bool PagePool::Allocate(int32_t n, std::vector<int32_t>* out) {
   if (n < 0 || n > free_pages()) return false;
+  out->reserve(out->size() + n);  // may throw: before any state changes
   for (int32_t i = 0; i < n; ++i) {
     const int32_t p = free_.back();
     free_.pop_back();

@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "common/client_text.h"
 #include "common/status_macros.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
@@ -32,15 +33,43 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Sta
   return r;
 }
 
+// A client-supplied sequence id longer than the server allows cannot name a sequence: refuse it
+// before it is copied anywhere.
+absl::Status CheckIdLength(const char* field, const std::string& id, size_t max) {
+  if (id.size() <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": ", id.size(), " bytes, longer than ", max, " (--max-id-bytes)"));
+}
+
 }  // namespace
 
 AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMetrics* metrics,
                                    ServiceOptions options)
-    : engine_(engine), executor_(executor), metrics_(metrics), options_(std::move(options)) {}
+    : options_(std::move(options)),
+      shm_(options_.max_shm_regions),
+      engine_(engine),
+      executor_(executor),
+      metrics_(metrics) {}
+
+int64_t AttentionService::max_echo_bytes() const {
+  return std::max<int64_t>(
+      0, std::min(options_.max_echo_bytes, options_.max_message_bytes - kMessageFramingBytes));
+}
+
+int64_t AttentionService::max_export_chunk_tokens() const {
+  const ModelSpec& s = engine_->spec();
+  const int64_t per_token = int64_t{s.kv_lora_rank + s.qk_rope_head_dim + s.index_head_dim} *
+                            static_cast<int64_t>(DTypeSize(engine_->options().cache_dtype));
+  return std::max<int64_t>(1, (options_.max_message_bytes - kMessageFramingBytes) / per_token);
+}
 
 grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::ServerInfoRequest*,
                                                        v1::ServerInfoResponse* resp) {
+  return Done(ctx, Guarded([&] { return DoServerInfo(resp); }));
+}
+
+absl::Status AttentionService::DoServerInfo(v1::ServerInfoResponse* resp) const {
   const ModelSpec& s = engine_->spec();
   resp->set_version(kVersion);
   v1::ModelSpec* m = resp->mutable_model();
@@ -74,56 +103,92 @@ grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerConte
   for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
   resp->set_max_message_bytes(options_.max_message_bytes);
   resp->set_step_idle_timeout_ms(options_.step_idle_timeout_ms);
-  return Done(ctx, absl::OkStatus());
+  const EngineLimits& lim = engine_->options().limits;
+  v1::ServerLimits* l = resp->mutable_limits();
+  l->set_max_echo_bytes(max_echo_bytes());
+  l->set_max_export_chunk_tokens(max_export_chunk_tokens());
+  l->set_max_step_tokens(lim.max_step_tokens);
+  l->set_max_batch_entries(lim.max_batch_entries);
+  l->set_max_sequences(lim.max_sequences);
+  l->set_max_id_bytes(static_cast<int64_t>(lim.max_id_bytes));
+  l->set_max_shm_regions(options_.max_shm_regions);
+  l->set_check_finite(lim.check_finite);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* AttentionService::OpenSequence(grpc::CallbackServerContext* ctx,
                                                          const v1::OpenSequenceRequest* req,
                                                          v1::SequenceInfo* resp) {
-  if (draining_) return Done(ctx, Draining());
-  absl::Status s = req->fork_parent_id().empty()
-                       ? engine_->OpenSequence(req->sequence_id())
-                       : engine_->ForkSequence(req->sequence_id(), req->fork_parent_id(),
-                                               req->fork_prefix_len());
-  if (s.ok()) {
-    auto info = engine_->DescribeSequence(req->sequence_id());
-    s = info.status();
-    if (info.ok()) FillSequence(*info, *engine_, resp);
-  }
-  return Done(ctx, s);
+  return Done(ctx, Guarded([&] { return DoOpenSequence(*req, resp); }));
+}
+
+absl::Status AttentionService::DoOpenSequence(const v1::OpenSequenceRequest& req,
+                                              v1::SequenceInfo* resp) {
+  if (draining_) return Draining();
+  if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
+  absl::Status s = req.fork_parent_id().empty()
+                       ? engine_->OpenSequence(req.sequence_id())
+                       : engine_->ForkSequence(req.sequence_id(), req.fork_parent_id(),
+                                               req.fork_prefix_len());
+  RETURN_IF_ERROR(s);
+  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(req.sequence_id()));
+  FillSequence(info, *engine_, resp);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerContext* ctx,
                                                           const v1::CloseSequenceRequest* req,
                                                           v1::CloseSequenceResponse*) {
-  return Done(ctx, engine_->CloseSequence(req->sequence_id()));
+  return Done(ctx, Guarded([&] { return DoCloseSequence(*req); }));
+}
+
+absl::Status AttentionService::DoCloseSequence(const v1::CloseSequenceRequest& req) {
+  return engine_->CloseSequence(req.sequence_id());
 }
 
 grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServerContext* ctx,
                                                              const v1::DescribeSequenceRequest* req,
                                                              v1::SequenceInfo* resp) {
-  auto info = engine_->DescribeSequence(req->sequence_id());
-  if (info.ok()) FillSequence(*info, *engine_, resp);
-  return Done(ctx, info.status());
+  return Done(ctx, Guarded([&] { return DoDescribeSequence(*req, resp); }));
+}
+
+absl::Status AttentionService::DoDescribeSequence(const v1::DescribeSequenceRequest& req,
+                                                  v1::SequenceInfo* resp) {
+  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(req.sequence_id()));
+  FillSequence(info, *engine_, resp);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req,
                                                  v1::BeginStepResponse* resp) {
   if (draining_) return Draining();
-  std::vector<StepEntry> batch;
-  batch.reserve(req.batch_size());
-  for (const auto& e : req.batch()) batch.push_back({e.sequence_id(), e.q_len()});
-  StepOptions opts;
-  opts.write_only = req.write_only();
+  const EngineLimits& lim = engine_->options().limits;
+  // Bounded before anything is copied out of the request.
+  if (req.batch_size() > lim.max_batch_entries)
+    return absl::InvalidArgumentError(absl::StrCat("batch: ", req.batch_size(),
+                                                   " entries, at most ", lim.max_batch_entries,
+                                                   " (--max-batch-entries)"));
   const int shards = req.num_shards();
   const int H = engine_->spec().num_heads;
-  if (shards < 0 || (shards > 1 && (H % shards != 0 || req.write_only())))
+  if (shards < 0 || shards > H || (shards > 1 && (H % shards != 0 || req.write_only())))
     return absl::InvalidArgumentError(
         absl::StrCat("num_shards: ", shards, " must divide the ", H,
                      " heads (and write-only steps are not sharded)"));
+  std::vector<StepEntry> batch;
+  batch.reserve(req.batch_size());
+  for (int i = 0; i < req.batch_size(); ++i) {
+    const auto& e = req.batch(i);
+    RETURN_IF_ERROR(CheckIdLength(absl::StrCat("batch[", i, "].sequence_id").c_str(),
+                                  e.sequence_id(), lim.max_id_bytes));
+    batch.push_back({e.sequence_id(), e.q_len()});
+  }
+  StepOptions opts;
+  opts.write_only = req.write_only();
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
   if (shards > 1) shards_.Register(step, shards);
-  int64_t tokens = 0;
+  int64_t tokens = 0;  // the engine bounded the sum
   for (const auto& e : batch) tokens += e.q_len;
   resp->set_step_id(step);
   resp->set_num_tokens(tokens);
@@ -163,7 +228,7 @@ void AttentionService::LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::
                                   Transport transport, std::function<void(absl::Status)> done) {
   if (shards_.NumShards(step) == 0) {
     executor_->Post([this, step, in, out, transport, done = std::move(done)] {
-      done(Layer(step, *in, out, transport));
+      done(Guarded([&] { return Layer(step, *in, out, transport); }));
     });
     return;
   }
@@ -175,7 +240,7 @@ void AttentionService::LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::
   }
   if (!parts->has_value()) return;  // parked until the other shards arrive
   executor_->Post([this, step, transport, all = std::move(**parts)] {
-    absl::Status s = LayerSharded(step, all, transport);
+    absl::Status s = Guarded([&] { return LayerSharded(step, all, transport); });
     if (!s.ok()) {
       (void)engine_->AbortStep(step);  // every error aborts the step
       shards_.Forget(step);
@@ -196,9 +261,9 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   const int Hs = s.num_heads / S, L = s.kv_lora_rank, R = s.qk_rope_head_dim;
   const int64_t T = info.tokens;
   std::vector<LayerInputs> v(S);
-  RegionHolds holds;
+  ShmTransfers shm;
   for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(v[k], ViewOf(*parts[k].in, shm_, &holds));
+    RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_, &shm, &v[k]));
     const std::string ql = absl::StrCat("q_latent (shard ", k, ")");
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
     RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
@@ -211,6 +276,26 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
       return absl::InvalidArgumentError(absl::StrCat(
           "shard ", k, ": only shard 0 sends kv_latent, k_rope and the indexer tensors"));
   }
+  const int layer = parts[0].in->layer();
+  const DType dt = v[0].q_latent.dtype;
+  const size_t out_bytes = static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt);
+  // Shard 0's key and indexer tensors, and the layer order, before anything is allocated.
+  LayerInputs all = v[0];
+  all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, v[0].q_latent.data,
+                                v[0].q_latent.nbytes * S);
+  all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, v[0].q_rope.data,
+                              v[0].q_rope.nbytes * S);
+  RETURN_IF_ERROR(engine_->CheckLayer(step, layer, all, out_bytes));
+  // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
+  // fail after it.
+  std::vector<char*> dst(S);
+  for (int k = 0; k < S; ++k) {
+    ASSIGN_OR_RETURN(void* out_k,
+                     PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
+                                   options_.max_message_bytes, shm_, &shm));
+    dst[k] = static_cast<char*>(out_k);
+  }
+  RETURN_IF_ERROR(shm.ReadInputs());
   // All heads, token-major: [T, H, *] from S slices of [T, H/S, *].
   auto gather = [&](auto member, int dim) {
     const DType dt = (v[0].*member).dtype;
@@ -224,20 +309,15 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   };
   const std::string ql = gather(&LayerInputs::q_latent, L);
   const std::string qr = gather(&LayerInputs::q_rope, R);
-  LayerInputs all = v[0];
-  const DType dt = v[0].q_latent.dtype;
+  all.kv_latent = v[0].kv_latent;
+  all.k_rope = v[0].k_rope;
+  all.index_q = v[0].index_q;
+  all.index_k = v[0].index_k;
+  all.index_w = v[0].index_w;
   all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, ql.data(), ql.size());
   all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
-  std::string out(static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt), '\0');
-  // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
-  // fail after it.
-  std::vector<char*> dst(S);
-  for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T,
-                                                Hs, L, shm_, &holds));
-    dst[k] = static_cast<char*>(out_k);
-  }
-  const int layer = parts[0].in->layer();
+  std::string out(out_bytes, '\0');
+  RETURN_IF_ERROR(shm.CheckOutputRegions());
   RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size()));
   const size_t slice = static_cast<size_t>(Hs) * L * DTypeSize(dt);
   for (int k = 0; k < S; ++k) {
@@ -246,6 +326,7 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
     parts[k].out->set_layer(layer);
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
+  RETURN_IF_ERROR(shm.WriteOutputs());
   metrics_->LayerDone(
       transport, T,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -257,30 +338,43 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
   const ModelSpec& s = engine_->spec();
-  RegionHolds holds;
+  // Every check before the output is allocated or shared memory is read; every error aborts
+  // the step, as in the engine.
+  ShmTransfers shm;
+  LayerInputs views;
   void* buf = nullptr;
   size_t bytes = 0;
-  absl::StatusOr<LayerInputs> views = ViewOf(in, shm_, &holds);
-  absl::Status st = views.status();
-  if (st.ok() && !info.write_only) {
-    const DType dt = views->q_latent.present ? views->q_latent.dtype : DType::kBF16;
-    auto dst = PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,
-                             shm_, &holds);
-    st = dst.status();
-    if (st.ok()) {
-      buf = *dst;
+  absl::Status st = [&]() -> absl::Status {
+    if (in.shard() != 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard: ", in.shard(), " given on step ", step, ", which is not sharded"));
+    if (info.write_only && in.has_out_shm())
+      return absl::InvalidArgumentError(
+          "out_shm: given on a write-only step, which has no output");
+    RETURN_IF_ERROR(ViewOf(in, shm_, &shm, &views));
+    const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
+    if (!info.write_only)
       bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
+    RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
+    if (!info.write_only) {
+      ASSIGN_OR_RETURN(buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads,
+                                          s.kv_lora_rank, options_.max_message_bytes, shm_, &shm));
     }
-  }
+    RETURN_IF_ERROR(shm.ReadInputs());
+    return shm.CheckOutputRegions();
+  }();
   if (!st.ok()) {
-    (void)engine_->AbortStep(step);  // every error aborts the step, as in the engine
+    (void)engine_->AbortStep(step);
     return st;
   }
-  st = engine_->RunLayer(step, in.layer(), *views, buf, bytes);
+  st = engine_->RunLayer(step, in.layer(), views, buf, bytes);
   out->set_layer(in.layer());
   const bool last = in.layer() == s.num_layers() - 1;
   out->set_committed(st.ok() && last);
   RETURN_IF_ERROR(st);
+  // After the layer ran (and, on the last layer, committed): a region that shrank meanwhile is
+  // written past its new end (pwrite grows it back), never a crash.
+  RETURN_IF_ERROR(shm.WriteOutputs());
   metrics_->LayerDone(
       transport, info.tokens,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -290,7 +384,11 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
 grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContext* ctx,
                                                       const v1::BeginStepRequest* req,
                                                       v1::BeginStepResponse* resp) {
-  return Done(ctx, Begin(*req, resp).status());
+  auto* reactor = ctx->DefaultReactor();
+  executor_->Post([this, req, resp, reactor] {
+    reactor->Finish(ToGrpcStatus(Guarded([&] { return Begin(*req, resp).status(); })));
+  });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerContext* ctx,
@@ -312,20 +410,29 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContext* ctx,
                                                       const v1::AbortStepRequest* req,
                                                       v1::AbortStepResponse*) {
-  const absl::Status s = engine_->AbortStep(req->step_id());
-  shards_.Fail(req->step_id(), absl::CancelledError("step aborted by AbortStep"));
-  return Done(ctx, s);
+  return Done(ctx, Guarded([&] { return DoAbortStep(*req); }));
+}
+
+absl::Status AttentionService::DoAbortStep(const v1::AbortStepRequest& req) {
+  const absl::Status s = engine_->AbortStep(req.step_id());
+  shards_.Fail(req.step_id(), absl::CancelledError("step aborted by AbortStep"));
+  return s;
 }
 
 // Streams a sequence's keys chunk by chunk, one layer per message; the next message is read out
 // of the cache only when the previous one is written (bounded memory for long sequences).
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
-  ExportStream(Engine* engine, const v1::ExportSequenceRequest& req)
-      : engine_(engine),
-        id_(req.sequence_id()),
-        chunk_(req.chunk_tokens() > 0 ? req.chunk_tokens() : 4096) {
-    auto info = engine_->DescribeSequence(id_);
+  ExportStream(Engine* engine, const v1::ExportSequenceRequest& req,
+               absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
+      : engine_(engine), max_message_bytes_(max_message_bytes) {
+    if (!chunk.ok()) {
+      Finish(ToGrpcStatus(chunk.status()));
+      return;
+    }
+    chunk_ = *chunk;
+    id_ = req.sequence_id();
+    auto info = Guarded([&] { return engine_->DescribeSequence(id_); });
     if (!info.ok()) {
       Finish(ToGrpcStatus(info.status()));
       return;
@@ -344,17 +451,24 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
 
  private:
   void Next() {
+    const absl::Status s = Guarded([&] { return Fill(); });
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+    } else if (done_) {
+      Finish(grpc::Status::OK);
+    } else {
+      StartWrite(&msg_);
+    }
+  }
+  absl::Status Fill() {
     const ModelSpec& s = engine_->spec();
     if (begin_ >= length_) {
-      Finish(grpc::Status::OK);
-      return;
+      done_ = true;
+      return absl::OkStatus();
     }
     const int64_t n = std::min(chunk_, length_ - begin_);
     auto rows = engine_->ReadRows(id_, layer_, begin_, begin_ + n);
-    if (!rows.ok()) {
-      Finish(ToGrpcStatus(rows.status()));
-      return;
-    }
+    RETURN_IF_ERROR(rows.status());
     const std::string dt(DTypeName(engine_->options().cache_dtype));
     msg_.Clear();
     msg_.set_token_begin(begin_);
@@ -376,44 +490,73 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
       layer_ = 0;
       begin_ += n;
     }
-    StartWrite(&msg_);
+    if (static_cast<int64_t>(msg_.ByteSizeLong()) > max_message_bytes_)  // cannot happen: chunk_
+      return absl::InternalError("export: a chunk outgrew the message limit");  // is bounded
+    return absl::OkStatus();
   }
 
   Engine* engine_;
+  int64_t max_message_bytes_;
+  bool done_ = false;
   std::string id_;
-  int64_t chunk_;
+  int64_t chunk_ = 0;
   int64_t length_ = 0;
   int64_t begin_ = 0;
   int layer_ = 0;
   v1::ExportChunk msg_;
 };
 
+absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
+    const v1::ExportSequenceRequest& req) const {
+  const int64_t max = max_export_chunk_tokens();
+  if (req.chunk_tokens() < 0 || req.chunk_tokens() > max)
+    return absl::InvalidArgumentError(absl::StrCat("chunk_tokens: ", req.chunk_tokens(),
+                                                   " outside [0, ", max,
+                                                   "] (0 = default; at most what fits in a "
+                                                   "message of max_message_bytes)"));
+  return req.chunk_tokens() > 0 ? req.chunk_tokens() : std::min<int64_t>(4096, max);
+}
+
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext*, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(engine_, *req);
+  return new ExportStream(engine_, *req, ExportChunkTokens(*req), options_.max_message_bytes);
 }
 
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
     v1::RegisterSharedMemoryResponse*) {
-  return Done(ctx, shm_.Register(req->name(), req->key(), req->offset(), req->byte_size()));
+  return Done(ctx, Guarded([&] { return DoRegisterSharedMemory(*req); }));
+}
+
+absl::Status AttentionService::DoRegisterSharedMemory(const v1::RegisterSharedMemoryRequest& req) {
+  return shm_.Register(req.name(), req.key(), req.offset(), req.byte_size());
+}
+
+absl::Status AttentionService::DoUnregisterSharedMemory(
+    const v1::UnregisterSharedMemoryRequest& req) {
+  return shm_.Unregister(req.name());
 }
 
 grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
     v1::UnregisterSharedMemoryResponse*) {
-  return Done(ctx, shm_.Unregister(req->name()));
+  return Done(ctx, Guarded([&] { return DoUnregisterSharedMemory(*req); }));
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
                                                  const v1::EchoRequest* req,
                                                  v1::EchoResponse* resp) {
-  if (req->response_bytes() < 0 || req->response_bytes() > options_.max_message_bytes)
-    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("response_bytes ",
-                                                             req->response_bytes(), " outside [0, ",
-                                                             options_.max_message_bytes, "]")));
-  resp->mutable_payload()->resize(static_cast<size_t>(req->response_bytes()));
-  return Done(ctx, absl::OkStatus());
+  return Done(ctx, Guarded([&] { return DoEcho(*req, resp); }));
+}
+
+absl::Status AttentionService::DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const {
+  const int64_t max = max_echo_bytes();
+  if (req.response_bytes() < 0 || req.response_bytes() > max)
+    return absl::InvalidArgumentError(
+        absl::StrCat("response_bytes: ", req.response_bytes(), " outside [0, ", max,
+                     "] (ServerInfo.limits.max_echo_bytes)"));
+  resp->mutable_payload()->resize(static_cast<size_t>(req.response_bytes()));
+  return absl::OkStatus();
 }
 
 // One bidirectional stream: a sequence of steps, one message and one reply at a time.
@@ -431,27 +574,38 @@ class AttentionService::StepStream final
       return;
     }
     resp_.Clear();
+    const absl::Status s = Guarded([&] { return Handle(); });
+    if (!s.ok()) Fail(s);
+  }
+
+  // Handles req_: answers it (now or from the executor) or returns the error that ends the call.
+  absl::Status Handle() {
     switch (req_.kind_case()) {
       case v1::StepRequest::kBegin: {
         if (step_ != 0) {
-          return Fail(absl::FailedPreconditionError(
-              absl::StrCat("step ", step_.load(),
-                           " is still open on this stream; send its layers or abort it")));
+          if (svc_->engine()->DescribeStep(step_).ok())
+            return absl::FailedPreconditionError(
+                absl::StrCat("step ", step_.load(),
+                             " is still open on this stream; send its layers or abort it"));
+          step_ = 0;  // it expired or was aborted meanwhile: nothing is open on this stream
         }
-        auto step = svc_->Begin(req_.begin(), resp_.mutable_begun());
-        if (!step.ok()) return Fail(step.status());
-        step_ = *step;
-        shard_ = 0;
-        StartWrite(&resp_);
-        return;
+        // Begin may wait for a step being aborted: off the gRPC thread.
+        svc_->executor()->Post([this] {
+          auto step = Guarded([&] { return svc_->Begin(req_.begin(), resp_.mutable_begun()); });
+          if (!step.ok()) return Fail(step.status());
+          step_ = *step;
+          shard_ = 0;
+          StartWrite(&resp_);
+        });
+        return absl::OkStatus();
       }
       case v1::StepRequest::kLayer: {
         if (step_ == 0)
-          return Fail(absl::FailedPreconditionError("no open step on this stream: send begin"));
+          return absl::FailedPreconditionError("no open step on this stream: send begin");
         if (svc_->NumShards(step_) > 0 && req_.layer().shard() != shard_)
-          return Fail(absl::InvalidArgumentError(
+          return absl::InvalidArgumentError(
               absl::StrCat("shard: the message says ", req_.layer().shard(),
-                           " but this stream is shard ", shard_, " of step ", step_.load())));
+                           " but this stream is shard ", shard_, " of step ", step_.load()));
         svc_->LayerAsync(step_, &req_.layer(), resp_.mutable_layer(), Transport::kStream,
                          [this](absl::Status s) {
                            if (!s.ok()) {
@@ -461,30 +615,29 @@ class AttentionService::StepStream final
                            if (resp_.layer().committed()) step_ = 0;
                            StartWrite(&resp_);
                          });
-        return;
+        return absl::OkStatus();
       }
       case v1::StepRequest::kJoin: {
-        if (step_ != 0)
-          return Fail(absl::FailedPreconditionError(
-              absl::StrCat("step ", step_.load(), " is still open on this stream")));
-        auto tokens = svc_->Join(req_.join().step_id(), req_.join().shard());
-        if (!tokens.ok()) return Fail(tokens.status());
+        if (step_ != 0 && svc_->engine()->DescribeStep(step_).ok())
+          return absl::FailedPreconditionError(
+              absl::StrCat("step ", step_.load(), " is still open on this stream"));
+        step_ = 0;
+        ASSIGN_OR_RETURN(int64_t tokens, svc_->Join(req_.join().step_id(), req_.join().shard()));
         step_ = req_.join().step_id();
         shard_ = req_.join().shard();
         resp_.mutable_joined()->set_step_id(step_);
-        resp_.mutable_joined()->set_num_tokens(*tokens);
+        resp_.mutable_joined()->set_num_tokens(tokens);
         StartWrite(&resp_);
-        return;
+        return absl::OkStatus();
       }
       case v1::StepRequest::kAbort: {
         AbortOpenStep();
         resp_.mutable_aborted();
         StartWrite(&resp_);
-        return;
+        return absl::OkStatus();
       }
       default:
-        return Fail(
-            absl::InvalidArgumentError("StepRequest: set one of begin, join, layer, abort"));
+        return absl::InvalidArgumentError("StepRequest: set one of begin, join, layer, abort");
     }
   }
 

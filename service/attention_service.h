@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "engine/engine.h"
 #include "service/executor.h"
@@ -21,7 +22,24 @@ struct ServiceOptions {
   std::string backend = "cpu";
   int64_t max_message_bytes = 0;
   int64_t step_idle_timeout_ms = 0;
+  int64_t max_echo_bytes = int64_t{64} << 20;  // Echo replies (also capped by the message size)
+  int max_shm_regions = 64;
 };
+
+// Runs `f` (returning absl::Status or StatusOr) and turns any exception into a status, so no
+// exception escapes a handler: std::bad_alloc is RESOURCE_EXHAUSTED, anything else INTERNAL.
+template <typename F>
+auto Guarded(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of memory while serving the request");
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("internal error: ", e.what()));
+  } catch (...) {
+    return absl::InternalError("internal error: unknown exception");
+  }
+}
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:
@@ -67,7 +85,26 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
       grpc::CallbackServerContext* ctx) override;
 
-  // Shared by both transports.
+  // The largest Echo reply and ExportSequence chunk that fit in a message.
+  int64_t max_echo_bytes() const;
+  int64_t max_export_chunk_tokens() const;
+
+  // The RPCs' logic without the transport (the handlers, tests and fuzzers call these).
+  absl::Status DoServerInfo(v1::ServerInfoResponse* resp) const;
+  absl::Status DoOpenSequence(const v1::OpenSequenceRequest& req, v1::SequenceInfo* resp);
+  absl::Status DoCloseSequence(const v1::CloseSequenceRequest& req);
+  absl::Status DoDescribeSequence(const v1::DescribeSequenceRequest& req, v1::SequenceInfo* resp);
+  absl::Status DoRegisterSharedMemory(const v1::RegisterSharedMemoryRequest& req);
+  absl::Status DoUnregisterSharedMemory(const v1::UnregisterSharedMemoryRequest& req);
+  absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
+  absl::Status DoAbortStep(const v1::AbortStepRequest& req);
+  // The chunk size an export request asks for, checked (0 = the default).
+  absl::StatusOr<int64_t> ExportChunkTokens(const v1::ExportSequenceRequest& req) const;
+  // One layer message of an unsharded step, blocking (the executor runs it).
+  absl::Status Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
+                     Transport transport);
+
+  // Shared by both transports. May block briefly (see Engine::BeginStep): call off gRPC threads.
   absl::StatusOr<uint64_t> Begin(const v1::BeginStepRequest& req, v1::BeginStepResponse* resp);
   // Attaches another shard to a sharded step; returns the step's token count.
   absl::StatusOr<int64_t> Join(uint64_t step, int shard);
@@ -89,18 +126,15 @@ class AttentionService final : public v1::Attention::CallbackService {
 
  private:
   class StepStream;
-  // One layer of an unsharded step (blocking: runs on the executor).
-  absl::Status Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
-                     Transport transport);
   // One layer of a sharded step from every shard's message (blocking).
   absl::Status LayerSharded(uint64_t step, const std::vector<ShardGather::Part>& parts,
                             Transport transport);
+  ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;
   Engine* engine_;
   Executor* executor_;
   ServiceMetrics* metrics_;
-  ServiceOptions options_;
   std::atomic<bool> draining_{false};
 };
 

@@ -1,6 +1,7 @@
 #include "service/flags.h"
 
 #include <functional>
+#include <limits>
 #include <map>
 
 #include "absl/strings/numbers.h"
@@ -27,6 +28,14 @@ std::string ServerUsage() {
   --max-message-bytes=N        gRPC send/receive limit (default 1073741824)
   --step-idle-timeout-ms=N     abort open steps idle this long (default 30000)
   --shutdown-grace-ms=N        on SIGTERM, let RPCs finish this long (default 10000)
+Per-request limits (ServerInfo.limits reports them):
+  --max-step-tokens=N          new tokens in one step, all sequences (default 65536)
+  --max-batch-entries=N        sequences in one step (default 4096)
+  --max-sequences=N            open sequences (default 65536)
+  --max-id-bytes=N             length of a sequence id (default 256)
+  --max-echo-bytes=N           Echo reply size (default 67108864; also capped by the message size)
+  --max-shm-regions=N          registered shared-memory regions (default 64)
+  --check-finite=true|false    refuse NaN/Inf in input tensors (default true)
 )";
 }
 
@@ -35,11 +44,24 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   auto bad = [](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(what, "\n", ServerUsage()));
   };
+  // A non-negative integer that fits the destination's type: nothing is silently truncated.
   auto int_flag = [](auto* out) {
     return [out](const std::string& v) {
+      using T = std::remove_pointer_t<decltype(out)>;
       int64_t x;
-      if (!absl::SimpleAtoi(v, &x) || x < 0) return false;
-      *out = static_cast<std::remove_pointer_t<decltype(out)>>(x);
+      if (!absl::SimpleAtoi(v, &x) || x < 0 ||
+          static_cast<uint64_t>(x) > static_cast<uint64_t>(std::numeric_limits<T>::max()))
+        return false;
+      *out = static_cast<T>(x);
+      return true;
+    };
+  };
+  // A positive integer (a limit of 0 would refuse everything).
+  auto limit_flag = [](int64_t* out) {
+    return [out](const std::string& v) {
+      int64_t x;
+      if (!absl::SimpleAtoi(v, &x) || x < 1) return false;
+      *out = x;
       return true;
     };
   };
@@ -82,6 +104,18 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-message-bytes", int_flag(&f.max_message_bytes)},
       {"step-idle-timeout-ms", int_flag(&f.step_idle_timeout_ms)},
       {"shutdown-grace-ms", int_flag(&f.shutdown_grace_ms)},
+      {"max-step-tokens", limit_flag(&f.max_step_tokens)},
+      {"max-batch-entries", limit_flag(&f.max_batch_entries)},
+      {"max-sequences", limit_flag(&f.max_sequences)},
+      {"max-id-bytes", limit_flag(&f.max_id_bytes)},
+      {"max-echo-bytes", int_flag(&f.max_echo_bytes)},
+      {"max-shm-regions", int_flag(&f.max_shm_regions)},
+      {"check-finite",
+       [&f](const std::string& v) {
+         if (v != "true" && v != "false") return false;
+         f.check_finite = v == "true";
+         return true;
+       }},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];

@@ -25,6 +25,14 @@ struct ServerFlags {
   int64_t max_message_bytes = int64_t{1} << 30;
   int64_t step_idle_timeout_ms = 30000;
   int64_t shutdown_grace_ms = 10000;
+  // Per-request bounds (DESIGN §11); defaults a production server can ship with.
+  int64_t max_step_tokens = 65536;
+  int64_t max_batch_entries = 4096;
+  int64_t max_sequences = 65536;
+  int64_t max_id_bytes = 256;
+  int64_t max_echo_bytes = int64_t{64} << 20;
+  int32_t max_shm_regions = 64;
+  bool check_finite = true;  // refuse NaN/Inf inputs; off only for trusted, measured deployments
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;

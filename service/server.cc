@@ -45,6 +45,11 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
   o.threads = f.threads;
+  o.limits.max_step_tokens = f.max_step_tokens;
+  o.limits.max_batch_entries = f.max_batch_entries;
+  o.limits.max_sequences = f.max_sequences;
+  o.limits.max_id_bytes = static_cast<size_t>(f.max_id_bytes);
+  o.limits.check_finite = f.check_finite;
   if (f.cpu_isa == "generic") {
     o.isa = cpu::Isa::kGeneric;
   } else if (f.cpu_isa == "avx2") {
@@ -92,6 +97,8 @@ int RunServer(const ServerFlags& flags) {
     if (d.name.rfind("cuda:", 0) == 0) so.backend = "cuda";
   so.max_message_bytes = flags.max_message_bytes;
   so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
+  so.max_echo_bytes = flags.max_echo_bytes;
+  so.max_shm_regions = flags.max_shm_regions;
   AttentionService service(engine.get(), &executor, &service_metrics, so);
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -1,7 +1,7 @@
 #include "service/shm_registry.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <sys/mman.h>  // shm_open
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,77 +9,131 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/client_text.h"
 
 namespace attnd {
+namespace {
 
-ShmRegistry::Region::~Region() { munmap(base_, mapped_); }
+constexpr size_t kMaxNameBytes = 255;  // NAME_MAX: longer shm keys cannot exist
+
+// Loops over short transfers; a transfer that makes no progress means the object ended.
+template <typename Op>
+absl::Status Transfer(const std::string& region, const char* verb, int64_t pos, size_t n, Op op) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t k = op(done, pos + static_cast<int64_t>(done));
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared memory region ", Quote(region), ": could ", verb, " only ", done, " of ", n,
+          " bytes", k < 0 ? absl::StrCat(" (", std::strerror(errno), ")") : " (the object shrank)"));
+    done += static_cast<size_t>(k);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ShmRegistry::Region::~Region() { close(fd_); }
+
+absl::Status ShmRegistry::Region::CheckStillCovers(int64_t offset, size_t n) const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0 || st.st_size < offset_ + offset + static_cast<int64_t>(n))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared memory region ", Quote(name_), ": the object shrank to ",
+        static_cast<int64_t>(st.st_size), " bytes; the region needs ", offset_ + offset + n));
+  return absl::OkStatus();
+}
+
+absl::Status ShmRegistry::Region::Read(int64_t offset, void* dst, size_t n) const {
+  char* d = static_cast<char*>(dst);
+  return Transfer(name_, "read", offset_ + offset, n, [&](size_t done, int64_t pos) {
+    return pread(fd_, d + done, n - done, pos);
+  });
+}
+
+absl::Status ShmRegistry::Region::Write(int64_t offset, const void* src, size_t n) const {
+  if (absl::Status s = CheckStillCovers(offset, n); !s.ok()) return s;
+  const char* s = static_cast<const char*>(src);
+  return Transfer(name_, "write", offset_ + offset, n, [&](size_t done, int64_t pos) {
+    return pwrite(fd_, s + done, n - done, pos);
+  });
+}
 
 absl::Status ShmRegistry::Register(const std::string& name, const std::string& key, int64_t offset,
                                    int64_t byte_size) {
   if (name.empty()) return absl::InvalidArgumentError("shared memory: empty region name");
+  if (name.size() > kMaxNameBytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory region name ", Quote(name), ": longer than ", kMaxNameBytes));
+  if (key.empty() || key.size() > kMaxNameBytes || key.find('\0') != std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared memory key ", Quote(key), ": must be 1 to ", kMaxNameBytes,
+        " bytes with no NUL byte"));
   if (offset < 0 || byte_size <= 0)
-    return absl::InvalidArgumentError(absl::StrCat("shared memory '", name, "': offset ", offset,
-                                                   " and byte_size ", byte_size, " invalid"));
+    return absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quote(name),
+                                                   ": offset ", offset, " and byte_size ",
+                                                   byte_size, " invalid"));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (regions_.count(name))
-      return absl::AlreadyExistsError(absl::StrCat("shared memory region '", name, "' exists"));
+      return absl::AlreadyExistsError(absl::StrCat("shared memory region ", Quote(name), " exists"));
+    if (static_cast<int>(regions_.size()) >= max_regions_)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shared memory: ", max_regions_, " regions registered, the limit (--max-shm-regions)"));
   }
-  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0)
     return absl::NotFoundError(
-        absl::StrCat("shared memory '", key, "': shm_open: ", std::strerror(errno)));
+        absl::StrCat("shared memory ", Quote(key), ": shm_open: ", std::strerror(errno)));
   struct stat st {};
   // Written so that no sum can overflow, whatever the client sends.
   if (fstat(fd, &st) != 0 || offset > st.st_size || byte_size > st.st_size - offset) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("shared memory '", key, "': offset ", offset,
-                                                   " + ", byte_size, " bytes beyond its ",
+    return absl::InvalidArgumentError(absl::StrCat("shared memory ", Quote(key), ": offset ",
+                                                   offset, " + ", byte_size, " bytes beyond its ",
                                                    static_cast<int64_t>(st.st_size), " bytes"));
   }
-  // mmap wants a page-aligned offset: map from the page holding `offset`.
-  const int64_t page = sysconf(_SC_PAGESIZE);
-  const int64_t start = offset / page * page;
-  const size_t mapped = static_cast<size_t>(offset - start + byte_size);
-  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, start);
-  close(fd);
-  if (base == MAP_FAILED)
-    return absl::InternalError(
-        absl::StrCat("shared memory '", key, "': mmap: ", std::strerror(errno)));
-  auto region = std::make_shared<Region>(base, mapped, static_cast<size_t>(offset - start),
-                                         static_cast<size_t>(byte_size));
+  auto region = std::make_shared<const Region>(name, fd, offset, byte_size);
   std::lock_guard<std::mutex> lock(mu_);
+  if (static_cast<int>(regions_.size()) >= max_regions_)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shared memory: ", max_regions_, " regions registered, the limit (--max-shm-regions)"));
   if (!regions_.emplace(name, std::move(region)).second)
-    return absl::AlreadyExistsError(absl::StrCat("shared memory region '", name, "' exists"));
+    return absl::AlreadyExistsError(absl::StrCat("shared memory region ", Quote(name), " exists"));
   return absl::OkStatus();
 }
 
 absl::Status ShmRegistry::Unregister(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   if (regions_.erase(name) == 0)
-    return absl::NotFoundError(absl::StrCat("shared memory region '", name, "' not registered"));
+    return absl::NotFoundError(
+        absl::StrCat("shared memory region ", Quote(name), " not registered"));
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::pair<std::shared_ptr<ShmRegistry::Region>, uint8_t*>> ShmRegistry::Resolve(
+int ShmRegistry::num_regions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(regions_.size());
+}
+
+absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> ShmRegistry::Resolve(
     const std::string& what, const std::string& name, int64_t offset, int64_t size) const {
-  std::shared_ptr<Region> r;
+  std::shared_ptr<const Region> r;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = regions_.find(name);
     if (it == regions_.end())
       return absl::NotFoundError(
-          absl::StrCat(what, ": shared memory region '", name, "' not registered"));
+          absl::StrCat(what, ": shared memory region ", Quote(name), " not registered"));
     r = it->second;
   }
   // Written so that no sum can overflow, whatever the client sends.
-  if (offset < 0 || size < 0 || static_cast<uint64_t>(offset) > r->size() ||
-      static_cast<uint64_t>(size) > r->size() - static_cast<uint64_t>(offset))
+  if (offset < 0 || size < 0 || offset > r->size() || size > r->size() - offset)
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + ", size,
-                                                   " bytes outside region '", name, "' of ",
+                                                   " bytes outside region ", Quote(name), " of ",
                                                    r->size(), " bytes"));
-  uint8_t* p = r->data() + offset;
-  return std::make_pair(std::move(r), p);
+  return r;
 }
 
 }  // namespace attnd

@@ -1,6 +1,11 @@
-// Registered POSIX shared-memory regions of co-located clients: tensors are read from and outputs
-// written to them without crossing the gRPC transport (DESIGN §7). Thread safe; a region stays
-// mapped while any request still uses it, even after it is unregistered.
+// Registered POSIX shared-memory regions of co-located clients: layer tensors are read from and
+// outputs written to them without crossing the gRPC transport (DESIGN §7). Thread safe.
+//
+// The server never maps a client's object: a mapped object that its owner truncates turns the
+// next access into SIGBUS, which would kill every sequence of every client. Regions are read and
+// written with pread/pwrite on a descriptor held open instead, so an object that shrinks or
+// vanishes fails only the call that uses it (DESIGN §11). A region stays usable while a request
+// holds it, even after it is unregistered.
 #pragma once
 
 #include <cstddef>
@@ -16,35 +21,49 @@ namespace attnd {
 
 class ShmRegistry {
  public:
-  // A mapped region; unmapped when the last holder lets go.
+  // An open region; the descriptor closes when the last holder lets go.
   class Region {
    public:
-    Region(void* base, size_t mapped, size_t offset, size_t size)
-        : base_(base), mapped_(mapped), offset_(offset), size_(size) {}
+    Region(std::string name, int fd, int64_t offset, int64_t size)
+        : name_(std::move(name)), fd_(fd), offset_(offset), size_(size) {}
     ~Region();
-    uint8_t* data() const { return static_cast<uint8_t*>(base_) + offset_; }
-    size_t size() const { return size_; }
+    Region(const Region&) = delete;
+    Region& operator=(const Region&) = delete;
+    const std::string& name() const { return name_; }
+    int64_t size() const { return size_; }
+    // [offset, offset + n) of the region (already bounds-checked by Resolve). FAILED_PRECONDITION
+    // when the object no longer holds those bytes (it shrank or was truncated).
+    absl::Status Read(int64_t offset, void* dst, size_t n) const;
+    absl::Status Write(int64_t offset, const void* src, size_t n) const;
+    // FAILED_PRECONDITION unless the object still holds [offset, offset + n) of the region.
+    absl::Status CheckStillCovers(int64_t offset, size_t n) const;
 
    private:
-    void* base_;
-    size_t mapped_, offset_, size_;
+    std::string name_;
+    int fd_;
+    int64_t offset_, size_;  // the region inside the object
   };
 
-  // Maps [offset, offset + byte_size) of the shared-memory object `key` read-write.
-  // ALREADY_EXISTS (name), NOT_FOUND (no such object), INVALID_ARGUMENT (range beyond it).
+  // max_regions: registrations held at once (RESOURCE_EXHAUSTED beyond).
+  explicit ShmRegistry(int max_regions = 64) : max_regions_(max_regions) {}
+
+  // Opens [offset, offset + byte_size) of the shared-memory object `key` read-write.
+  // ALREADY_EXISTS (name), NOT_FOUND (no such object), INVALID_ARGUMENT (bad name or key, range
+  // beyond the object), RESOURCE_EXHAUSTED (too many regions).
   absl::Status Register(const std::string& name, const std::string& key, int64_t offset,
                         int64_t byte_size);
   absl::Status Unregister(const std::string& name);
-  // The bytes [offset, offset + size) of region `name`, and the region to hold while using them.
-  // `what` names the tensor in errors.
-  absl::StatusOr<std::pair<std::shared_ptr<Region>, uint8_t*>> Resolve(const std::string& what,
-                                                                       const std::string& name,
-                                                                       int64_t offset,
-                                                                       int64_t size) const;
+  // Region `name`, after checking that [offset, offset + size) lies inside it. `what` names the
+  // tensor in errors.
+  absl::StatusOr<std::shared_ptr<const Region>> Resolve(const std::string& what,
+                                                        const std::string& name, int64_t offset,
+                                                        int64_t size) const;
+  int num_regions() const;
 
  private:
+  const int max_regions_;
   mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<Region>> regions_;
+  std::map<std::string, std::shared_ptr<const Region>> regions_;
 };
 
 }  // namespace attnd

@@ -1,18 +1,26 @@
 #include "service/tensor_codec.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/client_text.h"
 #include "common/status_macros.h"
 
 namespace attnd {
+namespace {
+
+// Where a shared-memory tensor's view points until its bytes are read: never dereferenced
+// (shape checks do not read data), but not null, so a missing tensor stays distinguishable.
+const char kNotYetRead = 0;
+
+}  // namespace
 
 absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& shm,
-                                  RegionHolds* holds) {
+                                  ShmTransfers* transfers) {
   TensorView v;
   if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty() && !t.has_shm()) return v;
   const auto dtype = ParseDType(t.datatype());
   if (!dtype)
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": datatype '", t.datatype(), "' is not one of BF16, FP16, FP32"));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": datatype ", Quote(t.datatype()),
+                                                   " is not one of BF16, FP16, FP32"));
   if (t.shape_size() > TensorView::kMaxRank)
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": rank ", t.shape_size(), " exceeds ", TensorView::kMaxRank));
@@ -29,9 +37,9 @@ absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const S
       return absl::InvalidArgumentError(absl::StrCat(name, ": both data and shm given"));
     ASSIGN_OR_RETURN(auto r,
                      shm.Resolve(name, t.shm().region(), t.shm().offset(), t.shm().byte_size()));
-    v.data = r.second;
+    v.data = &kNotYetRead;
     v.nbytes = static_cast<size_t>(t.shm().byte_size());
-    holds->push_back(std::move(r.first));
+    transfers->inputs.push_back({std::move(r), t.shm().offset(), v.nbytes, nullptr});
     return v;
   }
   v.data = t.data().data();
@@ -39,27 +47,52 @@ absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const S
   return v;
 }
 
-absl::StatusOr<LayerInputs> ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm,
-                                   RegionHolds* holds) {
-  LayerInputs out;
-  ASSIGN_OR_RETURN(out.q_latent, ViewOf("q_latent", in.q_latent(), shm, holds));
-  ASSIGN_OR_RETURN(out.q_rope, ViewOf("q_rope", in.q_rope(), shm, holds));
-  ASSIGN_OR_RETURN(out.kv_latent, ViewOf("kv_latent", in.kv_latent(), shm, holds));
-  ASSIGN_OR_RETURN(out.k_rope, ViewOf("k_rope", in.k_rope(), shm, holds));
-  ASSIGN_OR_RETURN(out.index_q, ViewOf("index_q", in.index_q(), shm, holds));
-  ASSIGN_OR_RETURN(out.index_k, ViewOf("index_k", in.index_k(), shm, holds));
-  ASSIGN_OR_RETURN(out.index_w, ViewOf("index_w", in.index_w(), shm, holds));
-  return out;
+absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransfers* transfers,
+                    LayerInputs* out) {
+  const std::pair<const char*, std::pair<const v1::Tensor*, TensorView*>> all[] = {
+      {"q_latent", {&in.q_latent(), &out->q_latent}},
+      {"q_rope", {&in.q_rope(), &out->q_rope}},
+      {"kv_latent", {&in.kv_latent(), &out->kv_latent}},
+      {"k_rope", {&in.k_rope(), &out->k_rope}},
+      {"index_q", {&in.index_q(), &out->index_q}},
+      {"index_k", {&in.index_k(), &out->index_k}},
+      {"index_w", {&in.index_w(), &out->index_w}}};
+  for (const auto& [name, p] : all) {
+    const size_t pending = transfers->inputs.size();
+    ASSIGN_OR_RETURN(*p.second, ViewOf(name, *p.first, shm, transfers));
+    if (transfers->inputs.size() > pending) transfers->inputs.back().view = p.second;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmTransfers::ReadInputs() {
+  for (Pending& p : inputs) {
+    if (p.view == nullptr) continue;  // not bound to a layer view (caller reads it itself)
+    buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
+    RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes));
+    p.view->data = buffers.back()->data();
+    p.view = nullptr;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmTransfers::CheckOutputRegions() const {
+  for (const Pending& o : outputs) RETURN_IF_ERROR(o.region->CheckStillCovers(o.offset, o.bytes));
+  return absl::OkStatus();
+}
+
+absl::Status ShmTransfers::WriteOutputs() {
+  for (size_t i = 0; i < outputs.size(); ++i)
+    RETURN_IF_ERROR(
+        outputs[i].region->Write(outputs[i].offset, output_buffers[i]->data(), outputs[i].bytes));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, DType dtype,
-                                    int64_t tokens, int heads, int latent, const ShmRegistry& shm,
-                                    RegionHolds* holds) {
-  out->set_datatype(std::string(DTypeName(dtype)));
-  out->clear_shape();
-  out->add_shape(tokens);
-  out->add_shape(heads);
-  out->add_shape(latent);
+                                    int64_t tokens, int heads, int latent,
+                                    int64_t max_message_bytes, const ShmRegistry& shm,
+                                    ShmTransfers* transfers) {
+  // tokens, heads and latent are the engine's (bounded), so the product cannot overflow.
   const int64_t bytes = tokens * heads * latent * static_cast<int64_t>(DTypeSize(dtype));
   if (in.has_out_shm()) {
     if (in.out_shm().byte_size() != bytes)
@@ -68,11 +101,28 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
                                                      " for [T, H, L] in ", DTypeName(dtype)));
     ASSIGN_OR_RETURN(auto r,
                      shm.Resolve("out_shm", in.out_shm().region(), in.out_shm().offset(), bytes));
+    transfers->outputs.push_back(
+        {std::move(r), in.out_shm().offset(), static_cast<size_t>(bytes), nullptr});
+    transfers->output_buffers.push_back(
+        std::make_unique<std::string>(static_cast<size_t>(bytes), '\0'));
+    out->set_datatype(std::string(DTypeName(dtype)));
+    out->clear_shape();
+    out->add_shape(tokens);
+    out->add_shape(heads);
+    out->add_shape(latent);
     *out->mutable_shm() = in.out_shm();
     out->clear_data();
-    holds->push_back(std::move(r.first));
-    return static_cast<void*>(r.second);
+    return static_cast<void*>(transfers->output_buffers.back()->data());
   }
+  if (bytes > max_message_bytes - kMessageFramingBytes)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output: ", bytes, " bytes would not fit in a reply of at most ", max_message_bytes,
+        " bytes (max_message_bytes); name an out_shm region or send fewer tokens per step"));
+  out->set_datatype(std::string(DTypeName(dtype)));
+  out->clear_shape();
+  out->add_shape(tokens);
+  out->add_shape(heads);
+  out->add_shape(latent);
   std::string* data = out->mutable_data();
   data->resize(static_cast<size_t>(bytes));
   return static_cast<void*>(data->data());

@@ -1,5 +1,7 @@
-// Wire tensors (attnd.v1.Tensor) to engine views and back, without copying the payload: bytes
-// are viewed in place in the request, or in a registered shared-memory region.
+// Wire tensors (attnd.v1.Tensor) to engine views and back. Bytes sent in the request are viewed
+// in place; bytes in a registered shared-memory region are read into a buffer of the request
+// only after the layer's shapes have been checked (validate, then allocate), and an output bound
+// for a region is written there after the layer ran.
 #pragma once
 
 #include <memory>
@@ -13,24 +15,51 @@
 
 namespace attnd {
 
-// Shared-memory regions a request uses, held mapped until it finishes.
-using RegionHolds = std::vector<std::shared_ptr<ShmRegistry::Region>>;
+// The shared-memory side of one request: the regions it uses (held open until it finishes) and
+// the copies made of them. Filled by ViewOf and PrepareOutput.
+struct ShmTransfers {
+  // Reads every pending input region into a buffer and points its view there.
+  absl::Status ReadInputs();
+  // Fails when an output region no longer covers its bytes (checked before a layer runs).
+  absl::Status CheckOutputRegions() const;
+  // Writes each output buffer into its region (outputs bound to one).
+  absl::Status WriteOutputs();
 
-// A view of `t`'s bytes (valid while `t` and `holds` live). An unset tensor is
-// `present == false`. INVALID_ARGUMENT names the tensor for a bad datatype string, rank, or both
-// data and shm; NOT_FOUND for an unknown region. Shapes and byte counts are checked by the engine.
+  struct Pending {
+    std::shared_ptr<const ShmRegistry::Region> region;
+    int64_t offset = 0;
+    size_t bytes = 0;
+    TensorView* view = nullptr;  // the view to point at the bytes once read
+  };
+  std::vector<Pending> inputs;
+  std::vector<std::unique_ptr<std::string>> buffers;
+  // Outputs bound for regions (one per shard of a sharded step) and their buffers.
+  std::vector<Pending> outputs;
+  std::vector<std::unique_ptr<std::string>> output_buffers;
+};
+
+// A view of `t`'s bytes (valid while `t` and `shm` live). An unset tensor is `present == false`.
+// INVALID_ARGUMENT names the tensor for a bad datatype string, rank, or both data and shm;
+// NOT_FOUND for an unknown region. A shared-memory tensor's data points at nothing readable
+// until shm->ReadInputs() ran. Shapes and byte counts are checked by the engine.
 absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& shm,
-                                  RegionHolds* holds);
+                                  ShmTransfers* transfers);
 
-// All seven tensors of a layer message.
-absl::StatusOr<LayerInputs> ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm,
-                                   RegionHolds* holds);
+// All seven tensors of a layer message, into *out (which must stay where it is until
+// transfers->ReadInputs() ran).
+absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransfers* transfers,
+                    LayerInputs* out);
 
-// Sizes `out` for [tokens, heads, latent] in `dtype` and returns where to write it: into
-// `out_shm`'s region when `in` names one (the reply then carries that reference), else into the
-// reply's bytes.
+// Sizes `out` for [tokens, heads, latent] in `dtype` and returns where to write it: the reply's
+// bytes, or a buffer that transfers->WriteOutputs() copies into `out_shm`'s region (the reply then
+// carries that reference). INVALID_ARGUMENT when out_shm is given on a step with no output, or
+// when an output sent as bytes would not fit in a message of max_message_bytes.
 absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, DType dtype,
-                                    int64_t tokens, int heads, int latent, const ShmRegistry& shm,
-                                    RegionHolds* holds);
+                                    int64_t tokens, int heads, int latent,
+                                    int64_t max_message_bytes, const ShmRegistry& shm,
+                                    ShmTransfers* transfers);
+
+// Bytes a message may need beyond its tensors' payloads (tags, lengths, small fields).
+inline constexpr int64_t kMessageFramingBytes = 1024;
 
 }  // namespace attnd

@@ -276,10 +276,8 @@ absl::Status CudaDevice::State::Select(int layer) {
     bool all;
     if (st->plan.dense_prefill[i]) {
       all = true;
-    } else if (spec.selection == SelectionMode::kPageBudget) {
-      all = (v + spec.page_size - 1) / spec.page_size <= spec.page_budget;
     } else {
-      all = v <= spec.index_topk;
+      all = SelectsEveryVisibleKey(spec, v);
     }
     st->use_range_host[i] = all;
     if (all) continue;

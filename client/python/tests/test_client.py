@@ -615,9 +615,9 @@ def test_wrong_shape_invalid_argument(harness, client, path, tensor):
         for i in range(bad_layer):
             client.attend_layer(step.step_id, i, **inputs[i])
         e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id, bad_layer, **x)
-        # the error aborted the step
+        # the error aborted the step: a later layer is told so
         nxt = bad_layer + 1 if bad_layer + 1 < spec.num_layers else bad_layer
-        expect(grpc.StatusCode.NOT_FOUND, client.attend_layer, step.step_id, nxt, **inputs[nxt])
+        expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id, nxt, **inputs[nxt])
     assert tensor in e.details, e.details
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
@@ -663,7 +663,7 @@ def test_layer_out_of_order_failed_precondition(harness, client, path, skip):
         client.attend_layer(step.step_id, 0, **inputs[0])
         expect(grpc.StatusCode.FAILED_PRECONDITION, client.attend_layer, step.step_id, wrong,
                **inputs[wrong])
-        expect(grpc.StatusCode.NOT_FOUND, client.attend_layer, step.step_id, 1, **inputs[1])
+        expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id, 1, **inputs[1])
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
 

@@ -1,0 +1,347 @@
+// Hostile and buggy clients against a real attnd over loopback (issue 9): every case here once
+// wedged, crashed or starved the server, or was silently accepted. Each call must get a precise
+// status with a short message, leave every sequence as it was, and the server keeps serving.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
+#include "client/workload.h"
+#include "tests/server_process.h"
+
+namespace attnd::testing {
+namespace {
+
+using client::Batch;
+using client::Client;
+
+constexpr int64_t kMaxMessage = 256 << 10;
+
+// The server's peak resident memory (VmHWM), bytes.
+int64_t PeakRss(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return -1;
+}
+
+class HardeningTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = new ServerProcess(ATTND_BINARY, {"--model=tiny", "--kv-pages=400", "--threads=2",
+                                               "--metrics-port=0", "--step-idle-timeout-ms=300",
+                                               absl::StrCat("--max-message-bytes=", kMaxMessage)});
+  }
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->Stop(), 0) << "attnd exits 0 on SIGTERM: it survived every case";
+    delete server_;
+  }
+  void SetUp() override {
+    client_ = Client::Connect(server_->target());
+    auto info = client_->Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    info_ = *info;
+    spec_ = client::ModelSpecFromProto(info->model()).value();
+  }
+  // Runs a whole step over unary calls.
+  absl::Status Step(const Batch& batch, bool write_only = false) {
+    int64_t T = 0;
+    for (const auto& e : batch) T += e.second;
+    auto g = client::GenerateStep(spec_, T, DType::kBF16, write_only, rng_);
+    auto b = client_->BeginStep(batch, write_only);
+    if (!b.ok()) return b.status();
+    for (const auto& l : g) {
+      auto o = client_->AttendLayer(b->step_id(), l.wire);
+      if (!o.ok()) return o.status();
+    }
+    return absl::OkStatus();
+  }
+  void ExpectIdle(const std::string& id, int64_t length) {
+    auto d = client_->DescribeSequence(id);
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->length(), length) << id;
+    EXPECT_FALSE(d->in_step()) << id;
+  }
+  static void ExpectShort(const absl::Status& s, absl::StatusCode code) {
+    EXPECT_EQ(s.code(), code) << s.message().substr(0, 200);
+    EXPECT_LT(s.message().size(), 300u) << s.message().substr(0, 300);
+  }
+
+  static ServerProcess* server_;
+  std::unique_ptr<Client> client_;
+  v1::ServerInfoResponse info_;
+  ModelSpec spec_;
+  std::mt19937_64 rng_{9};
+};
+ServerProcess* HardeningTest::server_ = nullptr;
+
+// Case 1, over both transports: the answer is OUT_OF_RANGE, the stream answers, nothing is held.
+TEST_F(HardeningTest, HugeQLenGetsOutOfRangeOnBothTransportsAndHoldsNothing) {
+  ASSERT_TRUE(client_->OpenSequence("h1").ok());
+  ASSERT_TRUE(client_->OpenSequence("h2").ok());
+  ASSERT_TRUE(Step({{"h1", 1}, {"h2", 1}}).ok());
+  const int64_t free_before = client_->Info()->devices(0).pages_free();
+  const Batch bad = {{"h1", 2}, {"h2", std::numeric_limits<int64_t>::max()}};
+  ExpectShort(client_->BeginStep(bad).status(), absl::StatusCode::kOutOfRange);
+  auto stream = client_->OpenStream();
+  ExpectShort(stream->Begin(bad).status(), absl::StatusCode::kOutOfRange);
+  ExpectIdle("h1", 1);
+  ExpectIdle("h2", 1);
+  EXPECT_EQ(client_->Info()->devices(0).pages_free(), free_before);
+  EXPECT_TRUE(Step({{"h1", 3}, {"h2", 2}}).ok());
+  EXPECT_TRUE(client_->CloseSequence("h1").ok());
+  EXPECT_TRUE(client_->CloseSequence("h2").ok());
+}
+
+// Case 2: a registered object truncated under the server fails the call, never the server.
+TEST_F(HardeningTest, ASharedMemoryObjectThatShrinksFailsTheCallNotTheServer) {
+  ASSERT_TRUE(client_->OpenSequence("sh").ok());
+  ASSERT_TRUE(Step({{"sh", 5}}).ok());
+  const std::string key = absl::StrCat("/attnd-hard-", getpid());
+  auto mem = client::SharedMemory::Create(key, 1 << 20);
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  ASSERT_TRUE(client_->RegisterSharedMemory("shrink", key, 0, 1 << 20).ok());
+  auto g = client::GenerateStep(spec_, 3, DType::kBF16, false, rng_);
+  for (bool output_only : {false, true}) {
+    v1::LayerInputs in = g[0].wire;
+    if (output_only) {
+      in.mutable_out_shm()->set_region("shrink");
+      in.mutable_out_shm()->set_offset(4096);
+      in.mutable_out_shm()->set_byte_size(3 * spec_.num_heads * spec_.kv_lora_rank * 2);
+    } else {
+      const auto& q = g[0].wire.q_latent();
+      std::memcpy((*mem)->data() + 4096, q.data().data(), q.data().size());
+      *in.mutable_q_latent() = client::ShmTensor(DType::kBF16, {3, spec_.num_heads, spec_.kv_lora_rank},
+                                                 "shrink", 4096);
+    }
+    // The object shrinks (its owner truncates it) after registration.
+    const int fd = shm_open(key.c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 0), 0);
+    auto b = client_->BeginStep({{"sh", 3}});
+    ASSERT_TRUE(b.ok());
+    const absl::Status s = client_->AttendLayer(b->step_id(), in).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("shrank"), absl::string_view::npos) << s;
+    ASSERT_EQ(ftruncate(fd, 1 << 20), 0);  // grown back for the next round
+    close(fd);
+    ExpectIdle("sh", 5);
+  }
+  EXPECT_TRUE(client_->Info().ok()) << "the server is still serving";
+  EXPECT_TRUE(client_->UnregisterSharedMemory("shrink").ok());
+  EXPECT_TRUE(Step({{"sh", 2}}).ok());
+  EXPECT_TRUE(client_->CloseSequence("sh").ok());
+}
+
+// Case 4: a 100 KB datatype string or a huge id gets its own status with a short message (a
+// message that quoted it all would become gRPC's RESOURCE_EXHAUSTED for oversized metadata).
+TEST_F(HardeningTest, StatusMessagesQuoteOnlyAShortPrefix) {
+  ASSERT_TRUE(client_->OpenSequence("q").ok());
+  auto g = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
+  v1::LayerInputs in = g[0].wire;
+  in.mutable_q_rope()->set_datatype(std::string(100 << 10, 'B'));
+  auto b = client_->BeginStep({{"q", 2}});
+  ASSERT_TRUE(b.ok());
+  ExpectShort(client_->AttendLayer(b->step_id(), in).status(), absl::StatusCode::kInvalidArgument);
+  const std::string id(100 << 10, 'i');
+  ExpectShort(client_->DescribeSequence(id).status(), absl::StatusCode::kNotFound);
+  ExpectShort(client_->OpenSequence(id).status(), absl::StatusCode::kInvalidArgument);
+  ExpectShort(client_->BeginStep({{id, 1}}).status(), absl::StatusCode::kInvalidArgument);
+  ExpectShort(client_->OpenSequence("q2", id, 0).status(), absl::StatusCode::kNotFound);
+  ExpectShort(client_->RegisterSharedMemory(id, "/k", 0, 1), absl::StatusCode::kInvalidArgument);
+  ExpectIdle("q", 0);
+  EXPECT_TRUE(client_->CloseSequence("q").ok());
+}
+
+// Case 5: a stream whose step expired may begin the next one; a layer of an expired step says
+// DEADLINE_EXCEEDED (the proto's code for aborted steps), not NOT_FOUND.
+TEST_F(HardeningTest, AStreamWhoseStepExpiredBeginsAgainAndLateLayersSaySo) {
+  ASSERT_TRUE(client_->OpenSequence("ex").ok());
+  auto g = client::GenerateStep(spec_, 4, DType::kBF16, false, rng_);
+  auto stream = client_->OpenStream();
+  ASSERT_TRUE(stream->Begin({{"ex", 4}}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(900));  // idle timeout 300 ms
+  auto again = stream->Begin({{"ex", 4}});
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (const auto& l : g) ASSERT_TRUE(stream->Layer(l.wire).ok());
+  ExpectIdle("ex", 4);
+  ASSERT_TRUE(stream->Begin({{"ex", 4}}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(900));
+  const absl::Status late = stream->Layer(g[0].wire).status();
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  ExpectIdle("ex", 4);
+  EXPECT_TRUE(client_->CloseSequence("ex").ok());
+}
+
+// Case 6: after a client cancels a stream mid-step, the next step with the same sequences can
+// begin at once.
+TEST_F(HardeningTest, AfterACancelTheSameSequencesBeginAtOnce) {
+  ASSERT_TRUE(client_->OpenSequence("cr").ok());
+  auto g = client::GenerateStep(spec_, 17, DType::kBF16, false, rng_);
+  for (int i = 0; i < 20; ++i) {
+    auto stream = client_->OpenStream();
+    ASSERT_TRUE(stream->Begin({{"cr", 17}}).ok());
+    ASSERT_TRUE(stream->Layer(g[0].wire).ok());
+    stream->Cancel();
+    auto b = client_->BeginStep({{"cr", 17}});
+    ASSERT_TRUE(b.ok()) << "round " << i << ": " << b.status();
+    ASSERT_TRUE(client_->AbortStep(b->step_id()).ok());
+  }
+  ExpectIdle("cr", 0);
+  EXPECT_TRUE(client_->CloseSequence("cr").ok());
+}
+
+// Case 7: the documented limits are the ones that work, framing included.
+TEST_F(HardeningTest, EchoAndExportLimitsAreTheOnesThatWork) {
+  const auto& lim = info_.limits();
+  ASSERT_GT(lim.max_echo_bytes(), kMaxMessage / 2);
+  EXPECT_TRUE(client_->Echo("x", lim.max_echo_bytes()).ok());
+  ExpectShort(client_->Echo("x", lim.max_echo_bytes() + 1), absl::StatusCode::kInvalidArgument);
+  ExpectShort(client_->Echo("x", kMaxMessage), absl::StatusCode::kInvalidArgument);
+  // A sequence longer than the largest chunk, built from write-only steps.
+  const int64_t chunk = lim.max_export_chunk_tokens();
+  ASSERT_GT(chunk, 100);
+  ASSERT_TRUE(client_->OpenSequence("exp").ok());
+  int64_t length = 0;
+  while (length < chunk + 50) {
+    ASSERT_TRUE(Step({{"exp", 600}}, true).ok());
+    length += 600;
+  }
+  auto to = Client::Connect(server_->target(), kMaxMessage);
+  for (int64_t c : {chunk, int64_t{0}}) {
+    v1::ExportSequenceRequest req;
+    req.set_sequence_id("exp");
+    req.set_chunk_tokens(c);
+    grpc::ClientContext ctx;
+    auto reader = client_->stub()->ExportSequence(&ctx, req);
+    v1::ExportChunk msg;
+    int64_t tokens = 0;
+    while (reader->Read(&msg))
+      if (msg.keys().layer() == 0) tokens += msg.tokens();
+    EXPECT_TRUE(reader->Finish().ok()) << "chunk_tokens " << c;
+    EXPECT_EQ(tokens, length);
+  }
+  for (int64_t c : {chunk + 1, int64_t{8192}, int64_t{-1}}) {
+    v1::ExportSequenceRequest req;
+    req.set_sequence_id("exp");
+    req.set_chunk_tokens(c);
+    grpc::ClientContext ctx;
+    auto reader = client_->stub()->ExportSequence(&ctx, req);
+    v1::ExportChunk msg;
+    while (reader->Read(&msg)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c;
+  }
+  EXPECT_TRUE(client_->CloseSequence("exp").ok());
+}
+
+// Case 9: input that was silently accepted is refused with INVALID_ARGUMENT naming the field.
+TEST_F(HardeningTest, FieldsThatDoNotApplyAndNonFiniteValuesAreRefused) {
+  ASSERT_TRUE(client_->OpenSequence("sa").ok());
+  ASSERT_TRUE(Step({{"sa", 3}}).ok());
+  auto expect = [](const absl::Status& s, const char* needle) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(needle), absl::string_view::npos) << s;
+  };
+  expect(client_->OpenSequence("sb", "", 2).status(), "fork_prefix_len");
+  EXPECT_EQ(client_->DescribeSequence("sb").status().code(), absl::StatusCode::kNotFound);
+  auto g = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
+  {
+    v1::LayerInputs in = g[0].wire;
+    in.set_shard(1);
+    auto b = client_->BeginStep({{"sa", 2}});
+    ASSERT_TRUE(b.ok());
+    expect(client_->AttendLayer(b->step_id(), in).status(), "shard");
+  }
+  {
+    auto w = client::GenerateStep(spec_, 2, DType::kBF16, true, rng_);
+    v1::LayerInputs in = w[0].wire;
+    in.mutable_out_shm()->set_region("any");
+    in.mutable_out_shm()->set_byte_size(16);
+    auto b = client_->BeginStep({{"sa", 2}}, true);
+    ASSERT_TRUE(b.ok());
+    expect(client_->AttendLayer(b->step_id(), in).status(), "out_shm");
+  }
+  const std::string key = absl::StrCat("/attnd-nul-", getpid());
+  auto mem = client::SharedMemory::Create(key, 4096);
+  ASSERT_TRUE(mem.ok());
+  expect(client_->RegisterSharedMemory("nul", key + std::string("\0x", 2), 0, 16), "NUL");
+  for (const char* tensor : {"q_latent", "kv_latent", "index_k", "index_w"}) {
+    v1::LayerInputs in = g[0].wire;
+    v1::Tensor* t = tensor[0] == 'q'   ? in.mutable_q_latent()
+                    : tensor[0] == 'k' ? in.mutable_kv_latent()
+                    : tensor[6] == 'k' ? in.mutable_index_k()
+                                       : in.mutable_index_w();
+    const uint16_t nan = 0x7fc0;  // bf16 NaN at element 3
+    std::memcpy(t->mutable_data()->data() + 6, &nan, 2);
+    auto b = client_->BeginStep({{"sa", 2}});
+    ASSERT_TRUE(b.ok());
+    expect(client_->AttendLayer(b->step_id(), in).status(),
+           absl::StrCat(tensor, ": non-finite").c_str());
+  }
+  ExpectIdle("sa", 3);
+  EXPECT_TRUE(Step({{"sa", 1}}).ok());
+  EXPECT_TRUE(client_->CloseSequence("sa").ok());
+}
+
+// Case 9, flags: a value that does not fit its flag is an error, not a truncation.
+TEST(HardeningFlags, OutOfRangeFlagValuesStopTheServerWithAMessage) {
+  for (const char* flag : {"--kv-pages=4294967360", "--max-shm-regions=4294967296",
+                           "--threads=-1", "--max-step-tokens=0", "--check-finite=maybe"}) {
+    const std::string cmd =
+        absl::StrCat(ATTND_BINARY, " --grpc-port=0 --metrics-port=0 ", flag, " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[256];
+    while (fgets(buf, sizeof(buf), p)) out += buf;
+    const int status = pclose(p);
+    EXPECT_NE(status, 0) << flag;
+    EXPECT_NE(out.find("bad value"), std::string::npos) << flag << ": " << out.substr(0, 300);
+  }
+}
+
+// Case 3: work and memory are bounded before they are spent. A server with the production
+// message limit (1 GiB) and a wide model: a 7-byte Echo asking for 1 GiB, and a 12-byte layer
+// message for a 16K-token step (whose output would be 2 GiB), must not move its peak memory.
+TEST(HardeningMemory, TinyRequestsCannotMakeTheServerAllocateGigabytes) {
+  const std::string model = absl::StrCat(::testing::TempDir(), "/wide-", getpid(), ".json");
+  {
+    std::ofstream f(model);
+    f << R"({"base": "tiny", "name": "wide", "layers": "F", "num_heads": 128,
+             "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
+             "page_size": 64, "max_context": 32768})";
+  }
+  ServerProcess server(ATTND_BINARY, {absl::StrCat("--model-file=", model), "--kv-pages=300",
+                                      "--threads=2", "--metrics-port=0"});
+  auto c = Client::Connect(server.target());
+  ASSERT_TRUE(c->Info().ok());
+  const int64_t base = PeakRss(server.pid());
+  ASSERT_GT(base, 0);
+  EXPECT_EQ(c->Echo("abcdefg", int64_t{1} << 30).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->OpenSequence("w").ok());
+  auto b = c->BeginStep({{"w", 16384}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  v1::LayerInputs in;
+  in.set_layer(0);
+  const absl::Status s = c->AttendLayer(b->step_id(), in).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  const int64_t peak = PeakRss(server.pid());
+  EXPECT_LT(peak - base, int64_t{256} << 20)
+      << "peak RSS grew from " << base << " to " << peak << " bytes";
+  EXPECT_FALSE(c->DescribeSequence("w")->in_step());
+  EXPECT_EQ(server.Stop(), 0);
+  std::remove(model.c_str());
+}
+
+}  // namespace
+}  // namespace attnd::testing
