@@ -4,6 +4,7 @@
 //                 [--check-every=4] [--seed=1]
 //   attnctl bench [--target=...] [--batch=8] [--context=4096] [--steps=20]
 //   attnctl handoff --sequence=ID --to=HOST:PORT [--target=...] [--chunk=4096] [--close-source]
+//   attnctl soak  [--target=127.0.0.1:PORT] [--minutes=1] [--clients=4] [--server-pid=PID]
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
+#include "client/soak.h"
 #include "client/workload.h"
 
 namespace attnd::client {
@@ -365,13 +367,25 @@ int main(int argc, char** argv) {
       a.command = s;
     }
   }
+  if (a.command == "soak") {
+    SoakOptions o;
+    o.target = a.Get("target", "127.0.0.1:50051");
+    o.minutes = std::atof(a.Get("minutes", "1").c_str());
+    o.clients = static_cast<int>(a.Int("clients", 4));
+    o.sequences_per_client = static_cast<int>(a.Int("sequences", 4));
+    o.report_seconds = static_cast<int>(a.Int("report-seconds", 30));
+    o.server_pid = static_cast<int>(a.Int("server-pid", 0));
+    o.seed = static_cast<uint64_t>(a.Int("seed", 1));
+    return RunSoak(o);
+  }
   if (a.command != "info" && a.command != "demo" && a.command != "bench" &&
       a.command != "handoff") {
     std::fprintf(stderr,
                  "usage: attnctl info|demo|bench|handoff [--target=HOST:PORT] [command flags]\n"
                  "  demo:  --sequences=4 --prompt=2200 --chunk=512 --decode=24 --check-every=4\n"
                  "  bench: --batch=8 --context=4096 --steps=20\n"
-                 "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n");
+                 "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n"
+                 "  soak:  --minutes=1 --clients=4 --sequences=4 --server-pid=PID (loopback)\n");
     return 2;
   }
   auto client = Client::Connect(a.Get("target", "localhost:50051"));

@@ -315,7 +315,9 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text) {
       return absl::InvalidArgumentError("model spec JSON: 'base' must be a preset name");
     ASSIGN_OR_RETURN(s, PresetModelSpec(it->second.str));
   }
-  for (const auto& [key, v] : doc.obj) {
+  for (const auto& entry : doc.obj) {
+    const std::string& key = entry.first;
+    const Json& v = entry.second;
     auto need = [&](Json::Kind k) -> absl::Status {
       if (v.kind != k)
         return absl::InvalidArgumentError(

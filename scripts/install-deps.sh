@@ -9,6 +9,7 @@ apt_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
   civetweb libcivetweb-dev
   prometheus
+  clang-14 llvm-14 libclang-rt-14-dev libfuzzer-14-dev
   python3-pip curl
 )
 missing=()

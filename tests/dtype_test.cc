@@ -26,6 +26,9 @@ TEST(DType, Fp16RoundTripsEveryBitPattern) {
 }
 
 TEST(DType, Fp16ConversionMatchesCompilerFloat16) {
+#if !defined(__FLT16_MAX__)
+  GTEST_SKIP() << "this compiler has no _Float16 on this target (the gcc build runs this test)";
+#else
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> mag(-30.0f, 17.0f);
   for (int i = 0; i < 200000; ++i) {
@@ -36,6 +39,7 @@ TEST(DType, Fp16ConversionMatchesCompilerFloat16) {
     std::memcpy(&bits, &h, 2);
     ASSERT_EQ(F32ToF16(f), bits) << f;
   }
+#endif
 }
 
 TEST(DType, Bf16RoundsToNearestEven) {

@@ -286,6 +286,7 @@ TEST(EngineHardening, LateMessagesLearnTheirStepsFate) {
 TEST(EngineHardening, ABeginRightAfterAnAbortOfARunningLayerSucceeds) {
   EngineOptions o = Options(1024);
   o.threads = 1;
+  o.limits.abort_wait = std::chrono::seconds(120);  // longer than any layer, sanitizers included
   Harness h(o);
   h.Open("r");
   const std::vector<StepEntry> big = {{"r", 3000}};

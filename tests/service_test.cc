@@ -413,8 +413,10 @@ TEST_F(ServiceTest, ShardedStepsGatherHeadsAndEqualAnUnshardedStep) {
   const int S = 2;
   Open("sh-a");
   Open("sh-b");
-  for (const auto& [q, stream_transport] :
+  for (const auto& round :
        std::vector<std::pair<int64_t, bool>>{{40, true}, {1, true}, {3, false}, {1, false}}) {
+    const int64_t q = round.first;  // named copies: lambdas below capture them
+    const bool stream_transport = round.second;
     auto g = client::GenerateStep(spec_, q, DType::kBF16, false, rng_);
     auto want = RunStep(nullptr, {{"sh-b", q}}, g);
     ASSERT_TRUE(want.ok()) << want.status();

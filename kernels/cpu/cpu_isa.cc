@@ -9,14 +9,23 @@ namespace generic {
 }  // namespace generic
 
 #if defined(__x86_64__)
+// The AVX2 copy of the same code, compiled for AVX2+FMA only here (picked at run time).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 namespace avx2 {
 #define ATTND_VW 8
 #include "kernels/cpu/cpu_isa_impl.inc"
 #undef ATTND_VW
 }  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #endif
 
 absl::string_view IsaName(Isa isa) { return isa == Isa::kAvx2 ? "avx2" : "generic"; }

@@ -60,6 +60,7 @@ import dataclasses
 import os
 import queue
 import sys
+import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -748,6 +749,8 @@ class StepStream:
         self._shard = 0
         self._next_layer = 0
         self._closed = False
+        self._stub = stub
+        self._open_ids: List[str] = []
 
     def _request_iterator(self) -> Iterator[pb.StepRequest]:
         while True:
@@ -808,6 +811,7 @@ class StepStream:
         request = pb.StepRequest(begin=_batch(batch, write_only, num_shards))
         response = self._roundtrip(request, "begun")
         self._step = StepInfo(step_id=response.begun.step_id, num_tokens=response.begun.num_tokens)
+        self._open_ids = [sid for sid, _ in batch]
         self._shard = 0
         self._next_layer = 0
         return self._step
@@ -873,9 +877,25 @@ class StepStream:
             raise AttndError.from_rpc_error(e) from e
 
     def cancel(self) -> None:
-        """Cancels the RPC; the server aborts the open step."""
+        """Cancels the RPC; the server aborts the open step. Returns once the server has released
+        the open step's sequences (bounded wait), so a new step may use them at once."""
+        had_step = self._step is not None and not self._closed
         self._call.cancel()
         self._finish()
+        ids, self._open_ids = self._open_ids, []
+        if not had_step:
+            return
+        deadline = time.monotonic() + 5.0
+        for sid in ids:
+            while time.monotonic() < deadline:
+                try:
+                    info = self._stub.DescribeSequence(pb.DescribeSequenceRequest(sequence_id=sid),
+                                                       timeout=max(0.01, deadline - time.monotonic()))
+                except grpc.RpcError:
+                    break
+                if not info.in_step:
+                    break
+                time.sleep(0.002)
 
     def __enter__(self) -> "StepStream":
         return self

@@ -741,3 +741,20 @@ def test_fork_beyond_parent_out_of_range(harness, client):
     expect(grpc.StatusCode.NOT_FOUND, client.describe_sequence, f"{h.tag}-child")
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
+
+
+def test_cancel_then_begin_at_once(harness, client):
+    """After a stream is cancelled mid-step, the same sequence begins a new step at once (cancel()
+    returns only when the server has released it)."""
+    h = harness
+    a = h.open("cancelled")
+    inputs = h.inputs(5)
+    for i in range(15):
+        stream = client.stream()
+        stream.begin([(a, 5)])
+        stream.layer(0, **inputs[0])
+        stream.cancel()
+        step = client.begin_step([(a, 5)])
+        client.abort_step(step.step_id)
+    assert client.describe_sequence(a).length == 0
+    assert not client.describe_sequence(a).in_step

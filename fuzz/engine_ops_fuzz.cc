@@ -1,0 +1,324 @@
+// libFuzzer target: random sequences of engine operations (open, fork, close, migrate, begin,
+// layers with random or broken inputs, abort, expire) on two CPU devices, checked after every
+// operation against a model of the expected state, the way database stress tools check
+// themselves: every sequence's length and step membership, every page's reference count, free
+// pages per device, page 0 untouched, and the outputs of every committed step against the
+// float64 oracle. Any mismatch aborts (a crash for libFuzzer).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "fuzz/fuzz_input.h"
+#include "kernels/reference/step_oracle.h"
+
+namespace attnd {
+namespace {
+
+#define FUZZ_CHECK(cond, ...)                                                            \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "engine_ops_fuzz: %s:%d: check failed: %s: %s\n", __FILE__, \
+                   __LINE__, #cond, absl::StrCat(__VA_ARGS__).c_str());                 \
+      std::abort();                                                                      \
+    }                                                                                    \
+  } while (0)
+
+constexpr int kPages = 24;  // per device, incl. page 0: small, so exhaustion is common
+constexpr int kIds = 6;
+
+ModelSpec Spec() {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.name = "fuzz";
+  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kDense};
+  s.page_size = 4;
+  s.index_topk = 6;
+  s.num_heads = 2;
+  s.max_context = 64;
+  return s;
+}
+
+struct Tensor {
+  std::vector<uint8_t> bytes;
+  std::vector<double> values;
+  TensorView View(std::initializer_list<int64_t> shape) const {
+    return TensorView::Of(DType::kF32, shape, bytes.data(), bytes.size());
+  }
+};
+
+Tensor Random(int64_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  Tensor t;
+  std::vector<float> f(n);
+  for (float& x : f) x = d(rng);
+  t.bytes.resize(n * 4);
+  if (n > 0) std::memcpy(t.bytes.data(), f.data(), n * 4);
+  t.values.assign(f.begin(), f.end());
+  return t;
+}
+
+struct Layer {
+  Tensor ql, qr, kv, kr, iq, ik, iw;
+};
+
+struct Model {
+  struct Seq {
+    int64_t length = 0;
+    int device = 0;
+  };
+  std::map<std::string, Seq> seqs;
+};
+
+class Run {
+ public:
+  Run() : spec_(Spec()), oracle_(spec_, DType::kF32) {
+    EngineOptions o;
+    o.spec = spec_;
+    o.cache_dtype = DType::kF32;
+    o.num_devices = 2;
+    o.pages_per_device = kPages;
+    o.threads = 1;
+    o.limits.max_step_tokens = 48;
+    o.limits.max_batch_entries = 4;
+    o.limits.abort_wait = std::chrono::milliseconds(0);
+    engine_ = Engine::Create(o).value();
+  }
+
+  void Op(FuzzInput& in) {
+    const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
+    switch (in.Int(0, 7)) {
+      case 0: {  // open
+        const int device = in.Int(-1, 2);  // 2 is out of range
+        const absl::Status s = engine_->OpenSequence(id, device);
+        const bool want = !model_.seqs.contains(id) && device < 2;
+        FUZZ_CHECK(s.ok() == want, id, " open: ", s.ToString());
+        if (s.ok()) {
+          model_.seqs[id] = {0, engine_->DescribeSequence(id)->device};
+          oracle_.Open(id);
+        }
+        break;
+      }
+      case 1: {  // fork
+        const std::string parent = absl::StrCat("s", in.Int(0, kIds - 1));
+        const int64_t prefix = in.Int(-2, 70);
+        const int device = in.Int(-1, 1);
+        const absl::Status s = engine_->ForkSequence(id, parent, prefix, device);
+        auto p = model_.seqs.find(parent);
+        const bool valid = !model_.seqs.contains(id) && p != model_.seqs.end() && prefix >= 0 &&
+                           prefix <= p->second.length;
+        FUZZ_CHECK(valid || !s.ok(), "fork accepted: ", s.ToString());
+        if (valid)
+          FUZZ_CHECK(s.ok() || s.code() == absl::StatusCode::kResourceExhausted, s.ToString());
+        if (s.ok()) {
+          model_.seqs[id] = {prefix, engine_->DescribeSequence(id)->device};
+          oracle_.Fork(id, parent, prefix);
+        }
+        break;
+      }
+      case 2: {  // close
+        const absl::Status s = engine_->CloseSequence(id);
+        FUZZ_CHECK(s.ok() == model_.seqs.contains(id), s.ToString());
+        if (s.ok()) {
+          model_.seqs.erase(id);
+          oracle_.Close(id);
+        }
+        break;
+      }
+      case 3: {  // migrate
+        const int device = in.Int(0, 1);
+        const absl::Status s = engine_->MigrateSequence(id, device);
+        if (!model_.seqs.contains(id)) {
+          FUZZ_CHECK(s.code() == absl::StatusCode::kNotFound, s.ToString());
+        } else if (s.ok()) {
+          model_.seqs[id].device = device;
+        } else {
+          FUZZ_CHECK(s.code() == absl::StatusCode::kResourceExhausted, s.ToString());
+        }
+        break;
+      }
+      case 4:
+      case 5:
+      case 6:
+        StepOp(in);
+        break;
+      case 7:
+        FUZZ_CHECK(engine_->ExpireIdleSteps(std::chrono::milliseconds(0)) == 0, "a step leaked");
+        break;
+    }
+    Audit();
+  }
+
+  // Closes everything: every page must come back.
+  void Finish() {
+    for (const auto& [id, s] : model_.seqs) FUZZ_CHECK(engine_->CloseSequence(id).ok(), id);
+    for (const DeviceCapacity& d : engine_->Capacity())
+      FUZZ_CHECK(d.pages_free == d.pages_total, d.name, " leaked ", d.pages_total - d.pages_free);
+  }
+
+ private:
+  void StepOp(FuzzInput& in) {
+    std::vector<StepEntry> batch;
+    const int n = in.Int(1, 5);  // 5 is beyond max_batch_entries
+    for (int i = 0; i < n; ++i) {
+      const int64_t q = in.Bool(0.05) ? in.Int64() : in.Int(0, 20);
+      batch.push_back({absl::StrCat("s", in.Int(0, kIds - 1)), q});
+    }
+    const Model before = model_;
+    const std::vector<int32_t> free_before = FreePages();
+    auto step = engine_->BeginStep(batch);
+    if (!step.ok()) {
+      FUZZ_CHECK(FreePages() == free_before, "a refused step changed the pool");
+      return;
+    }
+    // Accepted: the batch must have been valid.
+    std::set<std::string> seen;
+    int64_t T = 0;
+    for (const auto& e : batch) {
+      FUZZ_CHECK(model_.seqs.contains(e.sequence_id), "unknown sequence accepted");
+      FUZZ_CHECK(seen.insert(e.sequence_id).second, "duplicate accepted");
+      FUZZ_CHECK(e.q_len >= 1 && model_.seqs[e.sequence_id].length + e.q_len <= spec_.max_context,
+                 "bad q_len accepted");
+      T += e.q_len;
+    }
+    FUZZ_CHECK(T <= 48, "step tokens beyond the limit accepted");
+    std::mt19937_64 rng(in.Int(0, 1 << 30));
+    std::vector<Layer> layers;
+    const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, H = spec_.num_heads;
+    const int Hi = spec_.index_n_heads, Di = spec_.index_head_dim;
+    const int stop = in.Bool(0.7) ? spec_.num_layers() : in.Int(0, spec_.num_layers() - 1);
+    const int broken = in.Bool(0.15) ? in.Int(0, spec_.num_layers() - 1) : -1;
+    std::vector<std::vector<double>> outs;
+    bool failed = false;
+    for (int l = 0; l < stop && !failed; ++l) {
+      Layer x{Random(T * H * L, rng), Random(T * H * R, rng), Random(T * L, rng),
+              Random(T * R, rng),     Random(0, rng),         Random(0, rng),
+              Random(0, rng)};
+      const bool full = spec_.layers[l] == LayerKind::kFull;
+      if (full) {
+        x.iq = Random(T * Hi * Di, rng);
+        x.ik = Random(T * Di, rng);
+        x.iw = Random(T * Hi, rng);
+      }
+      LayerInputs v;
+      v.q_latent = x.ql.View({T, H, L});
+      v.q_rope = x.qr.View({T, H, R});
+      v.kv_latent = x.kv.View({T, L});
+      v.k_rope = x.kr.View({T, R});
+      if (full) {
+        v.index_q = x.iq.View({T, Hi, Di});
+        v.index_k = x.ik.View({T, Di});
+        v.index_w = x.iw.View({T, Hi});
+      }
+      if (l == broken) {
+        switch (in.Int(0, 3)) {
+          case 0:
+            v.kv_latent.dims[1] += 1;
+            break;
+          case 1: {
+            const float nan = NAN;
+            std::memcpy(x.kr.bytes.data(), &nan, 4);
+            break;
+          }
+          case 2:
+            v.q_rope.nbytes -= 4;
+            break;
+          case 3:
+            v.index_q.present = false;
+            v.q_latent.present = false;
+            break;
+        }
+      }
+      std::vector<float> out(T * H * L);
+      const int layer = in.Bool(0.03) ? in.Int(0, 3) : l;  // sometimes out of order
+      const absl::Status s = engine_->RunLayer(*step, layer, v, out.data(), out.size() * 4);
+      if (!s.ok()) {
+        failed = true;
+        FUZZ_CHECK(l == broken || layer != l, "a good layer failed: ", s.ToString());
+        break;
+      }
+      FUZZ_CHECK(l != broken, "a broken layer was accepted");
+      for (float f : out) FUZZ_CHECK(std::isfinite(f), "non-finite output");
+      outs.emplace_back(out.begin(), out.end());
+      layers.push_back(std::move(x));
+    }
+    if (failed || stop < spec_.num_layers()) {
+      if (!failed) FUZZ_CHECK(engine_->AbortStep(*step).ok(), "abort");
+      model_ = before;
+      FUZZ_CHECK(FreePages() == free_before, "an aborted step changed the pool");
+      return;
+    }
+    // Committed: lengths advance and every layer matches the float64 oracle.
+    std::vector<std::pair<std::string, int64_t>> pairs;
+    for (const auto& e : batch) {
+      pairs.emplace_back(e.sequence_id, e.q_len);
+      model_.seqs[e.sequence_id].length += e.q_len;
+    }
+    std::vector<reference::LayerValues> values;
+    for (const Layer& x : layers)
+      values.push_back({x.ql.values, x.qr.values, x.kv.values, x.kr.values, x.iq.values,
+                        x.ik.values, x.iw.values});
+    oracle_.Commit(pairs, values);
+    const auto want = oracle_.Expected(pairs, values);
+    for (size_t l = 0; l < outs.size(); ++l) {
+      const double e = reference::RelL2(outs[l], want[l]);
+      FUZZ_CHECK(e <= 1e-4, "layer ", l, " rel L2 ", e);
+    }
+  }
+
+  std::vector<int32_t> FreePages() const {
+    std::vector<int32_t> f;
+    for (const DeviceCapacity& d : engine_->Capacity()) f.push_back(d.pages_free);
+    return f;
+  }
+
+  // The engine agrees with the model; page refcounts equal the references the sequences hold.
+  void Audit() {
+    FUZZ_CHECK(engine_->num_sequences() == static_cast<int64_t>(model_.seqs.size()), "count");
+    FUZZ_CHECK(engine_->num_open_steps() == 0, "open steps");
+    std::vector<std::vector<int32_t>> refs(2, std::vector<int32_t>(kPages, 0));
+    for (int d = 0; d < 2; ++d) refs[d][0] = 1;
+    for (const auto& [id, m] : model_.seqs) {
+      auto info = engine_->DescribeSequence(id);
+      FUZZ_CHECK(info.ok(), id);
+      FUZZ_CHECK(info->length == m.length, id, " length ", info->length, " want ", m.length);
+      FUZZ_CHECK(info->device == m.device, id, " device");
+      FUZZ_CHECK(!info->in_step, id, " in_step");
+      const int64_t pages = (m.length + spec_.page_size - 1) / spec_.page_size;
+      FUZZ_CHECK(static_cast<int64_t>(info->pages.size()) == pages, id, " pages");
+      for (int32_t p : info->pages) {
+        FUZZ_CHECK(p > 0 && p < kPages, id, " page ", p);
+        ++refs[m.device][p];
+      }
+    }
+    for (int d = 0; d < 2; ++d) {
+      FUZZ_CHECK(engine_->PageRefcounts(d) == refs[d], "refcounts of device ", d);
+      int32_t free = 0;
+      for (int p = 1; p < kPages; ++p) free += refs[d][p] == 0;
+      FUZZ_CHECK(engine_->Capacity()[d].pages_free == free, "free pages of device ", d);
+      FUZZ_CHECK(engine_->ReservedPageUntouched(d), "page 0 written on device ", d);
+    }
+  }
+
+  ModelSpec spec_;
+  std::unique_ptr<Engine> engine_;
+  reference::StepOracle oracle_;
+  Model model_;
+};
+
+}  // namespace
+}  // namespace attnd
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  attnd::FuzzInput in(data, size);
+  attnd::Run run;
+  for (int i = 0; i < 64 && !in.empty(); ++i) run.Op(in);
+  run.Finish();
+  return 0;
+}

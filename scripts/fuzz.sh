@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (clang-14, ASan + UBSan) and runs each for SECONDS seconds
+# (default 60) from its committed seed corpus, printing executions and corpus size. Any crash,
+# sanitizer report or failed self-check exits non-zero and leaves the reproducer in build-fuzz/.
+#   scripts/fuzz.sh            # 60 s per target (what CI runs)
+#   scripts/fuzz.sh 3600       # an hour per target
+#   TARGETS=request_fuzz scripts/fuzz.sh 600
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_PER_TARGET=${1:-60}
+BUILD=${FUZZ_BUILD_DIR:-build-fuzz}
+TARGETS=${TARGETS:-"engine_ops_fuzz request_fuzz"}
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
+# Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
+  -DATTND_SANITIZE=address,undefined -DATTND_FUZZ=ON -DATTND_CUDA=OFF \
+  -DATTND_BUILD_TESTS=OFF -DATTND_BUILD_BENCH=OFF >/dev/null
+cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+status=0
+for t in $TARGETS; do
+  corpus="$BUILD/corpus/$t"
+  mkdir -p "$corpus"
+  cp -n fuzz/corpus/"$t"/* "$corpus"/ 2>/dev/null || true
+  log="$BUILD/$t.log"
+  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log $log)"
+  if ! "$BUILD/fuzz/$t" -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 -timeout=30 \
+      -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$BUILD/$t-" \
+      "$corpus" >"$log" 2>&1; then
+    status=1
+    echo "fuzz: $t FAILED; the last lines of its log:"
+    tail -n 40 "$log"
+  fi
+  execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || true)
+  inputs=$(find "$corpus" -type f | wc -l)
+  crashes=$(find "$BUILD" -maxdepth 1 -name "$t-*" -type f | wc -l)
+  echo "fuzz: $t: ${execs:-0} executions, corpus $inputs inputs, crashes: $crashes"
+done
+exit $status
