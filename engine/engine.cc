@@ -121,7 +121,7 @@ struct Engine::Impl {
   std::unique_ptr<ThreadPool> pool;
 
   mutable std::mutex mu;  // guards everything below
-  std::condition_variable step_ended;  // notified whenever a step commits or aborts
+  std::condition_variable step_ended;  // notified whenever a step ends or a layer finishes
   std::vector<Device> devices;
 #ifdef ATTND_HAVE_CUDA
   // With two or more GPUs: NCCL communicators (rank per GPU device, -1 for CPU devices).
@@ -938,10 +938,14 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
     uint64_t wait_for = 0;
     auto r = impl_->TryBegin(batch, options, &wait_for);
     if (wait_for == 0) return r;
-    // A sequence is held by a step whose abort waits for its running layer: wait for it to end
-    // (a client that cancelled a step may retry at once), then validate again from scratch.
-    if (!impl_->step_ended.wait_until(lock, deadline,
-                                      [&] { return !impl_->steps.contains(wait_for); }))
+    // A sequence is held by a step that is running a layer (and may be aborting): wait until
+    // that step ends or its layer does (a client that cancelled a step may retry at once), then
+    // validate again from scratch.
+    if (!impl_->step_ended.wait_until(lock, deadline, [&] {
+          auto it = impl_->steps.find(wait_for);
+          return it == impl_->steps.end() ||
+                 (!it->second->busy && !it->second->abort_requested);
+        }))
       return r;
   }
 }
@@ -982,7 +986,10 @@ absl::StatusOr<uint64_t> Engine::Impl::TryBegin(const std::vector<StepEntry>& ba
           absl::StrCat("step batch: sequence ", Quote(seq->id), " appears twice"));
     if (seq->step != 0) {
       auto other = steps.find(seq->step);
-      if (other != steps.end() && other->second->abort_requested) *wait_for = seq->step;
+      // A step running a layer may be about to abort (its client cancelled, and the cancel
+      // reaches the engine only when the layer ends): wait for that layer, then look again.
+      if (other != steps.end() && (other->second->abort_requested || other->second->busy))
+        *wait_for = seq->step;
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id), " is already in open step ", seq->step));
     }
@@ -1099,7 +1106,11 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
     impl_->AbortLocked(st, fate);
     return status.ok() ? fate : status;
   }
-  if (++st->next_layer == impl_->spec().num_layers()) impl_->CommitLocked(st);
+  if (++st->next_layer == impl_->spec().num_layers()) {
+    impl_->CommitLocked(st);
+  } else {
+    impl_->step_ended.notify_all();  // BeginStep may wait for this layer (see TryBegin)
+  }
   return absl::OkStatus();
 }
 

@@ -129,8 +129,9 @@ class Engine {
 
   // Opens a step: validates the batch and reserves every page its new tokens need, or fails
   // (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED) and
-  // changes nothing. Returns the step id. A sequence held by a step that is being aborted (its
-  // running layer finishes first) is waited for, up to limits.abort_wait.
+  // changes nothing. Returns the step id. A sequence held by a step that is running a layer is
+  // waited for (that step may be aborting: a cancel takes effect when the layer ends), up to
+  // limits.abort_wait; a sequence in an idle open step is FAILED_PRECONDITION at once.
   absl::StatusOr<uint64_t> BeginStep(const std::vector<StepEntry>& batch,
                                      const StepOptions& options = {});
   // An open step's shape: total new tokens T, whether it is write-only, its next layer.

@@ -13,7 +13,13 @@
 
 namespace attnd::testing {
 
-ServerProcess::ServerProcess(const std::string& binary, const std::vector<std::string>& args) {
+std::string AttndBinary(const std::string& built) {
+  const char* env = std::getenv("ATTND_BIN");
+  return env && *env ? env : built;
+}
+
+ServerProcess::ServerProcess(const std::string& built, const std::vector<std::string>& args) {
+  const std::string binary = AttndBinary(built);
   int fds[2];
   if (pipe(fds) != 0) std::abort();
   pid_ = fork();

@@ -8,6 +8,10 @@
 
 namespace attnd::testing {
 
+// The attnd binary to test: $ATTND_BIN when set (e.g. an older build, to show a test fails
+// there), else `built` (the one this build made).
+std::string AttndBinary(const std::string& built);
+
 class ServerProcess {
  public:
   // Runs `binary --grpc-port=0 <args>` and waits for its "serving" line; port() is the port it

@@ -298,7 +298,7 @@ TEST(HardeningFlags, OutOfRangeFlagValuesStopTheServerWithAMessage) {
   for (const char* flag : {"--kv-pages=4294967360", "--max-shm-regions=4294967296",
                            "--threads=-1", "--max-step-tokens=0", "--check-finite=maybe"}) {
     const std::string cmd =
-        absl::StrCat(ATTND_BINARY, " --grpc-port=0 --metrics-port=0 ", flag, " 2>&1");
+        absl::StrCat(AttndBinary(ATTND_BINARY), " --grpc-port=0 --metrics-port=0 ", flag, " 2>&1");
     FILE* p = popen(cmd.c_str(), "r");
     ASSERT_NE(p, nullptr);
     std::string out;
@@ -310,22 +310,40 @@ TEST(HardeningFlags, OutOfRangeFlagValuesStopTheServerWithAMessage) {
   }
 }
 
-// Case 3: work and memory are bounded before they are spent. A server with the production
-// message limit (1 GiB) and a wide model: a 7-byte Echo asking for 1 GiB, and a 12-byte layer
-// message for a 16K-token step (whose output would be 2 GiB), must not move its peak memory.
-TEST(HardeningMemory, TinyRequestsCannotMakeTheServerAllocateGigabytes) {
-  const std::string model = absl::StrCat(::testing::TempDir(), "/wide-", getpid(), ".json");
-  {
-    std::ofstream f(model);
-    f << R"({"base": "tiny", "name": "wide", "layers": "F", "num_heads": 128,
-             "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
-             "page_size": 64, "max_context": 32768})";
+// A server with the production message limit (1 GiB) and a wide model (128 heads, L = 512:
+// DeepSeek-V3.2's per-head dims), where a layer takes long enough to be caught running.
+class WideTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = absl::StrCat(::testing::TempDir(), "/wide-", getpid(), ".json");
+    {
+      std::ofstream f(model_);
+      f << R"({"base": "tiny", "name": "wide", "layers": "FS", "num_heads": 128,
+               "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
+               "page_size": 64, "max_context": 32768})";
+    }
+    server_ = new ServerProcess(ATTND_BINARY, {absl::StrCat("--model-file=", model_),
+                                               "--kv-pages=300", "--threads=1",
+                                               "--metrics-port=0"});
   }
-  ServerProcess server(ATTND_BINARY, {absl::StrCat("--model-file=", model), "--kv-pages=300",
-                                      "--threads=2", "--metrics-port=0"});
-  auto c = Client::Connect(server.target());
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->Stop(), 0);
+    delete server_;
+    std::remove(model_.c_str());
+  }
+  static ServerProcess* server_;
+  static std::string model_;
+};
+ServerProcess* WideTest::server_ = nullptr;
+std::string WideTest::model_;
+
+// Case 3: work and memory are bounded before they are spent: a 7-byte Echo asking for 1 GiB,
+// and a 12-byte layer message for a 16K-token step (whose output would be 2 GiB), must not move
+// the server's peak memory.
+TEST_F(WideTest, TinyRequestsCannotMakeTheServerAllocateGigabytes) {
+  auto c = Client::Connect(server_->target());
   ASSERT_TRUE(c->Info().ok());
-  const int64_t base = PeakRss(server.pid());
+  const int64_t base = PeakRss(server_->pid());
   ASSERT_GT(base, 0);
   EXPECT_EQ(c->Echo("abcdefg", int64_t{1} << 30).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(c->OpenSequence("w").ok());
@@ -335,12 +353,47 @@ TEST(HardeningMemory, TinyRequestsCannotMakeTheServerAllocateGigabytes) {
   in.set_layer(0);
   const absl::Status s = c->AttendLayer(b->step_id(), in).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  const int64_t peak = PeakRss(server.pid());
+  const int64_t peak = PeakRss(server_->pid());
   EXPECT_LT(peak - base, int64_t{256} << 20)
       << "peak RSS grew from " << base << " to " << peak << " bytes";
   EXPECT_FALSE(c->DescribeSequence("w")->in_step());
-  EXPECT_EQ(server.Stop(), 0);
-  std::remove(model.c_str());
+  EXPECT_TRUE(c->CloseSequence("w").ok());
+}
+
+// Case 6, the hard way: the stream is cancelled while its layer is still running (a raw call, no
+// client-side wait). The next BeginStep with the same sequence must still succeed at once: the
+// server waits for the running layer, which then aborts.
+TEST_F(WideTest, ACancelWhileALayerRunsReleasesTheSequenceAtOnce) {
+  auto c = Client::Connect(server_->target());
+  auto info = c->Info();
+  ASSERT_TRUE(info.ok());
+  const ModelSpec spec = client::ModelSpecFromProto(info->model()).value();
+  std::mt19937_64 rng(3);
+  ASSERT_TRUE(c->OpenSequence("cw").ok());
+  auto g = client::GenerateStep(spec, 128, DType::kBF16, false, rng);
+  for (int i = 0; i < 4; ++i) {
+    grpc::ClientContext ctx;
+    auto rw = c->stub()->Step(&ctx);
+    v1::StepRequest begin;
+    auto* e = begin.mutable_begin()->add_batch();
+    e->set_sequence_id("cw");
+    e->set_q_len(128);
+    v1::StepResponse resp;
+    ASSERT_TRUE(rw->Write(begin) && rw->Read(&resp));
+    v1::StepRequest layer;
+    *layer.mutable_layer() = g[0].wire;
+    ASSERT_TRUE(rw->Write(layer));
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the layer is running
+    ctx.TryCancel();
+    (void)rw->Finish();
+    auto b = c->BeginStep({{"cw", 128}});
+    ASSERT_TRUE(b.ok()) << "round " << i << ": " << b.status();
+    ASSERT_TRUE(c->AbortStep(b->step_id()).ok());
+  }
+  auto d = c->DescribeSequence("cw");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->length(), 0);
+  EXPECT_TRUE(c->CloseSequence("cw").ok());
 }
 
 }  // namespace
