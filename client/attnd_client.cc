@@ -1,14 +1,13 @@
 #include "client/attnd_client.h"
 
-#include <chrono>
-#include <thread>
-
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -279,7 +278,8 @@ void StepStream::Cancel() {
   for (const std::string& id : open_ids_) {
     while (std::chrono::steady_clock::now() < deadline) {
       grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + (deadline - std::chrono::steady_clock::now()));
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       (deadline - std::chrono::steady_clock::now()));
       v1::DescribeSequenceRequest req;
       req.set_sequence_id(id);
       v1::SequenceInfo info;

@@ -172,8 +172,8 @@ class Worker {
     auto stream = client_->OpenStream();
     auto begun = stream->Begin(b);
     if (!begun.ok()) return tally_->Unexpected("stream begin", begun.status());
-    const int stop = ending == kCommit ? spec_.num_layers()
-                                       : static_cast<int>(rng_() % spec_.num_layers());
+    const int stop =
+        ending == kCommit ? spec_.num_layers() : static_cast<int>(rng_() % spec_.num_layers());
     for (int l = 0; l < stop; ++l) {
       auto o = stream->Layer(g[l].wire);
       if (!o.ok()) return tally_->Unexpected("stream layer", o.status());
@@ -244,13 +244,13 @@ class Worker {
     const int kind = static_cast<int>(rng_() % 6);
     tally_->Count("bad requests");
     if (kind == 0) {
-      expect(client_->BeginStep({{b[0].first, INT64_MAX}}).status(),
-             absl::StatusCode::kOutOfRange, "huge q_len");
+      expect(client_->BeginStep({{b[0].first, INT64_MAX}}).status(), absl::StatusCode::kOutOfRange,
+             "huge q_len");
       return;
     }
     if (kind == 1) {
-      expect(client_->DescribeSequence(std::string(300, 'z')).status(),
-             absl::StatusCode::kNotFound, "unknown id");
+      expect(client_->DescribeSequence(std::string(300, 'z')).status(), absl::StatusCode::kNotFound,
+             "unknown id");
       return;
     }
     auto begun = client_->BeginStep(b);
@@ -281,8 +281,8 @@ class Worker {
     }
     expect(client_->AttendLayer(begun->step_id(), in).status(), code, what);
     // The failed layer aborted the step: a later layer learns it (CANCELLED).
-    expect(client_->AttendLayer(begun->step_id(), g[0].wire).status(),
-           absl::StatusCode::kCancelled, "layer after the abort");
+    expect(client_->AttendLayer(begun->step_id(), g[0].wire).status(), absl::StatusCode::kCancelled,
+           "layer after the abort");
   }
 
   void Echo() {
@@ -389,10 +389,9 @@ int RunSoak(const SoakOptions& o) {
   if (o.server_pid > 0)
     std::printf("soak: server RSS %lld MB -> %lld MB, open fds %d -> %d\n",
                 static_cast<long long>(rss0 >> 20),
-                static_cast<long long>(RssBytes(o.server_pid) >> 20), fds0,
-                OpenFds(o.server_pid));
-  std::printf("soak: audit %s\n", audit ? "passed: every length as committed, every page back"
-                                        : "FAILED");
+                static_cast<long long>(RssBytes(o.server_pid) >> 20), fds0, OpenFds(o.server_pid));
+  std::printf("soak: audit %s\n",
+              audit ? "passed: every length as committed, every page back" : "FAILED");
   return audit && tally.unexpected.empty() ? 0 : 1;
 }
 

@@ -12,11 +12,11 @@ namespace attnd::client {
 struct SoakOptions {
   std::string target = "127.0.0.1:50051";  // loopback only
   double minutes = 1;
-  int clients = 4;                 // concurrent workers, each with its own sequences
+  int clients = 4;  // concurrent workers, each with its own sequences
   int sequences_per_client = 4;
-  int64_t max_length = 1500;       // a sequence longer than this is closed and opened again
+  int64_t max_length = 1500;  // a sequence longer than this is closed and opened again
   int report_seconds = 30;
-  int server_pid = 0;              // read RSS and fds from /proc/PID (0: not reported)
+  int server_pid = 0;  // read RSS and fds from /proc/PID (0: not reported)
   uint64_t seed = 1;
 };
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <string>
+
 #include "absl/strings/string_view.h"
 
 namespace attnd {

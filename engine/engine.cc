@@ -120,7 +120,7 @@ struct Engine::Impl {
   const cpu::Kernels* kernels = nullptr;
   std::unique_ptr<ThreadPool> pool;
 
-  mutable std::mutex mu;  // guards everything below
+  mutable std::mutex mu;               // guards everything below
   std::condition_variable step_ended;  // notified whenever a step ends or a layer finishes
   std::vector<Device> devices;
 #ifdef ATTND_HAVE_CUDA
@@ -186,8 +186,8 @@ struct Engine::Impl {
   }
   absl::Status CheckNewId(const std::string& id) const;
   // One attempt at BeginStep under mu; *wait_for is set to a conflicting step being aborted.
-  absl::StatusOr<uint64_t> TryBegin(const std::vector<StepEntry>& batch,
-                                    const StepOptions& options, uint64_t* wait_for);
+  absl::StatusOr<uint64_t> TryBegin(const std::vector<StepEntry>& batch, const StepOptions& options,
+                                    uint64_t* wait_for);
 
   // A sequence's rows in one cache buffer of its device (a layer's latent rows or a full
   // layer's indexer rows).
@@ -603,8 +603,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       ASSIGN_OR_RETURN(impl->devices.back().gpu,
                        cuda::CudaDevice::Create(ordinal, options.spec, config));
 #else
-      return absl::UnimplementedError(
-          absl::StrCat("device ", Quote(name), ": this build has no CUDA backend (nvcc not found)"));
+      return absl::UnimplementedError(absl::StrCat(
+          "device ", Quote(name), ": this build has no CUDA backend (nvcc not found)"));
 #endif
     }
   }
@@ -639,9 +639,9 @@ absl::Status Engine::Impl::CheckNewId(const std::string& id) const {
   if (sequences.contains(id))
     return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   if (static_cast<int64_t>(sequences.size()) >= options.limits.max_sequences)
-    return absl::ResourceExhaustedError(absl::StrCat("open sequences: the server holds its limit of ",
-                                                     options.limits.max_sequences,
-                                                     " (--max-sequences); close some first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("open sequences: the server holds its limit of ", options.limits.max_sequences,
+                     " (--max-sequences); close some first"));
   return absl::OkStatus();
 }
 
@@ -858,8 +858,8 @@ absl::Status Engine::MigrateSequence(const std::string& id, int device) {
   if (device < 0 || device >= n)
     return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));
   if (seq.step != 0)
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", Quote(id), " is in open step ", seq.step, "; migrate between steps"));
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(id), " is in open step ",
+                                                      seq.step, "; migrate between steps"));
   if (device == seq.device) return absl::OkStatus();
   std::vector<int32_t> moved;
   if (!impl_->CopyToDevice(seq.pages, seq.length, seq.device, device, &moved))
@@ -943,8 +943,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
     // validate again from scratch.
     if (!impl_->step_ended.wait_until(lock, deadline, [&] {
           auto it = impl_->steps.find(wait_for);
-          return it == impl_->steps.end() ||
-                 (!it->second->busy && !it->second->abort_requested);
+          return it == impl_->steps.end() || (!it->second->busy && !it->second->abort_requested);
         }))
       return r;
   }
@@ -978,9 +977,9 @@ absl::StatusOr<uint64_t> Engine::Impl::TryBegin(const std::vector<StepEntry>& ba
                                                 seq->length, " + q_len ", e.q_len,
                                                 " exceeds max_context ", spec.max_context));
     if (e.q_len > lim.max_step_tokens - tokens)
-      return absl::InvalidArgumentError(absl::StrCat(
-          "step batch[", i, "]: the step's tokens would exceed ", lim.max_step_tokens,
-          " (--max-step-tokens); split it into several steps"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("step batch[", i, "]: the step's tokens would exceed ", lim.max_step_tokens,
+                       " (--max-step-tokens); split it into several steps"));
     if (!seen.insert(seq).second)
       return absl::InvalidArgumentError(
           absl::StrCat("step batch: sequence ", Quote(seq->id), " appears twice"));
@@ -1076,11 +1075,11 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
           absl::StrCat("step ", step_id, ": a layer is already running; step aborted"));
     }
     if (layer != st->next_layer) {
-      const absl::Status why = absl::FailedPreconditionError(absl::StrCat(
-          "step ", step_id, ": layer ", layer, " out of order, expected layer ", st->next_layer,
-          "; step aborted"));
-      impl_->AbortLocked(st, absl::CancelledError(absl::StrCat(
-                                 "step ", step_id, " was aborted: ", why.message())));
+      const absl::Status why = absl::FailedPreconditionError(
+          absl::StrCat("step ", step_id, ": layer ", layer, " out of order, expected layer ",
+                       st->next_layer, "; step aborted"));
+      impl_->AbortLocked(st, absl::CancelledError(
+                                 absl::StrCat("step ", step_id, " was aborted: ", why.message())));
       return why;
     }
     st->busy = true;
@@ -1100,9 +1099,8 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
   if (!status.ok() || st->abort_requested) {
     const absl::Status fate =
         status.ok() ? absl::CancelledError(absl::StrCat("step ", step_id, " was aborted"))
-                    : absl::CancelledError(absl::StrCat("step ", step_id,
-                                                        " was aborted after an error: ",
-                                                        status.message()));
+                    : absl::CancelledError(absl::StrCat(
+                          "step ", step_id, " was aborted after an error: ", status.message()));
     impl_->AbortLocked(st, fate);
     return status.ok() ? fate : status;
   }
@@ -1169,9 +1167,9 @@ int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
     if (!st->busy && now - st->last_used > idle) expired.push_back(st.get());
   const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(idle).count();
   for (Step* st : expired)
-    impl_->AbortLocked(st, absl::DeadlineExceededError(absl::StrCat(
-                               "step ", st->id, " expired: idle longer than ", ms,
-                               " ms; its sequences are as before it")));
+    impl_->AbortLocked(
+        st, absl::DeadlineExceededError(absl::StrCat("step ", st->id, " expired: idle longer than ",
+                                                     ms, " ms; its sequences are as before it")));
   return static_cast<int>(expired.size());
 }
 

@@ -27,11 +27,11 @@ namespace attnd {
 
 // Per-request bounds, checked before any work or memory is spent (DESIGN §11).
 struct EngineLimits {
-  int64_t max_step_tokens = 65536;    // sum of q_len over one step's batch
-  int64_t max_batch_entries = 4096;   // sequences in one step
-  int64_t max_sequences = 65536;      // open sequences
-  size_t max_id_bytes = 256;          // a sequence id's length
-  bool check_finite = true;           // refuse NaN/Inf in any input tensor
+  int64_t max_step_tokens = 65536;   // sum of q_len over one step's batch
+  int64_t max_batch_entries = 4096;  // sequences in one step
+  int64_t max_sequences = 65536;     // open sequences
+  size_t max_id_bytes = 256;         // a sequence id's length
+  bool check_finite = true;          // refuse NaN/Inf in any input tensor
   // How long BeginStep waits for a conflicting step that is being aborted (its running layer
   // finishes first) before answering FAILED_PRECONDITION.
   std::chrono::milliseconds abort_wait{2000};

@@ -22,13 +22,13 @@
 namespace attnd {
 namespace {
 
-#define FUZZ_CHECK(cond, ...)                                                            \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      std::fprintf(stderr, "engine_ops_fuzz: %s:%d: check failed: %s: %s\n", __FILE__, \
-                   __LINE__, #cond, absl::StrCat(__VA_ARGS__).c_str());                 \
-      std::abort();                                                                      \
-    }                                                                                    \
+#define FUZZ_CHECK(cond, ...)                                                                    \
+  do {                                                                                           \
+    if (!(cond)) {                                                                               \
+      std::fprintf(stderr, "engine_ops_fuzz: %s:%d: check failed: %s: %s\n", __FILE__, __LINE__, \
+                   #cond, absl::StrCat(__VA_ARGS__).c_str());                                    \
+      std::abort();                                                                              \
+    }                                                                                            \
   } while (0)
 
 constexpr int kPages = 24;  // per device, incl. page 0: small, so exhaustion is common
@@ -94,7 +94,7 @@ class Run {
   void Op(FuzzInput& in) {
     const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
     switch (in.Int(0, 7)) {
-      case 0: {  // open
+      case 0: {                            // open
         const int device = in.Int(-1, 2);  // 2 is out of range
         const absl::Status s = engine_->OpenSequence(id, device);
         const bool want = !model_.seqs.contains(id) && device < 2;

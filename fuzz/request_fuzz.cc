@@ -110,7 +110,8 @@ void FillTensor(FuzzInput& in, v1::Tensor* t, std::initializer_list<int64_t> sha
     const uint16_t v = static_cast<uint16_t>(0x3c00 + (rng() % 0x200) - 0x100);  // finite
     std::memcpy(d->data() + i, &v, 2);
   }
-  if (bytes >= 2 && in.Bool(0.05)) (*d)[1] = static_cast<char>(0x7f), (*d)[0] = static_cast<char>(0xc0);
+  if (bytes >= 2 && in.Bool(0.05))
+    (*d)[1] = static_cast<char>(0x7f), (*d)[0] = static_cast<char>(0xc0);
 }
 
 void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& steps) {
@@ -163,9 +164,10 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
     case 4:
     case 5: {  // a layer of an open step (or of a made-up one)
       if (steps.empty() && !raw) break;
-      const uint64_t step = !steps.empty() && in.Bool(0.95)
-                                ? *std::next(steps.begin(), in.Int(0, static_cast<int>(steps.size()) - 1))
-                                : static_cast<uint64_t>(in.Int64());
+      const uint64_t step =
+          !steps.empty() && in.Bool(0.95)
+              ? *std::next(steps.begin(), in.Int(0, static_cast<int>(steps.size()) - 1))
+              : static_cast<uint64_t>(in.Int64());
       v1::LayerInputs li;
       auto info = w.engine->DescribeStep(step);
       if (raw || !info.ok()) {
@@ -174,7 +176,8 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
         const int64_t T = info->tokens;
         const int layer = in.Bool(0.95) ? info->next_layer : in.Int(-1, 5);
         li.set_layer(layer);
-        const bool full = layer >= 0 && layer < s.num_layers() && s.layers[layer] == LayerKind::kFull;
+        const bool full =
+            layer >= 0 && layer < s.num_layers() && s.layers[layer] == LayerKind::kFull;
         const std::string region = in.Bool(0.5) ? "r0" : "";
         FillTensor(in, li.mutable_kv_latent(), {T, s.kv_lora_rank}, rng, region);
         FillTensor(in, li.mutable_k_rope(), {T, s.qk_rope_head_dim}, rng, region);

@@ -126,12 +126,12 @@ absl::Status AttentionService::DoOpenSequence(const v1::OpenSequenceRequest& req
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
   if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
-  absl::Status s = req.fork_parent_id().empty()
-                       ? engine_->OpenSequence(req.sequence_id())
-                       : engine_->ForkSequence(req.sequence_id(), req.fork_parent_id(),
-                                               req.fork_prefix_len());
+    return absl::InvalidArgumentError(
+        absl::StrCat("fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
+  absl::Status s =
+      req.fork_parent_id().empty()
+          ? engine_->OpenSequence(req.sequence_id())
+          : engine_->ForkSequence(req.sequence_id(), req.fork_parent_id(), req.fork_prefix_len());
   RETURN_IF_ERROR(s);
   ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(req.sequence_id()));
   FillSequence(info, *engine_, resp);
@@ -281,8 +281,8 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   const size_t out_bytes = static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt);
   // Shard 0's key and indexer tensors, and the layer order, before anything is allocated.
   LayerInputs all = v[0];
-  all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, v[0].q_latent.data,
-                                v[0].q_latent.nbytes * S);
+  all.q_latent =
+      TensorView::Of(dt, {T, s.num_heads, L}, v[0].q_latent.data, v[0].q_latent.nbytes * S);
   all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, v[0].q_rope.data,
                               v[0].q_rope.nbytes * S);
   RETURN_IF_ERROR(engine_->CheckLayer(step, layer, all, out_bytes));
@@ -290,9 +290,8 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   // fail after it.
   std::vector<char*> dst(S);
   for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(void* out_k,
-                     PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
-                                   options_.max_message_bytes, shm_, &shm));
+    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T,
+                                                Hs, L, options_.max_message_bytes, shm_, &shm));
     dst[k] = static_cast<char*>(out_k);
   }
   RETURN_IF_ERROR(shm.ReadInputs());
@@ -349,8 +348,7 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
       return absl::InvalidArgumentError(
           absl::StrCat("shard: ", in.shard(), " given on step ", step, ", which is not sharded"));
     if (info.write_only && in.has_out_shm())
-      return absl::InvalidArgumentError(
-          "out_shm: given on a write-only step, which has no output");
+      return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
     RETURN_IF_ERROR(ViewOf(in, shm_, &shm, &views));
     const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
     if (!info.write_only)
@@ -423,8 +421,8 @@ absl::Status AttentionService::DoAbortStep(const v1::AbortStepRequest& req) {
 // of the cache only when the previous one is written (bounded memory for long sequences).
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
-  ExportStream(Engine* engine, const v1::ExportSequenceRequest& req,
-               absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
+  ExportStream(Engine* engine, const v1::ExportSequenceRequest& req, absl::StatusOr<int64_t> chunk,
+               int64_t max_message_bytes)
       : engine_(engine), max_message_bytes_(max_message_bytes) {
     if (!chunk.ok()) {
       Finish(ToGrpcStatus(chunk.status()));
@@ -552,9 +550,9 @@ grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ct
 absl::Status AttentionService::DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const {
   const int64_t max = max_echo_bytes();
   if (req.response_bytes() < 0 || req.response_bytes() > max)
-    return absl::InvalidArgumentError(
-        absl::StrCat("response_bytes: ", req.response_bytes(), " outside [0, ", max,
-                     "] (ServerInfo.limits.max_echo_bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat("response_bytes: ", req.response_bytes(),
+                                                   " outside [0, ", max,
+                                                   "] (ServerInfo.limits.max_echo_bytes)"));
   resp->mutable_payload()->resize(static_cast<size_t>(req.response_bytes()));
   return absl::OkStatus();
 }

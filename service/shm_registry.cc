@@ -26,7 +26,8 @@ absl::Status Transfer(const std::string& region, const char* verb, int64_t pos, 
     if (k <= 0)
       return absl::FailedPreconditionError(absl::StrCat(
           "shared memory region ", Quote(region), ": could ", verb, " only ", done, " of ", n,
-          " bytes", k < 0 ? absl::StrCat(" (", std::strerror(errno), ")") : " (the object shrank)"));
+          " bytes",
+          k < 0 ? absl::StrCat(" (", std::strerror(errno), ")") : " (the object shrank)"));
     done += static_cast<size_t>(k);
   }
   return absl::OkStatus();
@@ -47,17 +48,15 @@ absl::Status ShmRegistry::Region::CheckStillCovers(int64_t offset, size_t n) con
 
 absl::Status ShmRegistry::Region::Read(int64_t offset, void* dst, size_t n) const {
   char* d = static_cast<char*>(dst);
-  return Transfer(name_, "read", offset_ + offset, n, [&](size_t done, int64_t pos) {
-    return pread(fd_, d + done, n - done, pos);
-  });
+  return Transfer(name_, "read", offset_ + offset, n,
+                  [&](size_t done, int64_t pos) { return pread(fd_, d + done, n - done, pos); });
 }
 
 absl::Status ShmRegistry::Region::Write(int64_t offset, const void* src, size_t n) const {
   if (absl::Status s = CheckStillCovers(offset, n); !s.ok()) return s;
   const char* s = static_cast<const char*>(src);
-  return Transfer(name_, "write", offset_ + offset, n, [&](size_t done, int64_t pos) {
-    return pwrite(fd_, s + done, n - done, pos);
-  });
+  return Transfer(name_, "write", offset_ + offset, n,
+                  [&](size_t done, int64_t pos) { return pwrite(fd_, s + done, n - done, pos); });
 }
 
 absl::Status ShmRegistry::Register(const std::string& name, const std::string& key, int64_t offset,
@@ -67,9 +66,9 @@ absl::Status ShmRegistry::Register(const std::string& name, const std::string& k
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory region name ", Quote(name), ": longer than ", kMaxNameBytes));
   if (key.empty() || key.size() > kMaxNameBytes || key.find('\0') != std::string::npos)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared memory key ", Quote(key), ": must be 1 to ", kMaxNameBytes,
-        " bytes with no NUL byte"));
+    return absl::InvalidArgumentError(absl::StrCat("shared memory key ", Quote(key),
+                                                   ": must be 1 to ", kMaxNameBytes,
+                                                   " bytes with no NUL byte"));
   if (offset < 0 || byte_size <= 0)
     return absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quote(name),
                                                    ": offset ", offset, " and byte_size ",
@@ -77,7 +76,8 @@ absl::Status ShmRegistry::Register(const std::string& name, const std::string& k
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (regions_.count(name))
-      return absl::AlreadyExistsError(absl::StrCat("shared memory region ", Quote(name), " exists"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("shared memory region ", Quote(name), " exists"));
     if (static_cast<int>(regions_.size()) >= max_regions_)
       return absl::ResourceExhaustedError(absl::StrCat(
           "shared memory: ", max_regions_, " regions registered, the limit (--max-shm-regions)"));

@@ -19,8 +19,8 @@ absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const S
   if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty() && !t.has_shm()) return v;
   const auto dtype = ParseDType(t.datatype());
   if (!dtype)
-    return absl::InvalidArgumentError(absl::StrCat(name, ": datatype ", Quote(t.datatype()),
-                                                   " is not one of BF16, FP16, FP32"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": datatype ", Quote(t.datatype()), " is not one of BF16, FP16, FP32"));
   if (t.shape_size() > TensorView::kMaxRank)
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": rank ", t.shape_size(), " exceeds ", TensorView::kMaxRank));

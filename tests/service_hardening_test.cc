@@ -120,8 +120,8 @@ TEST_F(HardeningTest, ASharedMemoryObjectThatShrinksFailsTheCallNotTheServer) {
     } else {
       const auto& q = g[0].wire.q_latent();
       std::memcpy((*mem)->data() + 4096, q.data().data(), q.data().size());
-      *in.mutable_q_latent() = client::ShmTensor(DType::kBF16, {3, spec_.num_heads, spec_.kv_lora_rank},
-                                                 "shrink", 4096);
+      *in.mutable_q_latent() =
+          client::ShmTensor(DType::kBF16, {3, spec_.num_heads, spec_.kv_lora_rank}, "shrink", 4096);
     }
     // The object shrinks (its owner truncates it) after registration.
     const int fd = shm_open(key.c_str(), O_RDWR, 0);
@@ -295,8 +295,8 @@ TEST_F(HardeningTest, FieldsThatDoNotApplyAndNonFiniteValuesAreRefused) {
 
 // Case 9, flags: a value that does not fit its flag is an error, not a truncation.
 TEST(HardeningFlags, OutOfRangeFlagValuesStopTheServerWithAMessage) {
-  for (const char* flag : {"--kv-pages=4294967360", "--max-shm-regions=4294967296",
-                           "--threads=-1", "--max-step-tokens=0", "--check-finite=maybe"}) {
+  for (const char* flag : {"--kv-pages=4294967360", "--max-shm-regions=4294967296", "--threads=-1",
+                           "--max-step-tokens=0", "--check-finite=maybe"}) {
     const std::string cmd =
         absl::StrCat(AttndBinary(ATTND_BINARY), " --grpc-port=0 --metrics-port=0 ", flag, " 2>&1");
     FILE* p = popen(cmd.c_str(), "r");
@@ -322,9 +322,9 @@ class WideTest : public ::testing::Test {
                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
                "page_size": 64, "max_context": 32768})";
     }
-    server_ = new ServerProcess(ATTND_BINARY, {absl::StrCat("--model-file=", model_),
-                                               "--kv-pages=300", "--threads=1",
-                                               "--metrics-port=0"});
+    server_ =
+        new ServerProcess(ATTND_BINARY, {absl::StrCat("--model-file=", model_), "--kv-pages=300",
+                                         "--threads=1", "--metrics-port=0"});
   }
   static void TearDownTestSuite() {
     EXPECT_EQ(server_->Stop(), 0);
