@@ -325,7 +325,11 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
     parts[k].out->set_layer(layer);
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
-  RETURN_IF_ERROR(shm.WriteOutputs());
+  if (absl::Status w = shm.WriteOutputs(); !w.ok()) {  // the caller aborts the step
+    if (layer != s.num_layers() - 1) return w;
+    return absl::DataLossError(absl::StrCat("step ", step, " committed, but an output could not ",
+                                            "be written to out_shm: ", w.message()));
+  }
   metrics_->LayerDone(
       transport, T,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -370,9 +374,17 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
   const bool last = in.layer() == s.num_layers() - 1;
   out->set_committed(st.ok() && last);
   RETURN_IF_ERROR(st);
-  // After the layer ran (and, on the last layer, committed): a region that shrank meanwhile is
-  // written past its new end (pwrite grows it back), never a crash.
-  RETURN_IF_ERROR(shm.WriteOutputs());
+  // After the layer ran: a region that shrank meanwhile is written past its new end (pwrite grows
+  // it back), never a fault; only an I/O error fails here. Every error aborts the step, and
+  // after the last layer, which committed, the error says so.
+  if (absl::Status w = shm.WriteOutputs(); !w.ok()) {
+    if (!last) {
+      (void)engine_->AbortStep(step);
+      return w;
+    }
+    return absl::DataLossError(absl::StrCat("step ", step, " committed, but its output could not ",
+                                            "be written to out_shm: ", w.message()));
+  }
   metrics_->LayerDone(
       transport, info.tokens,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

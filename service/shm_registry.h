@@ -31,8 +31,9 @@ class ShmRegistry {
     Region& operator=(const Region&) = delete;
     const std::string& name() const { return name_; }
     int64_t size() const { return size_; }
-    // [offset, offset + n) of the region (already bounds-checked by Resolve). FAILED_PRECONDITION
-    // when the object no longer holds those bytes (it shrank or was truncated).
+    // [offset, offset + n) of the region (already bounds-checked by Resolve). Read is
+    // FAILED_PRECONDITION when the object no longer holds those bytes (it shrank); Write grows an
+    // object that shrank back to size and fails only on an I/O error.
     absl::Status Read(int64_t offset, void* dst, size_t n) const;
     absl::Status Write(int64_t offset, const void* src, size_t n) const;
     // FAILED_PRECONDITION unless the object still holds [offset, offset + n) of the region.
