@@ -75,7 +75,9 @@ int64_t FirstAllOnes(const void* data, int64_t n, U mask) {
 
 int64_t FirstNonFinite(const TensorView& t) {
   if (!t.present || t.data == nullptr) return -1;
-  const int64_t n = t.num_elements();
+  // Never past the bytes, even for a view whose shape was not checked against them.
+  const int64_t n =
+      std::min<int64_t>(t.num_elements(), static_cast<int64_t>(t.nbytes / DTypeSize(t.dtype)));
   switch (t.dtype) {
     case DType::kF32:
       return FirstAllOnes<uint32_t>(t.data, n, 0x7f800000u);

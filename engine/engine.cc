@@ -247,8 +247,13 @@ absl::Status Engine::Impl::ValidateShapes(const Step& st, int layer, const Layer
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
   if (st.options.write_only) {
-    if (s.layers[layer] == LayerKind::kFull)
+    if (s.layers[layer] == LayerKind::kFull) {
       RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
+    } else if (in.index_k.present) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("index_k: given for layer ", layer, ", a ", LayerKindName(s.layers[layer]),
+                       " layer; indexer tensors belong to full layers only"));
+    }
     if (in.q_latent.present || in.q_rope.present || in.index_q.present || in.index_w.present ||
         out_bytes != 0)
       return absl::InvalidArgumentError(

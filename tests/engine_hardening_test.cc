@@ -248,6 +248,34 @@ TEST(EngineHardening, TheFiniteCheckCanBeTurnedOff) {
   EXPECT_TRUE(RunAll(h, *step, in).ok());
 }
 
+// Found by request_fuzz: index_k on a shared layer of a write-only step went unchecked, and the
+// finite scan then read past its bytes. Now it is refused like any indexer tensor there.
+TEST(EngineHardening, IndexKeysOnANonFullLayerOfAWriteOnlyStepAreRefused) {
+  Harness h(Options());
+  h.Open("w");
+  const std::vector<StepEntry> batch = {{"w", 3}};
+  StepOptions wo;
+  wo.write_only = true;
+  auto in = h.MakeInputs(batch, DType::kF32, 13);
+  auto step = h.engine().BeginStep(batch, wo);
+  ASSERT_TRUE(step.ok());
+  auto keys = [](const LayerData& d) {
+    LayerInputs v;
+    v.kv_latent = d.kv_latent.view();
+    v.k_rope = d.k_rope.view();
+    v.index_k = d.index_k.view();
+    return v;
+  };
+  ASSERT_TRUE(h.engine().RunLayer(*step, 0, keys(in[0]), nullptr, 0).ok());
+  LayerInputs bad = keys(in[1]);  // layer 1 is shared: no index_k
+  const std::vector<uint8_t> short_keys(5, 0x7f);
+  bad.index_k = TensorView::Of(DType::kF32, {1 << 20, 16}, short_keys.data(), short_keys.size());
+  const absl::Status s = h.engine().RunLayer(*step, 1, bad, nullptr, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("index_k"), absl::string_view::npos) << s;
+  EXPECT_EQ(h.engine().DescribeSequence("w")->length, 0);
+}
+
 // Issue 9, case 5: a message for a step that ended learns how it ended.
 TEST(EngineHardening, LateMessagesLearnTheirStepsFate) {
   Harness h(Options());
