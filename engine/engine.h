@@ -32,9 +32,9 @@ struct EngineLimits {
   int64_t max_sequences = 65536;     // open sequences
   size_t max_id_bytes = 256;         // a sequence id's length
   bool check_finite = true;          // refuse NaN/Inf in any input tensor
-  // How long BeginStep waits for a conflicting step that is being aborted (its running layer
-  // finishes first) before answering FAILED_PRECONDITION.
-  std::chrono::milliseconds abort_wait{2000};
+  // How long BeginStep waits for a conflicting step that is running a layer (it may be aborting:
+  // a cancel takes effect when the layer ends) before answering FAILED_PRECONDITION.
+  std::chrono::milliseconds abort_wait{10000};
 };
 
 struct EngineOptions {

@@ -36,6 +36,8 @@ Per-request limits (ServerInfo.limits reports them):
   --max-echo-bytes=N           Echo reply size (default 67108864; also capped by the message size)
   --max-shm-regions=N          registered shared-memory regions (default 64)
   --check-finite=true|false    refuse NaN/Inf in input tensors (default true)
+  --begin-wait-ms=N            a BeginStep whose sequence is in a step running a layer (which may
+                               be aborting after a cancel) waits this long for it (default 10000)
 )";
 }
 
@@ -110,6 +112,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-id-bytes", limit_flag(&f.max_id_bytes)},
       {"max-echo-bytes", int_flag(&f.max_echo_bytes)},
       {"max-shm-regions", int_flag(&f.max_shm_regions)},
+      {"begin-wait-ms", int_flag(&f.begin_wait_ms)},
       {"check-finite",
        [&f](const std::string& v) {
          if (v != "true" && v != "false") return false;

@@ -33,6 +33,7 @@ struct ServerFlags {
   int64_t max_echo_bytes = int64_t{64} << 20;
   int32_t max_shm_regions = 64;
   bool check_finite = true;  // refuse NaN/Inf inputs; off only for trusted, measured deployments
+  int64_t begin_wait_ms = 10000;  // BeginStep waits this long for a conflicting running layer
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;

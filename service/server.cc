@@ -50,6 +50,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.limits.max_sequences = f.max_sequences;
   o.limits.max_id_bytes = static_cast<size_t>(f.max_id_bytes);
   o.limits.check_finite = f.check_finite;
+  o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
   if (f.cpu_isa == "generic") {
     o.isa = cpu::Isa::kGeneric;
   } else if (f.cpu_isa == "avx2") {

@@ -322,9 +322,9 @@ class WideTest : public ::testing::Test {
                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128,
                "page_size": 64, "max_context": 32768})";
     }
-    server_ =
-        new ServerProcess(ATTND_BINARY, {absl::StrCat("--model-file=", model_), "--kv-pages=300",
-                                         "--threads=1", "--metrics-port=0"});
+    server_ = new ServerProcess(
+        ATTND_BINARY, {absl::StrCat("--model-file=", model_), "--kv-pages=300", "--threads=1",
+                       "--metrics-port=0", "--begin-wait-ms=120000"});
   }
   static void TearDownTestSuite() {
     EXPECT_EQ(server_->Stop(), 0);
@@ -386,6 +386,9 @@ TEST_F(WideTest, ACancelWhileALayerRunsReleasesTheSequenceAtOnce) {
     std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the layer is running
     ctx.TryCancel();
     (void)rw->Finish();
+    // Let the cancel reach the server (it is asynchronous there; the clients' Cancel() waits for
+    // the release, this raw call does not), but well before the ~0.4 s layer ends.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
     auto b = c->BeginStep({{"cw", 128}});
     ASSERT_TRUE(b.ok()) << "round " << i << ": " << b.status();
     ASSERT_TRUE(c->AbortStep(b->step_id()).ok());
