@@ -22,7 +22,15 @@ void ThreadPool::Drain(Loop& loop) {
   for (;;) {
     const int64_t i = loop.next.fetch_add(1, std::memory_order_relaxed);
     if (i >= loop.n) break;
-    (*loop.fn)(i);
+    if (!loop.failed.load(std::memory_order_relaxed)) {
+      try {
+        (*loop.fn)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(loop.mu);
+        if (!loop.error) loop.error = std::current_exception();
+        loop.failed = true;
+      }
+    }
     ++finished;
   }
   if (finished > 0 && loop.done.fetch_add(finished) + finished == loop.n) {
@@ -50,13 +58,21 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     std::unique_lock<std::mutex> lock(loop->mu);
     loop->cv.wait(lock, [&] { return loop->done.load() == loop->n; });
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = loops_.begin(); it != loops_.end(); ++it) {
-    if (*it == loop) {
-      loops_.erase(it);
-      break;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = loops_.begin(); it != loops_.end(); ++it) {
+      if (*it == loop) {
+        loops_.erase(it);
+        break;
+      }
     }
   }
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(loop->mu);
+    error = loop->error;
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void ThreadPool::WorkerMain() {

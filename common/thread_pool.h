@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -26,7 +27,8 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Calls fn(i) for every i in [0, n), spread over the pool; returns when all calls returned.
-  // fn must not throw.
+  // If a call throws, the remaining calls are skipped and the first exception is rethrown here,
+  // on the calling thread, once every worker has left the loop (the pool stays usable).
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
@@ -35,6 +37,8 @@ class ThreadPool {
     int64_t n;
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;  // the first exception, guarded by mu
     std::mutex mu;
     std::condition_variable cv;
   };
