@@ -185,7 +185,7 @@ struct Engine::Impl {
     return absl::NotFoundError(absl::StrCat("step ", id, " not found"));
   }
   absl::Status CheckNewId(const std::string& id) const;
-  // One attempt at BeginStep under mu; *wait_for is set to a conflicting step being aborted.
+  // One attempt at BeginStep under mu; *wait_for is set to a conflicting step running a layer.
   absl::StatusOr<uint64_t> TryBegin(const std::vector<StepEntry>& batch, const StepOptions& options,
                                     uint64_t* wait_for);
 
@@ -653,8 +653,6 @@ absl::Status Engine::Impl::CheckNewId(const std::string& id) const {
 absl::Status Engine::OpenSequence(const std::string& id, int device) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   RETURN_IF_ERROR(impl_->CheckNewId(id));
-  if (impl_->sequences.contains(id))
-    return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   const int n = static_cast<int>(impl_->devices.size());
   if (device >= n)
     return absl::OutOfRangeError(absl::StrCat("device ", device, " outside [0, ", n, ")"));

@@ -41,6 +41,14 @@ absl::Status CheckIdLength(const char* field, const std::string& id, size_t max)
       absl::StrCat(field, ": ", id.size(), " bytes, longer than ", max, " (--max-id-bytes)"));
 }
 
+// An output that could not be written to its region after the layer ran (only an I/O error can
+// do that). After the last layer the step has committed, and the error says so.
+absl::Status OutputWriteError(uint64_t step, bool committed, const absl::Status& w) {
+  if (!committed) return w;
+  return absl::DataLossError(absl::StrCat(
+      "step ", step, " committed, but its output could not be written to out_shm: ", w.message()));
+}
+
 }  // namespace
 
 AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMetrics* metrics,
@@ -279,13 +287,16 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   const int layer = parts[0].in->layer();
   const DType dt = v[0].q_latent.dtype;
   const size_t out_bytes = static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt);
-  // Shard 0's key and indexer tensors, and the layer order, before anything is allocated.
-  LayerInputs all = v[0];
-  all.q_latent =
-      TensorView::Of(dt, {T, s.num_heads, L}, v[0].q_latent.data, v[0].q_latent.nbytes * S);
-  all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, v[0].q_rope.data,
-                              v[0].q_rope.nbytes * S);
-  RETURN_IF_ERROR(engine_->CheckLayer(step, layer, all, out_bytes));
+  // Shard 0's key and indexer tensors, and the layer order, before anything is allocated (the
+  // queries' shapes were checked per shard above).
+  {
+    LayerInputs check = v[0];
+    check.q_latent =
+        TensorView::Of(dt, {T, s.num_heads, L}, v[0].q_latent.data, v[0].q_latent.nbytes * S);
+    check.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, v[0].q_rope.data,
+                                  v[0].q_rope.nbytes * S);
+    RETURN_IF_ERROR(engine_->CheckLayer(step, layer, check, out_bytes));
+  }
   // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
   // fail after it.
   std::vector<char*> dst(S);
@@ -308,11 +319,7 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   };
   const std::string ql = gather(&LayerInputs::q_latent, L);
   const std::string qr = gather(&LayerInputs::q_rope, R);
-  all.kv_latent = v[0].kv_latent;
-  all.k_rope = v[0].k_rope;
-  all.index_q = v[0].index_q;
-  all.index_k = v[0].index_k;
-  all.index_w = v[0].index_w;
+  LayerInputs all = v[0];  // shard 0's keys, now read
   all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, ql.data(), ql.size());
   all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
   std::string out(out_bytes, '\0');
@@ -325,11 +332,8 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
     parts[k].out->set_layer(layer);
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
-  if (absl::Status w = shm.WriteOutputs(); !w.ok()) {  // the caller aborts the step
-    if (layer != s.num_layers() - 1) return w;
-    return absl::DataLossError(absl::StrCat("step ", step, " committed, but an output could not ",
-                                            "be written to out_shm: ", w.message()));
-  }
+  if (absl::Status w = shm.WriteOutputs(); !w.ok())  // the caller aborts the step
+    return OutputWriteError(step, layer == s.num_layers() - 1, w);
   metrics_->LayerDone(
       transport, T,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -378,12 +382,8 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
   // it back), never a fault; only an I/O error fails here. Every error aborts the step, and
   // after the last layer, which committed, the error says so.
   if (absl::Status w = shm.WriteOutputs(); !w.ok()) {
-    if (!last) {
-      (void)engine_->AbortStep(step);
-      return w;
-    }
-    return absl::DataLossError(absl::StrCat("step ", step, " committed, but its output could not ",
-                                            "be written to out_shm: ", w.message()));
+    if (!last) (void)engine_->AbortStep(step);
+    return OutputWriteError(step, last, w);
   }
   metrics_->LayerDone(
       transport, info.tokens,

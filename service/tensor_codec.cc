@@ -11,12 +11,13 @@ namespace {
 // (shape checks do not read data), but not null, so a missing tensor stays distinguishable.
 const char kNotYetRead = 0;
 
-}  // namespace
-
-absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& shm,
-                                  ShmTransfers* transfers) {
-  TensorView v;
-  if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty() && !t.has_shm()) return v;
+// *v viewing `t`'s bytes; a shared-memory tensor is queued in `transfers` to be read into *v.
+absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& shm,
+                    ShmTransfers* transfers, TensorView* out) {
+  TensorView& v = *out;
+  v = TensorView();
+  if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty() && !t.has_shm())
+    return absl::OkStatus();
   const auto dtype = ParseDType(t.datatype());
   if (!dtype)
     return absl::InvalidArgumentError(
@@ -39,13 +40,15 @@ absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const S
                      shm.Resolve(name, t.shm().region(), t.shm().offset(), t.shm().byte_size()));
     v.data = &kNotYetRead;
     v.nbytes = static_cast<size_t>(t.shm().byte_size());
-    transfers->inputs.push_back({std::move(r), t.shm().offset(), v.nbytes, nullptr});
-    return v;
+    transfers->inputs.push_back({std::move(r), t.shm().offset(), v.nbytes, out});
+    return absl::OkStatus();
   }
   v.data = t.data().data();
   v.nbytes = t.data().size();
-  return v;
+  return absl::OkStatus();
 }
+
+}  // namespace
 
 absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransfers* transfers,
                     LayerInputs* out) {
@@ -57,17 +60,14 @@ absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransf
       {"index_q", {&in.index_q(), &out->index_q}},
       {"index_k", {&in.index_k(), &out->index_k}},
       {"index_w", {&in.index_w(), &out->index_w}}};
-  for (const auto& [name, p] : all) {
-    const size_t pending = transfers->inputs.size();
-    ASSIGN_OR_RETURN(*p.second, ViewOf(name, *p.first, shm, transfers));
-    if (transfers->inputs.size() > pending) transfers->inputs.back().view = p.second;
-  }
+  for (const auto& [name, p] : all)
+    RETURN_IF_ERROR(ViewOf(name, *p.first, shm, transfers, p.second));
   return absl::OkStatus();
 }
 
 absl::Status ShmTransfers::ReadInputs() {
   for (Pending& p : inputs) {
-    if (p.view == nullptr) continue;  // not bound to a layer view (caller reads it itself)
+    if (p.view == nullptr) continue;  // already read
     buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
     RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes));
     p.view->data = buffers.back()->data();
@@ -105,24 +105,21 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
         {std::move(r), in.out_shm().offset(), static_cast<size_t>(bytes), nullptr});
     transfers->output_buffers.push_back(
         std::make_unique<std::string>(static_cast<size_t>(bytes), '\0'));
-    out->set_datatype(std::string(DTypeName(dtype)));
-    out->clear_shape();
-    out->add_shape(tokens);
-    out->add_shape(heads);
-    out->add_shape(latent);
-    *out->mutable_shm() = in.out_shm();
-    out->clear_data();
-    return static_cast<void*>(transfers->output_buffers.back()->data());
-  }
-  if (bytes > max_message_bytes - kMessageFramingBytes)
+  } else if (bytes > max_message_bytes - kMessageFramingBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "output: ", bytes, " bytes would not fit in a reply of at most ", max_message_bytes,
         " bytes (max_message_bytes); name an out_shm region or send fewer tokens per step"));
+  }
   out->set_datatype(std::string(DTypeName(dtype)));
   out->clear_shape();
   out->add_shape(tokens);
   out->add_shape(heads);
   out->add_shape(latent);
+  if (in.has_out_shm()) {
+    *out->mutable_shm() = in.out_shm();
+    out->clear_data();
+    return static_cast<void*>(transfers->output_buffers.back()->data());
+  }
   std::string* data = out->mutable_data();
   data->resize(static_cast<size_t>(bytes));
   return static_cast<void*>(data->data());

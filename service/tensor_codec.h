@@ -29,7 +29,7 @@ struct ShmTransfers {
     std::shared_ptr<const ShmRegistry::Region> region;
     int64_t offset = 0;
     size_t bytes = 0;
-    TensorView* view = nullptr;  // the view to point at the bytes once read
+    TensorView* view = nullptr;  // inputs: the view to point at the bytes once read
   };
   std::vector<Pending> inputs;
   std::vector<std::unique_ptr<std::string>> buffers;
@@ -38,22 +38,18 @@ struct ShmTransfers {
   std::vector<std::unique_ptr<std::string>> output_buffers;
 };
 
-// A view of `t`'s bytes (valid while `t` and `shm` live). An unset tensor is `present == false`.
-// INVALID_ARGUMENT names the tensor for a bad datatype string, rank, or both data and shm;
-// NOT_FOUND for an unknown region. A shared-memory tensor's data points at nothing readable
-// until shm->ReadInputs() ran. Shapes and byte counts are checked by the engine.
-absl::StatusOr<TensorView> ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& shm,
-                                  ShmTransfers* transfers);
-
-// All seven tensors of a layer message, into *out (which must stay where it is until
-// transfers->ReadInputs() ran).
+// Views of the seven tensors of a layer message, into *out (valid while `in` and `transfers`
+// live; *out must stay where it is until transfers->ReadInputs() ran). An unset tensor is
+// `present == false`. INVALID_ARGUMENT names the tensor for a bad datatype string, rank, or both
+// data and shm; NOT_FOUND for an unknown region. A shared-memory tensor's data points at nothing
+// readable until transfers->ReadInputs() ran. Shapes and byte counts are checked by the engine.
 absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransfers* transfers,
                     LayerInputs* out);
 
 // Sizes `out` for [tokens, heads, latent] in `dtype` and returns where to write it: the reply's
 // bytes, or a buffer that transfers->WriteOutputs() copies into `out_shm`'s region (the reply then
-// carries that reference). INVALID_ARGUMENT when out_shm is given on a step with no output, or
-// when an output sent as bytes would not fit in a message of max_message_bytes.
+// carries that reference). INVALID_ARGUMENT when out_shm's size is not the output's, or when an
+// output sent as bytes would not fit in a message of max_message_bytes.
 absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, DType dtype,
                                     int64_t tokens, int heads, int latent,
                                     int64_t max_message_bytes, const ShmRegistry& shm,
