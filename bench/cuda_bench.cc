@@ -19,8 +19,9 @@
 
 namespace {
 
-using attnd::cuda::DevicePaged;
-using attnd::cuda::DeviceTables;
+using attnd::CacheRows;
+using attnd::PageTable;
+using attnd::cuda::QueryTables;
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
@@ -116,13 +117,21 @@ struct PagedCache {
     std::iota(tables.begin(), tables.end(), 1);
     std::shuffle(tables.begin(), tables.end(), std::mt19937_64(seed));
   }
-  DevicePaged view() const {
-    DevicePaged p;
-    p.base = reinterpret_cast<const uint8_t*>(data);
-    p.row_stride = dim * 2;
-    p.page_stride = p.row_stride * page_size;
-    p.dtype = 1;
-    return p;
+  CacheRows view() const {
+    return {reinterpret_cast<const uint8_t*>(data), size_t(dim) * 2, attnd::DType::kBF16, dim};
+  }
+  // Query i reads sequence seq[i] of `seqs` equal-length page tables.
+  QueryTables Tables(int seqs, const std::vector<int32_t>& seq,
+                     const std::vector<int64_t>& pos) const {
+    std::vector<int32_t> indptr(seqs + 1);
+    const int32_t per = static_cast<int32_t>(tables.size() / seqs);
+    for (int i = 0; i <= seqs; ++i) indptr[i] = i * per;
+    return {PageTable{Upload(indptr), Upload(tables), page_size}, Upload(seq), Upload(pos)};
+  }
+  // The slot of position pos of sequence s (what a selection hands attention).
+  int32_t Slot(int seqs, int s, int32_t pos) const {
+    const int32_t per = static_cast<int32_t>(tables.size() / seqs);
+    return tables[s * per + pos / page_size] * page_size + pos % page_size;
   }
 };
 
@@ -159,11 +168,10 @@ int main(int argc, char** argv) {
     const int64_t ctx = 65536;
     PagedCache idx(B, ctx, Di, 11);
     std::vector<int64_t> pos(B, ctx - 1), off(B), len(B, ctx);
-    std::vector<int32_t> table_off(B), queries(B), out_row(B);
+    std::vector<int32_t> seq(B), queries(B), out_row(B);
     for (int i = 0; i < B; ++i) {
       off[i] = i * ctx;
-      table_off[i] = static_cast<int32_t>(i * (ctx / 64));
-      queries[i] = out_row[i] = i;
+      seq[i] = queries[i] = out_row[i] = i;
     }
     float* q = Alloc<float>(size_t{B} * Hi * Di);
     float* w = Alloc<float>(size_t{B} * Hi);
@@ -172,7 +180,7 @@ int main(int argc, char** argv) {
     float* scores = Alloc<float>(size_t{B} * ctx);
     int32_t* sel = Alloc<int32_t>(size_t{B} * K);
     int32_t* cnt = Alloc<int32_t>(B);
-    DeviceTables t{Upload(idx.tables), Upload(table_off), Upload(pos), 64};
+    const QueryTables t = idx.Tables(B, seq, pos);
     attnd::cuda::IndexerParams ip;
     ip.q = q;
     ip.w = w;
@@ -208,15 +216,15 @@ int main(int argc, char** argv) {
   for (int64_t ctx : {int64_t{8192}, int64_t{65536}}) {
     PagedCache kv(B, ctx, D, 21);
     std::vector<int64_t> pos(B, ctx - 1);
-    std::vector<int32_t> table_off(B), sel(size_t{B} * K), cnt(B, K);
+    std::vector<int32_t> seq(B), sel(size_t{B} * K), cnt(B, K);
     std::vector<int32_t> all(ctx);
     std::iota(all.begin(), all.end(), 0);
     for (int i = 0; i < B; ++i) {
-      table_off[i] = static_cast<int32_t>(i * (ctx / 64));
+      seq[i] = i;
       std::shuffle(all.begin(), all.end(), rng);
       std::vector<int32_t> pick(all.begin(), all.begin() + K);
       std::sort(pick.begin(), pick.end());
-      std::copy(pick.begin(), pick.end(), sel.begin() + static_cast<size_t>(i) * K);
+      for (int j = 0; j < K; ++j) sel[static_cast<size_t>(i) * K + j] = kv.Slot(B, i, pick[j]);
     }
     float* ql = Alloc<float>(size_t{B} * H * L);
     float* qr = Alloc<float>(size_t{B} * H * R);
@@ -232,7 +240,7 @@ int main(int argc, char** argv) {
     mp.rope = R;
     mp.sm_scale = 0.135f;
     mp.kv = kv.view();
-    mp.tables = DeviceTables{Upload(kv.tables), Upload(table_off), Upload(pos), 64};
+    mp.tables = kv.Tables(B, seq, pos);
     mp.sel = Upload(sel);
     mp.sel_count = Upload(cnt);
     mp.sel_stride = K;
@@ -253,7 +261,7 @@ int main(int argc, char** argv) {
     PagedCache kv(1, T, D, 31);
     std::vector<int64_t> pos(T);
     std::iota(pos.begin(), pos.end(), 0);
-    std::vector<int32_t> table_off(T, 0);
+    std::vector<int32_t> seq(T, 0);
     float* ql = Alloc<float>(size_t{T} * H * L);
     float* qr = Alloc<float>(size_t{T} * H * R);
     RandomF32(ql, size_t{T} * H * L, 8);
@@ -268,7 +276,7 @@ int main(int argc, char** argv) {
     mp.rope = R;
     mp.sm_scale = 0.135f;
     mp.kv = kv.view();
-    mp.tables = DeviceTables{Upload(kv.tables), Upload(table_off), Upload(pos), 64};
+    mp.tables = kv.Tables(1, seq, pos);
     mp.out = out;
     const double flops = double(T) * (T + 1) / 2 * H * (D + L) * 2;
     for (bool tc : {false, true}) {

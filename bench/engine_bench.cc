@@ -120,14 +120,10 @@ void MlaOneQuery(benchmark::State& state) {
   p.num_heads = H;
   p.latent_dim = L;
   p.rope_dim = R;
-  p.kv = PagedRows{reinterpret_cast<const uint8_t*>(cache.data()),
-                   pages.data(),
-                   ps,
-                   size_t{ps} * D * 2,
-                   size_t{D} * 2,
-                   DType::kBF16,
-                   D};
-  p.positions = pos.data();
+  p.kv = CacheRows{reinterpret_cast<const uint8_t*>(cache.data()), size_t{D} * 2, DType::kBF16, D};
+  // A selection reaches attention as physical slot ids.
+  for (auto& s : pos) s = pages[s / ps] * ps + s % ps;
+  p.slots = pos.data();
   p.num_keys = K;
   p.sm_scale = 0.1f;
   p.out = out.data();

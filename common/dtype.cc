@@ -2,7 +2,7 @@
 
 namespace attnd {
 
-absl::string_view DTypeName(DType t) {
+const char* DTypeName(DType t) {
   switch (t) {
     case DType::kF32:
       return "FP32";
@@ -14,7 +14,7 @@ absl::string_view DTypeName(DType t) {
   return "?";
 }
 
-std::optional<DType> ParseDType(absl::string_view name) {
+std::optional<DType> ParseDType(std::string_view name) {
   if (name == "FP32") return DType::kF32;
   if (name == "BF16") return DType::kBF16;
   if (name == "FP16") return DType::kF16;

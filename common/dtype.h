@@ -1,25 +1,27 @@
-// Element types on the wire and in the caches, and conversions to and from fp32.
+// Element types on the wire and in the caches, and conversions to and from fp32. Free of Abseil:
+// CUDA code includes it for DType (kernel parameters carry a DType, dispatched once per launch).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string_view>
 
-#include "absl/strings/string_view.h"
+#include "common/host_device.h"
 
 namespace attnd {
 
 enum class DType : uint8_t { kF32, kBF16, kF16 };
 
 // Bytes per element.
-constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+ATTND_HD constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // The Open Inference Protocol name: "FP32", "BF16", "FP16".
-absl::string_view DTypeName(DType t);
+const char* DTypeName(DType t);
 
 // Parses an OIP datatype string (upper case, as on the wire); nullopt for anything else.
-std::optional<DType> ParseDType(absl::string_view name);
+std::optional<DType> ParseDType(std::string_view name);
 
 inline float BF16ToF32(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;

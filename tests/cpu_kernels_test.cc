@@ -145,10 +145,16 @@ struct PagedSeq {
       rows.insert(rows.end(), back.begin(), back.end());
     }
   }
-  PagedRows view() const {
-    return PagedRows{
-        pool.data(), pages.data(), ps, ps * dim * DTypeSize(dtype), dim * DTypeSize(dtype),
-        dtype,       dim};
+  std::vector<int32_t> indptr() const { return {0, static_cast<int32_t>(pages.size())}; }
+  CacheRows rows_view() const { return {pool.data(), dim * DTypeSize(dtype), dtype, dim}; }
+  PageTable table(const std::vector<int32_t>& indptr) const {
+    return {indptr.data(), pages.data(), ps};
+  }
+  // The physical slots of positions (what a selection hands attention).
+  std::vector<int32_t> Slots(const std::vector<int32_t>& positions) const {
+    std::vector<int32_t> out;
+    for (int32_t s : positions) out.push_back(pages[s / ps] * ps + s % ps);
+    return out;
   }
 };
 
@@ -167,9 +173,18 @@ TEST_P(PerIsa, IndexerScoresMatchReference) {
     const auto ref = reference::IndexerScores(spec, qd.data(), wd.data(), seq.rows.data(), n);
     std::vector<float> got(n, NAN);
     // Two chunks, as the engine splits long queries.
+    const auto indptr = seq.indptr();
     for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 70}, {70, n}}) {
-      IndexerScoreParams p{q.data(), w.data(), spec.index_n_heads, spec.index_head_dim, seq.view(),
-                           b,        e,        got.data() + b};
+      IndexerScoreParams p;
+      p.q = q.data();
+      p.w = w.data();
+      p.num_heads = spec.index_n_heads;
+      p.head_dim = spec.index_head_dim;
+      p.keys = seq.rows_view();
+      p.table = seq.table(indptr);
+      p.begin = b;
+      p.end = e;
+      p.scores = got.data() + b;
       IndexerScores(k, p);
     }
     for (int64_t s = 0; s < n; ++s) ASSERT_NEAR(got[s], ref[s], 1e-4 * (1 + std::abs(ref[s])));
@@ -188,6 +203,8 @@ TEST_P(PerIsa, MlaAttendMatchesReferenceForListsRangesAndSoftCap) {
   std::vector<double> qd(q.begin(), q.end());
   std::vector<int32_t> list;
   for (int32_t s = 0; s < n; s += 1 + rng() % 4) list.push_back(s);
+  const std::vector<int32_t> slots = seq.Slots(list);
+  const auto indptr = seq.indptr();
   for (double cap : {0.0, 2.5}) {
     for (bool use_list : {true, false}) {
       std::vector<int32_t> keys = list;
@@ -196,13 +213,14 @@ TEST_P(PerIsa, MlaAttendMatchesReferenceForListsRangesAndSoftCap) {
       p.num_heads = H;
       p.latent_dim = L;
       p.rope_dim = spec.qk_rope_head_dim;
-      p.kv = seq.view();
+      p.kv = seq.rows_view();
       p.sm_scale = static_cast<float>(spec.sm_scale);
       p.soft_cap = static_cast<float>(cap);
       if (use_list) {
-        p.positions = list.data();
-        p.num_keys = static_cast<int64_t>(list.size());
+        p.slots = slots.data();
+        p.num_keys = static_cast<int64_t>(slots.size());
       } else {
+        p.table = seq.table(indptr);
         p.begin = 13;
         p.end = n;
         keys.clear();

@@ -14,7 +14,7 @@ TEST(DType, ParsesOipNamesAndRejectsOthers) {
   EXPECT_EQ(ParseDType("FP32"), DType::kF32);
   EXPECT_FALSE(ParseDType("bf16").has_value());
   EXPECT_FALSE(ParseDType("INT32").has_value());
-  EXPECT_EQ(DTypeName(DType::kBF16), "BF16");
+  EXPECT_EQ(std::string(DTypeName(DType::kBF16)), "BF16");
 }
 
 TEST(DType, Fp16RoundTripsEveryBitPattern) {

@@ -1,9 +1,13 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <vector>
 
+#include "common/model_spec.h"
+#include "kv_store/cache_layout.h"
 #include "kv_store/kv_cache.h"
 #include "kv_store/page_pool.h"
+#include "kv_store/page_table.h"
 
 namespace attnd {
 namespace {
@@ -40,32 +44,79 @@ TEST(PagePool, SharedPagesReturnOnLastUnref) {
   EXPECT_EQ(pool.refcount(got[0]), 0);
 }
 
-TEST(KvCache, SizesByBytesAndLaysOutRowsWithoutOverlap) {
+TEST(CacheLayout, SizesByBytesAndLaysOutRowsWithoutOverlap) {
   ModelSpec spec = PresetModelSpec("tiny").value();
-  auto cfg = KvCacheConfig::ForModel(spec, DType::kBF16, 0);
+  auto layout = CacheLayout::ForModel(spec, DType::kBF16, 0);
   // 4 layers x 48 dims + 2 full layers x 16 dims, x 16 tokens x 2 bytes.
-  EXPECT_EQ(cfg.BytesPerPage(), size_t{16} * 2 * (4 * 48 + 2 * 16));
-  cfg.num_pages = cfg.PagesForBytes(cfg.BytesPerPage() * 10 + 5);
-  EXPECT_EQ(cfg.num_pages, 10);
-  auto cache = KvCache::Create(cfg);
+  EXPECT_EQ(layout.BytesPerPage(), size_t{16} * 2 * (4 * 48 + 2 * 16));
+  layout.num_pages = layout.PagesForBytes(layout.BytesPerPage() * 10 + 5);
+  EXPECT_EQ(layout.num_pages, 10);
+  EXPECT_EQ(layout.TotalBytes(), layout.BytesPerPage() * 10);
+  auto cache = KvCache::Create(layout);
   ASSERT_TRUE(cache.ok());
   EXPECT_EQ(cache->LatentRow(0, 1, 0) - cache->LatentRow(0, 0, 0), 16 * 96);
   EXPECT_EQ(cache->LatentRow(1, 0, 0) - cache->LatentRow(0, 0, 0), 10 * 16 * 96);
-  // Copy a partial page across every layer and slot.
-  for (int l = 0; l < 4; ++l) cache->LatentRow(l, 3, 4)[7] = static_cast<uint8_t>(l + 1);
-  cache->IndexRow(1, 3, 2)[5] = 9;
-  cache->CopyPagePrefix(3, 5, 5);
-  for (int l = 0; l < 4; ++l) EXPECT_EQ(cache->LatentRow(l, 5, 4)[7], l + 1);
-  EXPECT_EQ(cache->IndexRow(1, 5, 2)[5], 9);
-  cache->LatentRow(0, 3, 6)[0] = 1;
-  cache->CopyPagePrefix(3, 6, 5);
-  EXPECT_EQ(cache->LatentRow(0, 6, 6)[0], 0);  // beyond the prefix: not copied
+  EXPECT_EQ(cache->IndexRow(0, 0, 0) - cache->LatentRow(0, 0, 0), 4 * 10 * 16 * 96);
+  EXPECT_EQ(cache->IndexRow(1, 2, 3) - cache->IndexRow(0, 0, 0), (10 * 16 + 2 * 16 + 3) * 32);
+  // The last indexer row ends where the allocation does.
+  EXPECT_EQ(cache->IndexRow(1, 9, 15) + 32 - cache->LatentRow(0, 0, 0),
+            static_cast<ptrdiff_t>(layout.TotalBytes()));
+  // Slot addressing: CacheRows row `slot` is the page's row.
+  EXPECT_EQ(cache->Latent(2).Row(3 * 16 + 5), cache->LatentRow(2, 3, 5));
+  EXPECT_EQ(cache->Index(1).Row(7 * 16 + 15), cache->IndexRow(1, 7, 15));
+}
+
+TEST(CacheLayout, StagedPageBlocksTileTheStagingBuffer) {
+  ModelSpec spec = PresetModelSpec("tiny").value();
+  const auto layout = CacheLayout::ForModel(spec, DType::kF32, 8);
+  const int rows = 5;
+  size_t next = 0;
+  for (int l = 0; l < layout.num_layers; ++l) {
+    EXPECT_EQ(layout.StagedLatent(l, rows), next);
+    next += rows * layout.latent_row_bytes();
+  }
+  for (int k = 0; k < layout.num_full_layers; ++k) {
+    EXPECT_EQ(layout.StagedIndex(k, rows), next);
+    next += rows * layout.index_row_bytes();
+  }
+  EXPECT_EQ(layout.StagedBytes(rows), next);
+  EXPECT_EQ(layout.StagedBytes(layout.page_size), layout.BytesPerPage());
 }
 
 TEST(KvCache, RejectsAPoolWithoutUsablePages) {
   ModelSpec spec = PresetModelSpec("tiny").value();
-  auto cfg = KvCacheConfig::ForModel(spec, DType::kBF16, 1);
-  EXPECT_EQ(KvCache::Create(cfg).status().code(), absl::StatusCode::kInvalidArgument);
+  auto layout = CacheLayout::ForModel(spec, DType::kBF16, 1);
+  EXPECT_EQ(KvCache::Create(layout).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(PageTable, SlotsFollowEachSequencesPagesInOrder) {
+  // Two sequences, page size 4: a owns pages 7, 2; b owns 5, 9, 1.
+  const std::vector<int32_t> indptr = {0, 2, 5}, pages = {7, 2, 5, 9, 1};
+  const PageTable t{indptr.data(), pages.data(), 4};
+  EXPECT_EQ(t.Slot(0, 0), 28);
+  EXPECT_EQ(t.Slot(0, 3), 31);
+  EXPECT_EQ(t.Slot(0, 4), 8);
+  EXPECT_EQ(t.Slot(0, 7), 11);
+  EXPECT_EQ(t.Slot(1, 0), 20);
+  EXPECT_EQ(t.Slot(1, 6), 38);
+  EXPECT_EQ(t.Slot(1, 9), 5);
+  // Every position of every sequence maps to a distinct slot on its own page.
+  std::set<int64_t> seen;
+  for (int s = 0; s < 2; ++s)
+    for (int64_t p = 0; p < (indptr[s + 1] - indptr[s]) * 4; ++p) {
+      const int64_t slot = t.Slot(s, p);
+      EXPECT_EQ(slot / 4, pages[indptr[s] + p / 4]);
+      EXPECT_EQ(slot % 4, p % 4);
+      EXPECT_TRUE(seen.insert(slot).second);
+    }
+}
+
+TEST(CacheRows, AddressesRowsBySlot) {
+  std::vector<uint8_t> buf(64);
+  const CacheRows r{buf.data() + 8, 6, DType::kBF16, 3};
+  EXPECT_EQ(r.Row(0), buf.data() + 8);
+  EXPECT_EQ(r.Row(5), buf.data() + 38);
+  EXPECT_EQ(r.MutableRow(2), buf.data() + 20);
 }
 
 }  // namespace

@@ -26,20 +26,19 @@ float* Grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// Converts one cached row to fp32.
-inline void LoadRow(const Kernels& k, const PagedRows& rows, int64_t pos, float* dst) {
+// Converts one cached row (by slot id) to fp32.
+inline void LoadRow(const Kernels& k, const CacheRows& rows, int64_t slot, float* dst) {
   if (rows.dtype == DType::kBF16) {
-    k.bf16_to_f32(reinterpret_cast<const unsigned short*>(rows.Row(pos)), dst, rows.dim);
+    k.bf16_to_f32(reinterpret_cast<const unsigned short*>(rows.Row(slot)), dst, rows.dim);
   } else {
-    ConvertToF32(rows.dtype, rows.Row(pos), dst, rows.dim);
+    ConvertToF32(rows.dtype, rows.Row(slot), dst, rows.dim);
   }
 }
 
 // Asks for a cached row a few iterations ahead, so the gather's misses overlap with work.
-inline void PrefetchRow(const PagedRows& rows, int64_t pos) {
-  const uint8_t* r = rows.Row(pos);
-  const size_t bytes = rows.dim * DTypeSize(rows.dtype);
-  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
+inline void PrefetchRow(const CacheRows& rows, int64_t slot) {
+  const uint8_t* r = rows.Row(slot);
+  for (size_t off = 0; off < rows.row_bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
 }
 
 // dst[c][r] = src[r][c] for a rows x cols matrix, optionally scaled.
@@ -98,7 +97,7 @@ void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
   Transpose(p.q, H, D, D, qt, H);
   for (int64_t t0 = p.begin; t0 < p.end; t0 += kTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, p.end - t0));
-    for (int j = 0; j < nk; ++j) LoadRow(k, p.keys, t0 + j, kr + j * D);
+    for (int j = 0; j < nk; ++j) LoadRow(k, p.keys, p.table.Slot(p.seq, t0 + j), kr + j * D);
     k.gemm(nk, H, D, kr, D, qt, H, st, H, false);
     float* out = p.scores + (t0 - p.begin);
     for (int j = 0; j < nk; ++j) {
@@ -174,7 +173,7 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   constexpr int kTile = 64;
   // H counts score rows: heads x queries of the block.
   const int H = p.num_heads * p.num_queries, L = p.latent_dim, D = p.latent_dim + p.rope_dim;
-  const bool masked = p.row_begin != nullptr && p.positions == nullptr;
+  const bool masked = p.row_begin != nullptr && p.slots == nullptr;
   Scratch& ws = ThreadScratch();
   float* kr = Grow(ws.a, static_cast<size_t>(kTile) * D);  // [kTile, D] keys as rows
   // Score columns padded to a multiple of 16 so every score takes the GEMM's vector path:
@@ -193,17 +192,20 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   std::fill(l, l + H, 0.0f);
   std::fill(qt, qt + static_cast<size_t>(D) * Hp, 0.0f);
   Transpose(p.q, H, D, D, qt, Hp, p.sm_scale);
-  const int64_t total = p.positions ? p.num_keys : p.end - p.begin;
+  const int64_t total = p.slots ? p.num_keys : p.end - p.begin;
+  // The slot of key i: explicit (a selection) or through the page table (a range).
+  auto slot_of = [&p](int64_t i) {
+    return p.slots ? p.slots[i] : p.table.Slot(p.seq, p.begin + i);
+  };
   const float cap = p.soft_cap;
   for (int64_t t0 = 0; t0 < total; t0 += kTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, total - t0));
     for (int j = 0; j < nk; ++j) {
-      const int64_t pos = p.positions ? p.positions[t0 + j] : p.begin + t0 + j;
-      LoadRow(k, p.kv, pos, kr + j * D);
+      LoadRow(k, p.kv, slot_of(t0 + j), kr + j * D);
     }
     // The next tile's rows stream into L2 while this tile computes.
     for (int64_t j = t0 + kTile; j < std::min(total, t0 + 2 * kTile); ++j)
-      PrefetchRow(p.kv, p.positions ? p.positions[j] : p.begin + j);
+      PrefetchRow(p.kv, slot_of(j));
     k.gemm(nk, Hp, D, kr, D, qt, Hp, st, Hp, false);
     Transpose(st, nk, H, Hp, s, nk);  // s is [H, nk] now
     for (int h = 0; h < H; ++h) {

@@ -1,5 +1,6 @@
 // The CPU backend's per-query operations: indexer scores, exact top-k, page selection and
-// MLA attention over paged caches. Device-neutral inputs (PagedRows, spans as pointer + count);
+// MLA attention over paged caches. Device-neutral inputs (CacheRows and PageTable, spans as
+// pointer + count);
 // fp32 accumulation everywhere. Every function is thread safe and may run concurrently.
 #pragma once
 
@@ -7,7 +8,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_isa.h"
-#include "kernels/paged_rows.h"
+#include "kv_store/page_table.h"
 
 namespace attnd::cpu {
 
@@ -17,7 +18,9 @@ struct IndexerScoreParams {
   const float* w = nullptr;  // [num_heads] indexer head weights
   int num_heads = 0;
   int head_dim = 0;
-  PagedRows keys;           // indexer-key cache rows, dim == head_dim
+  CacheRows keys;   // indexer-key cache rows, dim == head_dim
+  PageTable table;  // the query's sequence is table sequence `seq`
+  int32_t seq = 0;
   int64_t begin = 0;        // first key position
   int64_t end = 0;          // one past the last
   float* scores = nullptr;  // [end - begin] output
@@ -43,16 +46,19 @@ void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
 // MLA for one query token over a set of keys, for heads [0, num_heads) of q:
 //   s_j = sm_scale·(q_latent·c_kv_j + q_rope·k_pe_j) [soft-capped], p = softmax(s),
 //   out = Σ_j p_j c_kv_j.
-// Keys are either the explicit `positions` (num_keys of them) or, when positions is null, the
-// range [begin, end).
+// Keys are either the explicit physical `slots` (num_keys of them: a selection, translated
+// through the page table once when it was made) or, when slots is null, the positions
+// [begin, end) of table sequence `seq`.
 struct MlaParams {
   const float* q = nullptr;  // [num_heads, L+R]: q_latent | q_rope per head
   int num_heads = 0;
   int latent_dim = 0;  // L
   int rope_dim = 0;    // R
-  PagedRows kv;        // latent cache rows [c_kv | k_pe], dim == L+R
-  const int32_t* positions = nullptr;
+  CacheRows kv;        // latent cache rows [c_kv | k_pe], dim == L+R
+  const int32_t* slots = nullptr;
   int64_t num_keys = 0;
+  PageTable table;  // range mode
+  int32_t seq = 0;
   int64_t begin = 0;
   int64_t end = 0;
   float sm_scale = 1.0f;

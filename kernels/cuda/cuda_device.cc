@@ -3,14 +3,15 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/nccl_peer.h"
 
 namespace attnd::cuda {
 namespace {
@@ -22,8 +23,6 @@ namespace {
       return absl::InternalError(                                                    \
           absl::StrCat("CUDA: ", #expr, ": ", cudaGetErrorString(attnd_cuda_err_))); \
   } while (0)
-
-int Code(DType t) { return t == DType::kF32 ? 0 : t == DType::kBF16 ? 1 : 2; }
 
 // ATTND_CUDA_MLA=mma selects the bf16 tensor-core MLA kernel for bf16 requests; the SIMT kernel
 // stays the default until the tensor-core one has passed the parity tests on a GPU.
@@ -98,172 +97,149 @@ int DeviceCount() {
   return n;
 }
 
+// A step's share on this GPU: its uploaded plan and its kept selection (IndexShare carry).
+struct CudaDevice::Step final : DeviceStep {
+  int64_t n = 0;
+  int64_t sel_cap = 0;
+  DeviceBuffer pos, seq, indptr, pages, slot, needs_index;
+  DeviceBuffer sel, sel_slots, sel_count;  // [n, sel_cap] positions and slot ids, [n] counts
+  bool selected = false;                   // a full layer has run
+  QueryTables Tables() const {
+    QueryTables t;
+    t.table.indptr = indptr.as<int32_t>();
+    t.table.pages = pages.as<int32_t>();
+    t.seq = seq.as<int32_t>();
+    t.pos = pos.as<int64_t>();
+    return t;
+  }
+};
+
 struct CudaDevice::State {
   ModelSpec spec;
-  KvCacheConfig config;
-  cudaStream_t stream = nullptr;
-  uint8_t* cache = nullptr;  // latent[layer][page][row] | index[slot][page][row]
-  size_t latent_bytes = 0, total_bytes = 0;
-
-  // Open steps: plan and IndexShare carry, per step (several steps may be open at once).
-  struct StepState {
-    StepPlan plan;
-    int64_t n = 0;
-    int64_t sel_cap = 0;
-    DeviceBuffer pos, table_offset, tables, tok_page, tok_off, use_range, sel, sel_count;
-    std::vector<uint8_t> use_range_host;
-  };
-  std::mutex mu;  // one layer at a time per GPU: the scratch below is shared
-  std::map<uint64_t, std::unique_ptr<StepState>> steps;
-  // The step whose layer runs now (mu held).
-  StepState* st = nullptr;
+  CacheLayout layout;
+  cudaStream_t stream = nullptr;       // layers (mu held)
+  cudaStream_t copy_stream = nullptr;  // page reads, writes and copies (copy_mu held)
+  uint8_t* cache = nullptr;            // CacheLayout's one allocation
+  std::mutex mu;                       // one layer at a time per GPU: the scratch below is shared
+  std::mutex copy_mu;
   // Per-layer scratch.
   DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, need, need_off,
       need_len, tmp_sel, tmp_count, page_keys, page_off, page_len, page_list, page_count, out_f32,
       out_raw;
   HostBuffer staging;
+  const StepShare* share = nullptr;  // the share whose layer runs now (mu held)
+  Step* st = nullptr;
 
-  size_t RowBytes(int dim) const { return dim * DTypeSize(config.dtype); }
-  DevicePaged Latent(int layer) const {
-    DevicePaged d;
-    d.base = cache + static_cast<size_t>(layer) * config.num_pages * config.page_size *
-                         RowBytes(config.latent_dim);
-    d.row_stride = RowBytes(config.latent_dim);
-    d.page_stride = d.row_stride * config.page_size;
-    d.dtype = Code(config.dtype);
-    return d;
+  CacheRows Latent(int layer) const {
+    return {cache + layout.LatentOffset(layer), layout.latent_row_bytes(), layout.dtype,
+            layout.latent_dim};
   }
-  DevicePaged Index(int slot) const {
-    DevicePaged d;
-    d.base = cache + latent_bytes +
-             static_cast<size_t>(slot) * config.num_pages * config.page_size *
-                 RowBytes(config.index_dim);
-    d.row_stride = RowBytes(config.index_dim);
-    d.page_stride = d.row_stride * config.page_size;
-    d.dtype = Code(config.dtype);
-    return d;
+  CacheRows Index(int slot) const {
+    return {cache + layout.IndexOffset(slot), layout.index_row_bytes(), layout.dtype,
+            layout.index_dim};
   }
-  DeviceTables Tables() const {
-    DeviceTables t;
-    t.tables = st->tables.as<int32_t>();
-    t.table_offset = st->table_offset.as<int32_t>();
-    t.pos = st->pos.as<int64_t>();
-    t.page_size = spec.page_size;
+  QueryTables Tables() const {
+    QueryTables t = st->Tables();
+    t.table.page_size = spec.page_size;
     return t;
   }
 
-  // Gathers this device's rows of `t` into pinned staging, uploads them and converts to fp32.
+  // Gathers the share's rows of `t` into pinned staging, uploads them and converts to fp32.
   absl::Status Rows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
     const size_t es = DTypeSize(t.dtype), row = row_elems * es;
     RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row)));
     for (int64_t i = 0; i < st->n; ++i)
       std::memcpy(staging.data() + i * row,
-                  static_cast<const uint8_t*>(t.data) + st->plan.rows[i] * row, row);
+                  static_cast<const uint8_t*>(t.data) + share->rows[i] * row, row);
     RETURN_IF_ERROR(raw.Reserve(std::max<size_t>(1, st->n * row)));
     RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st->n * row_elems * 4)));
     CUDA_RETURN(cudaMemcpyAsync(raw.ptr, staging.ptr, st->n * row, cudaMemcpyHostToDevice, stream));
-    CUDA_RETURN(LaunchToF32(raw.ptr, Code(t.dtype), f32.as<float>(), st->n * row_elems, stream));
+    CUDA_RETURN(LaunchToF32(raw.ptr, t.dtype, f32.as<float>(), st->n * row_elems, stream));
     CUDA_RETURN(cudaStreamSynchronize(stream));  // staging is reused by the next tensor
     return absl::OkStatus();
   }
 
-  absl::Status Write(const DevicePaged& c, const DeviceBuffer& src, int dim, int col) {
+  absl::Status Write(const CacheRows& c, const DeviceBuffer& src, int dim, int col) {
     WriteRowsParams w;
     w.src = src.as<float>();
     w.n = static_cast<int>(st->n);
     w.dim = dim;
-    w.base = const_cast<uint8_t*>(c.base);
-    w.page_stride = c.page_stride;
-    w.row_stride = c.row_stride;
-    w.dtype = c.dtype;
+    w.cache = c;
     w.col_offset = col;
-    w.page = st->tok_page.as<int32_t>();
-    w.offset = st->tok_off.as<int32_t>();
+    w.slot = st->slot.as<int32_t>();
     CUDA_RETURN(LaunchWriteRows(w, stream));
     return absl::OkStatus();
   }
 
   absl::Status Select(int layer);
+  absl::Status ToSlots();
+  // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).
+  absl::Status PageToHost(int32_t page, int rows, uint8_t* staged);
+  absl::Status HostToPage(int32_t page, int rows, const uint8_t* staged);
 };
 
-absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(int ordinal, const ModelSpec& spec,
-                                                               const KvCacheConfig& config) {
+absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name, int ordinal,
+                                                               const ModelSpec& spec,
+                                                               const CacheLayout& layout) {
   if (ordinal < 0 || ordinal >= DeviceCount())
     return absl::FailedPreconditionError(
-        absl::StrCat("cuda:", ordinal, ": no such GPU (", DeviceCount(), " visible)"));
+        absl::StrCat(name, ": no such GPU (", DeviceCount(), " visible)"));
   if (spec.kv_lora_rank > 512)
     return absl::InvalidArgumentError("CUDA backend supports kv_lora_rank <= 512");
-  std::unique_ptr<CudaDevice> d(new CudaDevice());
+  std::unique_ptr<CudaDevice> d(new CudaDevice(std::move(name), layout));
   d->ordinal_ = ordinal;
   d->s_ = std::make_unique<State>();
   State& s = *d->s_;
   s.spec = spec;
-  s.config = config;
+  s.layout = layout;
   CUDA_RETURN(cudaSetDevice(ordinal));
   CUDA_RETURN(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-  s.latent_bytes = static_cast<size_t>(config.num_layers) * config.num_pages * config.page_size *
-                   s.RowBytes(config.latent_dim);
-  s.total_bytes = s.latent_bytes + static_cast<size_t>(config.num_full_layers) * config.num_pages *
-                                       config.page_size * s.RowBytes(config.index_dim);
+  CUDA_RETURN(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
   void* p = nullptr;
-  const cudaError_t e = cudaMalloc(&p, s.total_bytes);
+  const cudaError_t e = cudaMalloc(&p, layout.TotalBytes());
   if (e != cudaSuccess)
     return absl::ResourceExhaustedError(
-        absl::StrCat("cuda:", ordinal, ": cannot allocate ", s.total_bytes,
+        absl::StrCat(d->name(), ": cannot allocate ", layout.TotalBytes(),
                      " bytes of KV cache: ", cudaGetErrorString(e)));
   s.cache = static_cast<uint8_t*>(p);
   // On `stream` and waited for: a legacy-stream memset is asynchronous to the host and unordered
   // with the non-blocking stream, so it could otherwise overwrite the first steps' writes.
-  CUDA_RETURN(cudaMemsetAsync(s.cache, 0, s.total_bytes, s.stream));
+  CUDA_RETURN(cudaMemsetAsync(s.cache, 0, layout.TotalBytes(), s.stream));
   CUDA_RETURN(cudaStreamSynchronize(s.stream));
   return d;
 }
+
+CudaDevice::CudaDevice(std::string name, const CacheLayout& layout)
+    : Device(std::move(name), layout) {}
 
 CudaDevice::~CudaDevice() {
   if (!s_) return;
   cudaSetDevice(ordinal_);
   if (s_->cache) cudaFree(s_->cache);
   if (s_->stream) cudaStreamDestroy(s_->stream);
+  if (s_->copy_stream) cudaStreamDestroy(s_->copy_stream);
 }
 
-absl::Status CudaDevice::BeginStep(uint64_t step, const StepPlan& plan) {
+absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShare& share) {
   State& s = *s_;
   std::lock_guard<std::mutex> lock(s.mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  auto owned = std::make_unique<State::StepState>();
-  State::StepState& st = *owned;
-  st.plan = plan;
-  st.n = static_cast<int64_t>(plan.rows.size());
-  std::vector<int32_t> page(st.n), off(st.n);
-  int64_t max_visible = 1;
-  for (int64_t i = 0; i < st.n; ++i) {
-    page[i] = plan.tables[plan.table_offset[i] + plan.pos[i] / s.spec.page_size];
-    off[i] = static_cast<int32_t>(plan.pos[i] % s.spec.page_size);
-    max_visible = std::max(max_visible, plan.pos[i] + 1);
-  }
-  int64_t cap = s.spec.index_topk;
-  if (s.spec.selection == SelectionMode::kPageUnion)
-    cap = int64_t{s.spec.page_union_max_pages + 1} * s.spec.page_size;
-  if (s.spec.selection == SelectionMode::kPageBudget)
-    cap = int64_t{s.spec.page_budget + 1} * s.spec.page_size;
-  st.sel_cap = std::min(cap, max_visible);
-  RETURN_IF_ERROR(Upload(st.pos, plan.pos, s.stream));
-  RETURN_IF_ERROR(Upload(st.table_offset, plan.table_offset, s.stream));
-  RETURN_IF_ERROR(Upload(st.tables, plan.tables, s.stream));
-  RETURN_IF_ERROR(Upload(st.tok_page, page, s.stream));
-  RETURN_IF_ERROR(Upload(st.tok_off, off, s.stream));
-  st.use_range_host.assign(st.n, 1);
-  RETURN_IF_ERROR(Upload(st.use_range, st.use_range_host, s.stream));
-  RETURN_IF_ERROR(st.sel.Reserve(std::max<size_t>(4, st.n * st.sel_cap * 4)));
-  RETURN_IF_ERROR(st.sel_count.Reserve(std::max<size_t>(4, st.n * 4)));
-  s.steps[step] = std::move(owned);
-  return absl::OkStatus();
-}
-
-void CudaDevice::EndStep(uint64_t step) {
-  std::lock_guard<std::mutex> lock(s_->mu);
-  cudaSetDevice(ordinal_);
-  s_->steps.erase(step);
+  auto st = std::make_unique<Step>();
+  st->n = share.size();
+  st->sel_cap = std::max<int64_t>(1, share.max_selected);
+  RETURN_IF_ERROR(Upload(st->pos, share.pos, s.stream));
+  RETURN_IF_ERROR(Upload(st->seq, share.seq, s.stream));
+  RETURN_IF_ERROR(Upload(st->indptr, share.indptr, s.stream));
+  RETURN_IF_ERROR(Upload(st->pages, share.pages, s.stream));
+  RETURN_IF_ERROR(Upload(st->slot, share.slot, s.stream));
+  RETURN_IF_ERROR(Upload(st->needs_index, share.needs_index, s.stream));
+  RETURN_IF_ERROR(st->sel.Reserve(std::max<size_t>(4, st->n * st->sel_cap * 4)));
+  RETURN_IF_ERROR(st->sel_slots.Reserve(std::max<size_t>(4, st->n * st->sel_cap * 4)));
+  RETURN_IF_ERROR(st->sel_count.Reserve(std::max<size_t>(4, st->n * 4)));
+  // Rows that never select keep count 0 (PositionsToSlots and traces read every row).
+  CUDA_RETURN(cudaMemsetAsync(st->sel_count.ptr, 0, st->sel_count.bytes, s.stream));
+  CUDA_RETURN(cudaStreamSynchronize(s.stream));
+  return std::unique_ptr<DeviceStep>(std::move(st));
 }
 
 absl::Status CudaDevice::State::Select(int layer) {
@@ -272,22 +248,14 @@ absl::Status CudaDevice::State::Select(int layer) {
   std::vector<int64_t> offset, len;
   int64_t total = 0, max_len = 0;
   for (int64_t i = 0; i < st->n; ++i) {
-    const int64_t v = st->plan.pos[i] + 1;
-    bool all;
-    if (st->plan.dense_prefill[i]) {
-      all = true;
-    } else {
-      all = SelectsEveryVisibleKey(spec, v);
-    }
-    st->use_range_host[i] = all;
-    if (all) continue;
+    if (!share->needs_index[i]) continue;
+    const int64_t v = share->pos[i] + 1;
     need_rows.push_back(static_cast<int32_t>(i));
     offset.push_back(total);
     len.push_back(v);
     total += v;
     max_len = std::max(max_len, v);
   }
-  RETURN_IF_ERROR(Upload(st->use_range, st->use_range_host, stream));
   if (need_rows.empty()) return absl::OkStatus();
   const int nq = static_cast<int>(need_rows.size());
   RETURN_IF_ERROR(Upload(this->need, need_rows, stream));
@@ -320,7 +288,7 @@ absl::Status CudaDevice::State::Select(int layer) {
     tk.out_count = st->sel_count.as<int32_t>();
     tk.out_row = this->need.as<int32_t>();
     CUDA_RETURN(LaunchTopK(tk, stream));
-    return absl::OkStatus();
+    return ToSlots();
   }
   // Page modes: per-query page keys, the best pages, then their positions.
   std::vector<int64_t> poff(nq);
@@ -397,23 +365,35 @@ absl::Status CudaDevice::State::Select(int layer) {
   ex.out_count = st->sel_count.as<int32_t>();
   ex.out_row = this->need.as<int32_t>();
   CUDA_RETURN(LaunchExpandPages(ex, stream));
+  return ToSlots();
+}
+
+// The selected positions to slot ids, once per full layer: attention reads slots directly.
+absl::Status CudaDevice::State::ToSlots() {
+  SlotsParams sp;
+  sp.positions = st->sel.as<int32_t>();
+  sp.count = st->sel_count.as<int32_t>();
+  sp.stride = st->sel_cap;
+  sp.n = static_cast<int>(st->n);
+  sp.tables = Tables();
+  sp.slots = st->sel_slots.as<int32_t>();
+  CUDA_RETURN(LaunchPositionsToSlots(sp, stream));
   return absl::OkStatus();
 }
 
-absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
+absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
   State& s = *s_;
   std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.steps.find(step);
-  if (it == s.steps.end()) return absl::InternalError("CUDA device: unknown step");
-  s.st = it->second.get();
-  State::StepState& st = *s.st;
+  Step& st = static_cast<Step&>(step);
+  s.st = &st;
+  s.share = &share;
+  if (st.n == 0) return absl::OkStatus();
   CUDA_RETURN(cudaSetDevice(ordinal_));
   const ModelSpec& sp = s.spec;
   const int H = sp.num_heads, L = sp.kv_lora_rank, R = sp.qk_rope_head_dim;
   const int Hi = sp.index_n_heads, Di = sp.index_head_dim;
   const LayerKind kind = sp.layers[call.layer];
   const LayerInputs& in = *call.in;
-  if (st.n == 0) return absl::OkStatus();
   // 1. Keys into the caches.
   RETURN_IF_ERROR(s.Rows(in.kv_latent, L, s.kv_lat));
   RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.kv_lat, L, 0));
@@ -427,11 +407,12 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
     CUDA_RETURN(cudaStreamSynchronize(s.stream));
     return absl::OkStatus();
   }
-  // 2. Selection (full layers), kept on the device for the shared layers that follow.
-  if (kind == LayerKind::kFull) {
+  // 2. Selection, kept on the device (as slot ids) for the layers that reuse it.
+  if (call.select) {
     RETURN_IF_ERROR(s.Rows(in.index_q, int64_t{Hi} * Di, s.idx_q));
     RETURN_IF_ERROR(s.Rows(in.index_w, Hi, s.idx_w));
     RETURN_IF_ERROR(s.Select(call.layer));
+    st.selected = true;
   }
   // 3. Attention.
   RETURN_IF_ERROR(s.Rows(in.q_latent, int64_t{H} * L, s.q_lat));
@@ -451,9 +432,9 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
     mp.window = sp.sliding_window;
     mp.soft_cap = static_cast<float>(sp.soft_cap);
   } else {
-    mp.sel = st.sel.as<int32_t>();
+    mp.sel = st.sel_slots.as<int32_t>();
     mp.sel_count = st.sel_count.as<int32_t>();
-    mp.use_range = st.use_range.as<uint8_t>();
+    mp.needs_index = st.needs_index.as<uint8_t>();
     mp.sel_stride = st.sel_cap;
   }
   mp.out = s.out_f32.as<float>();
@@ -463,110 +444,141 @@ absl::Status CudaDevice::RunLayer(uint64_t step, const LayerCall& call) {
   // 4. Output rows back in the request's dtype.
   const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * L * es;
   RETURN_IF_ERROR(s.out_raw.Reserve(st.n * row));
-  CUDA_RETURN(LaunchFromF32(s.out_f32.as<float>(), Code(call.out_dtype), s.out_raw.ptr,
-                            st.n * H * L, s.stream));
+  CUDA_RETURN(
+      LaunchFromF32(s.out_f32.as<float>(), call.out_dtype, s.out_raw.ptr, st.n * H * L, s.stream));
   RETURN_IF_ERROR(s.staging.Reserve(st.n * row));
   CUDA_RETURN(
       cudaMemcpyAsync(s.staging.ptr, s.out_raw.ptr, st.n * row, cudaMemcpyDeviceToHost, s.stream));
   CUDA_RETURN(cudaStreamSynchronize(s.stream));
   for (int64_t i = 0; i < st.n; ++i)
-    std::memcpy(call.out + st.plan.rows[i] * row, s.staging.data() + i * row, row);
-  if (call.trace) {
-    std::vector<int32_t> sel(st.n * st.sel_cap), count(st.n);
-    CUDA_RETURN(cudaMemcpy(sel.data(), st.sel.ptr, sel.size() * 4, cudaMemcpyDeviceToHost));
-    CUDA_RETURN(
-        cudaMemcpy(count.data(), st.sel_count.ptr, count.size() * 4, cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < st.n; ++i) {
-      auto& k = (*call.trace)[st.plan.rows[i]];
-      k.clear();
-      if (kind == LayerKind::kDense || st.use_range_host[i]) {
-        for (int64_t j = FirstVisibleKey(sp, kind, st.plan.pos[i]); j <= st.plan.pos[i]; ++j)
-          k.push_back(static_cast<int32_t>(j));
-      } else {
-        k.assign(sel.begin() + i * st.sel_cap, sel.begin() + i * st.sel_cap + count[i]);
-      }
-    }
-  }
+    std::memcpy(call.out + share.rows[i] * row, s.staging.data() + i * row, row);
   return absl::OkStatus();
 }
 
-absl::Status CudaDevice::CopyPagePrefix(int32_t src, int32_t dst, int rows) {
-  return CopyPagePrefixTo(*this, src, dst, rows);
-}
-
-absl::Status CudaDevice::CopyPagePrefixTo(CudaDevice& d, int32_t src, int32_t dst, int rows) {
+absl::Status CudaDevice::SelectedPositions(const StepShare& share, DeviceStep& step,
+                                           std::vector<std::vector<int32_t>>* out) {
   State& s = *s_;
-  if (rows <= 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(s.mu);
+  Step& st = static_cast<Step&>(step);
+  out->assign(st.n, {});
+  if (!st.selected || st.n == 0) return absl::OkStatus();
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  for (const Span& sp : PageCopySpans(d, src, dst, rows))
-    CUDA_RETURN(cudaMemcpyPeerAsync(sp.dst, d.ordinal_, sp.src, ordinal_, sp.bytes, s.stream));
+  std::vector<int32_t> sel(st.n * st.sel_cap), count(st.n);
+  CUDA_RETURN(
+      cudaMemcpyAsync(sel.data(), st.sel.ptr, sel.size() * 4, cudaMemcpyDeviceToHost, s.stream));
+  CUDA_RETURN(cudaMemcpyAsync(count.data(), st.sel_count.ptr, count.size() * 4,
+                              cudaMemcpyDeviceToHost, s.stream));
   CUDA_RETURN(cudaStreamSynchronize(s.stream));
+  for (int64_t i = 0; i < st.n; ++i)
+    if (share.needs_index[i])
+      (*out)[i].assign(sel.begin() + i * st.sel_cap, sel.begin() + i * st.sel_cap + count[i]);
   return absl::OkStatus();
 }
 
-absl::Status CudaDevice::ReadPage(int32_t page, int rows, std::vector<uint8_t>* host) {
+absl::Status CudaDevice::ReadRows(int layer, int slot, int32_t page, int first, int rows,
+                                  uint8_t* latent, uint8_t* index) {
   State& s = *s_;
+  std::lock_guard<std::mutex> lock(s.copy_mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  const size_t lat = rows * s.RowBytes(s.config.latent_dim),
-               idx = rows * s.RowBytes(s.config.index_dim);
-  host->resize(s.config.num_layers * lat + s.config.num_full_layers * idx);
-  // On the device's stream (ordered after its kernels), then waited for.
-  for (int l = 0; l < s.config.num_layers; ++l)
-    CUDA_RETURN(cudaMemcpyAsync(host->data() + l * lat,
-                                s.Latent(l).base + page * s.Latent(l).page_stride, lat,
-                                cudaMemcpyDeviceToHost, s.stream));
-  for (int k = 0; k < s.config.num_full_layers; ++k)
-    CUDA_RETURN(cudaMemcpyAsync(host->data() + s.config.num_layers * lat + k * idx,
-                                s.Index(k).base + page * s.Index(k).page_stride, idx,
-                                cudaMemcpyDeviceToHost, s.stream));
-  CUDA_RETURN(cudaStreamSynchronize(s.stream));
+  const int64_t at = int64_t{page} * s.layout.page_size + first;
+  CUDA_RETURN(cudaMemcpyAsync(latent, s.Latent(layer).Row(at), rows * s.layout.latent_row_bytes(),
+                              cudaMemcpyDeviceToHost, s.copy_stream));
+  if (slot >= 0)
+    CUDA_RETURN(cudaMemcpyAsync(index, s.Index(slot).Row(at), rows * s.layout.index_row_bytes(),
+                                cudaMemcpyDeviceToHost, s.copy_stream));
+  CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
   return absl::OkStatus();
 }
 
-absl::Status CudaDevice::WritePage(int32_t page, int rows, const std::vector<uint8_t>& host) {
-  State& s = *s_;
+absl::Status CudaDevice::State::PageToHost(int32_t page, int rows, uint8_t* staged) {
+  const int64_t at = int64_t{page} * layout.page_size;
+  for (int l = 0; l < layout.num_layers; ++l)
+    CUDA_RETURN(cudaMemcpyAsync(staged + layout.StagedLatent(l, rows), Latent(l).Row(at),
+                                rows * layout.latent_row_bytes(), cudaMemcpyDeviceToHost,
+                                copy_stream));
+  for (int k = 0; k < layout.num_full_layers; ++k)
+    CUDA_RETURN(cudaMemcpyAsync(staged + layout.StagedIndex(k, rows), Index(k).Row(at),
+                                rows * layout.index_row_bytes(), cudaMemcpyDeviceToHost,
+                                copy_stream));
+  CUDA_RETURN(cudaStreamSynchronize(copy_stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::State::HostToPage(int32_t page, int rows, const uint8_t* staged) {
+  // On the copy stream, then waited for: a pageable copy may return before its DMA lands.
+  const int64_t at = int64_t{page} * layout.page_size;
+  for (int l = 0; l < layout.num_layers; ++l)
+    CUDA_RETURN(cudaMemcpyAsync(Latent(l).MutableRow(at), staged + layout.StagedLatent(l, rows),
+                                rows * layout.latent_row_bytes(), cudaMemcpyHostToDevice,
+                                copy_stream));
+  for (int k = 0; k < layout.num_full_layers; ++k)
+    CUDA_RETURN(cudaMemcpyAsync(Index(k).MutableRow(at), staged + layout.StagedIndex(k, rows),
+                                rows * layout.index_row_bytes(), cudaMemcpyHostToDevice,
+                                copy_stream));
+  CUDA_RETURN(cudaStreamSynchronize(copy_stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::ReadPage(int32_t page, int rows, uint8_t* staged) {
+  std::lock_guard<std::mutex> lock(s_->copy_mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  const size_t lat = rows * s.RowBytes(s.config.latent_dim),
-               idx = rows * s.RowBytes(s.config.index_dim);
-  if (host.size() != s.config.num_layers * lat + s.config.num_full_layers * idx)
-    return absl::InternalError("CUDA WritePage: staging size mismatch");
-  // On the device's stream, then waited for: a pageable cudaMemcpy may return before its DMA
-  // lands, and the legacy stream is unordered with the (non-blocking) stream the kernels use.
-  for (int l = 0; l < s.config.num_layers; ++l)
-    CUDA_RETURN(
-        cudaMemcpyAsync(const_cast<uint8_t*>(s.Latent(l).base) + page * s.Latent(l).page_stride,
-                        host.data() + l * lat, lat, cudaMemcpyHostToDevice, s.stream));
-  for (int k = 0; k < s.config.num_full_layers; ++k)
-    CUDA_RETURN(cudaMemcpyAsync(
-        const_cast<uint8_t*>(s.Index(k).base) + page * s.Index(k).page_stride,
-        host.data() + s.config.num_layers * lat + k * idx, idx, cudaMemcpyHostToDevice, s.stream));
-  CUDA_RETURN(cudaStreamSynchronize(s.stream));
+  return s_->PageToHost(page, rows, staged);
+}
+
+absl::Status CudaDevice::WritePage(int32_t page, int rows, const uint8_t* staged) {
+  std::lock_guard<std::mutex> lock(s_->copy_mu);
+  CUDA_RETURN(cudaSetDevice(ordinal_));
+  return s_->HostToPage(page, rows, staged);
+}
+
+absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
+  auto* to = dynamic_cast<CudaDevice*>(&dst);
+  if (to == nullptr) return Device::CopyPages(dst, copies);  // to the host through staging
+  State& a = *s_;
+  const State& b = *to->s_;
+  // Every layer's and slot's rows of each page prefix: contiguous spans.
+  std::vector<NcclPeers::Transfer> spans;
+  for (const PageCopy& c : copies) {
+    if (c.rows <= 0) continue;
+    const int64_t from = int64_t{c.src} * a.layout.page_size,
+                  into = int64_t{c.dst} * a.layout.page_size;
+    for (int l = 0; l < a.layout.num_layers; ++l)
+      spans.push_back({a.Latent(l).Row(from), b.Latent(l).MutableRow(into),
+                       c.rows * a.layout.latent_row_bytes()});
+    for (int k = 0; k < a.layout.num_full_layers; ++k)
+      spans.push_back(
+          {a.Index(k).Row(from), b.Index(k).MutableRow(into), c.rows * a.layout.index_row_bytes()});
+  }
+  if (to != this && nccl_ && nccl_ == to->nccl_)
+    return nccl_->Move(nccl_rank_, to->nccl_rank_, spans);
+  std::lock_guard<std::mutex> lock(a.copy_mu);
+  CUDA_RETURN(cudaSetDevice(ordinal_));
+  for (const NcclPeers::Transfer& t : spans)
+    CUDA_RETURN(cudaMemcpyPeerAsync(t.dst, to->ordinal_, t.src, ordinal_, t.bytes, a.copy_stream));
+  CUDA_RETURN(cudaStreamSynchronize(a.copy_stream));
   return absl::OkStatus();
 }
 
-std::vector<CudaDevice::Span> CudaDevice::PageCopySpans(CudaDevice& d, int32_t src, int32_t dst,
-                                                        int rows) {
-  State& s = *s_;
-  std::vector<Span> spans;
-  for (int l = 0; l < s.config.num_layers; ++l) {
-    const DevicePaged a = s.Latent(l), b = d.s_->Latent(l);
-    spans.push_back({a.base + src * a.page_stride,
-                     const_cast<uint8_t*>(b.base) + dst * b.page_stride, rows * a.row_stride});
-  }
-  for (int k = 0; k < s.config.num_full_layers; ++k) {
-    const DevicePaged a = s.Index(k), b = d.s_->Index(k);
-    spans.push_back({a.base + src * a.page_stride,
-                     const_cast<uint8_t*>(b.base) + dst * b.page_stride, rows * a.row_stride});
-  }
-  return spans;
-}
-
-bool CudaDevice::ReservedPageUntouched() {
-  State& s = *s_;
-  if (cudaSetDevice(ordinal_) != cudaSuccess) return false;
-  std::vector<uint8_t> host;
-  if (!ReadPage(0, s.config.page_size, &host).ok()) return false;
+absl::StatusOr<bool> CudaDevice::ReservedPageUntouched() {
+  std::vector<uint8_t> host(layout().StagedBytes(layout().page_size));
+  RETURN_IF_ERROR(ReadPage(0, layout().page_size, host.data()));
   return std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0; });
+}
+
+void ConnectPeers(const std::vector<CudaDevice*>& gpus) {
+  std::vector<int> ordinals;
+  for (const CudaDevice* g : gpus) ordinals.push_back(g->ordinal());
+  auto peers = NcclPeers::Create(ordinals);
+  if (!peers.ok()) {  // cudaMemcpyPeer still works; say why NCCL is not used
+    std::fprintf(stderr, "attnd: page moves between GPUs use cudaMemcpyPeer: %s\n",
+                 std::string(peers.status().message()).c_str());
+    return;
+  }
+  std::shared_ptr<NcclPeers> shared = std::move(peers).value();
+  for (size_t i = 0; i < gpus.size(); ++i) {
+    gpus[i]->nccl_ = shared;
+    gpus[i]->nccl_rank_ = static_cast<int>(i);
+  }
 }
 
 }  // namespace attnd::cuda

@@ -1,6 +1,6 @@
-// The CUDA backend: one GPU's paged caches in device memory and the per-layer DSA operations
-// (cache writes, indexer scores, exact radix top-k, page selection, sparse and dense MLA).
-// Plain C++: nothing of CUDA or gRPC leaks out of this header.
+// The CUDA backend as a Device: one GPU's paged caches in device memory (nothing mapped on the
+// host) and the per-layer DSA operations (cache writes, indexer scores, exact radix top-k, page
+// selection, sparse and dense MLA). Plain C++: nothing of CUDA or gRPC leaks out of this header.
 #pragma once
 
 #include <cstdint>
@@ -9,72 +9,50 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/model_spec.h"
-#include "common/tensor.h"
-#include "kv_store/kv_cache.h"
+#include "kernels/device.h"
 
 namespace attnd::cuda {
+
+class NcclPeers;
 
 // Number of CUDA devices visible (0 without a driver or GPU).
 int DeviceCount();
 
-// One step's share of tokens on this GPU, built once per step (plan once, run per layer).
-struct StepPlan {
-  std::vector<int64_t> rows;           // [n] rows of the layer tensors (step token index)
-  std::vector<int64_t> pos;            // [n] absolute positions
-  std::vector<uint8_t> dense_prefill;  // [n] 1 = attend every visible key (prefill=dense, q_len>1)
-  std::vector<int32_t> table_offset;   // [n] offset of the token's page table in `tables`
-  std::vector<int32_t> tables;         // page tables of this device's sequences, concatenated
-};
-
-// One layer for the plan's tokens. Inputs are the whole step's host tensors (any wire dtype);
-// the device reads its rows. `out` is the whole [T, H, L] host output in out_dtype.
-struct LayerCall {
-  int layer = 0;
-  const LayerInputs* in = nullptr;
-  DType out_dtype = DType::kBF16;
-  uint8_t* out = nullptr;
-  // Optional: [T] attended positions per token, filled for this device's rows.
-  std::vector<std::vector<int32_t>>* trace = nullptr;
-};
-
-class CudaDevice {
+class CudaDevice final : public Device {
  public:
-  // Allocates the caches (cudaMalloc, sized by config) and a stream on GPU `ordinal`.
-  static absl::StatusOr<std::unique_ptr<CudaDevice>> Create(int ordinal, const ModelSpec& spec,
-                                                            const KvCacheConfig& config);
-  ~CudaDevice();
+  // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`.
+  static absl::StatusOr<std::unique_ptr<CudaDevice>> Create(std::string name, int ordinal,
+                                                            const ModelSpec& spec,
+                                                            const CacheLayout& layout);
+  ~CudaDevice() override;
   int ordinal() const { return ordinal_; }
 
-  // Uploads the plan and sizes the step's buffers; replaces any previous step's state. Calls for
-  // one device are serialised by the engine (one step runs a layer at a time per device).
-  absl::Status BeginStep(uint64_t step, const StepPlan& plan);
-  absl::Status RunLayer(uint64_t step, const LayerCall& call);
-  void EndStep(uint64_t step);
-
-  // Copies the first `rows` rows of page src to page dst in every layer and slot.
-  absl::Status CopyPagePrefix(int32_t src, int32_t dst, int rows);
-  // Host staging for moves to and from other devices: [layers*rows*(L+R) | slots*rows*Di] bytes.
-  absl::Status ReadPage(int32_t page, int rows, std::vector<uint8_t>* host);
-  absl::Status WritePage(int32_t page, int rows, const std::vector<uint8_t>& host);
-  // Device-to-device (NVLink/PCIe peer, NCCL-free path) copy of a page prefix to another GPU.
-  absl::Status CopyPagePrefixTo(CudaDevice& dst, int32_t src, int32_t dst_page, int rows);
-  bool ReservedPageUntouched();
-
-  // The contiguous byte ranges of copying a page prefix to `dst` (every layer and slot), for
-  // moving pages with NCCL instead of CopyPagePrefixTo.
-  struct Span {
-    const void* src;
-    void* dst;
-    size_t bytes;
-  };
-  std::vector<Span> PageCopySpans(CudaDevice& dst, int32_t src, int32_t dst_page, int rows);
+  absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) override;
+  absl::Status RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) override;
+  absl::Status SelectedPositions(const StepShare& share, DeviceStep& step,
+                                 std::vector<std::vector<int32_t>>* out) override;
+  absl::Status ReadRows(int layer, int slot, int32_t page, int first, int rows, uint8_t* latent,
+                        uint8_t* index) override;
+  absl::Status ReadPage(int32_t page, int rows, uint8_t* staged) override;
+  absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) override;
+  // To another GPU: NCCL when connected (ConnectPeers), else peer copies; to a CPU device
+  // through host staging.
+  absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies) override;
+  absl::StatusOr<bool> ReservedPageUntouched() override;
 
  private:
+  friend void ConnectPeers(const std::vector<CudaDevice*>& gpus);
   struct State;
-  CudaDevice() = default;
+  struct Step;
+  CudaDevice(std::string name, const CacheLayout& layout);
   int ordinal_ = 0;
   std::unique_ptr<State> s_;
+  std::shared_ptr<NcclPeers> nccl_;
+  int nccl_rank_ = -1;
 };
+
+// Lets the GPUs of one server move pages to each other with NCCL. Without NCCL (it is loaded at
+// run time) they use peer copies, and a line on stderr says why.
+void ConnectPeers(const std::vector<CudaDevice*>& gpus);
 
 }  // namespace attnd::cuda

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -13,20 +14,50 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float Load(const void* base, int dtype, int64_t i) {
-  if (dtype == 0) return static_cast<const float*>(base)[i];
-  if (dtype == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  return __half2float(static_cast<const __half*>(base)[i]);
+// Element types as kernel template parameters: each launcher dispatches on DType once.
+template <DType T>
+struct Elem;
+template <>
+struct Elem<DType::kF32> {
+  using type = float;
+  __device__ static float Get(float v) { return v; }
+  __device__ static float Put(float v) { return v; }
+};
+template <>
+struct Elem<DType::kBF16> {
+  using type = __nv_bfloat16;
+  __device__ static float Get(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 Put(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Elem<DType::kF16> {
+  using type = __half;
+  __device__ static float Get(__half v) { return __half2float(v); }
+  __device__ static __half Put(float v) { return __float2half_rn(v); }
+};
+
+template <DType T>
+__device__ __forceinline__ float Load(const void* base, int64_t i) {
+  return Elem<T>::Get(static_cast<const typename Elem<T>::type*>(base)[i]);
 }
 
-__device__ __forceinline__ void Store(void* base, int dtype, int64_t i, float v) {
-  if (dtype == 0) {
-    static_cast<float*>(base)[i] = v;
-  } else if (dtype == 1) {
-    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
-  } else {
-    static_cast<__half*>(base)[i] = __float2half_rn(v);
+template <DType T>
+__device__ __forceinline__ void Store(void* base, int64_t i, float v) {
+  static_cast<typename Elem<T>::type*>(base)[i] = Elem<T>::Put(v);
+}
+
+// Calls f(std::integral_constant<DType, t>) for the run-time dtype t: one dispatch per launch.
+template <typename F>
+cudaError_t Dispatch(DType t, F f) {
+  switch (t) {
+    case DType::kF32:
+      return f(std::integral_constant<DType, DType::kF32>());
+    case DType::kBF16:
+      return f(std::integral_constant<DType, DType::kBF16>());
+    case DType::kF16:
+      return f(std::integral_constant<DType, DType::kF16>());
   }
+  return cudaErrorInvalidValue;
 }
 
 // Order-preserving float -> uint32 (larger float, larger key), ranking like the CPU backend: NaN
@@ -38,23 +69,24 @@ __device__ __forceinline__ uint32_t Key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ __forceinline__ const uint8_t* Row(const DevicePaged& c, const DeviceTables& t, int q,
+// The cached row of query q's key at position pos.
+__device__ __forceinline__ const uint8_t* Row(const CacheRows& c, const QueryTables& t, int q,
                                               int64_t pos) {
-  const int32_t page = t.tables[t.table_offset[q] + pos / t.page_size];
-  return c.base + static_cast<size_t>(page) * c.page_stride +
-         static_cast<size_t>(pos % t.page_size) * c.row_stride;
+  return c.Row(t.table.Slot(t.seq[q], pos));
 }
 
-__global__ void ToF32Kernel(const void* src, int dtype, float* dst, int64_t n) {
+template <DType T>
+__global__ void ToF32Kernel(const void* src, float* dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
-    dst[i] = Load(src, dtype, i);
+    dst[i] = Load<T>(src, i);
 }
 
-__global__ void FromF32Kernel(const float* src, int dtype, void* dst, int64_t n) {
+template <DType T>
+__global__ void FromF32Kernel(const float* src, void* dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
-    Store(dst, dtype, i, src[i]);
+    Store<T>(dst, i, src[i]);
 }
 
 __device__ __forceinline__ uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
@@ -75,16 +107,17 @@ __global__ void FillNormalKernel(__nv_bfloat16* dst, int64_t n, uint64_t seed) {
   }
 }
 
+template <DType T>
 __global__ void WriteRowsKernel(WriteRowsParams p) {
   const int r = blockIdx.x;
-  uint8_t* row = p.base + static_cast<size_t>(p.page[r]) * p.page_stride +
-                 static_cast<size_t>(p.offset[r]) * p.row_stride;
+  uint8_t* row = p.cache.MutableRow(p.slot[r]);
   for (int d = threadIdx.x; d < p.dim; d += blockDim.x)
-    Store(row, p.dtype, p.col_offset + d, p.src[int64_t{r} * p.dim + d]);
+    Store<T>(row, p.col_offset + d, p.src[int64_t{r} * p.dim + d]);
 }
 
 // grid (key tiles, queries). Shared: q [Hi, Di] | w [Hi] | keys [kTile, Di + 1] | part [4, kTile]
 constexpr int kIdxTile = 64;
+template <DType T>
 __global__ void IndexerKernel(IndexerParams p) {
   extern __shared__ float sm[];
   const int qi = blockIdx.y;
@@ -102,7 +135,7 @@ __global__ void IndexerKernel(IndexerParams p) {
   const int nk = static_cast<int>(min(static_cast<int64_t>(kIdxTile), n - t0));
   for (int i = threadIdx.x; i < kIdxTile * D; i += blockDim.x) {
     const int j = i / D, d = i % D;
-    ks[j * (D + 1) + d] = j < nk ? Load(Row(p.keys, p.tables, q, t0 + j), p.keys.dtype, d) : 0.0f;
+    ks[j * (D + 1) + d] = j < nk ? Load<T>(Row(p.keys, p.tables, q, t0 + j), d) : 0.0f;
   }
   __syncthreads();
   const int j = threadIdx.x % kIdxTile;
@@ -248,20 +281,30 @@ __global__ void ExpandKernel(ExpandParams p) {
                                              (n - int64_t{own} * p.page_size));
 }
 
-// The keys query q attends: a contiguous range [begin, pos] (dense layers, or a selection that
-// covers every visible key) or the explicit selected positions.
+// The keys query q attends: a contiguous range [begin, pos] (dense layers, or a query whose
+// selection covers every visible key) through the page table, or its selected slot ids.
 struct KeySet {
   const int32_t* sel;  // null in range mode
   int64_t begin, total;
-  __device__ int64_t At(int64_t i) const { return sel ? sel[i] : begin + i; }
+  __device__ const uint8_t* Row(const MlaParams& p, int q, int64_t i) const {
+    return sel ? p.kv.Row(sel[i]) : ::attnd::cuda::Row(p.kv, p.tables, q, begin + i);
+  }
 };
 __device__ __forceinline__ KeySet KeysOf(const MlaParams& p, int q) {
   const int64_t pos = p.tables.pos[q];
-  if (p.sel == nullptr || (p.use_range && p.use_range[q])) {
+  if (p.sel == nullptr || (p.needs_index && !p.needs_index[q])) {
     const int64_t begin = p.window > 0 ? max(static_cast<int64_t>(0), pos + 1 - p.window) : 0;
     return {nullptr, begin, pos + 1 - begin};
   }
   return {p.sel + q * p.sel_stride, 0, p.sel_count[q]};
+}
+
+__global__ void PositionsToSlotsKernel(SlotsParams p) {
+  const int r = blockIdx.x;
+  const int32_t* in = p.positions + r * p.stride;
+  int32_t* out = p.slots + r * p.stride;
+  for (int i = threadIdx.x; i < p.count[r]; i += blockDim.x)
+    out[i] = static_cast<int32_t>(p.tables.table.Slot(p.tables.seq[r], in[i]));
 }
 
 // grid (queries, head groups). Shared: q [HB, D+1] | keys [kMlaTile, D+1] | s [HB, kMlaTile] |
@@ -269,6 +312,7 @@ __device__ __forceinline__ KeySet KeysOf(const MlaParams& p, int q) {
 constexpr int kMlaTile = 32;
 constexpr int kMlaHeads = 16;
 constexpr int kMlaDimsPerThread = 2;  // L <= kThreads * 2 = 512
+template <DType T>
 __global__ void MlaKernel(MlaParams p) {
   extern __shared__ float sm[];
   const int q = blockIdx.x;
@@ -303,7 +347,7 @@ __global__ void MlaKernel(MlaParams p) {
       const int j = i / D, d = i % D;
       float v = 0.0f;
       if (j < nk) {
-        v = Load(Row(p.kv, p.tables, q, keys.At(t0 + j)), p.kv.dtype, d);
+        v = Load<T>(keys.Row(p, q, t0 + j), d);
       }
       ks[j * (D + 1) + d] = v;
     }
@@ -425,7 +469,7 @@ __global__ void MlaMmaKernel(MlaParams p) {
       const int j = i / chunks, c = i % chunks;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (j < nk) {
-        v = reinterpret_cast<const uint4*>(Row(p.kv, p.tables, q, keys.At(t0 + j)))[c];
+        v = reinterpret_cast<const uint4*>(keys.Row(p, q, t0 + j))[c];
       }
       *reinterpret_cast<uint4*>(ks + j * DP + c * 8) = v;
     }
@@ -518,16 +562,20 @@ constexpr int kMaxGridY = 65535;
 
 }  // namespace
 
-cudaError_t LaunchToF32(const void* src, int dtype, float* dst, int64_t count, cudaStream_t s) {
+cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s) {
   if (count <= 0) return cudaSuccess;
-  ToF32Kernel<<<Blocks(count), kThreads, 0, s>>>(src, dtype, dst, count);
-  return cudaGetLastError();
+  return Dispatch(dtype, [&](auto t) {
+    ToF32Kernel<decltype(t)::value><<<Blocks(count), kThreads, 0, s>>>(src, dst, count);
+    return cudaGetLastError();
+  });
 }
 
-cudaError_t LaunchFromF32(const float* src, int dtype, void* dst, int64_t count, cudaStream_t s) {
+cudaError_t LaunchFromF32(const float* src, DType dtype, void* dst, int64_t count, cudaStream_t s) {
   if (count <= 0) return cudaSuccess;
-  FromF32Kernel<<<Blocks(count), kThreads, 0, s>>>(src, dtype, dst, count);
-  return cudaGetLastError();
+  return Dispatch(dtype, [&](auto t) {
+    FromF32Kernel<decltype(t)::value><<<Blocks(count), kThreads, 0, s>>>(src, dst, count);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaStream_t s) {
@@ -539,27 +587,32 @@ cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaSt
 
 cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
-  WriteRowsKernel<<<p.n, 128, 0, s>>>(p);
-  return cudaGetLastError();
+  return Dispatch(p.cache.dtype, [&](auto t) {
+    WriteRowsKernel<decltype(t)::value><<<p.n, 128, 0, s>>>(p);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s) {
   if (p.nq <= 0 || p.max_keys <= 0) return cudaSuccess;
   const size_t smem =
       sizeof(float) * (p.heads * p.dim + p.heads + kIdxTile * (p.dim + 1) + 4 * kIdxTile);
-  cudaError_t e = cudaFuncSetAttribute(IndexerKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
-    IndexerParams c = p;
-    c.queries += q0;
-    c.score_offset += q0;
-    c.nq = std::min(kMaxGridY, p.nq - q0);
-    const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxTile - 1) / kIdxTile), c.nq);
-    IndexerKernel<<<grid, kThreads, smem, s>>>(c);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return Dispatch(p.keys.dtype, [&](auto t) {
+    cudaError_t e =
+        cudaFuncSetAttribute(IndexerKernel<decltype(t)::value>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
+      IndexerParams c = p;
+      c.queries += q0;
+      c.score_offset += q0;
+      c.nq = std::min(kMaxGridY, p.nq - q0);
+      const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxTile - 1) / kIdxTile), c.nq);
+      IndexerKernel<decltype(t)::value><<<grid, kThreads, smem, s>>>(c);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  });
 }
 
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
@@ -605,11 +658,16 @@ cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+cudaError_t LaunchPositionsToSlots(const SlotsParams& p, cudaStream_t s) {
+  if (p.n <= 0) return cudaSuccess;
+  PositionsToSlotsKernel<<<p.n, kThreads, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
 bool MlaUsesTensorCores(const MlaParams& p) {
   const int D = p.latent + p.rope;
-  return p.tensor_cores && p.kv.dtype == 1 && p.heads % 16 == 0 && p.latent % 64 == 0 &&
-         p.latent <= 512 && D % 16 == 0 && p.kv.row_stride % 16 == 0 &&
-         p.kv.page_stride % 16 == 0 &&
+  return p.tensor_cores && p.kv.dtype == DType::kBF16 && p.heads % 16 == 0 && p.latent % 64 == 0 &&
+         p.latent <= 512 && D % 16 == 0 && p.kv.row_bytes % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.kv.base) % 16 == 0;  // uint4 rows
 }
 
@@ -629,12 +687,15 @@ cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   const int D = p.latent + p.rope;
   const size_t smem = sizeof(float) * (kMlaHeads * (D + 1) + kMlaTile * (D + 1) +
                                        kMlaHeads * kMlaTile + 3 * kMlaHeads);
-  cudaError_t e = cudaFuncSetAttribute(MlaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  const dim3 grid(p.n, (p.heads + kMlaHeads - 1) / kMlaHeads);
-  MlaKernel<<<grid, kThreads, smem, s>>>(p);
-  return cudaGetLastError();
+  return Dispatch(p.kv.dtype, [&](auto t) {
+    cudaError_t e =
+        cudaFuncSetAttribute(MlaKernel<decltype(t)::value>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    const dim3 grid(p.n, (p.heads + kMlaHeads - 1) / kMlaHeads);
+    MlaKernel<decltype(t)::value><<<grid, kThreads, smem, s>>>(p);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace attnd::cuda

@@ -1,5 +1,7 @@
 // Launchers of the CUDA backend's kernels. Plain C++ parameter structs, one comment per field
-// ([shape] in brackets); the .cu holds the __global__ code. dtype codes: 0 FP32, 1 BF16, 2 FP16.
+// ([shape] in brackets); the .cu holds the __global__ code. Caches are CacheRows addressed by
+// global slot id and sequences' pages a PageTable (kv_store/page_table.h, the structs the CPU
+// backend uses); element types are DType, dispatched once per launch to a templated kernel.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -7,28 +9,22 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/dtype.h"
+#include "kv_store/page_table.h"
+
 namespace attnd::cuda {
 
-// A paged cache buffer on the device (same addressing as attnd::PagedRows).
-struct DevicePaged {
-  const uint8_t* base = nullptr;  // layer (or indexer slot) buffer
-  size_t page_stride = 0;         // bytes between pages
-  size_t row_stride = 0;          // bytes between rows
-  int dtype = 1;                  // cache element type
-};
-
-// Where each query finds its page table: tables[table_offset[q] + pos / page_size].
-struct DeviceTables {
-  const int32_t* tables = nullptr;        // [*] physical page ids
-  const int32_t* table_offset = nullptr;  // [n]
-  const int64_t* pos = nullptr;           // [n] absolute position of each query
-  int page_size = 0;
+// Where a step's queries find their keys: query q is token pos[q] of table sequence seq[q].
+struct QueryTables {
+  PageTable table;
+  const int32_t* seq = nullptr;  // [n]
+  const int64_t* pos = nullptr;  // [n] absolute position of each query
 };
 
 // dst[i] = float(src[i]) for `count` elements of dtype.
-cudaError_t LaunchToF32(const void* src, int dtype, float* dst, int64_t count, cudaStream_t s);
+cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s);
 // dst[i] = dtype(src[i]) (round to nearest even).
-cudaError_t LaunchFromF32(const float* src, int dtype, void* dst, int64_t count, cudaStream_t s);
+cudaError_t LaunchFromF32(const float* src, DType dtype, void* dst, int64_t count, cudaStream_t s);
 
 // Fills `count` bf16 values with N(0,1) from a counter-based hash of (seed, index): test and
 // benchmark data without a host round trip.
@@ -37,12 +33,9 @@ cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaSt
 struct WriteRowsParams {
   const float* src = nullptr;  // [n, dim] new rows
   int n = 0, dim = 0;
-  uint8_t* base = nullptr;  // cache buffer
-  size_t page_stride = 0, row_stride = 0;
-  int dtype = 1;                    // cache dtype
-  int col_offset = 0;               // first column written inside the cache row
-  const int32_t* page = nullptr;    // [n] physical page of each row
-  const int32_t* offset = nullptr;  // [n] row inside the page
+  CacheRows cache;                // the layer's rows (cache dtype)
+  int col_offset = 0;             // first column written inside the cache row
+  const int32_t* slot = nullptr;  // [n] slot of each row
 };
 cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s);
 
@@ -51,8 +44,8 @@ struct IndexerParams {
   const float* q = nullptr;  // [n, Hi, Di]
   const float* w = nullptr;  // [n, Hi]
   int heads = 0, dim = 0;
-  DevicePaged keys;
-  DeviceTables tables;
+  CacheRows keys;
+  QueryTables tables;
   const int32_t* queries = nullptr;       // [nq] local query index
   const int64_t* score_offset = nullptr;  // [nq] where the query's scores start
   int nq = 0;
@@ -121,24 +114,36 @@ struct ExpandParams {
 };
 cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s);
 
+// Selected key positions to slot ids: slots[r][i] = table slot of positions[r][i] for the
+// out_count[r] entries of each row r (a query's sequence and the table come from `tables`).
+struct SlotsParams {
+  const int32_t* positions = nullptr;  // [n, stride]
+  const int32_t* count = nullptr;      // [n]
+  int64_t stride = 0;
+  int n = 0;
+  QueryTables tables;
+  int32_t* slots = nullptr;  // [n, stride]
+};
+cudaError_t LaunchPositionsToSlots(const SlotsParams& p, cudaStream_t s);
+
 // MLA: s = sm_scale·(q·[c_kv | k_pe]) [soft-capped], softmax, out = Σ p·c_kv, per query & head.
 struct MlaParams {
   const float* q_latent = nullptr;  // [n, H, L]
   const float* q_rope = nullptr;    // [n, H, R]
   int n = 0, heads = 0, latent = 0, rope = 0;
   float sm_scale = 1, soft_cap = 0;
-  DevicePaged kv;
-  DeviceTables tables;
-  const int32_t* sel = nullptr;  // [n, sel_stride] positions, or null: the range below
+  CacheRows kv;
+  QueryTables tables;
+  const int32_t* sel = nullptr;  // [n, sel_stride] selected slot ids, or null: the range below
   const int32_t* sel_count = nullptr;
-  const uint8_t* use_range = nullptr;  // [n] 1 = attend [begin, pos] instead of sel
+  const uint8_t* needs_index = nullptr;  // [n] 0 = attend the range [begin, pos] instead of sel
   int64_t sel_stride = 0;
   int window = 0;        // range mode: keys in (pos - window, pos]; 0 = all
   float* out = nullptr;  // [n, H, L]
   // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q and the probabilities to
   // bf16, so it is meant for bf16 requests; it needs a bf16 cache, heads % 16 == 0,
   // latent % 64 == 0 and <= 512, (latent + rope) % 16 == 0 and 16-byte aligned cache rows
-  // (base, page and row strides); otherwise the SIMT kernel runs.
+  // (base and row bytes); otherwise the SIMT kernel runs.
   bool tensor_cores = false;
 };
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);

@@ -4,6 +4,8 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <mutex>
+
 #include "absl/strings/str_cat.h"
 
 namespace attnd::cuda {
@@ -20,7 +22,15 @@ struct NcclPeers::Impl {
   std::vector<int> ordinals;
   std::vector<ncclComm_t> comms;
   std::vector<cudaStream_t> streams;
+  std::mutex mu;  // one group at a time: a communicator is not safe for concurrent groups
 };
+
+#define NCCL_CUDA_RETURN(expr)                                                       \
+  do {                                                                               \
+    const cudaError_t e_ = (expr);                                                   \
+    if (e_ != cudaSuccess)                                                           \
+      return absl::InternalError(absl::StrCat(#expr, ": ", cudaGetErrorString(e_))); \
+  } while (0)
 
 absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<int>& ordinals) {
   auto impl = std::make_unique<Impl>();
@@ -48,14 +58,15 @@ absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<i
     dlclose(impl->lib);
     return absl::UnavailableError(absl::StrCat("ncclCommInitAll: ", why));
   }
+  std::unique_ptr<NcclPeers> p(new NcclPeers());
+  p->impl_ = std::move(impl);  // from here the destructor releases what was made
+  Impl& m = *p->impl_;
   for (int ord : ordinals) {
     cudaStream_t s = nullptr;
-    cudaSetDevice(ord);
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    impl->streams.push_back(s);
+    NCCL_CUDA_RETURN(cudaSetDevice(ord));
+    NCCL_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    m.streams.push_back(s);
   }
-  std::unique_ptr<NcclPeers> p(new NcclPeers());
-  p->impl_ = std::move(impl);
   return p;
 }
 
@@ -63,7 +74,7 @@ NcclPeers::~NcclPeers() {
   if (!impl_) return;
   for (size_t i = 0; i < impl_->comms.size(); ++i) {
     cudaSetDevice(impl_->ordinals[i]);
-    cudaStreamDestroy(impl_->streams[i]);
+    if (i < impl_->streams.size()) cudaStreamDestroy(impl_->streams[i]);
     impl_->destroy(impl_->comms[i]);
   }
   dlclose(impl_->lib);
@@ -71,20 +82,33 @@ NcclPeers::~NcclPeers() {
 
 absl::Status NcclPeers::Move(int from, int to, const std::vector<Transfer>& transfers) {
   Impl& m = *impl_;
-  if (m.group_start() != ncclSuccess) return absl::InternalError("ncclGroupStart failed");
+  if (from < 0 || to < 0 || from >= static_cast<int>(m.comms.size()) ||
+      to >= static_cast<int>(m.comms.size()) || from == to)
+    return absl::InvalidArgumentError(absl::StrCat("NCCL move: ranks ", from, " -> ", to));
+  std::lock_guard<std::mutex> lock(m.mu);
+  ncclResult_t r = m.group_start();
+  if (r != ncclSuccess)
+    return absl::InternalError(absl::StrCat("ncclGroupStart: ", m.error_string(r)));
+  // Every call inside the group is issued even after a failure, so the group can end cleanly.
+  ncclResult_t first = ncclSuccess;
+  cudaError_t cuda = cudaSuccess;
   for (const Transfer& t : transfers) {
-    cudaSetDevice(m.ordinals[from]);
-    m.send(t.src, t.bytes, ncclUint8, to, m.comms[from], m.streams[from]);
-    cudaSetDevice(m.ordinals[to]);
-    m.recv(t.dst, t.bytes, ncclUint8, from, m.comms[to], m.streams[to]);
+    if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[from]);
+    r = m.send(t.src, t.bytes, ncclUint8, to, m.comms[from], m.streams[from]);
+    if (first == ncclSuccess) first = r;
+    if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[to]);
+    r = m.recv(t.dst, t.bytes, ncclUint8, from, m.comms[to], m.streams[to]);
+    if (first == ncclSuccess) first = r;
   }
-  const ncclResult_t r = m.group_end();
-  if (r != ncclSuccess) return absl::InternalError(absl::StrCat("NCCL move: ", m.error_string(r)));
+  r = m.group_end();
+  if (first == ncclSuccess) first = r;
+  if (cuda != cudaSuccess)
+    return absl::InternalError(absl::StrCat("NCCL move: ", cudaGetErrorString(cuda)));
+  if (first != ncclSuccess)
+    return absl::InternalError(absl::StrCat("NCCL move: ", m.error_string(first)));
   for (int rank : {from, to}) {
-    cudaSetDevice(m.ordinals[rank]);
-    const cudaError_t e = cudaStreamSynchronize(m.streams[rank]);
-    if (e != cudaSuccess)
-      return absl::InternalError(absl::StrCat("NCCL move: ", cudaGetErrorString(e)));
+    NCCL_CUDA_RETURN(cudaSetDevice(m.ordinals[rank]));
+    NCCL_CUDA_RETURN(cudaStreamSynchronize(m.streams[rank]));
   }
   return absl::OkStatus();
 }

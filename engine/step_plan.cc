@@ -1,0 +1,82 @@
+#include "engine/step_plan.h"
+
+#include <algorithm>
+
+namespace attnd {
+
+int64_t MaxSelected(const ModelSpec& spec, int64_t visible) {
+  int64_t cap = spec.index_topk;
+  if (spec.selection == SelectionMode::kPageUnion)
+    cap = int64_t{spec.page_union_max_pages + 1} * spec.page_size;
+  if (spec.selection == SelectionMode::kPageBudget)
+    cap = int64_t{spec.page_budget + 1} * spec.page_size;
+  return std::min(cap, visible);
+}
+
+namespace {
+
+// Appends blocks of up to kQueryBlock consecutive local tokens [first, end) that satisfy `take`
+// (the caller's tokens are of one sequence at consecutive positions).
+template <typename Take>
+void AppendBlocks(int32_t first, int32_t end, Take take, std::vector<QueryBlock>* out) {
+  for (int32_t i = first; i < end;) {
+    if (!take(i)) {
+      ++i;
+      continue;
+    }
+    int32_t n = 1;
+    while (n < kQueryBlock && i + n < end && take(i + n)) ++n;
+    out->push_back({i, n});
+    i += n;
+  }
+}
+
+}  // namespace
+
+StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch) {
+  StepPlan plan;
+  std::vector<int64_t> first_row(batch.size());
+  int max_device = -1;
+  for (size_t e = 0; e < batch.size(); ++e) {
+    first_row[e] = plan.tokens;
+    plan.tokens += batch[e].q_len;
+    max_device = std::max(max_device, batch[e].device);
+  }
+  for (int d = 0; d <= max_device; ++d) {
+    StepShare s;
+    s.page_size = spec.page_size;
+    s.indptr.push_back(0);
+    int64_t max_visible = 1;
+    for (size_t e = 0; e < batch.size(); ++e) {
+      const PlanEntry& b = batch[e];
+      if (b.device != d) continue;
+      const int32_t seq = static_cast<int32_t>(s.indptr.size() - 1);
+      s.pages.insert(s.pages.end(), b.pages->begin(), b.pages->end());
+      s.indptr.push_back(static_cast<int32_t>(s.pages.size()));
+      const int32_t first = static_cast<int32_t>(s.rows.size());
+      // Dense prefill attends every visible key; otherwise only a query whose selection covers
+      // every visible key can skip the indexer.
+      const bool dense_prefill = spec.prefill == PrefillMode::kDense && b.q_len > 1;
+      for (int64_t j = 0; j < b.q_len; ++j) {
+        const int64_t pos = b.length + j;
+        s.rows.push_back(first_row[e] + j);
+        s.pos.push_back(pos);
+        s.seq.push_back(seq);
+        s.slot.push_back(static_cast<int32_t>(s.table().Slot(seq, pos)));
+        s.needs_index.push_back(!dense_prefill && !SelectsEveryVisibleKey(spec, pos + 1));
+        max_visible = std::max(max_visible, pos + 1);
+      }
+      const int32_t end = static_cast<int32_t>(s.rows.size());
+      AppendBlocks(
+          first, end, [](int32_t) { return true; }, &s.dense_blocks);
+      AppendBlocks(
+          first, end, [&s](int32_t i) { return !s.needs_index[i]; }, &s.sparse_blocks);
+    }
+    if (s.rows.empty()) continue;
+    s.max_selected = MaxSelected(spec, max_visible);
+    plan.shares.push_back({d, std::move(s)});
+  }
+  return plan;
+}
+
+}  // namespace attnd

@@ -1,0 +1,42 @@
+// A step's plan, built once when the step opens and reused by every layer (FlashInfer's
+// plan/run split): which device computes which token, each token's position and slot, the page
+// tables, which queries need the indexer, and the query blocks of range attention.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/model_spec.h"
+#include "kernels/device.h"
+
+namespace attnd {
+
+// One batch entry as the plan sees it: `q_len` new tokens after `length` committed ones, on
+// `device`, whose page table (committed pages and the step's new ones) is `*pages`.
+struct PlanEntry {
+  int device = 0;
+  int64_t length = 0;
+  int64_t q_len = 0;
+  const std::vector<int32_t>* pages = nullptr;
+};
+
+struct StepPlan {
+  int64_t tokens = 0;  // T: the step's new tokens, entry after entry in batch order
+  struct Share {
+    int device = 0;
+    StepShare share;
+  };
+  std::vector<Share> shares;  // one per device holding tokens, ascending device
+
+  // Builds the plan. May throw std::bad_alloc (the caller rolls back).
+  static StepPlan Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch);
+};
+
+// Consecutive queries sharing key tiles in one CPU attention task (prefill).
+inline constexpr int kQueryBlock = 8;
+
+// The most keys one query's selection can hold under the spec's selection mode, given that the
+// query sees `visible` keys.
+int64_t MaxSelected(const ModelSpec& spec, int64_t visible);
+
+}  // namespace attnd

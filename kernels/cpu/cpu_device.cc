@@ -1,0 +1,326 @@
+#include "kernels/cpu/cpu_device.h"
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+#include <utility>
+
+#include "kernels/cpu/attention_cpu.h"
+
+namespace attnd {
+namespace {
+
+// Bounds the indexer-score scratch of one wave of queries (floats).
+constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
+// Keys per indexer-scoring task, so one long query still spreads over all threads.
+constexpr int64_t kScoreChunk = 8192;
+// Heads per attention task.
+constexpr int kHeadGroup = 16;
+
+void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n) {
+  if (src_t == dst_t) {
+    std::memcpy(dst, src, n * DTypeSize(src_t));
+    return;
+  }
+  thread_local std::vector<float> tmp;
+  if (tmp.size() < n) tmp.resize(n);
+  ConvertToF32(src_t, src, tmp.data(), n);
+  ConvertFromF32(dst_t, tmp.data(), dst, n);
+}
+
+// Row `t` of a [T, row] tensor.
+const uint8_t* RowOf(const TensorView& t, int64_t row, int64_t elems) {
+  return static_cast<const uint8_t*>(t.data) + row * elems * DTypeSize(t.dtype);
+}
+
+}  // namespace
+
+// The kept selection (IndexShare carry) and per-layer fp32 workspaces of one step's share.
+struct CpuDevice::Step final : DeviceStep {
+  std::vector<std::vector<int32_t>> positions;  // [n] selected key positions, ascending
+  std::vector<std::vector<int32_t>> slots;      // [n] the same keys as physical slot ids
+  std::vector<float> q, index_q, index_w, scores;
+};
+
+absl::StatusOr<std::unique_ptr<CpuDevice>> CpuDevice::Create(std::string name,
+                                                             const ModelSpec& spec,
+                                                             const CacheLayout& layout,
+                                                             ThreadPool* pool,
+                                                             const cpu::Kernels* kernels) {
+  auto cache = KvCache::Create(layout);
+  if (!cache.ok()) return cache.status();
+  return std::unique_ptr<CpuDevice>(
+      new CpuDevice(std::move(name), spec, std::move(cache).value(), pool, kernels));
+}
+
+CpuDevice::CpuDevice(std::string name, const ModelSpec& spec, KvCache cache, ThreadPool* pool,
+                     const cpu::Kernels* kernels)
+    : Device(std::move(name), cache.layout()),
+      spec_(spec),
+      cache_(std::move(cache)),
+      pool_(pool),
+      kernels_(kernels) {}
+
+absl::StatusOr<std::unique_ptr<DeviceStep>> CpuDevice::BeginStep(const StepShare& share) {
+  auto st = std::make_unique<Step>();
+  st->positions.resize(share.size());
+  st->slots.resize(share.size());
+  return std::unique_ptr<DeviceStep>(std::move(st));
+}
+
+absl::Status CpuDevice::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
+  if (share.size() == 0) return absl::OkStatus();
+  Step& st = static_cast<Step&>(step);
+  WriteKeys(share, call.layer, *call.in);
+  if (call.out == nullptr) return absl::OkStatus();
+  ConvertQueries(share, st, call);
+  if (call.select) Select(share, st, call.layer);
+  Attend(share, st, call.layer, call.out_dtype, call.out);
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::SelectedPositions(const StepShare& share, DeviceStep& step,
+                                          std::vector<std::vector<int32_t>>* out) {
+  *out = static_cast<Step&>(step).positions;
+  return absl::OkStatus();
+}
+
+void CpuDevice::WriteKeys(const StepShare& share, int layer, const LayerInputs& in) {
+  const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, Di = spec_.index_head_dim;
+  const int slot = spec_.FullSlot(layer);
+  const DType ct = layout().dtype;
+  const CacheRows latent = cache_.Latent(layer);
+  const CacheRows index = slot >= 0 ? cache_.Index(slot) : CacheRows{};
+  pool_->ParallelFor(share.size(), [&](int64_t i) {
+    const int64_t t = share.rows[i];
+    uint8_t* row = latent.MutableRow(share.slot[i]);
+    CopyConvert(in.kv_latent.dtype, RowOf(in.kv_latent, t, L), ct, row, L);
+    CopyConvert(in.k_rope.dtype, RowOf(in.k_rope, t, R), ct, row + L * DTypeSize(ct), R);
+    if (slot >= 0)
+      CopyConvert(in.index_k.dtype, RowOf(in.index_k, t, Di), ct, index.MutableRow(share.slot[i]),
+                  Di);
+  });
+}
+
+void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall& call) {
+  const LayerInputs& in = *call.in;
+  const int H = spec_.num_heads, L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, D = L + R;
+  const int64_t n = share.size();
+  // Queries to fp32: [n, H, L+R] with q_latent | q_rope per head.
+  st.q.resize(static_cast<size_t>(n) * H * D);
+  pool_->ParallelFor(n, [&](int64_t i) {
+    const int64_t t = share.rows[i];
+    for (int h = 0; h < H; ++h) {
+      float* q = st.q.data() + (i * H + h) * D;
+      ConvertToF32(in.q_latent.dtype, RowOf(in.q_latent, t * H + h, L), q, L);
+      ConvertToF32(in.q_rope.dtype, RowOf(in.q_rope, t * H + h, R), q + L, R);
+    }
+  });
+  if (!call.select) return;
+  const int Hi = spec_.index_n_heads;
+  const int64_t row = int64_t{Hi} * spec_.index_head_dim;
+  st.index_q.resize(n * row);
+  st.index_w.resize(n * Hi);
+  pool_->ParallelFor(n, [&](int64_t i) {
+    const int64_t t = share.rows[i];
+    ConvertToF32(in.index_q.dtype, RowOf(in.index_q, t, row), st.index_q.data() + i * row, row);
+    ConvertToF32(in.index_w.dtype, RowOf(in.index_w, t, Hi), st.index_w.data() + i * Hi, Hi);
+  });
+}
+
+void CpuDevice::Select(const StepShare& share, Step& st, int layer) {
+  const int Hi = spec_.index_n_heads, Di = spec_.index_head_dim;
+  const CacheRows keys = cache_.Index(spec_.FullSlot(layer));
+  const PageTable table = share.table();
+  std::vector<int64_t> need;  // local tokens whose selection could miss a visible key
+  for (int64_t i = 0; i < share.size(); ++i)
+    if (share.needs_index[i]) need.push_back(i);
+  for (size_t w0 = 0; w0 < need.size();) {
+    // A wave of queries whose score rows fit the scratch bound.
+    std::vector<int64_t> offset = {0};
+    size_t w1 = w0;
+    while (w1 < need.size()) {
+      const int64_t n = share.pos[need[w1]] + 1;
+      if (w1 > w0 && offset.back() + n > kMaxScoreFloats) break;
+      offset.push_back(offset.back() + n);
+      ++w1;
+    }
+    if (st.scores.size() < static_cast<size_t>(offset.back())) st.scores.resize(offset.back());
+    // Tasks: (query, chunk of keys).
+    std::vector<std::pair<int32_t, int64_t>> tasks;
+    for (size_t w = w0; w < w1; ++w)
+      for (int64_t k0 = 0; k0 < share.pos[need[w]] + 1; k0 += kScoreChunk)
+        tasks.emplace_back(static_cast<int32_t>(w - w0), k0);
+    pool_->ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t j) {
+      const auto [qi, k0] = tasks[j];
+      const int64_t i = need[w0 + qi];
+      cpu::IndexerScoreParams p;
+      p.q = st.index_q.data() + i * Hi * Di;
+      p.w = st.index_w.data() + i * Hi;
+      p.num_heads = Hi;
+      p.head_dim = Di;
+      p.keys = keys;
+      p.table = table;
+      p.seq = share.seq[i];
+      p.begin = k0;
+      p.end = std::min(share.pos[i] + 1, k0 + kScoreChunk);
+      p.scores = st.scores.data() + offset[qi] + k0;
+      cpu::IndexerScores(*kernels_, p);
+    });
+    pool_->ParallelFor(static_cast<int64_t>(w1 - w0), [&](int64_t qi) {
+      const int64_t i = need[w0 + qi];
+      const int64_t n = share.pos[i] + 1;
+      const float* sc = st.scores.data() + offset[qi];
+      auto& sel = st.positions[i];
+      sel.clear();
+      switch (spec_.selection) {
+        case SelectionMode::kToken:
+          sel.resize(std::min<int64_t>(n, spec_.index_topk));
+          sel.resize(cpu::ExactTopK(sc, n, spec_.index_topk, sel.data()));
+          break;
+        case SelectionMode::kPageUnion: {
+          thread_local std::vector<int32_t> topk;
+          topk.resize(std::min<int64_t>(n, spec_.index_topk));
+          topk.resize(cpu::ExactTopK(sc, n, spec_.index_topk, topk.data()));
+          cpu::PageUnionSelect(sc, n, topk.data(), static_cast<int64_t>(topk.size()),
+                               spec_.page_size, spec_.page_union_max_pages, &sel);
+          break;
+        }
+        case SelectionMode::kPageBudget:
+          cpu::PageBudgetSelect(sc, n, spec_.page_size, spec_.page_budget, &sel);
+          break;
+      }
+      // Positions to physical slots, once: every layer until the next full one reads them.
+      auto& slots = st.slots[i];
+      slots.resize(sel.size());
+      for (size_t j = 0; j < sel.size(); ++j)
+        slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], sel[j]));
+    });
+    w0 = w1;
+  }
+}
+
+void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out) {
+  const int H = spec_.num_heads, L = spec_.kv_lora_rank, D = spec_.latent_dim();
+  const LayerKind kind = spec_.layers[layer];
+  const bool dense = kind == LayerKind::kDense;
+  const int groups = (H + kHeadGroup - 1) / kHeadGroup;
+  const size_t oe = DTypeSize(out_dtype);
+  // Units of work: the plan's blocks of range queries, and on sparse layers one unit per query
+  // attending its kept selection (count 0 marks those).
+  std::vector<QueryBlock> units = dense ? share.dense_blocks : share.sparse_blocks;
+  if (!dense)
+    for (int64_t i = 0; i < share.size(); ++i)
+      if (share.needs_index[i]) units.push_back({static_cast<int32_t>(i), 0});
+  const CacheRows kv = cache_.Latent(layer);
+  const PageTable table = share.table();
+  pool_->ParallelFor(static_cast<int64_t>(units.size()) * groups, [&](int64_t task) {
+    const QueryBlock u = units[task / groups];
+    const bool range = u.count > 0;
+    const int qn = range ? u.count : 1;
+    const int h0 = static_cast<int>(task % groups) * kHeadGroup;
+    const int hn = std::min(kHeadGroup, H - h0);
+    thread_local std::vector<float> q, o;
+    thread_local std::vector<int64_t> lo, hi;
+    q.resize(static_cast<size_t>(qn) * hn * D);
+    o.resize(static_cast<size_t>(qn) * hn * L);
+    lo.resize(qn);
+    hi.resize(qn);
+    for (int j = 0; j < qn; ++j) {
+      const int64_t i = u.first + j;
+      std::copy_n(st.q.data() + (i * H + h0) * D, static_cast<size_t>(hn) * D,
+                  q.data() + static_cast<size_t>(j) * hn * D);
+      lo[j] = FirstVisibleKey(spec_, kind, share.pos[i]);
+      hi[j] = share.pos[i] + 1;
+    }
+    cpu::MlaParams p;
+    p.q = q.data();
+    p.num_heads = hn;
+    p.num_queries = qn;
+    p.latent_dim = L;
+    p.rope_dim = spec_.qk_rope_head_dim;
+    p.kv = kv;
+    p.sm_scale = static_cast<float>(spec_.sm_scale);
+    p.out = o.data();
+    if (dense) p.soft_cap = static_cast<float>(spec_.soft_cap);
+    if (range) {
+      p.table = table;
+      p.seq = share.seq[u.first];
+      p.begin = lo[0];
+      p.end = hi[qn - 1];
+      if (qn > 1) {
+        p.row_begin = lo.data();
+        p.row_end = hi.data();
+      }
+    } else {
+      p.slots = st.slots[u.first].data();
+      p.num_keys = static_cast<int64_t>(st.slots[u.first].size());
+    }
+    cpu::MlaAttend(*kernels_, p);
+    for (int j = 0; j < qn; ++j) {
+      const int64_t t = share.rows[u.first + j];
+      ConvertFromF32(out_dtype, o.data() + static_cast<size_t>(j) * hn * L,
+                     out + (t * H + h0) * L * oe, static_cast<size_t>(hn) * L);
+    }
+  });
+}
+
+absl::Status CpuDevice::ReadRows(int layer, int slot, int32_t page, int first, int rows,
+                                 uint8_t* latent, uint8_t* index) {
+  std::memcpy(latent, cache_.LatentRow(layer, page, first), rows * layout().latent_row_bytes());
+  if (slot >= 0)
+    std::memcpy(index, cache_.IndexRow(slot, page, first), rows * layout().index_row_bytes());
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::ReadPage(int32_t page, int rows, uint8_t* staged) {
+  const CacheLayout& c = layout();
+  for (int l = 0; l < c.num_layers; ++l)
+    std::memcpy(staged + c.StagedLatent(l, rows), cache_.LatentRow(l, page, 0),
+                rows * c.latent_row_bytes());
+  for (int k = 0; k < c.num_full_layers; ++k)
+    std::memcpy(staged + c.StagedIndex(k, rows), cache_.IndexRow(k, page, 0),
+                rows * c.index_row_bytes());
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::WritePage(int32_t page, int rows, const uint8_t* staged) {
+  const CacheLayout& c = layout();
+  for (int l = 0; l < c.num_layers; ++l)
+    std::memcpy(cache_.LatentRow(l, page, 0), staged + c.StagedLatent(l, rows),
+                rows * c.latent_row_bytes());
+  for (int k = 0; k < c.num_full_layers; ++k)
+    std::memcpy(cache_.IndexRow(k, page, 0), staged + c.StagedIndex(k, rows),
+                rows * c.index_row_bytes());
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
+  auto* to = dynamic_cast<CpuDevice*>(&dst);
+  if (to == nullptr) return Device::CopyPages(dst, copies);  // through host staging
+  const CacheLayout& c = layout();
+  for (const PageCopy& p : copies) {
+    if (p.rows <= 0) continue;
+    for (int l = 0; l < c.num_layers; ++l)
+      std::memcpy(to->cache_.LatentRow(l, p.dst, 0), cache_.LatentRow(l, p.src, 0),
+                  p.rows * c.latent_row_bytes());
+    for (int k = 0; k < c.num_full_layers; ++k)
+      std::memcpy(to->cache_.IndexRow(k, p.dst, 0), cache_.IndexRow(k, p.src, 0),
+                  p.rows * c.index_row_bytes());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CpuDevice::ReservedPageUntouched() {
+  const CacheLayout& c = layout();
+  const auto zero = [](const uint8_t* p, size_t n) {
+    return std::all_of(p, p + n, [](uint8_t b) { return b == 0; });
+  };
+  for (int l = 0; l < c.num_layers; ++l)
+    if (!zero(cache_.LatentRow(l, 0, 0), c.page_size * c.latent_row_bytes())) return false;
+  for (int k = 0; k < c.num_full_layers; ++k)
+    if (!zero(cache_.IndexRow(k, 0, 0), c.page_size * c.index_row_bytes())) return false;
+  return true;
+}
+
+}  // namespace attnd

@@ -1,0 +1,50 @@
+// The CPU backend as a Device: caches in host memory (KvCache) and the per-layer DSA computation
+// (key writes, indexer scores, exact top-k or page selection, sparse and dense MLA) spread over a
+// thread pool with the run-time selected ISA's inner loops.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/thread_pool.h"
+#include "kernels/cpu/cpu_isa.h"
+#include "kernels/device.h"
+#include "kv_store/kv_cache.h"
+
+namespace attnd {
+
+class CpuDevice final : public Device {
+ public:
+  // `pool` and `kernels` outlive the device (several CPU devices share one pool).
+  static absl::StatusOr<std::unique_ptr<CpuDevice>> Create(std::string name, const ModelSpec& spec,
+                                                           const CacheLayout& layout,
+                                                           ThreadPool* pool,
+                                                           const cpu::Kernels* kernels);
+
+  absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) override;
+  absl::Status RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) override;
+  absl::Status SelectedPositions(const StepShare& share, DeviceStep& step,
+                                 std::vector<std::vector<int32_t>>* out) override;
+  absl::Status ReadRows(int layer, int slot, int32_t page, int first, int rows, uint8_t* latent,
+                        uint8_t* index) override;
+  absl::Status ReadPage(int32_t page, int rows, uint8_t* staged) override;
+  absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) override;
+  absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies) override;
+  absl::StatusOr<bool> ReservedPageUntouched() override;
+
+ private:
+  struct Step;
+  CpuDevice(std::string name, const ModelSpec& spec, KvCache cache, ThreadPool* pool,
+            const cpu::Kernels* kernels);
+  void WriteKeys(const StepShare& share, int layer, const LayerInputs& in);
+  void ConvertQueries(const StepShare& share, Step& st, const LayerCall& call);
+  void Select(const StepShare& share, Step& st, int layer);
+  void Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out);
+
+  ModelSpec spec_;
+  KvCache cache_;
+  ThreadPool* pool_;
+  const cpu::Kernels* kernels_;
+};
+
+}  // namespace attnd

@@ -1,0 +1,115 @@
+// The device interface every backend implements (kernels/cpu/cpu_device.h, kernels/cuda/
+// cuda_device.h): a device owns its caches and runs one layer of a step's plan on them. The
+// engine drives every device the same way and never knows which backend one is; only
+// kernels/device_factory.cc creates them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_spec.h"
+#include "common/tensor.h"
+#include "kv_store/cache_layout.h"
+#include "kv_store/page_table.h"
+
+namespace attnd {
+
+// A block of consecutive queries of one sequence at consecutive positions, each attending a
+// contiguous range of keys: the CPU backend shares each converted key tile across the block.
+struct QueryBlock {
+  int32_t first = 0;  // local token index of the first query
+  int32_t count = 0;
+};
+
+// One device's share of a step, built once at BeginStep by the engine (plan once, run per layer).
+// Tokens are local: token i of the share is row rows[i] of the step's layer tensors.
+struct StepShare {
+  std::vector<int64_t> rows;  // [n] rows of the layer tensors (step token index), ascending
+  std::vector<int64_t> pos;   // [n] absolute positions
+  std::vector<int32_t> seq;   // [n] the token's sequence in the page table
+  std::vector<int32_t> slot;  // [n] the token's own slot (where its new key rows go)
+  // [n] 1 when the query's selection could miss a visible key: full layers run the indexer and
+  // top-k for it; 0 when it attends every visible key (short history, or dense prefill).
+  std::vector<uint8_t> needs_index;
+  std::vector<int32_t> indptr;  // [sequences + 1] CSR page tables of the share's sequences
+  std::vector<int32_t> pages;   // [indptr.back()]
+  int32_t page_size = 0;
+  // Range-attending queries grouped for key-tile sharing: every query on dense layers, the
+  // queries that need no indexer on sparse layers. Each list covers its queries in order.
+  std::vector<QueryBlock> dense_blocks, sparse_blocks;
+  // Longest selection a query can have: the selected-slot buffer's row length.
+  int64_t max_selected = 0;
+
+  int64_t size() const { return static_cast<int64_t>(rows.size()); }
+  PageTable table() const { return {indptr.data(), pages.data(), page_size}; }
+};
+
+// One layer of a step for a device's share. `in` holds the whole step's tensors (any wire dtype);
+// the device reads its rows and writes its rows of `out` ([T, H, L] in out_dtype).
+struct LayerCall {
+  int layer = 0;
+  const LayerInputs* in = nullptr;
+  // Full layers: run the indexer and top-k and keep the selection (as physical slot ids) for the
+  // layers that follow (IndexShare); other layers attend the kept one. The engine decides.
+  bool select = false;
+  DType out_dtype = DType::kBF16;
+  uint8_t* out = nullptr;  // null: write-only (write the keys, compute nothing)
+};
+
+// A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by
+// Device::BeginStep, destroyed when the step ends.
+class DeviceStep {
+ public:
+  virtual ~DeviceStep() = default;
+};
+
+// A page prefix copy: rows [0, rows) of page `src` to page `dst`, every layer and slot.
+struct PageCopy {
+  int32_t src = 0;
+  int32_t dst = 0;
+  int rows = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  const std::string& name() const { return name_; }
+  const CacheLayout& layout() const { return layout_; }
+
+  // Prepares a step's share (uploads its page table, sizes its selection buffers).
+  virtual absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) = 0;
+  // One layer for the share: writes its new key rows, then unless write-only selects (when
+  // call.select) and attends. Different steps may run layers concurrently; one step's layers
+  // come one at a time.
+  virtual absl::Status RunLayer(const StepShare& share, DeviceStep& step,
+                                const LayerCall& call) = 0;
+  // The kept selection as key positions, per share token (ascending; empty for tokens that need
+  // no indexer or before any selection). For traces.
+  virtual absl::Status SelectedPositions(const StepShare& share, DeviceStep& step,
+                                         std::vector<std::vector<int32_t>>* out) = 0;
+
+  // Rows [first, first + rows) of one page of one layer: latent rows (L+R each) to `latent` and,
+  // on full layers (slot >= 0), indexer rows to `index`. Bytes as the cache stores them.
+  virtual absl::Status ReadRows(int layer, int slot, int32_t page, int first, int rows,
+                                uint8_t* latent, uint8_t* index) = 0;
+  // A page's first `rows` rows in every layer and slot, staged as CacheLayout::StagedBytes says.
+  virtual absl::Status ReadPage(int32_t page, int rows, uint8_t* staged) = 0;
+  virtual absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) = 0;
+  // Copies page prefixes to `dst` (this device or another with the same layout). The default
+  // stages each page through host memory; backends override it for their own kind.
+  virtual absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies);
+  // Whether no byte of the reserved page 0 was ever written, in any layer or indexer slot.
+  virtual absl::StatusOr<bool> ReservedPageUntouched() = 0;
+
+ protected:
+  Device(std::string name, const CacheLayout& layout) : name_(std::move(name)), layout_(layout) {}
+
+ private:
+  std::string name_;
+  CacheLayout layout_;
+};
+
+}  // namespace attnd

@@ -1,0 +1,58 @@
+// The one description of a device's cache layout: sizes, where every row lives, and how a page is
+// staged in host memory when it moves between devices. Every backend and the engine use it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace attnd {
+
+struct ModelSpec;
+
+// Layout of one device's cache, one allocation:
+//   latent[layer][page][offset][L+R] | index[slot][page][offset][Di]    (row-major, `dtype`)
+// A row is addressed by its global slot id, slot = page * page_size + offset (FlashMLA's global
+// indices): a layer's rows start at LatentOffset(layer) and row `slot` is slot rows further.
+struct CacheLayout {
+  int num_layers = 0;
+  int num_full_layers = 0;  // indexer-key slots
+  int page_size = 64;
+  int latent_dim = 576;  // L + R
+  int index_dim = 128;   // Di
+  DType dtype = DType::kBF16;
+  int32_t num_pages = 0;  // including the reserved page 0
+
+  static CacheLayout ForModel(const ModelSpec& spec, DType dtype, int32_t num_pages);
+
+  size_t latent_row_bytes() const { return static_cast<size_t>(latent_dim) * DTypeSize(dtype); }
+  size_t index_row_bytes() const { return static_cast<size_t>(index_dim) * DTypeSize(dtype); }
+  size_t slots() const { return static_cast<size_t>(num_pages) * page_size; }
+  // Byte offsets inside the allocation of a layer's latent rows and a full layer's indexer rows.
+  size_t LatentOffset(int layer) const { return layer * slots() * latent_row_bytes(); }
+  size_t IndexOffset(int slot) const {
+    return num_layers * slots() * latent_row_bytes() + slot * slots() * index_row_bytes();
+  }
+  size_t TotalBytes() const { return IndexOffset(num_full_layers); }
+  // Bytes one page costs across every layer (latent rows) and full layer (indexer rows).
+  size_t BytesPerPage() const;
+  // Pages (including page 0) that fit in `bytes`.
+  int32_t PagesForBytes(size_t bytes) const;
+
+  // A page's first `rows` rows staged in host memory (moves between devices of different kinds):
+  //   [layer 0 rows | ... | layer n-1 rows | slot 0 index rows | ...], each block rows x row bytes.
+  size_t StagedBytes(int rows) const {
+    return static_cast<size_t>(rows) *
+           (num_layers * latent_row_bytes() + num_full_layers * index_row_bytes());
+  }
+  size_t StagedLatent(int layer, int rows) const {
+    return static_cast<size_t>(layer) * rows * latent_row_bytes();
+  }
+  size_t StagedIndex(int slot, int rows) const {
+    return static_cast<size_t>(rows) * num_layers * latent_row_bytes() +
+           static_cast<size_t>(slot) * rows * index_row_bytes();
+  }
+};
+
+}  // namespace attnd

@@ -1,0 +1,200 @@
+#include "kv_store/sequence_table.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/client_text.h"
+
+namespace attnd {
+
+SequenceTable::SequenceTable(std::vector<std::string> device_names,
+                             const std::vector<int32_t>& pages_per_device, int32_t page_size,
+                             SequenceLimits limits)
+    : names_(std::move(device_names)),
+      counts_(pages_per_device.size(), 0),
+      limits_(limits),
+      page_size_(page_size) {
+  for (int32_t n : pages_per_device) pools_.emplace_back(n);
+}
+
+Sequence* SequenceTable::Find(const std::string& id) {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+const Sequence* SequenceTable::Find(const std::string& id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+absl::Status SequenceTable::NotFound(const std::string& id) const {
+  return absl::NotFoundError(absl::StrCat("sequence ", Quote(id), " not found"));
+}
+
+absl::Status SequenceTable::CheckNewId(const std::string& id) const {
+  if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
+  if (id.size() > limits_.max_id_bytes)
+    return absl::InvalidArgumentError(absl::StrCat("sequence id ", Quote(id), ": longer than ",
+                                                   limits_.max_id_bytes,
+                                                   " bytes (--max-id-bytes)"));
+  if (seqs_.contains(id))
+    return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
+  if (size() >= limits_.max_sequences)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("open sequences: the server holds its limit of ", limits_.max_sequences,
+                     " (--max-sequences); close some first"));
+  return absl::OkStatus();
+}
+
+int SequenceTable::Place() const {
+  int best = 0;
+  for (int i = 1; i < num_devices(); ++i)
+    if (pools_[i].free_pages() > pools_[best].free_pages()) best = i;
+  return best;
+}
+
+absl::Status SequenceTable::CheckDevice(int device) const {
+  if (device < -1 || device >= num_devices())
+    return absl::OutOfRangeError(
+        absl::StrCat("device ", device, " outside [0, ", num_devices(), ")"));
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::Open(const std::string& id, int device) {
+  if (absl::Status s = CheckNewId(id); !s.ok()) return s;
+  if (absl::Status s = CheckDevice(device < 0 ? -1 : device); !s.ok()) return s;
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->device = device < 0 ? Place() : device;
+  ++counts_[seq->device];
+  seqs_.emplace(id, std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::Close(const std::string& id) {
+  Sequence* seq = Find(id);
+  if (seq == nullptr) return NotFound(id);
+  if (seq->step != 0)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is in open step ", seq->step, "; abort it first"));
+  if (seq->copying)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", Quote(id), " is being copied (fork or migration); close it afterwards"));
+  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
+  --counts_[seq->device];
+  seqs_.erase(id);
+  return absl::OkStatus();
+}
+
+bool SequenceTable::PlanCopy(const std::vector<int32_t>& pages, int64_t length, int to,
+                             PageMove* move) {
+  const int32_t n = static_cast<int32_t>((length + page_size_ - 1) / page_size_);
+  const size_t first = move->fresh.size();
+  if (!pools_[to].Allocate(n, &move->fresh)) return false;
+  for (int32_t i = 0; i < n; ++i) {
+    const int rows =
+        static_cast<int>(std::min<int64_t>(page_size_, length - int64_t{i} * page_size_));
+    move->copies.push_back({pages[i], move->fresh[first + i], rows});
+  }
+  return true;
+}
+
+void SequenceTable::Unpin(const PageMove& move) {
+  for (const PageMove::Copy& c : move.copies) pools_[move.from].Unref(c.src);
+}
+
+absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& parent,
+                                      int64_t prefix_len, int device, PageMove* move) {
+  const Sequence* par = Find(parent);
+  if (par == nullptr)
+    return absl::NotFoundError(absl::StrCat("fork parent ", Quote(parent), " not found"));
+  if (absl::Status s = CheckNewId(id); !s.ok()) return s;
+  if (prefix_len < 0 || prefix_len > par->length)
+    return absl::OutOfRangeError(absl::StrCat("fork prefix_len ", prefix_len, " outside [0, ",
+                                              par->length, "] (parent ", Quote(parent),
+                                              " length)"));
+  if (absl::Status s = CheckDevice(device < 0 ? -1 : device); !s.ok()) return s;
+  if (par->copying)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fork parent ", Quote(parent), " is being copied (fork or migration); fork it afterwards"));
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->device = device < 0 ? par->device : device;
+  seq->length = prefix_len;
+  seq->copying = true;
+  *move = PageMove{par->device, seq->device, {}, {}};
+  if (seq->device != par->device) {
+    if (!PlanCopy(par->pages, prefix_len, seq->device, move))
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KV cache full on ", names_[seq->device], ": a fork across devices copies every page"));
+    seq->pages = move->fresh;
+  } else {
+    const int64_t full = prefix_len / page_size_;
+    const int rem = static_cast<int>(prefix_len % page_size_);
+    seq->pages.reserve(full + 1);
+    seq->pages.assign(par->pages.begin(), par->pages.begin() + full);
+    if (rem > 0) {
+      if (!pools_[seq->device].Allocate(1, &move->fresh))
+        return absl::ResourceExhaustedError(
+            absl::StrCat("KV cache full on ", names_[seq->device],
+                         ": fork needs 1 page for the partial last page, 0 free"));
+      move->copies.push_back({par->pages[full], move->fresh[0], rem});
+      seq->pages.push_back(move->fresh[0]);
+    }
+    for (int64_t i = 0; i < full; ++i) pools_[seq->device].Ref(seq->pages[i]);
+  }
+  for (const PageMove::Copy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
+  ++counts_[seq->device];
+  seqs_.emplace(id, std::move(seq));
+  return absl::OkStatus();
+}
+
+void SequenceTable::EndFork(const std::string& id, const PageMove& move, bool ok) {
+  Unpin(move);
+  Sequence* seq = Find(id);
+  seq->copying = false;
+  if (ok) return;
+  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
+  --counts_[seq->device];
+  seqs_.erase(id);
+}
+
+absl::Status SequenceTable::BeginMigrate(const std::string& id, int device, PageMove* move) {
+  Sequence* seq = Find(id);
+  if (seq == nullptr) return NotFound(id);
+  if (device < 0 || device >= num_devices())
+    return absl::OutOfRangeError(
+        absl::StrCat("device ", device, " outside [0, ", num_devices(), ")"));
+  if (seq->step != 0)
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(id), " is in open step ",
+                                                      seq->step, "; migrate between steps"));
+  if (seq->copying)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is being copied (fork or migration)"));
+  *move = PageMove{seq->device, device, {}, {}};
+  if (device == seq->device) return absl::OkStatus();
+  if (!PlanCopy(seq->pages, seq->length, device, move))
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache full on ", names_[device], ": migration needs ", seq->pages.size(), " pages"));
+  for (const PageMove::Copy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
+  seq->copying = true;
+  return absl::OkStatus();
+}
+
+void SequenceTable::EndMigrate(const std::string& id, const PageMove& move, bool ok) {
+  if (move.from == move.to) return;
+  Unpin(move);
+  Sequence* seq = Find(id);
+  seq->copying = false;
+  if (!ok) {
+    for (int32_t p : move.fresh) pools_[move.to].Unref(p);
+    return;
+  }
+  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
+  --counts_[seq->device];
+  ++counts_[move.to];
+  seq->pages = move.fresh;
+  seq->device = move.to;
+}
+
+}  // namespace attnd

@@ -1,0 +1,108 @@
+// The sequence table: every sequence's id, device, page list and length, the page pools their
+// pages come from (reference counted: forks share full pages), placement, and the bookkeeping of
+// page copies (fork across devices, migration) that run outside the caller's lock.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "kv_store/page_pool.h"
+
+namespace attnd {
+
+struct Sequence {
+  std::string id;
+  int device = 0;
+  std::vector<int32_t> pages;  // physical page ids, in order
+  int64_t length = 0;          // committed tokens
+  uint64_t step = 0;           // the open step holding it, 0 if none
+  // Its pages are being copied (a fork into it, or its migration): no step, close, fork from it
+  // or other migration until the copy ends.
+  bool copying = false;
+};
+
+struct SequenceLimits {
+  size_t max_id_bytes = 256;
+  int64_t max_sequences = 65536;
+};
+
+// Page copies to run between BeginFork/BeginMigrate and EndFork/EndMigrate: from device `from`
+// to device `to` (the same for a fork's partial page). The source pages stay referenced (pinned)
+// until the End call, so they outlive a concurrent close of their sequence.
+struct PageMove {
+  int from = 0;
+  int to = 0;
+  struct Copy {
+    int32_t src = 0, dst = 0;
+    int rows = 0;
+  };
+  std::vector<Copy> copies;
+  std::vector<int32_t> fresh;  // pages allocated on `to` for the copies, in sequence order
+};
+
+// Not thread safe: the owner (the engine) serialises every call under its lock.
+class SequenceTable {
+ public:
+  // One pool per device (named for messages) of the given page count (page 0 included), pages
+  // of page_size tokens.
+  SequenceTable(std::vector<std::string> device_names, const std::vector<int32_t>& pages_per_device,
+                int32_t page_size, SequenceLimits limits);
+
+  int num_devices() const { return static_cast<int>(pools_.size()); }
+  const PagePool& pool(int device) const { return pools_[device]; }
+  PagePool& pool(int device) { return pools_[device]; }
+  int64_t sequences_on(int device) const { return counts_[device]; }
+  int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
+
+  // nullptr when absent. Pointers stay valid until the sequence is closed.
+  Sequence* Find(const std::string& id);
+  const Sequence* Find(const std::string& id) const;
+  // NOT_FOUND naming the sequence.
+  absl::Status NotFound(const std::string& id) const;
+  // INVALID_ARGUMENT (empty, too long), ALREADY_EXISTS, RESOURCE_EXHAUSTED (table full).
+  absl::Status CheckNewId(const std::string& id) const;
+  // The device for a new sequence: most free pages, ties to the lowest index.
+  int Place() const;
+  // OUT_OF_RANGE unless -1 <= device < num_devices().
+  absl::Status CheckDevice(int device) const;
+
+  // Opens an empty sequence on `device` (< 0: Place()).
+  absl::Status Open(const std::string& id, int device);
+  // FAILED_PRECONDITION while in a step or copying; releases its pages.
+  absl::Status Close(const std::string& id);
+
+  // Creates `id` holding the first prefix_len tokens of `parent` on `device` (< 0: the parent's).
+  // On the parent's device full pages are shared and the partial last page is copied; on another
+  // device every page is copied. The child is `copying` until EndFork. NOT_FOUND,
+  // ALREADY_EXISTS, OUT_OF_RANGE, FAILED_PRECONDITION (parent copying), RESOURCE_EXHAUSTED; on
+  // error nothing changed.
+  absl::Status BeginFork(const std::string& id, const std::string& parent, int64_t prefix_len,
+                         int device, PageMove* move);
+  // ok: the child becomes usable; otherwise it is removed and its pages released.
+  void EndFork(const std::string& id, const PageMove& move, bool ok);
+  // Allocates pages for moving `id` to `device` and marks it copying; *move empty (no copy
+  // needed) when it is already there. NOT_FOUND, OUT_OF_RANGE, FAILED_PRECONDITION (in a step,
+  // copying), RESOURCE_EXHAUSTED.
+  absl::Status BeginMigrate(const std::string& id, int device, PageMove* move);
+  // ok: the sequence now lives on move.to in the fresh pages; otherwise they are released.
+  void EndMigrate(const std::string& id, const PageMove& move, bool ok);
+
+ private:
+  // Appends the copies of the first `length` tokens of `pages` into fresh pages of `to`, or
+  // returns false (nothing allocated) when `to` lacks pages.
+  bool PlanCopy(const std::vector<int32_t>& pages, int64_t length, int to, PageMove* move);
+  void Unpin(const PageMove& move);
+
+  std::vector<std::string> names_;
+  std::vector<PagePool> pools_;
+  std::vector<int64_t> counts_;  // sequences per device
+  SequenceLimits limits_;
+  int32_t page_size_ = 0;
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;
+};
+
+}  // namespace attnd
