@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <deque>
 #include <future>
 #include <mutex>
 #include <new>
@@ -11,9 +10,12 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
+#include "common/guarded.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "engine/layer_check.h"
+#include "engine/row_reader.h"
+#include "engine/step_fates.h"
 #include "engine/step_plan.h"
 #include "kernels/device_factory.h"
 #include "kv_store/sequence_table.h"
@@ -22,9 +24,6 @@ namespace attnd {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Ended steps whose fate a late layer message is told (CANCELLED, DEADLINE_EXCEEDED, ...).
-constexpr size_t kRememberedFates = 8192;
 
 struct StepSeq {
   Sequence* seq = nullptr;
@@ -61,18 +60,6 @@ absl::Status ForEachConcurrently(size_t n, Fn fn) {
   return status;
 }
 
-// A device operation's exceptions as errors (nothing below the engine may take it down).
-template <typename Fn>
-absl::Status Caught(Fn fn) {
-  try {
-    return fn();
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError("out of host memory");
-  } catch (const std::exception& e) {
-    return absl::InternalError(e.what());
-  }
-}
-
 }  // namespace
 
 struct Engine::Impl {
@@ -88,24 +75,11 @@ struct Engine::Impl {
   uint64_t next_step_id = 1;
   int64_t steps_aborted = 0;
   int64_t steps_committed = 0;
-  // What became of recently ended steps: the status a late message for one of them gets.
-  absl::flat_hash_map<uint64_t, absl::Status> fates;
-  std::deque<uint64_t> fate_order;
+  StepFates fates;  // what a late message for an ended step is told
 
-  // mu held.
-  void RememberFate(uint64_t id, absl::Status why) {
-    if (fates.insert_or_assign(id, std::move(why)).second) fate_order.push_back(id);
-    while (fate_order.size() > kRememberedFates) {
-      fates.erase(fate_order.front());
-      fate_order.pop_front();
-    }
-  }
   // Returns an unregistered (or registered) step's pages and sequences. mu held.
   void Release(Step* step) {
-    for (StepSeq& s : step->seqs) {
-      for (int32_t p : s.new_pages) table->pool(s.seq->device).Unref(p);
-      s.seq->step = 0;
-    }
+    for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, false);
   }
   // Takes an ended step out of the table. The caller destroys it after releasing mu: freeing a
   // device's step state may wait for that device.
@@ -120,27 +94,22 @@ struct Engine::Impl {
   [[nodiscard]] std::unique_ptr<Step> AbortLocked(Step* step, absl::Status why) {
     Release(step);
     ++steps_aborted;
-    RememberFate(step->id, std::move(why));
+    fates.Remember(step->id, std::move(why));
     return Retire(step);
   }
   [[nodiscard]] std::unique_ptr<Step> CommitLocked(Step* step) {
-    for (StepSeq& s : step->seqs) {
-      s.seq->pages.insert(s.seq->pages.end(), s.new_pages.begin(), s.new_pages.end());
-      s.seq->length = s.new_len;
-      s.seq->step = 0;
-    }
+    for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true);
     ++steps_committed;
-    RememberFate(step->id,
-                 absl::FailedPreconditionError(absl::StrCat(
-                     "step ", step->id, " already committed at its last layer; begin a new step")));
+    fates.Remember(step->id, absl::FailedPreconditionError(absl::StrCat(
+                                 "step ", step->id,
+                                 " already committed at its last layer; begin a new step")));
     return Retire(step);
   }
   // The open step `id`, or the status its fate (or absence) gives. mu held.
   absl::StatusOr<Step*> FindStep(uint64_t id) const {
     auto it = steps.find(id);
     if (it != steps.end()) return it->second.get();
-    auto f = fates.find(id);
-    if (f != fates.end()) return f->second;
+    if (const absl::Status* f = fates.Find(id)) return *f;
     return absl::NotFoundError(absl::StrCat("step ", id, " not found"));
   }
   // Validates a batch, reserves its pages and binds its sequences (mu held), or changes nothing.
@@ -153,10 +122,8 @@ struct Engine::Impl {
                        LayerTrace* trace);
   // Runs a PageMove's copies (mu not held).
   absl::Status Copy(const PageMove& move) {
-    std::vector<PageCopy> copies;
-    for (const PageMove::Copy& c : move.copies) copies.push_back({c.src, c.dst, c.rows});
     const absl::Status s =
-        Caught([&] { return devices[move.from]->CopyPages(*devices[move.to], copies); });
+        Guarded([&] { return devices[move.from]->CopyPages(*devices[move.to], move.copies); });
     if (s.ok()) return s;
     return absl::Status(s.code(), absl::StrCat("page copy ", devices[move.from]->name(), " -> ",
                                                devices[move.to]->name(), ": ", s.message()));
@@ -172,16 +139,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->pool = std::make_unique<ThreadPool>(options.threads);
-  CacheLayout layout = CacheLayout::ForModel(options.spec, options.cache_dtype, 0);
-  layout.num_pages = options.pages_per_device > 0
-                         ? options.pages_per_device
-                         : layout.PagesForBytes(options.cache_bytes_per_device);
-  // Slot ids (page * page_size + offset) are int32 in every kernel.
-  const int64_t max_pages = (int64_t{1} << 31) / options.spec.page_size;
-  if (layout.num_pages > max_pages)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV cache of ", layout.num_pages, " pages per device: at most ", max_pages, " pages of ",
-        options.spec.page_size, " tokens (32-bit slot ids); lower the cache size"));
+  ASSIGN_OR_RETURN(
+      const CacheLayout layout,
+      CacheLayout::ForCapacity(options.spec, options.cache_dtype, options.pages_per_device,
+                               options.cache_bytes_per_device));
   std::vector<std::string> names = options.devices;
   if (names.empty())
     for (int i = 0; i < options.num_devices; ++i) names.push_back(absl::StrCat("cpu:", i));
@@ -247,56 +208,20 @@ absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const std::string& id) con
 absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const std::string& id, int layer, int64_t begin,
                                                    int64_t end) const {
   const ModelSpec& s = impl_->spec();
-  const int ps = s.page_size;
   int device = 0;
   std::vector<int32_t> pages;  // the pages holding [begin, end), pinned while read
+  if (layer < 0 || layer >= s.num_layers())
+    return absl::OutOfRangeError(
+        absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    const Sequence* seq = impl_->table->Find(id);
-    if (seq == nullptr) return impl_->table->NotFound(id);
-    if (layer < 0 || layer >= s.num_layers())
-      return absl::OutOfRangeError(
-          absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
-    if (begin < 0 || end < begin || end > seq->length)
-      return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
-                                                seq->length, " committed tokens of ", Quote(id)));
-    if (seq->copying)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence ", Quote(id), " is being copied (fork or migration); read it afterwards"));
-    device = seq->device;
-    if (end > begin)
-      pages.assign(seq->pages.begin() + begin / ps, seq->pages.begin() + (end - 1) / ps + 1);
-    for (int32_t p : pages) impl_->table->pool(device).Ref(p);
+    RETURN_IF_ERROR(impl_->table->PinRows(id, begin, end, &device, &pages));
   }
-  Device& dev = *impl_->devices[device];
-  const CacheLayout& c = dev.layout();
-  const int slot = s.FullSlot(layer);
-  const size_t es = DTypeSize(c.dtype);
-  const size_t L = s.kv_lora_rank * es, R = s.qk_rope_head_dim * es;
   LayerRows out;
-  const absl::Status read = Caught([&] {
-    std::vector<uint8_t> lat(ps * c.latent_row_bytes()), idx(ps * c.index_row_bytes());
-    out.kv_latent.reserve((end - begin) * L);
-    out.k_rope.reserve((end - begin) * R);
-    if (slot >= 0) out.index_k.reserve((end - begin) * c.index_row_bytes());
-    for (int64_t pos = begin; pos < end;) {
-      const int off = static_cast<int>(pos % ps);
-      const int rows = static_cast<int>(std::min<int64_t>(ps - off, end - pos));
-      RETURN_IF_ERROR(dev.ReadRows(layer, slot, pages[pos / ps - begin / ps], off, rows, lat.data(),
-                                   idx.data()));
-      for (int r = 0; r < rows; ++r) {
-        const char* row = reinterpret_cast<const char*>(lat.data()) + r * (L + R);
-        out.kv_latent.append(row, L);
-        out.k_rope.append(row + L, R);
-      }
-      if (slot >= 0)
-        out.index_k.append(reinterpret_cast<const char*>(idx.data()), rows * c.index_row_bytes());
-      pos += rows;
-    }
-    return absl::OkStatus();
-  });
+  const absl::Status read = Guarded(
+      [&] { return ReadLayerRows(*impl_->devices[device], s, layer, pages, begin, end, &out); });
   std::lock_guard<std::mutex> lock(impl_->mu);
-  for (int32_t p : pages) impl_->table->pool(device).Unref(p);
+  impl_->table->Unpin(device, pages);
   if (!read.ok()) return read;
   return out;
 }
@@ -348,7 +273,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
     }
   }
   // Bound: build the plan and the devices' step state off the lock.
-  const absl::Status prepared = Caught([&] { return impl_->Prepare(*step); });
+  const absl::Status prepared = Guarded([&] { return impl_->Prepare(*step); });
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!prepared.ok()) {
     impl_->Release(step.get());
@@ -412,8 +337,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     s.seq = seq;
     s.q_len = e.q_len;
     s.new_len = seq->length + e.q_len;
-    need[seq->device] += static_cast<int32_t>((s.new_len + spec.page_size - 1) / spec.page_size -
-                                              static_cast<int64_t>(seq->pages.size()));
+    need[seq->device] += table->PagesToGrow(*seq, s.new_len);
     step->seqs.push_back(std::move(s));
   }
   for (size_t d = 0; d < devices.size(); ++d) {
@@ -425,20 +349,15 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   }
   // The tables' memory before any state changes (an allocation failure changes nothing).
   for (StepSeq& s : step->seqs) {
-    const int64_t pages = (s.new_len + spec.page_size - 1) / spec.page_size;
-    s.new_pages.reserve(pages - static_cast<int64_t>(s.seq->pages.size()));
-    s.table.reserve(pages);
+    s.new_pages.reserve(table->PagesToGrow(*s.seq, s.new_len));
+    s.table.reserve(s.seq->pages.size() + s.new_pages.capacity());
   }
   // Everything checked and allocated: reserve pages (cannot fail now) and bind the sequences.
   step->id = next_step_id++;
   for (StepSeq& s : step->seqs) {
-    const int64_t pages = (s.new_len + spec.page_size - 1) / spec.page_size;
-    table->pool(s.seq->device)
-        .Allocate(static_cast<int32_t>(pages - static_cast<int64_t>(s.seq->pages.size())),
-                  &s.new_pages);
+    table->Bind(s.seq, step->id, s.new_len, &s.new_pages);
     s.table = s.seq->pages;
     s.table.insert(s.table.end(), s.new_pages.begin(), s.new_pages.end());
-    s.seq->step = step->id;
   }
   return step;
 }
@@ -490,7 +409,6 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
     return devices[sh.device]->RunLayer(sh.share, *st.on_device[i], call);
   }));
   if (trace == nullptr) return absl::OkStatus();
-  // What each query attended: its visible range, or the kept selection.
   trace->keys.assign(st.tokens, {});
   if (write_only) return absl::OkStatus();
   for (size_t i = 0; i < st.plan.shares.size(); ++i) {
@@ -499,15 +417,7 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
     if (kind != LayerKind::kDense)
       RETURN_IF_ERROR(
           devices[st.plan.shares[i].device]->SelectedPositions(share, *st.on_device[i], &selected));
-    for (int64_t j = 0; j < share.size(); ++j) {
-      auto& k = trace->keys[share.rows[j]];
-      if (kind == LayerKind::kDense || !share.needs_index[j]) {
-        for (int64_t p = FirstVisibleKey(s, kind, share.pos[j]); p <= share.pos[j]; ++p)
-          k.push_back(static_cast<int32_t>(p));
-      } else {
-        k = std::move(selected[j]);
-      }
-    }
+    TraceAttended(s, kind, share, &selected, &trace->keys);
   }
   return absl::OkStatus();
 }

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "common/model_spec.h"
 #include "common/tensor.h"
+#include "engine/row_reader.h"
 #include "kernels/cpu/cpu_isa.h"
 
 namespace attnd {
@@ -111,9 +112,7 @@ class Engine {
   // them (dtype = cache dtype): kv_latent [n, L], k_rope [n, R] and, on full layers, index_k
   // [n, Di] (empty otherwise). For handing a sequence to another server (export). NOT_FOUND,
   // OUT_OF_RANGE (rows beyond the committed length or a bad layer).
-  struct LayerRows {
-    std::string kv_latent, k_rope, index_k;
-  };
+  using LayerRows = LayerRowBytes;
   absl::StatusOr<LayerRows> ReadRows(const std::string& id, int layer, int64_t begin,
                                      int64_t end) const;
   // Whether this build can drive CUDA devices (nvcc was found at build time).

@@ -79,4 +79,19 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
   return plan;
 }
 
+void TraceAttended(const ModelSpec& spec, LayerKind kind, const StepShare& share,
+                   std::vector<std::vector<int32_t>>* selected,
+                   std::vector<std::vector<int32_t>>* keys) {
+  for (int64_t i = 0; i < share.size(); ++i) {
+    auto& k = (*keys)[share.rows[i]];
+    k.clear();
+    if (kind == LayerKind::kDense || !share.needs_index[i]) {
+      for (int64_t p = FirstVisibleKey(spec, kind, share.pos[i]); p <= share.pos[i]; ++p)
+        k.push_back(static_cast<int32_t>(p));
+    } else {
+      k = std::move((*selected)[i]);
+    }
+  }
+}
+
 }  // namespace attnd

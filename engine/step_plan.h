@@ -32,6 +32,12 @@ struct StepPlan {
   static StepPlan Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch);
 };
 
+// Sets keys[share.rows[i]] to what share token i attended on a layer of `kind`: its visible key
+// range (dense layers, queries needing no indexer) or (*selected)[i] (moved from).
+void TraceAttended(const ModelSpec& spec, LayerKind kind, const StepShare& share,
+                   std::vector<std::vector<int32_t>>* selected,
+                   std::vector<std::vector<int32_t>>* keys);
+
 // Consecutive queries sharing key tiles in one CPU attention task (prefill).
 inline constexpr int kQueryBlock = 8;
 

@@ -66,13 +66,6 @@ class DeviceStep {
   virtual ~DeviceStep() = default;
 };
 
-// A page prefix copy: rows [0, rows) of page `src` to page `dst`, every layer and slot.
-struct PageCopy {
-  int32_t src = 0;
-  int32_t dst = 0;
-  int rows = 0;
-};
-
 class Device {
  public:
   virtual ~Device() = default;

@@ -1,5 +1,6 @@
 #include "kv_store/cache_layout.h"
 
+#include "absl/strings/str_cat.h"
 #include "common/model_spec.h"
 
 namespace attnd {
@@ -13,6 +14,18 @@ CacheLayout CacheLayout::ForModel(const ModelSpec& spec, DType dtype, int32_t nu
   c.index_dim = spec.index_head_dim;
   c.dtype = dtype;
   c.num_pages = num_pages;
+  return c;
+}
+
+absl::StatusOr<CacheLayout> CacheLayout::ForCapacity(const ModelSpec& spec, DType dtype,
+                                                     int32_t pages, size_t bytes) {
+  CacheLayout c = ForModel(spec, dtype, 0);
+  c.num_pages = pages > 0 ? pages : c.PagesForBytes(bytes);
+  const int64_t max_pages = (int64_t{1} << 31) / spec.page_size;
+  if (c.num_pages > max_pages)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV cache of ", c.num_pages, " pages per device: at most ", max_pages, " pages of ",
+        spec.page_size, " tokens (32-bit slot ids); lower the cache size"));
   return c;
 }
 

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "absl/status/statusor.h"
 #include "common/dtype.h"
 
 namespace attnd {
@@ -25,6 +26,10 @@ struct CacheLayout {
   int32_t num_pages = 0;  // including the reserved page 0
 
   static CacheLayout ForModel(const ModelSpec& spec, DType dtype, int32_t num_pages);
+  // The layout of a device with `pages` pages (page 0 included) or, when pages is 0, as many as
+  // fit in `bytes`. INVALID_ARGUMENT when slot ids would not fit in 32 bits (every kernel's).
+  static absl::StatusOr<CacheLayout> ForCapacity(const ModelSpec& spec, DType dtype, int32_t pages,
+                                                 size_t bytes);
 
   size_t latent_row_bytes() const { return static_cast<size_t>(latent_dim) * DTypeSize(dtype); }
   size_t index_row_bytes() const { return static_cast<size_t>(index_dim) * DTypeSize(dtype); }

@@ -37,4 +37,11 @@ struct PageTable {
   }
 };
 
+// A page prefix copy: rows [0, rows) of page `src` to page `dst`, in every layer and slot.
+struct PageCopy {
+  int32_t src = 0;
+  int32_t dst = 0;
+  int rows = 0;
+};
+
 }  // namespace attnd

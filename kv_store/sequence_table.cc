@@ -100,7 +100,7 @@ bool SequenceTable::PlanCopy(const std::vector<int32_t>& pages, int64_t length, 
 }
 
 void SequenceTable::Unpin(const PageMove& move) {
-  for (const PageMove::Copy& c : move.copies) pools_[move.from].Unref(c.src);
+  for (const PageCopy& c : move.copies) pools_[move.from].Unref(c.src);
 }
 
 absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& parent,
@@ -143,7 +143,7 @@ absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& 
     }
     for (int64_t i = 0; i < full; ++i) pools_[seq->device].Ref(seq->pages[i]);
   }
-  for (const PageMove::Copy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
+  for (const PageCopy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
   ++counts_[seq->device];
   seqs_.emplace(id, std::move(seq));
   return absl::OkStatus();
@@ -176,7 +176,7 @@ absl::Status SequenceTable::BeginMigrate(const std::string& id, int device, Page
   if (!PlanCopy(seq->pages, seq->length, device, move))
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache full on ", names_[device], ": migration needs ", seq->pages.size(), " pages"));
-  for (const PageMove::Copy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
+  for (const PageCopy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
   seq->copying = true;
   return absl::OkStatus();
 }
@@ -195,6 +195,51 @@ void SequenceTable::EndMigrate(const std::string& id, const PageMove& move, bool
   ++counts_[move.to];
   seq->pages = move.fresh;
   seq->device = move.to;
+}
+
+int32_t SequenceTable::PagesToGrow(const Sequence& seq, int64_t new_len) const {
+  return static_cast<int32_t>((new_len + page_size_ - 1) / page_size_ -
+                              static_cast<int64_t>(seq.pages.size()));
+}
+
+void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
+                         std::vector<int32_t>* new_pages) {
+  pools_[seq->device].Allocate(PagesToGrow(*seq, new_len), new_pages);
+  seq->step = step;
+}
+
+void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len,
+                           bool commit) {
+  seq->step = 0;
+  if (commit) {
+    seq->pages.insert(seq->pages.end(), new_pages.begin(), new_pages.end());
+    seq->length = new_len;
+  } else {
+    for (int32_t p : new_pages) pools_[seq->device].Unref(p);
+  }
+}
+
+absl::Status SequenceTable::PinRows(const std::string& id, int64_t begin, int64_t end, int* device,
+                                    std::vector<int32_t>* pages) {
+  const Sequence* seq = Find(id);
+  if (seq == nullptr) return NotFound(id);
+  if (begin < 0 || end < begin || end > seq->length)
+    return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
+                                              seq->length, " committed tokens of ", Quote(id)));
+  if (seq->copying)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", Quote(id), " is being copied (fork or migration); read it afterwards"));
+  *device = seq->device;
+  pages->clear();
+  if (end > begin)
+    pages->assign(seq->pages.begin() + begin / page_size_,
+                  seq->pages.begin() + (end - 1) / page_size_ + 1);
+  for (int32_t p : *pages) pools_[*device].Ref(p);
+  return absl::OkStatus();
+}
+
+void SequenceTable::Unpin(int device, const std::vector<int32_t>& pages) {
+  for (int32_t p : pages) pools_[device].Unref(p);
 }
 
 }  // namespace attnd

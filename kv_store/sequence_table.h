@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "kv_store/page_pool.h"
+#include "kv_store/page_table.h"
 
 namespace attnd {
 
@@ -36,11 +37,7 @@ struct SequenceLimits {
 struct PageMove {
   int from = 0;
   int to = 0;
-  struct Copy {
-    int32_t src = 0, dst = 0;
-    int rows = 0;
-  };
-  std::vector<Copy> copies;
+  std::vector<PageCopy> copies;
   std::vector<int32_t> fresh;  // pages allocated on `to` for the copies, in sequence order
 };
 
@@ -90,6 +87,22 @@ class SequenceTable {
   absl::Status BeginMigrate(const std::string& id, int device, PageMove* move);
   // ok: the sequence now lives on move.to in the fresh pages; otherwise they are released.
   void EndMigrate(const std::string& id, const PageMove& move, bool ok);
+
+  // Steps. The new pages `seq` needs to hold new_len tokens.
+  int32_t PagesToGrow(const Sequence& seq, int64_t new_len) const;
+  // Binds `seq` to `step` and appends its new pages to *new_pages. The caller checked with
+  // PagesToGrow that they are free and reserved *new_pages' capacity: this cannot fail.
+  void Bind(Sequence* seq, uint64_t step, int64_t new_len, std::vector<int32_t>* new_pages);
+  // Ends the step's hold: commit appends the new pages and sets the length; otherwise the
+  // pages are released and the sequence is as before Bind.
+  void Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len, bool commit);
+
+  // Checks that rows [begin, end) are committed rows of `id` and pins the pages holding them
+  // (*pages, on *device) so they outlive a close while they are read. NOT_FOUND, OUT_OF_RANGE,
+  // FAILED_PRECONDITION (copying).
+  absl::Status PinRows(const std::string& id, int64_t begin, int64_t end, int* device,
+                       std::vector<int32_t>* pages);
+  void Unpin(int device, const std::vector<int32_t>& pages);
 
  private:
   // Appends the copies of the first `length` tokens of `pages` into fresh pages of `to`, or

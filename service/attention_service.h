@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "common/guarded.h"
 #include "engine/engine.h"
 #include "service/executor.h"
 #include "service/service_metrics.h"
@@ -25,21 +26,6 @@ struct ServiceOptions {
   int64_t max_echo_bytes = int64_t{64} << 20;  // Echo replies (also capped by the message size)
   int max_shm_regions = 64;
 };
-
-// Runs `f` (returning absl::Status or StatusOr) and turns any exception into a status, so no
-// exception escapes a handler: std::bad_alloc is RESOURCE_EXHAUSTED, anything else INTERNAL.
-template <typename F>
-auto Guarded(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError("out of memory while serving the request");
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("internal error: ", e.what()));
-  } catch (...) {
-    return absl::InternalError("internal error: unknown exception");
-  }
-}
 
 class AttentionService final : public v1::Attention::CallbackService {
  public:

@@ -1,0 +1,38 @@
+#include "engine/row_reader.h"
+
+#include <algorithm>
+
+#include "common/status_macros.h"
+
+namespace attnd {
+
+absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
+                           const std::vector<int32_t>& pages, int64_t begin, int64_t end,
+                           LayerRowBytes* out) {
+  const CacheLayout& c = device.layout();
+  const int ps = c.page_size;
+  const int slot = spec.FullSlot(layer);
+  const size_t es = DTypeSize(c.dtype);
+  const size_t L = spec.kv_lora_rank * es, R = spec.qk_rope_head_dim * es;
+  std::vector<uint8_t> lat(ps * c.latent_row_bytes()), idx(ps * c.index_row_bytes());
+  out->kv_latent.reserve(out->kv_latent.size() + (end - begin) * L);
+  out->k_rope.reserve(out->k_rope.size() + (end - begin) * R);
+  if (slot >= 0) out->index_k.reserve(out->index_k.size() + (end - begin) * c.index_row_bytes());
+  for (int64_t pos = begin; pos < end;) {
+    const int off = static_cast<int>(pos % ps);
+    const int rows = static_cast<int>(std::min<int64_t>(ps - off, end - pos));
+    RETURN_IF_ERROR(device.ReadRows(layer, slot, pages[pos / ps - begin / ps], off, rows,
+                                    lat.data(), idx.data()));
+    for (int r = 0; r < rows; ++r) {
+      const char* row = reinterpret_cast<const char*>(lat.data()) + r * (L + R);
+      out->kv_latent.append(row, L);
+      out->k_rope.append(row + L, R);
+    }
+    if (slot >= 0)
+      out->index_k.append(reinterpret_cast<const char*>(idx.data()), rows * c.index_row_bytes());
+    pos += rows;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnd
