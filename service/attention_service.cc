@@ -430,12 +430,13 @@ absl::Status AttentionService::DoAbortStep(const v1::AbortStepRequest& req) {
 }
 
 // Streams a sequence's keys chunk by chunk, one layer per message; the next message is read out
-// of the cache only when the previous one is written (bounded memory for long sequences).
+// of the cache only when the previous one is written (bounded memory for long sequences). Reads
+// run on the executor, never on a gRPC thread (a device read may wait for the device).
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
-  ExportStream(Engine* engine, const v1::ExportSequenceRequest& req, absl::StatusOr<int64_t> chunk,
-               int64_t max_message_bytes)
-      : engine_(engine), max_message_bytes_(max_message_bytes) {
+  ExportStream(Engine* engine, Executor* executor, const v1::ExportSequenceRequest& req,
+               absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
+      : engine_(engine), executor_(executor), max_message_bytes_(max_message_bytes) {
     if (!chunk.ok()) {
       Finish(ToGrpcStatus(chunk.status()));
       return;
@@ -461,14 +462,16 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
 
  private:
   void Next() {
-    const absl::Status s = Guarded([&] { return Fill(); });
-    if (!s.ok()) {
-      Finish(ToGrpcStatus(s));
-    } else if (done_) {
-      Finish(grpc::Status::OK);
-    } else {
-      StartWrite(&msg_);
-    }
+    executor_->Post([this] {
+      const absl::Status s = Guarded([&] { return Fill(); });
+      if (!s.ok()) {
+        Finish(ToGrpcStatus(s));
+      } else if (done_) {
+        Finish(grpc::Status::OK);
+      } else {
+        StartWrite(&msg_);
+      }
+    });
   }
   absl::Status Fill() {
     const ModelSpec& s = engine_->spec();
@@ -506,6 +509,7 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   }
 
   Engine* engine_;
+  Executor* executor_;
   int64_t max_message_bytes_;
   bool done_ = false;
   std::string id_;
@@ -529,7 +533,8 @@ absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext*, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(engine_, *req, ExportChunkTokens(*req), options_.max_message_bytes);
+  return new ExportStream(engine_, executor_, *req, ExportChunkTokens(*req),
+                          options_.max_message_bytes);
 }
 
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(

@@ -1,0 +1,247 @@
+// A CPU device driven through the Device interface exactly as the engine drives a GPU: devices
+// from the factory, a step plan over hand-made (shuffled) page tables, BeginStep per share, every
+// layer with the engine's IndexShare decision, traces from SelectedPositions, checked against the
+// float64 oracle; then page copies between devices and the reserved page.
+#include "kernels/device.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/thread_pool.h"
+#include "engine/step_plan.h"
+#include "kernels/device_factory.h"
+#include "kernels/reference/step_oracle.h"
+#include "tests/engine_harness.h"
+
+namespace attnd::testing {
+namespace {
+
+ModelSpec Spec(SelectionMode mode) {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kDense};
+  s.index_topk = 24;
+  s.selection = mode;
+  s.page_union_max_pages = 3;
+  s.page_budget = 2;
+  s.sliding_window = 40;
+  s.soft_cap = 3.0;
+  return s;
+}
+
+std::vector<LayerData> Inputs(const ModelSpec& s, int64_t T, DType dt, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<LayerData> out(s.num_layers());
+  for (int l = 0; l < s.num_layers(); ++l) {
+    LayerData& d = out[l];
+    d.q_latent = RandomTensor(dt, {T, s.num_heads, s.kv_lora_rank}, rng);
+    d.q_rope = RandomTensor(dt, {T, s.num_heads, s.qk_rope_head_dim}, rng);
+    d.kv_latent = RandomTensor(dt, {T, s.kv_lora_rank}, rng);
+    d.k_rope = RandomTensor(dt, {T, s.qk_rope_head_dim}, rng);
+    if (s.layers[l] == LayerKind::kFull) {
+      d.index_q = RandomTensor(dt, {T, s.index_n_heads, s.index_head_dim}, rng);
+      d.index_k = RandomTensor(dt, {T, s.index_head_dim}, rng);
+      d.index_w = RandomTensor(dt, {T, s.index_n_heads}, rng);
+    }
+  }
+  return out;
+}
+
+class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode, DType>> {
+ protected:
+  void SetUp() override {
+    std::tie(mode_, dtype_) = GetParam();
+    spec_ = Spec(mode_);
+    cache_ = dtype_ == DType::kF32 ? DType::kF32 : DType::kBF16;
+    auto layout = CacheLayout::ForCapacity(spec_, cache_, 64, 0);
+    ASSERT_TRUE(layout.ok());
+    auto devices = CreateDevices({"cpu:0", "cpu:1"}, spec_, *layout,
+                                 HostCompute{&pool_, &cpu::GetKernels(cpu::BestIsa())});
+    ASSERT_TRUE(devices.ok()) << devices.status();
+    devices_ = std::move(devices).value();
+    free_.resize(63);
+    std::iota(free_.begin(), free_.end(), 1);  // page 0 is reserved
+    std::shuffle(free_.begin(), free_.end(), std::mt19937_64(5));
+  }
+
+  struct Seq {
+    int device = 0;
+    int64_t length = 0;
+    std::vector<int32_t> pages;
+  };
+
+  // One step over `batch` (sequence name, q_len) through the interface; returns per layer the
+  // outputs as doubles and the traces, and grows the sequences.
+  void Step(const std::vector<std::pair<std::string, int64_t>>& batch, uint64_t seed) {
+    int64_t T = 0;
+    std::vector<PlanEntry> entries;
+    for (const auto& [id, q] : batch) {
+      Seq& s = seqs_[id];
+      const int64_t n = s.length + q;
+      while (static_cast<int64_t>(s.pages.size()) * spec_.page_size < n) {
+        s.pages.push_back(free_.back());
+        free_.pop_back();
+      }
+      entries.push_back({s.device, s.length, q, &s.pages});
+      T += q;
+    }
+    const StepPlan plan = StepPlan::Build(spec_, entries);
+    std::vector<std::unique_ptr<DeviceStep>> on_device;
+    for (const auto& sh : plan.shares) {
+      auto st = devices_[sh.device]->BeginStep(sh.share);
+      ASSERT_TRUE(st.ok()) << st.status();
+      on_device.push_back(std::move(st).value());
+    }
+    const auto layers = Inputs(spec_, T, dtype_, seed);
+    std::vector<std::vector<double>> got(spec_.num_layers());
+    std::vector<std::vector<std::vector<int32_t>>> traces(spec_.num_layers());
+    const size_t out_elems = static_cast<size_t>(T) * spec_.num_heads * spec_.kv_lora_rank;
+    for (int l = 0; l < spec_.num_layers(); ++l) {
+      const LayerInputs in = layers[l].inputs();
+      std::vector<uint8_t> out(out_elems * DTypeSize(dtype_), 0xff);  // NaN-ish until written
+      LayerCall call;
+      call.layer = l;
+      call.in = &in;
+      call.select = spec_.layers[l] == LayerKind::kFull;
+      call.out_dtype = dtype_;
+      call.out = out.data();
+      traces[l].assign(T, {});
+      for (size_t i = 0; i < plan.shares.size(); ++i) {
+        Device& d = *devices_[plan.shares[i].device];
+        const StepShare& share = plan.shares[i].share;
+        ASSERT_TRUE(d.RunLayer(share, *on_device[i], call).ok());
+        std::vector<std::vector<int32_t>> selected;
+        if (spec_.layers[l] != LayerKind::kDense) {
+          ASSERT_TRUE(d.SelectedPositions(share, *on_device[i], &selected).ok());
+        }
+        TraceAttended(spec_, spec_.layers[l], share, &selected, &traces[l]);
+      }
+      std::vector<float> f(out_elems);
+      ConvertToF32(dtype_, out.data(), f.data(), out_elems);
+      got[l].assign(f.begin(), f.end());
+    }
+    std::vector<reference::LayerValues> values;
+    for (const auto& l : layers) values.push_back(l.values());
+    oracle_.Commit(batch, values);
+    std::vector<LayerCheck> checks;
+    const auto want = oracle_.Expected(batch, values, &traces, &checks);
+    const double tol = dtype_ == DType::kF32 ? 1e-5 : 1e-2;
+    for (int l = 0; l < spec_.num_layers(); ++l) {
+      EXPECT_TRUE(
+          std::none_of(got[l].begin(), got[l].end(), [](double x) { return std::isnan(x); }))
+          << "layer " << l;
+      EXPECT_LE(RelL2(got[l], want[l]), tol) << "layer " << l;
+      EXPECT_EQ(checks[l].selection_mismatches, 0) << "layer " << l;
+    }
+    for (const auto& [id, q] : batch) seqs_[id].length += q;
+  }
+
+  SelectionMode mode_;
+  DType dtype_, cache_;
+  ModelSpec spec_;
+  ThreadPool pool_{2};
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::vector<int32_t> free_;
+  std::map<std::string, Seq> seqs_;
+  reference::StepOracle oracle_{Spec(SelectionMode::kToken), DType::kF32};
+};
+
+TEST_P(DeviceInterface, StepsThroughTheInterfaceMatchTheReference) {
+  oracle_ = reference::StepOracle(spec_, cache_);
+  for (const char* id : {"a", "b", "c"}) oracle_.Open(id);
+  seqs_["a"].device = 0;
+  seqs_["b"].device = 1;
+  seqs_["c"].device = 0;
+  // Prefill on both devices (a long enough to need the indexer), then decode steps, then a
+  // chunk: the same share driven layer after layer with the IndexShare carry in the device.
+  Step({{"a", 70}, {"b", 33}, {"c", 9}}, 1);
+  Step({{"a", 1}, {"b", 1}, {"c", 1}}, 2);
+  Step({{"c", 1}, {"a", 1}}, 3);
+  Step({{"b", 20}, {"a", 1}}, 4);
+  for (auto& d : devices_) {
+    auto untouched = d->ReservedPageUntouched();
+    ASSERT_TRUE(untouched.ok());
+    EXPECT_TRUE(*untouched) << d->name();
+  }
+}
+
+TEST_P(DeviceInterface, PagesCopiedDirectlyOrThroughStagingReadBackTheSame) {
+  oracle_ = reference::StepOracle(spec_, cache_);
+  oracle_.Open("a");
+  Step({{"a", 40}}, 9);  // pages on cpu:0: full, full, 8 rows
+  const Seq& a = seqs_["a"];
+  const int ps = spec_.page_size;
+  std::vector<PageCopy> copies;
+  std::vector<int32_t> direct, staged;
+  for (size_t i = 0; i < a.pages.size(); ++i) {
+    const int rows = static_cast<int>(std::min<int64_t>(ps, a.length - int64_t(i) * ps));
+    direct.push_back(free_.back());
+    free_.pop_back();
+    staged.push_back(free_.back());
+    free_.pop_back();
+    copies.push_back({a.pages[i], direct.back(), rows});
+  }
+  ASSERT_TRUE(devices_[0]->CopyPages(*devices_[1], copies).ok());
+  std::vector<PageCopy> second = copies;
+  for (size_t i = 0; i < second.size(); ++i) second[i].dst = staged[i];
+  ASSERT_TRUE(devices_[0]->Device::CopyPages(*devices_[1], second).ok());  // staging path
+  const CacheLayout& c = devices_[0]->layout();
+  for (int layer = 0; layer < spec_.num_layers(); ++layer) {
+    const int slot = spec_.FullSlot(layer);
+    for (size_t i = 0; i < copies.size(); ++i) {
+      const int rows = copies[i].rows;
+      std::vector<uint8_t> l0(rows * c.latent_row_bytes()), i0(rows * c.index_row_bytes());
+      std::vector<uint8_t> l1 = l0, i1 = i0, l2 = l0, i2 = i0;
+      ASSERT_TRUE(
+          devices_[0]->ReadRows(layer, slot, a.pages[i], 0, rows, l0.data(), i0.data()).ok());
+      ASSERT_TRUE(
+          devices_[1]->ReadRows(layer, slot, direct[i], 0, rows, l1.data(), i1.data()).ok());
+      ASSERT_TRUE(
+          devices_[1]->ReadRows(layer, slot, staged[i], 0, rows, l2.data(), i2.data()).ok());
+      EXPECT_TRUE(std::any_of(l0.begin(), l0.end(), [](uint8_t b) { return b != 0; }));
+      EXPECT_EQ(l0, l1);
+      EXPECT_EQ(l0, l2);
+      if (slot >= 0) {
+        EXPECT_EQ(i0, i1);
+        EXPECT_EQ(i0, i2);
+      }
+    }
+  }
+  for (auto& d : devices_) EXPECT_TRUE(*d->ReservedPageUntouched());
+}
+
+std::string Name(const ::testing::TestParamInfo<std::tuple<SelectionMode, DType>>& info) {
+  const char* mode = std::get<0>(info.param) == SelectionMode::kToken       ? "token"
+                     : std::get<0>(info.param) == SelectionMode::kPageUnion ? "union"
+                                                                            : "budget";
+  return std::string(mode) + "_" + DTypeName(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeviceInterface,
+                         ::testing::Combine(::testing::Values(SelectionMode::kToken,
+                                                              SelectionMode::kPageUnion,
+                                                              SelectionMode::kPageBudget),
+                                            ::testing::Values(DType::kF32, DType::kBF16)),
+                         Name);
+
+TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
+  const ModelSpec s = Spec(SelectionMode::kToken);
+  const auto layout = CacheLayout::ForCapacity(s, DType::kBF16, 8, 0).value();
+  ThreadPool pool(1);
+  const HostCompute host{&pool, &cpu::GetKernels(cpu::BestIsa())};
+  for (const char* bad : {"gpu:0", "cpu:", "cpu:-1", "cpu:x", ""}) {
+    auto d = CreateDevices({bad}, s, layout, host);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto ok = CreateDevices({"cpu:0", "cpu:7"}, s, layout, host);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ((*ok)[1]->name(), "cpu:7");
+  EXPECT_EQ((*ok)[1]->layout().num_pages, 8);
+  EXPECT_EQ(CacheLayout::ForCapacity(s, DType::kBF16, 1 << 30, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);  // slot ids past 32 bits
+}
+
+}  // namespace
+}  // namespace attnd::testing
