@@ -114,14 +114,15 @@ absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& 
                                               par->length, "] (parent ", Quote(parent),
                                               " length)"));
   if (absl::Status s = CheckDevice(device < 0 ? -1 : device); !s.ok()) return s;
-  if (par->copying)
+  if (par->filling)
     return absl::FailedPreconditionError(absl::StrCat(
-        "fork parent ", Quote(parent), " is being copied (fork or migration); fork it afterwards"));
+        "fork parent ", Quote(parent), " is still being forked itself; fork it afterwards"));
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->device = device < 0 ? par->device : device;
   seq->length = prefix_len;
   seq->copying = true;
+  seq->filling = true;
   *move = PageMove{par->device, seq->device, {}, {}};
   if (seq->device != par->device) {
     if (!PlanCopy(par->pages, prefix_len, seq->device, move))
@@ -153,6 +154,7 @@ void SequenceTable::EndFork(const std::string& id, const PageMove& move, bool ok
   Unpin(move);
   Sequence* seq = Find(id);
   seq->copying = false;
+  seq->filling = false;
   if (ok) return;
   for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
   --counts_[seq->device];
@@ -226,9 +228,9 @@ absl::Status SequenceTable::PinRows(const std::string& id, int64_t begin, int64_
   if (begin < 0 || end < begin || end > seq->length)
     return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
                                               seq->length, " committed tokens of ", Quote(id)));
-  if (seq->copying)
+  if (seq->filling)
     return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", Quote(id), " is being copied (fork or migration); read it afterwards"));
+        "sequence ", Quote(id), " is still being forked; read it afterwards"));
   *device = seq->device;
   pages->clear();
   if (end > begin)

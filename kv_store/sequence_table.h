@@ -21,9 +21,12 @@ struct Sequence {
   std::vector<int32_t> pages;  // physical page ids, in order
   int64_t length = 0;          // committed tokens
   uint64_t step = 0;           // the open step holding it, 0 if none
-  // Its pages are being copied (a fork into it, or its migration): no step, close, fork from it
-  // or other migration until the copy ends.
+  // Its pages are being copied (a fork into it, or its migration): no step, close or other
+  // migration until the copy ends.
   bool copying = false;
+  // A fork into it is filling its pages: nothing may read them yet (no fork from it, no export).
+  // A migrating sequence stays readable: its old pages are valid until the move ends.
+  bool filling = false;
 };
 
 struct SequenceLimits {
@@ -74,8 +77,8 @@ class SequenceTable {
 
   // Creates `id` holding the first prefix_len tokens of `parent` on `device` (< 0: the parent's).
   // On the parent's device full pages are shared and the partial last page is copied; on another
-  // device every page is copied. The child is `copying` until EndFork. NOT_FOUND,
-  // ALREADY_EXISTS, OUT_OF_RANGE, FAILED_PRECONDITION (parent copying), RESOURCE_EXHAUSTED; on
+  // device every page is copied. The child is `copying` and `filling` until EndFork. NOT_FOUND,
+  // ALREADY_EXISTS, OUT_OF_RANGE, FAILED_PRECONDITION (parent filling), RESOURCE_EXHAUSTED; on
   // error nothing changed.
   absl::Status BeginFork(const std::string& id, const std::string& parent, int64_t prefix_len,
                          int device, PageMove* move);
@@ -99,7 +102,7 @@ class SequenceTable {
 
   // Checks that rows [begin, end) are committed rows of `id` and pins the pages holding them
   // (*pages, on *device) so they outlive a close while they are read. NOT_FOUND, OUT_OF_RANGE,
-  // FAILED_PRECONDITION (copying).
+  // FAILED_PRECONDITION (filling).
   absl::Status PinRows(const std::string& id, int64_t begin, int64_t end, int* device,
                        std::vector<int32_t>* pages);
   void Unpin(int device, const std::vector<int32_t>& pages);

@@ -97,12 +97,18 @@ TEST(SequenceTable, ForkOnTheSameDeviceSharesFullPagesAndCopiesThePartialOne) {
   EXPECT_EQ(move.copies[0].rows, 3);
   EXPECT_EQ(t.pool(0).refcount(parent[0]), 2);
   EXPECT_EQ(t.pool(0).refcount(parent[1]), 2);  // pinned while copied
-  // While copying, the child can neither be closed nor forked from.
+  // While it fills, the child can be neither closed, forked from, read nor migrated.
+  EXPECT_TRUE(c->filling);
   EXPECT_EQ(t.Close("c").code(), absl::StatusCode::kFailedPrecondition);
   PageMove other;
   EXPECT_EQ(t.BeginFork("d", "c", 1, -1, &other).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.BeginMigrate("c", 1, &other).code(), absl::StatusCode::kFailedPrecondition);
+  int device = -1;
+  std::vector<int32_t> pinned;
+  EXPECT_EQ(t.PinRows("c", 0, 1, &device, &pinned).code(), absl::StatusCode::kFailedPrecondition);
   t.EndFork("c", move, true);
   EXPECT_FALSE(t.Find("c")->copying);
+  EXPECT_FALSE(t.Find("c")->filling);
   EXPECT_EQ(t.pool(0).refcount(parent[1]), 1);
   ASSERT_TRUE(t.Close("p").ok());
   EXPECT_EQ(t.pool(0).refcount(parent[0]), 1);  // still the child's
@@ -127,7 +133,19 @@ TEST(SequenceTable, AFailedCopyLeavesEverythingAsBefore) {
   // A failed migration too.
   ASSERT_TRUE(t.BeginMigrate("p", 1, &move).ok());
   EXPECT_TRUE(t.Find("p")->copying);
+  EXPECT_FALSE(t.Find("p")->filling);
   EXPECT_EQ(t.Close("p").code(), absl::StatusCode::kFailedPrecondition);
+  // A migrating sequence stays readable and can be forked (from its old pages).
+  PageMove child;
+  ASSERT_TRUE(t.BeginFork("c", "p", 5, -1, &child).ok());
+  EXPECT_EQ(t.Find("c")->device, 0);
+  t.EndFork("c", child, true);
+  int device = -1;
+  std::vector<int32_t> pinned;
+  ASSERT_TRUE(t.PinRows("p", 0, 10, &device, &pinned).ok());
+  EXPECT_EQ(device, 0);
+  t.Unpin(device, pinned);
+  ASSERT_TRUE(t.Close("c").ok());
   t.EndMigrate("p", move, false);
   EXPECT_EQ(t.Find("p")->device, 0);
   EXPECT_FALSE(t.Find("p")->copying);
