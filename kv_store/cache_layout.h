@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
+#include "kv_store/page_table.h"
 
 namespace attnd {
 
@@ -40,6 +41,13 @@ struct CacheLayout {
     return num_layers * slots() * latent_row_bytes() + slot * slots() * index_row_bytes();
   }
   size_t TotalBytes() const { return IndexOffset(num_full_layers); }
+  // A layer's latent rows and a full layer's (slot's) indexer rows in the allocation at `base`.
+  CacheRows Latent(const uint8_t* base, int layer) const {
+    return {base + LatentOffset(layer), latent_row_bytes(), dtype, latent_dim};
+  }
+  CacheRows Index(const uint8_t* base, int slot) const {
+    return {base + IndexOffset(slot), index_row_bytes(), dtype, index_dim};
+  }
   // Bytes one page costs across every layer (latent rows) and full layer (indexer rows).
   size_t BytesPerPage() const;
   // Pages (including page 0) that fit in `bytes`.

@@ -22,14 +22,8 @@ class KvCache {
 
   const CacheLayout& layout() const { return layout_; }
   // A layer's latent rows and a full layer's (slot's) indexer rows, by global slot id.
-  CacheRows Latent(int layer) const {
-    return {base_ + layout_.LatentOffset(layer), layout_.latent_row_bytes(), layout_.dtype,
-            layout_.latent_dim};
-  }
-  CacheRows Index(int slot) const {
-    return {base_ + layout_.IndexOffset(slot), layout_.index_row_bytes(), layout_.dtype,
-            layout_.index_dim};
-  }
+  CacheRows Latent(int layer) const { return layout_.Latent(base_, layer); }
+  CacheRows Index(int slot) const { return layout_.Index(base_, slot); }
   uint8_t* LatentRow(int layer, int32_t page, int offset) const {
     return Latent(layer).MutableRow(int64_t{page} * layout_.page_size + offset);
   }

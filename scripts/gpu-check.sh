@@ -2,7 +2,8 @@
 # One script for a machine with an NVIDIA GPU (sm_90: H100/H200). Uses the bundle made here by
 # scripts/gpu-bundle.sh (carried over: the GPU machine has nvcc, CMake and PyTorch but not
 # Debian's gRPC or GoogleTest); if absent and nvcc + gtest exist, builds it.
-#   1. GPU parity tests: CUDA vs CPU backend vs float64 reference, random data, every mode.
+#   1. GPU parity tests: CUDA vs CPU backend vs float64 reference, random data, every mode; the
+#      Device interface test on cuda:0.
 #   2. Kernel benchmark with this GPU's copy bandwidth and bf16 GEMM rate measured in the run.
 #   3. PyTorch versions of the same ops on the same shapes.
 #   4. One table: op, shape, time, GB/s or TFLOP/s, fraction of the limit, speed-up over PyTorch.
@@ -22,6 +23,10 @@ status=0
 echo "== parity tests"
 timeout 300 "$BUNDLE/cuda_test" --gtest_output="xml:$OUT/cuda_test.xml" 2>&1 | tee "$OUT/cuda_test.log" | \
   grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|error' | head -60
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== the Device interface driven on cuda:0 next to cpu:0 (as the engine drives it)"
+timeout 120 "$BUNDLE/device_test" --gtest_filter='*cuda*' --gtest_output="xml:$OUT/device_test.xml" \
+  2>&1 | tee "$OUT/device_test.log" | grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure' | head -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== parity tests with the tensor-core MLA kernel (ATTND_CUDA_MLA=mma; not yet the default)"
 ATTND_CUDA_MLA=mma timeout 300 "$BUNDLE/cuda_test" --gtest_filter='*BF16*:Cuda.*' \

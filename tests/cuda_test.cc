@@ -2,6 +2,9 @@
 // mode and dtype, prefix forks, chunked prefill, and pages moving between a GPU and the host.
 // Every test skips, with the reason, where no GPU is visible.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include "kernels/cuda/cuda_device.h"
 #include "tests/engine_harness.h"
@@ -13,15 +16,8 @@ namespace {
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
 
 ModelSpec Spec(SelectionMode mode, int heads = 16) {
-  ModelSpec s = PresetModelSpec("tiny").value();
-  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kDense};
+  ModelSpec s = MixedLayerSpec(mode);
   s.num_heads = heads;
-  s.index_topk = 24;
-  s.selection = mode;
-  s.page_union_max_pages = 3;
-  s.page_budget = 2;
-  s.sliding_window = 40;
-  s.soft_cap = 3.0;
   return s;
 }
 
@@ -108,6 +104,38 @@ TEST(Cuda, PagesMoveBetweenHostAndGpuWithOutputsUnchanged) {
   ASSERT_TRUE(h.engine().MigrateSequence("q", 0).ok());                   // GPU -> host
   ASSERT_TRUE(h.engine().MigrateSequence("p", 1).ok());                   // host -> GPU
   h.RunAndCheck({{"q", 1}, {"p", 1}, {"g", 1}}, DType::kBF16, 3, 1e-2);
+}
+
+// This process's mapped and resident host memory, bytes (/proc/self/statm).
+std::pair<size_t, size_t> HostMemory() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long size = 0, resident = 0;
+  if (f == nullptr || std::fscanf(f, "%ld %ld", &size, &resident) != 2) size = resident = 0;
+  if (f) std::fclose(f);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return {static_cast<size_t>(size) * page, static_cast<size_t>(resident) * page};
+}
+
+TEST(Cuda, AGpuDevicesHostMemoryDoesNotGrowWithItsCache) {
+  SKIP_WITHOUT_GPU();
+  auto with_cache = [](size_t bytes) {
+    EngineOptions o = Options(Spec(SelectionMode::kToken), DType::kBF16, {"cuda:0"});
+    o.pages_per_device = 0;
+    o.cache_bytes_per_device = bytes;
+    Harness h(o);  // one step run, so every lazily grown buffer exists
+    h.Open("a");
+    h.RunAndCheck({{"a", 40}}, DType::kBF16, 1, 1e-2);
+    return HostMemory();
+  };
+  const auto small = with_cache(size_t{256} << 20);
+  const auto big = with_cache(size_t{8} << 30);
+  std::printf(
+      "host memory with a 256 MiB GPU cache: %zu MiB mapped, %zu MiB resident; with 8 GiB: "
+      "%zu MiB mapped, %zu MiB resident\n",
+      small.first >> 20, small.second >> 20, big.first >> 20, big.second >> 20);
+  // A host mirror of the cache would map (and could touch) the 7.75 GiB difference.
+  EXPECT_LT(big.second, small.second + (size_t{64} << 20));
+  EXPECT_LT(big.first, small.first + (size_t{4} << 30));
 }
 
 TEST(Cuda, BuildWithoutCudaRejectsCudaDevicesClearly) {

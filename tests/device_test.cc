@@ -19,46 +19,23 @@
 namespace attnd::testing {
 namespace {
 
-ModelSpec Spec(SelectionMode mode) {
-  ModelSpec s = PresetModelSpec("tiny").value();
-  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kDense};
-  s.index_topk = 24;
-  s.selection = mode;
-  s.page_union_max_pages = 3;
-  s.page_budget = 2;
-  s.sliding_window = 40;
-  s.soft_cap = 3.0;
-  return s;
-}
-
-std::vector<LayerData> Inputs(const ModelSpec& s, int64_t T, DType dt, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<LayerData> out(s.num_layers());
-  for (int l = 0; l < s.num_layers(); ++l) {
-    LayerData& d = out[l];
-    d.q_latent = RandomTensor(dt, {T, s.num_heads, s.kv_lora_rank}, rng);
-    d.q_rope = RandomTensor(dt, {T, s.num_heads, s.qk_rope_head_dim}, rng);
-    d.kv_latent = RandomTensor(dt, {T, s.kv_lora_rank}, rng);
-    d.k_rope = RandomTensor(dt, {T, s.qk_rope_head_dim}, rng);
-    if (s.layers[l] == LayerKind::kFull) {
-      d.index_q = RandomTensor(dt, {T, s.index_n_heads, s.index_head_dim}, rng);
-      d.index_k = RandomTensor(dt, {T, s.index_head_dim}, rng);
-      d.index_w = RandomTensor(dt, {T, s.index_n_heads}, rng);
-    }
-  }
-  return out;
-}
-
-class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode, DType>> {
+// Devices: two CPU devices, or (where a GPU is visible) cuda:0 next to cpu:0, so the very same
+// driving runs the CUDA backend and moves pages between the kinds.
+class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode, DType, bool>> {
  protected:
   void SetUp() override {
-    std::tie(mode_, dtype_) = GetParam();
-    spec_ = Spec(mode_);
+    bool gpu = false;
+    std::tie(mode_, dtype_, gpu) = GetParam();
+    if (gpu && DefaultDeviceNames()[0] != "cuda:0")
+      GTEST_SKIP() << "no CUDA device visible (or no CUDA backend built): GPU case skipped";
+    spec_ = MixedLayerSpec(mode_);
     cache_ = dtype_ == DType::kF32 ? DType::kF32 : DType::kBF16;
     auto layout = CacheLayout::ForCapacity(spec_, cache_, 64, 0);
     ASSERT_TRUE(layout.ok());
-    auto devices = CreateDevices({"cpu:0", "cpu:1"}, spec_, *layout,
-                                 HostCompute{&pool_, &cpu::GetKernels(cpu::BestIsa())});
+    const std::vector<std::string> names = gpu ? std::vector<std::string>{"cuda:0", "cpu:0"}
+                                               : std::vector<std::string>{"cpu:0", "cpu:1"};
+    auto devices =
+        CreateDevices(names, spec_, *layout, HostCompute{&pool_, &cpu::GetKernels(cpu::BestIsa())});
     ASSERT_TRUE(devices.ok()) << devices.status();
     devices_ = std::move(devices).value();
     free_.resize(63);
@@ -94,7 +71,7 @@ class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode
       ASSERT_TRUE(st.ok()) << st.status();
       on_device.push_back(std::move(st).value());
     }
-    const auto layers = Inputs(spec_, T, dtype_, seed);
+    const auto layers = RandomLayers(spec_, T, dtype_, seed);
     std::vector<std::vector<double>> got(spec_.num_layers());
     std::vector<std::vector<std::vector<int32_t>>> traces(spec_.num_layers());
     const size_t out_elems = static_cast<size_t>(T) * spec_.num_heads * spec_.kv_lora_rank;
@@ -145,7 +122,7 @@ class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode
   std::vector<std::unique_ptr<Device>> devices_;
   std::vector<int32_t> free_;
   std::map<std::string, Seq> seqs_;
-  reference::StepOracle oracle_{Spec(SelectionMode::kToken), DType::kF32};
+  reference::StepOracle oracle_{MixedLayerSpec(SelectionMode::kToken), DType::kF32};
 };
 
 TEST_P(DeviceInterface, StepsThroughTheInterfaceMatchTheReference) {
@@ -212,22 +189,24 @@ TEST_P(DeviceInterface, PagesCopiedDirectlyOrThroughStagingReadBackTheSame) {
   for (auto& d : devices_) EXPECT_TRUE(*d->ReservedPageUntouched());
 }
 
-std::string Name(const ::testing::TestParamInfo<std::tuple<SelectionMode, DType>>& info) {
+std::string Name(const ::testing::TestParamInfo<std::tuple<SelectionMode, DType, bool>>& info) {
   const char* mode = std::get<0>(info.param) == SelectionMode::kToken       ? "token"
                      : std::get<0>(info.param) == SelectionMode::kPageUnion ? "union"
                                                                             : "budget";
-  return std::string(mode) + "_" + DTypeName(std::get<1>(info.param));
+  return std::string(mode) + "_" + DTypeName(std::get<1>(info.param)) +
+         (std::get<2>(info.param) ? "_cuda" : "_cpu");
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeviceInterface,
                          ::testing::Combine(::testing::Values(SelectionMode::kToken,
                                                               SelectionMode::kPageUnion,
                                                               SelectionMode::kPageBudget),
-                                            ::testing::Values(DType::kF32, DType::kBF16)),
+                                            ::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Bool()),
                          Name);
 
 TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
-  const ModelSpec s = Spec(SelectionMode::kToken);
+  const ModelSpec s = MixedLayerSpec(SelectionMode::kToken);
   const auto layout = CacheLayout::ForCapacity(s, DType::kBF16, 8, 0).value();
   ThreadPool pool(1);
   const HostCompute host{&pool, &cpu::GetKernels(cpu::BestIsa())};

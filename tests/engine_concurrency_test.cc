@@ -22,24 +22,6 @@ ModelSpec Spec() {
   return s;
 }
 
-std::vector<LayerData> Inputs(const ModelSpec& s, int64_t T, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<LayerData> out(s.num_layers());
-  for (int l = 0; l < s.num_layers(); ++l) {
-    LayerData& d = out[l];
-    d.q_latent = RandomTensor(DType::kF32, {T, s.num_heads, s.kv_lora_rank}, rng);
-    d.q_rope = RandomTensor(DType::kF32, {T, s.num_heads, s.qk_rope_head_dim}, rng);
-    d.kv_latent = RandomTensor(DType::kF32, {T, s.kv_lora_rank}, rng);
-    d.k_rope = RandomTensor(DType::kF32, {T, s.qk_rope_head_dim}, rng);
-    if (s.layers[l] == LayerKind::kFull) {
-      d.index_q = RandomTensor(DType::kF32, {T, s.index_n_heads, s.index_head_dim}, rng);
-      d.index_k = RandomTensor(DType::kF32, {T, s.index_head_dim}, rng);
-      d.index_w = RandomTensor(DType::kF32, {T, s.index_n_heads}, rng);
-    }
-  }
-  return out;
-}
-
 using Batch = std::vector<std::pair<std::string, int64_t>>;
 
 // Runs one step and returns the worst relative L2 against the oracle (which it then updates);
@@ -100,7 +82,7 @@ TEST(EngineConcurrency, StepsForksMigrationsAndExportsAtOnceLoseNothing) {
   const ModelSpec& s = e.spec();
   // The shared root every worker forks from.
   ASSERT_TRUE(e.OpenSequence("root", 0).ok());
-  const auto root_layers = Inputs(s, 50, 1);
+  const auto root_layers = RandomLayers(s, 50, DType::kF32, 1);
   constexpr int kWorkers = 3;
   std::vector<reference::StepOracle> oracles(kWorkers, reference::StepOracle(s, DType::kF32));
   {
@@ -108,7 +90,9 @@ TEST(EngineConcurrency, StepsForksMigrationsAndExportsAtOnceLoseNothing) {
     first.Open("root");
     std::string error;
     ASSERT_GE(CheckedStep(e, first, {{"root", 50}}, root_layers, &error), 0) << error;
-    EXPECT_LE(CheckedStep(e, first, {{"root", 1}}, Inputs(s, 1, 2), &error), 1e-5) << error;
+    EXPECT_LE(CheckedStep(e, first, {{"root", 1}}, RandomLayers(s, 1, DType::kF32, 2), &error),
+              1e-5)
+        << error;
     for (auto& w : oracles) w = first;
   }
   std::atomic<bool> stop{false};
@@ -151,7 +135,8 @@ TEST(EngineConcurrency, StepsForksMigrationsAndExportsAtOnceLoseNothing) {
                                {b, 1 + static_cast<int64_t>(rng() % 20)}};
           std::string error;
           const double err = CheckedStep(
-              e, oracle, batch, Inputs(s, batch[0].second + batch[1].second, rng()), &error);
+              e, oracle, batch,
+              RandomLayers(s, batch[0].second + batch[1].second, DType::kF32, rng()), &error);
           if (err < 0) return fail(absl::StrCat("step: ", error));
           if (err > 1e-5) return fail(absl::StrCat("step: rel L2 ", err));
           if (absl::Status m = e.MigrateSequence(a, static_cast<int>(rng() % 3)); !m.ok())

@@ -91,12 +91,8 @@ void Harness::Close(const std::string& id) {
 
 int64_t Harness::Length(const std::string& id) const { return oracle_->Length(id); }
 
-std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, DType dtype,
-                                           uint64_t seed) {
+std::vector<LayerData> RandomLayers(const ModelSpec& s, int64_t T, DType dtype, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  const ModelSpec& s = spec();
-  int64_t T = 0;
-  for (const auto& e : batch) T += e.q_len;
   std::vector<LayerData> out(s.num_layers());
   for (int l = 0; l < s.num_layers(); ++l) {
     LayerData& d = out[l];
@@ -111,6 +107,25 @@ std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, 
     }
   }
   return out;
+}
+
+ModelSpec MixedLayerSpec(SelectionMode mode) {
+  ModelSpec s = PresetModelSpec("tiny").value();
+  s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kDense};
+  s.index_topk = 24;
+  s.selection = mode;
+  s.page_union_max_pages = 3;
+  s.page_budget = 2;
+  s.sliding_window = 40;
+  s.soft_cap = 3.0;
+  return s;
+}
+
+std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, DType dtype,
+                                           uint64_t seed) {
+  int64_t T = 0;
+  for (const auto& e : batch) T += e.q_len;
+  return RandomLayers(spec(), T, dtype, seed);
 }
 
 Harness::Result Harness::Run(const std::vector<StepEntry>& batch,

@@ -33,6 +33,13 @@ struct LayerData {
   reference::LayerValues values() const;
 };
 
+// Random inputs of every layer of a step of T tokens, in `dtype` (indexer tensors on full layers).
+std::vector<LayerData> RandomLayers(const ModelSpec& spec, int64_t T, DType dtype, uint64_t seed);
+
+// The tiny preset with one layer of each kind (full, shared, full, dense: IndexShare, a sliding
+// window and a soft cap) under `mode`, top-24, at most 3 union pages, a budget of 2 pages.
+ModelSpec MixedLayerSpec(SelectionMode mode);
+
 using reference::LayerCheck;
 using reference::RelL2;
 

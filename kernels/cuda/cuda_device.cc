@@ -99,6 +99,10 @@ int DeviceCount() {
 
 // A step's share on this GPU: its uploaded plan and its kept selection (IndexShare carry).
 struct CudaDevice::Step final : DeviceStep {
+  explicit Step(int gpu) : ordinal(gpu) {}
+  // The buffers are freed on their own GPU, whichever thread ends the step.
+  ~Step() override { cudaSetDevice(ordinal); }
+  int ordinal = 0;
   int64_t n = 0;
   int64_t sel_cap = 0;
   DeviceBuffer pos, seq, indptr, pages, slot, needs_index;
@@ -130,14 +134,8 @@ struct CudaDevice::State {
   const StepShare* share = nullptr;  // the share whose layer runs now (mu held)
   Step* st = nullptr;
 
-  CacheRows Latent(int layer) const {
-    return {cache + layout.LatentOffset(layer), layout.latent_row_bytes(), layout.dtype,
-            layout.latent_dim};
-  }
-  CacheRows Index(int slot) const {
-    return {cache + layout.IndexOffset(slot), layout.index_row_bytes(), layout.dtype,
-            layout.index_dim};
-  }
+  CacheRows Latent(int layer) const { return layout.Latent(cache, layer); }
+  CacheRows Index(int slot) const { return layout.Index(cache, slot); }
   QueryTables Tables() const {
     QueryTables t = st->Tables();
     t.table.page_size = spec.page_size;
@@ -224,7 +222,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   State& s = *s_;
   std::lock_guard<std::mutex> lock(s.mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  auto st = std::make_unique<Step>();
+  auto st = std::make_unique<Step>(ordinal_);
   st->n = share.size();
   st->sel_cap = std::max<int64_t>(1, share.max_selected);
   RETURN_IF_ERROR(Upload(st->pos, share.pos, s.stream));
