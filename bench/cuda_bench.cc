@@ -100,6 +100,7 @@ void Report(const std::string& op, const std::string& shape, double ms, double a
                  "{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"rate\": %.2f, "
                  "\"unit\": \"%s\", \"frac\": %.3f}\n",
                  op.c_str(), shape.c_str(), ms, rate, unit, frac);
+  if (json) std::fflush(json);  // a row survives a later timeout or fault
 }
 
 // A paged cache of `seqs` sequences of `ctx` tokens, rows of `dim` bf16, shuffled pages.

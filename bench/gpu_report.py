@@ -1,5 +1,12 @@
-"""Joins cuda_bench's JSON lines, the PyTorch timings and the parity test results into one
-markdown table (scripts/gpu-check.sh)."""
+"""Joins cuda_bench's JSON lines, the PyTorch timings and the GPU test results into one markdown
+table (scripts/gpu-check.sh).
+
+  gpu_report.py BENCH.jsonl TORCH.jsonl [TESTS.xml ...]
+
+Test results are counted per test case (GoogleTest writes no skip count on the root element):
+a case is skipped when it has a <skipped> element or result="skipped", failed when it has a
+<failure>. With no benchmark rows the report says "no GPU: nothing measured" instead of a table.
+"""
 
 import json
 import sys
@@ -10,20 +17,44 @@ def lines(path):
     try:
         with open(path) as f:
             return [json.loads(x) for x in f if x.strip()]
-    except OSError:
+    except (OSError, json.JSONDecodeError):
         return []
 
 
-def main():
-    ours, torch_rows = lines(sys.argv[1]), lines(sys.argv[2])
-    parity = "parity tests: not run"
-    if len(sys.argv) > 3:
+def count_tests(paths):
+    """(passed, failed, skipped, files read) over every test case of the given XML files."""
+    passed = failed = skipped = read = 0
+    for path in paths:
         try:
-            root = ET.parse(sys.argv[3]).getroot()
-            t, f, s = (int(root.get(k, 0)) for k in ("tests", "failures", "skipped"))
-            parity = f"parity tests: {t - f - s} passed, {f} failed, {s} skipped"
+            root = ET.parse(path).getroot()
         except (OSError, ET.ParseError):
-            pass
+            continue
+        read += 1
+        for case in root.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed += 1
+            elif case.find("skipped") is not None or case.get("result") == "skipped" or \
+                    case.get("status") == "notrun":
+                skipped += 1
+            else:
+                passed += 1
+    return passed, failed, skipped, read
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    ours, torch_rows = lines(sys.argv[1]), lines(sys.argv[2])
+    passed, failed, skipped, read = count_tests(sys.argv[3:])
+    if read:
+        print(f"GPU tests: {passed} passed, {failed} failed, {skipped} skipped")
+        if passed == 0:
+            print("GPU tests: none ran")
+    else:
+        print("GPU tests: not run")
+    if not ours:
+        print("no GPU: nothing measured")
+        return
 
     def torch_ms(row):
         op = row["op"].replace(" (mma)", "")
@@ -40,7 +71,6 @@ def main():
         for r in ours:
             if r["unit"] == "TFLOP/s":
                 r["frac"] = r["rate"] / gemm["tflops"]
-    print(parity)
     print()
     print("| op | shape | time | rate | of limit | speed-up over PyTorch |")
     print("|---|---|---|---|---|---|")

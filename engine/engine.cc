@@ -158,7 +158,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
 int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
-std::vector<std::string> Engine::DefaultDevices() { return DefaultDeviceNames(); }
+absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }
 
 absl::Status Engine::OpenSequence(const std::string& id, int device) {

@@ -117,8 +117,9 @@ class Engine {
                                      int64_t end) const;
   // Whether this build can drive CUDA devices (nvcc was found at build time).
   static bool CudaBuilt();
-  // Every visible GPU ("cuda:0", ...) in a CUDA build with GPUs, else {"cpu:0"}.
-  static std::vector<std::string> DefaultDevices();
+  // Every usable GPU ("cuda:0", ...) in a CUDA build with GPUs, else {"cpu:0"}; UNAVAILABLE
+  // when a GPU stack is present but broken (never a silent fallback to the CPU).
+  static absl::StatusOr<std::vector<std::string>> DefaultDevices();
   // FAILED_PRECONDITION while the sequence is in an open step.
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<SequenceInfo> DescribeSequence(const std::string& id) const;

@@ -54,13 +54,20 @@ bool CudaBackendBuilt() {
 #endif
 }
 
-std::vector<std::string> DefaultDeviceNames() {
+absl::StatusOr<std::vector<std::string>> GpuDeviceNames() {
   std::vector<std::string> out;
 #ifdef ATTND_HAVE_CUDA
-  for (int i = 0; i < cuda::DeviceCount(); ++i) out.push_back(absl::StrCat("cuda:", i));
+  auto n = cuda::ProbeDevices();
+  if (!n.ok()) return n.status();
+  for (int i = 0; i < *n; ++i) out.push_back(absl::StrCat("cuda:", i));
 #endif
-  if (out.empty()) out.push_back("cpu:0");
   return out;
+}
+
+absl::StatusOr<std::vector<std::string>> DefaultDeviceNames() {
+  auto gpus = GpuDeviceNames();
+  if (gpus.ok() && gpus->empty()) return std::vector<std::string>{"cpu:0"};
+  return gpus;
 }
 
 }  // namespace attnd

@@ -30,7 +30,10 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
 
 // Whether this build can drive CUDA devices (nvcc was found at build time).
 bool CudaBackendBuilt();
-// Every visible GPU ("cuda:0", ...) in a CUDA build with GPUs, else {"cpu:0"}.
-std::vector<std::string> DefaultDeviceNames();
+// Every usable GPU ("cuda:0", ...): empty in a build without CUDA or on a machine without a GPU;
+// UNAVAILABLE when a GPU stack is present but broken (see cuda::ProbeDevices).
+absl::StatusOr<std::vector<std::string>> GpuDeviceNames();
+// GpuDeviceNames(), or {"cpu:0"} where there is no GPU (what --devices=auto serves on).
+absl::StatusOr<std::vector<std::string>> DefaultDeviceNames();
 
 }  // namespace attnd

@@ -15,7 +15,16 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
-  python3 -m pytest -q client/python/tests
+  python3 -m pytest -q client/python/tests bench/test_gpu_report.py
+fi
+# With the CUDA backend built: gpu-check goes through every stage without a GPU and must say that
+# nothing was measured (never a green table).
+if [ -x "$BUILD_DIR/tests/cuda_test" ]; then
+  BUILD_DIR="$BUILD_DIR" ./scripts/gpu-bundle.sh >/dev/null
+  OUT="$BUILD_DIR/gpu-check-dry" ./scripts/gpu-check.sh --dry-run > "$BUILD_DIR/gpu-check-dry.log" 2>&1
+  tail -2 "$BUILD_DIR/gpu-check-dry.log"
+  grep -q "no GPU: nothing measured" "$BUILD_DIR/gpu-check-dry.log" ||
+    { echo "test.sh: gpu-check --dry-run did not end with 'nothing measured'"; exit 1; }
 fi
 if [ "${ATTND_QUICK:-0}" != 1 ]; then
   ./scripts/sanitize.sh all

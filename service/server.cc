@@ -40,7 +40,9 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   EngineOptions o;
   ASSIGN_OR_RETURN(o.spec, LoadSpec(f));
   o.devices = f.devices;  // "cpu:N" / "cuda:N", validated by the engine
-  if (o.devices.size() == 1 && o.devices[0] == "auto") o.devices = Engine::DefaultDevices();
+  if (o.devices.size() == 1 && o.devices[0] == "auto") {
+    ASSIGN_OR_RETURN(o.devices, Engine::DefaultDevices());
+  }
   o.cache_dtype = f.cache_dtype;
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);

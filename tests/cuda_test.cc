@@ -8,12 +8,12 @@
 
 #include "kernels/cuda/cuda_device.h"
 #include "tests/engine_harness.h"
+#include "tests/gpu_skip.h"
 
 namespace attnd::testing {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
+#define SKIP_WITHOUT_GPU() ATTND_SKIP_WITHOUT_GPU()
 
 ModelSpec Spec(SelectionMode mode, int heads = 16) {
   ModelSpec s = MixedLayerSpec(mode);
@@ -145,8 +145,8 @@ TEST(Cuda, BuildWithoutCudaRejectsCudaDevicesClearly) {
 }
 
 TEST(Cuda, MissingGpuIsAClearStartupError) {
-  if (!Engine::CudaBuilt() || cuda::DeviceCount() > 0)
-    GTEST_SKIP() << "needs a CUDA build without a GPU";
+  if (!Engine::CudaBuilt() || !cuda::ProbeDevices().ok() || *cuda::ProbeDevices() > 0)
+    GTEST_SKIP() << "needs a CUDA build on a machine without a GPU";
   auto e = Engine::Create(Options(Spec(SelectionMode::kToken), DType::kBF16, {"cuda:0"}));
   EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
   EXPECT_NE(e.status().message().find("no such GPU"), std::string::npos);

@@ -15,6 +15,7 @@
 #include "kernels/device_factory.h"
 #include "kernels/reference/step_oracle.h"
 #include "tests/engine_harness.h"
+#include "tests/gpu_skip.h"
 
 namespace attnd::testing {
 namespace {
@@ -26,8 +27,7 @@ class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode
   void SetUp() override {
     bool gpu = false;
     std::tie(mode_, dtype_, gpu) = GetParam();
-    if (gpu && DefaultDeviceNames()[0] != "cuda:0")
-      GTEST_SKIP() << "no CUDA device visible (or no CUDA backend built): GPU case skipped";
+    if (gpu) ATTND_SKIP_WITHOUT_GPU();
     spec_ = MixedLayerSpec(mode_);
     cache_ = dtype_ == DType::kF32 ? DType::kF32 : DType::kBF16;
     auto layout = CacheLayout::ForCapacity(spec_, cache_, 64, 0);

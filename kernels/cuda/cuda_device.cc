@@ -1,8 +1,10 @@
 #include "kernels/cuda/cuda_device.h"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -24,14 +26,20 @@ namespace {
           absl::StrCat("CUDA: ", #expr, ": ", cudaGetErrorString(attnd_cuda_err_))); \
   } while (0)
 
+// Bounds one wave of indexer scores (floats): 64 MiB of GPU scratch.
+constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
+
 // ATTND_CUDA_MLA=mma selects the bf16 tensor-core MLA kernel for bf16 requests; the SIMT kernel
 // stays the default until the tensor-core one has passed the parity tests on a GPU.
+// SetTensorCoreMla overrides it (tests compare the two kernels in one process).
+std::atomic<int> g_tensor_core_mla{-1};  // -1: from the environment
 bool TensorCoreMla() {
-  static const bool on = [] {
+  static const bool from_env = [] {
     const char* v = std::getenv("ATTND_CUDA_MLA");
     return v != nullptr && std::string(v) == "mma";
   }();
-  return on;
+  const int set = g_tensor_core_mla.load();
+  return set < 0 ? from_env : set == 1;
 }
 
 // A device allocation that only grows: no allocation per layer once warm.
@@ -43,9 +51,21 @@ struct DeviceBuffer {
     if (ptr) cudaFree(ptr);
     ptr = nullptr;
     bytes = 0;
-    CUDA_RETURN(cudaMalloc(&ptr, n));
+    const cudaError_t e = cudaMalloc(&ptr, n);
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      ptr = nullptr;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("GPU memory: cannot allocate ", n, " bytes of scratch"));
+    }
+    CUDA_RETURN(e);
     bytes = n;
     return absl::OkStatus();
+  }
+  void Release() {
+    if (ptr) cudaFree(ptr);
+    ptr = nullptr;
+    bytes = 0;
   }
   template <typename T>
   T* as() const {
@@ -88,14 +108,25 @@ absl::Status Upload(DeviceBuffer& dst, const std::vector<T>& src, cudaStream_t s
 
 }  // namespace
 
-int DeviceCount() {
+absl::StatusOr<int> ProbeDevices() {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no device" error
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaSuccess) return n;
+  cudaGetLastError();  // clear the error
+  if (e == cudaErrorNoDevice) return 0;
+  // No NVIDIA driver at all (a CPU machine): the runtime reports an insufficient driver.
+  if (void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL)) {
+    dlclose(driver);
+  } else {
     return 0;
   }
-  return n;
+  return absl::UnavailableError(absl::StrCat("CUDA is installed but unusable: cudaGetDeviceCount: ",
+                                             cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
 }
+
+int DeviceCount() { return ProbeDevices().value_or(0); }
+
+void SetTensorCoreMla(bool on) { g_tensor_core_mla = on ? 1 : 0; }
 
 // A step's share on this GPU: its uploaded plan and its kept selection (IndexShare carry).
 struct CudaDevice::Step final : DeviceStep {
@@ -170,7 +201,13 @@ struct CudaDevice::State {
   }
 
   absl::Status Select(int layer);
+  absl::Status SelectWave(int slot, const std::vector<int32_t>& need_rows,
+                          const std::vector<int64_t>& offset, const std::vector<int64_t>& len,
+                          int64_t total, int64_t max_len);
   absl::Status ToSlots();
+  // Grows the per-layer scratch to what a layer of `share` needs (mu held): a step that cannot
+  // fit fails at BeginStep with RESOURCE_EXHAUSTED, never in the middle of a layer.
+  absl::Status ReserveScratch(const StepShare& share);
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).
   absl::Status PageToHost(int32_t page, int rows, uint8_t* staged);
   absl::Status HostToPage(int32_t page, int rows, const uint8_t* staged);
@@ -179,9 +216,10 @@ struct CudaDevice::State {
 absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name, int ordinal,
                                                                const ModelSpec& spec,
                                                                const CacheLayout& layout) {
-  if (ordinal < 0 || ordinal >= DeviceCount())
+  ASSIGN_OR_RETURN(const int visible, ProbeDevices());
+  if (ordinal < 0 || ordinal >= visible)
     return absl::FailedPreconditionError(
-        absl::StrCat(name, ": no such GPU (", DeviceCount(), " visible)"));
+        absl::StrCat(name, ": no such GPU (", visible, " visible)"));
   if (spec.kv_lora_rank > 512)
     return absl::InvalidArgumentError("CUDA backend supports kv_lora_rank <= 512");
   std::unique_ptr<CudaDevice> d(new CudaDevice(std::move(name), layout));
@@ -191,6 +229,16 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
   s.spec = spec;
   s.layout = layout;
   CUDA_RETURN(cudaSetDevice(ordinal));
+  // The kernels must have code for this GPU (a fat binary for sm_80 and sm_90, PTX for newer).
+  if (const cudaError_t k = ProbeKernels(); k != cudaSuccess) {
+    cudaGetLastError();
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, ordinal);
+    return absl::FailedPreconditionError(
+        absl::StrCat(d->name(), " (", prop.name, ", sm_", prop.major, prop.minor,
+                     "): this build's CUDA kernels do not load on it: ", cudaGetErrorString(k),
+                     "; rebuild with CMAKE_CUDA_ARCHITECTURES including ", prop.major, prop.minor));
+  }
   CUDA_RETURN(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
   CUDA_RETURN(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
   void* p = nullptr;
@@ -218,10 +266,58 @@ CudaDevice::~CudaDevice() {
   if (s_->copy_stream) cudaStreamDestroy(s_->copy_stream);
 }
 
+absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
+  const size_t n = std::max<size_t>(1, share.size());
+  const size_t H = spec.num_heads, L = spec.kv_lora_rank, R = spec.qk_rope_head_dim;
+  const size_t Hi = spec.index_n_heads, Di = spec.index_head_dim;
+  // The widest row of any layer tensor, in the widest wire dtype (fp32).
+  const size_t row = 4 * std::max({H * L, H * R, Hi * Di, L, R, Di, Hi});
+  int64_t need_keys = 0;  // one wave's score rows
+  for (int64_t i = 0; i < share.size(); ++i)
+    if (share.needs_index[i]) need_keys = std::min(need_keys + share.pos[i] + 1, kMaxScoreFloats);
+  const size_t k = static_cast<size_t>(std::max<int64_t>(1, spec.index_topk));
+  const size_t keep =
+      static_cast<size_t>(std::max({1, spec.page_budget, spec.page_union_max_pages}));
+  const size_t pages = need_keys / spec.page_size + n;  // a wave's page keys
+  const std::pair<DeviceBuffer*, size_t> want[] = {{&raw, n * row},
+                                                   {&q_lat, n * H * L * 4},
+                                                   {&q_rope, n * H * R * 4},
+                                                   {&kv_lat, n * L * 4},
+                                                   {&k_rope, n * R * 4},
+                                                   {&idx_q, n * Hi * Di * 4},
+                                                   {&idx_k, n * Di * 4},
+                                                   {&idx_w, n * Hi * 4},
+                                                   {&out_f32, n * H * L * 4},
+                                                   {&out_raw, n * H * L * 4},
+                                                   {&scores, std::max<size_t>(4, need_keys * 4)},
+                                                   {&need, n * 4},
+                                                   {&need_off, n * 8},
+                                                   {&need_len, n * 8},
+                                                   {&tmp_sel, n * k * 4},
+                                                   {&tmp_count, n * 4},
+                                                   {&page_keys, pages * 4},
+                                                   {&page_off, n * 8},
+                                                   {&page_len, n * 8},
+                                                   {&page_list, n * keep * 4},
+                                                   {&page_count, n * 4}};
+  size_t total = 0;
+  for (const auto& [buf, bytes] : want) {
+    total += bytes;
+    if (absl::Status r = buf->Reserve(bytes); !r.ok()) {
+      for (const auto& w : want) w.first->Release();  // give back what this attempt grew
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a step of ", share.size(), " tokens needs about ", total >> 20,
+          " MiB of GPU scratch beyond the KV cache: ", r.message(), "; send smaller steps"));
+    }
+  }
+  return staging.Reserve(n * row);
+}
+
 absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShare& share) {
   State& s = *s_;
   std::lock_guard<std::mutex> lock(s.mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
+  RETURN_IF_ERROR(s.ReserveScratch(share));
   auto st = std::make_unique<Step>(ordinal_);
   st->n = share.size();
   st->sel_cap = std::max<int64_t>(1, share.max_selected);
@@ -242,19 +338,37 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
 
 absl::Status CudaDevice::State::Select(int layer) {
   const int slot = spec.FullSlot(layer);
-  std::vector<int32_t> need_rows;
-  std::vector<int64_t> offset, len;
-  int64_t total = 0, max_len = 0;
-  for (int64_t i = 0; i < st->n; ++i) {
-    if (!share->needs_index[i]) continue;
-    const int64_t v = share->pos[i] + 1;
-    need_rows.push_back(static_cast<int32_t>(i));
-    offset.push_back(total);
-    len.push_back(v);
-    total += v;
-    max_len = std::max(max_len, v);
+  std::vector<int32_t> all;  // local tokens whose selection could miss a visible key
+  for (int64_t i = 0; i < st->n; ++i)
+    if (share->needs_index[i]) all.push_back(static_cast<int32_t>(i));
+  // Waves of queries whose score rows fit kMaxScoreFloats: scratch stays bounded whatever the
+  // step (the CPU backend does the same).
+  for (size_t w0 = 0; w0 < all.size();) {
+    std::vector<int32_t> rows;
+    std::vector<int64_t> offset, len;
+    int64_t total = 0, max_len = 0;
+    size_t w1 = w0;
+    for (; w1 < all.size(); ++w1) {
+      const int64_t v = share->pos[all[w1]] + 1;
+      if (w1 > w0 && total + v > kMaxScoreFloats) break;
+      rows.push_back(all[w1]);
+      offset.push_back(total);
+      len.push_back(v);
+      total += v;
+      max_len = std::max(max_len, v);
+    }
+    RETURN_IF_ERROR(SelectWave(slot, rows, offset, len, total, max_len));
+    w0 = w1;
   }
-  if (need_rows.empty()) return absl::OkStatus();
+  return ToSlots();
+}
+
+// Indexer scores, then top-k or page selection, for one wave of queries: writes their rows of
+// the step's selected positions (st->sel, st->sel_count).
+absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>& need_rows,
+                                           const std::vector<int64_t>& offset,
+                                           const std::vector<int64_t>& len, int64_t total,
+                                           int64_t max_len) {
   const int nq = static_cast<int>(need_rows.size());
   RETURN_IF_ERROR(Upload(this->need, need_rows, stream));
   RETURN_IF_ERROR(Upload(need_off, offset, stream));
@@ -286,7 +400,7 @@ absl::Status CudaDevice::State::Select(int layer) {
     tk.out_count = st->sel_count.as<int32_t>();
     tk.out_row = this->need.as<int32_t>();
     CUDA_RETURN(LaunchTopK(tk, stream));
-    return ToSlots();
+    return absl::OkStatus();
   }
   // Page modes: per-query page keys, the best pages, then their positions.
   std::vector<int64_t> poff(nq);
@@ -363,7 +477,7 @@ absl::Status CudaDevice::State::Select(int layer) {
   ex.out_count = st->sel_count.as<int32_t>();
   ex.out_row = this->need.as<int32_t>();
   CUDA_RETURN(LaunchExpandPages(ex, stream));
-  return ToSlots();
+  return absl::OkStatus();
 }
 
 // The selected positions to slot ids, once per full layer: attention reads slots directly.

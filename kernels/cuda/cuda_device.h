@@ -15,8 +15,16 @@ namespace attnd::cuda {
 
 class NcclPeers;
 
-// Number of CUDA devices visible (0 without a driver or GPU).
+// The number of usable CUDA devices: 0 only where there is no GPU (no NVIDIA driver installed, or
+// the driver sees no device); UNAVAILABLE naming the CUDA error for anything else (a driver
+// too old for this runtime, missing device nodes, a failed initialisation), so a broken GPU
+// stack is never mistaken for a CPU-only machine.
+absl::StatusOr<int> ProbeDevices();
+// ProbeDevices(), or 0 when the probe fails.
 int DeviceCount();
+// Selects the bf16 tensor-core MLA kernel (true) or the SIMT one for bf16 requests, overriding
+// ATTND_CUDA_MLA; for tests comparing the two.
+void SetTensorCoreMla(bool on);
 
 class CudaDevice final : public Device {
  public:

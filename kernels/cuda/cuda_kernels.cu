@@ -562,6 +562,13 @@ constexpr int kMaxGridY = 65535;
 
 }  // namespace
 
+cudaError_t ProbeKernels() {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaFuncGetAttributes(&a, MlaKernel<DType::kBF16>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, TopKKernel);
+  return e;
+}
+
 cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s) {
   if (count <= 0) return cudaSuccess;
   return Dispatch(dtype, [&](auto t) {

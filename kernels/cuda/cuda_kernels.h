@@ -21,6 +21,9 @@ struct QueryTables {
   const int64_t* pos = nullptr;  // [n] absolute position of each query
 };
 
+// Whether the kernels have code for the current GPU (cudaErrorNoKernelImageForDevice if not).
+cudaError_t ProbeKernels();
+
 // dst[i] = float(src[i]) for `count` elements of dtype.
 cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s);
 // dst[i] = dtype(src[i]) (round to nearest even).

@@ -2,25 +2,25 @@
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
-#include <nccl.h>
 
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/nccl_api.h"
 
 namespace attnd::cuda {
 
 struct NcclPeers::Impl {
   void* lib = nullptr;
-  decltype(&ncclCommInitAll) init_all = nullptr;
-  decltype(&ncclCommDestroy) destroy = nullptr;
-  decltype(&ncclGroupStart) group_start = nullptr;
-  decltype(&ncclGroupEnd) group_end = nullptr;
-  decltype(&ncclSend) send = nullptr;
-  decltype(&ncclRecv) recv = nullptr;
-  decltype(&ncclGetErrorString) error_string = nullptr;
+  nccl::CommInitAllFn init_all = nullptr;
+  nccl::CommDestroyFn destroy = nullptr;
+  nccl::GroupFn group_start = nullptr;
+  nccl::GroupFn group_end = nullptr;
+  nccl::SendFn send = nullptr;
+  nccl::RecvFn recv = nullptr;
+  nccl::ErrorStringFn error_string = nullptr;
   std::vector<int> ordinals;
-  std::vector<ncclComm_t> comms;
+  std::vector<nccl::Comm> comms;
   std::vector<cudaStream_t> streams;
   std::mutex mu;  // one group at a time: a communicator is not safe for concurrent groups
 };
@@ -37,13 +37,13 @@ absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<i
   impl->lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
   if (!impl->lib) return absl::UnavailableError(absl::StrCat("NCCL not loadable: ", dlerror()));
   auto sym = [&](const char* name) { return dlsym(impl->lib, name); };
-  impl->init_all = reinterpret_cast<decltype(&ncclCommInitAll)>(sym("ncclCommInitAll"));
-  impl->destroy = reinterpret_cast<decltype(&ncclCommDestroy)>(sym("ncclCommDestroy"));
-  impl->group_start = reinterpret_cast<decltype(&ncclGroupStart)>(sym("ncclGroupStart"));
-  impl->group_end = reinterpret_cast<decltype(&ncclGroupEnd)>(sym("ncclGroupEnd"));
-  impl->send = reinterpret_cast<decltype(&ncclSend)>(sym("ncclSend"));
-  impl->recv = reinterpret_cast<decltype(&ncclRecv)>(sym("ncclRecv"));
-  impl->error_string = reinterpret_cast<decltype(&ncclGetErrorString)>(sym("ncclGetErrorString"));
+  impl->init_all = reinterpret_cast<nccl::CommInitAllFn>(sym("ncclCommInitAll"));
+  impl->destroy = reinterpret_cast<nccl::CommDestroyFn>(sym("ncclCommDestroy"));
+  impl->group_start = reinterpret_cast<nccl::GroupFn>(sym("ncclGroupStart"));
+  impl->group_end = reinterpret_cast<nccl::GroupFn>(sym("ncclGroupEnd"));
+  impl->send = reinterpret_cast<nccl::SendFn>(sym("ncclSend"));
+  impl->recv = reinterpret_cast<nccl::RecvFn>(sym("ncclRecv"));
+  impl->error_string = reinterpret_cast<nccl::ErrorStringFn>(sym("ncclGetErrorString"));
   if (!impl->init_all || !impl->destroy || !impl->group_start || !impl->group_end || !impl->send ||
       !impl->recv || !impl->error_string) {
     dlclose(impl->lib);
@@ -51,9 +51,9 @@ absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<i
   }
   impl->ordinals = ordinals;
   impl->comms.resize(ordinals.size());
-  const ncclResult_t r =
+  const nccl::Result r =
       impl->init_all(impl->comms.data(), static_cast<int>(ordinals.size()), ordinals.data());
-  if (r != ncclSuccess) {
+  if (r != nccl::kSuccess) {
     const std::string why = impl->error_string(r);
     dlclose(impl->lib);
     return absl::UnavailableError(absl::StrCat("ncclCommInitAll: ", why));
@@ -86,25 +86,25 @@ absl::Status NcclPeers::Move(int from, int to, const std::vector<Transfer>& tran
       to >= static_cast<int>(m.comms.size()) || from == to)
     return absl::InvalidArgumentError(absl::StrCat("NCCL move: ranks ", from, " -> ", to));
   std::lock_guard<std::mutex> lock(m.mu);
-  ncclResult_t r = m.group_start();
-  if (r != ncclSuccess)
+  nccl::Result r = m.group_start();
+  if (r != nccl::kSuccess)
     return absl::InternalError(absl::StrCat("ncclGroupStart: ", m.error_string(r)));
   // Every call inside the group is issued even after a failure, so the group can end cleanly.
-  ncclResult_t first = ncclSuccess;
+  nccl::Result first = nccl::kSuccess;
   cudaError_t cuda = cudaSuccess;
   for (const Transfer& t : transfers) {
     if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[from]);
-    r = m.send(t.src, t.bytes, ncclUint8, to, m.comms[from], m.streams[from]);
-    if (first == ncclSuccess) first = r;
+    r = m.send(t.src, t.bytes, nccl::kUint8, to, m.comms[from], m.streams[from]);
+    if (first == nccl::kSuccess) first = r;
     if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[to]);
-    r = m.recv(t.dst, t.bytes, ncclUint8, from, m.comms[to], m.streams[to]);
-    if (first == ncclSuccess) first = r;
+    r = m.recv(t.dst, t.bytes, nccl::kUint8, from, m.comms[to], m.streams[to]);
+    if (first == nccl::kSuccess) first = r;
   }
   r = m.group_end();
-  if (first == ncclSuccess) first = r;
+  if (first == nccl::kSuccess) first = r;
   if (cuda != cudaSuccess)
     return absl::InternalError(absl::StrCat("NCCL move: ", cudaGetErrorString(cuda)));
-  if (first != ncclSuccess)
+  if (first != nccl::kSuccess)
     return absl::InternalError(absl::StrCat("NCCL move: ", m.error_string(first)));
   for (int rank : {from, to}) {
     NCCL_CUDA_RETURN(cudaSetDevice(m.ordinals[rank]));

@@ -1,0 +1,65 @@
+"""gpu_report.py counts GoogleTest results per test case (skips are not passes) and says
+"no GPU: nothing measured" when the benchmark wrote no rows."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPORT = Path(__file__).with_name("gpu_report.py")
+
+# As GoogleTest 1.12 writes it: the root carries tests/failures/disabled/errors, no skip count.
+XML = """<?xml version="1.0" encoding="UTF-8"?>
+<testsuites tests="4" failures="1" disabled="0" errors="0" time="0.1" name="AllTests">
+  <testsuite name="Cuda" tests="4" failures="1" disabled="0" skipped="0" errors="0" time="0.1">
+    <testcase name="Runs" status="run" result="completed" time="0.01" classname="Cuda" />
+    <testcase name="Skips" status="run" result="skipped" time="0" classname="Cuda">
+      <skipped message="no CUDA device visible: GPU test skipped" />
+    </testcase>
+    <testcase name="AlsoSkips" status="run" result="skipped" time="0" classname="Cuda" />
+    <testcase name="Fails" status="run" result="completed" time="0" classname="Cuda">
+      <failure message="expected" type="" />
+    </testcase>
+  </testsuite>
+</testsuites>
+"""
+
+
+def report(tmp_path, bench_rows, xml=XML):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in bench_rows))
+    torch = tmp_path / "torch.jsonl"
+    torch.write_text("")
+    tests = tmp_path / "tests.xml"
+    tests.write_text(xml)
+    out = subprocess.run([sys.executable, str(REPORT), str(bench), str(torch), str(tests),
+                          str(tmp_path / "missing.xml")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_skips_are_counted_per_test_case_and_nothing_measured_is_said(tmp_path):
+    text = report(tmp_path, [])
+    assert "GPU tests: 1 passed, 1 failed, 2 skipped" in text
+    assert text.strip().endswith("no GPU: nothing measured")
+    assert "| op |" not in text
+
+
+def test_an_all_skip_run_says_none_ran(tmp_path):
+    xml = XML.replace('<testcase name="Runs" status="run" result="completed" time="0.01" '
+                      'classname="Cuda" />', "").replace(
+        '<failure message="expected" type="" />', '<skipped message="no GPU" />')
+    text = report(tmp_path, [])
+    assert "none ran" not in text
+    text = report(tmp_path, [], xml)
+    assert "GPU tests: 0 passed, 0 failed, 3 skipped" in text
+    assert "GPU tests: none ran" in text
+
+
+def test_measured_rows_make_the_table(tmp_path):
+    row = {"op": "sparse MLA decode", "shape": "B=64 H=128 K=2048 ctx=8K", "ms": 0.5,
+           "rate": 2000.0, "unit": "GB/s", "frac": 0.45}
+    text = report(tmp_path, [row])
+    assert "| sparse MLA decode | B=64 H=128 K=2048 ctx=8K | 0.500 ms | 2000.0 GB/s | 45.0% | - |" \
+        in text
+    assert "nothing measured" not in text

@@ -1,0 +1,184 @@
+// The CUDA backend at real dimensions, the paths the tiny-preset parity tests cannot reach:
+// DeepSeek-V3.2 dims (16 and 128 heads, page_size 64, top-2048 over thousands of keys, dynamic
+// shared memory above 48 KB) with both MLA kernels against each other and the float64 oracle,
+// all-equal indexer scores, more than 65,535 queries in one step, a step too large for GPU
+// scratch, and NCCL page moves between two GPUs. Every test skips with its reason without a GPU
+// (fails with ATTND_REQUIRE_GPU=1); each can run alone (--gtest_filter) in its own process.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernels/cuda/cuda_device.h"
+#include "tests/engine_harness.h"
+#include "tests/gpu_skip.h"
+
+namespace attnd::testing {
+namespace {
+
+ModelSpec DeepSeekDims(int heads) {
+  ModelSpec s = PresetModelSpec("deepseek-v3.2").value();  // L 512, R 64, Hi 64, Di 128, ps 64
+  s.layers = {LayerKind::kFull, LayerKind::kShared};
+  s.num_heads = heads;
+  s.index_topk = 2048;
+  s.prefill = PrefillMode::kSparse;
+  return s;
+}
+
+EngineOptions Options(const ModelSpec& spec, DType cache, std::vector<std::string> devices,
+                      int32_t pages = 512) {
+  EngineOptions o;
+  o.spec = spec;
+  o.cache_dtype = cache;
+  o.devices = std::move(devices);
+  o.pages_per_device = pages;
+  o.threads = 0;
+  o.limits.max_step_tokens = 1 << 20;
+  return o;
+}
+
+// A tensor re-encoded after mapping each value through f.
+void MapValues(HostTensor* t, double (*f)(double)) {
+  std::vector<float> v(t->values.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(f(t->values[i]));
+  ConvertFromF32(t->dtype, v.data(), t->bytes.data(), v.size());
+  std::vector<float> back(v.size());
+  ConvertToF32(t->dtype, t->bytes.data(), back.data(), v.size());
+  t->values.assign(back.begin(), back.end());
+}
+
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, double tol,
+                 const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (double x : got) ASSERT_FALSE(std::isnan(x)) << what;
+  EXPECT_LE(RelL2(got, want), tol) << what;
+}
+
+class DeepSeekDimsTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(DeepSeekDimsTest, BothMlaKernelsMatchTheReferenceOverThousandsOfKeys) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const ModelSpec spec = DeepSeekDims(GetParam());
+  Harness simt(Options(spec, DType::kBF16, {"cuda:0"}));
+  Harness mma(Options(spec, DType::kBF16, {"cuda:0"}));
+  for (Harness* h : {&simt, &mma}) {
+    h->Open("a");
+    h->Open("b");
+  }
+  // Histories of 2,600 and 700 keys, imported (write-only: no reference attention to compute).
+  const std::vector<StepEntry> import = {{"a", 2600}, {"b", 700}};
+  const auto keys = simt.MakeInputs(import, DType::kBF16, 1);
+  for (Harness* h : {&simt, &mma}) ASSERT_TRUE(h->Run(import, keys, StepOptions{true}).status.ok());
+  const std::vector<std::vector<StepEntry>> steps = {
+      {{"a", 1}, {"b", 1}}, {{"a", 3}, {"b", 1}}, {{"b", 1}, {"a", 1}}};
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto in = simt.MakeInputs(steps[i], DType::kBF16, 10 + i);
+    cuda::SetTensorCoreMla(false);
+    auto s = simt.Run(steps[i], in);
+    cuda::SetTensorCoreMla(true);
+    auto m = mma.Run(steps[i], in);
+    cuda::SetTensorCoreMla(false);
+    ASSERT_TRUE(s.status.ok()) << s.status;
+    ASSERT_TRUE(m.status.ok()) << m.status;
+    std::vector<LayerCheck> checks;
+    const auto ref = simt.Reference(steps[i], in, s.traces, &checks);
+    for (size_t l = 0; l < ref.size(); ++l) {
+      const std::string at = "step " + std::to_string(i) + " layer " + std::to_string(l);
+      ExpectClose(s.out[l], ref[l], 1e-2, "SIMT MLA vs reference, " + at);
+      ExpectClose(m.out[l], ref[l], 1e-2, "tensor-core MLA vs reference, " + at);
+      ExpectClose(m.out[l], s.out[l], 1e-2, "tensor-core vs SIMT MLA, " + at);
+      EXPECT_EQ(checks[l].selection_mismatches, 0) << at;
+      EXPECT_EQ(s.traces[l].keys, m.traces[l].keys) << at;
+      EXPECT_EQ(s.traces[l].keys[0].size(), 2048u) << at;  // a top-2048 row over 2,601 keys
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Heads, DeepSeekDimsTest, ::testing::Values(16, 128));
+
+TEST(CudaScale, AllEqualScoresSelectTheLowestPositionsLikeTheCpu) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const ModelSpec spec = DeepSeekDims(16);
+  Harness gpu(Options(spec, DType::kBF16, {"cuda:0"}));
+  Harness cpu(Options(spec, DType::kBF16, {"cpu:0"}));
+  // Indexer queries <= 0 and keys >= 0: every dot product is <= 0, relu makes every score 0.
+  const auto neg = [](double x) { return -std::abs(x) - 0.5; };
+  const auto pos = [](double x) { return std::abs(x) + 0.5; };
+  for (Harness* h : {&gpu, &cpu}) h->Open("a");
+  const std::vector<StepEntry> import = {{"a", 3000}};
+  auto keys = gpu.MakeInputs(import, DType::kBF16, 3);
+  MapValues(&keys[0].index_k, pos);
+  for (Harness* h : {&gpu, &cpu}) ASSERT_TRUE(h->Run(import, keys, StepOptions{true}).status.ok());
+  const std::vector<StepEntry> step = {{"a", 2}};
+  auto in = gpu.MakeInputs(step, DType::kBF16, 4);
+  MapValues(&in[0].index_k, pos);
+  MapValues(&in[0].index_q, neg);
+  auto g = gpu.Run(step, in);
+  auto c = cpu.Run(step, in);
+  ASSERT_TRUE(g.status.ok()) << g.status;
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  std::vector<int32_t> lowest(2048);
+  for (int i = 0; i < 2048; ++i) lowest[i] = i;
+  for (size_t l = 0; l < g.traces.size(); ++l) {
+    EXPECT_EQ(g.traces[l].keys[0], lowest) << "layer " << l;
+    EXPECT_EQ(g.traces[l].keys, c.traces[l].keys) << "layer " << l;
+    ExpectClose(g.out[l], c.out[l], 1e-2, "GPU vs CPU layer " + std::to_string(l));
+  }
+}
+
+TEST(CudaScale, MoreThan65535QueriesInOneStepMatchTheCpuBackend) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ModelSpec spec = MixedLayerSpec(SelectionMode::kToken);
+  spec.prefill = PrefillMode::kSparse;
+  spec.max_context = 131072;
+  const int64_t n = 70000;  // grid.y is limited to 65,535: the launchers must split
+  Harness gpu(Options(spec, DType::kF32, {"cuda:0"}, 5000));
+  Harness cpu(Options(spec, DType::kF32, {"cpu:0"}, 5000));
+  for (Harness* h : {&gpu, &cpu}) h->Open("a");
+  const std::vector<StepEntry> step = {{"a", n}};
+  const auto in = gpu.MakeInputs(step, DType::kF32, 5);
+  auto g = gpu.Run(step, in);
+  auto c = cpu.Run(step, in);
+  ASSERT_TRUE(g.status.ok()) << g.status;
+  ASSERT_TRUE(c.status.ok()) << c.status;
+  for (size_t l = 0; l < g.out.size(); ++l)
+    ExpectClose(g.out[l], c.out[l], 1e-4, "GPU vs CPU layer " + std::to_string(l));
+  // The last queries (past 65,535) attended keys, and the same ones on both backends.
+  EXPECT_EQ(g.traces[0].keys[n - 1], c.traces[0].keys[n - 1]);
+  EXPECT_EQ(g.traces[0].keys[n - 1].size(), 24u);
+}
+
+TEST(CudaScale, AStepTooLargeForGpuScratchIsRefusedAtBeginStepAndChangesNothing) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ModelSpec spec = DeepSeekDims(128);
+  spec.max_context = 1 << 20;
+  // 600K tokens x 128 heads x 512 x 4 bytes is 150 GiB for one fp32 query buffer alone.
+  const int64_t n = 600000;
+  Harness h(Options(spec, DType::kBF16, {"cuda:0"}, static_cast<int32_t>(n / 64 + 64)));
+  h.Open("a");
+  auto step = h.engine().BeginStep({{"a", n}});
+  ASSERT_EQ(step.status().code(), absl::StatusCode::kResourceExhausted) << step.status();
+  EXPECT_NE(step.status().message().find("GPU scratch"), std::string::npos) << step.status();
+  EXPECT_EQ(h.Length("a"), 0);
+  EXPECT_EQ(h.engine().num_open_steps(), 0);
+  // Nothing is held: a normal step runs and matches the reference.
+  h.RunAndCheck({{"a", 40}}, DType::kBF16, 6, 1e-2);
+}
+
+TEST(CudaScale, NcclMovesPagesBetweenTwoGpus) {
+  ATTND_SKIP_WITHOUT_GPU();
+  auto gpus = GpuDeviceNames();
+  if (!gpus.ok() || gpus->size() < 2) GTEST_SKIP() << "needs two GPUs (one visible)";
+  const ModelSpec spec = MixedLayerSpec(SelectionMode::kToken);
+  Harness h(Options(spec, DType::kBF16, {"cuda:0", "cuda:1"}));
+  h.Open("p", 0);
+  h.RunAndCheck({{"p", 70}}, DType::kBF16, 1, 1e-2);
+  h.Fork("q", "p", 65, 1);  // every page copied GPU to GPU
+  ASSERT_TRUE(h.engine().MigrateSequence("p", 1).ok());
+  h.RunAndCheck({{"p", 1}, {"q", 3}}, DType::kBF16, 2, 1e-2);
+  ASSERT_TRUE(h.engine().MigrateSequence("q", 0).ok());
+  h.RunAndCheck({{"p", 1}, {"q", 1}}, DType::kBF16, 3, 1e-2);
+  for (int d = 0; d < 2; ++d) EXPECT_TRUE(h.engine().ReservedPageUntouched(d));
+}
+
+}  // namespace
+}  // namespace attnd::testing
