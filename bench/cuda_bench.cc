@@ -204,12 +204,17 @@ int main(int argc, char** argv) {
     tk.out_stride = K;
     tk.out_count = cnt;
     const double ms_idx = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
+    attnd::cuda::IndexerParams ip_mma = ip;
+    ip_mma.tensor_cores = true;
+    const double ms_idx_mma = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip_mma, 0)); });
     const double ms_both = TimeMs([&] {
       CHECK(attnd::cuda::LaunchIndexerScores(ip, 0));
       CHECK(attnd::cuda::LaunchTopK(tk, 0));
     });
     const double bytes = double(B) * ctx * Di * 2;  // the indexer keys it must read
     Report("indexer scores", "B=64 ctx=64K Hi=64 Di=128", ms_idx, bytes / 1e9, "GB/s",
+           copy_bw / 1e9);
+    Report("indexer scores (mma)", "B=64 ctx=64K Hi=64 Di=128", ms_idx_mma, bytes / 1e9, "GB/s",
            copy_bw / 1e9);
     Report("indexer + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s", copy_bw / 1e9);
   }

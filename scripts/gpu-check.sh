@@ -80,10 +80,11 @@ PY
     grep -E 'Failure|CUDA|error|\[  (PASSED|FAILED) ' "$OUT/rerun.$t.log" | head -12
   done < "$OUT/$name.failed"
 done
-echo "== the tensor-core MLA kernel (ATTND_CUDA_MLA=mma; not yet the default)"
+echo "== the tensor-core kernels (ATTND_CUDA_MLA=mma ATTND_CUDA_INDEXER=mma; not yet the default)"
 if in_budget "tensor-core parity"; then
-  ATTND_CUDA_MLA=mma run_tests cuda_test_mma "$BUNDLE/cuda_test" 180 --gtest_filter='*BF16*:Cuda.*' \
-    || echo "gpu-check: the tensor-core MLA kernel fails parity (see $OUT/cuda_test_mma.log)"
+  ATTND_CUDA_MLA=mma ATTND_CUDA_INDEXER=mma run_tests cuda_test_mma "$BUNDLE/cuda_test" 180 \
+    --gtest_filter='*BF16*:Cuda.*' ||
+    echo "gpu-check: a tensor-core kernel fails parity (see $OUT/cuda_test_mma.log)"
 fi
 echo "== compute-sanitizer (memcheck) on one case"
 if ! command -v compute-sanitizer >/dev/null 2>&1; then

@@ -1,6 +1,7 @@
 // The CUDA backend at real dimensions, the paths the tiny-preset parity tests cannot reach:
 // DeepSeek-V3.2 dims (16 and 128 heads, page_size 64, top-2048 over thousands of keys, dynamic
-// shared memory above 48 KB) with both MLA kernels against each other and the float64 oracle,
+// shared memory above 48 KB) with the SIMT and the tensor-core kernels (indexer and MLA)
+// against each other and the float64 oracle,
 // all-equal indexer scores, more than 65,535 queries in one step, a step too large for GPU
 // scratch, and NCCL page moves between two GPUs. Every test skips with its reason without a GPU
 // (fails with ATTND_REQUIRE_GPU=1); each can run alone (--gtest_filter) in its own process.
@@ -55,7 +56,7 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
 
 class DeepSeekDimsTest : public ::testing::TestWithParam<int> {};
 
-TEST_P(DeepSeekDimsTest, BothMlaKernelsMatchTheReferenceOverThousandsOfKeys) {
+TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsOfKeys) {
   ATTND_SKIP_WITHOUT_GPU();
   const ModelSpec spec = DeepSeekDims(GetParam());
   Harness simt(Options(spec, DType::kBF16, {"cuda:0"}));
@@ -73,19 +74,22 @@ TEST_P(DeepSeekDimsTest, BothMlaKernelsMatchTheReferenceOverThousandsOfKeys) {
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto in = simt.MakeInputs(steps[i], DType::kBF16, 10 + i);
     cuda::SetTensorCoreMla(false);
+    cuda::SetTensorCoreIndexer(false);
     auto s = simt.Run(steps[i], in);
     cuda::SetTensorCoreMla(true);
+    cuda::SetTensorCoreIndexer(true);
     auto m = mma.Run(steps[i], in);
     cuda::SetTensorCoreMla(false);
+    cuda::SetTensorCoreIndexer(false);
     ASSERT_TRUE(s.status.ok()) << s.status;
     ASSERT_TRUE(m.status.ok()) << m.status;
     std::vector<LayerCheck> checks;
     const auto ref = simt.Reference(steps[i], in, s.traces, &checks);
     for (size_t l = 0; l < ref.size(); ++l) {
       const std::string at = "step " + std::to_string(i) + " layer " + std::to_string(l);
-      ExpectClose(s.out[l], ref[l], 1e-2, "SIMT MLA vs reference, " + at);
-      ExpectClose(m.out[l], ref[l], 1e-2, "tensor-core MLA vs reference, " + at);
-      ExpectClose(m.out[l], s.out[l], 1e-2, "tensor-core vs SIMT MLA, " + at);
+      ExpectClose(s.out[l], ref[l], 1e-2, "SIMT kernels vs reference, " + at);
+      ExpectClose(m.out[l], ref[l], 1e-2, "tensor-core kernels vs reference, " + at);
+      ExpectClose(m.out[l], s.out[l], 1e-2, "tensor-core vs SIMT kernels, " + at);
       EXPECT_EQ(checks[l].selection_mismatches, 0) << at;
       EXPECT_EQ(s.traces[l].keys, m.traces[l].keys) << at;
       EXPECT_EQ(s.traces[l].keys[0].size(), 2048u) << at;  // a top-2048 row over 2,601 keys

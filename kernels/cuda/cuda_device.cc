@@ -42,6 +42,18 @@ bool TensorCoreMla() {
   return set < 0 ? from_env : set == 1;
 }
 
+// ATTND_CUDA_INDEXER=mma selects the bf16 tensor-core indexer for bf16 requests (opt-in until it
+// has passed the parity tests on a GPU); SetTensorCoreIndexer overrides it.
+std::atomic<int> g_tensor_core_indexer{-1};
+bool TensorCoreIndexer() {
+  static const bool from_env = [] {
+    const char* v = std::getenv("ATTND_CUDA_INDEXER");
+    return v != nullptr && std::string(v) == "mma";
+  }();
+  const int set = g_tensor_core_indexer.load();
+  return set < 0 ? from_env : set == 1;
+}
+
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {
   void* ptr = nullptr;
@@ -127,6 +139,7 @@ absl::StatusOr<int> ProbeDevices() {
 int DeviceCount() { return ProbeDevices().value_or(0); }
 
 void SetTensorCoreMla(bool on) { g_tensor_core_mla = on ? 1 : 0; }
+void SetTensorCoreIndexer(bool on) { g_tensor_core_indexer = on ? 1 : 0; }
 
 // A step's share on this GPU: its uploaded plan and its kept selection (IndexShare carry).
 struct CudaDevice::Step final : DeviceStep {
@@ -200,10 +213,10 @@ struct CudaDevice::State {
     return absl::OkStatus();
   }
 
-  absl::Status Select(int layer);
+  absl::Status Select(int layer, bool index_q_bf16);
   absl::Status SelectWave(int slot, const std::vector<int32_t>& need_rows,
                           const std::vector<int64_t>& offset, const std::vector<int64_t>& len,
-                          int64_t total, int64_t max_len);
+                          int64_t total, int64_t max_len, bool index_q_bf16);
   absl::Status ToSlots();
   // Grows the per-layer scratch to what a layer of `share` needs (mu held): a step that cannot
   // fit fails at BeginStep with RESOURCE_EXHAUSTED, never in the middle of a layer.
@@ -336,7 +349,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   return std::unique_ptr<DeviceStep>(std::move(st));
 }
 
-absl::Status CudaDevice::State::Select(int layer) {
+absl::Status CudaDevice::State::Select(int layer, bool index_q_bf16) {
   const int slot = spec.FullSlot(layer);
   std::vector<int32_t> all;  // local tokens whose selection could miss a visible key
   for (int64_t i = 0; i < st->n; ++i)
@@ -357,7 +370,7 @@ absl::Status CudaDevice::State::Select(int layer) {
       total += v;
       max_len = std::max(max_len, v);
     }
-    RETURN_IF_ERROR(SelectWave(slot, rows, offset, len, total, max_len));
+    RETURN_IF_ERROR(SelectWave(slot, rows, offset, len, total, max_len, index_q_bf16));
     w0 = w1;
   }
   return ToSlots();
@@ -368,7 +381,7 @@ absl::Status CudaDevice::State::Select(int layer) {
 absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>& need_rows,
                                            const std::vector<int64_t>& offset,
                                            const std::vector<int64_t>& len, int64_t total,
-                                           int64_t max_len) {
+                                           int64_t max_len, bool index_q_bf16) {
   const int nq = static_cast<int>(need_rows.size());
   RETURN_IF_ERROR(Upload(this->need, need_rows, stream));
   RETURN_IF_ERROR(Upload(need_off, offset, stream));
@@ -386,6 +399,7 @@ absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>&
   ip.nq = nq;
   ip.max_keys = max_len;
   ip.scores = scores.as<float>();
+  ip.tensor_cores = TensorCoreIndexer() && index_q_bf16;
   CUDA_RETURN(LaunchIndexerScores(ip, stream));
 
   TopKParams tk;
@@ -523,7 +537,7 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   if (call.select) {
     RETURN_IF_ERROR(s.Rows(in.index_q, int64_t{Hi} * Di, s.idx_q));
     RETURN_IF_ERROR(s.Rows(in.index_w, Hi, s.idx_w));
-    RETURN_IF_ERROR(s.Select(call.layer));
+    RETURN_IF_ERROR(s.Select(call.layer, in.index_q.dtype == DType::kBF16));
     st.selected = true;
   }
   // 3. Attention.

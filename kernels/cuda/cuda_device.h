@@ -25,6 +25,8 @@ int DeviceCount();
 // Selects the bf16 tensor-core MLA kernel (true) or the SIMT one for bf16 requests, overriding
 // ATTND_CUDA_MLA; for tests comparing the two.
 void SetTensorCoreMla(bool on);
+// The same for the bf16 tensor-core indexer (default from ATTND_CUDA_INDEXER=mma).
+void SetTensorCoreIndexer(bool on);
 
 class CudaDevice final : public Device {
  public:

@@ -54,8 +54,14 @@ struct IndexerParams {
   int nq = 0;
   int64_t max_keys = 0;     // longest row (grid size)
   float* scores = nullptr;  // [sum of pos+1]
+  // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q to bf16, so it is meant for
+  // bf16 requests; it needs a bf16 cache, heads % 16 == 0, dim % 16 == 0 and 16-byte aligned
+  // rows; otherwise the SIMT kernel runs.
+  bool tensor_cores = false;
 };
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s);
+// Whether LaunchIndexerScores would take the tensor-core kernel for `p`.
+bool IndexerUsesTensorCores(const IndexerParams& p);
 
 // Exact top-k per row, ties to the lower index, NaN lowest; output ascending indices.
 struct TopKParams {

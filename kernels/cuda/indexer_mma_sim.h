@@ -1,0 +1,184 @@
+// A lane-level CPU simulation of IndexerMmaKernel (kernels/cuda/cuda_kernels.cu) for one block:
+// 8 warps x 32 lanes run the kernel's code with the same shared-memory layout and the same
+// fragment addressing (mma_fragments.h); each mma.sync is executed from the 32 lanes' registers
+// as the PTX ISA defines it (element tables written out independently below), shuffles as
+// butterflies across the warp. Every shared-memory access is bounds checked, every write must be
+// the only one to its element before the barrier, and every read after it must hit a written
+// element. Used by tests/indexer_mma_sim_test.cc; keep it in step with the kernel.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cuda/mma_fragments.h"
+
+namespace attnd::cuda::sim {
+
+// PTX ISA m16n8k16 (.bf16, fp32 accumulate) fragments by element index, as its tables give them.
+// A: a0..a7; B: b0..b3; C: c0..c3. Lane = 4 * groupID + threadID_in_group.
+inline void PtxA(int lane, int i, int* row, int* col) {
+  const int g = lane / 4, t = lane % 4;
+  *row = (i == 0 || i == 1 || i == 4 || i == 5) ? g : g + 8;
+  *col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+}
+inline void PtxB(int lane, int i, int* row, int* col) {
+  const int g = lane / 4, t = lane % 4;
+  *row = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
+  *col = g;
+}
+inline void PtxC(int lane, int i, int* row, int* col) {
+  const int g = lane / 4, t = lane % 4;
+  *row = (i < 2) ? g : g + 8;
+  *col = t * 2 + (i & 1);
+}
+
+// Shared memory of one block as 16-bit cells, with the checks described above.
+class Smem {
+ public:
+  explicit Smem(size_t cells) : v_(cells, 0), writer_(cells, -1) {}
+  void Write(size_t i, uint16_t x, int thread) {
+    Check(i);
+    if (!barrier_ && writer_[i] >= 0 && writer_[i] != thread)
+      throw std::runtime_error("shared-memory race: cell " + std::to_string(i) + " written by " +
+                               std::to_string(writer_[i]) + " and " + std::to_string(thread));
+    writer_[i] = thread;
+    v_[i] = x;
+  }
+  uint16_t Read(size_t i) const {
+    Check(i);
+    if (!barrier_) throw std::runtime_error("shared-memory read before the barrier");
+    if (writer_[i] < 0)
+      throw std::runtime_error("read of unwritten shared-memory cell " + std::to_string(i));
+    return v_[i];
+  }
+  void Barrier() { barrier_ = true; }
+  size_t size() const { return v_.size(); }
+
+ private:
+  void Check(size_t i) const {
+    if (i >= v_.size())
+      throw std::runtime_error("shared-memory access out of bounds: cell " + std::to_string(i) +
+                               " of " + std::to_string(v_.size()));
+  }
+  std::vector<uint16_t> v_;
+  std::vector<int> writer_;
+  bool barrier_ = false;
+};
+
+// One block: query q [H, D] (fp32, rounded to bf16 as the kernel does), head weights w [H], the
+// tile's nk key rows [nk, D] (bf16 bits). Returns the kernel's scores [nk]; throws on a race,
+// an out-of-bounds or unwritten access, or a misaligned 16-byte or 4-byte access.
+inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<float>& q,
+                                             const std::vector<float>& w,
+                                             const std::vector<uint16_t>& keys, int nk) {
+  constexpr int kKeys = 64, kThreads = 256;
+  if (H % 16 != 0 || D % 16 != 0) throw std::runtime_error("shape outside the kernel's contract");
+  const int DP = D + 8;
+  // Layout in 16-bit cells: qs [H][DP] | ks [64][DP] | ws [H] floats (2 cells each).
+  const size_t qs = 0, ks = size_t(H) * DP, ws = ks + size_t(kKeys) * DP;
+  Smem smem(ws + 2 * size_t(H));
+  auto write_f32 = [&](size_t cell, float x, int thread) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    smem.Write(cell, static_cast<uint16_t>(b & 0xffff), thread);
+    smem.Write(cell + 1, static_cast<uint16_t>(b >> 16), thread);
+  };
+  auto read_f32 = [&](size_t cell) {
+    const uint32_t b = smem.Read(cell) | (static_cast<uint32_t>(smem.Read(cell + 1)) << 16);
+    float x;
+    std::memcpy(&x, &b, 4);
+    return x;
+  };
+  // Phase 1: every thread's loads, as the kernel's loops stride them.
+  for (int tid = 0; tid < kThreads; ++tid) {
+    for (int i = tid; i < H * D; i += kThreads)
+      smem.Write(qs + size_t(i / D) * DP + i % D, F32ToBF16(q[i]), tid);
+    for (int i = tid; i < H; i += kThreads) write_f32(ws + 2 * size_t(i), w[i], tid);
+    const int chunks = D / 8;
+    for (int i = tid; i < kKeys * chunks; i += kThreads) {
+      const int j = i / chunks, c = i % chunks;
+      const size_t dst = ks + size_t(j) * DP + c * 8;
+      if ((dst * 2) % 16 != 0) throw std::runtime_error("misaligned 16-byte store to ks");
+      for (int e = 0; e < 8; ++e)
+        smem.Write(dst + e, j < nk ? keys[size_t(j) * D + c * 8 + e] : 0, tid);
+    }
+  }
+  smem.Barrier();
+  // Phase 2: each warp's lanes gather fragments exactly as the kernel addresses them.
+  auto pair = [&](size_t cell) {  // the kernel's Pair(): a 32-bit load of two bf16
+    if ((cell * 2) % 4 != 0) throw std::runtime_error("misaligned 32-bit fragment load");
+    return std::make_pair(BF16ToF32(smem.Read(cell)), BF16ToF32(smem.Read(cell + 1)));
+  };
+  std::vector<float> scores(nk, NAN);
+  for (int warp = 0; warp < kThreads / 32; ++warp) {
+    float part[32][2] = {};
+    for (int m0 = 0; m0 < H; m0 += 16) {
+      float c[32][4] = {};
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        float a[32][8], b[32][4];
+        for (int lane = 0; lane < 32; ++lane) {
+          const size_t krow = ks + size_t(warp * 8 + mma::ColB(lane)) * DP;
+          for (int r = 0; r < 4; ++r) {
+            const auto v =
+                pair(qs + size_t(m0 + mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0));
+            a[lane][2 * r] = v.first;
+            a[lane][2 * r + 1] = v.second;
+          }
+          for (int r = 0; r < 2; ++r) {
+            const auto v = pair(krow + k0 + mma::RowB(lane, r, 0));
+            b[lane][2 * r] = v.first;
+            b[lane][2 * r + 1] = v.second;
+          }
+        }
+        // mma.sync as the ISA defines it: assemble A, B and C from every lane, D = A B + C.
+        float A[16][16], B[16][8], C[16][8];
+        for (int lane = 0; lane < 32; ++lane) {
+          int row, col;
+          for (int i = 0; i < 8; ++i) PtxA(lane, i, &row, &col), A[row][col] = a[lane][i];
+          for (int i = 0; i < 4; ++i) PtxB(lane, i, &row, &col), B[row][col] = b[lane][i];
+          for (int i = 0; i < 4; ++i) PtxC(lane, i, &row, &col), C[row][col] = c[lane][i];
+        }
+        for (int i = 0; i < 16; ++i)
+          for (int j = 0; j < 8; ++j) {
+            float acc = C[i][j];
+            for (int k = 0; k < 16; ++k) acc += A[i][k] * B[k][j];
+            C[i][j] = acc;
+          }
+        for (int lane = 0; lane < 32; ++lane) {
+          int row, col;
+          for (int i = 0; i < 4; ++i) PtxC(lane, i, &row, &col), c[lane][i] = C[row][col];
+        }
+      }
+      for (int lane = 0; lane < 32; ++lane)
+        for (int i = 0; i < 4; ++i) {
+          const float x = c[lane][i];
+          part[lane][i & 1] +=
+              read_f32(ws + 2 * size_t(m0 + mma::RowC(lane, i))) * (x < 0.0f ? 0.0f : x);
+        }
+    }
+    for (int off = 4; off < 32; off <<= 1) {  // __shfl_xor_sync butterflies
+      float next[32][2];
+      for (int lane = 0; lane < 32; ++lane)
+        for (int e = 0; e < 2; ++e) next[lane][e] = part[lane][e] + part[lane ^ off][e];
+      std::memcpy(part, next, sizeof(part));
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      if (mma::Group(lane) != 0) continue;
+      for (int e = 0; e < 2; ++e) {
+        const int j = warp * 8 + mma::ColC(lane, e);
+        if (j < nk) {
+          if (!std::isnan(scores[j])) throw std::runtime_error("score written twice");
+          scores[j] = part[lane][e];
+        }
+      }
+    }
+  }
+  return scores;
+}
+
+}  // namespace attnd::cuda::sim
