@@ -369,9 +369,10 @@ __global__ void MlaKernel(MlaParams p) {
       float mx = m[h];
       for (int j = 0; j < nk; ++j) mx = fmaxf(mx, ss[h * kMlaTile + j]);
       const float c = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mx);
+      const bool none = mx == -INFINITY;  // nothing visible yet: probabilities stay 0
       float sum = 0.0f;
       for (int j = 0; j < kMlaTile; ++j) {
-        const float e = j < nk ? __expf(ss[h * kMlaTile + j] - mx) : 0.0f;
+        const float e = j < nk && !none ? __expf(ss[h * kMlaTile + j] - mx) : 0.0f;
         ss[h * kMlaTile + j] = e;
         sum += e;
       }
@@ -407,6 +408,7 @@ __global__ void MlaKernel(MlaParams p) {
 }
 
 // ---- MLA on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) ----
+// kernels/cuda/mla_mma_sim.h runs this kernel lane by lane on the CPU.
 // grid (queries, heads / 16), 8 warps. Per tile of 64 keys: S[16 heads][64 keys] = Q·K^T, each
 // warp 8 keys (D/16 k-steps); online softmax by 16 threads; O[16][L] += P·V, each warp L/8
 // columns. Shared: Q [16][D+8] bf16 | K [64][D+8] bf16 | P [16][64+8] bf16 | S [16][64] f32 |
@@ -443,7 +445,6 @@ __global__ void MlaMmaKernel(MlaParams p) {
   float* corr = l + 16;
   const int q = blockIdx.x, h0 = blockIdx.y * 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;  // fragment group and thread in group
   for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
     const int64_t head = int64_t{q} * p.heads + h0 + h;
@@ -478,16 +479,17 @@ __global__ void MlaMmaKernel(MlaParams p) {
     // 2. Scores: warp w takes keys [8w, 8w + 8).
     {
       float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const __nv_bfloat16* krow = ks + (warp * 8 + g) * DP;
+      const __nv_bfloat16* krow = ks + (warp * 8 + mma::ColB(lane)) * DP;
       for (int k0 = 0; k0 < D; k0 += 16) {
-        const uint32_t a0 = Pair(qs + g * DP + k0 + 2 * t);
-        const uint32_t a1 = Pair(qs + (g + 8) * DP + k0 + 2 * t);
-        const uint32_t a2 = Pair(qs + g * DP + k0 + 8 + 2 * t);
-        const uint32_t a3 = Pair(qs + (g + 8) * DP + k0 + 8 + 2 * t);
-        Mma16816(c, a0, a1, a2, a3, Pair(krow + k0 + 2 * t), Pair(krow + k0 + 8 + 2 * t));
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          a[r] = Pair(qs + mma::RowA(lane, r) * DP + k0 + mma::ColA(lane, r, 0));
+        Mma16816(c, a[0], a[1], a[2], a[3], Pair(krow + k0 + mma::RowB(lane, 0, 0)),
+                 Pair(krow + k0 + mma::RowB(lane, 1, 0)));
       }
       for (int i = 0; i < 4; ++i) {
-        const int h = g + (i >= 2 ? 8 : 0), j = warp * 8 + 2 * t + (i & 1);
+        const int h = mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
         float x = c[i] * p.sm_scale;
         if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
         sf[h * kMmaKeys + j] = j < nk ? x : -INFINITY;
@@ -500,10 +502,12 @@ __global__ void MlaMmaKernel(MlaParams p) {
       float mx = m[h];
       for (int j = 0; j < nk; ++j) mx = fmaxf(mx, sf[h * kMmaKeys + j]);
       const float cr = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mx);
+      // Nothing visible yet (every score -inf): the probabilities stay 0, as on the CPU.
+      const bool none = mx == -INFINITY;
       float sum = 0.0f;
       for (int j = 0; j < kMmaKeys; ++j) {
         const __nv_bfloat16 e =
-            __float2bfloat16_rn(j < nk ? __expf(sf[h * kMmaKeys + j] - mx) : 0.0f);
+            __float2bfloat16_rn(j < nk && !none ? __expf(sf[h * kMmaKeys + j] - mx) : 0.0f);
         ps[h * PP + j] = e;
         sum += __bfloat162float(e);  // the denominator sums what the numerator uses
       }
@@ -513,7 +517,7 @@ __global__ void MlaMmaKernel(MlaParams p) {
     }
     __syncthreads();
     // 4. O += P·V: warp w owns columns [w * cols, (w + 1) * cols), n-tiles of 8.
-    const float c_lo = corr[g], c_hi = corr[g + 8];
+    const float c_lo = corr[mma::RowC(lane, 0)], c_hi = corr[mma::RowC(lane, 2)];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       if (nt >= ntiles) break;
@@ -523,30 +527,32 @@ __global__ void MlaMmaKernel(MlaParams p) {
       acc[nt][3] *= c_hi;
     }
     for (int k0 = 0; k0 < kMmaKeys; k0 += 16) {
-      const uint32_t a0 = Pair(ps + g * PP + k0 + 2 * t);
-      const uint32_t a1 = Pair(ps + (g + 8) * PP + k0 + 2 * t);
-      const uint32_t a2 = Pair(ps + g * PP + k0 + 8 + 2 * t);
-      const uint32_t a3 = Pair(ps + (g + 8) * PP + k0 + 8 + 2 * t);
+      uint32_t a[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        a[r] = Pair(ps + mma::RowA(lane, r) * PP + k0 + mma::ColA(lane, r, 0));
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         if (nt >= ntiles) break;
-        const int col = warp * cols + nt * 8 + g;  // B's n index is the group
-        const __nv_bfloat16* v = ks + col;
-        const uint32_t b0 = Pack(v[(k0 + 2 * t) * DP], v[(k0 + 2 * t + 1) * DP]);
-        const uint32_t b1 = Pack(v[(k0 + 8 + 2 * t) * DP], v[(k0 + 9 + 2 * t) * DP]);
-        Mma16816(acc[nt], a0, a1, a2, a3, b0, b1);
+        const __nv_bfloat16* v = ks + warp * cols + nt * 8 + mma::ColB(lane);  // B[k][n]: K^T
+        const uint32_t b0 =
+            Pack(v[(k0 + mma::RowB(lane, 0, 0)) * DP], v[(k0 + mma::RowB(lane, 0, 1)) * DP]);
+        const uint32_t b1 =
+            Pack(v[(k0 + mma::RowB(lane, 1, 0)) * DP], v[(k0 + mma::RowB(lane, 1, 1)) * DP]);
+        Mma16816(acc[nt], a[0], a[1], a[2], a[3], b0, b1);
       }
     }
     __syncthreads();
   }
-  const float inv_lo = l[g] > 0 ? 1.0f / l[g] : 0.0f,
-              inv_hi = l[g + 8] > 0 ? 1.0f / l[g + 8] : 0.0f;
+  const int lo_row = mma::RowC(lane, 0), hi_row = mma::RowC(lane, 2);
+  const float inv_lo = l[lo_row] > 0 ? 1.0f / l[lo_row] : 0.0f,
+              inv_hi = l[hi_row] > 0 ? 1.0f / l[hi_row] : 0.0f;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     if (nt >= ntiles) break;
-    const int col = warp * cols + nt * 8 + 2 * t;
-    float* lo = p.out + (int64_t{q} * p.heads + h0 + g) * L + col;
-    float* hi = p.out + (int64_t{q} * p.heads + h0 + g + 8) * L + col;
+    const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
+    float* lo = p.out + (int64_t{q} * p.heads + h0 + lo_row) * L + col;
+    float* hi = p.out + (int64_t{q} * p.heads + h0 + hi_row) * L + col;
     lo[0] = acc[nt][0] * inv_lo;
     lo[1] = acc[nt][1] * inv_lo;
     hi[0] = acc[nt][2] * inv_hi;

@@ -1,10 +1,8 @@
 // A lane-level CPU simulation of IndexerMmaKernel (kernels/cuda/cuda_kernels.cu) for one block:
 // 8 warps x 32 lanes run the kernel's code with the same shared-memory layout and the same
-// fragment addressing (mma_fragments.h); each mma.sync is executed from the 32 lanes' registers
-// as the PTX ISA defines it (element tables written out independently below), shuffles as
-// butterflies across the warp. Every shared-memory access is bounds checked, every write must be
-// the only one to its element before the barrier, and every read after it must hit a written
-// element. Used by tests/indexer_mma_sim_test.cc; keep it in step with the kernel.
+// fragment addressing (mma_fragments.h); each mma.sync runs from the 32 lanes' registers as the
+// PTX ISA defines it, shuffles as butterflies across the warp, shared memory through the checks
+// of mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step with the kernel.
 #pragma once
 
 #include <cmath>
@@ -16,59 +14,9 @@
 
 #include "common/dtype.h"
 #include "kernels/cuda/mma_fragments.h"
+#include "kernels/cuda/mma_sim.h"
 
 namespace attnd::cuda::sim {
-
-// PTX ISA m16n8k16 (.bf16, fp32 accumulate) fragments by element index, as its tables give them.
-// A: a0..a7; B: b0..b3; C: c0..c3. Lane = 4 * groupID + threadID_in_group.
-inline void PtxA(int lane, int i, int* row, int* col) {
-  const int g = lane / 4, t = lane % 4;
-  *row = (i == 0 || i == 1 || i == 4 || i == 5) ? g : g + 8;
-  *col = (i < 4) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
-}
-inline void PtxB(int lane, int i, int* row, int* col) {
-  const int g = lane / 4, t = lane % 4;
-  *row = (i < 2) ? t * 2 + (i & 1) : t * 2 + (i & 1) + 8;
-  *col = g;
-}
-inline void PtxC(int lane, int i, int* row, int* col) {
-  const int g = lane / 4, t = lane % 4;
-  *row = (i < 2) ? g : g + 8;
-  *col = t * 2 + (i & 1);
-}
-
-// Shared memory of one block as 16-bit cells, with the checks described above.
-class Smem {
- public:
-  explicit Smem(size_t cells) : v_(cells, 0), writer_(cells, -1) {}
-  void Write(size_t i, uint16_t x, int thread) {
-    Check(i);
-    if (!barrier_ && writer_[i] >= 0 && writer_[i] != thread)
-      throw std::runtime_error("shared-memory race: cell " + std::to_string(i) + " written by " +
-                               std::to_string(writer_[i]) + " and " + std::to_string(thread));
-    writer_[i] = thread;
-    v_[i] = x;
-  }
-  uint16_t Read(size_t i) const {
-    Check(i);
-    if (!barrier_) throw std::runtime_error("shared-memory read before the barrier");
-    if (writer_[i] < 0)
-      throw std::runtime_error("read of unwritten shared-memory cell " + std::to_string(i));
-    return v_[i];
-  }
-  void Barrier() { barrier_ = true; }
-  size_t size() const { return v_.size(); }
-
- private:
-  void Check(size_t i) const {
-    if (i >= v_.size())
-      throw std::runtime_error("shared-memory access out of bounds: cell " + std::to_string(i) +
-                               " of " + std::to_string(v_.size()));
-  }
-  std::vector<uint16_t> v_;
-  std::vector<int> writer_;
-  bool barrier_ = false;
-};
 
 // One block: query q [H, D] (fp32, rounded to bf16 as the kernel does), head weights w [H], the
 // tile's nk key rows [nk, D] (bf16 bits). Returns the kernel's scores [nk]; throws on a race,
@@ -88,8 +36,9 @@ inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<flo
     smem.Write(cell, static_cast<uint16_t>(b & 0xffff), thread);
     smem.Write(cell + 1, static_cast<uint16_t>(b >> 16), thread);
   };
-  auto read_f32 = [&](size_t cell) {
-    const uint32_t b = smem.Read(cell) | (static_cast<uint32_t>(smem.Read(cell + 1)) << 16);
+  auto read_f32 = [&](size_t cell, int thread) {
+    const uint32_t b =
+        smem.Read(cell, thread) | (static_cast<uint32_t>(smem.Read(cell + 1, thread)) << 16);
     float x;
     std::memcpy(&x, &b, 4);
     return x;
@@ -110,9 +59,10 @@ inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<flo
   }
   smem.Barrier();
   // Phase 2: each warp's lanes gather fragments exactly as the kernel addresses them.
-  auto pair = [&](size_t cell) {  // the kernel's Pair(): a 32-bit load of two bf16
+  auto pair = [&](size_t cell, int thread) {  // the kernel's Pair(): a 32-bit load of 2 bf16
     if ((cell * 2) % 4 != 0) throw std::runtime_error("misaligned 32-bit fragment load");
-    return std::make_pair(BF16ToF32(smem.Read(cell)), BF16ToF32(smem.Read(cell + 1)));
+    return std::make_pair(BF16ToF32(smem.Read(cell, thread)),
+                          BF16ToF32(smem.Read(cell + 1, thread)));
   };
   std::vector<float> scores(nk, NAN);
   for (int warp = 0; warp < kThreads / 32; ++warp) {
@@ -125,40 +75,25 @@ inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<flo
           const size_t krow = ks + size_t(warp * 8 + mma::ColB(lane)) * DP;
           for (int r = 0; r < 4; ++r) {
             const auto v =
-                pair(qs + size_t(m0 + mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0));
+                pair(qs + size_t(m0 + mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0),
+                     warp * 32 + lane);
             a[lane][2 * r] = v.first;
             a[lane][2 * r + 1] = v.second;
           }
           for (int r = 0; r < 2; ++r) {
-            const auto v = pair(krow + k0 + mma::RowB(lane, r, 0));
+            const auto v = pair(krow + k0 + mma::RowB(lane, r, 0), warp * 32 + lane);
             b[lane][2 * r] = v.first;
             b[lane][2 * r + 1] = v.second;
           }
         }
-        // mma.sync as the ISA defines it: assemble A, B and C from every lane, D = A B + C.
-        float A[16][16], B[16][8], C[16][8];
-        for (int lane = 0; lane < 32; ++lane) {
-          int row, col;
-          for (int i = 0; i < 8; ++i) PtxA(lane, i, &row, &col), A[row][col] = a[lane][i];
-          for (int i = 0; i < 4; ++i) PtxB(lane, i, &row, &col), B[row][col] = b[lane][i];
-          for (int i = 0; i < 4; ++i) PtxC(lane, i, &row, &col), C[row][col] = c[lane][i];
-        }
-        for (int i = 0; i < 16; ++i)
-          for (int j = 0; j < 8; ++j) {
-            float acc = C[i][j];
-            for (int k = 0; k < 16; ++k) acc += A[i][k] * B[k][j];
-            C[i][j] = acc;
-          }
-        for (int lane = 0; lane < 32; ++lane) {
-          int row, col;
-          for (int i = 0; i < 4; ++i) PtxC(lane, i, &row, &col), c[lane][i] = C[row][col];
-        }
+        MmaSync(a, b, c);
       }
       for (int lane = 0; lane < 32; ++lane)
         for (int i = 0; i < 4; ++i) {
           const float x = c[lane][i];
           part[lane][i & 1] +=
-              read_f32(ws + 2 * size_t(m0 + mma::RowC(lane, i))) * (x < 0.0f ? 0.0f : x);
+              read_f32(ws + 2 * size_t(m0 + mma::RowC(lane, i)), warp * 32 + lane) *
+              (x < 0.0f ? 0.0f : x);
         }
     }
     for (int off = 4; off < 32; off <<= 1) {  // __shfl_xor_sync butterflies

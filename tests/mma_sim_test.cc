@@ -1,11 +1,12 @@
-// The tensor-core indexer kernel, lane by lane on the CPU (kernels/cuda/indexer_mma_sim.h):
-// fragment addressing against the PTX ISA tables, then whole blocks at real and edge shapes
-// against the float64 reference, with race, bounds, alignment and coverage checks.
-#include "kernels/cuda/indexer_mma_sim.h"
-
+// The tensor-core kernels, lane by lane on the CPU (kernels/cuda/indexer_mma_sim.h,
+// mla_mma_sim.h): fragment addressing against the PTX ISA tables, then whole blocks at real and
+// edge shapes against the float64 reference, with race, bounds, alignment and coverage checks.
 #include <gtest/gtest.h>
 
 #include <random>
+
+#include "kernels/cuda/indexer_mma_sim.h"
+#include "kernels/cuda/mla_mma_sim.h"
 
 namespace attnd::cuda {
 namespace {
@@ -86,6 +87,67 @@ TEST(IndexerMmaSim, AShapeOutsideTheContractIsRefused) {
   std::vector<float> q(24 * 32), w(24);
   std::vector<uint16_t> keys(32);
   EXPECT_THROW(sim::RunIndexerMmaBlock(24, 32, q, w, keys, 1), std::runtime_error);
+}
+
+struct MlaShape {
+  int latent, rope;
+  int64_t keys;
+  float soft_cap;
+};
+
+class MlaMmaBlock : public ::testing::TestWithParam<MlaShape> {};
+
+TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
+  const auto [L, R, n, cap] = GetParam();
+  const int D = L + R;
+  std::mt19937_64 rng(L + R * 7 + n);
+  std::normal_distribution<float> n01(0, 1);
+  std::vector<float> q(16 * D);
+  std::vector<uint16_t> keys(size_t(n) * D);
+  for (auto& x : q) x = n01(rng);
+  for (auto& x : keys) x = F32ToBF16(n01(rng));
+  const float scale = 1.0f / std::sqrt(float(D));
+  std::vector<float> got;
+  ASSERT_NO_THROW(got = sim::RunMlaMmaBlock(L, R, q, keys, n, scale, cap));
+  double num = 0, den = 0;
+  for (int h = 0; h < 16; ++h) {
+    std::vector<double> s(n);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      double dot = 0;
+      for (int d = 0; d < D; ++d)
+        dot += double(BF16ToF32(F32ToBF16(q[h * D + d]))) * BF16ToF32(keys[size_t(j) * D + d]);
+      dot *= scale;
+      if (cap > 0) dot = cap * std::tanh(dot / cap);
+      s[j] = dot;
+      mx = std::max(mx, dot);
+    }
+    double z = 0;
+    for (auto& x : s) z += (x = std::exp(x - mx));
+    for (int d = 0; d < L; ++d) {
+      double ref = 0;
+      for (int64_t j = 0; j < n; ++j) ref += s[j] / z * BF16ToF32(keys[size_t(j) * D + d]);
+      const double g = got[size_t(h) * L + d];
+      ASSERT_FALSE(std::isnan(g)) << "head " << h << " col " << d;
+      num += (g - ref) * (g - ref);
+      den += ref * ref;
+    }
+  }
+  // Probabilities are rounded to bf16 for the P V product, as on the GPU.
+  EXPECT_LE(std::sqrt(num / den), 1e-2);
+}
+
+// DeepSeek-V3.2 (512 + 64) over a top-2048 selection, partial and single tiles, a soft cap,
+// a smaller latent.
+INSTANTIATE_TEST_SUITE_P(Shapes, MlaMmaBlock,
+                         ::testing::Values(MlaShape{512, 64, 2048, 0}, MlaShape{512, 64, 100, 0},
+                                           MlaShape{512, 64, 1, 0}, MlaShape{128, 64, 200, 2.5f},
+                                           MlaShape{64, 16, 64, 0}));
+
+TEST(MlaMmaSim, AShapeOutsideTheContractIsRefused) {
+  std::vector<float> q(16 * 48);
+  std::vector<uint16_t> keys(48);
+  EXPECT_THROW(sim::RunMlaMmaBlock(32, 16, q, keys, 1, 1.0f, 0.0f), std::runtime_error);
 }
 
 }  // namespace

@@ -1,0 +1,181 @@
+// A lane-level CPU simulation of MlaMmaKernel (kernels/cuda/cuda_kernels.cu) for one block: one
+// query, 16 heads, its keys in tiles of 64: the same shared-memory layout, the same fragment
+// addressing (mma_fragments.h), the same barriers; mma.sync, shuffles and shared memory as in
+// mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step with the kernel.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cuda/mma_fragments.h"
+#include "kernels/cuda/mma_sim.h"
+
+namespace attnd::cuda::sim {
+
+// q [16][L+R] (fp32; rounded to bf16 as the kernel does), keys [n][L+R] bf16 bits (the query's
+// keys in order). Returns out [16][L]. Throws on any shared-memory fault or a shape outside the
+// kernel's contract (L % 64 == 0, L <= 512, (L+R) % 16 == 0).
+inline std::vector<float> RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
+                                         const std::vector<uint16_t>& keys, int64_t n,
+                                         float sm_scale, float soft_cap) {
+  constexpr int kKeys = 64, kThreads = 256;
+  const int D = L + R, DP = D + 8, PP = kKeys + 8;
+  if (L % 64 != 0 || L > 512 || D % 16 != 0) throw std::runtime_error("shape outside contract");
+  // Cells: qs [16][DP] | ks [64][DP] | ps [16][PP] | sf [16][64] f32 | m, l, corr [16] f32.
+  const size_t qs = 0, ks = size_t(16) * DP, ps = ks + size_t(kKeys) * DP,
+               sf = ps + size_t(16) * PP, m = sf + 2 * size_t(16) * kKeys, l = m + 32,
+               corr = l + 32;
+  Smem smem(corr + 32);
+  auto wf = [&](size_t cell, float x, int th) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    smem.Write(cell, static_cast<uint16_t>(b & 0xffff), th);
+    smem.Write(cell + 1, static_cast<uint16_t>(b >> 16), th);
+  };
+  auto rf = [&](size_t cell, int th) {
+    const uint32_t b = smem.Read(cell, th) | (uint32_t(smem.Read(cell + 1, th)) << 16);
+    float x;
+    std::memcpy(&x, &b, 4);
+    return x;
+  };
+  auto pair = [&](size_t cell, int th) {
+    if ((cell * 2) % 4 != 0) throw std::runtime_error("misaligned 32-bit fragment load");
+    return std::make_pair(BF16ToF32(smem.Read(cell, th)), BF16ToF32(smem.Read(cell + 1, th)));
+  };
+  const int cols = L / 8, ntiles = cols / 8;
+  static thread_local float acc[8][32][8][4];  // [warp][lane][n-tile][element]
+  std::memset(acc, 0, sizeof(acc));
+  for (int th = 0; th < kThreads; ++th) {
+    for (int i = th; i < 16 * D; i += kThreads)
+      smem.Write(qs + size_t(i / D) * DP + i % D, F32ToBF16(q[i]), th);
+    if (th < 16) {
+      wf(m + 2 * th, -INFINITY, th);
+      wf(l + 2 * th, 0.0f, th);
+    }
+  }
+  smem.Barrier();
+  for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeys, n - t0));
+    const int chunks = D / 8;
+    for (int th = 0; th < kThreads; ++th)  // 1. key rows, 16 bytes at a time
+      for (int i = th; i < kKeys * chunks; i += kThreads) {
+        const int j = i / chunks, c = i % chunks;
+        const size_t dst = ks + size_t(j) * DP + c * 8;
+        if ((dst * 2) % 16 != 0) throw std::runtime_error("misaligned 16-byte store to ks");
+        for (int e = 0; e < 8; ++e)
+          smem.Write(dst + e, j < nk ? keys[size_t(t0 + j) * D + c * 8 + e] : 0, th);
+      }
+    smem.Barrier();
+    for (int warp = 0; warp < 8; ++warp) {  // 2. scores: warp w takes keys [8w, 8w + 8)
+      float c[32][4] = {};
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        float a[32][8], b[32][4];
+        for (int lane = 0; lane < 32; ++lane) {
+          const int th = warp * 32 + lane;
+          const size_t krow = ks + size_t(warp * 8 + mma::ColB(lane)) * DP;
+          for (int r = 0; r < 4; ++r) {
+            const auto v =
+                pair(qs + size_t(mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0), th);
+            a[lane][2 * r] = v.first, a[lane][2 * r + 1] = v.second;
+          }
+          for (int r = 0; r < 2; ++r) {
+            const auto v = pair(krow + k0 + mma::RowB(lane, r, 0), th);
+            b[lane][2 * r] = v.first, b[lane][2 * r + 1] = v.second;
+          }
+        }
+        MmaSync(a, b, c);
+      }
+      for (int lane = 0; lane < 32; ++lane)
+        for (int i = 0; i < 4; ++i) {
+          const int h = mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
+          float x = c[lane][i] * sm_scale;
+          if (soft_cap > 0) x = soft_cap * std::tanh(x / soft_cap);
+          wf(sf + 2 * (size_t(h) * kKeys + j), j < nk ? x : -INFINITY, warp * 32 + lane);
+        }
+    }
+    smem.Barrier();
+    for (int h = 0; h < 16; ++h) {  // 3. online softmax, one thread per head
+      float mx = rf(m + 2 * h, h);
+      for (int j = 0; j < nk; ++j) mx = std::max(mx, rf(sf + 2 * (size_t(h) * kKeys + j), h));
+      const float mh = rf(m + 2 * h, h);
+      const float cr = mh == -INFINITY ? 0.0f : std::exp(mh - mx);
+      const bool none = mx == -INFINITY;
+      float sum = 0.0f;
+      for (int j = 0; j < kKeys; ++j) {
+        const float e =
+            j < nk && !none ? std::exp(rf(sf + 2 * (size_t(h) * kKeys + j), h) - mx) : 0;
+        const uint16_t eb = F32ToBF16(e);
+        smem.Write(ps + size_t(h) * PP + j, eb, h);
+        sum += BF16ToF32(eb);
+      }
+      wf(l + 2 * h, rf(l + 2 * h, h) * cr + sum, h);
+      wf(m + 2 * h, mx, h);
+      wf(corr + 2 * h, cr, h);
+    }
+    smem.Barrier();
+    for (int warp = 0; warp < 8; ++warp) {  // 4. O += P V: warp w owns columns [w cols, ...)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int th = warp * 32 + lane;
+        const float c_lo = rf(corr + 2 * mma::RowC(lane, 0), th);
+        const float c_hi = rf(corr + 2 * mma::RowC(lane, 2), th);
+        for (int nt = 0; nt < ntiles; ++nt) {
+          acc[warp][lane][nt][0] *= c_lo;
+          acc[warp][lane][nt][1] *= c_lo;
+          acc[warp][lane][nt][2] *= c_hi;
+          acc[warp][lane][nt][3] *= c_hi;
+        }
+      }
+      for (int k0 = 0; k0 < kKeys; k0 += 16) {
+        float a[32][8];
+        for (int lane = 0; lane < 32; ++lane)
+          for (int r = 0; r < 4; ++r) {
+            const auto v = pair(ps + size_t(mma::RowA(lane, r)) * PP + k0 + mma::ColA(lane, r, 0),
+                                warp * 32 + lane);
+            a[lane][2 * r] = v.first, a[lane][2 * r + 1] = v.second;
+          }
+        for (int nt = 0; nt < ntiles; ++nt) {
+          float b[32][4], c[32][4];
+          for (int lane = 0; lane < 32; ++lane) {
+            const int th = warp * 32 + lane;
+            const size_t v = ks + size_t(warp * cols + nt * 8 + mma::ColB(lane));
+            for (int r = 0; r < 2; ++r)
+              for (int hh = 0; hh < 2; ++hh)
+                b[lane][2 * r + hh] =
+                    BF16ToF32(smem.Read(v + size_t(k0 + mma::RowB(lane, r, hh)) * DP, th));
+            std::memcpy(c[lane], acc[warp][lane][nt], sizeof(c[lane]));
+          }
+          MmaSync(a, b, c);
+          for (int lane = 0; lane < 32; ++lane)
+            std::memcpy(acc[warp][lane][nt], c[lane], sizeof(c[lane]));
+        }
+      }
+    }
+    smem.Barrier();
+  }
+  std::vector<float> out(size_t(16) * L, NAN);
+  std::vector<uint8_t> written(out.size(), 0);
+  for (int warp = 0; warp < 8; ++warp)
+    for (int lane = 0; lane < 32; ++lane) {
+      const int th = warp * 32 + lane;
+      const int lo = mma::RowC(lane, 0), hi = mma::RowC(lane, 2);
+      const float l_lo = rf(l + 2 * lo, th), l_hi = rf(l + 2 * hi, th);
+      const float inv_lo = l_lo > 0 ? 1.0f / l_lo : 0.0f, inv_hi = l_hi > 0 ? 1.0f / l_hi : 0.0f;
+      for (int nt = 0; nt < ntiles; ++nt) {
+        const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
+        const size_t cells[4] = {size_t(lo) * L + col, size_t(lo) * L + col + 1,
+                                 size_t(hi) * L + col, size_t(hi) * L + col + 1};
+        for (int e = 0; e < 4; ++e) {
+          if (written[cells[e]]++) throw std::runtime_error("output element written twice");
+          out[cells[e]] = acc[warp][lane][nt][e] * (e < 2 ? inv_lo : inv_hi);
+        }
+      }
+    }
+  return out;
+}
+
+}  // namespace attnd::cuda::sim
