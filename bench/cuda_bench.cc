@@ -259,6 +259,24 @@ int main(int argc, char** argv) {
       Report(tc ? "sparse MLA decode (mma)" : "sparse MLA decode", shape, ms, bytes / 1e9, "GB/s",
              copy_bw / 1e9);
     }
+    // A small batch (4 queries): one block per 16 heads leaves most SMs idle; split-K fills them.
+    {
+      attnd::cuda::MlaParams small = mp;
+      small.n = 4;
+      small.tensor_cores = true;
+      const double small_bytes = 4.0 * K * D * 2;
+      const std::string small_shape = "B=4 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
+      const double ms1 = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });
+      Report("sparse MLA decode (mma)", small_shape, ms1, small_bytes / 1e9, "GB/s", copy_bw / 1e9);
+      small.splits = attnd::cuda::MlaSplits(4, H, prop.multiProcessorCount, K);
+      small.part_out = Alloc<float>(size_t(small.splits) * 4 * H * L);
+      small.part_ml = Alloc<float>(size_t(small.splits) * 4 * H * 2);
+      const double ms2 = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });
+      Report("sparse MLA decode (mma, split-K x" + std::to_string(small.splits) + ")", small_shape,
+             ms2, small_bytes / 1e9, "GB/s", copy_bw / 1e9);
+      CHECK(cudaFree(small.part_out));
+      CHECK(cudaFree(small.part_ml));
+    }
     CHECK(cudaFree(kv.data));
   }
   // ---- a 4K-token prefill layer: dense causal MLA, 128 heads ----

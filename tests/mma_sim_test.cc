@@ -93,12 +93,13 @@ struct MlaShape {
   int latent, rope;
   int64_t keys;
   float soft_cap;
+  int splits;
 };
 
 class MlaMmaBlock : public ::testing::TestWithParam<MlaShape> {};
 
 TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
-  const auto [L, R, n, cap] = GetParam();
+  const auto [L, R, n, cap, splits] = GetParam();
   const int D = L + R;
   std::mt19937_64 rng(L + R * 7 + n);
   std::normal_distribution<float> n01(0, 1);
@@ -107,8 +108,11 @@ TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
   for (auto& x : q) x = n01(rng);
   for (auto& x : keys) x = F32ToBF16(n01(rng));
   const float scale = 1.0f / std::sqrt(float(D));
-  std::vector<float> got;
-  ASSERT_NO_THROW(got = sim::RunMlaMmaBlock(L, R, q, keys, n, scale, cap));
+  // Every split's block, then the merge (one split: the block's own normalised output).
+  std::vector<sim::MlaBlock> parts(splits);
+  for (int z = 0; z < splits; ++z)
+    ASSERT_NO_THROW(parts[z] = sim::RunMlaMmaBlock(L, R, q, keys, n, scale, cap, splits, z));
+  const std::vector<float> got = splits == 1 ? parts[0].out : sim::CombineSplits(parts, L);
   double num = 0, den = 0;
   for (int h = 0; h < 16; ++h) {
     std::vector<double> s(n);
@@ -138,16 +142,42 @@ TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
 }
 
 // DeepSeek-V3.2 (512 + 64) over a top-2048 selection, partial and single tiles, a soft cap,
-// a smaller latent.
-INSTANTIATE_TEST_SUITE_P(Shapes, MlaMmaBlock,
-                         ::testing::Values(MlaShape{512, 64, 2048, 0}, MlaShape{512, 64, 100, 0},
-                                           MlaShape{512, 64, 1, 0}, MlaShape{128, 64, 200, 2.5f},
-                                           MlaShape{64, 16, 64, 0}));
+// a smaller latent; split-K over 2, 3 (uneven), 16 splits and more splits than tiles (empty
+// splits merge as nothing).
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MlaMmaBlock,
+    ::testing::Values(MlaShape{512, 64, 2048, 0, 1}, MlaShape{512, 64, 100, 0, 1},
+                      MlaShape{512, 64, 1, 0, 1}, MlaShape{128, 64, 200, 2.5f, 1},
+                      MlaShape{64, 16, 64, 0, 1}, MlaShape{512, 64, 2048, 0, 16},
+                      MlaShape{512, 64, 300, 0, 3}, MlaShape{128, 64, 200, 2.5f, 2},
+                      MlaShape{64, 16, 70, 0, 5}));
 
 TEST(MlaMmaSim, AShapeOutsideTheContractIsRefused) {
   std::vector<float> q(16 * 48);
   std::vector<uint16_t> keys(48);
   EXPECT_THROW(sim::RunMlaMmaBlock(32, 16, q, keys, 1, 1.0f, 0.0f), std::runtime_error);
+}
+
+TEST(MlaMmaSim, SplitKMatchesOneBlockClosely) {
+  const int L = 512, R = 64, D = L + R;
+  const int64_t n = 777;
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> n01(0, 1);
+  std::vector<float> q(16 * D);
+  std::vector<uint16_t> keys(size_t(n) * D);
+  for (auto& x : q) x = n01(rng);
+  for (auto& x : keys) x = F32ToBF16(n01(rng));
+  const auto one = sim::RunMlaMmaBlock(L, R, q, keys, n, 0.05f, 0.0f).out;
+  std::vector<sim::MlaBlock> parts;
+  for (int z = 0; z < 4; ++z)
+    parts.push_back(sim::RunMlaMmaBlock(L, R, q, keys, n, 0.05f, 0.0f, 4, z));
+  const auto split = sim::CombineSplits(parts, L);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    num += (split[i] - one[i]) * (split[i] - one[i]);
+    den += one[i] * one[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), 5e-3);  // only the bf16 rounding of probabilities differs
 }
 
 }  // namespace

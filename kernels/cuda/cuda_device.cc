@@ -26,6 +26,13 @@ namespace {
           absl::StrCat("CUDA: ", #expr, ": ", cudaGetErrorString(attnd_cuda_err_))); \
   } while (0)
 
+// The most keys any query of a share can attend (its position + 1 bounds every mode).
+int64_t MaxKeys(const StepShare& share) {
+  int64_t most = 1;
+  for (const int64_t p : share.pos) most = std::max(most, p + 1);
+  return most;
+}
+
 // Bounds one wave of indexer scores (floats): 64 MiB of GPU scratch.
 constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 
@@ -174,7 +181,9 @@ struct CudaDevice::State {
   DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, need, need_off,
       need_len, tmp_sel, tmp_count, page_keys, page_off, page_len, page_list, page_count, out_f32,
       out_raw;
+  DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
   HostBuffer staging;
+  int sms = 1;                       // multiprocessors: how many split-K blocks fill the GPU
   const StepShare* share = nullptr;  // the share whose layer runs now (mu held)
   Step* st = nullptr;
 
@@ -252,6 +261,7 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
                      "): this build's CUDA kernels do not load on it: ", cudaGetErrorString(k),
                      "; rebuild with CMAKE_CUDA_ARCHITECTURES including ", prop.major, prop.minor));
   }
+  CUDA_RETURN(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, ordinal));
   CUDA_RETURN(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
   CUDA_RETURN(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
   void* p = nullptr;
@@ -292,27 +302,31 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
   const size_t keep =
       static_cast<size_t>(std::max({1, spec.page_budget, spec.page_union_max_pages}));
   const size_t pages = need_keys / spec.page_size + n;  // a wave's page keys
-  const std::pair<DeviceBuffer*, size_t> want[] = {{&raw, n * row},
-                                                   {&q_lat, n * H * L * 4},
-                                                   {&q_rope, n * H * R * 4},
-                                                   {&kv_lat, n * L * 4},
-                                                   {&k_rope, n * R * 4},
-                                                   {&idx_q, n * Hi * Di * 4},
-                                                   {&idx_k, n * Di * 4},
-                                                   {&idx_w, n * Hi * 4},
-                                                   {&out_f32, n * H * L * 4},
-                                                   {&out_raw, n * H * L * 4},
-                                                   {&scores, std::max<size_t>(4, need_keys * 4)},
-                                                   {&need, n * 4},
-                                                   {&need_off, n * 8},
-                                                   {&need_len, n * 8},
-                                                   {&tmp_sel, n * k * 4},
-                                                   {&tmp_count, n * 4},
-                                                   {&page_keys, pages * 4},
-                                                   {&page_off, n * 8},
-                                                   {&page_len, n * 8},
-                                                   {&page_list, n * keep * 4},
-                                                   {&page_count, n * 4}};
+  const size_t splits = MlaSplits(static_cast<int>(n), spec.num_heads, sms, MaxKeys(share));
+  const std::pair<DeviceBuffer*, size_t> want[] = {
+      {&raw, n * row},
+      {&q_lat, n * H * L * 4},
+      {&q_rope, n * H * R * 4},
+      {&kv_lat, n * L * 4},
+      {&k_rope, n * R * 4},
+      {&idx_q, n * Hi * Di * 4},
+      {&idx_k, n * Di * 4},
+      {&idx_w, n * Hi * 4},
+      {&out_f32, n * H * L * 4},
+      {&out_raw, n * H * L * 4},
+      {&scores, std::max<size_t>(4, need_keys * 4)},
+      {&need, n * 4},
+      {&need_off, n * 8},
+      {&need_len, n * 8},
+      {&tmp_sel, n * k * 4},
+      {&tmp_count, n * 4},
+      {&page_keys, pages * 4},
+      {&page_off, n * 8},
+      {&page_len, n * 8},
+      {&page_list, n * keep * 4},
+      {&page_count, n * 4},
+      {&part_out, splits > 1 ? splits * n * H * L * 4 : 4},
+      {&part_ml, splits > 1 ? splits * n * H * 2 * 4 : 4}};
   size_t total = 0;
   for (const auto& [buf, bytes] : want) {
     total += bytes;
@@ -566,6 +580,13 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   mp.out = s.out_f32.as<float>();
   mp.tensor_cores =
       TensorCoreMla() && in.q_latent.dtype == DType::kBF16 && in.q_rope.dtype == DType::kBF16;
+  if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
+    mp.splits = MlaSplits(mp.n, H, s.sms, MaxKeys(share));
+    RETURN_IF_ERROR(s.part_out.Reserve(size_t(mp.splits) * st.n * H * L * 4));
+    RETURN_IF_ERROR(s.part_ml.Reserve(size_t(mp.splits) * st.n * H * 2 * 4));
+    mp.part_out = s.part_out.as<float>();
+    mp.part_ml = s.part_ml.as<float>();
+  }
   CUDA_RETURN(LaunchMla(mp, s.stream));
   // 4. Output rows back in the request's dtype.
   const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * L * es;

@@ -461,10 +461,14 @@ __global__ void MlaMmaKernel(MlaParams p) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   const KeySet keys = KeysOf(p, q);
-  const int64_t total = keys.total;
+  // Split-K (flash-decoding): block z takes tiles [z * per, (z + 1) * per) of the query's keys.
+  const int64_t tiles = (keys.total + kMmaKeys - 1) / kMmaKeys;
+  const int64_t per = (tiles + p.splits - 1) / p.splits;
+  const int64_t first = min(tiles, blockIdx.z * per) * kMmaKeys;
+  const int64_t last = min(keys.total, (blockIdx.z + 1) * per * kMmaKeys);
   __syncthreads();
-  for (int64_t t0 = 0; t0 < total; t0 += kMmaKeys) {
-    const int nk = static_cast<int>(min(static_cast<int64_t>(kMmaKeys), total - t0));
+  for (int64_t t0 = first; t0 < last; t0 += kMmaKeys) {
+    const int nk = static_cast<int>(min(static_cast<int64_t>(kMmaKeys), last - t0));
     // 1. Key rows into shared memory, 16 bytes at a time (D % 8 == 0).
     const int chunks = D / 8;
     for (int i = threadIdx.x; i < kMmaKeys * chunks; i += blockDim.x) {
@@ -545,18 +549,55 @@ __global__ void MlaMmaKernel(MlaParams p) {
     __syncthreads();
   }
   const int lo_row = mma::RowC(lane, 0), hi_row = mma::RowC(lane, 2);
-  const float inv_lo = l[lo_row] > 0 ? 1.0f / l[lo_row] : 0.0f,
-              inv_hi = l[hi_row] > 0 ? 1.0f / l[hi_row] : 0.0f;
+  // One split: the normalised output. Several: this split's unnormalised sums and its (m, l),
+  // which MlaCombineKernel merges.
+  const bool partial = p.splits > 1;
+  const float inv_lo = partial         ? 1.0f
+                       : l[lo_row] > 0 ? 1.0f / l[lo_row]
+                                       : 0.0f,
+              inv_hi = partial         ? 1.0f
+                       : l[hi_row] > 0 ? 1.0f / l[hi_row]
+                                       : 0.0f;
+  float* out = partial ? p.part_out + int64_t{blockIdx.z} * p.n * p.heads * L : p.out;
+  if (partial && threadIdx.x < 16) {
+    float* ml = p.part_ml + ((int64_t{blockIdx.z} * p.n + q) * p.heads + h0 + threadIdx.x) * 2;
+    ml[0] = m[threadIdx.x];
+    ml[1] = l[threadIdx.x];
+  }
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     if (nt >= ntiles) break;
     const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
-    float* lo = p.out + (int64_t{q} * p.heads + h0 + lo_row) * L + col;
-    float* hi = p.out + (int64_t{q} * p.heads + h0 + hi_row) * L + col;
+    float* lo = out + (int64_t{q} * p.heads + h0 + lo_row) * L + col;
+    float* hi = out + (int64_t{q} * p.heads + h0 + hi_row) * L + col;
     lo[0] = acc[nt][0] * inv_lo;
     lo[1] = acc[nt][1] * inv_lo;
     hi[0] = acc[nt][2] * inv_hi;
     hi[1] = acc[nt][3] * inv_hi;
+  }
+}
+
+// Merges the splits of MlaMmaKernel: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with
+// M the largest m_s; splits that saw no key (m_s = -inf) add nothing. grid (queries, heads).
+__global__ void MlaCombineKernel(MlaParams p) {
+  const int q = blockIdx.x, h = blockIdx.y, L = p.latent;
+  const int64_t stride = int64_t{p.n} * p.heads;  // between splits, in (query, head) rows
+  const int64_t row = int64_t{q} * p.heads + h;
+  float M = -INFINITY;
+  for (int z = 0; z < p.splits; ++z) M = fmaxf(M, p.part_ml[(z * stride + row) * 2]);
+  float denom = 0.0f;
+  for (int z = 0; z < p.splits; ++z) {
+    const float mz = p.part_ml[(z * stride + row) * 2];
+    if (mz != -INFINITY) denom += __expf(mz - M) * p.part_ml[(z * stride + row) * 2 + 1];
+  }
+  const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+  for (int d = threadIdx.x; d < L; d += blockDim.x) {
+    float v = 0.0f;
+    for (int z = 0; z < p.splits; ++z) {
+      const float mz = p.part_ml[(z * stride + row) * 2];
+      if (mz != -INFINITY) v += __expf(mz - M) * p.part_out[(z * stride + row) * L + d];
+    }
+    p.out[row * L + d] = v * inv;
   }
 }
 
@@ -769,6 +810,13 @@ bool MlaUsesTensorCores(const MlaParams& p) {
          reinterpret_cast<uintptr_t>(p.kv.base) % 16 == 0;  // uint4 rows
 }
 
+int MlaSplits(int n, int heads, int sms, int64_t max_keys) {
+  const int64_t blocks = int64_t{n} * std::max(1, heads / 16);
+  const int64_t tiles = (max_keys + kMmaKeys - 1) / kMmaKeys;
+  const int64_t want = (2 * int64_t{sms} + blocks - 1) / std::max<int64_t>(1, blocks);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, 16, tiles})));
+}
+
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
   if (MlaUsesTensorCores(p)) {
@@ -778,7 +826,13 @@ cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
     cudaError_t e = cudaFuncSetAttribute(MlaMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     if (e != cudaSuccess) return e;
-    MlaMmaKernel<<<dim3(p.n, p.heads / 16), kThreads, smem, s>>>(p);
+    const int splits = std::max(1, p.splits);
+    if (splits > 1 && (p.part_out == nullptr || p.part_ml == nullptr)) return cudaErrorInvalidValue;
+    MlaParams c = p;
+    c.splits = splits;
+    MlaMmaKernel<<<dim3(p.n, p.heads / 16, splits), kThreads, smem, s>>>(c);
+    if ((e = cudaGetLastError()) != cudaSuccess || splits == 1) return e;
+    MlaCombineKernel<<<dim3(p.n, p.heads), 128, 0, s>>>(c);
     return cudaGetLastError();
   }
   if (p.latent > kThreads * kMlaDimsPerThread) return cudaErrorInvalidValue;

@@ -154,8 +154,18 @@ struct MlaParams {
   // latent % 64 == 0 and <= 512, (latent + rope) % 16 == 0 and 16-byte aligned cache rows
   // (base and row bytes); otherwise the SIMT kernel runs.
   bool tensor_cores = false;
+  // Tensor-core kernel only: split each query's keys over `splits` blocks (flash-decoding, for
+  // batches too small to fill the GPU), then merge. splits > 1 needs part_out
+  // [splits, n, H, L] and part_ml [splits, n, H, 2] fp32 scratch.
+  int splits = 1;
+  float* part_out = nullptr;
+  float* part_ml = nullptr;
 };
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
+// Splits for the tensor-core MLA of n queries x `heads` on a GPU of `sms` multiprocessors,
+// whose longest key list is `max_keys`: about two blocks per SM, at most 16, at least one tile
+// of 64 keys per split.
+int MlaSplits(int n, int heads, int sms, int64_t max_keys);
 // Whether LaunchMla would take the tensor-core kernel for `p`.
 bool MlaUsesTensorCores(const MlaParams& p);
 

@@ -17,12 +17,18 @@
 
 namespace attnd::cuda::sim {
 
+// What one block leaves: with one split the normalised out [16][L]; with several, this split's
+// unnormalised sums out [16][L] and its running max m and denominator l per head.
+struct MlaBlock {
+  std::vector<float> out, m, l;
+};
+
 // q [16][L+R] (fp32; rounded to bf16 as the kernel does), keys [n][L+R] bf16 bits (the query's
-// keys in order). Returns out [16][L]. Throws on any shared-memory fault or a shape outside the
-// kernel's contract (L % 64 == 0, L <= 512, (L+R) % 16 == 0).
-inline std::vector<float> RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
-                                         const std::vector<uint16_t>& keys, int64_t n,
-                                         float sm_scale, float soft_cap) {
+// keys in order); block `split` of `splits` (blockIdx.z). Throws on any shared-memory fault or
+// a shape outside the kernel's contract (L % 64 == 0, L <= 512, (L+R) % 16 == 0).
+inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
+                               const std::vector<uint16_t>& keys, int64_t n, float sm_scale,
+                               float soft_cap, int splits = 1, int split = 0) {
   constexpr int kKeys = 64, kThreads = 256;
   const int D = L + R, DP = D + 8, PP = kKeys + 8;
   if (L % 64 != 0 || L > 512 || D % 16 != 0) throw std::runtime_error("shape outside contract");
@@ -59,8 +65,11 @@ inline std::vector<float> RunMlaMmaBlock(int L, int R, const std::vector<float>&
     }
   }
   smem.Barrier();
-  for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
-    const int nk = static_cast<int>(std::min<int64_t>(kKeys, n - t0));
+  const int64_t tiles = (n + kKeys - 1) / kKeys, per = (tiles + splits - 1) / splits;
+  const int64_t first = std::min(tiles, split * per) * kKeys;
+  const int64_t last = std::min<int64_t>(n, (split + 1) * per * kKeys);
+  for (int64_t t0 = first; t0 < last; t0 += kKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeys, last - t0));
     const int chunks = D / 8;
     for (int th = 0; th < kThreads; ++th)  // 1. key rows, 16 bytes at a time
       for (int i = th; i < kKeys * chunks; i += kThreads) {
@@ -157,14 +166,27 @@ inline std::vector<float> RunMlaMmaBlock(int L, int R, const std::vector<float>&
     }
     smem.Barrier();
   }
-  std::vector<float> out(size_t(16) * L, NAN);
+  const bool partial = splits > 1;
+  MlaBlock block;
+  std::vector<float>& out = block.out;
+  out.assign(size_t(16) * L, NAN);
   std::vector<uint8_t> written(out.size(), 0);
+  if (partial)
+    for (int h = 0; h < 16; ++h) {
+      block.m.push_back(rf(m + 2 * h, h));
+      block.l.push_back(rf(l + 2 * h, h));
+    }
   for (int warp = 0; warp < 8; ++warp)
     for (int lane = 0; lane < 32; ++lane) {
       const int th = warp * 32 + lane;
       const int lo = mma::RowC(lane, 0), hi = mma::RowC(lane, 2);
       const float l_lo = rf(l + 2 * lo, th), l_hi = rf(l + 2 * hi, th);
-      const float inv_lo = l_lo > 0 ? 1.0f / l_lo : 0.0f, inv_hi = l_hi > 0 ? 1.0f / l_hi : 0.0f;
+      const float inv_lo = partial    ? 1.0f
+                           : l_lo > 0 ? 1.0f / l_lo
+                                      : 0.0f,
+                  inv_hi = partial    ? 1.0f
+                           : l_hi > 0 ? 1.0f / l_hi
+                                      : 0.0f;
       for (int nt = 0; nt < ntiles; ++nt) {
         const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
         const size_t cells[4] = {size_t(lo) * L + col, size_t(lo) * L + col + 1,
@@ -175,6 +197,25 @@ inline std::vector<float> RunMlaMmaBlock(int L, int R, const std::vector<float>&
         }
       }
     }
+  return block;
+}
+
+// MlaCombineKernel for one query: merges the splits' partial blocks into out [16][L].
+inline std::vector<float> CombineSplits(const std::vector<MlaBlock>& parts, int L) {
+  std::vector<float> out(size_t(16) * L);
+  for (int h = 0; h < 16; ++h) {
+    float M = -INFINITY, denom = 0.0f;
+    for (const MlaBlock& b : parts) M = std::max(M, b.m[h]);
+    for (const MlaBlock& b : parts)
+      if (b.m[h] != -INFINITY) denom += std::exp(b.m[h] - M) * b.l[h];
+    const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+    for (int d = 0; d < L; ++d) {
+      float v = 0.0f;
+      for (const MlaBlock& b : parts)
+        if (b.m[h] != -INFINITY) v += std::exp(b.m[h] - M) * b.out[size_t(h) * L + d];
+      out[size_t(h) * L + d] = v * inv;
+    }
+  }
   return out;
 }
 
