@@ -259,6 +259,14 @@ int main(int argc, char** argv) {
       Report(tc ? "sparse MLA decode (mma)" : "sparse MLA decode", shape, ms, bytes / 1e9, "GB/s",
              copy_bw / 1e9);
     }
+    {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
+      attnd::cuda::MlaParams h16 = mp;
+      h16.tensor_cores = true;
+      h16.heads_per_block = 16;
+      const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(h16, 0)); });
+      Report("sparse MLA decode (mma, 16 heads/block)", shape, ms, bytes / 1e9, "GB/s",
+             copy_bw / 1e9);
+    }
     // A small batch (4 queries): one block per 16 heads leaves most SMs idle; split-K fills them.
     {
       attnd::cuda::MlaParams small = mp;
@@ -268,7 +276,8 @@ int main(int argc, char** argv) {
       const std::string small_shape = "B=4 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
       const double ms1 = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });
       Report("sparse MLA decode (mma)", small_shape, ms1, small_bytes / 1e9, "GB/s", copy_bw / 1e9);
-      small.splits = attnd::cuda::MlaSplits(4, H, prop.multiProcessorCount, K);
+      small.splits = attnd::cuda::MlaSplits(4, H, prop.multiProcessorCount, K,
+                                            attnd::cuda::MlaHeadsPerBlock(small));
       small.part_out = Alloc<float>(size_t(small.splits) * 4 * H * L);
       small.part_ml = Alloc<float>(size_t(small.splits) * 4 * H * 2);
       const double ms2 = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });

@@ -94,16 +94,17 @@ struct MlaShape {
   int64_t keys;
   float soft_cap;
   int splits;
+  int heads_per_block;
 };
 
 class MlaMmaBlock : public ::testing::TestWithParam<MlaShape> {};
 
 TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
-  const auto [L, R, n, cap, splits] = GetParam();
+  const auto [L, R, n, cap, splits, HB] = GetParam();
   const int D = L + R;
   std::mt19937_64 rng(L + R * 7 + n);
   std::normal_distribution<float> n01(0, 1);
-  std::vector<float> q(16 * D);
+  std::vector<float> q(HB * D);
   std::vector<uint16_t> keys(size_t(n) * D);
   for (auto& x : q) x = n01(rng);
   for (auto& x : keys) x = F32ToBF16(n01(rng));
@@ -111,10 +112,10 @@ TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
   // Every split's block, then the merge (one split: the block's own normalised output).
   std::vector<sim::MlaBlock> parts(splits);
   for (int z = 0; z < splits; ++z)
-    ASSERT_NO_THROW(parts[z] = sim::RunMlaMmaBlock(L, R, q, keys, n, scale, cap, splits, z));
+    ASSERT_NO_THROW(parts[z] = sim::RunMlaMmaBlock(L, R, q, keys, n, scale, cap, splits, z, HB));
   const std::vector<float> got = splits == 1 ? parts[0].out : sim::CombineSplits(parts, L);
   double num = 0, den = 0;
-  for (int h = 0; h < 16; ++h) {
+  for (int h = 0; h < HB; ++h) {
     std::vector<double> s(n);
     double mx = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
@@ -143,14 +144,15 @@ TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
 
 // DeepSeek-V3.2 (512 + 64) over a top-2048 selection, partial and single tiles, a soft cap,
 // a smaller latent; split-K over 2, 3 (uneven), 16 splits and more splits than tiles (empty
-// splits merge as nothing).
+// splits merge as nothing); blocks of 64 heads.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MlaMmaBlock,
-    ::testing::Values(MlaShape{512, 64, 2048, 0, 1}, MlaShape{512, 64, 100, 0, 1},
-                      MlaShape{512, 64, 1, 0, 1}, MlaShape{128, 64, 200, 2.5f, 1},
-                      MlaShape{64, 16, 64, 0, 1}, MlaShape{512, 64, 2048, 0, 16},
-                      MlaShape{512, 64, 300, 0, 3}, MlaShape{128, 64, 200, 2.5f, 2},
-                      MlaShape{64, 16, 70, 0, 5}));
+    ::testing::Values(MlaShape{512, 64, 2048, 0, 1, 16}, MlaShape{512, 64, 100, 0, 1, 16},
+                      MlaShape{512, 64, 1, 0, 1, 16}, MlaShape{128, 64, 200, 2.5f, 1, 16},
+                      MlaShape{64, 16, 64, 0, 1, 16}, MlaShape{512, 64, 2048, 0, 16, 16},
+                      MlaShape{512, 64, 300, 0, 3, 16}, MlaShape{128, 64, 200, 2.5f, 2, 16},
+                      MlaShape{64, 16, 70, 0, 5, 16}, MlaShape{512, 64, 700, 0, 1, 64},
+                      MlaShape{512, 64, 130, 0, 3, 64}, MlaShape{128, 64, 65, 2.5f, 1, 64}));
 
 TEST(MlaMmaSim, AShapeOutsideTheContractIsRefused) {
   std::vector<float> q(16 * 48);

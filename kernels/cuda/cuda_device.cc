@@ -302,7 +302,8 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
   const size_t keep =
       static_cast<size_t>(std::max({1, spec.page_budget, spec.page_union_max_pages}));
   const size_t pages = need_keys / spec.page_size + n;  // a wave's page keys
-  const size_t splits = MlaSplits(static_cast<int>(n), spec.num_heads, sms, MaxKeys(share));
+  // Split-K partials, sized for the smaller blocks (the most splits).
+  const size_t splits = MlaSplits(static_cast<int>(n), spec.num_heads, sms, MaxKeys(share), 16);
   const std::pair<DeviceBuffer*, size_t> want[] = {
       {&raw, n * row},
       {&q_lat, n * H * L * 4},
@@ -581,7 +582,7 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   mp.tensor_cores =
       TensorCoreMla() && in.q_latent.dtype == DType::kBF16 && in.q_rope.dtype == DType::kBF16;
   if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
-    mp.splits = MlaSplits(mp.n, H, s.sms, MaxKeys(share));
+    mp.splits = MlaSplits(mp.n, H, s.sms, MaxKeys(share), MlaHeadsPerBlock(mp));
     RETURN_IF_ERROR(s.part_out.Reserve(size_t(mp.splits) * st.n * H * L * 4));
     RETURN_IF_ERROR(s.part_ml.Reserve(size_t(mp.splits) * st.n * H * 2 * 4));
     mp.part_out = s.part_out.as<float>();

@@ -433,33 +433,38 @@ __device__ __forceinline__ uint32_t Pack(__nv_bfloat16 lo, __nv_bfloat16 hi) {
          (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
 }
 
-__global__ void MlaMmaKernel(MlaParams p) {
+// HB heads per block (16, or 64 so that 128 heads read each selected key twice, not 8 times).
+template <int HB>
+__global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
+  constexpr int MT = HB / 16;  // m-tiles of 16 heads
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int L = p.latent, D = p.latent + p.rope, DP = D + 8, PP = kMmaKeys + 8;
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-  __nv_bfloat16* ks = qs + 16 * DP;
+  __nv_bfloat16* ks = qs + HB * DP;
   __nv_bfloat16* ps = ks + kMmaKeys * DP;
-  float* sf = reinterpret_cast<float*>(ps + 16 * PP);
-  float* m = sf + 16 * kMmaKeys;
-  float* l = m + 16;
-  float* corr = l + 16;
-  const int q = blockIdx.x, h0 = blockIdx.y * 16;
+  float* sf = reinterpret_cast<float*>(ps + HB * PP);
+  float* m = sf + HB * kMmaKeys;
+  float* l = m + HB;
+  float* corr = l + HB;
+  const int q = blockIdx.x, h0 = blockIdx.y * HB;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+  for (int i = threadIdx.x; i < HB * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
     const int64_t head = int64_t{q} * p.heads + h0 + h;
     qs[h * DP + d] =
         __float2bfloat16_rn(d < L ? p.q_latent[head * L + d] : p.q_rope[head * p.rope + (d - L)]);
   }
-  if (threadIdx.x < 16) {
+  if (threadIdx.x < HB) {
     m[threadIdx.x] = -INFINITY;
     l[threadIdx.x] = 0.0f;
   }
   const int cols = L / 8;  // output columns per warp
   const int ntiles = cols / 8;
-  float acc[8][4];  // up to 8 n-tiles of 8 columns (L <= 512)
+  float acc[MT][8][4];  // per m-tile, up to 8 n-tiles of 8 columns (L <= 512)
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0;
   const KeySet keys = KeysOf(p, q);
   // Split-K (flash-decoding): block z takes tiles [z * per, (z + 1) * per) of the query's keys.
   const int64_t tiles = (keys.total + kMmaKeys - 1) / kMmaKeys;
@@ -480,28 +485,31 @@ __global__ void MlaMmaKernel(MlaParams p) {
       *reinterpret_cast<uint4*>(ks + j * DP + c * 8) = v;
     }
     __syncthreads();
-    // 2. Scores: warp w takes keys [8w, 8w + 8).
+    // 2. Scores: warp w takes keys [8w, 8w + 8) for every m-tile of heads.
     {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const __nv_bfloat16* krow = ks + (warp * 8 + mma::ColB(lane)) * DP;
-      for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
-          a[r] = Pair(qs + mma::RowA(lane, r) * DP + k0 + mma::ColA(lane, r, 0));
-        Mma16816(c, a[0], a[1], a[2], a[3], Pair(krow + k0 + mma::RowB(lane, 0, 0)),
-                 Pair(krow + k0 + mma::RowB(lane, 1, 0)));
-      }
-      for (int i = 0; i < 4; ++i) {
-        const int h = mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
-        float x = c[i] * p.sm_scale;
-        if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
-        sf[h * kMmaKeys + j] = j < nk ? x : -INFINITY;
+      for (int mt = 0; mt < MT; ++mt) {
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < D; k0 += 16) {
+          uint32_t a[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            a[r] = Pair(qs + (mt * 16 + mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0));
+          Mma16816(c, a[0], a[1], a[2], a[3], Pair(krow + k0 + mma::RowB(lane, 0, 0)),
+                   Pair(krow + k0 + mma::RowB(lane, 1, 0)));
+        }
+        for (int i = 0; i < 4; ++i) {
+          const int h = mt * 16 + mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
+          float x = c[i] * p.sm_scale;
+          if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
+          sf[h * kMmaKeys + j] = j < nk ? x : -INFINITY;
+        }
       }
     }
     __syncthreads();
     // 3. Online softmax, one thread per head; probabilities to bf16 for the P·V product.
-    if (threadIdx.x < 16) {
+    if (threadIdx.x < HB) {
       const int h = threadIdx.x;
       float mx = m[h];
       for (int j = 0; j < nk; ++j) mx = fmaxf(mx, sf[h * kMmaKeys + j]);
@@ -520,21 +528,27 @@ __global__ void MlaMmaKernel(MlaParams p) {
       corr[h] = cr;
     }
     __syncthreads();
-    // 4. O += P·V: warp w owns columns [w * cols, (w + 1) * cols), n-tiles of 8.
-    const float c_lo = corr[mma::RowC(lane, 0)], c_hi = corr[mma::RowC(lane, 2)];
+    // 4. O += P·V: warp w owns columns [w * cols, (w + 1) * cols), n-tiles of 8, every m-tile.
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt >= ntiles) break;
-      acc[nt][0] *= c_lo;
-      acc[nt][1] *= c_lo;
-      acc[nt][2] *= c_hi;
-      acc[nt][3] *= c_hi;
+    for (int mt = 0; mt < MT; ++mt) {
+      const float c_lo = corr[mt * 16 + mma::RowC(lane, 0)];
+      const float c_hi = corr[mt * 16 + mma::RowC(lane, 2)];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt >= ntiles) break;
+        acc[mt][nt][0] *= c_lo;
+        acc[mt][nt][1] *= c_lo;
+        acc[mt][nt][2] *= c_hi;
+        acc[mt][nt][3] *= c_hi;
+      }
     }
     for (int k0 = 0; k0 < kMmaKeys; k0 += 16) {
-      uint32_t a[4];
+      uint32_t a[MT][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        a[r] = Pair(ps + mma::RowA(lane, r) * PP + k0 + mma::ColA(lane, r, 0));
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          a[mt][r] = Pair(ps + (mt * 16 + mma::RowA(lane, r)) * PP + k0 + mma::ColA(lane, r, 0));
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         if (nt >= ntiles) break;
@@ -543,37 +557,38 @@ __global__ void MlaMmaKernel(MlaParams p) {
             Pack(v[(k0 + mma::RowB(lane, 0, 0)) * DP], v[(k0 + mma::RowB(lane, 0, 1)) * DP]);
         const uint32_t b1 =
             Pack(v[(k0 + mma::RowB(lane, 1, 0)) * DP], v[(k0 + mma::RowB(lane, 1, 1)) * DP]);
-        Mma16816(acc[nt], a[0], a[1], a[2], a[3], b0, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          Mma16816(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
       }
     }
     __syncthreads();
   }
-  const int lo_row = mma::RowC(lane, 0), hi_row = mma::RowC(lane, 2);
   // One split: the normalised output. Several: this split's unnormalised sums and its (m, l),
   // which MlaCombineKernel merges.
   const bool partial = p.splits > 1;
-  const float inv_lo = partial         ? 1.0f
-                       : l[lo_row] > 0 ? 1.0f / l[lo_row]
-                                       : 0.0f,
-              inv_hi = partial         ? 1.0f
-                       : l[hi_row] > 0 ? 1.0f / l[hi_row]
-                                       : 0.0f;
   float* out = partial ? p.part_out + int64_t{blockIdx.z} * p.n * p.heads * L : p.out;
-  if (partial && threadIdx.x < 16) {
+  if (partial && threadIdx.x < HB) {
     float* ml = p.part_ml + ((int64_t{blockIdx.z} * p.n + q) * p.heads + h0 + threadIdx.x) * 2;
     ml[0] = m[threadIdx.x];
     ml[1] = l[threadIdx.x];
   }
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    if (nt >= ntiles) break;
-    const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
-    float* lo = out + (int64_t{q} * p.heads + h0 + lo_row) * L + col;
-    float* hi = out + (int64_t{q} * p.heads + h0 + hi_row) * L + col;
-    lo[0] = acc[nt][0] * inv_lo;
-    lo[1] = acc[nt][1] * inv_lo;
-    hi[0] = acc[nt][2] * inv_hi;
-    hi[1] = acc[nt][3] * inv_hi;
+  for (int mt = 0; mt < MT; ++mt) {
+    const int lo_row = mt * 16 + mma::RowC(lane, 0), hi_row = mt * 16 + mma::RowC(lane, 2);
+    const float inv_lo = partial ? 1.0f : l[lo_row] > 0 ? 1.0f / l[lo_row] : 0.0f;
+    const float inv_hi = partial ? 1.0f : l[hi_row] > 0 ? 1.0f / l[hi_row] : 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt >= ntiles) break;
+      const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
+      float* lo = out + (int64_t{q} * p.heads + h0 + lo_row) * L + col;
+      float* hi = out + (int64_t{q} * p.heads + h0 + hi_row) * L + col;
+      lo[0] = acc[mt][nt][0] * inv_lo;
+      lo[1] = acc[mt][nt][1] * inv_lo;
+      hi[0] = acc[mt][nt][2] * inv_hi;
+      hi[1] = acc[mt][nt][3] * inv_hi;
+    }
   }
 }
 
@@ -810,8 +825,26 @@ bool MlaUsesTensorCores(const MlaParams& p) {
          reinterpret_cast<uintptr_t>(p.kv.base) % 16 == 0;  // uint4 rows
 }
 
-int MlaSplits(int n, int heads, int sms, int64_t max_keys) {
-  const int64_t blocks = int64_t{n} * std::max(1, heads / 16);
+// Dynamic shared memory of MlaMmaKernel<hb> for rows of d = L + R elements.
+size_t MlaMmaSmem(int hb, int d) {
+  return 2 * (size_t(hb) * (d + 8) + size_t(kMmaKeys) * (d + 8) + size_t(hb) * (kMmaKeys + 8)) +
+         4 * (size_t(hb) * kMmaKeys + 3 * size_t(hb));
+}
+
+int MlaHeadsPerBlock(const MlaParams& p) {
+  if (p.heads_per_block == 16 || p.heads % 64 != 0) return 16;
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 16;
+  }
+  return MlaMmaSmem(64, p.latent + p.rope) <= static_cast<size_t>(optin) ? 64 : 16;
+}
+
+int MlaSplits(int n, int heads, int sms, int64_t max_keys, int heads_per_block) {
+  const int64_t blocks = int64_t{n} * std::max(1, heads / std::max(1, heads_per_block));
   const int64_t tiles = (max_keys + kMmaKeys - 1) / kMmaKeys;
   const int64_t want = (2 * int64_t{sms} + blocks - 1) / std::max<int64_t>(1, blocks);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, 16, tiles})));
@@ -820,17 +853,17 @@ int MlaSplits(int n, int heads, int sms, int64_t max_keys) {
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
   if (MlaUsesTensorCores(p)) {
-    const int D = p.latent + p.rope;
-    const size_t smem = 2 * (16 * (D + 8) + kMmaKeys * (D + 8) + 16 * (kMmaKeys + 8)) +
-                        4 * (16 * kMmaKeys + 3 * 16);
-    cudaError_t e = cudaFuncSetAttribute(MlaMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const int hb = MlaHeadsPerBlock(p);
+    const size_t smem = MlaMmaSmem(hb, p.latent + p.rope);
+    auto kernel = hb == 64 ? MlaMmaKernel<64> : MlaMmaKernel<16>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     if (e != cudaSuccess) return e;
     const int splits = std::max(1, p.splits);
     if (splits > 1 && (p.part_out == nullptr || p.part_ml == nullptr)) return cudaErrorInvalidValue;
     MlaParams c = p;
     c.splits = splits;
-    MlaMmaKernel<<<dim3(p.n, p.heads / 16, splits), kThreads, smem, s>>>(c);
+    kernel<<<dim3(p.n, p.heads / hb, splits), kThreads, smem, s>>>(c);
     if ((e = cudaGetLastError()) != cudaSuccess || splits == 1) return e;
     MlaCombineKernel<<<dim3(p.n, p.heads), 128, 0, s>>>(c);
     return cudaGetLastError();

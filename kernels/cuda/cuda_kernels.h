@@ -160,12 +160,18 @@ struct MlaParams {
   int splits = 1;
   float* part_out = nullptr;
   float* part_ml = nullptr;
+  // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
+  // reads them 4x less at 128 heads); 0 = 64 when heads % 64 == 0 and the GPU has the shared
+  // memory (H100/H200: 172 KB at D = 576), else 16.
+  int heads_per_block = 0;
 };
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
-// Splits for the tensor-core MLA of n queries x `heads` on a GPU of `sms` multiprocessors,
-// whose longest key list is `max_keys`: about two blocks per SM, at most 16, at least one tile
-// of 64 keys per split.
-int MlaSplits(int n, int heads, int sms, int64_t max_keys);
+// The heads per block the tensor-core MLA takes for `p` on the current GPU (16 or 64).
+int MlaHeadsPerBlock(const MlaParams& p);
+// Splits for the tensor-core MLA of n queries x `heads` in blocks of heads_per_block on a GPU of
+// `sms` multiprocessors, whose longest key list is `max_keys`: about two blocks per SM, at most
+// 16, at least one tile of 64 keys per split.
+int MlaSplits(int n, int heads, int sms, int64_t max_keys, int heads_per_block);
 // Whether LaunchMla would take the tensor-core kernel for `p`.
 bool MlaUsesTensorCores(const MlaParams& p);
 

@@ -1,10 +1,12 @@
-// A lane-level CPU simulation of MlaMmaKernel (kernels/cuda/cuda_kernels.cu) for one block: one
-// query, 16 heads, its keys in tiles of 64: the same shared-memory layout, the same fragment
-// addressing (mma_fragments.h), the same barriers; mma.sync, shuffles and shared memory as in
-// mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step with the kernel.
+// A lane-level CPU simulation of MlaMmaKernel<HB> (kernels/cuda/cuda_kernels.cu) for one block:
+// one query, HB = 16 or 64 heads, its keys in tiles of 64 (one split of them): the same
+// shared-memory layout, the same fragment addressing (mma_fragments.h), the same barriers;
+// mma.sync and shared memory as in mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step
+// with the kernel.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -17,26 +19,27 @@
 
 namespace attnd::cuda::sim {
 
-// What one block leaves: with one split the normalised out [16][L]; with several, this split's
-// unnormalised sums out [16][L] and its running max m and denominator l per head.
+// What one block leaves: with one split the normalised out [HB][L]; with several, this split's
+// unnormalised sums out [HB][L] and its running max m and denominator l per head.
 struct MlaBlock {
   std::vector<float> out, m, l;
 };
 
-// q [16][L+R] (fp32; rounded to bf16 as the kernel does), keys [n][L+R] bf16 bits (the query's
+// q [HB][L+R] (fp32; rounded to bf16 as the kernel does), keys [n][L+R] bf16 bits (the query's
 // keys in order); block `split` of `splits` (blockIdx.z). Throws on any shared-memory fault or
-// a shape outside the kernel's contract (L % 64 == 0, L <= 512, (L+R) % 16 == 0).
+// a shape outside the kernel's contract (L % 64 == 0, L <= 512, (L+R) % 16 == 0, HB 16 or 64).
 inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
                                const std::vector<uint16_t>& keys, int64_t n, float sm_scale,
-                               float soft_cap, int splits = 1, int split = 0) {
+                               float soft_cap, int splits = 1, int split = 0, int HB = 16) {
   constexpr int kKeys = 64, kThreads = 256;
-  const int D = L + R, DP = D + 8, PP = kKeys + 8;
-  if (L % 64 != 0 || L > 512 || D % 16 != 0) throw std::runtime_error("shape outside contract");
-  // Cells: qs [16][DP] | ks [64][DP] | ps [16][PP] | sf [16][64] f32 | m, l, corr [16] f32.
-  const size_t qs = 0, ks = size_t(16) * DP, ps = ks + size_t(kKeys) * DP,
-               sf = ps + size_t(16) * PP, m = sf + 2 * size_t(16) * kKeys, l = m + 32,
-               corr = l + 32;
-  Smem smem(corr + 32);
+  const int D = L + R, DP = D + 8, PP = kKeys + 8, MT = HB / 16;
+  if (L % 64 != 0 || L > 512 || D % 16 != 0 || (HB != 16 && HB != 64))
+    throw std::runtime_error("shape outside contract");
+  // Cells: qs [HB][DP] | ks [64][DP] | ps [HB][PP] | sf [HB][64] f32 | m, l, corr [HB] f32.
+  const size_t qs = 0, ks = size_t(HB) * DP, ps = ks + size_t(kKeys) * DP,
+               sf = ps + size_t(HB) * PP, m = sf + 2 * size_t(HB) * kKeys, l = m + 2 * size_t(HB),
+               corr = l + 2 * size_t(HB);
+  Smem smem(corr + 2 * size_t(HB));
   auto wf = [&](size_t cell, float x, int th) {
     uint32_t b;
     std::memcpy(&b, &x, 4);
@@ -54,12 +57,15 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
     return std::make_pair(BF16ToF32(smem.Read(cell, th)), BF16ToF32(smem.Read(cell + 1, th)));
   };
   const int cols = L / 8, ntiles = cols / 8;
-  static thread_local float acc[8][32][8][4];  // [warp][lane][n-tile][element]
-  std::memset(acc, 0, sizeof(acc));
+  // acc[warp][lane][m-tile][n-tile][element]
+  std::vector<float> acc_store(size_t(8) * 32 * MT * 8 * 4, 0.0f);
+  auto acc = [&](int w, int lane, int mt, int nt) {
+    return &acc_store[(((size_t(w) * 32 + lane) * MT + mt) * 8 + nt) * 4];
+  };
   for (int th = 0; th < kThreads; ++th) {
-    for (int i = th; i < 16 * D; i += kThreads)
+    for (int i = th; i < HB * D; i += kThreads)
       smem.Write(qs + size_t(i / D) * DP + i % D, F32ToBF16(q[i]), th);
-    if (th < 16) {
+    if (th < HB) {
       wf(m + 2 * th, -INFINITY, th);
       wf(l + 2 * th, 0.0f, th);
     }
@@ -81,34 +87,36 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
       }
     smem.Barrier();
     for (int warp = 0; warp < 8; ++warp) {  // 2. scores: warp w takes keys [8w, 8w + 8)
-      float c[32][4] = {};
-      for (int k0 = 0; k0 < D; k0 += 16) {
-        float a[32][8], b[32][4];
-        for (int lane = 0; lane < 32; ++lane) {
-          const int th = warp * 32 + lane;
-          const size_t krow = ks + size_t(warp * 8 + mma::ColB(lane)) * DP;
-          for (int r = 0; r < 4; ++r) {
-            const auto v =
-                pair(qs + size_t(mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0), th);
-            a[lane][2 * r] = v.first, a[lane][2 * r + 1] = v.second;
+      for (int mt = 0; mt < MT; ++mt) {
+        float c[32][4] = {};
+        for (int k0 = 0; k0 < D; k0 += 16) {
+          float a[32][8], b[32][4];
+          for (int lane = 0; lane < 32; ++lane) {
+            const int th = warp * 32 + lane;
+            const size_t krow = ks + size_t(warp * 8 + mma::ColB(lane)) * DP;
+            for (int r = 0; r < 4; ++r) {
+              const auto v = pair(
+                  qs + size_t(mt * 16 + mma::RowA(lane, r)) * DP + k0 + mma::ColA(lane, r, 0), th);
+              a[lane][2 * r] = v.first, a[lane][2 * r + 1] = v.second;
+            }
+            for (int r = 0; r < 2; ++r) {
+              const auto v = pair(krow + k0 + mma::RowB(lane, r, 0), th);
+              b[lane][2 * r] = v.first, b[lane][2 * r + 1] = v.second;
+            }
           }
-          for (int r = 0; r < 2; ++r) {
-            const auto v = pair(krow + k0 + mma::RowB(lane, r, 0), th);
-            b[lane][2 * r] = v.first, b[lane][2 * r + 1] = v.second;
-          }
+          MmaSync(a, b, c);
         }
-        MmaSync(a, b, c);
+        for (int lane = 0; lane < 32; ++lane)
+          for (int i = 0; i < 4; ++i) {
+            const int h = mt * 16 + mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
+            float x = c[lane][i] * sm_scale;
+            if (soft_cap > 0) x = soft_cap * std::tanh(x / soft_cap);
+            wf(sf + 2 * (size_t(h) * kKeys + j), j < nk ? x : -INFINITY, warp * 32 + lane);
+          }
       }
-      for (int lane = 0; lane < 32; ++lane)
-        for (int i = 0; i < 4; ++i) {
-          const int h = mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
-          float x = c[lane][i] * sm_scale;
-          if (soft_cap > 0) x = soft_cap * std::tanh(x / soft_cap);
-          wf(sf + 2 * (size_t(h) * kKeys + j), j < nk ? x : -INFINITY, warp * 32 + lane);
-        }
     }
     smem.Barrier();
-    for (int h = 0; h < 16; ++h) {  // 3. online softmax, one thread per head
+    for (int h = 0; h < HB; ++h) {  // 3. online softmax, one thread per head
       float mx = rf(m + 2 * h, h);
       for (int j = 0; j < nk; ++j) mx = std::max(mx, rf(sf + 2 * (size_t(h) * kKeys + j), h));
       const float mh = rf(m + 2 * h, h);
@@ -130,25 +138,27 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
     for (int warp = 0; warp < 8; ++warp) {  // 4. O += P V: warp w owns columns [w cols, ...)
       for (int lane = 0; lane < 32; ++lane) {
         const int th = warp * 32 + lane;
-        const float c_lo = rf(corr + 2 * mma::RowC(lane, 0), th);
-        const float c_hi = rf(corr + 2 * mma::RowC(lane, 2), th);
-        for (int nt = 0; nt < ntiles; ++nt) {
-          acc[warp][lane][nt][0] *= c_lo;
-          acc[warp][lane][nt][1] *= c_lo;
-          acc[warp][lane][nt][2] *= c_hi;
-          acc[warp][lane][nt][3] *= c_hi;
+        for (int mt = 0; mt < MT; ++mt) {
+          const float c_lo = rf(corr + 2 * (mt * 16 + mma::RowC(lane, 0)), th);
+          const float c_hi = rf(corr + 2 * (mt * 16 + mma::RowC(lane, 2)), th);
+          for (int nt = 0; nt < ntiles; ++nt) {
+            float* x = acc(warp, lane, mt, nt);
+            x[0] *= c_lo, x[1] *= c_lo, x[2] *= c_hi, x[3] *= c_hi;
+          }
         }
       }
       for (int k0 = 0; k0 < kKeys; k0 += 16) {
-        float a[32][8];
-        for (int lane = 0; lane < 32; ++lane)
-          for (int r = 0; r < 4; ++r) {
-            const auto v = pair(ps + size_t(mma::RowA(lane, r)) * PP + k0 + mma::ColA(lane, r, 0),
-                                warp * 32 + lane);
-            a[lane][2 * r] = v.first, a[lane][2 * r + 1] = v.second;
-          }
+        std::vector<std::array<std::array<float, 8>, 32>> a(MT);
+        for (int mt = 0; mt < MT; ++mt)
+          for (int lane = 0; lane < 32; ++lane)
+            for (int r = 0; r < 4; ++r) {
+              const auto v =
+                  pair(ps + size_t(mt * 16 + mma::RowA(lane, r)) * PP + k0 + mma::ColA(lane, r, 0),
+                       warp * 32 + lane);
+              a[mt][lane][2 * r] = v.first, a[mt][lane][2 * r + 1] = v.second;
+            }
         for (int nt = 0; nt < ntiles; ++nt) {
-          float b[32][4], c[32][4];
+          float b[32][4];
           for (int lane = 0; lane < 32; ++lane) {
             const int th = warp * 32 + lane;
             const size_t v = ks + size_t(warp * cols + nt * 8 + mma::ColB(lane));
@@ -156,11 +166,17 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
               for (int hh = 0; hh < 2; ++hh)
                 b[lane][2 * r + hh] =
                     BF16ToF32(smem.Read(v + size_t(k0 + mma::RowB(lane, r, hh)) * DP, th));
-            std::memcpy(c[lane], acc[warp][lane][nt], sizeof(c[lane]));
           }
-          MmaSync(a, b, c);
-          for (int lane = 0; lane < 32; ++lane)
-            std::memcpy(acc[warp][lane][nt], c[lane], sizeof(c[lane]));
+          for (int mt = 0; mt < MT; ++mt) {
+            float am[32][8], c[32][4];
+            for (int lane = 0; lane < 32; ++lane) {
+              std::memcpy(am[lane], a[mt][lane].data(), sizeof(am[lane]));
+              std::memcpy(c[lane], acc(warp, lane, mt, nt), sizeof(c[lane]));
+            }
+            MmaSync(am, b, c);
+            for (int lane = 0; lane < 32; ++lane)
+              std::memcpy(acc(warp, lane, mt, nt), c[lane], sizeof(c[lane]));
+          }
         }
       }
     }
@@ -169,41 +185,44 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
   const bool partial = splits > 1;
   MlaBlock block;
   std::vector<float>& out = block.out;
-  out.assign(size_t(16) * L, NAN);
+  out.assign(size_t(HB) * L, NAN);
   std::vector<uint8_t> written(out.size(), 0);
   if (partial)
-    for (int h = 0; h < 16; ++h) {
+    for (int h = 0; h < HB; ++h) {
       block.m.push_back(rf(m + 2 * h, h));
       block.l.push_back(rf(l + 2 * h, h));
     }
   for (int warp = 0; warp < 8; ++warp)
     for (int lane = 0; lane < 32; ++lane) {
       const int th = warp * 32 + lane;
-      const int lo = mma::RowC(lane, 0), hi = mma::RowC(lane, 2);
-      const float l_lo = rf(l + 2 * lo, th), l_hi = rf(l + 2 * hi, th);
-      const float inv_lo = partial    ? 1.0f
-                           : l_lo > 0 ? 1.0f / l_lo
-                                      : 0.0f,
-                  inv_hi = partial    ? 1.0f
-                           : l_hi > 0 ? 1.0f / l_hi
-                                      : 0.0f;
-      for (int nt = 0; nt < ntiles; ++nt) {
-        const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
-        const size_t cells[4] = {size_t(lo) * L + col, size_t(lo) * L + col + 1,
-                                 size_t(hi) * L + col, size_t(hi) * L + col + 1};
-        for (int e = 0; e < 4; ++e) {
-          if (written[cells[e]]++) throw std::runtime_error("output element written twice");
-          out[cells[e]] = acc[warp][lane][nt][e] * (e < 2 ? inv_lo : inv_hi);
+      for (int mt = 0; mt < MT; ++mt) {
+        const int lo = mt * 16 + mma::RowC(lane, 0), hi = mt * 16 + mma::RowC(lane, 2);
+        const float l_lo = rf(l + 2 * lo, th), l_hi = rf(l + 2 * hi, th);
+        const float inv_lo = partial    ? 1.0f
+                             : l_lo > 0 ? 1.0f / l_lo
+                                        : 0.0f,
+                    inv_hi = partial    ? 1.0f
+                             : l_hi > 0 ? 1.0f / l_hi
+                                        : 0.0f;
+        for (int nt = 0; nt < ntiles; ++nt) {
+          const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
+          const size_t cells[4] = {size_t(lo) * L + col, size_t(lo) * L + col + 1,
+                                   size_t(hi) * L + col, size_t(hi) * L + col + 1};
+          for (int e = 0; e < 4; ++e) {
+            if (written[cells[e]]++) throw std::runtime_error("output element written twice");
+            out[cells[e]] = acc(warp, lane, mt, nt)[e] * (e < 2 ? inv_lo : inv_hi);
+          }
         }
       }
     }
   return block;
 }
 
-// MlaCombineKernel for one query: merges the splits' partial blocks into out [16][L].
+// MlaCombineKernel for one query: merges the splits' partial blocks into out [HB][L].
 inline std::vector<float> CombineSplits(const std::vector<MlaBlock>& parts, int L) {
-  std::vector<float> out(size_t(16) * L);
-  for (int h = 0; h < 16; ++h) {
+  const int HB = static_cast<int>(parts.at(0).m.size());
+  std::vector<float> out(size_t(HB) * L);
+  for (int h = 0; h < HB; ++h) {
     float M = -INFINITY, denom = 0.0f;
     for (const MlaBlock& b : parts) M = std::max(M, b.m[h]);
     for (const MlaBlock& b : parts)
