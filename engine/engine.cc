@@ -148,7 +148,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     for (int i = 0; i < options.num_devices; ++i) names.push_back(absl::StrCat("cpu:", i));
   const cpu::Kernels* kernels = &cpu::GetKernels(options.isa);
   ASSIGN_OR_RETURN(impl->devices, CreateDevices(names, options.spec, layout,
-                                                HostCompute{impl->pool.get(), kernels}));
+                                                DeviceOptions{impl->pool.get(), kernels,
+                                                              options.gpu_scratch_bytes}));
   impl->table = std::make_unique<SequenceTable>(
       names, std::vector<int32_t>(names.size(), layout.num_pages), options.spec.page_size,
       SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences});

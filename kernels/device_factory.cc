@@ -12,7 +12,7 @@ namespace attnd {
 
 absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
-    const HostCompute& host) {
+    const DeviceOptions& options) {
   std::vector<std::unique_ptr<Device>> out;
 #ifdef ATTND_HAVE_CUDA
   std::vector<cuda::CudaDevice*> gpus;
@@ -25,13 +25,13 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
       return absl::InvalidArgumentError(
           absl::StrCat("device ", Quote(name), ": expected cpu:N or cuda:N"));
     if (!gpu) {
-      auto d = CpuDevice::Create(name, spec, layout, host.pool, host.kernels);
+      auto d = CpuDevice::Create(name, spec, layout, options.pool, options.kernels);
       if (!d.ok()) return d.status();
       out.push_back(std::move(d).value());
       continue;
     }
 #ifdef ATTND_HAVE_CUDA
-    auto d = cuda::CudaDevice::Create(name, ordinal, spec, layout);
+    auto d = cuda::CudaDevice::Create(name, ordinal, spec, layout, options.gpu_scratch_bytes);
     if (!d.ok()) return d.status();
     gpus.push_back(d->get());
     out.push_back(std::move(d).value());

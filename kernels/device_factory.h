@@ -14,19 +14,21 @@
 
 namespace attnd {
 
-// What CPU devices compute with; they share the pool (which outlives the devices).
-struct HostCompute {
+// What devices are made with: CPU devices compute on the shared pool (which outlives them) with
+// the given inner loops; each GPU keeps gpu_scratch_bytes of working memory beside its cache.
+struct DeviceOptions {
   ThreadPool* pool = nullptr;
   const cpu::Kernels* kernels = nullptr;
+  size_t gpu_scratch_bytes = size_t{4} << 30;
 };
 
 // One device per name, in order, each with a cache of `layout`. INVALID_ARGUMENT for a malformed
 // name, UNIMPLEMENTED for cuda:N in a build without CUDA, FAILED_PRECONDITION for a missing GPU,
-// RESOURCE_EXHAUSTED when a cache cannot be allocated. GPUs of one server are connected so their
-// page copies go device to device (NCCL when it loads, else peer copies).
+// RESOURCE_EXHAUSTED when a cache (plus a GPU's scratch budget) does not fit. GPUs of one server
+// are connected so their page copies go device to device (NCCL when it loads, else peer copies).
 absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
-    const HostCompute& host);
+    const DeviceOptions& options);
 
 // Whether this build can drive CUDA devices (nvcc was found at build time).
 bool CudaBackendBuilt();

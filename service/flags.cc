@@ -19,6 +19,8 @@ std::string ServerUsage() {
   --model-file=PATH            JSON model spec (overrides --model)
   --kv-cache-bytes=N           cache bytes per device (default 1073741824)
   --kv-pages=N                 cache pages per device, incl. reserved page 0 (overrides bytes)
+  --gpu-scratch-bytes=N        per GPU, beside its cache: a step's working memory; a step that
+                               needs more is refused at BeginStep (default 4294967296)
   --cache-dtype=bf16|fp32      cache element type (default bf16)
   --devices=LIST               cpu:N and/or cuda:N, comma separated; each sequence lives on
                                one device. auto (default): every GPU when this build has CUDA
@@ -81,6 +83,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"model-file", str_flag(&f.model_file)},
       {"kv-cache-bytes", int_flag(&f.kv_cache_bytes)},
       {"kv-pages", int_flag(&f.kv_pages)},
+      {"gpu-scratch-bytes", int_flag(&f.gpu_scratch_bytes)},
       {"cache-dtype",
        [&f](const std::string& v) {
          if (v == "bf16") {

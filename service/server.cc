@@ -46,6 +46,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.cache_dtype = f.cache_dtype;
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
+  o.gpu_scratch_bytes = static_cast<size_t>(f.gpu_scratch_bytes);
   o.threads = f.threads;
   o.limits.max_step_tokens = f.max_step_tokens;
   o.limits.max_batch_entries = f.max_batch_entries;

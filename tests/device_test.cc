@@ -34,8 +34,8 @@ class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode
     ASSERT_TRUE(layout.ok());
     const std::vector<std::string> names = gpu ? std::vector<std::string>{"cuda:0", "cpu:0"}
                                                : std::vector<std::string>{"cpu:0", "cpu:1"};
-    auto devices =
-        CreateDevices(names, spec_, *layout, HostCompute{&pool_, &cpu::GetKernels(cpu::BestIsa())});
+    auto devices = CreateDevices(names, spec_, *layout,
+                                 DeviceOptions{&pool_, &cpu::GetKernels(cpu::BestIsa())});
     ASSERT_TRUE(devices.ok()) << devices.status();
     devices_ = std::move(devices).value();
     free_.resize(63);
@@ -209,7 +209,7 @@ TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
   const ModelSpec s = MixedLayerSpec(SelectionMode::kToken);
   const auto layout = CacheLayout::ForCapacity(s, DType::kBF16, 8, 0).value();
   ThreadPool pool(1);
-  const HostCompute host{&pool, &cpu::GetKernels(cpu::BestIsa())};
+  const DeviceOptions host{&pool, &cpu::GetKernels(cpu::BestIsa())};
   for (const char* bad : {"gpu:0", "cpu:", "cpu:-1", "cpu:x", ""}) {
     auto d = CreateDevices({bad}, s, layout, host);
     EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << bad;

@@ -184,6 +184,7 @@ struct CudaDevice::State {
   DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
   HostBuffer staging;
   int sms = 1;                       // multiprocessors: how many split-K blocks fill the GPU
+  size_t scratch_budget = 0;         // the most per-layer scratch a step may need (bytes)
   const StepShare* share = nullptr;  // the share whose layer runs now (mu held)
   Step* st = nullptr;
 
@@ -237,7 +238,8 @@ struct CudaDevice::State {
 
 absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name, int ordinal,
                                                                const ModelSpec& spec,
-                                                               const CacheLayout& layout) {
+                                                               const CacheLayout& layout,
+                                                               size_t scratch_bytes) {
   ASSIGN_OR_RETURN(const int visible, ProbeDevices());
   if (ordinal < 0 || ordinal >= visible)
     return absl::FailedPreconditionError(
@@ -250,7 +252,15 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
   State& s = *d->s_;
   s.spec = spec;
   s.layout = layout;
+  s.scratch_budget = scratch_bytes;
   CUDA_RETURN(cudaSetDevice(ordinal));
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (layout.TotalBytes() + scratch_bytes > free_bytes)
+    return absl::ResourceExhaustedError(absl::StrCat(
+        d->name(), ": a KV cache of ", layout.TotalBytes() >> 20, " MiB and ", scratch_bytes >> 20,
+        " MiB of step scratch (--gpu-scratch-bytes) do not fit in the GPU's ", free_bytes >> 20,
+        " MiB free of ", total_bytes >> 20, " MiB; lower --kv-cache-bytes or the scratch"));
   // The kernels must have code for this GPU (a fat binary for sm_80 and sm_90, PTX for newer).
   if (const cudaError_t k = ProbeKernels(); k != cudaSuccess) {
     cudaGetLastError();
@@ -329,6 +339,13 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&part_out, splits > 1 ? splits * n * H * L * 4 : 4},
       {&part_ml, splits > 1 ? splits * n * H * 2 * 4 : 4}};
   size_t total = 0;
+  for (const auto& [buf, bytes] : want) total += bytes;
+  if (total > scratch_budget)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a step of ", share.size(), " tokens needs about ", total >> 20,
+                     " MiB of GPU scratch beyond the KV cache, over the ", scratch_budget >> 20,
+                     " MiB budget (--gpu-scratch-bytes); send smaller steps"));
+  total = 0;
   for (const auto& [buf, bytes] : want) {
     total += bytes;
     if (absl::Status r = buf->Reserve(bytes); !r.ok()) {

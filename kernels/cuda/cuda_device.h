@@ -30,10 +30,13 @@ void SetTensorCoreIndexer(bool on);
 
 class CudaDevice final : public Device {
  public:
-  // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`.
+  // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`, after
+  // checking that the cache and `scratch_bytes` of per-step working memory fit in its free
+  // memory (RESOURCE_EXHAUSTED otherwise).
   static absl::StatusOr<std::unique_ptr<CudaDevice>> Create(std::string name, int ordinal,
                                                             const ModelSpec& spec,
-                                                            const CacheLayout& layout);
+                                                            const CacheLayout& layout,
+                                                            size_t scratch_bytes);
   ~CudaDevice() override;
   int ordinal() const { return ordinal_; }
 
