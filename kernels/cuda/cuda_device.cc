@@ -36,27 +36,22 @@ int64_t MaxKeys(const StepShare& share) {
 // Bounds one wave of indexer scores (floats): 64 MiB of GPU scratch.
 constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 
-// ATTND_CUDA_MLA=mma selects the bf16 tensor-core MLA kernel for bf16 requests; the SIMT kernel
-// stays the default until the tensor-core one has passed the parity tests on a GPU.
-// SetTensorCoreMla overrides it (tests compare the two kernels in one process).
+// bf16 requests take the tensor-core kernels (MLA and indexer); ATTND_CUDA_MLA=simt and
+// ATTND_CUDA_INDEXER=simt select the SIMT ones instead (gpu-check runs both; any other value
+// keeps the default). SetTensorCoreMla / SetTensorCoreIndexer override them in tests.
+bool FromEnv(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::string(v) != "simt";
+}
 std::atomic<int> g_tensor_core_mla{-1};  // -1: from the environment
 bool TensorCoreMla() {
-  static const bool from_env = [] {
-    const char* v = std::getenv("ATTND_CUDA_MLA");
-    return v != nullptr && std::string(v) == "mma";
-  }();
+  static const bool from_env = FromEnv("ATTND_CUDA_MLA");
   const int set = g_tensor_core_mla.load();
   return set < 0 ? from_env : set == 1;
 }
-
-// ATTND_CUDA_INDEXER=mma selects the bf16 tensor-core indexer for bf16 requests (opt-in until it
-// has passed the parity tests on a GPU); SetTensorCoreIndexer overrides it.
 std::atomic<int> g_tensor_core_indexer{-1};
 bool TensorCoreIndexer() {
-  static const bool from_env = [] {
-    const char* v = std::getenv("ATTND_CUDA_INDEXER");
-    return v != nullptr && std::string(v) == "mma";
-  }();
+  static const bool from_env = FromEnv("ATTND_CUDA_INDEXER");
   const int set = g_tensor_core_indexer.load();
   return set < 0 ? from_env : set == 1;
 }

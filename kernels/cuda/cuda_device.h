@@ -22,10 +22,10 @@ class NcclPeers;
 absl::StatusOr<int> ProbeDevices();
 // ProbeDevices(), or 0 when the probe fails.
 int DeviceCount();
-// Selects the bf16 tensor-core MLA kernel (true) or the SIMT one for bf16 requests, overriding
-// ATTND_CUDA_MLA; for tests comparing the two.
+// Selects the bf16 tensor-core MLA kernel (true, the default) or the SIMT one for bf16
+// requests, overriding ATTND_CUDA_MLA=simt; for tests comparing the two.
 void SetTensorCoreMla(bool on);
-// The same for the bf16 tensor-core indexer (default from ATTND_CUDA_INDEXER=mma).
+// The same for the bf16 tensor-core indexer (ATTND_CUDA_INDEXER=simt).
 void SetTensorCoreIndexer(bool on);
 
 class CudaDevice final : public Device {

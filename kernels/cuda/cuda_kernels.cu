@@ -616,6 +616,18 @@ __global__ void MlaCombineKernel(MlaParams p) {
   }
 }
 
+// cp.async (sm_80+): 16 bytes global -> shared, bypassing registers and L1; `valid` false
+// zero-fills the destination and reads nothing.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+// Waits for this thread's outstanding cp.async copies (a barrier then publishes them).
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
 // ---- the indexer on bf16 tensor cores ----
 // grid (tiles of 64 keys, queries), 8 warps. Shared: Q [Hi][Di+8] bf16 | K [64][Di+8] bf16 |
 // w [Hi] f32. Warp w scores keys [8w, 8w + 8) for every head: Hi/16 m-tiles x Di/16 k-steps of
@@ -638,13 +650,16 @@ __global__ void IndexerMmaKernel(IndexerParams p) {
   for (int i = threadIdx.x; i < H * D; i += blockDim.x)
     qs[(i / D) * DP + i % D] = __float2bfloat16_rn(p.q[int64_t{q} * H * D + i]);
   for (int i = threadIdx.x; i < H; i += blockDim.x) ws[i] = p.w[int64_t{q} * H + i];
+  // Paged key rows straight into shared memory with asynchronous 16-byte copies (no register
+  // staging); rows past the last key are zero-filled (source size 0).
   const int chunks = D / 8;  // 16-byte pieces of a key row
   for (int i = threadIdx.x; i < kIdxMmaKeys * chunks; i += blockDim.x) {
     const int j = i / chunks, c = i % chunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (j < nk) v = reinterpret_cast<const uint4*>(Row(p.keys, p.tables, q, t0 + j))[c];
-    *reinterpret_cast<uint4*>(ks + j * DP + c * 8) = v;
+    const bool valid = j < nk;
+    const uint8_t* src = valid ? Row(p.keys, p.tables, q, t0 + j) + c * 16 : p.keys.base;
+    CpAsync16(ks + j * DP + c * 8, src, valid);
   }
+  CpAsyncWaitAll();
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const __nv_bfloat16* krow = ks + (warp * 8 + mma::ColB(lane)) * DP;

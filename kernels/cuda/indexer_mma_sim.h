@@ -43,7 +43,8 @@ inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<flo
     std::memcpy(&x, &b, 4);
     return x;
   };
-  // Phase 1: every thread's loads, as the kernel's loops stride them.
+  // Phase 1: every thread's loads, as the kernel's loops stride them (the key rows arrive by
+  // cp.async; they are complete once each thread has waited and the barrier has passed).
   for (int tid = 0; tid < kThreads; ++tid) {
     for (int i = tid; i < H * D; i += kThreads)
       smem.Write(qs + size_t(i / D) * DP + i % D, F32ToBF16(q[i]), tid);
