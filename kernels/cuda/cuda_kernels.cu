@@ -746,41 +746,36 @@ bool IndexerUsesTensorCores(const IndexerParams& p) {
          reinterpret_cast<uintptr_t>(p.keys.base) % 16 == 0;  // uint4 rows
 }
 
+// Launches an indexer kernel over tiles of `tile` keys and the queries, splitting the query list
+// where it passes the grid's y limit.
+template <typename Kernel>
+cudaError_t LaunchIndexerGrid(const IndexerParams& p, Kernel kernel, int tile, size_t smem,
+                              cudaStream_t s) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
+    IndexerParams c = p;
+    c.queries += q0;
+    c.score_offset += q0;
+    c.nq = std::min(kMaxGridY, p.nq - q0);
+    const dim3 grid(static_cast<unsigned>((p.max_keys + tile - 1) / tile), c.nq);
+    kernel<<<grid, kThreads, smem, s>>>(c);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s) {
   if (p.nq <= 0 || p.max_keys <= 0) return cudaSuccess;
-  if (IndexerUsesTensorCores(p)) {
-    const size_t smem = 2 * size_t(p.heads + kIdxMmaKeys) * (p.dim + 8) + 4 * size_t(p.heads);
-    cudaError_t e = cudaFuncSetAttribute(
-        IndexerMmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-    for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
-      IndexerParams c = p;
-      c.queries += q0;
-      c.score_offset += q0;
-      c.nq = std::min(kMaxGridY, p.nq - q0);
-      const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxMmaKeys - 1) / kIdxMmaKeys), c.nq);
-      IndexerMmaKernel<<<grid, kThreads, smem, s>>>(c);
-      if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    }
-    return cudaSuccess;
-  }
+  if (IndexerUsesTensorCores(p))
+    return LaunchIndexerGrid(p, IndexerMmaKernel, kIdxMmaKeys,
+                             2 * size_t(p.heads + kIdxMmaKeys) * (p.dim + 8) + 4 * size_t(p.heads),
+                             s);
   const size_t smem =
       sizeof(float) * (p.heads * p.dim + p.heads + kIdxTile * (p.dim + 1) + 4 * kIdxTile);
   return Dispatch(p.keys.dtype, [&](auto t) {
-    cudaError_t e =
-        cudaFuncSetAttribute(IndexerKernel<decltype(t)::value>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-    for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
-      IndexerParams c = p;
-      c.queries += q0;
-      c.score_offset += q0;
-      c.nq = std::min(kMaxGridY, p.nq - q0);
-      const dim3 grid(static_cast<unsigned>((p.max_keys + kIdxTile - 1) / kIdxTile), c.nq);
-      IndexerKernel<decltype(t)::value><<<grid, kThreads, smem, s>>>(c);
-      if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    }
-    return cudaSuccess;
+    return LaunchIndexerGrid(p, IndexerKernel<decltype(t)::value>, kIdxTile, smem, s);
   });
 }
 

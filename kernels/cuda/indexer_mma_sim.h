@@ -30,25 +30,12 @@ inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<flo
   // Layout in 16-bit cells: qs [H][DP] | ks [64][DP] | ws [H] floats (2 cells each).
   const size_t qs = 0, ks = size_t(H) * DP, ws = ks + size_t(kKeys) * DP;
   Smem smem(ws + 2 * size_t(H));
-  auto write_f32 = [&](size_t cell, float x, int thread) {
-    uint32_t b;
-    std::memcpy(&b, &x, 4);
-    smem.Write(cell, static_cast<uint16_t>(b & 0xffff), thread);
-    smem.Write(cell + 1, static_cast<uint16_t>(b >> 16), thread);
-  };
-  auto read_f32 = [&](size_t cell, int thread) {
-    const uint32_t b =
-        smem.Read(cell, thread) | (static_cast<uint32_t>(smem.Read(cell + 1, thread)) << 16);
-    float x;
-    std::memcpy(&x, &b, 4);
-    return x;
-  };
   // Phase 1: every thread's loads, as the kernel's loops stride them (the key rows arrive by
   // cp.async; they are complete once each thread has waited and the barrier has passed).
   for (int tid = 0; tid < kThreads; ++tid) {
     for (int i = tid; i < H * D; i += kThreads)
       smem.Write(qs + size_t(i / D) * DP + i % D, F32ToBF16(q[i]), tid);
-    for (int i = tid; i < H; i += kThreads) write_f32(ws + 2 * size_t(i), w[i], tid);
+    for (int i = tid; i < H; i += kThreads) smem.WriteF32(ws + 2 * size_t(i), w[i], tid);
     const int chunks = D / 8;
     for (int i = tid; i < kKeys * chunks; i += kThreads) {
       const int j = i / chunks, c = i % chunks;
@@ -93,7 +80,7 @@ inline std::vector<float> RunIndexerMmaBlock(int H, int D, const std::vector<flo
         for (int i = 0; i < 4; ++i) {
           const float x = c[lane][i];
           part[lane][i & 1] +=
-              read_f32(ws + 2 * size_t(m0 + mma::RowC(lane, i)), warp * 32 + lane) *
+              smem.ReadF32(ws + 2 * size_t(m0 + mma::RowC(lane, i)), warp * 32 + lane) *
               (x < 0.0f ? 0.0f : x);
         }
     }

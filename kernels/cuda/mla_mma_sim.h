@@ -40,18 +40,6 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
                sf = ps + size_t(HB) * PP, m = sf + 2 * size_t(HB) * kKeys, l = m + 2 * size_t(HB),
                corr = l + 2 * size_t(HB);
   Smem smem(corr + 2 * size_t(HB));
-  auto wf = [&](size_t cell, float x, int th) {
-    uint32_t b;
-    std::memcpy(&b, &x, 4);
-    smem.Write(cell, static_cast<uint16_t>(b & 0xffff), th);
-    smem.Write(cell + 1, static_cast<uint16_t>(b >> 16), th);
-  };
-  auto rf = [&](size_t cell, int th) {
-    const uint32_t b = smem.Read(cell, th) | (uint32_t(smem.Read(cell + 1, th)) << 16);
-    float x;
-    std::memcpy(&x, &b, 4);
-    return x;
-  };
   auto pair = [&](size_t cell, int th) {
     if ((cell * 2) % 4 != 0) throw std::runtime_error("misaligned 32-bit fragment load");
     return std::make_pair(BF16ToF32(smem.Read(cell, th)), BF16ToF32(smem.Read(cell + 1, th)));
@@ -66,8 +54,8 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
     for (int i = th; i < HB * D; i += kThreads)
       smem.Write(qs + size_t(i / D) * DP + i % D, F32ToBF16(q[i]), th);
     if (th < HB) {
-      wf(m + 2 * th, -INFINITY, th);
-      wf(l + 2 * th, 0.0f, th);
+      smem.WriteF32(m + 2 * th, -INFINITY, th);
+      smem.WriteF32(l + 2 * th, 0.0f, th);
     }
   }
   smem.Barrier();
@@ -111,36 +99,38 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
             const int h = mt * 16 + mma::RowC(lane, i), j = warp * 8 + mma::ColC(lane, i);
             float x = c[lane][i] * sm_scale;
             if (soft_cap > 0) x = soft_cap * std::tanh(x / soft_cap);
-            wf(sf + 2 * (size_t(h) * kKeys + j), j < nk ? x : -INFINITY, warp * 32 + lane);
+            smem.WriteF32(sf + 2 * (size_t(h) * kKeys + j), j < nk ? x : -INFINITY,
+                          warp * 32 + lane);
           }
       }
     }
     smem.Barrier();
     for (int h = 0; h < HB; ++h) {  // 3. online softmax, one thread per head
-      float mx = rf(m + 2 * h, h);
-      for (int j = 0; j < nk; ++j) mx = std::max(mx, rf(sf + 2 * (size_t(h) * kKeys + j), h));
-      const float mh = rf(m + 2 * h, h);
+      float mx = smem.ReadF32(m + 2 * h, h);
+      for (int j = 0; j < nk; ++j)
+        mx = std::max(mx, smem.ReadF32(sf + 2 * (size_t(h) * kKeys + j), h));
+      const float mh = smem.ReadF32(m + 2 * h, h);
       const float cr = mh == -INFINITY ? 0.0f : std::exp(mh - mx);
       const bool none = mx == -INFINITY;
       float sum = 0.0f;
       for (int j = 0; j < kKeys; ++j) {
         const float e =
-            j < nk && !none ? std::exp(rf(sf + 2 * (size_t(h) * kKeys + j), h) - mx) : 0;
+            j < nk && !none ? std::exp(smem.ReadF32(sf + 2 * (size_t(h) * kKeys + j), h) - mx) : 0;
         const uint16_t eb = F32ToBF16(e);
         smem.Write(ps + size_t(h) * PP + j, eb, h);
         sum += BF16ToF32(eb);
       }
-      wf(l + 2 * h, rf(l + 2 * h, h) * cr + sum, h);
-      wf(m + 2 * h, mx, h);
-      wf(corr + 2 * h, cr, h);
+      smem.WriteF32(l + 2 * h, smem.ReadF32(l + 2 * h, h) * cr + sum, h);
+      smem.WriteF32(m + 2 * h, mx, h);
+      smem.WriteF32(corr + 2 * h, cr, h);
     }
     smem.Barrier();
     for (int warp = 0; warp < 8; ++warp) {  // 4. O += P V: warp w owns columns [w cols, ...)
       for (int lane = 0; lane < 32; ++lane) {
         const int th = warp * 32 + lane;
         for (int mt = 0; mt < MT; ++mt) {
-          const float c_lo = rf(corr + 2 * (mt * 16 + mma::RowC(lane, 0)), th);
-          const float c_hi = rf(corr + 2 * (mt * 16 + mma::RowC(lane, 2)), th);
+          const float c_lo = smem.ReadF32(corr + 2 * (mt * 16 + mma::RowC(lane, 0)), th);
+          const float c_hi = smem.ReadF32(corr + 2 * (mt * 16 + mma::RowC(lane, 2)), th);
           for (int nt = 0; nt < ntiles; ++nt) {
             float* x = acc(warp, lane, mt, nt);
             x[0] *= c_lo, x[1] *= c_lo, x[2] *= c_hi, x[3] *= c_hi;
@@ -189,15 +179,15 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
   std::vector<uint8_t> written(out.size(), 0);
   if (partial)
     for (int h = 0; h < HB; ++h) {
-      block.m.push_back(rf(m + 2 * h, h));
-      block.l.push_back(rf(l + 2 * h, h));
+      block.m.push_back(smem.ReadF32(m + 2 * h, h));
+      block.l.push_back(smem.ReadF32(l + 2 * h, h));
     }
   for (int warp = 0; warp < 8; ++warp)
     for (int lane = 0; lane < 32; ++lane) {
       const int th = warp * 32 + lane;
       for (int mt = 0; mt < MT; ++mt) {
         const int lo = mt * 16 + mma::RowC(lane, 0), hi = mt * 16 + mma::RowC(lane, 2);
-        const float l_lo = rf(l + 2 * lo, th), l_hi = rf(l + 2 * hi, th);
+        const float l_lo = smem.ReadF32(l + 2 * lo, th), l_hi = smem.ReadF32(l + 2 * hi, th);
         const float inv_lo = partial    ? 1.0f
                              : l_lo > 0 ? 1.0f / l_lo
                                         : 0.0f,

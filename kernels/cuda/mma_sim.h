@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -64,6 +65,19 @@ class Smem {
       reader_[i] = thread;
     rphase_[i] = phase_;
     return v_[i];
+  }
+  // An fp32 value in two cells (low half first).
+  void WriteF32(size_t cell, float x, int thread) {
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    Write(cell, static_cast<uint16_t>(b & 0xffff), thread);
+    Write(cell + 1, static_cast<uint16_t>(b >> 16), thread);
+  }
+  float ReadF32(size_t cell, int thread) {
+    const uint32_t b = Read(cell, thread) | (static_cast<uint32_t>(Read(cell + 1, thread)) << 16);
+    float x;
+    std::memcpy(&x, &b, 4);
+    return x;
   }
   void Barrier() { ++phase_; }
   size_t size() const { return v_.size(); }
