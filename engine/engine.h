@@ -48,7 +48,7 @@ struct EngineOptions {
   size_t cache_bytes_per_device = size_t{1} << 30;
   // Each GPU's working memory beside its cache (fixed at startup: cache + scratch must fit the
   // GPU); a step needing more is RESOURCE_EXHAUSTED at BeginStep.
-  size_t gpu_scratch_bytes = size_t{4} << 30;
+  size_t gpu_scratch_bytes = size_t{8} << 30;
   int threads = 0;                // compute threads; 0 = all cores
   cpu::Isa isa = cpu::BestIsa();  // CPU inner-loop ISA (tests sweep every supported one)
   EngineLimits limits;

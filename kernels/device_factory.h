@@ -19,7 +19,7 @@ namespace attnd {
 struct DeviceOptions {
   ThreadPool* pool = nullptr;
   const cpu::Kernels* kernels = nullptr;
-  size_t gpu_scratch_bytes = size_t{4} << 30;
+  size_t gpu_scratch_bytes = size_t{8} << 30;
 };
 
 // One device per name, in order, each with a cache of `layout`. INVALID_ARGUMENT for a malformed

@@ -18,7 +18,7 @@ struct ServerFlags {
   std::string model_file;                     // a JSON model spec; wins over --model
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
   int32_t kv_pages = 0;  // per device, incl. the reserved page 0; wins over bytes
-  int64_t gpu_scratch_bytes = int64_t{4} << 30;  // per GPU, beside its cache
+  int64_t gpu_scratch_bytes = int64_t{8} << 30;  // per GPU, beside its cache
   DType cache_dtype = DType::kBF16;
   std::vector<std::string> devices = {"auto"};  // cpu:N and/or cuda:N, or auto
   int threads = 0;                              // compute threads; 0 = all cores

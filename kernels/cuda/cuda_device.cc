@@ -333,7 +333,8 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&page_count, n * 4},
       {&part_out, splits > 1 ? splits * n * H * L * 4 : 4},
       {&part_ml, splits > 1 ? splits * n * H * 2 * 4 : 4}};
-  size_t total = 0;
+  // The step's own selection buffers (positions and slot ids) count too.
+  size_t total = 2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4;
   for (const auto& [buf, bytes] : want) total += bytes;
   if (total > scratch_budget)
     return absl::ResourceExhaustedError(
