@@ -20,8 +20,8 @@ std::string ServerUsage() {
   --kv-cache-bytes=N           cache bytes per device (default 1073741824)
   --kv-pages=N                 cache pages per device, incl. reserved page 0 (overrides bytes)
   --gpu-scratch-bytes=N        per GPU, beside its cache: a step's working memory (about
-                               1.1 MiB per new token at 128 heads, 0.2 MiB at 16); a step that needs
-                               more is refused at BeginStep (default 8589934592)
+                               1.1 MiB per new token at 128 heads, 0.2 MiB at 16); a step
+                               that needs more is refused at BeginStep (default 8589934592)
   --cache-dtype=bf16|fp32      cache element type (default bf16)
   --devices=LIST               cpu:N and/or cuda:N, comma separated; each sequence lives on
                                one device. auto (default): every GPU when this build has CUDA
