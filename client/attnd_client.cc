@@ -122,8 +122,7 @@ absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id)
   return resp;
 }
 
-namespace {
-v1::BeginStepRequest MakeBegin(const Batch& batch, bool write_only, int num_shards) {
+v1::BeginStepRequest MakeBeginRequest(const Batch& batch, bool write_only, int num_shards) {
   v1::BeginStepRequest req;
   for (const auto& [id, q] : batch) {
     auto* e = req.add_batch();
@@ -134,14 +133,13 @@ v1::BeginStepRequest MakeBegin(const Batch& batch, bool write_only, int num_shar
   req.set_num_shards(num_shards);
   return req;
 }
-}  // namespace
 
 absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool write_only,
                                                         int num_shards) {
   grpc::ClientContext ctx;
   v1::BeginStepResponse resp;
   absl::Status s =
-      FromGrpc(stub_->BeginStep(&ctx, MakeBegin(batch, write_only, num_shards), &resp));
+      FromGrpc(stub_->BeginStep(&ctx, MakeBeginRequest(batch, write_only, num_shards), &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -223,7 +221,7 @@ absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& re
 absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool write_only,
                                                         int num_shards) {
   v1::StepRequest req;
-  *req.mutable_begin() = MakeBegin(batch, write_only, num_shards);
+  *req.mutable_begin() = MakeBeginRequest(batch, write_only, num_shards);
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
   open_ids_.clear();

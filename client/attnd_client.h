@@ -25,6 +25,10 @@ namespace attnd::client {
 // (sequence id, q_len) in batch order.
 using Batch = std::vector<std::pair<std::string, int64_t>>;
 
+// The BeginStep request for `batch` (what Client::BeginStep and StepStream::Begin send).
+v1::BeginStepRequest MakeBeginRequest(const Batch& batch, bool write_only = false,
+                                      int num_shards = 0);
+
 // A wire tensor holding a copy of `data` (bytes in `dtype`, row-major).
 v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
                       size_t bytes);

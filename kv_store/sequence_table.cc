@@ -54,7 +54,7 @@ int SequenceTable::Place() const {
 }
 
 absl::Status SequenceTable::CheckDevice(int device) const {
-  if (device < -1 || device >= num_devices())
+  if (device >= num_devices())
     return absl::OutOfRangeError(
         absl::StrCat("device ", device, " outside [0, ", num_devices(), ")"));
   return absl::OkStatus();
@@ -62,7 +62,7 @@ absl::Status SequenceTable::CheckDevice(int device) const {
 
 absl::Status SequenceTable::Open(const std::string& id, int device) {
   if (absl::Status s = CheckNewId(id); !s.ok()) return s;
-  if (absl::Status s = CheckDevice(device < 0 ? -1 : device); !s.ok()) return s;
+  if (absl::Status s = CheckDevice(device); !s.ok()) return s;
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->device = device < 0 ? Place() : device;
@@ -113,7 +113,7 @@ absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& 
     return absl::OutOfRangeError(absl::StrCat("fork prefix_len ", prefix_len, " outside [0, ",
                                               par->length, "] (parent ", Quote(parent),
                                               " length)"));
-  if (absl::Status s = CheckDevice(device < 0 ? -1 : device); !s.ok()) return s;
+  if (absl::Status s = CheckDevice(device); !s.ok()) return s;
   if (par->filling)
     return absl::FailedPreconditionError(absl::StrCat(
         "fork parent ", Quote(parent), " is still being forked itself; fork it afterwards"));
@@ -229,8 +229,8 @@ absl::Status SequenceTable::PinRows(const std::string& id, int64_t begin, int64_
     return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
                                               seq->length, " committed tokens of ", Quote(id)));
   if (seq->filling)
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", Quote(id), " is still being forked; read it afterwards"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is still being forked; read it afterwards"));
   *device = seq->device;
   pages->clear();
   if (end > begin)

@@ -67,7 +67,7 @@ class SequenceTable {
   absl::Status CheckNewId(const std::string& id) const;
   // The device for a new sequence: most free pages, ties to the lowest index.
   int Place() const;
-  // OUT_OF_RANGE unless -1 <= device < num_devices().
+  // OUT_OF_RANGE unless device < num_devices() (a negative device means "any").
   absl::Status CheckDevice(int device) const;
 
   // Opens an empty sequence on `device` (< 0: Place()).

@@ -222,5 +222,16 @@ TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
             absl::StatusCode::kInvalidArgument);  // slot ids past 32 bits
 }
 
+// Here, not in cuda_test (built only with CUDA), so that a build without CUDA runs it.
+TEST(DeviceFactory, BuildWithoutCudaRejectsCudaDevicesClearly) {
+  if (CudaBackendBuilt()) GTEST_SKIP() << "this build has the CUDA backend";
+  EngineOptions o;
+  o.spec = MixedLayerSpec(SelectionMode::kToken);
+  o.devices = {"cuda:0"};
+  o.pages_per_device = 8;
+  auto e = Engine::Create(o);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kUnimplemented);
+}
+
 }  // namespace
 }  // namespace attnd::testing

@@ -10,19 +10,13 @@ namespace attnd::testing {
 namespace {
 
 ModelSpec TestSpec(int page_size, int heads, SelectionMode mode) {
-  ModelSpec s = PresetModelSpec("tiny").value();
+  ModelSpec s = MixedLayerSpec(mode);
   s.name = "test";
-  // full, shared, full, shared, dense: every layer kind in one model.
+  // full, shared, full, shared, dense: a second shared layer after the last full one.
   s.layers = {LayerKind::kFull, LayerKind::kShared, LayerKind::kFull, LayerKind::kShared,
               LayerKind::kDense};
   s.page_size = page_size;
   s.num_heads = heads;
-  s.index_topk = 24;
-  s.selection = mode;
-  s.page_union_max_pages = 3;
-  s.page_budget = 2;
-  s.sliding_window = 40;
-  s.soft_cap = 3.0;
   return s;
 }
 

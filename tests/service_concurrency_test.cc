@@ -45,14 +45,7 @@ class ServiceConcurrency : public ::testing::Test {
     EXPECT_TRUE(engine_->ReservedPageUntouched(0));
   }
   v1::BeginStepRequest Begin(const client::Batch& b, int shards = 0) {
-    v1::BeginStepRequest r;
-    for (const auto& [id, q] : b) {
-      auto* e = r.add_batch();
-      e->set_sequence_id(id);
-      e->set_q_len(q);
-    }
-    r.set_num_shards(shards);
-    return r;
+    return client::MakeBeginRequest(b, false, shards);
   }
   void Open(const std::string& id) {
     v1::OpenSequenceRequest r;
@@ -66,6 +59,13 @@ class ServiceConcurrency : public ::testing::Test {
     EXPECT_TRUE(svc_->DoCloseSequence(r).ok()) << id;
   }
   int64_t Length(const std::string& id) { return engine_->DescribeSequence(id)->length; }
+  // Sequence prefix + t holds exactly the tokens of its committed steps; then it is closed.
+  void ExpectCommittedAndClose(const std::string& prefix, const std::vector<int64_t>& committed) {
+    for (size_t t = 0; t < committed.size(); ++t) {
+      EXPECT_EQ(Length(absl::StrCat(prefix, t)), committed[t]);
+      Close(absl::StrCat(prefix, t));
+    }
+  }
 
   std::unique_ptr<Engine> engine_;
   Executor executor_{4};
@@ -119,10 +119,7 @@ TEST_F(ServiceConcurrency, StepsFromManyThreadsWithRacingAbortsKeepEveryLength) 
   for (auto& w : workers) w.join();
   done = true;
   aborter.join();
-  for (int t = 0; t < kThreads; ++t) {
-    EXPECT_EQ(Length(absl::StrCat("c", t)), committed[t]);
-    Close(absl::StrCat("c", t));
-  }
+  ExpectCommittedAndClose("c", committed);
 }
 
 TEST_F(ServiceConcurrency, ShardedStepsGatherShardsArrivingFromDifferentThreads) {
@@ -264,10 +261,7 @@ TEST_F(ServiceConcurrency, RegionsChangingUnderRunningLayersFailOnlyThoseCalls) 
   for (auto& w : workers) w.join();
   done = true;
   churn.join();
-  for (int t = 0; t < kThreads; ++t) {
-    EXPECT_EQ(Length(absl::StrCat("m", t)), committed[t]);
-    Close(absl::StrCat("m", t));
-  }
+  ExpectCommittedAndClose("m", committed);
 }
 
 }  // namespace

@@ -138,8 +138,6 @@ absl::StatusOr<int> ProbeDevices() {
                                              cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
 }
 
-int DeviceCount() { return ProbeDevices().value_or(0); }
-
 void SetTensorCoreMla(bool on) { g_tensor_core_mla = on ? 1 : 0; }
 void SetTensorCoreIndexer(bool on) { g_tensor_core_indexer = on ? 1 : 0; }
 
@@ -151,13 +149,25 @@ struct CudaDevice::Step final : DeviceStep {
   int ordinal = 0;
   int64_t n = 0;
   int64_t sel_cap = 0;
+  int32_t page_size = 0;
+  int64_t max_keys = 1;  // the most keys any query attends (position + 1)
   DeviceBuffer pos, seq, indptr, pages, slot, needs_index;
   DeviceBuffer sel, sel_slots, sel_count;  // [n, sel_cap] positions and slot ids, [n] counts
   bool selected = false;                   // a full layer has run
+  // The indexer's queries in waves whose score rows fit kMaxScoreFloats, planned and uploaded
+  // once per step (every full layer reuses them).
+  struct Wave {
+    int nq = 0;
+    int64_t total = 0, max_len = 0, pages_total = 0, max_pages = 0;
+    DeviceBuffer rows, offset, len;   // [nq] local token, score offset, visible keys
+    DeviceBuffer page_offset, pages;  // [nq] page-key offset, pages (page modes)
+  };
+  std::vector<std::unique_ptr<Wave>> waves;
   QueryTables Tables() const {
     QueryTables t;
     t.table.indptr = indptr.as<int32_t>();
     t.table.pages = pages.as<int32_t>();
+    t.table.page_size = page_size;
     t.seq = seq.as<int32_t>();
     t.pos = pos.as<int64_t>();
     return t;
@@ -173,9 +183,8 @@ struct CudaDevice::State {
   std::mutex mu;                       // one layer at a time per GPU: the scratch below is shared
   std::mutex copy_mu;
   // Per-layer scratch.
-  DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, need, need_off,
-      need_len, tmp_sel, tmp_count, page_keys, page_off, page_len, page_list, page_count, out_f32,
-      out_raw;
+  DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, tmp_sel, tmp_count,
+      page_keys, page_list, page_count, out_f32, out_raw;
   DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
   HostBuffer staging;
   int sms = 1;                       // multiprocessors: how many split-K blocks fill the GPU
@@ -185,11 +194,7 @@ struct CudaDevice::State {
 
   CacheRows Latent(int layer) const { return layout.Latent(cache, layer); }
   CacheRows Index(int slot) const { return layout.Index(cache, slot); }
-  QueryTables Tables() const {
-    QueryTables t = st->Tables();
-    t.table.page_size = spec.page_size;
-    return t;
-  }
+  QueryTables Tables() const { return st->Tables(); }
 
   // Gathers the share's rows of `t` into pinned staging, uploads them and converts to fp32.
   absl::Status Rows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
@@ -219,9 +224,9 @@ struct CudaDevice::State {
   }
 
   absl::Status Select(int layer, bool index_q_bf16);
-  absl::Status SelectWave(int slot, const std::vector<int32_t>& need_rows,
-                          const std::vector<int64_t>& offset, const std::vector<int64_t>& len,
-                          int64_t total, int64_t max_len, bool index_q_bf16);
+  absl::Status SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16);
+  // Plans the step's indexer waves from its share and uploads them (mu held).
+  absl::Status PlanWaves(const StepShare& share, Step* step);
   absl::Status ToSlots();
   // Grows the per-layer scratch to what a layer of `share` needs (mu held): a step that cannot
   // fit fails at BeginStep with RESOURCE_EXHAUSTED, never in the middle of a layer.
@@ -321,14 +326,9 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&out_f32, n * H * L * 4},
       {&out_raw, n * H * L * 4},
       {&scores, std::max<size_t>(4, need_keys * 4)},
-      {&need, n * 4},
-      {&need_off, n * 8},
-      {&need_len, n * 8},
       {&tmp_sel, n * k * 4},
       {&tmp_count, n * 4},
       {&page_keys, pages * 4},
-      {&page_off, n * 8},
-      {&page_len, n * 8},
       {&page_list, n * keep * 4},
       {&page_count, n * 4},
       {&part_out, splits > 1 ? splits * n * H * L * 4 : 4},
@@ -362,6 +362,9 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   auto st = std::make_unique<Step>(ordinal_);
   st->n = share.size();
   st->sel_cap = std::max<int64_t>(1, share.max_selected);
+  st->page_size = share.page_size;
+  st->max_keys = MaxKeys(share);
+  RETURN_IF_ERROR(s.PlanWaves(share, st.get()));
   RETURN_IF_ERROR(Upload(st->pos, share.pos, s.stream));
   RETURN_IF_ERROR(Upload(st->seq, share.seq, s.stream));
   RETURN_IF_ERROR(Upload(st->indptr, share.indptr, s.stream));
@@ -377,44 +380,49 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   return std::unique_ptr<DeviceStep>(std::move(st));
 }
 
+absl::Status CudaDevice::State::PlanWaves(const StepShare& share, Step* step) {
+  for (int64_t i = 0; i < share.size();) {
+    std::vector<int32_t> rows;
+    std::vector<int64_t> offset, len, page_offset, pages;
+    auto w = std::make_unique<Step::Wave>();
+    for (; i < share.size(); ++i) {
+      if (!share.needs_index[i]) continue;
+      const int64_t v = share.pos[i] + 1;
+      if (!rows.empty() && w->total + v > kMaxScoreFloats) break;
+      const int64_t np = (v + spec.page_size - 1) / spec.page_size;
+      rows.push_back(static_cast<int32_t>(i));
+      offset.push_back(w->total);
+      len.push_back(v);
+      page_offset.push_back(w->pages_total);
+      pages.push_back(np);
+      w->total += v;
+      w->max_len = std::max(w->max_len, v);
+      w->pages_total += np;
+      w->max_pages = std::max(w->max_pages, np);
+    }
+    if (rows.empty()) break;
+    w->nq = static_cast<int>(rows.size());
+    RETURN_IF_ERROR(Upload(w->rows, rows, stream));
+    RETURN_IF_ERROR(Upload(w->offset, offset, stream));
+    RETURN_IF_ERROR(Upload(w->len, len, stream));
+    RETURN_IF_ERROR(Upload(w->page_offset, page_offset, stream));
+    RETURN_IF_ERROR(Upload(w->pages, pages, stream));
+    step->waves.push_back(std::move(w));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaDevice::State::Select(int layer, bool index_q_bf16) {
   const int slot = spec.FullSlot(layer);
-  std::vector<int32_t> all;  // local tokens whose selection could miss a visible key
-  for (int64_t i = 0; i < st->n; ++i)
-    if (share->needs_index[i]) all.push_back(static_cast<int32_t>(i));
-  // Waves of queries whose score rows fit kMaxScoreFloats: scratch stays bounded whatever the
-  // step (the CPU backend does the same).
-  for (size_t w0 = 0; w0 < all.size();) {
-    std::vector<int32_t> rows;
-    std::vector<int64_t> offset, len;
-    int64_t total = 0, max_len = 0;
-    size_t w1 = w0;
-    for (; w1 < all.size(); ++w1) {
-      const int64_t v = share->pos[all[w1]] + 1;
-      if (w1 > w0 && total + v > kMaxScoreFloats) break;
-      rows.push_back(all[w1]);
-      offset.push_back(total);
-      len.push_back(v);
-      total += v;
-      max_len = std::max(max_len, v);
-    }
-    RETURN_IF_ERROR(SelectWave(slot, rows, offset, len, total, max_len, index_q_bf16));
-    w0 = w1;
-  }
+  for (const auto& w : st->waves) RETURN_IF_ERROR(SelectWave(slot, *w, index_q_bf16));
   return ToSlots();
 }
 
 // Indexer scores, then top-k or page selection, for one wave of queries: writes their rows of
 // the step's selected positions (st->sel, st->sel_count).
-absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>& need_rows,
-                                           const std::vector<int64_t>& offset,
-                                           const std::vector<int64_t>& len, int64_t total,
-                                           int64_t max_len, bool index_q_bf16) {
-  const int nq = static_cast<int>(need_rows.size());
-  RETURN_IF_ERROR(Upload(this->need, need_rows, stream));
-  RETURN_IF_ERROR(Upload(need_off, offset, stream));
-  RETURN_IF_ERROR(Upload(need_len, len, stream));
-  RETURN_IF_ERROR(scores.Reserve(total * 4));
+absl::Status CudaDevice::State::SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16) {
+  const int nq = wave.nq;
+  RETURN_IF_ERROR(scores.Reserve(wave.total * 4));
   IndexerParams ip;
   ip.q = idx_q.as<float>();
   ip.w = idx_w.as<float>();
@@ -422,40 +430,31 @@ absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>&
   ip.dim = spec.index_head_dim;
   ip.keys = Index(slot);
   ip.tables = Tables();
-  ip.queries = this->need.as<int32_t>();
-  ip.score_offset = need_off.as<int64_t>();
+  ip.queries = wave.rows.as<int32_t>();
+  ip.score_offset = wave.offset.as<int64_t>();
   ip.nq = nq;
-  ip.max_keys = max_len;
+  ip.max_keys = wave.max_len;
   ip.scores = scores.as<float>();
   ip.tensor_cores = TensorCoreIndexer() && index_q_bf16;
   CUDA_RETURN(LaunchIndexerScores(ip, stream));
 
   TopKParams tk;
   tk.scores = scores.as<float>();
-  tk.row_offset = need_off.as<int64_t>();
-  tk.row_len = need_len.as<int64_t>();
+  tk.row_offset = wave.offset.as<int64_t>();
+  tk.row_len = wave.len.as<int64_t>();
   tk.nq = nq;
   if (spec.selection == SelectionMode::kToken) {
     tk.k = spec.index_topk;
     tk.out = st->sel.as<int32_t>();
     tk.out_stride = st->sel_cap;
     tk.out_count = st->sel_count.as<int32_t>();
-    tk.out_row = this->need.as<int32_t>();
+    tk.out_row = wave.rows.as<int32_t>();
     CUDA_RETURN(LaunchTopK(tk, stream));
     return absl::OkStatus();
   }
   // Page modes: per-query page keys, the best pages, then their positions.
-  std::vector<int64_t> poff(nq);
-  int64_t pages_total = 0, max_pages = 0;
-  for (int i = 0; i < nq; ++i) {
-    poff[i] = pages_total;
-    const int64_t np = (len[i] + spec.page_size - 1) / spec.page_size;
-    pages_total += np;
-    max_pages = std::max(max_pages, np);
-  }
-  RETURN_IF_ERROR(Upload(page_off, poff, stream));
-  RETURN_IF_ERROR(page_keys.Reserve(pages_total * 4));
-  CUDA_RETURN(cudaMemsetAsync(page_keys.ptr, 0, pages_total * 4, stream));
+  RETURN_IF_ERROR(page_keys.Reserve(wave.pages_total * 4));
+  CUDA_RETURN(cudaMemsetAsync(page_keys.ptr, 0, wave.pages_total * 4, stream));
   int64_t keep = spec.page_budget;
   if (spec.selection == SelectionMode::kPageUnion) {
     keep = spec.page_union_max_pages;
@@ -469,11 +468,11 @@ absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>&
     CUDA_RETURN(LaunchTopK(tk, stream));
     PageHitParams ph;
     ph.scores = scores.as<float>();
-    ph.row_offset = need_off.as<int64_t>();
+    ph.row_offset = wave.offset.as<int64_t>();
     ph.selected = tmp_sel.as<int32_t>();
     ph.selected_count = tmp_count.as<int32_t>();
     ph.sel_stride = k;
-    ph.page_offset = page_off.as<int64_t>();
+    ph.page_offset = wave.page_offset.as<int64_t>();
     ph.nq = nq;
     ph.page_size = spec.page_size;
     ph.max_sel = k;
@@ -482,24 +481,21 @@ absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>&
   } else {
     PageMaxParams pm;
     pm.scores = scores.as<float>();
-    pm.row_offset = need_off.as<int64_t>();
-    pm.row_len = need_len.as<int64_t>();
-    pm.page_offset = page_off.as<int64_t>();
+    pm.row_offset = wave.offset.as<int64_t>();
+    pm.row_len = wave.len.as<int64_t>();
+    pm.page_offset = wave.page_offset.as<int64_t>();
     pm.nq = nq;
     pm.page_size = spec.page_size;
-    pm.max_pages = max_pages;
+    pm.max_pages = wave.max_pages;
     pm.page_keys = page_keys.as<uint32_t>();
     CUDA_RETURN(LaunchPageMax(pm, stream));
   }
-  std::vector<int64_t> npages(nq);
-  for (int i = 0; i < nq; ++i) npages[i] = (len[i] + spec.page_size - 1) / spec.page_size;
-  RETURN_IF_ERROR(Upload(page_len, npages, stream));
   RETURN_IF_ERROR(page_list.Reserve(nq * keep * 4));
   RETURN_IF_ERROR(page_count.Reserve(nq * 4));
   TopKParams pk;
   pk.keys = page_keys.as<uint32_t>();
-  pk.row_offset = page_off.as<int64_t>();
-  pk.row_len = page_len.as<int64_t>();
+  pk.row_offset = wave.page_offset.as<int64_t>();
+  pk.row_len = wave.pages.as<int64_t>();
   pk.nq = nq;
   pk.k = keep;
   pk.drop_zero = true;
@@ -511,13 +507,13 @@ absl::Status CudaDevice::State::SelectWave(int slot, const std::vector<int32_t>&
   ex.pages = page_list.as<int32_t>();
   ex.page_count = page_count.as<int32_t>();
   ex.page_stride = keep;
-  ex.row_len = need_len.as<int64_t>();
+  ex.row_len = wave.len.as<int64_t>();
   ex.nq = nq;
   ex.page_size = spec.page_size;
   ex.out = st->sel.as<int32_t>();
   ex.out_stride = st->sel_cap;
   ex.out_count = st->sel_count.as<int32_t>();
-  ex.out_row = this->need.as<int32_t>();
+  ex.out_row = wave.rows.as<int32_t>();
   CUDA_RETURN(LaunchExpandPages(ex, stream));
   return absl::OkStatus();
 }
@@ -595,7 +591,7 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   mp.tensor_cores =
       TensorCoreMla() && in.q_latent.dtype == DType::kBF16 && in.q_rope.dtype == DType::kBF16;
   if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
-    mp.splits = MlaSplits(mp.n, H, s.sms, MaxKeys(share), MlaHeadsPerBlock(mp));
+    mp.splits = MlaSplits(mp.n, H, s.sms, st.max_keys, MlaHeadsPerBlock(mp));
     RETURN_IF_ERROR(s.part_out.Reserve(size_t(mp.splits) * st.n * H * L * 4));
     RETURN_IF_ERROR(s.part_ml.Reserve(size_t(mp.splits) * st.n * H * 2 * 4));
     mp.part_out = s.part_out.as<float>();

@@ -20,8 +20,6 @@ class NcclPeers;
 // too old for this runtime, missing device nodes, a failed initialisation), so a broken GPU
 // stack is never mistaken for a CPU-only machine.
 absl::StatusOr<int> ProbeDevices();
-// ProbeDevices(), or 0 when the probe fails.
-int DeviceCount();
 // Selects the bf16 tensor-core MLA kernel (true, the default) or the SIMT one for bf16
 // requests, overriding ATTND_CUDA_MLA=simt; for tests comparing the two.
 void SetTensorCoreMla(bool on);
