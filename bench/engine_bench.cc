@@ -189,7 +189,7 @@ std::unique_ptr<Engine> MakeEngine(int batch, int64_t context) {
     if (!e->OpenSequence(id).ok()) std::abort();
     for (int64_t done = 0; done < context;) {
       const int64_t q = std::min<int64_t>(4096, context - done);
-      auto step = e->BeginStep({{id, q}}, StepOptions{true});
+      auto step = e->BeginStep({{id, q}}, StepOptions::WriteOnly());
       for (int l = 0; l < 2; ++l) {
         Tensors tb;
         if (!e->RunLayer(*step, l, MakeInputs(o.spec, q, l == 0, true, tb, rng), nullptr, 0).ok())

@@ -4,11 +4,17 @@
 //                 [--check-every=4] [--seed=1]
 //   attnctl bench [--target=...] [--batch=8] [--context=4096] [--steps=20]
 //   attnctl handoff --sequence=ID --to=HOST:PORT [--target=...] [--chunk=4096] [--close-source]
+//   attnctl list  [--target=...] [--all-tenants]
 //   attnctl soak  [--target=127.0.0.1:PORT] [--minutes=1] [--clients=4] [--server-pid=PID]
+// Connection flags (every command but soak): --tls-ca=PEM [--tls-cert=PEM --tls-key=PEM]
+// [--tls-server-name=NAME] for TLS/mTLS; --token-file=FILE (or $ATTND_TOKEN) for a bearer token;
+// --as-tenant=NAME (the admin only).
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -62,11 +68,50 @@ int Info(Client& c) {
       m.num_heads(), m.index_n_heads(), m.index_head_dim(), m.index_topk(), m.page_size(),
       m.sm_scale(), static_cast<long long>(m.max_context()), m.selection().c_str(),
       m.prefill().c_str());
+  std::printf("caller: tenant %s%s (auth %s), shared memory %s\n",
+              info->tenant().empty() ? "(anonymous)" : info->tenant().c_str(),
+              info->admin() ? ", admin" : "", info->auth().c_str(), info->shm() ? "on" : "off");
   for (const auto& d : info->devices())
     std::printf("device %s: %d/%d pages free (%lld bytes each), %lld sequences\n", d.name().c_str(),
                 d.pages_free(), d.pages_total(), static_cast<long long>(d.bytes_per_page()),
                 static_cast<long long>(d.sequences()));
   return 0;
+}
+
+int List(Client& c, const Args& a) {
+  const bool all = a.flags.count("all-tenants") > 0;
+  auto list = c.ListSequences(all);
+  if (!list.ok()) return Fail(list.status(), "list");
+  for (const auto& s : list->sequences()) {
+    if (all) std::printf("%s\t", s.tenant().empty() ? "(anonymous)" : s.tenant().c_str());
+    std::printf("%s\t%lld tokens\t%d pages\t%s%s\n", s.sequence_id().c_str(),
+                static_cast<long long>(s.length()), s.num_pages(), s.device().c_str(),
+                s.in_step() ? "\tin step" : "");
+  }
+  std::printf("%d sequence(s)\n", list->sequences_size());
+  return 0;
+}
+
+// The connection flags: TLS files, a bearer token, acting as a tenant.
+absl::StatusOr<ConnectOptions> ConnectFlags(const Args& a) {
+  ConnectOptions o;
+  o.tls_ca_file = a.Get("tls-ca", "");
+  o.tls_cert_file = a.Get("tls-cert", "");
+  o.tls_key_file = a.Get("tls-key", "");
+  o.tls_server_name = a.Get("tls-server-name", "");
+  o.act_as_tenant = a.Get("as-tenant", "");
+  const std::string token_file = a.Get("token-file", "");
+  if (!token_file.empty()) {
+    std::ifstream in(token_file);
+    if (!in)
+      return absl::InvalidArgumentError(absl::StrCat("--token-file: cannot read ", token_file));
+    std::getline(in, o.token);
+    while (!o.token.empty() && (o.token.back() == '\r' || o.token.back() == ' '))
+      o.token.pop_back();
+  } else if (const char* env = std::getenv("ATTND_TOKEN")) {
+    o.token = env;
+  }
+  return o;
 }
 
 // Runs one step over the stream, timing each layer; returns outputs per layer.
@@ -210,7 +255,7 @@ int Demo(Client& c, const Args& a) {
   return failed == 0 && checked_layers > 0 ? 0 : 1;
 }
 
-int Bench(Client& c, const Args& a) {
+int Bench(Client& c, const Args& a, const ConnectOptions& options) {
   auto info = c.Info();
   if (!info.ok()) return Fail(info.status(), "info");
   auto spec_or = ModelSpecFromProto(info->model());
@@ -244,15 +289,27 @@ int Bench(Client& c, const Args& a) {
   for (const auto& l : g) req_bytes += l.wire.ByteSizeLong();
   req_bytes /= g.size();
   LatencyStats stream_lat, unary_lat, echo_lat, shm_lat;
-  // The same layers with every tensor in a shared-memory region (co-located client).
-  const std::string key = absl::StrCat("/", tag);
+  // The same layers with every tensor in a shared-memory region (co-located client), over the
+  // server's Unix-socket listener (--shm-target=unix:PATH; the server runs with --shm).
+  const std::string shm_target = a.Get("shm-target", "");
+  std::unique_ptr<Client> local;
+  std::unique_ptr<StepStream> local_stream;
+  const std::string key = absl::StrCat("/attnd-", tag);
   const size_t out_bytes = resp_bytes;
   std::vector<v1::LayerInputs> shm_layers;
-  auto mem = SharedMemory::Create(key, (req_bytes + out_bytes) * g.size() + (1 << 20));
-  if (!mem.ok()) return Fail(mem.status(), "shared memory");
-  if (auto r = c.RegisterSharedMemory(tag, key, 0, static_cast<int64_t>((*mem)->size())); !r.ok())
-    return Fail(r, "register shared memory");
-  {
+  absl::StatusOr<std::unique_ptr<SharedMemory>> mem = absl::UnavailableError("no --shm-target");
+  if (!shm_target.empty()) {
+    auto l = Client::Connect(shm_target, options);
+    if (!l.ok()) return Fail(l.status(), "connect --shm-target");
+    local = std::move(l).value();
+    mem = SharedMemory::Create(key, (req_bytes + out_bytes) * g.size() + (1 << 20));
+    if (!mem.ok()) return Fail(mem.status(), "shared memory");
+    if (auto r = local->RegisterSharedMemory(tag, key, 0, static_cast<int64_t>((*mem)->size()));
+        !r.ok())
+      return Fail(r, "register shared memory");
+    local_stream = local->OpenStream();
+  }
+  if (local != nullptr) {
     int64_t off = 0;
     for (const auto& l : g) {
       v1::LayerInputs in = l.wire;
@@ -288,11 +345,13 @@ int Bench(Client& c, const Args& a) {
         return Fail(o.status(), "unary layer");
       unary_lat.Add(Since(t0));
     }
-    if (auto b2 = stream->Begin(decode); !b2.ok()) return Fail(b2.status(), "begin");
-    for (const auto& l : shm_layers) {
-      const auto t0 = Clock::now();
-      if (auto o = stream->Layer(l); !o.ok()) return Fail(o.status(), "shm layer");
-      shm_lat.Add(Since(t0));
+    if (local_stream != nullptr) {
+      if (auto b2 = local_stream->Begin(decode); !b2.ok()) return Fail(b2.status(), "begin");
+      for (const auto& l : shm_layers) {
+        const auto t0 = Clock::now();
+        if (auto o = local_stream->Layer(l); !o.ok()) return Fail(o.status(), "shm layer");
+        shm_lat.Add(Since(t0));
+      }
     }
     const std::string payload(req_bytes, 'x');
     for (size_t l = 0; l < g.size(); ++l) {
@@ -303,7 +362,10 @@ int Bench(Client& c, const Args& a) {
     }
   }
   (void)stream->Close();
-  (void)c.UnregisterSharedMemory(tag);
+  if (local != nullptr) {
+    (void)local_stream->Close();
+    (void)local->UnregisterSharedMemory(tag);
+  }
   for (const auto& [id, q] : decode) (void)c.CloseSequence(id);
   std::printf(
       "decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
@@ -315,20 +377,27 @@ int Bench(Client& c, const Args& a) {
                            {"unary", &unary_lat},
                            {"stream + shared mem", &shm_lat},
                            {"echo (same bytes)", &echo_lat}})
-    std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
-                st->Percentile(99) * 1e3, st->count());
+    if (st->count() > 0)
+      std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
+                  st->Percentile(99) * 1e3, st->count());
+  if (local == nullptr)
+    std::printf(
+        "(shared memory not measured: give --shm-target=unix:PATH of a server run "
+        "with --shm --shm-socket=PATH)\n");
   return 0;
 }
 
 // Moves a sequence to another server and, with --close-source, closes it here.
-int Handoff(Client& from, const Args& a) {
+int Handoff(Client& from, const Args& a, const ConnectOptions& options) {
   const std::string id = a.Get("sequence", "");
   const std::string to_target = a.Get("to", "");
   if (id.empty() || to_target.empty()) {
     std::fprintf(stderr, "attnctl handoff: --sequence=ID and --to=HOST:PORT are required\n");
     return 2;
   }
-  auto to = Client::Connect(to_target);
+  auto to_or = Client::Connect(to_target, options);
+  if (!to_or.ok()) return Fail(to_or.status(), "connect");
+  auto to = std::move(to_or).value();
   auto info = from.DescribeSequence(id);
   if (!info.ok()) return Fail(info.status(), "describe");
   const auto t0 = Clock::now();
@@ -379,18 +448,28 @@ int main(int argc, char** argv) {
     return RunSoak(o);
   }
   if (a.command != "info" && a.command != "demo" && a.command != "bench" &&
-      a.command != "handoff") {
-    std::fprintf(stderr,
-                 "usage: attnctl info|demo|bench|handoff [--target=HOST:PORT] [command flags]\n"
-                 "  demo:  --sequences=4 --prompt=2200 --chunk=512 --decode=24 --check-every=4\n"
-                 "  bench: --batch=8 --context=4096 --steps=20\n"
-                 "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n"
-                 "  soak:  --minutes=1 --clients=4 --sequences=4 --server-pid=PID (loopback)\n");
+      a.command != "handoff" && a.command != "list") {
+    std::fprintf(
+        stderr,
+        "usage: attnctl info|demo|bench|handoff|list [--target=HOST:PORT] [command flags]\n"
+        "  connection: --tls-ca=PEM [--tls-cert=PEM --tls-key=PEM] "
+        "[--tls-server-name=NAME]\n"
+        "              --token-file=FILE (or $ATTND_TOKEN) --as-tenant=NAME (admin)\n"
+        "  list:  [--all-tenants] (admin)\n"
+        "  demo:  --sequences=4 --prompt=2200 --chunk=512 --decode=24 --check-every=4\n"
+        "  bench: --batch=8 --context=4096 --steps=20 [--shm-target=unix:PATH]\n"
+        "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n"
+        "  soak:  --minutes=1 --clients=4 --sequences=4 --server-pid=PID (loopback)\n");
     return 2;
   }
-  auto client = Client::Connect(a.Get("target", "localhost:50051"));
+  auto options = ConnectFlags(a);
+  if (!options.ok()) return Fail(options.status(), "connect");
+  auto client_or = Client::Connect(a.Get("target", "localhost:50051"), *options);
+  if (!client_or.ok()) return Fail(client_or.status(), "connect");
+  auto client = std::move(client_or).value();
   if (a.command == "info") return Info(*client);
+  if (a.command == "list") return List(*client, a);
   if (a.command == "demo") return Demo(*client, a);
-  if (a.command == "handoff") return Handoff(*client, a);
-  return Bench(*client, a);
+  if (a.command == "handoff") return Handoff(*client, a, *options);
+  return Bench(*client, a, *options);
 }

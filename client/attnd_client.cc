@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -72,18 +74,62 @@ absl::Status FromGrpc(const grpc::Status& s) {
 }
 
 std::unique_ptr<Client> Client::Connect(const std::string& target, int max_message_bytes) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(max_message_bytes);
-  args.SetMaxSendMessageSize(max_message_bytes);
-  return std::unique_ptr<Client>(
-      new Client(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
+  ConnectOptions o;
+  o.max_message_bytes = max_message_bytes;
+  return std::move(Connect(target, o)).value();  // no files to read: cannot fail
 }
 
-Client::Client(std::shared_ptr<grpc::Channel> channel)
-    : channel_(std::move(channel)), stub_(v1::Attention::NewStub(channel_)) {}
+namespace {
+absl::StatusOr<std::string> ReadPem(const char* what, const std::string& path) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, ": cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        const ConnectOptions& o) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(o.max_message_bytes);
+  args.SetMaxSendMessageSize(o.max_message_bytes);
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!o.tls_ca_file.empty() || !o.tls_cert_file.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    auto ca = ReadPem("tls CA", o.tls_ca_file);
+    auto cert = ReadPem("tls certificate", o.tls_cert_file);
+    auto key = ReadPem("tls key", o.tls_key_file);
+    for (const auto* r : {&ca, &cert, &key})
+      if (!r->ok()) return r->status();
+    if (cert->empty() != key->empty())
+      return absl::InvalidArgumentError("a client certificate and its key go together");
+    ssl.pem_root_certs = *ca;
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+    creds = grpc::SslCredentials(ssl);
+    if (!o.tls_server_name.empty()) args.SetSslTargetNameOverride(o.tls_server_name);
+  }
+  Metadata md;
+  if (!o.token.empty()) md.emplace_back("authorization", absl::StrCat("Bearer ", o.token));
+  if (!o.act_as_tenant.empty()) md.emplace_back("attnd-tenant", o.act_as_tenant);
+  return std::unique_ptr<Client>(
+      new Client(grpc::CreateCustomChannel(target, creds, args), std::move(md)));
+}
+
+void Client::Authorize(grpc::ClientContext* ctx) const {
+  for (const auto& [k, v] : metadata_) ctx->AddMetadata(k, v);
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata)
+    : channel_(std::move(channel)),
+      stub_(v1::Attention::NewStub(channel_)),
+      metadata_(std::move(metadata)) {}
 
 absl::StatusOr<v1::ServerInfoResponse> Client::Info() {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::ServerInfoResponse resp;
   absl::Status s = FromGrpc(stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &resp));
   if (!s.ok()) return s;
@@ -94,6 +140,7 @@ absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
                                                       const std::string& parent,
                                                       int64_t prefix_len) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::OpenSequenceRequest req;
   req.set_sequence_id(id);
   req.set_fork_parent_id(parent);
@@ -106,14 +153,27 @@ absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
 
 absl::Status Client::CloseSequence(const std::string& id) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::CloseSequenceRequest req;
   req.set_sequence_id(id);
   v1::CloseSequenceResponse resp;
   return FromGrpc(stub_->CloseSequence(&ctx, req, &resp));
 }
 
+absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants) {
+  grpc::ClientContext ctx;
+  Authorize(&ctx);
+  v1::ListSequencesRequest req;
+  req.set_all_tenants(all_tenants);
+  v1::ListSequencesResponse resp;
+  absl::Status s = FromGrpc(stub_->ListSequences(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
 absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
@@ -137,6 +197,7 @@ v1::BeginStepRequest MakeBeginRequest(const Batch& batch, bool write_only, int n
 absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool write_only,
                                                         int num_shards) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::BeginStepResponse resp;
   absl::Status s =
       FromGrpc(stub_->BeginStep(&ctx, MakeBeginRequest(batch, write_only, num_shards), &resp));
@@ -146,6 +207,7 @@ absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool
 
 absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::LayerInputs& in) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::AttendLayerRequest req;
   req.set_step_id(step_id);
   *req.mutable_inputs() = in;
@@ -157,6 +219,7 @@ absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::
 
 absl::Status Client::AbortStep(uint64_t step_id) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::AbortStepRequest req;
   req.set_step_id(step_id);
   v1::AbortStepResponse resp;
@@ -166,6 +229,7 @@ absl::Status Client::AbortStep(uint64_t step_id) {
 absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
                                           int64_t offset, int64_t bytes) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::RegisterSharedMemoryRequest req;
   req.set_name(name);
   req.set_key(key);
@@ -177,6 +241,7 @@ absl::Status Client::RegisterSharedMemory(const std::string& name, const std::st
 
 absl::Status Client::UnregisterSharedMemory(const std::string& name) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::UnregisterSharedMemoryRequest req;
   req.set_name(name);
   v1::UnregisterSharedMemoryResponse resp;
@@ -185,6 +250,7 @@ absl::Status Client::UnregisterSharedMemory(const std::string& name) {
 
 absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
   grpc::ClientContext ctx;
+  Authorize(&ctx);
   v1::EchoRequest req;
   req.set_payload(payload);
   req.set_response_bytes(response_bytes);
@@ -193,10 +259,14 @@ absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
 }
 
 std::unique_ptr<StepStream> Client::OpenStream() {
-  return std::unique_ptr<StepStream>(new StepStream(stub_.get()));
+  return std::unique_ptr<StepStream>(new StepStream(*this, stub_.get()));
 }
 
-StepStream::StepStream(v1::Attention::Stub* stub) : stub_(stub), rw_(stub->Step(&ctx_)) {}
+StepStream::StepStream(const Client& client, v1::Attention::Stub* stub)
+    : client_(client), stub_(stub) {
+  client_.Authorize(&ctx_);
+  rw_ = stub->Step(&ctx_);
+}
 
 StepStream::~StepStream() {
   if (!closed_) {
@@ -276,6 +346,7 @@ void StepStream::Cancel() {
   for (const std::string& id : open_ids_) {
     while (std::chrono::steady_clock::now() < deadline) {
       grpc::ClientContext ctx;
+      client_.Authorize(&ctx);
       ctx.set_deadline(std::chrono::system_clock::now() +
                        (deadline - std::chrono::steady_clock::now()));
       v1::DescribeSequenceRequest req;
@@ -300,6 +371,7 @@ absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
     return s;
   };
   grpc::ClientContext ctx;
+  from.Authorize(&ctx);
   v1::ExportSequenceRequest req;
   req.set_sequence_id(id);
   req.set_chunk_tokens(chunk_tokens);

@@ -60,6 +60,17 @@ absl::Status FromGrpc(const grpc::Status& s);
 class StepStream;
 class Client;
 
+// How to reach a server (DESIGN §11). Without a CA the channel is plaintext.
+struct ConnectOptions {
+  int max_message_bytes = 1 << 30;  // raises the channel's send/receive limits
+  std::string tls_ca_file;          // PEM: verify the server against this CA (enables TLS)
+  std::string tls_cert_file;        // PEM: this client's certificate chain (mTLS)
+  std::string tls_key_file;         // PEM: its private key
+  std::string tls_server_name;      // the name to verify instead of the target's host
+  std::string token;                // sent as `authorization: Bearer <token>` on every call
+  std::string act_as_tenant;        // the admin only: act inside this tenant's namespace
+};
+
 // Copies sequence `id` from `from` to `to` (ExportSequence there, write-only steps here), in
 // chunks of `chunk_tokens`. On failure the partial copy on `to` is closed. The source is left
 // as it was; close it once the copy is confirmed.
@@ -69,8 +80,12 @@ absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
 class Client {
  public:
   // max_message_bytes raises the channel's send/receive limits (layer messages are large).
+  // "unix:/path" reaches the server's Unix-socket listener (shared memory).
   static std::unique_ptr<Client> Connect(const std::string& target,
                                          int max_message_bytes = 1 << 30);
+  // INVALID_ARGUMENT when a certificate file cannot be read.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         const ConnectOptions& options);
 
   absl::StatusOr<v1::ServerInfoResponse> Info();
   // Empty parent: a fresh sequence; otherwise a fork of the parent's first prefix_len tokens.
@@ -79,6 +94,8 @@ class Client {
                                                 int64_t prefix_len = 0);
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
+  // This tenant's sequences, or (the admin only) every tenant's.
+  absl::StatusOr<v1::ListSequencesResponse> ListSequences(bool all_tenants = false);
 
   // Unary steps.
   // num_shards > 1 opens a sharded step (this caller is shard 0; see attention.proto).
@@ -97,11 +114,15 @@ class Client {
   std::unique_ptr<StepStream> OpenStream();
 
   v1::Attention::Stub* stub() { return stub_.get(); }
+  // Adds this client's credentials metadata to a context (for calls made through stub()).
+  void Authorize(grpc::ClientContext* ctx) const;
 
  private:
-  explicit Client(std::shared_ptr<grpc::Channel> channel);
+  using Metadata = std::vector<std::pair<std::string, std::string>>;
+  Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
+  Metadata metadata_;
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and
@@ -125,9 +146,10 @@ class StepStream {
 
  private:
   friend class Client;
-  explicit StepStream(v1::Attention::Stub* stub);
+  explicit StepStream(const Client& client, v1::Attention::Stub* stub);
   absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
 
+  const Client& client_;
   v1::Attention::Stub* stub_;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> rw_;

@@ -1,10 +1,13 @@
 #include "engine/engine.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <future>
 #include <mutex>
 #include <new>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -35,6 +38,8 @@ struct StepSeq {
 
 struct Step {
   uint64_t id = 0;
+  std::string tenant;
+  uint64_t channel = 0;
   std::vector<StepSeq> seqs;
   int64_t tokens = 0;
   StepOptions options;
@@ -60,6 +65,17 @@ absl::Status ForEachConcurrently(size_t n, Fn fn) {
   return status;
 }
 
+// An unguessable step id (DESIGN §11: a stranger must not be able to name another's step).
+uint64_t RandomId() {
+  uint64_t v = 0;
+  size_t got = 0;
+  while (got < sizeof(v)) {
+    const ssize_t n = getrandom(reinterpret_cast<char*>(&v) + got, sizeof(v) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);  // EINTR: try again
+  }
+  return v;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -72,7 +88,6 @@ struct Engine::Impl {
   std::condition_variable step_ended;  // notified whenever a step ends, a layer or a copy does
   std::unique_ptr<SequenceTable> table;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
-  uint64_t next_step_id = 1;
   int64_t steps_aborted = 0;
   int64_t steps_committed = 0;
   StepFates fates;  // what a late message for an ended step is told
@@ -84,6 +99,7 @@ struct Engine::Impl {
   // Takes an ended step out of the table. The caller destroys it after releasing mu: freeing a
   // device's step state may wait for that device.
   std::unique_ptr<Step> Retire(Step* step) {
+    table->tenants().AddOpenSteps(step->tenant, -1);
     auto it = steps.find(step->id);
     std::unique_ptr<Step> out = std::move(it->second);
     steps.erase(it);
@@ -94,23 +110,35 @@ struct Engine::Impl {
   [[nodiscard]] std::unique_ptr<Step> AbortLocked(Step* step, absl::Status why) {
     Release(step);
     ++steps_aborted;
-    fates.Remember(step->id, std::move(why));
+    fates.Remember(step->id, step->tenant, std::move(why));
     return Retire(step);
   }
   [[nodiscard]] std::unique_ptr<Step> CommitLocked(Step* step) {
     for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true);
     ++steps_committed;
-    fates.Remember(step->id, absl::FailedPreconditionError(absl::StrCat(
-                                 "step ", step->id,
-                                 " already committed at its last layer; begin a new step")));
+    fates.Remember(
+        step->id, step->tenant,
+        absl::FailedPreconditionError(absl::StrCat(
+            "step ", step->id, " already committed at its last layer; begin a new step")));
     return Retire(step);
   }
-  // The open step `id`, or the status its fate (or absence) gives. mu held.
-  absl::StatusOr<Step*> FindStep(uint64_t id) const {
-    auto it = steps.find(id);
-    if (it != steps.end()) return it->second.get();
-    if (const absl::Status* f = fates.Find(id)) return *f;
-    return absl::NotFoundError(absl::StrCat("step ", id, " not found"));
+  // The open step `ref`, or the status its fate (or absence) gives; another tenant's step reads
+  // exactly as one that does not exist. mu held.
+  absl::StatusOr<Step*> FindStep(const StepRef& ref) const {
+    auto it = steps.find(ref.id);
+    if (it != steps.end() && Owns(*it->second, ref)) return it->second.get();
+    if (const absl::Status* f = fates.Find(ref.id, ref.tenant)) return *f;
+    return absl::NotFoundError(absl::StrCat("step ", ref.id, " not found"));
+  }
+  static bool Owns(const Step& st, const StepRef& ref) {
+    return st.tenant == ref.tenant && st.channel == ref.channel;
+  }
+  // A fresh step id: random, never 0, never one open or remembered. mu held.
+  uint64_t NewStepId() const {
+    for (;;) {
+      const uint64_t id = RandomId();
+      if (id != 0 && !steps.contains(id) && !fates.Contains(id)) return id;
+    }
   }
   // Validates a batch, reserves its pages and binds its sequences (mu held), or changes nothing.
   // *retry: a sequence is held by a step running a layer, or is being copied.
@@ -153,6 +181,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   impl->table = std::make_unique<SequenceTable>(
       names, std::vector<int32_t>(names.size(), layout.num_pages), options.spec.page_size,
       SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences});
+  impl->table->tenants().SetQuotas(options.limits.tenant_quota, {});
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -162,51 +191,85 @@ int Engine::num_devices() const { return static_cast<int>(impl_->devices.size())
 absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }
 
-absl::Status Engine::OpenSequence(const std::string& id, int device) {
+absl::Status Engine::OpenSequence(const SequenceKey& seq, int device) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->table->Open(id, device);
+  return impl_->table->Open(seq, device);
 }
 
-absl::Status Engine::ForkSequence(const std::string& id, const std::string& parent,
+absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& parent,
                                   int64_t prefix_len, int device) {
   PageMove move;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    RETURN_IF_ERROR(impl_->table->BeginFork(id, parent, prefix_len, device, &move));
+    RETURN_IF_ERROR(impl_->table->BeginFork(seq, parent, prefix_len, device, &move));
   }
   const absl::Status copied = impl_->Copy(move);  // off the lock: the child is `copying`
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->table->EndFork(id, move, copied.ok());
+  impl_->table->EndFork(seq, move, copied.ok());
   impl_->step_ended.notify_all();
   return copied;
 }
 
-absl::Status Engine::MigrateSequence(const std::string& id, int device) {
+absl::Status Engine::MigrateSequence(const SequenceKey& seq, int device) {
   PageMove move;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    RETURN_IF_ERROR(impl_->table->BeginMigrate(id, device, &move));
+    RETURN_IF_ERROR(impl_->table->BeginMigrate(seq, device, &move));
   }
   const absl::Status copied = impl_->Copy(move);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->table->EndMigrate(id, move, copied.ok());
+  impl_->table->EndMigrate(seq, move, copied.ok());
   impl_->step_ended.notify_all();
   return copied;
 }
 
-absl::Status Engine::CloseSequence(const std::string& id) {
+absl::Status Engine::CloseSequence(const SequenceKey& seq) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->table->Close(id);
+  return impl_->table->Close(seq);
 }
 
-absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const std::string& id) const {
+namespace {
+SequenceInfo InfoOf(const Sequence& s) {
+  return SequenceInfo{s.tenant, s.id, s.length, s.device, s.pages, s.step != 0};
+}
+}  // namespace
+
+absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const SequenceKey& seq) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  const Sequence* s = impl_->table->Find(id);
-  if (s == nullptr) return impl_->table->NotFound(id);
-  return SequenceInfo{s->id, s->length, s->device, s->pages, s->step != 0};
+  const Sequence* s = impl_->table->Find(seq);
+  if (s == nullptr) return impl_->table->NotFound(seq);
+  return InfoOf(*s);
 }
 
-absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const std::string& id, int layer, int64_t begin,
+std::vector<SequenceInfo> Engine::ListSequences(const std::string* tenant) const {
+  std::vector<SequenceInfo> out;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    for (const Sequence* s : impl_->table->List(tenant)) out.push_back(InfoOf(*s));
+  }
+  std::sort(out.begin(), out.end(), [](const SequenceInfo& a, const SequenceInfo& b) {
+    return std::tie(a.tenant, a.id) < std::tie(b.tenant, b.id);
+  });
+  return out;
+}
+
+void Engine::SetTenantQuotas(TenantQuota fallback,
+                             absl::flat_hash_map<std::string, TenantQuota> overrides) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->table->tenants().SetQuotas(fallback, std::move(overrides));
+}
+
+TenantUsage Engine::TenantUsageOf(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->tenants().UsageOf(tenant);
+}
+
+TenantQuota Engine::TenantQuotaOf(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->tenants().QuotaOf(tenant);
+}
+
+absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int layer, int64_t begin,
                                                    int64_t end) const {
   const ModelSpec& s = impl_->spec();
   int device = 0;
@@ -216,7 +279,7 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const std::string& id, int la
         absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    RETURN_IF_ERROR(impl_->table->PinRows(id, begin, end, &device, &pages));
+    RETURN_IF_ERROR(impl_->table->PinRows(seq, begin, end, &device, &pages));
   }
   LayerRows out;
   const absl::Status read = Guarded(
@@ -278,6 +341,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!prepared.ok()) {
     impl_->Release(step.get());
+    impl_->table->tenants().AddOpenSteps(step->tenant, -1);
     impl_->step_ended.notify_all();
     return prepared;
   }
@@ -294,6 +358,10 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   const EngineLimits& lim = this->options.limits;
   auto step = std::make_unique<Step>();
   step->options = options;
+  step->tenant = options.tenant;
+  step->channel = options.channel;
+  TenantLedger& tenants = table->tenants();
+  RETURN_IF_ERROR(tenants.CheckOpenSteps(options.tenant, 1));
   std::vector<int32_t> need(devices.size(), 0);
   absl::flat_hash_set<const Sequence*> seen;
   seen.reserve(batch.size());
@@ -301,7 +369,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   // Every check before any state changes; every sum is bounded before it is formed.
   for (size_t i = 0; i < batch.size(); ++i) {
     const StepEntry& e = batch[i];
-    Sequence* seq = table->Find(e.sequence_id);
+    Sequence* seq = table->Find(SequenceKey(options.tenant, e.sequence_id));
     if (seq == nullptr)
       return absl::NotFoundError(
           absl::StrCat("step batch[", i, "]: sequence ", Quote(e.sequence_id), " not found"));
@@ -341,6 +409,9 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     need[seq->device] += table->PagesToGrow(*seq, s.new_len);
     step->seqs.push_back(std::move(s));
   }
+  int64_t need_total = 0;
+  for (int32_t n : need) need_total += n;
+  RETURN_IF_ERROR(tenants.CheckPages(options.tenant, need_total));
   for (size_t d = 0; d < devices.size(); ++d) {
     const PagePool& pool = table->pool(d);
     if (need[d] > pool.free_pages())
@@ -354,7 +425,8 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     s.table.reserve(s.seq->pages.size() + s.new_pages.capacity());
   }
   // Everything checked and allocated: reserve pages (cannot fail now) and bind the sequences.
-  step->id = next_step_id++;
+  step->id = NewStepId();
+  tenants.AddOpenSteps(options.tenant, 1);
   for (StepSeq& s : step->seqs) {
     table->Bind(s.seq, step->id, s.new_len, &s.new_pages);
     s.table = s.seq->pages;
@@ -376,19 +448,19 @@ absl::Status Engine::Impl::Prepare(Step& st) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(uint64_t step) const {
+absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
   return StepInfo{st->tokens, st->options.write_only, st->next_layer};
 }
 
-absl::Status Engine::CheckLayer(uint64_t step, int layer, const LayerInputs& in,
+absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
                                 size_t out_bytes) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
   if (layer != st->next_layer)
     return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, ": layer ", layer, " out of order, expected layer ", st->next_layer));
+        "step ", step.id, ": layer ", layer, " out of order, expected layer ", st->next_layer));
   return CheckLayerShapes(impl_->spec(), st->tokens, st->options.write_only, layer, in, out_bytes);
 }
 
@@ -423,13 +495,14 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   return absl::OkStatus();
 }
 
-absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in, void* out,
+absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& in, void* out,
                               size_t out_bytes, LayerTrace* trace) {
+  const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;  // destroyed after the lock is released
   Step* st = nullptr;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    ASSIGN_OR_RETURN(st, impl_->FindStep(step_id));
+    ASSIGN_OR_RETURN(st, impl_->FindStep(ref));
     if (st->busy) {
       st->abort_requested = true;  // every error aborts the step: the running layer does it
       return absl::FailedPreconditionError(
@@ -473,11 +546,12 @@ absl::Status Engine::RunLayer(uint64_t step_id, int layer, const LayerInputs& in
   return absl::OkStatus();
 }
 
-absl::Status Engine::AbortStep(uint64_t step_id) {
+absl::Status Engine::AbortStep(const StepRef& ref) {
+  const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->steps.find(step_id);
-  if (it == impl_->steps.end())
+  if (it == impl_->steps.end() || !Impl::Owns(*it->second, ref))
     return absl::NotFoundError(absl::StrCat("step ", step_id, " not found"));
   if (it->second->busy) {
     it->second->abort_requested = true;  // the running layer aborts it when done
@@ -486,6 +560,11 @@ absl::Status Engine::AbortStep(uint64_t step_id) {
         it->second.get(), absl::CancelledError(absl::StrCat("step ", step_id, " was aborted")));
   }
   return absl::OkStatus();
+}
+
+bool Engine::IsStepOpen(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->steps.contains(id);
 }
 
 int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {

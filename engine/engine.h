@@ -10,6 +10,10 @@
 //
 // Thread safety: every method may be called from any thread. Layers of different steps run
 // concurrently; one step's layers run one at a time and in order.
+//
+// Tenants (DESIGN §11): every sequence and step belongs to a tenant (SequenceKey, StepRef; a bare
+// id names the anonymous tenant ""). Another tenant's sequence or step answers NOT_FOUND exactly
+// as one that does not exist; step ids are random 64-bit values; quotas bound what each holds.
 #pragma once
 
 #include <chrono>
@@ -23,6 +27,7 @@
 #include "common/tensor.h"
 #include "engine/row_reader.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "kv_store/tenant_ledger.h"
 
 namespace attnd {
 
@@ -36,6 +41,8 @@ struct EngineLimits {
   // How long BeginStep waits for a conflicting step that is running a layer (it may be aborting:
   // a cancel takes effect when the layer ends) before answering FAILED_PRECONDITION.
   std::chrono::milliseconds abort_wait{10000};
+  // Every tenant's quota unless Engine::SetTenantQuotas overrides it (0 = no limit).
+  TenantQuota tenant_quota;
 };
 
 struct EngineOptions {
@@ -66,6 +73,28 @@ struct StepOptions {
   // nothing: importing a prefix computed elsewhere (a KV handoff). Layers take no queries and
   // produce no output.
   bool write_only = false;
+  // Whose step: every sequence of the batch is looked up in this tenant's namespace, and only
+  // this tenant may drive or abort the step.
+  std::string tenant;
+  // Nonzero: the step is bound to this channel (the service's Step stream that began it); only a
+  // StepRef with the same channel finds it.
+  uint64_t channel = 0;
+
+  static StepOptions WriteOnly() {
+    StepOptions o;
+    o.write_only = true;
+    return o;
+  }
+};
+
+// An open step, as its tenant (and channel) name it; a bare id: the anonymous tenant, no channel.
+struct StepRef {
+  StepRef(uint64_t id) : id(id) {}  // NOLINT: the anonymous tenant
+  StepRef(std::string tenant, uint64_t id, uint64_t channel = 0)
+      : id(id), tenant(std::move(tenant)), channel(channel) {}
+  uint64_t id;
+  std::string tenant;
+  uint64_t channel = 0;
 };
 
 // What each query attended on a layer (for tests and debugging).
@@ -74,6 +103,7 @@ struct LayerTrace {
 };
 
 struct SequenceInfo {
+  std::string tenant;
   std::string id;
   int64_t length = 0;  // committed tokens
   int device = 0;
@@ -99,24 +129,25 @@ class Engine {
 
   // ALREADY_EXISTS if the id is in use. Places the sequence on `device`, or with device < 0 on
   // the device with most free pages (ties to the lowest index).
-  absl::Status OpenSequence(const std::string& id, int device = -1);
-  // A new sequence holding the first `prefix_len` tokens of `parent`. On the parent's device
+  absl::Status OpenSequence(const SequenceKey& seq, int device = -1);
+  // A new sequence holding the first `prefix_len` tokens of `parent` (a sequence of the same
+  // tenant). On the parent's device
   // (device < 0 or equal) full pages are shared by reference and the partial last page is
   // copied; on another device every page is copied. NOT_FOUND (parent), ALREADY_EXISTS (id),
   // OUT_OF_RANGE (prefix_len > parent length, bad device), RESOURCE_EXHAUSTED.
-  absl::Status ForkSequence(const std::string& id, const std::string& parent, int64_t prefix_len,
+  absl::Status ForkSequence(const SequenceKey& seq, const std::string& parent, int64_t prefix_len,
                             int device = -1);
   // Moves a sequence's pages to another device (rebalancing): copies every page, then drops its
   // references on the source. FAILED_PRECONDITION while in an open step; RESOURCE_EXHAUSTED if
   // the target lacks pages (nothing changes then).
-  absl::Status MigrateSequence(const std::string& id, int device);
+  absl::Status MigrateSequence(const SequenceKey& seq, int device);
   int num_devices() const;
   // Copies the committed cache rows [begin, end) of one layer of a sequence, as the cache stores
   // them (dtype = cache dtype): kv_latent [n, L], k_rope [n, R] and, on full layers, index_k
   // [n, Di] (empty otherwise). For handing a sequence to another server (export). NOT_FOUND,
   // OUT_OF_RANGE (rows beyond the committed length or a bad layer).
   using LayerRows = LayerRowBytes;
-  absl::StatusOr<LayerRows> ReadRows(const std::string& id, int layer, int64_t begin,
+  absl::StatusOr<LayerRows> ReadRows(const SequenceKey& seq, int layer, int64_t begin,
                                      int64_t end) const;
   // Whether this build can drive CUDA devices (nvcc was found at build time).
   static bool CudaBuilt();
@@ -124,8 +155,16 @@ class Engine {
   // when a GPU stack is present but broken (never a silent fallback to the CPU).
   static absl::StatusOr<std::vector<std::string>> DefaultDevices();
   // FAILED_PRECONDITION while the sequence is in an open step.
-  absl::Status CloseSequence(const std::string& id);
-  absl::StatusOr<SequenceInfo> DescribeSequence(const std::string& id) const;
+  absl::Status CloseSequence(const SequenceKey& seq);
+  absl::StatusOr<SequenceInfo> DescribeSequence(const SequenceKey& seq) const;
+  // Every sequence of `tenant`, or of every tenant when `tenant` is null, sorted by (tenant, id).
+  std::vector<SequenceInfo> ListSequences(const std::string* tenant) const;
+  // Quotas: `fallback` for every tenant not in `overrides` (replaces limits.tenant_quota). What a
+  // tenant already holds is kept; only new pages, sequences and steps are refused.
+  void SetTenantQuotas(TenantQuota fallback,
+                       absl::flat_hash_map<std::string, TenantQuota> overrides);
+  TenantUsage TenantUsageOf(const std::string& tenant) const;
+  TenantQuota TenantQuotaOf(const std::string& tenant) const;
   std::vector<DeviceCapacity> Capacity() const;
   int64_t num_sequences() const;
   int64_t num_open_steps() const;
@@ -145,18 +184,21 @@ class Engine {
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).
-  absl::StatusOr<StepInfo> DescribeStep(uint64_t step) const;
+  absl::StatusOr<StepInfo> DescribeStep(const StepRef& step) const;
   // Checks a layer's inputs against the open step without running or aborting anything: the
   // service calls it before it allocates the output. Same errors as RunLayer.
-  absl::Status CheckLayer(uint64_t step, int layer, const LayerInputs& in, size_t out_bytes) const;
+  absl::Status CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
+                          size_t out_bytes) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
   // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The
   // last layer commits the step. Any error aborts the step, so every sequence is left as before it.
-  absl::Status RunLayer(uint64_t step, int layer, const LayerInputs& in, void* out,
+  absl::Status RunLayer(const StepRef& step, int layer, const LayerInputs& in, void* out,
                         size_t out_bytes, LayerTrace* trace = nullptr);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
-  absl::Status AbortStep(uint64_t step);
+  absl::Status AbortStep(const StepRef& step);
+  // Housekeeping only (never with a client's id): whether step `id` of any tenant is open.
+  bool IsStepOpen(uint64_t id) const;
   // Aborts steps idle for longer than `idle`; returns how many.
   int ExpireIdleSteps(std::chrono::steady_clock::duration idle);
   // Steps aborted so far, for any reason (errors, AbortStep, expiry), and steps committed.

@@ -6,6 +6,7 @@
 // come back and page 0 must be untouched. A crash, sanitizer report or leaked page is a failure.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
 #include "fuzz/fuzz_input.h"
 #include "service/attention_service.h"
 #include "service/executor.h"
@@ -35,6 +37,10 @@ struct World {
   std::unique_ptr<AttentionService> service;
   std::string shm_key;
   int shm_fd = -1;
+  // Every request acts for tenant "a" over a local connection (shared memory allowed); tenant
+  // "b" pokes at a's names and must be told they do not exist.
+  int sockets[2] = {-1, -1};
+  Caller owner, intruder;
 
   World() {
     EngineOptions o;
@@ -53,7 +59,14 @@ struct World {
     so.max_message_bytes = 1 << 20;
     so.max_echo_bytes = 1 << 16;
     so.max_shm_regions = 4;
+    so.shm_enabled = true;
     service = std::make_unique<AttentionService>(engine.get(), &executor, metrics.get(), so);
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sockets) != 0) std::abort();
+    owner.tenant = "a";
+    owner.local = true;
+    owner.socket_fd = sockets[0];
+    intruder = owner;
+    intruder.tenant = "b";
     shm_key = absl::StrCat("/attnd-fuzz-", getpid());
     shm_fd = shm_open(shm_key.c_str(), O_RDWR | O_CREAT, 0600);
     if (shm_fd < 0 || ftruncate(shm_fd, kShmBytes) != 0) std::abort();
@@ -121,7 +134,7 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
   const bool raw = in.Bool(0.25);
   const std::string bytes = raw ? in.Bytes(300) : "";
   std::mt19937_64 rng(in.Int(0, 1 << 20));
-  switch (in.Int(0, 10)) {
+  switch (in.Int(0, 11)) {
     case 0: {
       v1::OpenSequenceRequest r;
       if (raw) {
@@ -132,13 +145,13 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
         if (in.Bool(0.3)) r.set_fork_prefix_len(in.Bool(0.8) ? in.Int(0, 40) : in.Int64());
       }
       v1::SequenceInfo resp;
-      if (svc.DoOpenSequence(r, &resp).ok()) ids.insert(resp.sequence_id());
+      if (svc.DoOpenSequence(w.owner, r, &resp).ok()) ids.insert(resp.sequence_id());
       break;
     }
     case 1: {
       v1::CloseSequenceRequest r;
       raw ? (void)r.ParseFromString(bytes) : r.set_sequence_id(Id(in));
-      if (svc.DoCloseSequence(r).ok()) ids.erase(r.sequence_id());
+      if (svc.DoCloseSequence(w.owner, r).ok()) ids.erase(r.sequence_id());
       break;
     }
     case 2: {
@@ -156,7 +169,7 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
         if (in.Bool(0.1)) r.set_num_shards(in.Int(-1, 5));
       }
       v1::BeginStepResponse resp;
-      auto step = svc.Begin(r, &resp);
+      auto step = svc.Begin(w.owner, r, &resp);
       if (step.ok()) steps.insert(*step);
       break;
     }
@@ -169,7 +182,8 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
               ? *std::next(steps.begin(), in.Int(0, static_cast<int>(steps.size()) - 1))
               : static_cast<uint64_t>(in.Int64());
       v1::LayerInputs li;
-      auto info = w.engine->DescribeStep(step);
+      const StepRef ref("a", step);
+      auto info = w.engine->DescribeStep(ref);
       if (raw || !info.ok()) {
         (void)li.ParseFromString(bytes);
       } else {
@@ -200,7 +214,7 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
         if (in.Bool(0.03)) li.set_shard(in.Int(-2, 3));
       }
       v1::LayerOutput out;
-      const absl::Status st = svc.Layer(step, li, &out, Transport::kUnary);
+      const absl::Status st = svc.Layer(w.owner, ref, li, &out, Transport::kUnary);
       if (!st.ok() || out.committed()) steps.erase(step);
       break;
     }
@@ -211,7 +225,7 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
       } else {
         (void)r.ParseFromString(bytes);
       }
-      (void)svc.DoAbortStep(r);
+      (void)svc.DoAbortStep(w.owner, r);
       steps.erase(r.step_id());
       break;
     }
@@ -225,11 +239,11 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
         r.set_offset(in.Bool(0.9) ? in.Int(0, 1024) : in.Int64());
         r.set_byte_size(in.Bool(0.9) ? in.Int(1, kShmBytes) : in.Int64());
       }
-      if (svc.DoRegisterSharedMemory(r).ok()) Regions().insert(r.name());
+      if (svc.DoRegisterSharedMemory(w.owner, r).ok()) Regions().insert(r.name());
       if (in.Bool(0.2)) {
         v1::UnregisterSharedMemoryRequest u;
         u.set_name(r.name());
-        if (svc.DoUnregisterSharedMemory(u).ok()) Regions().erase(r.name());
+        if (svc.DoUnregisterSharedMemory(w.owner, u).ok()) Regions().erase(r.name());
       }
       break;
     }
@@ -253,7 +267,46 @@ void OneRequest(FuzzInput& in, std::set<std::string>& ids, std::set<uint64_t>& s
       v1::DescribeSequenceRequest d;
       d.set_sequence_id(Id(in));
       v1::SequenceInfo info;
-      (void)svc.DoDescribeSequence(d, &info);
+      (void)svc.DoDescribeSequence(w.owner, d, &info);
+      break;
+    }
+    case 11: {  // another tenant names a's sequences, steps and regions: none of them exists
+      const auto not_found = [](const absl::Status& st, const char* what) {
+        Check(st.code() == absl::StatusCode::kNotFound,
+              absl::StrCat("tenant b ", what, " of tenant a: ", st.ToString()));
+      };
+      if (!ids.empty()) {
+        const std::string id = *std::next(ids.begin(), in.Int(0, static_cast<int>(ids.size()) - 1));
+        v1::DescribeSequenceRequest d;
+        d.set_sequence_id(id);
+        v1::SequenceInfo info;
+        not_found(svc.DoDescribeSequence(w.intruder, d, &info), "describe");
+        v1::CloseSequenceRequest c;
+        c.set_sequence_id(id);
+        not_found(svc.DoCloseSequence(w.intruder, c), "close");
+        v1::BeginStepResponse resp;
+        not_found(svc.Begin(w.intruder, client::MakeBeginRequest({{id, 1}}), &resp).status(),
+                  "begin");
+        v1::OpenSequenceRequest f;
+        f.set_sequence_id("fork-by-b");
+        f.set_fork_parent_id(id);
+        not_found(svc.DoOpenSequence(w.intruder, f, &info), "fork");
+      }
+      if (!steps.empty()) {
+        const uint64_t step = *steps.begin();
+        v1::LayerOutput out;
+        not_found(
+            svc.Layer(w.intruder, StepRef("b", step), v1::LayerInputs(), &out, Transport::kUnary),
+            "layer");
+        v1::AbortStepRequest a;
+        a.set_step_id(step);
+        not_found(svc.DoAbortStep(w.intruder, a), "abort");
+      }
+      if (!Regions().empty()) {
+        v1::UnregisterSharedMemoryRequest u;
+        u.set_name(*Regions().begin());
+        not_found(svc.DoUnregisterSharedMemory(w.intruder, u), "unregister");
+      }
       break;
     }
   }
@@ -270,10 +323,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::set<uint64_t> steps;
   for (int i = 0; i < 48 && !in.empty(); ++i) OneRequest(in, ids, steps);
   // Restore the world: no step or sequence may outlive the input, and every page comes back.
-  for (uint64_t s : steps) (void)w.engine->AbortStep(s);
+  for (uint64_t s : steps) (void)w.engine->AbortStep(StepRef("a", s));
   Check(w.engine->ExpireIdleSteps(std::chrono::milliseconds(0)) == 0, "a step was leaked");
   for (const std::string& id : ids)
-    Check(w.engine->CloseSequence(id).ok(), absl::StrCat("cannot close ", id));
+    Check(w.engine->CloseSequence(SequenceKey("a", id)).ok(), absl::StrCat("cannot close ", id));
   Check(w.engine->num_sequences() == 0, "a sequence the fuzzer never saw opened");
   const DeviceCapacity d = w.engine->Capacity()[0];
   Check(d.pages_free == d.pages_total, absl::StrCat(d.pages_total - d.pages_free, " pages leaked"));
@@ -281,7 +334,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const std::string& r : Regions()) {
     v1::UnregisterSharedMemoryRequest u;
     u.set_name(r);
-    Check(w.service->DoUnregisterSharedMemory(u).ok(), "cannot unregister a region");
+    Check(w.service->DoUnregisterSharedMemory(w.owner, u).ok(), "cannot unregister a region");
   }
   Regions().clear();
   if (ftruncate(w.shm_fd, kShmBytes) != 0) std::abort();

@@ -17,33 +17,41 @@ SequenceTable::SequenceTable(std::vector<std::string> device_names,
   for (int32_t n : pages_per_device) pools_.emplace_back(n);
 }
 
-Sequence* SequenceTable::Find(const std::string& id) {
-  auto it = seqs_.find(id);
+std::vector<const Sequence*> SequenceTable::List(const std::string* tenant) const {
+  std::vector<const Sequence*> out;
+  for (const auto& [key, seq] : seqs_)
+    if (tenant == nullptr || key.tenant == *tenant) out.push_back(seq.get());
+  return out;
+}
+
+Sequence* SequenceTable::Find(const SequenceKey& key) {
+  auto it = seqs_.find(key);
   return it == seqs_.end() ? nullptr : it->second.get();
 }
 
-const Sequence* SequenceTable::Find(const std::string& id) const {
-  auto it = seqs_.find(id);
+const Sequence* SequenceTable::Find(const SequenceKey& key) const {
+  auto it = seqs_.find(key);
   return it == seqs_.end() ? nullptr : it->second.get();
 }
 
-absl::Status SequenceTable::NotFound(const std::string& id) const {
-  return absl::NotFoundError(absl::StrCat("sequence ", Quote(id), " not found"));
+absl::Status SequenceTable::NotFound(const SequenceKey& key) const {
+  return absl::NotFoundError(absl::StrCat("sequence ", Quote(key.id), " not found"));
 }
 
-absl::Status SequenceTable::CheckNewId(const std::string& id) const {
+absl::Status SequenceTable::CheckNewId(const SequenceKey& key) const {
+  const std::string& id = key.id;
   if (id.empty()) return absl::InvalidArgumentError("sequence id: empty");
   if (id.size() > limits_.max_id_bytes)
     return absl::InvalidArgumentError(absl::StrCat("sequence id ", Quote(id), ": longer than ",
                                                    limits_.max_id_bytes,
                                                    " bytes (--max-id-bytes)"));
-  if (seqs_.contains(id))
+  if (seqs_.contains(key))
     return absl::AlreadyExistsError(absl::StrCat("sequence ", Quote(id), " already exists"));
   if (size() >= limits_.max_sequences)
     return absl::ResourceExhaustedError(
         absl::StrCat("open sequences: the server holds its limit of ", limits_.max_sequences,
                      " (--max-sequences); close some first"));
-  return absl::OkStatus();
+  return tenants_.CheckSequences(key.tenant, 1);
 }
 
 int SequenceTable::Place() const {
@@ -60,29 +68,38 @@ absl::Status SequenceTable::CheckDevice(int device) const {
   return absl::OkStatus();
 }
 
-absl::Status SequenceTable::Open(const std::string& id, int device) {
-  if (absl::Status s = CheckNewId(id); !s.ok()) return s;
+absl::Status SequenceTable::Open(const SequenceKey& key, int device) {
+  if (absl::Status s = CheckNewId(key); !s.ok()) return s;
   if (absl::Status s = CheckDevice(device); !s.ok()) return s;
   auto seq = std::make_unique<Sequence>();
-  seq->id = id;
+  seq->tenant = key.tenant;
+  seq->id = key.id;
   seq->device = device < 0 ? Place() : device;
   ++counts_[seq->device];
-  seqs_.emplace(id, std::move(seq));
+  tenants_.AddSequences(key.tenant, 1);
+  seqs_.emplace(key, std::move(seq));
   return absl::OkStatus();
 }
 
-absl::Status SequenceTable::Close(const std::string& id) {
-  Sequence* seq = Find(id);
-  if (seq == nullptr) return NotFound(id);
+void SequenceTable::Erase(Sequence* seq) {
+  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
+  --counts_[seq->device];
+  tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->pages.size()));
+  tenants_.AddSequences(seq->tenant, -1);
+  seqs_.erase(SequenceKey(seq->tenant, seq->id));
+}
+
+absl::Status SequenceTable::Close(const SequenceKey& key) {
+  Sequence* seq = Find(key);
+  const std::string& id = key.id;
+  if (seq == nullptr) return NotFound(key);
   if (seq->step != 0)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is in open step ", seq->step, "; abort it first"));
   if (seq->copying)
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", Quote(id), " is being copied (fork or migration); close it afterwards"));
-  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
-  --counts_[seq->device];
-  seqs_.erase(id);
+  Erase(seq);
   return absl::OkStatus();
 }
 
@@ -103,12 +120,12 @@ void SequenceTable::Unpin(const PageMove& move) {
   for (const PageCopy& c : move.copies) pools_[move.from].Unref(c.src);
 }
 
-absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& parent,
+absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string& parent,
                                       int64_t prefix_len, int device, PageMove* move) {
-  const Sequence* par = Find(parent);
+  const Sequence* par = Find(SequenceKey(key.tenant, parent));
   if (par == nullptr)
     return absl::NotFoundError(absl::StrCat("fork parent ", Quote(parent), " not found"));
-  if (absl::Status s = CheckNewId(id); !s.ok()) return s;
+  if (absl::Status s = CheckNewId(key); !s.ok()) return s;
   if (prefix_len < 0 || prefix_len > par->length)
     return absl::OutOfRangeError(absl::StrCat("fork prefix_len ", prefix_len, " outside [0, ",
                                               par->length, "] (parent ", Quote(parent),
@@ -117,8 +134,11 @@ absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& 
   if (par->filling)
     return absl::FailedPreconditionError(absl::StrCat(
         "fork parent ", Quote(parent), " is still being forked itself; fork it afterwards"));
+  const int64_t child_pages = (prefix_len + page_size_ - 1) / page_size_;
+  if (absl::Status s = tenants_.CheckPages(key.tenant, child_pages); !s.ok()) return s;
   auto seq = std::make_unique<Sequence>();
-  seq->id = id;
+  seq->tenant = key.tenant;
+  seq->id = key.id;
   seq->device = device < 0 ? par->device : device;
   seq->length = prefix_len;
   seq->copying = true;
@@ -146,24 +166,24 @@ absl::Status SequenceTable::BeginFork(const std::string& id, const std::string& 
   }
   for (const PageCopy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
   ++counts_[seq->device];
-  seqs_.emplace(id, std::move(seq));
+  tenants_.AddSequences(key.tenant, 1);
+  tenants_.AddPages(key.tenant, static_cast<int64_t>(seq->pages.size()));
+  seqs_.emplace(key, std::move(seq));
   return absl::OkStatus();
 }
 
-void SequenceTable::EndFork(const std::string& id, const PageMove& move, bool ok) {
+void SequenceTable::EndFork(const SequenceKey& key, const PageMove& move, bool ok) {
   Unpin(move);
-  Sequence* seq = Find(id);
+  Sequence* seq = Find(key);
   seq->copying = false;
   seq->filling = false;
-  if (ok) return;
-  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
-  --counts_[seq->device];
-  seqs_.erase(id);
+  if (!ok) Erase(seq);
 }
 
-absl::Status SequenceTable::BeginMigrate(const std::string& id, int device, PageMove* move) {
-  Sequence* seq = Find(id);
-  if (seq == nullptr) return NotFound(id);
+absl::Status SequenceTable::BeginMigrate(const SequenceKey& key, int device, PageMove* move) {
+  Sequence* seq = Find(key);
+  const std::string& id = key.id;
+  if (seq == nullptr) return NotFound(key);
   if (device < 0 || device >= num_devices())
     return absl::OutOfRangeError(
         absl::StrCat("device ", device, " outside [0, ", num_devices(), ")"));
@@ -183,10 +203,10 @@ absl::Status SequenceTable::BeginMigrate(const std::string& id, int device, Page
   return absl::OkStatus();
 }
 
-void SequenceTable::EndMigrate(const std::string& id, const PageMove& move, bool ok) {
+void SequenceTable::EndMigrate(const SequenceKey& key, const PageMove& move, bool ok) {
   if (move.from == move.to) return;
   Unpin(move);
-  Sequence* seq = Find(id);
+  Sequence* seq = Find(key);
   seq->copying = false;
   if (!ok) {
     for (int32_t p : move.fresh) pools_[move.to].Unref(p);
@@ -206,7 +226,9 @@ int32_t SequenceTable::PagesToGrow(const Sequence& seq, int64_t new_len) const {
 
 void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
                          std::vector<int32_t>* new_pages) {
-  pools_[seq->device].Allocate(PagesToGrow(*seq, new_len), new_pages);
+  const int32_t grow = PagesToGrow(*seq, new_len);
+  pools_[seq->device].Allocate(grow, new_pages);
+  tenants_.AddPages(seq->tenant, grow);
   seq->step = step;
 }
 
@@ -218,13 +240,15 @@ void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages,
     seq->length = new_len;
   } else {
     for (int32_t p : new_pages) pools_[seq->device].Unref(p);
+    tenants_.AddPages(seq->tenant, -static_cast<int64_t>(new_pages.size()));
   }
 }
 
-absl::Status SequenceTable::PinRows(const std::string& id, int64_t begin, int64_t end, int* device,
+absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64_t end, int* device,
                                     std::vector<int32_t>* pages) {
-  const Sequence* seq = Find(id);
-  if (seq == nullptr) return NotFound(id);
+  const Sequence* seq = Find(key);
+  const std::string& id = key.id;
+  if (seq == nullptr) return NotFound(key);
   if (begin < 0 || end < begin || end > seq->length)
     return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
                                               seq->length, " committed tokens of ", Quote(id)));

@@ -1,6 +1,7 @@
 // The sequence table: every sequence's id, device, page list and length, the page pools their
 // pages come from (reference counted: forks share full pages), placement, and the bookkeeping of
-// page copies (fork across devices, migration) that run outside the caller's lock.
+// page copies (fork across devices, migration) that run outside the caller's lock, and each
+// tenant's share of them (quotas).
 #pragma once
 
 #include <cstdint>
@@ -12,10 +13,12 @@
 #include "absl/status/status.h"
 #include "kv_store/page_pool.h"
 #include "kv_store/page_table.h"
+#include "kv_store/tenant_ledger.h"
 
 namespace attnd {
 
 struct Sequence {
+  std::string tenant;
   std::string id;
   int device = 0;
   std::vector<int32_t> pages;  // physical page ids, in order
@@ -57,53 +60,60 @@ class SequenceTable {
   PagePool& pool(int device) { return pools_[device]; }
   int64_t sequences_on(int device) const { return counts_[device]; }
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
+  const TenantLedger& tenants() const { return tenants_; }
+  TenantLedger& tenants() { return tenants_; }
+  // Every sequence, or with `tenant` set only that tenant's, in no particular order.
+  std::vector<const Sequence*> List(const std::string* tenant) const;
 
   // nullptr when absent. Pointers stay valid until the sequence is closed.
-  Sequence* Find(const std::string& id);
-  const Sequence* Find(const std::string& id) const;
-  // NOT_FOUND naming the sequence.
-  absl::Status NotFound(const std::string& id) const;
-  // INVALID_ARGUMENT (empty, too long), ALREADY_EXISTS, RESOURCE_EXHAUSTED (table full).
-  absl::Status CheckNewId(const std::string& id) const;
+  Sequence* Find(const SequenceKey& key);
+  const Sequence* Find(const SequenceKey& key) const;
+  // NOT_FOUND naming the sequence (never its tenant: another tenant's name reads as absent).
+  absl::Status NotFound(const SequenceKey& key) const;
+  // INVALID_ARGUMENT (empty, too long), ALREADY_EXISTS, RESOURCE_EXHAUSTED (table full, or the
+  // tenant's sequence quota).
+  absl::Status CheckNewId(const SequenceKey& key) const;
   // The device for a new sequence: most free pages, ties to the lowest index.
   int Place() const;
   // OUT_OF_RANGE unless device < num_devices() (a negative device means "any").
   absl::Status CheckDevice(int device) const;
 
   // Opens an empty sequence on `device` (< 0: Place()).
-  absl::Status Open(const std::string& id, int device);
+  absl::Status Open(const SequenceKey& key, int device);
   // FAILED_PRECONDITION while in a step or copying; releases its pages.
-  absl::Status Close(const std::string& id);
+  absl::Status Close(const SequenceKey& key);
 
-  // Creates `id` holding the first prefix_len tokens of `parent` on `device` (< 0: the parent's).
+  // Creates `key` holding the first prefix_len tokens of `parent` (a sequence of the same tenant)
+  // on `device` (< 0: the parent's). Every page of the child counts against its tenant's quota.
   // On the parent's device full pages are shared and the partial last page is copied; on another
   // device every page is copied. The child is `copying` and `filling` until EndFork. NOT_FOUND,
   // ALREADY_EXISTS, OUT_OF_RANGE, FAILED_PRECONDITION (parent filling), RESOURCE_EXHAUSTED; on
   // error nothing changed.
-  absl::Status BeginFork(const std::string& id, const std::string& parent, int64_t prefix_len,
+  absl::Status BeginFork(const SequenceKey& key, const std::string& parent, int64_t prefix_len,
                          int device, PageMove* move);
   // ok: the child becomes usable; otherwise it is removed and its pages released.
-  void EndFork(const std::string& id, const PageMove& move, bool ok);
-  // Allocates pages for moving `id` to `device` and marks it copying; *move empty (no copy
+  void EndFork(const SequenceKey& key, const PageMove& move, bool ok);
+  // Allocates pages for moving `key` to `device` and marks it copying; *move empty (no copy
   // needed) when it is already there. NOT_FOUND, OUT_OF_RANGE, FAILED_PRECONDITION (in a step,
   // copying), RESOURCE_EXHAUSTED.
-  absl::Status BeginMigrate(const std::string& id, int device, PageMove* move);
+  absl::Status BeginMigrate(const SequenceKey& key, int device, PageMove* move);
   // ok: the sequence now lives on move.to in the fresh pages; otherwise they are released.
-  void EndMigrate(const std::string& id, const PageMove& move, bool ok);
+  void EndMigrate(const SequenceKey& key, const PageMove& move, bool ok);
 
   // Steps. The new pages `seq` needs to hold new_len tokens.
   int32_t PagesToGrow(const Sequence& seq, int64_t new_len) const;
-  // Binds `seq` to `step` and appends its new pages to *new_pages. The caller checked with
-  // PagesToGrow that they are free and reserved *new_pages' capacity: this cannot fail.
+  // Binds `seq` to `step` and appends its new pages to *new_pages (charged to its tenant). The
+  // caller checked with PagesToGrow that they are free and within the tenant's quota and reserved
+  // *new_pages' capacity: this cannot fail.
   void Bind(Sequence* seq, uint64_t step, int64_t new_len, std::vector<int32_t>* new_pages);
   // Ends the step's hold: commit appends the new pages and sets the length; otherwise the
   // pages are released and the sequence is as before Bind.
   void Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len, bool commit);
 
-  // Checks that rows [begin, end) are committed rows of `id` and pins the pages holding them
+  // Checks that rows [begin, end) are committed rows of `key` and pins the pages holding them
   // (*pages, on *device) so they outlive a close while they are read. NOT_FOUND, OUT_OF_RANGE,
   // FAILED_PRECONDITION (filling).
-  absl::Status PinRows(const std::string& id, int64_t begin, int64_t end, int* device,
+  absl::Status PinRows(const SequenceKey& key, int64_t begin, int64_t end, int* device,
                        std::vector<int32_t>* pages);
   void Unpin(int device, const std::vector<int32_t>& pages);
 
@@ -112,13 +122,16 @@ class SequenceTable {
   // returns false (nothing allocated) when `to` lacks pages.
   bool PlanCopy(const std::vector<int32_t>& pages, int64_t length, int to, PageMove* move);
   void Unpin(const PageMove& move);
+  // Removes a sequence, releasing its pages and its tenant's share.
+  void Erase(Sequence* seq);
 
   std::vector<std::string> names_;
   std::vector<PagePool> pools_;
   std::vector<int64_t> counts_;  // sequences per device
   SequenceLimits limits_;
   int32_t page_size_ = 0;
-  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> seqs_;
+  absl::flat_hash_map<SequenceKey, std::unique_ptr<Sequence>> seqs_;
+  TenantLedger tenants_;
 };
 
 }  // namespace attnd

@@ -10,6 +10,7 @@ apt_pkgs=(
   civetweb libcivetweb-dev
   prometheus
   clang-14 llvm-14 libclang-rt-14-dev libfuzzer-14-dev
+  libssl-dev openssl
   python3-pip curl
 )
 missing=()

@@ -1,5 +1,7 @@
 #include "service/attention_service.h"
 
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -15,8 +17,10 @@ namespace {
 
 constexpr char kVersion[] = "attnd 0.1.0";
 
-void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInfo* out) {
+void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInfo* out,
+                  bool with_tenant = false) {
   out->set_sequence_id(s.id);
+  if (with_tenant) out->set_tenant(s.tenant);
   out->set_length(s.length);
   out->set_device(e.Capacity()[s.device].name);
   out->set_num_pages(static_cast<int32_t>(s.pages.size()));
@@ -49,12 +53,30 @@ absl::Status OutputWriteError(uint64_t step, bool committed, const absl::Status&
       "step ", step, " committed, but its output could not be written to out_shm: ", w.message()));
 }
 
+StepRef RefOf(const Caller& c, uint64_t step, uint64_t channel = 0) {
+  return StepRef(c.tenant, step, channel);
+}
+
+SequenceKey KeyOf(const Caller& c, const std::string& id) { return SequenceKey(c.tenant, id); }
+
+// The user of the process at the other end of a Unix-socket connection.
+absl::StatusOr<uid_t> PeerUid(const Caller& c) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  int domain = 0;
+  socklen_t dlen = sizeof(domain);
+  if (!c.local || getsockopt(c.socket_fd, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) != 0 ||
+      domain != AF_UNIX || getsockopt(c.socket_fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return absl::PermissionDeniedError("shared memory: the caller's user is unknown");
+  return cred.uid;
+}
+
 }  // namespace
 
 AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMetrics* metrics,
                                    ServiceOptions options)
     : options_(std::move(options)),
-      shm_(options_.max_shm_regions),
+      shm_(options_.max_shm_regions, options_.shm_prefix),
       engine_(engine),
       executor_(executor),
       metrics_(metrics) {}
@@ -71,15 +93,44 @@ int64_t AttentionService::max_export_chunk_tokens() const {
   return std::max<int64_t>(1, (options_.max_message_bytes - kMessageFramingBytes) / per_token);
 }
 
+absl::StatusOr<Caller> AttentionService::Authenticate(const grpc::ServerContextBase& ctx) const {
+  if (options_.auth == nullptr) return Caller{};
+  return options_.auth->Authenticate(ctx);
+}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* ctx, Fn fn) {
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  return Done(ctx, Guarded([&] { return fn(*caller); }));
+}
+
+ShmAccess AttentionService::ShmFor(const Caller& caller) const {
+  ShmAccess a{&shm_, caller.tenant, absl::OkStatus()};
+  if (!options_.shm_enabled) {
+    a.refused = absl::PermissionDeniedError("shared memory is off on this server (--shm)");
+  } else if (!caller.local) {
+    a.refused = absl::PermissionDeniedError(
+        "shared memory is served only over the server's Unix-socket listener (--shm-socket), "
+        "to processes on its host; this call came over TCP");
+  }
+  return a;
+}
+
 grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::ServerInfoRequest*,
                                                        v1::ServerInfoResponse* resp) {
-  return Done(ctx, Guarded([&] { return DoServerInfo(resp); }));
+  return Unary(ctx, [&](const Caller& c) { return DoServerInfo(c, resp); });
 }
 
-absl::Status AttentionService::DoServerInfo(v1::ServerInfoResponse* resp) const {
+absl::Status AttentionService::DoServerInfo(const Caller& caller,
+                                            v1::ServerInfoResponse* resp) const {
   const ModelSpec& s = engine_->spec();
   resp->set_version(kVersion);
+  resp->set_tenant(caller.tenant);
+  resp->set_admin(caller.admin);
+  resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
+  resp->set_shm(options_.shm_enabled);
   v1::ModelSpec* m = resp->mutable_model();
   m->set_name(s.name);
   for (LayerKind k : s.layers) m->add_layers(std::string(LayerKindName(k)));
@@ -127,21 +178,22 @@ absl::Status AttentionService::DoServerInfo(v1::ServerInfoResponse* resp) const 
 grpc::ServerUnaryReactor* AttentionService::OpenSequence(grpc::CallbackServerContext* ctx,
                                                          const v1::OpenSequenceRequest* req,
                                                          v1::SequenceInfo* resp) {
-  return Done(ctx, Guarded([&] { return DoOpenSequence(*req, resp); }));
+  return Unary(ctx, [&](const Caller& c) { return DoOpenSequence(c, *req, resp); });
 }
 
-absl::Status AttentionService::DoOpenSequence(const v1::OpenSequenceRequest& req,
+absl::Status AttentionService::DoOpenSequence(const Caller& caller,
+                                              const v1::OpenSequenceRequest& req,
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
   if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
     return absl::InvalidArgumentError(
         absl::StrCat("fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
-  absl::Status s =
-      req.fork_parent_id().empty()
-          ? engine_->OpenSequence(req.sequence_id())
-          : engine_->ForkSequence(req.sequence_id(), req.fork_parent_id(), req.fork_prefix_len());
+  absl::Status s = req.fork_parent_id().empty()
+                       ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()))
+                       : engine_->ForkSequence(KeyOf(caller, req.sequence_id()),
+                                               req.fork_parent_id(), req.fork_prefix_len());
   RETURN_IF_ERROR(s);
-  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(req.sequence_id()));
+  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(KeyOf(caller, req.sequence_id())));
   FillSequence(info, *engine_, resp);
   return absl::OkStatus();
 }
@@ -149,28 +201,49 @@ absl::Status AttentionService::DoOpenSequence(const v1::OpenSequenceRequest& req
 grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerContext* ctx,
                                                           const v1::CloseSequenceRequest* req,
                                                           v1::CloseSequenceResponse*) {
-  return Done(ctx, Guarded([&] { return DoCloseSequence(*req); }));
+  return Unary(ctx, [&](const Caller& c) { return DoCloseSequence(c, *req); });
 }
 
-absl::Status AttentionService::DoCloseSequence(const v1::CloseSequenceRequest& req) {
-  return engine_->CloseSequence(req.sequence_id());
+absl::Status AttentionService::DoCloseSequence(const Caller& caller,
+                                               const v1::CloseSequenceRequest& req) {
+  return engine_->CloseSequence(KeyOf(caller, req.sequence_id()));
 }
 
 grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServerContext* ctx,
                                                              const v1::DescribeSequenceRequest* req,
                                                              v1::SequenceInfo* resp) {
-  return Done(ctx, Guarded([&] { return DoDescribeSequence(*req, resp); }));
+  return Unary(ctx, [&](const Caller& c) { return DoDescribeSequence(c, *req, resp); });
 }
 
-absl::Status AttentionService::DoDescribeSequence(const v1::DescribeSequenceRequest& req,
+absl::Status AttentionService::DoDescribeSequence(const Caller& caller,
+                                                  const v1::DescribeSequenceRequest& req,
                                                   v1::SequenceInfo* resp) {
-  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(req.sequence_id()));
+  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(KeyOf(caller, req.sequence_id())));
   FillSequence(info, *engine_, resp);
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req,
-                                                 v1::BeginStepResponse* resp) {
+grpc::ServerUnaryReactor* AttentionService::ListSequences(grpc::CallbackServerContext* ctx,
+                                                          const v1::ListSequencesRequest* req,
+                                                          v1::ListSequencesResponse* resp) {
+  return Unary(ctx, [&](const Caller& c) { return DoListSequences(c, *req, resp); });
+}
+
+absl::Status AttentionService::DoListSequences(const Caller& caller,
+                                               const v1::ListSequencesRequest& req,
+                                               v1::ListSequencesResponse* resp) {
+  if (req.all_tenants() && !caller.admin)
+    return absl::PermissionDeniedError(
+        "all_tenants: only the admin identity (--admin-tenant) sees other tenants' sequences");
+  const auto list = engine_->ListSequences(req.all_tenants() ? nullptr : &caller.tenant);
+  for (const SequenceInfo& info : list)
+    FillSequence(info, *engine_, resp->add_sequences(), req.all_tenants());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
+                                                 const v1::BeginStepRequest& req,
+                                                 v1::BeginStepResponse* resp, uint64_t channel) {
   if (draining_) return Draining();
   const EngineLimits& lim = engine_->options().limits;
   // Bounded before anything is copied out of the request.
@@ -194,8 +267,10 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req
   }
   StepOptions opts;
   opts.write_only = req.write_only();
+  opts.tenant = caller.tenant;
+  opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
-  if (shards > 1) shards_.Register(step, shards);
+  if (shards > 1) shards_.Register(RefOf(caller, step), shards);
   int64_t tokens = 0;  // the engine bounded the sum
   for (const auto& e : batch) tokens += e.q_len;
   resp->set_step_id(step);
@@ -203,40 +278,41 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const v1::BeginStepRequest& req
   return step;
 }
 
-absl::StatusOr<int64_t> AttentionService::Join(uint64_t step, int shard) {
+absl::StatusOr<int64_t> AttentionService::Join(const StepRef& step, int shard) {
   RETURN_IF_ERROR(shards_.CheckJoin(step, shard));
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
   return info.tokens;
 }
 
-void AttentionService::AbortEverywhere(uint64_t step, const absl::Status& why) {
+void AttentionService::AbortEverywhere(const StepRef& step, const absl::Status& why) {
   (void)engine_->AbortStep(step);
   shards_.Fail(step, why);
 }
 
 void AttentionService::FailParkedShards() {
-  for (uint64_t step : shards_.Steps())
+  for (const StepRef& step : shards_.Steps())
     AbortEverywhere(step, absl::CancelledError("attnd is shutting down; step aborted"));
 }
 
 void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
   // Steps the engine no longer has (expired while no shard was waiting): answer any parked part
   // now and drop the entry, which would otherwise stay until every shard's stream ends.
-  for (uint64_t step : shards_.Steps())
+  for (const StepRef& step : shards_.Steps())
     if (!engine_->DescribeStep(step).ok())
       shards_.Fail(step, absl::DeadlineExceededError(
-                             absl::StrCat("step ", step, " expired or ended; step aborted")));
-  for (uint64_t step : shards_.Stale(idle))
+                             absl::StrCat("step ", step.id, " expired or ended; step aborted")));
+  for (const StepRef& step : shards_.Stale(idle))
     AbortEverywhere(step,
                     absl::DeadlineExceededError(absl::StrCat(
-                        "step ", step, ": a shard's layer message never came; step aborted")));
+                        "step ", step.id, ": a shard's layer message never came; step aborted")));
 }
 
-void AttentionService::LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::LayerOutput* out,
+void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
+                                  const v1::LayerInputs* in, v1::LayerOutput* out,
                                   Transport transport, std::function<void(absl::Status)> done) {
   if (shards_.NumShards(step) == 0) {
-    executor_->Post([this, step, in, out, transport, done = std::move(done)] {
-      done(Guarded([&] { return Layer(step, *in, out, transport); }));
+    executor_->Post([this, caller, step, in, out, transport, done = std::move(done)] {
+      done(Guarded([&] { return Layer(caller, step, *in, out, transport); }));
     });
     return;
   }
@@ -247,8 +323,8 @@ void AttentionService::LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::
     return;
   }
   if (!parts->has_value()) return;  // parked until the other shards arrive
-  executor_->Post([this, step, transport, all = std::move(**parts)] {
-    absl::Status s = Guarded([&] { return LayerSharded(step, all, transport); });
+  executor_->Post([this, caller, step, transport, all = std::move(**parts)] {
+    absl::Status s = Guarded([&] { return LayerSharded(caller, step, all, transport); });
     if (!s.ok()) {
       (void)engine_->AbortStep(step);  // every error aborts the step
       shards_.Forget(step);
@@ -259,9 +335,10 @@ void AttentionService::LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::
   });
 }
 
-absl::Status AttentionService::LayerSharded(uint64_t step,
+absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef& step,
                                             const std::vector<ShardGather::Part>& parts,
                                             Transport transport) {
+  const ShmAccess shm_access = ShmFor(caller);
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
   const ModelSpec& s = engine_->spec();
@@ -271,7 +348,7 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   std::vector<LayerInputs> v(S);
   ShmTransfers shm;
   for (int k = 0; k < S; ++k) {
-    RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_, &shm, &v[k]));
+    RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_access, &shm, &v[k]));
     const std::string ql = absl::StrCat("q_latent (shard ", k, ")");
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
     RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
@@ -301,8 +378,9 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
   // fail after it.
   std::vector<char*> dst(S);
   for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T,
-                                                Hs, L, options_.max_message_bytes, shm_, &shm));
+    ASSIGN_OR_RETURN(void* out_k,
+                     PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
+                                   options_.max_message_bytes, shm_access, &shm));
     dst[k] = static_cast<char*>(out_k);
   }
   RETURN_IF_ERROR(shm.ReadInputs());
@@ -333,15 +411,17 @@ absl::Status AttentionService::LayerSharded(uint64_t step,
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
   if (absl::Status w = shm.WriteOutputs(); !w.ok())  // the caller aborts the step
-    return OutputWriteError(step, layer == s.num_layers() - 1, w);
+    return OutputWriteError(step.id, layer == s.num_layers() - 1, w);
   metrics_->LayerDone(
       transport, T,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return absl::OkStatus();
 }
 
-absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
+absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
+                                     const v1::LayerInputs& in, v1::LayerOutput* out,
                                      Transport transport) {
+  const ShmAccess shm_access = ShmFor(caller);
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
   const ModelSpec& s = engine_->spec();
@@ -353,18 +433,19 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
   size_t bytes = 0;
   absl::Status st = [&]() -> absl::Status {
     if (in.shard() != 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("shard: ", in.shard(), " given on step ", step, ", which is not sharded"));
+      return absl::InvalidArgumentError(absl::StrCat("shard: ", in.shard(), " given on step ",
+                                                     step.id, ", which is not sharded"));
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
-    RETURN_IF_ERROR(ViewOf(in, shm_, &shm, &views));
+    RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
     const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
     if (!info.write_only)
       bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
     if (!info.write_only) {
-      ASSIGN_OR_RETURN(buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads,
-                                          s.kv_lora_rank, options_.max_message_bytes, shm_, &shm));
+      ASSIGN_OR_RETURN(
+          buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,
+                             options_.max_message_bytes, shm_access, &shm));
     }
     RETURN_IF_ERROR(shm.ReadInputs());
     return shm.CheckOutputRegions();
@@ -383,7 +464,7 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
   // after the last layer, which committed, the error says so.
   if (absl::Status w = shm.WriteOutputs(); !w.ok()) {
     if (!last) (void)engine_->AbortStep(step);
-    return OutputWriteError(step, last, w);
+    return OutputWriteError(step.id, last, w);
   }
   metrics_->LayerDone(
       transport, info.tokens,
@@ -394,9 +475,11 @@ absl::Status AttentionService::Layer(uint64_t step, const v1::LayerInputs& in, v
 grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContext* ctx,
                                                       const v1::BeginStepRequest* req,
                                                       v1::BeginStepResponse* resp) {
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   auto* reactor = ctx->DefaultReactor();
-  executor_->Post([this, req, resp, reactor] {
-    reactor->Finish(ToGrpcStatus(Guarded([&] { return Begin(*req, resp).status(); })));
+  executor_->Post([this, caller = *std::move(caller), req, resp, reactor] {
+    reactor->Finish(ToGrpcStatus(Guarded([&] { return Begin(caller, *req, resp).status(); })));
   });
   return reactor;
 }
@@ -404,13 +487,18 @@ grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerContext* ctx,
                                                         const v1::AttendLayerRequest* req,
                                                         v1::AttendLayerResponse* resp) {
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  const StepRef step = RefOf(*caller, req->step_id());
+  // Another tenant's step, or a stream's, reads as absent (before any shard bookkeeping).
+  if (absl::Status s = engine_->DescribeStep(step).status(); !s.ok()) return Done(ctx, s);
   auto* reactor = ctx->DefaultReactor();
-  LayerAsync(req->step_id(), &req->inputs(), resp->mutable_output(), Transport::kUnary,
-             [this, ctx, req, resp, reactor](absl::Status s) {
+  LayerAsync(*caller, step, &req->inputs(), resp->mutable_output(), Transport::kUnary,
+             [this, ctx, step, resp, reactor](absl::Status s) {
                if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
                  // The caller will never see this output: leave its sequences as before.
                  s = absl::CancelledError("call cancelled; step aborted");
-                 AbortEverywhere(req->step_id(), s);
+                 AbortEverywhere(step, s);
                }
                reactor->Finish(ToGrpcStatus(s));
              });
@@ -420,12 +508,13 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContext* ctx,
                                                       const v1::AbortStepRequest* req,
                                                       v1::AbortStepResponse*) {
-  return Done(ctx, Guarded([&] { return DoAbortStep(*req); }));
+  return Unary(ctx, [&](const Caller& c) { return DoAbortStep(c, *req); });
 }
 
-absl::Status AttentionService::DoAbortStep(const v1::AbortStepRequest& req) {
-  const absl::Status s = engine_->AbortStep(req.step_id());
-  shards_.Fail(req.step_id(), absl::CancelledError("step aborted by AbortStep"));
+absl::Status AttentionService::DoAbortStep(const Caller& caller, const v1::AbortStepRequest& req) {
+  const StepRef step = RefOf(caller, req.step_id());
+  const absl::Status s = engine_->AbortStep(step);
+  shards_.Fail(step, absl::CancelledError("step aborted by AbortStep"));
   return s;
 }
 
@@ -435,14 +524,15 @@ absl::Status AttentionService::DoAbortStep(const v1::AbortStepRequest& req) {
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
   ExportStream(Engine* engine, Executor* executor, const v1::ExportSequenceRequest& req,
-               absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
+               absl::StatusOr<Caller> caller, absl::StatusOr<int64_t> chunk,
+               int64_t max_message_bytes)
       : engine_(engine), executor_(executor), max_message_bytes_(max_message_bytes) {
-    if (!chunk.ok()) {
-      Finish(ToGrpcStatus(chunk.status()));
+    if (!caller.ok() || !chunk.ok()) {
+      Finish(ToGrpcStatus(caller.ok() ? chunk.status() : caller.status()));
       return;
     }
     chunk_ = *chunk;
-    id_ = req.sequence_id();
+    id_ = KeyOf(*caller, req.sequence_id());
     auto info = Guarded([&] { return engine_->DescribeSequence(id_); });
     if (!info.ok()) {
       Finish(ToGrpcStatus(info.status()));
@@ -512,7 +602,7 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   Executor* executor_;
   int64_t max_message_bytes_;
   bool done_ = false;
-  std::string id_;
+  SequenceKey id_{""};
   int64_t chunk_ = 0;
   int64_t length_ = 0;
   int64_t begin_ = 0;
@@ -532,36 +622,41 @@ absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
 }
 
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
-    grpc::CallbackServerContext*, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(engine_, executor_, *req, ExportChunkTokens(*req),
+    grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) {
+  return new ExportStream(engine_, executor_, *req, Authenticate(*ctx), ExportChunkTokens(*req),
                           options_.max_message_bytes);
 }
 
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
     v1::RegisterSharedMemoryResponse*) {
-  return Done(ctx, Guarded([&] { return DoRegisterSharedMemory(*req); }));
+  return Unary(ctx, [&](const Caller& c) { return DoRegisterSharedMemory(c, *req); });
 }
 
-absl::Status AttentionService::DoRegisterSharedMemory(const v1::RegisterSharedMemoryRequest& req) {
-  return shm_.Register(req.name(), req.key(), req.offset(), req.byte_size());
+absl::Status AttentionService::DoRegisterSharedMemory(const Caller& caller,
+                                                      const v1::RegisterSharedMemoryRequest& req) {
+  if (absl::Status refused = ShmFor(caller).refused; !refused.ok()) return refused;
+  ASSIGN_OR_RETURN(const uid_t uid, PeerUid(caller));
+  return shm_.Register(caller.tenant, req.name(), req.key(), req.offset(), req.byte_size(), uid,
+                       engine_->TenantQuotaOf(caller.tenant).shm_regions);
 }
 
 absl::Status AttentionService::DoUnregisterSharedMemory(
-    const v1::UnregisterSharedMemoryRequest& req) {
-  return shm_.Unregister(req.name());
+    const Caller& caller, const v1::UnregisterSharedMemoryRequest& req) {
+  if (absl::Status refused = ShmFor(caller).refused; !refused.ok()) return refused;
+  return shm_.Unregister(caller.tenant, req.name());
 }
 
 grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
     v1::UnregisterSharedMemoryResponse*) {
-  return Done(ctx, Guarded([&] { return DoUnregisterSharedMemory(*req); }));
+  return Unary(ctx, [&](const Caller& c) { return DoUnregisterSharedMemory(c, *req); });
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
                                                  const v1::EchoRequest* req,
                                                  v1::EchoResponse* resp) {
-  return Done(ctx, Guarded([&] { return DoEcho(*req, resp); }));
+  return Unary(ctx, [&](const Caller&) { return DoEcho(*req, resp); });
 }
 
 absl::Status AttentionService::DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const {
@@ -574,11 +669,20 @@ absl::Status AttentionService::DoEcho(const v1::EchoRequest& req, v1::EchoRespon
   return absl::OkStatus();
 }
 
-// One bidirectional stream: a sequence of steps, one message and one reply at a time.
+// One bidirectional stream: a sequence of steps, one message and one reply at a time. Its caller
+// is authenticated once, when the stream starts; an unsharded step it begins is bound to it.
 class AttentionService::StepStream final
     : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
  public:
-  explicit StepStream(AttentionService* svc) : svc_(svc) { StartRead(&req_); }
+  StepStream(AttentionService* svc, absl::StatusOr<Caller> caller, uint64_t channel)
+      : svc_(svc), channel_(channel) {
+    if (!caller.ok()) {
+      FinishOnce(ToGrpcStatus(caller.status()));
+      return;
+    }
+    caller_ = *std::move(caller);
+    StartRead(&req_);
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed or the call is gone
@@ -598,7 +702,7 @@ class AttentionService::StepStream final
     switch (req_.kind_case()) {
       case v1::StepRequest::kBegin: {
         if (step_ != 0) {
-          if (svc_->engine()->DescribeStep(step_).ok())
+          if (svc_->engine()->DescribeStep(Open()).ok())
             return absl::FailedPreconditionError(
                 absl::StrCat("step ", step_.load(),
                              " is still open on this stream; send its layers or abort it"));
@@ -606,8 +710,10 @@ class AttentionService::StepStream final
         }
         // Begin may wait for a step being aborted: off the gRPC thread.
         svc_->executor()->Post([this] {
-          auto step = Guarded([&] { return svc_->Begin(req_.begin(), resp_.mutable_begun()); });
+          auto step = Guarded(
+              [&] { return svc_->Begin(caller_, req_.begin(), resp_.mutable_begun(), channel_); });
           if (!step.ok()) return Fail(step.status());
+          step_channel_ = req_.begin().num_shards() > 1 ? 0 : channel_;
           step_ = *step;
           shard_ = 0;
           StartWrite(&resp_);
@@ -617,11 +723,12 @@ class AttentionService::StepStream final
       case v1::StepRequest::kLayer: {
         if (step_ == 0)
           return absl::FailedPreconditionError("no open step on this stream: send begin");
-        if (svc_->NumShards(step_) > 0 && req_.layer().shard() != shard_)
+        const StepRef step = Open();
+        if (svc_->NumShards(step) > 0 && req_.layer().shard() != shard_)
           return absl::InvalidArgumentError(
               absl::StrCat("shard: the message says ", req_.layer().shard(),
-                           " but this stream is shard ", shard_, " of step ", step_.load()));
-        svc_->LayerAsync(step_, &req_.layer(), resp_.mutable_layer(), Transport::kStream,
+                           " but this stream is shard ", shard_, " of step ", step.id));
+        svc_->LayerAsync(caller_, step, &req_.layer(), resp_.mutable_layer(), Transport::kStream,
                          [this](absl::Status s) {
                            if (!s.ok()) {
                              step_ = 0;  // the step was aborted for every shard
@@ -633,14 +740,16 @@ class AttentionService::StepStream final
         return absl::OkStatus();
       }
       case v1::StepRequest::kJoin: {
-        if (step_ != 0 && svc_->engine()->DescribeStep(step_).ok())
+        if (step_ != 0 && svc_->engine()->DescribeStep(Open()).ok())
           return absl::FailedPreconditionError(
               absl::StrCat("step ", step_.load(), " is still open on this stream"));
         step_ = 0;
-        ASSIGN_OR_RETURN(int64_t tokens, svc_->Join(req_.join().step_id(), req_.join().shard()));
-        step_ = req_.join().step_id();
+        const StepRef joined(caller_.tenant, req_.join().step_id());  // sharded: no channel
+        ASSIGN_OR_RETURN(int64_t tokens, svc_->Join(joined, req_.join().shard()));
+        step_channel_ = 0;
+        step_ = joined.id;
         shard_ = req_.join().shard();
-        resp_.mutable_joined()->set_step_id(step_);
+        resp_.mutable_joined()->set_step_id(joined.id);
         resp_.mutable_joined()->set_num_tokens(tokens);
         StartWrite(&resp_);
         return absl::OkStatus();
@@ -677,11 +786,15 @@ class AttentionService::StepStream final
   }
 
  private:
+  // The open step as this stream names it.
+  StepRef Open() const { return StepRef(caller_.tenant, step_.load(), step_channel_.load()); }
   // Returns whether a step was open.
   bool AbortOpenStep() {
+    const uint64_t channel = step_channel_.load();
     const uint64_t step = step_.exchange(0);
     if (step == 0) return false;
-    svc_->AbortEverywhere(step, absl::CancelledError("another shard's stream ended; step aborted"));
+    svc_->AbortEverywhere(StepRef(caller_.tenant, step, channel),
+                          absl::CancelledError("another shard's stream ended; step aborted"));
     return true;
   }
   void Fail(const absl::Status& s) {
@@ -700,17 +813,20 @@ class AttentionService::StepStream final
   }
 
   AttentionService* svc_;
+  Caller caller_;
+  const uint64_t channel_;  // binds this stream's unsharded steps to it
   v1::StepRequest req_;
   v1::StepResponse resp_;
   std::atomic<uint64_t> step_{0};
-  int shard_ = 0;  // the shard this stream plays in a sharded step
+  std::atomic<uint64_t> step_channel_{0};  // the open step's channel (0: sharded)
+  int shard_ = 0;                          // the shard this stream plays in a sharded step
   std::mutex mu_;
   bool finished_ = false;
 };
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* AttentionService::Step(
-    grpc::CallbackServerContext*) {
-  return new StepStream(this);
+    grpc::CallbackServerContext* ctx) {
+  return new StepStream(this, Authenticate(*ctx), next_channel_++);
 }
 
 }  // namespace attnd

@@ -12,6 +12,7 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "common/guarded.h"
 #include "engine/engine.h"
+#include "service/auth.h"
 #include "service/executor.h"
 #include "service/service_metrics.h"
 #include "service/shard_gather.h"
@@ -25,6 +26,12 @@ struct ServiceOptions {
   int64_t step_idle_timeout_ms = 0;
   int64_t max_echo_bytes = int64_t{64} << 20;  // Echo replies (also capped by the message size)
   int max_shm_regions = 64;
+  // Who calls (null: everyone is the anonymous tenant, no call is local).
+  std::shared_ptr<const Authenticator> auth;
+  // Shared memory (DESIGN §11): off unless enabled, then only for callers on the Unix-socket
+  // listener, for objects under `shm_prefix` owned by the caller's user.
+  bool shm_enabled = false;
+  std::string shm_prefix = "/attnd-";
 };
 
 class AttentionService final : public v1::Attention::CallbackService {
@@ -49,6 +56,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* DescribeSequence(grpc::CallbackServerContext* ctx,
                                              const v1::DescribeSequenceRequest* req,
                                              v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* ctx,
+                                          const v1::ListSequencesRequest* req,
+                                          v1::ListSequencesResponse* resp) override;
   grpc::ServerUnaryReactor* BeginStep(grpc::CallbackServerContext* ctx,
                                       const v1::BeginStepRequest* req,
                                       v1::BeginStepResponse* resp) override;
@@ -75,33 +85,48 @@ class AttentionService final : public v1::Attention::CallbackService {
   int64_t max_echo_bytes() const;
   int64_t max_export_chunk_tokens() const;
 
-  // The RPCs' logic without the transport (the handlers, tests and fuzzers call these).
-  absl::Status DoServerInfo(v1::ServerInfoResponse* resp) const;
-  absl::Status DoOpenSequence(const v1::OpenSequenceRequest& req, v1::SequenceInfo* resp);
-  absl::Status DoCloseSequence(const v1::CloseSequenceRequest& req);
-  absl::Status DoDescribeSequence(const v1::DescribeSequenceRequest& req, v1::SequenceInfo* resp);
-  absl::Status DoRegisterSharedMemory(const v1::RegisterSharedMemoryRequest& req);
-  absl::Status DoUnregisterSharedMemory(const v1::UnregisterSharedMemoryRequest& req);
+  // Who is calling: UNAUTHENTICATED / PERMISSION_DENIED as Authenticator::Authenticate says.
+  absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;
+
+  // The RPCs' logic without the transport (the handlers, tests and fuzzers call these), for an
+  // authenticated caller: every name is looked up in the caller's tenant.
+  absl::Status DoServerInfo(const Caller& caller, v1::ServerInfoResponse* resp) const;
+  absl::Status DoOpenSequence(const Caller& caller, const v1::OpenSequenceRequest& req,
+                              v1::SequenceInfo* resp);
+  absl::Status DoCloseSequence(const Caller& caller, const v1::CloseSequenceRequest& req);
+  absl::Status DoDescribeSequence(const Caller& caller, const v1::DescribeSequenceRequest& req,
+                                  v1::SequenceInfo* resp);
+  absl::Status DoListSequences(const Caller& caller, const v1::ListSequencesRequest& req,
+                               v1::ListSequencesResponse* resp);
+  absl::Status DoRegisterSharedMemory(const Caller& caller,
+                                      const v1::RegisterSharedMemoryRequest& req);
+  absl::Status DoUnregisterSharedMemory(const Caller& caller,
+                                        const v1::UnregisterSharedMemoryRequest& req);
   absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
-  absl::Status DoAbortStep(const v1::AbortStepRequest& req);
+  absl::Status DoAbortStep(const Caller& caller, const v1::AbortStepRequest& req);
   // The chunk size an export request asks for, checked (0 = the default).
   absl::StatusOr<int64_t> ExportChunkTokens(const v1::ExportSequenceRequest& req) const;
+  // The caller's view of shared memory (refused when off or not on the Unix socket).
+  ShmAccess ShmFor(const Caller& caller) const;
   // One layer message of an unsharded step, blocking (the executor runs it).
-  absl::Status Layer(uint64_t step, const v1::LayerInputs& in, v1::LayerOutput* out,
-                     Transport transport);
+  absl::Status Layer(const Caller& caller, const StepRef& step, const v1::LayerInputs& in,
+                     v1::LayerOutput* out, Transport transport);
 
   // Shared by both transports. May block briefly (see Engine::BeginStep): call off gRPC threads.
-  absl::StatusOr<uint64_t> Begin(const v1::BeginStepRequest& req, v1::BeginStepResponse* resp);
+  // `channel` != 0 binds an unsharded step to one Step stream.
+  absl::StatusOr<uint64_t> Begin(const Caller& caller, const v1::BeginStepRequest& req,
+                                 v1::BeginStepResponse* resp, uint64_t channel = 0);
   // Attaches another shard to a sharded step; returns the step's token count.
-  absl::StatusOr<int64_t> Join(uint64_t step, int shard);
+  absl::StatusOr<int64_t> Join(const StepRef& step, int shard);
   // Runs (or, for a sharded step, parks until every shard is in) one layer message and calls
   // `done` from the executor; `in` and `out` stay valid until then.
-  void LayerAsync(uint64_t step, const v1::LayerInputs* in, v1::LayerOutput* out,
-                  Transport transport, std::function<void(absl::Status)> done);
+  void LayerAsync(const Caller& caller, const StepRef& step, const v1::LayerInputs* in,
+                  v1::LayerOutput* out, Transport transport,
+                  std::function<void(absl::Status)> done);
   // Shards of a sharded step; 0 for an ordinary step.
-  int NumShards(uint64_t step) const { return shards_.NumShards(step); }
+  int NumShards(const StepRef& step) const { return shards_.NumShards(step); }
   // Aborts a step for every shard: the engine step and any parked shard messages.
-  void AbortEverywhere(uint64_t step, const absl::Status& why);
+  void AbortEverywhere(const StepRef& step, const absl::Status& why);
   // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.
   void ReapShards(std::chrono::steady_clock::duration idle);
   // Shutdown: answers every parked shard message (CANCELLED) so no call outlives the server.
@@ -113,8 +138,11 @@ class AttentionService final : public v1::Attention::CallbackService {
  private:
   class StepStream;
   // One layer of a sharded step from every shard's message (blocking).
-  absl::Status LayerSharded(uint64_t step, const std::vector<ShardGather::Part>& parts,
-                            Transport transport);
+  absl::Status LayerSharded(const Caller& caller, const StepRef& step,
+                            const std::vector<ShardGather::Part>& parts, Transport transport);
+  // Runs `fn(caller)` for an authenticated caller and finishes the call with its status.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Fn fn);
   ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;
@@ -122,6 +150,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   Executor* executor_;
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> next_channel_{1};  // Step streams' channels
 };
 
 }  // namespace attnd

@@ -1,8 +1,10 @@
 #include "service/flags.h"
 
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -41,6 +43,28 @@ Per-request limits (ServerInfo.limits reports them):
   --check-finite=true|false    refuse NaN/Inf in input tensors (default true)
   --begin-wait-ms=N            a BeginStep whose sequence is in a step running a layer (which may
                                be aborting after a cancel) waits this long for it (default 10000)
+Trust (see the README's deployment section):
+  --auth=none|token|mtls       who the caller is: one anonymous tenant (default, local use), a
+                               bearer token looked up in --auth-tokens, or the mTLS client
+                               certificate's identity (first SAN, else CN)
+  --auth-tokens=FILE           lines of TOKEN TENANT [pages=N] [sequences=N] [steps=N]
+                               [shm-regions=N]; reread when it changes
+  --admin-tenant=NAME          this tenant may list every tenant's sequences and act as one
+                               (metadata attnd-tenant: NAME)
+  --tls-cert=PEM --tls-key=PEM serve TLS; the files are reread when they change (rotation)
+  --tls-client-ca=PEM          require client certificates signed by this CA (mTLS)
+  --metrics-tls[=true|false]   serve /metrics over HTTPS with the same certificate
+  --reload-interval-s=N        how often certificate and token files are checked (default 10)
+  --grpc-reflection=true|false gRPC server reflection (default true)
+  --shm[=true|false]           allow shared-memory tensors (default off), only over
+                               --shm-socket, only for objects the calling user owns
+  --shm-socket=PATH            the Unix-socket listener for co-located clients
+  --shm-socket-mode=OCTAL      its file mode (default 0660)
+  --shm-prefix=PREFIX          objects that may be opened (default /attnd-)
+  --quota-pages=N              per tenant: cache pages held (default 0 = no limit)
+  --quota-sequences=N          per tenant: open sequences (default 0)
+  --quota-steps=N              per tenant: open steps (default 0)
+  --quota-shm-regions=N        per tenant: shared-memory regions (default 0)
 )";
 }
 
@@ -67,6 +91,13 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       int64_t x;
       if (!absl::SimpleAtoi(v, &x) || x < 1) return false;
       *out = x;
+      return true;
+    };
+  };
+  auto bool_flag = [](bool* out) {
+    return [out](const std::string& v) {
+      if (v != "true" && v != "false") return false;
+      *out = v == "true";
       return true;
     };
   };
@@ -117,13 +148,38 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-echo-bytes", int_flag(&f.max_echo_bytes)},
       {"max-shm-regions", int_flag(&f.max_shm_regions)},
       {"begin-wait-ms", int_flag(&f.begin_wait_ms)},
-      {"check-finite",
+      {"check-finite", bool_flag(&f.check_finite)},
+      {"auth",
        [&f](const std::string& v) {
-         if (v != "true" && v != "false") return false;
-         f.check_finite = v == "true";
+         f.auth = v;
+         return v == "none" || v == "token" || v == "mtls";
+       }},
+      {"auth-tokens", str_flag(&f.auth_tokens)},
+      {"admin-tenant", str_flag(&f.admin_tenant)},
+      {"tls-cert", str_flag(&f.tls_cert)},
+      {"tls-key", str_flag(&f.tls_key)},
+      {"tls-client-ca", str_flag(&f.tls_client_ca)},
+      {"metrics-tls", bool_flag(&f.metrics_tls)},
+      {"reload-interval-s", limit_flag(&f.reload_interval_s)},
+      {"grpc-reflection", bool_flag(&f.grpc_reflection)},
+      {"shm", bool_flag(&f.shm)},
+      {"shm-socket", str_flag(&f.shm_socket)},
+      {"shm-prefix", str_flag(&f.shm_prefix)},
+      {"shm-socket-mode",
+       [&f](const std::string& v) {
+         char* end = nullptr;
+         const unsigned long m = std::strtoul(v.c_str(), &end, 8);
+         if (v.empty() || *end != '\0' || m > 0777) return false;
+         f.shm_socket_mode = static_cast<uint32_t>(m);
          return true;
        }},
+      {"quota-pages", int_flag(&f.quota_pages)},
+      {"quota-sequences", int_flag(&f.quota_sequences)},
+      {"quota-steps", int_flag(&f.quota_steps)},
+      {"quota-shm-regions", int_flag(&f.quota_shm_regions)},
   };
+  // Switches that may stand alone (--shm means --shm=true).
+  const std::set<std::string> switches = {"shm", "metrics-tls"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return absl::CancelledError(ServerUsage());
@@ -133,6 +189,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     if (eq != std::string::npos) {
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
+    } else if (switches.count(name)) {
+      value = "true";
     } else if (i + 1 < argc) {
       value = argv[++i];
     } else {
@@ -144,6 +202,18 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   }
   if (f.grpc_port > 65535 || f.metrics_port > 65535) return bad("port out of range");
   if (f.max_message_bytes > INT32_MAX) return bad("--max-message-bytes must fit in 2^31-1");
+  // Trust flags that only make sense together.
+  if (f.tls_cert.empty() != f.tls_key.empty()) return bad("--tls-cert and --tls-key go together");
+  if (!f.tls_client_ca.empty() && f.tls_cert.empty())
+    return bad("--tls-client-ca needs --tls-cert and --tls-key");
+  if (f.auth == "mtls" && f.tls_client_ca.empty())
+    return bad("--auth=mtls needs --tls-client-ca (and --tls-cert, --tls-key)");
+  if (f.auth == "token" && f.auth_tokens.empty()) return bad("--auth=token needs --auth-tokens");
+  if (f.metrics_tls && f.tls_cert.empty()) return bad("--metrics-tls needs --tls-cert/--tls-key");
+  if (f.shm && f.shm_socket.empty()) return bad("--shm needs --shm-socket=PATH");
+  if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
+  if (!f.admin_tenant.empty() && f.auth == "none")
+    return bad("--admin-tenant needs --auth=token or --auth=mtls");
   return f;
 }
 

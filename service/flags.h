@@ -35,6 +35,24 @@ struct ServerFlags {
   int32_t max_shm_regions = 64;
   bool check_finite = true;  // refuse NaN/Inf inputs; off only for trusted, measured deployments
   int64_t begin_wait_ms = 10000;  // BeginStep waits this long for a conflicting running layer
+  // Trust (DESIGN §11). Defaults suit local use: no TLS, one anonymous tenant, no shared memory.
+  std::string auth = "none";       // none, token, mtls
+  std::string auth_tokens;         // token file (token -> tenant, quota overrides)
+  std::string admin_tenant;        // may list every tenant's sequences and act as one
+  std::string tls_cert, tls_key;   // PEM files: serve TLS
+  std::string tls_client_ca;       // PEM file: require and verify client certificates (mTLS)
+  bool metrics_tls = false;        // serve /metrics over HTTPS with the same certificate
+  int64_t reload_interval_s = 10;  // how often certificate and token files are checked
+  bool grpc_reflection = true;
+  bool shm = false;        // shared memory, over the Unix-socket listener only
+  std::string shm_socket;  // that listener's path
+  std::string shm_prefix = "/attnd-";
+  uint32_t shm_socket_mode = 0660;
+  // Per-tenant quotas (0 = none); the token file may override them per tenant.
+  int64_t quota_pages = 0;
+  int64_t quota_sequences = 0;
+  int64_t quota_steps = 0;
+  int64_t quota_shm_regions = 0;
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;

@@ -1,6 +1,7 @@
 #include "service/metrics_http.h"
 
 #include <civetweb.h>
+#include <openssl/ssl.h>
 
 #include <cstdio>
 #include <string>
@@ -19,9 +20,23 @@ constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 constexpr char kMetricsPath[] = "/metrics";
 
 // mg_start initialises the library lazily but not thread-safely; do it once, before any start.
+// TLS is initialised too (civetweb loads OpenSSL), for servers started with a certificate.
 void InitCivetwebOnce() {
-  static const unsigned features = mg_init_library(0);
+  static const unsigned features = mg_init_library(MG_FEATURES_TLS);
   (void)features;
+}
+
+// civetweb's init_ssl callback: the certificate chain and key from their own files (civetweb's
+// ssl_certificate option wants both in one file). 1 = set up here; -1 = failed.
+int InitSsl(void* ssl_ctx, void* user_data) {
+  const auto* tls =
+      static_cast<const MetricsTls*>(static_cast<const MetricsHttpServer*>(user_data)->tls());
+  SSL_CTX* ctx = static_cast<SSL_CTX*>(ssl_ctx);
+  if (SSL_CTX_use_certificate_chain_file(ctx, tls->cert.c_str()) != 1 ||
+      SSL_CTX_use_PrivateKey_file(ctx, tls->key.c_str(), SSL_FILETYPE_PEM) != 1 ||
+      SSL_CTX_check_private_key(ctx) != 1)
+    return -1;
+  return 1;
 }
 
 // Catches what civetweb would misread rather than reject: a list of ports, TLS or redirect
@@ -58,15 +73,20 @@ absl::Status ValidateListen(absl::string_view listen) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen, Registry* registry) {
+    const std::string& listen, Registry* registry, std::optional<MetricsTls> tls) {
   if (registry == nullptr) return absl::InvalidArgumentError("MetricsHttpServer: null registry");
   if (absl::Status status = ValidateListen(listen); !status.ok()) return status;
   InitCivetwebOnce();
 
   auto server = absl::WrapUnique(new MetricsHttpServer(registry));
+  server->tls_ = std::move(tls);
+  const std::string listen_ports = server->tls_ ? listen + "s" : listen;  // "s": speaks TLS
   const char* options[] = {
       "listening_ports",
-      listen.c_str(),
+      listen_ports.c_str(),
+      // TLS 1.2 or newer.
+      "ssl_protocol_version",
+      "4",
       // Scrapes are rare and cheap; two workers keep one slow client from blocking the next.
       "num_threads",
       "2",
@@ -77,6 +97,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   };
   mg_callbacks callbacks = {};
   callbacks.log_message = &MetricsHttpServer::LogMessage;
+  if (server->tls_) callbacks.init_ssl = &InitSsl;
   mg_init_data init = {};
   init.callbacks = &callbacks;
   init.user_data = server.get();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -13,6 +14,12 @@ struct mg_connection;
 struct mg_context;
 
 namespace attnd::metrics {
+
+// HTTPS for /metrics: PEM certificate chain and key files, read once at start.
+struct MetricsTls {
+  std::string cert;
+  std::string key;
+};
 
 // An HTTP server with two civetweb worker threads. GET (or HEAD) /metrics answers 200 with
 // Registry::Serialize() as `text/plain; version=0.0.4; charset=utf-8`; other methods on /metrics
@@ -29,8 +36,9 @@ class MetricsHttpServer {
   // is built without IPv6. Errors: InvalidArgument for a malformed `listen` or null registry;
   // Unavailable, with civetweb's reason ("cannot bind to 127.0.0.1:9090: 98 (Address already in
   // use)"), when the server cannot start.
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
-                                                                  Registry* registry);
+  // With `tls` the port speaks HTTPS (TLS 1.2 or newer) only.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      const std::string& listen, Registry* registry, std::optional<MetricsTls> tls = std::nullopt);
 
   // Stops listening and waits for requests in progress; takes up to ~2 s because civetweb's
   // listener thread notices the stop only between 2-s poll rounds.
@@ -40,6 +48,7 @@ class MetricsHttpServer {
 
   // The TCP port listened on; the kernel's choice when started with port 0.
   int port() const { return port_; }
+  const MetricsTls* tls() const { return tls_ ? &*tls_ : nullptr; }
 
  private:
   explicit MetricsHttpServer(Registry* registry) : registry_(registry) {}
@@ -48,6 +57,7 @@ class MetricsHttpServer {
   static int LogMessage(const mg_connection* connection, const char* message);
 
   Registry* const registry_;
+  std::optional<MetricsTls> tls_;
   mg_context* context_ = nullptr;
   int port_ = 0;
   // civetweb reports why it failed to start only through its log callback; collected here while

@@ -21,6 +21,8 @@
 #include "service/metrics.h"
 #include "service/metrics_http.h"
 #include "service/service_metrics.h"
+#include "service/tls.h"
+#include "service/unix_listener.h"
 
 namespace attnd {
 namespace {
@@ -34,6 +36,21 @@ absl::StatusOr<ModelSpec> LoadSpec(const ServerFlags& f) {
   std::stringstream text;
   text << in.rdbuf();
   return ParseModelSpecJson(text.str());
+}
+
+TenantQuota FlagQuota(const ServerFlags& f) {
+  TenantQuota q;
+  q.pages = f.quota_pages;
+  q.sequences = f.quota_sequences;
+  q.open_steps = f.quota_steps;
+  q.shm_regions = f.quota_shm_regions;
+  return q;
+}
+
+// The token file's per-tenant quotas over the flags' (at start and after each reload).
+void ApplyQuotas(const ServerFlags& f, const Authenticator& auth, Engine* engine) {
+  const TenantQuota fallback = FlagQuota(f);
+  engine->SetTenantQuotas(fallback, auth.QuotaOverrides(fallback));
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
@@ -54,6 +71,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.limits.max_id_bytes = static_cast<size_t>(f.max_id_bytes);
   o.limits.check_finite = f.check_finite;
   o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
+  o.limits.tenant_quota = FlagQuota(f);
   if (f.cpu_isa == "generic") {
     o.isa = cpu::Isa::kGeneric;
   } else if (f.cpu_isa == "avx2") {
@@ -81,13 +99,35 @@ int RunServer(const ServerFlags& flags) {
     return 1;
   }
   std::unique_ptr<Engine> engine = std::move(engine_or).value();
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "attnd: %s\n", std::string(s.message()).c_str());
+    return 1;
+  };
+  AuthOptions ao;
+  ao.mode = ParseAuthMode(flags.auth).value();  // the flag parser checked the name
+  ao.tokens_file = flags.auth_tokens;
+  ao.admin_tenant = flags.admin_tenant;
+  auto auth_or = Authenticator::Create(ao);
+  if (!auth_or.ok()) return fail(auth_or.status());
+  std::shared_ptr<Authenticator> auth = std::move(auth_or).value();
+  ApplyQuotas(flags, *auth, engine.get());
+  const TlsFiles tls{flags.tls_cert, flags.tls_key, flags.tls_client_ca,
+                     static_cast<int>(flags.reload_interval_s)};
+  auto creds = MakeServerCredentials(tls);
+  if (!creds.ok()) return fail(creds.status());
+  if (ao.mode == AuthMode::kToken && flags.tls_cert.empty())
+    std::fprintf(stderr,
+                 "attnd: warning: --auth=token without --tls-cert: bearer tokens cross the network "
+                 "in clear text (only safe on loopback or inside an encrypting mesh)\n");
   Executor executor(8);
   metrics::Registry registry;
   ServiceMetrics service_metrics(&registry, engine.get());
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   if (flags.metrics_port > 0) {
+    std::optional<metrics::MetricsTls> metrics_tls;
+    if (flags.metrics_tls) metrics_tls = metrics::MetricsTls{flags.tls_cert, flags.tls_key};
     auto m = metrics::MetricsHttpServer::Start(
-        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry);
+        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry, metrics_tls);
     if (!m.ok()) {
       std::fprintf(stderr, "attnd: metrics: %s\n", std::string(m.status().message()).c_str());
       return 1;
@@ -103,14 +143,17 @@ int RunServer(const ServerFlags& flags) {
   so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
   so.max_echo_bytes = flags.max_echo_bytes;
   so.max_shm_regions = flags.max_shm_regions;
+  so.auth = auth;
+  so.shm_enabled = flags.shm;
+  so.shm_prefix = flags.shm_prefix;
   AttentionService service(engine.get(), &executor, &service_metrics, so);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (flags.grpc_reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   const std::string address = absl::StrCat(flags.grpc_address, ":", flags.grpc_port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(address, *creds, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(flags.max_message_bytes));
   builder.RegisterService(&service);
@@ -119,17 +162,39 @@ int RunServer(const ServerFlags& flags) {
     std::fprintf(stderr, "attnd: cannot listen on %s\n", address.c_str());
     return 1;
   }
+  std::unique_ptr<UnixListener> local;
+  if (flags.shm) {
+    auto l = UnixListener::Start(flags.shm_socket, flags.shm_socket_mode, server.get());
+    if (!l.ok()) {
+      server->Shutdown();
+      return fail(l.status());
+    }
+    local = std::move(l).value();
+  }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, true);
 
   const auto caps = engine->Capacity();
+  const std::string metrics_where = metrics_http
+                                        ? absl::StrCat("on :", metrics_http->port(), "/metrics",
+                                                       flags.metrics_tls ? " (https)" : "")
+                                        : "off";
   std::printf(
       "attnd: serving attnd.v1 on %s:%d; model %s (%d layers), %zu device(s) x %d pages, "
       "cpu isa %s, metrics %s\n",
       flags.grpc_address.c_str(), port, engine->spec().name.c_str(), engine->spec().num_layers(),
       caps.size(), caps[0].pages_total, std::string(cpu::IsaName(engine->options().isa)).c_str(),
-      metrics_http ? absl::StrCat("on :", metrics_http->port(), "/metrics").c_str() : "off");
+      metrics_where.c_str());
+  std::printf(
+      "attnd: tls %s, auth %s%s, shared memory %s, reflection %s\n",
+      flags.tls_cert.empty()        ? "off"
+      : flags.tls_client_ca.empty() ? "on"
+                                    : "on (client certificates required)",
+      flags.auth.c_str(),
+      flags.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags.admin_tenant).c_str(),
+      flags.shm ? absl::StrCat("on ", flags.shm_socket).c_str() : "off",
+      flags.grpc_reflection ? "on" : "off");
   std::fflush(stdout);
 
   // Idle steps expire in the background.
@@ -137,12 +202,27 @@ int RunServer(const ServerFlags& flags) {
   std::condition_variable cv;
   bool stopping = false;
   const auto idle = std::chrono::milliseconds(flags.step_idle_timeout_ms);
+  // Idle steps expire, and the token file is reread when it changes, in the background.
   std::thread reaper([&] {
     std::unique_lock<std::mutex> lock(mu);
     const auto period = std::clamp<std::chrono::milliseconds>(
         idle / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
     const auto wait = flags.step_idle_timeout_ms > 0 ? period : std::chrono::milliseconds(1000);
+    const auto reload_every = std::chrono::seconds(flags.reload_interval_s);
+    auto next_reload = std::chrono::steady_clock::now() + reload_every;
     while (!cv.wait_for(lock, wait, [&] { return stopping; })) {
+      if (std::chrono::steady_clock::now() >= next_reload) {
+        next_reload += reload_every;
+        const absl::StatusOr<bool> reloaded = auth->ReloadIfChanged();
+        if (!reloaded.ok()) {
+          std::fprintf(stderr, "attnd: token file not reloaded (the old tokens stay): %s\n",
+                       std::string(reloaded.status().message()).c_str());
+        } else if (*reloaded) {
+          ApplyQuotas(flags, *auth, engine.get());
+          std::printf("attnd: token file reloaded\n");
+          std::fflush(stdout);
+        }
+      }
       if (flags.step_idle_timeout_ms <= 0) continue;
       engine->ExpireIdleSteps(idle);
       service.ReapShards(idle);
@@ -155,6 +235,7 @@ int RunServer(const ServerFlags& flags) {
   std::fflush(stdout);
   service.SetDraining();
   health->SetServingStatus(kServiceName, false);
+  local.reset();  // no new local connections (those open finish with the others)
   // Shard messages parked for a shard that never comes would keep Shutdown waiting forever:
   // when the grace period ends, answer them.
   std::mutex grace_mu;

@@ -4,36 +4,48 @@
 
 namespace attnd {
 
-void ShardGather::Register(uint64_t step, int num_shards) {
+std::map<uint64_t, ShardGather::Entry>::const_iterator ShardGather::Find(
+    const StepRef& step) const {
+  auto it = steps_.find(step.id);
+  return it != steps_.end() && it->second.tenant == step.tenant ? it : steps_.end();
+}
+
+std::map<uint64_t, ShardGather::Entry>::iterator ShardGather::Find(const StepRef& step) {
+  auto it = steps_.find(step.id);
+  return it != steps_.end() && it->second.tenant == step.tenant ? it : steps_.end();
+}
+
+void ShardGather::Register(const StepRef& step, int num_shards) {
   std::lock_guard<std::mutex> lock(mu_);
-  Entry& e = steps_[step];
+  Entry& e = steps_[step.id];
+  e.tenant = step.tenant;
   e.num_shards = num_shards;
   e.parts.assign(num_shards, std::nullopt);
 }
 
-int ShardGather::NumShards(uint64_t step) const {
+int ShardGather::NumShards(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = steps_.find(step);
+  auto it = Find(step);
   return it == steps_.end() ? 0 : it->second.num_shards;
 }
 
-absl::Status ShardGather::CheckJoin(uint64_t step, int shard) const {
+absl::Status ShardGather::CheckJoin(const StepRef& step, int shard) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = steps_.find(step);
+  auto it = Find(step);
   if (it == steps_.end())
-    return absl::NotFoundError(absl::StrCat("step ", step, " is not an open sharded step"));
+    return absl::NotFoundError(absl::StrCat("step ", step.id, " is not an open sharded step"));
   if (shard < 1 || shard >= it->second.num_shards)
     return absl::InvalidArgumentError(
         absl::StrCat("join: shard ", shard, " outside [1, ", it->second.num_shards, ")"));
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::optional<std::vector<ShardGather::Part>>> ShardGather::Add(uint64_t step,
+absl::StatusOr<std::optional<std::vector<ShardGather::Part>>> ShardGather::Add(const StepRef& step,
                                                                                Part part) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = steps_.find(step);
+  auto it = Find(step);
   if (it == steps_.end())
-    return absl::NotFoundError(absl::StrCat("step ", step, " is not an open sharded step"));
+    return absl::NotFoundError(absl::StrCat("step ", step.id, " is not an open sharded step"));
   Entry& e = it->second;
   const int shard = part.in->shard();
   if (shard < 0 || shard >= e.num_shards)
@@ -61,11 +73,11 @@ absl::StatusOr<std::optional<std::vector<ShardGather::Part>>> ShardGather::Add(u
   return std::optional<std::vector<Part>>(std::move(all));
 }
 
-void ShardGather::Fail(uint64_t step, const absl::Status& status) {
+void ShardGather::Fail(const StepRef& step, const absl::Status& status) {
   std::vector<Part> parked;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = steps_.find(step);
+    auto it = Find(step);
     if (it == steps_.end()) return;
     for (auto& p : it->second.parts)
       if (p) parked.push_back(std::move(*p));
@@ -74,24 +86,25 @@ void ShardGather::Fail(uint64_t step, const absl::Status& status) {
   for (Part& p : parked) p.done(status);  // outside the lock: done may start the next read
 }
 
-void ShardGather::Forget(uint64_t step) {
+void ShardGather::Forget(const StepRef& step) {
   std::lock_guard<std::mutex> lock(mu_);
-  steps_.erase(step);
+  auto it = Find(step);
+  if (it != steps_.end()) steps_.erase(it);
 }
 
-std::vector<uint64_t> ShardGather::Stale(Clock::duration idle) const {
+std::vector<StepRef> ShardGather::Stale(Clock::duration idle) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<uint64_t> out;
+  std::vector<StepRef> out;
   const auto now = Clock::now();
   for (const auto& [step, e] : steps_)
-    if (e.parked > 0 && now - e.since > idle) out.push_back(step);
+    if (e.parked > 0 && now - e.since > idle) out.push_back(StepRef(e.tenant, step));
   return out;
 }
 
-std::vector<uint64_t> ShardGather::Steps() const {
+std::vector<StepRef> ShardGather::Steps() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<uint64_t> out;
-  for (const auto& [step, e] : steps_) out.push_back(step);
+  std::vector<StepRef> out;
+  for (const auto& [step, e] : steps_) out.push_back(StepRef(e.tenant, step));
   return out;
 }
 

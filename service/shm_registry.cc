@@ -60,8 +60,9 @@ absl::Status ShmRegistry::Region::Write(int64_t offset, const void* src, size_t 
                   [&](size_t done, int64_t pos) { return pwrite(fd_, s + done, n - done, pos); });
 }
 
-absl::Status ShmRegistry::Register(const std::string& name, const std::string& key, int64_t offset,
-                                   int64_t byte_size) {
+absl::Status ShmRegistry::Register(const std::string& tenant, const std::string& name,
+                                   const std::string& key, int64_t offset, int64_t byte_size,
+                                   uid_t owner, int64_t tenant_limit) {
   if (name.empty()) return absl::InvalidArgumentError("shared memory: empty region name");
   if (name.size() > kMaxNameBytes)
     return absl::InvalidArgumentError(
@@ -70,26 +71,48 @@ absl::Status ShmRegistry::Register(const std::string& name, const std::string& k
     return absl::InvalidArgumentError(absl::StrCat("shared memory key ", Quote(key),
                                                    ": must be 1 to ", kMaxNameBytes,
                                                    " bytes with no NUL byte"));
+  // One path component under /dev/shm, inside the allowed prefix.
+  if (key.rfind(prefix_, 0) != 0 || key[0] != '/' || key.find('/', 1) != std::string::npos ||
+      key == "/." || key == "/..")
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared memory key ", Quote(key), ": only objects named ", Quote(prefix_),
+                     "... (one component) may be used (--shm-prefix)"));
   if (offset < 0 || byte_size <= 0)
     return absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quote(name),
                                                    ": offset ", offset, " and byte_size ",
                                                    byte_size, " invalid"));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (regions_.count(name))
+  auto full = [&]() -> absl::Status {  // mu_ held
+    if (regions_.count({tenant, name}))
       return absl::AlreadyExistsError(
           absl::StrCat("shared memory region ", Quote(name), " exists"));
     if (static_cast<int>(regions_.size()) >= max_regions_)
       return absl::ResourceExhaustedError(absl::StrCat(
           "shared memory: ", max_regions_, " regions registered, the limit (--max-shm-regions)"));
+    auto it = per_tenant_.find(tenant);
+    const int held = it == per_tenant_.end() ? 0 : it->second;
+    if (tenant_limit > 0 && held >= tenant_limit)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant quota shm-regions: holds ", held, " of ", tenant_limit,
+                       ", needs 1 more (--quota-shm-regions or the token file's shm-regions=)"));
+    return absl::OkStatus();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = full(); !s.ok()) return s;
   }
-  const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC, 0);
+  // shm_open adds O_NOFOLLOW: a symbolic link planted under /dev/shm is not followed.
+  const int fd = shm_open(key.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
   if (fd < 0)
     return absl::NotFoundError(
         absl::StrCat("shared memory ", Quote(key), ": shm_open: ", std::strerror(errno)));
   struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != owner) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shared memory ", Quote(key), ": not a shared-memory object owned by the calling user"));
+  }
   // Written so that no sum can overflow, whatever the client sends.
-  if (fstat(fd, &st) != 0 || offset > st.st_size || byte_size > st.st_size - offset) {
+  if (offset > st.st_size || byte_size > st.st_size - offset) {
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat("shared memory ", Quote(key), ": offset ",
                                                    offset, " + ", byte_size, " bytes beyond its ",
@@ -97,19 +120,18 @@ absl::Status ShmRegistry::Register(const std::string& name, const std::string& k
   }
   auto region = std::make_shared<const Region>(name, fd, offset, byte_size);
   std::lock_guard<std::mutex> lock(mu_);
-  if (static_cast<int>(regions_.size()) >= max_regions_)
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared memory: ", max_regions_, " regions registered, the limit (--max-shm-regions)"));
-  if (!regions_.emplace(name, std::move(region)).second)
-    return absl::AlreadyExistsError(absl::StrCat("shared memory region ", Quote(name), " exists"));
+  if (absl::Status s = full(); !s.ok()) return s;
+  regions_.emplace(Key{tenant, name}, std::move(region));
+  ++per_tenant_[tenant];
   return absl::OkStatus();
 }
 
-absl::Status ShmRegistry::Unregister(const std::string& name) {
+absl::Status ShmRegistry::Unregister(const std::string& tenant, const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (regions_.erase(name) == 0)
+  if (regions_.erase({tenant, name}) == 0)
     return absl::NotFoundError(
         absl::StrCat("shared memory region ", Quote(name), " not registered"));
+  if (--per_tenant_[tenant] == 0) per_tenant_.erase(tenant);
   return absl::OkStatus();
 }
 
@@ -118,12 +140,19 @@ int ShmRegistry::num_regions() const {
   return static_cast<int>(regions_.size());
 }
 
+int ShmRegistry::regions_of(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = per_tenant_.find(tenant);
+  return it == per_tenant_.end() ? 0 : it->second;
+}
+
 absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> ShmRegistry::Resolve(
-    const std::string& what, const std::string& name, int64_t offset, int64_t size) const {
+    const std::string& tenant, const std::string& what, const std::string& name, int64_t offset,
+    int64_t size) const {
   std::shared_ptr<const Region> r;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = regions_.find(name);
+    auto it = regions_.find({tenant, name});
     if (it == regions_.end())
       return absl::NotFoundError(
           absl::StrCat(what, ": shared memory region ", Quote(name), " not registered"));
@@ -135,6 +164,13 @@ absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> ShmRegistry::Resolve(
                                                    " bytes outside region ", Quote(name), " of ",
                                                    r->size(), " bytes"));
   return r;
+}
+
+absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> ShmAccess::Resolve(
+    const std::string& what, const std::string& name, int64_t offset, int64_t size) const {
+  if (!refused.ok())
+    return absl::Status(refused.code(), absl::StrCat(what, ": ", refused.message()));
+  return registry->Resolve(tenant, what, name, offset, size);
 }
 
 }  // namespace attnd

@@ -6,7 +6,13 @@
 // written with pread/pwrite on a descriptor held open instead, so an object that shrinks or
 // vanishes fails only the call that uses it (DESIGN §11). A region stays usable while a request
 // holds it, even after it is unregistered.
+//
+// Trust (DESIGN §11): regions live in their tenant's namespace; only objects under the allowed
+// name prefix and owned by the calling process's user are opened (the service learns that user
+// from the Unix socket's peer credentials); each tenant holds at most its quota of regions.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 
@@ -45,26 +52,48 @@ class ShmRegistry {
     int64_t offset_, size_;  // the region inside the object
   };
 
-  // max_regions: registrations held at once (RESOURCE_EXHAUSTED beyond).
-  explicit ShmRegistry(int max_regions = 64) : max_regions_(max_regions) {}
+  // max_regions: registrations held at once, all tenants (RESOURCE_EXHAUSTED beyond); `prefix`:
+  // the object names (keys) that may be opened start with it.
+  explicit ShmRegistry(int max_regions = 64, std::string prefix = "/attnd-")
+      : max_regions_(max_regions), prefix_(std::move(prefix)) {}
 
-  // Opens [offset, offset + byte_size) of the shared-memory object `key` read-write.
-  // ALREADY_EXISTS (name), NOT_FOUND (no such object), INVALID_ARGUMENT (bad name or key, range
-  // beyond the object), RESOURCE_EXHAUSTED (too many regions).
-  absl::Status Register(const std::string& name, const std::string& key, int64_t offset,
-                        int64_t byte_size);
-  absl::Status Unregister(const std::string& name);
-  // Region `name`, after checking that [offset, offset + size) lies inside it. `what` names the
-  // tensor in errors.
-  absl::StatusOr<std::shared_ptr<const Region>> Resolve(const std::string& what,
+  // Opens [offset, offset + byte_size) of the shared-memory object `key` read-write as `tenant`'s
+  // region `name`, when the object is owned by `owner` (the caller's uid). ALREADY_EXISTS (name),
+  // NOT_FOUND (no such object), PERMISSION_DENIED (outside the prefix, owned by another user, not
+  // a regular object), INVALID_ARGUMENT (bad name or key, range beyond the object),
+  // RESOURCE_EXHAUSTED (the server's limit, or the tenant's `tenant_limit` when > 0).
+  absl::Status Register(const std::string& tenant, const std::string& name, const std::string& key,
+                        int64_t offset, int64_t byte_size, uid_t owner, int64_t tenant_limit = 0);
+  absl::Status Unregister(const std::string& tenant, const std::string& name);
+  // `tenant`'s region `name`, after checking that [offset, offset + size) lies inside it. `what`
+  // names the tensor in errors.
+  absl::StatusOr<std::shared_ptr<const Region>> Resolve(const std::string& tenant,
+                                                        const std::string& what,
                                                         const std::string& name, int64_t offset,
                                                         int64_t size) const;
   int num_regions() const;
+  int regions_of(const std::string& tenant) const;
+  const std::string& prefix() const { return prefix_; }
 
  private:
+  using Key = std::pair<std::string, std::string>;  // (tenant, name)
   const int max_regions_;
+  const std::string prefix_;
   mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const Region>> regions_;
+  std::map<Key, std::shared_ptr<const Region>> regions_;
+  std::map<std::string, int> per_tenant_;
+};
+
+// One caller's view of the registry: its tenant's regions, or a refusal of any shared-memory use
+// (shared memory off, or a caller not on the Unix socket).
+struct ShmAccess {
+  const ShmRegistry* registry = nullptr;
+  std::string tenant;
+  absl::Status refused;  // non-OK: every reference to a region answers this
+  absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> Resolve(const std::string& what,
+                                                                     const std::string& name,
+                                                                     int64_t offset,
+                                                                     int64_t size) const;
 };
 
 }  // namespace attnd

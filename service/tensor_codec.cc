@@ -12,7 +12,7 @@ namespace {
 const char kNotYetRead = 0;
 
 // *v viewing `t`'s bytes; a shared-memory tensor is queued in `transfers` to be read into *v.
-absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& shm,
+absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
                     ShmTransfers* transfers, TensorView* out) {
   TensorView& v = *out;
   v = TensorView();
@@ -50,7 +50,7 @@ absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmRegistry& sh
 
 }  // namespace
 
-absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransfers* transfers,
+absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfers* transfers,
                     LayerInputs* out) {
   const std::pair<const char*, std::pair<const v1::Tensor*, TensorView*>> all[] = {
       {"q_latent", {&in.q_latent(), &out->q_latent}},
@@ -90,7 +90,7 @@ absl::Status ShmTransfers::WriteOutputs() {
 
 absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, DType dtype,
                                     int64_t tokens, int heads, int latent,
-                                    int64_t max_message_bytes, const ShmRegistry& shm,
+                                    int64_t max_message_bytes, const ShmAccess& shm,
                                     ShmTransfers* transfers) {
   // tokens, heads and latent are the engine's (bounded), so the product cannot overflow.
   const int64_t bytes = tokens * heads * latent * static_cast<int64_t>(DTypeSize(dtype));

@@ -43,7 +43,7 @@ struct ShmTransfers {
 // `present == false`. INVALID_ARGUMENT names the tensor for a bad datatype string, rank, or both
 // data and shm; NOT_FOUND for an unknown region. A shared-memory tensor's data points at nothing
 // readable until transfers->ReadInputs() ran. Shapes and byte counts are checked by the engine.
-absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransfers* transfers,
+absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfers* transfers,
                     LayerInputs* out);
 
 // Sizes `out` for [tokens, heads, latent] in `dtype` and returns where to write it: the reply's
@@ -52,7 +52,7 @@ absl::Status ViewOf(const v1::LayerInputs& in, const ShmRegistry& shm, ShmTransf
 // output sent as bytes would not fit in a message of max_message_bytes.
 absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, DType dtype,
                                     int64_t tokens, int heads, int latent,
-                                    int64_t max_message_bytes, const ShmRegistry& shm,
+                                    int64_t max_message_bytes, const ShmAccess& shm,
                                     ShmTransfers* transfers);
 
 // Bytes a message may need beyond its tensors' payloads (tags, lengths, small fields).

@@ -68,7 +68,8 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
   // Histories of 2,600 and 700 keys, imported (write-only: no reference attention to compute).
   const std::vector<StepEntry> import = {{"a", 2600}, {"b", 700}};
   const auto keys = simt.MakeInputs(import, DType::kBF16, 1);
-  for (Harness* h : {&simt, &mma}) ASSERT_TRUE(h->Run(import, keys, StepOptions{true}).status.ok());
+  for (Harness* h : {&simt, &mma})
+    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
   const std::vector<std::vector<StepEntry>> steps = {
       {{"a", 1}, {"b", 1}}, {{"a", 3}, {"b", 1}}, {{"b", 1}, {"a", 1}}};
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -111,7 +112,8 @@ TEST(CudaScale, AllEqualScoresSelectTheLowestPositionsLikeTheCpu) {
   const std::vector<StepEntry> import = {{"a", 3000}};
   auto keys = gpu.MakeInputs(import, DType::kBF16, 3);
   MapValues(&keys[0].index_k, pos);
-  for (Harness* h : {&gpu, &cpu}) ASSERT_TRUE(h->Run(import, keys, StepOptions{true}).status.ok());
+  for (Harness* h : {&gpu, &cpu})
+    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
   const std::vector<StepEntry> step = {{"a", 2}};
   auto in = gpu.MakeInputs(step, DType::kBF16, 4);
   MapValues(&in[0].index_k, pos);

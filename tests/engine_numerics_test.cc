@@ -275,7 +275,7 @@ TEST(Engine, WriteOnlyImportThenDecodeEqualsComputingThePrefix) {
   h.Open("imported");
   const auto prefix = h.MakeInputs({{"computed", 90}}, DType::kBF16, 1);
   ASSERT_TRUE(h.Run({{"computed", 90}}, prefix).status.ok());
-  auto imp = h.Run({{"imported", 90}}, prefix, StepOptions{true});
+  auto imp = h.Run({{"imported", 90}}, prefix, StepOptions::WriteOnly());
   ASSERT_TRUE(imp.status.ok()) << imp.status;
   EXPECT_EQ(h.engine().DescribeSequence("imported")->length, 90);
   const auto dec = h.MakeInputs({{"computed", 1}}, DType::kBF16, 2);
@@ -285,7 +285,7 @@ TEST(Engine, WriteOnlyImportThenDecodeEqualsComputingThePrefix) {
   for (int l = 0; l < spec.num_layers(); ++l) EXPECT_EQ(a.out[l], b.out[l]) << "layer " << l;
   h.RunAndCheck({{"imported", 3}}, DType::kBF16, 3, 1e-2);
   // A write-only step refuses queries and outputs.
-  auto step = h.engine().BeginStep({{"imported", 1}}, StepOptions{true});
+  auto step = h.engine().BeginStep({{"imported", 1}}, StepOptions::WriteOnly());
   ASSERT_TRUE(step.ok());
   const auto in = h.MakeInputs({{"imported", 1}}, DType::kBF16, 4);
   std::vector<uint8_t> out(4 * 32 * 2);

@@ -18,6 +18,10 @@ std::string AttndBinary(const std::string& built) {
   return env && *env ? env : built;
 }
 
+std::string SocketPath(const std::string& tag) {
+  return "/tmp/attnd-" + tag + "-" + std::to_string(getpid()) + ".sock";
+}
+
 ServerProcess::ServerProcess(const std::string& built, const std::vector<std::string>& args) {
   const std::string binary = AttndBinary(built);
   int fds[2];

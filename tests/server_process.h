@@ -12,6 +12,9 @@ namespace attnd::testing {
 // there), else `built` (the one this build made).
 std::string AttndBinary(const std::string& built);
 
+// A fresh Unix-socket path for a server's --shm-socket (unique per test process and tag).
+std::string SocketPath(const std::string& tag);
+
 class ServerProcess {
  public:
   // Runs `binary --grpc-port=0 <args>` and waits for its "serving" line; port() is the port it

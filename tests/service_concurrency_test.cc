@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -34,7 +35,13 @@ class ServiceConcurrency : public ::testing::Test {
     metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get());
     ServiceOptions so;
     so.max_message_bytes = 64 << 20;
+    so.shm_enabled = true;
     svc_ = std::make_unique<AttentionService>(engine_.get(), &executor_, metrics_.get(), so);
+    // A local caller (as over the Unix-socket listener): the anonymous tenant, whose peer
+    // credentials, read from one end of a socket pair, are this process's.
+    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sockets_), 0);
+    caller_.local = true;
+    caller_.socket_fd = sockets_[0];
   }
   void TearDown() override {
     EXPECT_EQ(engine_->ExpireIdleSteps(std::chrono::milliseconds(0)), 0) << "a step leaked";
@@ -43,6 +50,8 @@ class ServiceConcurrency : public ::testing::Test {
       EXPECT_EQ(d.pages_free, d.pages_total) << "pages leaked";
     }
     EXPECT_TRUE(engine_->ReservedPageUntouched(0));
+    close(sockets_[0]);
+    close(sockets_[1]);
   }
   v1::BeginStepRequest Begin(const client::Batch& b, int shards = 0) {
     return client::MakeBeginRequest(b, false, shards);
@@ -51,12 +60,12 @@ class ServiceConcurrency : public ::testing::Test {
     v1::OpenSequenceRequest r;
     r.set_sequence_id(id);
     v1::SequenceInfo info;
-    ASSERT_TRUE(svc_->DoOpenSequence(r, &info).ok());
+    ASSERT_TRUE(svc_->DoOpenSequence(caller_, r, &info).ok());
   }
   void Close(const std::string& id) {
     v1::CloseSequenceRequest r;
     r.set_sequence_id(id);
-    EXPECT_TRUE(svc_->DoCloseSequence(r).ok()) << id;
+    EXPECT_TRUE(svc_->DoCloseSequence(caller_, r).ok()) << id;
   }
   int64_t Length(const std::string& id) { return engine_->DescribeSequence(id)->length; }
   // Sequence prefix + t holds exactly the tokens of its committed steps; then it is closed.
@@ -72,6 +81,8 @@ class ServiceConcurrency : public ::testing::Test {
   metrics::Registry registry_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<AttentionService> svc_;
+  int sockets_[2] = {-1, -1};
+  Caller caller_;
 };
 
 TEST_F(ServiceConcurrency, StepsFromManyThreadsWithRacingAbortsKeepEveryLength) {
@@ -87,7 +98,7 @@ TEST_F(ServiceConcurrency, StepsFromManyThreadsWithRacingAbortsKeepEveryLength) 
     while (!done) {
       v1::AbortStepRequest r;
       r.set_step_id(last_step.load());
-      if (rng() % 3 == 0) (void)svc_->DoAbortStep(r);
+      if (rng() % 3 == 0) (void)svc_->DoAbortStep(caller_, r);
       std::this_thread::sleep_for(std::chrono::microseconds(300));
     }
   });
@@ -100,13 +111,13 @@ TEST_F(ServiceConcurrency, StepsFromManyThreadsWithRacingAbortsKeepEveryLength) 
         const int64_t q = 1 + static_cast<int64_t>(rng() % 9);
         auto g = client::GenerateStep(spec, q, DType::kBF16, false, rng);
         v1::BeginStepResponse br;
-        auto step = svc_->Begin(Begin({{id, q}}), &br);
+        auto step = svc_->Begin(caller_, Begin({{id, q}}), &br);
         ASSERT_TRUE(step.ok()) << step.status();
         last_step = *step;
         bool ok = true;
         for (const auto& l : g) {
           v1::LayerOutput out;
-          const absl::Status s = svc_->Layer(*step, l.wire, &out, Transport::kUnary);
+          const absl::Status s = svc_->Layer(caller_, *step, l.wire, &out, Transport::kUnary);
           if (!s.ok()) {
             ASSERT_TRUE(s.code() == absl::StatusCode::kCancelled) << s;
             ok = false;
@@ -132,7 +143,7 @@ TEST_F(ServiceConcurrency, ShardedStepsGatherShardsArrivingFromDifferentThreads)
     const int64_t T = 1 + static_cast<int64_t>(rng() % 7);
     auto g = client::GenerateStep(spec, T, DType::kBF16, false, rng);
     v1::BeginStepResponse br;
-    auto step = svc_->Begin(Begin({{"sh", T}}, S), &br);
+    auto step = svc_->Begin(caller_, Begin({{"sh", T}}, S), &br);
     ASSERT_TRUE(step.ok()) << step.status();
     ASSERT_TRUE(svc_->Join(*step, 1).ok());
     // Each shard's slice of the heads; shard 0 also carries the keys.
@@ -170,7 +181,7 @@ TEST_F(ServiceConcurrency, ShardedStepsGatherShardsArrivingFromDifferentThreads)
         for (size_t l = 0; l < g.size(); ++l) {
           v1::LayerOutput out;
           std::promise<absl::Status> p;
-          svc_->LayerAsync(*step, &in[k][l], &out, Transport::kStream,
+          svc_->LayerAsync(caller_, *step, &in[k][l], &out, Transport::kStream,
                            [&p](absl::Status s) { p.set_value(s); });
           status[k] = p.get_future().get();
           if (!status[k].ok()) return;
@@ -200,7 +211,7 @@ TEST_F(ServiceConcurrency, RegionsChangingUnderRunningLayersFailOnlyThoseCalls) 
       r.set_name("reg");
       r.set_key(key);
       r.set_byte_size(1 << 20);
-      (void)svc_->DoRegisterSharedMemory(r);
+      (void)svc_->DoRegisterSharedMemory(caller_, r);
       if (rng() % 2) {
         if (ftruncate(fd, rng() % 2 ? 0 : 1 << 20) != 0) break;
       }
@@ -208,7 +219,7 @@ TEST_F(ServiceConcurrency, RegionsChangingUnderRunningLayersFailOnlyThoseCalls) 
       if (rng() % 3 == 0) {
         v1::UnregisterSharedMemoryRequest u;
         u.set_name("reg");
-        (void)svc_->DoUnregisterSharedMemory(u);
+        (void)svc_->DoUnregisterSharedMemory(caller_, u);
       }
     }
     if (ftruncate(fd, 1 << 20) != 0) ADD_FAILURE() << "ftruncate";
@@ -226,7 +237,7 @@ TEST_F(ServiceConcurrency, RegionsChangingUnderRunningLayersFailOnlyThoseCalls) 
         const int64_t q = 1 + static_cast<int64_t>(rng() % 5);
         auto g = client::GenerateStep(spec, q, DType::kBF16, false, rng);
         v1::BeginStepResponse br;
-        auto step = svc_->Begin(Begin({{id, q}}), &br);
+        auto step = svc_->Begin(caller_, Begin({{id, q}}), &br);
         ASSERT_TRUE(step.ok()) << step.status();
         bool ok = true;
         for (auto& l : g) {
@@ -246,7 +257,7 @@ TEST_F(ServiceConcurrency, RegionsChangingUnderRunningLayersFailOnlyThoseCalls) 
           in.mutable_out_shm()->set_offset(off + 32768);
           in.mutable_out_shm()->set_byte_size(q * spec.num_heads * spec.kv_lora_rank * 2);
           v1::LayerOutput out;
-          const absl::Status s = svc_->Layer(*step, in, &out, Transport::kUnary);
+          const absl::Status s = svc_->Layer(caller_, *step, in, &out, Transport::kUnary);
           if (!s.ok()) {
             ASSERT_TRUE(s.code() == absl::StatusCode::kNotFound ||
                         s.code() == absl::StatusCode::kFailedPrecondition)

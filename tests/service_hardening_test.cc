@@ -39,14 +39,16 @@ class HardeningTest : public ::testing::Test {
   static void SetUpTestSuite() {
     server_ = new ServerProcess(ATTND_BINARY, {"--model=tiny", "--kv-pages=400", "--threads=2",
                                                "--metrics-port=0", "--step-idle-timeout-ms=300",
-                                               absl::StrCat("--max-message-bytes=", kMaxMessage)});
+                                               absl::StrCat("--max-message-bytes=", kMaxMessage),
+                                               "--shm", "--shm-socket=" + SocketPath("hardening")});
   }
   static void TearDownTestSuite() {
     EXPECT_EQ(server_->Stop(), 0) << "attnd exits 0 on SIGTERM: it survived every case";
     delete server_;
   }
   void SetUp() override {
-    client_ = Client::Connect(server_->target());
+    // Over the Unix-socket listener, where shared memory is allowed (the cases use it).
+    client_ = Client::Connect("unix:" + SocketPath("hardening"));
     auto info = client_->Info();
     ASSERT_TRUE(info.ok()) << info.status();
     info_ = *info;

@@ -27,7 +27,8 @@ class ServiceTest : public ::testing::Test {
   static void SetUpTestSuite() {
     server_ = new ServerProcess(ATTND_BINARY, {"--model=tiny", "--kv-pages=400", "--threads=2",
                                                "--metrics-port=0", "--step-idle-timeout-ms=400",
-                                               absl::StrCat("--max-message-bytes=", kMaxMessage)});
+                                               absl::StrCat("--max-message-bytes=", kMaxMessage),
+                                               "--shm", "--shm-socket=" + SocketPath("service")});
   }
   static void TearDownTestSuite() {
     EXPECT_EQ(server_->Stop(), 0) << "attnd exits 0 on SIGTERM";
@@ -588,6 +589,11 @@ TEST_F(ServiceTest, SharedMemoryTensorsGiveTheSameResultsAsBytes) {
   const std::string key = absl::StrCat("/attnd-test-", getpid());
   auto mem = client::SharedMemory::Create(key, 8 << 20);
   ASSERT_TRUE(mem.ok()) << mem.status();
+  // Over TCP shared memory is refused; over the Unix-socket listener it works.
+  const absl::Status tcp = client_->RegisterSharedMemory("worker0", key, 0, 8 << 20);
+  EXPECT_EQ(tcp.code(), absl::StatusCode::kPermissionDenied) << tcp;
+  EXPECT_NE(tcp.message().find("Unix-socket"), std::string::npos) << tcp;
+  client_ = Client::Connect("unix:" + SocketPath("service"));
   ASSERT_TRUE(client_->RegisterSharedMemory("worker0", key, 0, 8 << 20).ok());
   EXPECT_EQ(client_->RegisterSharedMemory("worker0", key, 0, 16).code(),
             absl::StatusCode::kAlreadyExists);

@@ -579,12 +579,21 @@ class AttndClient:
     """A connection to one attnd server.
 
     Args:
-      target: "host:port" (any gRPC target).
+      target: "host:port" (any gRPC target); "unix:/path" reaches the server's Unix-socket
+        listener, the only way to use shared memory.
       max_message_bytes: the channel's receive and send limit (gRPC's default receive limit, 4 MiB,
         is far too small for prefill layers); keep it at most the server's ``max_message_bytes``.
       timeout: a deadline in seconds for every unary call (None: none).
       uint16_as_bf16: accept uint16 arrays as raw bf16 bits (outputs then come back as uint16 too).
       options: extra gRPC channel options.
+      root_certificates: PEM bytes of the CA that signed the server's certificate: speak TLS.
+      private_key, certificate_chain: PEM bytes of this client's key and certificate (mTLS).
+      server_name: the name to verify in the server's certificate instead of the target's host.
+      token: a bearer token (sent as ``authorization: Bearer <token>`` on every call).
+      act_as_tenant: the admin identity only: act inside this tenant's namespace.
+
+    Thread safety: unary methods may be called from several threads at once (gRPC channels are
+    thread-safe); a :class:`StepStream` belongs to one thread.
     """
 
     def __init__(
@@ -595,20 +604,41 @@ class AttndClient:
         timeout: Optional[float] = None,
         uint16_as_bf16: bool = False,
         options: Sequence[Tuple[str, object]] = (),
+        root_certificates: Optional[bytes] = None,
+        private_key: Optional[bytes] = None,
+        certificate_chain: Optional[bytes] = None,
+        server_name: Optional[str] = None,
+        token: Optional[str] = None,
+        act_as_tenant: Optional[str] = None,
     ) -> None:
         channel_options = [
             ("grpc.max_receive_message_length", int(max_message_bytes)),
             ("grpc.max_send_message_length", int(max_message_bytes)),
             *options,
         ]
-        self._channel = grpc.insecure_channel(target, options=channel_options)
+        if (private_key is None) != (certificate_chain is None):
+            raise ValueError("private_key and certificate_chain go together")
+        if root_certificates is not None or certificate_chain is not None:
+            if server_name:
+                channel_options.append(("grpc.ssl_target_name_override", server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                       certificate_chain)
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
         self._stub = pb_grpc.AttentionStub(self._channel)
         self._timeout = timeout
         self._uint16_as_bf16 = uint16_as_bf16
+        metadata = []
+        if token:
+            metadata.append(("authorization", f"Bearer {token}"))
+        if act_as_tenant:
+            metadata.append(("attnd-tenant", act_as_tenant))
+        self._metadata: Tuple[Tuple[str, str], ...] = tuple(metadata)
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self._timeout)
+            return method(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
 
@@ -711,7 +741,8 @@ class AttndClient:
 
     def stream(self, *, timeout: Optional[float] = None) -> "StepStream":
         """Opens a ``Step`` stream (many steps, one at a time). ``timeout`` bounds the whole stream."""
-        return StepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16)
+        return StepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
+                          metadata=self._metadata)
 
     # -- lifetime --
 
@@ -741,9 +772,10 @@ class StepStream:
     """
 
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
-                 uint16_as_bf16: bool = False) -> None:
+                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
         self._requests: "queue.Queue[Optional[pb.StepRequest]]" = queue.Queue()
-        self._call = stub.Step(self._request_iterator(), timeout=timeout)
+        self._metadata = tuple(metadata)
+        self._call = stub.Step(self._request_iterator(), timeout=timeout, metadata=self._metadata)
         self._uint16_as_bf16 = uint16_as_bf16
         self._step: Optional[StepInfo] = None
         self._shard = 0
@@ -890,7 +922,8 @@ class StepStream:
             while time.monotonic() < deadline:
                 try:
                     info = self._stub.DescribeSequence(pb.DescribeSequenceRequest(sequence_id=sid),
-                                                       timeout=max(0.01, deadline - time.monotonic()))
+                                                       timeout=max(0.01, deadline - time.monotonic()),
+                                                       metadata=self._metadata)
                 except grpc.RpcError:
                     break
                 if not info.in_step:

@@ -60,6 +60,16 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
+def socket_path(port: int) -> str:
+    """The Unix-socket listener of the session server on ``port`` (shared memory goes there)."""
+    return f"/tmp/attnd-pytest-{port}.sock"
+
+
+def local_target(target: str) -> str:
+    """The gRPC target of the Unix-socket listener of the session server at ``target``."""
+    return "unix:" + socket_path(int(target.rsplit(":", 1)[1]))
+
+
 @pytest.fixture(scope="session")
 def server():
     """A running attnd (tiny model); yields its target. At the end: SIGTERM, which must exit 0."""
@@ -68,7 +78,7 @@ def server():
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix="attnd-pytest-", suffix=".log")[1])
     cmd = [str(ATTND_BIN), f"--grpc-port={port}", "--model=tiny", "--kv-pages=512", "--threads=2",
-           "--metrics-port=0"]
+           "--metrics-port=0", "--shm", f"--shm-socket={socket_path(port)}"]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{port}"

@@ -36,16 +36,24 @@ from test_client import (  # noqa: F401  (client, harness, info, server: fixture
     Harness,
     LayerInputs,
     bits,
-    client,
     expect,
     f64,
     first_full_layer,
     harness,
     info,
+    local_target,
     server,
 )
 
 SHARD_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def client(server):  # noqa: F811  (this module's client: over the Unix-socket listener)
+    """Shared memory is served only over the server's Unix-socket listener."""
+    with AttndClient(local_target(server), timeout=60.0) as c:
+        yield c
+
 ARENA_BYTES = 4 << 20
 
 
@@ -340,7 +348,7 @@ def test_shm_sharded(harness, client, server, arena):
     H = h.spec.num_heads
     xs, ys = twins(h, 2, 21)
     shard_arena = ShmArena(ARENA_BYTES)  # shard 1's own slots
-    clients = [AttndClient(server, timeout=SHARD_TIMEOUT_S) for _ in range(2)]
+    clients = [AttndClient(local_target(server), timeout=SHARD_TIMEOUT_S) for _ in range(2)]
     try:
         shard_arena.register(clients[1])
         arenas = [arena, shard_arena]
@@ -391,7 +399,7 @@ def test_shm_reply_carries_the_reference_not_bytes(harness, client, server, aren
     inputs = h.inputs(5)
     out = arena.alloc((5, h.spec.num_heads, h.spec.kv_lora_rank), BF16)
     step = client.begin_step([(a, 5)])
-    with grpc.insecure_channel(server) as channel:
+    with grpc.insecure_channel(local_target(server)) as channel:
         stub = pb_grpc.AttentionStub(channel)
         for i, x in enumerate(inputs):
             msg = pb.LayerInputs(layer=i, out_shm=out.ref())
