@@ -3,6 +3,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <signal.h>
 
 #include <atomic>
@@ -20,6 +22,7 @@
 #include "service/attention_service.h"
 #include "service/metrics.h"
 #include "service/metrics_http.h"
+#include "service/metrics_https.h"
 #include "service/service_metrics.h"
 #include "service/tls.h"
 #include "service/unix_listener.h"
@@ -83,6 +86,19 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   return Engine::Create(o);
 }
 
+// Drops gRPC's reflection plugin from a builder: linking grpc++_reflection registers it for every
+// server at static initialisation, so --grpc-reflection=false has to take it out again.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(
+        std::remove_if(plugins->begin(), plugins->end(),
+                       [](const auto& p) { return p->name() == "proto_server_reflection"; }),
+        plugins->end());
+  }
+};
+
 }  // namespace
 
 int RunServer(const ServerFlags& flags) {
@@ -115,7 +131,9 @@ int RunServer(const ServerFlags& flags) {
                      static_cast<int>(flags.reload_interval_s)};
   auto creds = MakeServerCredentials(tls);
   if (!creds.ok()) return fail(creds.status());
-  if (ao.mode == AuthMode::kToken && flags.tls_cert.empty())
+  const bool loopback = flags.grpc_address.rfind("127.", 0) == 0 || flags.grpc_address == "::1" ||
+                        flags.grpc_address == "localhost";
+  if (ao.mode == AuthMode::kToken && flags.tls_cert.empty() && !loopback)
     std::fprintf(stderr,
                  "attnd: warning: --auth=token without --tls-cert: bearer tokens cross the network "
                  "in clear text (only safe on loopback or inside an encrypting mesh)\n");
@@ -123,16 +141,24 @@ int RunServer(const ServerFlags& flags) {
   metrics::Registry registry;
   ServiceMetrics service_metrics(&registry, engine.get());
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
-  if (flags.metrics_port > 0) {
-    std::optional<metrics::MetricsTls> metrics_tls;
-    if (flags.metrics_tls) metrics_tls = metrics::MetricsTls{flags.tls_cert, flags.tls_key};
+  std::unique_ptr<metrics::MetricsHttpsServer> metrics_https;
+  int metrics_port = 0;
+  if (flags.metrics_port > 0 && flags.metrics_tls) {
+    auto m = metrics::MetricsHttpsServer::Start(
+        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry,
+        {flags.tls_cert, flags.tls_key, static_cast<int>(flags.reload_interval_s)});
+    if (!m.ok()) return fail(m.status());
+    metrics_https = std::move(m).value();
+    metrics_port = metrics_https->port();
+  } else if (flags.metrics_port > 0) {
     auto m = metrics::MetricsHttpServer::Start(
-        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry, metrics_tls);
+        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry);
     if (!m.ok()) {
       std::fprintf(stderr, "attnd: metrics: %s\n", std::string(m.status().message()).c_str());
       return 1;
     }
     metrics_http = std::move(m).value();
+    metrics_port = metrics_http->port();
   }
 
   ServiceOptions so;
@@ -149,8 +175,9 @@ int RunServer(const ServerFlags& flags) {
   AttentionService service(engine.get(), &executor, &service_metrics, so);
 
   grpc::EnableDefaultHealthCheckService(true);
-  if (flags.grpc_reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  if (!flags.grpc_reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   int port = 0;
   const std::string address = absl::StrCat(flags.grpc_address, ":", flags.grpc_port);
   builder.AddListeningPort(address, *creds, &port);
@@ -176,10 +203,10 @@ int RunServer(const ServerFlags& flags) {
   health->SetServingStatus(kServiceName, true);
 
   const auto caps = engine->Capacity();
-  const std::string metrics_where = metrics_http
-                                        ? absl::StrCat("on :", metrics_http->port(), "/metrics",
-                                                       flags.metrics_tls ? " (https)" : "")
-                                        : "off";
+  const std::string metrics_where =
+      metrics_port > 0
+          ? absl::StrCat("on :", metrics_port, "/metrics", flags.metrics_tls ? " (https)" : "")
+          : "off";
   std::printf(
       "attnd: serving attnd.v1 on %s:%d; model %s (%d layers), %zu device(s) x %d pages, "
       "cpu isa %s, metrics %s\n",

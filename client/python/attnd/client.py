@@ -484,6 +484,10 @@ class ServerInfo:
     datatypes: Tuple[str, ...]
     max_message_bytes: int
     step_idle_timeout_ms: int
+    tenant: str  # who this client is authenticated as ("" = the anonymous tenant)
+    admin: bool  # the admin identity
+    auth: str  # "none", "token" or "mtls"
+    shm: bool  # shared memory is enabled (over the server's Unix-socket listener)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +497,7 @@ class SequenceInfo:
     device: str
     num_pages: int
     in_step: bool
+    tenant: str  # set in the admin's every-tenant listing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -665,6 +670,11 @@ class AttndClient:
         """A sequence's committed length, device, pages and whether it is in an open step."""
         request = pb.DescribeSequenceRequest(sequence_id=sequence_id)
         return _plain(SequenceInfo, self._call(self._stub.DescribeSequence, request))
+
+    def list_sequences(self, all_tenants: bool = False) -> List[SequenceInfo]:
+        """This tenant's sequences; the admin identity may ask for every tenant's."""
+        resp = self._call(self._stub.ListSequences, pb.ListSequencesRequest(all_tenants=all_tenants))
+        return [_plain(SequenceInfo, s) for s in resp.sequences]
 
     # -- steps: unary --
 
