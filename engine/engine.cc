@@ -562,11 +562,6 @@ absl::Status Engine::AbortStep(const StepRef& ref) {
   return absl::OkStatus();
 }
 
-bool Engine::IsStepOpen(uint64_t id) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->steps.contains(id);
-}
-
 int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
   std::vector<std::unique_ptr<Step>> ended;
   std::lock_guard<std::mutex> lock(impl_->mu);

@@ -197,8 +197,6 @@ class Engine {
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
   absl::Status AbortStep(const StepRef& step);
-  // Housekeeping only (never with a client's id): whether step `id` of any tenant is open.
-  bool IsStepOpen(uint64_t id) const;
   // Aborts steps idle for longer than `idle`; returns how many.
   int ExpireIdleSteps(std::chrono::steady_clock::duration idle);
   // Steps aborted so far, for any reason (errors, AbortStep, expiry), and steps committed.

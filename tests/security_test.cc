@@ -85,6 +85,7 @@ TEST(Tls, ServesTlsAndPicksUpRotatedCertificates) {
   }
   EXPECT_TRUE(rotated.ok()) << "the rotated certificate was not picked up in 10 s: " << rotated;
   EXPECT_EQ(InfoStatus(*Connect(server.target(), Tls(pki, "ca1"))).code(), Code::kUnavailable);
+  ok.reset();
   EXPECT_EQ(server.Stop(), 0);
 }
 
@@ -117,6 +118,8 @@ TEST(Mtls, TheClientCertificateNamesTheTenantAndNoCertificateIsRefused) {
   EXPECT_TRUE(b->OpenSequence("s").ok()) << "b's namespace is its own";
   EXPECT_TRUE(a->CloseSequence("s").ok());
   EXPECT_TRUE(b->CloseSequence("s").ok());
+  a.reset();
+  b.reset();
   EXPECT_EQ(server.Stop(), 0);
 }
 
@@ -205,7 +208,11 @@ class TokenTest : public ::testing::Test {
 ServerProcess* TokenTest::server_ = nullptr;
 
 TEST_F(TokenTest, AMissingOrWrongTokenIsUnauthenticatedAndNeverEchoed) {
-  EXPECT_EQ(InfoStatus(*As("")).code(), Code::kUnauthenticated);
+  auto none = As("");
+  EXPECT_EQ(InfoStatus(*none).code(), Code::kUnauthenticated);
+  EXPECT_EQ(none->OpenStream()->Begin({{"x", 1}}).status().code(), Code::kUnauthenticated);
+  EXPECT_EQ(Export(*none, "x").status().code(), Code::kUnauthenticated);
+  EXPECT_EQ(none->ListSequences().status().code(), Code::kUnauthenticated);
   const std::string wrong = "wrong-token-0123456789abcdef";
   auto tcp = As(wrong), local = As(wrong, /*local=*/true);
   for (Client* c : {tcp.get(), local.get()}) {
