@@ -5,6 +5,7 @@
 //   attnctl bench [--target=...] [--batch=8] [--context=4096] [--steps=20]
 //   attnctl handoff --sequence=ID --to=HOST:PORT [--target=...] [--chunk=4096] [--close-source]
 //   attnctl list  [--target=...] [--all-tenants]
+//   attnctl drain [--target=...] [--to=HOST:PORT,...]
 //   attnctl soak  [--target=127.0.0.1:PORT] [--minutes=1] [--clients=4] [--server-pid=PID]
 // Connection flags (every command but soak): --tls-ca=PEM [--tls-cert=PEM --tls-key=PEM]
 // [--tls-server-name=NAME] for TLS/mTLS; --token-file=FILE (or $ATTND_TOKEN) for a bearer token;
@@ -19,6 +20,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/attnd_client.h"
 #include "client/soak.h"
 #include "client/workload.h"
@@ -75,6 +77,19 @@ int Info(Client& c) {
     std::printf("device %s: %d/%d pages free (%lld bytes each), %lld sequences\n", d.name().c_str(),
                 d.pages_free(), d.pages_total(), static_cast<long long>(d.bytes_per_page()),
                 static_cast<long long>(d.sequences()));
+  return 0;
+}
+
+int Drain(Client& c, const Args& a) {
+  v1::DrainRequest req;
+  for (absl::string_view p : absl::StrSplit(a.Get("to", ""), ',', absl::SkipEmpty()))
+    req.add_peers(std::string(p));
+  grpc::ClientContext ctx;
+  c.Authorize(&ctx);
+  v1::DrainResponse resp;
+  if (auto s = FromGrpc(c.stub()->Drain(&ctx, req, &resp)); !s.ok()) return Fail(s, "drain");
+  std::printf("drain started: the server hands its sequences to %s and exits\n",
+              req.peers_size() > 0 ? a.Get("to", "").c_str() : "its --drain-peers");
   return 0;
 }
 
@@ -448,7 +463,7 @@ int main(int argc, char** argv) {
     return RunSoak(o);
   }
   if (a.command != "info" && a.command != "demo" && a.command != "bench" &&
-      a.command != "handoff" && a.command != "list") {
+      a.command != "handoff" && a.command != "list" && a.command != "drain") {
     std::fprintf(
         stderr,
         "usage: attnctl info|demo|bench|handoff|list [--target=HOST:PORT] [command flags]\n"
@@ -456,6 +471,7 @@ int main(int argc, char** argv) {
         "[--tls-server-name=NAME]\n"
         "              --token-file=FILE (or $ATTND_TOKEN) --as-tenant=NAME (admin)\n"
         "  list:  [--all-tenants] (admin)\n"
+        "  drain: [--to=HOST:PORT,...] (admin): hand every sequence off, then exit\n"
         "  demo:  --sequences=4 --prompt=2200 --chunk=512 --decode=24 --check-every=4\n"
         "  bench: --batch=8 --context=4096 --steps=20 [--shm-target=unix:PATH]\n"
         "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n"
@@ -469,6 +485,7 @@ int main(int argc, char** argv) {
   auto client = std::move(client_or).value();
   if (a.command == "info") return Info(*client);
   if (a.command == "list") return List(*client, a);
+  if (a.command == "drain") return Drain(*client, a);
   if (a.command == "demo") return Demo(*client, a);
   if (a.command == "handoff") return Handoff(*client, a, *options);
   return Bench(*client, a, *options);

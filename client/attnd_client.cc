@@ -137,14 +137,15 @@ absl::StatusOr<v1::ServerInfoResponse> Client::Info() {
 }
 
 absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
-                                                      const std::string& parent,
-                                                      int64_t prefix_len) {
+                                                      const std::string& parent, int64_t prefix_len,
+                                                      int64_t import_length) {
   grpc::ClientContext ctx;
   Authorize(&ctx);
   v1::OpenSequenceRequest req;
   req.set_sequence_id(id);
   req.set_fork_parent_id(parent);
   req.set_fork_prefix_len(prefix_len);
+  req.set_import_length(import_length);
   v1::SequenceInfo resp;
   absl::Status s = FromGrpc(stub_->OpenSequence(&ctx, req, &resp));
   if (!s.ok()) return s;
@@ -365,7 +366,10 @@ namespace attnd::client {
 
 absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
                              int64_t chunk_tokens) {
-  if (auto s = to.OpenSequence(id); !s.ok()) return s.status();
+  auto source = from.DescribeSequence(id);
+  if (!source.ok()) return source.status();
+  // Ordinary steps on the copy wait until it holds every token (no half-copied decode).
+  if (auto s = to.OpenSequence(id, "", 0, source->length()); !s.ok()) return s.status();
   auto fail = [&](absl::Status s) {
     (void)to.CloseSequence(id);
     return s;

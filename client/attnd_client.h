@@ -89,9 +89,10 @@ class Client {
 
   absl::StatusOr<v1::ServerInfoResponse> Info();
   // Empty parent: a fresh sequence; otherwise a fork of the parent's first prefix_len tokens.
+  // import_length > 0: a handoff target (see OpenSequenceRequest.import_length).
   absl::StatusOr<v1::SequenceInfo> OpenSequence(const std::string& id,
                                                 const std::string& parent = "",
-                                                int64_t prefix_len = 0);
+                                                int64_t prefix_len = 0, int64_t import_length = 0);
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
   // This tenant's sequences, or (the admin only) every tenant's.

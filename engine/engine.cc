@@ -191,9 +191,14 @@ int Engine::num_devices() const { return static_cast<int>(impl_->devices.size())
 absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }
 
-absl::Status Engine::OpenSequence(const SequenceKey& seq, int device) {
+absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t import_length) {
+  if (import_length < 0 || import_length > impl_->spec().max_context)
+    return absl::OutOfRangeError(absl::StrCat("import_length ", import_length, " outside [0, ",
+                                              impl_->spec().max_context, "] (max_context)"));
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->table->Open(seq, device);
+  RETURN_IF_ERROR(impl_->table->Open(seq, device));
+  impl_->table->Find(seq)->import_length = import_length;
+  return absl::OkStatus();
 }
 
 absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& parent,
@@ -230,7 +235,8 @@ absl::Status Engine::CloseSequence(const SequenceKey& seq) {
 
 namespace {
 SequenceInfo InfoOf(const Sequence& s) {
-  return SequenceInfo{s.tenant, s.id, s.length, s.device, s.pages, s.step != 0};
+  return SequenceInfo{
+      s.tenant, s.id, s.length, s.device, s.pages, s.step != 0, s.length < s.import_length};
 }
 }  // namespace
 
@@ -388,6 +394,10 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     if (!seen.insert(seq).second)
       return absl::InvalidArgumentError(
           absl::StrCat("step batch: sequence ", Quote(seq->id), " appears twice"));
+    if (!options.write_only && seq->length < seq->import_length)
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", Quote(seq->id), " is being imported (", seq->length, " of ",
+                       seq->import_length, " tokens); retry when the handoff is complete"));
     if (seq->copying) {
       *retry = true;
       return absl::FailedPreconditionError(

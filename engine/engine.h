@@ -109,6 +109,7 @@ struct SequenceInfo {
   int device = 0;
   std::vector<int32_t> pages;  // physical page ids, in order
   bool in_step = false;
+  bool importing = false;  // a handoff target not yet at its import length
 };
 
 struct DeviceCapacity {
@@ -129,7 +130,10 @@ class Engine {
 
   // ALREADY_EXISTS if the id is in use. Places the sequence on `device`, or with device < 0 on
   // the device with most free pages (ties to the lowest index).
-  absl::Status OpenSequence(const SequenceKey& seq, int device = -1);
+  // import_length > 0 opens a handoff target: until write-only steps have brought it to that
+  // many tokens, ordinary steps are FAILED_PRECONDITION ("being imported"), so a worker never
+  // decodes on a half-copied sequence.
+  absl::Status OpenSequence(const SequenceKey& seq, int device = -1, int64_t import_length = 0);
   // A new sequence holding the first `prefix_len` tokens of `parent` (a sequence of the same
   // tenant). On the parent's device
   // (device < 0 or equal) full pages are shared by reference and the partial last page is

@@ -30,6 +30,8 @@ struct Sequence {
   // A fork into it is filling its pages: nothing may read them yet (no fork from it, no export).
   // A migrating sequence stays readable: its old pages are valid until the move ends.
   bool filling = false;
+  // A handoff target: ordinary steps wait until write-only steps brought it to this length.
+  int64_t import_length = 0;
 };
 
 struct SequenceLimits {

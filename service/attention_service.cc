@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
+#include "service/export_chunk.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
 
@@ -25,6 +26,7 @@ void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInfo* out,
   out->set_device(e.Capacity()[s.device].name);
   out->set_num_pages(static_cast<int32_t>(s.pages.size()));
   out->set_in_step(s.in_step);
+  out->set_importing(s.importing);
 }
 
 absl::Status Draining() {
@@ -185,13 +187,16 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
                                               const v1::OpenSequenceRequest& req,
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
+  if (!req.fork_parent_id().empty() && req.import_length() != 0)
+    return absl::InvalidArgumentError("import_length: a fork is not a handoff target");
   if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
     return absl::InvalidArgumentError(
         absl::StrCat("fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
-  absl::Status s = req.fork_parent_id().empty()
-                       ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()))
-                       : engine_->ForkSequence(KeyOf(caller, req.sequence_id()),
-                                               req.fork_parent_id(), req.fork_prefix_len());
+  absl::Status s =
+      req.fork_parent_id().empty()
+          ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1, req.import_length())
+          : engine_->ForkSequence(KeyOf(caller, req.sequence_id()), req.fork_parent_id(),
+                                  req.fork_prefix_len());
   RETURN_IF_ERROR(s);
   ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(KeyOf(caller, req.sequence_id())));
   FillSequence(info, *engine_, resp);
@@ -570,25 +575,7 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
       return absl::OkStatus();
     }
     const int64_t n = std::min(chunk_, length_ - begin_);
-    auto rows = engine_->ReadRows(id_, layer_, begin_, begin_ + n);
-    RETURN_IF_ERROR(rows.status());
-    const std::string dt(DTypeName(engine_->options().cache_dtype));
-    msg_.Clear();
-    msg_.set_token_begin(begin_);
-    msg_.set_tokens(n);
-    msg_.set_length(length_);
-    v1::LayerInputs* k = msg_.mutable_keys();
-    k->set_layer(layer_);
-    auto set = [&](v1::Tensor* t, std::string* bytes, int64_t dim) {
-      t->set_datatype(dt);
-      t->add_shape(n);
-      t->add_shape(dim);
-      t->mutable_data()->swap(*bytes);
-    };
-    set(k->mutable_kv_latent(), &rows->kv_latent, s.kv_lora_rank);
-    set(k->mutable_k_rope(), &rows->k_rope, s.qk_rope_head_dim);
-    if (s.layers[layer_] == LayerKind::kFull)
-      set(k->mutable_index_k(), &rows->index_k, s.index_head_dim);
+    RETURN_IF_ERROR(ReadExportChunk(*engine_, id_, layer_, begin_, n, length_, &msg_));
     if (++layer_ == s.num_layers()) {
       layer_ = 0;
       begin_ += n;
@@ -651,6 +638,18 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
     v1::UnregisterSharedMemoryResponse*) {
   return Unary(ctx, [&](const Caller& c) { return DoUnregisterSharedMemory(c, *req); });
+}
+
+grpc::ServerUnaryReactor* AttentionService::Drain(grpc::CallbackServerContext* ctx,
+                                                  const v1::DrainRequest* req, v1::DrainResponse*) {
+  return Unary(ctx, [&](const Caller& c) -> absl::Status {
+    const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
+    if (!open && !c.admin)
+      return absl::PermissionDeniedError("Drain: only the admin identity (--admin-tenant)");
+    if (!options_.start_drain) return absl::UnimplementedError("Drain: not served here");
+    options_.start_drain(std::vector<std::string>(req->peers().begin(), req->peers().end()));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,

@@ -32,6 +32,8 @@ struct ServiceOptions {
   // listener, for objects under `shm_prefix` owned by the caller's user.
   bool shm_enabled = false;
   std::string shm_prefix = "/attnd-";
+  // Starts the drain (the server's SIGTERM path) with these peers (empty: the flags').
+  std::function<void(std::vector<std::string>)> start_drain;
 };
 
 class AttentionService final : public v1::Attention::CallbackService {
@@ -78,6 +80,8 @@ class AttentionService final : public v1::Attention::CallbackService {
       grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) override;
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
                                  v1::EchoResponse* resp) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
+                                  v1::DrainResponse* resp) override;
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
       grpc::CallbackServerContext* ctx) override;
 

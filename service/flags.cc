@@ -65,6 +65,13 @@ Trust (see the README's deployment section):
   --quota-sequences=N          per tenant: open sequences (default 0)
   --quota-steps=N              per tenant: open steps (default 0)
   --quota-shm-regions=N        per tenant: shared-memory regions (default 0)
+Drain (SIGTERM or the Drain RPC: readiness NOT_SERVING, new steps UNAVAILABLE, open steps finish,
+every sequence handed to the peer the clients' rendezvous hash picks, then exit):
+  --drain-peers=LIST           host:port,... or dns:NAME:PORT (a headless Service; this host's
+                               addresses are skipped); none: sequences are lost at exit
+  --drain-timeout-ms=N         for open steps to end and the moves (default 60000)
+  --drain-token-file=FILE      the admin identity's bearer token on the peers
+  --drain-tls-ca=PEM --drain-tls-cert=PEM --drain-tls-key=PEM   TLS/mTLS to the peers
 )";
 }
 
@@ -177,6 +184,16 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"quota-sequences", int_flag(&f.quota_sequences)},
       {"quota-steps", int_flag(&f.quota_steps)},
       {"quota-shm-regions", int_flag(&f.quota_shm_regions)},
+      {"drain-peers",
+       [&f](const std::string& v) {
+         f.drain_peers = absl::StrSplit(v, ',', absl::SkipEmpty());
+         return true;
+       }},
+      {"drain-timeout-ms", int_flag(&f.drain_timeout_ms)},
+      {"drain-token-file", str_flag(&f.drain_token_file)},
+      {"drain-tls-ca", str_flag(&f.drain_tls_ca)},
+      {"drain-tls-cert", str_flag(&f.drain_tls_cert)},
+      {"drain-tls-key", str_flag(&f.drain_tls_key)},
   };
   // Switches that may stand alone (--shm means --shm=true).
   const std::set<std::string> switches = {"shm", "metrics-tls"};

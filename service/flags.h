@@ -53,6 +53,11 @@ struct ServerFlags {
   int64_t quota_sequences = 0;
   int64_t quota_steps = 0;
   int64_t quota_shm_regions = 0;
+  // Drain (DESIGN §12): on SIGTERM (or the Drain RPC) hand every sequence to these replicas.
+  std::vector<std::string> drain_peers;  // host:port, or dns:NAME:PORT
+  int64_t drain_timeout_ms = 60000;
+  std::string drain_token_file;  // the admin identity's token on the peers
+  std::string drain_tls_ca, drain_tls_cert, drain_tls_key;
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;

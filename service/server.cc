@@ -6,6 +6,7 @@
 #include <grpcpp/impl/server_builder_option.h>
 #include <grpcpp/impl/server_builder_plugin.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,6 +21,7 @@
 #include "common/status_macros.h"
 #include "engine/engine.h"
 #include "service/attention_service.h"
+#include "service/drain.h"
 #include "service/metrics.h"
 #include "service/metrics_http.h"
 #include "service/metrics_https.h"
@@ -84,6 +86,26 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
     o.isa = cpu::Isa::kAvx2;
   }
   return Engine::Create(o);
+}
+
+absl::StatusOr<DrainOptions> MakeDrainOptions(const ServerFlags& f,
+                                              std::vector<std::string> peers) {
+  DrainOptions d;
+  d.peers = std::move(peers);
+  d.timeout = std::chrono::milliseconds(f.drain_timeout_ms);
+  d.credentials.tls_ca_file = f.drain_tls_ca;
+  d.credentials.tls_cert_file = f.drain_tls_cert;
+  d.credentials.tls_key_file = f.drain_tls_key;
+  if (!f.drain_token_file.empty()) {
+    std::ifstream in(f.drain_token_file);
+    if (!in || !std::getline(in, d.credentials.token))
+      return absl::NotFoundError(
+          absl::StrCat("--drain-token-file: cannot read ", f.drain_token_file));
+    while (!d.credentials.token.empty() &&
+           std::isspace(static_cast<unsigned char>(d.credentials.token.back())))
+      d.credentials.token.pop_back();
+  }
+  return d;
 }
 
 // Drops gRPC's reflection plugin from a builder: linking grpc++_reflection registers it for every
@@ -172,6 +194,15 @@ int RunServer(const ServerFlags& flags) {
   so.auth = auth;
   so.shm_enabled = flags.shm;
   so.shm_prefix = flags.shm_prefix;
+  std::mutex drain_mu;
+  std::vector<std::string> requested_peers;  // from the Drain RPC
+  so.start_drain = [&](std::vector<std::string> peers) {
+    {
+      std::lock_guard<std::mutex> lock(drain_mu);
+      requested_peers = std::move(peers);
+    }
+    kill(getpid(), SIGTERM);  // the same path as an operator's SIGTERM
+  };
   AttentionService service(engine.get(), &executor, &service_metrics, so);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -262,6 +293,28 @@ int RunServer(const ServerFlags& flags) {
   std::fflush(stdout);
   service.SetDraining();
   health->SetServingStatus(kServiceName, false);
+  {
+    std::vector<std::string> peers = flags.drain_peers;
+    {
+      std::lock_guard<std::mutex> lock(drain_mu);
+      if (!requested_peers.empty()) peers = requested_peers;
+    }
+    if (!peers.empty()) {
+      auto d = MakeDrainOptions(flags, peers);
+      if (!d.ok()) {
+        std::fprintf(stderr, "attnd: drain: %s\n", std::string(d.status().message()).c_str());
+      } else {
+        const DrainReport r = DrainSequences(*engine, *d);
+        std::printf("attnd: drained: %d sequence(s) handed to %zu peer(s), %d left behind%s%s\n",
+                    r.moved, r.peers.size(), r.failed, r.first_error.empty() ? "" : ": ",
+                    r.first_error.c_str());
+      }
+    } else if (engine->num_sequences() > 0) {
+      std::printf("attnd: no --drain-peers: %lld sequence(s) are dropped at exit\n",
+                  static_cast<long long>(engine->num_sequences()));
+    }
+    std::fflush(stdout);
+  }
   local.reset();  // no new local connections (those open finish with the others)
   // Shard messages parked for a shard that never comes would keep Shutdown waiting forever:
   // when the grace period ends, answer them.

@@ -73,8 +73,8 @@ Harness::Harness(EngineOptions options) {
   oracle_ = std::make_unique<reference::StepOracle>(engine_->spec(), options.cache_dtype);
 }
 
-void Harness::Open(const std::string& id, int device) {
-  ASSERT_TRUE(engine_->OpenSequence(id, device).ok());
+void Harness::Open(const std::string& id, int device, int64_t import_length) {
+  ASSERT_TRUE(engine_->OpenSequence(id, device, import_length).ok());
   oracle_->Open(id);
 }
 

@@ -49,7 +49,7 @@ class Harness {
   Engine& engine() { return *engine_; }
   const ModelSpec& spec() const { return engine_->spec(); }
 
-  void Open(const std::string& id, int device = -1);
+  void Open(const std::string& id, int device = -1, int64_t import_length = 0);
   void Fork(const std::string& id, const std::string& parent, int64_t prefix_len, int device = -1);
   void Close(const std::string& id);
   int64_t Length(const std::string& id) const;

@@ -142,6 +142,27 @@ TEST(EngineState, ClosingAForkedParentKeepsTheChildIntact) {
   EXPECT_EQ(h.engine().Capacity()[0].pages_free, 255);
 }
 
+// A handoff target serves ordinary steps only once write-only steps brought it to its import
+// length: a worker that finds a moved sequence early is told to retry, never decodes on half of it.
+TEST(EngineState, AnImportingSequenceRefusesOrdinaryStepsUntilComplete) {
+  Harness h(Options());
+  h.Open("moved", -1, 40);
+  EXPECT_EQ(h.engine().OpenSequence("bad", -1, -1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(h.engine().DescribeSequence("moved")->importing);
+  const auto part = h.MakeInputs({{"moved", 25}}, DType::kF32, 61);
+  ASSERT_TRUE(h.engine().BeginStep({{"moved", 1}}).status().code() ==
+              absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(h.Run({{"moved", 25}}, part, StepOptions::WriteOnly()).status.ok());
+  const auto early = h.engine().BeginStep({{"moved", 1}});
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.status().message().find("being imported (25 of 40 tokens)"), std::string::npos)
+      << early.status();
+  const auto rest = h.MakeInputs({{"moved", 15}}, DType::kF32, 62);
+  ASSERT_TRUE(h.Run({{"moved", 15}}, rest, StepOptions::WriteOnly()).status.ok());
+  EXPECT_FALSE(h.engine().DescribeSequence("moved")->importing);
+  h.RunAndCheck({{"moved", 1}}, DType::kF32, 63, 1e-4);  // a decode on every imported key
+}
+
 TEST(EngineState, IdleStepsExpireAndAbort) {
   Harness h(Options());
   Populate(h);

@@ -498,6 +498,7 @@ class SequenceInfo:
     num_pages: int
     in_step: bool
     tenant: str  # set in the admin's every-tenant listing
+    importing: bool  # a handoff target not yet holding every token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -654,11 +655,15 @@ class AttndClient:
         return _server_info(self._call(self._stub.ServerInfo, pb.ServerInfoRequest()))
 
     def open_sequence(
-        self, sequence_id: str, fork_parent: Optional[str] = None, prefix_len: int = 0
+        self, sequence_id: str, fork_parent: Optional[str] = None, prefix_len: int = 0,
+        import_length: int = 0,
     ) -> SequenceInfo:
-        """Creates a sequence: empty, or the first ``prefix_len`` tokens of ``fork_parent``."""
+        """Creates a sequence: empty, or the first ``prefix_len`` tokens of ``fork_parent``.
+        ``import_length`` > 0 opens a handoff target that serves ordinary steps only once
+        write-only steps have brought it to that length."""
         request = pb.OpenSequenceRequest(
-            sequence_id=sequence_id, fork_parent_id=fork_parent or "", fork_prefix_len=prefix_len
+            sequence_id=sequence_id, fork_parent_id=fork_parent or "", fork_prefix_len=prefix_len,
+            import_length=import_length,
         )
         return _plain(SequenceInfo, self._call(self._stub.OpenSequence, request))
 
@@ -675,6 +680,11 @@ class AttndClient:
         """This tenant's sequences; the admin identity may ask for every tenant's."""
         resp = self._call(self._stub.ListSequences, pb.ListSequencesRequest(all_tenants=all_tenants))
         return [_plain(SequenceInfo, s) for s in resp.sequences]
+
+    def drain(self, peers: Sequence[str] = ()) -> None:
+        """Starts the server's drain, as SIGTERM does: every sequence is handed to a peer (``peers``
+        or its --drain-peers), then it exits. The admin identity only on an authenticated server."""
+        self._call(self._stub.Drain, pb.DrainRequest(peers=list(peers)))
 
     # -- steps: unary --
 

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_manifests_probe_the_right_health_names_and_ports():
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "attnd.yaml").read_text()))
     kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"Service", "StatefulSet", "ServiceMonitor"}
+    assert set(kinds) == {"Service", "StatefulSet", "ServiceMonitor", "PodDisruptionBudget"}
+    assert kinds["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
     assert kinds["Service"]["spec"]["clusterIP"] == "None"  # headless: clients hash over pods
     pod = kinds["StatefulSet"]["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -19,5 +20,8 @@ def test_manifests_probe_the_right_health_names_and_ports():
     assert c["startupProbe"]["grpc"]["port"] == 50051
     args = dict(a[2:].split("=", 1) for a in c["args"])
     assert args["grpc-port"] == "50051" and args["metrics-port"] == "9090"
-    assert pod["terminationGracePeriodSeconds"] * 1000 > int(args["shutdown-grace-ms"])
+    # The drain (open steps, then every sequence handed off) and the shutdown fit in the grace.
+    assert args["drain-peers"].startswith("dns:attnd:")
+    assert pod["terminationGracePeriodSeconds"] * 1000 > (int(args["drain-timeout-ms"]) +
+                                                          int(args["shutdown-grace-ms"]))
     assert kinds["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"

@@ -1,0 +1,194 @@
+"""Drain (DESIGN §12) against three real attnd on loopback: SIGTERM one in the middle of a decode
+workload. Its readiness turns NOT_SERVING at once, the workload sees nothing but UNAVAILABLE from
+it, every sequence it held appears on the peer the rendezvous hash picks over the remaining
+replicas, the next decode outputs of each moved sequence are bit-identical to those of a twin that
+never moved, and the drained process exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnd import AttndClient, AttndError, route
+
+ROOT = Path(__file__).resolve().parents[3]
+ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
+BF16 = ml_dtypes.bfloat16
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(extra):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
+         "--kv-pages=400", "--threads=1", "--metrics-port=0", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    assert "serving attnd.v1" in line, line
+    return proc, f"127.0.0.1:{port}"
+
+
+def _inputs(spec, T, rng, write_only=False):
+    layers = []
+    r = lambda *shape: rng.standard_normal(shape).astype(BF16)  # noqa: E731
+    for kind in spec.layers:
+        x = {"kv_latent": r(T, spec.kv_lora_rank), "k_rope": r(T, spec.qk_rope_head_dim)}
+        if not write_only:
+            x["q_latent"] = r(T, spec.num_heads, spec.kv_lora_rank)
+            x["q_rope"] = r(T, spec.num_heads, spec.qk_rope_head_dim)
+        if kind == "full":
+            x["index_k"] = r(T, spec.index_head_dim)
+            if not write_only:
+                x["index_q"] = r(T, spec.index_n_heads, spec.index_head_dim)
+                x["index_w"] = r(T, spec.index_n_heads)
+        layers.append(x)
+    return layers
+
+
+def _step(client, sid, inputs):
+    step = client.begin_step([(sid, inputs[0]["kv_latent"].shape[0])])
+    return [client.attend_layer(step.step_id, i, **x) for i, x in enumerate(inputs)]
+
+
+def _ready(target) -> bool:
+    with grpc.insecure_channel(target) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="attnd.v1.Attention"), timeout=5)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigterm_hands_every_sequence_to_the_peer_the_hash_picks():
+    b, tb = _start([])
+    c, tc = _start([])
+    a, ta = _start([f"--drain-peers={tb},{tc}", "--drain-timeout-ms=20000",
+                    "--step-idle-timeout-ms=20000"])
+    procs = {ta: a, tb: b, tc: c}
+    clients = {t: AttndClient(t, timeout=30.0) for t in procs}
+    try:
+        spec = clients[ta].info().model
+        rng = np.random.default_rng(3)
+        everyone = [ta, tb, tc]
+        # Sequences routed over all three; each has a twin on a replica that stays, fed the same
+        # inputs, so its outputs say what the moved sequence must answer.
+        seqs = [f"drain-{i}" for i in range(24)]
+        on_a = [s for s in seqs if route(everyone, s) == ta]
+        assert len(on_a) >= 3, "the hash put too few sequences on the drained replica"
+        home = {s: route(everyone, s) for s in seqs}
+        twin_home = {s: route([tb, tc], s + "-twin") for s in seqs}
+        for s in seqs:
+            clients[home[s]].open_sequence(s)
+            clients[twin_home[s]].open_sequence(s + "-twin")
+            prompt = _inputs(spec, 37, rng)
+            _step(clients[home[s]], s, prompt)
+            _step(clients[twin_home[s]], s + "-twin", prompt)
+        assert _ready(ta)
+
+        moved = set()
+        for k in range(6):
+            if k == 2:  # mid-workload
+                a.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while _ready(ta):
+                    assert time.monotonic() < deadline, "readiness never turned NOT_SERVING"
+                    time.sleep(0.01)
+            for s in seqs:
+                x = _inputs(spec, 1, rng)
+                twin = _step(clients[twin_home[s]], s + "-twin", x)
+                try:
+                    got = _step(clients[home[s]], s, x)
+                except AttndError as e:
+                    assert home[s] == ta and e.code == grpc.StatusCode.UNAVAILABLE, (s, e)
+                    # Re-route over the replicas that remain and wait for the handoff.
+                    home[s] = route([tb, tc], s)
+                    moved.add(s)
+                    deadline = time.monotonic() + 20
+                    while True:
+                        try:
+                            d = clients[home[s]].describe_sequence(s)
+                            if not d.importing and not d.in_step:
+                                break
+                        except AttndError as e2:
+                            assert e2.code == grpc.StatusCode.NOT_FOUND, e2
+                        assert time.monotonic() < deadline, f"{s} never appeared on {home[s]}"
+                        time.sleep(0.01)
+                    got = _step(clients[home[s]], s, x)
+                for layer, (g, t) in enumerate(zip(got, twin)):
+                    assert np.array_equal(np.asarray(g).view(np.uint16),
+                                          np.asarray(t).view(np.uint16)), (s, k, layer)
+        assert moved == set(on_a), "every sequence of the drained replica moved, and only those"
+        assert a.wait(timeout=60) == 0, "the drained process exits 0"
+        out = a.stdout.read()
+        assert f"drained: {len(on_a)} sequence(s) handed to 2 peer(s), 0 left behind" in out, out
+        for s in seqs:
+            assert clients[home[s]].describe_sequence(s).length == 37 + 6
+    finally:
+        for t, p in procs.items():
+            clients[t].close()
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+
+
+def test_the_drain_rpc_starts_the_same_drain(tmp_path):
+    b, tb = _start([])
+    a, ta = _start([])
+    try:
+        with AttndClient(ta, timeout=30.0) as ca, AttndClient(tb, timeout=30.0) as cb:
+            spec = ca.info().model
+            ca.open_sequence("rpc-drain")
+            _step(ca, "rpc-drain", _inputs(spec, 20, np.random.default_rng(4)))
+            ca.drain([tb])
+            assert a.wait(timeout=60) == 0
+            d = cb.describe_sequence("rpc-drain")
+            assert (d.length, d.importing) == (20, False)
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+
+
+def test_a_drain_keeps_each_sequence_in_its_tenant(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("drain-token-a-01234567 a\ndrain-token-b-01234567 b\n"
+                      "drain-token-ops-0123456 ops\n")
+    admin = tmp_path / "admin.token"
+    admin.write_text("drain-token-ops-0123456\n")
+    auth = ["--auth=token", f"--auth-tokens={tokens}", "--admin-tenant=ops"]
+    b, tb = _start(auth)
+    a, ta = _start(auth + [f"--drain-peers={tb}", f"--drain-token-file={admin}"])
+    try:
+        ca = AttndClient(ta, timeout=30.0, token="drain-token-a-01234567")
+        cb_a = AttndClient(tb, timeout=30.0, token="drain-token-a-01234567")
+        cb_b = AttndClient(tb, timeout=30.0, token="drain-token-b-01234567")
+        spec = ca.info().model
+        ca.open_sequence("tenant-seq")
+        _step(ca, "tenant-seq", _inputs(spec, 11, np.random.default_rng(5)))
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=60) == 0
+        assert cb_a.describe_sequence("tenant-seq").length == 11  # a's, on b's server
+        with pytest.raises(AttndError) as e:
+            cb_b.describe_sequence("tenant-seq")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        for c in (ca, cb_a, cb_b):
+            c.close()
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)

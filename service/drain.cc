@@ -1,0 +1,135 @@
+#include "service/drain.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/router.h"
+#include "common/status_macros.h"
+#include "service/export_chunk.h"
+
+namespace attnd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::set<std::string> LocalAddresses() {
+  std::set<std::string> out;
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return out;
+  for (ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr) continue;
+    char buf[INET6_ADDRSTRLEN] = "";
+    if (a->ifa_addr->sa_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, buf, sizeof(buf));
+    } else if (a->ifa_addr->sa_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr, buf,
+                sizeof(buf));
+    }
+    if (buf[0] != '\0') out.insert(buf);
+  }
+  freeifaddrs(all);
+  return out;
+}
+
+// Moves one sequence to `peer`; on failure the partial copy there is closed and it stays here.
+absl::Status MoveOne(Engine& engine, const SequenceInfo& seq, const std::string& peer,
+                     const DrainOptions& o) {
+  client::ConnectOptions c = o.credentials;
+  c.act_as_tenant = seq.tenant;  // "" (anonymous): no header
+  ASSIGN_OR_RETURN(std::unique_ptr<client::Client> to, client::Client::Connect(peer, c));
+  const SequenceKey key(seq.tenant, seq.id);
+  RETURN_IF_ERROR(to->OpenSequence(seq.id, "", 0, seq.length).status());
+  auto fail = [&](absl::Status s) {
+    (void)to->CloseSequence(seq.id);
+    return s;
+  };
+  const ModelSpec& spec = engine.spec();
+  v1::ExportChunk chunk;
+  for (int64_t begin = 0; begin < seq.length; begin += o.chunk_tokens) {
+    const int64_t n = std::min(o.chunk_tokens, seq.length - begin);
+    auto step = to->BeginStep({{seq.id, n}}, /*write_only=*/true);
+    if (!step.ok()) return fail(step.status());
+    for (int layer = 0; layer < spec.num_layers(); ++layer) {
+      if (absl::Status s = ReadExportChunk(engine, key, layer, begin, n, seq.length, &chunk);
+          !s.ok()) {
+        (void)to->AbortStep(step->step_id());
+        return fail(s);
+      }
+      if (auto r = to->AttendLayer(step->step_id(), chunk.keys()); !r.ok()) return fail(r.status());
+    }
+  }
+  auto there = to->DescribeSequence(seq.id);
+  if (!there.ok()) return fail(there.status());
+  if (there->length() != seq.length)
+    return fail(absl::InternalError(
+        absl::StrCat("peer holds ", there->length(), " tokens, not ", seq.length)));
+  return engine.CloseSequence(key);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> DrainPeers(const std::vector<std::string>& peers) {
+  std::vector<std::string> out;
+  const std::set<std::string> local = LocalAddresses();
+  for (const std::string& p : peers) {
+    if (p.rfind("dns:", 0) != 0) {
+      out.push_back(p);
+      continue;
+    }
+    const std::string hp = p.substr(4);
+    const size_t colon = hp.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(hp.substr(colon + 1), &port))
+      return absl::InvalidArgumentError(
+          absl::StrCat("--drain-peers: '", p, "' is not dns:NAME:PORT"));
+    ASSIGN_OR_RETURN(std::vector<std::string> resolved,
+                     client::ResolveEndpoints(hp.substr(0, colon), port));
+    for (const std::string& e : resolved) {
+      const std::string host = e.substr(0, e.rfind(':'));
+      if (!local.count(host)) out.push_back(e);
+    }
+  }
+  return out;
+}
+
+DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
+  DrainReport report;
+  const auto deadline = Clock::now() + o.timeout;
+  // Open steps may finish (their next layers are still served); new ones are refused.
+  while (engine.num_open_steps() > 0 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  auto peers = DrainPeers(o.peers);
+  if (!peers.ok() || peers->empty()) {
+    report.failed = static_cast<int>(engine.num_sequences());
+    report.first_error = peers.ok() ? "no peer to drain to" : std::string(peers.status().message());
+    return report;
+  }
+  report.peers = *peers;
+  for (const SequenceInfo& seq : engine.ListSequences(nullptr)) {
+    if (Clock::now() >= deadline) {
+      ++report.failed;
+      if (report.first_error.empty()) report.first_error = "drain timeout";
+      continue;
+    }
+    const std::string peer = client::Route(*peers, seq.id);
+    const absl::Status s = MoveOne(engine, seq, peer, o);
+    if (s.ok()) {
+      ++report.moved;
+    } else {
+      ++report.failed;
+      if (report.first_error.empty())
+        report.first_error = absl::StrCat(seq.id.substr(0, 64), " -> ", peer, ": ", s.message());
+    }
+  }
+  return report;
+}
+
+}  // namespace attnd

@@ -1,0 +1,43 @@
+// Drain (DESIGN §12): before a replica exits, every sequence it holds is handed to one of the
+// remaining replicas — the one the clients' rendezvous hash picks over them (client::Route), so a
+// worker that gets UNAVAILABLE here finds its sequence where it will look for it. The keys move
+// exactly as cached (ExportSequence's chunks, imported with write-only steps); a sequence is
+// closed here only after the peer confirms its length.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/attnd_client.h"
+#include "engine/engine.h"
+
+namespace attnd {
+
+struct DrainOptions {
+  // The remaining replicas: "host:port" each, or "dns:NAME:PORT" for every address NAME resolves
+  // to (a headless Service) except this host's own.
+  std::vector<std::string> peers;
+  // How to reach them: TLS files and the admin identity's token (sequences of a tenant are
+  // opened on the peer as that tenant: metadata attnd-tenant).
+  client::ConnectOptions credentials;
+  std::chrono::milliseconds timeout{60000};  // for open steps to end, then for the moves
+  int64_t chunk_tokens = 4096;
+};
+
+struct DrainReport {
+  int moved = 0;
+  int failed = 0;  // left here (and lost at exit)
+  std::string first_error;
+  std::vector<std::string> peers;  // the peers the hash ran over
+};
+
+// The peers as endpoints: "dns:" entries resolved, this host's addresses dropped.
+absl::StatusOr<std::vector<std::string>> DrainPeers(const std::vector<std::string>& peers);
+
+// Waits (until the timeout) for open steps to end, then moves every sequence of every tenant.
+// The service must already refuse new sequences and steps.
+DrainReport DrainSequences(Engine& engine, const DrainOptions& options);
+
+}  // namespace attnd
