@@ -3,6 +3,7 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <future>
 #include <mutex>
@@ -46,6 +47,8 @@ struct Step {
   int next_layer = 0;
   bool busy = false;
   bool abort_requested = false;
+  AbortReason abort_reason = AbortReason::kAbort;  // of a requested abort
+  Clock::time_point begun;
   Clock::time_point last_used;
   StepPlan plan;
   std::vector<std::unique_ptr<DeviceStep>> on_device;  // [plan.shares]
@@ -90,6 +93,8 @@ struct Engine::Impl {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
   int64_t steps_aborted = 0;
   int64_t steps_committed = 0;
+  EngineCounters counters;  // device_compute_seconds kept in compute_ns below
+  std::unique_ptr<std::atomic<int64_t>[]> compute_ns;  // per device, without mu
   StepFates fates;  // what a late message for an ended step is told
 
   // Returns an unregistered (or registered) step's pages and sequences. mu held.
@@ -107,15 +112,24 @@ struct Engine::Impl {
     return out;
   }
   // `why` is what a later message for this step is told (CANCELLED or DEADLINE_EXCEEDED).
-  [[nodiscard]] std::unique_ptr<Step> AbortLocked(Step* step, absl::Status why) {
+  [[nodiscard]] std::unique_ptr<Step> AbortLocked(Step* step, absl::Status why,
+                                                  AbortReason reason) {
     Release(step);
     ++steps_aborted;
+    ++counters.steps_aborted[static_cast<int>(reason)];
     fates.Remember(step->id, step->tenant, std::move(why));
     return Retire(step);
   }
   [[nodiscard]] std::unique_ptr<Step> CommitLocked(Step* step) {
     for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true);
     ++steps_committed;
+    ++counters.steps_committed;
+    for (const StepSeq& s : step->seqs) {
+      int64_t& n = step->options.write_only ? counters.tokens_import
+                   : s.q_len == 1           ? counters.tokens_decode
+                                            : counters.tokens_prefill;
+      n += s.q_len;
+    }
     fates.Remember(
         step->id, step->tenant,
         absl::FailedPreconditionError(absl::StrCat(
@@ -182,6 +196,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       names, std::vector<int32_t>(names.size(), layout.num_pages), options.spec.page_size,
       SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences});
   impl->table->tenants().SetQuotas(options.limits.tenant_quota, {});
+  impl->compute_ns = std::make_unique<std::atomic<int64_t>[]>(impl->devices.size());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -352,6 +367,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
     return prepared;
   }
   step->last_used = Clock::now();
+  step->begun = step->last_used;
   const uint64_t id = step->id;
   impl_->steps.emplace(id, std::move(step));
   return id;
@@ -461,7 +477,14 @@ absl::Status Engine::Impl::Prepare(Step& st) {
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
-  return StepInfo{st->tokens, st->options.write_only, st->next_layer};
+  StepPhase phase = StepPhase::kDecode;
+  if (st->options.write_only) {
+    phase = StepPhase::kImport;
+  } else {
+    for (const StepSeq& s : st->seqs)
+      if (s.q_len != 1) phase = StepPhase::kPrefill;
+  }
+  return StepInfo{st->tokens, st->options.write_only, st->next_layer, phase, st->begun};
 }
 
 absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
@@ -489,7 +512,11 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   call.out = write_only ? nullptr : static_cast<uint8_t*>(out);
   RETURN_IF_ERROR(ForEachConcurrently(st.plan.shares.size(), [&](size_t i) {
     const StepPlan::Share& sh = st.plan.shares[i];
-    return devices[sh.device]->RunLayer(sh.share, *st.on_device[i], call);
+    const auto t0 = Clock::now();
+    absl::Status s = devices[sh.device]->RunLayer(sh.share, *st.on_device[i], call);
+    compute_ns[sh.device] +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    return s;
   }));
   if (trace == nullptr) return absl::OkStatus();
   trace->keys.assign(st.tokens, {});
@@ -515,6 +542,7 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
     ASSIGN_OR_RETURN(st, impl_->FindStep(ref));
     if (st->busy) {
       st->abort_requested = true;  // every error aborts the step: the running layer does it
+      st->abort_reason = AbortReason::kError;
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step_id, ": a layer is already running; step aborted"));
     }
@@ -522,8 +550,9 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
       const absl::Status why = absl::FailedPreconditionError(
           absl::StrCat("step ", step_id, ": layer ", layer, " out of order, expected layer ",
                        st->next_layer, "; step aborted"));
-      ended = impl_->AbortLocked(st, absl::CancelledError(absl::StrCat(
-                                         "step ", step_id, " was aborted: ", why.message())));
+      ended = impl_->AbortLocked(
+          st, absl::CancelledError(absl::StrCat("step ", step_id, " was aborted: ", why.message())),
+          AbortReason::kError);
       return why;
     }
     st->busy = true;
@@ -545,7 +574,7 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
         status.ok() ? absl::CancelledError(absl::StrCat("step ", step_id, " was aborted"))
                     : absl::CancelledError(absl::StrCat(
                           "step ", step_id, " was aborted after an error: ", status.message()));
-    ended = impl_->AbortLocked(st, fate);
+    ended = impl_->AbortLocked(st, fate, status.ok() ? st->abort_reason : AbortReason::kError);
     return status.ok() ? fate : status;
   }
   if (++st->next_layer == impl_->spec().num_layers()) {
@@ -556,7 +585,7 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
   return absl::OkStatus();
 }
 
-absl::Status Engine::AbortStep(const StepRef& ref) {
+absl::Status Engine::AbortStep(const StepRef& ref, AbortReason reason) {
   const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -565,9 +594,11 @@ absl::Status Engine::AbortStep(const StepRef& ref) {
     return absl::NotFoundError(absl::StrCat("step ", step_id, " not found"));
   if (it->second->busy) {
     it->second->abort_requested = true;  // the running layer aborts it when done
+    it->second->abort_reason = reason;
   } else {
-    ended = impl_->AbortLocked(
-        it->second.get(), absl::CancelledError(absl::StrCat("step ", step_id, " was aborted")));
+    ended = impl_->AbortLocked(it->second.get(),
+                               absl::CancelledError(absl::StrCat("step ", step_id, " was aborted")),
+                               reason);
   }
   return absl::OkStatus();
 }
@@ -582,14 +613,45 @@ int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
   const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(idle).count();
   for (Step* st : expired)
     ended.push_back(impl_->AbortLocked(
-        st, absl::DeadlineExceededError(absl::StrCat("step ", st->id, " expired: idle longer than ",
-                                                     ms, " ms; its sequences are as before it"))));
+        st,
+        absl::DeadlineExceededError(absl::StrCat("step ", st->id, " expired: idle longer than ", ms,
+                                                 " ms; its sequences are as before it")),
+        AbortReason::kExpiry));
   return static_cast<int>(expired.size());
 }
 
 int64_t Engine::steps_aborted() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->steps_aborted;
+}
+
+EngineCounters Engine::Counters() const {
+  EngineCounters c;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    c = impl_->counters;
+  }
+  for (int d = 0; d < num_devices(); ++d)
+    c.device_compute_seconds.push_back(static_cast<double>(impl_->compute_ns[d].load()) * 1e-9);
+  return c;
+}
+
+const char* AbortReasonName(AbortReason reason) {
+  static constexpr const char* kNames[kNumAbortReasons] = {"error", "abort", "cancel", "expiry",
+                                                           "drain"};
+  return kNames[static_cast<int>(reason)];
+}
+
+const char* StepPhaseName(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kPrefill:
+      return "prefill";
+    case StepPhase::kDecode:
+      return "decode";
+    case StepPhase::kImport:
+      return "import";
+  }
+  return "?";
 }
 
 int64_t Engine::steps_committed() const {

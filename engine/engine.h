@@ -112,6 +112,27 @@ struct SequenceInfo {
   bool importing = false;  // a handoff target not yet at its import length
 };
 
+// Why a step was aborted (metrics count aborts by reason).
+enum class AbortReason { kError, kAbort, kCancel, kExpiry, kDrain };
+inline constexpr int kNumAbortReasons = 5;
+// "error", "abort", "cancel", "expiry", "drain".
+const char* AbortReasonName(AbortReason reason);
+
+// What a step does, for metrics: an import (write-only), a decode (every entry q_len 1) or a
+// prefill (anything else, mixed batches included).
+enum class StepPhase { kPrefill, kDecode, kImport };
+const char* StepPhaseName(StepPhase phase);
+
+// Monotonic totals since start, for metrics.
+struct EngineCounters {
+  int64_t steps_committed = 0;
+  int64_t steps_aborted[kNumAbortReasons] = {};
+  // New tokens of committed steps, counted once per step (not per layer), by the entry's kind:
+  // q_len 1 decode, longer prefill, write-only import.
+  int64_t tokens_prefill = 0, tokens_decode = 0, tokens_import = 0;
+  std::vector<double> device_compute_seconds;  // per device: time spent computing layers
+};
+
 struct DeviceCapacity {
   std::string name;         // "cpu:0"
   int32_t pages_total = 0;  // usable pages (page 0 excluded)
@@ -185,6 +206,8 @@ class Engine {
     int64_t tokens = 0;
     bool write_only = false;
     int next_layer = 0;
+    StepPhase phase = StepPhase::kPrefill;
+    std::chrono::steady_clock::time_point begun;
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).
@@ -200,12 +223,13 @@ class Engine {
                         size_t out_bytes, LayerTrace* trace = nullptr);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
-  absl::Status AbortStep(const StepRef& step);
+  absl::Status AbortStep(const StepRef& step, AbortReason reason = AbortReason::kAbort);
   // Aborts steps idle for longer than `idle`; returns how many.
   int ExpireIdleSteps(std::chrono::steady_clock::duration idle);
   // Steps aborted so far, for any reason (errors, AbortStep, expiry), and steps committed.
   int64_t steps_aborted() const;
   int64_t steps_committed() const;
+  EngineCounters Counters() const;
 
   // Introspection for tests and debugging: the reference count of every page of a device
   // (index = page id; page 0 is reserved and always 1).

@@ -16,8 +16,6 @@
 namespace attnd {
 namespace {
 
-constexpr char kVersion[] = "attnd 0.1.0";
-
 void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInfo* out,
                   bool with_tenant = false) {
   out->set_sequence_id(s.id);
@@ -101,10 +99,12 @@ absl::StatusOr<Caller> AttentionService::Authenticate(const grpc::ServerContextB
 }
 
 template <typename Fn>
-grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* ctx, Fn fn) {
+grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* ctx,
+                                                  const char* method, Fn fn) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  return Done(ctx, Guarded([&] { return fn(*caller); }));
+  const absl::Status s = caller.ok() ? Guarded([&] { return fn(*caller); }) : caller.status();
+  metrics_->RpcDone(method, s);
+  return Done(ctx, s);
 }
 
 ShmAccess AttentionService::ShmFor(const Caller& caller) const {
@@ -122,13 +122,13 @@ ShmAccess AttentionService::ShmFor(const Caller& caller) const {
 grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::ServerInfoRequest*,
                                                        v1::ServerInfoResponse* resp) {
-  return Unary(ctx, [&](const Caller& c) { return DoServerInfo(c, resp); });
+  return Unary(ctx, "ServerInfo", [&](const Caller& c) { return DoServerInfo(c, resp); });
 }
 
 absl::Status AttentionService::DoServerInfo(const Caller& caller,
                                             v1::ServerInfoResponse* resp) const {
   const ModelSpec& s = engine_->spec();
-  resp->set_version(kVersion);
+  resp->set_version(absl::StrCat("attnd ", BuildVersion(), " (", BuildRevision(), ")"));
   resp->set_tenant(caller.tenant);
   resp->set_admin(caller.admin);
   resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
@@ -180,7 +180,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
 grpc::ServerUnaryReactor* AttentionService::OpenSequence(grpc::CallbackServerContext* ctx,
                                                          const v1::OpenSequenceRequest* req,
                                                          v1::SequenceInfo* resp) {
-  return Unary(ctx, [&](const Caller& c) { return DoOpenSequence(c, *req, resp); });
+  return Unary(ctx, "OpenSequence", [&](const Caller& c) { return DoOpenSequence(c, *req, resp); });
 }
 
 absl::Status AttentionService::DoOpenSequence(const Caller& caller,
@@ -206,7 +206,7 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
 grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerContext* ctx,
                                                           const v1::CloseSequenceRequest* req,
                                                           v1::CloseSequenceResponse*) {
-  return Unary(ctx, [&](const Caller& c) { return DoCloseSequence(c, *req); });
+  return Unary(ctx, "CloseSequence", [&](const Caller& c) { return DoCloseSequence(c, *req); });
 }
 
 absl::Status AttentionService::DoCloseSequence(const Caller& caller,
@@ -217,7 +217,8 @@ absl::Status AttentionService::DoCloseSequence(const Caller& caller,
 grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServerContext* ctx,
                                                              const v1::DescribeSequenceRequest* req,
                                                              v1::SequenceInfo* resp) {
-  return Unary(ctx, [&](const Caller& c) { return DoDescribeSequence(c, *req, resp); });
+  return Unary(ctx, "DescribeSequence",
+               [&](const Caller& c) { return DoDescribeSequence(c, *req, resp); });
 }
 
 absl::Status AttentionService::DoDescribeSequence(const Caller& caller,
@@ -231,7 +232,8 @@ absl::Status AttentionService::DoDescribeSequence(const Caller& caller,
 grpc::ServerUnaryReactor* AttentionService::ListSequences(grpc::CallbackServerContext* ctx,
                                                           const v1::ListSequencesRequest* req,
                                                           v1::ListSequencesResponse* resp) {
-  return Unary(ctx, [&](const Caller& c) { return DoListSequences(c, *req, resp); });
+  return Unary(ctx, "ListSequences",
+               [&](const Caller& c) { return DoListSequences(c, *req, resp); });
 }
 
 absl::Status AttentionService::DoListSequences(const Caller& caller,
@@ -289,14 +291,16 @@ absl::StatusOr<int64_t> AttentionService::Join(const StepRef& step, int shard) {
   return info.tokens;
 }
 
-void AttentionService::AbortEverywhere(const StepRef& step, const absl::Status& why) {
-  (void)engine_->AbortStep(step);
+void AttentionService::AbortEverywhere(const StepRef& step, const absl::Status& why,
+                                       AbortReason reason) {
+  (void)engine_->AbortStep(step, reason);
   shards_.Fail(step, why);
 }
 
 void AttentionService::FailParkedShards() {
   for (const StepRef& step : shards_.Steps())
-    AbortEverywhere(step, absl::CancelledError("attnd is shutting down; step aborted"));
+    AbortEverywhere(step, absl::CancelledError("attnd is shutting down; step aborted"),
+                    AbortReason::kDrain);
 }
 
 void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
@@ -309,7 +313,8 @@ void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
   for (const StepRef& step : shards_.Stale(idle))
     AbortEverywhere(step,
                     absl::DeadlineExceededError(absl::StrCat(
-                        "step ", step.id, ": a shard's layer message never came; step aborted")));
+                        "step ", step.id, ": a shard's layer message never came; step aborted")),
+                    AbortReason::kExpiry);
 }
 
 void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
@@ -323,7 +328,7 @@ void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
   }
   auto parts = shards_.Add(step, {in, out, done});
   if (!parts.ok()) {
-    AbortEverywhere(step, parts.status());
+    AbortEverywhere(step, parts.status(), AbortReason::kError);
     done(parts.status());
     return;
   }
@@ -331,7 +336,7 @@ void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
   executor_->Post([this, caller, step, transport, all = std::move(**parts)] {
     absl::Status s = Guarded([&] { return LayerSharded(caller, step, all, transport); });
     if (!s.ok()) {
-      (void)engine_->AbortStep(step);  // every error aborts the step
+      (void)engine_->AbortStep(step, AbortReason::kError);  // every error aborts the step
       shards_.Forget(step);
     } else if (all[0].out->committed()) {
       shards_.Forget(step);
@@ -417,9 +422,19 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   }
   if (absl::Status w = shm.WriteOutputs(); !w.ok())  // the caller aborts the step
     return OutputWriteError(step.id, layer == s.num_layers() - 1, w);
-  metrics_->LayerDone(
-      transport, T,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  size_t received = 0, sent = 0;
+  for (const auto& p : parts) {
+    p.out->set_server_seconds(seconds);
+    received += p.in->ByteSizeLong();
+    sent += p.out->ByteSizeLong();
+  }
+  metrics_->LayerDone(transport, info.phase, s.layers[layer], seconds, received, sent);
+  if (layer == s.num_layers() - 1)
+    metrics_->StepDone(
+        info.phase,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - info.begun).count());
   return absl::OkStatus();
 }
 
@@ -456,7 +471,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     return shm.CheckOutputRegions();
   }();
   if (!st.ok()) {
-    (void)engine_->AbortStep(step);
+    (void)engine_->AbortStep(step, AbortReason::kError);
     return st;
   }
   st = engine_->RunLayer(step, in.layer(), views, buf, bytes);
@@ -468,12 +483,18 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   // it back), never a fault; only an I/O error fails here. Every error aborts the step, and
   // after the last layer, which committed, the error says so.
   if (absl::Status w = shm.WriteOutputs(); !w.ok()) {
-    if (!last) (void)engine_->AbortStep(step);
+    if (!last) (void)engine_->AbortStep(step, AbortReason::kError);
     return OutputWriteError(step.id, last, w);
   }
-  metrics_->LayerDone(
-      transport, info.tokens,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out->set_server_seconds(seconds);
+  metrics_->LayerDone(transport, info.phase, s.layers[in.layer()], seconds, in.ByteSizeLong(),
+                      out->ByteSizeLong());
+  if (last)
+    metrics_->StepDone(
+        info.phase,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - info.begun).count());
   return absl::OkStatus();
 }
 
@@ -481,10 +502,15 @@ grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContex
                                                       const v1::BeginStepRequest* req,
                                                       v1::BeginStepResponse* resp) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
+  if (!caller.ok()) {
+    metrics_->RpcDone("BeginStep", caller.status());
+    return Done(ctx, caller.status());
+  }
   auto* reactor = ctx->DefaultReactor();
   executor_->Post([this, caller = *std::move(caller), req, resp, reactor] {
-    reactor->Finish(ToGrpcStatus(Guarded([&] { return Begin(caller, *req, resp).status(); })));
+    const absl::Status s = Guarded([&] { return Begin(caller, *req, resp).status(); });
+    metrics_->RpcDone("BeginStep", s);
+    reactor->Finish(ToGrpcStatus(s));
   });
   return reactor;
 }
@@ -493,18 +519,25 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
                                                         const v1::AttendLayerRequest* req,
                                                         v1::AttendLayerResponse* resp) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
+  if (!caller.ok()) {
+    metrics_->RpcDone("AttendLayer", caller.status());
+    return Done(ctx, caller.status());
+  }
   const StepRef step = RefOf(*caller, req->step_id());
   // Another tenant's step, or a stream's, reads as absent (before any shard bookkeeping).
-  if (absl::Status s = engine_->DescribeStep(step).status(); !s.ok()) return Done(ctx, s);
+  if (absl::Status s = engine_->DescribeStep(step).status(); !s.ok()) {
+    metrics_->RpcDone("AttendLayer", s);
+    return Done(ctx, s);
+  }
   auto* reactor = ctx->DefaultReactor();
   LayerAsync(*caller, step, &req->inputs(), resp->mutable_output(), Transport::kUnary,
              [this, ctx, step, resp, reactor](absl::Status s) {
                if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
                  // The caller will never see this output: leave its sequences as before.
                  s = absl::CancelledError("call cancelled; step aborted");
-                 AbortEverywhere(step, s);
+                 AbortEverywhere(step, s, AbortReason::kCancel);
                }
+               metrics_->RpcDone("AttendLayer", s);
                reactor->Finish(ToGrpcStatus(s));
              });
   return reactor;
@@ -513,7 +546,7 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AttentionService::AbortStep(grpc::CallbackServerContext* ctx,
                                                       const v1::AbortStepRequest* req,
                                                       v1::AbortStepResponse*) {
-  return Unary(ctx, [&](const Caller& c) { return DoAbortStep(c, *req); });
+  return Unary(ctx, "AbortStep", [&](const Caller& c) { return DoAbortStep(c, *req); });
 }
 
 absl::Status AttentionService::DoAbortStep(const Caller& caller, const v1::AbortStepRequest& req) {
@@ -528,19 +561,22 @@ absl::Status AttentionService::DoAbortStep(const Caller& caller, const v1::Abort
 // run on the executor, never on a gRPC thread (a device read may wait for the device).
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
-  ExportStream(Engine* engine, Executor* executor, const v1::ExportSequenceRequest& req,
-               absl::StatusOr<Caller> caller, absl::StatusOr<int64_t> chunk,
-               int64_t max_message_bytes)
-      : engine_(engine), executor_(executor), max_message_bytes_(max_message_bytes) {
+  ExportStream(Engine* engine, Executor* executor, ServiceMetrics* metrics,
+               const v1::ExportSequenceRequest& req, absl::StatusOr<Caller> caller,
+               absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
+      : engine_(engine),
+        executor_(executor),
+        metrics_(metrics),
+        max_message_bytes_(max_message_bytes) {
     if (!caller.ok() || !chunk.ok()) {
-      Finish(ToGrpcStatus(caller.ok() ? chunk.status() : caller.status()));
+      End(caller.ok() ? chunk.status() : caller.status());
       return;
     }
     chunk_ = *chunk;
     id_ = KeyOf(*caller, req.sequence_id());
     auto info = Guarded([&] { return engine_->DescribeSequence(id_); });
     if (!info.ok()) {
-      Finish(ToGrpcStatus(info.status()));
+      End(info.status());
       return;
     }
     length_ = info->length;
@@ -560,7 +596,7 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     executor_->Post([this] {
       const absl::Status s = Guarded([&] { return Fill(); });
       if (!s.ok()) {
-        Finish(ToGrpcStatus(s));
+        End(s);
       } else if (done_) {
         Finish(grpc::Status::OK);
       } else {
@@ -585,8 +621,14 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     return absl::OkStatus();
   }
 
+  void End(const absl::Status& s) {
+    metrics_->RpcDone("ExportSequence", s);
+    Finish(ToGrpcStatus(s));
+  }
+
   Engine* engine_;
   Executor* executor_;
+  ServiceMetrics* metrics_;
   int64_t max_message_bytes_;
   bool done_ = false;
   SequenceKey id_{""};
@@ -610,14 +652,15 @@ absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(engine_, executor_, *req, Authenticate(*ctx), ExportChunkTokens(*req),
-                          options_.max_message_bytes);
+  return new ExportStream(engine_, executor_, metrics_, *req, Authenticate(*ctx),
+                          ExportChunkTokens(*req), options_.max_message_bytes);
 }
 
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
     v1::RegisterSharedMemoryResponse*) {
-  return Unary(ctx, [&](const Caller& c) { return DoRegisterSharedMemory(c, *req); });
+  return Unary(ctx, "RegisterSharedMemory",
+               [&](const Caller& c) { return DoRegisterSharedMemory(c, *req); });
 }
 
 absl::Status AttentionService::DoRegisterSharedMemory(const Caller& caller,
@@ -637,12 +680,13 @@ absl::Status AttentionService::DoUnregisterSharedMemory(
 grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
     v1::UnregisterSharedMemoryResponse*) {
-  return Unary(ctx, [&](const Caller& c) { return DoUnregisterSharedMemory(c, *req); });
+  return Unary(ctx, "UnregisterSharedMemory",
+               [&](const Caller& c) { return DoUnregisterSharedMemory(c, *req); });
 }
 
 grpc::ServerUnaryReactor* AttentionService::Drain(grpc::CallbackServerContext* ctx,
                                                   const v1::DrainRequest* req, v1::DrainResponse*) {
-  return Unary(ctx, [&](const Caller& c) -> absl::Status {
+  return Unary(ctx, "Drain", [&](const Caller& c) -> absl::Status {
     const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
     if (!open && !c.admin)
       return absl::PermissionDeniedError("Drain: only the admin identity (--admin-tenant)");
@@ -655,7 +699,7 @@ grpc::ServerUnaryReactor* AttentionService::Drain(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,
                                                  const v1::EchoRequest* req,
                                                  v1::EchoResponse* resp) {
-  return Unary(ctx, [&](const Caller&) { return DoEcho(*req, resp); });
+  return Unary(ctx, "Echo", [&](const Caller&) { return DoEcho(*req, resp); });
 }
 
 absl::Status AttentionService::DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const {
@@ -676,6 +720,7 @@ class AttentionService::StepStream final
   StepStream(AttentionService* svc, absl::StatusOr<Caller> caller, uint64_t channel)
       : svc_(svc), channel_(channel) {
     if (!caller.ok()) {
+      svc_->metrics()->RpcDone("Step", caller.status());
       FinishOnce(ToGrpcStatus(caller.status()));
       return;
     }
@@ -754,7 +799,7 @@ class AttentionService::StepStream final
         return absl::OkStatus();
       }
       case v1::StepRequest::kAbort: {
-        AbortOpenStep();
+        AbortOpenStep(AbortReason::kAbort);
         resp_.mutable_aborted();
         StartWrite(&resp_);
         return absl::OkStatus();
@@ -788,16 +833,18 @@ class AttentionService::StepStream final
   // The open step as this stream names it.
   StepRef Open() const { return StepRef(caller_.tenant, step_.load(), step_channel_.load()); }
   // Returns whether a step was open.
-  bool AbortOpenStep() {
+  bool AbortOpenStep(AbortReason reason = AbortReason::kCancel) {
     const uint64_t channel = step_channel_.load();
     const uint64_t step = step_.exchange(0);
     if (step == 0) return false;
     svc_->AbortEverywhere(StepRef(caller_.tenant, step, channel),
-                          absl::CancelledError("another shard's stream ended; step aborted"));
+                          absl::CancelledError("another shard's stream ended; step aborted"),
+                          reason);
     return true;
   }
   void Fail(const absl::Status& s) {
-    AbortOpenStep();
+    AbortOpenStep(AbortReason::kError);
+    svc_->metrics()->RpcDone("Step", s);
     FinishOnce(ToGrpcStatus(s));
   }
   // Finish is called outside mu_: once it is called OnDone may run (and delete this) on another

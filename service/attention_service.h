@@ -130,7 +130,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   // Shards of a sharded step; 0 for an ordinary step.
   int NumShards(const StepRef& step) const { return shards_.NumShards(step); }
   // Aborts a step for every shard: the engine step and any parked shard messages.
-  void AbortEverywhere(const StepRef& step, const absl::Status& why);
+  void AbortEverywhere(const StepRef& step, const absl::Status& why, AbortReason reason);
   // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.
   void ReapShards(std::chrono::steady_clock::duration idle);
   // Shutdown: answers every parked shard message (CANCELLED) so no call outlives the server.
@@ -146,7 +146,7 @@ class AttentionService final : public v1::Attention::CallbackService {
                             const std::vector<ShardGather::Part>& parts, Transport transport);
   // Runs `fn(caller)` for an authenticated caller and finishes the call with its status.
   template <typename Fn>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Fn fn);
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn fn);
   ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;

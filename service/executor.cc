@@ -16,6 +16,11 @@ Executor::~Executor() {
   for (auto& t : threads_) t.join();
 }
 
+size_t Executor::queue_depth() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tasks_.size();
+}
+
 void Executor::Post(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -21,6 +21,8 @@ class Executor {
 
   // Thread safe. Tasks must not throw.
   void Post(std::function<void()> task);
+  // Tasks posted and not yet started (metrics).
+  size_t queue_depth();
 
  private:
   void Loop();

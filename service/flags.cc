@@ -9,11 +9,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "service/service_metrics.h"
 
 namespace attnd {
 
 std::string ServerUsage() {
   return R"(usage: attnd [flags]
+  --help, --version            this text; the build's version and git revision
   --grpc-address=ADDR          listen address (default 0.0.0.0)
   --grpc-port=N                gRPC port (default 50051; 0 picks a free port and prints it)
   --metrics-port=N             Prometheus /metrics port (default 9090; 0 disables)
@@ -200,6 +202,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return absl::CancelledError(ServerUsage());
+    if (arg == "--version")
+      return absl::CancelledError(
+          absl::StrCat("attnd ", BuildVersion(), " (", BuildRevision(), ")\n"));
     if (arg.rfind("--", 0) != 0) return bad(absl::StrCat("unexpected argument '", arg, "'"));
     std::string name = arg.substr(2), value;
     const size_t eq = name.find('=');

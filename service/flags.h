@@ -61,7 +61,8 @@ struct ServerFlags {
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;
-// `--help` returns a CANCELLED status whose message is the usage text.
+// `--help` (and `--version`) return a CANCELLED status whose message is the usage text (the
+// version line), for main to print on stdout with exit code 0.
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv);
 std::string ServerUsage();
 

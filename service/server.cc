@@ -161,7 +161,7 @@ int RunServer(const ServerFlags& flags) {
                  "in clear text (only safe on loopback or inside an encrypting mesh)\n");
   Executor executor(8);
   metrics::Registry registry;
-  ServiceMetrics service_metrics(&registry, engine.get());
+  ServiceMetrics service_metrics(&registry, engine.get(), &executor);
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   std::unique_ptr<metrics::MetricsHttpsServer> metrics_https;
   int metrics_port = 0;

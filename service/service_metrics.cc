@@ -1,47 +1,245 @@
 #include "service/service_metrics.h"
 
-namespace attnd {
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
-ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine)
-    : engine_(engine) {
-  auto& seconds = registry->AddHistogram(
-      "attnd_layer_seconds", "Wall time of one layer call inside the server, by transport.",
-      metrics::DefaultLatencyBuckets());
-  auto& tokens = registry->AddCounter("attnd_layer_tokens_total",
-                                      "Query tokens processed, summed over layers, by transport.");
-  const char* names[2] = {"stream", "unary"};
-  for (int i = 0; i < 2; ++i) {
-    layer_seconds_[i] = &seconds.Add({{"transport", names[i]}});
-    layer_tokens_[i] = &tokens.Add({{"transport", names[i]}});
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "service/executor.h"
+
+#ifndef ATTND_VERSION
+#define ATTND_VERSION "0.0.0"
+#endif
+#ifndef ATTND_REVISION
+#define ATTND_REVISION "unknown"
+#endif
+
+namespace attnd {
+namespace {
+
+// Counters mirror engine totals: add the difference (they only go up).
+void CatchUp(metrics::Counter* c, double total) {
+  if (total > c->Value()) c->Increment(total - c->Value());
+}
+
+const char* CodeName(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kCancelled:
+      return "CANCELLED";
+    case absl::StatusCode::kUnknown:
+      return "UNKNOWN";
+    case absl::StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "DEADLINE_EXCEEDED";
+    case absl::StatusCode::kNotFound:
+      return "NOT_FOUND";
+    case absl::StatusCode::kAlreadyExists:
+      return "ALREADY_EXISTS";
+    case absl::StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
+    case absl::StatusCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case absl::StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    case absl::StatusCode::kAborted:
+      return "ABORTED";
+    case absl::StatusCode::kOutOfRange:
+      return "OUT_OF_RANGE";
+    case absl::StatusCode::kUnimplemented:
+      return "UNIMPLEMENTED";
+    case absl::StatusCode::kInternal:
+      return "INTERNAL";
+    case absl::StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case absl::StatusCode::kDataLoss:
+      return "DATA_LOSS";
+    case absl::StatusCode::kUnauthenticated:
+      return "UNAUTHENTICATED";
+    default:
+      return "OK";
   }
+}
+
+// Why a new sequence or step was refused, or null when the error is not a rejection.
+const char* RejectionReason(const absl::Status& s) {
+  if (s.code() == absl::StatusCode::kResourceExhausted) {
+    if (absl::StrContains(s.message(), "KV cache full")) return "cache_full";
+    if (absl::StrContains(s.message(), "tenant quota")) return "quota";
+    return "limit";
+  }
+  if (s.code() == absl::StatusCode::kOutOfRange && absl::StrContains(s.message(), "max_context"))
+    return "max_context";
+  if (s.code() == absl::StatusCode::kUnavailable) return "draining";
+  return nullptr;
+}
+
+double TicksPerSecond() {
+  static const double t = static_cast<double>(sysconf(_SC_CLK_TCK));
+  return t;
+}
+
+}  // namespace
+
+const char* BuildVersion() { return ATTND_VERSION; }
+const char* BuildRevision() { return ATTND_REVISION; }
+
+ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine,
+                               Executor* executor)
+    : engine_(engine), executor_(executor) {
+  registry->AddGauge("attnd_build_info", "attnd's version and git revision; always 1.")
+      .Add({{"version", BuildVersion()}, {"revision", BuildRevision()}})
+      .Set(1);
+  layer_seconds_ = &registry->AddHistogram(
+      "attnd_layer_seconds",
+      "Wall time of one layer call inside the server, by transport, step phase and layer kind.",
+      metrics::DefaultLatencyBuckets());
+  step_seconds_ = &registry->AddHistogram(
+      "attnd_step_seconds", "Time from BeginStep to the commit of its last layer, by phase.",
+      metrics::DefaultLatencyBuckets());
+  errors_ = &registry->AddCounter("attnd_rpc_errors_total",
+                                  "RPCs that ended in an error, by method and gRPC status code.");
+  rejections_ = &registry->AddCounter(
+      "attnd_rejections_total",
+      "New sequences or steps refused, by reason (cache_full, quota, max_context, draining, "
+      "limit).");
+  auto& bytes = registry->AddCounter("attnd_payload_bytes_total",
+                                     "Layer-message bytes received and replies sent.");
+  bytes_received_ = &bytes.Add({{"direction", "received"}});
+  bytes_sent_ = &bytes.Add({{"direction", "sent"}});
   auto& steps = registry->AddCounter("attnd_steps_total", "Steps finished, by outcome.");
   steps_committed_ = &steps.Add({{"outcome", "committed"}});
   steps_aborted_ = &steps.Add({{"outcome", "aborted"}});
+  aborted_by_reason_ = &registry->AddCounter(
+      "attnd_steps_aborted_total",
+      "Steps aborted, by reason (error, abort, cancel, expiry, drain); each leaves its sequences "
+      "as before it.");
+  for (int r = 0; r < kNumAbortReasons; ++r)
+    aborted_by_reason_->Add({{"reason", AbortReasonName(static_cast<AbortReason>(r))}});
+  tokens_ = &registry->AddCounter(
+      "attnd_tokens_total",
+      "New tokens of committed steps, once per step (not per layer), by phase (prefill, decode, "
+      "import).");
+  compute_seconds_ = &registry->AddCounter("attnd_device_compute_seconds_total",
+                                           "Seconds each device spent computing layers.");
   sequences_ = &registry->AddGauge("attnd_sequences", "Open sequences.").Add({});
   open_steps_ = &registry->AddGauge("attnd_open_steps", "Steps open right now.").Add({});
+  queue_depth_ = &registry
+                      ->AddGauge("attnd_executor_queue_depth",
+                                 "Layer and step tasks waiting for an executor thread.")
+                      .Add({});
   pages_ = &registry->AddGauge("attnd_cache_pages",
                                "KV cache pages per device by state (used, free); page 0 excluded.");
+  utilization_ = &registry->AddGauge("attnd_cache_utilization",
+                                     "Fraction of each device's cache pages in use (0 to 1).");
+  rss_ = &registry->AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.")
+              .Add({});
+  vsize_ =
+      &registry->AddGauge("process_virtual_memory_bytes", "Virtual memory size in bytes.").Add({});
+  cpu_seconds_ =
+      &registry->AddCounter("process_cpu_seconds_total", "User and system CPU time in seconds.")
+           .Add({});
+  open_fds_ = &registry->AddGauge("process_open_fds", "Open file descriptors.").Add({});
+  max_fds_ = &registry->AddGauge("process_max_fds", "The limit on open file descriptors.").Add({});
+  threads_ = &registry->AddGauge("process_threads", "Threads in the process.").Add({});
+  start_time_ = &registry
+                     ->AddGauge("process_start_time_seconds",
+                                "Start time of the process since the Unix epoch, in seconds.")
+                     .Add({});
   registry->AddCollectHook([this] { Refresh(); });
 }
 
-void ServiceMetrics::LayerDone(Transport transport, int64_t tokens, double seconds) {
-  const int i = transport == Transport::kStream ? 0 : 1;
-  layer_seconds_[i]->Observe(seconds);
-  layer_tokens_[i]->Increment(static_cast<double>(tokens));
+void ServiceMetrics::LayerDone(Transport transport, StepPhase phase, LayerKind kind, double seconds,
+                               size_t bytes_received, size_t bytes_sent) {
+  // A handful of label sets: the family's lookup is a small map under its own lock.
+  layer_seconds_
+      ->Add({{"transport", transport == Transport::kStream ? "stream" : "unary"},
+             {"phase", StepPhaseName(phase)},
+             {"kind", std::string(LayerKindName(kind))}})
+      .Observe(seconds);
+  bytes_received_->Increment(static_cast<double>(bytes_received));
+  bytes_sent_->Increment(static_cast<double>(bytes_sent));
+}
+
+void ServiceMetrics::StepDone(StepPhase phase, double seconds) {
+  step_seconds_->Add({{"phase", StepPhaseName(phase)}}).Observe(seconds);
+}
+
+void ServiceMetrics::RpcDone(const char* method, const absl::Status& status) {
+  if (status.ok()) return;
+  errors_->Add({{"method", method}, {"code", CodeName(status.code())}}).Increment();
+  const std::string m = method;
+  if (m == "OpenSequence" || m == "BeginStep" || m == "Step")
+    if (const char* reason = RejectionReason(status))
+      rejections_->Add({{"reason", reason}}).Increment();
 }
 
 void ServiceMetrics::Refresh() {
-  // Counters only go up; the engine's totals are the truth, so add the difference.
-  steps_committed_->Increment(static_cast<double>(engine_->steps_committed()) -
-                              steps_committed_->Value());
-  steps_aborted_->Increment(static_cast<double>(engine_->steps_aborted()) -
-                            steps_aborted_->Value());
+  const EngineCounters c = engine_->Counters();
+  CatchUp(steps_committed_, static_cast<double>(c.steps_committed));
+  int64_t aborted = 0;
+  for (int r = 0; r < kNumAbortReasons; ++r) {
+    aborted += c.steps_aborted[r];
+    CatchUp(&aborted_by_reason_->Add({{"reason", AbortReasonName(static_cast<AbortReason>(r))}}),
+            static_cast<double>(c.steps_aborted[r]));
+  }
+  CatchUp(steps_aborted_, static_cast<double>(aborted));
+  CatchUp(&tokens_->Add({{"phase", "prefill"}}), static_cast<double>(c.tokens_prefill));
+  CatchUp(&tokens_->Add({{"phase", "decode"}}), static_cast<double>(c.tokens_decode));
+  CatchUp(&tokens_->Add({{"phase", "import"}}), static_cast<double>(c.tokens_import));
   sequences_->Set(static_cast<double>(engine_->num_sequences()));
   open_steps_->Set(static_cast<double>(engine_->num_open_steps()));
-  for (const DeviceCapacity& d : engine_->Capacity()) {
-    pages_->Add({{"device", d.name}, {"state", "used"}}).Set(d.pages_total - d.pages_free);
-    pages_->Add({{"device", d.name}, {"state", "free"}}).Set(d.pages_free);
+  if (executor_ != nullptr) queue_depth_->Set(static_cast<double>(executor_->queue_depth()));
+  const auto caps = engine_->Capacity();
+  for (size_t d = 0; d < caps.size(); ++d) {
+    const DeviceCapacity& cap = caps[d];
+    pages_->Add({{"device", cap.name}, {"state", "used"}}).Set(cap.pages_total - cap.pages_free);
+    pages_->Add({{"device", cap.name}, {"state", "free"}}).Set(cap.pages_free);
+    utilization_->Add({{"device", cap.name}})
+        .Set(cap.pages_total > 0
+                 ? static_cast<double>(cap.pages_total - cap.pages_free) / cap.pages_total
+                 : 0.0);
+    if (d < c.device_compute_seconds.size())
+      CatchUp(&compute_seconds_->Add({{"device", cap.name}}), c.device_compute_seconds[d]);
   }
+  // process_*, from /proc/self (Linux).
+  std::ifstream stat("/proc/self/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');  // the command name may hold spaces
+  if (close != std::string::npos) {
+    std::istringstream rest(text.substr(close + 2));
+    std::string f[50];
+    for (int i = 0; i < 50 && rest >> f[i]; ++i) {
+    }
+    // Fields after the name, from field 3 (state) = f[0]: utime 14, stime 15, threads 20,
+    // starttime 22, vsize 23, rss 24.
+    const double tick = TicksPerSecond();
+    CatchUp(cpu_seconds_, (std::stod("0" + f[11]) + std::stod("0" + f[12])) / tick);
+    threads_->Set(std::stod("0" + f[17]));
+    vsize_->Set(std::stod("0" + f[20]));
+    rss_->Set(std::stod("0" + f[21]) * static_cast<double>(sysconf(_SC_PAGESIZE)));
+    std::ifstream up("/proc/stat");
+    std::string key;
+    double btime = 0;
+    while (up >> key)
+      if (key == "btime") {
+        up >> btime;
+        break;
+      }
+    start_time_->Set(btime + std::stod("0" + f[19]) / tick);
+  }
+  int fds = 0;
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (readdir(dir) != nullptr) ++fds;
+    closedir(dir);
+    fds -= 3;  // ".", ".." and the directory's own descriptor
+  }
+  open_fds_->Set(fds);
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) == 0) max_fds_->Set(static_cast<double>(lim.rlim_cur));
 }
 
 }  // namespace attnd

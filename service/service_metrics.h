@@ -1,10 +1,15 @@
-// The service's Prometheus metrics (DESIGN §8): layer latency and throughput by transport, steps
-// by outcome, cache pages per device, sequences and open steps. Engine-owned values are read by a
-// collect hook at scrape time, so the hot path only records layer timings.
+// The service's Prometheus metrics (DESIGN §8), Prometheus naming conventions throughout:
+// build info; errors by RPC method and status code; steps by outcome and aborted steps by reason;
+// rejections by reason; tokens once per committed step by phase; layer and step latency by phase
+// (and layer kind); payload bytes; the executor's queue; compute seconds and cache use per device;
+// and the standard process_* metrics. Engine-owned values are read by a collect hook at scrape
+// time, so the hot path records only what it alone knows (timings, bytes, errors).
 #pragma once
 
 #include <cstdint>
+#include <string>
 
+#include "absl/status/status.h"
 #include "engine/engine.h"
 #include "service/metrics.h"
 
@@ -12,24 +17,56 @@ namespace attnd {
 
 enum class Transport { kStream, kUnary };
 
+class Executor;
+
 class ServiceMetrics {
  public:
-  // Registers every family in `registry`; both outlive this object. Thread safe.
-  ServiceMetrics(metrics::Registry* registry, const Engine* engine);
+  // Registers every family in `registry`; registry, engine and executor (may be null) outlive
+  // this object. Thread safe.
+  ServiceMetrics(metrics::Registry* registry, const Engine* engine, Executor* executor = nullptr);
 
-  // One layer call finished successfully: its wall time and the step's token count.
-  void LayerDone(Transport transport, int64_t tokens, double seconds);
+  // One layer call finished successfully: its wall time inside the server, the step's phase,
+  // the layer's kind, and the payload bytes of the request and the reply.
+  void LayerDone(Transport transport, StepPhase phase, LayerKind kind, double seconds,
+                 size_t bytes_received, size_t bytes_sent);
+  // A step committed `seconds` after it began.
+  void StepDone(StepPhase phase, double seconds);
+  // An RPC finished with `status` (only errors are counted); a refused OpenSequence or
+  // BeginStep also counts as a rejection by reason (cache full, quota, max_context, draining).
+  void RpcDone(const char* method, const absl::Status& status);
 
  private:
   void Refresh();
   const Engine* engine_;
-  metrics::Histogram* layer_seconds_[2];
-  metrics::Counter* layer_tokens_[2];
+  Executor* executor_;
+  metrics::Family<metrics::Histogram>* layer_seconds_;
+  metrics::Family<metrics::Histogram>* step_seconds_;
+  metrics::Family<metrics::Counter>* errors_;
+  metrics::Family<metrics::Counter>* rejections_;
+  metrics::Counter* bytes_received_;
+  metrics::Counter* bytes_sent_;
   metrics::Counter* steps_committed_;
   metrics::Counter* steps_aborted_;
+  metrics::Family<metrics::Counter>* aborted_by_reason_;
+  metrics::Family<metrics::Counter>* tokens_;
+  metrics::Family<metrics::Counter>* compute_seconds_;
   metrics::Gauge* sequences_;
   metrics::Gauge* open_steps_;
+  metrics::Gauge* queue_depth_;
   metrics::Family<metrics::Gauge>* pages_;
+  metrics::Family<metrics::Gauge>* utilization_;
+  // process_*
+  metrics::Gauge* rss_;
+  metrics::Gauge* vsize_;
+  metrics::Counter* cpu_seconds_;
+  metrics::Gauge* open_fds_;
+  metrics::Gauge* max_fds_;
+  metrics::Gauge* threads_;
+  metrics::Gauge* start_time_;
 };
+
+// The build's version ("0.2.0", from the CMake project) and git revision ("unknown" outside git).
+const char* BuildVersion();
+const char* BuildRevision();
 
 }  // namespace attnd

@@ -9,6 +9,9 @@ import signal
 import socket
 import subprocess
 import time
+import json
+import re
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from attnd import AttndClient
+import yaml
+
+from attnd import AttndClient, AttndError
+from attnd.v1 import attention_pb2 as pb
+from attnd.v1 import attention_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
 ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
@@ -85,6 +92,193 @@ def _sample(text: str, series: str) -> float:
     raise AssertionError(f"{series} not in metrics:\n{text}")
 
 
+def _series(text: str):
+    """(name, labels, value) of every sample line."""
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, rest = head.partition("{")
+        labels = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv) if rest else {}
+        yield name, {k: v.strip('"') for k, v in labels.items()}, float(value)
+
+
+def _sum(text: str, name: str, **want) -> float:
+    return sum(v for n, labels, v in _series(text)
+               if n == name and all(labels.get(k) == w for k, w in want.items()))
+
+
+def _layers(spec, t, rng, dtype=np.float32):
+    out = []
+    for kind in spec.layers:
+        x = dict(q_latent=rng.standard_normal((t, spec.num_heads, spec.kv_lora_rank), dtype),
+                 q_rope=rng.standard_normal((t, spec.num_heads, spec.qk_rope_head_dim), dtype),
+                 kv_latent=rng.standard_normal((t, spec.kv_lora_rank), dtype),
+                 k_rope=rng.standard_normal((t, spec.qk_rope_head_dim), dtype))
+        if kind == "full":
+            x.update(index_q=rng.standard_normal((t, spec.index_n_heads, spec.index_head_dim), dtype),
+                     index_k=rng.standard_normal((t, spec.index_head_dim), dtype),
+                     index_w=rng.standard_normal((t, spec.index_n_heads), dtype))
+        out.append(x)
+    return out
+
+
+def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
+    """Each counter moves on its own cause: tokens once per committed step by phase, aborts by
+    reason (abort, cancel, error, expiry), rejections by reason (cache_full, max_context), errors
+    by method and code; build info, process metrics and the reply's server time are there."""
+    proc, target, mport = _start(["--step-idle-timeout-ms=200"])
+    rng = np.random.default_rng(8)
+    try:
+        with AttndClient(target, timeout=30) as c:
+            info = c.info()
+            spec = info.model
+            t0 = _scrape(mport)
+            c.open_sequence("m-a")
+            step = c.begin_step([("m-a", 5)])
+            for i, x in enumerate(_layers(spec, 5, rng)):
+                c.attend_layer(step.step_id, i, **x)
+            st = c.begin_step([("m-a", 1)])           # abort
+            c.abort_step(st.step_id)
+            s = c.stream()                             # cancel
+            s.begin([("m-a", 1)])
+            s.cancel()
+            st = c.begin_step([("m-a", 2)])           # error: a bad shape
+            x = _layers(spec, 1, rng)[0]
+            with pytest.raises(AttndError):
+                c.attend_layer(st.step_id, 0, **x)
+            c.begin_step([("m-a", 1)])                # expiry (idle 200 ms)
+            time.sleep(1.0)
+            with pytest.raises(AttndError) as e:       # max_context
+                c.begin_step([("m-a", spec.max_context)])
+            assert e.value.code == grpc.StatusCode.OUT_OF_RANGE
+            pages = info.devices[0].pages_total * spec.page_size
+            ids = [f"m-big-{i}" for i in range(pages // spec.max_context + 2)]
+            for sid in ids:
+                c.open_sequence(sid)
+            with pytest.raises(AttndError) as e:       # cache full
+                c.begin_step([(sid, spec.max_context) for sid in ids])
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            # The reply says how long the server spent on the layer.
+            with grpc.insecure_channel(target) as ch:
+                stub = pb_grpc.AttentionStub(ch)
+                step = c.begin_step([("m-a", 1)])
+                xs = _layers(spec, 1, rng)
+                for i, x in enumerate(xs):
+                    msg = pb.AttendLayerRequest(step_id=step.step_id, inputs=_wire(i, x))
+                    out = stub.AttendLayer(msg, timeout=30).output
+                    assert 0 < out.server_seconds < 30, out.server_seconds
+            t1 = _scrape(mport)
+        d = lambda name, **kw: _sum(t1, name, **kw) - _sum(t0, name, **kw)  # noqa: E731
+        assert d("attnd_tokens_total", phase="prefill") == 5, "tokens count once per step"
+        assert d("attnd_tokens_total", phase="decode") == 1
+        for reason in ("abort", "cancel", "error", "expiry"):
+            assert d("attnd_steps_aborted_total", reason=reason) >= 1, reason
+        assert d("attnd_rejections_total", reason="max_context") == 1
+        assert d("attnd_rejections_total", reason="cache_full") == 1
+        assert d("attnd_rpc_errors_total", method="BeginStep", code="OUT_OF_RANGE") == 1
+        assert d("attnd_rpc_errors_total", method="AttendLayer", code="INVALID_ARGUMENT") == 1
+        assert d("attnd_payload_bytes_total", direction="received") > 0
+        assert d("attnd_step_seconds_count", phase="prefill") == 1
+        assert d("attnd_layer_seconds_count", phase="decode", kind="full") >= 1
+        version = info.version.split()[1]
+        assert _sum(t1, "attnd_build_info", version=version) == 1, info.version
+        for name in ("process_resident_memory_bytes", "process_open_fds", "process_threads",
+                     "process_start_time_seconds", "process_cpu_seconds_total"):
+            assert _sum(t1, name) > 0, name
+        assert 0 <= _sum(t1, "attnd_cache_utilization") <= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def _wire(layer, x):
+    msg = pb.LayerInputs(layer=layer)
+    for name, v in x.items():
+        t = getattr(msg, name)
+        t.datatype = "FP32"
+        t.shape.extend(v.shape)
+        t.data = np.ascontiguousarray(v, np.float32).tobytes()
+    return msg
+
+
+def _rule_files(tmp_path):
+    """The PrometheusRule's groups as a plain rules file for promtool."""
+    doc = yaml.safe_load((ROOT / "deploy" / "prometheus" / "attnd-rules.yaml").read_text())
+    assert doc["kind"] == "PrometheusRule"
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}))
+    return path, doc
+
+
+def test_alert_rules_and_dashboard_check_and_name_only_exported_metrics(ops_server, tmp_path):
+    target, mport = ops_server
+    with AttndClient(target, timeout=30) as c:  # one committed step: every histogram has series
+        spec = c.info().model
+        c.open_sequence("rules-1")
+        step = c.begin_step([("rules-1", 1)])
+        for i, x in enumerate(_layers(spec, 1, np.random.default_rng(1))):
+            c.attend_layer(step.step_id, i, **x)
+        c.close_sequence("rules-1")
+    path, doc = _rule_files(tmp_path)
+    r = subprocess.run([shutil.which("promtool"), "check", "rules", str(path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    exported = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
+                for n, _, _ in _series(_scrape(mport))}
+    exported |= {"attnd_rejections_total", "attnd_rpc_errors_total"}  # appear on first error
+    exprs = [rule["expr"] for g in doc["spec"]["groups"] for rule in g["rules"]]
+    dash = json.loads((ROOT / "deploy" / "grafana" / "attnd-dashboard.json").read_text())
+    exprs += [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    for expr in exprs:
+        for name in re.findall(r"\b((?:attnd|process)_[a-z_]+)", expr):
+            base = name.removesuffix("_bucket")
+            assert base in exported, f"{name} in {expr!r} is not a metric attnd exports"
+
+
+def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
+    target, mport = ops_server
+    prom = shutil.which("prometheus")
+    assert prom, "prometheus (Debian package) is required; scripts/install-deps.sh installs it"
+    pport = _free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "attnd",
+                            "static_configs": [{"targets": [f"127.0.0.1:{mport}"]}]}]}))
+    p = subprocess.Popen([prom, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                          f"--web.listen-address=127.0.0.1:{pport}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rng = np.random.default_rng(9)
+    try:
+        with AttndClient(target, timeout=30) as c:
+            spec = c.info().model
+            c.open_sequence("prom-load")
+            deadline = time.monotonic() + 60
+            value = 0.0
+            while time.monotonic() < deadline and value < 20:
+                step = c.begin_step([("prom-load", 1)])
+                for i, x in enumerate(_layers(spec, 1, rng)):
+                    c.attend_layer(step.step_id, i, **x)
+                q = urllib.parse.quote('sum(attnd_tokens_total{phase="decode"})')
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/query?query={q}",
+                                                timeout=5) as r:
+                        res = json.loads(r.read())["data"]["result"]
+                        value = float(res[0]["value"][1]) if res else 0.0
+                except OSError:
+                    pass  # still starting
+                time.sleep(0.05)
+            c.close_sequence("prom-load")
+        assert value >= 20, f"Prometheus saw {value} decode tokens"
+        with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/targets", timeout=5) as r:
+            targets = json.loads(r.read())["data"]["activeTargets"]
+        assert targets and targets[0]["health"] == "up", targets
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+
+
 def test_metrics_pass_promtool_and_count_the_work(ops_server, tmp_path):
     target, mport = ops_server
     rng = np.random.default_rng(3)
@@ -107,7 +301,8 @@ def test_metrics_pass_promtool_and_count_the_work(ops_server, tmp_path):
                 s.layer(layer, **ins)
         text = _scrape(mport)
         assert _sample(text, 'attnd_steps_total{outcome="committed"}') == before + 1
-        assert _sample(text, 'attnd_layer_seconds_count{transport="stream"}') >= len(spec.layers)
+        assert _sum(text, "attnd_layer_seconds_count", transport="stream",
+                    phase="prefill") >= len(spec.layers)
         assert _sample(text, 'attnd_cache_pages{device="cpu:0",state="used"}') >= 1
         assert _sample(text, "attnd_sequences") >= 1
         c.close_sequence("ops-m")
