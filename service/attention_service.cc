@@ -103,8 +103,13 @@ grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* c
                                                   const char* method, Fn fn) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   const absl::Status s = caller.ok() ? Guarded([&] { return fn(*caller); }) : caller.status();
-  metrics_->RpcDone(method, s);
+  Report(method, s);
   return Done(ctx, s);
+}
+
+void AttentionService::Report(const char* method, const absl::Status& status) {
+  metrics_->RpcDone(method, status);
+  step_log_.Record(method, status);
 }
 
 ShmAccess AttentionService::ShmFor(const Caller& caller) const {
@@ -503,13 +508,13 @@ grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContex
                                                       v1::BeginStepResponse* resp) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) {
-    metrics_->RpcDone("BeginStep", caller.status());
+    Report("BeginStep", caller.status());
     return Done(ctx, caller.status());
   }
   auto* reactor = ctx->DefaultReactor();
   executor_->Post([this, caller = *std::move(caller), req, resp, reactor] {
     const absl::Status s = Guarded([&] { return Begin(caller, *req, resp).status(); });
-    metrics_->RpcDone("BeginStep", s);
+    Report("BeginStep", s);
     reactor->Finish(ToGrpcStatus(s));
   });
   return reactor;
@@ -520,13 +525,13 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
                                                         v1::AttendLayerResponse* resp) {
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) {
-    metrics_->RpcDone("AttendLayer", caller.status());
+    Report("AttendLayer", caller.status());
     return Done(ctx, caller.status());
   }
   const StepRef step = RefOf(*caller, req->step_id());
   // Another tenant's step, or a stream's, reads as absent (before any shard bookkeeping).
   if (absl::Status s = engine_->DescribeStep(step).status(); !s.ok()) {
-    metrics_->RpcDone("AttendLayer", s);
+    Report("AttendLayer", s);
     return Done(ctx, s);
   }
   auto* reactor = ctx->DefaultReactor();
@@ -537,7 +542,7 @@ grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerCont
                  s = absl::CancelledError("call cancelled; step aborted");
                  AbortEverywhere(step, s, AbortReason::kCancel);
                }
-               metrics_->RpcDone("AttendLayer", s);
+               Report("AttendLayer", s);
                reactor->Finish(ToGrpcStatus(s));
              });
   return reactor;
@@ -561,13 +566,10 @@ absl::Status AttentionService::DoAbortStep(const Caller& caller, const v1::Abort
 // run on the executor, never on a gRPC thread (a device read may wait for the device).
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
-  ExportStream(Engine* engine, Executor* executor, ServiceMetrics* metrics,
+  ExportStream(AttentionService* svc, Engine* engine, Executor* executor,
                const v1::ExportSequenceRequest& req, absl::StatusOr<Caller> caller,
                absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
-      : engine_(engine),
-        executor_(executor),
-        metrics_(metrics),
-        max_message_bytes_(max_message_bytes) {
+      : svc_(svc), engine_(engine), executor_(executor), max_message_bytes_(max_message_bytes) {
     if (!caller.ok() || !chunk.ok()) {
       End(caller.ok() ? chunk.status() : caller.status());
       return;
@@ -622,13 +624,13 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   }
 
   void End(const absl::Status& s) {
-    metrics_->RpcDone("ExportSequence", s);
+    svc_->Report("ExportSequence", s);
     Finish(ToGrpcStatus(s));
   }
 
+  AttentionService* svc_;
   Engine* engine_;
   Executor* executor_;
-  ServiceMetrics* metrics_;
   int64_t max_message_bytes_;
   bool done_ = false;
   SequenceKey id_{""};
@@ -652,7 +654,7 @@ absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(engine_, executor_, metrics_, *req, Authenticate(*ctx),
+  return new ExportStream(this, engine_, executor_, *req, Authenticate(*ctx),
                           ExportChunkTokens(*req), options_.max_message_bytes);
 }
 
@@ -720,7 +722,7 @@ class AttentionService::StepStream final
   StepStream(AttentionService* svc, absl::StatusOr<Caller> caller, uint64_t channel)
       : svc_(svc), channel_(channel) {
     if (!caller.ok()) {
-      svc_->metrics()->RpcDone("Step", caller.status());
+      svc_->Report("Step", caller.status());
       FinishOnce(ToGrpcStatus(caller.status()));
       return;
     }
@@ -844,7 +846,7 @@ class AttentionService::StepStream final
   }
   void Fail(const absl::Status& s) {
     AbortOpenStep(AbortReason::kError);
-    svc_->metrics()->RpcDone("Step", s);
+    svc_->Report("Step", s);
     FinishOnce(ToGrpcStatus(s));
   }
   // Finish is called outside mu_: once it is called OnDone may run (and delete this) on another

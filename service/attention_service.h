@@ -17,6 +17,7 @@
 #include "service/service_metrics.h"
 #include "service/shard_gather.h"
 #include "service/shm_registry.h"
+#include "service/step_log.h"
 
 namespace attnd {
 
@@ -136,6 +137,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   // Shutdown: answers every parked shard message (CANCELLED) so no call outlives the server.
   void FailParkedShards();
   Executor* executor() { return executor_; }
+  // An RPC finished: its metrics, and a (rate-limited) log line when it failed.
+  void Report(const char* method, const absl::Status& status);
   Engine* engine() { return engine_; }
   ServiceMetrics* metrics() { return metrics_; }
 
@@ -155,6 +158,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels
+  StepLog step_log_;
 };
 
 }  // namespace attnd

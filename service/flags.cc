@@ -16,6 +16,9 @@ namespace attnd {
 std::string ServerUsage() {
   return R"(usage: attnd [flags]
   --help, --version            this text; the build's version and git revision
+  --log-level=info|warning|error  leveled logs on stderr (default info): the effective
+                               configuration at start, one line per refused or aborted step
+                               (rate-limited), drains, reloads
   --grpc-address=ADDR          listen address (default 0.0.0.0)
   --grpc-port=N                gRPC port (default 50051; 0 picks a free port and prints it)
   --metrics-port=N             Prometheus /metrics port (default 9090; 0 disables)
@@ -192,6 +195,11 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
          return true;
        }},
       {"drain-timeout-ms", int_flag(&f.drain_timeout_ms)},
+      {"log-level",
+       [&f](const std::string& v) {
+         f.log_level = v;
+         return v == "info" || v == "warning" || v == "error";
+       }},
       {"drain-token-file", str_flag(&f.drain_token_file)},
       {"drain-tls-ca", str_flag(&f.drain_tls_ca)},
       {"drain-tls-cert", str_flag(&f.drain_tls_cert)},

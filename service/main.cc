@@ -1,4 +1,6 @@
 // attnd: the attention-offload server. See `attnd --help`.
+#include <glog/logging.h>
+
 #include <cstdio>
 
 #include "service/flags.h"
@@ -11,5 +13,10 @@ int main(int argc, char** argv) {
     std::fprintf(help ? stdout : stderr, "%s", std::string(flags.status().message()).c_str());
     return help ? 0 : 2;
   }
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;  // containers log to stderr
+  FLAGS_minloglevel = flags->log_level == "error"     ? google::GLOG_ERROR
+                      : flags->log_level == "warning" ? google::GLOG_WARNING
+                                                      : google::GLOG_INFO;
   return attnd::RunServer(*flags);
 }

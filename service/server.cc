@@ -1,5 +1,6 @@
 #include "service/server.h"
 
+#include <glog/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -18,6 +19,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "engine/engine.h"
 #include "service/attention_service.h"
@@ -254,6 +256,20 @@ int RunServer(const ServerFlags& flags) {
       flags.shm ? absl::StrCat("on ", flags.shm_socket).c_str() : "off",
       flags.grpc_reflection ? "on" : "off");
   std::fflush(stdout);
+  LOG(INFO) << "config: devices " << absl::StrJoin(engine->options().devices, ",") << ", model "
+            << engine->spec().name << ", cache " << DTypeName(engine->options().cache_dtype) << " "
+            << caps[0].pages_total << " pages x " << caps[0].bytes_per_page
+            << " B per device, threads " << engine->options().threads << ", max message "
+            << flags.max_message_bytes << " B, step idle timeout " << flags.step_idle_timeout_ms
+            << " ms; limits: step tokens " << flags.max_step_tokens << ", batch "
+            << flags.max_batch_entries << ", sequences " << flags.max_sequences
+            << "; tenant quotas (0 = none): pages " << flags.quota_pages << ", sequences "
+            << flags.quota_sequences << ", steps " << flags.quota_steps << ", shm regions "
+            << flags.quota_shm_regions << "; auth " << flags.auth << ", tls "
+            << (flags.tls_cert.empty() ? "off" : "on") << ", shm " << (flags.shm ? "on" : "off")
+            << "; drain peers "
+            << (flags.drain_peers.empty() ? "none" : absl::StrJoin(flags.drain_peers, ","))
+            << " (timeout " << flags.drain_timeout_ms << " ms)";
 
   // Idle steps expire in the background.
   std::mutex mu;
@@ -273,16 +289,17 @@ int RunServer(const ServerFlags& flags) {
         next_reload += reload_every;
         const absl::StatusOr<bool> reloaded = auth->ReloadIfChanged();
         if (!reloaded.ok()) {
-          std::fprintf(stderr, "attnd: token file not reloaded (the old tokens stay): %s\n",
-                       std::string(reloaded.status().message()).c_str());
+          LOG(WARNING) << "token file not reloaded (the old tokens stay): "
+                       << reloaded.status().message();
         } else if (*reloaded) {
           ApplyQuotas(flags, *auth, engine.get());
-          std::printf("attnd: token file reloaded\n");
-          std::fflush(stdout);
+          LOG(INFO) << "token file reloaded";
         }
       }
       if (flags.step_idle_timeout_ms <= 0) continue;
-      engine->ExpireIdleSteps(idle);
+      if (const int n = engine->ExpireIdleSteps(idle); n > 0)
+        LOG(WARNING) << n << " idle step(s) expired after " << flags.step_idle_timeout_ms
+                     << " ms and were aborted (their sequences are as before them)";
       service.ReapShards(idle);
     }
   });

@@ -192,6 +192,29 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
         assert proc.wait(timeout=30) == 0
 
 
+def test_logs_summarise_the_config_and_rate_limit_refused_steps():
+    proc, target, _ = _start(["--log-level=info"])
+    try:
+        with AttndClient(target, timeout=30) as c:
+            spec = c.info().model
+            c.open_sequence("log-a")
+            for _ in range(200):  # refused: beyond max_context
+                with pytest.raises(AttndError):
+                    c.begin_step([("log-a", spec.max_context + 1)])
+            time.sleep(1.1)  # the next window: its first line reports what was dropped
+            with pytest.raises(AttndError):
+                c.begin_step([("log-a", spec.max_context + 1)])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    out = proc.stdout.read()
+    assert "config: devices cpu:0, model tiny" in out, out[:2000]
+    refused = [l for l in out.splitlines() if "BeginStep: OUT_OF_RANGE" in l]
+    assert 1 <= len(refused) <= 60, f"{len(refused)} lines for 200 refusals: not rate-limited"
+    assert "max_context" in refused[0], refused[0]
+    assert "similar lines dropped" in refused[-1], refused[-1]
+
+
 def _wire(layer, x):
     msg = pb.LayerInputs(layer=layer)
     for name, v in x.items():
