@@ -13,7 +13,7 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target attnd attnctl
 
 PORT=${ATTND_PORT:-50051}
-METRICS_PORT=${ATTND_METRICS_PORT:-9090}
+METRICS_PORT=${ATTND_METRICS_PORT:-8002}
 LOG=$(mktemp -t attnd.XXXXXX.log)
 "$BUILD_DIR/service/attnd" --grpc-port="$PORT" --metrics-port="$METRICS_PORT" --model=demo \
   --kv-cache-bytes=$((2 << 30)) >"$LOG" 2>&1 &

@@ -13,7 +13,9 @@ namespace attnd {
 struct ServerFlags {
   std::string grpc_address = "0.0.0.0";
   int grpc_port = 50051;
-  int metrics_port = 9090;                    // 0 = no metrics endpoint
+  int metrics_port = 8002;                    // Triton's; 0 = an ephemeral port (printed)
+  bool allow_metrics = true;                  // false: no metrics endpoint
+  std::string metrics_address;                // default: --grpc-address if IPv4, else 0.0.0.0
   std::string model = "demo";                 // a preset name
   std::string model_file;                     // a JSON model spec; wins over --model
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
@@ -65,6 +67,7 @@ struct ServerFlags {
 // `--help` (and `--version`) return a CANCELLED status whose message is the usage text (the
 // version line), for main to print on stdout with exit code 0.
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv);
-std::string ServerUsage();
+std::string ServerUsage();  // generated from the one flag table ParseServerFlags uses
+std::vector<std::string> ServerFlagNames();
 
 }  // namespace attnd

@@ -110,6 +110,18 @@ absl::StatusOr<DrainOptions> MakeDrainOptions(const ServerFlags& f,
   return d;
 }
 
+// "host:port", with an IPv6 host in brackets ("[::]:50051").
+std::string HostPort(const std::string& host, int port) {
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  return v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+}
+
+// The metrics listener's host: civetweb (Debian's build) and the HTTPS listener are IPv4 only.
+std::string MetricsHost(const ServerFlags& f) {
+  if (!f.metrics_address.empty()) return f.metrics_address;
+  return f.grpc_address.find(':') == std::string::npos ? f.grpc_address : "0.0.0.0";
+}
+
 // Drops gRPC's reflection plugin from a builder: linking grpc++_reflection registers it for every
 // server at static initialisation, so --grpc-reflection=false has to take it out again.
 class WithoutReflection final : public grpc::ServerBuilderOption {
@@ -167,16 +179,16 @@ int RunServer(const ServerFlags& flags) {
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   std::unique_ptr<metrics::MetricsHttpsServer> metrics_https;
   int metrics_port = 0;
-  if (flags.metrics_port > 0 && flags.metrics_tls) {
+  const std::string metrics_listen = absl::StrCat(MetricsHost(flags), ":", flags.metrics_port);
+  if (flags.allow_metrics && flags.metrics_tls) {
     auto m = metrics::MetricsHttpsServer::Start(
-        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry,
+        metrics_listen, &registry,
         {flags.tls_cert, flags.tls_key, static_cast<int>(flags.reload_interval_s)});
     if (!m.ok()) return fail(m.status());
     metrics_https = std::move(m).value();
     metrics_port = metrics_https->port();
-  } else if (flags.metrics_port > 0) {
-    auto m = metrics::MetricsHttpServer::Start(
-        absl::StrCat(flags.grpc_address, ":", flags.metrics_port), &registry);
+  } else if (flags.allow_metrics) {
+    auto m = metrics::MetricsHttpServer::Start(metrics_listen, &registry);
     if (!m.ok()) {
       std::fprintf(stderr, "attnd: metrics: %s\n", std::string(m.status().message()).c_str());
       return 1;
@@ -212,7 +224,7 @@ int RunServer(const ServerFlags& flags) {
   grpc::ServerBuilder builder;
   if (!flags.grpc_reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   int port = 0;
-  const std::string address = absl::StrCat(flags.grpc_address, ":", flags.grpc_port);
+  const std::string address = HostPort(flags.grpc_address, flags.grpc_port);
   builder.AddListeningPort(address, *creds, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(flags.max_message_bytes));
@@ -241,11 +253,11 @@ int RunServer(const ServerFlags& flags) {
           ? absl::StrCat("on :", metrics_port, "/metrics", flags.metrics_tls ? " (https)" : "")
           : "off";
   std::printf(
-      "attnd: serving attnd.v1 on %s:%d; model %s (%d layers), %zu device(s) x %d pages, "
+      "attnd: serving attnd.v1 on %s; model %s (%d layers), %zu device(s) x %d pages, "
       "cpu isa %s, metrics %s\n",
-      flags.grpc_address.c_str(), port, engine->spec().name.c_str(), engine->spec().num_layers(),
-      caps.size(), caps[0].pages_total, std::string(cpu::IsaName(engine->options().isa)).c_str(),
-      metrics_where.c_str());
+      HostPort(flags.grpc_address, port).c_str(), engine->spec().name.c_str(),
+      engine->spec().num_layers(), caps.size(), caps[0].pages_total,
+      std::string(cpu::IsaName(engine->options().isa)).c_str(), metrics_where.c_str());
   std::printf(
       "attnd: tls %s, auth %s%s, shared memory %s, reflection %s\n",
       flags.tls_cert.empty()        ? "off"

@@ -19,7 +19,7 @@ def test_manifests_probe_the_right_health_names_and_ports():
     assert c["livenessProbe"]["grpc"]["service"] == ""
     assert c["startupProbe"]["grpc"]["port"] == 50051
     args = dict(a[2:].split("=", 1) for a in c["args"])
-    assert args["grpc-port"] == "50051" and args["metrics-port"] == "9090"
+    assert args["grpc-port"] == "50051" and args["metrics-port"] == "8002"
     # The drain (open steps, then every sequence handed off) and the shutdown fit in the grace.
     assert args["drain-peers"].startswith("dns:attnd:")
     assert pod["terminationGracePeriodSeconds"] * 1000 > (int(args["drain-timeout-ms"]) +

@@ -1,0 +1,82 @@
+// attnd's command line: one flag table behind --help and the parser, --version, and refusals
+// (unknown flags, stray arguments, bad values, trust flags that only make sense together).
+#include "service/flags.h"
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "service/service_metrics.h"
+
+namespace attnd {
+namespace {
+
+absl::StatusOr<ServerFlags> Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "attnd");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  return ParseServerFlags(static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(Flags, HelpListsEveryFlagOfTheTableWithinHundredColumns) {
+  const std::string usage = ServerUsage();
+  for (const std::string& name : ServerFlagNames())
+    EXPECT_NE(usage.find("--" + name), std::string::npos) << name;
+  std::istringstream lines(usage);
+  for (std::string line; std::getline(lines, line);) EXPECT_LE(line.size(), 100u) << line;
+  const auto help = Parse({"--help"});
+  EXPECT_EQ(help.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(help.status().message(), usage);
+}
+
+TEST(Flags, VersionNamesTheBuild) {
+  const auto v = Parse({"--version"});
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(v.status().message(),
+            std::string("attnd ") + BuildVersion() + " (" + BuildRevision() + ")\n");
+  EXPECT_NE(std::string(BuildVersion()), "0.0.0") << "the CMake project version reaches the code";
+}
+
+TEST(Flags, ValuesSwitchesAndDefaults) {
+  auto f = Parse({"--grpc-address=::", "--grpc-port", "0", "--metrics-port=0", "--shm",
+                  "--shm-socket=/tmp/x.sock", "--devices=cpu:0,cpu:1", "--drain-peers=a:1,b:2"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->grpc_address, "::");
+  EXPECT_EQ(f->metrics_port, 0);
+  EXPECT_TRUE(f->shm);
+  EXPECT_EQ(f->devices.size(), 2u);
+  EXPECT_EQ(f->drain_peers.size(), 2u);
+  const ServerFlags d = Parse({}).value();
+  EXPECT_EQ(d.metrics_port, 8002);
+  EXPECT_TRUE(d.allow_metrics);
+  EXPECT_EQ(d.auth, "none");
+  EXPECT_FALSE(d.shm);
+  EXPECT_TRUE(d.grpc_reflection);
+}
+
+TEST(Flags, RefusalsSayWhat) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--bogus=1"}, "unknown flag --bogus"},
+      {{"stray"}, "unexpected argument 'stray'"},
+      {{"--grpc-port=70000"}, "port out of range"},
+      {{"--threads=-1"}, "bad value '-1' for --threads"},
+      {{"--max-sequences=0"}, "bad value '0' for --max-sequences"},
+      {{"--kv-pages=4294967360"}, "bad value"},
+      {{"--auth=mtls"}, "--auth=mtls needs --tls-client-ca"},
+      {{"--auth=token"}, "--auth=token needs --auth-tokens"},
+      {{"--tls-cert=a.pem"}, "--tls-cert and --tls-key go together"},
+      {{"--shm"}, "--shm needs --shm-socket"},
+      {{"--admin-tenant=ops"}, "--admin-tenant needs --auth"},
+      {{"--grpc-port"}, "flag --grpc-port needs a value"},
+      {{"--log-level=loud"}, "bad value 'loud' for --log-level"},
+  };
+  for (const auto& [args, want] : cases) {
+    const auto f = Parse(args);
+    ASSERT_FALSE(f.ok()) << args[0];
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << args[0];
+    EXPECT_NE(f.status().message().find(want), std::string::npos) << f.status();
+  }
+}
+
+}  // namespace
+}  // namespace attnd
