@@ -7,13 +7,21 @@
 //   attnctl list  [--target=...] [--all-tenants]
 //   attnctl drain [--target=...] [--to=HOST:PORT,...]
 //   attnctl soak  [--target=127.0.0.1:PORT] [--minutes=1] [--clients=4] [--server-pid=PID]
+//   attnctl health [--service=attnd.v1.Attention]
+// Every command: --help; --target defaults to $ATTND_TARGET; --output=json for info and list.
+// Unknown flags or arguments exit 2.
 // Connection flags (every command but soak): --tls-ca=PEM [--tls-cert=PEM --tls-key=PEM]
 // [--tls-server-name=NAME] for TLS/mTLS; --token-file=FILE (or $ATTND_TOKEN) for a bearer token;
 // --as-tenant=NAME (the admin only).
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/generic/generic_stub.h>
+
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <map>
 #include <sstream>
 #include <string>
@@ -50,14 +58,71 @@ struct Args {
   }
 };
 
+// Closes the sequences a command opened on every way out of it: a demo or bench that fails
+// half-way leaves nothing behind on the server. Declared before the command's stream, so the
+// stream (and its open step) is gone first.
+class Opened {
+ public:
+  explicit Opened(Client& c) : c_(c) {}
+  ~Opened() {
+    for (const std::string& id : ids_) (void)c_.CloseSequence(id);
+  }
+  void Add(const std::string& id) { ids_.push_back(id); }
+
+ private:
+  Client& c_;
+  std::vector<std::string> ids_;
+};
+
 int Fail(const absl::Status& s, const char* what) {
   std::fprintf(stderr, "attnctl: %s: %s\n", what, s.ToString().c_str());
   return 1;
 }
 
-int Info(Client& c) {
+// A message as one line of JSON (--output=json).
+int PrintJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(m, &out, o).ok()) return 1;
+  std::printf("%s\n", out.c_str());
+  return 0;
+}
+
+// grpc.health.v1.Health/Check through a generic stub (the health proto's stubs are not built
+// here): the request is field 1, the service name; the reply's field 1 is the status (1 =
+// SERVING).
+int Health(Client& c, const std::string& service) {
+  grpc::GenericStub stub(c.channel());
+  std::string req;
+  req.push_back(0x0a);
+  req.push_back(static_cast<char>(service.size()));
+  req += service;
+  grpc::Slice slice(req);
+  grpc::ByteBuffer in(&slice, 1), out;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
+                 [&done](grpc::Status s) { done.set_value(s); });
+  const grpc::Status s = done.get_future().get();
+  if (!s.ok()) return Fail(FromGrpc(s), "health");
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (out.Dump(&slices).ok())
+    for (const auto& sl : slices)
+      bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  const int status = bytes.size() >= 2 && bytes[0] == 0x08 ? bytes[1] : 0;
+  static const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  std::printf("%s: %s\n", service.empty() ? "(server)" : service.c_str(),
+              kNames[status >= 0 && status <= 3 ? status : 0]);
+  return status == 1 ? 0 : 1;
+}
+
+int Info(Client& c, bool json) {
   auto info = c.Info();
   if (!info.ok()) return Fail(info.status(), "info");
+  if (json) return PrintJson(*info);
   const auto& m = info->model();
   std::printf("%s, backend %s (cpu isa %s), cache %s\n", info->version().c_str(),
               info->backend().c_str(), info->cpu_isa().c_str(), info->cache_datatype().c_str());
@@ -93,10 +158,11 @@ int Drain(Client& c, const Args& a) {
   return 0;
 }
 
-int List(Client& c, const Args& a) {
+int List(Client& c, const Args& a, bool json) {
   const bool all = a.flags.count("all-tenants") > 0;
   auto list = c.ListSequences(all);
   if (!list.ok()) return Fail(list.status(), "list");
+  if (json) return PrintJson(*list);
   for (const auto& s : list->sequences()) {
     if (all) std::printf("%s\t", s.tenant().empty() ? "(anonymous)" : s.tenant().c_str());
     std::printf("%s\t%lld tokens\t%d pages\t%s%s\n", s.sequence_id().c_str(),
@@ -174,9 +240,11 @@ int Demo(Client& c, const Args& a) {
       static_cast<long long>(prompt), static_cast<long long>(chunk), decode);
   std::vector<std::string> ids;
   std::map<std::string, int64_t> remaining;
+  Opened opened(c);
   for (int i = 0; i < S; ++i) {
     const std::string id = absl::StrCat(tag, "-", i);
     if (auto s = c.OpenSequence(id); !s.ok()) return Fail(s.status(), "open");
+    opened.Add(id);
     oracle.Open(id);
     ids.push_back(id);
     remaining[id] = std::max<int64_t>(1, prompt * (S - i) / S + 17 * i);  // different lengths
@@ -237,6 +305,7 @@ int Demo(Client& c, const Args& a) {
   for (int f = 0; f < 2; ++f) {
     const std::string id = absl::StrCat(tag, "-fork", f);
     if (auto s = c.OpenSequence(id, ids[0], prefix); !s.ok()) return Fail(s.status(), "fork");
+    opened.Add(id);
     oracle.Fork(id, ids[0], prefix);
     ids.push_back(id);
     double secs = 0;
@@ -252,7 +321,6 @@ int Demo(Client& c, const Args& a) {
     if (auto s = step(batch, &decode_lat, verify, &decode_secs); !s.ok()) return Fail(s, "decode");
   }
   if (auto s = stream->Close(); !s.ok()) return Fail(s, "close stream");
-  for (const auto& id : ids) (void)c.CloseSequence(id);
 
   std::printf("\n%-10s %10s %12s %12s %12s %12s\n", "phase", "tokens", "tokens/s", "layer p50",
               "layer p99", "layer calls");
@@ -283,9 +351,11 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
   const std::string tag =
       absl::StrCat("bench-", std::chrono::system_clock::now().time_since_epoch().count());
   Batch prefix, decode;
+  Opened opened(c);
   for (int b = 0; b < B; ++b) {
     const std::string id = absl::StrCat(tag, "-", b);
     if (auto s = c.OpenSequence(id); !s.ok()) return Fail(s.status(), "open");
+    opened.Add(id);
     prefix.emplace_back(id, context);
     decode.emplace_back(id, 1);
   }
@@ -346,6 +416,7 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
   }
   auto stream = c.OpenStream();
   for (int s = 0; s < steps; ++s) {
+    if (s > 0 && s % 5 == 0) std::fprintf(stderr, "bench: %d/%d steps\n", s, steps);
     if (auto b = stream->Begin(decode); !b.ok()) return Fail(b.status(), "begin");
     for (auto& l : g) {
       const auto t0 = Clock::now();
@@ -381,7 +452,6 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
     (void)local_stream->Close();
     (void)local->UnregisterSharedMemory(tag);
   }
-  for (const auto& [id, q] : decode) (void)c.CloseSequence(id);
   std::printf(
       "decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
       "per layer\n",
@@ -436,22 +506,81 @@ int Handoff(Client& from, const Args& a, const ConnectOptions& options) {
 int main(int argc, char** argv) {
   using namespace attnd::client;
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s.rfind("--", 0) == 0) {
-      const size_t eq = s.find('=');
-      if (eq == std::string::npos) {
-        // "--flag value", or a bare switch when no value follows
-        const bool has_value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
-        a.flags[s.substr(2)] = has_value ? argv[++i] : "";
-      } else {
-        a.flags[s.substr(2, eq - 2)] = s.substr(eq + 1);
-      }
-    } else if (a.command.empty()) {
-      a.command = s;
-    }
+  CLI::App app{"attnctl: talks to a running attnd (see attnctl COMMAND --help)", "attnctl"};
+  app.require_subcommand(1);
+  app.fallthrough();  // connection flags may follow the command
+  const char* env_target = std::getenv("ATTND_TARGET");
+  std::string target = env_target && *env_target ? env_target : "localhost:50051";
+  app.add_option("--target", target,
+                 "HOST:PORT, unix:PATH or dns:NAME (default $ATTND_TARGET or localhost:50051)");
+  auto str = [&a](CLI::App* cmd, const std::string& name, const std::string& help) {
+    return cmd->add_option_function<std::string>(
+        "--" + name, [&a, name](const std::string& v) { a.flags[name] = v; }, help);
+  };
+  auto num = [&a](CLI::App* cmd, const std::string& name, int64_t lo, int64_t hi,
+                  const std::string& help) {
+    return cmd
+        ->add_option_function<int64_t>(
+            "--" + name, [&a, name](int64_t v) { a.flags[name] = std::to_string(v); }, help)
+        ->check(CLI::Range(lo, hi));
+  };
+  auto flag = [&a](CLI::App* cmd, const std::string& name, const std::string& help) {
+    return cmd->add_flag_callback(
+        "--" + name, [&a, name] { a.flags[name] = "1"; }, help);
+  };
+  for (const char* n :
+       {"tls-ca", "tls-cert", "tls-key", "tls-server-name", "token-file", "as-tenant"})
+    str(&app, n,
+        std::string(n) == "token-file" ? "a file holding the bearer token (or $ATTND_TOKEN)"
+        : std::string(n) == "as-tenant"
+            ? "the admin only: act inside this tenant's namespace"
+            : "TLS: the server's CA / this client's certificate / its key / the name to verify");
+  std::string output = "text";
+  app.add_option("--output", output, "text or json (info, list)")
+      ->check(CLI::IsMember({"text", "json"}));
+  CLI::App* info =
+      app.add_subcommand("info", "the server's model, devices, limits and who you are");
+  CLI::App* health = app.add_subcommand("health", "gRPC health: exit 0 when serving");
+  std::string health_service = "attnd.v1.Attention";
+  health->add_option("--service", health_service,
+                     "\"\" (liveness) or attnd.v1.Attention (readiness)");
+  CLI::App* list = app.add_subcommand("list", "this tenant's sequences");
+  flag(list, "all-tenants", "the admin only: every tenant's");
+  CLI::App* drain = app.add_subcommand("drain", "the admin: hand every sequence off, then exit");
+  str(drain, "to", "HOST:PORT,... instead of the server's --drain-peers");
+  CLI::App* demo = app.add_subcommand("demo", "prefill, forks and decode, checked against float64");
+  num(demo, "sequences", 1, 1024, "sequences (default 4)");
+  num(demo, "prompt", 1, int64_t{1} << 24, "longest prompt in tokens (default 2200)");
+  num(demo, "chunk", 1, int64_t{1} << 20, "prefill chunk (default 512)");
+  num(demo, "decode", 0, 1 << 20, "decode steps (default 24)");
+  num(demo, "check-every", 1, 1 << 20, "check every Nth decode step (default 4)");
+  num(demo, "seed", 0, INT64_MAX, "random seed (default 1)");
+  CLI::App* bench =
+      app.add_subcommand("bench", "per-layer round trips: stream, unary, shared memory, echo");
+  num(bench, "batch", 1, 4096, "decode batch (default 8)");
+  num(bench, "context", 1, int64_t{1} << 24, "tokens per sequence (default 4096)");
+  num(bench, "steps", 1, 1 << 20, "decode steps (default 20)");
+  str(bench, "shm-target", "unix:PATH of the server's --shm-socket, to measure shared memory");
+  CLI::App* handoff = app.add_subcommand("handoff", "copy a sequence to another server");
+  str(handoff, "sequence", "the sequence id")->required();
+  str(handoff, "to", "HOST:PORT of the receiver")->required();
+  num(handoff, "chunk", 1, int64_t{1} << 24, "tokens per chunk (default 4096)");
+  flag(handoff, "close-source", "close it here once the copy is confirmed");
+  CLI::App* soak = app.add_subcommand("soak", "a bounded mixed workload with an audit (loopback)");
+  str(soak, "minutes", "duration (default 1)");
+  num(soak, "clients", 1, 1024, "client threads (default 4)");
+  num(soak, "sequences", 1, 1 << 16, "sequences per client (default 4)");
+  num(soak, "report-seconds", 1, 86400, "report period (default 30)");
+  num(soak, "server-pid", 0, INT32_MAX, "watch its RSS and descriptors");
+  num(soak, "seed", 0, INT64_MAX, "random seed (default 1)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);  // --help: the text on stdout, 0; errors on stderr
+    return code == 0 ? 0 : 2;
   }
-  if (a.command == "soak") {
+  a.flags["target"] = target;
+  if (soak->parsed()) {
     SoakOptions o;
     o.target = a.Get("target", "127.0.0.1:50051");
     o.minutes = std::atof(a.Get("minutes", "1").c_str());
@@ -462,31 +591,17 @@ int main(int argc, char** argv) {
     o.seed = static_cast<uint64_t>(a.Int("seed", 1));
     return RunSoak(o);
   }
-  if (a.command != "info" && a.command != "demo" && a.command != "bench" &&
-      a.command != "handoff" && a.command != "list" && a.command != "drain") {
-    std::fprintf(
-        stderr,
-        "usage: attnctl info|demo|bench|handoff|list [--target=HOST:PORT] [command flags]\n"
-        "  connection: --tls-ca=PEM [--tls-cert=PEM --tls-key=PEM] "
-        "[--tls-server-name=NAME]\n"
-        "              --token-file=FILE (or $ATTND_TOKEN) --as-tenant=NAME (admin)\n"
-        "  list:  [--all-tenants] (admin)\n"
-        "  drain: [--to=HOST:PORT,...] (admin): hand every sequence off, then exit\n"
-        "  demo:  --sequences=4 --prompt=2200 --chunk=512 --decode=24 --check-every=4\n"
-        "  bench: --batch=8 --context=4096 --steps=20 [--shm-target=unix:PATH]\n"
-        "  handoff: --sequence=ID --to=HOST:PORT [--chunk=4096] [--close-source]\n"
-        "  soak:  --minutes=1 --clients=4 --sequences=4 --server-pid=PID (loopback)\n");
-    return 2;
-  }
   auto options = ConnectFlags(a);
   if (!options.ok()) return Fail(options.status(), "connect");
-  auto client_or = Client::Connect(a.Get("target", "localhost:50051"), *options);
+  auto client_or = Client::Connect(target, *options);
   if (!client_or.ok()) return Fail(client_or.status(), "connect");
   auto client = std::move(client_or).value();
-  if (a.command == "info") return Info(*client);
-  if (a.command == "list") return List(*client, a);
-  if (a.command == "drain") return Drain(*client, a);
-  if (a.command == "demo") return Demo(*client, a);
-  if (a.command == "handoff") return Handoff(*client, a, *options);
+  const bool json = output == "json";
+  if (info->parsed()) return Info(*client, json);
+  if (health->parsed()) return Health(*client, health_service);
+  if (list->parsed()) return List(*client, a, json);
+  if (drain->parsed()) return Drain(*client, a);
+  if (demo->parsed()) return Demo(*client, a);
+  if (handoff->parsed()) return Handoff(*client, a, *options);
   return Bench(*client, a, *options);
 }

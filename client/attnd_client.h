@@ -115,6 +115,7 @@ class Client {
   std::unique_ptr<StepStream> OpenStream();
 
   v1::Attention::Stub* stub() { return stub_.get(); }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   // Adds this client's credentials metadata to a context (for calls made through stub()).
   void Authorize(grpc::ClientContext* ctx) const;
 

@@ -351,3 +351,46 @@ def test_sigterm_with_an_open_step_drains_and_exits_zero():
         s.cancel()
     out = proc.stdout.read()
     assert "draining" in out and "stopped" in out, out
+
+
+ATTNCTL = ATTND_BIN.parent.parent / "client" / "attnctl"
+
+
+def _ctl(*args, env=None, check=None):
+    e = dict(os.environ, **(env or {}))
+    r = subprocess.run([str(ATTNCTL), *args], capture_output=True, text=True, env=e, timeout=120)
+    if check is not None:
+        assert r.returncode == check, (args, r.returncode, r.stdout, r.stderr)
+    return r
+
+
+def test_attnctl_is_a_conventional_cli(ops_server):
+    target, _ = ops_server
+    r = _ctl("--help", check=0)
+    assert "Usage: attnctl" in r.stdout and not r.stderr
+    for cmd in ("info", "health", "list", "drain", "demo", "bench", "handoff", "soak"):
+        r = _ctl(cmd, "--help", check=0)
+        assert f"attnctl {cmd}" in r.stdout, r.stdout  # per-command help, nothing run
+    for bad in (["info", "--bogus=1"], ["info", "stray"], ["demo", "--sequences=0"], [],
+                ["handoff", "--sequence=x"], ["--output=yaml", "info"]):
+        r = _ctl(*bad, check=2)
+        assert r.stderr and not r.stdout, bad
+    env = {"ATTND_TARGET": target}
+    assert "SERVING" in _ctl("health", env=env, check=0).stdout
+    info = json.loads(_ctl("info", "--output=json", env=env, check=0).stdout)
+    assert info["model"]["name"] == "tiny" and info["version"].startswith("attnd ")
+    listed = json.loads(_ctl("list", "--output", "json", env=env, check=0).stdout)
+    assert isinstance(listed.get("sequences", []), list)
+
+
+def test_a_failed_demo_leaves_no_sequence_behind():
+    # Too small a cache for the demo's prefill: it fails half-way, and closes what it opened.
+    proc, target, _ = _start(["--kv-pages=12"])
+    try:
+        r = _ctl("demo", f"--target={target}", "--sequences=4", "--prompt=2000")
+        assert r.returncode == 1 and "KV cache full" in r.stderr, (r.stdout, r.stderr)
+        with AttndClient(target) as c:
+            assert c.list_sequences() == [], "the failed demo left sequences open"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
