@@ -25,3 +25,19 @@ def test_manifests_probe_the_right_health_names_and_ports():
     assert pod["terminationGracePeriodSeconds"] * 1000 > (int(args["drain-timeout-ms"]) +
                                                           int(args["shutdown-grace-ms"]))
     assert kinds["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"
+    assert kinds["ServiceMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    for d in docs:
+        assert d["metadata"]["labels"]["app.kubernetes.io/name"] == "attnd", d["kind"]
+    assert kinds["Service"]["spec"]["ports"][0]["appProtocol"] == "grpc"
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert pod["securityContext"]["runAsNonRoot"]
+    assert pod["affinity"]["podAntiAffinity"]
+
+
+def test_dockerfile_has_labels_a_healthcheck_and_an_ignore_file():
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "org.opencontainers.image.revision" in text
+    assert 'HEALTHCHECK' in text and '"health"' in text
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert "build*/" in ignore and ".git/" in ignore

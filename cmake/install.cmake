@@ -1,0 +1,28 @@
+# `cmake --install`: the attnd and attnctl binaries, the C++ client library with its headers, a
+# CMake package (find_package(attnd) -> attnd::client) and a pkg-config file (attnd-client).
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+install(TARGETS attnd attnctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS attnd_client attnd_proto attnd_dtype EXPORT attndTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
+set(ATTND_INCLUDE ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
+install(FILES client/attnd_client.h client/router.h DESTINATION ${ATTND_INCLUDE}/client)
+install(FILES common/dtype.h common/host_device.h DESTINATION ${ATTND_INCLUDE}/common)
+install(FILES ${ATTND_GEN}/attnd/v1/attention.pb.h ${ATTND_GEN}/attnd/v1/attention.grpc.pb.h
+  DESTINATION ${ATTND_INCLUDE}/attnd/v1)
+install(FILES proto/attnd/v1/attention.proto DESTINATION ${CMAKE_INSTALL_DATADIR}/attnd/proto/attnd/v1)
+
+set_target_properties(attnd_proto PROPERTIES EXPORT_NAME proto)
+set_target_properties(attnd_dtype PROPERTIES EXPORT_NAME dtype)
+install(EXPORT attndTargets NAMESPACE attnd:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/attnd)
+configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/attndConfig.cmake.in
+  ${CMAKE_CURRENT_BINARY_DIR}/attndConfig.cmake INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/attnd)
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/attndConfigVersion.cmake
+  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/attndConfig.cmake
+  ${CMAKE_CURRENT_BINARY_DIR}/attndConfigVersion.cmake DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/attnd)
+configure_file(${CMAKE_CURRENT_LIST_DIR}/attnd-client.pc.in ${CMAKE_CURRENT_BINARY_DIR}/attnd-client.pc @ONLY)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/attnd-client.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# cmake --install into a scratch prefix, then a tiny out-of-tree CMake project that finds the
+# package (find_package(attnd)) and builds and runs a program using the client; and the same
+# program through pkg-config.
+set -euo pipefail
+BUILD=$1
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+cmake --install "$BUILD" --prefix "$WORK/prefix" >/dev/null
+test -x "$WORK/prefix/bin/attnd" && test -x "$WORK/prefix/bin/attnctl"
+"$WORK/prefix/bin/attnd" --version
+mkdir -p "$WORK/app"
+cat > "$WORK/app/main.cc" <<'CC'
+#include <cstdio>
+#include "client/attnd_client.h"
+int main() {
+  const float x[4] = {1, 2, 3, 4};
+  const attnd::v1::Tensor t = attnd::client::MakeTensor(attnd::DType::kF32, {2, 2}, x, sizeof(x));
+  auto c = attnd::client::Client::Connect("127.0.0.1:1");  // nothing listens: Info fails cleanly
+  const bool unavailable = c->Info().status().code() == absl::StatusCode::kUnavailable;
+  std::printf("tensor %s %zu bytes, unreachable server: %s\n", t.datatype().c_str(),
+              t.data().size(), unavailable ? "UNAVAILABLE" : "?");
+  return t.data().size() == 16 && unavailable ? 0 : 1;
+}
+CC
+cat > "$WORK/app/CMakeLists.txt" <<'CM'
+cmake_minimum_required(VERSION 3.16)
+project(attnd_app CXX)
+set(CMAKE_CXX_STANDARD 17)
+find_package(attnd 0.2 REQUIRED)
+add_executable(app main.cc)
+target_link_libraries(app PRIVATE attnd::client)
+CM
+cmake -S "$WORK/app" -B "$WORK/app/build" -DCMAKE_PREFIX_PATH="$WORK/prefix" >/dev/null
+cmake --build "$WORK/app/build" >/dev/null
+"$WORK/app/build/app"
+PKG_CONFIG_PATH="$WORK/prefix/lib/pkgconfig" pkg-config --cflags --libs attnd-client >/dev/null
+echo "install_test: find_package(attnd) and pkg-config attnd-client work"
