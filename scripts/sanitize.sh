@@ -23,7 +23,7 @@ if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
   echo "sanitize: ASan+UBSan: the whole C++ suite"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:suppressions=$PWD/tests/sanitizers/asan.supp \
   LSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/lsan.supp \
-    ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E 'Cuda'
+    ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E 'Cuda|InstallAndFindPackage'
 fi
 if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # The engine's concurrency (layers of different steps at once, aborts racing running layers,
