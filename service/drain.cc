@@ -93,7 +93,9 @@ absl::StatusOr<std::vector<std::string>> DrainPeers(const std::vector<std::strin
     ASSIGN_OR_RETURN(std::vector<std::string> resolved,
                      client::ResolveEndpoints(hp.substr(0, colon), port));
     for (const std::string& e : resolved) {
-      const std::string host = e.substr(0, e.rfind(':'));
+      std::string host = e.substr(0, e.rfind(':'));
+      if (host.size() > 2 && host.front() == '[' && host.back() == ']')  // IPv6: "[::1]:50051"
+        host = host.substr(1, host.size() - 2);
       if (!local.count(host)) out.push_back(e);
     }
   }

@@ -333,10 +333,15 @@ int RunServer(const ServerFlags& flags) {
       if (!d.ok()) {
         std::fprintf(stderr, "attnd: drain: %s\n", std::string(d.status().message()).c_str());
       } else {
+        const auto t0 = std::chrono::steady_clock::now();
         const DrainReport r = DrainSequences(*engine, *d);
-        std::printf("attnd: drained: %d sequence(s) handed to %zu peer(s), %d left behind%s%s\n",
-                    r.moved, r.peers.size(), r.failed, r.first_error.empty() ? "" : ": ",
-                    r.first_error.c_str());
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
+        std::printf(
+            "attnd: drained: %d sequence(s) handed to %zu peer(s), %d left behind in %.0f ms%s%s\n",
+            r.moved, r.peers.size(), r.failed, ms, r.first_error.empty() ? "" : ": ",
+            r.first_error.c_str());
       }
     } else if (engine->num_sequences() > 0) {
       std::printf("attnd: no --drain-peers: %lld sequence(s) are dropped at exit\n",

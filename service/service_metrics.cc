@@ -93,13 +93,23 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
   registry->AddGauge("attnd_build_info", "attnd's version and git revision; always 1.")
       .Add({{"version", BuildVersion()}, {"revision", BuildRevision()}})
       .Set(1);
-  layer_seconds_ = &registry->AddHistogram(
+  auto& layer = registry->AddHistogram(
       "attnd_layer_seconds",
       "Wall time of one layer call inside the server, by transport, step phase and layer kind.",
       metrics::DefaultLatencyBuckets());
-  step_seconds_ = &registry->AddHistogram(
+  auto& step = registry->AddHistogram(
       "attnd_step_seconds", "Time from BeginStep to the commit of its last layer, by phase.",
       metrics::DefaultLatencyBuckets());
+  const StepPhase phases[3] = {StepPhase::kPrefill, StepPhase::kDecode, StepPhase::kImport};
+  const LayerKind kinds[3] = {LayerKind::kFull, LayerKind::kShared, LayerKind::kDense};
+  for (int p = 0; p < 3; ++p) {
+    step_seconds_[p] = &step.Add({{"phase", StepPhaseName(phases[p])}});
+    for (int t = 0; t < 2; ++t)
+      for (int k = 0; k < 3; ++k)
+        layer_seconds_[t][p][k] = &layer.Add({{"transport", t == 0 ? "stream" : "unary"},
+                                              {"phase", StepPhaseName(phases[p])},
+                                              {"kind", std::string(LayerKindName(kinds[k]))}});
+  }
   errors_ = &registry->AddCounter("attnd_rpc_errors_total",
                                   "RPCs that ended in an error, by method and gRPC status code.");
   rejections_ = &registry->AddCounter(
@@ -154,18 +164,15 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
 
 void ServiceMetrics::LayerDone(Transport transport, StepPhase phase, LayerKind kind, double seconds,
                                size_t bytes_received, size_t bytes_sent) {
-  // A handful of label sets: the family's lookup is a small map under its own lock.
-  layer_seconds_
-      ->Add({{"transport", transport == Transport::kStream ? "stream" : "unary"},
-             {"phase", StepPhaseName(phase)},
-             {"kind", std::string(LayerKindName(kind))}})
-      .Observe(seconds);
+  layer_seconds_[transport == Transport::kStream ? 0 : 1][static_cast<int>(phase)]
+                [static_cast<int>(kind)]
+                    ->Observe(seconds);
   bytes_received_->Increment(static_cast<double>(bytes_received));
   bytes_sent_->Increment(static_cast<double>(bytes_sent));
 }
 
 void ServiceMetrics::StepDone(StepPhase phase, double seconds) {
-  step_seconds_->Add({{"phase", StepPhaseName(phase)}}).Observe(seconds);
+  step_seconds_[static_cast<int>(phase)]->Observe(seconds);
 }
 
 void ServiceMetrics::RpcDone(const char* method, const absl::Status& status) {

@@ -39,8 +39,9 @@ class ServiceMetrics {
   void Refresh();
   const Engine* engine_;
   Executor* executor_;
-  metrics::Family<metrics::Histogram>* layer_seconds_;
-  metrics::Family<metrics::Histogram>* step_seconds_;
+  // Every label set of the hot path made at construction: the hot path indexes, never inserts.
+  metrics::Histogram* layer_seconds_[2][3][3];  // [transport][phase][kind]
+  metrics::Histogram* step_seconds_[3];         // [phase]
   metrics::Family<metrics::Counter>* errors_;
   metrics::Family<metrics::Counter>* rejections_;
   metrics::Counter* bytes_received_;

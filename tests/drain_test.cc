@@ -1,0 +1,54 @@
+// The drain's peer list (service/drain.h) and the rejection reasons the service's metrics derive
+// from refused calls (a draining server's UNAVAILABLE among them).
+#include "service/drain.h"
+
+#include <gtest/gtest.h>
+
+#include "service/metrics.h"
+#include "service/service_metrics.h"
+
+namespace attnd {
+namespace {
+
+TEST(DrainPeers, ExplicitPeersStayAndThisHostsAddressesAreSkipped) {
+  auto p = DrainPeers({"10.0.0.7:50051", "peer-b:50051"});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(*p, (std::vector<std::string>{"10.0.0.7:50051", "peer-b:50051"}));
+  // A name that resolves only to this host (a headless Service on one node resolves to the pod
+  // itself among others): nothing to drain to.
+  auto local = DrainPeers({"dns:localhost:50051"});
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_TRUE(local->empty()) << (*local)[0];
+  for (const char* bad : {"dns:no-port", "dns:host:port"})
+    EXPECT_EQ(DrainPeers({bad}).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_FALSE(DrainPeers({"dns:no-such-name.invalid:50051"}).ok());
+}
+
+TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
+  EngineOptions o;
+  o.spec = PresetModelSpec("tiny").value();
+  o.pages_per_device = 16;
+  o.threads = 1;
+  auto engine = Engine::Create(o).value();
+  metrics::Registry registry;
+  ServiceMetrics m(&registry, engine.get());
+  m.RpcDone("BeginStep", absl::UnavailableError("attnd is draining"));
+  m.RpcDone("OpenSequence", absl::ResourceExhaustedError("tenant quota sequences: holds 2 of 2"));
+  m.RpcDone("BeginStep", absl::ResourceExhaustedError("KV cache full on cpu:0"));
+  m.RpcDone("Step", absl::OutOfRangeError("length 10 + q_len 9000 exceeds max_context 4096"));
+  m.RpcDone("CloseSequence", absl::UnavailableError("x"));  // an error, not a rejection
+  m.RpcDone("DescribeSequence", absl::OkStatus());
+  const std::string text = registry.Serialize();
+  for (const char* reason : {"draining", "quota", "cache_full", "max_context"})
+    EXPECT_NE(text.find(std::string("attnd_rejections_total{reason=\"") + reason + "\"} 1"),
+              std::string::npos)
+        << reason << "\n"
+        << text;
+  EXPECT_NE(text.find("attnd_rpc_errors_total{code=\"UNAVAILABLE\",method=\"CloseSequence\"} 1"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("method=\"DescribeSequence\""), std::string::npos) << "OK is not an error";
+}
+
+}  // namespace
+}  // namespace attnd
