@@ -359,14 +359,19 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
     prefix.emplace_back(id, context);
     decode.emplace_back(id, 1);
   }
-  // Import the contexts with a write-only step (no attention computed).
-  {
-    auto g = GenerateStep(spec, B * context, DType::kBF16, true, rng);
-    auto begun = c.BeginStep(prefix, true);
-    if (!begun.ok()) return Fail(begun.status(), "import");
-    for (auto& l : g)
-      if (auto o = c.AttendLayer(begun->step_id(), l.wire); !o.ok())
-        return Fail(o.status(), "import");
+  // Import the contexts with write-only steps (no attention computed), a chunk of each sequence
+  // at a time: memory stays bounded by the chunk whatever --batch and --context are.
+  constexpr int64_t kImportChunk = 2048;
+  for (const auto& [id, length] : prefix) {
+    for (int64_t done = 0; done < length; done += kImportChunk) {
+      const int64_t n = std::min(kImportChunk, length - done);
+      auto g = GenerateStep(spec, n, DType::kBF16, true, rng);
+      auto begun = c.BeginStep({{id, n}}, true);
+      if (!begun.ok()) return Fail(begun.status(), "import");
+      for (auto& l : g)
+        if (auto o = c.AttendLayer(begun->step_id(), l.wire); !o.ok())
+          return Fail(o.status(), "import");
+    }
   }
   auto g = GenerateStep(spec, B, DType::kBF16, false, rng);
   size_t req_bytes = 0,
