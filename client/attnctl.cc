@@ -183,12 +183,11 @@ absl::StatusOr<ConnectOptions> ConnectFlags(const Args& a) {
   o.act_as_tenant = a.Get("as-tenant", "");
   const std::string token_file = a.Get("token-file", "");
   if (!token_file.empty()) {
-    std::ifstream in(token_file);
-    if (!in)
-      return absl::InvalidArgumentError(absl::StrCat("--token-file: cannot read ", token_file));
-    std::getline(in, o.token);
-    while (!o.token.empty() && (o.token.back() == '\r' || o.token.back() == ' '))
-      o.token.pop_back();
+    auto token = ReadTokenFile(token_file);
+    if (!token.ok())
+      return absl::Status(token.status().code(),
+                          absl::StrCat("--token-file: ", token.status().message()));
+    o.token = *std::move(token);
   } else if (const char* env = std::getenv("ATTND_TOKEN")) {
     o.token = env;
   }

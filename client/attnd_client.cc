@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -65,6 +66,15 @@ absl::StatusOr<std::unique_ptr<SharedMemory>> SharedMemory::Create(const std::st
 SharedMemory::~SharedMemory() {
   munmap(base_, size_);
   shm_unlink(key_.c_str());
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string token;
+  if (!in || !std::getline(in, token))
+    return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  return token;
 }
 
 absl::Status FromGrpc(const grpc::Status& s) {

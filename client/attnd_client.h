@@ -54,6 +54,10 @@ class SharedMemory {
   size_t size_ = 0;
 };
 
+// The bearer token on the first line of the file `path` (a mounted Secret), trailing whitespace
+// dropped. NOT_FOUND when it cannot be read.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
 // gRPC status -> absl::Status, same code and message.
 absl::Status FromGrpc(const grpc::Status& s);
 

@@ -49,6 +49,7 @@ struct Step {
   bool abort_requested = false;
   AbortReason abort_reason = AbortReason::kAbort;  // of a requested abort
   Clock::time_point begun;
+  StepPhase phase = StepPhase::kDecode;  // set once by TryBegin (DescribeStep runs per layer)
   Clock::time_point last_used;
   StepPlan plan;
   std::vector<std::unique_ptr<DeviceStep>> on_device;  // [plan.shares]
@@ -91,8 +92,6 @@ struct Engine::Impl {
   std::condition_variable step_ended;  // notified whenever a step ends, a layer or a copy does
   std::unique_ptr<SequenceTable> table;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
-  int64_t steps_aborted = 0;
-  int64_t steps_committed = 0;
   EngineCounters counters;  // device_compute_seconds kept in compute_ns below
   std::unique_ptr<std::atomic<int64_t>[]> compute_ns;  // per device, without mu
   StepFates fates;  // what a late message for an ended step is told
@@ -115,14 +114,12 @@ struct Engine::Impl {
   [[nodiscard]] std::unique_ptr<Step> AbortLocked(Step* step, absl::Status why,
                                                   AbortReason reason) {
     Release(step);
-    ++steps_aborted;
     ++counters.steps_aborted[static_cast<int>(reason)];
     fates.Remember(step->id, step->tenant, std::move(why));
     return Retire(step);
   }
   [[nodiscard]] std::unique_ptr<Step> CommitLocked(Step* step) {
     for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true);
-    ++steps_committed;
     ++counters.steps_committed;
     for (const StepSeq& s : step->seqs) {
       int64_t& n = step->options.write_only ? counters.tokens_import
@@ -428,6 +425,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
           absl::StrCat("sequence ", Quote(seq->id), " is already in open step ", seq->step));
     }
     step->tokens += e.q_len;
+    if (e.q_len != 1) step->phase = StepPhase::kPrefill;
     StepSeq s;
     s.seq = seq;
     s.q_len = e.q_len;
@@ -451,6 +449,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     s.table.reserve(s.seq->pages.size() + s.new_pages.capacity());
   }
   // Everything checked and allocated: reserve pages (cannot fail now) and bind the sequences.
+  if (options.write_only) step->phase = StepPhase::kImport;
   step->id = NewStepId();
   tenants.AddOpenSteps(options.tenant, 1);
   for (StepSeq& s : step->seqs) {
@@ -477,14 +476,7 @@ absl::Status Engine::Impl::Prepare(Step& st) {
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
-  StepPhase phase = StepPhase::kDecode;
-  if (st->options.write_only) {
-    phase = StepPhase::kImport;
-  } else {
-    for (const StepSeq& s : st->seqs)
-      if (s.q_len != 1) phase = StepPhase::kPrefill;
-  }
-  return StepInfo{st->tokens, st->options.write_only, st->next_layer, phase, st->begun};
+  return StepInfo{st->tokens, st->options.write_only, st->next_layer, st->phase, st->begun};
 }
 
 absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
@@ -622,7 +614,9 @@ int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
 
 int64_t Engine::steps_aborted() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->steps_aborted;
+  int64_t n = 0;
+  for (int64_t a : impl_->counters.steps_aborted) n += a;
+  return n;
 }
 
 EngineCounters Engine::Counters() const {
@@ -656,7 +650,7 @@ const char* StepPhaseName(StepPhase phase) {
 
 int64_t Engine::steps_committed() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->steps_committed;
+  return impl_->counters.steps_committed;
 }
 
 std::vector<int32_t> Engine::PageRefcounts(int device) const {

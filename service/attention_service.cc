@@ -566,10 +566,13 @@ absl::Status AttentionService::DoAbortStep(const Caller& caller, const v1::Abort
 // run on the executor, never on a gRPC thread (a device read may wait for the device).
 class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
-  ExportStream(AttentionService* svc, Engine* engine, Executor* executor,
-               const v1::ExportSequenceRequest& req, absl::StatusOr<Caller> caller,
-               absl::StatusOr<int64_t> chunk, int64_t max_message_bytes)
-      : svc_(svc), engine_(engine), executor_(executor), max_message_bytes_(max_message_bytes) {
+  ExportStream(AttentionService* svc, const v1::ExportSequenceRequest& req,
+               absl::StatusOr<Caller> caller, absl::StatusOr<int64_t> chunk,
+               int64_t max_message_bytes)
+      : svc_(svc),
+        engine_(svc->engine()),
+        executor_(svc->executor()),
+        max_message_bytes_(max_message_bytes) {
     if (!caller.ok() || !chunk.ok()) {
       End(caller.ok() ? chunk.status() : caller.status());
       return;
@@ -654,8 +657,8 @@ absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(this, engine_, executor_, *req, Authenticate(*ctx),
-                          ExportChunkTokens(*req), options_.max_message_bytes);
+  return new ExportStream(this, *req, Authenticate(*ctx), ExportChunkTokens(*req),
+                          options_.max_message_bytes);
 }
 
 grpc::ServerUnaryReactor* AttentionService::RegisterSharedMemory(

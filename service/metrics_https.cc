@@ -6,7 +6,6 @@
 #include <netinet/in.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -16,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "service/accept_loop.h"
 
 namespace attnd::metrics {
 namespace {
@@ -99,19 +99,21 @@ absl::StatusOr<std::unique_ptr<MetricsHttpsServer>> MetricsHttpsServer::Start(
     return absl::UnavailableError(
         absl::StrCat("metrics HTTPS server cannot listen on ", listen, ": ", std::strerror(errno)));
   s->port_ = ntohs(addr.sin_port);
-  if (pipe2(s->wake_, O_CLOEXEC) != 0) return absl::InternalError("metrics https: pipe");
-  s->thread_ = std::thread([p = s.get()] { p->Run(); });
+  auto loop = AcceptLoop::Start(s->listen_fd_, [p = s.get()](int fd) {
+    p->Serve(fd);  // one connection at a time
+    close(fd);
+  });
+  if (!loop.ok()) return loop.status();
+  s->loop_ = std::move(loop).value();
   return s;
 }
 
+MetricsHttpsServer::MetricsHttpsServer(Registry* registry, MetricsTlsFiles files)
+    : registry_(registry), files_(std::move(files)) {}
+
 MetricsHttpsServer::~MetricsHttpsServer() {
-  if (thread_.joinable()) {
-    const char c = 0;
-    if (write(wake_[1], &c, 1) != 1) shutdown(listen_fd_, SHUT_RDWR);
-    thread_.join();
-  }
-  for (int fd : {wake_[0], wake_[1], listen_fd_})
-    if (fd >= 0) close(fd);
+  loop_.reset();  // waits for the connection in progress
+  if (listen_fd_ >= 0) close(listen_fd_);
   if (ctx_ != nullptr) SSL_CTX_free(ctx_);
 }
 
@@ -129,25 +131,6 @@ SSL_CTX* MetricsHttpsServer::Context() {
     }
   }
   return ctx_;
-}
-
-void MetricsHttpsServer::Run() {
-  for (;;) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE) usleep(10000);
-      continue;
-    }
-    Serve(fd);
-    close(fd);
-  }
 }
 
 void MetricsHttpsServer::Serve(int fd) {

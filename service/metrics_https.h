@@ -12,12 +12,15 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "service/metrics.h"
 
 typedef struct ssl_ctx_st SSL_CTX;
+
+namespace attnd {
+class AcceptLoop;
+}
 
 namespace attnd::metrics {
 
@@ -43,9 +46,7 @@ class MetricsHttpsServer {
   int port() const { return port_; }
 
  private:
-  MetricsHttpsServer(Registry* registry, MetricsTlsFiles files)
-      : registry_(registry), files_(std::move(files)) {}
-  void Run();
+  MetricsHttpsServer(Registry* registry, MetricsTlsFiles files);
   void Serve(int fd);
   // A context for the current files (rebuilt when they changed); null when they are broken, in
   // which case the last good one is kept.
@@ -54,9 +55,8 @@ class MetricsHttpsServer {
   Registry* const registry_;
   const MetricsTlsFiles files_;
   int listen_fd_ = -1;
-  int wake_[2] = {-1, -1};
   int port_ = 0;
-  std::thread thread_;
+  std::unique_ptr<AcceptLoop> loop_;
   SSL_CTX* ctx_ = nullptr;  // only the serving thread touches it after Start
   int64_t stamp_ = 0;       // mtimes of the files the context was built from
   int64_t checked_at_ = 0;  // steady seconds of the last check

@@ -99,13 +99,10 @@ absl::StatusOr<DrainOptions> MakeDrainOptions(const ServerFlags& f,
   d.credentials.tls_cert_file = f.drain_tls_cert;
   d.credentials.tls_key_file = f.drain_tls_key;
   if (!f.drain_token_file.empty()) {
-    std::ifstream in(f.drain_token_file);
-    if (!in || !std::getline(in, d.credentials.token))
-      return absl::NotFoundError(
-          absl::StrCat("--drain-token-file: cannot read ", f.drain_token_file));
-    while (!d.credentials.token.empty() &&
-           std::isspace(static_cast<unsigned char>(d.credentials.token.back())))
-      d.credentials.token.pop_back();
+    auto token = client::ReadTokenFile(f.drain_token_file);
+    if (!token.ok())
+      return absl::NotFoundError(absl::StrCat("--drain-token-file: ", token.status().message()));
+    d.credentials.token = *std::move(token);
   }
   return d;
 }

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_posix.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -13,6 +12,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "service/accept_loop.h"
 
 namespace attnd {
 
@@ -40,46 +40,23 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Start(const std::str
     close(fd);
     return absl::UnavailableError(absl::StrCat("--shm-socket: cannot listen on ", path, ": ", why));
   }
-  std::unique_ptr<UnixListener> l(new UnixListener(path, fd, server));
-  if (pipe2(l->wake_, O_CLOEXEC) != 0)
-    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
-  l->thread_ = std::thread([p = l.get()] { p->Run(); });
+  std::unique_ptr<UnixListener> l(new UnixListener(path, fd));
+  auto loop = AcceptLoop::Start(fd, [server](int conn) {
+    // gRPC takes the descriptor (non-blocking, as its event engine expects) and closes it.
+    fcntl(conn, F_SETFL, fcntl(conn, F_GETFL) | O_NONBLOCK);
+    grpc::AddInsecureChannelFromFd(server, conn);
+  });
+  if (!loop.ok()) return loop.status();
+  l->loop_ = std::move(loop).value();
   return l;
 }
 
-UnixListener::UnixListener(std::string path, int fd, grpc::Server* server)
-    : path_(std::move(path)), fd_(fd), server_(server) {}
+UnixListener::UnixListener(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
 
 UnixListener::~UnixListener() {
-  if (thread_.joinable()) {
-    const char c = 0;
-    if (write(wake_[1], &c, 1) != 1) shutdown(fd_, SHUT_RDWR);
-    thread_.join();
-  }
-  for (int p : wake_)
-    if (p >= 0) close(p);
+  loop_.reset();  // no more connections handed over
   close(fd_);
   unlink(path_.c_str());
-}
-
-void UnixListener::Run() {
-  for (;;) {
-    pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) {  // EAGAIN, ECONNABORTED, EMFILE: keep serving the others
-      if (errno == EMFILE || errno == ENFILE) usleep(10000);  // no busy loop while out of fds
-      continue;
-    }
-    // gRPC takes the descriptor (non-blocking, as its event engine expects) and closes it.
-    fcntl(conn, F_SETFL, fcntl(conn, F_GETFL) | O_NONBLOCK);
-    grpc::AddInsecureChannelFromFd(server_, conn);
-  }
 }
 
 }  // namespace attnd

@@ -4,10 +4,8 @@
 // shared-memory object. gRPC's own `unix:` listener hides the connection's descriptor.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 
@@ -16,6 +14,8 @@ class Server;
 }
 
 namespace attnd {
+
+class AcceptLoop;
 
 class UnixListener {
  public:
@@ -31,14 +31,11 @@ class UnixListener {
   const std::string& path() const { return path_; }
 
  private:
-  UnixListener(std::string path, int fd, grpc::Server* server);
-  void Run();
+  UnixListener(std::string path, int fd);
 
   const std::string path_;
   const int fd_;
-  int wake_[2] = {-1, -1};  // a pipe that ends the accept loop
-  grpc::Server* server_;
-  std::thread thread_;
+  std::unique_ptr<AcceptLoop> loop_;  // reset first in the destructor: it uses fd_
 };
 
 }  // namespace attnd

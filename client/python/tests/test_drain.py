@@ -6,12 +6,8 @@ never moved, and the drained process exits 0."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import grpc
 import ml_dtypes
@@ -21,26 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnd import AttndClient, AttndError, route
 
-ROOT = Path(__file__).resolve().parents[3]
-ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
+from attnd_process import start
+
 BF16 = ml_dtypes.bfloat16
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(extra):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
-         "--kv-pages=400", "--threads=1", "--metrics-port=0", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    assert "serving attnd.v1" in line, line
-    return proc, f"127.0.0.1:{port}"
+    proc, target, _ = start(extra, kv_pages=400, threads=1)
+    return proc, target
 
 
 def _inputs(spec, T, rng, write_only=False):

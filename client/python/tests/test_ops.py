@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import json
 import re
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,25 +25,11 @@ from attnd import AttndClient, AttndError
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[3]
-ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from attnd_process import ATTND_BIN, ROOT, free_port as _free_port, start
 
 
 def _start(extra: list[str]) -> tuple[subprocess.Popen, str, int]:
-    port, mport = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
-         "--kv-pages=256", "--threads=2", f"--metrics-port={mport}", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    assert "serving attnd.v1" in line, line
-    return proc, f"127.0.0.1:{port}", mport
+    return start(extra, kv_pages=256, threads=2)
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,7 @@ for probes, and tenant isolation."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import ssl
 import subprocess
 import urllib.request
@@ -19,15 +17,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from attnd import AttndClient, AttndError
 
-ROOT = Path(__file__).resolve().parents[3]
-ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
+from attnd_process import start
+
 EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _openssl(*args: str) -> None:
@@ -54,14 +46,7 @@ def pki(tmp_path_factory) -> Path:
 
 
 def _start(extra: list[str]):
-    port, mport = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
-         "--kv-pages=64", "--threads=1", f"--metrics-port={mport}", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    assert "serving attnd.v1" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
-    return proc, f"127.0.0.1:{port}", mport
+    return start(extra, kv_pages=64, threads=1)
 
 
 def _stop(proc) -> None:
