@@ -84,6 +84,7 @@ uint64_t RandomId() {
 
 struct Engine::Impl {
   EngineOptions options;
+  std::string cache_sizing;
   const ModelSpec& spec() const { return options.spec; }
   std::unique_ptr<ThreadPool> pool;
   std::vector<std::unique_ptr<Device>> devices;  // fixed after Create: read without mu
@@ -178,13 +179,24 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->pool = std::make_unique<ThreadPool>(options.threads);
-  ASSIGN_OR_RETURN(
-      const CacheLayout layout,
-      CacheLayout::ForCapacity(options.spec, options.cache_dtype, options.pages_per_device,
-                               options.cache_bytes_per_device));
   std::vector<std::string> names = options.devices;
   if (names.empty())
     for (int i = 0; i < options.num_devices; ++i) names.push_back(absl::StrCat("cpu:", i));
+  if (options.pages_per_device > 0) {
+    impl->cache_sizing = absl::StrCat(options.pages_per_device, " pages per device (--kv-pages)");
+  } else if (options.cache_fraction > 0) {
+    ASSIGN_OR_RETURN(const CacheBudget budget, CacheBytesForFraction(names, options.cache_fraction,
+                                                                     options.gpu_scratch_bytes));
+    impl->options.cache_bytes_per_device = budget.bytes;
+    impl->cache_sizing = budget.explanation;
+  } else {
+    impl->cache_sizing =
+        absl::StrCat(options.cache_bytes_per_device, " bytes per device (--kv-cache-bytes)");
+  }
+  ASSIGN_OR_RETURN(
+      const CacheLayout layout,
+      CacheLayout::ForCapacity(options.spec, options.cache_dtype, options.pages_per_device,
+                               impl->options.cache_bytes_per_device));
   const cpu::Kernels* kernels = &cpu::GetKernels(options.isa);
   ASSIGN_OR_RETURN(impl->devices, CreateDevices(names, options.spec, layout,
                                                 DeviceOptions{impl->pool.get(), kernels,
@@ -199,6 +211,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
 
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
+const std::string& Engine::cache_sizing() const { return impl_->cache_sizing; }
 int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
 absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }

@@ -53,6 +53,9 @@ struct EngineOptions {
   std::vector<std::string> devices;
   int32_t pages_per_device = 0;  // pages incl. the reserved page 0; 0 = use cache_bytes
   size_t cache_bytes_per_device = size_t{1} << 30;
+  // > 0 (and no pages_per_device): the cache is this fraction of each device's available memory
+  // instead of cache_bytes_per_device (kernels/device_factory.h CacheBytesForFraction).
+  double cache_fraction = 0;
   // Each GPU's working memory beside its cache (fixed at startup: cache + scratch must fit the
   // GPU); a step needing more is RESOURCE_EXHAUSTED at BeginStep.
   size_t gpu_scratch_bytes = size_t{8} << 30;
@@ -147,7 +150,10 @@ class Engine {
   ~Engine();
 
   const ModelSpec& spec() const;
+  // The options it was created with; cache_bytes_per_device is the size cache_fraction gave.
   const EngineOptions& options() const;
+  // How the cache was sized, in words (for the startup log).
+  const std::string& cache_sizing() const;
 
   // ALREADY_EXISTS if the id is in use. Places the sequence on `device`, or with device < 0 on
   // the device with most free pages (ties to the lowest index).

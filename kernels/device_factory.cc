@@ -2,13 +2,83 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/client_text.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/cpu_device.h"
+#include "kernels/cpu/host_memory.h"
 #ifdef ATTND_HAVE_CUDA
 #include "kernels/cuda/cuda_device.h"
 #endif
 
 namespace attnd {
+namespace {
+
+struct DeviceName {
+  bool gpu = false;
+  int ordinal = -1;
+};
+
+absl::StatusOr<DeviceName> ParseDeviceName(const std::string& name) {
+  DeviceName d;
+  d.gpu = name.rfind("cuda:", 0) == 0;
+  if ((!d.gpu && name.rfind("cpu:", 0) != 0) ||
+      !absl::SimpleAtoi(name.substr(d.gpu ? 5 : 4), &d.ordinal) || d.ordinal < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", Quote(name), ": expected cpu:N or cuda:N"));
+  return d;
+}
+
+std::string Gib(double bytes) { return absl::StrFormat("%.2f GiB", bytes / (1 << 30)); }
+
+}  // namespace
+
+absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>& names,
+                                                  double fraction, size_t gpu_scratch_bytes) {
+  if (!(fraction > 0 && fraction <= 1))
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-cache-fraction=", fraction, ": expected a fraction in (0, 1]"));
+  if (names.empty()) return absl::InvalidArgumentError("no devices");
+  int cpus = 0;
+  for (const std::string& name : names) {
+    ASSIGN_OR_RETURN(const DeviceName d, ParseDeviceName(name));
+    cpus += d.gpu ? 0 : 1;
+  }
+  CacheBudget out;
+  bool first = true;
+  for (const std::string& name : names) {
+    ASSIGN_OR_RETURN(const DeviceName d, ParseDeviceName(name));
+    double budget = 0;
+    std::string why;
+    if (!d.gpu) {
+      ASSIGN_OR_RETURN(const cpu::HostMemory m, cpu::QueryHostMemory());
+      budget = fraction * static_cast<double>(m.available) / cpus;
+      why = absl::StrCat(fraction, " of ", Gib(m.available), " host memory available",
+                         m.cgroup_limited ? " (cgroup limit)" : "",
+                         cpus > 1 ? absl::StrCat(", shared by ", cpus, " CPU devices") : "");
+    } else {
+#ifdef ATTND_HAVE_CUDA
+      ASSIGN_OR_RETURN(const cuda::GpuMemory m, cuda::QueryGpuMemory(d.ordinal));
+      budget = fraction * static_cast<double>(m.free) - static_cast<double>(gpu_scratch_bytes);
+      why = absl::StrCat(fraction, " of ", name, "'s ", Gib(m.free), " free, less ",
+                         Gib(gpu_scratch_bytes), " of step scratch (--gpu-scratch-bytes)");
+#else
+      return absl::UnimplementedError(absl::StrCat(
+          "device ", Quote(name), ": this build has no CUDA backend (nvcc not found)"));
+#endif
+    }
+    if (budget < 1 << 20)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("--kv-cache-fraction: ", why, " leaves no room for a KV cache"));
+    const size_t bytes = static_cast<size_t>(budget);
+    if (first || bytes < out.bytes) {
+      out.bytes = bytes;
+      out.explanation = absl::StrCat(Gib(bytes), " per device: ", why);
+    }
+    first = false;
+  }
+  return out;
+}
 
 absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
@@ -18,20 +88,16 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
   std::vector<cuda::CudaDevice*> gpus;
 #endif
   for (const std::string& name : names) {
-    const bool gpu = name.rfind("cuda:", 0) == 0;
-    int ordinal = -1;
-    if ((!gpu && name.rfind("cpu:", 0) != 0) ||
-        !absl::SimpleAtoi(name.substr(gpu ? 5 : 4), &ordinal) || ordinal < 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("device ", Quote(name), ": expected cpu:N or cuda:N"));
-    if (!gpu) {
+    ASSIGN_OR_RETURN(const DeviceName parsed, ParseDeviceName(name));
+    if (!parsed.gpu) {
       auto d = CpuDevice::Create(name, spec, layout, options.pool, options.kernels);
       if (!d.ok()) return d.status();
       out.push_back(std::move(d).value());
       continue;
     }
 #ifdef ATTND_HAVE_CUDA
-    auto d = cuda::CudaDevice::Create(name, ordinal, spec, layout, options.gpu_scratch_bytes);
+    auto d =
+        cuda::CudaDevice::Create(name, parsed.ordinal, spec, layout, options.gpu_scratch_bytes);
     if (!d.ok()) return d.status();
     gpus.push_back(d->get());
     out.push_back(std::move(d).value());

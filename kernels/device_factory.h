@@ -30,6 +30,19 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
     const DeviceOptions& options);
 
+// The cache size --kv-cache-fraction asks for: `fraction` (0, 1] of the memory each device has
+// available now, the least over `names` (one layout serves every device). A GPU's share is of
+// its free memory (cudaMemGetInfo) less `gpu_scratch_bytes`; CPU devices split the host's
+// available memory (MemAvailable within the process's cgroup limit) evenly. `explanation` says
+// how the figure was reached, for the startup log. INVALID_ARGUMENT for a fraction outside
+// (0, 1] or a malformed name, RESOURCE_EXHAUSTED when nothing is left for the cache.
+struct CacheBudget {
+  size_t bytes = 0;
+  std::string explanation;
+};
+absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>& names,
+                                                  double fraction, size_t gpu_scratch_bytes);
+
 // Whether this build can drive CUDA devices (nvcc was found at build time).
 bool CudaBackendBuilt();
 // Every usable GPU ("cuda:0", ...): empty in a build without CUDA or on a machine without a GPU;

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what attnd needs to build and test, skipping whatever is already there.
 # Debian 12 packages (apt) and the Python client's packages (pip). Idempotent.
+# kubernetes-validate (a 22 MB wheel carrying the Kubernetes API schemas, so the manifest test
+# runs offline) adds about 10 s to a first install.
 set -euo pipefail
 
 apt_pkgs=(
@@ -27,9 +29,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
-if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml" >/dev/null 2>&1; then
-  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml"
-  "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml ||
+if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate" >/dev/null 2>&1; then
+  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate"
+  "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
+    kubernetes-validate ||
     "$py" -m pip install -q --disable-pip-version-check --break-system-packages \
-      grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml
+      grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
+      kubernetes-validate
 fi

@@ -46,6 +46,15 @@ Setter Limit(int64_t* out) {
     return true;
   };
 }
+// A fraction in (0, 1].
+Setter Fraction(double* out) {
+  return [out](const std::string& v) {
+    double x;
+    if (!absl::SimpleAtod(v, &x) || !(x > 0 && x <= 1)) return false;
+    *out = x;
+    return true;
+  };
+}
 Setter Bool(bool* out) {
   return [out](const std::string& v) {
     if (v != "true" && v != "false") return false;
@@ -94,7 +103,13 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"model-file", "PATH", "JSON model spec (overrides --model)", Str(&f->model_file)},
       {"kv-cache-bytes", "N", "cache bytes per device (default 1073741824)",
        Int(&f->kv_cache_bytes)},
-      {"kv-pages", "N", "cache pages per device, incl. reserved page 0 (overrides bytes)",
+      {"kv-cache-fraction", "F",
+       "size the cache from memory instead (overrides bytes): F in (0, 1] of\neach GPU's free "
+       "memory less its --gpu-scratch-bytes, or of the host's\navailable memory (within the "
+       "cgroup limit) split over the CPU devices",
+       Fraction(&f->kv_cache_fraction)},
+      {"kv-pages", "N",
+       "cache pages per device, incl. reserved page 0 (overrides bytes and\nfraction)",
        Int(&f->kv_pages)},
       {"gpu-scratch-bytes", "N",
        "per GPU, beside its cache: a step's working memory (about 1.1 MiB per\nnew token at 128 "

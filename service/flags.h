@@ -19,6 +19,7 @@ struct ServerFlags {
   std::string model = "demo";                 // a preset name
   std::string model_file;                     // a JSON model spec; wins over --model
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
+  double kv_cache_fraction = 0;  // > 0: the cache from device memory, over kv_cache_bytes
   int32_t kv_pages = 0;  // per device, incl. the reserved page 0; wins over bytes
   int64_t gpu_scratch_bytes = int64_t{8} << 30;  // per GPU, beside its cache
   DType cache_dtype = DType::kBF16;

@@ -70,6 +70,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.cache_dtype = f.cache_dtype;
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
+  o.cache_fraction = f.kv_cache_fraction;
   o.gpu_scratch_bytes = static_cast<size_t>(f.gpu_scratch_bytes);
   o.threads = f.threads;
   o.limits.max_step_tokens = f.max_step_tokens;
@@ -255,6 +256,9 @@ int RunServer(const ServerFlags& flags) {
       HostPort(flags.grpc_address, port).c_str(), engine->spec().name.c_str(),
       engine->spec().num_layers(), caps.size(), caps[0].pages_total,
       std::string(cpu::IsaName(engine->options().isa)).c_str(), metrics_where.c_str());
+  std::printf("attnd: cache %s, %d pages x %zu B per device: %s\n",
+              DTypeName(engine->options().cache_dtype), caps[0].pages_total, caps[0].bytes_per_page,
+              engine->cache_sizing().c_str());
   std::printf(
       "attnd: tls %s, auth %s%s, shared memory %s, reflection %s\n",
       flags.tls_cert.empty()        ? "off"
@@ -267,11 +271,11 @@ int RunServer(const ServerFlags& flags) {
   std::fflush(stdout);
   LOG(INFO) << "config: devices " << absl::StrJoin(engine->options().devices, ",") << ", model "
             << engine->spec().name << ", cache " << DTypeName(engine->options().cache_dtype) << " "
-            << caps[0].pages_total << " pages x " << caps[0].bytes_per_page
-            << " B per device, threads " << engine->options().threads << ", max message "
-            << flags.max_message_bytes << " B, step idle timeout " << flags.step_idle_timeout_ms
-            << " ms; limits: step tokens " << flags.max_step_tokens << ", batch "
-            << flags.max_batch_entries << ", sequences " << flags.max_sequences
+            << caps[0].pages_total << " pages x " << caps[0].bytes_per_page << " B per device ("
+            << engine->cache_sizing() << "), threads " << engine->options().threads
+            << ", max message " << flags.max_message_bytes << " B, step idle timeout "
+            << flags.step_idle_timeout_ms << " ms; limits: step tokens " << flags.max_step_tokens
+            << ", batch " << flags.max_batch_entries << ", sequences " << flags.max_sequences
             << "; tenant quotas (0 = none): pages " << flags.quota_pages << ", sequences "
             << flags.quota_sequences << ", steps " << flags.quota_steps << ", shm regions "
             << flags.quota_shm_regions << "; auth " << flags.auth << ", tls "

@@ -12,6 +12,7 @@
 
 #include "common/thread_pool.h"
 #include "engine/step_plan.h"
+#include "kernels/cpu/host_memory.h"
 #include "kernels/device_factory.h"
 #include "kernels/reference/step_oracle.h"
 #include "tests/engine_harness.h"
@@ -231,6 +232,100 @@ TEST(DeviceFactory, BuildWithoutCudaRejectsCudaDevicesClearly) {
   o.pages_per_device = 8;
   auto e = Engine::Create(o);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST(HostMemory, ParsesMeminfoAndCgroupLimitFiles) {
+  const auto m = cpu::ParseMeminfo(
+      "MemTotal:       24684084 kB\nMemFree:        21817912 kB\n"
+      "MemAvailable:   24151636 kB\nBuffers:          123 kB\n");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->total, uint64_t{24684084} << 10);
+  EXPECT_EQ(m->available, uint64_t{24151636} << 10);
+  EXPECT_FALSE(m->cgroup_limited);
+  EXPECT_EQ(cpu::ParseMeminfo("MemTotal: 10 kB\n").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cpu::ParseMeminfo("").status().code(), absl::StatusCode::kFailedPrecondition);
+
+  EXPECT_EQ(cpu::ParseCgroupBytes("1073741824\n"), uint64_t{1} << 30);
+  EXPECT_EQ(cpu::ParseCgroupBytes("max\n"), std::nullopt);                // v2: no limit
+  EXPECT_EQ(cpu::ParseCgroupBytes("9223372036854771712"), std::nullopt);  // v1: no limit
+  EXPECT_EQ(cpu::ParseCgroupBytes("12x"), std::nullopt);
+  EXPECT_EQ(cpu::ParseCgroupBytes(""), std::nullopt);
+
+  // A pod limit of 8 GiB with 3 GiB used leaves 5 GiB, whatever the node has.
+  const auto pod = cpu::ApplyCgroup(*m, uint64_t{8} << 30, uint64_t{3} << 30);
+  EXPECT_EQ(pod.available, uint64_t{5} << 30);
+  EXPECT_EQ(pod.total, uint64_t{8} << 30);
+  EXPECT_TRUE(pod.cgroup_limited);
+  EXPECT_EQ(cpu::ApplyCgroup(*m, uint64_t{8} << 30, uint64_t{9} << 30).available, 0u);
+  const auto roomy = cpu::ApplyCgroup(*m, uint64_t{1} << 40, uint64_t{1} << 30);  // above the node
+  EXPECT_EQ(roomy.available, m->available);
+  EXPECT_EQ(roomy.total, m->total);
+  EXPECT_FALSE(roomy.cgroup_limited);
+  EXPECT_EQ(cpu::ApplyCgroup(*m, std::nullopt, uint64_t{1} << 30).available, m->available);
+
+  const auto here = cpu::QueryHostMemory();
+  ASSERT_TRUE(here.ok()) << here.status();
+  EXPECT_GT(here->available, 0u);
+  EXPECT_LE(here->available, here->total);
+}
+
+TEST(DeviceFactory, CacheFractionIsAShareOfEachDevicesAvailableMemory) {
+  const auto host = cpu::QueryHostMemory().value();
+  const auto one = CacheBytesForFraction({"cpu:0"}, 0.01, 0);
+  ASSERT_TRUE(one.ok()) << one.status();
+  // MemAvailable moves while the test runs: within 20% of the share measured just before.
+  const double want = 0.01 * static_cast<double>(host.available);
+  EXPECT_GT(static_cast<double>(one->bytes), 0.8 * want);
+  EXPECT_LT(static_cast<double>(one->bytes), 1.2 * want);
+  EXPECT_NE(one->explanation.find("host memory available"), std::string::npos) << one->explanation;
+  // CPU devices share the host: two of them get half each.
+  const auto two = CacheBytesForFraction({"cpu:0", "cpu:1"}, 0.01, 0);
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_GT(static_cast<double>(two->bytes), 0.4 * want);
+  EXPECT_LT(static_cast<double>(two->bytes), 0.6 * want);
+  EXPECT_NE(two->explanation.find("shared by 2 CPU devices"), std::string::npos);
+
+  for (double bad : {0.0, -0.5, 1.5, std::nan("")})
+    EXPECT_EQ(CacheBytesForFraction({"cpu:0"}, bad, 0).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  EXPECT_EQ(CacheBytesForFraction({"cpu:x"}, 0.5, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CacheBytesForFraction({}, 0.5, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  if (!CudaBackendBuilt()) {
+    EXPECT_EQ(CacheBytesForFraction({"cuda:0"}, 0.5, 0).status().code(),
+              absl::StatusCode::kUnimplemented);
+  } else if (!GpuDeviceNames().value_or(std::vector<std::string>{}).empty()) {
+    // A GPU's share is of its free memory less the scratch; a scratch larger than the share
+    // leaves nothing and says so.
+    const auto gpu = CacheBytesForFraction({"cuda:0"}, 0.5, size_t{1} << 30);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_GT(gpu->bytes, 0u);
+    EXPECT_EQ(CacheBytesForFraction({"cuda:0"}, 0.01, size_t{1} << 50).status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+}
+
+TEST(DeviceFactory, AnEngineSizedByFractionHasTheCacheThatFractionBuys) {
+  EngineOptions o;
+  o.spec = MixedLayerSpec(SelectionMode::kToken);
+  o.cache_fraction = 0.002;
+  const double want = 0.002 * static_cast<double>(cpu::QueryHostMemory().value().available);
+  auto e = Engine::Create(o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  const auto caps = (*e)->Capacity();
+  const double got = static_cast<double>(caps[0].pages_total) * caps[0].bytes_per_page;
+  EXPECT_GT(got, 0.8 * want);
+  EXPECT_LT(got, 1.2 * want);
+  EXPECT_EQ((*e)->options().cache_bytes_per_device / caps[0].bytes_per_page,
+            static_cast<size_t>(caps[0].pages_total) + 1);  // + the reserved page 0
+  EXPECT_NE((*e)->cache_sizing().find("0.002 of"), std::string::npos) << (*e)->cache_sizing();
+  // --kv-pages wins over the fraction.
+  o.pages_per_device = 16;
+  auto pinned = Engine::Create(o);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ((*pinned)->Capacity()[0].pages_total, 15);  // page 0 is reserved
 }
 
 }  // namespace

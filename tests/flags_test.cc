@@ -39,19 +39,22 @@ TEST(Flags, VersionNamesTheBuild) {
 
 TEST(Flags, ValuesSwitchesAndDefaults) {
   auto f = Parse({"--grpc-address=::", "--grpc-port", "0", "--metrics-port=0", "--shm",
-                  "--shm-socket=/tmp/x.sock", "--devices=cpu:0,cpu:1", "--drain-peers=a:1,b:2"});
+                  "--shm-socket=/tmp/x.sock", "--devices=cpu:0,cpu:1", "--drain-peers=a:1,b:2",
+                  "--kv-cache-fraction=0.9"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->grpc_address, "::");
   EXPECT_EQ(f->metrics_port, 0);
   EXPECT_TRUE(f->shm);
   EXPECT_EQ(f->devices.size(), 2u);
   EXPECT_EQ(f->drain_peers.size(), 2u);
+  EXPECT_DOUBLE_EQ(f->kv_cache_fraction, 0.9);
   const ServerFlags d = Parse({}).value();
   EXPECT_EQ(d.metrics_port, 8002);
   EXPECT_TRUE(d.allow_metrics);
   EXPECT_EQ(d.auth, "none");
   EXPECT_FALSE(d.shm);
   EXPECT_TRUE(d.grpc_reflection);
+  EXPECT_EQ(d.kv_cache_fraction, 0);  // sized by --kv-cache-bytes
 }
 
 TEST(Flags, RefusalsSayWhat) {
@@ -62,6 +65,9 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--threads=-1"}, "bad value '-1' for --threads"},
       {{"--max-sequences=0"}, "bad value '0' for --max-sequences"},
       {{"--kv-pages=4294967360"}, "bad value"},
+      {{"--kv-cache-fraction=0"}, "bad value '0' for --kv-cache-fraction"},
+      {{"--kv-cache-fraction=1.5"}, "bad value '1.5' for --kv-cache-fraction"},
+      {{"--kv-cache-fraction=nan"}, "bad value 'nan' for --kv-cache-fraction"},
       {{"--auth=mtls"}, "--auth=mtls needs --tls-client-ca"},
       {{"--auth=token"}, "--auth=token needs --auth-tokens"},
       {{"--tls-cert=a.pem"}, "--tls-cert and --tls-key go together"},

@@ -138,6 +138,17 @@ absl::StatusOr<int> ProbeDevices() {
                                              cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
 }
 
+absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal) {
+  ASSIGN_OR_RETURN(const int visible, ProbeDevices());
+  if (ordinal < 0 || ordinal >= visible)
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda:", ordinal, ": no such GPU (", visible, " visible)"));
+  GpuMemory m;
+  CUDA_RETURN(cudaSetDevice(ordinal));
+  CUDA_RETURN(cudaMemGetInfo(&m.free, &m.total));
+  return m;
+}
+
 void SetTensorCoreMla(bool on) { g_tensor_core_mla = on ? 1 : 0; }
 void SetTensorCoreIndexer(bool on) { g_tensor_core_indexer = on ? 1 : 0; }
 

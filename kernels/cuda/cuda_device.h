@@ -20,6 +20,12 @@ class NcclPeers;
 // too old for this runtime, missing device nodes, a failed initialisation), so a broken GPU
 // stack is never mistaken for a CPU-only machine.
 absl::StatusOr<int> ProbeDevices();
+// GPU `ordinal`'s free and total memory in bytes (cudaMemGetInfo), FAILED_PRECONDITION for a GPU
+// that is not there.
+struct GpuMemory {
+  size_t free = 0, total = 0;
+};
+absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal);
 // Selects the bf16 tensor-core MLA kernel (true, the default) or the SIMT one for bf16
 // requests, overriding ATTND_CUDA_MLA=simt; for tests comparing the two.
 void SetTensorCoreMla(bool on);

@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
 ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
@@ -18,14 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(extra: List[str], *, kv_pages: int = 256, threads: int = 2
+def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2
           ) -> Tuple[subprocess.Popen, str, int]:
-    """attnd on 127.0.0.1 with `extra` flags (later flags win); returns (process, target, metrics
-    port) once it printed its serving line. Its stdout and stderr stay readable from the process."""
+    """attnd on 127.0.0.1 with `extra` flags (later flags win; kv_pages None: no --kv-pages);
+    returns (process, target, metrics port) once it printed its serving line. Its stdout and
+    stderr stay readable from the process."""
     port, mport = free_port(), free_port()
+    pages = [] if kv_pages is None else [f"--kv-pages={kv_pages}"]
     proc = subprocess.Popen(
         [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
-         f"--kv-pages={kv_pages}", f"--threads={threads}", f"--metrics-port={mport}", *extra],
+         *pages, f"--threads={threads}", f"--metrics-port={mport}", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = proc.stdout.readline()
     assert "serving attnd.v1" in line, line + (proc.stdout.read() if proc.poll() is not None else "")

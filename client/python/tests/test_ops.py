@@ -199,6 +199,32 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
     assert "similar lines dropped" in refused[-1], refused[-1]
 
 
+def _mem_available():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def test_the_cache_sized_as_a_fraction_of_memory():
+    """--kv-cache-fraction: the cache is that share of the host's available memory (the pod's,
+    within a cgroup limit), said on the startup line and in ServerInfo."""
+    want = 0.01 * _mem_available()
+    proc, target, _ = start(["--kv-cache-fraction=0.01"], kv_pages=None)
+    try:
+        line = proc.stdout.readline()
+        assert "0.01 of" in line and "host memory available" in line, line
+        with AttndClient(target, timeout=30) as c:
+            d = c.info().devices[0]
+        got = (d.pages_total + 1) * d.bytes_per_page  # + the reserved page 0
+        assert 0.8 * want < got < 1.2 * want, (got, want)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    r = subprocess.run([str(ATTND_BIN), "--kv-cache-fraction=1.5"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--kv-cache-fraction" in r.stderr, r.stderr
+
+
 def _wire(layer, x):
     msg = pb.LayerInputs(layer=layer)
     for name, v in x.items():
