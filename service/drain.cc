@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -115,22 +116,41 @@ DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
     return report;
   }
   report.peers = *peers;
-  for (const SequenceInfo& seq : engine.ListSequences(nullptr)) {
-    if (Clock::now() >= deadline) {
-      ++report.failed;
-      if (report.first_error.empty()) report.first_error = "drain timeout";
-      continue;
-    }
-    const std::string peer = client::Route(*peers, seq.id);
-    const absl::Status s = MoveOne(engine, seq, peer, o);
-    if (s.ok()) {
-      ++report.moved;
-    } else {
+  const std::vector<SequenceInfo> all = engine.ListSequences(nullptr);
+  std::mutex mu;  // guards `next` and `report`
+  size_t next = 0;
+  auto worker = [&] {
+    for (;;) {
+      size_t i;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (next == all.size()) return;
+        i = next++;
+      }
+      const SequenceInfo& seq = all[i];
+      absl::Status s = absl::DeadlineExceededError("drain timeout");
+      std::string peer;
+      if (Clock::now() < deadline) {
+        peer = client::Route(*peers, seq.id);
+        s = MoveOne(engine, seq, peer, o);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (s.ok()) {
+        ++report.moved;
+        continue;
+      }
       ++report.failed;
       if (report.first_error.empty())
-        report.first_error = absl::StrCat(seq.id.substr(0, 64), " -> ", peer, ": ", s.message());
+        report.first_error =
+            peer.empty() ? std::string(s.message())
+                         : absl::StrCat(seq.id.substr(0, 64), " -> ", peer, ": ", s.message());
     }
-  }
+  };
+  const size_t n = std::min<size_t>(std::max(1, o.parallel), std::max<size_t>(1, all.size()));
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < n; ++t) threads.emplace_back(worker);
+  worker();
+  for (std::thread& t : threads) t.join();
   return report;
 }
 

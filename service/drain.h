@@ -24,6 +24,9 @@ struct DrainOptions {
   client::ConnectOptions credentials;
   std::chrono::milliseconds timeout{60000};  // for open steps to end, then for the moves
   int64_t chunk_tokens = 4096;
+  // Sequences moved at once, each on its own connection: one move is a chain of per-layer round
+  // trips that leaves both hosts mostly idle, so several overlap.
+  int parallel = 4;
 };
 
 struct DrainReport {

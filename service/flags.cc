@@ -212,6 +212,9 @@ std::vector<Flag> Table(ServerFlags* f) {
        List(&f->drain_peers, false)},
       {"drain-timeout-ms", "N", "for open steps to end and the moves (default 60000)",
        Int(&f->drain_timeout_ms)},
+      {"drain-parallel", "N",
+       "sequences handed off at once, each on its own connection\n(1-64, default 4)",
+       Limit(&f->drain_parallel)},
       {"drain-token-file", "FILE", "the admin identity's bearer token on the peers",
        Str(&f->drain_token_file)},
       {"drain-tls-ca", "PEM", "TLS to the peers: their CA", Str(&f->drain_tls_ca)},
@@ -299,6 +302,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.auth == "token" && f.auth_tokens.empty()) return bad("--auth=token needs --auth-tokens");
   if (f.metrics_tls && f.tls_cert.empty()) return bad("--metrics-tls needs --tls-cert/--tls-key");
   if (f.shm && f.shm_socket.empty()) return bad("--shm needs --shm-socket=PATH");
+  if (f.drain_parallel > 64) return bad("--drain-parallel: at most 64");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
   if (!f.admin_tenant.empty() && f.auth == "none")
     return bad("--admin-tenant needs --auth=token or --auth=mtls");

@@ -20,7 +20,7 @@ struct ServerFlags {
   std::string model_file;                     // a JSON model spec; wins over --model
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
   double kv_cache_fraction = 0;  // > 0: the cache from device memory, over kv_cache_bytes
-  int32_t kv_pages = 0;  // per device, incl. the reserved page 0; wins over bytes
+  int32_t kv_pages = 0;          // per device, incl. the reserved page 0; wins over bytes
   int64_t gpu_scratch_bytes = int64_t{8} << 30;  // per GPU, beside its cache
   DType cache_dtype = DType::kBF16;
   std::vector<std::string> devices = {"auto"};  // cpu:N and/or cuda:N, or auto
@@ -59,6 +59,7 @@ struct ServerFlags {
   // Drain (DESIGN §12): on SIGTERM (or the Drain RPC) hand every sequence to these replicas.
   std::vector<std::string> drain_peers;  // host:port, or dns:NAME:PORT
   int64_t drain_timeout_ms = 60000;
+  int64_t drain_parallel = 4;
   std::string drain_token_file;  // the admin identity's token on the peers
   std::string drain_tls_ca, drain_tls_cert, drain_tls_key;
   std::string log_level = "info";  // info, warning, error (glog, on stderr)

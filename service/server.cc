@@ -96,6 +96,7 @@ absl::StatusOr<DrainOptions> MakeDrainOptions(const ServerFlags& f,
   DrainOptions d;
   d.peers = std::move(peers);
   d.timeout = std::chrono::milliseconds(f.drain_timeout_ms);
+  d.parallel = static_cast<int>(f.drain_parallel);  // 1-64 (flags.cc)
   d.credentials.tls_ca_file = f.drain_tls_ca;
   d.credentials.tls_cert_file = f.drain_tls_cert;
   d.credentials.tls_key_file = f.drain_tls_key;
@@ -282,7 +283,8 @@ int RunServer(const ServerFlags& flags) {
             << (flags.tls_cert.empty() ? "off" : "on") << ", shm " << (flags.shm ? "on" : "off")
             << "; drain peers "
             << (flags.drain_peers.empty() ? "none" : absl::StrJoin(flags.drain_peers, ","))
-            << " (timeout " << flags.drain_timeout_ms << " ms)";
+            << " (timeout " << flags.drain_timeout_ms << " ms, " << flags.drain_parallel
+            << " at once)";
 
   // Idle steps expire in the background.
   std::mutex mu;

@@ -65,6 +65,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--threads=-1"}, "bad value '-1' for --threads"},
       {{"--max-sequences=0"}, "bad value '0' for --max-sequences"},
       {{"--kv-pages=4294967360"}, "bad value"},
+      {{"--drain-parallel=65"}, "--drain-parallel: at most 64"},
+      {{"--drain-parallel=0"}, "bad value '0' for --drain-parallel"},
       {{"--kv-cache-fraction=0"}, "bad value '0' for --kv-cache-fraction"},
       {{"--kv-cache-fraction=1.5"}, "bad value '1.5' for --kv-cache-fraction"},
       {{"--kv-cache-fraction=nan"}, "bad value 'nan' for --kv-cache-fraction"},
