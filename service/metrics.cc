@@ -289,7 +289,7 @@ Family<T>::Family(std::string name, std::string help, std::vector<double> bucket
 
 template <typename T>
 T& Family<T>::Add(const Labels& labels) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = metrics_.find(labels);
   if (it != metrics_.end()) return *it->second;
   for (const auto& [label, value] : labels) {
@@ -313,7 +313,7 @@ T& Family<T>::Add(const Labels& labels) {
 
 template <typename T>
 void Family<T>::AppendText(std::string* out) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (metrics_.empty()) return;
   absl::StrAppend(out, "# HELP ", name(), " ");
   AppendEscaped(help(), /*escape_quote=*/false, out);
@@ -344,7 +344,7 @@ internal::FamilyBase& Registry::AddFamily(absl::string_view name, absl::string_v
   if (absl::Status status = ValidateMetricName(name); !status.ok()) Die(status.message());
   CheckBucketBounds(bucket_bounds, absl::StrCat("histogram ", name));
 
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = families_.find(name);
   if (it != families_.end()) {
     internal::FamilyBase& family = *it->second;
@@ -392,22 +392,22 @@ internal::FamilyBase& Registry::AddFamily(absl::string_view name, absl::string_v
 }
 
 void Registry::AddCollectHook(std::function<void()> hook) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   hooks_.push_back(std::move(hook));
 }
 
 std::string Registry::Serialize() {
-  absl::MutexLock serialize_lock(&serialize_mu_);
+  std::lock_guard<std::mutex> serialize_lock(serialize_mu_);
   // A copy, so that hooks run without mu_ held and may add families (or hooks, for next time).
   std::vector<std::function<void()>> hooks;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     hooks = hooks_;
   }
   for (const std::function<void()>& hook : hooks) hook();
 
   std::string out;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [name, family] : families_) family->AppendText(&out);
   return out;
 }

@@ -20,14 +20,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 
 namespace attnd::metrics {
 
@@ -165,8 +164,8 @@ class Family final : public internal::FamilyBase {
   Family(std::string name, std::string help, std::vector<double> bucket_bounds);
 
   const std::vector<double> bucket_bounds_;  // histograms only
-  mutable absl::Mutex mu_;
-  std::map<Labels, std::unique_ptr<T>> metrics_ ABSL_GUARDED_BY(mu_);
+  mutable std::mutex mu_;                    // guards metrics_
+  std::map<Labels, std::unique_ptr<T>> metrics_;
 };
 
 extern template class Family<Counter>;
@@ -206,13 +205,12 @@ class Registry {
                                   std::vector<double> bucket_bounds);
 
   // Held for a whole Serialize, so hooks never run concurrently with each other.
-  absl::Mutex serialize_mu_;
-  absl::Mutex mu_ ABSL_ACQUIRED_AFTER(serialize_mu_);
-  std::map<std::string, std::unique_ptr<internal::FamilyBase>, std::less<>> families_
-      ABSL_GUARDED_BY(mu_);
+  std::mutex serialize_mu_;
+  std::mutex mu_;  // guards the three below; taken after serialize_mu_, never before
+  std::map<std::string, std::unique_ptr<internal::FamilyBase>, std::less<>> families_;
   // Every sample name a family emits (histogram "x" emits x_bucket, x_sum, x_count) -> its family.
-  std::map<std::string, std::string, std::less<>> series_names_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string, std::less<>> series_names_;
+  std::vector<std::function<void()>> hooks_;
 };
 
 }  // namespace attnd::metrics

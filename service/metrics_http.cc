@@ -113,7 +113,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   if (server->context_ == nullptr) {
     std::string reason;
     {
-      absl::MutexLock lock(&server->log_mu_);
+      std::lock_guard<std::mutex> lock(server->log_mu_);
       // The log holds the cause (e.g. the bind error); error_text only the stage that failed.
       reason = server->start_log_.empty() ? std::string(error_text) : server->start_log_;
     }
@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   }
   server->port_ = ports[0].port;
   {
-    absl::MutexLock lock(&server->log_mu_);
+    std::lock_guard<std::mutex> lock(server->log_mu_);
     server->started_ = true;
   }
   return server;
@@ -170,7 +170,7 @@ int MetricsHttpServer::HandleRequest(mg_connection* connection, void* server) {
 int MetricsHttpServer::LogMessage(const mg_connection* connection, const char* message) {
   auto* server = static_cast<MetricsHttpServer*>(mg_get_user_data(mg_get_context(connection)));
   if (server != nullptr) {
-    absl::MutexLock lock(&server->log_mu_);
+    std::lock_guard<std::mutex> lock(server->log_mu_);
     if (!server->started_) {
       if (!server->start_log_.empty()) server->start_log_ += "; ";
       server->start_log_ += message;

@@ -2,12 +2,11 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "service/metrics.h"
 
 struct mg_connection;
@@ -62,9 +61,9 @@ class MetricsHttpServer {
   int port_ = 0;
   // civetweb reports why it failed to start only through its log callback; collected here while
   // Start runs, then log lines go to stderr.
-  absl::Mutex log_mu_;
-  bool started_ ABSL_GUARDED_BY(log_mu_) = false;
-  std::string start_log_ ABSL_GUARDED_BY(log_mu_);
+  std::mutex log_mu_;  // guards started_ and start_log_
+  bool started_ = false;
+  std::string start_log_;
 };
 
 }  // namespace attnd::metrics
