@@ -1,14 +1,47 @@
 #include "engine/layer_check.h"
 
+#include <array>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace attnd {
+namespace {
+
+// Every tensor a layer call carries, by name, in the order errors name them.
+std::array<std::pair<const char*, const TensorView*>, 7> Named(const LayerInputs& in) {
+  return {{{"q_latent", &in.q_latent},
+           {"q_rope", &in.q_rope},
+           {"kv_latent", &in.kv_latent},
+           {"k_rope", &in.k_rope},
+           {"index_q", &in.index_q},
+           {"index_k", &in.index_k},
+           {"index_w", &in.index_w}}};
+}
+
+}  // namespace
+
+absl::Status CheckLayerDTypes(const LayerInputs& in) {
+  const char* first = nullptr;
+  DType dtype = DType::kF32;
+  for (const auto& [name, t] : Named(in)) {
+    if (!t->present) continue;
+    if (first == nullptr) {
+      first = name;
+      dtype = t->dtype;
+    } else if (t->dtype != dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", DTypeName(t->dtype), ", but ", first, " is ", DTypeName(dtype),
+                       "; every tensor of a layer call has one datatype"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckLayerShapes(const ModelSpec& s, int64_t T, bool write_only, int layer,
                               const LayerInputs& in, size_t out_bytes) {
+  RETURN_IF_ERROR(CheckLayerDTypes(in));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
   if (write_only) {
@@ -51,11 +84,7 @@ absl::Status CheckLayerShapes(const ModelSpec& s, int64_t T, bool write_only, in
 }
 
 absl::Status CheckLayerFinite(const LayerInputs& in) {
-  const std::pair<const char*, const TensorView*> all[] = {
-      {"q_latent", &in.q_latent}, {"q_rope", &in.q_rope},   {"kv_latent", &in.kv_latent},
-      {"k_rope", &in.k_rope},     {"index_q", &in.index_q}, {"index_k", &in.index_k},
-      {"index_w", &in.index_w}};
-  for (const auto& [name, t] : all) RETURN_IF_ERROR(CheckFinite(name, *t));
+  for (const auto& [name, t] : Named(in)) RETURN_IF_ERROR(CheckFinite(name, *t));
   return absl::OkStatus();
 }
 

@@ -15,6 +15,10 @@ namespace attnd {
 // (write-only steps take only the keys and no output), or OK.
 absl::Status CheckLayerShapes(const ModelSpec& spec, int64_t tokens, bool write_only, int layer,
                               const LayerInputs& in, size_t out_bytes);
+// INVALID_ARGUMENT when the call's tensors are not all of one datatype (FP32 queries with BF16
+// keys would otherwise be converted silently), naming the first that differs. CheckLayerShapes
+// runs it first.
+absl::Status CheckLayerDTypes(const LayerInputs& in);
 // INVALID_ARGUMENT naming the first tensor holding a NaN or an infinity, or OK.
 absl::Status CheckLayerFinite(const LayerInputs& in);
 

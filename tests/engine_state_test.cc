@@ -237,6 +237,7 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
   // Layer inputs: each malformed tensor in turn, on a fresh step that the error aborts.
   const std::vector<StepEntry> batch = {{"a", 2}, {"b", 1}};
   const auto good = h.MakeInputs(batch, DType::kBF16, 7);
+  const auto fp32 = h.MakeInputs(batch, DType::kF32, 7);
   const size_t out_bytes = 3 * 4 * 32 * 2;
   struct Case {
     const char* name;
@@ -258,6 +259,9 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
        "index_q: missing"},
       {"index_w shape", [](LayerInputs& in, size_t&) { in.index_w.dims[1] = 3; }, "index_w: shape"},
       {"output size", [](LayerInputs&, size_t& n) { n -= 2; }, "output buffer"},
+      // Well-formed on its own, but FP32 beside BF16: refused, never converted silently.
+      {"mixed datatypes", [&](LayerInputs& in, size_t&) { in.index_w = fp32[0].index_w.view(); },
+       "index_w: FP32, but q_latent is BF16; every tensor of a layer call has one datatype"},
   };
   for (const auto& c : cases) {
     auto step = e.BeginStep(batch);
