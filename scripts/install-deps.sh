@@ -12,7 +12,7 @@ apt_pkgs=(
   civetweb libcivetweb-dev
   prometheus
   clang-14 llvm-14 libclang-rt-14-dev libfuzzer-14-dev
-  libssl-dev openssl libgoogle-glog-dev libcli11-dev
+  libssl-dev openssl libgoogle-glog-dev libcli11-dev nlohmann-json3-dev
   python3-pip curl
 )
 missing=()

@@ -101,6 +101,10 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"model", "NAME", "preset: deepseek-v3.2, glm-5, glm-5.2, tiny, demo (default demo)",
        Str(&f->model)},
       {"model-file", "PATH", "JSON model spec (overrides --model)", Str(&f->model_file)},
+      {"hf-config", "PATH",
+       "a Hugging Face config.json (deepseek_v32, glm_moe_dsa): the spec as\ntransformers reads "
+       "that model (overrides --model)",
+       Str(&f->hf_config)},
       {"kv-cache-bytes", "N", "cache bytes per device (default 1073741824)",
        Int(&f->kv_cache_bytes)},
       {"kv-cache-fraction", "F",
@@ -302,6 +306,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.auth == "token" && f.auth_tokens.empty()) return bad("--auth=token needs --auth-tokens");
   if (f.metrics_tls && f.tls_cert.empty()) return bad("--metrics-tls needs --tls-cert/--tls-key");
   if (f.shm && f.shm_socket.empty()) return bad("--shm needs --shm-socket=PATH");
+  if (!f.model_file.empty() && !f.hf_config.empty())
+    return bad("--model-file and --hf-config: give one");
   if (f.drain_parallel > 64) return bad("--drain-parallel: at most 64");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
   if (!f.admin_tenant.empty() && f.auth == "none")

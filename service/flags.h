@@ -18,6 +18,7 @@ struct ServerFlags {
   std::string metrics_address;                // default: --grpc-address if IPv4, else 0.0.0.0
   std::string model = "demo";                 // a preset name
   std::string model_file;                     // a JSON model spec; wins over --model
+  std::string hf_config;                      // a Hugging Face config.json: the spec from it
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
   double kv_cache_fraction = 0;  // > 0: the cache from device memory, over kv_cache_bytes
   int32_t kv_pages = 0;          // per device, incl. the reserved page 0; wins over bytes

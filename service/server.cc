@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/hf_config.h"
 #include "common/status_macros.h"
 #include "engine/engine.h"
 #include "service/attention_service.h"
@@ -37,12 +38,14 @@ namespace {
 constexpr char kServiceName[] = "attnd.v1.Attention";
 
 absl::StatusOr<ModelSpec> LoadSpec(const ServerFlags& f) {
-  if (f.model_file.empty()) return PresetModelSpec(f.model);
-  std::ifstream in(f.model_file);
-  if (!in) return absl::NotFoundError(absl::StrCat("--model-file: cannot read ", f.model_file));
+  const std::string& path = f.hf_config.empty() ? f.model_file : f.hf_config;
+  if (path.empty()) return PresetModelSpec(f.model);
+  const char* flag = f.hf_config.empty() ? "--model-file" : "--hf-config";
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
   std::stringstream text;
   text << in.rdbuf();
-  return ParseModelSpecJson(text.str());
+  return f.hf_config.empty() ? ParseModelSpecJson(text.str()) : SpecFromHfConfig(text.str());
 }
 
 TenantQuota FlagQuota(const ServerFlags& f) {
