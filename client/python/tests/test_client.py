@@ -407,15 +407,18 @@ def test_tensor_conversions():
         from_tensor(t)
 
 
-def test_missing_stubs_import_error(tmp_path):
+def test_missing_descriptor_import_error(tmp_path):
+    """A checkout without the compiled descriptor says how to make it."""
     pkg = tmp_path / "attnd"
     (pkg / "v1").mkdir(parents=True)
-    for f in ("__init__.py", "client.py", "v1/__init__.py"):
+    for f in ("__init__.py", "client.py", "router.py", "v1/__init__.py", "v1/_descriptors.py",
+              "v1/attention_pb2.py", "v1/attention_pb2_grpc.py"):
         (pkg / f).write_text((PYTHON_DIR / "attnd" / f).read_text())
     r = subprocess.run([sys.executable, "-c", "import attnd"], cwd=tmp_path, capture_output=True,
                        text=True)
     assert r.returncode != 0
-    assert "ImportError" in r.stderr and "generate_stubs.sh" in r.stderr and "grpc_tools.protoc" in r.stderr
+    assert "ImportError" in r.stderr and "attention.binpb is missing" in r.stderr, r.stderr
+    assert "pip install ./client/python" in r.stderr and "generate_stubs.sh" in r.stderr
 
 
 # ---- tests against the server ------------------------------------------------------------------

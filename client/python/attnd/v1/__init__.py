@@ -1,26 +1,7 @@
-"""attnd.v1: the generated protobuf/gRPC stubs of proto/attnd/v1/attention.proto.
+"""attnd.v1: the API of proto/attnd/v1/attention.proto — messages (:mod:`.attention_pb2`) and the
+client stub (:mod:`.attention_pb2_grpc`), built at import from the descriptor compiled when the
+package was built (so they match whichever protobuf runtime is installed)."""
 
-The stubs (attention_pb2.py, attention_pb2_grpc.py) are generated, not committed. Produce them with
-``client/python/generate_stubs.sh``, i.e. from the repository root::
-
-    python3 -m grpc_tools.protoc -I proto --python_out=client/python \
-        --grpc_python_out=client/python proto/attnd/v1/attention.proto
-"""
-
-_GENERATE = (
-    "attnd.v1 stubs are missing: run client/python/generate_stubs.sh, i.e. from the repository "
-    "root: python3 -m grpc_tools.protoc -I proto --python_out=client/python "
-    "--grpc_python_out=client/python proto/attnd/v1/attention.proto"
-)
-
-import importlib
-
-try:
-    attention_pb2 = importlib.import_module(f"{__name__}.attention_pb2")
-    attention_pb2_grpc = importlib.import_module(f"{__name__}.attention_pb2_grpc")
-except ModuleNotFoundError as e:  # only a missing stub file; other import errors pass through
-    if e.name in (f"{__name__}.attention_pb2", f"{__name__}.attention_pb2_grpc"):
-        raise ImportError(_GENERATE, name=e.name) from e
-    raise
+from . import attention_pb2, attention_pb2_grpc
 
 __all__ = ["attention_pb2", "attention_pb2_grpc"]

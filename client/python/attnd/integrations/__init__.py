@@ -1,0 +1,1 @@
+"""Adapters that serve a model framework's attention through attnd (see transformers.py)."""
