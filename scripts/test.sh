@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything (CUDA too when nvcc is present) and runs the whole
 # test suite: C++ unit and integration tests (ctest), the Python client tests (pytest, from the
-# checkout, then as a package pip-installed into a fresh venv), the C++
+# checkout, then as a package pip-installed into a fresh venv, then transformers' models through
+# the adapter in a torch venv cached under ~/.cache), the C++
 # suites again under ASan+UBSan and the concurrency tests under TSan (scripts/sanitize.sh), and a
 # short run of each libFuzzer target from its seed corpus (scripts/fuzz.sh).
 # ATTND_QUICK=1 skips the sanitizer and fuzz stages (for a quick local loop).
@@ -18,6 +19,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
   python3 -m pytest -q client/python/tests bench/test_gpu_report.py
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
+  BUILD_DIR="$BUILD_DIR" ./scripts/test_transformers.sh
 fi
 # With the CUDA backend built: gpu-check goes through every stage without a GPU and must say that
 # nothing was measured (never a green table).

@@ -134,14 +134,37 @@ def _wire_name(dtype: np.dtype, uint16_as_bf16: bool) -> str:
     )
 
 
-def to_tensor(array: np.ndarray, *, uint16_as_bf16: bool = False) -> pb.Tensor:
-    """A numpy array as a wire Tensor (little-endian, row-major, no padding).
+def as_numpy(x) -> np.ndarray:
+    """``x`` as a numpy array, sharing memory where it can: a CPU torch tensor (any layout;
+    torch.bfloat16 as ml_dtypes.bfloat16, reinterpreting the same bytes), any other object
+    offering DLPack (``__dlpack__``), or anything np.asarray takes. A tensor on a GPU or one that
+    requires grad raises TypeError/ValueError naming it (move or detach it first: attnd never
+    copies device memory behind a caller's back)."""
+    if isinstance(x, np.ndarray):
+        return x
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise TypeError(f"a torch tensor on {x.device}: attnd takes CPU tensors (.cpu())")
+        if x.requires_grad:
+            x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+    if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)):
+        return np.from_dlpack(x)
+    return np.asarray(x)
 
-    float32 -> FP32, float16 -> FP16, ml_dtypes.bfloat16 -> BF16, and uint16 -> BF16 (the raw bits)
-    when ``uint16_as_bf16``. Any byte order and memory layout is accepted. Raises TypeError for other
-    dtypes.
+
+def to_tensor(array, *, uint16_as_bf16: bool = False) -> pb.Tensor:
+    """A numpy array (or a CPU torch tensor, or any DLPack array: see :func:`as_numpy`) as a wire
+    Tensor (little-endian, row-major, no padding).
+
+    float32 -> FP32, float16 -> FP16, bfloat16 (ml_dtypes or torch) -> BF16, and uint16 -> BF16
+    (the raw bits) when ``uint16_as_bf16``. Any byte order and memory layout is accepted. Raises
+    TypeError for other dtypes.
     """
-    a = np.asarray(array)
+    a = as_numpy(array)
     dt = _native(a.dtype)
     name = _wire_name(dt, uint16_as_bf16)
     size = dt.itemsize
@@ -432,7 +455,7 @@ def _check_dtype(dtype: np.dtype) -> None:
 def _dtype_of(x: Optional[TensorArg]) -> Optional[np.dtype]:
     if x is None:
         return None
-    return x.dtype if isinstance(x, ShmTensor) else np.asarray(x).dtype
+    return x.dtype if isinstance(x, ShmTensor) else as_numpy(x).dtype
 
 
 # ---- plain data --------------------------------------------------------------------------------
@@ -547,6 +570,10 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
             getattr(msg, name).CopyFrom(value.to_tensor(uint16_as_bf16=uint16_as_bf16))
         else:
             getattr(msg, name).CopyFrom(to_tensor(value, uint16_as_bf16=uint16_as_bf16))
+    kinds = {name: getattr(msg, name).datatype for name, v in tensors.items() if v is not None}
+    if len(set(kinds.values())) > 1:
+        raise TypeError("one datatype per layer call, got " +
+                        ", ".join(f"{n} {d}" for n, d in kinds.items()))
     if out is not None:
         msg.out_shm.CopyFrom(out.ref())
     return msg

@@ -1,0 +1,156 @@
+"""attnd.integrations.transformers against transformers' own DeepSeek-V3.2 and GLM-MoE-DSA code:
+tiny random-weight models (fixed seed; GLM with full and shared layers; index_topk 8, pruning at
+the test's lengths) whose attention runs on a real attnd produce the unmodified model's greedy
+tokens over a chunked prefill and 10 decode steps, with logits within 1e-4 (relative L2, fp32
+cache). Needs torch and transformers: scripts/test.sh runs this file in the cached torch venv
+with ATTND_REQUIRE_TORCH=1, where a missing import fails instead of skipping."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+
+import pytest
+
+if os.environ.get("ATTND_REQUIRE_TORCH") == "1":
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+from attnd import AttndClient
+from attnd.hf_config import spec_from_hf_config
+from attnd.integrations.transformers import AttndModel
+
+from attnd_process import start
+
+PROMPT_LEN, CHUNK, DECODE = 21, 8, 10
+
+
+def tiny_config(model_type: str):
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                  topk_group=1, first_k_dense_replace=1, num_attention_heads=4,
+                  num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=16, v_head_dim=16, index_n_heads=8, index_head_dim=32,
+                  index_topk=8, max_position_embeddings=256, tie_word_embeddings=False)
+    if model_type == "deepseek_v32":  # YaRN, so the softmax scale carries mscale^2
+        return transformers.DeepseekV32Config(
+            num_hidden_layers=3, **common,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0})
+    return transformers.GlmMoeDsaConfig(
+        num_hidden_layers=5, indexer_types=["full", "shared", "full", "shared", "shared"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+
+
+@pytest.fixture(params=["deepseek_v32", "glm_moe_dsa"])
+def served(request, tmp_path):
+    config = tiny_config(request.param)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32).eval()
+    # Random weights of the init's small scale make flat logits: widen them so greedy choices
+    # are decided by margins far above fp32 rounding.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    reference = copy.deepcopy(model)
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    proc, target, _ = start([f"--hf-config={path}", "--cache-dtype=fp32"], kv_pages=64)
+    client = AttndClient(target, timeout=60)
+    yield AttndModel(model, client), reference, json.loads(path.read_text())
+    client.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def reference_greedy(model, prompt, n):
+    """The unmodified model, recomputing the whole sequence each step (no cache)."""
+    seq, tokens, logits = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n + 1):
+            out = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+            logits.append(out)
+            if len(tokens) == n:
+                break
+            tokens.append(int(out.argmax()))
+            seq.append(tokens[-1])
+    return tokens, logits
+
+
+def rel_l2(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_the_server_serves_the_models_spec(served):
+    adapter, _, config = served
+    want = spec_from_hf_config(config)
+    spec = adapter.spec
+    assert spec.layers == want["layers"] and spec.index_topk == 8
+    assert spec.sm_scale == pytest.approx(adapter.layers[0].attn.scaling, rel=1e-12)
+    if config["model_type"] == "glm_moe_dsa":
+        assert spec.layers == ("full", "shared", "full", "shared", "shared")
+
+
+def test_greedy_tokens_and_logits_match_the_unmodified_model(served):
+    adapter, reference, _ = served
+    prompt = torch.randint(0, 96, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5))
+    want_tokens, want_logits = reference_greedy(reference, prompt.tolist(), DECODE)
+
+    adapter.open("s")
+    logits = None
+    for start_tok in range(0, PROMPT_LEN, CHUNK):  # chunked prefill: 8 + 8 + 5 tokens
+        (logits,) = adapter.forward([("s", prompt[start_tok:start_tok + CHUNK])])
+    got_tokens = []
+    for i in range(DECODE):
+        err = rel_l2(logits[-1], want_logits[i])
+        assert err < 1e-4, f"step {i}: logits differ by {err:.2e} (relative L2)"
+        assert not torch.isnan(logits).any()
+        got_tokens.append(int(logits[-1].argmax()))
+        (logits,) = adapter.forward([("s", torch.tensor([got_tokens[-1]]))])
+    assert rel_l2(logits[-1], want_logits[DECODE]) < 1e-4
+    assert got_tokens == want_tokens
+    assert adapter.client.describe_sequence("s").length == PROMPT_LEN + DECODE
+    adapter.close("s")
+    # The selection matters at these lengths: the same weights attending densely decide otherwise.
+    dense = copy.deepcopy(reference)
+    for layer in dense.model.layers:
+        if getattr(layer.self_attn, "indexer", None) is not None:
+            layer.self_attn.indexer.index_topk = 10 ** 6
+    _, dense_logits = reference_greedy(dense, prompt.tolist(), DECODE)
+    assert max(rel_l2(d, w) for d, w in zip(dense_logits, want_logits)) > 1e-2
+
+
+def test_mixed_batches_and_forks_equal_separate_runs(served):
+    adapter, _, _ = served
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randint(0, 96, (12,), generator=g), torch.randint(0, 96, (9,), generator=g)
+    # Alone: a prefilled, then one decode token; b prefilled.
+    adapter.open("a1")
+    adapter.forward([("a1", a)])
+    (alone_a,) = adapter.forward([("a1", torch.tensor([3]))])
+    adapter.open("b1")
+    (alone_b,) = adapter.forward([("b1", b)])
+    # Together: a's decode token and b's whole prefill in one step.
+    adapter.open("a2")
+    adapter.forward([("a2", a)])
+    adapter.open("b2")
+    mixed_a, mixed_b = adapter.forward([("a2", torch.tensor([3])), ("b2", b)])
+    assert rel_l2(mixed_a, alone_a) < 1e-5 and rel_l2(mixed_b, alone_b) < 1e-5
+    # A fork of a's first 10 tokens continued with a's last 2 equals a itself.
+    adapter.fork("a3", "a1", 10)
+    (forked,) = adapter.forward([("a3", a[10:])])
+    (whole,) = adapter.forward([("a2", torch.tensor([4]))])  # a2 moves on; compare a1's prefill
+    adapter.open("a4")
+    (fresh,) = adapter.forward([("a4", a)])
+    assert rel_l2(forked, fresh[10:]) < 1e-5
+    for sid in ("a1", "b1", "a2", "b2", "a3", "a4"):
+        adapter.close(sid)
+    assert adapter.client.list_sequences() == []
