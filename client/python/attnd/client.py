@@ -608,42 +608,40 @@ def _raw_bf16(q_latent: Optional[TensorArg], uint16_as_bf16: bool) -> bool:
 # ---- the client --------------------------------------------------------------------------------
 
 
-class AttndClient:
-    """A connection to one attnd server.
+_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
-    Args:
-      target: "host:port" (any gRPC target); "unix:/path" reaches the server's Unix-socket
-        listener, the only way to use shared memory.
-      max_message_bytes: the channel's receive and send limit (gRPC's default receive limit, 4 MiB,
-        is far too small for prefill layers); keep it at most the server's ``max_message_bytes``.
-      timeout: a deadline in seconds for every unary call (None: none).
-      uint16_as_bf16: accept uint16 arrays as raw bf16 bits (outputs then come back as uint16 too).
-      options: extra gRPC channel options.
-      root_certificates: PEM bytes of the CA that signed the server's certificate: speak TLS.
-      private_key, certificate_chain: PEM bytes of this client's key and certificate (mTLS).
-      server_name: the name to verify in the server's certificate instead of the target's host.
-      token: a bearer token (sent as ``authorization: Bearer <token>`` on every call).
-      act_as_tenant: the admin identity only: act inside this tenant's namespace.
 
-    Thread safety: unary methods may be called from several threads at once (gRPC channels are
-    thread-safe); a :class:`StepStream` belongs to one thread.
-    """
+def _health_request(service: str) -> bytes:
+    """grpc.health.v1.HealthCheckRequest{service} on the wire (field 1, a string): no
+    grpcio-health-checking needed, whichever protobuf it would pin."""
+    data = service.encode()
+    n, varint = len(data), bytearray()
+    while True:
+        varint.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            break
+    return b"\x0a" + bytes(varint) + data if data else b""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        timeout: Optional[float] = None,
-        uint16_as_bf16: bool = False,
-        options: Sequence[Tuple[str, object]] = (),
-        root_certificates: Optional[bytes] = None,
-        private_key: Optional[bytes] = None,
-        certificate_chain: Optional[bytes] = None,
-        server_name: Optional[str] = None,
-        token: Optional[str] = None,
-        act_as_tenant: Optional[str] = None,
-    ) -> None:
+
+def _health_status(data: bytes) -> str:
+    """HealthCheckResponse.status (field 1, an enum) from the wire."""
+    if len(data) >= 2 and data[0] == 0x08:
+        return _HEALTH_STATUS.get(data[1], f"status {data[1]}")
+    return "UNKNOWN"
+
+
+class _Api:
+    """Every unary RPC, written once: each method builds its request and names its reply's
+    conversion; :class:`AttndClient` runs it and returns the result, :class:`AsyncAttndClient`
+    returns an awaitable of the same result."""
+
+    def _unary(self, rpc: str, request, convert=lambda r: None):
+        raise NotImplementedError
+
+    def _init_channel(self, grpc_module, target, max_message_bytes, options, root_certificates,
+                      private_key, certificate_chain, server_name, token, act_as_tenant,
+                      timeout, uint16_as_bf16) -> None:
         channel_options = [
             ("grpc.max_receive_message_length", int(max_message_bytes)),
             ("grpc.max_send_message_length", int(max_message_bytes)),
@@ -656,10 +654,14 @@ class AttndClient:
                 channel_options.append(("grpc.ssl_target_name_override", server_name))
             credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
                                                        certificate_chain)
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+            self._channel = grpc_module.secure_channel(target, credentials,
+                                                       options=channel_options)
         else:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
+            self._channel = grpc_module.insecure_channel(target, options=channel_options)
         self._stub = pb_grpc.AttentionStub(self._channel)
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=_health_request,
+            response_deserializer=_health_status)
         self._timeout = timeout
         self._uint16_as_bf16 = uint16_as_bf16
         metadata = []
@@ -669,17 +671,11 @@ class AttndClient:
             metadata.append(("attnd-tenant", act_as_tenant))
         self._metadata: Tuple[Tuple[str, str], ...] = tuple(metadata)
 
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise AttndError.from_rpc_error(e) from e
-
     # -- server and sequences --
 
     def info(self) -> ServerInfo:
         """The model spec, backend, devices and their capacity, version."""
-        return _server_info(self._call(self._stub.ServerInfo, pb.ServerInfoRequest()))
+        return self._unary("ServerInfo", pb.ServerInfoRequest(), _server_info)
 
     def open_sequence(
         self, sequence_id: str, fork_parent: Optional[str] = None, prefix_len: int = 0,
@@ -692,26 +688,26 @@ class AttndClient:
             sequence_id=sequence_id, fork_parent_id=fork_parent or "", fork_prefix_len=prefix_len,
             import_length=import_length,
         )
-        return _plain(SequenceInfo, self._call(self._stub.OpenSequence, request))
+        return self._unary("OpenSequence", request, lambda r: _plain(SequenceInfo, r))
 
     def close_sequence(self, sequence_id: str) -> None:
         """Frees a sequence's pages (FAILED_PRECONDITION while it is in an open step)."""
-        self._call(self._stub.CloseSequence, pb.CloseSequenceRequest(sequence_id=sequence_id))
+        return self._unary("CloseSequence", pb.CloseSequenceRequest(sequence_id=sequence_id))
 
     def describe_sequence(self, sequence_id: str) -> SequenceInfo:
         """A sequence's committed length, device, pages and whether it is in an open step."""
         request = pb.DescribeSequenceRequest(sequence_id=sequence_id)
-        return _plain(SequenceInfo, self._call(self._stub.DescribeSequence, request))
+        return self._unary("DescribeSequence", request, lambda r: _plain(SequenceInfo, r))
 
     def list_sequences(self, all_tenants: bool = False) -> List[SequenceInfo]:
         """This tenant's sequences; the admin identity may ask for every tenant's."""
-        resp = self._call(self._stub.ListSequences, pb.ListSequencesRequest(all_tenants=all_tenants))
-        return [_plain(SequenceInfo, s) for s in resp.sequences]
+        return self._unary("ListSequences", pb.ListSequencesRequest(all_tenants=all_tenants),
+                           lambda r: [_plain(SequenceInfo, s) for s in r.sequences])
 
     def drain(self, peers: Sequence[str] = ()) -> None:
         """Starts the server's drain, as SIGTERM does: every sequence is handed to a peer (``peers``
         or its --drain-peers), then it exits. The admin identity only on an authenticated server."""
-        self._call(self._stub.Drain, pb.DrainRequest(peers=list(peers)))
+        return self._unary("Drain", pb.DrainRequest(peers=list(peers)))
 
     # -- steps: unary --
 
@@ -724,8 +720,8 @@ class AttndClient:
         shards (S must divide H; not with ``write_only``) each send their H/S heads per layer —
         here through attend_layer with ``shard=k`` and this step id (unary shards need no join).
         """
-        resp = self._call(self._stub.BeginStep, _batch(batch, write_only, num_shards))
-        return StepInfo(step_id=resp.step_id, num_tokens=resp.num_tokens)
+        return self._unary("BeginStep", _batch(batch, write_only, num_shards),
+                           lambda r: StepInfo(step_id=r.step_id, num_tokens=r.num_tokens))
 
     def attend_layer(
         self,
@@ -746,7 +742,8 @@ class AttndClient:
 
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
-        kv_latent and k_rope are required except from shards other than 0.
+        kv_latent and k_rope are required except from shards other than 0. Tensors are numpy
+        arrays, CPU torch tensors or DLPack arrays (:func:`as_numpy`), all of one datatype.
 
         Any tensor may be a :class:`ShmTensor` (a reference into a registered shared-memory region)
         instead of an array. Sharded steps: ``shard`` is this message's shard; q_latent / q_rope
@@ -762,12 +759,12 @@ class AttndClient:
             step_id=step_id,
             inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out),
         )
-        resp = self._call(self._stub.AttendLayer, request)
-        return _output(resp.output, _raw_bf16(q_latent, self._uint16_as_bf16), out)
+        raw = _raw_bf16(q_latent, self._uint16_as_bf16)
+        return self._unary("AttendLayer", request, lambda r: _output(r.output, raw, out))
 
     def abort_step(self, step_id: int) -> None:
         """Aborts an open step: every sequence in it is left as before the step."""
-        self._call(self._stub.AbortStep, pb.AbortStepRequest(step_id=step_id))
+        return self._unary("AbortStep", pb.AbortStepRequest(step_id=step_id))
 
     # -- shared memory --
 
@@ -778,11 +775,115 @@ class AttndClient:
         :meth:`ShmArena.register` registers a whole arena."""
         request = pb.RegisterSharedMemoryRequest(name=name, key=key, offset=int(offset),
                                                  byte_size=int(byte_size))
-        self._call(self._stub.RegisterSharedMemory, request)
+        return self._unary("RegisterSharedMemory", request)
 
     def unregister_shared_memory(self, name: str) -> None:
         """Forgets region ``name`` (NOT_FOUND if not registered); calls in flight keep using it."""
-        self._call(self._stub.UnregisterSharedMemory, pb.UnregisterSharedMemoryRequest(name=name))
+        return self._unary("UnregisterSharedMemory",
+                           pb.UnregisterSharedMemoryRequest(name=name))
+
+
+class AttndClient(_Api):
+    """A connection to one attnd server.
+
+    Args:
+      target: "host:port" (any gRPC target); "unix:/path" reaches the server's Unix-socket
+        listener, the only way to use shared memory.
+      max_message_bytes: the channel's receive and send limit (gRPC's default receive limit, 4 MiB,
+        is far too small for prefill layers); keep it at most the server's ``max_message_bytes``.
+      timeout: a deadline in seconds for every unary call (None: none).
+      uint16_as_bf16: accept uint16 arrays as raw bf16 bits (outputs then come back as uint16 too).
+      options: extra gRPC channel options.
+      root_certificates: PEM bytes of the CA that signed the server's certificate: speak TLS.
+      private_key, certificate_chain: PEM bytes of this client's key and certificate (mTLS).
+      server_name: the name to verify in the server's certificate instead of the target's host.
+      token: a bearer token (sent as ``authorization: Bearer <token>`` on every call).
+      act_as_tenant: the admin identity only: act inside this tenant's namespace.
+
+    Thread safety: every method except :meth:`stream` may be called from several threads at
+    once (gRPC channels are thread-safe, and the client keeps no per-call state); a
+    :class:`StepStream` belongs to one thread. :class:`AsyncAttndClient` is the asyncio twin.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        timeout: Optional[float] = None,
+        uint16_as_bf16: bool = False,
+        options: Sequence[Tuple[str, object]] = (),
+        root_certificates: Optional[bytes] = None,
+        private_key: Optional[bytes] = None,
+        certificate_chain: Optional[bytes] = None,
+        server_name: Optional[str] = None,
+        token: Optional[str] = None,
+        act_as_tenant: Optional[str] = None,
+    ) -> None:
+        self._init_channel(grpc, target, max_message_bytes, options, root_certificates,
+                           private_key, certificate_chain, server_name, token, act_as_tenant,
+                           timeout, uint16_as_bf16)
+
+    def _unary(self, rpc, request, convert=lambda r: None):
+        method = getattr(self._stub, rpc) if isinstance(rpc, str) else rpc
+        return convert(self._call(method, request))
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AttndError.from_rpc_error(e) from e
+
+    def health(self, service: str = "attnd.v1.Attention") -> str:
+        """gRPC health: "SERVING", "NOT_SERVING" (draining, or not yet up) or "SERVICE_UNKNOWN";
+        ``service=""`` asks about the process (liveness) rather than the API (readiness)."""
+        try:
+            return self._call(self._health, service)
+        except AttndError as e:
+            if e.code == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise
+
+    # -- moving sequences --
+
+    def export_sequence(self, sequence_id: str, chunk_tokens: int = 0) -> Iterator[pb.ExportChunk]:
+        """The committed keys of a sequence, exactly as cached: for each chunk of tokens, one
+        ``ExportChunk`` per layer in order (``keys`` are a write-only step's LayerInputs)."""
+        request = pb.ExportSequenceRequest(sequence_id=sequence_id, chunk_tokens=int(chunk_tokens))
+        try:
+            yield from self._stub.ExportSequence(request, timeout=self._timeout,
+                                                 metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise AttndError.from_rpc_error(e) from e
+
+    def handoff(self, sequence_id: str, to: "AttndClient", *, chunk_tokens: int = 0,
+                close_source: bool = False) -> SequenceInfo:
+        """Copies a sequence to the server behind ``to`` (same id): it is opened there as a
+        handoff target (refusing ordinary steps until complete), filled with write-only steps
+        from :meth:`export_sequence`, and its length checked; on failure the partial copy is
+        closed. ``close_source`` closes it here once the copy is confirmed."""
+        length = self.describe_sequence(sequence_id).length
+        to.open_sequence(sequence_id, import_length=length)
+        try:
+            step = None
+            for chunk in self.export_sequence(sequence_id, chunk_tokens):
+                if chunk.keys.layer == 0:
+                    step = to.begin_step([(sequence_id, chunk.tokens)], write_only=True)
+                to._call(to._stub.AttendLayer,
+                         pb.AttendLayerRequest(step_id=step.step_id, inputs=chunk.keys))
+            there = to.describe_sequence(sequence_id)
+            if there.length != length or there.importing:
+                raise AttndError(grpc.StatusCode.INTERNAL,
+                                 f"handoff: the receiver holds {there.length} of {length} tokens")
+        except BaseException:
+            try:
+                to.close_sequence(sequence_id)
+            except AttndError:
+                pass
+            raise
+        if close_source:
+            self.close_sequence(sequence_id)
+        return there
 
     # -- steps: the stream --
 
@@ -801,6 +902,66 @@ class AttndClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncAttndClient(_Api):
+    """The asyncio client (grpc.aio): the same methods and arguments as :class:`AttndClient`,
+    each returning an awaitable — ``info = await client.info()`` — plus ``async with``. Any
+    number of calls may be in flight at once from one event loop (a step's layers still go in
+    order). Shared memory and the Step stream are the sync client's (this one speaks unary)."""
+
+    def __init__(self, target: str, **kwargs) -> None:
+        defaults = dict(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, options=(),
+                        root_certificates=None, private_key=None, certificate_chain=None,
+                        server_name=None, token=None, act_as_tenant=None, timeout=None,
+                        uint16_as_bf16=False)
+        unknown = set(kwargs) - set(defaults)
+        if unknown:
+            raise TypeError(f"unexpected arguments {sorted(unknown)}")
+        a = {**defaults, **kwargs}
+        self._init_channel(grpc.aio, target, a["max_message_bytes"], a["options"],
+                           a["root_certificates"], a["private_key"], a["certificate_chain"],
+                           a["server_name"], a["token"], a["act_as_tenant"], a["timeout"],
+                           a["uint16_as_bf16"])
+
+    async def _await(self, method, request, convert):
+        try:
+            reply = await method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as e:  # grpc.aio.AioRpcError is one
+            raise AttndError.from_rpc_error(e) from e
+        return convert(reply)
+
+    def _unary(self, rpc, request, convert=lambda r: None):
+        method = getattr(self._stub, rpc) if isinstance(rpc, str) else rpc
+        return self._await(method, request, convert)
+
+    async def health(self, service: str = "attnd.v1.Attention") -> str:
+        """See :meth:`AttndClient.health`."""
+        try:
+            return await self._await(self._health, service, lambda status: status)
+        except AttndError as e:
+            if e.code == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise
+
+    async def export_sequence(self, sequence_id: str, chunk_tokens: int = 0):
+        """An async iterator over :meth:`AttndClient.export_sequence`'s chunks."""
+        request = pb.ExportSequenceRequest(sequence_id=sequence_id, chunk_tokens=int(chunk_tokens))
+        try:
+            async for chunk in self._stub.ExportSequence(request, timeout=self._timeout,
+                                                         metadata=self._metadata):
+                yield chunk
+        except grpc.RpcError as e:
+            raise AttndError.from_rpc_error(e) from e
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncAttndClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
 
 class StepStream:

@@ -154,3 +154,48 @@ def test_mixed_batches_and_forks_equal_separate_runs(served):
     for sid in ("a1", "b1", "a2", "b2", "a3", "a4"):
         adapter.close(sid)
     assert adapter.client.list_sequences() == []
+
+
+def test_torch_tensors_go_on_the_wire_as_numpy_would(served):
+    """CPU torch tensors (bf16 included, a grad-tracking one detached) give the bytes and outputs
+    the ml_dtypes arrays give; mixed datatypes are refused before anything is sent."""
+    import ml_dtypes
+    import numpy as np
+    from attnd import AttndError, as_numpy, to_tensor
+
+    adapter, _, _ = served
+    c, spec = adapter.client, adapter.spec
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, generator=g, dtype=torch.float32)
+    assert as_numpy(x).ctypes.data == x.data_ptr()  # shared, not copied
+    b = x.to(torch.bfloat16)
+    assert to_tensor(b).data == to_tensor(x.numpy().astype(ml_dtypes.bfloat16)).data
+    assert to_tensor(x.requires_grad_()).datatype == "FP32"
+    layers = []
+    for kind in spec.layers:
+        t = dict(q_latent=torch.randn(2, spec.num_heads, spec.kv_lora_rank, generator=g),
+                 q_rope=torch.randn(2, spec.num_heads, spec.qk_rope_head_dim, generator=g),
+                 kv_latent=torch.randn(2, spec.kv_lora_rank, generator=g),
+                 k_rope=torch.randn(2, spec.qk_rope_head_dim, generator=g))
+        if kind == "full":
+            t.update(index_q=torch.randn(2, spec.index_n_heads, spec.index_head_dim, generator=g),
+                     index_k=torch.randn(2, spec.index_head_dim, generator=g),
+                     index_w=torch.randn(2, spec.index_n_heads, generator=g))
+        layers.append({k: v.to(torch.bfloat16) for k, v in t.items()})
+    outs = {}
+    for name, convert in (("torch", lambda v: v), ("numpy", as_numpy)):
+        c.open_sequence(name)
+        step = c.begin_step([(name, 2)])
+        outs[name] = [c.attend_layer(step.step_id, i, **{k: convert(v) for k, v in x.items()})
+                      for i, x in enumerate(layers)]
+        c.close_sequence(name)
+    for a, b in zip(outs["torch"], outs["numpy"]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+        assert not np.isnan(a.astype(np.float32)).any()
+    c.open_sequence("mixed")
+    step = c.begin_step([("mixed", 2)])
+    mixed = dict(layers[0], index_w=layers[0]["index_w"].float())
+    with pytest.raises(TypeError, match="one datatype per layer call"):
+        c.attend_layer(step.step_id, 0, **mixed)
+    c.abort_step(step.step_id)
+    c.close_sequence("mixed")

@@ -1,0 +1,175 @@
+"""The client surface beyond single steps, against real attnd servers: the asyncio client gives
+the sync client's results, gRPC health, export and handoff between two servers (outputs after the
+move bit-identical), and attnd.spec_from_hf_config agreeing with the server's --hf-config on the
+published DeepSeek-V3.2 / GLM-5 / GLM-5.2 configs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnd import AsyncAttndClient, AttndClient, AttndError, spec_from_hf_config
+
+from attnd_process import start
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def two_servers():
+    a, ta, _ = start([], kv_pages=128)
+    b, tb, _ = start([], kv_pages=128)
+    yield ta, tb
+    _stop(a)
+    _stop(b)
+
+
+def _layers(spec, T, rng):
+    r = lambda *shape: rng.standard_normal(shape).astype(BF16)  # noqa: E731
+    out = []
+    for kind in spec.layers:
+        x = dict(q_latent=r(T, spec.num_heads, spec.kv_lora_rank),
+                 q_rope=r(T, spec.num_heads, spec.qk_rope_head_dim),
+                 kv_latent=r(T, spec.kv_lora_rank), k_rope=r(T, spec.qk_rope_head_dim))
+        if kind == "full":
+            x.update(index_q=r(T, spec.index_n_heads, spec.index_head_dim),
+                     index_k=r(T, spec.index_head_dim), index_w=r(T, spec.index_n_heads))
+        out.append(x)
+    return out
+
+
+def _step(client, sid, layers):
+    step = client.begin_step([(sid, layers[0]["kv_latent"].shape[0])])
+    return [client.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+
+
+def test_the_async_client_gives_the_sync_clients_results(two_servers):
+    ta, _ = two_servers
+    rng = np.random.default_rng(3)
+    with AttndClient(ta, timeout=30) as sync:
+        spec = sync.info().model
+        prefill, decode = _layers(spec, 30, rng), _layers(spec, 1, rng)
+        sync.open_sequence("sync")
+        _step(sync, "sync", prefill)
+        want = _step(sync, "sync", decode)
+
+    async def run():
+        async with AsyncAttndClient(ta, timeout=30) as c:
+            assert (await c.info()).model == spec
+            assert await c.health() == "SERVING" and await c.health("") == "SERVING"
+            await c.open_sequence("async")
+            # Independent calls overlap on one loop.
+            infos = await asyncio.gather(c.describe_sequence("async"), c.describe_sequence("sync"))
+            assert [i.length for i in infos] == [0, 31]
+            for layers in (prefill, decode):
+                step = await c.begin_step([("async", layers[0]["kv_latent"].shape[0])])
+                got = [await c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+            with pytest.raises(AttndError) as e:
+                await c.describe_sequence("nope")
+            assert e.value.code.name == "NOT_FOUND"
+            chunks = [ch async for ch in c.export_sequence("async", chunk_tokens=16)]
+            assert len(chunks) == 2 * spec.num_layers  # 31 tokens in chunks of 16
+            await c.close_sequence("async")
+            return got
+
+    got = asyncio.run(run())
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16))
+
+
+def test_health_turns_not_serving_in_a_drain():
+    peer, peer_target, _ = start([])
+    proc, target, _ = start([f"--drain-peers={peer_target}"])
+    with AttndClient(target, timeout=10) as c:
+        assert c.health() == "SERVING" and c.health("") == "SERVING"
+        assert c.health("no.such.Service") == "SERVICE_UNKNOWN"
+        c.open_sequence("hold")
+        step = c.begin_step([("hold", 1)])  # an open step holds the drain before the moves
+        proc.send_signal(signal.SIGTERM)
+        for _ in range(200):
+            if c.health() == "NOT_SERVING":
+                break
+        assert c.health() == "NOT_SERVING" and c.health("") == "SERVING"
+        c.abort_step(step.step_id)
+    assert proc.wait(timeout=60) == 0
+    with AttndClient(peer_target, timeout=10) as p:
+        assert [s.sequence_id for s in p.list_sequences()] == ["hold"]
+    _stop(peer)
+
+
+def test_handoff_moves_a_sequence_whose_next_outputs_are_bit_identical(two_servers):
+    ta, tb = two_servers
+    rng = np.random.default_rng(8)
+    with AttndClient(ta, timeout=30) as a, AttndClient(tb, timeout=30) as b:
+        spec = a.info().model
+        prefill, decode = _layers(spec, 40, rng), _layers(spec, 1, rng)
+        for sid in ("moved", "twin"):
+            a.open_sequence(sid)
+            _step(a, sid, prefill)
+        there = a.handoff("moved", b, chunk_tokens=16, close_source=True)
+        assert there.length == 40 and not there.importing
+        assert [s.sequence_id for s in a.list_sequences()] == ["twin"]
+        moved, twin = _step(b, "moved", decode), _step(a, "twin", decode)
+        for m, t in zip(moved, twin):
+            np.testing.assert_array_equal(m.view(np.uint16), t.view(np.uint16))
+        # A failed handoff leaves nothing behind on the receiver.
+        with pytest.raises(AttndError):
+            a.handoff("twin", b, chunk_tokens=10 ** 9)  # beyond the server's chunk limit
+        assert [s.sequence_id for s in b.list_sequences()] == ["moved"]
+        assert a.describe_sequence("twin").length == 41
+
+
+# The published configs' fields attnd reads (as in tests/model_spec_test.cc).
+PUBLISHED = {
+    "deepseek-v3.2": {"model_type": "deepseek_v32", "num_hidden_layers": 61,
+                      "num_attention_heads": 128, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                      "qk_rope_head_dim": 64, "index_n_heads": 64, "index_head_dim": 128,
+                      "index_topk": 2048, "max_position_embeddings": 163840,
+                      "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0,
+                                       "original_max_position_embeddings": 4096, "type": "yarn"}},
+    "glm-5": {"model_type": "glm_moe_dsa", "num_hidden_layers": 78, "num_attention_heads": 64,
+              "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+              "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+              "max_position_embeddings": 202752,
+              "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}},
+    "glm-5.2": {"model_type": "glm_moe_dsa", "num_hidden_layers": 78, "num_attention_heads": 64,
+                "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048,
+                "index_topk_freq": 4, "index_skip_topk_offset": 3,
+                "max_position_embeddings": 1048576,
+                "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"}},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_spec_from_hf_config_is_what_the_server_serves(preset, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PUBLISHED[preset]))
+    proc, target, _ = start([f"--hf-config={path}"], kv_pages=2)
+    try:
+        with AttndClient(target, timeout=30) as c:
+            served = c.info().model
+    finally:
+        _stop(proc)
+    want = spec_from_hf_config(PUBLISHED[preset])
+    for k, v in want.items():
+        got = getattr(served, k)
+        if k == "sm_scale":
+            assert got == pytest.approx(v, rel=1e-12), k
+        else:
+            assert (tuple(got) if k == "layers" else got) == v, k
+    if preset == "glm-5.2":
+        assert want["layers"][:8] == ("full",) * 3 + ("shared",) * 3 + ("full", "shared")
+    with pytest.raises(ValueError):
+        spec_from_hf_config({"model_type": "llama"})
