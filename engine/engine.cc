@@ -43,6 +43,7 @@ struct Step {
   uint64_t channel = 0;
   std::vector<StepSeq> seqs;
   int64_t tokens = 0;
+  int64_t visible_keys = 0;  // sum over the queries of the keys each sees (position + 1)
   StepOptions options;
   int next_layer = 0;
   bool busy = false;
@@ -438,6 +439,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
           absl::StrCat("sequence ", Quote(seq->id), " is already in open step ", seq->step));
     }
     step->tokens += e.q_len;
+    step->visible_keys += e.q_len * seq->length + e.q_len * (e.q_len + 1) / 2;
     if (e.q_len != 1) step->phase = StepPhase::kPrefill;
     StepSeq s;
     s.seq = seq;
@@ -489,7 +491,8 @@ absl::Status Engine::Impl::Prepare(Step& st) {
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
-  return StepInfo{st->tokens, st->options.write_only, st->next_layer, st->phase, st->begun};
+  return StepInfo{st->tokens, st->options.write_only, st->next_layer, st->phase,
+                  st->begun,  st->visible_keys};
 }
 
 absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,

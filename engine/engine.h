@@ -214,6 +214,9 @@ class Engine {
     int next_layer = 0;
     StepPhase phase = StepPhase::kPrefill;
     std::chrono::steady_clock::time_point begun;
+    // Sum over the step's queries of the keys each can see (its position + 1): no layer
+    // attends more positions, so it bounds a LayerTrace before one is made.
+    int64_t visible_keys = 0;
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).

@@ -86,6 +86,12 @@ int64_t AttentionService::max_echo_bytes() const {
       0, std::min(options_.max_echo_bytes, options_.max_message_bytes - kMessageFramingBytes));
 }
 
+int64_t AttentionService::max_attended_positions() const {
+  // A position costs at most 5 bytes packed, and the reply carries the output too: a sixteenth
+  // of the message limit, at most 2^24 positions (64 MiB of trace in memory).
+  return std::min<int64_t>(int64_t{1} << 24, std::max<int64_t>(0, options_.max_message_bytes / 16));
+}
+
 int64_t AttentionService::max_export_chunk_tokens() const {
   const ModelSpec& s = engine_->spec();
   const int64_t per_token = int64_t{s.kv_lora_rank + s.qk_rope_head_dim + s.index_head_dim} *
@@ -173,6 +179,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   v1::ServerLimits* l = resp->mutable_limits();
   l->set_max_echo_bytes(max_echo_bytes());
   l->set_max_export_chunk_tokens(max_export_chunk_tokens());
+  l->set_max_attended_positions(max_attended_positions());
   l->set_max_step_tokens(lim.max_step_tokens);
   l->set_max_batch_entries(lim.max_batch_entries);
   l->set_max_sequences(lim.max_sequences);
@@ -363,6 +370,9 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   std::vector<LayerInputs> v(S);
   ShmTransfers shm;
   for (int k = 0; k < S; ++k) {
+    if (parts[k].in->return_attended())
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard ", k, ": return_attended is not served on sharded steps"));
     RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_access, &shm, &v[k]));
     const std::string ql = absl::StrCat("q_latent (shard ", k, ")");
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
@@ -462,6 +472,13 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
                                                      step.id, ", which is not sharded"));
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
+    if (in.return_attended() && info.write_only)
+      return absl::InvalidArgumentError("return_attended: a write-only step attends nothing");
+    if (in.return_attended() && info.visible_keys > max_attended_positions())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "return_attended: this step's queries see ", info.visible_keys, " keys in all; at most ",
+          max_attended_positions(),
+          " positions come back (ServerInfo.limits.max_attended_positions): trace fewer tokens"));
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
     const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
     if (!info.write_only)
@@ -479,7 +496,11 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     (void)engine_->AbortStep(step, AbortReason::kError);
     return st;
   }
-  st = engine_->RunLayer(step, in.layer(), views, buf, bytes);
+  LayerTrace trace;
+  st = engine_->RunLayer(step, in.layer(), views, buf, bytes,
+                         in.return_attended() ? &trace : nullptr);
+  for (const std::vector<int32_t>& keys : trace.keys)
+    out->add_attended()->mutable_positions()->Add(keys.begin(), keys.end());
   out->set_layer(in.layer());
   const bool last = in.layer() == s.num_layers() - 1;
   out->set_committed(st.ok() && last);

@@ -89,6 +89,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   // The largest Echo reply and ExportSequence chunk that fit in a message.
   int64_t max_echo_bytes() const;
   int64_t max_export_chunk_tokens() const;
+  int64_t max_attended_positions() const;
 
   // Who is calling: UNAUTHENTICATED / PERMISSION_DENIED as Authenticator::Authenticate says.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;

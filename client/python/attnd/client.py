@@ -511,6 +511,7 @@ class ServerInfo:
     admin: bool  # the admin identity
     auth: str  # "none", "token" or "mtls"
     shm: bool  # shared memory is enabled (over the server's Unix-socket listener)
+    max_attended_positions: int  # attend_layer(attended=True): the step's visible keys, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,6 +543,7 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         model=_plain(ModelSpec, msg.model, layers=tuple(msg.model.layers)),
         devices=tuple(_plain(DeviceInfo, d) for d in msg.devices),
         datatypes=tuple(msg.datatypes),
+        max_attended_positions=msg.limits.max_attended_positions,
     )
 
 
@@ -550,8 +552,18 @@ def _batch(batch: Batch, write_only: bool, num_shards: int = 0) -> pb.BeginStepR
     return pb.BeginStepRequest(batch=entries, write_only=write_only, num_shards=int(num_shards))
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerResult:
+    """A layer call's reply with its details (``attend_layer(..., details=True)``)."""
+
+    out: Optional[np.ndarray]  # [T, H, L], None on write-only steps
+    server_seconds: float  # the server's time on the message (checks, shared memory, compute)
+    attended: Optional[List[np.ndarray]]  # [T] int32 key positions, when asked (attended=True)
+    committed: bool  # the step committed (its last layer)
+
+
 def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 0,
-                  out: Optional[ShmTensor] = None) -> pb.LayerInputs:
+                  out: Optional[ShmTensor] = None, attended: bool = False) -> pb.LayerInputs:
     if shard == 0 and (tensors["kv_latent"] is None or tensors["k_rope"] is None):
         raise TypeError("kv_latent and k_rope are required (only shards other than 0 of a sharded "
                         "step leave them out)")
@@ -562,7 +574,7 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
             raise ValueError("out= needs a slot from ShmArena.alloc: the client reads the output "
                              "from the arena's memory")
         out.arena._mapping()  # ValueError if closed: before the server writes anything
-    msg = pb.LayerInputs(layer=int(layer), shard=int(shard))
+    msg = pb.LayerInputs(layer=int(layer), shard=int(shard), return_attended=bool(attended))
     for name, value in tensors.items():
         if value is None:
             continue
@@ -599,6 +611,15 @@ def _output(out: pb.LayerOutput, raw_bf16: bool,
                          f"{t.shm.region!r}+{t.shm.offset} ({t.shm.byte_size} bytes) is not the "
                          f"slot {slot.region!r}+{slot.offset} ({slot.nbytes} bytes) asked for")
     return slot.arena.read(got)
+
+
+def _result(reply: pb.LayerOutput, raw: bool, slot: Optional[ShmTensor], details: bool):
+    out = _output(reply, raw, slot)
+    if not details:
+        return out
+    attended = [np.array(a.positions, dtype=np.int32) for a in reply.attended] or None
+    return LayerResult(out=out, server_seconds=reply.server_seconds, attended=attended,
+                       committed=reply.committed)
 
 
 def _raw_bf16(q_latent: Optional[TensorArg], uint16_as_bf16: bool) -> bool:
@@ -737,8 +758,13 @@ class _Api:
         index_w: Optional[TensorArg] = None,
         shard: int = 0,
         out: Optional[ShmTensor] = None,
-    ) -> Optional[np.ndarray]:
-        """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only).
+        details: bool = False,
+        attended: bool = False,
+    ):
+        """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only),
+        or with ``details`` (implied by ``attended``) a :class:`LayerResult`: the output, the
+        server's seconds on the call and, with ``attended``, each query's attended key positions
+        (bounded by ServerInfo.limits.max_attended_positions; not on sharded steps).
 
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
@@ -757,10 +783,11 @@ class _Api:
                        index_q=index_q, index_k=index_k, index_w=index_w)
         request = pb.AttendLayerRequest(
             step_id=step_id,
-            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out),
+            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended),
         )
         raw = _raw_bf16(q_latent, self._uint16_as_bf16)
-        return self._unary("AttendLayer", request, lambda r: _output(r.output, raw, out))
+        return self._unary("AttendLayer", request,
+                           lambda r: _result(r.output, raw, out, details or attended))
 
     def abort_step(self, step_id: int) -> None:
         """Aborts an open step: every sequence in it is left as before the step."""
@@ -1080,20 +1107,24 @@ class StepStream:
         index_w: Optional[TensorArg] = None,
         shard: Optional[int] = None,
         out: Optional[ShmTensor] = None,
-    ) -> Optional[np.ndarray]:
-        """Runs the open step's next layer; see :meth:`AttndClient.attend_layer`. ``shard``
-        defaults to the shard this stream joined as (0 after ``begin``)."""
+        details: bool = False,
+        attended: bool = False,
+    ):
+        """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
+        ``attended`` too). ``shard`` defaults to the shard this stream joined as (0 after
+        ``begin``)."""
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         shard = self._shard if shard is None else int(shard)
         request = pb.StepRequest(
-            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out))
+            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended))
         response = self._roundtrip(request, "layer")
         self._next_layer = int(layer) + 1
         if response.layer.committed:
             self._step = None
             self._shard = 0
-        return _output(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out)
+        return _result(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out,
+                       details or attended)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""

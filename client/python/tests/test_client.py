@@ -159,6 +159,8 @@ class Reference:
         # diagnostics: the smallest non-zero relative top-k boundary gap, and exact boundary ties
         self.min_margin = np.inf
         self.boundary_ties = 0
+        # per layer of the last step: each query's attended key positions (ascending)
+        self.last_attended: List[List[np.ndarray]] = []
 
     def cache(self, a: np.ndarray) -> np.ndarray:
         """New keys as stored: wire -> fp32 -> cache dtype (round to nearest even) -> float64."""
@@ -205,6 +207,7 @@ class Reference:
         T = len(tokens)
         staged: Dict[str, List[Dict[str, np.ndarray]]] = {sid: [] for sid, _ in batch}
         outs: List[Optional[np.ndarray]] = []
+        self.last_attended = []
         selection: Optional[List[np.ndarray]] = None
         for layer, kind in enumerate(s.layers):
             x = inputs[layer]
@@ -236,6 +239,7 @@ class Reference:
                 layer_selection = selection
             else:
                 layer_selection = [np.arange(pos + 1) for _, pos in tokens]
+            self.last_attended.append(layer_selection)
             # 4. attend
             ql, qr = f64(x["q_latent"]), f64(x["q_rope"])
             out = np.zeros((T, s.num_heads, s.kv_lora_rank))
@@ -422,6 +426,40 @@ def test_missing_descriptor_import_error(tmp_path):
 
 
 # ---- tests against the server ------------------------------------------------------------------
+
+
+def test_a_layer_call_can_return_what_each_query_attended_and_the_servers_time(client, harness):
+    """details=True: the server's seconds on the call; attended=True: each query's key positions,
+    the float64 reference's top-k on full layers (pruning: contexts past K), the full layer's on
+    shared ones, all visible keys while a query sees at most K."""
+    h, K = harness, harness.spec.index_topk
+    a, b = h.open("a"), h.open("b")
+    h.step(client, [(a, K + 20), (b, 5)])  # a's later queries select K of more keys
+    batch = [(a, 3), (b, 2)]
+    inputs = h.inputs(5)
+    want_out = h.ref.step(batch, inputs)
+    step = client.begin_step(batch)
+    for i, x in enumerate(inputs):
+        r = client.attend_layer(step.step_id, i, attended=True, **x)
+        assert 0 < r.server_seconds < 30 and r.committed == (i == len(inputs) - 1)
+        assert rel_l2(r.out, want_out[i]) < 1e-2 and not np.isnan(f64(r.out)).any()
+        assert len(r.attended) == 5
+        for t, (got, want) in enumerate(zip(r.attended, h.ref.last_attended[i])):
+            np.testing.assert_array_equal(got, want, err_msg=f"layer {i} query {t}")
+        assert [len(p) for p in r.attended] == [K] * 3 + [6, 7]  # a: pruned; b: all it sees
+    # Only the time: no positions asked, none sent.
+    step = client.begin_step([(b, 1)])
+    for i, x in enumerate(h.inputs(1)):
+        r = client.attend_layer(step.step_id, i, details=True, **x)
+        assert r.attended is None and r.server_seconds > 0
+    h.ref.step([(b, 1)], h.inputs(1))  # keep the reference's lengths in step (outputs unused)
+    # Refused where it cannot be served, and the step is aborted as for any bad layer call.
+    step = client.begin_step([(a, 1)], write_only=True)
+    x = h.inputs(1, write_only=True)[0]
+    with pytest.raises(AttndError) as e:
+        client.attend_layer(step.step_id, 0, attended=True, **x)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "write-only" in e.value.details
+    assert client.info().max_attended_positions >= 1 << 16
 
 
 def test_server_info(info):

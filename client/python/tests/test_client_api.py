@@ -173,3 +173,28 @@ def test_spec_from_hf_config_is_what_the_server_serves(preset, tmp_path):
         assert want["layers"][:8] == ("full",) * 3 + ("shared",) * 3 + ("full", "shared")
     with pytest.raises(ValueError):
         spec_from_hf_config({"model_type": "llama"})
+
+
+def test_attended_positions_are_bounded_before_any_work():
+    """A trace that could outgrow ServerInfo's max_attended_positions (a sixteenth of the
+    message limit) is refused before the layer runs, and the step is aborted."""
+    proc, target, _ = start(["--max-message-bytes=1048576"], kv_pages=128)
+    try:
+        with AttndClient(target, timeout=30) as c:
+            limit = c.info().max_attended_positions
+            assert limit == 1048576 // 16
+            spec = c.info().model
+            c.open_sequence("long")
+            layers = _layers(spec, 400, np.random.default_rng(4))  # 400*401/2 = 80200 keys seen
+            step = c.begin_step([("long", 400)])
+            with pytest.raises(AttndError) as e:
+                c.attend_layer(step.step_id, 0, attended=True, **layers[0])
+            assert e.value.code.name == "INVALID_ARGUMENT"
+            assert "80200 keys" in e.value.details and str(limit) in e.value.details
+            assert c.describe_sequence("long").length == 0 and not c.describe_sequence("long").in_step
+            # Without the trace the same step runs.
+            step = c.begin_step([("long", 400)])
+            outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+            assert outs[-1].shape == (400, spec.num_heads, spec.kv_lora_rank)
+    finally:
+        _stop(proc)
