@@ -156,6 +156,16 @@ def as_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def to_torch(a: np.ndarray):
+    """A numpy array as a CPU torch tensor sharing its memory (ml_dtypes.bfloat16 as
+    torch.bfloat16, the same bytes)."""
+    import torch
+
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def to_tensor(array, *, uint16_as_bf16: bool = False) -> pb.Tensor:
     """A numpy array (or a CPU torch tensor, or any DLPack array: see :func:`as_numpy`) as a wire
     Tensor (little-endian, row-major, no padding).
@@ -327,13 +337,14 @@ class ShmArena:
 
     def put(self, array: np.ndarray) -> ShmTensor:
         """Allocates a slot for ``array`` and writes it there (little-endian, row-major)."""
-        a = np.asarray(array)
+        a = as_numpy(array)
         _check_dtype(a.dtype)
         return self.write(self.alloc(a.shape, a.dtype), a)
 
     def write(self, slot: ShmTensor, array: np.ndarray) -> ShmTensor:
-        """Writes ``array`` (the slot's shape; any layout and byte order) into ``slot``."""
-        a = np.asarray(array)
+        """Writes ``array`` (the slot's shape; any layout and byte order; a CPU torch tensor or
+        DLPack array too) into ``slot``."""
+        a = as_numpy(array)
         if a.shape != slot.shape or _native(a.dtype) != slot.dtype:
             raise ValueError(f"array {a.dtype}{list(a.shape)} does not fit slot "
                              f"{slot.dtype}{list(slot.shape)}")
@@ -343,9 +354,12 @@ class ShmArena:
         dst[...] = np.ascontiguousarray(a, dtype=slot.dtype).view(f"=u{size}")
         return slot
 
-    def read(self, slot: ShmTensor, *, copy: bool = False) -> np.ndarray:
+    def read(self, slot: ShmTensor, *, copy: bool = False, as_torch: bool = False):
         """The slot's contents as a ``slot.dtype`` array of ``slot.shape``: a view of the shared
-        memory (valid until the slot is rewritten; it keeps close() from unmapping), or a copy."""
+        memory (valid until the slot is rewritten; it keeps close() from unmapping), or a copy;
+        ``as_torch``: the same as a torch tensor sharing that memory."""
+        if as_torch:
+            return to_torch(self.read(slot, copy=copy))
         self._check_slot(slot)
         if sys.byteorder == "little":
             view = self._view(slot, slot.dtype)
@@ -613,8 +627,11 @@ def _output(out: pb.LayerOutput, raw_bf16: bool,
     return slot.arena.read(got)
 
 
-def _result(reply: pb.LayerOutput, raw: bool, slot: Optional[ShmTensor], details: bool):
+def _result(reply: pb.LayerOutput, raw: bool, slot: Optional[ShmTensor], details: bool,
+            as_torch: bool = False):
     out = _output(reply, raw, slot)
+    if as_torch and out is not None:
+        out = to_torch(out)
     if not details:
         return out
     attended = [np.array(a.positions, dtype=np.int32) for a in reply.attended] or None
@@ -725,6 +742,13 @@ class _Api:
         return self._unary("ListSequences", pb.ListSequencesRequest(all_tenants=all_tenants),
                            lambda r: [_plain(SequenceInfo, s) for s in r.sequences])
 
+    def echo(self, payload: bytes = b"", response_bytes: int = 0) -> bytes:
+        """The transport floor: the server returns ``response_bytes`` bytes for ``payload`` and
+        touches no state (at most ServerInfo.limits.max_echo_bytes)."""
+        return self._unary("Echo", pb.EchoRequest(payload=payload,
+                                                  response_bytes=int(response_bytes)),
+                           lambda r: r.payload)
+
     def drain(self, peers: Sequence[str] = ()) -> None:
         """Starts the server's drain, as SIGTERM does: every sequence is handed to a peer (``peers``
         or its --drain-peers), then it exits. The admin identity only on an authenticated server."""
@@ -760,8 +784,10 @@ class _Api:
         out: Optional[ShmTensor] = None,
         details: bool = False,
         attended: bool = False,
+        as_torch: bool = False,
     ):
-        """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only),
+        """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only;
+        a torch tensor with ``as_torch``),
         or with ``details`` (implied by ``attended``) a :class:`LayerResult`: the output, the
         server's seconds on the call and, with ``attended``, each query's attended key positions
         (bounded by ServerInfo.limits.max_attended_positions; not on sharded steps).
@@ -787,7 +813,7 @@ class _Api:
         )
         raw = _raw_bf16(q_latent, self._uint16_as_bf16)
         return self._unary("AttendLayer", request,
-                           lambda r: _result(r.output, raw, out, details or attended))
+                           lambda r: _result(r.output, raw, out, details or attended, as_torch))
 
     def abort_step(self, step_id: int) -> None:
         """Aborts an open step: every sequence in it is left as before the step."""
@@ -1109,9 +1135,10 @@ class StepStream:
         out: Optional[ShmTensor] = None,
         details: bool = False,
         attended: bool = False,
+        as_torch: bool = False,
     ):
         """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
-        ``attended`` too). ``shard`` defaults to the shard this stream joined as (0 after
+        ``attended``, ``as_torch`` too). ``shard`` defaults to the shard this stream joined as (0 after
         ``begin``)."""
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
@@ -1124,7 +1151,7 @@ class StepStream:
             self._step = None
             self._shard = 0
         return _result(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out,
-                       details or attended)
+                       details or attended, as_torch)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""

@@ -58,6 +58,10 @@ def test_the_async_client_gives_the_sync_clients_results(two_servers):
     rng = np.random.default_rng(3)
     with AttndClient(ta, timeout=30) as sync:
         spec = sync.info().model
+        assert len(sync.echo(b"y" * 10, response_bytes=100)) == 100
+        with pytest.raises(AttndError) as e:
+            sync.echo(response_bytes=1 << 40)
+        assert e.value.code.name in ("INVALID_ARGUMENT", "OUT_OF_RANGE")
         prefill, decode = _layers(spec, 30, rng), _layers(spec, 1, rng)
         sync.open_sequence("sync")
         _step(sync, "sync", prefill)
@@ -74,6 +78,7 @@ def test_the_async_client_gives_the_sync_clients_results(two_servers):
             for layers in (prefill, decode):
                 step = await c.begin_step([("async", layers[0]["kv_latent"].shape[0])])
                 got = [await c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+            assert len(await c.echo(b"x" * 1000, response_bytes=4096)) == 4096
             with pytest.raises(AttndError) as e:
                 await c.describe_sequence("nope")
             assert e.value.code.name == "NOT_FOUND"

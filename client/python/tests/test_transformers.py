@@ -272,3 +272,44 @@ def test_a_bf16_cache_matches_the_model_with_its_keys_rounded_the_same_way(serve
     # rounding itself moves these chaotic random models' logits by 0.16-1.6.
     assert worst < 5e-4, f"logits differ from the rounded-key model by {worst:.2e}"
     assert rounding > 100 * worst, (rounding, worst)
+
+
+def test_outputs_and_shared_memory_as_torch_tensors(served):
+    """as_torch=True gives the output as a torch tensor holding the numpy output's bytes; an
+    arena takes torch tensors and reads back as torch (shared memory, no copies)."""
+    import numpy as np
+    from attnd import ShmArena
+
+    adapter, _, _ = served
+    c, spec = adapter.client, adapter.spec
+    g = torch.Generator().manual_seed(4)
+    layers = []
+    for kind in spec.layers:
+        t = dict(q_latent=torch.randn(1, spec.num_heads, spec.kv_lora_rank, generator=g),
+                 q_rope=torch.randn(1, spec.num_heads, spec.qk_rope_head_dim, generator=g),
+                 kv_latent=torch.randn(1, spec.kv_lora_rank, generator=g),
+                 k_rope=torch.randn(1, spec.qk_rope_head_dim, generator=g))
+        if kind == "full":
+            t.update(index_q=torch.randn(1, spec.index_n_heads, spec.index_head_dim, generator=g),
+                     index_k=torch.randn(1, spec.index_head_dim, generator=g),
+                     index_w=torch.randn(1, spec.index_n_heads, generator=g))
+        layers.append({k: v.to(torch.bfloat16) for k, v in t.items()})
+    got = {}
+    for name, as_torch in (("t", True), ("n", False)):
+        c.open_sequence(name)
+        step = c.begin_step([(name, 1)])
+        got[name] = [c.attend_layer(step.step_id, i, as_torch=as_torch, **x)
+                     for i, x in enumerate(layers)]
+        c.close_sequence(name)
+    for t, n in zip(got["t"], got["n"]):
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+        np.testing.assert_array_equal(t.view(torch.int16).numpy(), n.view(np.int16))
+    arena = ShmArena(1 << 16)
+    try:
+        x = layers[0]["q_latent"]
+        slot = arena.put(x)
+        back = arena.read(slot, as_torch=True)
+        assert back.dtype == torch.bfloat16 and torch.equal(back, x)
+        del back  # a live view keeps the memory mapped: close() would refuse (BufferError)
+    finally:
+        arena.close()

@@ -37,7 +37,6 @@ import contextlib
 import importlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from ..client import AttndClient
@@ -155,10 +154,7 @@ class AttndModel:
     # -- steps --
 
     def _attend(self, layer: int, tensors) -> torch.Tensor:
-        out = self.client.attend_layer(self._step, layer, **tensors)
-        if self.wire_dtype == torch.bfloat16:
-            return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(out)
+        return self.client.attend_layer(self._step, layer, as_torch=True, **tensors)
 
     @torch.no_grad()
     def forward(self, batch: Sequence[Tuple[str, torch.Tensor]]) -> List[torch.Tensor]:
