@@ -7,6 +7,7 @@ __version__ = "0.2.0"  # the server's; pyproject.toml and CMakeLists.txt say the
 
 from .client import (
     AsyncAttndClient,
+    AsyncStepStream,
     as_numpy,
     to_torch,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -31,6 +32,7 @@ from .router import rendezvous_weight, resolve_endpoints, route
 
 __all__ = [
     "AsyncAttndClient",
+    "AsyncStepStream",
     "as_numpy",
     "to_torch",
     "spec_from_hf_config",

@@ -959,9 +959,11 @@ class AttndClient(_Api):
 
 class AsyncAttndClient(_Api):
     """The asyncio client (grpc.aio): the same methods and arguments as :class:`AttndClient`,
-    each returning an awaitable — ``info = await client.info()`` — plus ``async with``. Any
-    number of calls may be in flight at once from one event loop (a step's layers still go in
-    order). Shared memory and the Step stream are the sync client's (this one speaks unary)."""
+    each returning an awaitable — ``info = await client.info()`` — plus ``async with`` and
+    :meth:`stream` (an :class:`AsyncStepStream`). Any number of calls may be in flight at once
+    from one event loop (a step's layers still go in order). Shared-memory tensors work as with
+    the sync client (the arena itself is registered through a sync client or
+    ``await client.register_shared_memory(...)``)."""
 
     def __init__(self, target: str, **kwargs) -> None:
         defaults = dict(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, options=(),
@@ -1006,6 +1008,11 @@ class AsyncAttndClient(_Api):
                 yield chunk
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
+
+    def stream(self, *, timeout: Optional[float] = None) -> "AsyncStepStream":
+        """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""
+        return AsyncStepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
+                               metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -1202,5 +1209,122 @@ class StepStream:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self.cancel()
+
+
+class AsyncStepStream:
+    """The asyncio twin of :class:`StepStream`: ``await begin(batch)``, ``await layer(i, ...)``
+    for every layer (the last commits), ``await abort()``, ``await close()``; ``join`` for the
+    other shards of a sharded step. An error ends the stream and aborts its open step; ``cancel()``
+    cancels the RPC (the server aborts the open step). As an async context manager it closes on
+    normal exit and cancels on an exception. One coroutine at a time per stream."""
+
+    def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
+                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
+        self._call = stub.Step(timeout=timeout, metadata=tuple(metadata))
+        self._uint16_as_bf16 = uint16_as_bf16
+        self._step: Optional[StepInfo] = None
+        self._shard = 0
+        self._closed = False
+
+    @property
+    def step(self) -> Optional[StepInfo]:
+        return self._step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def _roundtrip(self, request: pb.StepRequest, expect: str) -> pb.StepResponse:
+        if self._closed:
+            raise RuntimeError("the step stream is closed; open a new one with client.stream()")
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.RpcError as e:
+            self._closed, self._step = True, None
+            raise AttndError.from_rpc_error(e) from e
+        if response is grpc.aio.EOF:
+            self._closed, self._step = True, None
+            code = await self._call.code()
+            details = await self._call.details()
+            raise AttndError(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
+                             details or f"the server ended the Step stream instead of {expect!r}")
+        kind = response.WhichOneof("kind")
+        if kind != expect:
+            self.cancel()
+            raise AttndError(grpc.StatusCode.INTERNAL,
+                             f"Step stream: expected a {expect!r} reply, got {kind!r}")
+        return response
+
+    async def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0
+                    ) -> StepInfo:
+        response = await self._roundtrip(
+            pb.StepRequest(begin=_batch(batch, write_only, num_shards)), "begun")
+        self._step = StepInfo(step_id=response.begun.step_id, num_tokens=response.begun.num_tokens)
+        self._shard = 0
+        return self._step
+
+    async def join(self, step_id: int, shard: int) -> StepInfo:
+        response = await self._roundtrip(
+            pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard))), "joined")
+        self._step = StepInfo(step_id=response.joined.step_id,
+                              num_tokens=response.joined.num_tokens)
+        self._shard = int(shard)
+        return self._step
+
+    async def layer(self, layer: int, *, shard: Optional[int] = None,
+                    out: Optional[ShmTensor] = None, details: bool = False,
+                    attended: bool = False, as_torch: bool = False, **tensors):
+        """See :meth:`StepStream.layer`; the tensors by name (q_latent=..., kv_latent=..., ...)."""
+        names = ("q_latent", "q_rope", "kv_latent", "k_rope", "index_q", "index_k", "index_w")
+        unknown = set(tensors) - set(names)
+        if unknown:
+            raise TypeError(f"unexpected tensors {sorted(unknown)}")
+        t = {n: tensors.get(n) for n in names}
+        shard = self._shard if shard is None else int(shard)
+        request = pb.StepRequest(
+            layer=_layer_inputs(layer, t, self._uint16_as_bf16, shard, out, attended))
+        response = await self._roundtrip(request, "layer")
+        if response.layer.committed:
+            self._step, self._shard = None, 0
+        return _result(response.layer, _raw_bf16(t["q_latent"], self._uint16_as_bf16), out,
+                       details or attended, as_torch)
+
+    async def abort(self) -> None:
+        if self._step is None or self._closed:
+            return
+        await self._roundtrip(pb.StepRequest(abort=pb.AbortStepRequest()), "aborted")
+        self._step, self._shard = None, 0
+
+    async def close(self) -> None:
+        """Aborts an open step, ends the stream and waits for the server's OK."""
+        if self._closed:
+            return
+        await self.abort()
+        self._closed = True
+        try:
+            await self._call.done_writing()
+            response = await self._call.read()
+            if response is not grpc.aio.EOF:
+                raise AttndError(grpc.StatusCode.INTERNAL,
+                                 f"Step stream: unexpected {response.WhichOneof('kind')!r} reply")
+            code = await self._call.code()
+        except grpc.RpcError as e:
+            raise AttndError.from_rpc_error(e) from e
+        if code != grpc.StatusCode.OK:
+            raise AttndError(code, await self._call.details())
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._closed, self._step = True, None
+
+    async def __aenter__(self) -> "AsyncStepStream":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            await self.close()
         else:
             self.cancel()

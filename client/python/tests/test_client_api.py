@@ -85,6 +85,23 @@ def test_the_async_client_gives_the_sync_clients_results(two_servers):
             chunks = [ch async for ch in c.export_sequence("async", chunk_tokens=16)]
             assert len(chunks) == 2 * spec.num_layers  # 31 tokens in chunks of 16
             await c.close_sequence("async")
+            # The same steps over an async Step stream; an aborted step changes nothing.
+            await c.open_sequence("astream")
+            async with c.stream(timeout=60) as s:
+                for layers in (prefill, decode):
+                    await s.begin([("astream", layers[0]["kv_latent"].shape[0])])
+                    streamed = [await s.layer(i, **x) for i, x in enumerate(layers)]
+                    assert s.step is None  # committed
+                await s.begin([("astream", 1)])
+                await s.layer(0, **decode[0])
+                await s.abort()
+                assert (await c.describe_sequence("astream")).length == 31
+                with pytest.raises(AttndError) as e:
+                    await s.layer(0, **decode[0])  # no step open: the stream ends
+                assert s.closed
+            await c.close_sequence("astream")
+            for a, b in zip(streamed, got):
+                np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
             return got
 
     got = asyncio.run(run())
