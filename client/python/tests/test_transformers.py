@@ -313,3 +313,20 @@ def test_outputs_and_shared_memory_as_torch_tensors(served):
         del back  # a live view keeps the memory mapped: close() would refuse (BufferError)
     finally:
         arena.close()
+
+
+def test_generate_from_a_forked_shared_prefix_equals_a_fresh_generate(served):
+    """Two requests sharing a system prompt: the second forks the first's cached prefix and
+    prefills only its own tail, and decodes exactly what a fresh request would."""
+    adapter, reference, _ = served
+    g = torch.Generator().manual_seed(11)
+    system, tail = torch.randint(0, 96, (13,), generator=g), torch.randint(0, 96, (6,), generator=g)
+    prompt = torch.cat([system, tail]).tolist()
+    fresh = adapter.generate("fresh", prompt, 8, prefill_chunk=5)
+    adapter.open("system")
+    adapter.forward([("system", system)])
+    forked = adapter.generate("forked", prompt, 8, prefill_chunk=5, prefix_of="system",
+                              prefix_len=13)
+    adapter.close("system")
+    assert forked == fresh == reference_greedy(reference, prompt, 8)[0]
+    assert adapter.client.list_sequences() == []

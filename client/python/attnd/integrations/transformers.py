@@ -180,14 +180,23 @@ class AttndModel:
 
     @torch.no_grad()
     def generate(self, sequence_id: str, prompt: Sequence[int], max_new_tokens: int, *,
-                 prefill_chunk: int = 512) -> List[int]:
+                 prefill_chunk: int = 512, prefix_of: Optional[str] = None,
+                 prefix_len: int = 0) -> List[int]:
         """Greedy decoding: opens the sequence, prefills ``prompt`` in chunks, decodes
-        ``max_new_tokens``, closes it; returns the new tokens."""
-        self.open(sequence_id)
+        ``max_new_tokens``, closes it; returns the new tokens. ``prefix_of``: a sequence already
+        holding the first ``prefix_len`` tokens of ``prompt`` (a shared system prompt): the new
+        one is forked from it (its pages shared, not recomputed) and only the rest is
+        prefilled."""
+        prompt = torch.as_tensor(prompt, dtype=torch.long)
+        if prefix_of is not None:
+            if not 0 < prefix_len < len(prompt):
+                raise ValueError(f"prefix_len {prefix_len} must be in (0, {len(prompt)})")
+            self.fork(sequence_id, prefix_of, prefix_len)
+        else:
+            self.open(sequence_id)
         try:
-            prompt = torch.as_tensor(prompt, dtype=torch.long)
             logits = None
-            for start in range(0, len(prompt), prefill_chunk):
+            for start in range(self.lengths[sequence_id], len(prompt), prefill_chunk):
                 (logits,) = self.forward([(sequence_id, prompt[start:start + prefill_chunk])])
             tokens: List[int] = []
             for _ in range(max_new_tokens):
