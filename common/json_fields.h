@@ -41,8 +41,9 @@ class Fields {
     const nlohmann::json& v = At(key);
     if (!v.is_number()) return Bad(key, "has the wrong type (expected an integer)");
     const double d = v.get<double>();
-    if (d != std::floor(d) || d < static_cast<double>(std::numeric_limits<T>::min()) ||
-        d > static_cast<double>(std::numeric_limits<T>::max()))
+    // [min, 2^digits): the bound is exact in double (T's max need not be: 2^63 - 1 is not).
+    const double hi = std::ldexp(1.0, std::numeric_limits<T>::digits);
+    if (d != std::floor(d) || d < static_cast<double>(std::numeric_limits<T>::min()) || d >= hi)
       return Bad(key, "must be an integer in range");
     *out = static_cast<T>(d);
     return absl::OkStatus();

@@ -84,7 +84,8 @@ absl::Status ValidateModelSpec(const ModelSpec& s) {
     return bad(absl::StrCat("page_size must be a power of two in [1, 4096], got ", s.page_size));
   if (!(s.sm_scale > 0) || !std::isfinite(s.sm_scale))
     return bad("sm_scale must be a positive number given by the model");
-  if (s.max_context < 1) return bad("max_context must be >= 1");
+  if (s.max_context < 1 || s.max_context > (int64_t{1} << 31))
+    return bad("max_context must be in [1, 2^31] (32-bit positions)");
   if (s.sliding_window < 0) return bad("sliding_window must be >= 0");
   if (s.soft_cap < 0 || !std::isfinite(s.soft_cap)) return bad("soft_cap must be >= 0");
   const bool any_full = s.num_full_layers() > 0;
@@ -128,7 +129,7 @@ ModelSpec Glm5(bool index_share) {
   }
   s.num_heads = 64;
   s.index_n_heads = 32;
-  s.sm_scale = 1.0 / 16.0;  // 256^-0.5
+  s.sm_scale = 1.0 / 16.0;                         // 256^-0.5
   s.max_context = index_share ? 1048576 : 202752;  // the configs' max_position_embeddings
   return s;
 }

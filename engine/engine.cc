@@ -44,6 +44,7 @@ struct Step {
   std::vector<StepSeq> seqs;
   int64_t tokens = 0;
   int64_t visible_keys = 0;  // sum over the queries of the keys each sees (position + 1)
+  int64_t topk_keys = 0;     // the same with each capped at K
   StepOptions options;
   int next_layer = 0;
   bool busy = false;
@@ -55,6 +56,15 @@ struct Step {
   StepPlan plan;
   std::vector<std::unique_ptr<DeviceStep>> on_device;  // [plan.shares]
 };
+
+// Sum over positions p in [len, len + q) of min(p + 1, k): the most keys q new queries of a
+// sequence of `len` tokens attend on a token-mode sparse layer.
+int64_t CappedKeys(int64_t len, int64_t q, int64_t k) {
+  const int64_t a = len + 1, b = len + q;  // the queries see a..b keys
+  if (b <= k) return (a + b) * q / 2;
+  if (a > k) return k * q;
+  return (a + k) * (k - a + 1) / 2 + k * (b - k);
+}
 
 // Runs fn(i) for every i in [0, n): i > 0 on their own threads, i = 0 on this one (devices
 // compute concurrently); returns the first error.
@@ -440,6 +450,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     }
     step->tokens += e.q_len;
     step->visible_keys += e.q_len * seq->length + e.q_len * (e.q_len + 1) / 2;
+    step->topk_keys += CappedKeys(seq->length, e.q_len, spec.index_topk);
     if (e.q_len != 1) step->phase = StepPhase::kPrefill;
     StepSeq s;
     s.seq = seq;
@@ -492,7 +503,7 @@ absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
   return StepInfo{st->tokens, st->options.write_only, st->next_layer, st->phase,
-                  st->begun,  st->visible_keys};
+                  st->begun,  st->visible_keys,       st->topk_keys};
 }
 
 absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,

@@ -217,6 +217,9 @@ class Engine {
     // Sum over the step's queries of the keys each can see (its position + 1): no layer
     // attends more positions, so it bounds a LayerTrace before one is made.
     int64_t visible_keys = 0;
+    // The same with each query's keys capped at K: what a full or shared layer attends in token
+    // mode with sparse prefill.
+    int64_t topk_keys = 0;
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).

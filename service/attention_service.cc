@@ -92,6 +92,32 @@ int64_t AttentionService::max_attended_positions() const {
   return std::min<int64_t>(int64_t{1} << 24, std::max<int64_t>(0, options_.max_message_bytes / 16));
 }
 
+absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
+                                                 const v1::LayerInputs& in,
+                                                 size_t out_bytes) const {
+  const ModelSpec& s = engine_->spec();
+  const int layer = in.layer();
+  const bool capped = layer >= 0 && layer < s.num_layers() &&
+                      s.layers[layer] != LayerKind::kDense &&
+                      s.selection == SelectionMode::kToken && s.prefill == PrefillMode::kSparse;
+  const int64_t bound = capped ? info.topk_keys : info.visible_keys;
+  if (bound > max_attended_positions())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "return_attended: this layer's queries may attend ", bound, " keys in all; at most ",
+        max_attended_positions(),
+        " positions come back (ServerInfo.limits.max_attended_positions): trace fewer tokens"));
+  // Packed positions take at most 5 bytes each, a query's entry about 12 more; the output
+  // travels in the same reply unless it goes to shared memory.
+  const int64_t reply =
+      (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) + 5 * bound + 12 * info.tokens;
+  if (reply > options_.max_message_bytes - kMessageFramingBytes)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "return_attended: the output and up to ", bound, " positions (", reply,
+        " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
+        "; send the output to shared memory (out_shm) or trace fewer tokens"));
+  return absl::OkStatus();
+}
+
 int64_t AttentionService::max_export_chunk_tokens() const {
   const ModelSpec& s = engine_->spec();
   const int64_t per_token = int64_t{s.kv_lora_rank + s.qk_rope_head_dim + s.index_head_dim} *
@@ -474,16 +500,12 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
     if (in.return_attended() && info.write_only)
       return absl::InvalidArgumentError("return_attended: a write-only step attends nothing");
-    if (in.return_attended() && info.visible_keys > max_attended_positions())
-      return absl::InvalidArgumentError(absl::StrCat(
-          "return_attended: this step's queries see ", info.visible_keys, " keys in all; at most ",
-          max_attended_positions(),
-          " positions come back (ServerInfo.limits.max_attended_positions): trace fewer tokens"));
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
     const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
     if (!info.write_only)
       bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
+    if (in.return_attended()) RETURN_IF_ERROR(CheckAttendedFits(info, in, bytes));
     if (!info.write_only) {
       ASSIGN_OR_RETURN(
           buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,

@@ -90,6 +90,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   int64_t max_echo_bytes() const;
   int64_t max_export_chunk_tokens() const;
   int64_t max_attended_positions() const;
+  // return_attended: INVALID_ARGUMENT when the trace could pass max_attended_positions or the
+  // reply (output inline unless out_shm, plus the positions) could pass the message limit.
+  absl::Status CheckAttendedFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
+                                 size_t out_bytes) const;
 
   // Who is calling: UNAUTHENTICATED / PERMISSION_DENIED as Authenticator::Authenticate says.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;

@@ -110,7 +110,8 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"kv-cache-fraction", "F",
        "size the cache from memory instead (overrides bytes): F in (0, 1] of\neach GPU's free "
        "memory less its --gpu-scratch-bytes, or of the host's\navailable memory (within the "
-       "cgroup limit) split over the CPU devices",
+       "cgroup limit) split over the CPU devices\n(on the CPU leave room for steps and messages: "
+       "0.5-0.7)",
        Fraction(&f->kv_cache_fraction)},
       {"kv-pages", "N",
        "cache pages per device, incl. reserved page 0 (overrides bytes and\nfraction)",

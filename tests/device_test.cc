@@ -263,6 +263,9 @@ TEST(HostMemory, ParsesMeminfoAndCgroupLimitFiles) {
   EXPECT_EQ(roomy.total, m->total);
   EXPECT_FALSE(roomy.cgroup_limited);
   EXPECT_EQ(cpu::ApplyCgroup(*m, std::nullopt, uint64_t{1} << 30).available, m->available);
+  const std::string stat = "anon 1000\nfile 900\ninactive_file 700\nactive_file 200\n";
+  EXPECT_EQ(cpu::ParseStatField(stat, "inactive_file"), 700u);
+  EXPECT_EQ(cpu::ParseStatField(stat, "total_inactive_file"), 0u);  // v1's name: absent here
 
   const auto here = cpu::QueryHostMemory();
   ASSERT_TRUE(here.ok()) << here.status();

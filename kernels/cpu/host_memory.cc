@@ -24,6 +24,19 @@ std::optional<uint64_t> ReadCgroupBytes(const std::string& path) {
   return text ? ParseCgroupBytes(*text) : std::nullopt;
 }
 
+// A cgroup's usage less its inactive file pages (page cache the kernel reclaims before it
+// OOM-kills anything): what the cgroup really holds.
+std::optional<uint64_t> ReadCgroupUsage(const std::string& usage_file, const std::string& stat_file,
+                                        const char* inactive_key) {
+  auto usage = ReadCgroupBytes(usage_file);
+  if (!usage) return usage;
+  if (const auto stat = ReadFile(stat_file)) {
+    const uint64_t inactive = ParseStatField(*stat, inactive_key);
+    *usage = inactive < *usage ? *usage - inactive : 0;
+  }
+  return usage;
+}
+
 // This process's cgroup paths from /proc/self/cgroup: the v2 one ("0::/path") and the v1 memory
 // controller's ("N:memory:/path"), each empty when absent.
 void OwnCgroups(std::string* v2, std::string* v1_memory) {
@@ -61,6 +74,15 @@ absl::StatusOr<HostMemory> ParseMeminfo(const std::string& text) {
   return m;
 }
 
+uint64_t ParseStatField(const std::string& text, const std::string& key) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    const std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    uint64_t v = 0;
+    if (f.size() == 2 && f[0] == key && absl::SimpleAtoi(f[1], &v)) return v;
+  }
+  return 0;
+}
+
 std::optional<uint64_t> ParseCgroupBytes(const std::string& text) {
   const absl::string_view v = absl::StripAsciiWhitespace(text);
   uint64_t n = 0;
@@ -92,11 +114,15 @@ absl::StatusOr<HostMemory> QueryHostMemory() {
   const std::string root = "/sys/fs/cgroup";
   for (const std::string& dir : {root, root + v2}) {
     if (auto limit = ReadCgroupBytes(dir + "/memory.max"))
-      return ApplyCgroup(*m, limit, ReadCgroupBytes(dir + "/memory.current"));
+      return ApplyCgroup(
+          *m, limit,
+          ReadCgroupUsage(dir + "/memory.current", dir + "/memory.stat", "inactive_file"));
   }
   for (const std::string& dir : {root + "/memory", root + "/memory" + v1}) {
     if (auto limit = ReadCgroupBytes(dir + "/memory.limit_in_bytes"))
-      return ApplyCgroup(*m, limit, ReadCgroupBytes(dir + "/memory.usage_in_bytes"));
+      return ApplyCgroup(*m, limit,
+                         ReadCgroupUsage(dir + "/memory.usage_in_bytes", dir + "/memory.stat",
+                                         "total_inactive_file"));
   }
   return m;
 }

@@ -1,6 +1,7 @@
 // How much host memory this process may still take: what a CPU device's cache can be sized from
 // (--kv-cache-fraction). Linux: /proc/meminfo's MemAvailable, lowered to what the process's memory
-// cgroup (v2 memory.max, v1 memory.limit_in_bytes) leaves, so a pod's limit counts, not the node's.
+// cgroup (v2 memory.max, v1 memory.limit_in_bytes) leaves — its usage less its inactive file
+// pages, which the kernel reclaims first — so a pod's limit counts, not the node's.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,8 @@ absl::StatusOr<HostMemory> ParseMeminfo(const std::string& text);
 // A cgroup limit file's value in bytes: nullopt for "max" (v2) or a v1 "no limit" sentinel (at or
 // above 2^62), or for text that is not a number.
 std::optional<uint64_t> ParseCgroupBytes(const std::string& text);
+// A "key value" line's value in a cgroup memory.stat text (0 when absent).
+uint64_t ParseStatField(const std::string& text, const std::string& key);
 // Lowers `m` to a cgroup's limit and current usage (either may be absent).
 HostMemory ApplyCgroup(HostMemory m, std::optional<uint64_t> limit, std::optional<uint64_t> usage);
 

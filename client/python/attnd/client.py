@@ -56,6 +56,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import queue
@@ -137,9 +138,9 @@ def _wire_name(dtype: np.dtype, uint16_as_bf16: bool) -> str:
 def as_numpy(x) -> np.ndarray:
     """``x`` as a numpy array, sharing memory where it can: a CPU torch tensor (any layout;
     torch.bfloat16 as ml_dtypes.bfloat16, reinterpreting the same bytes), any other object
-    offering DLPack (``__dlpack__``), or anything np.asarray takes. A tensor on a GPU or one that
-    requires grad raises TypeError/ValueError naming it (move or detach it first: attnd never
-    copies device memory behind a caller's back)."""
+    offering DLPack (``__dlpack__``), or anything np.asarray takes. A tensor that requires grad
+    is detached (its values are what is sent); one on a GPU raises TypeError naming its device
+    (move it first: attnd never copies device memory behind a caller's back)."""
     if isinstance(x, np.ndarray):
         return x
     torch = sys.modules.get("torch")
@@ -162,6 +163,8 @@ def to_torch(a: np.ndarray):
     import torch
 
     if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if a.dtype == np.uint16:  # raw bf16 bits (uint16_as_bf16): torch before 2.3 has no uint16
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
@@ -391,7 +394,13 @@ class ShmArena:
 
     def register(self, client: "AttndClient") -> None:
         """Registers the whole object as region ``region`` with ``client``'s server (once per
-        server); close() unregisters it."""
+        server); close() unregisters it. A sync :class:`AttndClient` (close() must unregister
+        without an event loop); with an async client, ``await client.register_shared_memory(
+        arena.region, arena.key, arena.size)`` and unregister it yourself."""
+        if not isinstance(client, AttndClient):
+            raise TypeError("ShmArena.register takes an AttndClient (for an AsyncAttndClient: "
+                            "await client.register_shared_memory(arena.region, arena.key, "
+                            "arena.size))")
         client.register_shared_memory(self.region, self.key, self.size)
         self._clients.append(client)
 
@@ -917,22 +926,31 @@ class AttndClient(_Api):
         closed. ``close_source`` closes it here once the copy is confirmed."""
         length = self.describe_sequence(sequence_id).length
         to.open_sequence(sequence_id, import_length=length)
+        step = None
         try:
-            step = None
             for chunk in self.export_sequence(sequence_id, chunk_tokens):
                 if chunk.keys.layer == 0:
                     step = to.begin_step([(sequence_id, chunk.tokens)], write_only=True)
                 to._call(to._stub.AttendLayer,
                          pb.AttendLayerRequest(step_id=step.step_id, inputs=chunk.keys))
+            step = None
             there = to.describe_sequence(sequence_id)
             if there.length != length or there.importing:
                 raise AttndError(grpc.StatusCode.INTERNAL,
                                  f"handoff: the receiver holds {there.length} of {length} tokens")
+            if close_source and self.describe_sequence(sequence_id).length != length:
+                raise AttndError(grpc.StatusCode.ABORTED,
+                                 f"handoff: {sequence_id!r} grew on the source during the copy")
         except BaseException:
-            try:
-                to.close_sequence(sequence_id)
-            except AttndError:
-                pass
+            # The receiver's partial copy goes: its open write-only step first (a sequence in a
+            # step cannot be closed), then the sequence.
+            for cleanup in ((lambda: to.abort_step(step.step_id)) if step else None,
+                            lambda: to.close_sequence(sequence_id)):
+                if cleanup is not None:
+                    try:
+                        cleanup()
+                    except AttndError:
+                        pass
             raise
         if close_source:
             self.close_sequence(sequence_id)
@@ -1008,6 +1026,42 @@ class AsyncAttndClient(_Api):
                 yield chunk
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
+
+    async def handoff(self, sequence_id: str, to: "AsyncAttndClient", *, chunk_tokens: int = 0,
+                      close_source: bool = False) -> SequenceInfo:
+        """See :meth:`AttndClient.handoff`."""
+        length = (await self.describe_sequence(sequence_id)).length
+        await to.open_sequence(sequence_id, import_length=length)
+        step = None
+        try:
+            async for chunk in self.export_sequence(sequence_id, chunk_tokens):
+                if chunk.keys.layer == 0:
+                    step = await to.begin_step([(sequence_id, chunk.tokens)], write_only=True)
+                await to._await(to._stub.AttendLayer,
+                                pb.AttendLayerRequest(step_id=step.step_id, inputs=chunk.keys),
+                                lambda r: None)
+            step = None
+            there = await to.describe_sequence(sequence_id)
+            if there.length != length or there.importing:
+                raise AttndError(grpc.StatusCode.INTERNAL,
+                                 f"handoff: the receiver holds {there.length} of {length} tokens")
+            if close_source and (await self.describe_sequence(sequence_id)).length != length:
+                raise AttndError(grpc.StatusCode.ABORTED,
+                                 f"handoff: {sequence_id!r} grew on the source during the copy")
+        except BaseException:
+            if step is not None:
+                try:
+                    await to.abort_step(step.step_id)
+                except AttndError:
+                    pass
+            try:
+                await to.close_sequence(sequence_id)
+            except AttndError:
+                pass
+            raise
+        if close_source:
+            await self.close_sequence(sequence_id)
+        return there
 
     def stream(self, *, timeout: Optional[float] = None) -> "AsyncStepStream":
         """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""
@@ -1223,8 +1277,11 @@ class AsyncStepStream:
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
                  uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
         self._call = stub.Step(timeout=timeout, metadata=tuple(metadata))
+        self._stub = stub
+        self._metadata = tuple(metadata)
         self._uint16_as_bf16 = uint16_as_bf16
         self._step: Optional[StepInfo] = None
+        self._open_ids: List[str] = []
         self._shard = 0
         self._closed = False
 
@@ -1245,6 +1302,13 @@ class AsyncStepStream:
         except grpc.RpcError as e:
             self._closed, self._step = True, None
             raise AttndError.from_rpc_error(e) from e
+        except asyncio.InvalidStateError as e:  # the call already ended (deadline, cancel)
+            self._closed, self._step = True, None
+            code = await self._call.code()
+            raise AttndError(code, await self._call.details() or "the Step stream ended") from e
+        except asyncio.CancelledError:
+            self._closed, self._step = True, None  # grpc.aio cancels the call with the task
+            raise
         if response is grpc.aio.EOF:
             self._closed, self._step = True, None
             code = await self._call.code()
@@ -1263,6 +1327,7 @@ class AsyncStepStream:
         response = await self._roundtrip(
             pb.StepRequest(begin=_batch(batch, write_only, num_shards)), "begun")
         self._step = StepInfo(step_id=response.begun.step_id, num_tokens=response.begun.num_tokens)
+        self._open_ids = [sid for sid, _ in batch]
         self._shard = 0
         return self._step
 
@@ -1317,8 +1382,26 @@ class AsyncStepStream:
             raise AttndError(code, await self._call.details())
 
     def cancel(self) -> None:
+        """Cancels the RPC; the server aborts the open step (see :meth:`released`)."""
         self._call.cancel()
         self._closed, self._step = True, None
+
+    async def released(self, timeout: float = 5.0) -> None:
+        """Waits (bounded) until the server has released the last begun step's sequences after
+        a cancel, so a new step may use them at once (the sync stream's cancel() does this)."""
+        deadline = time.monotonic() + timeout
+        ids, self._open_ids = self._open_ids, []
+        for sid in ids:
+            while time.monotonic() < deadline:
+                try:
+                    info = await self._stub.DescribeSequence(
+                        pb.DescribeSequenceRequest(sequence_id=sid),
+                        timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
+                except grpc.RpcError:
+                    break
+                if not info.in_step:
+                    break
+                await asyncio.sleep(0.002)
 
     async def __aenter__(self) -> "AsyncStepStream":
         return self
@@ -1327,4 +1410,7 @@ class AsyncStepStream:
         if exc_type is None:
             await self.close()
         else:
+            had_step = self._step is not None
             self.cancel()
+            if had_step:
+                await self.released()

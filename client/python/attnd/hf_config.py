@@ -19,6 +19,17 @@ _DEFAULTS = {
 }
 
 
+def _int(c: Mapping[str, Any], key: str, default: int) -> int:
+    """An integer field as the C++ reader takes it: a JSON number without a fraction (not a
+    bool or a string); absent or null: the default."""
+    v = c.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+        raise ValueError(f"--hf-config: '{key}' must be an integer, not {v!r}")
+    return int(v)
+
+
 def _layers(c: Mapping[str, Any], model_type: str, n: int) -> List[str]:
     if model_type == "deepseek_v32":
         return ["full"] * n
@@ -31,17 +42,23 @@ def _layers(c: Mapping[str, Any], model_type: str, n: int) -> List[str]:
         if None in kinds or len(kinds) != n:
             raise ValueError(f"{key}: {v!r} is not {n} of full/shared")
         return kinds
-    freq = max(int(c.get("index_topk_freq") or 1), 1)
-    offset = int(c.get("index_skip_topk_offset", 2) if c.get("index_skip_topk_offset") is not None
-                 else 2)
+    freq = max(_int(c, "index_topk_freq", 1), 1)
+    offset = _int(c, "index_skip_topk_offset", 2)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
 def _mscale_squared(c: Mapping[str, Any]) -> float:
-    rope = c.get("rope_parameters") or c.get("rope_scaling")
-    if not rope:
+    """As the C++ reader: the first of rope_parameters / rope_scaling that is present and not
+    null decides (an empty one means the default type)."""
+    key = next((k for k in ("rope_parameters", "rope_scaling") if c.get(k) is not None), None)
+    if key is None:
         return 1.0
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope = c[key]
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"--hf-config: '{key}' must be an object")
+    kind = rope["rope_type"] if "rope_type" in rope else rope.get("type", "default")
+    if not isinstance(kind, str):
+        raise ValueError(f"--hf-config {key}: 'rope_type' must be a string, not {kind!r}")
     all_dim = rope.get("mscale_all_dim") or 0
     if kind == "default" or not all_dim:
         return 1.0
@@ -60,20 +77,20 @@ def spec_from_hf_config(config: Union[Mapping[str, Any], Any]) -> Dict[str, Any]
     model_type = c.get("model_type")
     if model_type not in _DEFAULTS:
         raise ValueError(f"model_type {model_type!r}: attnd reads deepseek_v32 and glm_moe_dsa")
-    get = lambda k: c[k] if c.get(k) is not None else _DEFAULTS[model_type][k]  # noqa: E731
-    n = int(get("num_hidden_layers"))
+    get = lambda k: _int(c, k, _DEFAULTS[model_type][k])  # noqa: E731
+    n = get("num_hidden_layers")
     return dict(
         name=model_type,
         layers=tuple(_layers(c, model_type, n)),
-        kv_lora_rank=int(get("kv_lora_rank")),
-        qk_rope_head_dim=int(get("qk_rope_head_dim")),
-        num_heads=int(get("num_attention_heads")),
-        index_n_heads=int(get("index_n_heads")),
-        index_head_dim=int(get("index_head_dim")),
-        index_topk=int(get("index_topk")),
-        sm_scale=(int(get("qk_nope_head_dim")) + int(get("qk_rope_head_dim"))) ** -0.5
+        kv_lora_rank=get("kv_lora_rank"),
+        qk_rope_head_dim=get("qk_rope_head_dim"),
+        num_heads=get("num_attention_heads"),
+        index_n_heads=get("index_n_heads"),
+        index_head_dim=get("index_head_dim"),
+        index_topk=get("index_topk"),
+        sm_scale=(get("qk_nope_head_dim") + get("qk_rope_head_dim")) ** -0.5
         * _mscale_squared(c),
-        max_context=int(get("max_position_embeddings")),
+        max_context=get("max_position_embeddings"),
     )
 
 

@@ -9,11 +9,12 @@ import asyncio
 import json
 import signal
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
 
-from attnd import AsyncAttndClient, AttndClient, AttndError, spec_from_hf_config
+from attnd import AsyncAttndClient, AttndClient, AttndError, ShmArena, spec_from_hf_config
 
 from attnd_process import start
 
@@ -144,11 +145,32 @@ def test_handoff_moves_a_sequence_whose_next_outputs_are_bit_identical(two_serve
         moved, twin = _step(b, "moved", decode), _step(a, "twin", decode)
         for m, t in zip(moved, twin):
             np.testing.assert_array_equal(m.view(np.uint16), t.view(np.uint16))
-        # A failed handoff leaves nothing behind on the receiver.
+        # A failed handoff leaves nothing behind on the receiver: refused at once, or broken off
+        # in the middle of a write-only step there (the step is aborted, then the copy closed).
         with pytest.raises(AttndError):
             a.handoff("twin", b, chunk_tokens=10 ** 9)  # beyond the server's chunk limit
         assert [s.sequence_id for s in b.list_sequences()] == ["moved"]
+        real = a.export_sequence
+
+        def broken(sid, chunk_tokens=0):
+            for i, chunk in enumerate(real(sid, chunk_tokens)):
+                if i == spec.num_layers + 1:  # the second chunk's layer 1: a step is open there
+                    raise AttndError(grpc.StatusCode.UNAVAILABLE, "connection lost")
+                yield chunk
+        a.export_sequence = broken
+        with pytest.raises(AttndError, match="connection lost"):
+            a.handoff("twin", b, chunk_tokens=16)
+        del a.export_sequence
+        assert [s.sequence_id for s in b.list_sequences()] == ["moved"]
         assert a.describe_sequence("twin").length == 41
+
+        async def async_handoff():
+            async with AsyncAttndClient(ta, timeout=30) as aa, AsyncAttndClient(tb, timeout=30) as ab:
+                return await aa.handoff("twin", ab, chunk_tokens=16, close_source=True)
+        assert asyncio.run(async_handoff()).length == 41
+        twin_b = _step(b, "twin", _layers(spec, 1, rng))
+        assert [s.sequence_id for s in a.list_sequences()] == []
+        assert twin_b[-1].shape == (1, spec.num_heads, spec.kv_lora_rank)
 
 
 # The published configs' fields attnd reads (as in tests/model_spec_test.cc).
@@ -174,6 +196,12 @@ PUBLISHED = {
 }
 
 
+# Edge cases the two readers must take alike: an empty rope_parameters is the default type (the
+# older rope_scaling is not consulted); a null one falls through to rope_scaling.
+PUBLISHED["empty-rope-parameters"] = dict(PUBLISHED["deepseek-v3.2"], rope_parameters={})
+PUBLISHED["null-rope-parameters"] = dict(PUBLISHED["deepseek-v3.2"], rope_parameters=None)
+
+
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_spec_from_hf_config_is_what_the_server_serves(preset, tmp_path):
     path = tmp_path / "config.json"
@@ -193,14 +221,25 @@ def test_spec_from_hf_config_is_what_the_server_serves(preset, tmp_path):
             assert (tuple(got) if k == "layers" else got) == v, k
     if preset == "glm-5.2":
         assert want["layers"][:8] == ("full",) * 3 + ("shared",) * 3 + ("full", "shared")
-    with pytest.raises(ValueError):
-        spec_from_hf_config({"model_type": "llama"})
+    if preset == "empty-rope-parameters":
+        assert want["sm_scale"] == pytest.approx(192 ** -0.5)
+    if preset == "null-rope-parameters":
+        assert want["sm_scale"] == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
+    for bad in ({"model_type": "llama"}, {"model_type": "deepseek_v32", "num_hidden_layers": "61"},
+                {"model_type": "deepseek_v32", "index_topk": 1.5},
+                {"model_type": "deepseek_v32", "kv_lora_rank": True}):
+        with pytest.raises(ValueError):
+            spec_from_hf_config(bad)
 
 
-def test_attended_positions_are_bounded_before_any_work():
+def test_attended_positions_are_bounded_before_any_work(tmp_path):
     """A trace that could outgrow ServerInfo's max_attended_positions (a sixteenth of the
-    message limit) is refused before the layer runs, and the step is aborted."""
-    proc, target, _ = start(["--max-message-bytes=1048576"], kv_pages=128)
+    message limit) is refused before the layer runs, and the step is aborted. The bound is what
+    the layer can attend: every visible key on a dense layer, at most K per query on the others."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"base": "tiny", "layers": "FSFD"}))
+    proc, target, _ = start(["--max-message-bytes=1048576", f"--model-file={spec_file}"],
+                            kv_pages=128)
     try:
         with AttndClient(target, timeout=30) as c:
             limit = c.info().max_attended_positions
@@ -209,8 +248,11 @@ def test_attended_positions_are_bounded_before_any_work():
             c.open_sequence("long")
             layers = _layers(spec, 400, np.random.default_rng(4))  # 400*401/2 = 80200 keys seen
             step = c.begin_step([("long", 400)])
-            with pytest.raises(AttndError) as e:
-                c.attend_layer(step.step_id, 0, attended=True, **layers[0])
+            for i in range(3):  # full and shared layers: 400 queries attend at most K = 24 each
+                r = c.attend_layer(step.step_id, i, attended=True, **layers[i])
+                assert sum(len(p) for p in r.attended) == 300 + 24 * 376
+            with pytest.raises(AttndError) as e:  # the dense layer would attend all 80200
+                c.attend_layer(step.step_id, 3, attended=True, **layers[3])
             assert e.value.code.name == "INVALID_ARGUMENT"
             assert "80200 keys" in e.value.details and str(limit) in e.value.details
             assert c.describe_sequence("long").length == 0 and not c.describe_sequence("long").in_step
@@ -220,3 +262,50 @@ def test_attended_positions_are_bounded_before_any_work():
             assert outs[-1].shape == (400, spec.num_heads, spec.kv_lora_rank)
     finally:
         _stop(proc)
+
+
+def test_attended_positions_must_fit_the_reply_beside_the_output(tmp_path):
+    """DeepSeek dims (16 heads, 4 indexer heads so a layer call fits 1 MiB): 48 queries after
+    1226 tokens may attend 60024 keys, under max_attended_positions, but 786 KB of output plus
+    300 KB of positions would pass the message limit: refused before the layer runs."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"base": "demo", "index_n_heads": 4}))
+    proc, target, _ = start(["--max-message-bytes=1048576", f"--model-file={spec_file}"],
+                            kv_pages=None)
+    try:
+        with AttndClient(target, timeout=60) as c:
+            spec = c.info().model
+            rng = np.random.default_rng(5)
+            c.open_sequence("ctx")
+            for n in (500, 500, 226):  # 1226 tokens of context, imported
+                step = c.begin_step([("ctx", n)], write_only=True)
+                for i, kind in enumerate(spec.layers):
+                    x = dict(kv_latent=rng.standard_normal((n, spec.kv_lora_rank)).astype(BF16),
+                             k_rope=rng.standard_normal((n, spec.qk_rope_head_dim)).astype(BF16))
+                    if kind == "full":
+                        x["index_k"] = rng.standard_normal((n, spec.index_head_dim)).astype(BF16)
+                    c.attend_layer(step.step_id, i, **x)
+            layers = _layers(spec, 48, rng)
+            step = c.begin_step([("ctx", 48)])
+            with pytest.raises(AttndError) as e:
+                c.attend_layer(step.step_id, 0, attended=True, **layers[0])
+            assert e.value.code.name == "INVALID_ARGUMENT"
+            assert "60024 positions" in e.value.details and "out_shm" in e.value.details
+            assert c.describe_sequence("ctx").length == 1226
+            step = c.begin_step([("ctx", 48)])
+            outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+            assert outs[0].shape == (48, spec.num_heads, spec.kv_lora_rank)
+    finally:
+        _stop(proc)
+
+
+def test_an_arena_refuses_an_async_client():
+    async def run():
+        async with AsyncAttndClient("127.0.0.1:1") as c:
+            arena = ShmArena(4096)
+            try:
+                with pytest.raises(TypeError, match="register_shared_memory"):
+                    arena.register(c)
+            finally:
+                arena.close()
+    asyncio.run(run())

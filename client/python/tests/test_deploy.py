@@ -95,7 +95,8 @@ def test_the_pieces_select_and_reach_each_other():
 
 
 def _check_flags(argv):
-    """attnd's own parser over `argv`: every flag known, every value well formed."""
+    """Every flag in `argv` is one `attnd --help` lists (their values are attnd's flag parser's
+    to check: flags_test; a manifest value it refused would keep the pod from starting)."""
     known = set(re.findall(r"^  (--[a-z0-9-]+)", subprocess.run(
         [str(ATTND_BIN), "--help"], capture_output=True, text=True, check=True).stdout, re.M))
     assert known, "attnd --help lists no flags"

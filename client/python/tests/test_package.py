@@ -54,14 +54,18 @@ def test_the_api_matches_the_proto():
 
 def test_attnd_shares_a_process_with_tritonclient():
     """Protoc output from a newer grpcio-tools refuses an older protobuf runtime (VersionError):
-    the descriptor-built API does not care which protobuf tritonclient pins."""
-    tritonclient = pytest.importorskip("tritonclient.grpc") if not INSTALLED else None
+    the descriptor-built API does not care which protobuf tritonclient pins. Runs where
+    tritonclient is installed (always in the package venv)."""
+    if not INSTALLED:
+        pytest.importorskip("tritonclient.grpc")
     code = ("import tritonclient.grpc, attnd, google.protobuf as g; "
             "from attnd.v1 import attention_pb2 as pb; "
-            "assert pb.ServerInfoRequest().SerializeToString() == b''; print(g.__version__)")
-    if INSTALLED:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.strip().split(".")[0].isdigit()
-    else:
-        assert tritonclient is not None
+            "assert pb.ServerInfoRequest().SerializeToString() == b''; "
+            "assert pb.Tensor.FromString(pb.Tensor(datatype='BF16').SerializeToString())"
+            ".datatype == 'BF16'; print(g.__version__)")
+    env = dict(os.environ)
+    if not INSTALLED:
+        env["PYTHONPATH"] = str(REPO / "client" / "python")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().split(".")[0].isdigit()
