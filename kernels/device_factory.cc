@@ -39,15 +39,17 @@ absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>
     return absl::InvalidArgumentError(
         absl::StrCat("--kv-cache-fraction=", fraction, ": expected a fraction in (0, 1]"));
   if (names.empty()) return absl::InvalidArgumentError("no devices");
+  std::vector<DeviceName> parsed;
   int cpus = 0;
   for (const std::string& name : names) {
     ASSIGN_OR_RETURN(const DeviceName d, ParseDeviceName(name));
+    parsed.push_back(d);
     cpus += d.gpu ? 0 : 1;
   }
   CacheBudget out;
-  bool first = true;
-  for (const std::string& name : names) {
-    ASSIGN_OR_RETURN(const DeviceName d, ParseDeviceName(name));
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    const DeviceName& d = parsed[i];
     double budget = 0;
     std::string why;
     if (!d.gpu) {
@@ -71,11 +73,10 @@ absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>
       return absl::ResourceExhaustedError(
           absl::StrCat("--kv-cache-fraction: ", why, " leaves no room for a KV cache"));
     const size_t bytes = static_cast<size_t>(budget);
-    if (first || bytes < out.bytes) {
+    if (i == 0 || bytes < out.bytes) {
       out.bytes = bytes;
       out.explanation = absl::StrCat(Gib(bytes), " per device: ", why);
     }
-    first = false;
   }
   return out;
 }

@@ -95,6 +95,8 @@ int64_t AttentionService::max_attended_positions() const {
 absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
                                                  const v1::LayerInputs& in,
                                                  size_t out_bytes) const {
+  if (info.write_only)
+    return absl::InvalidArgumentError("return_attended: a write-only step attends nothing");
   const ModelSpec& s = engine_->spec();
   const int layer = in.layer();
   const bool capped = layer >= 0 && layer < s.num_layers() &&
@@ -498,8 +500,6 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
                                                      step.id, ", which is not sharded"));
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
-    if (in.return_attended() && info.write_only)
-      return absl::InvalidArgumentError("return_attended: a write-only step attends nothing");
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
     const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
     if (!info.write_only)

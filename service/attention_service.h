@@ -90,8 +90,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   int64_t max_echo_bytes() const;
   int64_t max_export_chunk_tokens() const;
   int64_t max_attended_positions() const;
-  // return_attended: INVALID_ARGUMENT when the trace could pass max_attended_positions or the
-  // reply (output inline unless out_shm, plus the positions) could pass the message limit.
+  // return_attended: INVALID_ARGUMENT on a write-only step, or when the trace could pass
+  // max_attended_positions or the reply (output inline unless out_shm, plus the positions)
+  // could pass the message limit.
   absl::Status CheckAttendedFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
                                  size_t out_bytes) const;
 

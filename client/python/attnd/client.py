@@ -886,9 +886,8 @@ class AttndClient(_Api):
                            private_key, certificate_chain, server_name, token, act_as_tenant,
                            timeout, uint16_as_bf16)
 
-    def _unary(self, rpc, request, convert=lambda r: None):
-        method = getattr(self._stub, rpc) if isinstance(rpc, str) else rpc
-        return convert(self._call(method, request))
+    def _unary(self, rpc: str, request, convert=lambda r: None):
+        return convert(self._call(getattr(self._stub, rpc), request))
 
     def _call(self, method, request):
         try:
@@ -1004,9 +1003,8 @@ class AsyncAttndClient(_Api):
             raise AttndError.from_rpc_error(e) from e
         return convert(reply)
 
-    def _unary(self, rpc, request, convert=lambda r: None):
-        method = getattr(self._stub, rpc) if isinstance(rpc, str) else rpc
-        return self._await(method, request, convert)
+    def _unary(self, rpc: str, request, convert=lambda r: None):
+        return self._await(getattr(self._stub, rpc), request, convert)
 
     async def health(self, service: str = "attnd.v1.Attention") -> str:
         """See :meth:`AttndClient.health`."""
@@ -1078,67 +1076,20 @@ class AsyncAttndClient(_Api):
         await self.close()
 
 
-class StepStream:
-    """One bidirectional ``Step`` RPC carrying many steps, one open at a time.
+class _StepBookkeeping:
+    """What :class:`StepStream` and :class:`AsyncStepStream` share: the open step's state, each
+    message's request and how its reply is taken in. The transport (blocking or asyncio) is
+    theirs; each public call is `request -> roundtrip -> taken in`."""
 
-    ``begin(batch)``, then ``layer(i, ...)`` for i = 0..N-1 (the last one commits), then the next
-    ``begin`` — or ``abort()`` in between. Each call sends one message and waits for its reply. An
-    error (raised as :class:`AttndError`) ends the stream and aborts its open step; open a new stream
-    to go on. ``close()`` aborts an open step and ends the stream cleanly. As a context manager it
-    closes on normal exit and cancels (which aborts an open step) on an exception. Not thread-safe.
-
-    Sharded steps: shard 0's stream calls ``begin(batch, num_shards=S)``; each other shard's stream
-    calls ``join(step_id, k)`` and then ``layer`` like shard 0 (``shard`` defaults to the joined
-    shard). Each shard needs its own stream (one per thread or process): a layer call returns only
-    when every shard has sent the layer. An error or abort on any shard aborts the step for all.
-    """
-
-    def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
-                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
-        self._requests: "queue.Queue[Optional[pb.StepRequest]]" = queue.Queue()
+    def _init_bookkeeping(self, stub, metadata, uint16_as_bf16: bool) -> None:
+        self._stub = stub
         self._metadata = tuple(metadata)
-        self._call = stub.Step(self._request_iterator(), timeout=timeout, metadata=self._metadata)
         self._uint16_as_bf16 = uint16_as_bf16
         self._step: Optional[StepInfo] = None
         self._shard = 0
         self._next_layer = 0
         self._closed = False
-        self._stub = stub
         self._open_ids: List[str] = []
-
-    def _request_iterator(self) -> Iterator[pb.StepRequest]:
-        while True:
-            request = self._requests.get()
-            if request is None:
-                return
-            yield request
-
-    def _finish(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._step = None
-            self._shard = 0
-            self._requests.put(None)  # ends the request iterator (half-close)
-
-    def _roundtrip(self, request: pb.StepRequest, expect: str) -> pb.StepResponse:
-        if self._closed:
-            raise RuntimeError("the step stream is closed; open a new one with client.stream()")
-        self._requests.put(request)
-        try:
-            response = next(self._call)
-        except grpc.RpcError as e:
-            self._finish()
-            raise AttndError.from_rpc_error(e) from e
-        except StopIteration:
-            self._finish()
-            raise AttndError(grpc.StatusCode.UNKNOWN,
-                             f"the server ended the Step stream instead of answering {expect!r}")
-        kind = response.WhichOneof("kind")
-        if kind != expect:
-            self.cancel()
-            raise AttndError(grpc.StatusCode.INTERNAL,
-                             f"Step stream: expected a {expect!r} reply, got {kind!r}")
-        return response
 
     @property
     def step(self) -> Optional[StepInfo]:
@@ -1159,27 +1110,107 @@ class StepStream:
     def closed(self) -> bool:
         return self._closed
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the step stream is closed; open a new one with client.stream()")
+
+    def _check_kind(self, response: pb.StepResponse, expect: str) -> pb.StepResponse:
+        kind = response.WhichOneof("kind")
+        if kind != expect:
+            self.cancel()
+            raise AttndError(grpc.StatusCode.INTERNAL,
+                             f"Step stream: expected a {expect!r} reply, got {kind!r}")
+        return response
+
+    def _opened(self, info, batch: Optional[Batch], shard: int) -> StepInfo:
+        self._step = StepInfo(step_id=info.step_id, num_tokens=info.num_tokens)
+        self._open_ids = [sid for sid, _ in batch] if batch is not None else []
+        self._shard = shard
+        self._next_layer = 0
+        return self._step
+
+    def _layer_request(self, layer, tensors, shard, out, attended) -> pb.StepRequest:
+        shard = self._shard if shard is None else int(shard)
+        return pb.StepRequest(
+            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended))
+
+    def _layered(self, response, layer, q_latent, out, details, attended, as_torch):
+        self._next_layer = int(layer) + 1
+        if response.layer.committed:
+            self._step, self._shard = None, 0
+        return _result(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out,
+                       details or attended, as_torch)
+
+    def _aborted(self) -> None:
+        self._step, self._shard = None, 0
+
+    def _released_ids(self) -> List[str]:
+        """The last begun step's sequences, once: what a cancel waits for the server to free."""
+        ids, self._open_ids = self._open_ids, []
+        return ids
+
+
+class StepStream(_StepBookkeeping):
+    """One bidirectional ``Step`` RPC carrying many steps, one open at a time.
+
+    ``begin(batch)``, then ``layer(i, ...)`` for i = 0..N-1 (the last one commits), then the next
+    ``begin`` — or ``abort()`` in between. Each call sends one message and waits for its reply. An
+    error (raised as :class:`AttndError`) ends the stream and aborts its open step; open a new stream
+    to go on. ``close()`` aborts an open step and ends the stream cleanly. As a context manager it
+    closes on normal exit and cancels (which aborts an open step) on an exception. Not thread-safe.
+
+    Sharded steps: shard 0's stream calls ``begin(batch, num_shards=S)``; each other shard's stream
+    calls ``join(step_id, k)`` and then ``layer`` like shard 0 (``shard`` defaults to the joined
+    shard). Each shard needs its own stream (one per thread or process): a layer call returns only
+    when every shard has sent the layer. An error or abort on any shard aborts the step for all.
+    """
+
+    def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
+                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
+        self._init_bookkeeping(stub, metadata, uint16_as_bf16)
+        self._requests: "queue.Queue[Optional[pb.StepRequest]]" = queue.Queue()
+        self._call = stub.Step(self._request_iterator(), timeout=timeout, metadata=self._metadata)
+
+    def _request_iterator(self) -> Iterator[pb.StepRequest]:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            yield request
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._step = None
+            self._shard = 0
+            self._requests.put(None)  # ends the request iterator (half-close)
+
+    def _roundtrip(self, request: pb.StepRequest, expect: str) -> pb.StepResponse:
+        self._check_open()
+        self._requests.put(request)
+        try:
+            response = next(self._call)
+        except grpc.RpcError as e:
+            self._finish()
+            raise AttndError.from_rpc_error(e) from e
+        except StopIteration:
+            self._finish()
+            raise AttndError(grpc.StatusCode.UNKNOWN,
+                             f"the server ended the Step stream instead of answering {expect!r}")
+        return self._check_kind(response, expect)
+
     def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0) -> StepInfo:
         """Opens a step over ``batch`` (none may be open on this stream); ``num_shards`` > 1 opens a
         sharded step as its shard 0 (see :meth:`AttndClient.begin_step`)."""
-        request = pb.StepRequest(begin=_batch(batch, write_only, num_shards))
-        response = self._roundtrip(request, "begun")
-        self._step = StepInfo(step_id=response.begun.step_id, num_tokens=response.begun.num_tokens)
-        self._open_ids = [sid for sid, _ in batch]
-        self._shard = 0
-        self._next_layer = 0
-        return self._step
+        response = self._roundtrip(pb.StepRequest(begin=_batch(batch, write_only, num_shards)),
+                                   "begun")
+        return self._opened(response.begun, batch, 0)
 
     def join(self, step_id: int, shard: int) -> StepInfo:
         """Attaches this stream to another shard's sharded step as shard ``shard`` (in [1, S)).
         NOT_FOUND (no such open sharded step), INVALID_ARGUMENT (shard out of range)."""
         request = pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard)))
-        response = self._roundtrip(request, "joined")
-        self._step = StepInfo(step_id=response.joined.step_id,
-                              num_tokens=response.joined.num_tokens)
-        self._shard = int(shard)
-        self._next_layer = 0
-        return self._step
+        return self._opened(self._roundtrip(request, "joined").joined, None, int(shard))
 
     def layer(
         self,
@@ -1203,24 +1234,16 @@ class StepStream:
         ``begin``)."""
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
-        shard = self._shard if shard is None else int(shard)
-        request = pb.StepRequest(
-            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended))
-        response = self._roundtrip(request, "layer")
-        self._next_layer = int(layer) + 1
-        if response.layer.committed:
-            self._step = None
-            self._shard = 0
-        return _result(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out,
-                       details or attended, as_torch)
+        response = self._roundtrip(self._layer_request(layer, tensors, shard, out, attended),
+                                   "layer")
+        return self._layered(response, layer, q_latent, out, details, attended, as_torch)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""
         if self._step is None or self._closed:
             return
         self._roundtrip(pb.StepRequest(abort=pb.AbortStepRequest()), "aborted")
-        self._step = None
-        self._shard = 0
+        self._aborted()
 
     def close(self) -> None:
         """Aborts an open step, ends the stream and waits for the server's OK."""
@@ -1241,7 +1264,7 @@ class StepStream:
         had_step = self._step is not None and not self._closed
         self._call.cancel()
         self._finish()
-        ids, self._open_ids = self._open_ids, []
+        ids = self._released_ids()
         if not had_step:
             return
         deadline = time.monotonic() + 5.0
@@ -1267,101 +1290,85 @@ class StepStream:
             self.cancel()
 
 
-class AsyncStepStream:
-    """The asyncio twin of :class:`StepStream`: ``await begin(batch)``, ``await layer(i, ...)``
-    for every layer (the last commits), ``await abort()``, ``await close()``; ``join`` for the
-    other shards of a sharded step. An error ends the stream and aborts its open step; ``cancel()``
-    cancels the RPC (the server aborts the open step). As an async context manager it closes on
-    normal exit and cancels on an exception. One coroutine at a time per stream."""
+class AsyncStepStream(_StepBookkeeping):
+    """The asyncio twin of :class:`StepStream`, with the same methods and arguments, awaited:
+    ``await begin(batch)``, ``await layer(i, ...)`` for every layer (the last commits),
+    ``await abort()``, ``await close()``; ``join`` for the other shards of a sharded step. An
+    error ends the stream and aborts its open step; ``cancel()`` cancels the RPC (the server
+    aborts the open step; ``await released()`` waits until it has). As an async context manager
+    it closes on normal exit and cancels on an exception. One coroutine at a time per stream."""
 
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
                  uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
-        self._call = stub.Step(timeout=timeout, metadata=tuple(metadata))
-        self._stub = stub
-        self._metadata = tuple(metadata)
-        self._uint16_as_bf16 = uint16_as_bf16
-        self._step: Optional[StepInfo] = None
-        self._open_ids: List[str] = []
-        self._shard = 0
-        self._closed = False
+        self._init_bookkeeping(stub, metadata, uint16_as_bf16)
+        self._call = stub.Step(timeout=timeout, metadata=self._metadata)
 
-    @property
-    def step(self) -> Optional[StepInfo]:
-        return self._step
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    def _ended(self) -> None:
+        self._closed = True
+        self._aborted()
 
     async def _roundtrip(self, request: pb.StepRequest, expect: str) -> pb.StepResponse:
-        if self._closed:
-            raise RuntimeError("the step stream is closed; open a new one with client.stream()")
+        self._check_open()
         try:
             await self._call.write(request)
             response = await self._call.read()
         except grpc.RpcError as e:
-            self._closed, self._step = True, None
+            self._ended()
             raise AttndError.from_rpc_error(e) from e
         except asyncio.InvalidStateError as e:  # the call already ended (deadline, cancel)
-            self._closed, self._step = True, None
+            self._ended()
             code = await self._call.code()
             raise AttndError(code, await self._call.details() or "the Step stream ended") from e
         except asyncio.CancelledError:
-            self._closed, self._step = True, None  # grpc.aio cancels the call with the task
+            self._ended()  # grpc.aio cancels the call with the task
             raise
         if response is grpc.aio.EOF:
-            self._closed, self._step = True, None
+            self._ended()
             code = await self._call.code()
             details = await self._call.details()
             raise AttndError(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
                              details or f"the server ended the Step stream instead of {expect!r}")
-        kind = response.WhichOneof("kind")
-        if kind != expect:
-            self.cancel()
-            raise AttndError(grpc.StatusCode.INTERNAL,
-                             f"Step stream: expected a {expect!r} reply, got {kind!r}")
-        return response
+        return self._check_kind(response, expect)
 
     async def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0
                     ) -> StepInfo:
         response = await self._roundtrip(
             pb.StepRequest(begin=_batch(batch, write_only, num_shards)), "begun")
-        self._step = StepInfo(step_id=response.begun.step_id, num_tokens=response.begun.num_tokens)
-        self._open_ids = [sid for sid, _ in batch]
-        self._shard = 0
-        return self._step
+        return self._opened(response.begun, batch, 0)
 
     async def join(self, step_id: int, shard: int) -> StepInfo:
-        response = await self._roundtrip(
-            pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard))), "joined")
-        self._step = StepInfo(step_id=response.joined.step_id,
-                              num_tokens=response.joined.num_tokens)
-        self._shard = int(shard)
-        return self._step
+        request = pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard)))
+        return self._opened((await self._roundtrip(request, "joined")).joined, None, int(shard))
 
-    async def layer(self, layer: int, *, shard: Optional[int] = None,
-                    out: Optional[ShmTensor] = None, details: bool = False,
-                    attended: bool = False, as_torch: bool = False, **tensors):
-        """See :meth:`StepStream.layer`; the tensors by name (q_latent=..., kv_latent=..., ...)."""
-        names = ("q_latent", "q_rope", "kv_latent", "k_rope", "index_q", "index_k", "index_w")
-        unknown = set(tensors) - set(names)
-        if unknown:
-            raise TypeError(f"unexpected tensors {sorted(unknown)}")
-        t = {n: tensors.get(n) for n in names}
-        shard = self._shard if shard is None else int(shard)
-        request = pb.StepRequest(
-            layer=_layer_inputs(layer, t, self._uint16_as_bf16, shard, out, attended))
-        response = await self._roundtrip(request, "layer")
-        if response.layer.committed:
-            self._step, self._shard = None, 0
-        return _result(response.layer, _raw_bf16(t["q_latent"], self._uint16_as_bf16), out,
-                       details or attended, as_torch)
+    async def layer(
+        self,
+        layer: int,
+        *,
+        q_latent: Optional[TensorArg] = None,
+        q_rope: Optional[TensorArg] = None,
+        kv_latent: Optional[TensorArg] = None,
+        k_rope: Optional[TensorArg] = None,
+        index_q: Optional[TensorArg] = None,
+        index_k: Optional[TensorArg] = None,
+        index_w: Optional[TensorArg] = None,
+        shard: Optional[int] = None,
+        out: Optional[ShmTensor] = None,
+        details: bool = False,
+        attended: bool = False,
+        as_torch: bool = False,
+    ):
+        """See :meth:`StepStream.layer`."""
+        tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
+                       index_q=index_q, index_k=index_k, index_w=index_w)
+        response = await self._roundtrip(self._layer_request(layer, tensors, shard, out, attended),
+                                         "layer")
+        return self._layered(response, layer, q_latent, out, details, attended, as_torch)
 
     async def abort(self) -> None:
         if self._step is None or self._closed:
             return
         await self._roundtrip(pb.StepRequest(abort=pb.AbortStepRequest()), "aborted")
-        self._step, self._shard = None, 0
+        self._aborted()
 
     async def close(self) -> None:
         """Aborts an open step, ends the stream and waits for the server's OK."""
@@ -1384,14 +1391,13 @@ class AsyncStepStream:
     def cancel(self) -> None:
         """Cancels the RPC; the server aborts the open step (see :meth:`released`)."""
         self._call.cancel()
-        self._closed, self._step = True, None
+        self._ended()
 
     async def released(self, timeout: float = 5.0) -> None:
         """Waits (bounded) until the server has released the last begun step's sequences after
         a cancel, so a new step may use them at once (the sync stream's cancel() does this)."""
         deadline = time.monotonic() + timeout
-        ids, self._open_ids = self._open_ids, []
-        for sid in ids:
+        for sid in self._released_ids():
             while time.monotonic() < deadline:
                 try:
                     info = await self._stub.DescribeSequence(

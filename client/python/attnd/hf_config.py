@@ -103,8 +103,10 @@ def check_spec_matches(server_spec, config) -> None:
         if k == "name":
             continue
         got = getattr(server_spec, k)
-        same = math.isclose(got, v, rel_tol=1e-12) if k == "sm_scale" else tuple(got) == v \
-            if k == "layers" else got == v
+        if k == "sm_scale":
+            same = math.isclose(got, v, rel_tol=1e-12)
+        else:
+            same = (tuple(got) if k == "layers" else got) == v
         if not same:
             bad.append(f"{k}: server {got!r}, model {v!r}")
     if bad:

@@ -10,15 +10,14 @@ import json
 import signal
 
 import grpc
-import ml_dtypes
 import numpy as np
 import pytest
 
 from attnd import AsyncAttndClient, AttndClient, AttndError, ShmArena, spec_from_hf_config
 
 from attnd_process import start
+from test_drain import _inputs as _layers, _step  # one step's random bf16 inputs; a step
 
-BF16 = ml_dtypes.bfloat16
 
 
 def _stop(proc):
@@ -33,25 +32,6 @@ def two_servers():
     yield ta, tb
     _stop(a)
     _stop(b)
-
-
-def _layers(spec, T, rng):
-    r = lambda *shape: rng.standard_normal(shape).astype(BF16)  # noqa: E731
-    out = []
-    for kind in spec.layers:
-        x = dict(q_latent=r(T, spec.num_heads, spec.kv_lora_rank),
-                 q_rope=r(T, spec.num_heads, spec.qk_rope_head_dim),
-                 kv_latent=r(T, spec.kv_lora_rank), k_rope=r(T, spec.qk_rope_head_dim))
-        if kind == "full":
-            x.update(index_q=r(T, spec.index_n_heads, spec.index_head_dim),
-                     index_k=r(T, spec.index_head_dim), index_w=r(T, spec.index_n_heads))
-        out.append(x)
-    return out
-
-
-def _step(client, sid, layers):
-    step = client.begin_step([(sid, layers[0]["kv_latent"].shape[0])])
-    return [client.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
 
 
 def test_the_async_client_gives_the_sync_clients_results(two_servers):
@@ -279,11 +259,7 @@ def test_attended_positions_must_fit_the_reply_beside_the_output(tmp_path):
             c.open_sequence("ctx")
             for n in (500, 500, 226):  # 1226 tokens of context, imported
                 step = c.begin_step([("ctx", n)], write_only=True)
-                for i, kind in enumerate(spec.layers):
-                    x = dict(kv_latent=rng.standard_normal((n, spec.kv_lora_rank)).astype(BF16),
-                             k_rope=rng.standard_normal((n, spec.qk_rope_head_dim)).astype(BF16))
-                    if kind == "full":
-                        x["index_k"] = rng.standard_normal((n, spec.index_head_dim)).astype(BF16)
+                for i, x in enumerate(_layers(spec, n, rng, write_only=True)):
                     c.attend_layer(step.step_id, i, **x)
             layers = _layers(spec, 48, rng)
             step = c.begin_step([("ctx", 48)])

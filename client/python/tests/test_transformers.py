@@ -206,6 +206,22 @@ def test_mixed_batches_and_forks_equal_separate_runs(served):
     assert adapter.client.list_sequences() == []
 
 
+def _bf16_layers(spec, T, g):
+    """One step's layer inputs for T tokens as bf16 torch tensors (random, seeded by `g`)."""
+    layers = []
+    for kind in spec.layers:
+        t = dict(q_latent=torch.randn(T, spec.num_heads, spec.kv_lora_rank, generator=g),
+                 q_rope=torch.randn(T, spec.num_heads, spec.qk_rope_head_dim, generator=g),
+                 kv_latent=torch.randn(T, spec.kv_lora_rank, generator=g),
+                 k_rope=torch.randn(T, spec.qk_rope_head_dim, generator=g))
+        if kind == "full":
+            t.update(index_q=torch.randn(T, spec.index_n_heads, spec.index_head_dim, generator=g),
+                     index_k=torch.randn(T, spec.index_head_dim, generator=g),
+                     index_w=torch.randn(T, spec.index_n_heads, generator=g))
+        layers.append({k: v.to(torch.bfloat16) for k, v in t.items()})
+    return layers
+
+
 def test_torch_tensors_go_on_the_wire_as_numpy_would(served):
     """CPU torch tensors (bf16 included, a grad-tracking one detached) give the bytes and outputs
     the ml_dtypes arrays give; mixed datatypes are refused before anything is sent."""
@@ -221,17 +237,7 @@ def test_torch_tensors_go_on_the_wire_as_numpy_would(served):
     b = x.to(torch.bfloat16)
     assert to_tensor(b).data == to_tensor(x.numpy().astype(ml_dtypes.bfloat16)).data
     assert to_tensor(x.requires_grad_()).datatype == "FP32"
-    layers = []
-    for kind in spec.layers:
-        t = dict(q_latent=torch.randn(2, spec.num_heads, spec.kv_lora_rank, generator=g),
-                 q_rope=torch.randn(2, spec.num_heads, spec.qk_rope_head_dim, generator=g),
-                 kv_latent=torch.randn(2, spec.kv_lora_rank, generator=g),
-                 k_rope=torch.randn(2, spec.qk_rope_head_dim, generator=g))
-        if kind == "full":
-            t.update(index_q=torch.randn(2, spec.index_n_heads, spec.index_head_dim, generator=g),
-                     index_k=torch.randn(2, spec.index_head_dim, generator=g),
-                     index_w=torch.randn(2, spec.index_n_heads, generator=g))
-        layers.append({k: v.to(torch.bfloat16) for k, v in t.items()})
+    layers = _bf16_layers(spec, 2, g)
     outs = {}
     for name, convert in (("torch", lambda v: v), ("numpy", as_numpy)):
         c.open_sequence(name)
@@ -283,17 +289,7 @@ def test_outputs_and_shared_memory_as_torch_tensors(served):
     adapter, _, _ = served
     c, spec = adapter.client, adapter.spec
     g = torch.Generator().manual_seed(4)
-    layers = []
-    for kind in spec.layers:
-        t = dict(q_latent=torch.randn(1, spec.num_heads, spec.kv_lora_rank, generator=g),
-                 q_rope=torch.randn(1, spec.num_heads, spec.qk_rope_head_dim, generator=g),
-                 kv_latent=torch.randn(1, spec.kv_lora_rank, generator=g),
-                 k_rope=torch.randn(1, spec.qk_rope_head_dim, generator=g))
-        if kind == "full":
-            t.update(index_q=torch.randn(1, spec.index_n_heads, spec.index_head_dim, generator=g),
-                     index_k=torch.randn(1, spec.index_head_dim, generator=g),
-                     index_w=torch.randn(1, spec.index_n_heads, generator=g))
-        layers.append({k: v.to(torch.bfloat16) for k, v in t.items()})
+    layers = _bf16_layers(spec, 1, g)
     got = {}
     for name, as_torch in (("t", True), ("n", False)):
         c.open_sequence(name)
