@@ -1,5 +1,7 @@
 #include "common/dtype.h"
 
+#include "common/fp8.h"
+
 namespace attnd {
 
 const char* DTypeName(DType t) {
@@ -10,6 +12,8 @@ const char* DTypeName(DType t) {
       return "BF16";
     case DType::kF16:
       return "FP16";
+    case DType::kFP8E4M3:
+      return "FP8_E4M3";
   }
   return "?";
 }
@@ -18,6 +22,7 @@ std::optional<DType> ParseDType(std::string_view name) {
   if (name == "FP32") return DType::kF32;
   if (name == "BF16") return DType::kBF16;
   if (name == "FP16") return DType::kF16;
+  if (name == "FP8_E4M3") return DType::kFP8E4M3;
   return std::nullopt;
 }
 
@@ -76,6 +81,8 @@ float RoundTo(DType t, float f) {
       return BF16ToF32(F32ToBF16(f));
     case DType::kF16:
       return F16ToF32(F32ToF16(f));
+    case DType::kFP8E4M3:
+      return fp8::E4M3ToF32(fp8::F32ToE4M3(f));
   }
   return f;
 }
@@ -95,6 +102,11 @@ void ConvertToF32(DType t, const void* src, float* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = F16ToF32(s[i]);
       return;
     }
+    case DType::kFP8E4M3: {
+      const uint8_t* s = static_cast<const uint8_t*>(src);
+      for (size_t i = 0; i < n; ++i) dst[i] = fp8::E4M3ToF32(s[i]);
+      return;
+    }
   }
 }
 
@@ -111,6 +123,11 @@ void ConvertFromF32(DType t, const float* src, void* dst, size_t n) {
     case DType::kF16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = F32ToF16(src[i]);
+      return;
+    }
+    case DType::kFP8E4M3: {
+      uint8_t* d = static_cast<uint8_t*>(dst);
+      for (size_t i = 0; i < n; ++i) d[i] = fp8::F32ToE4M3(src[i]);
       return;
     }
   }

@@ -12,12 +12,16 @@
 
 namespace attnd {
 
-enum class DType : uint8_t { kF32, kBF16, kF16 };
+// kFP8E4M3 is float8_e4m3fn (common/fp8.h): the fp8 cache's values and, on the wire, keys already
+// quantised as an fp8 cache holds them (with their fp32 scales); never a query or an output.
+enum class DType : uint8_t { kF32, kBF16, kF16, kFP8E4M3 };
 
 // Bytes per element.
-ATTND_HD constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+ATTND_HD constexpr size_t DTypeSize(DType t) {
+  return t == DType::kF32 ? 4 : t == DType::kFP8E4M3 ? 1 : 2;
+}
 
-// The Open Inference Protocol name: "FP32", "BF16", "FP16".
+// The Open Inference Protocol name: "FP32", "BF16", "FP16", "FP8_E4M3".
 const char* DTypeName(DType t);
 
 // Parses an OIP datatype string (upper case, as on the wire); nullopt for anything else.
@@ -42,10 +46,10 @@ inline uint16_t F32ToBF16(float f) {
 float F16ToF32(uint16_t h);
 uint16_t F32ToF16(float f);
 
-// Rounds an fp32 value through `t` and back (the value a cache of that type stores).
+// Rounds an fp32 value through `t` and back (for kFP8E4M3: unscaled, saturating at +-448).
 float RoundTo(DType t, float f);
 
-// dst[i] = float(src[i]) for n elements of type `t`.
+// dst[i] = float(src[i]) for n elements of type `t` (fp8: unscaled).
 void ConvertToF32(DType t, const void* src, float* dst, size_t n);
 
 // dst[i] = t(src[i]) for n elements, round to nearest even.

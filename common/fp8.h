@@ -18,13 +18,24 @@
 namespace attnd::fp8 {
 
 inline constexpr float kE4M3Max = 448.0f;
-inline constexpr int kLatentTile = 128;                           // values per latent scale
-inline constexpr int kLatentValues = 512;                         // L (the layout is for L = 512)
-inline constexpr int kLatentTiles = kLatentValues / kLatentTile;  // 4 scales
-inline constexpr int kRopeValues = 64;                            // R
-inline constexpr int kLatentTokenBytes = kLatentValues + 4 * kLatentTiles + 2 * kRopeValues;  // 656
-inline constexpr int kIndexValues = 128;                                                      // Di
-inline constexpr int kIndexTokenBytes = kIndexValues + 4;                                     // 132
+inline constexpr int kLatentTile = 128;  // values per latent scale
+// DeepSeek-V3.2's dims, for which the layouts are the field's (FlashMLA, DeepGEMM).
+inline constexpr int kLatentValues = 512;  // L
+inline constexpr int kRopeValues = 64;     // R
+inline constexpr int kIndexValues = 128;   // Di
+
+// Other dims keep the same shape: L e4m3 values in tiles of 128 (or one tile when L < 128: the
+// small test models), one fp32 scale per tile, then R bf16; an indexer key is Di e4m3 values and
+// one fp32 scale.
+ATTND_HD constexpr bool LatentDimFits(int L) {
+  return L > 0 && L <= 64 * kLatentTile && (L < kLatentTile || L % kLatentTile == 0);
+}
+ATTND_HD constexpr int LatentTiles(int L) { return L < kLatentTile ? 1 : L / kLatentTile; }
+ATTND_HD constexpr int LatentTileSize(int L) { return L < kLatentTile ? L : kLatentTile; }
+ATTND_HD constexpr int LatentTokenBytes(int L, int R) { return L + 4 * LatentTiles(L) + 2 * R; }
+ATTND_HD constexpr int IndexTokenBytes(int Di) { return Di + 4; }
+static_assert(LatentTokenBytes(kLatentValues, kRopeValues) == 656, "FlashMLA's V3.2 token");
+static_assert(IndexTokenBytes(kIndexValues) == 132, "DeepGEMM's indexer key");
 
 // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7f/0xff are NaN.
 ATTND_HD inline float E4M3ToF32(uint8_t v) {
@@ -87,39 +98,51 @@ inline void QuantizeTiles(const float* x, int n, int tile, uint8_t* values, floa
   }
 }
 
-// A latent token: c_kv [512] and k_rope [64] (fp32) into its 656 bytes.
-inline void PackLatentToken(const float* c_kv, const float* k_rope, uint8_t* out) {
-  float scales[kLatentTiles];
-  QuantizeTiles(c_kv, kLatentValues, kLatentTile, out, scales);
-  std::memcpy(out + kLatentValues, scales, sizeof(scales));
-  uint8_t* rope = out + kLatentValues + sizeof(scales);
-  for (int i = 0; i < kRopeValues; ++i) {
+// A latent token: c_kv [L] and k_rope [R] (fp32) into its LatentTokenBytes(L, R) bytes.
+inline void PackLatentToken(int L, int R, const float* c_kv, const float* k_rope, uint8_t* out) {
+  const int tiles = LatentTiles(L);
+  float scales[64];  // L <= 8192
+  QuantizeTiles(c_kv, L, LatentTileSize(L), out, scales);
+  std::memcpy(out + L, scales, 4 * tiles);
+  uint8_t* rope = out + L + 4 * tiles;
+  for (int i = 0; i < R; ++i) {
     const uint16_t b = F32ToBF16(k_rope[i]);
     std::memcpy(rope + 2 * i, &b, 2);
   }
 }
 
-// Its 656 bytes back as the 576 fp32 values [c_kv | k_rope].
-ATTND_HD inline void UnpackLatentToken(const uint8_t* in, float* out) {
-  float scales[kLatentTiles];
-  std::memcpy(scales, in + kLatentValues, sizeof(scales));
-  for (int i = 0; i < kLatentValues; ++i) out[i] = E4M3ToF32(in[i]) * scales[i / kLatentTile];
-  const uint8_t* rope = in + kLatentValues + sizeof(scales);
-  for (int i = 0; i < kRopeValues; ++i) {
+// Its bytes back as the L + R fp32 values [c_kv | k_rope].
+ATTND_HD inline void UnpackLatentToken(int L, int R, const uint8_t* in, float* out) {
+  const int tiles = LatentTiles(L), tile = LatentTileSize(L);
+  for (int i = 0; i < L; ++i) {
+    float scale;
+    std::memcpy(&scale, in + L + 4 * (i / tile), 4);
+    out[i] = E4M3ToF32(in[i]) * scale;
+  }
+  const uint8_t* rope = in + L + 4 * tiles;
+  for (int i = 0; i < R; ++i) {
     uint16_t b;
     std::memcpy(&b, rope + 2 * i, 2);
-    out[kLatentValues + i] = BF16ToF32(b);
+    out[L + i] = BF16ToF32(b);
   }
 }
 
-// An indexer key [128] into 128 e4m3 values and its scale (stored apart: a page's values, then
+// An indexer key [Di] into Di e4m3 values and its scale (stored apart: a page's values, then
 // its scales).
-inline void PackIndexKey(const float* k, uint8_t* values, float* scale) {
-  QuantizeTiles(k, kIndexValues, kIndexValues, values, scale);
+inline void PackIndexKey(int Di, const float* k, uint8_t* values, float* scale) {
+  QuantizeTiles(k, Di, Di, values, scale);
 }
 
-ATTND_HD inline void UnpackIndexKey(const uint8_t* values, float scale, float* out) {
-  for (int i = 0; i < kIndexValues; ++i) out[i] = E4M3ToF32(values[i]) * scale;
+ATTND_HD inline void UnpackIndexKey(int Di, const uint8_t* values, float scale, float* out) {
+  for (int i = 0; i < Di; ++i) out[i] = E4M3ToF32(values[i]) * scale;
+}
+
+// Whether `s` is a scale an fp8 cache can hold: a finite positive power of two (what TileScale
+// gives), so dequantising stays exact in fp32.
+inline bool IsTileScale(float s) {
+  if (!(s > 0) || !std::isfinite(s)) return false;
+  int e;
+  return std::frexp(s, &e) == 0.5f;
 }
 
 }  // namespace attnd::fp8

@@ -85,6 +85,8 @@ int64_t FirstNonFinite(const TensorView& t) {
       return FirstAllOnes<uint16_t>(t.data, n, 0x7f80u);
     case DType::kF16:
       return FirstAllOnes<uint16_t>(t.data, n, 0x7c00u);
+    case DType::kFP8E4M3:  // no infinities; 0x7f and 0xff are NaN
+      return FirstAllOnes<uint8_t>(t.data, n, 0x7f);
   }
   return -1;
 }

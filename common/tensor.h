@@ -21,6 +21,11 @@ struct TensorView {
   int64_t dims[kMaxRank] = {0, 0, 0, 0};
   const void* data = nullptr;
   size_t nbytes = 0;
+  // kFP8E4M3 tensors only: their fp32 scales, [dims[0], ..., dims[rank-2], scales_per_row], each
+  // scaling dims[rank-1] / scales_per_row consecutive values of a row (Tensor.scales on the wire).
+  const void* scales = nullptr;
+  size_t scales_nbytes = 0;
+  int64_t scales_per_row = 0;
 
   static TensorView Of(DType dtype, std::initializer_list<int64_t> shape, const void* data,
                        size_t nbytes);

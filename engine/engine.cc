@@ -513,15 +513,18 @@ absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInput
   if (layer != st->next_layer)
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step.id, ": layer ", layer, " out of order, expected layer ", st->next_layer));
-  return CheckLayerShapes(impl_->spec(), st->tokens, st->options.write_only, layer, in, out_bytes);
+  return CheckLayerShapes(impl_->spec(), impl_->options.cache_dtype, st->tokens,
+                          st->options.write_only, layer, in, out_bytes);
 }
 
 absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
                                    size_t out_bytes, LayerTrace* trace) {
   const ModelSpec& s = spec();
   const bool write_only = st.options.write_only;
-  RETURN_IF_ERROR(CheckLayerShapes(s, st.tokens, write_only, layer, in, out_bytes));
+  RETURN_IF_ERROR(
+      CheckLayerShapes(s, options.cache_dtype, st.tokens, write_only, layer, in, out_bytes));
   if (options.limits.check_finite) RETURN_IF_ERROR(CheckLayerFinite(in));
+  RETURN_IF_ERROR(CheckFp8Scales(in));
   const LayerKind kind = s.layers[layer];
   LayerCall call;
   call.layer = layer;

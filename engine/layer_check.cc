@@ -1,9 +1,11 @@
 #include "engine/layer_check.h"
 
 #include <array>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/fp8.h"
 #include "common/status_macros.h"
 
 namespace attnd {
@@ -20,13 +22,50 @@ std::array<std::pair<const char*, const TensorView*>, 7> Named(const LayerInputs
            {"index_w", &in.index_w}}};
 }
 
+bool IsKey(const TensorView* t, const LayerInputs& in) {
+  return t == &in.kv_latent || t == &in.index_k;
+}
+
+// An fp8 key tensor's scales: FP32, [T, tiles] (the cache's tiles of its rows).
+absl::Status CheckScales(const char* name, const TensorView& t, int64_t T, int64_t tiles) {
+  if (t.scales == nullptr)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": FP8_E4M3 without scales; give FP32 scales [", T, ", ", tiles, "]"));
+  if (t.scales_per_row != tiles || t.scales_nbytes != static_cast<size_t>(T * tiles * 4))
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": scales of ", t.scales_per_row, " per row (", t.scales_nbytes,
+        " bytes); the fp8 cache keeps ", tiles, " per row: FP32 [", T, ", ", tiles, "]"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::Status CheckLayerDTypes(const LayerInputs& in) {
+absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
+  for (const auto& [name, t] : Named(in)) {
+    if (!t->present) continue;
+    if (t->dtype != DType::kFP8E4M3) {
+      if (t->scales != nullptr)
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": scales belong to FP8_E4M3 tensors only"));
+      continue;
+    }
+    if (!IsKey(t, in))
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       ": FP8_E4M3 is taken for kv_latent and index_k only (keys already quantised "
+                       "as an fp8 cache holds them, e.g. an export's)"));
+    if (cache_dtype != DType::kFP8E4M3)
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       ": FP8_E4M3 keys need an fp8 cache (--cache-dtype=fp8); this server "
+                       "caches ",
+                       DTypeName(cache_dtype)));
+  }
+  // Every other tensor has one datatype: fp8 keys are the cache's own bytes, not a wire type.
   const char* first = nullptr;
   DType dtype = DType::kF32;
   for (const auto& [name, t] : Named(in)) {
-    if (!t->present) continue;
+    if (!t->present || t->dtype == DType::kFP8E4M3) continue;
     if (first == nullptr) {
       first = name;
       dtype = t->dtype;
@@ -39,11 +78,18 @@ absl::Status CheckLayerDTypes(const LayerInputs& in) {
   return absl::OkStatus();
 }
 
-absl::Status CheckLayerShapes(const ModelSpec& s, int64_t T, bool write_only, int layer,
-                              const LayerInputs& in, size_t out_bytes) {
-  RETURN_IF_ERROR(CheckLayerDTypes(in));
+absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, bool write_only,
+                              int layer, const LayerInputs& in, size_t out_bytes) {
+  RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
+  if (in.kv_latent.dtype == DType::kFP8E4M3)
+    RETURN_IF_ERROR(CheckScales("kv_latent", in.kv_latent, T, fp8::LatentTiles(s.kv_lora_rank)));
+  if (in.index_k.present && in.index_k.dtype == DType::kFP8E4M3 &&
+      s.layers[layer] == LayerKind::kFull) {
+    RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
+    RETURN_IF_ERROR(CheckScales("index_k", in.index_k, T, 1));
+  }
   if (write_only) {
     if (s.layers[layer] == LayerKind::kFull) {
       RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
@@ -85,6 +131,22 @@ absl::Status CheckLayerShapes(const ModelSpec& s, int64_t T, bool write_only, in
 
 absl::Status CheckLayerFinite(const LayerInputs& in) {
   for (const auto& [name, t] : Named(in)) RETURN_IF_ERROR(CheckFinite(name, *t));
+  return absl::OkStatus();
+}
+
+absl::Status CheckFp8Scales(const LayerInputs& in) {
+  for (const auto& [name, t] : Named(in)) {
+    if (!t->present || t->dtype != DType::kFP8E4M3) continue;
+    const size_t n = t->scales_nbytes / 4;
+    for (size_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, static_cast<const uint8_t*>(t->scales) + 4 * i, 4);
+      if (!fp8::IsTileScale(v))
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, ": scale ", v, " at [", i / t->scales_per_row, ", ", i % t->scales_per_row,
+            "] is not a positive power of two (an fp8 cache holds no other)"));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -12,14 +12,18 @@
 namespace attnd {
 
 // INVALID_ARGUMENT naming the first tensor that does not fit layer `layer` of a step of T tokens
-// (write-only steps take only the keys and no output), or OK.
-absl::Status CheckLayerShapes(const ModelSpec& spec, int64_t tokens, bool write_only, int layer,
-                              const LayerInputs& in, size_t out_bytes);
+// on a cache of `cache_dtype` (write-only steps take only the keys and no output), or OK.
+absl::Status CheckLayerShapes(const ModelSpec& spec, DType cache_dtype, int64_t tokens,
+                              bool write_only, int layer, const LayerInputs& in, size_t out_bytes);
 // INVALID_ARGUMENT when the call's tensors are not all of one datatype (FP32 queries with BF16
-// keys would otherwise be converted silently), naming the first that differs. CheckLayerShapes
-// runs it first.
-absl::Status CheckLayerDTypes(const LayerInputs& in);
+// keys would otherwise be converted silently), naming the first that differs. The exception:
+// kv_latent and index_k may come as FP8_E4M3 with scales, quantised as an fp8 cache holds keys
+// (an export's), into an fp8 cache only. CheckLayerShapes runs it first.
+absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype);
 // INVALID_ARGUMENT naming the first tensor holding a NaN or an infinity, or OK.
 absl::Status CheckLayerFinite(const LayerInputs& in);
+// INVALID_ARGUMENT naming the first fp8 key scale that is not a positive power of two (what an
+// fp8 cache holds, so dequantising stays exact), or OK. Reads the scales: after shared memory.
+absl::Status CheckFp8Scales(const LayerInputs& in);
 
 }  // namespace attnd

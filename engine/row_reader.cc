@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/fp8.h"
 #include "common/status_macros.h"
 
 namespace attnd {
@@ -12,8 +13,12 @@ absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
   const CacheLayout& c = device.layout();
   const int ps = c.page_size;
   const int slot = spec.FullSlot(layer);
+  // Bytes of a latent row's parts: values, (fp8) scales, rope.
+  const bool fp8 = c.fp8();
   const size_t es = DTypeSize(c.dtype);
-  const size_t L = spec.kv_lora_rank * es, R = spec.qk_rope_head_dim * es;
+  const size_t L = spec.kv_lora_rank * es;
+  const size_t S = fp8 ? 4 * fp8::LatentTiles(spec.kv_lora_rank) : 0;
+  const size_t R = spec.qk_rope_head_dim * (fp8 ? 2 : es);
   std::vector<uint8_t> lat(ps * c.latent_row_bytes()), idx(ps * c.index_row_bytes());
   out->kv_latent.reserve(out->kv_latent.size() + (end - begin) * L);
   out->k_rope.reserve(out->k_rope.size() + (end - begin) * R);
@@ -24,12 +29,17 @@ absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
     RETURN_IF_ERROR(device.ReadRows(layer, slot, pages[pos / ps - begin / ps], off, rows,
                                     lat.data(), idx.data()));
     for (int r = 0; r < rows; ++r) {
-      const char* row = reinterpret_cast<const char*>(lat.data()) + r * (L + R);
+      const char* row = reinterpret_cast<const char*>(lat.data()) + r * (L + S + R);
       out->kv_latent.append(row, L);
-      out->k_rope.append(row + L, R);
+      out->kv_latent_scales.append(row + L, S);
+      out->k_rope.append(row + L + S, R);
     }
-    if (slot >= 0)
-      out->index_k.append(reinterpret_cast<const char*>(idx.data()), rows * c.index_row_bytes());
+    if (slot >= 0) {  // the rows (fp8: their values, then their scales)
+      const char* from = reinterpret_cast<const char*>(idx.data());
+      const size_t values = fp8 ? rows * spec.index_head_dim : rows * c.index_row_bytes();
+      out->index_k.append(from, values);
+      if (fp8) out->index_k_scales.append(from + values, 4 * rows);
+    }
     pos += rows;
   }
   return absl::OkStatus();

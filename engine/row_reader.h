@@ -13,9 +13,11 @@
 namespace attnd {
 
 // kv_latent [n, L], k_rope [n, R] and, on full layers, index_k [n, Di] (empty otherwise), in the
-// cache dtype.
+// cache dtype. An fp8 cache's: kv_latent e4m3 with kv_latent_scales [n, tiles] fp32, k_rope bf16,
+// index_k e4m3 with index_k_scales [n] fp32.
 struct LayerRowBytes {
   std::string kv_latent, k_rope, index_k;
+  std::string kv_latent_scales, index_k_scales;
 };
 
 // Rows [begin, end) of `layer`; pages[0] is the page holding row `begin`, and the pages after it

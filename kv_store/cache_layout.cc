@@ -1,6 +1,7 @@
 #include "kv_store/cache_layout.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/fp8.h"
 #include "common/model_spec.h"
 
 namespace attnd {
@@ -11,6 +12,7 @@ CacheLayout CacheLayout::ForModel(const ModelSpec& spec, DType dtype, int32_t nu
   c.num_full_layers = spec.num_full_layers();
   c.page_size = spec.page_size;
   c.latent_dim = spec.latent_dim();
+  c.rope_dim = spec.qk_rope_head_dim;
   c.index_dim = spec.index_head_dim;
   c.dtype = dtype;
   c.num_pages = num_pages;
@@ -20,6 +22,10 @@ CacheLayout CacheLayout::ForModel(const ModelSpec& spec, DType dtype, int32_t nu
 absl::StatusOr<CacheLayout> CacheLayout::ForCapacity(const ModelSpec& spec, DType dtype,
                                                      int32_t pages, size_t bytes) {
   CacheLayout c = ForModel(spec, dtype, 0);
+  if (c.fp8() && !fp8::LatentDimFits(spec.kv_lora_rank))
+    return absl::InvalidArgumentError(
+        absl::StrCat("an fp8 cache keeps the latent in tiles of 128 values: kv_lora_rank ",
+                     spec.kv_lora_rank, " must be a multiple of 128 (at most 8192) or below 128"));
   c.num_pages = pages > 0 ? pages : c.PagesForBytes(bytes);
   const int64_t max_pages = (int64_t{1} << 31) / spec.page_size;
   if (c.num_pages > max_pages)
@@ -27,6 +33,38 @@ absl::StatusOr<CacheLayout> CacheLayout::ForCapacity(const ModelSpec& spec, DTyp
         "KV cache of ", c.num_pages, " pages per device: at most ", max_pages, " pages of ",
         spec.page_size, " tokens (32-bit slot ids); lower the cache size"));
   return c;
+}
+
+size_t CacheLayout::latent_row_bytes() const {
+  if (fp8()) return fp8::LatentTokenBytes(kv_lora_rank(), rope_dim);
+  return static_cast<size_t>(latent_dim) * DTypeSize(dtype);
+}
+
+size_t CacheLayout::index_row_bytes() const {
+  if (fp8()) return fp8::IndexTokenBytes(index_dim);
+  return static_cast<size_t>(index_dim) * DTypeSize(dtype);
+}
+
+CacheRows CacheLayout::Latent(const uint8_t* base, int layer) const {
+  CacheRows r{base + LatentOffset(layer), latent_row_bytes(), dtype, latent_dim};
+  if (fp8()) r.fp8_dim = kv_lora_rank();
+  return r;
+}
+
+CacheRows CacheLayout::Index(const uint8_t* base, int slot) const {
+  CacheRows r{base + IndexOffset(slot), index_row_bytes(), dtype, index_dim};
+  if (fp8()) {
+    r.fp8_dim = index_dim;
+    r.scales_apart = page_size;
+  }
+  return r;
+}
+
+std::array<CacheLayout::ByteRange, 2> CacheLayout::IndexRanges(int first, int rows) const {
+  if (!fp8()) return {{{first * index_row_bytes(), rows * index_row_bytes()}, {0, 0}}};
+  const size_t values = static_cast<size_t>(page_size) * index_dim;
+  return {{{static_cast<size_t>(first) * index_dim, static_cast<size_t>(rows) * index_dim},
+           {values + 4 * static_cast<size_t>(first), 4 * static_cast<size_t>(rows)}}};
 }
 
 size_t CacheLayout::BytesPerPage() const {

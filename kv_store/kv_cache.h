@@ -27,8 +27,9 @@ class KvCache {
   uint8_t* LatentRow(int layer, int32_t page, int offset) const {
     return Latent(layer).MutableRow(int64_t{page} * layout_.page_size + offset);
   }
-  uint8_t* IndexRow(int slot, int32_t page, int offset) const {
-    return Index(slot).MutableRow(int64_t{page} * layout_.page_size + offset);
+  // A page's first byte of a full layer's indexer rows (CacheLayout::IndexRanges from there).
+  uint8_t* IndexPage(int slot, int32_t page) const {
+    return base_ + layout_.IndexPageOffset(slot, page);
   }
 
  private:

@@ -13,16 +13,34 @@ namespace attnd {
 
 // One layer's latent rows (or one full layer's indexer rows) of a cache: row `slot` of the layer,
 // slot = page * page_size + offset, lives at base + slot * row_bytes.
+// fp8 rows (dtype kFP8E4M3, DESIGN §4): the row starts with fp8_dim e4m3 values. Latent rows keep
+// one fp32 scale per tile right after them (fp8::LatentTiles) and then dim - fp8_dim bf16 values.
+// Indexer rows (scales_apart = page_size) keep their one scale apart: a page of them is its
+// page_size rows of values, then their scales, so Row(slot) is where the row's values start.
 struct CacheRows {
   const uint8_t* base = nullptr;  // the layer's first row (slot 0)
-  size_t row_bytes = 0;           // bytes per row
+  size_t row_bytes = 0;           // bytes per row (fp8 indexer rows: values + scale)
   DType dtype = DType::kBF16;     // element type of the rows
   int dim = 0;                    // elements per row
+  int fp8_dim = 0;                // fp8 rows: leading e4m3 values
+  int32_t scales_apart = 0;       // fp8 indexer rows: the page size; 0 otherwise
 
   ATTND_HD const uint8_t* Row(int64_t slot) const {
-    return base + static_cast<size_t>(slot) * row_bytes;
+    if (scales_apart == 0) return base + static_cast<size_t>(slot) * row_bytes;
+    return PageStart(slot) + static_cast<size_t>(slot % scales_apart) * fp8_dim;
   }
   ATTND_HD uint8_t* MutableRow(int64_t slot) const { return const_cast<uint8_t*>(Row(slot)); }
+  // fp8 rows: the first fp32 scale of the row.
+  ATTND_HD const uint8_t* Scales(int64_t slot) const {
+    if (scales_apart == 0) return Row(slot) + fp8_dim;
+    return PageStart(slot) + static_cast<size_t>(scales_apart) * fp8_dim +
+           static_cast<size_t>(slot % scales_apart) * 4;
+  }
+
+ private:
+  ATTND_HD const uint8_t* PageStart(int64_t slot) const {
+    return base + static_cast<size_t>(slot / scales_apart) * scales_apart * row_bytes;
+  }
 };
 
 // The page tables of a batch of sequences: sequence s owns pages[indptr[s] .. indptr[s + 1]), in

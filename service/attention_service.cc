@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
+#include "kv_store/cache_layout.h"
 #include "service/export_chunk.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
@@ -121,9 +122,9 @@ absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
 }
 
 int64_t AttentionService::max_export_chunk_tokens() const {
-  const ModelSpec& s = engine_->spec();
-  const int64_t per_token = int64_t{s.kv_lora_rank + s.qk_rope_head_dim + s.index_head_dim} *
-                            static_cast<int64_t>(DTypeSize(engine_->options().cache_dtype));
+  const CacheLayout c = CacheLayout::ForModel(engine_->spec(), engine_->options().cache_dtype, 0);
+  // A chunk carries each token's cached bytes (fp8: its scales too).
+  const int64_t per_token = static_cast<int64_t>(c.latent_row_bytes() + c.index_row_bytes());
   return std::max<int64_t>(1, (options_.max_message_bytes - kMessageFramingBytes) / per_token);
 }
 
@@ -201,6 +202,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     out->set_sequences(d.sequences);
   }
   for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
+  if (engine_->options().cache_dtype == DType::kFP8E4M3) resp->add_datatypes("FP8_E4M3");
   resp->set_max_message_bytes(options_.max_message_bytes);
   resp->set_step_idle_timeout_ms(options_.step_idle_timeout_ms);
   const EngineLimits& lim = engine_->options().limits;

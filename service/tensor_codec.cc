@@ -11,17 +11,38 @@ namespace {
 // (shape checks do not read data), but not null, so a missing tensor stays distinguishable.
 const char kNotYetRead = 0;
 
-// *v viewing `t`'s bytes; a shared-memory tensor is queued in `transfers` to be read into *v.
+// *data and *nbytes for `t`'s bytes; shared-memory bytes are queued in `transfers`, to be read
+// into a buffer *data then points at.
+absl::Status BytesOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
+                     ShmTransfers* transfers, const void** data, size_t* nbytes) {
+  if (t.has_shm()) {
+    if (!t.data().empty())
+      return absl::InvalidArgumentError(absl::StrCat(name, ": both data and shm given"));
+    ASSIGN_OR_RETURN(auto r,
+                     shm.Resolve(name, t.shm().region(), t.shm().offset(), t.shm().byte_size()));
+    *data = &kNotYetRead;
+    *nbytes = static_cast<size_t>(t.shm().byte_size());
+    transfers->inputs.push_back({std::move(r), t.shm().offset(), *nbytes, data});
+    return absl::OkStatus();
+  }
+  *data = t.data().data();
+  *nbytes = t.data().size();
+  return absl::OkStatus();
+}
+
+// *v viewing `t`'s bytes (and an FP8_E4M3 tensor's scales); shared-memory bytes are queued in
+// `transfers` to be read.
 absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
                     ShmTransfers* transfers, TensorView* out) {
   TensorView& v = *out;
   v = TensorView();
-  if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty() && !t.has_shm())
+  if (t.datatype().empty() && t.shape_size() == 0 && t.data().empty() && !t.has_shm() &&
+      !t.has_scales())
     return absl::OkStatus();
   const auto dtype = ParseDType(t.datatype());
   if (!dtype)
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": datatype ", Quote(t.datatype()), " is not one of BF16, FP16, FP32"));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": datatype ", Quote(t.datatype()),
+                                                   " is not one of BF16, FP16, FP32, FP8_E4M3"));
   if (t.shape_size() > TensorView::kMaxRank)
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": rank ", t.shape_size(), " exceeds ", TensorView::kMaxRank));
@@ -33,18 +54,29 @@ absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
       return absl::InvalidArgumentError(absl::StrCat(name, ": negative dimension ", t.shape(i)));
     v.dims[i] = t.shape(i);
   }
-  if (t.has_shm()) {
-    if (!t.data().empty())
-      return absl::InvalidArgumentError(absl::StrCat(name, ": both data and shm given"));
-    ASSIGN_OR_RETURN(auto r,
-                     shm.Resolve(name, t.shm().region(), t.shm().offset(), t.shm().byte_size()));
-    v.data = &kNotYetRead;
-    v.nbytes = static_cast<size_t>(t.shm().byte_size());
-    transfers->inputs.push_back({std::move(r), t.shm().offset(), v.nbytes, out});
-    return absl::OkStatus();
-  }
-  v.data = t.data().data();
-  v.nbytes = t.data().size();
+  RETURN_IF_ERROR(BytesOf(name, t, shm, transfers, &v.data, &v.nbytes));
+  if (!t.has_scales()) return absl::OkStatus();
+  // The scales: FP32, the tensor's leading dims and a last of their own.
+  const v1::Tensor& sc = t.scales();
+  const std::string sname = absl::StrCat(name, ".scales");
+  if (sc.datatype() != "FP32")
+    return absl::InvalidArgumentError(
+        absl::StrCat(sname, ": datatype ", Quote(sc.datatype()), ", expected FP32"));
+  bool same = v.rank >= 1 && sc.shape_size() == v.rank;
+  for (int i = 0; same && i + 1 < v.rank; ++i) same = sc.shape(i) == v.dims[i];
+  const int64_t per_row = same ? sc.shape(v.rank - 1) : 0;
+  if (!same || per_row <= 0 || v.dims[v.rank - 1] % per_row != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(sname, ": shape must be ", name,
+                     "'s leading dims and a last dim dividing its last (", v.ShapeString(), ")"));
+  int64_t count = per_row;
+  for (int i = 0; i + 1 < v.rank; ++i) count *= v.dims[i];
+  RETURN_IF_ERROR(BytesOf(sname.c_str(), sc, shm, transfers, &v.scales, &v.scales_nbytes));
+  if (v.scales_nbytes != static_cast<size_t>(count) * 4)
+    return absl::InvalidArgumentError(
+        absl::StrCat(sname, ": ", v.scales_nbytes, " bytes, expected ", count * 4));
+  v.scales_per_row = per_row;
+  if (sc.has_scales()) return absl::InvalidArgumentError(absl::StrCat(sname, ": nested scales"));
   return absl::OkStatus();
 }
 
@@ -67,11 +99,11 @@ absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfer
 
 absl::Status ShmTransfers::ReadInputs() {
   for (Pending& p : inputs) {
-    if (p.view == nullptr) continue;  // already read
+    if (p.target == nullptr) continue;  // already read
     buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
     RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes));
-    p.view->data = buffers.back()->data();
-    p.view = nullptr;
+    *p.target = buffers.back()->data();
+    p.target = nullptr;
   }
   return absl::OkStatus();
 }

@@ -29,7 +29,7 @@ struct ShmTransfers {
     std::shared_ptr<const ShmRegistry::Region> region;
     int64_t offset = 0;
     size_t bytes = 0;
-    TensorView* view = nullptr;  // inputs: the view to point at the bytes once read
+    const void** target = nullptr;  // inputs: the view's pointer to aim at the bytes once read
   };
   std::vector<Pending> inputs;
   std::vector<std::unique_ptr<std::string>> buffers;

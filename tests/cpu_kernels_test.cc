@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 
+#include "common/fp8.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/cpu/cpu_isa.h"
 #include "kernels/reference/reference.h"
@@ -66,6 +67,27 @@ TEST_P(PerIsa, ExpIsAccurateAndHandlesInfinity) {
   }
   EXPECT_EQ(y[y.size() - 2], 0.0f);
   EXPECT_EQ(y.back(), 0.0f);
+}
+
+TEST_P(PerIsa, E4M3DecodeIsExactForEveryFiniteCodeAndScale) {
+  const Kernels& k = GetKernels(GetParam());
+  // Every finite code (NaN codes 0x7f/0xff are never stored), over ragged lengths and tiles so
+  // the vector and scalar tails both run, with power-of-two scales far from 1.
+  std::vector<unsigned char> codes;
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7f) != 0x7f) codes.push_back(static_cast<unsigned char>(c));
+  for (int tile : {7, 16, 127, 254}) {
+    const int n = static_cast<int>(codes.size());
+    std::vector<float> scales((n + tile - 1) / tile), out(n, NAN);
+    for (size_t t = 0; t < scales.size(); ++t)
+      scales[t] = std::ldexp(1.0f, static_cast<int>(t * 7 % 40) - 20);
+    k.e4m3_to_f32(codes.data(), scales.data(), tile, out.data(), n);
+    for (int i = 0; i < n; ++i) {
+      const double want = static_cast<double>(fp8::E4M3ToF32(codes[i])) * scales[i / tile];
+      ASSERT_EQ(static_cast<double>(out[i]), want) << "code " << int(codes[i]) << " tile " << tile;
+      ASSERT_EQ(std::signbit(out[i]), (codes[i] & 0x80) != 0) << int(codes[i]);  // -0 stays -0
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(SupportedIsas()),

@@ -2,6 +2,11 @@
 // contract promises (chunking, prefix forks, batch composition, K >= visible, IndexShare).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iterator>
+#include <optional>
 #include <tuple>
 
 #include "tests/engine_harness.h"
@@ -23,10 +28,11 @@ ModelSpec TestSpec(int page_size, int heads, SelectionMode mode) {
 double Tolerance(DType t) { return t == DType::kF32 ? 1e-5 : 1e-2; }
 DType CacheFor(DType t) { return t == DType::kF32 ? DType::kF32 : DType::kBF16; }
 
-EngineOptions Options(const ModelSpec& spec, DType input, int pages = 512) {
+EngineOptions Options(const ModelSpec& spec, DType input, int pages = 512,
+                      std::optional<DType> cache = std::nullopt) {
   EngineOptions o;
   o.spec = spec;
-  o.cache_dtype = CacheFor(input);
+  o.cache_dtype = cache.value_or(CacheFor(input));
   o.pages_per_device = pages;
   o.threads = 2;
   return o;
@@ -38,9 +44,9 @@ class Sweep : public ::testing::TestWithParam<SweepParam> {};
 
 // Prefill (page-aligned and not), a mixed batch of decode and extend with a cached prefix, then
 // decode until kv_len >> K; every layer of every step checked against float64.
-TEST_P(Sweep, EveryStepMatchesFloat64Reference) {
-  const auto [ps, dtype, heads, mode] = GetParam();
-  Harness h(Options(TestSpec(ps, heads, mode), dtype));
+void SweepSteps(const SweepParam& param, std::optional<DType> cache) {
+  const auto [ps, dtype, heads, mode] = param;
+  Harness h(Options(TestSpec(ps, heads, mode), dtype, 512, cache));
   h.Open("a");
   h.Open("b");
   h.Open("c");
@@ -52,6 +58,14 @@ TEST_P(Sweep, EveryStepMatchesFloat64Reference) {
   h.RunAndCheck({{"a", 2 * ps + 3}, {"c", 1}}, dtype, seed++, Tolerance(dtype));
   EXPECT_GT(h.Length("b"), 3 * 24);  // kv_len >> K
   EXPECT_GT(h.worst_rel_l2(), 0.0);  // the comparison is live
+}
+
+TEST_P(Sweep, EveryStepMatchesFloat64Reference) { SweepSteps(GetParam(), std::nullopt); }
+
+// The same steps on an fp8 cache, against the float64 oracle on the dequantised keys (DESIGN §4).
+class Fp8Sweep : public ::testing::TestWithParam<SweepParam> {};
+TEST_P(Fp8Sweep, EveryStepMatchesFloat64ReferenceOnDequantisedKeys) {
+  SweepSteps(GetParam(), DType::kFP8E4M3);
 }
 
 std::string SweepName(const ::testing::TestParamInfo<SweepParam>& info) {
@@ -74,6 +88,77 @@ INSTANTIATE_TEST_SUITE_P(
                                          SelectionMode::kPageBudget)),
     SweepName);
 
+INSTANTIATE_TEST_SUITE_P(Engine, Fp8Sweep,
+                         ::testing::Combine(::testing::Values(16, 64),
+                                            ::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(1, 16),
+                                            ::testing::Values(SelectionMode::kToken,
+                                                              SelectionMode::kPageUnion,
+                                                              SelectionMode::kPageBudget)),
+                         SweepName);
+
+// What fp8 keys cost in accuracy (DESIGN §4 asks for it measured, not hidden): the same steps on
+// an fp8 and on an fp32 cache at DeepSeek-V3.2's row shapes (L 512 in four tiles, R 64, Di 128),
+// fp32 and bf16 queries. With K above every context the layers attend the same keys on both
+// caches (the attention's own error); with K = 64 of up to 304 keys the indexer's selections
+// move too (random keys: many near ties), measured as the share of selected keys both keep; a
+// swapped key is 1/64 of a near-uniform average, so the outputs move far more than the keys do.
+// Printed; asserted only to be visible (quantisation is live) and sane.
+TEST(Fp8Cache, EndToEndErrorAgainstAnUnquantisedCacheIsMeasured) {
+  ModelSpec spec = TestSpec(64, 8, SelectionMode::kToken);
+  spec.kv_lora_rank = 512;
+  spec.qk_rope_head_dim = 64;
+  spec.index_head_dim = 128;
+  spec.index_n_heads = 8;
+  spec.sm_scale = 1.0 / std::sqrt(192.0);
+  for (int topk : {1024, 64}) {
+    spec.index_topk = topk;
+    for (DType q : {DType::kF32, DType::kBF16}) {
+      Harness fp8(Options(spec, q, 64, DType::kFP8E4M3)), exact(Options(spec, q, 64, DType::kF32));
+      for (Harness* h : {&fp8, &exact}) h->Open("s");
+      double worst = 0, sum = 0, kept = 0;
+      int n = 0, queries = 0;
+      for (int step = 0; step < 5; ++step) {
+        const std::vector<StepEntry> batch = {{"s", step == 0 ? 300 : 1}};
+        const auto in = fp8.MakeInputs(batch, q, 40 + step);
+        auto a = fp8.Run(batch, in);
+        auto b = exact.Run(batch, in);
+        ASSERT_TRUE(a.status.ok() && b.status.ok()) << a.status << b.status;
+        for (int l = 0; l < spec.num_layers(); ++l) {
+          for (double x : a.out[l]) ASSERT_FALSE(std::isnan(x));
+          const double e = RelL2(a.out[l], b.out[l]);
+          worst = std::max(worst, e);
+          sum += e;
+          ++n;
+          if (spec.layers[l] != LayerKind::kFull) continue;
+          for (size_t t = 0; t < a.traces[l].keys.size(); ++t) {
+            const auto &x = a.traces[l].keys[t], &y = b.traces[l].keys[t];
+            if (static_cast<int>(y.size()) < topk) continue;  // attends every key
+            std::vector<int32_t> both;
+            std::set_intersection(x.begin(), x.end(), y.begin(), y.end(), std::back_inserter(both));
+            kept += static_cast<double>(both.size()) / y.size();
+            ++queries;
+          }
+        }
+      }
+      std::printf(
+          "fp8 vs fp32 cache, %s queries, top-%d: output rel-L2 mean %.3g, worst %.3g "
+          "(%d layer outputs); selected keys kept %.3f (%d queries)\n",
+          DTypeName(q), topk, sum / n, worst, n, queries ? kept / queries : 1.0, queries);
+      RecordProperty(std::string("fp8_rel_l2_worst_") + DTypeName(q) + "_k" + std::to_string(topk),
+                     std::to_string(worst));
+      EXPECT_GT(worst, 1e-4);  // the keys were quantised
+      if (topk > 300) {
+        // The same keys: e4m3 keeps 3 mantissa bits (about 3% rms per value), so ~4% here.
+        EXPECT_LT(worst, 0.1);
+      } else {
+        ASSERT_GT(queries, 0);
+        EXPECT_GT(kept / queries, 0.5);
+      }
+    }
+  }
+}
+
 class PerIsa : public ::testing::TestWithParam<cpu::Isa> {};
 
 TEST_P(PerIsa, LongContextDecodeMatchesReference) {
@@ -85,6 +170,16 @@ TEST_P(PerIsa, LongContextDecodeMatchesReference) {
   h.Open("y");
   h.RunAndCheck({{"x", 600}, {"y", 300}}, DType::kF32, 1, 1e-5);
   for (int i = 0; i < 3; ++i) h.RunAndCheck({{"x", 1}, {"y", 1}}, DType::kF32, 2 + i, 1e-5);
+}
+
+TEST_P(PerIsa, LongContextDecodeOnAnFp8CacheMatchesReference) {
+  ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
+  EngineOptions o = Options(spec, DType::kF32, 512, DType::kFP8E4M3);
+  o.isa = GetParam();
+  Harness h(o);
+  h.Open("x");
+  h.RunAndCheck({{"x", 600}}, DType::kF32, 1, 1e-5);
+  for (int i = 0; i < 3; ++i) h.RunAndCheck({{"x", 1}}, DType::kF32, 2 + i, 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(cpu::SupportedIsas()),

@@ -95,8 +95,10 @@ TEST(Fp8, TileScalesAreTheSmallestPowerOfTwoThatFits) {
 }
 
 TEST(Fp8, LatentAndIndexTokensRoundTripWithinHalfAStep) {
-  EXPECT_EQ(kLatentTokenBytes, 656);
-  EXPECT_EQ(kIndexTokenBytes, 132);
+  EXPECT_EQ(LatentTokenBytes(kLatentValues, kRopeValues), 656);
+  EXPECT_EQ(IndexTokenBytes(kIndexValues), 132);
+  constexpr int kLatentTiles = 4;
+  EXPECT_EQ(LatentTiles(kLatentValues), kLatentTiles);
   std::mt19937 rng(11);
   std::normal_distribution<float> n(0.0f, 1.0f);
   for (int trial = 0; trial < 200; ++trial) {
@@ -105,10 +107,10 @@ TEST(Fp8, LatentAndIndexTokensRoundTripWithinHalfAStep) {
       ckv[i] = n(rng) * std::ldexp(1.0f, (i / kLatentTile) * 3 - 4 + trial % 5);
     for (float& r : rope) r = n(rng) * 3;
     for (float& k : idx) k = n(rng) * std::ldexp(1.0f, trial % 7 - 3);
-    std::vector<uint8_t> token(kLatentTokenBytes);
-    PackLatentToken(ckv.data(), rope.data(), token.data());
+    std::vector<uint8_t> token(LatentTokenBytes(kLatentValues, kRopeValues));
+    PackLatentToken(kLatentValues, kRopeValues, ckv.data(), rope.data(), token.data());
     std::vector<float> back(kLatentValues + kRopeValues);
-    UnpackLatentToken(token.data(), back.data());
+    UnpackLatentToken(kLatentValues, kRopeValues, token.data(), back.data());
     for (int t = 0; t < kLatentTiles; ++t) {
       double amax = 0;
       for (int i = 0; i < kLatentTile; ++i) amax = std::fmax(amax, std::fabs(ckv[t * 128 + i]));
@@ -126,14 +128,39 @@ TEST(Fp8, LatentAndIndexTokensRoundTripWithinHalfAStep) {
       EXPECT_EQ(back[kLatentValues + i], BF16ToF32(F32ToBF16(rope[i])));
     std::vector<uint8_t> values(kIndexValues);
     float scale = 0;
-    PackIndexKey(idx.data(), values.data(), &scale);
+    PackIndexKey(kIndexValues, idx.data(), values.data(), &scale);
     std::vector<float> idx_back(kIndexValues);
-    UnpackIndexKey(values.data(), scale, idx_back.data());
+    UnpackIndexKey(kIndexValues, values.data(), scale, idx_back.data());
     for (int i = 0; i < kIndexValues; ++i) {
       const double want = Reference(NearestCode(idx[i] / scale)) * scale;
       ASSERT_EQ(static_cast<double>(idx_back[i]), want) << trial << " " << i;
     }
   }
+}
+
+TEST(Fp8, SmallModelsTakeOneTilePerRowAndScalesArePowersOfTwo) {
+  EXPECT_TRUE(LatentDimFits(32));
+  EXPECT_TRUE(LatentDimFits(256));
+  EXPECT_FALSE(LatentDimFits(192));
+  EXPECT_FALSE(LatentDimFits(0));
+  EXPECT_EQ(LatentTiles(32), 1);
+  EXPECT_EQ(LatentTokenBytes(32, 16), 32 + 4 + 32);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n(0.0f, 5.0f);
+  std::vector<float> ckv(32), rope(16), back(48);
+  for (float& v : ckv) v = n(rng);
+  for (float& v : rope) v = n(rng);
+  std::vector<uint8_t> token(LatentTokenBytes(32, 16));
+  PackLatentToken(32, 16, ckv.data(), rope.data(), token.data());
+  UnpackLatentToken(32, 16, token.data(), back.data());
+  float s;
+  std::memcpy(&s, token.data() + 32, 4);
+  EXPECT_TRUE(IsTileScale(s));
+  for (int i = 0; i < 32; ++i)
+    EXPECT_EQ(static_cast<double>(back[i]), Reference(NearestCode(ckv[i] / s)) * s) << i;
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(back[32 + i], BF16ToF32(F32ToBF16(rope[i])));
+  for (float bad : {0.0f, -1.0f, 3.0f, 0.75f, INFINITY, NAN}) EXPECT_FALSE(IsTileScale(bad)) << bad;
+  for (float good : {1.0f, 0.125f, 1024.0f, std::ldexp(1.0f, -120)}) EXPECT_TRUE(IsTileScale(good));
 }
 
 }  // namespace

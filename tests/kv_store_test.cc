@@ -56,14 +56,51 @@ TEST(CacheLayout, SizesByBytesAndLaysOutRowsWithoutOverlap) {
   ASSERT_TRUE(cache.ok());
   EXPECT_EQ(cache->LatentRow(0, 1, 0) - cache->LatentRow(0, 0, 0), 16 * 96);
   EXPECT_EQ(cache->LatentRow(1, 0, 0) - cache->LatentRow(0, 0, 0), 10 * 16 * 96);
-  EXPECT_EQ(cache->IndexRow(0, 0, 0) - cache->LatentRow(0, 0, 0), 4 * 10 * 16 * 96);
-  EXPECT_EQ(cache->IndexRow(1, 2, 3) - cache->IndexRow(0, 0, 0), (10 * 16 + 2 * 16 + 3) * 32);
+  EXPECT_EQ(cache->IndexPage(0, 0) - cache->LatentRow(0, 0, 0), 4 * 10 * 16 * 96);
+  EXPECT_EQ(cache->Index(1).Row(2 * 16 + 3) - cache->IndexPage(0, 0), (10 * 16 + 2 * 16 + 3) * 32);
   // The last indexer row ends where the allocation does.
-  EXPECT_EQ(cache->IndexRow(1, 9, 15) + 32 - cache->LatentRow(0, 0, 0),
+  EXPECT_EQ(cache->Index(1).Row(9 * 16 + 15) + 32 - cache->LatentRow(0, 0, 0),
             static_cast<ptrdiff_t>(layout.TotalBytes()));
   // Slot addressing: CacheRows row `slot` is the page's row.
   EXPECT_EQ(cache->Latent(2).Row(3 * 16 + 5), cache->LatentRow(2, 3, 5));
-  EXPECT_EQ(cache->Index(1).Row(7 * 16 + 15), cache->IndexRow(1, 7, 15));
+  EXPECT_EQ(cache->Index(1).Row(7 * 16), cache->IndexPage(1, 7));
+}
+
+TEST(CacheLayout, Fp8RowsAreFlashMlaTokensAndDeepGemmIndexerPages) {
+  ModelSpec spec = PresetModelSpec("deepseek-v3.2").value();
+  const auto bf16 = CacheLayout::ForModel(spec, DType::kBF16, 4);
+  auto layout = CacheLayout::ForCapacity(spec, DType::kFP8E4M3, 4, 0).value();
+  EXPECT_EQ(layout.latent_row_bytes(), 656u);
+  EXPECT_EQ(layout.index_row_bytes(), 132u);
+  EXPECT_LE(layout.BytesPerPage(), 0.6 * bf16.BytesPerPage());
+  EXPECT_EQ(layout.BytesPerPage(), size_t{64} * (61 * 656 + 61 * 132));
+  auto cache = KvCache::Create(layout);
+  ASSERT_TRUE(cache.ok());
+  const CacheRows lat = cache->Latent(3), idx = cache->Index(2);
+  // A latent row is one 656-byte token; its scales follow its 512 values.
+  EXPECT_EQ(lat.Row(2 * 64 + 7) - lat.Row(0), (2 * 64 + 7) * 656);
+  EXPECT_EQ(lat.Scales(5) - lat.Row(5), 512);
+  // An indexer page: 64 rows of 128 values, then their 64 scales; pages 64 x 132 bytes apart.
+  const uint8_t* page2 = cache->IndexPage(2, 2);
+  EXPECT_EQ(page2 - cache->IndexPage(2, 1), 64 * 132);
+  EXPECT_EQ(idx.Row(2 * 64), page2);
+  EXPECT_EQ(idx.Row(2 * 64 + 9) - page2, 9 * 128);
+  EXPECT_EQ(idx.Scales(2 * 64) - page2, 64 * 128);
+  EXPECT_EQ(idx.Scales(2 * 64 + 9) - page2, 64 * 128 + 9 * 4);
+  // Rows [3, 8) of a page: their values, then their scales.
+  const auto r = layout.IndexRanges(3, 5);
+  EXPECT_EQ(r[0].offset, 3u * 128);
+  EXPECT_EQ(r[0].bytes, 5u * 128);
+  EXPECT_EQ(r[1].offset, 64u * 128 + 3 * 4);
+  EXPECT_EQ(r[1].bytes, 5u * 4);
+  EXPECT_EQ(r[0].bytes + r[1].bytes, 5 * layout.index_row_bytes());
+  // The last scale ends where the allocation does.
+  EXPECT_EQ(cache->Index(60).Scales(4 * 64 - 1) + 4 - cache->LatentRow(0, 0, 0),
+            static_cast<ptrdiff_t>(layout.TotalBytes()));
+  // A latent the tiles cannot cover is refused.
+  spec.kv_lora_rank = 192;
+  EXPECT_EQ(CacheLayout::ForCapacity(spec, DType::kFP8E4M3, 4, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CacheLayout, StagedPageBlocksTileTheStagingBuffer) {

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
+
+#include "common/fp8.h"
 
 namespace attnd::cpu {
 namespace {
@@ -26,8 +29,23 @@ float* Grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// Converts one cached row (by slot id) to fp32.
+// Converts one cached row (by slot id) to fp32; fp8 rows are dequantised with their scales.
 inline void LoadRow(const Kernels& k, const CacheRows& rows, int64_t slot, float* dst) {
+  if (rows.dtype == DType::kFP8E4M3) {
+    const uint8_t* row = rows.Row(slot);
+    float scales[64];         // fp8::LatentDimFits bounds the tiles
+    if (rows.scales_apart) {  // an indexer key: one scale
+      std::memcpy(scales, rows.Scales(slot), 4);
+      k.e4m3_to_f32(row, scales, rows.fp8_dim, dst, rows.fp8_dim);
+      return;
+    }
+    const int L = rows.fp8_dim, tiles = fp8::LatentTiles(L);
+    std::memcpy(scales, rows.Scales(slot), 4 * tiles);
+    k.e4m3_to_f32(row, scales, fp8::LatentTileSize(L), dst, L);
+    k.bf16_to_f32(reinterpret_cast<const unsigned short*>(row + L + 4 * tiles), dst + L,
+                  rows.dim - L);
+    return;
+  }
   if (rows.dtype == DType::kBF16) {
     k.bf16_to_f32(reinterpret_cast<const unsigned short*>(rows.Row(slot)), dst, rows.dim);
   } else {

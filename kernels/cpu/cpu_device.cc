@@ -5,6 +5,7 @@
 #include <tuple>
 #include <utility>
 
+#include "common/fp8.h"
 #include "kernels/cpu/attention_cpu.h"
 
 namespace attnd {
@@ -31,6 +32,28 @@ void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n)
 // Row `t` of a [T, row] tensor.
 const uint8_t* RowOf(const TensorView& t, int64_t row, int64_t elems) {
   return static_cast<const uint8_t*>(t.data) + row * elems * DTypeSize(t.dtype);
+}
+
+// An fp8 tensor's scales of row `row`.
+const uint8_t* ScalesOf(const TensorView& t, int64_t row) {
+  return static_cast<const uint8_t*>(t.scales) + row * t.scales_per_row * 4;
+}
+
+// Row `row` of a [T, n] key tensor into an fp8 cache row: `values` (n e4m3) and `scales` (one
+// per `tile` values). Keys given in fp8 (already quantised, as an export carries them) are copied.
+void QuantizeRow(const TensorView& t, int64_t row, int n, int tile, uint8_t* values,
+                 uint8_t* scales) {
+  if (t.dtype == DType::kFP8E4M3) {
+    std::memcpy(values, RowOf(t, row, n), n);
+    std::memcpy(scales, ScalesOf(t, row), 4 * (n / tile));
+    return;
+  }
+  thread_local std::vector<float> x, sc;
+  x.resize(n);
+  sc.resize(n / tile);
+  ConvertToF32(t.dtype, RowOf(t, row, n), x.data(), n);
+  fp8::QuantizeTiles(x.data(), n, tile, values, sc.data());
+  std::memcpy(scales, sc.data(), 4 * sc.size());
 }
 
 }  // namespace
@@ -91,6 +114,19 @@ void CpuDevice::WriteKeys(const StepShare& share, int layer, const LayerInputs& 
   const DType ct = layout().dtype;
   const CacheRows latent = cache_.Latent(layer);
   const CacheRows index = slot >= 0 ? cache_.Index(slot) : CacheRows{};
+  if (layout().fp8()) {
+    pool_->ParallelFor(share.size(), [&](int64_t i) {
+      const int64_t t = share.rows[i];
+      uint8_t* row = latent.MutableRow(share.slot[i]);
+      QuantizeRow(in.kv_latent, t, L, fp8::LatentTileSize(L), row, row + L);
+      CopyConvert(in.k_rope.dtype, RowOf(in.k_rope, t, R), DType::kBF16,
+                  row + L + 4 * fp8::LatentTiles(L), R);
+      if (slot >= 0)
+        QuantizeRow(in.index_k, t, Di, Di, index.MutableRow(share.slot[i]),
+                    const_cast<uint8_t*>(index.Scales(share.slot[i])));
+    });
+    return;
+  }
   pool_->ParallelFor(share.size(), [&](int64_t i) {
     const int64_t t = share.rows[i];
     uint8_t* row = latent.MutableRow(share.slot[i]);
@@ -268,9 +304,22 @@ void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dt
 absl::Status CpuDevice::ReadRows(int layer, int slot, int32_t page, int first, int rows,
                                  uint8_t* latent, uint8_t* index) {
   std::memcpy(latent, cache_.LatentRow(layer, page, first), rows * layout().latent_row_bytes());
-  if (slot >= 0)
-    std::memcpy(index, cache_.IndexRow(slot, page, first), rows * layout().index_row_bytes());
+  if (slot >= 0) CopyIndexRows(cache_.IndexPage(slot, page), first, rows, index);
   return absl::OkStatus();
+}
+
+void CpuDevice::CopyIndexRows(const uint8_t* page, int first, int rows, uint8_t* to) const {
+  for (const auto& r : layout().IndexRanges(first, rows)) {
+    std::memcpy(to, page + r.offset, r.bytes);
+    to += r.bytes;
+  }
+}
+
+void CpuDevice::WriteIndexRows(uint8_t* page, int rows, const uint8_t* from) const {
+  for (const auto& r : layout().IndexRanges(0, rows)) {
+    std::memcpy(page + r.offset, from, r.bytes);
+    from += r.bytes;
+  }
 }
 
 absl::Status CpuDevice::ReadPage(int32_t page, int rows, uint8_t* staged) {
@@ -279,8 +328,7 @@ absl::Status CpuDevice::ReadPage(int32_t page, int rows, uint8_t* staged) {
     std::memcpy(staged + c.StagedLatent(l, rows), cache_.LatentRow(l, page, 0),
                 rows * c.latent_row_bytes());
   for (int k = 0; k < c.num_full_layers; ++k)
-    std::memcpy(staged + c.StagedIndex(k, rows), cache_.IndexRow(k, page, 0),
-                rows * c.index_row_bytes());
+    CopyIndexRows(cache_.IndexPage(k, page), 0, rows, staged + c.StagedIndex(k, rows));
   return absl::OkStatus();
 }
 
@@ -290,8 +338,7 @@ absl::Status CpuDevice::WritePage(int32_t page, int rows, const uint8_t* staged)
     std::memcpy(cache_.LatentRow(l, page, 0), staged + c.StagedLatent(l, rows),
                 rows * c.latent_row_bytes());
   for (int k = 0; k < c.num_full_layers; ++k)
-    std::memcpy(cache_.IndexRow(k, page, 0), staged + c.StagedIndex(k, rows),
-                rows * c.index_row_bytes());
+    WriteIndexRows(cache_.IndexPage(k, page), rows, staged + c.StagedIndex(k, rows));
   return absl::OkStatus();
 }
 
@@ -305,8 +352,9 @@ absl::Status CpuDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copi
       std::memcpy(to->cache_.LatentRow(l, p.dst, 0), cache_.LatentRow(l, p.src, 0),
                   p.rows * c.latent_row_bytes());
     for (int k = 0; k < c.num_full_layers; ++k)
-      std::memcpy(to->cache_.IndexRow(k, p.dst, 0), cache_.IndexRow(k, p.src, 0),
-                  p.rows * c.index_row_bytes());
+      for (const auto& r : c.IndexRanges(0, p.rows))
+        std::memcpy(to->cache_.IndexPage(k, p.dst) + r.offset,
+                    cache_.IndexPage(k, p.src) + r.offset, r.bytes);
   }
   return absl::OkStatus();
 }
@@ -319,7 +367,7 @@ absl::StatusOr<bool> CpuDevice::ReservedPageUntouched() {
   for (int l = 0; l < c.num_layers; ++l)
     if (!zero(cache_.LatentRow(l, 0, 0), c.page_size * c.latent_row_bytes())) return false;
   for (int k = 0; k < c.num_full_layers; ++k)
-    if (!zero(cache_.IndexRow(k, 0, 0), c.page_size * c.index_row_bytes())) return false;
+    if (!zero(cache_.IndexPage(k, 0), c.page_size * c.index_row_bytes())) return false;
   return true;
 }
 

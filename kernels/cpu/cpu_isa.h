@@ -27,6 +27,8 @@ struct Kernels {
   void (*exp_inplace)(float* x, int n);
   // dst[i] = float(src[i]) for n bf16 values.
   void (*bf16_to_f32)(const unsigned short* src, float* dst, int n);
+  // dst[i] = e4m3(src[i]) * scales[i / tile] for n float8_e4m3fn values (NaN codes excepted).
+  void (*e4m3_to_f32)(const unsigned char* src, const float* scales, int tile, float* dst, int n);
   // A register-only FMA loop for measuring this core's arithmetic peak: runs `iters` rounds of
   // kFmaLoopFlops / 2 fused multiply-adds and returns a value that depends on all of them.
   float (*fma_loop)(long iters);

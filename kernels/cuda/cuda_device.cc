@@ -257,6 +257,9 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
         absl::StrCat(name, ": no such GPU (", visible, " visible)"));
   if (spec.kv_lora_rank > 512)
     return absl::InvalidArgumentError("CUDA backend supports kv_lora_rank <= 512");
+  if (layout.fp8())
+    return absl::UnimplementedError(
+        absl::StrCat(name, ": the fp8 cache (--cache-dtype=fp8) runs on CPU devices only so far"));
   std::unique_ptr<CudaDevice> d(new CudaDevice(std::move(name), layout));
   d->ordinal_ = ordinal;
   d->s_ = std::make_unique<State>();

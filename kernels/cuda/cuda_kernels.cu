@@ -57,6 +57,8 @@ cudaError_t Dispatch(DType t, F f) {
       return f(std::integral_constant<DType, DType::kBF16>());
     case DType::kF16:
       return f(std::integral_constant<DType, DType::kF16>());
+    case DType::kFP8E4M3:  // CudaDevice refuses fp8 caches and queries never are fp8
+      return cudaErrorInvalidValue;
   }
   return cudaErrorInvalidValue;
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <iterator>
 
+#include "common/fp8.h"
 #include "kernels/reference/reference.h"
 
 namespace attnd::reference {
@@ -51,12 +52,30 @@ void StepOracle::Commit(const std::vector<std::pair<std::string, int64_t>>& batc
   auto keep = [&](double v) {
     return static_cast<double>(RoundTo(cache_dtype_, static_cast<float>(v)));
   };
+  // An fp8 cache holds n values as e4m3 codes times one power-of-two scale per tile: their
+  // exact values are what every later read sees.
+  const bool fp8 = cache_dtype_ == DType::kFP8E4M3;
+  auto keep_fp8 = [](const double* x, int n, int tile, std::vector<double>* out) {
+    std::vector<float> f(x, x + n), scales(n / tile);
+    std::vector<uint8_t> codes(n);
+    fp8::QuantizeTiles(f.data(), n, tile, codes.data(), scales.data());
+    for (int i = 0; i < n; ++i)
+      out->push_back(static_cast<double>(fp8::E4M3ToF32(codes[i])) * scales[i / tile]);
+  };
   int64_t t0 = 0;
   for (const auto& [id, q_len] : batch) {
     History& h = hist_.at(id);
     for (int l = 0; l < s.num_layers(); ++l) {
       const LayerValues& d = layers[l];
       for (int64_t t = t0; t < t0 + q_len; ++t) {
+        if (fp8) {
+          keep_fp8(d.kv_latent.data() + t * L, L, fp8::LatentTileSize(L), &h.kv[l]);
+          for (int i = 0; i < R; ++i)
+            h.kv[l].push_back(RoundTo(DType::kBF16, static_cast<float>(d.k_rope[t * R + i])));
+          if (s.layers[l] == LayerKind::kFull)
+            keep_fp8(d.index_k.data() + t * Di, Di, Di, &h.idx[l]);
+          continue;
+        }
         for (int i = 0; i < L; ++i) h.kv[l].push_back(keep(d.kv_latent[t * L + i]));
         for (int i = 0; i < R; ++i) h.kv[l].push_back(keep(d.k_rope[t * R + i]));
         if (s.layers[l] == LayerKind::kFull)

@@ -32,7 +32,8 @@ struct LayerCheck {
 
 class StepOracle {
  public:
-  // Keys are kept rounded to `cache_dtype`, as the server's caches hold them.
+  // Keys are kept rounded to `cache_dtype`, as the server's caches hold them (kFP8E4M3: quantised
+  // per tile with power-of-two scales, the rope part bf16; DESIGN §4).
   StepOracle(ModelSpec spec, DType cache_dtype);
   const ModelSpec& spec() const { return spec_; }
 

@@ -97,8 +97,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 Batch = Sequence[Tuple[str, int]]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _NAME_OF = {np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", _BF16: "BF16"}
 _DTYPE_OF = {name: dt for dt, name in _NAME_OF.items()}
+_DTYPE_OF["FP8_E4M3"] = _FP8  # keys as an fp8 cache holds them (exports), with their scales
 
 
 class AttndError(Exception):
@@ -186,8 +188,17 @@ def to_tensor(array, *, uint16_as_bf16: bool = False) -> pb.Tensor:
     return pb.Tensor(datatype=name, shape=list(a.shape), data=data)
 
 
-def from_tensor(tensor: pb.Tensor, *, uint16_as_bf16: bool = False) -> np.ndarray:
-    """A wire Tensor as a (writable) numpy array; BF16 as uint16 bits when ``uint16_as_bf16``."""
+def from_tensor(tensor: pb.Tensor, *, uint16_as_bf16: bool = False,
+                dequantize: bool = False) -> np.ndarray:
+    """A wire Tensor as a (writable) numpy array; BF16 as uint16 bits when ``uint16_as_bf16``.
+    FP8_E4M3 (an fp8 server's exported keys) comes as ``ml_dtypes.float8_e4m3fn`` codes, or with
+    ``dequantize=True`` as float32 values: each code times its scale from ``tensor.scales``."""
+    if tensor.datatype == "FP8_E4M3" and dequantize:
+        codes = from_tensor(tensor).astype(np.float32)
+        scales = from_tensor(tensor.scales)
+        if scales.ndim != codes.ndim or codes.shape[-1] % max(scales.shape[-1], 1):
+            raise ValueError(f"FP8_E4M3 {list(codes.shape)}: scales {list(scales.shape)}")
+        return codes * np.repeat(scales, codes.shape[-1] // scales.shape[-1], axis=-1)
     dt = _DTYPE_OF.get(tensor.datatype)
     if dt is None:
         raise ValueError(f"unsupported tensor datatype {tensor.datatype!r}")
@@ -525,7 +536,7 @@ class ServerInfo:
     model: ModelSpec
     backend: str
     cpu_isa: str
-    cache_datatype: str  # "BF16" or "FP32"
+    cache_datatype: str  # "BF16", "FP32" or "FP8_E4M3"
     devices: Tuple[DeviceInfo, ...]
     datatypes: Tuple[str, ...]
     max_message_bytes: int

@@ -1,0 +1,187 @@
+"""The fp8 cache (--cache-dtype=fp8, DESIGN §4) through real servers: its pages cost at most 0.6x
+the bf16 bytes, an export carries the keys exactly as cached (e4m3 codes with their power-of-two
+scales, rope bf16) and decodes to the quantised inputs, an import into a second fp8 server gives
+a byte-identical cache and bit-identical outputs, and fp8 keys are refused where they do not
+belong."""
+
+from __future__ import annotations
+
+import signal
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnd import AttndClient, AttndError, from_tensor
+from attnd.v1 import attention_pb2 as pb
+
+from attnd_process import start
+from test_drain import _inputs as _layers, _step
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def fp8_pair():
+    a, ta, _ = start(["--cache-dtype=fp8"], kv_pages=128)
+    b, tb, _ = start(["--cache-dtype=fp8"], kv_pages=128)
+    yield ta, tb
+    _stop(a)
+    _stop(b)
+
+
+def _export(client, sid):
+    return [c.keys.SerializeToString() for c in client.export_sequence(sid, chunk_tokens=16)]
+
+
+def _quantised(x, tile):
+    """x [n, d] float as an fp8 cache stores it: per tile the smallest power-of-two scale with
+    amax / scale <= 448, then round to nearest e4m3 (saturating)."""
+    x = np.asarray(x, dtype=np.float32)
+    t = x.reshape(x.shape[0], -1, tile)
+    amax = np.abs(t).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-30) / 448.0)), 1.0)
+    q = np.clip(t / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (q * scale).reshape(x.shape), scale.reshape(x.shape[0], -1).astype(np.float32)
+
+
+def test_fp8_pages_cost_at_most_six_tenths_of_bf16():
+    procs = [start(["--cache-dtype=fp8", f"--model={m}"], kv_pages=8) for m in ("tiny", "demo")]
+    procs += [start(["--cache-dtype=bf16", f"--model={m}"], kv_pages=8) for m in ("tiny", "demo")]
+    try:
+        infos = []
+        for _, target, _ in procs:
+            with AttndClient(target, timeout=10) as c:
+                infos.append(c.info())
+        fp8_tiny, fp8_demo, bf16_tiny, bf16_demo = infos
+        assert fp8_demo.cache_datatype == "FP8_E4M3" and "FP8_E4M3" in fp8_demo.datatypes
+        assert bf16_demo.cache_datatype == "BF16" and "FP8_E4M3" not in bf16_demo.datatypes
+        # DeepSeek dims: 656 + 132 bytes per token per full layer against 1152 + 256.
+        assert fp8_demo.devices[0].bytes_per_page == 64 * 4 * 656 + 64 * 2 * 132
+        assert fp8_demo.devices[0].bytes_per_page <= 0.6 * bf16_demo.devices[0].bytes_per_page
+        # The tiny model: one tile of 32 per latent row (32 + 4 + 32 bytes), 16 + 4 per key.
+        assert fp8_tiny.devices[0].bytes_per_page == 16 * (4 * 68 + 2 * 20)
+    finally:
+        for p, _, _ in procs:
+            _stop(p)
+
+
+def test_an_export_is_the_cache_and_an_import_reproduces_it_bit_for_bit(fp8_pair):
+    ta, tb = fp8_pair
+    rng = np.random.default_rng(21)
+    with AttndClient(ta, timeout=30) as a, AttndClient(tb, timeout=30) as b:
+        spec = a.info().model
+        prefill = _layers(spec, 40, rng)
+        for sid in ("moved", "twin"):
+            a.open_sequence(sid)
+            _step(a, sid, prefill)
+        chunks = list(a.export_sequence("moved", chunk_tokens=64))
+        assert len(chunks) == spec.num_layers
+        L, R, Di = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.index_head_dim
+        for layer, chunk in enumerate(chunks):
+            k = chunk.keys
+            assert k.kv_latent.datatype == "FP8_E4M3" and list(k.kv_latent.shape) == [40, L]
+            assert k.kv_latent.scales.datatype == "FP32"
+            assert list(k.kv_latent.scales.shape) == [40, 1]  # L = 32: one tile
+            assert k.k_rope.datatype == "BF16"
+            # The exported keys are the inputs quantised, as the server's float64 checks assume.
+            want, scales = _quantised(prefill[layer]["kv_latent"], L)
+            np.testing.assert_array_equal(from_tensor(k.kv_latent.scales), scales)
+            np.testing.assert_array_equal(from_tensor(k.kv_latent, dequantize=True), want)
+            assert not np.isnan(from_tensor(k.kv_latent, dequantize=True)).any()
+            np.testing.assert_array_equal(from_tensor(k.k_rope), prefill[layer]["k_rope"])
+            if spec.layers[layer] == "full":
+                assert k.index_k.datatype == "FP8_E4M3" and list(k.index_k.scales.shape) == [40, 1]
+                want_k, _ = _quantised(prefill[layer]["index_k"], Di)
+                np.testing.assert_array_equal(from_tensor(k.index_k, dequantize=True), want_k)
+            else:
+                assert not k.HasField("index_k")
+            err = np.abs(want - prefill[layer]["kv_latent"].astype(np.float32)).max()
+            assert 0 < err <= np.abs(prefill[layer]["kv_latent"].astype(np.float32)).max() / 16
+        there = a.handoff("moved", b, chunk_tokens=16, close_source=True)
+        assert there.length == 40
+        # The receiver's cache is the sender's, byte for byte (chunked differently on the way).
+        assert _export(b, "moved") == _export(a, "twin")
+        decode = _layers(spec, 1, rng)
+        moved, twin = _step(b, "moved", decode), _step(a, "twin", decode)
+        for m, t in zip(moved, twin):
+            assert not np.isnan(m.astype(np.float32)).any()
+            np.testing.assert_array_equal(m.view(np.uint16), t.view(np.uint16))
+        assert _export(b, "moved") == _export(a, "twin")
+
+
+def test_fp8_keys_are_refused_where_they_do_not_belong(fp8_pair):
+    ta, _ = fp8_pair
+    bf16, tbf, _ = start([], kv_pages=64)
+    rng = np.random.default_rng(4)
+    try:
+        with AttndClient(ta, timeout=30) as a, AttndClient(tbf, timeout=30) as plain:
+            spec = a.info().model
+            a.open_sequence("src")
+            _step(a, "src", _layers(spec, 5, rng))
+            chunk = next(iter(a.export_sequence("src")))
+            keys = chunk.keys
+
+            def write(client, sid, inputs):
+                step = client.begin_step([(sid, 5)], write_only=True)
+                try:
+                    client._call(client._stub.AttendLayer,
+                                 pb.AttendLayerRequest(step_id=step.step_id, inputs=inputs))
+                finally:
+                    try:
+                        client.abort_step(step.step_id)
+                    except AttndError:
+                        pass
+
+            def refused(client, inputs, match):
+                client.open_sequence("dst", import_length=5)
+                try:
+                    with pytest.raises(AttndError, match=match) as e:
+                        write(client, "dst", inputs)
+                    assert e.value.code.name == "INVALID_ARGUMENT"
+                    assert client.describe_sequence("dst").length == 0
+                finally:
+                    client.close_sequence("dst")
+
+            refused(plain, keys, "FP8_E4M3 keys need an fp8 cache")
+            no_scales = pb.LayerInputs()
+            no_scales.CopyFrom(keys)
+            no_scales.kv_latent.ClearField("scales")
+            refused(a, no_scales, "without scales")
+            bad = pb.LayerInputs()
+            bad.CopyFrom(keys)
+            s = from_tensor(bad.kv_latent.scales)
+            s[2, 0] = 0.75  # not a power of two
+            bad.kv_latent.scales.data = s.astype("<f4").tobytes()
+            refused(a, bad, r"scale 0.75 at \[2, 0\] is not a positive power of two")
+            nan = pb.LayerInputs()
+            nan.CopyFrom(keys)
+            codes = bytearray(nan.kv_latent.data)
+            codes[7] = 0x7F  # e4m3's NaN
+            nan.kv_latent.data = bytes(codes)
+            refused(a, nan, "non-finite")
+            wrong_tiles = pb.LayerInputs()
+            wrong_tiles.CopyFrom(keys)
+            wrong_tiles.kv_latent.scales.shape[:] = [5, 2]
+            wrong_tiles.kv_latent.scales.data = b"\0\0\x80\x3f" * 10
+            refused(a, wrong_tiles, "keeps 1 per row")
+            # An fp8 query is not a thing (yet): only keys come quantised.
+            a.open_sequence("q")
+            step = a.begin_step([("q", 1)])
+            x = _layers(spec, 1, rng)[0]
+            with pytest.raises(AttndError, match="FP8_E4M3 is taken for kv_latent and index_k"):
+                q = pb.LayerInputs(layer=0)
+                for name, arr in x.items():
+                    getattr(q, name).CopyFrom(pb.Tensor(datatype="BF16", shape=list(arr.shape),
+                                                        data=arr.view(np.uint16).tobytes()))
+                q.q_rope.datatype = "FP8_E4M3"
+                q.q_rope.data = bytes(q.q_rope.data[: len(q.q_rope.data) // 2])
+                a._call(a._stub.AttendLayer, pb.AttendLayerRequest(step_id=step.step_id, inputs=q))
+            # The refused layer ended its step; nothing changed.
+            assert a.describe_sequence("q").length == 0
+            assert a.describe_sequence("src").length == 5
+    finally:
+        _stop(bf16)
