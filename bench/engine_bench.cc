@@ -3,6 +3,8 @@
 //
 //   build/bench/engine_bench                      # everything
 //   build/bench/engine_bench --benchmark_filter=Decode
+//   build/bench/engine_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only
+//       (min/max over the runs: on a shared machine the best run is the figure to compare)
 //
 // Each benchmark reports GFLOP/s and GB/s of the work it must do, and the fraction of the
 // measured peak that bounds it (frac_peak_flops / frac_peak_bw).
@@ -16,6 +18,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/fp8.h"
 #include "common/thread_pool.h"
 #include "engine/engine.h"
 #include "kernels/cpu/attention_cpu.h"
@@ -25,23 +28,38 @@ namespace {
 
 int Threads() { return static_cast<int>(std::thread::hardware_concurrency()); }
 
-// Peak fp32 FLOP/s of all cores running the best ISA's FMA loop.
+// Best and worst of --benchmark_repetitions (this may be a shared machine: the best run is the
+// machine's capability, as the peaks are best-of-several too). For rates read "max".
+double Lowest(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+double Highest(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+
+// Peak fp32 FLOP/s of all cores running the best ISA's FMA loop, best of `reps` runs.
+double FlopPeakNow(int reps, long iters) {
+  const auto& k = cpu::GetKernels(cpu::BestIsa());
+  static ThreadPool pool(Threads());
+  double best = 0;
+  for (int rep = 0; rep < reps; ++rep) {  // best of several: the machine may be shared
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.ParallelFor(pool.num_threads(),
+                     [&](int64_t) { benchmark::DoNotOptimize(k.fma_loop(iters)); });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(iters) * k.fma_loop_flops * pool.num_threads() / s);
+  }
+  return best;
+}
+
+// The peak measured once, at the start.
 double MeasureFlopPeak() {
-  static const double peak = [] {
-    const auto& k = cpu::GetKernels(cpu::BestIsa());
-    ThreadPool pool(Threads());
-    const long iters = 20'000'000;
-    double best = 0;
-    for (int rep = 0; rep < 7; ++rep) {  // best of several: the machine may be shared
-      const auto t0 = std::chrono::steady_clock::now();
-      pool.ParallelFor(pool.num_threads(),
-                       [&](int64_t) { benchmark::DoNotOptimize(k.fma_loop(iters)); });
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      best = std::max(best, double(iters) * k.fma_loop_flops * pool.num_threads() / s);
-    }
-    return best;
-  }();
+  static const double peak = FlopPeakNow(7, 20'000'000);
   return peak;
+}
+
+// The peak again, right after a benchmark's runs (a shared machine's speed drifts: each
+// benchmark's fraction is against the machine as it was then). Never above the first figure's
+// 1.1x, never below its half.
+double FlopPeakAfterRun() {
+  const double now = FlopPeakNow(3, 2'000'000);
+  return std::clamp(now, 0.5 * MeasureFlopPeak(), 1.1 * MeasureFlopPeak());
 }
 
 // Streaming copy bandwidth (bytes read + written per second), all cores, 1 GiB total traffic.
@@ -97,15 +115,25 @@ BENCHMARK(Gemm)
     ->Args({64, 64, 128})
     ->ArgNames({"M", "N", "D"});
 
-// One query's sparse MLA (16 heads, 2048 keys of a 32K bf16 history), one core. Arg: 1 = the
-// keys are scattered (a top-k selection), 0 = contiguous (dense attention).
+// One query's sparse MLA (16 heads, 2048 keys of a 32K history), one core. Arg 0: 1 = the keys
+// are scattered (a top-k selection), 0 = contiguous (dense attention); arg 1: 1 = an fp8 cache
+// (FlashMLA's 656-byte tokens), 0 = bf16.
 void MlaOneQuery(benchmark::State& state) {
-  const bool scattered = state.range(0) == 1;
+  const bool scattered = state.range(0) == 1, fp8 = state.range(1) == 1;
   const int H = 16, L = 512, R = 64, D = L + R, ps = 64;
   const int64_t n = 32768, K = 2048;
+  const size_t row = fp8 ? fp8::LatentTokenBytes(L, R) : size_t{D} * 2;
   std::mt19937 rng(4);
-  std::vector<uint16_t> cache((n + ps) * D);
-  for (auto& x : cache) x = F32ToBF16(std::normal_distribution<float>(0, 1)(rng));
+  std::vector<uint8_t> cache((n + ps) * row);
+  std::vector<float> x(D);
+  for (int64_t t = 0; t < n + ps; ++t) {
+    for (float& v : x) v = std::normal_distribution<float>(0, 1)(rng);
+    if (fp8) {
+      fp8::PackLatentToken(L, R, x.data(), x.data() + L, cache.data() + t * row);
+    } else {
+      ConvertFromF32(DType::kBF16, x.data(), cache.data() + t * row, D);
+    }
+  }
   std::vector<int32_t> pages(n / ps);
   for (int i = 0; i < n / ps; ++i) pages[i] = i + 1;
   std::shuffle(pages.begin(), pages.end(), rng);
@@ -120,7 +148,7 @@ void MlaOneQuery(benchmark::State& state) {
   p.num_heads = H;
   p.latent_dim = L;
   p.rope_dim = R;
-  p.kv = CacheRows{reinterpret_cast<const uint8_t*>(cache.data()), size_t{D} * 2, DType::kBF16, D};
+  p.kv = CacheRows{cache.data(), row, fp8 ? DType::kFP8E4M3 : DType::kBF16, D, fp8 ? L : 0};
   // A selection reaches attention as physical slot ids.
   for (auto& s : pos) s = pages[s / ps] * ps + s % ps;
   p.slots = pos.data();
@@ -136,7 +164,11 @@ void MlaOneQuery(benchmark::State& state) {
       benchmark::Counter(flops * std::thread::hardware_concurrency() / MeasureFlopPeak(),
                          benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(MlaOneQuery)->Arg(0)->Arg(1)->ArgName("scattered");
+BENCHMARK(MlaOneQuery)
+    ->ComputeStatistics("min", Lowest)
+    ->ComputeStatistics("max", Highest)
+    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->ArgNames({"scattered", "fp8"});
 
 ModelSpec BenchSpec() {
   ModelSpec s = PresetModelSpec("deepseek-v3.2").value();
@@ -175,11 +207,20 @@ LayerInputs MakeInputs(const ModelSpec& s, int64_t T, bool full, bool write_only
   return in;
 }
 
+// Bytes per cached token: a latent row, an indexer key (fp8: with its scales).
+double LatentBytes(const ModelSpec& s, DType cache) {
+  return static_cast<double>(CacheLayout::ForModel(s, cache, 0).latent_row_bytes());
+}
+double IndexBytes(const ModelSpec& s, DType cache) {
+  return static_cast<double>(CacheLayout::ForModel(s, cache, 0).index_row_bytes());
+}
+DType CacheArg(int64_t arg) { return arg == 1 ? DType::kFP8E4M3 : DType::kBF16; }
+
 // An engine with `batch` sequences of `context` tokens, imported with write-only steps.
-std::unique_ptr<Engine> MakeEngine(int batch, int64_t context) {
+std::unique_ptr<Engine> MakeEngine(int batch, int64_t context, DType cache) {
   EngineOptions o;
   o.spec = BenchSpec();
-  o.cache_dtype = DType::kBF16;
+  o.cache_dtype = cache;
   const int64_t pages = batch * (context / o.spec.page_size + 64) + 16;
   o.pages_per_device = static_cast<int32_t>(pages);
   auto e = Engine::Create(o).value();
@@ -206,21 +247,29 @@ void SetRates(benchmark::State& state, double flops, double bytes) {
       benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["GB/s"] =
       benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  const double peak = FlopPeakAfterRun();
+  state.counters["peak_now_GFLOP/s"] = peak / 1e9;
   state.counters["frac_peak_flops"] =
-      benchmark::Counter(flops / MeasureFlopPeak(), benchmark::Counter::kIsIterationInvariantRate);
+      benchmark::Counter(flops / peak, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["frac_peak_bw"] = benchmark::Counter(
       bytes / MeasureCopyBandwidth(), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Decode: batch 8, 16 heads, K = 2048. Arg 0: context; arg 1: 0 = full layer (indexer over the
-// whole context + top-k + sparse MLA), 1 = shared layer (sparse MLA over the carried selection).
+// whole context + top-k + sparse MLA), 1 = shared layer (sparse MLA over the carried selection);
+// arg 2: the cache, 0 = bf16, 1 = fp8.
 void Decode(benchmark::State& state) {
   const int batch = 8;
   const int64_t context = state.range(0);
   const bool shared = state.range(1) == 1;
-  static std::map<int64_t, std::unique_ptr<Engine>> engines;
-  if (!engines.count(context)) engines[context] = MakeEngine(batch, context);
-  Engine& e = *engines[context];
+  const DType cache = CacheArg(state.range(2));
+  static std::map<std::pair<int64_t, DType>, std::unique_ptr<Engine>> engines;
+  auto& slot = engines[{context, cache}];
+  if (!slot) {
+    engines.clear();  // one cache at a time: they are large
+    engines[{context, cache}] = MakeEngine(batch, context, cache);
+  }
+  Engine& e = *engines[{context, cache}];
   const ModelSpec& s = e.spec();
   std::mt19937 rng(2);
   Tensors tb;
@@ -246,28 +295,31 @@ void Decode(benchmark::State& state) {
   const double ctx = static_cast<double>(context);
   const double H = s.num_heads, D = s.latent_dim(), L = s.kv_lora_rank, K = s.index_topk;
   const double mla_flops = batch * H * K * (D + L) * 2;
-  const double mla_bytes = batch * K * D * 2;
+  const double mla_bytes = batch * K * LatentBytes(s, cache);
   double flops = mla_flops, bytes = mla_bytes;
   if (!shared) {
     flops += batch * ctx * s.index_n_heads * s.index_head_dim * 2.0;
-    bytes += batch * ctx * s.index_head_dim * 2.0;
+    bytes += batch * ctx * IndexBytes(s, cache);
   }
   SetRates(state, flops, bytes);
-  state.SetLabel(shared ? "shared layer" : "full layer");
+  state.SetLabel(absl::StrCat(shared ? "shared layer" : "full layer", ", ", DTypeName(cache)));
 }
 BENCHMARK(Decode)
-    ->ArgsProduct({{8192, 32768}, {0, 1}})
-    ->ArgNames({"ctx", "shared"})
+    ->ComputeStatistics("min", Lowest)
+    ->ComputeStatistics("max", Highest)
+    ->ArgsProduct({{8192, 32768}, {0, 1}, {0, 1}})
+    ->ArgNames({"ctx", "shared", "fp8"})
     ->Unit(benchmark::kMillisecond)
-    ->UseRealTime()
-    ->MinTime(2.0);
+    ->UseRealTime();
 
 // Prefill: 2048 new tokens of one sequence in one full layer (K = 2048 covers every visible
-// key, so this is dense causal MLA plus the indexer-key writes).
+// key, so this is dense causal MLA plus the indexer-key writes). Arg 1: bf16 (0) or fp8 (1) cache.
 void Prefill(benchmark::State& state) {
   const int64_t T = state.range(0);
+  const DType cache = CacheArg(state.range(1));
   EngineOptions o;
   o.spec = BenchSpec();
+  o.cache_dtype = cache;
   o.pages_per_device = static_cast<int32_t>(T / o.spec.page_size + 8);
   auto e = Engine::Create(o).value();
   std::mt19937 rng(3);
@@ -285,13 +337,16 @@ void Prefill(benchmark::State& state) {
   const ModelSpec& s = o.spec;
   const double pairs = static_cast<double>(T) * (T + 1) / 2;  // causal (query, key) pairs
   const double flops = pairs * s.num_heads * (s.latent_dim() + s.kv_lora_rank) * 2;
-  const double bytes = static_cast<double>(T) * (s.latent_dim() + s.index_head_dim) * 2 +
+  const double bytes = static_cast<double>(T) * (LatentBytes(s, cache) + IndexBytes(s, cache)) +
                        2.0 * T * s.num_heads * (s.latent_dim() + s.kv_lora_rank);
   SetRates(state, flops, bytes);
+  state.SetLabel(DTypeName(cache));
 }
 BENCHMARK(Prefill)
-    ->Arg(2048)
-    ->ArgName("tokens")
+    ->ComputeStatistics("min", Lowest)
+    ->ComputeStatistics("max", Highest)
+    ->ArgsProduct({{2048}, {0, 1}})
+    ->ArgNames({"tokens", "fp8"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->Iterations(3);

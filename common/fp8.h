@@ -52,39 +52,34 @@ ATTND_HD inline float E4M3ToF32(uint8_t v) {
 }
 
 // Round to nearest even; beyond +-448 saturates to +-448; NaN stays NaN (0x7f with its sign).
+// Normal results round the fp32 mantissa to 3 bits in place (a carry moves into the exponent, as
+// it should); below 2^-6 the result is a multiple of the subnormal step 2^-9.
 inline uint8_t F32ToE4M3(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
-  if (std::isnan(f)) return sign | 0x7f;
-  const float a = std::fabs(f);
-  if (a >= kE4M3Max) return sign | 0x7e;       // 448 (infinities saturate too)
-  if (a < std::ldexp(1.0f, -10)) return sign;  // below half the smallest subnormal: zero
-  int e;
-  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-  // The step between e4m3 values around a: 2^(e-4) for normals (3 mantissa bits), 2^-9 below.
-  const int step_exp = e - 1 < -6 ? -9 : e - 4;
-  const float q = std::nearbyint(std::ldexp(a, -step_exp));  // round half to even
-  const float r = std::ldexp(q, step_exp);
-  if (r == 0) return sign;  // exactly half the smallest subnormal: ties to even, zero
-  if (r >= kE4M3Max) return sign | 0x7e;
-  // Encode r exactly (it is representable).
-  int re;
-  const float rm = std::frexp(r, &re);
-  if (re - 1 < -6) return sign | static_cast<uint8_t>(std::ldexp(r, 9));  // subnormal
-  const int exp = re - 1 + 7;
-  const int man = static_cast<int>(std::ldexp(rm, 4)) - 8;  // rm in [0.5,1): 8 + man = rm * 16
-  return sign | static_cast<uint8_t>(exp << 3) | static_cast<uint8_t>(man);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7f;   // NaN
+  if (abs >= 0x43e00000u) return sign | 0x7e;  // >= 448 (and infinities): saturate
+  if (abs < 0x3c800000u) {                     // below 2^-6: subnormal (or zero)
+    float a;
+    std::memcpy(&a, &abs, 4);
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));  // 8 is 2^-6's code
+  }
+  const uint32_t rounded = abs + 0x7ffffu + ((abs >> 20) & 1u);  // to 3 mantissa bits, RNE
+  const uint32_t code = (rounded >> 20) - ((127u - 7u) << 3);
+  return sign | static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);
 }
 
-// The power-of-two scale of a tile with largest magnitude `amax` (1 for an all-zero tile).
+// The power-of-two scale of a tile with largest magnitude `amax` (1 for an all-zero tile), never
+// below 2^-126 (a normal fp32: tinier tiles just use fewer codes).
 inline float TileScale(float amax) {
   if (!(amax > 0) || !std::isfinite(amax)) return 1.0f;
   int e;
   std::frexp(amax / kE4M3Max, &e);  // amax/448 = m * 2^e, m in [0.5, 1): 2^e >= amax/448
   float s = std::ldexp(1.0f, e);
   if (amax / (s * 0.5f) <= kE4M3Max) s *= 0.5f;  // an exact power of two: the smaller one fits
-  return s;
+  return std::fmax(s, std::ldexp(1.0f, -126));
 }
 
 // Quantises `n` values (n a multiple of `tile`) into e4m3 with one scale per tile.
@@ -137,10 +132,10 @@ ATTND_HD inline void UnpackIndexKey(int Di, const uint8_t* values, float scale, 
   for (int i = 0; i < Di; ++i) out[i] = E4M3ToF32(values[i]) * scale;
 }
 
-// Whether `s` is a scale an fp8 cache can hold: a finite positive power of two (what TileScale
-// gives), so dequantising stays exact in fp32.
+// Whether `s` is a scale an fp8 cache can hold: a normal positive power of two (what TileScale
+// gives for finite keys), so dequantising stays exact in fp32.
 inline bool IsTileScale(float s) {
-  if (!(s > 0) || !std::isfinite(s)) return false;
+  if (!(s >= std::ldexp(1.0f, -126)) || !std::isfinite(s)) return false;
   int e;
   return std::frexp(s, &e) == 0.5f;
 }

@@ -69,6 +69,26 @@ TEST_P(PerIsa, ExpIsAccurateAndHandlesInfinity) {
   EXPECT_EQ(y.back(), 0.0f);
 }
 
+TEST_P(PerIsa, ReluDotIsTheIndexersWeightedReluOnRaggedRows) {
+  const Kernels& k = GetKernels(GetParam());
+  std::mt19937_64 rng(12);
+  for (int n : {1, 7, 8, 61, 64}) {
+    const int rows = 9, ld = n + 3;
+    const auto s = Randn(static_cast<size_t>(rows) * ld, rng), w = Randn(n, rng);
+    std::vector<float> out(rows, NAN);
+    k.relu_dot(s.data(), rows, n, ld, w.data(), out.data());
+    for (int j = 0; j < rows; ++j) {
+      double want = 0, mag = 0;
+      for (int h = 0; h < n; ++h) {
+        want += double(w[h]) * std::max(0.0, double(s[j * ld + h]));
+        mag += std::abs(double(w[h]) * s[j * ld + h]);
+      }
+      ASSERT_FALSE(std::isnan(out[j]));
+      EXPECT_NEAR(out[j], want, 1e-6 * (mag + 1)) << "n " << n << " row " << j;
+    }
+  }
+}
+
 TEST_P(PerIsa, E4M3DecodeIsExactForEveryFiniteCodeAndScale) {
   const Kernels& k = GetKernels(GetParam());
   // Every finite code (NaN codes 0x7f/0xff are never stored), over ragged lengths and tiles so
@@ -79,8 +99,11 @@ TEST_P(PerIsa, E4M3DecodeIsExactForEveryFiniteCodeAndScale) {
   for (int tile : {7, 16, 127, 254}) {
     const int n = static_cast<int>(codes.size());
     std::vector<float> scales((n + tile - 1) / tile), out(n, NAN);
+    // The extremes too: 2^-126 (subnormal products) and 2^120 (256 * scale overflows).
     for (size_t t = 0; t < scales.size(); ++t)
-      scales[t] = std::ldexp(1.0f, static_cast<int>(t * 7 % 40) - 20);
+      scales[t] = t % 5 == 3   ? std::ldexp(1.0f, -126)
+                  : t % 5 == 4 ? std::ldexp(1.0f, 120)
+                               : std::ldexp(1.0f, static_cast<int>(t * 7 % 40) - 20);
     k.e4m3_to_f32(codes.data(), scales.data(), tile, out.data(), n);
     for (int i = 0; i < n; ++i) {
       const double want = static_cast<double>(fp8::E4M3ToF32(codes[i])) * scales[i / tile];

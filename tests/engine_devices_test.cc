@@ -7,10 +7,10 @@
 namespace attnd::testing {
 namespace {
 
-EngineOptions Options(int devices, int32_t pages = 64) {
+EngineOptions Options(int devices, int32_t pages = 64, DType cache = DType::kF32) {
   EngineOptions o;
   o.spec = PresetModelSpec("tiny").value();
-  o.cache_dtype = DType::kF32;
+  o.cache_dtype = cache;
   o.num_devices = devices;
   o.pages_per_device = pages;
   o.threads = 2;
@@ -56,8 +56,12 @@ TEST(Devices, ABatchSpanningDevicesMatchesTheReferenceAndASingleDeviceRun) {
   }
 }
 
-TEST(Devices, MigrationMovesPagesAndLeavesOutputsUnchanged) {
-  Harness h(Options(2));
+// Migration and forks across devices on an fp32 cache and on an fp8 one (whose indexer pages keep
+// their values and scales apart: every copy path moves both).
+class CacheKinds : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CacheKinds, MigrationMovesPagesAndLeavesOutputsUnchanged) {
+  Harness h(Options(2, 64, GetParam()));
   h.Open("p", 0);
   h.RunAndCheck({{"p", 70}}, DType::kF32, 1, 1e-5);
   h.Fork("stay", "p", 70);
@@ -84,8 +88,8 @@ TEST(Devices, MigrationMovesPagesAndLeavesOutputsUnchanged) {
   EXPECT_TRUE(h.engine().ReservedPageUntouched(1));
 }
 
-TEST(Devices, ForkAcrossDevicesEqualsAForkOnTheSameDevice) {
-  Harness h(Options(2));
+TEST_P(CacheKinds, ForkAcrossDevicesEqualsAForkOnTheSameDevice) {
+  Harness h(Options(2, 64, GetParam()));
   h.Open("p", 0);
   h.RunAndCheck({{"p", 50}}, DType::kF32, 1, 1e-5);
   h.Fork("same", "p", 37, 0);
@@ -99,6 +103,9 @@ TEST(Devices, ForkAcrossDevicesEqualsAForkOnTheSameDevice) {
   h.Close("p");  // the cross-device child owns all its pages
   h.RunAndCheck({{"other", 1}, {"same", 1}}, DType::kF32, 3, 1e-5);
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, CacheKinds, ::testing::Values(DType::kF32, DType::kFP8E4M3),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 TEST(Devices, MigrationIsRefusedMidStepOrWhenTheTargetIsFullAndChangesNothing) {
   Harness h(Options(2, 8));  // 7 usable pages per device

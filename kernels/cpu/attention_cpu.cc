@@ -117,13 +117,7 @@ void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, p.end - t0));
     for (int j = 0; j < nk; ++j) LoadRow(k, p.keys, p.table.Slot(p.seq, t0 + j), kr + j * D);
     k.gemm(nk, H, D, kr, D, qt, H, st, H, false);
-    float* out = p.scores + (t0 - p.begin);
-    for (int j = 0; j < nk; ++j) {
-      const float* sj = st + j * H;
-      float acc = 0.0f;
-      for (int h = 0; h < H; ++h) acc += p.w[h] * std::max(sj[h], 0.0f);
-      out[j] = acc;
-    }
+    k.relu_dot(st, nk, H, H, p.w, p.scores + (t0 - p.begin));
   }
 }
 
@@ -218,12 +212,12 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   const float cap = p.soft_cap;
   for (int64_t t0 = 0; t0 < total; t0 += kTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kTile, total - t0));
+    // Each row of this tile is converted while the row a tile ahead is asked for: the gather's
+    // misses overlap with work, spread evenly rather than in one burst.
     for (int j = 0; j < nk; ++j) {
+      if (t0 + kTile + j < total) PrefetchRow(p.kv, slot_of(t0 + kTile + j));
       LoadRow(k, p.kv, slot_of(t0 + j), kr + j * D);
     }
-    // The next tile's rows stream into L2 while this tile computes.
-    for (int64_t j = t0 + kTile; j < std::min(total, t0 + 2 * kTile); ++j)
-      PrefetchRow(p.kv, slot_of(j));
     k.gemm(nk, Hp, D, kr, D, qt, Hp, st, Hp, false);
     Transpose(st, nk, H, Hp, s, nk);  // s is [H, nk] now
     for (int h = 0; h < H; ++h) {

@@ -1,5 +1,13 @@
 #include "kernels/cpu/cpu_isa.h"
 
+#include <array>
+
+#include "common/fp8.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace attnd::cpu {
 
 namespace generic {
@@ -9,12 +17,13 @@ namespace generic {
 }  // namespace generic
 
 #if defined(__x86_64__)
-// The AVX2 copy of the same code, compiled for AVX2+FMA only here (picked at run time).
+// The AVX2 copy of the same code, compiled for AVX2+FMA+F16C only here (picked at run time;
+// every AVX2 processor has F16C).
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 namespace avx2 {
 #define ATTND_VW 8
@@ -34,7 +43,9 @@ std::vector<Isa> SupportedIsas() {
   std::vector<Isa> out = {Isa::kGeneric};
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(Isa::kAvx2);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    out.push_back(Isa::kAvx2);
 #endif
   return out;
 }
@@ -45,13 +56,21 @@ Isa BestIsa() {
 }
 
 const Kernels& GetKernels(Isa isa) {
-  static const Kernels kGeneric = {&generic::Gemm,      &generic::ExpInplace,
-                                   &generic::Bf16ToF32, &generic::E4M3ToF32,
-                                   &generic::FmaLoop,   generic::kFmaChains * generic::kVW * 2};
+  static const Kernels kGeneric = {&generic::Gemm,
+                                   &generic::ExpInplace,
+                                   &generic::Bf16ToF32,
+                                   &generic::E4M3ToF32,
+                                   &generic::ReluDot,
+                                   &generic::FmaLoop,
+                                   generic::kFmaChains * generic::kVW * 2};
 #if defined(__x86_64__)
-  static const Kernels kAvx2 = {&avx2::Gemm,      &avx2::ExpInplace,
-                                &avx2::Bf16ToF32, &avx2::E4M3ToF32,
-                                &avx2::FmaLoop,   avx2::kFmaChains * avx2::kVW * 2};
+  static const Kernels kAvx2 = {&avx2::Gemm,
+                                &avx2::ExpInplace,
+                                &avx2::Bf16ToF32,
+                                &avx2::E4M3ToF32,
+                                &avx2::ReluDot,
+                                &avx2::FmaLoop,
+                                avx2::kFmaChains * avx2::kVW * 2};
   if (isa == Isa::kAvx2) return kAvx2;
 #endif
   return kGeneric;

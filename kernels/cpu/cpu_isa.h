@@ -29,6 +29,8 @@ struct Kernels {
   void (*bf16_to_f32)(const unsigned short* src, float* dst, int n);
   // dst[i] = e4m3(src[i]) * scales[i / tile] for n float8_e4m3fn values (NaN codes excepted).
   void (*e4m3_to_f32)(const unsigned char* src, const float* scales, int tile, float* dst, int n);
+  // out[j] = sum_h w[h] * max(s[j * ld + h], 0) for rows j < rows, h < n (the indexer's reduction).
+  void (*relu_dot)(const float* s, int rows, int n, int ld, const float* w, float* out);
   // A register-only FMA loop for measuring this core's arithmetic peak: runs `iters` rounds of
   // kFmaLoopFlops / 2 fused multiply-adds and returns a value that depends on all of them.
   float (*fma_loop)(long iters);
