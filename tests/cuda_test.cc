@@ -35,8 +35,12 @@ class CudaParity : public ::testing::TestWithParam<std::tuple<SelectionMode, DTy
 
 TEST_P(CudaParity, MatchesReferenceAndCpuBackend) {
   SKIP_WITHOUT_GPU();
-  const auto [mode, dtype] = GetParam();
-  const DType cache = dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
+  const auto [mode, param] = GetParam();
+  // FP8_E4M3 stands for fp32 requests on an fp8 cache (the oracle on the dequantised keys).
+  const DType dtype = param == DType::kFP8E4M3 ? DType::kF32 : param;
+  const DType cache = param == DType::kFP8E4M3 ? param
+                      : dtype == DType::kF32   ? DType::kF32
+                                               : DType::kBF16;
   const double tol = dtype == DType::kF32 ? 1e-5 : 1e-2;
   Harness gpu(Options(Spec(mode), cache, {"cuda:0"}));
   Harness cpu(Options(Spec(mode), cache, {"cpu:0"}));
@@ -77,8 +81,35 @@ INSTANTIATE_TEST_SUITE_P(
     Modes, CudaParity,
     ::testing::Combine(::testing::Values(SelectionMode::kToken, SelectionMode::kPageUnion,
                                          SelectionMode::kPageBudget),
-                       ::testing::Values(DType::kBF16, DType::kF32, DType::kF16)),
+                       ::testing::Values(DType::kBF16, DType::kF32, DType::kF16, DType::kFP8E4M3)),
     ParityName);
+
+// An fp8 cache holds the same bytes on a GPU as on the host (one quantiser, kernels/fp8_rows.h),
+// and its pages move between them unchanged.
+TEST(Cuda, Fp8CachesHoldTheHostsBytesAndMoveBetweenHostAndGpu) {
+  SKIP_WITHOUT_GPU();
+  Harness h(Options(Spec(SelectionMode::kToken, 4), DType::kFP8E4M3, {"cpu:0", "cuda:0"}));
+  h.Open("c", 0);
+  h.Open("g", 1);
+  const auto in = h.MakeInputs({{"c", 45}}, DType::kBF16, 1);
+  ASSERT_TRUE(h.Run({{"c", 45}}, in).status.ok());
+  ASSERT_TRUE(h.Run({{"g", 45}}, in).status.ok());
+  for (int layer = 0; layer < h.spec().num_layers(); ++layer) {
+    auto c = h.engine().ReadRows("c", layer, 0, 45);
+    auto g = h.engine().ReadRows("g", layer, 0, 45);
+    ASSERT_TRUE(c.ok() && g.ok());
+    EXPECT_EQ(c->kv_latent, g->kv_latent) << layer;
+    EXPECT_EQ(c->kv_latent_scales, g->kv_latent_scales) << layer;
+    EXPECT_EQ(c->k_rope, g->k_rope) << layer;
+    EXPECT_EQ(c->index_k, g->index_k) << layer;
+    EXPECT_EQ(c->index_k_scales, g->index_k_scales) << layer;
+  }
+  h.RunAndCheck({{"c", 1}, {"g", 1}}, DType::kBF16, 2, 1e-2);
+  ASSERT_TRUE(h.engine().MigrateSequence("g", 0).ok());  // GPU -> host
+  ASSERT_TRUE(h.engine().MigrateSequence("c", 1).ok());  // host -> GPU
+  h.RunAndCheck({{"c", 1}, {"g", 1}}, DType::kBF16, 3, 1e-2);
+  EXPECT_TRUE(h.engine().ReservedPageUntouched(1));
+}
 
 TEST(Cuda, DensePrefillForksAndChunksMatchTheReference) {
   SKIP_WITHOUT_GPU();

@@ -216,18 +216,6 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::kFP8E4M3), ::testing::Values(false)),
     Name);
 
-TEST(DeviceFactory, CudaDevicesRefuseAnFp8CacheByName) {
-  ATTND_SKIP_WITHOUT_GPU();
-  const ModelSpec s = MixedLayerSpec(SelectionMode::kToken);
-  const auto layout = CacheLayout::ForCapacity(s, DType::kFP8E4M3, 64, 0).value();
-  ThreadPool pool(1);
-  auto d =
-      CreateDevices({"cuda:0"}, s, layout, DeviceOptions{&pool, &cpu::GetKernels(cpu::BestIsa())});
-  ASSERT_FALSE(d.ok());
-  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(d.status().message().find("fp8"), std::string::npos) << d.status();
-}
-
 TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
   const ModelSpec s = MixedLayerSpec(SelectionMode::kToken);
   const auto layout = CacheLayout::ForCapacity(s, DType::kBF16, 8, 0).value();

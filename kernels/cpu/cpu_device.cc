@@ -5,8 +5,8 @@
 #include <tuple>
 #include <utility>
 
-#include "common/fp8.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/fp8_rows.h"
 
 namespace attnd {
 namespace {
@@ -32,28 +32,6 @@ void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n)
 // Row `t` of a [T, row] tensor.
 const uint8_t* RowOf(const TensorView& t, int64_t row, int64_t elems) {
   return static_cast<const uint8_t*>(t.data) + row * elems * DTypeSize(t.dtype);
-}
-
-// An fp8 tensor's scales of row `row`.
-const uint8_t* ScalesOf(const TensorView& t, int64_t row) {
-  return static_cast<const uint8_t*>(t.scales) + row * t.scales_per_row * 4;
-}
-
-// Row `row` of a [T, n] key tensor into an fp8 cache row: `values` (n e4m3) and `scales` (one
-// per `tile` values). Keys given in fp8 (already quantised, as an export carries them) are copied.
-void QuantizeRow(const TensorView& t, int64_t row, int n, int tile, uint8_t* values,
-                 uint8_t* scales) {
-  if (t.dtype == DType::kFP8E4M3) {
-    std::memcpy(values, RowOf(t, row, n), n);
-    std::memcpy(scales, ScalesOf(t, row), 4 * (n / tile));
-    return;
-  }
-  thread_local std::vector<float> x, sc;
-  x.resize(n);
-  sc.resize(n / tile);
-  ConvertToF32(t.dtype, RowOf(t, row, n), x.data(), n);
-  fp8::QuantizeTiles(x.data(), n, tile, values, sc.data());
-  std::memcpy(scales, sc.data(), 4 * sc.size());
 }
 
 }  // namespace
@@ -117,13 +95,10 @@ void CpuDevice::WriteKeys(const StepShare& share, int layer, const LayerInputs& 
   if (layout().fp8()) {
     pool_->ParallelFor(share.size(), [&](int64_t i) {
       const int64_t t = share.rows[i];
-      uint8_t* row = latent.MutableRow(share.slot[i]);
-      QuantizeRow(in.kv_latent, t, L, fp8::LatentTileSize(L), row, row + L);
-      CopyConvert(in.k_rope.dtype, RowOf(in.k_rope, t, R), DType::kBF16,
-                  row + L + 4 * fp8::LatentTiles(L), R);
+      PackLatentRow(in.kv_latent, in.k_rope, t, L, R, latent.MutableRow(share.slot[i]));
       if (slot >= 0)
-        QuantizeRow(in.index_k, t, Di, Di, index.MutableRow(share.slot[i]),
-                    const_cast<uint8_t*>(index.Scales(share.slot[i])));
+        QuantizeKeyRow(in.index_k, t, Di, Di, index.MutableRow(share.slot[i]),
+                       const_cast<uint8_t*>(index.Scales(share.slot[i])));
     });
     return;
   }

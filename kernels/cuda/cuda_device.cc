@@ -14,6 +14,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/nccl_peer.h"
+#include "kernels/fp8_rows.h"
 
 namespace attnd::cuda {
 namespace {
@@ -222,6 +223,26 @@ struct CudaDevice::State {
     return absl::OkStatus();
   }
 
+  // fp8 caches: each share row packed by pack(step row, out) into pinned staging, uploaded, and
+  // scattered to its slot.
+  template <typename Pack>
+  absl::Status WritePacked(const CacheRows& c, size_t row_bytes, Pack pack) {
+    RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row_bytes)));
+    for (int64_t i = 0; i < st->n; ++i) pack(share->rows[i], staging.data() + i * row_bytes);
+    RETURN_IF_ERROR(raw.Reserve(std::max<size_t>(1, st->n * row_bytes)));
+    CUDA_RETURN(
+        cudaMemcpyAsync(raw.ptr, staging.ptr, st->n * row_bytes, cudaMemcpyHostToDevice, stream));
+    ScatterRowsParams w;
+    w.src = static_cast<const uint8_t*>(raw.ptr);
+    w.n = static_cast<int>(st->n);
+    w.src_row_bytes = row_bytes;
+    w.cache = c;
+    w.slot = st->slot.as<int32_t>();
+    CUDA_RETURN(LaunchScatterRows(w, stream));
+    CUDA_RETURN(cudaStreamSynchronize(stream));  // staging and raw are reused next
+    return absl::OkStatus();
+  }
+
   absl::Status Write(const CacheRows& c, const DeviceBuffer& src, int dim, int col) {
     WriteRowsParams w;
     w.src = src.as<float>();
@@ -257,9 +278,6 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
         absl::StrCat(name, ": no such GPU (", visible, " visible)"));
   if (spec.kv_lora_rank > 512)
     return absl::InvalidArgumentError("CUDA backend supports kv_lora_rank <= 512");
-  if (layout.fp8())
-    return absl::UnimplementedError(
-        absl::StrCat(name, ": the fp8 cache (--cache-dtype=fp8) runs on CPU devices only so far"));
   std::unique_ptr<CudaDevice> d(new CudaDevice(std::move(name), layout));
   d->ordinal_ = ordinal;
   d->s_ = std::make_unique<State>();
@@ -558,14 +576,24 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   const int Hi = sp.index_n_heads, Di = sp.index_head_dim;
   const LayerKind kind = sp.layers[call.layer];
   const LayerInputs& in = *call.in;
-  // 1. Keys into the caches.
-  RETURN_IF_ERROR(s.Rows(in.kv_latent, L, s.kv_lat));
-  RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.kv_lat, L, 0));
-  RETURN_IF_ERROR(s.Rows(in.k_rope, R, s.k_rope));
-  RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.k_rope, R, L));
-  if (kind == LayerKind::kFull) {
-    RETURN_IF_ERROR(s.Rows(in.index_k, Di, s.idx_k));
-    RETURN_IF_ERROR(s.Write(s.Index(sp.FullSlot(call.layer)), s.idx_k, Di, 0));
+  // 1. Keys into the caches (an fp8 cache's rows are quantised on the host, as on CPU devices).
+  if (s.layout.fp8()) {
+    RETURN_IF_ERROR(s.WritePacked(
+        s.Latent(call.layer), s.layout.latent_row_bytes(),
+        [&](int64_t t, uint8_t* row) { PackLatentRow(in.kv_latent, in.k_rope, t, L, R, row); }));
+    if (kind == LayerKind::kFull)
+      RETURN_IF_ERROR(s.WritePacked(
+          s.Index(sp.FullSlot(call.layer)), size_t(Di) + 4,
+          [&](int64_t t, uint8_t* row) { QuantizeKeyRow(in.index_k, t, Di, Di, row, row + Di); }));
+  } else {
+    RETURN_IF_ERROR(s.Rows(in.kv_latent, L, s.kv_lat));
+    RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.kv_lat, L, 0));
+    RETURN_IF_ERROR(s.Rows(in.k_rope, R, s.k_rope));
+    RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.k_rope, R, L));
+    if (kind == LayerKind::kFull) {
+      RETURN_IF_ERROR(s.Rows(in.index_k, Di, s.idx_k));
+      RETURN_IF_ERROR(s.Write(s.Index(sp.FullSlot(call.layer)), s.idx_k, Di, 0));
+    }
   }
   if (call.out == nullptr) {  // write-only step
     CUDA_RETURN(cudaStreamSynchronize(s.stream));
@@ -654,9 +682,15 @@ absl::Status CudaDevice::ReadRows(int layer, int slot, int32_t page, int first, 
   const int64_t at = int64_t{page} * s.layout.page_size + first;
   CUDA_RETURN(cudaMemcpyAsync(latent, s.Latent(layer).Row(at), rows * s.layout.latent_row_bytes(),
                               cudaMemcpyDeviceToHost, s.copy_stream));
-  if (slot >= 0)
-    CUDA_RETURN(cudaMemcpyAsync(index, s.Index(slot).Row(at), rows * s.layout.index_row_bytes(),
-                                cudaMemcpyDeviceToHost, s.copy_stream));
+  if (slot >= 0) {
+    const uint8_t* page_start = s.cache + s.layout.IndexPageOffset(slot, page);
+    for (const auto& r : s.layout.IndexRanges(first, rows)) {
+      if (r.bytes)
+        CUDA_RETURN(cudaMemcpyAsync(index, page_start + r.offset, r.bytes, cudaMemcpyDeviceToHost,
+                                    s.copy_stream));
+      index += r.bytes;
+    }
+  }
   CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
   return absl::OkStatus();
 }
@@ -667,10 +701,15 @@ absl::Status CudaDevice::State::PageToHost(int32_t page, int rows, uint8_t* stag
     CUDA_RETURN(cudaMemcpyAsync(staged + layout.StagedLatent(l, rows), Latent(l).Row(at),
                                 rows * layout.latent_row_bytes(), cudaMemcpyDeviceToHost,
                                 copy_stream));
-  for (int k = 0; k < layout.num_full_layers; ++k)
-    CUDA_RETURN(cudaMemcpyAsync(staged + layout.StagedIndex(k, rows), Index(k).Row(at),
-                                rows * layout.index_row_bytes(), cudaMemcpyDeviceToHost,
-                                copy_stream));
+  for (int k = 0; k < layout.num_full_layers; ++k) {
+    uint8_t* to = staged + layout.StagedIndex(k, rows);
+    for (const auto& r : layout.IndexRanges(0, rows)) {
+      if (r.bytes)
+        CUDA_RETURN(cudaMemcpyAsync(to, cache + layout.IndexPageOffset(k, page) + r.offset, r.bytes,
+                                    cudaMemcpyDeviceToHost, copy_stream));
+      to += r.bytes;
+    }
+  }
   CUDA_RETURN(cudaStreamSynchronize(copy_stream));
   return absl::OkStatus();
 }
@@ -682,10 +721,15 @@ absl::Status CudaDevice::State::HostToPage(int32_t page, int rows, const uint8_t
     CUDA_RETURN(cudaMemcpyAsync(Latent(l).MutableRow(at), staged + layout.StagedLatent(l, rows),
                                 rows * layout.latent_row_bytes(), cudaMemcpyHostToDevice,
                                 copy_stream));
-  for (int k = 0; k < layout.num_full_layers; ++k)
-    CUDA_RETURN(cudaMemcpyAsync(Index(k).MutableRow(at), staged + layout.StagedIndex(k, rows),
-                                rows * layout.index_row_bytes(), cudaMemcpyHostToDevice,
-                                copy_stream));
+  for (int k = 0; k < layout.num_full_layers; ++k) {
+    const uint8_t* from = staged + layout.StagedIndex(k, rows);
+    for (const auto& r : layout.IndexRanges(0, rows)) {
+      if (r.bytes)
+        CUDA_RETURN(cudaMemcpyAsync(cache + layout.IndexPageOffset(k, page) + r.offset, from,
+                                    r.bytes, cudaMemcpyHostToDevice, copy_stream));
+      from += r.bytes;
+    }
+  }
   CUDA_RETURN(cudaStreamSynchronize(copy_stream));
   return absl::OkStatus();
 }
@@ -717,8 +761,10 @@ absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& cop
       spans.push_back({a.Latent(l).Row(from), b.Latent(l).MutableRow(into),
                        c.rows * a.layout.latent_row_bytes()});
     for (int k = 0; k < a.layout.num_full_layers; ++k)
-      spans.push_back(
-          {a.Index(k).Row(from), b.Index(k).MutableRow(into), c.rows * a.layout.index_row_bytes()});
+      for (const auto& r : a.layout.IndexRanges(0, c.rows))
+        if (r.bytes)
+          spans.push_back({a.cache + a.layout.IndexPageOffset(k, c.src) + r.offset,
+                           b.cache + b.layout.IndexPageOffset(k, c.dst) + r.offset, r.bytes});
   }
   if (to != this && nccl_ && nccl_ == to->nccl_)
     return nccl_->Move(nccl_rank_, to->nccl_rank_, spans);

@@ -2,6 +2,7 @@
 // to the lower index, online softmax. Launchers return the launch error (never synchronise).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cub/block/block_scan.cuh>
@@ -37,9 +38,45 @@ struct Elem<DType::kF16> {
   __device__ static __half Put(float v) { return __float2half_rn(v); }
 };
 
+// float8_e4m3fn codes (the fp8 cache's values; unscaled here, see CacheValue).
+template <>
+struct Elem<DType::kFP8E4M3> {
+  using type = uint8_t;
+  __device__ static float Get(uint8_t v) {
+    __nv_fp8_e4m3 x;
+    x.__x = v;
+    return static_cast<float>(x);
+  }
+  __device__ static uint8_t Put(float v) {
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  }
+};
+
 template <DType T>
 __device__ __forceinline__ float Load(const void* base, int64_t i) {
   return Elem<T>::Get(static_cast<const typename Elem<T>::type*>(base)[i]);
+}
+
+__device__ __forceinline__ float LoadScale(const uint8_t* p) {
+  float s;
+  memcpy(&s, p, 4);  // scales of indexer pages need not be 4-byte aligned
+  return s;
+}
+
+// Value d of the cached row at `slot`, as fp32: fp8 rows dequantised with their scales (DESIGN
+// §4: a latent row is L codes, one scale per tile of 128 (one tile below 128), then bf16 rope;
+// an indexer row's one scale lives apart, after its page's values).
+template <DType T>
+__device__ __forceinline__ float CacheValue(const CacheRows& c, int64_t slot, int d) {
+  const uint8_t* row = c.Row(slot);
+  if constexpr (T == DType::kFP8E4M3) {
+    if (c.scales_apart) return Load<T>(row, d) * LoadScale(c.Scales(slot));
+    const int L = c.fp8_dim, tile = L < 128 ? L : 128;
+    if (d < L) return Load<T>(row, d) * LoadScale(row + L + 4 * (d / tile));
+    return Load<DType::kBF16>(row + L + 4 * ((L + tile - 1) / tile), d - L);
+  } else {
+    return Load<T>(row, d);
+  }
 }
 
 template <DType T>
@@ -57,8 +94,8 @@ cudaError_t Dispatch(DType t, F f) {
       return f(std::integral_constant<DType, DType::kBF16>());
     case DType::kF16:
       return f(std::integral_constant<DType, DType::kF16>());
-    case DType::kFP8E4M3:  // CudaDevice refuses fp8 caches and queries never are fp8
-      return cudaErrorInvalidValue;
+    case DType::kFP8E4M3:
+      return f(std::integral_constant<DType, DType::kFP8E4M3>());
   }
   return cudaErrorInvalidValue;
 }
@@ -72,10 +109,13 @@ __device__ __forceinline__ uint32_t Key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The cached row of query q's key at position pos.
+// The cached row of query q's key at position pos, and its slot.
+__device__ __forceinline__ int64_t SlotOf(const QueryTables& t, int q, int64_t pos) {
+  return t.table.Slot(t.seq[q], pos);
+}
 __device__ __forceinline__ const uint8_t* Row(const CacheRows& c, const QueryTables& t, int q,
                                               int64_t pos) {
-  return c.Row(t.table.Slot(t.seq[q], pos));
+  return c.Row(SlotOf(t, q, pos));
 }
 
 template <DType T>
@@ -118,6 +158,19 @@ __global__ void WriteRowsKernel(WriteRowsParams p) {
     Store<T>(row, p.col_offset + d, p.src[int64_t{r} * p.dim + d]);
 }
 
+// One block per row: an fp8 cache row packed on the host (kernels/fp8_rows.h) to its slot; an
+// indexer row's last 4 bytes (its scale) go apart, after its page's values.
+__global__ void ScatterRowsKernel(ScatterRowsParams p) {
+  const int r = blockIdx.x;
+  const uint8_t* src = p.src + size_t{static_cast<unsigned>(r)} * p.src_row_bytes;
+  const int64_t slot = p.slot[r];
+  uint8_t* row = p.cache.MutableRow(slot);
+  const size_t values = p.cache.scales_apart ? p.cache.fp8_dim : p.src_row_bytes;
+  for (size_t i = threadIdx.x; i < values; i += blockDim.x) row[i] = src[i];
+  if (p.cache.scales_apart && threadIdx.x < 4)
+    const_cast<uint8_t*>(p.cache.Scales(slot))[threadIdx.x] = src[values + threadIdx.x];
+}
+
 // grid (key tiles, queries). Shared: q [Hi, Di] | w [Hi] | keys [kTile, Di + 1] | part [4, kTile]
 constexpr int kIdxTile = 64;
 template <DType T>
@@ -138,7 +191,7 @@ __global__ void IndexerKernel(IndexerParams p) {
   const int nk = static_cast<int>(min(static_cast<int64_t>(kIdxTile), n - t0));
   for (int i = threadIdx.x; i < kIdxTile * D; i += blockDim.x) {
     const int j = i / D, d = i % D;
-    ks[j * (D + 1) + d] = j < nk ? Load<T>(Row(p.keys, p.tables, q, t0 + j), d) : 0.0f;
+    ks[j * (D + 1) + d] = j < nk ? CacheValue<T>(p.keys, SlotOf(p.tables, q, t0 + j), d) : 0.0f;
   }
   __syncthreads();
   const int j = threadIdx.x % kIdxTile;
@@ -289,8 +342,11 @@ __global__ void ExpandKernel(ExpandParams p) {
 struct KeySet {
   const int32_t* sel;  // null in range mode
   int64_t begin, total;
+  __device__ int64_t Slot(const MlaParams& p, int q, int64_t i) const {
+    return sel ? sel[i] : SlotOf(p.tables, q, begin + i);
+  }
   __device__ const uint8_t* Row(const MlaParams& p, int q, int64_t i) const {
-    return sel ? p.kv.Row(sel[i]) : ::attnd::cuda::Row(p.kv, p.tables, q, begin + i);
+    return p.kv.Row(Slot(p, q, i));
   }
 };
 __device__ __forceinline__ KeySet KeysOf(const MlaParams& p, int q) {
@@ -350,7 +406,7 @@ __global__ void MlaKernel(MlaParams p) {
       const int j = i / D, d = i % D;
       float v = 0.0f;
       if (j < nk) {
-        v = Load<T>(keys.Row(p, q, t0 + j), d);
+        v = CacheValue<T>(p.kv, keys.Slot(p, q, t0 + j), d);
       }
       ks[j * (D + 1) + d] = v;
     }
@@ -736,10 +792,17 @@ cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaSt
 
 cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
+  if (p.cache.dtype == DType::kFP8E4M3) return cudaErrorInvalidValue;  // LaunchScatterRows
   return Dispatch(p.cache.dtype, [&](auto t) {
     WriteRowsKernel<decltype(t)::value><<<p.n, 128, 0, s>>>(p);
     return cudaGetLastError();
   });
+}
+
+cudaError_t LaunchScatterRows(const ScatterRowsParams& p, cudaStream_t s) {
+  if (p.n <= 0) return cudaSuccess;
+  ScatterRowsKernel<<<p.n, 128, 0, s>>>(p);
+  return cudaGetLastError();
 }
 
 bool IndexerUsesTensorCores(const IndexerParams& p) {

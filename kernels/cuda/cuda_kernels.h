@@ -40,7 +40,20 @@ struct WriteRowsParams {
   int col_offset = 0;             // first column written inside the cache row
   const int32_t* slot = nullptr;  // [n] slot of each row
 };
+// Not for fp8 caches (cudaErrorInvalidValue): their rows are packed on the host and scattered.
 cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s);
+
+// fp8 caches: n rows packed on the host (kernels/fp8_rows.h) to their slots. A latent row is the
+// cache row (src_row_bytes = its row bytes); an indexer row is its Di values then its 4-byte
+// scale, which goes apart (CacheRows::Scales).
+struct ScatterRowsParams {
+  const uint8_t* src = nullptr;  // [n, src_row_bytes] on the device
+  int n = 0;
+  size_t src_row_bytes = 0;
+  CacheRows cache;
+  const int32_t* slot = nullptr;  // [n]
+};
+cudaError_t LaunchScatterRows(const ScatterRowsParams& p, cudaStream_t s);
 
 // I[s] = Σ_h w[h] relu(q[h]·k[s]) for s in [0, pos+1) of each listed query.
 struct IndexerParams {
