@@ -115,6 +115,35 @@ BENCHMARK(Gemm)
     ->Args({64, 64, 128})
     ->ArgNames({"M", "N", "D"});
 
+// Converting 2048 cached rows of 576 values to fp32 (what every MLA tile starts with), one core:
+// bf16 (a shift) against fp8 (e4m3 through F16C, times the tile scales). Arg: 1 = fp8.
+void DecodeRows(benchmark::State& state) {
+  const bool fp8 = state.range(0) == 1;
+  const int L = 512, R = 64, D = L + R;
+  const size_t n = 2048;
+  std::vector<uint8_t> rows(n * D * 2);
+  std::mt19937 rng(5);
+  for (auto& b : rows) b = static_cast<uint8_t>(rng() & 0x77);  // finite codes / bf16 bits
+  std::vector<float> scales(4, 0.25f), out(64 * D);
+  const auto& k = cpu::GetKernels(cpu::BestIsa());
+  for (auto _ : state) {
+    for (size_t r = 0; r < n; ++r) {
+      float* o = out.data() + (r % 64) * D;  // one MLA tile's buffer, as MlaAttend
+      if (fp8) {
+        const uint8_t* row = rows.data() + r * 656;
+        k.e4m3_to_f32(row, scales.data(), 128, o, L);
+        k.bf16_to_f32(reinterpret_cast<const unsigned short*>(row + 528), o + L, R);
+      } else {
+        k.bf16_to_f32(reinterpret_cast<const unsigned short*>(rows.data()) + r * D, o, D);
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["values/s"] =
+      benchmark::Counter(double(n) * D, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(DecodeRows)->Arg(0)->Arg(1)->ArgName("fp8");
+
 // One query's sparse MLA (16 heads, 2048 keys of a 32K history), one core. Arg 0: 1 = the keys
 // are scattered (a top-k selection), 0 = contiguous (dense attention); arg 1: 1 = an fp8 cache
 // (FlashMLA's 656-byte tokens), 0 = bf16.
