@@ -27,8 +27,9 @@ inline constexpr int kIndexValues = 128;   // Di
 // Other dims keep the same shape: L e4m3 values in tiles of 128 (or one tile when L < 128: the
 // small test models), one fp32 scale per tile, then R bf16; an indexer key is Di e4m3 values and
 // one fp32 scale.
+// L a multiple of 4 keeps the row's scales and bf16 rope aligned.
 ATTND_HD constexpr bool LatentDimFits(int L) {
-  return L > 0 && L <= 64 * kLatentTile && (L < kLatentTile || L % kLatentTile == 0);
+  return L > 0 && L % 4 == 0 && L <= 64 * kLatentTile && (L < kLatentTile || L % kLatentTile == 0);
 }
 ATTND_HD constexpr int LatentTiles(int L) { return L < kLatentTile ? 1 : L / kLatentTile; }
 ATTND_HD constexpr int LatentTileSize(int L) { return L < kLatentTile ? L : kLatentTile; }
@@ -71,15 +72,19 @@ inline uint8_t F32ToE4M3(float f) {
   return sign | static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);
 }
 
-// The power-of-two scale of a tile with largest magnitude `amax` (1 for an all-zero tile), never
-// below 2^-126 (a normal fp32: tinier tiles just use fewer codes).
+// The scales an fp8 cache keeps: powers of two in [2^-126, 2^119] (a normal fp32, and 448 times
+// the largest is still finite, so no cached key dequantises to infinity).
+inline constexpr int kMinScaleExp = -126, kMaxScaleExp = 119;
+
+// The power-of-two scale of a tile with largest magnitude `amax` (1 for an all-zero tile),
+// within the range above: tinier tiles use fewer codes, keys beyond 448 * 2^119 (~3e38) saturate.
 inline float TileScale(float amax) {
   if (!(amax > 0) || !std::isfinite(amax)) return 1.0f;
   int e;
   std::frexp(amax / kE4M3Max, &e);  // amax/448 = m * 2^e, m in [0.5, 1): 2^e >= amax/448
   float s = std::ldexp(1.0f, e);
   if (amax / (s * 0.5f) <= kE4M3Max) s *= 0.5f;  // an exact power of two: the smaller one fits
-  return std::fmax(s, std::ldexp(1.0f, -126));
+  return std::fmin(std::fmax(s, std::ldexp(1.0f, kMinScaleExp)), std::ldexp(1.0f, kMaxScaleExp));
 }
 
 // Quantises `n` values (n a multiple of `tile`) into e4m3 with one scale per tile.
@@ -132,10 +137,11 @@ ATTND_HD inline void UnpackIndexKey(int Di, const uint8_t* values, float scale, 
   for (int i = 0; i < Di; ++i) out[i] = E4M3ToF32(values[i]) * scale;
 }
 
-// Whether `s` is a scale an fp8 cache can hold: a normal positive power of two (what TileScale
-// gives for finite keys), so dequantising stays exact in fp32.
+// Whether `s` is a scale an fp8 cache can hold: a power of two in [2^-126, 2^119] (what TileScale
+// gives), so dequantising stays exact and finite in fp32.
 inline bool IsTileScale(float s) {
-  if (!(s >= std::ldexp(1.0f, -126)) || !std::isfinite(s)) return false;
+  if (!(s >= std::ldexp(1.0f, kMinScaleExp)) || !(s <= std::ldexp(1.0f, kMaxScaleExp)))
+    return false;
   int e;
   return std::frexp(s, &e) == 0.5f;
 }

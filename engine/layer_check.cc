@@ -144,7 +144,7 @@ absl::Status CheckFp8Scales(const LayerInputs& in) {
       if (!fp8::IsTileScale(v))
         return absl::InvalidArgumentError(absl::StrCat(
             name, ": scale ", v, " at [", i / t->scales_per_row, ", ", i % t->scales_per_row,
-            "] is not a positive power of two (an fp8 cache holds no other)"));
+            "] is not a power of two in [2^-126, 2^119] (an fp8 cache holds no other)"));
     }
   }
   return absl::OkStatus();

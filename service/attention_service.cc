@@ -408,6 +408,9 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
     RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
     RETURN_IF_ERROR(CheckTensor(qr.c_str(), v[k].q_rope, {T, Hs, R}));
+    if (v[k].q_latent.scales != nullptr || v[k].q_rope.scales != nullptr)
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard ", k, ": scales belong to FP8_E4M3 keys only, not to queries"));
     if (v[k].q_latent.dtype != v[0].q_latent.dtype || v[k].q_rope.dtype != v[0].q_rope.dtype)
       return absl::InvalidArgumentError(
           absl::StrCat("shard ", k, ": q_latent/q_rope datatypes differ from shard 0's"));

@@ -47,6 +47,14 @@ absl::Status MoveOne(Engine& engine, const SequenceInfo& seq, const std::string&
   c.act_as_tenant = seq.tenant;  // "" (anonymous): no header
   ASSIGN_OR_RETURN(std::unique_ptr<client::Client> to, client::Client::Connect(peer, c));
   const SequenceKey key(seq.tenant, seq.id);
+  // An fp8 cache's keys go as they are cached, and only another fp8 cache takes them.
+  if (engine.options().cache_dtype == DType::kFP8E4M3) {
+    ASSIGN_OR_RETURN(const v1::ServerInfoResponse info, to->Info());
+    if (info.cache_datatype() != DTypeName(DType::kFP8E4M3))
+      return absl::FailedPreconditionError(
+          absl::StrCat("peer ", peer, " caches ", info.cache_datatype(),
+                       ": this server's fp8 keys move only to an fp8 cache (--cache-dtype=fp8)"));
+  }
   RETURN_IF_ERROR(to->OpenSequence(seq.id, "", 0, seq.length).status());
   auto fail = [&](absl::Status s) {
     (void)to->CloseSequence(seq.id);

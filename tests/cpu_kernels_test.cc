@@ -86,7 +86,30 @@ TEST_P(PerIsa, ReluDotIsTheIndexersWeightedReluOnRaggedRows) {
       ASSERT_FALSE(std::isnan(out[j]));
       EXPECT_NEAR(out[j], want, 1e-6 * (mag + 1)) << "n " << n << " row " << j;
     }
+    // A NaN score stays NaN (as in the reference and the CUDA kernels), in the vector part and
+    // in the tail alike; its row's neighbours are untouched.
+    for (int at : {0, n - 1}) {
+      auto t = s;
+      t[ld + at] = NAN;
+      k.relu_dot(t.data(), rows, n, ld, w.data(), out.data());
+      EXPECT_TRUE(std::isnan(out[1])) << "n " << n << " at " << at;
+      EXPECT_FALSE(std::isnan(out[0]) || std::isnan(out[2]));
+    }
   }
+}
+
+TEST_P(PerIsa, E4M3NaNCodesDecodeToNaN) {
+  const Kernels& k = GetKernels(GetParam());
+  std::vector<unsigned char> codes(40, 0x38);  // 1.0
+  codes[3] = 0x7f;
+  codes[21] = 0xff;  // in the vector part and the scalar tail of a 16-wide loop
+  codes[37] = 0x7f;
+  const float scale = 2.0f;
+  std::vector<float> out(codes.size());
+  k.e4m3_to_f32(codes.data(), &scale, 40, out.data(), 40);
+  for (size_t i = 0; i < codes.size(); ++i)
+    EXPECT_EQ(std::isnan(out[i]), (codes[i] & 0x7f) == 0x7f) << i << " " << out[i];
+  EXPECT_EQ(out[0], 2.0f);
 }
 
 TEST_P(PerIsa, E4M3DecodeIsExactForEveryFiniteCodeAndScale) {

@@ -160,9 +160,15 @@ TEST(Fp8, SmallModelsTakeOneTilePerRowAndScalesArePowersOfTwo) {
     EXPECT_EQ(static_cast<double>(back[i]), Reference(NearestCode(ckv[i] / s)) * s) << i;
   for (int i = 0; i < 16; ++i) EXPECT_EQ(back[32 + i], BF16ToF32(F32ToBF16(rope[i])));
   for (float bad : {0.0f, -1.0f, 3.0f, 0.75f, INFINITY, NAN}) EXPECT_FALSE(IsTileScale(bad)) << bad;
-  for (float good : {1.0f, 0.125f, 1024.0f, std::ldexp(1.0f, -126), std::ldexp(1.0f, 127)})
+  for (float good : {1.0f, 0.125f, 1024.0f, std::ldexp(1.0f, -126), std::ldexp(1.0f, 119)})
     EXPECT_TRUE(IsTileScale(good));
   EXPECT_FALSE(IsTileScale(std::ldexp(1.0f, -127)));  // subnormal
+  EXPECT_FALSE(IsTileScale(std::ldexp(1.0f, 120)));   // 448 x 2^120 is beyond fp32
+  // The largest keys saturate rather than dequantise to infinity.
+  EXPECT_EQ(TileScale(3.39e38f), std::ldexp(1.0f, 119));
+  const float top = E4M3ToF32(F32ToE4M3(3.39e38f / TileScale(3.39e38f))) * TileScale(3.39e38f);
+  EXPECT_TRUE(std::isfinite(top));
+  EXPECT_FLOAT_EQ(top, 448.0f * std::ldexp(1.0f, 119));
   // A tile of tiny keys still gets a normal scale, so its export can be imported.
   EXPECT_EQ(TileScale(1e-40f), std::ldexp(1.0f, -126));
   EXPECT_TRUE(IsTileScale(TileScale(1e-40f)));

@@ -5,6 +5,7 @@
 #include "common/fp8.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -43,8 +44,10 @@ std::vector<Isa> SupportedIsas() {
   std::vector<Isa> out = {Isa::kGeneric};
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
+  // F16C by CPUID (leaf 1, ECX bit 29): clang's __builtin_cpu_supports does not know it.
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
     out.push_back(Isa::kAvx2);
 #endif
   return out;

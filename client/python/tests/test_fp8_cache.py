@@ -156,7 +156,13 @@ def test_fp8_keys_are_refused_where_they_do_not_belong(fp8_pair):
             s = from_tensor(bad.kv_latent.scales)
             s[2, 0] = 0.75  # not a power of two
             bad.kv_latent.scales.data = s.astype("<f4").tobytes()
-            refused(a, bad, r"scale 0.75 at \[2, 0\] is not a positive power of two")
+            refused(a, bad, r"scale 0.75 at \[2, 0\] is not a power of two")
+            huge = pb.LayerInputs()
+            huge.CopyFrom(keys)
+            s = from_tensor(huge.kv_latent.scales)
+            s[0, 0] = 2.0 ** 120  # 448 x 2^120 would dequantise to infinity
+            huge.kv_latent.scales.data = s.astype("<f4").tobytes()
+            refused(a, huge, r"is not a power of two in \[2\^-126, 2\^119\]")
             nan = pb.LayerInputs()
             nan.CopyFrom(keys)
             codes = bytearray(nan.kv_latent.data)
@@ -185,3 +191,33 @@ def test_fp8_keys_are_refused_where_they_do_not_belong(fp8_pair):
             assert a.describe_sequence("src").length == 5
     finally:
         _stop(bf16)
+
+
+def test_a_drain_moves_fp8_sequences_to_an_fp8_peer_and_refuses_a_bf16_one():
+    fp8_peer, t8, _ = start(["--cache-dtype=fp8"], kv_pages=64)
+    bf16_peer, tb, _ = start([], kv_pages=64)
+    rng = np.random.default_rng(9)
+    try:
+        for peer, moves in ((t8, True), (tb, False)):
+            src, ts, _ = start(["--cache-dtype=fp8", f"--drain-peers={peer}",
+                                "--drain-timeout-ms=20000"], kv_pages=64)
+            with AttndClient(ts, timeout=30) as a:
+                spec = a.info().model
+                a.open_sequence("d")
+                _step(a, "d", _layers(spec, 23, rng))
+                want = _export(a, "d")
+            src.send_signal(signal.SIGTERM)
+            out = src.stdout.read()
+            assert src.wait(timeout=60) == 0
+            with AttndClient(peer, timeout=30) as p:
+                if moves:  # byte for byte
+                    assert "1 sequence(s) handed to 1 peer(s), 0 left behind" in out, out
+                    assert _export(p, "d") == want
+                    p.close_sequence("d")
+                else:  # said why, and nothing left half-made on the peer
+                    assert "0 sequence(s) handed to 1 peer(s), 1 left behind" in out, out
+                    assert "caches BF16: this server's fp8 keys move only to an fp8 cache" in out
+                    assert p.list_sequences() == []
+    finally:
+        _stop(fp8_peer)
+        _stop(bf16_peer)
