@@ -144,12 +144,13 @@ void DecodeRows(benchmark::State& state) {
 }
 BENCHMARK(DecodeRows)->Arg(0)->Arg(1)->ArgName("fp8");
 
-// One query's sparse MLA (16 heads, 2048 keys of a 32K history), one core. Arg 0: 1 = the keys
-// are scattered (a top-k selection), 0 = contiguous (dense attention); arg 1: 1 = an fp8 cache
-// (FlashMLA's 656-byte tokens), 0 = bf16.
+// One query's sparse MLA (2048 keys of a 32K history), one core. Arg 0: 1 = the keys are
+// scattered (a top-k selection), 0 = contiguous (dense attention); arg 1: 1 = an fp8 cache
+// (FlashMLA's 656-byte tokens), 0 = bf16; arg 2: heads in the call (each key tile is converted
+// once per call, so more heads per call convert less per head).
 void MlaOneQuery(benchmark::State& state) {
   const bool scattered = state.range(0) == 1, fp8 = state.range(1) == 1;
-  const int H = 16, L = 512, R = 64, D = L + R, ps = 64;
+  const int H = static_cast<int>(state.range(2)), L = 512, R = 64, D = L + R, ps = 64;
   const int64_t n = 32768, K = 2048;
   const size_t row = fp8 ? fp8::LatentTokenBytes(L, R) : size_t{D} * 2;
   std::mt19937 rng(4);
@@ -196,8 +197,8 @@ void MlaOneQuery(benchmark::State& state) {
 BENCHMARK(MlaOneQuery)
     ->ComputeStatistics("min", Lowest)
     ->ComputeStatistics("max", Highest)
-    ->ArgsProduct({{0, 1}, {0, 1}})
-    ->ArgNames({"scattered", "fp8"});
+    ->ArgsProduct({{0, 1}, {0, 1}, {16, 64}})
+    ->ArgNames({"scattered", "fp8", "heads"});
 
 ModelSpec BenchSpec() {
   ModelSpec s = PresetModelSpec("deepseek-v3.2").value();
