@@ -92,9 +92,9 @@ inline void QuantizeTiles(const float* x, int n, int tile, uint8_t* values, floa
   for (int t = 0; t < n / tile; ++t) {
     float amax = 0;
     for (int i = 0; i < tile; ++i) amax = std::fmax(amax, std::fabs(x[t * tile + i]));
-    const float s = TileScale(amax);
+    const float s = TileScale(amax), inv = 1.0f / s;  // exact: powers of two in range
     scales[t] = s;
-    for (int i = 0; i < tile; ++i) values[t * tile + i] = F32ToE4M3(x[t * tile + i] / s);
+    for (int i = 0; i < tile; ++i) values[t * tile + i] = F32ToE4M3(x[t * tile + i] * inv);
   }
 }
 

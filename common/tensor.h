@@ -30,6 +30,10 @@ struct TensorView {
   static TensorView Of(DType dtype, std::initializer_list<int64_t> shape, const void* data,
                        size_t nbytes);
   int64_t num_elements() const;
+  // Row `row` of the tensor seen as [rows, elems] (bytes; shape checked by the caller).
+  const uint8_t* Row(int64_t row, int64_t elems) const {
+    return static_cast<const uint8_t*>(data) + row * elems * static_cast<int64_t>(DTypeSize(dtype));
+  }
   std::string ShapeString() const;  // "[8, 16, 512]"
 };
 
@@ -46,9 +50,9 @@ struct LayerInputs {
   TensorView index_w;    // [T, Hi]
 };
 
-// Checks that `t` is present, has dtype in {BF16, FP16, FP32}, exactly `expected` dims and a
-// byte count matching them. The error (INVALID_ARGUMENT) names the tensor and says what was
-// expected and what came.
+// Checks that `t` is present, has exactly `expected` dims and a byte count matching them in its
+// dtype (which datatypes a tensor may have is the layer checks' business). The error
+// (INVALID_ARGUMENT) names the tensor and says what was expected and what came.
 absl::Status CheckTensor(const char* name, const TensorView& t,
                          std::initializer_list<int64_t> expected);
 

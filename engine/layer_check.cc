@@ -38,6 +38,15 @@ absl::Status CheckScales(const char* name, const TensorView& t, int64_t T, int64
   return absl::OkStatus();
 }
 
+// fp8 keys' scales, once their tensors' shapes were checked: the cache's tiles per row.
+absl::Status CheckKeyScales(const ModelSpec& s, int64_t T, const LayerInputs& in) {
+  if (in.kv_latent.dtype == DType::kFP8E4M3)
+    RETURN_IF_ERROR(CheckScales("kv_latent", in.kv_latent, T, fp8::LatentTiles(s.kv_lora_rank)));
+  if (in.index_k.present && in.index_k.dtype == DType::kFP8E4M3)
+    RETURN_IF_ERROR(CheckScales("index_k", in.index_k, T, 1));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
@@ -83,13 +92,6 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
   RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
-  if (in.kv_latent.dtype == DType::kFP8E4M3)
-    RETURN_IF_ERROR(CheckScales("kv_latent", in.kv_latent, T, fp8::LatentTiles(s.kv_lora_rank)));
-  if (in.index_k.present && in.index_k.dtype == DType::kFP8E4M3 &&
-      s.layers[layer] == LayerKind::kFull) {
-    RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
-    RETURN_IF_ERROR(CheckScales("index_k", in.index_k, T, 1));
-  }
   if (write_only) {
     if (s.layers[layer] == LayerKind::kFull) {
       RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
@@ -102,7 +104,7 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
         out_bytes != 0)
       return absl::InvalidArgumentError(
           "write-only step: give only kv_latent, k_rope and (full layers) index_k; no output");
-    return absl::OkStatus();
+    return CheckKeyScales(s, T, in);
   }
   RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
@@ -120,6 +122,7 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
           absl::StrCat(given, ": given for layer ", layer, ", a ", LayerKindName(s.layers[layer]),
                        " layer; indexer tensors belong to full layers only"));
   }
+  RETURN_IF_ERROR(CheckKeyScales(s, T, in));
   const size_t want =
       static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank * DTypeSize(in.q_latent.dtype);
   if (out_bytes != want)

@@ -6,18 +6,11 @@
 #include "common/fp8.h"
 
 namespace attnd {
-namespace {
-
-const uint8_t* RowOf(const TensorView& t, int64_t row, int64_t elems) {
-  return static_cast<const uint8_t*>(t.data) + row * elems * DTypeSize(t.dtype);
-}
-
-}  // namespace
 
 void QuantizeKeyRow(const TensorView& t, int64_t row, int n, int tile, uint8_t* values,
                     uint8_t* scales) {
   if (t.dtype == DType::kFP8E4M3) {
-    std::memcpy(values, RowOf(t, row, n), n);
+    std::memcpy(values, t.Row(row, n), n);
     std::memcpy(scales, static_cast<const uint8_t*>(t.scales) + row * t.scales_per_row * 4,
                 4 * (n / tile));
     return;
@@ -25,7 +18,7 @@ void QuantizeKeyRow(const TensorView& t, int64_t row, int n, int tile, uint8_t* 
   thread_local std::vector<float> x, sc;
   x.resize(n);
   sc.resize(n / tile);
-  ConvertToF32(t.dtype, RowOf(t, row, n), x.data(), n);
+  ConvertToF32(t.dtype, t.Row(row, n), x.data(), n);
   fp8::QuantizeTiles(x.data(), n, tile, values, sc.data());
   std::memcpy(scales, sc.data(), 4 * sc.size());
 }
@@ -34,7 +27,7 @@ void PackLatentRow(const TensorView& kv_latent, const TensorView& k_rope, int64_
                    uint8_t* out) {
   QuantizeKeyRow(kv_latent, row, L, fp8::LatentTileSize(L), out, out + L);
   uint8_t* rope = out + L + 4 * fp8::LatentTiles(L);
-  const uint8_t* src = RowOf(k_rope, row, R);
+  const uint8_t* src = k_rope.Row(row, R);
   if (k_rope.dtype == DType::kBF16) {
     std::memcpy(rope, src, 2 * static_cast<size_t>(R));
     return;

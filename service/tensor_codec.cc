@@ -71,12 +71,12 @@ absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
                      "'s leading dims and a last dim dividing its last (", v.ShapeString(), ")"));
   int64_t count = per_row;
   for (int i = 0; i + 1 < v.rank; ++i) count *= v.dims[i];
+  if (sc.has_scales()) return absl::InvalidArgumentError(absl::StrCat(sname, ": nested scales"));
   RETURN_IF_ERROR(BytesOf(sname.c_str(), sc, shm, transfers, &v.scales, &v.scales_nbytes));
   if (v.scales_nbytes != static_cast<size_t>(count) * 4)
     return absl::InvalidArgumentError(
         absl::StrCat(sname, ": ", v.scales_nbytes, " bytes, expected ", count * 4));
   v.scales_per_row = per_row;
-  if (sc.has_scales()) return absl::InvalidArgumentError(absl::StrCat(sname, ": nested scales"));
   return absl::OkStatus();
 }
 

@@ -29,11 +29,6 @@ void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n)
   ConvertFromF32(dst_t, tmp.data(), dst, n);
 }
 
-// Row `t` of a [T, row] tensor.
-const uint8_t* RowOf(const TensorView& t, int64_t row, int64_t elems) {
-  return static_cast<const uint8_t*>(t.data) + row * elems * DTypeSize(t.dtype);
-}
-
 }  // namespace
 
 // The kept selection (IndexShare carry) and per-layer fp32 workspaces of one step's share.
@@ -105,11 +100,10 @@ void CpuDevice::WriteKeys(const StepShare& share, int layer, const LayerInputs& 
   pool_->ParallelFor(share.size(), [&](int64_t i) {
     const int64_t t = share.rows[i];
     uint8_t* row = latent.MutableRow(share.slot[i]);
-    CopyConvert(in.kv_latent.dtype, RowOf(in.kv_latent, t, L), ct, row, L);
-    CopyConvert(in.k_rope.dtype, RowOf(in.k_rope, t, R), ct, row + L * DTypeSize(ct), R);
+    CopyConvert(in.kv_latent.dtype, in.kv_latent.Row(t, L), ct, row, L);
+    CopyConvert(in.k_rope.dtype, in.k_rope.Row(t, R), ct, row + L * DTypeSize(ct), R);
     if (slot >= 0)
-      CopyConvert(in.index_k.dtype, RowOf(in.index_k, t, Di), ct, index.MutableRow(share.slot[i]),
-                  Di);
+      CopyConvert(in.index_k.dtype, in.index_k.Row(t, Di), ct, index.MutableRow(share.slot[i]), Di);
   });
 }
 
@@ -123,8 +117,8 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
     const int64_t t = share.rows[i];
     for (int h = 0; h < H; ++h) {
       float* q = st.q.data() + (i * H + h) * D;
-      ConvertToF32(in.q_latent.dtype, RowOf(in.q_latent, t * H + h, L), q, L);
-      ConvertToF32(in.q_rope.dtype, RowOf(in.q_rope, t * H + h, R), q + L, R);
+      ConvertToF32(in.q_latent.dtype, in.q_latent.Row(t * H + h, L), q, L);
+      ConvertToF32(in.q_rope.dtype, in.q_rope.Row(t * H + h, R), q + L, R);
     }
   });
   if (!call.select) return;
@@ -134,8 +128,8 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
   st.index_w.resize(n * Hi);
   pool_->ParallelFor(n, [&](int64_t i) {
     const int64_t t = share.rows[i];
-    ConvertToF32(in.index_q.dtype, RowOf(in.index_q, t, row), st.index_q.data() + i * row, row);
-    ConvertToF32(in.index_w.dtype, RowOf(in.index_w, t, Hi), st.index_w.data() + i * Hi, Hi);
+    ConvertToF32(in.index_q.dtype, in.index_q.Row(t, row), st.index_q.data() + i * row, row);
+    ConvertToF32(in.index_w.dtype, in.index_w.Row(t, Hi), st.index_w.data() + i * Hi, Hi);
   });
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -32,3 +33,9 @@ def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2
     line = proc.stdout.readline()
     assert "serving attnd.v1" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
     return proc, f"127.0.0.1:{port}", mport
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, and a clean exit within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

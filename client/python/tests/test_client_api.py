@@ -15,14 +15,8 @@ import pytest
 
 from attnd import AsyncAttndClient, AttndClient, AttndError, ShmArena, spec_from_hf_config
 
-from attnd_process import start
+from attnd_process import start, stop
 from test_drain import _inputs as _layers, _step  # one step's random bf16 inputs; a step
-
-
-
-def _stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
 
 
 @pytest.fixture
@@ -30,8 +24,8 @@ def two_servers():
     a, ta, _ = start([], kv_pages=128)
     b, tb, _ = start([], kv_pages=128)
     yield ta, tb
-    _stop(a)
-    _stop(b)
+    stop(a)
+    stop(b)
 
 
 def test_the_async_client_gives_the_sync_clients_results(two_servers):
@@ -107,7 +101,7 @@ def test_health_turns_not_serving_in_a_drain():
     assert proc.wait(timeout=60) == 0
     with AttndClient(peer_target, timeout=10) as p:
         assert [s.sequence_id for s in p.list_sequences()] == ["hold"]
-    _stop(peer)
+    stop(peer)
 
 
 def test_handoff_moves_a_sequence_whose_next_outputs_are_bit_identical(two_servers):
@@ -191,7 +185,7 @@ def test_spec_from_hf_config_is_what_the_server_serves(preset, tmp_path):
         with AttndClient(target, timeout=30) as c:
             served = c.info().model
     finally:
-        _stop(proc)
+        stop(proc)
     want = spec_from_hf_config(PUBLISHED[preset])
     for k, v in want.items():
         got = getattr(served, k)
@@ -241,7 +235,7 @@ def test_attended_positions_are_bounded_before_any_work(tmp_path):
             outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
             assert outs[-1].shape == (400, spec.num_heads, spec.kv_lora_rank)
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def test_attended_positions_must_fit_the_reply_beside_the_output(tmp_path):
@@ -272,7 +266,7 @@ def test_attended_positions_must_fit_the_reply_beside_the_output(tmp_path):
             outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
             assert outs[0].shape == (48, spec.num_heads, spec.kv_lora_rank)
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def test_an_arena_refuses_an_async_client():

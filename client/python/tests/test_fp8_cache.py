@@ -15,13 +15,8 @@ import pytest
 from attnd import AttndClient, AttndError, from_tensor
 from attnd.v1 import attention_pb2 as pb
 
-from attnd_process import start
+from attnd_process import start, stop
 from test_drain import _inputs as _layers, _step
-
-
-def _stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
 
 
 @pytest.fixture
@@ -29,8 +24,8 @@ def fp8_pair():
     a, ta, _ = start(["--cache-dtype=fp8"], kv_pages=128)
     b, tb, _ = start(["--cache-dtype=fp8"], kv_pages=128)
     yield ta, tb
-    _stop(a)
-    _stop(b)
+    stop(a)
+    stop(b)
 
 
 def _export(client, sid):
@@ -66,7 +61,7 @@ def test_fp8_pages_cost_at_most_six_tenths_of_bf16():
         assert fp8_tiny.devices[0].bytes_per_page == 16 * (4 * 68 + 2 * 20)
     finally:
         for p, _, _ in procs:
-            _stop(p)
+            stop(p)
 
 
 def test_an_export_is_the_cache_and_an_import_reproduces_it_bit_for_bit(fp8_pair):
@@ -190,7 +185,7 @@ def test_fp8_keys_are_refused_where_they_do_not_belong(fp8_pair):
             assert a.describe_sequence("q").length == 0
             assert a.describe_sequence("src").length == 5
     finally:
-        _stop(bf16)
+        stop(bf16)
 
 
 def test_a_drain_moves_fp8_sequences_to_an_fp8_peer_and_refuses_a_bf16_one():
@@ -219,5 +214,5 @@ def test_a_drain_moves_fp8_sequences_to_an_fp8_peer_and_refuses_a_bf16_one():
                     assert "caches BF16: this server's fp8 keys move only to an fp8 cache" in out
                     assert p.list_sequences() == []
     finally:
-        _stop(fp8_peer)
-        _stop(bf16_peer)
+        stop(fp8_peer)
+        stop(bf16_peer)

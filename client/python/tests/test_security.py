@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from attnd import AttndClient, AttndError
 
-from attnd_process import start
+from attnd_process import start, stop
 
 EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
@@ -49,11 +49,6 @@ def _start(extra: list[str]):
     return start(extra, kv_pages=64, threads=1)
 
 
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
-
-
 @pytest.fixture(scope="module")
 def mtls_server(pki):
     proc, target, mport = _start([
@@ -61,7 +56,7 @@ def mtls_server(pki):
         f"--tls-client-ca={pki / 'ca.pem'}", "--auth=mtls", "--metrics-tls",
         "--grpc-reflection=false"])
     yield target, mport
-    _stop(proc)
+    stop(proc)
 
 
 def _tls_client(pki: Path, target: str, with_cert: bool) -> AttndClient:
@@ -125,7 +120,7 @@ def token_server(tmp_path_factory):
     tokens.write_text("py-token-a-0123456789 a\npy-token-b-0123456789 b\n")
     proc, target, _ = _start(["--auth=token", f"--auth-tokens={tokens}"])
     yield target
-    _stop(proc)
+    stop(proc)
 
 
 def test_tokens_name_tenants_and_health_stays_open(token_server):
