@@ -93,13 +93,20 @@ void Peaks(benchmark::State& state) {
 }
 BENCHMARK(Peaks)->Iterations(1)->Unit(benchmark::kMillisecond);
 
-// The GEMM shapes of the hot loops, one core: S^T = K·q^T (MLA, indexer) and acc += P·V.
+// The GEMM shapes of the hot loops, one core, with their real row strides (ldb: B's): S^T = K·q^T
+// (MLA, indexer), acc += P·V with V the key rows of a tile (stride 576), and the same P·V with the
+// probabilities keys-major and the output's rescale folded in (GemmAtScaled, what MLA runs).
 void Gemm(benchmark::State& state) {
-  const int M = state.range(0), N = state.range(1), D = state.range(2);
+  const int M = state.range(0), N = state.range(1), D = state.range(2), ldb = state.range(3);
+  const bool at = state.range(4) == 1;
   const auto& k = cpu::GetKernels(cpu::BestIsa());
-  std::vector<float> a(M * D, 0.5f), b(D * N, 0.25f), c(M * N, 0.0f);
+  std::vector<float> a(M * D, 0.5f), b(D * ldb, 0.25f), c(M * N, 0.0f), scale(M, 1.0f);
   for (auto _ : state) {
-    k.gemm(M, N, D, a.data(), D, b.data(), N, c.data(), N, true);
+    if (at) {
+      k.gemm_at_scaled(M, N, D, a.data(), M, b.data(), ldb, c.data(), N, scale.data());
+    } else {
+      k.gemm(M, N, D, a.data(), D, b.data(), ldb, c.data(), N, true);
+    }
     benchmark::DoNotOptimize(c.data());
   }
   const double flops = 2.0 * M * N * D;
@@ -110,10 +117,12 @@ void Gemm(benchmark::State& state) {
                          benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(Gemm)
-    ->Args({64, 16, 576})
-    ->Args({16, 512, 64})
-    ->Args({64, 64, 128})
-    ->ArgNames({"M", "N", "D"});
+    ->Args({64, 16, 576, 16, 0})
+    ->Args({16, 512, 64, 576, 0})
+    ->Args({16, 512, 64, 576, 1})
+    ->Args({128, 512, 64, 576, 1})
+    ->Args({64, 64, 128, 64, 0})
+    ->ArgNames({"M", "N", "D", "ldb", "at"});
 
 // Converting 2048 cached rows of 576 values to fp32 (what every MLA tile starts with), one core:
 // bf16 (a shift) against fp8 (e4m3 through F16C, times the tile scales). Arg: 1 = fp8.

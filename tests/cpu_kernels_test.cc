@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -51,6 +52,104 @@ TEST_P(PerIsa, GemmMatchesNaiveOnRaggedShapes) {
       }
     }
   }
+}
+
+TEST_P(PerIsa, GemmAtScaledMatchesNaiveAndScaleThenGemmBitForBit) {
+  const Kernels& k = GetKernels(GetParam());
+  std::mt19937_64 rng(2);
+  for (int M : {1, 3, 4, 5, 16, 17}) {
+    for (int N : {3, 8, 24, 37, 64}) {
+      for (int D : {1, 33, 64}) {
+        const int lda = M + 3, ldb = N + 5, ldc = N + 2;
+        auto At = Randn(D * lda, rng), B = Randn(D * ldb, rng), C = Randn(M * ldc, rng);
+        auto scale = Randn(M, rng);
+        scale[0] = 1.0f;  // the online softmax's usual case
+        if (M > 1) scale[1] = 0.0f;
+        auto got = C;
+        k.gemm_at_scaled(M, N, D, At.data(), lda, B.data(), ldb, got.data(), ldc, scale.data());
+        // The same as scaling C's rows and accumulating with gemm on A = At^T, bit for bit.
+        std::vector<float> A(M * D), two = C;
+        for (int m = 0; m < M; ++m) {
+          for (int d = 0; d < D; ++d) A[m * D + d] = At[d * lda + m];
+          for (int n = 0; n < N; ++n) two[m * ldc + n] *= scale[m];
+        }
+        k.gemm(M, N, D, A.data(), D, B.data(), ldb, two.data(), ldc, true);
+        double err = 0, norm = 0;
+        for (int m = 0; m < M; ++m) {
+          for (int n = 0; n < N; ++n) {
+            double ref = double(C[m * ldc + n]) * scale[m];
+            for (int d = 0; d < D; ++d) ref += double(At[d * lda + m]) * B[d * ldb + n];
+            ASSERT_FALSE(std::isnan(got[m * ldc + n]));
+            err = std::max(err, std::abs(ref - got[m * ldc + n]));
+            norm = std::max(norm, std::abs(ref));
+            if (N % 16 == 0) {  // where both take their vector paths (scalar tails may fuse)
+              ASSERT_EQ(got[m * ldc + n], two[m * ldc + n]) << M << "x" << N << "x" << D;
+            }
+          }
+          for (int n = N; n < ldc; ++n) ASSERT_EQ(got[m * ldc + n], C[m * ldc + n]);
+        }
+        EXPECT_LE(err, 1e-5 * (norm + 1)) << M << "x" << N << "x" << D;
+      }
+    }
+  }
+}
+
+TEST_P(PerIsa, SoftmaxTileIsOneOnlineSoftmaxStepPerColumn) {
+  // Columns: ordinary ones (a running max below and above the tile's), one whose scores are all
+  // -inf with nothing seen before (stays invisible), one with a NaN (which never counts in the
+  // max and stays NaN), and one seeing its first keys now (old max -inf).
+  const Kernels& k = GetKernels(GetParam());
+  std::mt19937_64 rng(3);
+  const int rows = 37, cols = 32, ld = cols + 16;
+  auto s = Randn(rows * ld, rng, 3.0f);
+  std::vector<float> m(cols), l(cols), corr(cols, NAN);
+  for (int h = 0; h < cols; ++h) {
+    m[h] = (h % 2 ? 4.0f : -1.0f) + 0.1f * h;
+    l[h] = 1.0f + 0.5f * h;
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int j = 0; j < rows; ++j) s[j * ld + 5] = -inf;
+  m[5] = -inf;
+  l[5] = 0;
+  s[7 * ld + 9] = NAN;
+  m[12] = -inf;
+  l[12] = 0;
+  const auto s0 = s, m0 = m, l0 = l;
+  k.softmax_tile(s.data(), rows, cols, ld, m.data(), l.data(), corr.data());
+  for (int h = 0; h < cols; ++h) {
+    double mx = m0[h];
+    for (int j = 0; j < rows; ++j)
+      if (!std::isnan(s0[j * ld + h])) mx = std::max(mx, double(s0[j * ld + h]));
+    ASSERT_EQ(m[h], static_cast<float>(mx)) << h;
+    if (h == 5) {
+      EXPECT_EQ(corr[h], 1.0f);
+      EXPECT_EQ(l[h], 0.0f);
+      for (int j = 0; j < rows; ++j) EXPECT_EQ(s[j * ld + h], 0.0f);
+      continue;
+    }
+    // exp of the fp32 differences (the kernel subtracts in fp32, as the reference contract's
+    // fp32 arithmetic does), to within the exp's own error.
+    const double c = std::isinf(m0[h]) ? 1.0 : std::exp(double(m0[h] - m[h]));
+    EXPECT_NEAR(corr[h], c, 3e-7 * c) << h;
+    double sum = 0;
+    for (int j = 0; j < rows; ++j) {
+      const double x = s0[j * ld + h];
+      if (std::isnan(x)) {
+        EXPECT_TRUE(std::isnan(s[j * ld + h]));
+        continue;
+      }
+      const double p = std::exp(double(s0[j * ld + h] - m[h]));
+      EXPECT_NEAR(s[j * ld + h], p, 3e-7 * p + 1e-30) << h << " " << j;
+      sum += p;
+    }
+    if (h == 9) {
+      EXPECT_TRUE(std::isnan(l[h]));  // a NaN probability poisons its row's sum, as everywhere
+    } else {
+      EXPECT_NEAR(l[h], l0[h] * c + sum, 1e-5 * (l0[h] * c + sum)) << h;
+    }
+  }
+  for (int j = 0; j < rows; ++j)  // columns beyond `cols` are untouched
+    for (int h = cols; h < ld; ++h) ASSERT_EQ(s[j * ld + h], s0[j * ld + h]);
 }
 
 TEST_P(PerIsa, ExpIsAccurateAndHandlesInfinity) {

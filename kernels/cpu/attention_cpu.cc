@@ -40,7 +40,10 @@ inline void LoadRow(const Kernels& k, const CacheRows& rows, int64_t slot, float
       return;
     }
     const int L = rows.fp8_dim, tiles = fp8::LatentTiles(L);
-    std::memcpy(scales, rows.Scales(slot), 4 * tiles);
+    // One fixed-size copy per scale: a load each (a memcpy of a run-time size is a libc call,
+    // which cost more than converting the row's 64 rope values).
+    const uint8_t* sc = rows.Scales(slot);
+    for (int t = 0; t < tiles; ++t) std::memcpy(scales + t, sc + 4 * t, 4);
     k.e4m3_to_f32(row, scales, fp8::LatentTileSize(L), dst, L);
     k.bf16_to_f32(reinterpret_cast<const unsigned short*>(row + L + 4 * tiles), dst + L,
                   rows.dim - L);
@@ -181,7 +184,8 @@ void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
 
 void MlaAttend(const Kernels& k, const MlaParams& p) {
   // Per tile of keys: S^T[key][head] = K·(scale·q)^T straight from the cached rows, an online
-  // softmax per head, then acc[head] += P·c_kv. The query is transposed once per call.
+  // softmax over those keys-major scores (vectors across heads, no transpose), then
+  // acc[head] = corr[head]·acc[head] + P·c_kv in one pass. The query is transposed once per call.
   constexpr int kTile = 64;
   // H counts score rows: heads x queries of the block.
   const int H = p.num_heads * p.num_queries, L = p.latent_dim, D = p.latent_dim + p.rope_dim;
@@ -192,16 +196,15 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
   // a row's arithmetic is then the same whatever the block size (chunked == single-shot).
   const int Hp = (H + 15) / 16 * 16;
   float* st = Grow(ws.b, static_cast<size_t>(kTile) * Hp + static_cast<size_t>(D) * Hp);
-  float* qt = st + kTile * Hp;                            // [D, Hp] scaled query, zero padded
-  float* s = Grow(ws.c, static_cast<size_t>(H) * kTile);  // [H, kTile] scores, then probs
-  float* state = Grow(ws.d, static_cast<size_t>(H) * (L + 3));
+  float* qt = st + kTile * Hp;  // [D, Hp] scaled query, zero padded
+  float* state = Grow(ws.d, static_cast<size_t>(H) * L + 3 * static_cast<size_t>(Hp));
   float* acc = state;        // [H, L]
-  float* m = state + H * L;  // running max per head
-  float* l = m + H;          // running denominator per head
-  float* corr = l + H;       // this tile's rescale per head
+  float* m = state + H * L;  // running max per score row (padded rows too)
+  float* l = m + Hp;         // running denominator per score row
+  float* corr = l + Hp;      // this tile's rescale per score row
   std::fill(acc, acc + H * L, 0.0f);
-  std::fill(m, m + H, kNegInf);
-  std::fill(l, l + H, 0.0f);
+  std::fill(m, m + Hp, kNegInf);
+  std::fill(l, l + Hp, 0.0f);
   std::fill(qt, qt + static_cast<size_t>(D) * Hp, 0.0f);
   Transpose(p.q, H, D, D, qt, Hp, p.sm_scale);
   const int64_t total = p.slots ? p.num_keys : p.end - p.begin;
@@ -218,45 +221,24 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
       if (t0 + kTile + j < total) PrefetchRow(p.kv, slot_of(t0 + kTile + j));
       LoadRow(k, p.kv, slot_of(t0 + j), kr + j * D);
     }
-    k.gemm(nk, Hp, D, kr, D, qt, Hp, st, Hp, false);
-    Transpose(st, nk, H, Hp, s, nk);  // s is [H, nk] now
-    for (int h = 0; h < H; ++h) {
-      float* sh = s + h * nk;
-      float mx = kNegInf;
-      for (int j = 0; j < nk; ++j) {
-        float x = sh[j];
-        if (cap > 0) x = cap * std::tanh(x / cap);
-        sh[j] = x;
-        mx = std::max(mx, x);
-      }
-      if (masked) {  // this row's query sees keys [row_begin, row_end) only
-        const int qi = h / p.num_heads;
-        const int64_t lo = p.row_begin[qi] - (p.begin + t0), hi = p.row_end[qi] - (p.begin + t0);
-        mx = kNegInf;
+    k.gemm(nk, Hp, D, kr, D, qt, Hp, st, Hp, false);  // st is [nk, Hp]
+    if (cap > 0) {
+      for (int j = 0; j < nk; ++j)
+        for (int h = 0; h < H; ++h) st[j * Hp + h] = cap * std::tanh(st[j * Hp + h] / cap);
+    }
+    if (masked) {  // query qi's score rows see keys [row_begin, row_end) only
+      for (int qi = 0; qi < p.num_queries; ++qi) {
+        const int64_t base = p.begin + t0;
+        const int lo = static_cast<int>(std::clamp<int64_t>(p.row_begin[qi] - base, 0, nk));
+        const int hi = static_cast<int>(std::clamp<int64_t>(p.row_end[qi] - base, lo, nk));
         for (int j = 0; j < nk; ++j) {
-          if (j < lo || j >= hi) sh[j] = kNegInf;
-          mx = std::max(mx, sh[j]);
+          if (j >= lo && j < hi) continue;
+          std::fill_n(st + j * Hp + qi * p.num_heads, p.num_heads, kNegInf);
         }
       }
-      const float m_new = std::max(m[h], mx);
-      corr[h] = m[h] == kNegInf ? 0.0f : m[h] - m_new;  // log of the rescale factor
-      m[h] = m_new;
-      if (m_new == kNegInf) continue;  // nothing visible yet: the probabilities stay 0
-      for (int j = 0; j < nk; ++j) sh[j] -= m_new;
     }
-    k.exp_inplace(s, H * nk);
-    k.exp_inplace(corr, H);
-    for (int h = 0; h < H; ++h) {
-      const float* sh = s + h * nk;
-      float sum = 0.0f;
-      for (int j = 0; j < nk; ++j) sum += sh[j];
-      l[h] = l[h] * corr[h] + sum;
-      if (corr[h] != 1.0f) {
-        float* ah = acc + h * L;
-        for (int d = 0; d < L; ++d) ah[d] *= corr[h];
-      }
-    }
-    k.gemm(H, L, nk, s, nk, kr, D, acc, L, true);
+    k.softmax_tile(st, nk, Hp, Hp, m, l, corr);
+    k.gemm_at_scaled(H, L, nk, st, Hp, kr, D, acc, L, corr);
   }
   for (int h = 0; h < H; ++h) {
     const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;

@@ -23,8 +23,18 @@ struct Kernels {
   // lda/ldb/ldc are row strides in elements.
   void (*gemm)(int M, int N, int D, const float* A, int lda, const float* B, int ldb, float* C,
                int ldc, bool accumulate);
+  // C[m,:] = c_scale[m] * C[m,:] + sum_d At[d*lda + m] * B[d*ldb + :] for m < M: A given
+  // transposed ([D, M]) and each row of C rescaled as it is loaded (MLA's P·V with the online
+  // softmax's correction). Bit-identical to scaling C's rows, then gemm(accumulate) on A = At^T,
+  // where both take their vector paths (N a multiple of 16).
+  void (*gemm_at_scaled)(int M, int N, int D, const float* At, int lda, const float* B, int ldb,
+                         float* C, int ldc, const float* c_scale);
   // x[i] = exp(x[i]); relative error below 2e-7 for x in [-87, 88]; -inf gives 0.
   void (*exp_inplace)(float* x, int n);
+  // One key tile of MLA's online softmax over keys-major scores s[j * ld + h] (j < rows keys,
+  // h < cols score rows, cols a multiple of 16): updates the running max m and denominator l,
+  // turns s into probabilities and gives each row's rescale of the running output in corr.
+  void (*softmax_tile)(float* s, int rows, int cols, int ld, float* m, float* l, float* corr);
   // dst[i] = float(src[i]) for n bf16 values.
   void (*bf16_to_f32)(const unsigned short* src, float* dst, int n);
   // dst[i] = e4m3(src[i]) * scales[i / tile] for n float8_e4m3fn values (NaN codes excepted).
