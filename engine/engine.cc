@@ -170,7 +170,7 @@ struct Engine::Impl {
   // Builds the plan and each device's step state for a bound step (mu not held).
   absl::Status Prepare(Step& st);
   absl::Status Compute(Step& st, int layer, const LayerInputs& in, void* out, size_t out_bytes,
-                       LayerTrace* trace);
+                       float* lse, LayerTrace* trace);
   // Runs a PageMove's copies (mu not held).
   absl::Status Copy(const PageMove& move) {
     const absl::Status s =
@@ -518,11 +518,13 @@ absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInput
 }
 
 absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
-                                   size_t out_bytes, LayerTrace* trace) {
+                                   size_t out_bytes, float* lse, LayerTrace* trace) {
   const ModelSpec& s = spec();
   const bool write_only = st.options.write_only;
   RETURN_IF_ERROR(
       CheckLayerShapes(s, options.cache_dtype, st.tokens, write_only, layer, in, out_bytes));
+  if (write_only && lse != nullptr)
+    return absl::InvalidArgumentError("a write-only step has no attention, so no log-sum-exp");
   if (options.limits.check_finite) RETURN_IF_ERROR(CheckLayerFinite(in));
   RETURN_IF_ERROR(CheckFp8Scales(in));
   const LayerKind kind = s.layers[layer];
@@ -532,6 +534,7 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   call.select = kind == LayerKind::kFull;  // IndexShare: other sparse layers reuse it
   call.out_dtype = write_only ? DType::kBF16 : in.q_latent.dtype;
   call.out = write_only ? nullptr : static_cast<uint8_t*>(out);
+  call.lse = lse;
   RETURN_IF_ERROR(ForEachConcurrently(st.plan.shares.size(), [&](size_t i) {
     const StepPlan::Share& sh = st.plan.shares[i];
     const auto t0 = Clock::now();
@@ -555,7 +558,7 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
 }
 
 absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& in, void* out,
-                              size_t out_bytes, LayerTrace* trace) {
+                              size_t out_bytes, LayerTrace* trace, float* lse) {
   const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;  // destroyed after the lock is released
   Step* st = nullptr;
@@ -581,7 +584,7 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
   }
   absl::Status status;
   try {
-    status = impl_->Compute(*st, layer, in, out, out_bytes, trace);
+    status = impl_->Compute(*st, layer, in, out, out_bytes, lse, trace);
   } catch (const std::bad_alloc&) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("step ", step_id, " layer ", layer, ": out of host memory; step aborted"));

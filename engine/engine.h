@@ -231,8 +231,10 @@ class Engine {
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
   // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The
   // last layer commits the step. Any error aborts the step, so every sequence is left as before it.
+  // lse, when given, receives [T, H] fp32: each query head's natural-log log-sum-exp of its
+  // scaled scores over the keys it attended (-inf: none); not on write-only steps.
   absl::Status RunLayer(const StepRef& step, int layer, const LayerInputs& in, void* out,
-                        size_t out_bytes, LayerTrace* trace = nullptr);
+                        size_t out_bytes, LayerTrace* trace = nullptr, float* lse = nullptr);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
   absl::Status AbortStep(const StepRef& step, AbortReason reason = AbortReason::kAbort);

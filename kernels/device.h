@@ -57,6 +57,9 @@ struct LayerCall {
   bool select = false;
   DType out_dtype = DType::kBF16;
   uint8_t* out = nullptr;  // null: write-only (write the keys, compute nothing)
+  // Optional [T, H] fp32: each query head's natural-log log-sum-exp of its scaled scores over the
+  // keys it attended (-inf: none), so attention over disjoint key sets merges exactly.
+  float* lse = nullptr;
 };
 
 // A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by

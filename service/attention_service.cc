@@ -121,6 +121,21 @@ absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
   return absl::OkStatus();
 }
 
+absl::Status AttentionService::CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
+                                            size_t out_bytes) const {
+  if (info.write_only)
+    return absl::InvalidArgumentError("return_lse: a write-only step attends nothing");
+  // [T, H] fp32 beside the output (unless that goes to shared memory).
+  const int64_t reply = (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) +
+                        info.tokens * engine_->spec().num_heads * 4;
+  if (reply > options_.max_message_bytes - kMessageFramingBytes)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "return_lse: the output and its log-sum-exp (", reply,
+        " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
+        "; send the output to shared memory (out_shm) or fewer tokens per step"));
+  return absl::OkStatus();
+}
+
 int64_t AttentionService::max_export_chunk_tokens() const {
   const CacheLayout c = CacheLayout::ForModel(engine_->spec(), engine_->options().cache_dtype, 0);
   // A chunk carries each token's cached bytes (fp8: its scales too).
@@ -435,10 +450,21 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
   // fail after it.
   std::vector<char*> dst(S);
+  bool any_lse = false;  // each shard that asks gets its heads' log-sum-exp, [T, H/S]
   for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(void* out_k,
-                     PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
-                                   options_.max_message_bytes, shm_access, &shm));
+    const v1::LayerInputs& in_k = *parts[k].in;
+    if (in_k.return_lse()) {
+      any_lse = true;
+      const int64_t reply =
+          (in_k.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes / S)) + T * Hs * 4;
+      if (reply > options_.max_message_bytes - kMessageFramingBytes)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "shard ", k, ": return_lse: the output and its log-sum-exp (", reply,
+            " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
+            "; send the output to shared memory (out_shm)"));
+    }
+    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(in_k, parts[k].out->mutable_out(), dt, T, Hs, L,
+                                                options_.max_message_bytes, shm_access, &shm));
     dst[k] = static_cast<char*>(out_k);
   }
   RETURN_IF_ERROR(shm.ReadInputs());
@@ -460,11 +486,23 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
   std::string out(out_bytes, '\0');
   RETURN_IF_ERROR(shm.CheckOutputRegions());
-  RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size()));
+  std::vector<float> lse(any_lse ? static_cast<size_t>(T) * s.num_heads : 0);
+  RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size(), nullptr,
+                                    any_lse ? lse.data() : nullptr));
   const size_t slice = static_cast<size_t>(Hs) * L * DTypeSize(dt);
   for (int k = 0; k < S; ++k) {
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(dst[k] + t * slice, out.data() + (t * S + k) * slice, slice);
+    if (parts[k].in->return_lse()) {
+      v1::Tensor* e = parts[k].out->mutable_lse();
+      e->set_datatype("FP32");
+      e->add_shape(T);
+      e->add_shape(Hs);
+      std::string* bytes = e->mutable_data();
+      bytes->resize(static_cast<size_t>(T) * Hs * 4);
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(bytes->data() + t * Hs * 4, lse.data() + t * s.num_heads + k * Hs, Hs * 4);
+    }
     parts[k].out->set_layer(layer);
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
@@ -511,6 +549,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
       bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
     if (in.return_attended()) RETURN_IF_ERROR(CheckAttendedFits(info, in, bytes));
+    if (in.return_lse()) RETURN_IF_ERROR(CheckLseFits(info, in, bytes));
     if (!info.write_only) {
       ASSIGN_OR_RETURN(
           buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,
@@ -524,8 +563,17 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     return st;
   }
   LayerTrace trace;
+  float* lse = nullptr;
+  if (in.return_lse()) {
+    v1::Tensor* t = out->mutable_lse();
+    t->set_datatype("FP32");
+    t->add_shape(info.tokens);
+    t->add_shape(s.num_heads);
+    t->mutable_data()->resize(static_cast<size_t>(info.tokens) * s.num_heads * 4);
+    lse = reinterpret_cast<float*>(t->mutable_data()->data());
+  }
   st = engine_->RunLayer(step, in.layer(), views, buf, bytes,
-                         in.return_attended() ? &trace : nullptr);
+                         in.return_attended() ? &trace : nullptr, lse);
   for (const std::vector<int32_t>& keys : trace.keys)
     out->add_attended()->mutable_positions()->Add(keys.begin(), keys.end());
   out->set_layer(in.layer());

@@ -393,8 +393,9 @@ TEST_P(PerIsa, MlaAttendMatchesReferenceForListsRangesAndSoftCap) {
         keys.clear();
         for (int32_t s = 13; s < n; ++s) keys.push_back(s);
       }
-      std::vector<float> out(H * L, NAN);
+      std::vector<float> out(H * L, NAN), lse(H, NAN);
       p.out = out.data();
+      p.lse = lse.data();
       MlaAttend(k, p);
       std::vector<double> ref(H * L);
       reference::Attend(spec, qd.data(), seq.rows.data(), keys, cap, ref.data());
@@ -405,6 +406,21 @@ TEST_P(PerIsa, MlaAttendMatchesReferenceForListsRangesAndSoftCap) {
         den += ref[i] * ref[i];
       }
       EXPECT_LE(std::sqrt(num / den), 1e-5) << "cap=" << cap << " list=" << use_list;
+      // Each head's log-sum-exp of its scaled (capped) scores over the keys, in float64.
+      for (int h = 0; h < H; ++h) {
+        std::vector<double> sc;
+        for (int32_t key : keys) {
+          double dot = 0;
+          for (int d = 0; d < D; ++d) dot += qd[h * D + d] * seq.rows[int64_t{key} * D + d];
+          dot *= spec.sm_scale;
+          sc.push_back(cap > 0 ? cap * std::tanh(dot / cap) : dot);
+        }
+        const double top = *std::max_element(sc.begin(), sc.end());
+        double sum = 0;
+        for (double x : sc) sum += std::exp(x - top);
+        ASSERT_FALSE(std::isnan(lse[h]));
+        EXPECT_NEAR(lse[h], top + std::log(sum), 1e-5 * (1 + std::abs(top))) << h;
+      }
     }
   }
 }

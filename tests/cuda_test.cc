@@ -57,13 +57,24 @@ TEST_P(CudaParity, MatchesReferenceAndCpuBackend) {
     ASSERT_TRUE(g.status.ok()) << g.status;
     ASSERT_TRUE(c.status.ok()) << c.status;
     std::vector<LayerCheck> checks;
-    const auto ref = gpu.Reference(steps[i], in, g.traces, &checks);
+    std::vector<std::vector<double>> ref_lse;
+    const auto ref = gpu.Reference(steps[i], in, g.traces, &checks, &ref_lse);
     for (size_t l = 0; l < g.out.size(); ++l) {
       for (double x : g.out[l]) ASSERT_FALSE(std::isnan(x));
       EXPECT_LE(RelL2(g.out[l], ref[l]), tol) << "step " << i << " layer " << l;
       EXPECT_EQ(checks[l].selection_mismatches, 0) << "step " << i << " layer " << l;
       EXPECT_EQ(g.traces[l].keys, c.traces[l].keys) << "top-k sets: GPU vs CPU, layer " << l;
       EXPECT_LE(RelL2(g.out[l], c.out[l]), tol);
+      // Each query head's log-sum-exp against the float64 reference and the CPU backend
+      // (scores accumulate in fp32 on every kernel; the tensor-core one, for bf16 requests, sums
+      // bf16-rounded probabilities into the denominator).
+      const double lse_tol = dtype == DType::kF32 ? 1e-5 : 2e-3;
+      for (size_t j = 0; j < ref_lse[l].size(); ++j) {
+        ASSERT_FALSE(std::isnan(g.lse[l][j])) << "layer " << l;
+        EXPECT_NEAR(g.lse[l][j], ref_lse[l][j], lse_tol * (1 + std::abs(ref_lse[l][j])))
+            << "step " << i << " layer " << l << " row " << j;
+        EXPECT_NEAR(g.lse[l][j], c.lse[l][j], lse_tol * (1 + std::abs(c.lse[l][j])));
+      }
     }
   }
   EXPECT_TRUE(gpu.engine().ReservedPageUntouched(0));

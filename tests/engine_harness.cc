@@ -139,6 +139,7 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
   }
   auto T = engine_->DescribeStep(*step)->tokens;
   r.out.resize(s.num_layers());
+  r.lse.resize(s.num_layers());
   r.traces.resize(s.num_layers());
   for (int l = 0; l < s.num_layers(); ++l) {
     if (options.write_only) {
@@ -153,12 +154,14 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
     const DType odt = layers[l].q_latent.dtype;
     const size_t n = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank;
     std::vector<uint8_t> out(n * DTypeSize(odt));
-    r.status =
-        engine_->RunLayer(*step, l, layers[l].inputs(), out.data(), out.size(), &r.traces[l]);
+    std::vector<float> lse(static_cast<size_t>(T) * s.num_heads, NAN);
+    r.status = engine_->RunLayer(*step, l, layers[l].inputs(), out.data(), out.size(), &r.traces[l],
+                                 lse.data());
     if (!r.status.ok()) return r;
     std::vector<float> f(n);
     ConvertToF32(odt, out.data(), f.data(), n);
     r.out[l].assign(f.begin(), f.end());
+    r.lse[l].assign(lse.begin(), lse.end());
   }
   oracle_->Commit(Pairs(batch), Values(layers));
   return r;
@@ -167,10 +170,12 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
 std::vector<std::vector<double>> Harness::Reference(const std::vector<StepEntry>& batch,
                                                     const std::vector<LayerData>& layers,
                                                     const std::vector<LayerTrace>& traces,
-                                                    std::vector<LayerCheck>* checks) const {
+                                                    std::vector<LayerCheck>* checks,
+                                                    std::vector<std::vector<double>>* lse) const {
   std::vector<std::vector<std::vector<int32_t>>> keys;
   for (const auto& t : traces) keys.push_back(t.keys);
-  return oracle_->Expected(Pairs(batch), Values(layers), traces.empty() ? nullptr : &keys, checks);
+  return oracle_->Expected(Pairs(batch), Values(layers), traces.empty() ? nullptr : &keys, checks,
+                           lse);
 }
 
 std::vector<std::vector<double>> Harness::RunAndCheck(const std::vector<StepEntry>& batch,
@@ -180,12 +185,18 @@ std::vector<std::vector<double>> Harness::RunAndCheck(const std::vector<StepEntr
   EXPECT_TRUE(r.status.ok()) << r.status;
   if (!r.status.ok()) return {};
   std::vector<LayerCheck> checks;
-  const auto ref = Reference(batch, layers, r.traces, &checks);
+  std::vector<std::vector<double>> ref_lse;
+  const auto ref = Reference(batch, layers, r.traces, &checks, &ref_lse);
   for (int l = 0; l < spec().num_layers(); ++l) {
     const double e = RelL2(r.out[l], ref[l]);
     bool nan = false;
     for (double x : r.out[l]) nan |= std::isnan(x);
     EXPECT_FALSE(nan) << "layer " << l;
+    int lse_off = 0;  // query heads whose log-sum-exp is off (or NaN)
+    for (size_t i = 0; i < ref_lse[l].size(); ++i)
+      lse_off += !(std::abs(r.lse[l][i] - ref_lse[l][i]) <= tol * (1 + std::abs(ref_lse[l][i])));
+    EXPECT_EQ(lse_off, 0) << "layer " << l << " (" << LayerKindName(spec().layers[l])
+                          << "): log-sum-exp";
     EXPECT_LE(e, tol) << "layer " << l << " (" << LayerKindName(spec().layers[l]) << ")";
     EXPECT_EQ(checks[l].selection_mismatches, 0) << "layer " << l;
     worst_ = std::max(worst_, e);

@@ -63,6 +63,7 @@ class Harness {
   struct Result {
     absl::Status status;
     std::vector<std::vector<double>> out;  // [layer][T*H*L]
+    std::vector<std::vector<double>> lse;  // [layer][T*H] (every call asks for it)
     std::vector<LayerTrace> traces;
   };
   // With options.write_only the queries are not sent and no output comes back.
@@ -70,13 +71,15 @@ class Harness {
              const StepOptions& options = {});
 
   // The reference outputs for a step that has just run (histories already include its keys),
-  // comparing selections with the engine's traces; fills checks[layer].
+  // comparing selections with the engine's traces; fills checks[layer] (and lse[layer]).
   std::vector<std::vector<double>> Reference(const std::vector<StepEntry>& batch,
                                              const std::vector<LayerData>& layers,
                                              const std::vector<LayerTrace>& traces,
-                                             std::vector<LayerCheck>* checks) const;
+                                             std::vector<LayerCheck>* checks,
+                                             std::vector<std::vector<double>>* lse = nullptr) const;
 
-  // Run + Reference + the checks as gtest expectations with `tol` relative L2. Returns outputs.
+  // Run + Reference + the checks as gtest expectations with `tol` relative L2 (and each query
+  // head's log-sum-exp within tol x (1 + |lse|)). Returns outputs.
   std::vector<std::vector<double>> RunAndCheck(const std::vector<StepEntry>& batch, DType dtype,
                                                uint64_t seed, double tol);
 

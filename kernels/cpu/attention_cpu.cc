@@ -244,6 +244,8 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
     const float inv = l[h] > 0 ? 1.0f / l[h] : 0.0f;
     for (int d = 0; d < L; ++d) p.out[h * L + d] = acc[h * L + d] * inv;
   }
+  if (p.lse != nullptr)
+    for (int h = 0; h < H; ++h) p.lse[h] = l[h] > 0 ? m[h] + std::log(l[h]) : kNegInf;
 }
 
 }  // namespace attnd::cpu

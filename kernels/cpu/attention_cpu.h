@@ -64,6 +64,9 @@ struct MlaParams {
   float sm_scale = 1.0f;
   float soft_cap = 0.0f;  // 0 = off
   float* out = nullptr;   // [num_queries * num_heads, L]
+  // Optional [num_queries * num_heads]: each score row's natural-log log-sum-exp of its scaled
+  // (and capped) scores, -inf for a row that sees no key (partial attentions merge by it).
+  float* lse = nullptr;
   // A block of queries sharing the key range [begin, end) (prefill): q and out hold
   // num_queries x num_heads rows, and query i sees only keys in [row_begin[i], row_end[i]).
   // Sharing each converted key tile across the block is what makes prefill fast.

@@ -71,7 +71,7 @@ absl::Status CpuDevice::RunLayer(const StepShare& share, DeviceStep& step, const
   if (call.out == nullptr) return absl::OkStatus();
   ConvertQueries(share, st, call);
   if (call.select) Select(share, st, call.layer);
-  Attend(share, st, call.layer, call.out_dtype, call.out);
+  Attend(share, st, call.layer, call.out_dtype, call.out, call.lse);
   return absl::OkStatus();
 }
 
@@ -205,7 +205,8 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer) {
   }
 }
 
-void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out) {
+void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out,
+                       float* lse) {
   const int H = spec_.num_heads, L = spec_.kv_lora_rank, D = spec_.latent_dim();
   const LayerKind kind = spec_.layers[layer];
   const bool dense = kind == LayerKind::kDense;
@@ -225,10 +226,11 @@ void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dt
     const int qn = range ? u.count : 1;
     const int h0 = static_cast<int>(task % groups) * kHeadGroup;
     const int hn = std::min(kHeadGroup, H - h0);
-    thread_local std::vector<float> q, o;
+    thread_local std::vector<float> q, o, e;
     thread_local std::vector<int64_t> lo, hi;
     q.resize(static_cast<size_t>(qn) * hn * D);
     o.resize(static_cast<size_t>(qn) * hn * L);
+    e.resize(static_cast<size_t>(qn) * hn);
     lo.resize(qn);
     hi.resize(qn);
     for (int j = 0; j < qn; ++j) {
@@ -247,6 +249,7 @@ void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dt
     p.kv = kv;
     p.sm_scale = static_cast<float>(spec_.sm_scale);
     p.out = o.data();
+    if (lse != nullptr) p.lse = e.data();
     if (dense) p.soft_cap = static_cast<float>(spec_.soft_cap);
     if (range) {
       p.table = table;
@@ -266,6 +269,7 @@ void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dt
       const int64_t t = share.rows[u.first + j];
       ConvertFromF32(out_dtype, o.data() + static_cast<size_t>(j) * hn * L,
                      out + (t * H + h0) * L * oe, static_cast<size_t>(hn) * L);
+      if (lse != nullptr) std::copy_n(e.data() + static_cast<size_t>(j) * hn, hn, lse + t * H + h0);
     }
   });
 }

@@ -39,7 +39,8 @@ class CpuDevice final : public Device {
   void WriteKeys(const StepShare& share, int layer, const LayerInputs& in);
   void ConvertQueries(const StepShare& share, Step& st, const LayerCall& call);
   void Select(const StepShare& share, Step& st, int layer);
-  void Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out);
+  void Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out,
+              float* lse);
   // Rows [first, first + rows) of a page of indexer rows to `to` as CacheLayout::IndexRanges
   // stages them, and a page's first `rows` rows back from there.
   void CopyIndexRows(const uint8_t* page, int first, int rows, uint8_t* to) const;

@@ -196,7 +196,7 @@ struct CudaDevice::State {
   std::mutex copy_mu;
   // Per-layer scratch.
   DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, tmp_sel, tmp_count,
-      page_keys, page_list, page_count, out_f32, out_raw;
+      page_keys, page_list, page_count, out_f32, out_raw, lse;
   DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
   HostBuffer staging;
   int sms = 1;                       // multiprocessors: how many split-K blocks fill the GPU
@@ -357,6 +357,7 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&idx_w, n * Hi * 4},
       {&out_f32, n * H * L * 4},
       {&out_raw, n * H * L * 4},
+      {&lse, n * H * 4},
       {&scores, std::max<size_t>(4, need_keys * 4)},
       {&tmp_sel, n * k * 4},
       {&tmp_count, n * 4},
@@ -630,6 +631,10 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     mp.sel_stride = st.sel_cap;
   }
   mp.out = s.out_f32.as<float>();
+  if (call.lse != nullptr) {
+    RETURN_IF_ERROR(s.lse.Reserve(std::max<size_t>(4, st.n * H * 4)));
+    mp.lse = s.lse.as<float>();
+  }
   mp.tensor_cores =
       TensorCoreMla() && in.q_latent.dtype == DType::kBF16 && in.q_rope.dtype == DType::kBF16;
   if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
@@ -651,6 +656,14 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   CUDA_RETURN(cudaStreamSynchronize(s.stream));
   for (int64_t i = 0; i < st.n; ++i)
     std::memcpy(call.out + share.rows[i] * row, s.staging.data() + i * row, row);
+  if (call.lse != nullptr) {  // [n, H] fp32, after the output (staging is reused)
+    const size_t lrow = size_t{static_cast<size_t>(H)} * 4;
+    CUDA_RETURN(
+        cudaMemcpyAsync(s.staging.ptr, s.lse.ptr, st.n * lrow, cudaMemcpyDeviceToHost, s.stream));
+    CUDA_RETURN(cudaStreamSynchronize(s.stream));
+    for (int64_t i = 0; i < st.n; ++i)
+      std::memcpy(call.lse + share.rows[i] * H, s.staging.data() + i * lrow, lrow);
+  }
   return absl::OkStatus();
 }
 

@@ -463,6 +463,10 @@ __global__ void MlaKernel(MlaParams p) {
       p.out[(int64_t{q} * p.heads + h0 + h) * L + d] = acc[h][i] * inv;
     }
   }
+  if (p.lse != nullptr && threadIdx.x < HB) {
+    const int h = threadIdx.x;
+    p.lse[int64_t{q} * p.heads + h0 + h] = l[h] > 0 ? m[h] + logf(l[h]) : -INFINITY;
+  }
 }
 
 // ---- MLA on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) ----
@@ -631,6 +635,10 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
     ml[0] = m[threadIdx.x];
     ml[1] = l[threadIdx.x];
   }
+  if (!partial && p.lse != nullptr && threadIdx.x < HB) {
+    const float lh = l[threadIdx.x];
+    p.lse[int64_t{q} * p.heads + h0 + threadIdx.x] = lh > 0 ? m[threadIdx.x] + logf(lh) : -INFINITY;
+  }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int lo_row = mt * 16 + mma::RowC(lane, 0), hi_row = mt * 16 + mma::RowC(lane, 2);
@@ -664,6 +672,7 @@ __global__ void MlaCombineKernel(MlaParams p) {
     if (mz != -INFINITY) denom += __expf(mz - M) * p.part_ml[(z * stride + row) * 2 + 1];
   }
   const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = denom > 0 ? M + logf(denom) : -INFINITY;
   for (int d = threadIdx.x; d < L; d += blockDim.x) {
     float v = 0.0f;
     for (int z = 0; z < p.splits; ++z) {

@@ -162,6 +162,7 @@ struct MlaParams {
   int64_t sel_stride = 0;
   int window = 0;        // range mode: keys in (pos - window, pos]; 0 = all
   float* out = nullptr;  // [n, H, L]
+  float* lse = nullptr;  // optional [n, H]: m + ln(l) per query head, -inf where no key was seen
   // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q and the probabilities to
   // bf16, so it is meant for bf16 requests; it needs a bf16 cache, heads % 16 == 0,
   // latent % 64 == 0 and <= 512, (latent + rope) % 16 == 0 and 16-byte aligned cache rows

@@ -92,7 +92,7 @@ std::vector<int32_t> SelectKeys(const ModelSpec& spec, const std::vector<double>
 }
 
 void Attend(const ModelSpec& spec, const double* q, const double* kv,
-            const std::vector<int32_t>& keys, double soft_cap, double* out) {
+            const std::vector<int32_t>& keys, double soft_cap, double* out, double* lse) {
   const int H = spec.num_heads, L = spec.kv_lora_rank, D = spec.latent_dim();
   std::vector<double> s(keys.size());
   for (int h = 0; h < H; ++h) {
@@ -109,6 +109,7 @@ void Attend(const ModelSpec& spec, const double* q, const double* kv,
     }
     double denom = 0;
     for (double& x : s) denom += (x = std::exp(x - mx));
+    if (lse != nullptr) lse[h] = keys.empty() ? -INFINITY : mx + std::log(denom);
     for (int d = 0; d < L; ++d) {
       double acc = 0;
       for (size_t j = 0; j < keys.size(); ++j)

@@ -24,8 +24,9 @@ std::vector<int32_t> SelectKeys(const ModelSpec& spec, const std::vector<double>
                                 bool dense_prefill);
 
 // MLA over the given keys for all heads: q [H, L+R], kv rows [*, L+R] (c_kv | k_pe), out [H, L].
-// soft_cap 0 = off.
+// soft_cap 0 = off. lse, when given, gets [H] natural-log log-sum-exps of the scaled (capped)
+// scores (-inf over no keys).
 void Attend(const ModelSpec& spec, const double* q, const double* kv,
-            const std::vector<int32_t>& keys, double soft_cap, double* out);
+            const std::vector<int32_t>& keys, double soft_cap, double* out, double* lse = nullptr);
 
 }  // namespace attnd::reference

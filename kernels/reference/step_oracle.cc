@@ -91,7 +91,7 @@ std::vector<std::vector<double>> StepOracle::Expected(
     const std::vector<std::pair<std::string, int64_t>>& batch,
     const std::vector<LayerValues>& layers,
     const std::vector<std::vector<std::vector<int32_t>>>* engine_keys,
-    std::vector<LayerCheck>* checks) const {
+    std::vector<LayerCheck>* checks, std::vector<std::vector<double>>* lse) const {
   const ModelSpec& s = spec_;
   const int H = s.num_heads, L = s.kv_lora_rank, R = s.qk_rope_head_dim, D = L + R;
   const int Hi = s.index_n_heads, Di = s.index_head_dim;
@@ -100,6 +100,7 @@ std::vector<std::vector<double>> StepOracle::Expected(
   std::vector<std::vector<int32_t>> carry(T);
   std::vector<std::vector<double>> out(s.num_layers(), std::vector<double>(T * H * L));
   if (checks) checks->assign(s.num_layers(), LayerCheck{});
+  if (lse) lse->assign(s.num_layers(), std::vector<double>(T * H));
   std::vector<double> q(H * D);
   for (int l = 0; l < s.num_layers(); ++l) {
     const LayerValues& d = layers[l];
@@ -147,7 +148,8 @@ std::vector<std::vector<double>> StepOracle::Expected(
           }
           carry[t] = keys;
         }
-        Attend(s, q.data(), h.kv[l].data(), keys, cap, out[l].data() + t * H * L);
+        Attend(s, q.data(), h.kv[l].data(), keys, cap, out[l].data() + t * H * L,
+               lse ? (*lse)[l].data() + t * H : nullptr);
       }
     }
   }

@@ -50,11 +50,13 @@ class StepOracle {
   // `engine_keys` ([layer][token] attended positions) is given, a full layer whose selection
   // differs from the oracle's only among keys whose float64 scores tie within fp32 rounding
   // (token mode) is evaluated with the engine's keys; other differences count as mismatches.
+  // lse, when given, gets each layer's [T*H] log-sum-exps (LayerOutput.lse).
   std::vector<std::vector<double>> Expected(
       const std::vector<std::pair<std::string, int64_t>>& batch,
       const std::vector<LayerValues>& layers,
       const std::vector<std::vector<std::vector<int32_t>>>* engine_keys = nullptr,
-      std::vector<LayerCheck>* checks = nullptr) const;
+      std::vector<LayerCheck>* checks = nullptr,
+      std::vector<std::vector<double>>* lse = nullptr) const;
 
  private:
   struct History {

@@ -25,6 +25,7 @@ from .client import (
     StepStream,
     TensorArg,
     from_tensor,
+    merge_attention,
     to_tensor,
 )
 from .hf_config import spec_from_hf_config
@@ -52,6 +53,7 @@ __all__ = [
     "TensorArg",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "from_tensor",
+    "merge_attention",
     "to_tensor",
     "rendezvous_weight",
     "resolve_endpoints",

@@ -594,10 +594,14 @@ class LayerResult:
     server_seconds: float  # the server's time on the message (checks, shared memory, compute)
     attended: Optional[List[np.ndarray]]  # [T] int32 key positions, when asked (attended=True)
     committed: bool  # the step committed (its last layer)
+    # [T, H] float32 natural-log log-sum-exp of each query head's scores, when asked (lse=True):
+    # partial attentions over disjoint key sets merge by it (:func:`merge_attention`)
+    lse: Optional[np.ndarray] = None
 
 
 def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 0,
-                  out: Optional[ShmTensor] = None, attended: bool = False) -> pb.LayerInputs:
+                  out: Optional[ShmTensor] = None, attended: bool = False,
+                  lse: bool = False) -> pb.LayerInputs:
     if shard == 0 and (tensors["kv_latent"] is None or tensors["k_rope"] is None):
         raise TypeError("kv_latent and k_rope are required (only shards other than 0 of a sharded "
                         "step leave them out)")
@@ -608,7 +612,8 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
             raise ValueError("out= needs a slot from ShmArena.alloc: the client reads the output "
                              "from the arena's memory")
         out.arena._mapping()  # ValueError if closed: before the server writes anything
-    msg = pb.LayerInputs(layer=int(layer), shard=int(shard), return_attended=bool(attended))
+    msg = pb.LayerInputs(layer=int(layer), shard=int(shard), return_attended=bool(attended),
+                         return_lse=bool(lse))
     for name, value in tensors.items():
         if value is None:
             continue
@@ -655,8 +660,36 @@ def _result(reply: pb.LayerOutput, raw: bool, slot: Optional[ShmTensor], details
     if not details:
         return out
     attended = [np.array(a.positions, dtype=np.int32) for a in reply.attended] or None
+    lse = from_tensor(reply.lse) if reply.HasField("lse") and reply.lse.datatype else None
     return LayerResult(out=out, server_seconds=reply.server_seconds, attended=attended,
-                       committed=reply.committed)
+                       committed=reply.committed, lse=lse)
+
+
+def merge_attention(outs: Sequence, lses: Sequence) -> Tuple[np.ndarray, np.ndarray]:
+    """Merges attention outputs computed over disjoint key sets (a sequence split over servers):
+    ``outs[i]`` [T, H, L] and ``lses[i]`` [T, H] (``LayerResult.lse``). Returns (out, lse) in
+    float32: out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i), computed in
+    float64. Parts whose lse is -inf (they saw no key) add nothing; a query head that no part saw
+    gets out 0 and lse -inf, as one server attending nothing reports."""
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"merge_attention: {len(outs)} outputs and {len(lses)} lse arrays; "
+                         "give one lse per output, at least one")
+    o = [np.asarray(as_numpy(x), dtype=np.float64) for x in outs]
+    e = [np.asarray(as_numpy(x), dtype=np.float64) for x in lses]
+    for i, (oi, ei) in enumerate(zip(o, e)):
+        if oi.ndim != 3 or ei.shape != oi.shape[:2] or oi.shape != o[0].shape:
+            raise ValueError(f"merge_attention: part {i} has out {list(oi.shape)} and lse "
+                             f"{list(ei.shape)}; every out must be [T, H, L] with lse [T, H]")
+    stacked = np.stack(e)  # [P, T, H]
+    top = stacked.max(axis=0)
+    safe = np.where(np.isneginf(top), 0.0, top)
+    w = np.exp(stacked - safe)  # exp(-inf) = 0: parts that saw nothing
+    denom = w.sum(axis=0)
+    out = sum(wi[..., None] * oi for wi, oi in zip(w, o))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(denom[..., None] > 0, out / np.where(denom > 0, denom, 1.0)[..., None], 0.0)
+        lse = np.where(denom > 0, safe + np.log(np.where(denom > 0, denom, 1.0)), -np.inf)
+    return out.astype(np.float32), lse.astype(np.float32)
 
 
 def _raw_bf16(q_latent: Optional[TensorArg], uint16_as_bf16: bool) -> bool:
@@ -804,13 +837,17 @@ class _Api:
         out: Optional[ShmTensor] = None,
         details: bool = False,
         attended: bool = False,
+        lse: bool = False,
         as_torch: bool = False,
     ):
         """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only;
         a torch tensor with ``as_torch``),
-        or with ``details`` (implied by ``attended``) a :class:`LayerResult`: the output, the
-        server's seconds on the call and, with ``attended``, each query's attended key positions
-        (bounded by ServerInfo.limits.max_attended_positions; not on sharded steps).
+        or with ``details`` (implied by ``attended`` and ``lse``) a :class:`LayerResult`: the
+        output, the server's seconds on the call, with ``attended`` each query's attended key
+        positions (bounded by ServerInfo.limits.max_attended_positions; not on sharded steps) and
+        with ``lse`` each query head's log-sum-exp [T, H] float32, by which outputs over disjoint
+        key sets merge (:func:`merge_attention`; a shard's heads [T, H/S] on sharded steps; not
+        on write-only steps).
 
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
@@ -829,11 +866,12 @@ class _Api:
                        index_q=index_q, index_k=index_k, index_w=index_w)
         request = pb.AttendLayerRequest(
             step_id=step_id,
-            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended),
+            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse),
         )
         raw = _raw_bf16(q_latent, self._uint16_as_bf16)
-        return self._unary("AttendLayer", request,
-                           lambda r: _result(r.output, raw, out, details or attended, as_torch))
+        return self._unary(
+            "AttendLayer", request,
+            lambda r: _result(r.output, raw, out, details or attended or lse, as_torch))
 
     def abort_step(self, step_id: int) -> None:
         """Aborts an open step: every sequence in it is left as before the step."""
@@ -1140,10 +1178,10 @@ class _StepBookkeeping:
         self._next_layer = 0
         return self._step
 
-    def _layer_request(self, layer, tensors, shard, out, attended) -> pb.StepRequest:
+    def _layer_request(self, layer, tensors, shard, out, attended, lse) -> pb.StepRequest:
         shard = self._shard if shard is None else int(shard)
         return pb.StepRequest(
-            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended))
+            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse))
 
     def _layered(self, response, layer, q_latent, out, details, attended, as_torch):
         self._next_layer = int(layer) + 1
@@ -1238,16 +1276,17 @@ class StepStream(_StepBookkeeping):
         out: Optional[ShmTensor] = None,
         details: bool = False,
         attended: bool = False,
+        lse: bool = False,
         as_torch: bool = False,
     ):
         """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
-        ``attended``, ``as_torch`` too). ``shard`` defaults to the shard this stream joined as (0 after
+        ``attended``, ``lse``, ``as_torch`` too). ``shard`` defaults to the shard this stream joined as (0 after
         ``begin``)."""
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
-        response = self._roundtrip(self._layer_request(layer, tensors, shard, out, attended),
-                                   "layer")
-        return self._layered(response, layer, q_latent, out, details, attended, as_torch)
+        response = self._roundtrip(
+            self._layer_request(layer, tensors, shard, out, attended, lse), "layer")
+        return self._layered(response, layer, q_latent, out, details or lse, attended, as_torch)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""
@@ -1366,14 +1405,15 @@ class AsyncStepStream(_StepBookkeeping):
         out: Optional[ShmTensor] = None,
         details: bool = False,
         attended: bool = False,
+        lse: bool = False,
         as_torch: bool = False,
     ):
         """See :meth:`StepStream.layer`."""
         tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
-        response = await self._roundtrip(self._layer_request(layer, tensors, shard, out, attended),
-                                         "layer")
-        return self._layered(response, layer, q_latent, out, details, attended, as_torch)
+        response = await self._roundtrip(
+            self._layer_request(layer, tensors, shard, out, attended, lse), "layer")
+        return self._layered(response, layer, q_latent, out, details or lse, attended, as_torch)
 
     async def abort(self) -> None:
         if self._step is None or self._closed:
