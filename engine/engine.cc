@@ -532,7 +532,7 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   call.layer = layer;
   call.in = &in;
   call.select = kind == LayerKind::kFull;  // IndexShare: other sparse layers reuse it
-  call.out_dtype = write_only ? DType::kBF16 : in.q_latent.dtype;
+  call.out_dtype = write_only ? DType::kBF16 : OutputDType(in);
   call.out = write_only ? nullptr : static_cast<uint8_t*>(out);
   call.lse = lse;
   RETURN_IF_ERROR(ForEachConcurrently(st.plan.shares.size(), [&](size_t i) {

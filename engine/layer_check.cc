@@ -2,6 +2,8 @@
 
 #include <array>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +28,11 @@ bool IsKey(const TensorView* t, const LayerInputs& in) {
   return t == &in.kv_latent || t == &in.index_k;
 }
 
+// Queries that may travel as FP8_E4M3 with one fp32 scale per token and head (DESIGN §13).
+bool IsQuery(const TensorView* t, const LayerInputs& in) {
+  return t == &in.q_latent || t == &in.q_rope || t == &in.index_q;
+}
+
 // An fp8 key tensor's scales: FP32, [T, tiles] (the cache's tiles of its rows).
 absl::Status CheckScales(const char* name, const TensorView& t, int64_t T, int64_t tiles) {
   if (t.scales == nullptr)
@@ -35,6 +42,26 @@ absl::Status CheckScales(const char* name, const TensorView& t, int64_t T, int64
     return absl::InvalidArgumentError(absl::StrCat(
         name, ": scales of ", t.scales_per_row, " per row (", t.scales_nbytes,
         " bytes); the fp8 cache keeps ", tiles, " per row: FP32 [", T, ", ", tiles, "]"));
+  return absl::OkStatus();
+}
+
+// fp8 queries' scales: FP32 [T, heads, 1], one per token and head.
+absl::Status CheckQueryScales(const ModelSpec& s, int64_t T, const LayerInputs& in) {
+  const std::array<std::tuple<const char*, const TensorView*, int>, 3> queries = {
+      {{"q_latent", &in.q_latent, s.num_heads},
+       {"q_rope", &in.q_rope, s.num_heads},
+       {"index_q", &in.index_q, s.index_n_heads}}};
+  for (const auto& [name, t, heads] : queries) {
+    if (!t->present || t->dtype != DType::kFP8E4M3) continue;
+    const size_t want = static_cast<size_t>(T) * heads * 4;
+    if (t->scales == nullptr || t->scales_per_row != 1 || t->scales_nbytes != want)
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": FP8_E4M3 queries take one FP32 scale per token and head, scales [", T, ", ",
+          heads, ", 1]",
+          t->scales == nullptr ? "; none given"
+                               : absl::StrCat("; got ", t->scales_per_row, " per row, ",
+                                              t->scales_nbytes, " bytes")));
+  }
   return absl::OkStatus();
 }
 
@@ -58,11 +85,12 @@ absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
             absl::StrCat(name, ": scales belong to FP8_E4M3 tensors only"));
       continue;
     }
+    if (IsQuery(t, in)) continue;  // any cache: dequantised on arrival
     if (!IsKey(t, in))
-      return absl::InvalidArgumentError(
-          absl::StrCat(name,
-                       ": FP8_E4M3 is taken for kv_latent and index_k only (keys already quantised "
-                       "as an fp8 cache holds them, e.g. an export's)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          name,
+          ": FP8_E4M3 is taken for queries (q_latent, q_rope, index_q, with per-token-head "
+          "scales) and for kv_latent and index_k (keys quantised as an fp8 cache holds them)"));
     if (cache_dtype != DType::kFP8E4M3)
       return absl::InvalidArgumentError(
           absl::StrCat(name,
@@ -70,7 +98,8 @@ absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
                        "caches ",
                        DTypeName(cache_dtype)));
   }
-  // Every other tensor has one datatype: fp8 keys are the cache's own bytes, not a wire type.
+  // Every other tensor has one datatype: fp8 keys are the cache's own bytes and fp8 queries carry
+  // their own scales, so neither sets it.
   const char* first = nullptr;
   DType dtype = DType::kF32;
   for (const auto& [name, t] : Named(in)) {
@@ -123,12 +152,13 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
                        " layer; indexer tensors belong to full layers only"));
   }
   RETURN_IF_ERROR(CheckKeyScales(s, T, in));
-  const size_t want =
-      static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank * DTypeSize(in.q_latent.dtype);
+  RETURN_IF_ERROR(CheckQueryScales(s, T, in));
+  const DType out_dtype = OutputDType(in);
+  const size_t want = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank * DTypeSize(out_dtype);
   if (out_bytes != want)
     return absl::InvalidArgumentError(absl::StrCat("output buffer: ", out_bytes,
                                                    " bytes, expected ", want, " ([T, H, L] in ",
-                                                   DTypeName(in.q_latent.dtype), ")"));
+                                                   DTypeName(out_dtype), ")"));
   return absl::OkStatus();
 }
 
@@ -137,13 +167,24 @@ absl::Status CheckLayerFinite(const LayerInputs& in) {
   return absl::OkStatus();
 }
 
+DType OutputDType(const LayerInputs& in) {
+  return in.q_latent.dtype == DType::kFP8E4M3 ? DType::kBF16 : in.q_latent.dtype;
+}
+
 absl::Status CheckFp8Scales(const LayerInputs& in) {
   for (const auto& [name, t] : Named(in)) {
     if (!t->present || t->dtype != DType::kFP8E4M3) continue;
     const size_t n = t->scales_nbytes / 4;
+    const bool query = IsQuery(t, in);
     for (size_t i = 0; i < n; ++i) {
       float v;
       std::memcpy(&v, static_cast<const uint8_t*>(t->scales) + 4 * i, 4);
+      if (query) {  // any positive finite scale
+        if (!(v > 0 && v <= std::numeric_limits<float>::max()))
+          return absl::InvalidArgumentError(
+              absl::StrCat(name, ": scale ", v, " at row ", i, " is not a positive finite number"));
+        continue;
+      }
       if (!fp8::IsTileScale(v))
         return absl::InvalidArgumentError(absl::StrCat(
             name, ": scale ", v, " at [", i / t->scales_per_row, ", ", i % t->scales_per_row,

@@ -16,14 +16,20 @@ namespace attnd {
 absl::Status CheckLayerShapes(const ModelSpec& spec, DType cache_dtype, int64_t tokens,
                               bool write_only, int layer, const LayerInputs& in, size_t out_bytes);
 // INVALID_ARGUMENT when the call's tensors are not all of one datatype (FP32 queries with BF16
-// keys would otherwise be converted silently), naming the first that differs. The exception:
+// keys would otherwise be converted silently), naming the first that differs. The exceptions:
 // kv_latent and index_k may come as FP8_E4M3 with scales, quantised as an fp8 cache holds keys
-// (an export's), into an fp8 cache only. CheckLayerShapes runs it first.
+// (an export's), into an fp8 cache only; q_latent, q_rope and index_q may come as FP8_E4M3 with
+// one scale per token and head (fewer bytes on the wire), into any cache. CheckLayerShapes runs
+// it first.
 absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype);
 // INVALID_ARGUMENT naming the first tensor holding a NaN or an infinity, or OK.
 absl::Status CheckLayerFinite(const LayerInputs& in);
-// INVALID_ARGUMENT naming the first fp8 key scale that is not a positive power of two (what an
-// fp8 cache holds, so dequantising stays exact), or OK. Reads the scales: after shared memory.
+// INVALID_ARGUMENT naming the first fp8 key scale that is not a power of two in [2^-126, 2^119]
+// (what an fp8 cache holds, so dequantising stays exact) or fp8 query scale that is not positive
+// and finite, or OK. Reads the scales: after shared memory.
 absl::Status CheckFp8Scales(const LayerInputs& in);
+
+// The output's datatype: q_latent's, or BF16 for FP8_E4M3 queries (the output is never fp8).
+DType OutputDType(const LayerInputs& in);
 
 }  // namespace attnd

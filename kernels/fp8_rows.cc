@@ -39,3 +39,18 @@ void PackLatentRow(const TensorView& kv_latent, const TensorView& k_rope, int64_
 }
 
 }  // namespace attnd
+
+namespace attnd {
+
+void QueryRowToF32(const TensorView& t, int64_t row, int64_t elems, float* dst) {
+  if (t.dtype != DType::kFP8E4M3) {
+    ConvertToF32(t.dtype, t.Row(row, elems), dst, elems);
+    return;
+  }
+  float scale;
+  std::memcpy(&scale, static_cast<const uint8_t*>(t.scales) + row * 4, 4);
+  const uint8_t* codes = t.Row(row, elems);
+  for (int64_t i = 0; i < elems; ++i) dst[i] = fp8::E4M3ToF32(codes[i]) * scale;
+}
+
+}  // namespace attnd

@@ -20,4 +20,8 @@ void QuantizeKeyRow(const TensorView& t, int64_t row, int n, int tile, uint8_t* 
 void PackLatentRow(const TensorView& kv_latent, const TensorView& k_rope, int64_t row, int L, int R,
                    uint8_t* out);
 
+// Row `row` of a query tensor seen as [rows, elems] as fp32 (DESIGN §13): FP8_E4M3 codes times
+// the row's one scale (TensorView::scales, one per token and head), any other datatype converted.
+void QueryRowToF32(const TensorView& t, int64_t row, int64_t elems, float* dst);
+
 }  // namespace attnd

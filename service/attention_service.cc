@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
+#include "engine/layer_check.h"
 #include "kv_store/cache_layout.h"
 #include "service/export_chunk.h"
 #include "service/status_map.h"
@@ -217,7 +218,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     out->set_sequences(d.sequences);
   }
   for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
-  if (engine_->options().cache_dtype == DType::kFP8E4M3) resp->add_datatypes("FP8_E4M3");
+  resp->add_datatypes("FP8_E4M3");  // queries with scales anywhere; keys into an fp8 cache
   resp->set_max_message_bytes(options_.max_message_bytes);
   resp->set_step_idle_timeout_ms(options_.step_idle_timeout_ms);
   const EngineLimits& lim = engine_->options().limits;
@@ -423,9 +424,10 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
     RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
     RETURN_IF_ERROR(CheckTensor(qr.c_str(), v[k].q_rope, {T, Hs, R}));
-    if (v[k].q_latent.scales != nullptr || v[k].q_rope.scales != nullptr)
-      return absl::InvalidArgumentError(
-          absl::StrCat("shard ", k, ": scales belong to FP8_E4M3 keys only, not to queries"));
+    if (v[k].q_latent.dtype == DType::kFP8E4M3 || v[k].q_rope.dtype == DType::kFP8E4M3 ||
+        v[k].q_latent.scales != nullptr || v[k].q_rope.scales != nullptr)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard ", k, ": FP8_E4M3 queries are not served on sharded steps; send BF16 or FP32"));
     if (v[k].q_latent.dtype != v[0].q_latent.dtype || v[k].q_rope.dtype != v[0].q_rope.dtype)
       return absl::InvalidArgumentError(
           absl::StrCat("shard ", k, ": q_latent/q_rope datatypes differ from shard 0's"));
@@ -544,7 +546,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
-    const DType dt = views.q_latent.present ? views.q_latent.dtype : DType::kBF16;
+    const DType dt = views.q_latent.present ? OutputDType(views) : DType::kBF16;
     if (!info.write_only)
       bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));

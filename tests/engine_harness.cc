@@ -6,6 +6,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "common/fp8.h"
+#include "engine/layer_check.h"
 #include "kernels/reference/reference.h"
 
 namespace attnd::testing {
@@ -19,6 +21,38 @@ TensorView HostTensor::view() const {
   for (int i = 0; i < t.rank; ++i) t.dims[i] = shape[i];
   t.data = bytes.data();
   t.nbytes = bytes.size();
+  if (!scales.empty()) {
+    t.scales = scales.data();
+    t.scales_nbytes = scales.size() * 4;
+    t.scales_per_row = 1;
+  }
+  return t;
+}
+
+HostTensor RandomFp8Query(std::vector<int64_t> shape, std::mt19937_64& rng) {
+  HostTensor t;
+  t.present = true;
+  t.dtype = DType::kFP8E4M3;
+  t.shape = std::move(shape);
+  int64_t n = 1;
+  for (int64_t d : t.shape) n *= d;
+  const int64_t elems = t.shape.back(), rows = n / elems;
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  t.bytes.resize(n);
+  t.values.resize(n);
+  t.scales.resize(rows);
+  std::vector<float> x(elems);
+  for (int64_t r = 0; r < rows; ++r) {
+    float amax = 0;
+    for (float& v : x) amax = std::max(amax, std::abs(v = dist(rng)));
+    const float scale = amax > 0 ? amax / 448.0f : 1.0f;
+    t.scales[r] = scale;
+    for (int64_t i = 0; i < elems; ++i) {
+      const uint8_t code = fp8::F32ToE4M3(x[i] / scale);
+      t.bytes[r * elems + i] = code;
+      t.values[r * elems + i] = fp8::E4M3ToF32(code) * scale;  // fp32 product, as the server's
+    }
+  }
   return t;
 }
 
@@ -96,14 +130,20 @@ std::vector<LayerData> RandomLayers(const ModelSpec& s, int64_t T, DType dtype, 
   std::vector<LayerData> out(s.num_layers());
   for (int l = 0; l < s.num_layers(); ++l) {
     LayerData& d = out[l];
-    d.q_latent = RandomTensor(dtype, {T, s.num_heads, s.kv_lora_rank}, rng);
-    d.q_rope = RandomTensor(dtype, {T, s.num_heads, s.qk_rope_head_dim}, rng);
-    d.kv_latent = RandomTensor(dtype, {T, s.kv_lora_rank}, rng);
-    d.k_rope = RandomTensor(dtype, {T, s.qk_rope_head_dim}, rng);
+    const bool fp8 = dtype == DType::kFP8E4M3;
+    const DType rest = fp8 ? DType::kBF16 : dtype;
+    auto query = [&](std::vector<int64_t> shape) {
+      return fp8 ? RandomFp8Query(std::move(shape), rng)
+                 : RandomTensor(dtype, std::move(shape), rng);
+    };
+    d.q_latent = query({T, s.num_heads, s.kv_lora_rank});
+    d.q_rope = query({T, s.num_heads, s.qk_rope_head_dim});
+    d.kv_latent = RandomTensor(rest, {T, s.kv_lora_rank}, rng);
+    d.k_rope = RandomTensor(rest, {T, s.qk_rope_head_dim}, rng);
     if (s.layers[l] == LayerKind::kFull) {
-      d.index_q = RandomTensor(dtype, {T, s.index_n_heads, s.index_head_dim}, rng);
-      d.index_k = RandomTensor(dtype, {T, s.index_head_dim}, rng);
-      d.index_w = RandomTensor(dtype, {T, s.index_n_heads}, rng);
+      d.index_q = query({T, s.index_n_heads, s.index_head_dim});
+      d.index_k = RandomTensor(rest, {T, s.index_head_dim}, rng);
+      d.index_w = RandomTensor(rest, {T, s.index_n_heads}, rng);
     }
   }
   return out;
@@ -151,7 +191,7 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
       if (!r.status.ok()) return r;
       continue;
     }
-    const DType odt = layers[l].q_latent.dtype;
+    const DType odt = OutputDType(layers[l].inputs());
     const size_t n = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank;
     std::vector<uint8_t> out(n * DTypeSize(odt));
     std::vector<float> lse(static_cast<size_t>(T) * s.num_heads, NAN);

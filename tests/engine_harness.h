@@ -20,6 +20,7 @@ struct HostTensor {
   std::vector<int64_t> shape;
   std::vector<uint8_t> bytes;
   std::vector<double> values;
+  std::vector<float> scales;  // FP8_E4M3 queries: one per row of the last dim
   TensorView view() const;
 };
 
@@ -33,7 +34,13 @@ struct LayerData {
   reference::LayerValues values() const;
 };
 
+// Random FP8_E4M3 query values with one fp32 scale per row of the last dim (amax / 448, not a
+// power of two); `values` are the dequantised ones, code x scale in fp32, as the server computes.
+HostTensor RandomFp8Query(std::vector<int64_t> shape, std::mt19937_64& rng);
+
 // Random inputs of every layer of a step of T tokens, in `dtype` (indexer tensors on full layers).
+// kFP8E4M3: the queries (q_latent, q_rope, index_q) in fp8 with per-token-head scales, the rest
+// in BF16.
 std::vector<LayerData> RandomLayers(const ModelSpec& spec, int64_t T, DType dtype, uint64_t seed);
 
 // The tiny preset with one layer of each kind (full, shared, full, dense: IndexShare, a sliding

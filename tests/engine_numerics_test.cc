@@ -88,6 +88,21 @@ INSTANTIATE_TEST_SUITE_P(
                                          SelectionMode::kPageBudget)),
     SweepName);
 
+// FP8_E4M3 queries (q_latent, q_rope, index_q with one scale per token and head; keys BF16): the
+// same steps against the float64 oracle on the dequantised queries; outputs come back in BF16.
+class Fp8QuerySweep : public ::testing::TestWithParam<SweepParam> {};
+TEST_P(Fp8QuerySweep, EveryStepMatchesFloat64ReferenceOnDequantisedQueries) {
+  SweepSteps(GetParam(), std::nullopt);
+}
+INSTANTIATE_TEST_SUITE_P(Engine, Fp8QuerySweep,
+                         ::testing::Combine(::testing::Values(16, 64),
+                                            ::testing::Values(DType::kFP8E4M3),
+                                            ::testing::Values(1, 16),
+                                            ::testing::Values(SelectionMode::kToken,
+                                                              SelectionMode::kPageUnion,
+                                                              SelectionMode::kPageBudget)),
+                         SweepName);
+
 INSTANTIATE_TEST_SUITE_P(Engine, Fp8Sweep,
                          ::testing::Combine(::testing::Values(16, 64),
                                             ::testing::Values(DType::kF32, DType::kBF16),

@@ -117,8 +117,8 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
     const int64_t t = share.rows[i];
     for (int h = 0; h < H; ++h) {
       float* q = st.q.data() + (i * H + h) * D;
-      ConvertToF32(in.q_latent.dtype, in.q_latent.Row(t * H + h, L), q, L);
-      ConvertToF32(in.q_rope.dtype, in.q_rope.Row(t * H + h, R), q + L, R);
+      QueryRowToF32(in.q_latent, t * H + h, L, q);
+      QueryRowToF32(in.q_rope, t * H + h, R, q + L);
     }
   });
   if (!call.select) return;
@@ -128,7 +128,9 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
   st.index_w.resize(n * Hi);
   pool_->ParallelFor(n, [&](int64_t i) {
     const int64_t t = share.rows[i];
-    ConvertToF32(in.index_q.dtype, in.index_q.Row(t, row), st.index_q.data() + i * row, row);
+    for (int h = 0; h < Hi; ++h)  // a row per head: fp8 queries have a scale each
+      QueryRowToF32(in.index_q, t * Hi + h, spec_.index_head_dim,
+                    st.index_q.data() + i * row + h * spec_.index_head_dim);
     ConvertToF32(in.index_w.dtype, in.index_w.Row(t, Hi), st.index_w.data() + i * Hi, Hi);
   });
 }

@@ -210,6 +210,7 @@ struct CudaDevice::State {
 
   // Gathers the share's rows of `t` into pinned staging, uploads them and converts to fp32.
   absl::Status Rows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
+    if (t.dtype == DType::kFP8E4M3) return Fp8QueryRows(t, row_elems, f32);
     const size_t es = DTypeSize(t.dtype), row = row_elems * es;
     RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row)));
     for (int64_t i = 0; i < st->n; ++i)
@@ -219,6 +220,22 @@ struct CudaDevice::State {
     RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st->n * row_elems * 4)));
     CUDA_RETURN(cudaMemcpyAsync(raw.ptr, staging.ptr, st->n * row, cudaMemcpyHostToDevice, stream));
     CUDA_RETURN(LaunchToF32(raw.ptr, t.dtype, f32.as<float>(), st->n * row_elems, stream));
+    CUDA_RETURN(cudaStreamSynchronize(stream));  // staging is reused by the next tensor
+    return absl::OkStatus();
+  }
+
+  // FP8_E4M3 queries (one scale per token and head): dequantised on the host by the function the
+  // CPU backend uses, then uploaded as fp32.
+  absl::Status Fp8QueryRows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
+    const int64_t elems = t.dims[t.rank - 1], heads = row_elems / elems;
+    const size_t row = row_elems * 4;
+    RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row)));
+    for (int64_t i = 0; i < st->n; ++i)
+      for (int64_t h = 0; h < heads; ++h)
+        QueryRowToF32(t, share->rows[i] * heads + h, elems,
+                      reinterpret_cast<float*>(staging.data() + i * row) + h * elems);
+    RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st->n * row)));
+    CUDA_RETURN(cudaMemcpyAsync(f32.ptr, staging.ptr, st->n * row, cudaMemcpyHostToDevice, stream));
     CUDA_RETURN(cudaStreamSynchronize(stream));  // staging is reused by the next tensor
     return absl::OkStatus();
   }

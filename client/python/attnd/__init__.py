@@ -15,6 +15,7 @@ from .client import (
     AttndError,
     Batch,
     DeviceInfo,
+    Fp8Tensor,
     LayerResult,
     ModelSpec,
     SequenceInfo,
@@ -26,6 +27,7 @@ from .client import (
     TensorArg,
     from_tensor,
     merge_attention,
+    quantize_fp8,
     to_tensor,
 )
 from .hf_config import spec_from_hf_config
@@ -42,6 +44,7 @@ __all__ = [
     "AttndError",
     "Batch",
     "DeviceInfo",
+    "Fp8Tensor",
     "LayerResult",
     "ModelSpec",
     "SequenceInfo",
@@ -54,6 +57,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "from_tensor",
     "merge_attention",
+    "quantize_fp8",
     "to_tensor",
     "rendezvous_weight",
     "resolve_endpoints",

@@ -255,7 +255,7 @@ class ShmTensor:
 
 
 #: A layer input: a numpy array (its bytes go in the message) or a reference into shared memory.
-TensorArg = Union[np.ndarray, ShmTensor]
+TensorArg = Union[np.ndarray, ShmTensor, "Fp8Tensor"]
 
 
 class ShmArena:
@@ -489,7 +489,49 @@ def _check_dtype(dtype: np.dtype) -> None:
 def _dtype_of(x: Optional[TensorArg]) -> Optional[np.dtype]:
     if x is None:
         return None
+    if isinstance(x, Fp8Tensor):
+        return _FP8
     return x.dtype if isinstance(x, ShmTensor) else as_numpy(x).dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tensor:
+    """A query as FP8_E4M3 codes with one float32 scale per row of its last axis (per token and
+    head: DESIGN §13), a quarter of float32's bytes on the wire; the server dequantises it as
+    code x scale in float32. Make one with :func:`quantize_fp8`; pass it as q_latent, q_rope or
+    index_q (the other tensors keep their datatype; the output comes back as BF16)."""
+
+    codes: np.ndarray  # ml_dtypes.float8_e4m3fn [..., D]
+    scales: np.ndarray  # float32 [..., 1]
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> np.ndarray:
+        """The values the server attends with: code x scale, in float32."""
+        return self.codes.astype(np.float32) * self.scales.astype(np.float32)
+
+    def to_tensor(self) -> pb.Tensor:
+        t = pb.Tensor(datatype="FP8_E4M3", shape=list(self.codes.shape),
+                      data=np.ascontiguousarray(self.codes).view(np.uint8).tobytes())
+        t.scales.CopyFrom(to_tensor(np.ascontiguousarray(self.scales, dtype=np.float32)))
+        return t
+
+
+def quantize_fp8(x) -> Fp8Tensor:
+    """A query [..., D] (any float array, torch tensor or DLPack array) as FP8_E4M3 with one
+    scale per row of the last axis: scale = max |x| / 448 over the row (1 for an all-zero row),
+    codes = x / scale rounded to nearest e4m3."""
+    a = np.asarray(as_numpy(x), dtype=np.float32)
+    if a.ndim < 1 or a.shape[-1] == 0:
+        raise ValueError(f"quantize_fp8: needs [..., D] with D > 0, got {list(a.shape)}")
+    amax = np.abs(a).max(axis=-1, keepdims=True)
+    if not np.isfinite(amax).all():
+        raise ValueError("quantize_fp8: the query holds NaN or infinity")
+    scales = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    codes = np.clip(a / scales, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return Fp8Tensor(codes=codes, scales=scales)
 
 
 # ---- plain data --------------------------------------------------------------------------------
@@ -619,9 +661,12 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
             continue
         if isinstance(value, ShmTensor):
             getattr(msg, name).CopyFrom(value.to_tensor(uint16_as_bf16=uint16_as_bf16))
+        elif isinstance(value, Fp8Tensor):
+            getattr(msg, name).CopyFrom(value.to_tensor())
         else:
             getattr(msg, name).CopyFrom(to_tensor(value, uint16_as_bf16=uint16_as_bf16))
-    kinds = {name: getattr(msg, name).datatype for name, v in tensors.items() if v is not None}
+    kinds = {name: getattr(msg, name).datatype for name, v in tensors.items()
+             if v is not None and not isinstance(v, Fp8Tensor)}  # fp8 queries carry their scales
     if len(set(kinds.values())) > 1:
         raise TypeError("one datatype per layer call, got " +
                         ", ".join(f"{n} {d}" for n, d in kinds.items()))

@@ -53,7 +53,8 @@ def test_fp8_pages_cost_at_most_six_tenths_of_bf16():
                 infos.append(c.info())
         fp8_tiny, fp8_demo, bf16_tiny, bf16_demo = infos
         assert fp8_demo.cache_datatype == "FP8_E4M3" and "FP8_E4M3" in fp8_demo.datatypes
-        assert bf16_demo.cache_datatype == "BF16" and "FP8_E4M3" not in bf16_demo.datatypes
+        # Every server takes FP8_E4M3 queries; only an fp8 one takes FP8 keys.
+        assert bf16_demo.cache_datatype == "BF16" and "FP8_E4M3" in bf16_demo.datatypes
         # DeepSeek dims: 656 + 132 bytes per token per full layer against 1152 + 256.
         assert fp8_demo.devices[0].bytes_per_page == 64 * 4 * 656 + 64 * 2 * 132
         assert fp8_demo.devices[0].bytes_per_page <= 0.6 * bf16_demo.devices[0].bytes_per_page
@@ -169,11 +170,11 @@ def test_fp8_keys_are_refused_where_they_do_not_belong(fp8_pair):
             wrong_tiles.kv_latent.scales.shape[:] = [5, 2]
             wrong_tiles.kv_latent.scales.data = b"\0\0\x80\x3f" * 10
             refused(a, wrong_tiles, "keeps 1 per row")
-            # An fp8 query is not a thing (yet): only keys come quantised.
+            # An fp8 query needs its own scales, one per token and head (test_fp8_queries.py).
             a.open_sequence("q")
             step = a.begin_step([("q", 1)])
             x = _layers(spec, 1, rng)[0]
-            with pytest.raises(AttndError, match="FP8_E4M3 is taken for kv_latent and index_k"):
+            with pytest.raises(AttndError, match="one FP32 scale per token and head"):
                 q = pb.LayerInputs(layer=0)
                 for name, arr in x.items():
                     getattr(q, name).CopyFrom(pb.Tensor(datatype="BF16", shape=list(arr.shape),
