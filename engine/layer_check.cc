@@ -179,10 +179,11 @@ absl::Status CheckFp8Scales(const LayerInputs& in) {
     for (size_t i = 0; i < n; ++i) {
       float v;
       std::memcpy(&v, static_cast<const uint8_t*>(t->scales) + 4 * i, 4);
-      if (query) {  // any positive finite scale
-        if (!(v > 0 && v <= std::numeric_limits<float>::max()))
+      if (query) {  // any positive scale that keeps 448 x scale (e4m3's largest) finite
+        if (!(v > 0 && v <= std::numeric_limits<float>::max() / 448))
           return absl::InvalidArgumentError(
-              absl::StrCat(name, ": scale ", v, " at row ", i, " is not a positive finite number"));
+              absl::StrCat(name, ": scale ", v, " at row ", i,
+                           " is not a positive finite number of at most 3.4e38 / 448"));
         continue;
       }
       if (!fp8::IsTileScale(v))

@@ -112,8 +112,9 @@ absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
         " positions come back (ServerInfo.limits.max_attended_positions): trace fewer tokens"));
   // Packed positions take at most 5 bytes each, a query's entry about 12 more; the output
   // travels in the same reply unless it goes to shared memory.
-  const int64_t reply =
-      (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) + 5 * bound + 12 * info.tokens;
+  const int64_t reply = (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) + 5 * bound +
+                        12 * info.tokens +
+                        (in.return_lse() ? info.tokens * s.num_heads * 4 : 0);  // asked for too
   if (reply > options_.max_message_bytes - kMessageFramingBytes)
     return absl::InvalidArgumentError(absl::StrCat(
         "return_attended: the output and up to ", bound, " positions (", reply,
@@ -427,7 +428,8 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
     if (v[k].q_latent.dtype == DType::kFP8E4M3 || v[k].q_rope.dtype == DType::kFP8E4M3 ||
         v[k].q_latent.scales != nullptr || v[k].q_rope.scales != nullptr)
       return absl::InvalidArgumentError(absl::StrCat(
-          "shard ", k, ": FP8_E4M3 queries are not served on sharded steps; send BF16 or FP32"));
+          "shard ", k,
+          ": FP8_E4M3 q_latent/q_rope are not served on sharded steps; send BF16 or FP32"));
     if (v[k].q_latent.dtype != v[0].q_latent.dtype || v[k].q_rope.dtype != v[0].q_rope.dtype)
       return absl::InvalidArgumentError(
           absl::StrCat("shard ", k, ": q_latent/q_rope datatypes differ from shard 0's"));
@@ -451,22 +453,24 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   }
   // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
   // fail after it.
-  std::vector<char*> dst(S);
   bool any_lse = false;  // each shard that asks gets its heads' log-sum-exp, [T, H/S]
   for (int k = 0; k < S; ++k) {
     const v1::LayerInputs& in_k = *parts[k].in;
-    if (in_k.return_lse()) {
-      any_lse = true;
-      const int64_t reply =
-          (in_k.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes / S)) + T * Hs * 4;
-      if (reply > options_.max_message_bytes - kMessageFramingBytes)
-        return absl::InvalidArgumentError(absl::StrCat(
-            "shard ", k, ": return_lse: the output and its log-sum-exp (", reply,
-            " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
-            "; send the output to shared memory (out_shm)"));
-    }
-    ASSIGN_OR_RETURN(void* out_k, PrepareOutput(in_k, parts[k].out->mutable_out(), dt, T, Hs, L,
-                                                options_.max_message_bytes, shm_access, &shm));
+    if (!in_k.return_lse()) continue;
+    any_lse = true;
+    const int64_t reply =
+        (in_k.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes / S)) + T * Hs * 4;
+    if (reply > options_.max_message_bytes - kMessageFramingBytes)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard ", k, ": return_lse: the output and its log-sum-exp (", reply,
+          " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
+          "; send the output to shared memory (out_shm)"));
+  }
+  std::vector<char*> dst(S);
+  for (int k = 0; k < S; ++k) {
+    ASSIGN_OR_RETURN(void* out_k,
+                     PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
+                                   options_.max_message_bytes, shm_access, &shm));
     dst[k] = static_cast<char*>(out_k);
   }
   RETURN_IF_ERROR(shm.ReadInputs());
@@ -565,17 +569,17 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     return st;
   }
   LayerTrace trace;
-  float* lse = nullptr;
-  if (in.return_lse()) {
+  std::vector<float> lse(in.return_lse() ? static_cast<size_t>(info.tokens) * s.num_heads : 0);
+  st = engine_->RunLayer(step, in.layer(), views, buf, bytes,
+                         in.return_attended() ? &trace : nullptr,
+                         in.return_lse() ? lse.data() : nullptr);
+  if (st.ok() && in.return_lse()) {
     v1::Tensor* t = out->mutable_lse();
     t->set_datatype("FP32");
     t->add_shape(info.tokens);
     t->add_shape(s.num_heads);
-    t->mutable_data()->resize(static_cast<size_t>(info.tokens) * s.num_heads * 4);
-    lse = reinterpret_cast<float*>(t->mutable_data()->data());
+    t->set_data(lse.data(), lse.size() * 4);
   }
-  st = engine_->RunLayer(step, in.layer(), views, buf, bytes,
-                         in.return_attended() ? &trace : nullptr, lse);
   for (const std::vector<int32_t>& keys : trace.keys)
     out->add_attended()->mutable_positions()->Add(keys.begin(), keys.end());
   out->set_layer(in.layer());

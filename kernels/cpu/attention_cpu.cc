@@ -245,7 +245,7 @@ void MlaAttend(const Kernels& k, const MlaParams& p) {
     for (int d = 0; d < L; ++d) p.out[h * L + d] = acc[h * L + d] * inv;
   }
   if (p.lse != nullptr)
-    for (int h = 0; h < H; ++h) p.lse[h] = l[h] > 0 ? m[h] + std::log(l[h]) : kNegInf;
+    for (int h = 0; h < H; ++h) p.lse[h] = l[h] == 0 ? kNegInf : m[h] + std::log(l[h]);
 }
 
 }  // namespace attnd::cpu

@@ -675,6 +675,7 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     std::memcpy(call.out + share.rows[i] * row, s.staging.data() + i * row, row);
   if (call.lse != nullptr) {  // [n, H] fp32, after the output (staging is reused)
     const size_t lrow = size_t{static_cast<size_t>(H)} * 4;
+    RETURN_IF_ERROR(s.staging.Reserve(std::max<size_t>(1, st.n * lrow)));
     CUDA_RETURN(
         cudaMemcpyAsync(s.staging.ptr, s.lse.ptr, st.n * lrow, cudaMemcpyDeviceToHost, s.stream));
     CUDA_RETURN(cudaStreamSynchronize(s.stream));

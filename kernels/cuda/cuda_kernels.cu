@@ -465,7 +465,7 @@ __global__ void MlaKernel(MlaParams p) {
   }
   if (p.lse != nullptr && threadIdx.x < HB) {
     const int h = threadIdx.x;
-    p.lse[int64_t{q} * p.heads + h0 + h] = l[h] > 0 ? m[h] + logf(l[h]) : -INFINITY;
+    p.lse[int64_t{q} * p.heads + h0 + h] = l[h] == 0 ? -INFINITY : m[h] + logf(l[h]);
   }
 }
 
@@ -637,7 +637,8 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
   }
   if (!partial && p.lse != nullptr && threadIdx.x < HB) {
     const float lh = l[threadIdx.x];
-    p.lse[int64_t{q} * p.heads + h0 + threadIdx.x] = lh > 0 ? m[threadIdx.x] + logf(lh) : -INFINITY;
+    p.lse[int64_t{q} * p.heads + h0 + threadIdx.x] =
+        lh == 0 ? -INFINITY : m[threadIdx.x] + logf(lh);
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -672,7 +673,7 @@ __global__ void MlaCombineKernel(MlaParams p) {
     if (mz != -INFINITY) denom += __expf(mz - M) * p.part_ml[(z * stride + row) * 2 + 1];
   }
   const float inv = denom > 0 ? 1.0f / denom : 0.0f;
-  if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = denom > 0 ? M + logf(denom) : -INFINITY;
+  if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = denom == 0 ? -INFINITY : M + logf(denom);
   for (int d = threadIdx.x; d < L; d += blockDim.x) {
     float v = 0.0f;
     for (int z = 0; z < p.splits; ++z) {

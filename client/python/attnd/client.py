@@ -529,7 +529,9 @@ def quantize_fp8(x) -> Fp8Tensor:
     amax = np.abs(a).max(axis=-1, keepdims=True)
     if not np.isfinite(amax).all():
         raise ValueError("quantize_fp8: the query holds NaN or infinity")
-    scales = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    # The smallest normal float32 at least, so that a row of tiny values keeps a nonzero scale.
+    scales = np.where(amax > 0, np.maximum(amax / np.float32(448.0), np.finfo(np.float32).tiny),
+                      np.float32(1.0)).astype(np.float32)
     codes = np.clip(a / scales, -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return Fp8Tensor(codes=codes, scales=scales)
 
@@ -715,7 +717,7 @@ def merge_attention(outs: Sequence, lses: Sequence) -> Tuple[np.ndarray, np.ndar
     ``outs[i]`` [T, H, L] and ``lses[i]`` [T, H] (``LayerResult.lse``). Returns (out, lse) in
     float32: out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i), computed in
     float64. Parts whose lse is -inf (they saw no key) add nothing; a query head that no part saw
-    gets out 0 and lse -inf, as one server attending nothing reports."""
+    gets out 0 and lse -inf, as one server attending nothing reports; a NaN lse makes its row NaN."""
     if len(outs) != len(lses) or not outs:
         raise ValueError(f"merge_attention: {len(outs)} outputs and {len(lses)} lse arrays; "
                          "give one lse per output, at least one")
@@ -726,14 +728,20 @@ def merge_attention(outs: Sequence, lses: Sequence) -> Tuple[np.ndarray, np.ndar
             raise ValueError(f"merge_attention: part {i} has out {list(oi.shape)} and lse "
                              f"{list(ei.shape)}; every out must be [T, H, L] with lse [T, H]")
     stacked = np.stack(e)  # [P, T, H]
-    top = stacked.max(axis=0)
+    nan = np.isnan(stacked).any(axis=0)  # a NaN part makes its row NaN, as in MergeAttention
+    clean = np.where(np.isnan(stacked), -np.inf, stacked)
+    top = clean.max(axis=0)
     safe = np.where(np.isneginf(top), 0.0, top)
-    w = np.exp(stacked - safe)  # exp(-inf) = 0: parts that saw nothing
+    w = np.exp(clean - safe)  # exp(-inf) = 0: parts that saw nothing
     denom = w.sum(axis=0)
-    out = sum(wi[..., None] * oi for wi, oi in zip(w, o))
+    # Parts of weight 0 add nothing, whatever their output holds.
+    out = sum(np.where(wi[..., None] > 0, wi[..., None] * oi, 0.0) for wi, oi in zip(w, o))
+    seen = denom > 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(denom[..., None] > 0, out / np.where(denom > 0, denom, 1.0)[..., None], 0.0)
-        lse = np.where(denom > 0, safe + np.log(np.where(denom > 0, denom, 1.0)), -np.inf)
+        out = np.where(seen[..., None], out / np.where(seen, denom, 1.0)[..., None], 0.0)
+        lse = np.where(seen, safe + np.log(np.where(seen, denom, 1.0)), -np.inf)
+    out[nan] = np.nan
+    lse[nan] = np.nan
     return out.astype(np.float32), lse.astype(np.float32)
 
 

@@ -53,6 +53,9 @@ def test_quantize_fp8_keeps_one_scale_per_row_and_rounds_to_e4m3():
     assert err.max() <= 2.0 ** -4  # at most half an e4m3 step of the top binade (16 of 448)
     with pytest.raises(ValueError, match="NaN or infinity"):
         quantize_fp8(np.array([[1.0, np.nan]]))
+    # Rows of tiny values keep a nonzero (smallest normal) scale: no inf or NaN codes.
+    tiny = quantize_fp8(np.full((2, 8), 1e-44, dtype=np.float32))
+    assert (tiny.scales > 0).all() and np.isfinite(tiny.codes.astype(np.float32)).all()
 
 
 def test_fp8_queries_equal_their_dequantised_values_and_the_float64_reference(target):
@@ -94,6 +97,7 @@ def test_fp8_queries_take_a_quarter_of_the_fp32_bytes():
     ("zero", "is not a positive finite number"),
     ("negative", "is not a positive finite number"),
     ("inf", "is not a positive finite number"),
+    ("huge", "of at most 3.4e38 / 448"),  # 448 x scale would overflow
     ("index_w", "FP8_E4M3 is taken for queries"),
 ])
 def test_malformed_fp8_queries_are_refused_and_nothing_is_written(target, bad, message):
@@ -109,7 +113,8 @@ def test_malformed_fp8_queries_are_refused_and_nothing_is_written(target, bad, m
                               data=q.codes.view(np.uint8).tobytes())
         else:
             scales = {"two": np.repeat(q.scales, 2, axis=-1), "zero": q.scales * 0,
-                      "negative": -q.scales, "inf": q.scales * np.inf}.get(bad, q.scales)
+                      "negative": -q.scales, "inf": q.scales * np.inf,
+                      "huge": np.full_like(q.scales, 1e36)}.get(bad, q.scales)
             q_msg = Fp8Tensor(q.codes, scales.astype(np.float32)).to_tensor()
         inputs = pb.LayerInputs(layer=0, q_latent=q_msg)
         x = dict(new_key[0], **queries[0])

@@ -170,6 +170,16 @@ def test_merge_attention_weights_parts_by_their_lse_and_skips_empty_ones():
     none = np.full((2, 3), -np.inf)
     out, lse = merge_attention([o1, o2], [none, none])
     assert (out == 0).all() and np.isneginf(lse).all()
+    # A NaN lse makes its row NaN; a part of weight 0 adds nothing even if its output is NaN.
+    l3, o3 = l1.copy(), o2.copy()
+    l3[0, 0] = np.nan
+    o3[0, 1] = np.nan
+    l4 = l2.copy()
+    l4[0, 1] = -np.inf
+    out, lse = merge_attention([o1, o3], [l3, l4])
+    assert np.isnan(lse[0, 0]) and np.isnan(out[0, 0]).all()
+    np.testing.assert_allclose(out[0, 1], o1[0, 1], rtol=1e-6)
+    assert not np.isnan(out[1]).any()
     with pytest.raises(ValueError, match="one lse per output"):
         merge_attention([o1, o2], [l1])
     with pytest.raises(ValueError, match=r"\[T, H, L\]"):
