@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT / "client" / "python"), str(ROOT / "client" / "python" 
 
 from attnd import AttndClient, quantize_fp8  # noqa: E402
 from attnd_process import start, stop  # noqa: E402
-from test_lse import _keys, _queries, _write  # noqa: E402
+from test_lse import _decode, _keys, _queries, _write  # noqa: E402
 
 QUERIES = ("q_latent", "q_rope", "index_q")
 
@@ -47,12 +47,9 @@ def main():
                     sid = f"{mode}-{trial}"
                     c.open_sequence(sid)
                     _write(c, sid, keys)
-                    step = c.begin_step([(sid, 1)])
-                    res[mode] = [
-                        c.attend_layer(step.step_id, layer, attended=True, **dict(
-                            k, **{n: quantize_fp8(v) if mode == "fp8" and n in QUERIES else v
-                                  for n, v in q.items()}))
-                        for layer, (k, q) in enumerate(zip(new_key, qs))]
+                    res[mode] = _decode(c, sid, new_key, [
+                        {n: quantize_fp8(v) if mode == "fp8" and n in QUERIES else v
+                         for n, v in q.items()} for q in qs])
                 for mode in res:
                     c.close_sequence(f"{mode}-{trial}")
                 for layer, kind in enumerate(spec.layers):

@@ -38,10 +38,6 @@ void PackLatentRow(const TensorView& kv_latent, const TensorView& k_rope, int64_
   ConvertFromF32(DType::kBF16, x.data(), rope, R);
 }
 
-}  // namespace attnd
-
-namespace attnd {
-
 void QueryRowToF32(const TensorView& t, int64_t row, int64_t elems, float* dst) {
   if (t.dtype != DType::kFP8E4M3) {
     ConvertToF32(t.dtype, t.Row(row, elems), dst, elems);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
@@ -73,6 +74,17 @@ absl::StatusOr<uid_t> PeerUid(const Caller& c) {
   return cred.uid;
 }
 
+// Heads [h0, h0 + hn) of a [T, H] fp32 log-sum-exp buffer as a reply's FP32 [T, hn] tensor.
+void SetLse(const std::vector<float>& lse, int64_t T, int H, int h0, int hn, v1::Tensor* t) {
+  t->set_datatype("FP32");
+  t->add_shape(T);
+  t->add_shape(hn);
+  std::string* bytes = t->mutable_data();
+  bytes->resize(static_cast<size_t>(T) * hn * 4);
+  for (int64_t r = 0; r < T; ++r)
+    std::memcpy(bytes->data() + r * hn * 4, lse.data() + r * H + h0, static_cast<size_t>(hn) * 4);
+}
+
 }  // namespace
 
 AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMetrics* metrics,
@@ -124,12 +136,12 @@ absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
 }
 
 absl::Status AttentionService::CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                                            size_t out_bytes) const {
+                                            size_t out_bytes, int heads) const {
   if (info.write_only)
     return absl::InvalidArgumentError("return_lse: a write-only step attends nothing");
-  // [T, H] fp32 beside the output (unless that goes to shared memory).
-  const int64_t reply = (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) +
-                        info.tokens * engine_->spec().num_heads * 4;
+  // [T, heads] fp32 beside the output (unless that goes to shared memory).
+  const int64_t reply =
+      (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) + info.tokens * heads * 4;
   if (reply > options_.max_message_bytes - kMessageFramingBytes)
     return absl::InvalidArgumentError(absl::StrCat(
         "return_lse: the output and its log-sum-exp (", reply,
@@ -455,16 +467,10 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   // fail after it.
   bool any_lse = false;  // each shard that asks gets its heads' log-sum-exp, [T, H/S]
   for (int k = 0; k < S; ++k) {
-    const v1::LayerInputs& in_k = *parts[k].in;
-    if (!in_k.return_lse()) continue;
+    if (!parts[k].in->return_lse()) continue;
     any_lse = true;
-    const int64_t reply =
-        (in_k.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes / S)) + T * Hs * 4;
-    if (reply > options_.max_message_bytes - kMessageFramingBytes)
-      return absl::InvalidArgumentError(absl::StrCat(
-          "shard ", k, ": return_lse: the output and its log-sum-exp (", reply,
-          " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
-          "; send the output to shared memory (out_shm)"));
+    if (absl::Status fits = CheckLseFits(info, *parts[k].in, out_bytes / S, Hs); !fits.ok())
+      return absl::InvalidArgumentError(absl::StrCat("shard ", k, ": ", fits.message()));
   }
   std::vector<char*> dst(S);
   for (int k = 0; k < S; ++k) {
@@ -499,16 +505,8 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   for (int k = 0; k < S; ++k) {
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(dst[k] + t * slice, out.data() + (t * S + k) * slice, slice);
-    if (parts[k].in->return_lse()) {
-      v1::Tensor* e = parts[k].out->mutable_lse();
-      e->set_datatype("FP32");
-      e->add_shape(T);
-      e->add_shape(Hs);
-      std::string* bytes = e->mutable_data();
-      bytes->resize(static_cast<size_t>(T) * Hs * 4);
-      for (int64_t t = 0; t < T; ++t)
-        std::memcpy(bytes->data() + t * Hs * 4, lse.data() + t * s.num_heads + k * Hs, Hs * 4);
-    }
+    if (parts[k].in->return_lse())
+      SetLse(lse, T, s.num_heads, k * Hs, Hs, parts[k].out->mutable_lse());
     parts[k].out->set_layer(layer);
     parts[k].out->set_committed(layer == s.num_layers() - 1);
   }
@@ -555,7 +553,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
       bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
     if (in.return_attended()) RETURN_IF_ERROR(CheckAttendedFits(info, in, bytes));
-    if (in.return_lse()) RETURN_IF_ERROR(CheckLseFits(info, in, bytes));
+    if (in.return_lse()) RETURN_IF_ERROR(CheckLseFits(info, in, bytes, s.num_heads));
     if (!info.write_only) {
       ASSIGN_OR_RETURN(
           buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,
@@ -573,13 +571,8 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   st = engine_->RunLayer(step, in.layer(), views, buf, bytes,
                          in.return_attended() ? &trace : nullptr,
                          in.return_lse() ? lse.data() : nullptr);
-  if (st.ok() && in.return_lse()) {
-    v1::Tensor* t = out->mutable_lse();
-    t->set_datatype("FP32");
-    t->add_shape(info.tokens);
-    t->add_shape(s.num_heads);
-    t->set_data(lse.data(), lse.size() * 4);
-  }
+  if (st.ok() && in.return_lse())
+    SetLse(lse, info.tokens, s.num_heads, 0, s.num_heads, out->mutable_lse());
   for (const std::vector<int32_t>& keys : trace.keys)
     out->add_attended()->mutable_positions()->Add(keys.begin(), keys.end());
   out->set_layer(in.layer());

@@ -95,10 +95,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   // could pass the message limit.
   absl::Status CheckAttendedFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
                                  size_t out_bytes) const;
-  // return_lse: INVALID_ARGUMENT on a write-only step, or when the output (inline unless
-  // out_shm) and the [T, H] fp32 log-sum-exp could pass the message limit.
+  // return_lse: INVALID_ARGUMENT on a write-only step, or when the output of out_bytes (inline
+  // unless out_shm) and the [T, heads] fp32 log-sum-exp could pass the message limit.
   absl::Status CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                            size_t out_bytes) const;
+                            size_t out_bytes, int heads) const;
 
   // Who is calling: UNAUTHENTICATED / PERMISSION_DENIED as Authenticator::Authenticate says.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;

@@ -62,7 +62,6 @@ inline void PrefetchRow(const CacheRows& rows, int64_t slot) {
   for (size_t off = 0; off < rows.row_bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
 }
 
-// dst[c][r] = src[r][c] for a rows x cols matrix, optionally scaled.
 // dst[c * ldd + r] = src[r * lds + c] * scale for a rows x cols block.
 void Transpose(const float* src, int rows, int cols, int lds, float* dst, int ldd,
                float scale = 1.0f) {

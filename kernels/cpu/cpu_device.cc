@@ -107,6 +107,15 @@ void CpuDevice::WriteKeys(const StepShare& share, int layer, const LayerInputs& 
   });
 }
 
+void CpuDevice::QueryRow(const TensorView& t, int64_t row, int64_t elems, float* dst) const {
+  if (t.dtype != DType::kFP8E4M3) return QueryRowToF32(t, row, elems, dst);
+  // The same code x scale as QueryRowToF32 (one rounding each), by the vector e4m3 decode.
+  float scale;
+  std::memcpy(&scale, static_cast<const uint8_t*>(t.scales) + row * 4, 4);
+  kernels_->e4m3_to_f32(t.Row(row, elems), &scale, static_cast<int>(elems), dst,
+                        static_cast<int>(elems));
+}
+
 void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall& call) {
   const LayerInputs& in = *call.in;
   const int H = spec_.num_heads, L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, D = L + R;
@@ -117,8 +126,8 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
     const int64_t t = share.rows[i];
     for (int h = 0; h < H; ++h) {
       float* q = st.q.data() + (i * H + h) * D;
-      QueryRowToF32(in.q_latent, t * H + h, L, q);
-      QueryRowToF32(in.q_rope, t * H + h, R, q + L);
+      QueryRow(in.q_latent, t * H + h, L, q);
+      QueryRow(in.q_rope, t * H + h, R, q + L);
     }
   });
   if (!call.select) return;
@@ -129,8 +138,8 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
   pool_->ParallelFor(n, [&](int64_t i) {
     const int64_t t = share.rows[i];
     for (int h = 0; h < Hi; ++h)  // a row per head: fp8 queries have a scale each
-      QueryRowToF32(in.index_q, t * Hi + h, spec_.index_head_dim,
-                    st.index_q.data() + i * row + h * spec_.index_head_dim);
+      QueryRow(in.index_q, t * Hi + h, spec_.index_head_dim,
+               st.index_q.data() + i * row + h * spec_.index_head_dim);
     ConvertToF32(in.index_w.dtype, in.index_w.Row(t, Hi), st.index_w.data() + i * Hi, Hi);
   });
 }

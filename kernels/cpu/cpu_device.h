@@ -38,6 +38,8 @@ class CpuDevice final : public Device {
             const cpu::Kernels* kernels);
   void WriteKeys(const StepShare& share, int layer, const LayerInputs& in);
   void ConvertQueries(const StepShare& share, Step& st, const LayerCall& call);
+  // Row `row` of a query tensor seen as [rows, elems] to fp32 (FP8_E4M3: code x the row's scale).
+  void QueryRow(const TensorView& t, int64_t row, int64_t elems, float* dst) const;
   void Select(const StepShare& share, Step& st, int layer);
   void Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out,
               float* lse);

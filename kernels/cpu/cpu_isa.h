@@ -29,7 +29,8 @@ struct Kernels {
   // where both take their vector paths (N a multiple of 16).
   void (*gemm_at_scaled)(int M, int N, int D, const float* At, int lda, const float* B, int ldb,
                          float* C, int ldc, const float* c_scale);
-  // x[i] = exp(x[i]); relative error below 2e-7 for x in [-87, 88]; -inf gives 0.
+  // x[i] = exp(x[i]); relative error below 2e-7 for x in [-87, 88]; -inf gives 0. The exp that
+  // softmax_tile uses, in the table so that its accuracy is tested over the whole range.
   void (*exp_inplace)(float* x, int n);
   // One key tile of MLA's online softmax over keys-major scores s[j * ld + h] (j < rows keys,
   // h < cols score rows, cols a multiple of 16): updates the running max m and denominator l,

@@ -15,7 +15,7 @@ from attnd import AttndClient, Fp8Tensor, quantize_fp8, to_tensor
 from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import start, stop
-from test_lse import _keys, _queries, _reference, _rel, _rows, _write
+from test_lse import _decode, _keys, _queries, _reference, _rel, _rows, _write
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,6 @@ def _fp8(queries):
 def _dequantized(queries):
     return [{k: v.dequantize() if isinstance(v, Fp8Tensor) else v for k, v in q.items()}
             for q in queries]
-
-
-def _decode(c, sid, new_key, queries):
-    step = c.begin_step([(sid, 1)])
-    return [c.attend_layer(step.step_id, layer, lse=True, attended=True, **dict(k, **q))
-            for layer, (k, q) in enumerate(zip(new_key, queries))]
 
 
 def test_quantize_fp8_keeps_one_scale_per_row_and_rounds_to_e4m3():
