@@ -100,6 +100,15 @@ struct Engine::Impl {
   std::unique_ptr<ThreadPool> pool;
   std::vector<std::unique_ptr<Device>> devices;  // fixed after Create: read without mu
 
+  // Server-side absorption's weights, once set (never replaced: a running step's layers all see
+  // the same ones). Read under absorb_mu.
+  mutable std::mutex absorb_mu;
+  std::shared_ptr<const Absorption> absorption;
+  std::shared_ptr<const Absorption> Absorbing() const {
+    std::lock_guard<std::mutex> lock(absorb_mu);
+    return absorption;
+  }
+
   mutable std::mutex mu;               // guards everything below
   std::condition_variable step_ended;  // notified whenever a step ends, a layer or a copy does
   std::unique_ptr<SequenceTable> table;
@@ -171,6 +180,8 @@ struct Engine::Impl {
   absl::Status Prepare(Step& st);
   absl::Status Compute(Step& st, int layer, const LayerInputs& in, void* out, size_t out_bytes,
                        float* lse, LayerTrace* trace);
+  // Checks absorption weights against the model and prepares every device for them.
+  absl::Status PrepareAbsorption(const Absorption& a);
   // Runs a PageMove's copies (mu not held).
   absl::Status Copy(const PageMove& move) {
     const absl::Status s =
@@ -217,8 +228,47 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences});
   impl->table->tenants().SetQuotas(options.limits.tenant_quota, {});
   impl->compute_ns = std::make_unique<std::atomic<int64_t>[]>(impl->devices.size());
+  if (options.absorption != nullptr) {
+    RETURN_IF_ERROR(impl->PrepareAbsorption(*options.absorption));
+    impl->absorption = options.absorption;
+  }
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
+
+absl::Status Engine::Impl::PrepareAbsorption(const Absorption& a) {
+  const ModelSpec& s = spec();
+  if (a.num_heads() != s.num_heads || a.latent_dim() != s.kv_lora_rank ||
+      a.num_layers() != s.num_layers())
+    return absl::InvalidArgumentError(
+        absl::StrCat("absorption weights for ", a.num_layers(), " layers, ", a.num_heads(),
+                     " heads, L ", a.latent_dim(), "; the model has ", s.num_layers(), " layers, ",
+                     s.num_heads, " heads, L ", s.kv_lora_rank));
+  if (!a.complete())
+    return absl::InvalidArgumentError(
+        absl::StrCat("absorption weights: layer ", a.missing_layer(), " is missing"));
+  for (auto& d : devices) {
+    const absl::Status p = Guarded([&] { return d->PrepareAbsorption(a); });
+    if (!p.ok())
+      return absl::Status(p.code(), absl::StrCat(d->name(), ": absorption weights: ", p.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SetAbsorption(std::shared_ptr<const Absorption> weights) {
+  if (weights == nullptr) return absl::InvalidArgumentError("no absorption weights");
+  std::lock_guard<std::mutex> lock(impl_->absorb_mu);  // one upload at a time
+  if (impl_->absorption != nullptr) {
+    if (impl_->absorption->SameAs(*weights)) return absl::OkStatus();
+    return absl::AlreadyExistsError(absl::StrCat(
+        "absorption weights are already loaded (", impl_->absorption->source(),
+        ") and differ from these; they are never replaced while the server runs (restart it)"));
+  }
+  RETURN_IF_ERROR(impl_->PrepareAbsorption(*weights));
+  impl_->absorption = std::move(weights);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const Absorption> Engine::absorption() const { return impl_->Absorbing(); }
 
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
@@ -514,15 +564,16 @@ absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInput
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step.id, ": layer ", layer, " out of order, expected layer ", st->next_layer));
   return CheckLayerShapes(impl_->spec(), impl_->options.cache_dtype, st->tokens,
-                          st->options.write_only, layer, in, out_bytes);
+                          st->options.write_only, layer, in, out_bytes, impl_->Absorbing().get());
 }
 
 absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
                                    size_t out_bytes, float* lse, LayerTrace* trace) {
   const ModelSpec& s = spec();
   const bool write_only = st.options.write_only;
-  RETURN_IF_ERROR(
-      CheckLayerShapes(s, options.cache_dtype, st.tokens, write_only, layer, in, out_bytes));
+  const std::shared_ptr<const Absorption> absorb = Absorbing();  // held until the layer ends
+  RETURN_IF_ERROR(CheckLayerShapes(s, options.cache_dtype, st.tokens, write_only, layer, in,
+                                   out_bytes, absorb.get()));
   if (write_only && lse != nullptr)
     return absl::InvalidArgumentError("a write-only step has no attention, so no log-sum-exp");
   if (options.limits.check_finite) RETURN_IF_ERROR(CheckLayerFinite(in));
@@ -535,6 +586,7 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   call.out_dtype = write_only ? DType::kBF16 : OutputDType(in);
   call.out = write_only ? nullptr : static_cast<uint8_t*>(out);
   call.lse = lse;
+  if (in.q_nope.present) call.absorb = absorb.get();
   RETURN_IF_ERROR(ForEachConcurrently(st.plan.shares.size(), [&](size_t i) {
     const StepPlan::Share& sh = st.plan.shares[i];
     const auto t0 = Clock::now();

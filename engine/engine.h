@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/absorption.h"
 #include "common/model_spec.h"
 #include "common/tensor.h"
 #include "engine/row_reader.h"
@@ -62,6 +63,9 @@ struct EngineOptions {
   int threads = 0;                // compute threads; 0 = all cores
   cpu::Isa isa = cpu::BestIsa();  // CPU inner-loop ISA (tests sweep every supported one)
   EngineLimits limits;
+  // Server-side absorption's weights (--absorb-from): calls may then give q_nope instead of
+  // q_latent and get [T, H, V] back. Null: none (SetAbsorption may add them later).
+  std::shared_ptr<const Absorption> absorption;
 };
 
 // One batch entry of a step: `q_len` new tokens for the sequence.
@@ -197,6 +201,12 @@ class Engine {
   TenantUsage TenantUsageOf(const std::string& tenant) const;
   TenantQuota TenantQuotaOf(const std::string& tenant) const;
   std::vector<DeviceCapacity> Capacity() const;
+  // Server-side absorption (DESIGN §13): sets the weights once (checked against the model,
+  // copied to every device). The same weights again: OK, nothing changes; different ones once
+  // some are set: ALREADY_EXISTS (a running step never sees its weights change).
+  absl::Status SetAbsorption(std::shared_ptr<const Absorption> weights);
+  // The weights set, or null.
+  std::shared_ptr<const Absorption> absorption() const;
   int64_t num_sequences() const;
   int64_t num_open_steps() const;
 
@@ -229,10 +239,11 @@ class Engine {
   absl::Status CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
                           size_t out_bytes) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
-  // dtype (out_bytes must match; write-only steps take no queries, out = nullptr, 0 bytes). The
-  // last layer commits the step. Any error aborts the step, so every sequence is left as before it.
-  // lse, when given, receives [T, H] fp32: each query head's natural-log log-sum-exp of its
-  // scaled scores over the keys it attended (-inf: none); not on write-only steps.
+  // dtype ([T, H, V] when the call gives q_nope and the server absorbs) (out_bytes must match;
+  // write-only steps take no queries, out = nullptr, 0 bytes). The last layer commits the step. Any
+  // error aborts the step, so every sequence is left as before it. lse, when given, receives [T, H]
+  // fp32: each query head's natural-log log-sum-exp of its scaled scores over the keys it attended
+  // (-inf: none); not on write-only steps.
   absl::Status RunLayer(const StepRef& step, int layer, const LayerInputs& in, void* out,
                         size_t out_bytes, LayerTrace* trace = nullptr, float* lse = nullptr);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is

@@ -14,8 +14,9 @@ namespace attnd {
 namespace {
 
 // Every tensor a layer call carries, by name, in the order errors name them.
-std::array<std::pair<const char*, const TensorView*>, 7> Named(const LayerInputs& in) {
+std::array<std::pair<const char*, const TensorView*>, 8> Named(const LayerInputs& in) {
   return {{{"q_latent", &in.q_latent},
+           {"q_nope", &in.q_nope},
            {"q_rope", &in.q_rope},
            {"kv_latent", &in.kv_latent},
            {"k_rope", &in.k_rope},
@@ -30,7 +31,7 @@ bool IsKey(const TensorView* t, const LayerInputs& in) {
 
 // Queries that may travel as FP8_E4M3 with one fp32 scale per token and head (DESIGN §13).
 bool IsQuery(const TensorView* t, const LayerInputs& in) {
-  return t == &in.q_latent || t == &in.q_rope || t == &in.index_q;
+  return t == &in.q_latent || t == &in.q_nope || t == &in.q_rope || t == &in.index_q;
 }
 
 // An fp8 key tensor's scales: FP32, [T, tiles] (the cache's tiles of its rows).
@@ -47,8 +48,9 @@ absl::Status CheckScales(const char* name, const TensorView& t, int64_t T, int64
 
 // fp8 queries' scales: FP32 [T, heads, 1], one per token and head.
 absl::Status CheckQueryScales(const ModelSpec& s, int64_t T, const LayerInputs& in) {
-  const std::array<std::tuple<const char*, const TensorView*, int>, 3> queries = {
+  const std::array<std::tuple<const char*, const TensorView*, int>, 4> queries = {
       {{"q_latent", &in.q_latent, s.num_heads},
+       {"q_nope", &in.q_nope, s.num_heads},
        {"q_rope", &in.q_rope, s.num_heads},
        {"index_q", &in.index_q, s.index_n_heads}}};
   for (const auto& [name, t, heads] : queries) {
@@ -87,10 +89,11 @@ absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
     }
     if (IsQuery(t, in)) continue;  // any cache: dequantised on arrival
     if (!IsKey(t, in))
-      return absl::InvalidArgumentError(absl::StrCat(
-          name,
-          ": FP8_E4M3 is taken for queries (q_latent, q_rope, index_q, with per-token-head "
-          "scales) and for kv_latent and index_k (keys quantised as an fp8 cache holds them)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       ": FP8_E4M3 is taken for queries (q_latent or q_nope, q_rope, index_q, with "
+                       "per-token-head scales) and for kv_latent and index_k (keys quantised as an "
+                       "fp8 cache holds them)"));
     if (cache_dtype != DType::kFP8E4M3)
       return absl::InvalidArgumentError(
           absl::StrCat(name,
@@ -117,7 +120,8 @@ absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
 }
 
 absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, bool write_only,
-                              int layer, const LayerInputs& in, size_t out_bytes) {
+                              int layer, const LayerInputs& in, size_t out_bytes,
+                              const Absorption* absorb) {
   RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
@@ -129,13 +133,25 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
           absl::StrCat("index_k: given for layer ", layer, ", a ", LayerKindName(s.layers[layer]),
                        " layer; indexer tensors belong to full layers only"));
     }
-    if (in.q_latent.present || in.q_rope.present || in.index_q.present || in.index_w.present ||
-        out_bytes != 0)
+    if (in.q_latent.present || in.q_nope.present || in.q_rope.present || in.index_q.present ||
+        in.index_w.present || out_bytes != 0)
       return absl::InvalidArgumentError(
           "write-only step: give only kv_latent, k_rope and (full layers) index_k; no output");
     return CheckKeyScales(s, T, in);
   }
-  RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
+  if (in.q_nope.present) {
+    if (in.q_latent.present)
+      return absl::InvalidArgumentError(
+          "q_nope and q_latent: give one (q_nope is absorbed on the server, q_latent was "
+          "absorbed by the worker)");
+    if (absorb == nullptr)
+      return absl::FailedPreconditionError(
+          "q_nope: this server holds no absorption weights (start attnd with "
+          "--absorb-from=CHECKPOINT_DIR or upload them with UploadAbsorption); send q_latent");
+    RETURN_IF_ERROR(CheckTensor("q_nope", in.q_nope, {T, s.num_heads, absorb->qk_nope_head_dim()}));
+  } else {
+    RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
+  }
   RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
   if (s.layers[layer] == LayerKind::kFull) {
     RETURN_IF_ERROR(CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
@@ -154,11 +170,12 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
   RETURN_IF_ERROR(CheckKeyScales(s, T, in));
   RETURN_IF_ERROR(CheckQueryScales(s, T, in));
   const DType out_dtype = OutputDType(in);
-  const size_t want = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank * DTypeSize(out_dtype);
+  const int width = OutputHeadDim(s, in, absorb);
+  const size_t want = static_cast<size_t>(T) * s.num_heads * width * DTypeSize(out_dtype);
   if (out_bytes != want)
-    return absl::InvalidArgumentError(absl::StrCat("output buffer: ", out_bytes,
-                                                   " bytes, expected ", want, " ([T, H, L] in ",
-                                                   DTypeName(out_dtype), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output buffer: ", out_bytes, " bytes, expected ", want,
+        in.q_nope.present ? " ([T, H, V] in " : " ([T, H, L] in ", DTypeName(out_dtype), ")"));
   return absl::OkStatus();
 }
 
@@ -168,7 +185,12 @@ absl::Status CheckLayerFinite(const LayerInputs& in) {
 }
 
 DType OutputDType(const LayerInputs& in) {
-  return in.q_latent.dtype == DType::kFP8E4M3 ? DType::kBF16 : in.q_latent.dtype;
+  const TensorView& q = in.q_nope.present ? in.q_nope : in.q_latent;
+  return q.dtype == DType::kFP8E4M3 ? DType::kBF16 : q.dtype;
+}
+
+int OutputHeadDim(const ModelSpec& spec, const LayerInputs& in, const Absorption* absorb) {
+  return in.q_nope.present && absorb != nullptr ? absorb->v_head_dim() : spec.kv_lora_rank;
 }
 
 absl::Status CheckFp8Scales(const LayerInputs& in) {

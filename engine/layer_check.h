@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/absorption.h"
 #include "common/model_spec.h"
 #include "common/tensor.h"
 
@@ -13,8 +14,10 @@ namespace attnd {
 
 // INVALID_ARGUMENT naming the first tensor that does not fit layer `layer` of a step of T tokens
 // on a cache of `cache_dtype` (write-only steps take only the keys and no output), or OK.
+// `absorb`: the server's absorption weights (null: none, and q_nope is FAILED_PRECONDITION).
 absl::Status CheckLayerShapes(const ModelSpec& spec, DType cache_dtype, int64_t tokens,
-                              bool write_only, int layer, const LayerInputs& in, size_t out_bytes);
+                              bool write_only, int layer, const LayerInputs& in, size_t out_bytes,
+                              const Absorption* absorb = nullptr);
 // INVALID_ARGUMENT when the call's tensors are not all of one datatype (FP32 queries with BF16
 // keys would otherwise be converted silently), naming the first that differs. The exceptions:
 // kv_latent and index_k may come as FP8_E4M3 with scales, quantised as an fp8 cache holds keys
@@ -29,7 +32,10 @@ absl::Status CheckLayerFinite(const LayerInputs& in);
 // and finite, or OK. Reads the scales: after shared memory.
 absl::Status CheckFp8Scales(const LayerInputs& in);
 
-// The output's datatype: q_latent's, or BF16 for FP8_E4M3 queries (the output is never fp8).
+// The output's datatype: q_latent's (q_nope's), or BF16 for FP8_E4M3 queries (the output is
+// never fp8).
 DType OutputDType(const LayerInputs& in);
+// The output's per-head width: V for an absorbed call (q_nope given), else L.
+int OutputHeadDim(const ModelSpec& spec, const LayerInputs& in, const Absorption* absorb);
 
 }  // namespace attnd

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/absorption.h"
 #include "common/model_spec.h"
 #include "common/tensor.h"
 #include "kv_store/cache_layout.h"
@@ -48,7 +49,8 @@ struct StepShare {
 };
 
 // One layer of a step for a device's share. `in` holds the whole step's tensors (any wire dtype);
-// the device reads its rows and writes its rows of `out` ([T, H, L] in out_dtype).
+// the device reads its rows and writes its rows of `out` ([T, H, L] in out_dtype, or [T, H, V]
+// when absorbed).
 struct LayerCall {
   int layer = 0;
   const LayerInputs* in = nullptr;
@@ -60,6 +62,10 @@ struct LayerCall {
   // Optional [T, H] fp32: each query head's natural-log log-sum-exp of its scaled scores over the
   // keys it attended (-inf: none), so attention over disjoint key sets merges exactly.
   float* lse = nullptr;
+  // Set when the call gives q_nope instead of q_latent (server-side absorption): the device
+  // forms q_latent[t, h] = q_nope[t, h] · W_UK[h] in fp32, attends, and writes
+  // out[t, h] = out_latent[t, h] · W_UV[h]^T ([T, H, V]). Prepared by PrepareAbsorption.
+  const Absorption* absorb = nullptr;
 };
 
 // A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by
@@ -99,6 +105,10 @@ class Device {
   virtual absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies);
   // Whether no byte of the reserved page 0 was ever written, in any layer or indexer slot.
   virtual absl::StatusOr<bool> ReservedPageUntouched() = 0;
+  // Makes the absorption weights usable by RunLayer (a GPU copies them to its memory;
+  // RESOURCE_EXHAUSTED when they do not fit). Called once, before any call carries them; the
+  // weights outlive the device. The default (host backends) keeps nothing.
+  virtual absl::Status PrepareAbsorption(const Absorption& weights) { return absl::OkStatus(); }
 
  protected:
   Device(std::string name, const CacheLayout& layout) : name_(std::move(name)), layout_(layout) {}

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
 #include "engine/layer_check.h"
@@ -202,6 +203,13 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   resp->set_admin(caller.admin);
   resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
   resp->set_shm(options_.shm_enabled);
+  if (const std::shared_ptr<const Absorption> a = engine_->absorption()) {
+    v1::AbsorptionInfo* ai = resp->mutable_absorption();
+    ai->set_qk_nope_head_dim(a->qk_nope_head_dim());
+    ai->set_v_head_dim(a->v_head_dim());
+    ai->set_source(a->source());
+    ai->set_bytes(static_cast<int64_t>(a->bytes()));
+  }
   v1::ModelSpec* m = resp->mutable_model();
   m->set_name(s.name);
   for (LayerKind k : s.layers) m->add_layers(std::string(LayerKindName(k)));
@@ -433,6 +441,10 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
       return absl::InvalidArgumentError(
           absl::StrCat("shard ", k, ": return_attended is not served on sharded steps"));
     RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_access, &shm, &v[k]));
+    if (v[k].q_nope.present)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard ", k,
+          ": q_nope (server-side absorption) is not served on sharded steps; send q_latent"));
     const std::string ql = absl::StrCat("q_latent (shard ", k, ")");
     const std::string qr = absl::StrCat("q_rope (shard ", k, ")");
     RETURN_IF_ERROR(CheckTensor(ql.c_str(), v[k].q_latent, {T, Hs, L}));
@@ -548,16 +560,19 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
-    const DType dt = views.q_latent.present ? OutputDType(views) : DType::kBF16;
+    const DType dt =
+        views.q_latent.present || views.q_nope.present ? OutputDType(views) : DType::kBF16;
+    // [T, H, L], or [T, H, V] for an absorbed call (q_nope): CheckLayer refuses q_nope where the
+    // server holds no weights.
+    const int width = OutputHeadDim(s, views, engine_->absorption().get());
     if (!info.write_only)
-      bytes = static_cast<size_t>(info.tokens) * s.num_heads * s.kv_lora_rank * DTypeSize(dt);
+      bytes = static_cast<size_t>(info.tokens) * s.num_heads * width * DTypeSize(dt);
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
     if (in.return_attended()) RETURN_IF_ERROR(CheckAttendedFits(info, in, bytes));
     if (in.return_lse()) RETURN_IF_ERROR(CheckLseFits(info, in, bytes, s.num_heads));
     if (!info.write_only) {
-      ASSIGN_OR_RETURN(
-          buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads, s.kv_lora_rank,
-                             options_.max_message_bytes, shm_access, &shm));
+      ASSIGN_OR_RETURN(buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads,
+                                          width, options_.max_message_bytes, shm_access, &shm));
     }
     RETURN_IF_ERROR(shm.ReadInputs());
     return shm.CheckOutputRegions();
@@ -794,6 +809,70 @@ grpc::ServerUnaryReactor* AttentionService::Drain(grpc::CallbackServerContext* c
     options_.start_drain(std::vector<std::string>(req->peers().begin(), req->peers().end()));
     return absl::OkStatus();
   });
+}
+
+grpc::ServerUnaryReactor* AttentionService::UploadAbsorption(grpc::CallbackServerContext* ctx,
+                                                             const v1::UploadAbsorptionRequest* req,
+                                                             v1::UploadAbsorptionResponse* resp) {
+  return Unary(ctx, "UploadAbsorption",
+               [&](const Caller& c) { return DoUploadAbsorption(c, *req, resp); });
+}
+
+absl::Status AttentionService::DoUploadAbsorption(const Caller& caller,
+                                                  const v1::UploadAbsorptionRequest& req,
+                                                  v1::UploadAbsorptionResponse* resp) {
+  const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
+  if (!open && !caller.admin)
+    return absl::PermissionDeniedError(
+        "UploadAbsorption: only the admin identity (--admin-tenant): the weights serve every "
+        "tenant");
+  const ModelSpec& s = engine_->spec();
+  const int layers = s.num_layers();
+  if (req.first_layer() < 0 || req.first_layer() >= layers ||
+      req.kv_b_proj_size() > layers - req.first_layer())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UploadAbsorption: layers [", req.first_layer(), ", ",
+        int64_t{req.first_layer()} + req.kv_b_proj_size(), ") outside the model's ", layers));
+  std::lock_guard<std::mutex> lock(upload_mu_);
+  if (upload_ == nullptr || upload_->qk_nope_head_dim() != req.qk_nope_head_dim() ||
+      upload_->v_head_dim() != req.v_head_dim()) {  // a new upload (other dims restart it)
+    ASSIGN_OR_RETURN(upload_,
+                     Absorption::Create(s, req.qk_nope_head_dim(), req.v_head_dim(), "upload"));
+  }
+  std::vector<float> w;
+  for (int i = 0; i < req.kv_b_proj_size(); ++i) {
+    const v1::Tensor& t = req.kv_b_proj(i);
+    const int layer = req.first_layer() + i;
+    const std::string name = absl::StrCat("kv_b_proj[", i, "] (layer ", layer, ")");
+    const std::optional<DType> dt = ParseDType(t.datatype());
+    if (!dt || *dt == DType::kFP8E4M3)
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": datatype '", t.datatype(), "'; send FP32, BF16 or FP16"));
+    if (t.has_shm() || t.has_scales())
+      return absl::InvalidArgumentError(absl::StrCat(name, ": give the bytes inline"));
+    const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+    const int64_t want = int64_t{s.num_heads} * (req.qk_nope_head_dim() + req.v_head_dim());
+    if (shape.size() != 2 || shape[0] != want || shape[1] != s.kv_lora_rank)
+      return absl::InvalidArgumentError(absl::StrCat(name, ": shape [", absl::StrJoin(shape, ", "),
+                                                     "], expected [H*(Dn+V), L] = [", want, ", ",
+                                                     s.kv_lora_rank, "]"));
+    const size_t n = static_cast<size_t>(want) * s.kv_lora_rank;
+    if (t.data().size() != n * DTypeSize(*dt))
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", t.data().size(), " bytes, expected ", n * DTypeSize(*dt)));
+    w.resize(n);
+    ConvertToF32(*dt, t.data().data(), w.data(), n);
+    RETURN_IF_ERROR(upload_->SetLayer(layer, shape, w.data()));
+  }
+  int received = 0;
+  for (int l = 0; l < layers; ++l) received += upload_->uk(l).empty() ? 0 : 1;
+  resp->set_layers_received(received);
+  if (!upload_->complete()) return absl::OkStatus();
+  std::shared_ptr<const Absorption> done(std::move(upload_));
+  upload_.reset();
+  RETURN_IF_ERROR(engine_->SetAbsorption(std::move(done)));
+  resp->set_complete(true);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* AttentionService::Echo(grpc::CallbackServerContext* ctx,

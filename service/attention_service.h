@@ -6,6 +6,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -83,6 +84,9 @@ class AttentionService final : public v1::Attention::CallbackService {
                                  v1::EchoResponse* resp) override;
   grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
                                   v1::DrainResponse* resp) override;
+  grpc::ServerUnaryReactor* UploadAbsorption(grpc::CallbackServerContext* ctx,
+                                             const v1::UploadAbsorptionRequest* req,
+                                             v1::UploadAbsorptionResponse* resp) override;
   grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* Step(
       grpc::CallbackServerContext* ctx) override;
 
@@ -118,6 +122,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status DoUnregisterSharedMemory(const Caller& caller,
                                         const v1::UnregisterSharedMemoryRequest& req);
   absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
+  absl::Status DoUploadAbsorption(const Caller& caller, const v1::UploadAbsorptionRequest& req,
+                                  v1::UploadAbsorptionResponse* resp);
   absl::Status DoAbortStep(const Caller& caller, const v1::AbortStepRequest& req);
   // The chunk size an export request asks for, checked (0 = the default).
   absl::StatusOr<int64_t> ExportChunkTokens(const v1::ExportSequenceRequest& req) const;
@@ -163,6 +169,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;
+  // An UploadAbsorption in progress: the layers received so far (handed to the engine when the
+  // last one is in).
+  std::mutex upload_mu_;
+  std::unique_ptr<Absorption> upload_;
   Engine* engine_;
   Executor* executor_;
   ServiceMetrics* metrics_;

@@ -105,6 +105,11 @@ std::vector<Flag> Table(ServerFlags* f) {
        "a Hugging Face config.json (deepseek_v32, glm_moe_dsa): the spec as\ntransformers reads "
        "that model (overrides --model)",
        Str(&f->hf_config)},
+      {"absorb-from", "DIR",
+       "server-side absorption: read every layer's kv_b_proj weight from this\nHugging Face "
+       "checkpoint (config.json + safetensors); calls may then\nsend q_nope and receive [T, H, "
+       "V] (DESIGN §13)",
+       Str(&f->absorb_from)},
       {"kv-cache-bytes", "N", "cache bytes per device (default 1073741824)",
        Int(&f->kv_cache_bytes)},
       {"kv-cache-fraction", "F",

@@ -19,6 +19,7 @@ struct ServerFlags {
   std::string model = "demo";                 // a preset name
   std::string model_file;                     // a JSON model spec; wins over --model
   std::string hf_config;                      // a Hugging Face config.json: the spec from it
+  std::string absorb_from;  // a checkpoint directory: server-side absorption's kv_b_proj weights
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
   double kv_cache_fraction = 0;  // > 0: the cache from device memory, over kv_cache_bytes
   int32_t kv_pages = 0;          // per device, incl. the reserved page 0; wins over bytes

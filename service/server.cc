@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/absorption.h"
 #include "common/hf_config.h"
 #include "common/status_macros.h"
 #include "engine/engine.h"
@@ -90,6 +91,13 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
     if (std::find(isas.begin(), isas.end(), cpu::Isa::kAvx2) == isas.end())
       return absl::FailedPreconditionError("--cpu-isa=avx2: this CPU lacks AVX2/FMA");
     o.isa = cpu::Isa::kAvx2;
+  }
+  if (!f.absorb_from.empty()) {
+    auto absorb = LoadAbsorption(f.absorb_from, o.spec);
+    if (!absorb.ok())
+      return absl::Status(absorb.status().code(),
+                          absl::StrCat("--absorb-from: ", absorb.status().message()));
+    o.absorption = *std::move(absorb);
   }
   return Engine::Create(o);
 }
@@ -272,6 +280,9 @@ int RunServer(const ServerFlags& flags) {
       flags.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags.admin_tenant).c_str(),
       flags.shm ? absl::StrCat("on ", flags.shm_socket).c_str() : "off",
       flags.grpc_reflection ? "on" : "off");
+  if (const auto a = engine->absorption())
+    std::printf("attnd: absorption on (%s): q_nope [T, H, %d] in, [T, H, %d] out, %zu MB\n",
+                a->source().c_str(), a->qk_nope_head_dim(), a->v_head_dim(), a->bytes() >> 20);
   std::fflush(stdout);
   LOG(INFO) << "config: devices " << absl::StrJoin(engine->options().devices, ",") << ", model "
             << engine->spec().name << ", cache " << DTypeName(engine->options().cache_dtype) << " "

@@ -86,6 +86,7 @@ absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfer
                     LayerInputs* out) {
   const std::pair<const char*, std::pair<const v1::Tensor*, TensorView*>> all[] = {
       {"q_latent", {&in.q_latent(), &out->q_latent}},
+      {"q_nope", {&in.q_nope(), &out->q_nope}},
       {"q_rope", {&in.q_rope(), &out->q_rope}},
       {"kv_latent", {&in.kv_latent(), &out->kv_latent}},
       {"k_rope", {&in.k_rope(), &out->k_rope}},
@@ -128,9 +129,9 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
   const int64_t bytes = tokens * heads * latent * static_cast<int64_t>(DTypeSize(dtype));
   if (in.has_out_shm()) {
     if (in.out_shm().byte_size() != bytes)
-      return absl::InvalidArgumentError(absl::StrCat("out_shm: byte_size ",
-                                                     in.out_shm().byte_size(), ", expected ", bytes,
-                                                     " for [T, H, L] in ", DTypeName(dtype)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("out_shm: byte_size ", in.out_shm().byte_size(), ", expected ", bytes,
+                       " for [", tokens, ", ", heads, ", ", latent, "] in ", DTypeName(dtype)));
     ASSIGN_OR_RETURN(auto r,
                      shm.Resolve("out_shm", in.out_shm().region(), in.out_shm().offset(), bytes));
     transfers->outputs.push_back(

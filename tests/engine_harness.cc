@@ -93,8 +93,15 @@ std::vector<reference::LayerValues> Values(const std::vector<LayerData>& layers)
 }  // namespace
 
 LayerInputs LayerData::inputs() const {
-  return LayerInputs{q_latent.view(), q_rope.view(),  kv_latent.view(), k_rope.view(),
-                     index_q.view(),  index_k.view(), index_w.view()};
+  LayerInputs in;
+  in.q_latent = q_latent.view();
+  in.q_rope = q_rope.view();
+  in.kv_latent = kv_latent.view();
+  in.k_rope = k_rope.view();
+  in.index_q = index_q.view();
+  in.index_k = index_k.view();
+  in.index_w = index_w.view();
+  return in;
 }
 
 Harness::Harness(EngineOptions options) {

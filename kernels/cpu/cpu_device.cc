@@ -17,6 +17,8 @@ constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 constexpr int64_t kScoreChunk = 8192;
 // Heads per attention task.
 constexpr int kHeadGroup = 16;
+// Tokens per absorption GEMM task (q_nope · W_UK of one head).
+constexpr int64_t kAbsorbTokens = 64;
 
 void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n) {
   if (src_t == dst_t) {
@@ -35,7 +37,7 @@ void CopyConvert(DType src_t, const void* src, DType dst_t, void* dst, size_t n)
 struct CpuDevice::Step final : DeviceStep {
   std::vector<std::vector<int32_t>> positions;  // [n] selected key positions, ascending
   std::vector<std::vector<int32_t>> slots;      // [n] the same keys as physical slot ids
-  std::vector<float> q, index_q, index_w, scores;
+  std::vector<float> q, q_nope, index_q, index_w, scores;
 };
 
 absl::StatusOr<std::unique_ptr<CpuDevice>> CpuDevice::Create(std::string name,
@@ -71,7 +73,7 @@ absl::Status CpuDevice::RunLayer(const StepShare& share, DeviceStep& step, const
   if (call.out == nullptr) return absl::OkStatus();
   ConvertQueries(share, st, call);
   if (call.select) Select(share, st, call.layer);
-  Attend(share, st, call.layer, call.out_dtype, call.out, call.lse);
+  Attend(share, st, call);
   return absl::OkStatus();
 }
 
@@ -122,14 +124,37 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
   const int64_t n = share.size();
   // Queries to fp32: [n, H, L+R] with q_latent | q_rope per head.
   st.q.resize(static_cast<size_t>(n) * H * D);
-  pool_->ParallelFor(n, [&](int64_t i) {
-    const int64_t t = share.rows[i];
-    for (int h = 0; h < H; ++h) {
-      float* q = st.q.data() + (i * H + h) * D;
-      QueryRow(in.q_latent, t * H + h, L, q);
-      QueryRow(in.q_rope, t * H + h, R, q + L);
-    }
-  });
+  if (call.absorb == nullptr) {
+    pool_->ParallelFor(n, [&](int64_t i) {
+      const int64_t t = share.rows[i];
+      for (int h = 0; h < H; ++h) {
+        float* q = st.q.data() + (i * H + h) * D;
+        QueryRow(in.q_latent, t * H + h, L, q);
+        QueryRow(in.q_rope, t * H + h, R, q + L);
+      }
+    });
+  } else {
+    // Absorbed on the server: q_latent[i, h] = q_nope[i, h] · W_UK[h], one GEMM per head and
+    // block of tokens.
+    const Absorption& a = *call.absorb;
+    const int Dn = a.qk_nope_head_dim();
+    st.q_nope.resize(static_cast<size_t>(n) * H * Dn);
+    pool_->ParallelFor(n, [&](int64_t i) {
+      const int64_t t = share.rows[i];
+      for (int h = 0; h < H; ++h) {
+        QueryRow(in.q_nope, t * H + h, Dn, st.q_nope.data() + (i * H + h) * Dn);
+        QueryRow(in.q_rope, t * H + h, R, st.q.data() + (i * H + h) * D + L);
+      }
+    });
+    const int64_t blocks = (n + kAbsorbTokens - 1) / kAbsorbTokens;
+    pool_->ParallelFor(blocks * H, [&](int64_t task) {
+      const int h = static_cast<int>(task % H);
+      const int64_t i0 = task / H * kAbsorbTokens;
+      const int m = static_cast<int>(std::min<int64_t>(kAbsorbTokens, n - i0));
+      kernels_->gemm(m, L, Dn, st.q_nope.data() + (i0 * H + h) * Dn, H * Dn, a.Uk(call.layer, h), L,
+                     st.q.data() + (i0 * H + h) * D, H * D, false);
+    });
+  }
   if (!call.select) return;
   const int Hi = spec_.index_n_heads;
   const int64_t row = int64_t{Hi} * spec_.index_head_dim;
@@ -216,9 +241,15 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer) {
   }
 }
 
-void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out,
-                       float* lse) {
+void CpuDevice::Attend(const StepShare& share, Step& st, const LayerCall& call) {
+  const int layer = call.layer;
+  const DType out_dtype = call.out_dtype;
+  uint8_t* out = call.out;
+  float* lse = call.lse;
+  const Absorption* absorb = call.absorb;
   const int H = spec_.num_heads, L = spec_.kv_lora_rank, D = spec_.latent_dim();
+  // The output's per-head width: V when absorbed (out_latent · W_UV^T), else L.
+  const int W = absorb != nullptr ? absorb->v_head_dim() : L;
   const LayerKind kind = spec_.layers[layer];
   const bool dense = kind == LayerKind::kDense;
   const int groups = (H + kHeadGroup - 1) / kHeadGroup;
@@ -237,7 +268,7 @@ void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dt
     const int qn = range ? u.count : 1;
     const int h0 = static_cast<int>(task % groups) * kHeadGroup;
     const int hn = std::min(kHeadGroup, H - h0);
-    thread_local std::vector<float> q, o, e;
+    thread_local std::vector<float> q, o, e, v;
     thread_local std::vector<int64_t> lo, hi;
     q.resize(static_cast<size_t>(qn) * hn * D);
     o.resize(static_cast<size_t>(qn) * hn * L);
@@ -276,10 +307,18 @@ void CpuDevice::Attend(const StepShare& share, Step& st, int layer, DType out_dt
       p.num_keys = static_cast<int64_t>(st.slots[u.first].size());
     }
     cpu::MlaAttend(*kernels_, p);
+    const float* res = o.data();  // [qn, hn, W]
+    if (absorb != nullptr) {      // the values: out_latent[h] · W_UV[h]^T, a GEMM per head
+      v.resize(static_cast<size_t>(qn) * hn * W);
+      for (int hh = 0; hh < hn; ++hh)
+        kernels_->gemm(qn, W, L, o.data() + hh * L, hn * L, absorb->UvT(layer, h0 + hh), W,
+                       v.data() + hh * W, hn * W, false);
+      res = v.data();
+    }
     for (int j = 0; j < qn; ++j) {
       const int64_t t = share.rows[u.first + j];
-      ConvertFromF32(out_dtype, o.data() + static_cast<size_t>(j) * hn * L,
-                     out + (t * H + h0) * L * oe, static_cast<size_t>(hn) * L);
+      ConvertFromF32(out_dtype, res + static_cast<size_t>(j) * hn * W, out + (t * H + h0) * W * oe,
+                     static_cast<size_t>(hn) * W);
       if (lse != nullptr) std::copy_n(e.data() + static_cast<size_t>(j) * hn, hn, lse + t * H + h0);
     }
   });

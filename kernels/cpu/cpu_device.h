@@ -41,8 +41,8 @@ class CpuDevice final : public Device {
   // Row `row` of a query tensor seen as [rows, elems] to fp32 (FP8_E4M3: code x the row's scale).
   void QueryRow(const TensorView& t, int64_t row, int64_t elems, float* dst) const;
   void Select(const StepShare& share, Step& st, int layer);
-  void Attend(const StepShare& share, Step& st, int layer, DType out_dtype, uint8_t* out,
-              float* lse);
+  // MLA for the share's queries into call.out (and call.lse); absorbed calls get W_UV applied.
+  void Attend(const StepShare& share, Step& st, const LayerCall& call);
   // Rows [first, first + rows) of a page of indexer rows to `to` as CacheLayout::IndexRanges
   // stages them, and a page's first `rows` rows back from there.
   void CopyIndexRows(const uint8_t* page, int first, int rows, uint8_t* to) const;

@@ -198,7 +198,11 @@ struct CudaDevice::State {
   DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, tmp_sel, tmp_count,
       page_keys, page_list, page_count, out_f32, out_raw, lse;
   DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
+  DeviceBuffer q_nope, out_v;      // absorbed calls: q_nope and the values, fp32
   HostBuffer staging;
+  // Server-side absorption: every layer's W_UK [H, Dn, L] and W_UV^T [H, L, V] (PrepareAbsorption).
+  std::vector<DeviceBuffer> absorb_uk, absorb_uv;
+  int absorb_dn = 0, absorb_v = 0;
   int sms = 1;                       // multiprocessors: how many split-K blocks fill the GPU
   size_t scratch_budget = 0;         // the most per-layer scratch a step may need (bytes)
   const StepShare* share = nullptr;  // the share whose layer runs now (mu held)
@@ -373,7 +377,9 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&idx_k, n * Di * 4},
       {&idx_w, n * Hi * 4},
       {&out_f32, n * H * L * 4},
-      {&out_raw, n * H * L * 4},
+      {&out_raw, n * H * std::max<size_t>(L, absorb_v) * 4},
+      {&q_nope, std::max<size_t>(4, n * H * absorb_dn * 4)},
+      {&out_v, std::max<size_t>(4, n * H * absorb_v * 4)},
       {&lse, n * H * 4},
       {&scores, std::max<size_t>(4, need_keys * 4)},
       {&tmp_sel, n * k * 4},
@@ -624,8 +630,26 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     RETURN_IF_ERROR(s.Select(call.layer, in.index_q.dtype == DType::kBF16));
     st.selected = true;
   }
-  // 3. Attention.
-  RETURN_IF_ERROR(s.Rows(in.q_latent, int64_t{H} * L, s.q_lat));
+  // 3. Attention (absorbed calls first form q_latent = q_nope · W_UK per head).
+  const Absorption* absorb = call.absorb;
+  if (absorb != nullptr) {
+    if (s.absorb_uk.size() != static_cast<size_t>(sp.num_layers()))
+      return absl::InternalError("absorbed call on a GPU without its absorption weights");
+    const int Dn = absorb->qk_nope_head_dim();
+    RETURN_IF_ERROR(s.Rows(in.q_nope, int64_t{H} * Dn, s.q_nope));
+    RETURN_IF_ERROR(s.q_lat.Reserve(std::max<size_t>(4, st.n * H * L * 4)));
+    HeadProjectParams hp;
+    hp.in = s.q_nope.as<float>();
+    hp.w = s.absorb_uk[call.layer].as<float>();
+    hp.out = s.q_lat.as<float>();
+    hp.n = static_cast<int>(st.n);
+    hp.heads = H;
+    hp.k = Dn;
+    hp.cols = L;
+    CUDA_RETURN(LaunchHeadProject(hp, s.stream));
+  } else {
+    RETURN_IF_ERROR(s.Rows(in.q_latent, int64_t{H} * L, s.q_lat));
+  }
   RETURN_IF_ERROR(s.Rows(in.q_rope, int64_t{H} * R, s.q_rope));
   RETURN_IF_ERROR(s.out_f32.Reserve(st.n * H * L * 4));
   MlaParams mp;
@@ -652,8 +676,8 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     RETURN_IF_ERROR(s.lse.Reserve(std::max<size_t>(4, st.n * H * 4)));
     mp.lse = s.lse.as<float>();
   }
-  mp.tensor_cores =
-      TensorCoreMla() && in.q_latent.dtype == DType::kBF16 && in.q_rope.dtype == DType::kBF16;
+  mp.tensor_cores = TensorCoreMla() && absorb == nullptr && in.q_latent.dtype == DType::kBF16 &&
+                    in.q_rope.dtype == DType::kBF16;
   if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
     mp.splits = MlaSplits(mp.n, H, s.sms, st.max_keys, MlaHeadsPerBlock(mp));
     RETURN_IF_ERROR(s.part_out.Reserve(size_t(mp.splits) * st.n * H * L * 4));
@@ -662,11 +686,26 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     mp.part_ml = s.part_ml.as<float>();
   }
   CUDA_RETURN(LaunchMla(mp, s.stream));
-  // 4. Output rows back in the request's dtype.
-  const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * L * es;
+  // 4. Output rows back in the request's dtype (absorbed: the values, out_latent · W_UV^T).
+  const float* result = s.out_f32.as<float>();
+  int W = L;
+  if (absorb != nullptr) {
+    W = absorb->v_head_dim();
+    RETURN_IF_ERROR(s.out_v.Reserve(std::max<size_t>(4, st.n * H * W * 4)));
+    HeadProjectParams hp;
+    hp.in = s.out_f32.as<float>();
+    hp.w = s.absorb_uv[call.layer].as<float>();
+    hp.out = s.out_v.as<float>();
+    hp.n = static_cast<int>(st.n);
+    hp.heads = H;
+    hp.k = L;
+    hp.cols = W;
+    CUDA_RETURN(LaunchHeadProject(hp, s.stream));
+    result = s.out_v.as<float>();
+  }
+  const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * W * es;
   RETURN_IF_ERROR(s.out_raw.Reserve(st.n * row));
-  CUDA_RETURN(
-      LaunchFromF32(s.out_f32.as<float>(), call.out_dtype, s.out_raw.ptr, st.n * H * L, s.stream));
+  CUDA_RETURN(LaunchFromF32(result, call.out_dtype, s.out_raw.ptr, st.n * H * W, s.stream));
   RETURN_IF_ERROR(s.staging.Reserve(st.n * row));
   CUDA_RETURN(
       cudaMemcpyAsync(s.staging.ptr, s.out_raw.ptr, st.n * row, cudaMemcpyDeviceToHost, s.stream));
@@ -682,6 +721,22 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     for (int64_t i = 0; i < st.n; ++i)
       std::memcpy(call.lse + share.rows[i] * H, s.staging.data() + i * lrow, lrow);
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::PrepareAbsorption(const Absorption& weights) {
+  State& s = *s_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  CUDA_RETURN(cudaSetDevice(ordinal_));
+  std::vector<DeviceBuffer> uk(weights.num_layers()), uv(weights.num_layers());
+  for (int l = 0; l < weights.num_layers(); ++l) {
+    RETURN_IF_ERROR(Upload(uk[l], weights.uk(l), s.stream));
+    RETURN_IF_ERROR(Upload(uv[l], weights.uv_t(l), s.stream));
+  }
+  s.absorb_uk = std::move(uk);
+  s.absorb_uv = std::move(uv);
+  s.absorb_dn = weights.qk_nope_head_dim();
+  s.absorb_v = weights.v_head_dim();
   return absl::OkStatus();
 }
 

@@ -56,6 +56,9 @@ class CudaDevice final : public Device {
   // through host staging.
   absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies) override;
   absl::StatusOr<bool> ReservedPageUntouched() override;
+  // Copies every layer's W_UK and W_UV^T to this GPU (fp32; RESOURCE_EXHAUSTED when they do not
+  // fit beside the cache).
+  absl::Status PrepareAbsorption(const Absorption& weights) override;
 
  private:
   friend void ConnectPeers(const std::vector<CudaDevice*>& gpus);

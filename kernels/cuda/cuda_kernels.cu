@@ -793,6 +793,56 @@ cudaError_t LaunchFromF32(const float* src, DType dtype, void* dst, int64_t coun
   });
 }
 
+namespace {
+
+constexpr int kProjectCols = 128;   // output columns per block (one per thread)
+constexpr int kProjectTokens = 8;   // tokens per block: each weight load feeds 8 FMAs
+constexpr int kProjectK = 128;      // inputs staged in shared memory per round
+
+// One block: 128 output columns of one head for 8 tokens. Weight rows are read coalesced across
+// the block's threads; the tokens' inputs are staged in shared memory, 128 at a time.
+__global__ void HeadProjectKernel(HeadProjectParams p) {
+  __shared__ float x[kProjectTokens][kProjectK];
+  const int h = blockIdx.y;
+  const int j = blockIdx.x * kProjectCols + threadIdx.x;
+  const int t0 = blockIdx.z * kProjectTokens;
+  const int tn = min(kProjectTokens, p.n - t0);
+  float acc[kProjectTokens] = {};
+  const float* w = p.w + static_cast<size_t>(h) * p.k * p.cols;
+  for (int k0 = 0; k0 < p.k; k0 += kProjectK) {
+    const int kn = min(kProjectK, p.k - k0);
+    for (int i = threadIdx.x; i < kProjectTokens * kProjectK; i += blockDim.x) {
+      const int t = i / kProjectK, kk = i % kProjectK;
+      x[t][kk] = t < tn && kk < kn
+                     ? p.in[(static_cast<size_t>(t0 + t) * p.heads + h) * p.k + k0 + kk]
+                     : 0.0f;
+    }
+    __syncthreads();
+    if (j < p.cols)
+      for (int kk = 0; kk < kn; ++kk) {
+        const float wv = w[static_cast<size_t>(k0 + kk) * p.cols + j];
+#pragma unroll
+        for (int t = 0; t < kProjectTokens; ++t) acc[t] = fmaf(x[t][kk], wv, acc[t]);
+      }
+    __syncthreads();
+  }
+  if (j >= p.cols) return;
+  for (int t = 0; t < tn; ++t)
+    p.out[(static_cast<size_t>(t0 + t) * p.heads + h) * p.cols + j] = acc[t];
+}
+
+}  // namespace
+
+cudaError_t LaunchHeadProject(const HeadProjectParams& p, cudaStream_t s) {
+  if (p.n <= 0 || p.heads <= 0 || p.cols <= 0) return cudaSuccess;
+  if (p.heads > 65535) return cudaErrorInvalidValue;
+  const dim3 grid((p.cols + kProjectCols - 1) / kProjectCols, p.heads,
+                  (p.n + kProjectTokens - 1) / kProjectTokens);
+  if (grid.z > 65535) return cudaErrorInvalidValue;
+  HeadProjectKernel<<<grid, kProjectCols, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaStream_t s) {
   if (count <= 0) return cudaSuccess;
   FillNormalKernel<<<Blocks(count), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(dst), count,

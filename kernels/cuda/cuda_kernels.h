@@ -29,6 +29,17 @@ cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count,
 // dst[i] = dtype(src[i]) (round to nearest even).
 cudaError_t LaunchFromF32(const float* src, DType dtype, void* dst, int64_t count, cudaStream_t s);
 
+// Server-side absorption's per-head products (fp32): out[t, h, j] = sum_k in[t, h, k] w[h, k, j]
+// for t < n, h < heads, j < cols. W_UK [heads, Dn, L] turns q_nope into q_latent, W_UV^T
+// [heads, L, V] the latent output into the values.
+struct HeadProjectParams {
+  const float* in = nullptr;  // [n, heads, k]
+  const float* w = nullptr;   // [heads, k, cols]
+  float* out = nullptr;       // [n, heads, cols]
+  int n = 0, heads = 0, k = 0, cols = 0;
+};
+cudaError_t LaunchHeadProject(const HeadProjectParams& p, cudaStream_t s);
+
 // Fills `count` bf16 values with N(0,1) from a counter-based hash of (seed, index): test and
 // benchmark data without a host round trip.
 cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaStream_t s);

@@ -590,6 +590,19 @@ class ServerInfo:
     auth: str  # "none", "token" or "mtls"
     shm: bool  # shared memory is enabled (over the server's Unix-socket listener)
     max_attended_positions: int  # attend_layer(attended=True): the step's visible keys, at most
+    # server-side absorption's weights (None: the server holds none and refuses q_nope)
+    absorption: Optional["AbsorptionInfo"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsorptionInfo:
+    """Server-side absorption (``ServerInfo.absorption``): layer calls may send q_nope
+    [T, H, qk_nope_head_dim] and receive [T, H, v_head_dim]."""
+
+    qk_nope_head_dim: int
+    v_head_dim: int
+    source: str  # "checkpoint DIR" or "upload"
+    bytes: int  # host memory the weights take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -622,6 +635,7 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         devices=tuple(_plain(DeviceInfo, d) for d in msg.devices),
         datatypes=tuple(msg.datatypes),
         max_attended_positions=msg.limits.max_attended_positions,
+        absorption=_plain(AbsorptionInfo, msg.absorption) if msg.HasField("absorption") else None,
     )
 
 
@@ -743,6 +757,11 @@ def merge_attention(outs: Sequence, lses: Sequence) -> Tuple[np.ndarray, np.ndar
     out[nan] = np.nan
     lse[nan] = np.nan
     return out.astype(np.float32), lse.astype(np.float32)
+
+
+def _query(q_latent: Optional[TensorArg], q_nope: Optional[TensorArg]) -> Optional[TensorArg]:
+    """The query whose datatype the output takes: q_latent, or q_nope on an absorbed call."""
+    return q_latent if q_latent is not None else q_nope
 
 
 def _raw_bf16(q_latent: Optional[TensorArg], uint16_as_bf16: bool) -> bool:
@@ -880,6 +899,7 @@ class _Api:
         layer: int,
         *,
         q_latent: Optional[TensorArg] = None,
+        q_nope: Optional[TensorArg] = None,
         q_rope: Optional[TensorArg] = None,
         kv_latent: Optional[TensorArg] = None,
         k_rope: Optional[TensorArg] = None,
@@ -902,6 +922,10 @@ class _Api:
         key sets merge (:func:`merge_attention`; a shard's heads [T, H/S] on sharded steps; not
         on write-only steps).
 
+        Server-side absorption (``info().absorption`` set): give ``q_nope`` [T, H, Dn] instead of
+        q_latent; the server forms q_nope · W_UK and returns the values [T, H, V] (out_latent ·
+        W_UV^T) instead of the latent output. Not on sharded steps.
+
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
         kv_latent and k_rope are required except from shards other than 0. Tensors are numpy
@@ -915,13 +939,13 @@ class _Api:
         the output's) that the server writes the output into; the call then returns a view of the
         slot (valid until the slot is rewritten) instead of decoding bytes from the reply.
         """
-        tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
+        tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         request = pb.AttendLayerRequest(
             step_id=step_id,
             inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse),
         )
-        raw = _raw_bf16(q_latent, self._uint16_as_bf16)
+        raw = _raw_bf16(_query(q_latent, q_nope), self._uint16_as_bf16)
         return self._unary(
             "AttendLayer", request,
             lambda r: _result(r.output, raw, out, details or attended or lse, as_torch))
@@ -987,6 +1011,30 @@ class AttndClient(_Api):
         self._init_channel(grpc, target, max_message_bytes, options, root_certificates,
                            private_key, certificate_chain, server_name, token, act_as_tenant,
                            timeout, uint16_as_bf16)
+
+    def upload_absorption(self, kv_b_proj: Sequence, qk_nope_head_dim: int, v_head_dim: int, *,
+                          max_message_bytes: Optional[int] = None) -> bool:
+        """Gives the server every layer's kv_b_proj weight ([H*(Dn+V), L] each, in layer order;
+        float32, float16 or bfloat16 arrays or CPU torch tensors) for server-side absorption, in
+        as many calls as the message limit needs. Returns True once the server uses them. The
+        same weights again are a no-op; different ones once set are ALREADY_EXISTS. The admin
+        identity only on an authenticated server."""
+        limit = max_message_bytes or max(1, self.info().max_message_bytes - (1 << 16))
+        layer, complete = 0, False
+        while layer < len(kv_b_proj):
+            batch, size = [], 0
+            while layer + len(batch) < len(kv_b_proj):
+                t = to_tensor(kv_b_proj[layer + len(batch)], uint16_as_bf16=self._uint16_as_bf16)
+                if batch and size + len(t.data) > limit:
+                    break
+                batch.append(t)
+                size += len(t.data)
+            reply = self._unary("UploadAbsorption", pb.UploadAbsorptionRequest(
+                qk_nope_head_dim=int(qk_nope_head_dim), v_head_dim=int(v_head_dim),
+                first_layer=layer, kv_b_proj=batch), lambda r: r)
+            layer += len(batch)
+            complete = reply.complete
+        return complete
 
     def _unary(self, rpc: str, request, convert=lambda r: None):
         return convert(self._call(getattr(self._stub, rpc), request))
@@ -1319,6 +1367,7 @@ class StepStream(_StepBookkeeping):
         layer: int,
         *,
         q_latent: Optional[TensorArg] = None,
+        q_nope: Optional[TensorArg] = None,
         q_rope: Optional[TensorArg] = None,
         kv_latent: Optional[TensorArg] = None,
         k_rope: Optional[TensorArg] = None,
@@ -1335,11 +1384,11 @@ class StepStream(_StepBookkeeping):
         """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
         ``attended``, ``lse``, ``as_torch`` too). ``shard`` defaults to the shard this stream joined as (0 after
         ``begin``)."""
-        tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
+        tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         response = self._roundtrip(
             self._layer_request(layer, tensors, shard, out, attended, lse), "layer")
-        return self._layered(response, layer, q_latent, out, details or lse, attended, as_torch)
+        return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""
@@ -1448,6 +1497,7 @@ class AsyncStepStream(_StepBookkeeping):
         layer: int,
         *,
         q_latent: Optional[TensorArg] = None,
+        q_nope: Optional[TensorArg] = None,
         q_rope: Optional[TensorArg] = None,
         kv_latent: Optional[TensorArg] = None,
         k_rope: Optional[TensorArg] = None,
@@ -1462,11 +1512,11 @@ class AsyncStepStream(_StepBookkeeping):
         as_torch: bool = False,
     ):
         """See :meth:`StepStream.layer`."""
-        tensors = dict(q_latent=q_latent, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
+        tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         response = await self._roundtrip(
             self._layer_request(layer, tensors, shard, out, attended, lse), "layer")
-        return self._layered(response, layer, q_latent, out, details or lse, attended, as_torch)
+        return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
 
     async def abort(self) -> None:
         if self._step is None or self._closed:
