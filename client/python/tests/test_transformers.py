@@ -51,7 +51,7 @@ def tiny_config(model_type: str):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
 
 
-def _serve(model_type, cache_dtype, tmp_path):
+def _serve(model_type, cache_dtype, tmp_path, absorb=False):
     config = tiny_config(model_type)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -65,9 +65,13 @@ def _serve(model_type, cache_dtype, tmp_path):
     reference = copy.deepcopy(model)
     path = tmp_path / "config.json"
     config.to_json_file(path)
-    proc, target, _ = start([f"--hf-config={path}", f"--cache-dtype={cache_dtype}"], kv_pages=64)
+    flags = [f"--hf-config={path}", f"--cache-dtype={cache_dtype}"]
+    if absorb:  # the checkpoint transformers writes: the server reads its kv_b_proj weights
+        model.save_pretrained(tmp_path / "checkpoint")
+        flags.append(f"--absorb-from={tmp_path / 'checkpoint'}")
+    proc, target, _ = start(flags, kv_pages=64)
     client = AttndClient(target, timeout=60)
-    yield AttndModel(model, client), reference, json.loads(path.read_text())
+    yield AttndModel(model, client, server_absorbs=absorb), reference, json.loads(path.read_text())
     client.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
@@ -81,6 +85,11 @@ def served(request, tmp_path):
 @pytest.fixture(params=["deepseek_v32", "glm_moe_dsa"])
 def served_bf16(request, tmp_path):
     yield from _serve(request.param, "bf16", tmp_path)
+
+
+@pytest.fixture(params=["deepseek_v32", "glm_moe_dsa"])
+def served_absorbing(request, tmp_path):
+    yield from _serve(request.param, "fp32", tmp_path, absorb=True)
 
 
 @contextlib.contextmanager
@@ -326,3 +335,24 @@ def test_generate_from_a_forked_shared_prefix_equals_a_fresh_generate(served):
     adapter.close("system")
     assert forked == fresh == reference_greedy(reference, prompt, 8)[0]
     assert adapter.client.list_sequences() == []
+
+
+def test_server_side_absorption_from_save_pretrained_gives_the_models_tokens(served_absorbing):
+    # attnd reads kv_b_proj from the checkpoint save_pretrained wrote; the worker sends q_nope
+    # and gets the values back: the same greedy tokens, logits within 1e-4.
+    adapter, reference, config = served_absorbing
+    info = adapter.client.info().absorption
+    assert (info.qk_nope_head_dim, info.v_head_dim) == (16, 16)
+    prompt = torch.randint(0, 96, (PROMPT_LEN,), generator=torch.Generator().manual_seed(7))
+    want_tokens, want_logits = reference_greedy(reference, prompt.tolist(), DECODE)
+    adapter.open("s")
+    logits = None
+    for start_tok in range(0, PROMPT_LEN, CHUNK):
+        (logits,) = adapter.forward([("s", prompt[start_tok:start_tok + CHUNK])])
+    got_tokens = []
+    for i in range(DECODE):
+        err = rel_l2(logits[-1], want_logits[i])
+        assert err < 1e-4, f"step {i}: logits differ by {err:.2e} (relative L2)"
+        got_tokens.append(int(logits[-1].argmax()))
+        (logits,) = adapter.forward([("s", torch.tensor([got_tokens[-1]]))])
+    assert got_tokens == want_tokens

@@ -14,7 +14,8 @@ returns the latent output. The KV cache lives only on attnd: the model runs with
 How the model's semantics are bridged:
 - Absorption: kv_b_proj's weight [H*(nope+v), L] is split per head into W_UK [H, nope, L] and
   W_UV [H, v, L]; the query sent is q_latent = q_nope @ W_UK (so q_latent . c = q_nope . k_nope)
-  and the output is out_latent @ W_UV^T, exactly the model's per-head keys and values.
+  and the output is out_latent @ W_UV^T, exactly the model's per-head keys and values. With
+  ``server_absorbs`` the server does both from the checkpoint (q_nope sent, values returned).
 - RoPE: the model's own functions on the model's own cos/sin: interleaved pairs for MLA (both
   models), half-split for DeepSeek-V3.2's indexer, interleaved for GLM's.
 - Indexer constants: the model scores relu(softmax_scale * q.k) * w * Hi^-0.5; both constants
@@ -74,15 +75,19 @@ class _Layer:
         k_rot = k_rot.view(b, 1, s, attn.qk_rope_head_dim)
         q_rot, k_rot = self.rope.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
         # Absorbed query [T, H, L], its RoPE part [T, H, R]; the keys [T, L], [T, R].
-        q_latent = torch.einsum("hsn,hnl->shl", q_nope[0].float(), self.w_uk)
-        tensors = dict(q_latent=q_latent, q_rope=q_rot[0].transpose(0, 1),
-                       kv_latent=c_kv[0], k_rope=k_rot[0, 0])
+        if owner.server_absorbs:  # the server holds W_UK and W_UV: q_nope goes as it is
+            tensors = dict(q_nope=q_nope[0].transpose(0, 1))
+        else:
+            tensors = dict(q_latent=torch.einsum("hsn,hnl->shl", q_nope[0].float(), self.w_uk))
+        tensors.update(q_rope=q_rot[0].transpose(0, 1), kv_latent=c_kv[0], k_rope=k_rot[0, 0])
         indexer = getattr(attn, "indexer", None)
         if indexer is not None:
             tensors.update(self._indexer(indexer, hidden_states, q_resid, cos, sin))
         wire = {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}
-        out = owner._attend(self.index, wire)  # [T, H, L]
-        o = torch.einsum("shl,hvl->shv", out.float(), self.w_uv).reshape(b, s, -1)
+        out = owner._attend(self.index, wire)  # [T, H, L], or the values [T, H, V] if absorbed
+        if not owner.server_absorbs:
+            out = torch.einsum("shl,hvl->shv", out.float(), self.w_uv)
+        o = out.reshape(b, s, -1)
         o = attn.o_proj(o.to(hidden_states.dtype))
         return (o, None, None) if self.returns_topk else (o, None)
 
@@ -110,18 +115,29 @@ class AttndModel:
     """A transformers DeepSeek-V3.2 / GLM-MoE-DSA causal LM whose attention runs on attnd.
 
     ``wire_dtype``: the datatype of what is sent (torch.float32 or torch.bfloat16); the cache's
-    is the server's --cache-dtype. Sequences are opened by :meth:`open` or :meth:`fork` (a shared
+    is the server's --cache-dtype. ``server_absorbs``: the server holds this checkpoint's
+    kv_b_proj (attnd --absorb-from): send q_nope, receive the values (80 KB per token per layer
+    instead of 288 KB at DeepSeek dims, DESIGN §13). Sequences are opened by :meth:`open` or :meth:`fork` (a shared
     prefix), extended by :meth:`forward` (any mix of prefill chunks and decode tokens) and
     :meth:`generate`, and closed by :meth:`close`. Not thread-safe (one step at a time)."""
 
-    def __init__(self, model, client: AttndClient, *, wire_dtype=torch.float32) -> None:
+    def __init__(self, model, client: AttndClient, *, wire_dtype=torch.float32,
+                 server_absorbs: bool = False) -> None:
         config = model.config
         self.model_type = config.model_type
         if self.model_type not in _MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r}: AttndModel serves {_MODEL_TYPES}")
         self.model, self.client, self.wire_dtype = model, client, wire_dtype
+        self.server_absorbs = server_absorbs
         info = client.info()
         check_spec_matches(info.model, config)
+        if server_absorbs:
+            a = info.absorption
+            want = (config.qk_nope_head_dim, config.v_head_dim)
+            if a is None or (a.qk_nope_head_dim, a.v_head_dim) != want:
+                raise ValueError(f"server_absorbs: the server holds {a} (start attnd with "
+                                 f"--absorb-from=<this checkpoint>); the model needs "
+                                 f"qk_nope_head_dim, v_head_dim = {want}")
         self.spec = info.model
         rope_module = importlib.import_module(type(model).__module__)
         self.layers: List[_Layer] = []
