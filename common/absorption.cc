@@ -69,6 +69,12 @@ int Absorption::missing_layer() const {
   return -1;
 }
 
+int Absorption::layers_set() const {
+  int n = 0;
+  for (const auto& uk : uk_) n += uk.empty() ? 0 : 1;
+  return n;
+}
+
 bool Absorption::complete() const { return missing_layer() < 0; }
 
 size_t Absorption::bytes() const {

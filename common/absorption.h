@@ -34,6 +34,8 @@ class Absorption {
   bool complete() const;
   // The first layer not set yet, or -1.
   int missing_layer() const;
+  // How many layers were set.
+  int layers_set() const;
 
   int qk_nope_head_dim() const { return qk_nope_; }  // Dn
   int v_head_dim() const { return v_head_; }         // V

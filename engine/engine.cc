@@ -101,7 +101,9 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<Device>> devices;  // fixed after Create: read without mu
 
   // Server-side absorption's weights, once set (never replaced: a running step's layers all see
-  // the same ones). Read under absorb_mu.
+  // the same ones). Read under absorb_mu; set_absorb_mu serialises SetAbsorption, so a layer
+  // never waits for an upload to the devices.
+  std::mutex set_absorb_mu;
   mutable std::mutex absorb_mu;
   std::shared_ptr<const Absorption> absorption;
   std::shared_ptr<const Absorption> Absorbing() const {
@@ -256,14 +258,15 @@ absl::Status Engine::Impl::PrepareAbsorption(const Absorption& a) {
 
 absl::Status Engine::SetAbsorption(std::shared_ptr<const Absorption> weights) {
   if (weights == nullptr) return absl::InvalidArgumentError("no absorption weights");
-  std::lock_guard<std::mutex> lock(impl_->absorb_mu);  // one upload at a time
-  if (impl_->absorption != nullptr) {
-    if (impl_->absorption->SameAs(*weights)) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(impl_->set_absorb_mu);  // one upload at a time
+  if (const std::shared_ptr<const Absorption> current = impl_->Absorbing()) {
+    if (current->SameAs(*weights)) return absl::OkStatus();
     return absl::AlreadyExistsError(absl::StrCat(
-        "absorption weights are already loaded (", impl_->absorption->source(),
+        "absorption weights are already loaded (", current->source(),
         ") and differ from these; they are never replaced while the server runs (restart it)"));
   }
   RETURN_IF_ERROR(impl_->PrepareAbsorption(*weights));
+  std::lock_guard<std::mutex> set(impl_->absorb_mu);
   impl_->absorption = std::move(weights);
   return absl::OkStatus();
 }

@@ -799,12 +799,18 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
                [&](const Caller& c) { return DoUnregisterSharedMemory(c, *req); });
 }
 
+absl::Status AttentionService::RequireAdmin(const Caller& caller, const char* method,
+                                            const char* why) const {
+  const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
+  if (open || caller.admin) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat(method, ": only the admin identity (--admin-tenant)", why));
+}
+
 grpc::ServerUnaryReactor* AttentionService::Drain(grpc::CallbackServerContext* ctx,
                                                   const v1::DrainRequest* req, v1::DrainResponse*) {
   return Unary(ctx, "Drain", [&](const Caller& c) -> absl::Status {
-    const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
-    if (!open && !c.admin)
-      return absl::PermissionDeniedError("Drain: only the admin identity (--admin-tenant)");
+    RETURN_IF_ERROR(RequireAdmin(c, "Drain", ""));
     if (!options_.start_drain) return absl::UnimplementedError("Drain: not served here");
     options_.start_drain(std::vector<std::string>(req->peers().begin(), req->peers().end()));
     return absl::OkStatus();
@@ -821,11 +827,7 @@ grpc::ServerUnaryReactor* AttentionService::UploadAbsorption(grpc::CallbackServe
 absl::Status AttentionService::DoUploadAbsorption(const Caller& caller,
                                                   const v1::UploadAbsorptionRequest& req,
                                                   v1::UploadAbsorptionResponse* resp) {
-  const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
-  if (!open && !caller.admin)
-    return absl::PermissionDeniedError(
-        "UploadAbsorption: only the admin identity (--admin-tenant): the weights serve every "
-        "tenant");
+  RETURN_IF_ERROR(RequireAdmin(caller, "UploadAbsorption", ": the weights serve every tenant"));
   const ModelSpec& s = engine_->spec();
   const int layers = s.num_layers();
   if (req.first_layer() < 0 || req.first_layer() >= layers ||
@@ -864,9 +866,7 @@ absl::Status AttentionService::DoUploadAbsorption(const Caller& caller,
     ConvertToF32(*dt, t.data().data(), w.data(), n);
     RETURN_IF_ERROR(upload_->SetLayer(layer, shape, w.data()));
   }
-  int received = 0;
-  for (int l = 0; l < layers; ++l) received += upload_->uk(l).empty() ? 0 : 1;
-  resp->set_layers_received(received);
+  resp->set_layers_received(upload_->layers_set());
   if (!upload_->complete()) return absl::OkStatus();
   std::shared_ptr<const Absorption> done(std::move(upload_));
   upload_.reset();

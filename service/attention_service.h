@@ -122,6 +122,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status DoUnregisterSharedMemory(const Caller& caller,
                                         const v1::UnregisterSharedMemoryRequest& req);
   absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
+  // OK for the admin identity, or for anyone on an unauthenticated server; else
+  // PERMISSION_DENIED "<method>: only the admin identity (--admin-tenant)<why>".
+  absl::Status RequireAdmin(const Caller& caller, const char* method, const char* why) const;
   absl::Status DoUploadAbsorption(const Caller& caller, const v1::UploadAbsorptionRequest& req,
                                   v1::UploadAbsorptionResponse* resp);
   absl::Status DoAbortStep(const Caller& caller, const v1::AbortStepRequest& req);

@@ -212,6 +212,20 @@ struct CudaDevice::State {
   CacheRows Index(int slot) const { return layout.Index(cache, slot); }
   QueryTables Tables() const { return st->Tables(); }
 
+  // out[t, h] = in[t, h] · w[h] ([k, cols] per head) for the share's tokens (absorption).
+  cudaError_t Project(const DeviceBuffer& in, const DeviceBuffer& w, DeviceBuffer& out, int heads,
+                      int k, int cols) {
+    HeadProjectParams p;
+    p.in = in.as<float>();
+    p.w = w.as<float>();
+    p.out = out.as<float>();
+    p.n = static_cast<int>(st->n);
+    p.heads = heads;
+    p.k = k;
+    p.cols = cols;
+    return LaunchHeadProject(p, stream);
+  }
+
   // Gathers the share's rows of `t` into pinned staging, uploads them and converts to fp32.
   absl::Status Rows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
     if (t.dtype == DType::kFP8E4M3) return Fp8QueryRows(t, row_elems, f32);
@@ -638,15 +652,7 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
     const int Dn = absorb->qk_nope_head_dim();
     RETURN_IF_ERROR(s.Rows(in.q_nope, int64_t{H} * Dn, s.q_nope));
     RETURN_IF_ERROR(s.q_lat.Reserve(std::max<size_t>(4, st.n * H * L * 4)));
-    HeadProjectParams hp;
-    hp.in = s.q_nope.as<float>();
-    hp.w = s.absorb_uk[call.layer].as<float>();
-    hp.out = s.q_lat.as<float>();
-    hp.n = static_cast<int>(st.n);
-    hp.heads = H;
-    hp.k = Dn;
-    hp.cols = L;
-    CUDA_RETURN(LaunchHeadProject(hp, s.stream));
+    CUDA_RETURN(s.Project(s.q_nope, s.absorb_uk[call.layer], s.q_lat, H, Dn, L));
   } else {
     RETURN_IF_ERROR(s.Rows(in.q_latent, int64_t{H} * L, s.q_lat));
   }
@@ -692,15 +698,7 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   if (absorb != nullptr) {
     W = absorb->v_head_dim();
     RETURN_IF_ERROR(s.out_v.Reserve(std::max<size_t>(4, st.n * H * W * 4)));
-    HeadProjectParams hp;
-    hp.in = s.out_f32.as<float>();
-    hp.w = s.absorb_uv[call.layer].as<float>();
-    hp.out = s.out_v.as<float>();
-    hp.n = static_cast<int>(st.n);
-    hp.heads = H;
-    hp.k = L;
-    hp.cols = W;
-    CUDA_RETURN(LaunchHeadProject(hp, s.stream));
+    CUDA_RETURN(s.Project(s.out_f32, s.absorb_uv[call.layer], s.out_v, H, L, W));
     result = s.out_v.as<float>();
   }
   const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * W * es;

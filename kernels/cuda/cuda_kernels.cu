@@ -795,9 +795,9 @@ cudaError_t LaunchFromF32(const float* src, DType dtype, void* dst, int64_t coun
 
 namespace {
 
-constexpr int kProjectCols = 128;   // output columns per block (one per thread)
-constexpr int kProjectTokens = 8;   // tokens per block: each weight load feeds 8 FMAs
-constexpr int kProjectK = 128;      // inputs staged in shared memory per round
+constexpr int kProjectCols = 128;  // output columns per block (one per thread)
+constexpr int kProjectTokens = 8;  // tokens per block: each weight load feeds 8 FMAs
+constexpr int kProjectK = 128;     // inputs staged in shared memory per round
 
 // One block: 128 output columns of one head for 8 tokens. Weight rows are read coalesced across
 // the block's threads; the tokens' inputs are staged in shared memory, 128 at a time.
