@@ -206,13 +206,10 @@ absl::StatusOr<std::vector<std::vector<double>>> RunStep(StepStream& stream, con
     auto out = stream.Layer(g.wire);
     if (!out.ok()) return out.status();
     per_layer->Add(Since(t0));
-    const auto& t = out->out();
-    const auto dt = ParseDType(t.datatype());
-    if (!dt) return absl::InternalError("server returned an unknown datatype");
-    const size_t n = t.data().size() / DTypeSize(*dt);
-    std::vector<float> f(n);
-    ConvertToF32(*dt, t.data().data(), f.data(), n);
-    outs.emplace_back(f.begin(), f.end());
+    auto f = TensorValues(out->out());
+    if (!f.ok())
+      return absl::InternalError(absl::StrCat("the server's reply: ", f.status().message()));
+    outs.emplace_back(f->begin(), f->end());
   }
   return outs;
 }
@@ -337,6 +334,60 @@ int Demo(Client& c, const Args& a) {
   return failed == 0 && checked_layers > 0 ? 0 : 1;
 }
 
+// What a worker may put on the wire for the same decode layer (DESIGN §13).
+struct WireVariant {
+  const char* name;
+  bool absorbed;     // q_nope [T, H, Dn] instead of q_latent (the server holds W_UK, W_UV)
+  bool fp8_queries;  // every query tensor FP8_E4M3 with per-token-head scales
+  bool fp8_reply;    // out_datatype FP8_E4M3
+};
+
+std::vector<float> Floats(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+// The layers of `g` as `v` sends them: the same keys and indexer keys, the queries re-encoded.
+std::vector<v1::LayerInputs> VariantLayers(const std::vector<GeneratedLayer>& g,
+                                           const WireVariant& v, int B, int H, int Dn,
+                                           std::mt19937_64& rng) {
+  std::vector<v1::LayerInputs> out;
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (const GeneratedLayer& l : g) {
+    v1::LayerInputs in = l.wire;
+    auto encode = [&](v1::Tensor* t, const std::vector<float>& f) {
+      std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+      if (v.fp8_queries) {
+        *t = MakeFp8Tensor(shape, f.data());
+      } else {
+        std::vector<uint16_t> b(f.size());
+        ConvertFromF32(DType::kBF16, f.data(), b.data(), f.size());
+        *t = MakeTensor(DType::kBF16, shape, b.data(), 2 * b.size());
+      }
+    };
+    if (v.absorbed) {
+      in.clear_q_latent();
+      std::vector<float> qn(static_cast<size_t>(B) * H * Dn);
+      for (float& x : qn) x = dist(rng);
+      in.mutable_q_nope()->add_shape(B);
+      in.mutable_q_nope()->add_shape(H);
+      in.mutable_q_nope()->add_shape(Dn);
+      encode(in.mutable_q_nope(), qn);
+    } else {
+      encode(in.mutable_q_latent(), Floats(l.values.q_latent));
+    }
+    encode(in.mutable_q_rope(), Floats(l.values.q_rope));
+    if (in.has_index_q()) encode(in.mutable_index_q(), Floats(l.values.index_q));
+    if (v.fp8_reply) in.set_out_datatype("FP8_E4M3");
+    out.push_back(std::move(in));
+  }
+  return out;
+}
+
+// Per-layer figures of one variant over the stream.
+struct WireFigures {
+  LatencyStats round_trip, server, transport, echo;
+  double attention_bytes = 0, indexer_bytes = 0, request_bytes = 0, reply_bytes = 0;
+  int64_t calls = 0, full_calls = 0;  // full layers: the ones with indexer tensors
+};
+
 int Bench(Client& c, const Args& a, const ConnectOptions& options) {
   auto info = c.Info();
   if (!info.ok()) return Fail(info.status(), "info");
@@ -377,7 +428,55 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
          resp_bytes = static_cast<size_t>(B) * spec.num_heads * spec.kv_lora_rank * 2;
   for (const auto& l : g) req_bytes += l.wire.ByteSizeLong();
   req_bytes /= g.size();
-  LatencyStats stream_lat, unary_lat, echo_lat, shm_lat;
+  // 1. Wire bytes and round trips of each way to send the same decode layers, over the stream.
+  const bool absorbs = info->has_absorption();
+  const int Dn = absorbs ? info->absorption().qk_nope_head_dim() : 0;
+  std::vector<WireVariant> variants = {{"latent bf16", false, false, false},
+                                       {"latent fp8 queries", false, true, false}};
+  if (absorbs) {
+    variants.push_back({"absorbed bf16", true, false, false});
+    variants.push_back({"absorbed fp8 queries", true, true, false});
+    variants.push_back({"absorbed fp8 q + reply", true, true, true});
+  }
+  std::vector<WireFigures> figures(variants.size());
+  auto stream = c.OpenStream();
+  for (size_t vi = 0; vi < variants.size(); ++vi) {
+    const std::vector<v1::LayerInputs> layers =
+        VariantLayers(g, variants[vi], B, spec.num_heads, Dn, rng);
+    WireFigures& f = figures[vi];
+    for (int s = 0; s < steps; ++s) {
+      if (auto b = stream->Begin(decode); !b.ok()) return Fail(b.status(), "begin");
+      for (const auto& l : layers) {
+        const auto t0 = Clock::now();
+        auto o = stream->Layer(l);
+        if (!o.ok()) return Fail(o.status(), variants[vi].name);
+        const double rt = Since(t0);
+        f.round_trip.Add(rt);
+        f.server.Add(o->server_seconds());
+        f.transport.Add(rt - o->server_seconds());
+        const double indexer = l.has_index_q() ? static_cast<double>(l.index_q().ByteSizeLong() +
+                                                                     l.index_k().ByteSizeLong() +
+                                                                     l.index_w().ByteSizeLong())
+                                               : 0.0;
+        f.request_bytes += static_cast<double>(l.ByteSizeLong());
+        f.reply_bytes += static_cast<double>(o->ByteSizeLong());
+        f.indexer_bytes += indexer;
+        f.full_calls += l.has_index_q() ? 1 : 0;
+        f.attention_bytes += static_cast<double>(l.ByteSizeLong() + o->ByteSizeLong()) - indexer;
+        ++f.calls;
+      }
+    }
+    // The bare transport of the same bytes: an echo of the mean request and reply.
+    const std::string payload(static_cast<size_t>(f.request_bytes / f.calls), 'x');
+    for (int64_t k = 0; k < f.calls; ++k) {
+      const auto t0 = Clock::now();
+      if (auto e = c.Echo(payload, static_cast<int64_t>(f.reply_bytes / f.calls)); !e.ok())
+        return Fail(e, "echo");
+      f.echo.Add(Since(t0));
+    }
+  }
+  // 2. The latent bf16 layers over each transport.
+  LatencyStats unary_lat, shm_lat;
   // The same layers with every tensor in a shared-memory region (co-located client), over the
   // server's Unix-socket listener (--shm-target=unix:PATH; the server runs with --shm).
   const std::string shm_target = a.Get("shm-target", "");
@@ -418,15 +517,8 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
       shm_layers.push_back(std::move(in));
     }
   }
-  auto stream = c.OpenStream();
   for (int s = 0; s < steps; ++s) {
     if (s > 0 && s % 5 == 0) std::fprintf(stderr, "bench: %d/%d steps\n", s, steps);
-    if (auto b = stream->Begin(decode); !b.ok()) return Fail(b.status(), "begin");
-    for (auto& l : g) {
-      const auto t0 = Clock::now();
-      if (auto o = stream->Layer(l.wire); !o.ok()) return Fail(o.status(), "stream layer");
-      stream_lat.Add(Since(t0));
-    }
     auto b = c.BeginStep(decode);
     if (!b.ok()) return Fail(b.status(), "begin");
     for (auto& l : g) {
@@ -443,29 +535,45 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
         shm_lat.Add(Since(t0));
       }
     }
-    const std::string payload(req_bytes, 'x');
-    for (size_t l = 0; l < g.size(); ++l) {
-      const auto t0 = Clock::now();
-      if (auto e = c.Echo(payload, static_cast<int64_t>(resp_bytes)); !e.ok())
-        return Fail(e, "echo");
-      echo_lat.Add(Since(t0));
-    }
   }
   (void)stream->Close();
   if (local != nullptr) {
     (void)local_stream->Close();
     (void)local->UnregisterSharedMemory(tag);
   }
+  std::printf("decode batch %d, context %lld, %d heads, %d layers (%s)\n", B,
+              static_cast<long long>(context), spec.num_heads, spec.num_layers(),
+              spec.name.c_str());
   std::printf(
-      "decode batch %d, context %lld, %d heads, %d layers; request %.1f KB, reply %.1f KB "
-      "per layer\n",
-      B, static_cast<long long>(context), spec.num_heads, spec.num_layers(), req_bytes / 1e3,
-      resp_bytes / 1e3);
+      "\nwire bytes per token per layer (KiB = 1024 B; attention = queries, new keys and the "
+      "reply, mean over the model's layers; indexer = index_q/k/w, mean over its full layers; "
+      "request and reply: means over the layers) and per-layer times (ms, p50 but rt p99, over "
+      "the stream; transport = round trip - LayerOutput.server_seconds; echo = the bare round "
+      "trip of the same bytes):\n");
+  std::printf("%-24s %9s %9s %9s %9s %8s %8s %8s %10s %8s\n", "variant", "attention", "indexer",
+              "request", "reply", "rt p50", "rt p99", "server", "transport", "echo");
+  for (size_t vi = 0; vi < variants.size(); ++vi) {
+    const WireFigures& f = figures[vi];
+    const double per = 1024.0 * B * static_cast<double>(f.calls);
+    std::printf("%-24s %9.2f %9.2f %9.2f %9.2f %8.3f %8.3f %8.3f %10.3f %8.3f\n", variants[vi].name,
+                f.attention_bytes / per,
+                f.full_calls > 0 ? f.indexer_bytes / (1024.0 * B * f.full_calls) : 0.0,
+                f.request_bytes / per, f.reply_bytes / per, f.round_trip.Percentile(50) * 1e3,
+                f.round_trip.Percentile(99) * 1e3, f.server.Percentile(50) * 1e3,
+                f.transport.Percentile(50) * 1e3, f.echo.Percentile(50) * 1e3);
+  }
+  if (!absorbs)
+    std::printf(
+        "(absorbed variants not measured: the server holds no absorption weights; start it with "
+        "--absorb-from=CHECKPOINT_DIR)\n");
+  std::printf("\nlatent bf16 layers: request %.1f KB, reply %.1f KB per layer\n", req_bytes / 1e3,
+              resp_bytes / 1e3);
   std::printf("%-22s %10s %10s %8s\n", "per-layer round trip", "p50", "p99", "calls");
-  for (auto& [name, st] : {std::pair<const char*, LatencyStats*>{"stream", &stream_lat},
-                           {"unary", &unary_lat},
-                           {"stream + shared mem", &shm_lat},
-                           {"echo (same bytes)", &echo_lat}})
+  for (auto& [name, st] :
+       {std::pair<const char*, const LatencyStats*>{"stream", &figures[0].round_trip},
+        {"unary", &unary_lat},
+        {"stream + shared mem", &shm_lat},
+        {"echo (same bytes)", &figures[0].echo}})
     if (st->count() > 0)
       std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
                   st->Percentile(99) * 1e3, st->count());
@@ -560,7 +668,9 @@ int main(int argc, char** argv) {
   num(demo, "check-every", 1, 1 << 20, "check every Nth decode step (default 4)");
   num(demo, "seed", 0, INT64_MAX, "random seed (default 1)");
   CLI::App* bench =
-      app.add_subcommand("bench", "per-layer round trips: stream, unary, shared memory, echo");
+      app.add_subcommand("bench",
+                         "wire bytes and per-layer round trips: latent, absorbed and fp8 "
+                         "layers; stream, unary, shared memory, echo");
   num(bench, "batch", 1, 4096, "decode batch (default 8)");
   num(bench, "context", 1, int64_t{1} << 24, "tokens per sequence (default 4096)");
   num(bench, "steps", 1, 1 << 20, "decode steps (default 20)");

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/fp8.h"
 
 namespace attnd::client {
 
@@ -23,6 +24,54 @@ v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void
   for (int64_t d : shape) t.add_shape(d);
   t.set_data(static_cast<const char*>(data), bytes);
   return t;
+}
+
+v1::Tensor MakeFp8Tensor(const std::vector<int64_t>& shape, const float* values) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const int64_t width = shape.empty() ? 1 : shape.back(), rows = width > 0 ? n / width : 0;
+  std::string codes(static_cast<size_t>(n), '\0');
+  std::vector<float> scales(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r)
+    fp8::QuantizeTiles(values + r * width, static_cast<int>(width), static_cast<int>(width),
+                       reinterpret_cast<uint8_t*>(codes.data()) + r * width, &scales[r]);
+  v1::Tensor t = MakeTensor(DType::kFP8E4M3, shape, codes.data(), codes.size());
+  std::vector<int64_t> sshape(shape.begin(), shape.end());
+  if (sshape.empty()) sshape.push_back(1);
+  sshape.back() = 1;
+  *t.mutable_scales() = MakeTensor(DType::kF32, sshape, scales.data(), 4 * scales.size());
+  return t;
+}
+
+absl::StatusOr<std::vector<float>> TensorValues(const v1::Tensor& t) {
+  const auto dt = ParseDType(t.datatype());
+  if (!dt) return absl::InvalidArgumentError(absl::StrCat("unknown datatype ", t.datatype()));
+  int64_t n = 1;
+  for (int64_t d : t.shape()) n *= d;
+  if (t.data().size() != static_cast<size_t>(n) * DTypeSize(*dt))
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor: ", t.data().size(), " bytes for ", n, " ", t.datatype(), " values"));
+  std::vector<float> f(static_cast<size_t>(n));
+  if (*dt != DType::kFP8E4M3) {
+    ConvertToF32(*dt, t.data().data(), f.data(), f.size());
+    return f;
+  }
+  int64_t rows = 1;
+  for (int i = 0; i + 1 < t.shape_size(); ++i) rows *= t.shape(i);
+  const int64_t per_row =
+      t.scales().shape_size() > 0 ? t.scales().shape(t.scales().shape_size() - 1) : 0;
+  const int64_t width = t.shape_size() > 0 ? t.shape(t.shape_size() - 1) : 1;
+  if (t.scales().datatype() != "FP32" || per_row <= 0 || width % per_row != 0 ||
+      t.scales().data().size() != static_cast<size_t>(rows * per_row) * 4)
+    return absl::InvalidArgumentError("FP8_E4M3 tensor: its scales do not match its shape");
+  const auto* codes = reinterpret_cast<const uint8_t*>(t.data().data());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = i / width, tile = (i % width) / (width / per_row);
+    float scale;
+    std::memcpy(&scale, t.scales().data().data() + 4 * (row * per_row + tile), 4);
+    f[i] = fp8::E4M3ToF32(codes[i]) * scale;
+  }
+  return f;
 }
 
 v1::Tensor ShmTensor(DType dtype, const std::vector<int64_t>& shape, const std::string& region,

@@ -33,6 +33,15 @@ v1::BeginStepRequest MakeBeginRequest(const Batch& batch, bool write_only = fals
 v1::Tensor MakeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
                       size_t bytes);
 
+// An FP8_E4M3 wire tensor of the fp32 `values` (row-major; a row is the last dim): each row's
+// e4m3 codes with one FP32 power-of-two scale (scales [..., 1]), as queries may travel.
+v1::Tensor MakeFp8Tensor(const std::vector<int64_t>& shape, const float* values);
+
+// A tensor's values in fp32 (its bytes, not shared memory): BF16, FP16 and FP32 converted,
+// FP8_E4M3 dequantised with its scales. INVALID_ARGUMENT when the bytes or scales do not match
+// the shape.
+absl::StatusOr<std::vector<float>> TensorValues(const v1::Tensor& t);
+
 // A wire tensor whose bytes are in a registered shared-memory region.
 v1::Tensor ShmTensor(DType dtype, const std::vector<int64_t>& shape, const std::string& region,
                      int64_t offset);

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -50,6 +51,9 @@ struct LayerInputs {
   TensorView index_q;    // [T, Hi, Di]
   TensorView index_k;    // [T, Di]
   TensorView index_w;    // [T, Hi]
+  // The output's datatype (BF16, FP16 or FP32) instead of the query's; unset: the query's, BF16
+  // for FP8_E4M3 queries.
+  std::optional<DType> out_dtype;
 };
 
 // Checks that `t` is present, has exactly `expected` dims and a byte count matching them in its

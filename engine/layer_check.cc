@@ -134,7 +134,7 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
                        " layer; indexer tensors belong to full layers only"));
     }
     if (in.q_latent.present || in.q_nope.present || in.q_rope.present || in.index_q.present ||
-        in.index_w.present || out_bytes != 0)
+        in.index_w.present || in.out_dtype || out_bytes != 0)
       return absl::InvalidArgumentError(
           "write-only step: give only kv_latent, k_rope and (full layers) index_k; no output");
     return CheckKeyScales(s, T, in);
@@ -170,6 +170,10 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
   RETURN_IF_ERROR(CheckKeyScales(s, T, in));
   RETURN_IF_ERROR(CheckQueryScales(s, T, in));
   const DType out_dtype = OutputDType(in);
+  if (out_dtype == DType::kFP8E4M3)
+    return absl::InvalidArgumentError(
+        "out_dtype: the engine writes BF16, FP16 or FP32 outputs (an fp8 reply is quantised from "
+        "FP32 by the service)");
   const int width = OutputHeadDim(s, in, absorb);
   const size_t want = static_cast<size_t>(T) * s.num_heads * width * DTypeSize(out_dtype);
   if (out_bytes != want)
@@ -185,6 +189,7 @@ absl::Status CheckLayerFinite(const LayerInputs& in) {
 }
 
 DType OutputDType(const LayerInputs& in) {
+  if (in.out_dtype) return *in.out_dtype;
   const TensorView& q = in.q_nope.present ? in.q_nope : in.q_latent;
   return q.dtype == DType::kFP8E4M3 ? DType::kBF16 : q.dtype;
 }

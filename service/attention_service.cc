@@ -440,6 +440,10 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
     if (parts[k].in->return_attended())
       return absl::InvalidArgumentError(
           absl::StrCat("shard ", k, ": return_attended is not served on sharded steps"));
+    if (!parts[k].in->out_datatype().empty())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard ", k,
+          ": out_datatype is not served on sharded steps (the reply is in q_latent's)"));
     RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_access, &shm, &v[k]));
     if (v[k].q_nope.present)
       return absl::InvalidArgumentError(absl::StrCat(
@@ -553,6 +557,8 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   LayerInputs views;
   void* buf = nullptr;
   size_t bytes = 0;
+  bool fp8_reply = false;
+  std::string fp32_out;
   absl::Status st = [&]() -> absl::Status {
     if (in.shard() != 0)
       return absl::InvalidArgumentError(absl::StrCat("shard: ", in.shard(), " given on step ",
@@ -560,6 +566,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
+    ASSIGN_OR_RETURN(fp8_reply, ReplyDType(in, info.write_only, &views));
     const DType dt =
         views.q_latent.present || views.q_nope.present ? OutputDType(views) : DType::kBF16;
     // [T, H, L], or [T, H, V] for an absorbed call (q_nope): CheckLayer refuses q_nope where the
@@ -570,7 +577,15 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
     if (in.return_attended()) RETURN_IF_ERROR(CheckAttendedFits(info, in, bytes));
     if (in.return_lse()) RETURN_IF_ERROR(CheckLseFits(info, in, bytes, s.num_heads));
-    if (!info.write_only) {
+    if (fp8_reply) {  // the engine writes FP32 here; the reply carries its e4m3 codes and scales
+      const int64_t rows = info.tokens * s.num_heads, reply = rows * (width + 4);
+      if (reply > options_.max_message_bytes - kMessageFramingBytes)
+        return absl::InvalidArgumentError(absl::StrCat(
+            "output: ", reply, " bytes would not fit in a reply of at most ",
+            options_.max_message_bytes, " bytes (max_message_bytes); send fewer tokens per step"));
+      fp32_out.resize(bytes);
+      buf = fp32_out.data();
+    } else if (!info.write_only) {
       ASSIGN_OR_RETURN(buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads,
                                           width, options_.max_message_bytes, shm_access, &shm));
     }
@@ -588,6 +603,9 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
                          in.return_lse() ? lse.data() : nullptr);
   if (st.ok() && in.return_lse())
     SetLse(lse, info.tokens, s.num_heads, 0, s.num_heads, out->mutable_lse());
+  if (st.ok() && fp8_reply)
+    QuantizeReply(reinterpret_cast<const float*>(fp32_out.data()), info.tokens, s.num_heads,
+                  static_cast<int>(bytes / 4 / (info.tokens * s.num_heads)), out->mutable_out());
   for (const std::vector<int32_t>& keys : trace.keys)
     out->add_attended()->mutable_positions()->Add(keys.begin(), keys.end());
   out->set_layer(in.layer());

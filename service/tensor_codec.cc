@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
+#include "common/fp8.h"
 #include "common/status_macros.h"
 
 namespace attnd {
@@ -156,6 +157,46 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
   std::string* data = out->mutable_data();
   data->resize(static_cast<size_t>(bytes));
   return static_cast<void*>(data->data());
+}
+
+absl::StatusOr<bool> ReplyDType(const v1::LayerInputs& in, bool write_only, LayerInputs* views) {
+  views->out_dtype.reset();
+  if (in.out_datatype().empty()) return false;
+  const std::optional<DType> dt = ParseDType(in.out_datatype());
+  if (!dt)
+    return absl::InvalidArgumentError(absl::StrCat("out_datatype: ", Quote(in.out_datatype()),
+                                                   " is not one of BF16, FP16, FP32, FP8_E4M3"));
+  if (write_only)
+    return absl::InvalidArgumentError(
+        "out_datatype: given on a write-only step, which has no output");
+  if (*dt != DType::kFP8E4M3) {
+    views->out_dtype = *dt;
+    return false;
+  }
+  if (in.has_out_shm())
+    return absl::InvalidArgumentError(
+        "out_datatype: FP8_E4M3 travels in the reply with its scales; out_shm takes BF16, FP16 "
+        "or FP32");
+  views->out_dtype = DType::kF32;
+  return true;
+}
+
+void QuantizeReply(const float* values, int64_t tokens, int heads, int width, v1::Tensor* out) {
+  const int64_t rows = tokens * heads;
+  out->Clear();
+  out->set_datatype(std::string(DTypeName(DType::kFP8E4M3)));
+  for (int64_t d : {tokens, static_cast<int64_t>(heads), static_cast<int64_t>(width)})
+    out->add_shape(d);
+  std::string* codes = out->mutable_data();
+  codes->resize(static_cast<size_t>(rows) * width);
+  v1::Tensor* sc = out->mutable_scales();
+  sc->set_datatype(std::string(DTypeName(DType::kF32)));
+  for (int64_t d : {tokens, static_cast<int64_t>(heads), int64_t{1}}) sc->add_shape(d);
+  std::vector<float> scales(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r)
+    fp8::QuantizeTiles(values + r * width, width, width,
+                       reinterpret_cast<uint8_t*>(codes->data()) + r * width, &scales[r]);
+  sc->mutable_data()->assign(reinterpret_cast<const char*>(scales.data()), 4 * scales.size());
 }
 
 }  // namespace attnd

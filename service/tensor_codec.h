@@ -55,6 +55,15 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
                                     int64_t max_message_bytes, const ShmAccess& shm,
                                     ShmTransfers* transfers);
 
+// LayerInputs.out_datatype into views->out_dtype: true when the reply is FP8_E4M3 (the engine
+// then writes FP32, which QuantizeReply encodes). INVALID_ARGUMENT for an unknown datatype, any
+// on a write-only step, or FP8_E4M3 with out_shm.
+absl::StatusOr<bool> ReplyDType(const v1::LayerInputs& in, bool write_only, LayerInputs* views);
+
+// `out` as FP8_E4M3 [tokens, heads, width]: each (token, head) row's e4m3 codes with one FP32
+// power-of-two scale (scales [tokens, heads, 1]), from the fp32 rows `values`.
+void QuantizeReply(const float* values, int64_t tokens, int heads, int width, v1::Tensor* out);
+
 // Bytes a message may need beyond its tensors' payloads (tags, lengths, small fields).
 inline constexpr int64_t kMessageFramingBytes = 1024;
 

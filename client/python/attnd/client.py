@@ -498,8 +498,10 @@ def _dtype_of(x: Optional[TensorArg]) -> Optional[np.dtype]:
 class Fp8Tensor:
     """A query as FP8_E4M3 codes with one float32 scale per row of its last axis (per token and
     head: DESIGN §13), a quarter of float32's bytes on the wire; the server dequantises it as
-    code x scale in float32. Make one with :func:`quantize_fp8`; pass it as q_latent, q_rope or
-    index_q (the other tensors keep their datatype; the output comes back as BF16)."""
+    code x scale in float32. Make one with :func:`quantize_fp8`; pass it as q_latent, q_nope,
+    q_rope or index_q (the other tensors keep their datatype; the output comes back as BF16).
+    A layer call with ``out_datatype="FP8_E4M3"`` returns its output as one (power-of-two
+    scales)."""
 
     codes: np.ndarray  # ml_dtypes.float8_e4m3fn [..., D]
     scales: np.ndarray  # float32 [..., 1]
@@ -659,7 +661,7 @@ class LayerResult:
 
 def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 0,
                   out: Optional[ShmTensor] = None, attended: bool = False,
-                  lse: bool = False) -> pb.LayerInputs:
+                  lse: bool = False, out_datatype: Optional[str] = None) -> pb.LayerInputs:
     if shard == 0 and (tensors["kv_latent"] is None or tensors["k_rope"] is None):
         raise TypeError("kv_latent and k_rope are required (only shards other than 0 of a sharded "
                         "step leave them out)")
@@ -671,7 +673,7 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
                              "from the arena's memory")
         out.arena._mapping()  # ValueError if closed: before the server writes anything
     msg = pb.LayerInputs(layer=int(layer), shard=int(shard), return_attended=bool(attended),
-                         return_lse=bool(lse))
+                         return_lse=bool(lse), out_datatype=out_datatype or "")
     for name, value in tensors.items():
         if value is None:
             continue
@@ -695,6 +697,8 @@ def _output(out: pb.LayerOutput, raw_bf16: bool,
             slot: Optional[ShmTensor] = None) -> Optional[np.ndarray]:
     if not out.HasField("out") or not out.out.datatype:
         return None  # a write-only step
+    if out.out.datatype == "FP8_E4M3":  # out_datatype="FP8_E4M3": codes and per-row scales
+        return Fp8Tensor(codes=from_tensor(out.out), scales=from_tensor(out.out.scales))
     if slot is None:
         return from_tensor(out.out, uint16_as_bf16=raw_bf16)
     # out_shm: the server wrote the output into the slot; the reply names it and carries no bytes
@@ -716,7 +720,7 @@ def _output(out: pb.LayerOutput, raw_bf16: bool,
 def _result(reply: pb.LayerOutput, raw: bool, slot: Optional[ShmTensor], details: bool,
             as_torch: bool = False):
     out = _output(reply, raw, slot)
-    if as_torch and out is not None:
+    if as_torch and out is not None and not isinstance(out, Fp8Tensor):
         out = to_torch(out)
     if not details:
         return out
@@ -912,6 +916,7 @@ class _Api:
         attended: bool = False,
         lse: bool = False,
         as_torch: bool = False,
+        out_datatype: Optional[str] = None,
     ):
         """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only;
         a torch tensor with ``as_torch``),
@@ -925,6 +930,12 @@ class _Api:
         Server-side absorption (``info().absorption`` set): give ``q_nope`` [T, H, Dn] instead of
         q_latent; the server forms q_nope · W_UK and returns the values [T, H, V] (out_latent ·
         W_UV^T) instead of the latent output. Not on sharded steps.
+
+        ``out_datatype``: the reply's datatype instead of the query's ("BF16", "FP16", "FP32"), or
+        "FP8_E4M3": the output then comes as an :class:`Fp8Tensor` (e4m3 codes with one float32
+        power-of-two scale per token and head, ``.dequantize()`` for the values), quantised from
+        the float32 result: half the bytes of BF16, the input DeepSeek's fp8 o_proj takes. Not
+        with ``out`` (shared memory), on sharded or on write-only steps.
 
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
@@ -943,7 +954,8 @@ class _Api:
                        index_q=index_q, index_k=index_k, index_w=index_w)
         request = pb.AttendLayerRequest(
             step_id=step_id,
-            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse),
+            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse,
+                                 out_datatype),
         )
         raw = _raw_bf16(_query(q_latent, q_nope), self._uint16_as_bf16)
         return self._unary(
@@ -1279,10 +1291,12 @@ class _StepBookkeeping:
         self._next_layer = 0
         return self._step
 
-    def _layer_request(self, layer, tensors, shard, out, attended, lse) -> pb.StepRequest:
+    def _layer_request(self, layer, tensors, shard, out, attended, lse,
+                       out_datatype=None) -> pb.StepRequest:
         shard = self._shard if shard is None else int(shard)
         return pb.StepRequest(
-            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse))
+            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse,
+                                out_datatype))
 
     def _layered(self, response, layer, q_latent, out, details, attended, as_torch):
         self._next_layer = int(layer) + 1
@@ -1380,6 +1394,7 @@ class StepStream(_StepBookkeeping):
         attended: bool = False,
         lse: bool = False,
         as_torch: bool = False,
+        out_datatype: Optional[str] = None,
     ):
         """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
         ``attended``, ``lse``, ``as_torch`` too). ``shard`` defaults to the shard this stream joined as (0 after
@@ -1387,7 +1402,7 @@ class StepStream(_StepBookkeeping):
         tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         response = self._roundtrip(
-            self._layer_request(layer, tensors, shard, out, attended, lse), "layer")
+            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype), "layer")
         return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
 
     def abort(self) -> None:
@@ -1510,12 +1525,13 @@ class AsyncStepStream(_StepBookkeeping):
         attended: bool = False,
         lse: bool = False,
         as_torch: bool = False,
+        out_datatype: Optional[str] = None,
     ):
         """See :meth:`StepStream.layer`."""
         tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         response = await self._roundtrip(
-            self._layer_request(layer, tensors, shard, out, attended, lse), "layer")
+            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype), "layer")
         return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
 
     async def abort(self) -> None:
