@@ -33,8 +33,9 @@ struct StepSeq {
   Sequence* seq = nullptr;
   int64_t q_len = 0;
   int64_t new_len = 0;
-  std::vector<int32_t> new_pages;  // reserved by the step, owned by it until commit
-  std::vector<int32_t> table;      // seq->pages + new_pages
+  int64_t offset = 0, query_pos = 0;  // context parallelism (StepEntry)
+  std::vector<int32_t> new_pages;     // reserved by the step, owned by it until commit
+  std::vector<int32_t> table;         // seq->pages + new_pages
 };
 
 struct Step {
@@ -47,6 +48,7 @@ struct Step {
   int64_t topk_keys = 0;     // the same with each capped at K
   StepOptions options;
   int next_layer = 0;
+  bool candidates_given = false;  // context parallelism: next_layer's RunCandidates ran
   bool busy = false;
   bool abort_requested = false;
   AbortReason abort_reason = AbortReason::kAbort;  // of a requested abort
@@ -181,7 +183,24 @@ struct Engine::Impl {
   // Builds the plan and each device's step state for a bound step (mu not held).
   absl::Status Prepare(Step& st);
   absl::Status Compute(Step& st, int layer, const LayerInputs& in, void* out, size_t out_bytes,
-                       float* lse, LayerTrace* trace);
+                       float* lse, LayerTrace* trace, Candidates* candidates);
+  // Runs one call of `layer` on an open step (RunLayer, or RunCandidates when `candidates`):
+  // the step's layer order, its busy flag, aborting it on any error; advances it unless
+  // `candidates`.
+  absl::Status Run(const StepRef& ref, int layer, const LayerInputs& in, void* out,
+                   size_t out_bytes, LayerTrace* trace, float* lse, Candidates* candidates);
+  // Context parallelism: a batch entry's slice (BeginStep), a call's shapes (either kind of
+  // step), the merged selection to each share's local positions, the shares' candidates to
+  // absolute ones in step order.
+  absl::Status CheckSlice(size_t i, const Sequence& seq, const StepEntry& e,
+                          bool attend_only) const;
+  absl::Status CheckShapes(const Step& st, int layer, const LayerInputs& in, size_t out_bytes,
+                           bool candidates, const Absorption* absorb) const;
+  absl::Status LocalSelections(const Step& st, const Candidates& sel,
+                               std::vector<std::vector<std::vector<int32_t>>>* kept) const;
+  absl::Status GatherCandidates(const Step& st,
+                                const std::vector<std::vector<LayerCall::LocalCandidates>>& local,
+                                Candidates* out) const;
   // Checks absorption weights against the model and prepares every device for them.
   absl::Status PrepareAbsorption(const Absorption& a);
   // Runs a PageMove's copies (mu not held).
@@ -458,6 +477,20 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   step->channel = options.channel;
   TenantLedger& tenants = table->tenants();
   RETURN_IF_ERROR(tenants.CheckOpenSteps(options.tenant, 1));
+  const bool cp = options.context_parallel;
+  if (options.attend_only && !cp)
+    return absl::InvalidArgumentError("attend_only: a context-parallel step's option only");
+  if (cp && options.write_only)
+    return absl::InvalidArgumentError(
+        "context_parallel: not with write_only (an import writes a slice as any other)");
+  if (cp && spec.sliding_window > 0)
+    return absl::InvalidArgumentError(
+        "context_parallel: not served for a model with a sliding window");
+  if (cp)
+    for (const auto& d : devices)
+      if (!d->SupportsContextParallel())
+        return absl::UnimplementedError(absl::StrCat(
+            "context_parallel: ", d->name(), " does not serve it yet (the CPU backend does)"));
   std::vector<int32_t> need(devices.size(), 0);
   absl::flat_hash_set<const Sequence*> seen;
   seen.reserve(batch.size());
@@ -472,8 +505,9 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     if (e.q_len < 1)
       return absl::InvalidArgumentError(absl::StrCat("step batch[", i, "] (", Quote(seq->id),
                                                      "): q_len ", e.q_len, " must be >= 1"));
+    if (cp) RETURN_IF_ERROR(CheckSlice(i, *seq, e, options.attend_only));
     // seq->length <= max_context always, so the subtraction cannot overflow.
-    if (e.q_len > spec.max_context - seq->length)
+    if (!cp && e.q_len > spec.max_context - seq->length)
       return absl::OutOfRangeError(absl::StrCat("sequence ", Quote(seq->id), ": length ",
                                                 seq->length, " + q_len ", e.q_len,
                                                 " exceeds max_context ", spec.max_context));
@@ -502,13 +536,20 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
           absl::StrCat("sequence ", Quote(seq->id), " is already in open step ", seq->step));
     }
     step->tokens += e.q_len;
-    step->visible_keys += e.q_len * seq->length + e.q_len * (e.q_len + 1) / 2;
-    step->topk_keys += CappedKeys(seq->length, e.q_len, spec.index_topk);
+    if (options.attend_only) {  // every query sees the slice's keys, no more
+      step->visible_keys += e.q_len * seq->length;
+      step->topk_keys += e.q_len * std::min<int64_t>(seq->length, spec.index_topk);
+    } else {
+      step->visible_keys += e.q_len * seq->length + e.q_len * (e.q_len + 1) / 2;
+      step->topk_keys += CappedKeys(seq->length, e.q_len, spec.index_topk);
+    }
     if (e.q_len != 1) step->phase = StepPhase::kPrefill;
     StepSeq s;
     s.seq = seq;
     s.q_len = e.q_len;
-    s.new_len = seq->length + e.q_len;
+    s.new_len = options.attend_only ? seq->length : seq->length + e.q_len;
+    s.offset = e.position_offset;
+    s.query_pos = e.query_position;
     need[seq->device] += table->PagesToGrow(*seq, s.new_len);
     step->seqs.push_back(std::move(s));
   }
@@ -542,8 +583,15 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
 absl::Status Engine::Impl::Prepare(Step& st) {
   std::vector<PlanEntry> entries;
   entries.reserve(st.seqs.size());
-  for (const StepSeq& s : st.seqs)
-    entries.push_back({s.seq->device, s.new_len - s.q_len, s.q_len, &s.table});
+  const bool attend_only = st.options.attend_only;
+  for (const StepSeq& s : st.seqs) {
+    PlanEntry e{s.seq->device, attend_only ? s.new_len : s.new_len - s.q_len, s.q_len, &s.table};
+    e.context_parallel = st.options.context_parallel;
+    e.offset = s.offset;
+    e.attend_only = attend_only;
+    e.query_pos = s.query_pos;
+    entries.push_back(e);
+  }
   st.plan = StepPlan::Build(spec(), entries);
   for (const StepPlan::Share& sh : st.plan.shares) {
     ASSIGN_OR_RETURN(auto on_device, devices[sh.device]->BeginStep(sh.share));
@@ -555,8 +603,15 @@ absl::Status Engine::Impl::Prepare(Step& st) {
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
-  return StepInfo{st->tokens, st->options.write_only, st->next_layer, st->phase,
-                  st->begun,  st->visible_keys,       st->topk_keys};
+  return StepInfo{st->tokens,
+                  st->options.write_only,
+                  st->next_layer,
+                  st->phase,
+                  st->begun,
+                  st->visible_keys,
+                  st->topk_keys,
+                  st->options.context_parallel,
+                  st->options.attend_only};
 }
 
 absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
@@ -566,17 +621,78 @@ absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInput
   if (layer != st->next_layer)
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step.id, ": layer ", layer, " out of order, expected layer ", st->next_layer));
-  return CheckLayerShapes(impl_->spec(), impl_->options.cache_dtype, st->tokens,
-                          st->options.write_only, layer, in, out_bytes, impl_->Absorbing().get());
+  return impl_->CheckShapes(*st, layer, in, out_bytes, false, impl_->Absorbing().get());
+}
+
+absl::Status Engine::Impl::CheckSlice(size_t i, const Sequence& seq, const StepEntry& e,
+                                      bool attend_only) const {
+  const ModelSpec& spec = this->spec();
+  const int64_t off = e.position_offset;
+  if (off < 0 || off % spec.page_size != 0 || off > spec.max_context)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step batch[", i, "] (", Quote(seq.id), "): position_offset ", off,
+        " must be a multiple of the page size ", spec.page_size, " in [0, max_context]"));
+  if (attend_only) {
+    if (seq.length == 0)
+      return absl::InvalidArgumentError(absl::StrCat("step batch[", i, "] (", Quote(seq.id),
+                                                     "): an attend-only entry needs keys here; "
+                                                     "this slice holds none"));
+    if (e.query_position < off + seq.length || e.query_position > spec.max_context - e.q_len)
+      return absl::OutOfRangeError(
+          absl::StrCat("step batch[", i, "] (", Quote(seq.id), "): query_position ",
+                       e.query_position, " must follow this slice's keys (", off + seq.length,
+                       ") with q_len ", e.q_len, " within max_context ", spec.max_context));
+    return absl::OkStatus();
+  }
+  if (e.query_position != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("step batch[", i,
+                     "]: query_position belongs to attend-only steps (the queries here are "
+                     "the new tokens, at position_offset + length)"));
+  if (e.q_len > spec.max_context - seq.length - off)
+    return absl::OutOfRangeError(absl::StrCat("sequence ", Quote(seq.id), ": position_offset ", off,
+                                              " + length ", seq.length, " + q_len ", e.q_len,
+                                              " exceeds max_context ", spec.max_context));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::CheckShapes(const Step& st, int layer, const LayerInputs& in,
+                                       size_t out_bytes, bool candidates,
+                                       const Absorption* absorb) const {
+  const ModelSpec& s = spec();
+  if (!st.options.context_parallel) {
+    if (candidates)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", st.id, ": candidates belong to context-parallel steps (a full layer there)"));
+    return CheckLayerShapes(s, options.cache_dtype, st.tokens, st.options.write_only, layer, in,
+                            out_bytes, absorb);
+  }
+  const bool full = layer >= 0 && layer < s.num_layers() && s.layers[layer] == LayerKind::kFull;
+  if (candidates && !full)
+    return absl::InvalidArgumentError(absl::StrCat("candidates: layer ", layer, " is a ",
+                                                   LayerKindName(s.layers[layer]),
+                                                   " layer; only full layers select"));
+  if (full && candidates == st.candidates_given)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", st.id, ": layer ", layer,
+        candidates ? ": its candidates were given already; send the selection and the queries"
+                   : ": a context-parallel full layer first gives its candidates (RunCandidates)"));
+  const CpMessage m = !full        ? CpMessage::kLayer
+                      : candidates ? CpMessage::kCandidates
+                                   : CpMessage::kSelection;
+  return CheckContextParallelShapes(s, options.cache_dtype, st.tokens, layer, m,
+                                    st.options.attend_only, in, out_bytes, absorb);
 }
 
 absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, void* out,
-                                   size_t out_bytes, float* lse, LayerTrace* trace) {
+                                   size_t out_bytes, float* lse, LayerTrace* trace,
+                                   Candidates* candidates) {
   const ModelSpec& s = spec();
   const bool write_only = st.options.write_only;
   const std::shared_ptr<const Absorption> absorb = Absorbing();  // held until the layer ends
-  RETURN_IF_ERROR(CheckLayerShapes(s, options.cache_dtype, st.tokens, write_only, layer, in,
-                                   out_bytes, absorb.get()));
+  RETURN_IF_ERROR(CheckShapes(st, layer, in, out_bytes, candidates != nullptr, absorb.get()));
+  if (candidates != nullptr && (lse != nullptr || trace != nullptr))
+    return absl::InvalidArgumentError("candidates call: it attends nothing (no lse, no trace)");
   if (write_only && lse != nullptr)
     return absl::InvalidArgumentError("a write-only step has no attention, so no log-sum-exp");
   if (options.limits.check_finite) RETURN_IF_ERROR(CheckLayerFinite(in));
@@ -590,14 +706,27 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   call.out = write_only ? nullptr : static_cast<uint8_t*>(out);
   call.lse = lse;
   if (in.q_nope.present) call.absorb = absorb.get();
-  RETURN_IF_ERROR(ForEachConcurrently(st.plan.shares.size(), [&](size_t i) {
+  if (candidates != nullptr) call.out = nullptr;
+  // Context parallelism: each share's local candidates, or its part of the merged selection.
+  const size_t num_shares = st.plan.shares.size();
+  std::vector<std::vector<LayerCall::LocalCandidates>> local(candidates ? num_shares : 0);
+  std::vector<std::vector<std::vector<int32_t>>> kept(in.selection ? num_shares : 0);
+  if (in.selection != nullptr) RETURN_IF_ERROR(LocalSelections(st, *in.selection, &kept));
+  RETURN_IF_ERROR(ForEachConcurrently(num_shares, [&](size_t i) {
     const StepPlan::Share& sh = st.plan.shares[i];
+    LayerCall mine = call;
+    if (candidates != nullptr) {
+      local[i].assign(sh.share.size(), {});
+      mine.candidates = &local[i];
+    }
+    if (in.selection != nullptr) mine.selection = &kept[i];
     const auto t0 = Clock::now();
-    absl::Status s = devices[sh.device]->RunLayer(sh.share, *st.on_device[i], call);
+    absl::Status s = devices[sh.device]->RunLayer(sh.share, *st.on_device[i], mine);
     compute_ns[sh.device] +=
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
     return s;
   }));
+  if (candidates != nullptr) return GatherCandidates(st, local, candidates);
   if (trace == nullptr) return absl::OkStatus();
   trace->keys.assign(st.tokens, {});
   if (write_only) return absl::OkStatus();
@@ -612,14 +741,15 @@ absl::Status Engine::Impl::Compute(Step& st, int layer, const LayerInputs& in, v
   return absl::OkStatus();
 }
 
-absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& in, void* out,
-                              size_t out_bytes, LayerTrace* trace, float* lse) {
+absl::Status Engine::Impl::Run(const StepRef& ref, int layer, const LayerInputs& in, void* out,
+                               size_t out_bytes, LayerTrace* trace, float* lse,
+                               Candidates* candidates) {
   const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;  // destroyed after the lock is released
   Step* st = nullptr;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    ASSIGN_OR_RETURN(st, impl_->FindStep(ref));
+    std::lock_guard<std::mutex> lock(mu);
+    ASSIGN_OR_RETURN(st, FindStep(ref));
     if (st->busy) {
       st->abort_requested = true;  // every error aborts the step: the running layer does it
       st->abort_reason = AbortReason::kError;
@@ -630,7 +760,7 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
       const absl::Status why = absl::FailedPreconditionError(
           absl::StrCat("step ", step_id, ": layer ", layer, " out of order, expected layer ",
                        st->next_layer, "; step aborted"));
-      ended = impl_->AbortLocked(
+      ended = AbortLocked(
           st, absl::CancelledError(absl::StrCat("step ", step_id, " was aborted: ", why.message())),
           AbortReason::kError);
       return why;
@@ -639,14 +769,14 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
   }
   absl::Status status;
   try {
-    status = impl_->Compute(*st, layer, in, out, out_bytes, lse, trace);
+    status = Compute(*st, layer, in, out, out_bytes, lse, trace, candidates);
   } catch (const std::bad_alloc&) {
     status = absl::ResourceExhaustedError(
         absl::StrCat("step ", step_id, " layer ", layer, ": out of host memory; step aborted"));
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("step ", step_id, " layer ", layer, ": ", e.what()));
   }
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<std::mutex> lock(mu);
   st->busy = false;
   st->last_used = Clock::now();
   if (!status.ok() || st->abort_requested) {
@@ -654,14 +784,87 @@ absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& 
         status.ok() ? absl::CancelledError(absl::StrCat("step ", step_id, " was aborted"))
                     : absl::CancelledError(absl::StrCat(
                           "step ", step_id, " was aborted after an error: ", status.message()));
-    ended = impl_->AbortLocked(st, fate, status.ok() ? st->abort_reason : AbortReason::kError);
+    ended = AbortLocked(st, fate, status.ok() ? st->abort_reason : AbortReason::kError);
     return status.ok() ? fate : status;
   }
-  if (++st->next_layer == impl_->spec().num_layers()) {
-    ended = impl_->CommitLocked(st);
-  } else {
-    impl_->step_ended.notify_all();  // BeginStep may wait for this layer (see TryBegin)
+  if (candidates != nullptr) {  // the same layer runs next, with the merged selection
+    st->candidates_given = true;
+    step_ended.notify_all();
+    return absl::OkStatus();
   }
+  st->candidates_given = false;
+  if (++st->next_layer == spec().num_layers()) {
+    ended = CommitLocked(st);
+  } else {
+    step_ended.notify_all();  // BeginStep may wait for this layer (see TryBegin)
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::RunLayer(const StepRef& ref, int layer, const LayerInputs& in, void* out,
+                              size_t out_bytes, LayerTrace* trace, float* lse) {
+  return impl_->Run(ref, layer, in, out, out_bytes, trace, lse, nullptr);
+}
+
+absl::Status Engine::RunCandidates(const StepRef& ref, int layer, const LayerInputs& in,
+                                   Candidates* out) {
+  if (out == nullptr) return absl::InvalidArgumentError("RunCandidates: no output");
+  return impl_->Run(ref, layer, in, nullptr, 0, nullptr, nullptr, out);
+}
+
+absl::Status Engine::Impl::LocalSelections(
+    const Step& st, const Candidates& sel,
+    std::vector<std::vector<std::vector<int32_t>>>* kept) const {
+  std::vector<int64_t> query_pos(st.tokens);
+  std::vector<uint8_t> needs(st.tokens);
+  for (const StepPlan::Share& sh : st.plan.shares)
+    for (int64_t i = 0; i < sh.share.size(); ++i) {
+      query_pos[sh.share.rows[i]] = sh.share.query_pos[i];
+      needs[sh.share.rows[i]] = sh.share.needs_index[i];
+    }
+  RETURN_IF_ERROR(CheckSelection(spec(), query_pos, needs, sel));
+  std::vector<int64_t> first(st.tokens + 1, 0);
+  for (int64_t t = 0; t < st.tokens; ++t) first[t + 1] = first[t] + sel.count[t];
+  for (size_t k = 0; k < st.plan.shares.size(); ++k) {
+    const StepShare& sh = st.plan.shares[k].share;
+    auto& mine = (*kept)[k];
+    mine.assign(sh.size(), {});
+    for (int64_t i = 0; i < sh.size(); ++i) {
+      if (!sh.needs_index[i]) continue;
+      const int64_t t = sh.rows[i];
+      LocalSelection(spec(), sel.count[t], sel.keys.data() + first[t], sel.scores.data() + first[t],
+                     sh.query_pos[i], sh.offset[i], sh.pos[i] + 1, &mine[i]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::GatherCandidates(
+    const Step& st, const std::vector<std::vector<LayerCall::LocalCandidates>>& local,
+    Candidates* out) const {
+  const ModelSpec& s = spec();
+  std::vector<const LayerCall::LocalCandidates*> by_row(st.tokens, nullptr);
+  std::vector<int64_t> shift(st.tokens, 0);
+  const bool pages = s.selection == SelectionMode::kPageBudget;
+  for (size_t k = 0; k < st.plan.shares.size(); ++k) {
+    const StepShare& sh = st.plan.shares[k].share;
+    for (int64_t i = 0; i < sh.size(); ++i) {
+      by_row[sh.rows[i]] = &local[k][i];
+      shift[sh.rows[i]] = pages ? sh.offset[i] / s.page_size : sh.offset[i];
+    }
+  }
+  Candidates c;
+  c.pages = pages;
+  c.keep = pages ? s.page_budget : s.index_topk;
+  for (int64_t t = 0; t < st.tokens; ++t) {
+    const LayerCall::LocalCandidates& l = *by_row[t];
+    c.count.push_back(static_cast<int32_t>(l.keys.size()));
+    for (size_t j = 0; j < l.keys.size(); ++j) {
+      c.keys.push_back(l.keys[j] + shift[t]);
+      c.scores.push_back(l.scores[j]);
+    }
+  }
+  *out = std::move(c);
   return absl::OkStatus();
 }
 

@@ -26,6 +26,7 @@
 #include "common/absorption.h"
 #include "common/model_spec.h"
 #include "common/tensor.h"
+#include "engine/context_parallel.h"
 #include "engine/row_reader.h"
 #include "kernels/cpu/cpu_isa.h"
 #include "kv_store/tenant_ledger.h"
@@ -72,6 +73,11 @@ struct EngineOptions {
 struct StepEntry {
   std::string sequence_id;
   int64_t q_len = 0;
+  // Context-parallel steps only (StepOptions::context_parallel): the absolute position of this
+  // server's first key of the sequence (a multiple of page_size), and on attend-only steps the
+  // absolute position of the entry's first query (at least position_offset + length).
+  int64_t position_offset = 0;
+  int64_t query_position = 0;
 };
 
 // How a step runs.
@@ -86,6 +92,15 @@ struct StepOptions {
   // Nonzero: the step is bound to this channel (the service's Step stream that began it); only a
   // StepRef with the same channel finds it.
   uint64_t channel = 0;
+
+  // Context parallelism (engine/context_parallel.h, DESIGN §13): this server holds a slice of
+  // each sequence, from its entry's position_offset on. Full layers then take two calls,
+  // RunCandidates and RunLayer with LayerInputs::selection. Not with write_only or a sliding
+  // window; on devices that support it (the CPU backend).
+  bool context_parallel = false;
+  // With context_parallel: the entries' queries come after every key this server holds (another
+  // server holds their tokens), at their query_position; nothing is written.
+  bool attend_only = false;
 
   static StepOptions WriteOnly() {
     StepOptions o;
@@ -230,6 +245,8 @@ class Engine {
     // The same with each query's keys capped at K: what a full or shared layer attends in token
     // mode with sparse prefill.
     int64_t topk_keys = 0;
+    bool context_parallel = false;
+    bool attend_only = false;
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).
@@ -246,6 +263,12 @@ class Engine {
   // (-inf: none); not on write-only steps.
   absl::Status RunLayer(const StepRef& step, int layer, const LayerInputs& in, void* out,
                         size_t out_bytes, LayerTrace* trace = nullptr, float* lse = nullptr);
+  // A context-parallel step's full layer, first call: writes the keys given (none on attend-only
+  // steps) and puts each query's best local candidates in *out (absolute keys; none for queries
+  // that attend every visible key); the layer then runs with RunLayer, in.selection being every
+  // server's candidates merged (MergeCandidates). Any error aborts the step.
+  absl::Status RunCandidates(const StepRef& step, int layer, const LayerInputs& in,
+                             Candidates* out);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
   absl::Status AbortStep(const StepRef& step, AbortReason reason = AbortReason::kAbort);

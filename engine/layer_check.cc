@@ -122,6 +122,9 @@ absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
 absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, bool write_only,
                               int layer, const LayerInputs& in, size_t out_bytes,
                               const Absorption* absorb) {
+  if (in.selection != nullptr)
+    return absl::InvalidArgumentError(
+        "selection: only context-parallel steps take one (BeginStep context_parallel)");
   RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
@@ -181,6 +184,72 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
         "output buffer: ", out_bytes, " bytes, expected ", want,
         in.q_nope.present ? " ([T, H, V] in " : " ([T, H, L] in ", DTypeName(out_dtype), ")"));
   return absl::OkStatus();
+}
+
+absl::Status CheckContextParallelShapes(const ModelSpec& s, DType cache_dtype, int64_t T, int layer,
+                                        CpMessage message, bool attend_only, const LayerInputs& in,
+                                        size_t out_bytes, const Absorption* absorb) {
+  RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
+  const bool full = s.layers[layer] == LayerKind::kFull;
+  const char* why = message == CpMessage::kSelection
+                        ? "the layer's first call (candidates) carried the keys"
+                        : "an attend-only step writes nothing";
+  const bool keys = !attend_only && message != CpMessage::kSelection;
+  for (const auto& [name, t] :
+       {std::pair<const char*, const TensorView*>{"kv_latent", &in.kv_latent},
+        {"k_rope", &in.k_rope},
+        {"index_k", &in.index_k}}) {
+    if (!keys && t->present)
+      return absl::InvalidArgumentError(absl::StrCat(name, ": not on this call (", why, ")"));
+  }
+  if (keys) {
+    RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
+    RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
+    if (full) RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
+  }
+  if (message == CpMessage::kCandidates) {
+    if (in.q_latent.present || in.q_nope.present || in.q_rope.present || out_bytes != 0 ||
+        in.out_dtype)
+      return absl::InvalidArgumentError(
+          "candidates call: give the keys and index_q, index_w; the queries come with the "
+          "selection");
+    RETURN_IF_ERROR(CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
+    RETURN_IF_ERROR(CheckTensor("index_w", in.index_w, {T, s.index_n_heads}));
+  } else {
+    if (in.index_q.present || in.index_w.present || (!full && in.index_k.present))
+      return absl::InvalidArgumentError(absl::StrCat(
+          in.index_q.present   ? "index_q"
+          : in.index_w.present ? "index_w"
+                               : "index_k",
+          full ? ": not on the selection call (the candidates call carried the indexer's)"
+               : ": indexer tensors belong to full layers only"));
+    if (in.q_nope.present) {
+      if (in.q_latent.present) return absl::InvalidArgumentError("q_nope and q_latent: give one");
+      if (absorb == nullptr)
+        return absl::FailedPreconditionError(
+            "q_nope: this server holds no absorption weights; send q_latent");
+      RETURN_IF_ERROR(
+          CheckTensor("q_nope", in.q_nope, {T, s.num_heads, absorb->qk_nope_head_dim()}));
+    } else {
+      RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
+    }
+    RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
+    const DType out_dtype = OutputDType(in);
+    if (out_dtype == DType::kFP8E4M3)
+      return absl::InvalidArgumentError("out_dtype: the engine writes BF16, FP16 or FP32 outputs");
+    const size_t want =
+        static_cast<size_t>(T) * s.num_heads * OutputHeadDim(s, in, absorb) * DTypeSize(out_dtype);
+    if (out_bytes != want)
+      return absl::InvalidArgumentError(
+          absl::StrCat("output buffer: ", out_bytes, " bytes, expected ", want));
+  }
+  if ((message == CpMessage::kSelection) != (in.selection != nullptr))
+    return absl::InvalidArgumentError(
+        message == CpMessage::kSelection
+            ? "selection: a context-parallel full layer attends the merged candidates; give them"
+            : "selection: only a context-parallel full layer's second call takes one");
+  if (keys) RETURN_IF_ERROR(CheckKeyScales(s, T, in));
+  return CheckQueryScales(s, T, in);
 }
 
 absl::Status CheckLayerFinite(const LayerInputs& in) {

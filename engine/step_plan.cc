@@ -58,19 +58,34 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
       // every visible key can skip the indexer.
       const bool dense_prefill = spec.prefill == PrefillMode::kDense && b.q_len > 1;
       for (int64_t j = 0; j < b.q_len; ++j) {
-        const int64_t pos = b.length + j;
+        // An attend-only query sees every local key (they all precede it) and writes nothing
+        // (its slot is the reserved page 0's, never written).
+        const int64_t pos = b.attend_only ? b.length - 1 : b.length + j;
+        const int64_t abs = b.attend_only ? b.query_pos + j : b.offset + pos;
         s.rows.push_back(first_row[e] + j);
         s.pos.push_back(pos);
         s.seq.push_back(seq);
-        s.slot.push_back(static_cast<int32_t>(s.table().Slot(seq, pos)));
-        s.needs_index.push_back(!dense_prefill && !SelectsEveryVisibleKey(spec, pos + 1));
+        s.slot.push_back(b.attend_only ? 0 : static_cast<int32_t>(s.table().Slot(seq, pos)));
+        // Whether the indexer runs is the whole sequence's question: its absolute position.
+        s.needs_index.push_back(!dense_prefill && !SelectsEveryVisibleKey(spec, abs + 1));
+        if (b.context_parallel) {
+          s.query_pos.push_back(abs);
+          s.offset.push_back(b.offset);
+        }
         max_visible = std::max(max_visible, pos + 1);
       }
       const int32_t end = static_cast<int32_t>(s.rows.size());
-      AppendBlocks(
-          first, end, [](int32_t) { return true; }, &s.dense_blocks);
-      AppendBlocks(
-          first, end, [&s](int32_t i) { return !s.needs_index[i]; }, &s.sparse_blocks);
+      if (b.attend_only) {  // every query at the same local position: no shared causal ranges
+        for (int32_t i = first; i < end; ++i) {
+          s.dense_blocks.push_back({i, 1});
+          if (!s.needs_index[i]) s.sparse_blocks.push_back({i, 1});
+        }
+      } else {
+        AppendBlocks(
+            first, end, [](int32_t) { return true; }, &s.dense_blocks);
+        AppendBlocks(
+            first, end, [&s](int32_t i) { return !s.needs_index[i]; }, &s.sparse_blocks);
+      }
     }
     if (s.rows.empty()) continue;
     s.max_selected = MaxSelected(spec, max_visible);
@@ -91,6 +106,8 @@ void TraceAttended(const ModelSpec& spec, LayerKind kind, const StepShare& share
     } else {
       k = std::move((*selected)[i]);
     }
+    if (!share.offset.empty())  // context parallelism: local positions to absolute ones
+      for (int32_t& p : k) p = static_cast<int32_t>(p + share.offset[i]);
   }
 }
 

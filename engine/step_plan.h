@@ -18,6 +18,12 @@ struct PlanEntry {
   int64_t length = 0;
   int64_t q_len = 0;
   const std::vector<int32_t>* pages = nullptr;
+  // Context parallelism: the absolute position of the sequence's local key 0; with attend_only
+  // the queries sit at absolute positions query_pos.. after every local key and write nothing.
+  bool context_parallel = false;
+  int64_t offset = 0;
+  bool attend_only = false;
+  int64_t query_pos = 0;
 };
 
 struct StepPlan {

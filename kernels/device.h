@@ -43,6 +43,10 @@ struct StepShare {
   std::vector<QueryBlock> dense_blocks, sparse_blocks;
   // Longest selection a query can have: the selected-slot buffer's row length.
   int64_t max_selected = 0;
+  // Context parallelism (DESIGN §13): the sequence's other positions live on other servers.
+  // Positions above stay local (key 0 is the slice's first); [n] each query's absolute position
+  // and its sequence's absolute position of local key 0. Empty on ordinary steps.
+  std::vector<int64_t> query_pos, offset;
 
   int64_t size() const { return static_cast<int64_t>(rows.size()); }
   PageTable table() const { return {indptr.data(), pages.data(), page_size}; }
@@ -66,6 +70,17 @@ struct LayerCall {
   // forms q_latent[t, h] = q_nope[t, h] · W_UK[h] in fp32, attends, and writes
   // out[t, h] = out_latent[t, h] · W_UV[h]^T ([T, H, V]). Prepared by PrepareAbsorption.
   const Absorption* absorb = nullptr;
+  // Context parallelism, full layers (Device::SupportsContextParallel). `candidates` set: write
+  // the key rows given, run the indexer for the tokens that need it and put each one's best
+  // local keys there ([n]; local positions, or local page ids under page_budget, best first,
+  // ties to the lower key), attending nothing. `selection` set: keep these local positions
+  // ([n], ascending; empty for tokens that need no indexer) instead of selecting, then attend.
+  struct LocalCandidates {
+    std::vector<int32_t> keys;
+    std::vector<float> scores;
+  };
+  std::vector<LocalCandidates>* candidates = nullptr;
+  const std::vector<std::vector<int32_t>>* selection = nullptr;
 };
 
 // A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by
@@ -109,6 +124,9 @@ class Device {
   // RESOURCE_EXHAUSTED when they do not fit). Called once, before any call carries them; the
   // weights outlive the device. The default (host backends) keeps nothing.
   virtual absl::Status PrepareAbsorption(const Absorption& weights) { return absl::OkStatus(); }
+  // Whether RunLayer serves LayerCall::candidates and ::selection and calls without key rows
+  // (context parallelism).
+  virtual bool SupportsContextParallel() const { return false; }
 
  protected:
   Device(std::string name, const CacheLayout& layout) : name_(std::move(name)), layout_(layout) {}

@@ -69,8 +69,6 @@ void Transpose(const float* src, int rows, int cols, int lds, float* dst, int ld
     for (int c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c] * scale;
 }
 
-inline float RankKey(float s) { return std::isnan(s) ? kNegInf : s; }
-
 void ExpandPages(const std::vector<int32_t>& pages, int64_t n, int page_size,
                  std::vector<int32_t>* out) {
   for (int32_t p : pages) {
@@ -80,8 +78,10 @@ void ExpandPages(const std::vector<int32_t>& pages, int64_t n, int page_size,
   }
 }
 
-// Keeps the best `keep` of (score, page) pairs, ties to the lower page, then appends the own
-// page if missing and sorts ascending.
+}  // namespace
+
+float RankKey(float s) { return std::isnan(s) ? kNegInf : s; }
+
 std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int keep,
                                int32_t own_page) {
   auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
@@ -102,8 +102,6 @@ std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int
   std::sort(pages.begin(), pages.end());
   return pages;
 }
-
-}  // namespace
 
 void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
   // Scores are computed keys-major, S^T[key][head] = K[key,:] · q^T, so cached rows are used as

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_isa.h"
@@ -42,6 +43,13 @@ void PageUnionSelect(const float* scores, int64_t n, const int32_t* topk, int64_
                      int page_size, int max_pages, std::vector<int32_t>* out);
 void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
                       std::vector<int32_t>* out);
+
+// Keeps the best `keep` of (score, page) pairs (ties to the lower page), appends `own_page` if
+// missing and returns the pages ascending. `cand` is reordered and truncated.
+std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int keep,
+                               int32_t own_page);
+// NaN ranks below every number in a selection.
+float RankKey(float score);
 
 // MLA for one query token over a set of keys, for heads [0, num_heads) of q:
 //   s_j = sm_scale·(q_latent·c_kv_j + q_rope·k_pe_j) [soft-capped], p = softmax(s),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -69,10 +70,21 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CpuDevice::BeginStep(const StepShare
 absl::Status CpuDevice::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
   if (share.size() == 0) return absl::OkStatus();
   Step& st = static_cast<Step&>(step);
-  WriteKeys(share, call.layer, *call.in);
+  // Context-parallel calls may carry no key rows: another server holds the new tokens, or an
+  // earlier call of the layer wrote them.
+  if (call.in->kv_latent.present) WriteKeys(share, call.layer, *call.in);
+  if (call.candidates != nullptr) {
+    ConvertIndexQueries(share, st, *call.in);
+    Select(share, st, call.layer, call.candidates);
+    return absl::OkStatus();
+  }
   if (call.out == nullptr) return absl::OkStatus();
   ConvertQueries(share, st, call);
-  if (call.select) Select(share, st, call.layer);
+  if (call.selection != nullptr) {
+    Keep(share, st, *call.selection);
+  } else if (call.select) {
+    Select(share, st, call.layer, nullptr);
+  }
   Attend(share, st, call);
   return absl::OkStatus();
 }
@@ -155,7 +167,11 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
                      st.q.data() + (i0 * H + h) * D, H * D, false);
     });
   }
-  if (!call.select) return;
+  if (call.select && call.selection == nullptr) ConvertIndexQueries(share, st, in);
+}
+
+void CpuDevice::ConvertIndexQueries(const StepShare& share, Step& st, const LayerInputs& in) {
+  const int64_t n = share.size();
   const int Hi = spec_.index_n_heads;
   const int64_t row = int64_t{Hi} * spec_.index_head_dim;
   st.index_q.resize(n * row);
@@ -169,7 +185,20 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
   });
 }
 
-void CpuDevice::Select(const StepShare& share, Step& st, int layer) {
+void CpuDevice::Keep(const StepShare& share, Step& st,
+                     const std::vector<std::vector<int32_t>>& selection) {
+  const PageTable table = share.table();
+  for (int64_t i = 0; i < share.size(); ++i) {
+    st.positions[i] = selection[i];
+    auto& slots = st.slots[i];
+    slots.resize(selection[i].size());
+    for (size_t j = 0; j < selection[i].size(); ++j)
+      slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], selection[i][j]));
+  }
+}
+
+void CpuDevice::Select(const StepShare& share, Step& st, int layer,
+                       std::vector<LayerCall::LocalCandidates>* candidates) {
   const int Hi = spec_.index_n_heads, Di = spec_.index_head_dim;
   const CacheRows keys = cache_.Index(spec_.FullSlot(layer));
   const PageTable table = share.table();
@@ -212,6 +241,10 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer) {
       const int64_t i = need[w0 + qi];
       const int64_t n = share.pos[i] + 1;
       const float* sc = st.scores.data() + offset[qi];
+      if (candidates != nullptr) {
+        LocalCandidatesOf(sc, n, &(*candidates)[i]);
+        return;
+      }
       auto& sel = st.positions[i];
       sel.clear();
       switch (spec_.selection) {
@@ -238,6 +271,40 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer) {
         slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], sel[j]));
     });
     w0 = w1;
+  }
+}
+
+void CpuDevice::LocalCandidatesOf(const float* sc, int64_t n,
+                                  LayerCall::LocalCandidates* out) const {
+  // Best first, ties to the lower key: what merging the servers' lists needs.
+  std::vector<std::pair<float, int32_t>> best;
+  if (spec_.selection == SelectionMode::kPageBudget) {
+    const int ps = spec_.page_size;
+    for (int64_t p = 0; p * ps < n; ++p) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = p * ps; s < std::min<int64_t>(n, (p + 1) * ps); ++s)
+        top = std::max(top, cpu::RankKey(sc[s]));
+      best.emplace_back(top, static_cast<int32_t>(p));
+    }
+  } else {
+    thread_local std::vector<int32_t> topk;
+    topk.resize(std::min<int64_t>(n, spec_.index_topk));
+    topk.resize(cpu::ExactTopK(sc, n, spec_.index_topk, topk.data()));
+    for (int32_t p : topk) best.emplace_back(cpu::RankKey(sc[p]), p);
+  }
+  const size_t keep = spec_.selection == SelectionMode::kPageBudget
+                          ? static_cast<size_t>(spec_.page_budget)
+                          : static_cast<size_t>(spec_.index_topk);
+  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::sort(best.begin(), best.end(), better);
+  if (best.size() > keep) best.resize(keep);
+  out->keys.clear();
+  out->scores.clear();
+  for (const auto& [score, key] : best) {
+    out->keys.push_back(key);
+    out->scores.push_back(score);
   }
 }
 

@@ -31,6 +31,7 @@ class CpuDevice final : public Device {
   absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) override;
   absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies) override;
   absl::StatusOr<bool> ReservedPageUntouched() override;
+  bool SupportsContextParallel() const override { return true; }
 
  private:
   struct Step;
@@ -40,7 +41,14 @@ class CpuDevice final : public Device {
   void ConvertQueries(const StepShare& share, Step& st, const LayerCall& call);
   // Row `row` of a query tensor seen as [rows, elems] to fp32 (FP8_E4M3: code x the row's scale).
   void QueryRow(const TensorView& t, int64_t row, int64_t elems, float* dst) const;
-  void Select(const StepShare& share, Step& st, int layer);
+  void ConvertIndexQueries(const StepShare& share, Step& st, const LayerInputs& in);
+  // The indexer and the selection for the tokens that need it; with `candidates`, each one's
+  // best local keys instead (context parallelism).
+  void Select(const StepShare& share, Step& st, int layer,
+              std::vector<LayerCall::LocalCandidates>* candidates);
+  void LocalCandidatesOf(const float* scores, int64_t n, LayerCall::LocalCandidates* out) const;
+  // A selection given in local positions (context parallelism), kept as Select keeps its own.
+  void Keep(const StepShare& share, Step& st, const std::vector<std::vector<int32_t>>& selection);
   // MLA for the share's queries into call.out (and call.lse); absorbed calls get W_UV applied.
   void Attend(const StepShare& share, Step& st, const LayerCall& call);
   // Rows [first, first + rows) of a page of indexer rows to `to` as CacheLayout::IndexRanges

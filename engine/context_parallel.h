@@ -1,0 +1,47 @@
+// Context parallelism (DESIGN §13): one logical sequence spread over several servers, each
+// holding a contiguous, page-aligned slice of its positions. Dense and shared layers merge the
+// servers' partial attentions by log-sum-exp; a full layer first gathers every server's local
+// top-k candidates (Engine::RunCandidates), the client merges them (MergeCandidates), and each
+// server then attends its part of the global selection (Engine::RunLayer with
+// LayerInputs::selection), which equals one server holding the whole sequence.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/model_spec.h"
+
+namespace attnd {
+
+// Each query's candidates for a full layer's selection, in absolute keys: positions (token and
+// page_union modes: the top-K tokens) or page ids (page_budget: the best `budget` pages by their
+// best token), best first, ties to the lower key. A query that needs no indexer (it attends
+// every visible key) has none.
+struct Candidates {
+  bool pages = false;          // keys are page ids (page_budget)
+  int64_t keep = 0;            // how many a query keeps after merging: K, or the budget
+  std::vector<int32_t> count;  // [T] candidates per query
+  std::vector<int64_t> keys;   // [sum(count)], query after query
+  std::vector<float> scores;   // [sum(count)]
+};
+
+// Per query: every part's candidates, best first (score descending, ties to the lower key), the
+// first `keep` of them. The parts must agree on T, keep and pages.
+absl::Status MergeCandidates(const std::vector<const Candidates*>& parts, Candidates* merged);
+
+// The local positions a query at absolute position `query_pos` attends on this server, whose
+// slice starts at absolute position `offset` and shows the query `visible` keys, given its
+// merged candidates keys[0, count) (scores alongside): the keys themselves (token mode), or the
+// pages they rank plus the query's own page, expanded (page modes). Ascending.
+void LocalSelection(const ModelSpec& spec, int32_t count, const int64_t* keys, const float* scores,
+                    int64_t query_pos, int64_t offset, int64_t visible, std::vector<int32_t>* out);
+
+// INVALID_ARGUMENT unless `sel` fits a step of `queries` whose absolute positions are
+// `query_pos` and which need the indexer where `needs_index` is set: one count per query, at most
+// `keep` keys each, none for queries that need no indexer, every key distinct, finite-ranked and
+// visible to its query (a position <= the query's, a page <= its own).
+absl::Status CheckSelection(const ModelSpec& spec, const std::vector<int64_t>& query_pos,
+                            const std::vector<uint8_t>& needs_index, const Candidates& sel);
+
+}  // namespace attnd
