@@ -256,11 +256,14 @@ v1::BeginStepRequest MakeBeginRequest(const Batch& batch, bool write_only, int n
 
 absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool write_only,
                                                         int num_shards) {
+  return BeginStep(MakeBeginRequest(batch, write_only, num_shards));
+}
+
+absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const v1::BeginStepRequest& request) {
   grpc::ClientContext ctx;
   Authorize(&ctx);
   v1::BeginStepResponse resp;
-  absl::Status s =
-      FromGrpc(stub_->BeginStep(&ctx, MakeBeginRequest(batch, write_only, num_shards), &resp));
+  absl::Status s = FromGrpc(stub_->BeginStep(&ctx, request, &resp));
   if (!s.ok()) return s;
   return resp;
 }

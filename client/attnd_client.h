@@ -115,6 +115,8 @@ class Client {
   // num_shards > 1 opens a sharded step (this caller is shard 0; see attention.proto).
   absl::StatusOr<v1::BeginStepResponse> BeginStep(const Batch& batch, bool write_only = false,
                                                   int num_shards = 0);
+  // Any step, as the request says (context parallelism's fields, say).
+  absl::StatusOr<v1::BeginStepResponse> BeginStep(const v1::BeginStepRequest& request);
   absl::StatusOr<v1::LayerOutput> AttendLayer(uint64_t step_id, const v1::LayerInputs& in);
   absl::Status AbortStep(uint64_t step_id);
   // Shared memory (see attention.proto): a region `name` over [offset, offset + bytes) of `key`.

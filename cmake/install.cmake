@@ -9,7 +9,7 @@ install(TARGETS attnd_client attnd_proto attnd_dtype EXPORT attndTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
 set(ATTND_INCLUDE ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
-install(FILES client/attention_merge.h client/attnd_client.h client/router.h DESTINATION ${ATTND_INCLUDE}/client)
+install(FILES client/attention_merge.h client/attnd_client.h client/context_parallel.h client/router.h DESTINATION ${ATTND_INCLUDE}/client)
 install(FILES common/dtype.h common/host_device.h DESTINATION ${ATTND_INCLUDE}/common)
 install(FILES ${ATTND_GEN}/attnd/v1/attention.pb.h ${ATTND_GEN}/attnd/v1/attention.grpc.pb.h
   DESTINATION ${ATTND_INCLUDE}/attnd/v1)

@@ -11,50 +11,11 @@
 namespace attnd {
 namespace {
 
-bool Better(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-  return a.first > b.first || (a.first == b.first && a.second < b.second);
-}
-
 int64_t Keep(const ModelSpec& spec) {
   return spec.selection == SelectionMode::kPageBudget ? spec.page_budget : spec.index_topk;
 }
 
 }  // namespace
-
-absl::Status MergeCandidates(const std::vector<const Candidates*>& parts, Candidates* merged) {
-  if (parts.empty()) return absl::InvalidArgumentError("candidates: no parts");
-  const Candidates& first = *parts[0];
-  for (const Candidates* p : parts) {
-    if (p->count.size() != first.count.size() || p->keep != first.keep || p->pages != first.pages)
-      return absl::InvalidArgumentError(
-          "candidates: the parts disagree on the queries, the keys' kind or how many to keep");
-    int64_t n = 0;
-    for (int32_t c : p->count) n += c;
-    if (n != static_cast<int64_t>(p->keys.size()) || p->keys.size() != p->scores.size())
-      return absl::InvalidArgumentError("candidates: counts, keys and scores disagree");
-  }
-  Candidates out;
-  out.pages = first.pages;
-  out.keep = first.keep;
-  std::vector<size_t> at(parts.size(), 0);
-  std::vector<std::pair<float, int64_t>> all;
-  for (size_t t = 0; t < first.count.size(); ++t) {
-    all.clear();
-    for (size_t k = 0; k < parts.size(); ++k) {
-      for (int32_t j = 0; j < parts[k]->count[t]; ++j, ++at[k])
-        all.emplace_back(parts[k]->scores[at[k]], parts[k]->keys[at[k]]);
-    }
-    std::sort(all.begin(), all.end(), Better);
-    if (static_cast<int64_t>(all.size()) > out.keep) all.resize(out.keep);
-    out.count.push_back(static_cast<int32_t>(all.size()));
-    for (const auto& [score, key] : all) {
-      out.keys.push_back(key);
-      out.scores.push_back(score);
-    }
-  }
-  *merged = std::move(out);
-  return absl::OkStatus();
-}
 
 void LocalSelection(const ModelSpec& spec, int32_t count, const int64_t* keys, const float* scores,
                     int64_t query_pos, int64_t offset, int64_t visible, std::vector<int32_t>* out) {

@@ -10,25 +10,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/candidates.h"
 #include "common/model_spec.h"
 
 namespace attnd {
-
-// Each query's candidates for a full layer's selection, in absolute keys: positions (token and
-// page_union modes: the top-K tokens) or page ids (page_budget: the best `budget` pages by their
-// best token), best first, ties to the lower key. A query that needs no indexer (it attends
-// every visible key) has none.
-struct Candidates {
-  bool pages = false;          // keys are page ids (page_budget)
-  int64_t keep = 0;            // how many a query keeps after merging: K, or the budget
-  std::vector<int32_t> count;  // [T] candidates per query
-  std::vector<int64_t> keys;   // [sum(count)], query after query
-  std::vector<float> scores;   // [sum(count)]
-};
-
-// Per query: every part's candidates, best first (score descending, ties to the lower key), the
-// first `keep` of them. The parts must agree on T, keep and pages.
-absl::Status MergeCandidates(const std::vector<const Candidates*>& parts, Candidates* merged);
 
 // The local positions a query at absolute position `query_pos` attends on this server, whose
 // slice starts at absolute position `offset` and shows the query `visible` keys, given its

@@ -615,13 +615,13 @@ absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const
 }
 
 absl::Status Engine::CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
-                                size_t out_bytes) const {
+                                size_t out_bytes, bool candidates) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
   if (layer != st->next_layer)
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step.id, ": layer ", layer, " out of order, expected layer ", st->next_layer));
-  return impl_->CheckShapes(*st, layer, in, out_bytes, false, impl_->Absorbing().get());
+  return impl_->CheckShapes(*st, layer, in, out_bytes, candidates, impl_->Absorbing().get());
 }
 
 absl::Status Engine::Impl::CheckSlice(size_t i, const Sequence& seq, const StepEntry& e,

@@ -253,8 +253,9 @@ class Engine {
   absl::StatusOr<StepInfo> DescribeStep(const StepRef& step) const;
   // Checks a layer's inputs against the open step without running or aborting anything: the
   // service calls it before it allocates the output. Same errors as RunLayer.
-  absl::Status CheckLayer(const StepRef& step, int layer, const LayerInputs& in,
-                          size_t out_bytes) const;
+  // `candidates`: a RunCandidates call's.
+  absl::Status CheckLayer(const StepRef& step, int layer, const LayerInputs& in, size_t out_bytes,
+                          bool candidates = false) const;
   // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
   // dtype ([T, H, V] when the call gives q_nope and the server absorbs) (out_bytes must match;
   // write-only steps take no queries, out = nullptr, 0 bytes). The last layer commits the step. Any

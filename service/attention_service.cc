@@ -343,16 +343,23 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
     return absl::InvalidArgumentError(
         absl::StrCat("num_shards: ", shards, " must divide the ", H,
                      " heads (and write-only steps are not sharded)"));
+  if (req.context_parallel() && shards > 1)
+    return absl::InvalidArgumentError("context_parallel: sharded steps do not take it");
   std::vector<StepEntry> batch;
   batch.reserve(req.batch_size());
   for (int i = 0; i < req.batch_size(); ++i) {
     const auto& e = req.batch(i);
     RETURN_IF_ERROR(CheckIdLength(absl::StrCat("batch[", i, "].sequence_id").c_str(),
                                   e.sequence_id(), lim.max_id_bytes));
-    batch.push_back({e.sequence_id(), e.q_len()});
+    if (!req.context_parallel() && (e.position_offset() != 0 || e.query_position() != 0))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch[", i, "]: position_offset and query_position belong to context-parallel steps"));
+    batch.push_back({e.sequence_id(), e.q_len(), e.position_offset(), e.query_position()});
   }
   StepOptions opts;
   opts.write_only = req.write_only();
+  opts.context_parallel = req.context_parallel();
+  opts.attend_only = req.attend_only();
   opts.tenant = caller.tenant;
   opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
@@ -440,6 +447,9 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
     if (parts[k].in->return_attended())
       return absl::InvalidArgumentError(
           absl::StrCat("shard ", k, ": return_attended is not served on sharded steps"));
+    if (parts[k].in->return_candidates() || parts[k].in->has_selection())
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard ", k, ": return_candidates and selection belong to context-parallel steps"));
     if (!parts[k].in->out_datatype().empty())
       return absl::InvalidArgumentError(absl::StrCat(
           "shard ", k,
@@ -544,6 +554,63 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   return absl::OkStatus();
 }
 
+absl::Status AttentionService::CheckCandidateCall(const Engine::StepInfo& info,
+                                                  const v1::LayerInputs& in,
+                                                  Candidates* selection) const {
+  if (!info.context_parallel)
+    return absl::FailedPreconditionError(
+        "return_candidates and selection belong to context-parallel steps (BeginStep "
+        "context_parallel)");
+  if (in.return_candidates()) {
+    if (in.has_selection() || in.has_out_shm() || !in.out_datatype().empty() ||
+        in.return_attended() || in.return_lse())
+      return absl::InvalidArgumentError(
+          "return_candidates: the call attends nothing; no selection, out_shm, out_datatype, "
+          "return_attended or return_lse");
+    // Each query's candidates: at most K (or the budget) of 13 bytes or so, bounded before the
+    // layer runs.
+    const ModelSpec& s = engine_->spec();
+    const int64_t keep = s.selection == SelectionMode::kPageBudget ? s.page_budget : s.index_topk;
+    const int64_t reply = info.tokens * (keep * 16 + 8);
+    if (reply > options_.max_message_bytes - kMessageFramingBytes)
+      return absl::InvalidArgumentError(
+          absl::StrCat("return_candidates: up to ", reply,
+                       " bytes of candidates would not fit in a reply of "
+                       "--max-message-bytes=",
+                       options_.max_message_bytes, "; send fewer tokens per step"));
+    return absl::OkStatus();
+  }
+  const v1::Candidates& c = in.selection();  // bounded by the request's size
+  selection->pages = c.pages();
+  selection->keep = c.keep();
+  selection->count.assign(c.count().begin(), c.count().end());
+  selection->keys.assign(c.keys().begin(), c.keys().end());
+  selection->scores.assign(c.scores().begin(), c.scores().end());
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::LayerCandidates(const StepRef& step, const v1::LayerInputs& in,
+                                               const LayerInputs& views,
+                                               const Engine::StepInfo& info, v1::LayerOutput* out,
+                                               Transport transport,
+                                               std::chrono::steady_clock::time_point start) {
+  Candidates c;
+  RETURN_IF_ERROR(engine_->RunCandidates(step, in.layer(), views, &c));
+  v1::Candidates* w = out->mutable_candidates();
+  w->set_pages(c.pages);
+  w->set_keep(c.keep);
+  w->mutable_count()->Add(c.count.begin(), c.count.end());
+  w->mutable_keys()->Add(c.keys.begin(), c.keys.end());
+  w->mutable_scores()->Add(c.scores.begin(), c.scores.end());
+  out->set_layer(in.layer());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out->set_server_seconds(seconds);
+  metrics_->LayerDone(transport, info.phase, engine_->spec().layers[in.layer()], seconds,
+                      in.ByteSizeLong(), out->ByteSizeLong());
+  return absl::OkStatus();
+}
+
 absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
                                      const v1::LayerInputs& in, v1::LayerOutput* out,
                                      Transport transport) {
@@ -559,13 +626,22 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   size_t bytes = 0;
   bool fp8_reply = false;
   std::string fp32_out;
+  const bool candidates = in.return_candidates();
+  Candidates selection;
   absl::Status st = [&]() -> absl::Status {
     if (in.shard() != 0)
       return absl::InvalidArgumentError(absl::StrCat("shard: ", in.shard(), " given on step ",
                                                      step.id, ", which is not sharded"));
     if (info.write_only && in.has_out_shm())
       return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
+    if (candidates || in.has_selection()) RETURN_IF_ERROR(CheckCandidateCall(info, in, &selection));
     RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
+    if (in.has_selection()) views.selection = &selection;
+    if (candidates) {  // attends nothing: no output
+      RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, 0, true));
+      RETURN_IF_ERROR(shm.ReadInputs());
+      return absl::OkStatus();
+    }
     ASSIGN_OR_RETURN(fp8_reply, ReplyDType(in, info.write_only, &views));
     const DType dt =
         views.q_latent.present || views.q_nope.present ? OutputDType(views) : DType::kBF16;
@@ -596,6 +672,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
     (void)engine_->AbortStep(step, AbortReason::kError);
     return st;
   }
+  if (candidates) return LayerCandidates(step, in, views, info, out, transport, start);
   LayerTrace trace;
   std::vector<float> lse(in.return_lse() ? static_cast<size_t>(info.tokens) * s.num_heads : 0);
   st = engine_->RunLayer(step, in.layer(), views, buf, bytes,

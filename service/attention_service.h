@@ -101,6 +101,14 @@ class AttentionService final : public v1::Attention::CallbackService {
                                  size_t out_bytes) const;
   // return_lse: INVALID_ARGUMENT on a write-only step, or when the output of out_bytes (inline
   // unless out_shm) and the [T, heads] fp32 log-sum-exp could pass the message limit.
+  // Context parallelism: a candidates or selection call's own checks (and the selection as the
+  // engine takes it), and a candidates call run.
+  absl::Status CheckCandidateCall(const Engine::StepInfo& info, const v1::LayerInputs& in,
+                                  Candidates* selection) const;
+  absl::Status LayerCandidates(const StepRef& step, const v1::LayerInputs& in,
+                               const LayerInputs& views, const Engine::StepInfo& info,
+                               v1::LayerOutput* out, Transport transport,
+                               std::chrono::steady_clock::time_point start);
   absl::Status CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
                             size_t out_bytes, int heads) const;
 
