@@ -15,6 +15,7 @@ from .client import (
     AttndClient,
     AttndError,
     Batch,
+    Candidates,
     DeviceInfo,
     Fp8Tensor,
     LayerResult,
@@ -28,9 +29,11 @@ from .client import (
     TensorArg,
     from_tensor,
     merge_attention,
+    merge_candidates,
     quantize_fp8,
     to_tensor,
 )
+from .context_parallel import ContextParallelSequence, MergedLayer
 from .hf_config import spec_from_hf_config
 from .router import rendezvous_weight, resolve_endpoints, route
 
@@ -45,6 +48,10 @@ __all__ = [
     "AttndClient",
     "AttndError",
     "Batch",
+    "Candidates",
+    "ContextParallelSequence",
+    "MergedLayer",
+    "merge_candidates",
     "DeviceInfo",
     "Fp8Tensor",
     "LayerResult",

@@ -641,9 +641,76 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
     )
 
 
-def _batch(batch: Batch, write_only: bool, num_shards: int = 0) -> pb.BeginStepRequest:
+def _batch(batch: Batch, write_only: bool, num_shards: int = 0,
+           position_offsets: Optional[Sequence[int]] = None,
+           query_positions: Optional[Sequence[int]] = None) -> pb.BeginStepRequest:
     entries = [pb.BatchEntry(sequence_id=sid, q_len=int(q_len)) for sid, q_len in batch]
-    return pb.BeginStepRequest(batch=entries, write_only=write_only, num_shards=int(num_shards))
+    for name, values in (("position_offsets", position_offsets),
+                         ("query_positions", query_positions)):
+        if values is not None and len(values) != len(entries):
+            raise ValueError(f"{name}: {len(values)} values for {len(entries)} batch entries")
+    if query_positions is not None and position_offsets is None:
+        raise ValueError("query_positions (attend-only) needs position_offsets")
+    for i, e in enumerate(entries):
+        if position_offsets is not None:
+            e.position_offset = int(position_offsets[i])
+        if query_positions is not None:
+            e.query_position = int(query_positions[i])
+    return pb.BeginStepRequest(batch=entries, write_only=write_only, num_shards=int(num_shards),
+                               context_parallel=position_offsets is not None,
+                               attend_only=query_positions is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """A context-parallel full layer's candidates (DESIGN §13): per query its best keys in
+    absolute terms, positions (token, page_union) or page ids (``pages``: page_budget), best first
+    (ties to the lower key); a query that attends every visible key has none. What
+    ``attend_layer(..., candidates=True)`` returns and ``selection=`` takes (merged by
+    :func:`merge_candidates`)."""
+
+    pages: bool
+    keep: int  # how many a query keeps after merging (K, or the budget)
+    count: np.ndarray  # int32 [T]
+    keys: np.ndarray  # int64 [sum(count)]
+    scores: np.ndarray  # float32 [sum(count)]
+
+    @classmethod
+    def from_proto(cls, c: pb.Candidates) -> "Candidates":
+        return cls(pages=c.pages, keep=int(c.keep), count=np.array(c.count, np.int32),
+                   keys=np.array(c.keys, np.int64), scores=np.array(c.scores, np.float32))
+
+    def to_proto(self) -> pb.Candidates:
+        return pb.Candidates(pages=bool(self.pages), keep=int(self.keep),
+                             count=[int(x) for x in self.count], keys=[int(x) for x in self.keys],
+                             scores=[float(x) for x in self.scores])
+
+
+def merge_candidates(parts: Sequence[Candidates]) -> Candidates:
+    """Every server's candidates for one layer merged: per query all of them, best first (score
+    descending, ties to the lower key), the first ``keep``: the global selection's candidates."""
+    if not parts:
+        raise ValueError("merge_candidates: no parts")
+    first = parts[0]
+    for p in parts:
+        if len(p.count) != len(first.count) or p.keep != first.keep or p.pages != first.pages:
+            raise ValueError("merge_candidates: the parts disagree on the queries, the keys' kind "
+                             "or how many to keep")
+        if int(p.count.sum()) != len(p.keys) or len(p.keys) != len(p.scores):
+            raise ValueError("merge_candidates: counts, keys and scores disagree")
+    starts = [np.concatenate([[0], np.cumsum(p.count)]) for p in parts]
+    count, keys, scores = [], [], []
+    for t in range(len(first.count)):
+        k = np.concatenate([p.keys[s[t]:s[t + 1]] for p, s in zip(parts, starts)])
+        v = np.concatenate([p.scores[s[t]:s[t + 1]] for p, s in zip(parts, starts)])
+        order = np.lexsort((k, -v.astype(np.float64)))[:first.keep]
+        count.append(len(order))
+        keys.append(k[order])
+        scores.append(v[order])
+    return Candidates(pages=first.pages, keep=first.keep, count=np.array(count, np.int32),
+                      keys=np.concatenate(keys).astype(np.int64) if keys else np.zeros(0, np.int64),
+                      scores=(np.concatenate(scores).astype(np.float32) if scores
+                              else np.zeros(0, np.float32)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,10 +728,16 @@ class LayerResult:
 
 def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 0,
                   out: Optional[ShmTensor] = None, attended: bool = False,
-                  lse: bool = False, out_datatype: Optional[str] = None) -> pb.LayerInputs:
-    if shard == 0 and (tensors["kv_latent"] is None or tensors["k_rope"] is None):
+                  lse: bool = False, out_datatype: Optional[str] = None,
+                  candidates: bool = False,
+                  selection: Optional["Candidates"] = None,
+                  keys_required: bool = True) -> pb.LayerInputs:
+    # Context-parallel calls may carry no keys (attend-only steps; a full layer's second call):
+    # attnd.ContextParallelSequence passes keys_required=False.
+    if keys_required and shard == 0 and not candidates and selection is None and (
+            tensors["kv_latent"] is None or tensors["k_rope"] is None):
         raise TypeError("kv_latent and k_rope are required (only shards other than 0 of a sharded "
-                        "step leave them out)")
+                        "step leave them out, and context-parallel calls that write nothing)")
     if out is not None:
         if not isinstance(out, ShmTensor):
             raise TypeError(f"out= takes a ShmTensor (a slot of a ShmArena), not {type(out)}")
@@ -673,7 +746,10 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
                              "from the arena's memory")
         out.arena._mapping()  # ValueError if closed: before the server writes anything
     msg = pb.LayerInputs(layer=int(layer), shard=int(shard), return_attended=bool(attended),
-                         return_lse=bool(lse), out_datatype=out_datatype or "")
+                         return_lse=bool(lse), out_datatype=out_datatype or "",
+                         return_candidates=bool(candidates))
+    if selection is not None:
+        msg.selection.CopyFrom(selection.to_proto())
     for name, value in tensors.items():
         if value is None:
             continue
@@ -885,16 +961,23 @@ class _Api:
 
     # -- steps: unary --
 
-    def begin_step(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0
-                   ) -> StepInfo:
+    def begin_step(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
+                   position_offsets: Optional[Sequence[int]] = None,
+                   query_positions: Optional[Sequence[int]] = None) -> StepInfo:
         """Opens a step over ``batch`` (reserving its pages); then attend_layer 0..N-1 in order.
 
         ``write_only`` imports keys only (kv_latent, k_rope, index_k; no queries, no output).
         ``num_shards`` > 1 opens a sharded step as its shard 0: S = num_shards tensor-parallel
         shards (S must divide H; not with ``write_only``) each send their H/S heads per layer —
         here through attend_layer with ``shard=k`` and this step id (unary shards need no join).
+
+        Context parallelism (DESIGN §13; :class:`attnd.ContextParallelSequence` drives it):
+        ``position_offsets`` (per entry, page-aligned) opens a context-parallel step over this
+        server's slice of each sequence; with ``query_positions`` (per entry) an attend-only one,
+        whose queries follow every key held here and write nothing.
         """
-        return self._unary("BeginStep", _batch(batch, write_only, num_shards),
+        return self._unary("BeginStep",
+                           _batch(batch, write_only, num_shards, position_offsets, query_positions),
                            lambda r: StepInfo(step_id=r.step_id, num_tokens=r.num_tokens))
 
     def attend_layer(
@@ -917,6 +1000,8 @@ class _Api:
         lse: bool = False,
         as_torch: bool = False,
         out_datatype: Optional[str] = None,
+        candidates: bool = False,
+        selection: Optional[Candidates] = None,
     ):
         """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only;
         a torch tensor with ``as_torch``),
@@ -937,9 +1022,14 @@ class _Api:
         the float32 result: half the bytes of BF16, the input DeepSeek's fp8 o_proj takes. Not
         with ``out`` (shared memory), on sharded or on write-only steps.
 
+        Context-parallel steps, full layers: first ``candidates=True`` with the keys (none on
+        attend-only steps), index_q and index_w returns this server's :class:`Candidates`; then
+        the layer again with ``selection=merge_candidates(every server's)`` and the queries only.
+
         The last layer commits the step. Any error aborts the step (sequences stay as before it).
         Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
-        kv_latent and k_rope are required except from shards other than 0. Tensors are numpy
+        kv_latent and k_rope are required except from shards other than 0 (and on
+        context-parallel calls that write nothing). Tensors are numpy
         arrays, CPU torch tensors or DLPack arrays (:func:`as_numpy`), all of one datatype.
 
         Any tensor may be a :class:`ShmTensor` (a reference into a registered shared-memory region)
@@ -955,8 +1045,11 @@ class _Api:
         request = pb.AttendLayerRequest(
             step_id=step_id,
             inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse,
-                                 out_datatype),
+                                 out_datatype, candidates, selection),
         )
+        if candidates:
+            return self._unary("AttendLayer", request,
+                               lambda r: Candidates.from_proto(r.output.candidates))
         raw = _raw_bf16(_query(q_latent, q_nope), self._uint16_as_bf16)
         return self._unary(
             "AttendLayer", request,
