@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <random>
 
 #include "kernels/cuda/cuda_device.h"
 #include "tests/engine_harness.h"
@@ -94,6 +95,79 @@ INSTANTIATE_TEST_SUITE_P(
                                          SelectionMode::kPageBudget),
                        ::testing::Values(DType::kBF16, DType::kF32, DType::kF16, DType::kFP8E4M3)),
     ParityName);
+
+// Server-side absorption on the GPU (the per-head projection kernels around the attention)
+// against the CPU backend, whose absorbed calls tests/absorption_test.cc checks against float64:
+// outputs [T, H, V], log-sum-exps and selections, fp32 and bf16.
+TEST(Cuda, AbsorbedCallsMatchTheCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const ModelSpec s = Spec(SelectionMode::kToken);
+    const int dn = 32, v = 24, H = s.num_heads;
+    std::mt19937_64 wrng(5);
+    std::normal_distribution<float> dist(0.0f, 0.2f);
+    auto a = Absorption::Create(s, dn, v, "test").value();
+    for (int l = 0; l < s.num_layers(); ++l) {
+      std::vector<float> w(static_cast<size_t>(H) * (dn + v) * s.kv_lora_rank);
+      for (float& x : w) x = dist(wrng);
+      ASSERT_TRUE(a->SetLayer(l, {int64_t{H} * (dn + v), s.kv_lora_rank}, w.data()).ok());
+    }
+    const std::shared_ptr<const Absorption> absorb(std::move(a));
+    const DType cache = dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
+    const double tol = dtype == DType::kF32 ? 1e-5 : 1e-2;
+    std::unique_ptr<Engine> engines[2];
+    const char* devices[2] = {"cuda:0", "cpu:0"};
+    for (int e = 0; e < 2; ++e) {
+      EngineOptions o = Options(s, cache, {devices[e]});
+      o.absorption = absorb;
+      engines[e] = Engine::Create(o).value();
+      ASSERT_TRUE(engines[e]->OpenSequence("a").ok());
+      ASSERT_TRUE(engines[e]->OpenSequence("b").ok());
+    }
+    uint64_t seed = 40;
+    double worst = 0;
+    for (const std::vector<StepEntry>& batch : std::vector<std::vector<StepEntry>>{
+             {{"a", 40}, {"b", 9}}, {{"a", 1}, {"b", 20}}, {{"b", 1}, {"a", 1}}}) {
+      int64_t T = 0;
+      for (const auto& e : batch) T += e.q_len;
+      const auto layers = RandomLayers(s, T, dtype, seed++);
+      std::mt19937_64 rng(seed++);
+      uint64_t step[2];
+      for (int e = 0; e < 2; ++e) step[e] = engines[e]->BeginStep(batch).value();
+      for (int l = 0; l < s.num_layers(); ++l) {
+        const HostTensor qn = RandomTensor(dtype, {T, H, dn}, rng);
+        LayerInputs in = layers[l].inputs();
+        in.q_latent = {};
+        in.q_nope = qn.view();
+        std::vector<uint8_t> out[2];
+        std::vector<float> lse[2];
+        LayerTrace trace[2];
+        for (int e = 0; e < 2; ++e) {
+          out[e].resize(static_cast<size_t>(T) * H * v * DTypeSize(dtype));
+          lse[e].resize(static_cast<size_t>(T) * H);
+          const absl::Status r = engines[e]->RunLayer(step[e], l, in, out[e].data(), out[e].size(),
+                                                      &trace[e], lse[e].data());
+          ASSERT_TRUE(r.ok()) << devices[e] << ": " << r;
+        }
+        std::vector<double> f[2];
+        for (int e = 0; e < 2; ++e) {
+          std::vector<float> x(out[e].size() / DTypeSize(dtype));
+          ConvertToF32(dtype, out[e].data(), x.data(), x.size());
+          f[e].assign(x.begin(), x.end());
+        }
+        for (double x : f[0]) ASSERT_FALSE(std::isnan(x));
+        const double err = RelL2(f[0], f[1]);
+        EXPECT_LE(err, tol) << DTypeName(dtype) << " layer " << l;
+        worst = std::max(worst, err);
+        EXPECT_EQ(trace[0].keys, trace[1].keys) << "layer " << l;
+        for (size_t j = 0; j < lse[0].size(); ++j)
+          ASSERT_NEAR(lse[0][j], lse[1][j],
+                      (dtype == DType::kF32 ? 1e-5 : 2e-3) * (1 + std::abs(lse[1][j])));
+      }
+    }
+    EXPECT_GT(worst, 0.0) << "two backends, two summation orders";
+  }
+}
 
 // An fp8 cache holds the same bytes on a GPU as on the host (one quantiser, kernels/fp8_rows.h),
 // and its pages move between them unchanged.
