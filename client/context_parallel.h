@@ -22,7 +22,7 @@ class ContextParallelSequence {
  public:
   // `servers` in position order; server i holds positions [starts[i], starts[i + 1]) (the last
   // one every position from its start on). starts[0] is 0; each start a multiple of the model's
-  // page size, ascending. The servers serve the same model (each a CPU backend).
+  // page size, ascending. The servers serve the same model.
   ContextParallelSequence(std::vector<Client*> servers, std::vector<int64_t> starts,
                           std::string id);
 

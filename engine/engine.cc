@@ -489,8 +489,8 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   if (cp)
     for (const auto& d : devices)
       if (!d->SupportsContextParallel())
-        return absl::UnimplementedError(absl::StrCat(
-            "context_parallel: ", d->name(), " does not serve it yet (the CPU backend does)"));
+        return absl::UnimplementedError(
+            absl::StrCat("context_parallel: ", d->name(), " does not serve it"));
   std::vector<int32_t> need(devices.size(), 0);
   absl::flat_hash_set<const Sequence*> seen;
   seen.reserve(batch.size());

@@ -96,7 +96,7 @@ struct StepOptions {
   // Context parallelism (engine/context_parallel.h, DESIGN §13): this server holds a slice of
   // each sequence, from its entry's position_offset on. Full layers then take two calls,
   // RunCandidates and RunLayer with LayerInputs::selection. Not with write_only or a sliding
-  // window; on devices that support it (the CPU backend).
+  // window; on devices that serve it (Device::SupportsContextParallel: CPU and CUDA).
   bool context_parallel = false;
   // With context_parallel: the entries' queries come after every key this server holds (another
   // server holds their tokens), at their query_position; nothing is written.

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "kernels/cuda/cuda_device.h"
+#include "tests/context_parallel_split.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
 
@@ -168,6 +169,50 @@ TEST(Cuda, AbsorbedCallsMatchTheCpuBackend) {
     EXPECT_GT(worst, 0.0) << "two backends, two summation orders";
   }
 }
+
+// Context parallelism on GPUs: a sequence split over 3 engines on cuda:0 (candidates read back
+// from the GPU's indexer scores, merged selections uploaded as slots) equals one GPU engine
+// holding it all, itself checked against float64, in every selection mode: outputs and
+// attended keys.
+class CudaContextParallel : public ::testing::TestWithParam<SelectionMode> {};
+
+TEST_P(CudaContextParallel, EqualsOneGpuHoldingTheWholeSequence) {
+  SKIP_WITHOUT_GPU();
+  ModelSpec spec = Spec(GetParam());
+  spec.sliding_window = 0;
+  Harness whole(Options(spec, DType::kF32, {"cuda:0"}));
+  whole.Open("s");
+  EngineOptions part = Options(spec, DType::kF32, {"cuda:0"});
+  part.pages_per_device = 64;
+  ContextParallelSplit split(part, {0, 32, 64, 1 << 20});
+  double worst = 0;
+  uint64_t seed = 700;
+  for (int64_t q : {32, 20, 12, 9, 1, 1}) {
+    ++seed;
+    const auto layers = RandomLayers(spec, q, DType::kF32, seed);
+    auto traced = whole.Run({{"s", q}}, layers);
+    ASSERT_TRUE(traced.status.ok()) << traced.status;
+    std::vector<LayerCheck> checks;
+    const auto ref = whole.Reference({{"s", q}}, layers, traced.traces, &checks);
+    auto got = split.Step(q, layers);
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      EXPECT_EQ(checks[l].selection_mismatches, 0) << "layer " << l;
+      const double err = RelL2(got->out[l], ref[l]);
+      ASSERT_FALSE(std::isnan(err));
+      EXPECT_LE(err, 1e-5) << "layer " << l << " q " << q;
+      EXPECT_LE(RelL2(got->out[l], traced.out[l]), 1e-5);
+      worst = std::max(worst, err);
+      for (int64_t t = 0; t < q; ++t)
+        EXPECT_EQ(got->keys[l][t], traced.traces[l].keys[t]) << "layer " << l << " query " << t;
+    }
+  }
+  EXPECT_GT(worst, 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CudaContextParallel,
+                         ::testing::Values(SelectionMode::kToken, SelectionMode::kPageUnion,
+                                           SelectionMode::kPageBudget));
 
 // An fp8 cache holds the same bytes on a GPU as on the host (one quantiser, kernels/fp8_rows.h),
 // and its pages move between them unchanged.

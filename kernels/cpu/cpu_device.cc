@@ -242,7 +242,7 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer,
       const int64_t n = share.pos[i] + 1;
       const float* sc = st.scores.data() + offset[qi];
       if (candidates != nullptr) {
-        LocalCandidatesOf(sc, n, &(*candidates)[i]);
+        LocalCandidatesOf(spec_, sc, n, &(*candidates)[i]);
         return;
       }
       auto& sel = st.positions[i];
@@ -271,40 +271,6 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer,
         slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], sel[j]));
     });
     w0 = w1;
-  }
-}
-
-void CpuDevice::LocalCandidatesOf(const float* sc, int64_t n,
-                                  LayerCall::LocalCandidates* out) const {
-  // Best first, ties to the lower key: what merging the servers' lists needs.
-  std::vector<std::pair<float, int32_t>> best;
-  if (spec_.selection == SelectionMode::kPageBudget) {
-    const int ps = spec_.page_size;
-    for (int64_t p = 0; p * ps < n; ++p) {
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = p * ps; s < std::min<int64_t>(n, (p + 1) * ps); ++s)
-        top = std::max(top, cpu::RankKey(sc[s]));
-      best.emplace_back(top, static_cast<int32_t>(p));
-    }
-  } else {
-    thread_local std::vector<int32_t> topk;
-    topk.resize(std::min<int64_t>(n, spec_.index_topk));
-    topk.resize(cpu::ExactTopK(sc, n, spec_.index_topk, topk.data()));
-    for (int32_t p : topk) best.emplace_back(cpu::RankKey(sc[p]), p);
-  }
-  const size_t keep = spec_.selection == SelectionMode::kPageBudget
-                          ? static_cast<size_t>(spec_.page_budget)
-                          : static_cast<size_t>(spec_.index_topk);
-  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  std::sort(best.begin(), best.end(), better);
-  if (best.size() > keep) best.resize(keep);
-  out->keys.clear();
-  out->scores.clear();
-  for (const auto& [score, key] : best) {
-    out->keys.push_back(key);
-    out->scores.push_back(score);
   }
 }
 

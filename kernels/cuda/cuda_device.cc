@@ -173,6 +173,8 @@ struct CudaDevice::Step final : DeviceStep {
     int64_t total = 0, max_len = 0, pages_total = 0, max_pages = 0;
     DeviceBuffer rows, offset, len;   // [nq] local token, score offset, visible keys
     DeviceBuffer page_offset, pages;  // [nq] page-key offset, pages (page modes)
+    std::vector<int32_t> host_rows;   // rows, offset and len on the host (candidates)
+    std::vector<int64_t> host_offset, host_len;
   };
   std::vector<std::unique_ptr<Wave>> waves;
   QueryTables Tables() const {
@@ -292,6 +294,13 @@ struct CudaDevice::State {
 
   absl::Status Select(int layer, bool index_q_bf16);
   absl::Status SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16);
+  // The indexer's scores of one wave into `scores`.
+  absl::Status ScoreWave(int slot, const Step::Wave& wave, bool index_q_bf16);
+  // Context parallelism: each query's local candidates (the scores read back, the rule every
+  // backend shares), and a selection given as local positions kept as Select keeps its own.
+  absl::Status Candidates(int layer, bool index_q_bf16,
+                          std::vector<LayerCall::LocalCandidates>* out);
+  absl::Status Keep(const std::vector<std::vector<int32_t>>& selection);
   // Plans the step's indexer waves from its share and uploads them (mu held).
   absl::Status PlanWaves(const StepShare& share, Step* step);
   absl::Status ToSlots();
@@ -477,6 +486,9 @@ absl::Status CudaDevice::State::PlanWaves(const StepShare& share, Step* step) {
     RETURN_IF_ERROR(Upload(w->len, len, stream));
     RETURN_IF_ERROR(Upload(w->page_offset, page_offset, stream));
     RETURN_IF_ERROR(Upload(w->pages, pages, stream));
+    w->host_rows = std::move(rows);
+    w->host_offset = std::move(offset);
+    w->host_len = std::move(len);
     step->waves.push_back(std::move(w));
   }
   return absl::OkStatus();
@@ -490,8 +502,7 @@ absl::Status CudaDevice::State::Select(int layer, bool index_q_bf16) {
 
 // Indexer scores, then top-k or page selection, for one wave of queries: writes their rows of
 // the step's selected positions (st->sel, st->sel_count).
-absl::Status CudaDevice::State::SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16) {
-  const int nq = wave.nq;
+absl::Status CudaDevice::State::ScoreWave(int slot, const Step::Wave& wave, bool index_q_bf16) {
   RETURN_IF_ERROR(scores.Reserve(wave.total * 4));
   IndexerParams ip;
   ip.q = idx_q.as<float>();
@@ -502,11 +513,48 @@ absl::Status CudaDevice::State::SelectWave(int slot, const Step::Wave& wave, boo
   ip.tables = Tables();
   ip.queries = wave.rows.as<int32_t>();
   ip.score_offset = wave.offset.as<int64_t>();
-  ip.nq = nq;
+  ip.nq = wave.nq;
   ip.max_keys = wave.max_len;
   ip.scores = scores.as<float>();
   ip.tensor_cores = TensorCoreIndexer() && index_q_bf16;
   CUDA_RETURN(LaunchIndexerScores(ip, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::State::Candidates(int layer, bool index_q_bf16,
+                                           std::vector<LayerCall::LocalCandidates>* out) {
+  const int slot = spec.FullSlot(layer);
+  std::vector<float> host;
+  for (const auto& w : st->waves) {
+    RETURN_IF_ERROR(ScoreWave(slot, *w, index_q_bf16));
+    host.resize(w->total);
+    CUDA_RETURN(
+        cudaMemcpyAsync(host.data(), scores.ptr, w->total * 4, cudaMemcpyDeviceToHost, stream));
+    CUDA_RETURN(cudaStreamSynchronize(stream));
+    for (int q = 0; q < w->nq; ++q)
+      LocalCandidatesOf(spec, host.data() + w->host_offset[q], w->host_len[q],
+                        &(*out)[w->host_rows[q]]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::State::Keep(const std::vector<std::vector<int32_t>>& selection) {
+  std::vector<int32_t> pos(st->n * st->sel_cap, 0), count(st->n, 0);
+  for (int64_t i = 0; i < st->n; ++i) {
+    if (static_cast<int64_t>(selection[i].size()) > st->sel_cap)
+      return absl::InternalError("a selection longer than the step's selection buffer");
+    std::copy(selection[i].begin(), selection[i].end(), pos.begin() + i * st->sel_cap);
+    count[i] = static_cast<int32_t>(selection[i].size());
+  }
+  RETURN_IF_ERROR(Upload(st->sel, pos, stream));
+  RETURN_IF_ERROR(Upload(st->sel_count, count, stream));
+  return ToSlots();
+}
+
+// Indexer scores, then top-k or page selection, for one wave of queries.
+absl::Status CudaDevice::State::SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16) {
+  const int nq = wave.nq;
+  RETURN_IF_ERROR(ScoreWave(slot, wave, index_q_bf16));
 
   TopKParams tk;
   tk.scores = scores.as<float>();
@@ -614,8 +662,10 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
   const int Hi = sp.index_n_heads, Di = sp.index_head_dim;
   const LayerKind kind = sp.layers[call.layer];
   const LayerInputs& in = *call.in;
-  // 1. Keys into the caches (an fp8 cache's rows are quantised on the host, as on CPU devices).
-  if (s.layout.fp8()) {
+  // 1. Keys into the caches (an fp8 cache's rows are quantised on the host, as on CPU devices);
+  // context-parallel calls may carry none (another server's tokens, or written already).
+  if (!in.kv_latent.present) {
+  } else if (s.layout.fp8()) {
     RETURN_IF_ERROR(s.WritePacked(
         s.Latent(call.layer), s.layout.latent_row_bytes(),
         [&](int64_t t, uint8_t* row) { PackLatentRow(in.kv_latent, in.k_rope, t, L, R, row); }));
@@ -633,12 +683,20 @@ absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, cons
       RETURN_IF_ERROR(s.Write(s.Index(sp.FullSlot(call.layer)), s.idx_k, Di, 0));
     }
   }
+  if (call.candidates != nullptr) {  // context parallelism: this slice's candidates, no attention
+    RETURN_IF_ERROR(s.Rows(in.index_q, int64_t{Hi} * Di, s.idx_q));
+    RETURN_IF_ERROR(s.Rows(in.index_w, Hi, s.idx_w));
+    return s.Candidates(call.layer, in.index_q.dtype == DType::kBF16, call.candidates);
+  }
   if (call.out == nullptr) {  // write-only step
     CUDA_RETURN(cudaStreamSynchronize(s.stream));
     return absl::OkStatus();
   }
   // 2. Selection, kept on the device (as slot ids) for the layers that reuse it.
-  if (call.select) {
+  if (call.selection != nullptr) {  // context parallelism: the merged selection's local part
+    RETURN_IF_ERROR(s.Keep(*call.selection));
+    st.selected = true;
+  } else if (call.select) {
     RETURN_IF_ERROR(s.Rows(in.index_q, int64_t{Hi} * Di, s.idx_q));
     RETURN_IF_ERROR(s.Rows(in.index_w, Hi, s.idx_w));
     RETURN_IF_ERROR(s.Select(call.layer, in.index_q.dtype == DType::kBF16));

@@ -59,6 +59,7 @@ class CudaDevice final : public Device {
   // Copies every layer's W_UK and W_UV^T to this GPU (fp32; RESOURCE_EXHAUSTED when they do not
   // fit beside the cache).
   absl::Status PrepareAbsorption(const Absorption& weights) override;
+  bool SupportsContextParallel() const override { return true; }
 
  private:
   friend void ConnectPeers(const std::vector<CudaDevice*>& gpus);
