@@ -1,5 +1,6 @@
 // libFuzzer target: random sequences of engine operations (open, fork, close, migrate, begin,
-// layers with random or broken inputs, abort, expire) on two CPU devices, checked after every
+// layers with random or broken inputs, context-parallel steps with random offsets and tampered
+// selections, abort, expire) on two CPU devices, checked after every
 // operation against a model of the expected state, the way database stress tools check
 // themselves: every sequence's length and step membership, every page's reference count, free
 // pages per device, page 0 untouched, and the outputs of every committed step against the
@@ -93,7 +94,7 @@ class Run {
 
   void Op(FuzzInput& in) {
     const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
-    switch (in.Int(0, 7)) {
+    switch (in.Int(0, 8)) {
       case 0: {                            // open
         const int device = in.Int(-1, 2);  // 2 is out of range
         const absl::Status s = engine_->OpenSequence(id, device);
@@ -150,6 +151,9 @@ class Run {
         break;
       case 7:
         FUZZ_CHECK(engine_->ExpireIdleSteps(std::chrono::milliseconds(0)) == 0, "a step leaked");
+        break;
+      case 8:
+        CpStepOp(in, id);
         break;
     }
     Audit();
@@ -269,6 +273,122 @@ class Run {
     for (size_t l = 0; l < outs.size(); ++l) {
       const double e = reference::RelL2(outs[l], want[l]);
       FUZZ_CHECK(e <= 1e-4, "layer ", l, " rel L2 ", e);
+    }
+  }
+
+  // A context-parallel step on this engine alone (it holds a slice starting at a random offset):
+  // random offsets and query positions, and selections sometimes tampered with. Whatever is
+  // refused changes nothing; a tail step with its own candidates untouched equals an ordinary
+  // step (one part's merge is its own candidates), so the oracle checks it.
+  void CpStepOp(FuzzInput& in, const std::string& id) {
+    const bool attend = in.Bool(0.4);
+    StepEntry e{id, in.Bool(0.05) ? in.Int(-1, 70) : in.Int(1, 6)};
+    const int ps = spec_.page_size;
+    e.position_offset = in.Bool(0.1) ? in.Int(-3, 70) : ps * in.Int(0, 8);
+    auto m = model_.seqs.find(id);
+    const int64_t len = m == model_.seqs.end() ? 0 : m->second.length;
+    if (attend)
+      e.query_position = in.Bool(0.1) ? in.Int(-5, 80) : e.position_offset + len + in.Int(0, 4);
+    StepOptions o;
+    o.context_parallel = true;
+    o.attend_only = attend;
+    const std::vector<int32_t> free_before = FreePages();
+    auto step = engine_->BeginStep({e}, o);
+    const bool aligned = e.position_offset >= 0 && e.position_offset % ps == 0 &&
+                         e.position_offset <= spec_.max_context;
+    const bool valid = m != model_.seqs.end() && e.q_len >= 1 && e.q_len <= 48 && aligned &&
+                       (attend ? len > 0 && e.query_position >= e.position_offset + len &&
+                                     e.query_position <= spec_.max_context - e.q_len
+                               : e.q_len <= spec_.max_context - len - e.position_offset);
+    FUZZ_CHECK(valid || !step.ok(), "a bad context-parallel step was accepted");
+    if (valid && !step.ok())
+      FUZZ_CHECK(step.status().code() == absl::StatusCode::kResourceExhausted,
+                 step.status().ToString());
+    if (!step.ok()) {
+      FUZZ_CHECK(FreePages() == free_before, "a refused step changed the pool");
+      return;
+    }
+    const int64_t T = e.q_len;
+    const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, H = spec_.num_heads;
+    const int Hi = spec_.index_n_heads, Di = spec_.index_head_dim;
+    std::mt19937_64 rng(in.Int(0, 1 << 30));
+    std::vector<Layer> layers;
+    std::vector<std::vector<double>> outs;
+    bool tampered = false;
+    for (int l = 0; l < spec_.num_layers(); ++l) {
+      Layer x{Random(T * H * L, rng), Random(T * H * R, rng), Random(T * L, rng),
+              Random(T * R, rng),     Random(0, rng),         Random(0, rng),
+              Random(0, rng)};
+      const bool full = spec_.layers[l] == LayerKind::kFull;
+      LayerInputs v;
+      v.q_latent = x.ql.View({T, H, L});
+      v.q_rope = x.qr.View({T, H, R});
+      if (!attend && !full) {
+        v.kv_latent = x.kv.View({T, L});
+        v.k_rope = x.kr.View({T, R});
+      }
+      Candidates c;
+      if (full) {
+        x.iq = Random(T * Hi * Di, rng);
+        x.ik = Random(T * Di, rng);
+        x.iw = Random(T * Hi, rng);
+        LayerInputs cv;
+        if (!attend) {
+          cv.kv_latent = x.kv.View({T, L});
+          cv.k_rope = x.kr.View({T, R});
+          cv.index_k = x.ik.View({T, Di});
+        }
+        cv.index_q = x.iq.View({T, Hi, Di});
+        cv.index_w = x.iw.View({T, Hi});
+        const absl::Status s = engine_->RunCandidates(*step, l, cv, &c);
+        FUZZ_CHECK(s.ok(), "good candidates refused: ", s.ToString());
+        FUZZ_CHECK(static_cast<int64_t>(c.count.size()) == T, "candidates per query");
+        if (!c.keys.empty() && in.Bool(0.2)) {  // tamper: some edits are valid, some not
+          tampered = true;
+          const size_t at = in.Int(0, static_cast<int>(c.keys.size()) - 1);
+          switch (in.Int(0, 3)) {
+            case 0:
+              c.keys[at] = in.Int(-4, 200);
+              break;
+            case 1:
+              c.keys[at] = c.keys[at == 0 ? c.keys.size() - 1 : 0];
+              break;
+            case 2:
+              c.count[in.Int(0, static_cast<int>(T) - 1)] += in.Int(-2, 2);
+              break;
+            case 3:
+              c.scores[at] = in.Bool(0.5) ? NAN : INFINITY;
+              break;
+          }
+        }
+        v.selection = &c;
+      }
+      std::vector<float> out(T * H * L);
+      const absl::Status s = engine_->RunLayer(*step, l, v, out.data(), out.size() * 4);
+      if (!s.ok()) {
+        FUZZ_CHECK(tampered, "a good context-parallel layer failed: ", s.ToString());
+        FUZZ_CHECK(FreePages() == free_before, "an aborted step changed the pool");
+        return;
+      }
+      for (float f : out) FUZZ_CHECK(!std::isnan(f) || tampered, "NaN output");
+      outs.emplace_back(out.begin(), out.end());
+      layers.push_back(std::move(x));
+    }
+    if (attend) {  // nothing written
+      FUZZ_CHECK(FreePages() == free_before, "an attend-only step took pages");
+      return;
+    }
+    model_.seqs[id].length += T;
+    std::vector<reference::LayerValues> values;
+    for (const Layer& x : layers)
+      values.push_back({x.ql.values, x.qr.values, x.kv.values, x.kr.values, x.iq.values,
+                        x.ik.values, x.iw.values});
+    oracle_.Commit({{id, T}}, values);
+    if (tampered) return;  // a valid edit selects other keys: not the oracle's
+    const auto want = oracle_.Expected({{id, T}}, values);
+    for (size_t l = 0; l < outs.size(); ++l) {
+      const double err = reference::RelL2(outs[l], want[l]);
+      FUZZ_CHECK(err <= 1e-4, "context-parallel layer ", l, " rel L2 ", err);
     }
   }
 
