@@ -58,6 +58,25 @@ absl::Status ContextParallelSequence::Open() {
       std::adjacent_find(starts_.begin(), starts_.end()) != starts_.end())
     return absl::InvalidArgumentError(
         "context parallelism: one start per server, the first 0, strictly ascending");
+  // Every server must serve it (an older one would ignore the fields and write an attend-only
+  // step's tokens) and serve the same model, with slices starting on its pages.
+  std::string model;
+  for (size_t k = 0; k < servers_.size(); ++k) {
+    auto info = servers_[k]->Info();
+    if (!info.ok()) return info.status();
+    if (!info->context_parallel())
+      return absl::FailedPreconditionError(
+          absl::StrCat("context parallelism: server ", k, " (", info->version(),
+                       ") does not serve it (an older attnd, or a model with a sliding window)"));
+    if (k == 0) model = info->model().SerializeAsString();
+    if (info->model().SerializeAsString() != model)
+      return absl::FailedPreconditionError(
+          absl::StrCat("context parallelism: server ", k, " serves another model than server 0"));
+    if (info->model().page_size() <= 0 || starts_[k] % info->model().page_size() != 0)
+      return absl::InvalidArgumentError(absl::StrCat("context parallelism: start ", starts_[k],
+                                                     " is not a multiple of the page size ",
+                                                     info->model().page_size()));
+  }
   for (size_t k = 0; k < servers_.size(); ++k) {
     if (auto s = servers_[k]->OpenSequence(id_); !s.ok()) {
       for (size_t j = 0; j < k; ++j) (void)servers_[j]->CloseSequence(id_);

@@ -26,7 +26,9 @@ class ContextParallelSequence {
   ContextParallelSequence(std::vector<Client*> servers, std::vector<int64_t> starts,
                           std::string id);
 
-  // Opens the (empty) sequence `id` on every server; on failure closes what it opened.
+  // Checks that every server serves context parallelism (ServerInfo.context_parallel) and the
+  // same model, with the starts on its pages, then opens the (empty) sequence `id` on every
+  // server; on failure closes what it opened.
   absl::Status Open();
   // Closes it on every server (the first error, after trying all).
   absl::Status Close();

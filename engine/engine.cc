@@ -292,6 +292,13 @@ absl::Status Engine::SetAbsorption(std::shared_ptr<const Absorption> weights) {
 
 std::shared_ptr<const Absorption> Engine::absorption() const { return impl_->Absorbing(); }
 
+bool Engine::ServesContextParallel() const {
+  if (impl_->spec().sliding_window > 0) return false;
+  for (const auto& d : impl_->devices)
+    if (!d->SupportsContextParallel()) return false;
+  return true;
+}
+
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
 const std::string& Engine::cache_sizing() const { return impl_->cache_sizing; }

@@ -222,6 +222,9 @@ class Engine {
   absl::Status SetAbsorption(std::shared_ptr<const Absorption> weights);
   // The weights set, or null.
   std::shared_ptr<const Absorption> absorption() const;
+  // Whether context-parallel steps are served: every device supports them and the model has no
+  // sliding window.
+  bool ServesContextParallel() const;
   int64_t num_sequences() const;
   int64_t num_open_steps() const;
 

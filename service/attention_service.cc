@@ -203,6 +203,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   resp->set_admin(caller.admin);
   resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
   resp->set_shm(options_.shm_enabled);
+  resp->set_context_parallel(engine_->ServesContextParallel());
   if (const std::shared_ptr<const Absorption> a = engine_->absorption()) {
     v1::AbsorptionInfo* ai = resp->mutable_absorption();
     ai->set_qk_nope_head_dim(a->qk_nope_head_dim());

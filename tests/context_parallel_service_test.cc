@@ -135,6 +135,11 @@ TEST(ContextParallelService, BadCallsGetPreciseStatuses) {
   auto spec = client::ModelSpecFromProto(c->Info()->model());
   std::mt19937_64 rng(3);
   auto layers = client::GenerateStep(*spec, 4, DType::kBF16, false, rng);
+  // The driver checks what each server serves before it opens anything.
+  EXPECT_TRUE(c->Info()->context_parallel());
+  ContextParallelSequence misaligned({c.get(), c.get()}, {0, 20}, "m");
+  EXPECT_EQ(misaligned.Open().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(c->DescribeSequence("m").ok());
   // Candidates on an ordinary step.
   auto b = c->BeginStep({{"s", 4}});
   v1::LayerInputs in = layers[0].wire;

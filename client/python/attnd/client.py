@@ -594,6 +594,8 @@ class ServerInfo:
     max_attended_positions: int  # attend_layer(attended=True): the step's visible keys, at most
     # server-side absorption's weights (None: the server holds none and refuses q_nope)
     absorption: Optional["AbsorptionInfo"] = None
+    # serves context-parallel steps (False on servers too old to know them: never drive one)
+    context_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

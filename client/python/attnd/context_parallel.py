@@ -59,7 +59,22 @@ class ContextParallelSequence:
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.clients))
 
     def open(self) -> None:
-        """Opens the (empty) sequence on every server; on failure closes what it opened."""
+        """Checks that every server serves context parallelism (``info().context_parallel``: an
+        older attnd would ignore the fields and write an attend-only step's tokens) and the same
+        model, with the starts on its pages; then opens the (empty) sequence on every server; on
+        failure closes what it opened."""
+        models = []
+        for k, c in enumerate(self.clients):
+            info = c.info()
+            if not info.context_parallel:
+                raise ValueError(f"context parallelism: server {k} ({info.version}) does not serve "
+                                 "it (an older attnd, or a model with a sliding window)")
+            models.append(info.model)
+            if self.starts[k] % info.model.page_size:
+                raise ValueError(f"context parallelism: start {self.starts[k]} is not a multiple "
+                                 f"of the page size {info.model.page_size}")
+        if any(m != models[0] for m in models):
+            raise ValueError("context parallelism: the servers serve different models")
         opened = []
         try:
             for c in self.clients:

@@ -122,6 +122,28 @@ def test_a_failed_step_leaves_every_server_as_it_was(servers):
             c.close()
 
 
+def test_open_refuses_servers_that_cannot_serve_it(servers, tmp_path):
+    clients = [AttndClient(t, timeout=30) for t in servers[:2]]
+    assert all(c.info().context_parallel for c in clients)
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        ContextParallelSequence(clients, [0, 20], "cp-misaligned").open()
+    window = tmp_path / "window.json"
+    window.write_text(json.dumps({"base": "tiny", "name": "w", "layers": "FSFD",
+                                  "sliding_window": 40}))
+    proc, target, _ = start([f"--model-file={window}"], kv_pages=16, threads=1)
+    try:
+        with AttndClient(target, timeout=30) as w:
+            assert not w.info().context_parallel
+            with pytest.raises(ValueError, match="does not serve it"):
+                ContextParallelSequence([clients[0], w], [0, 32], "cp-window").open()
+            assert w.list_sequences() == [] and clients[0].list_sequences() == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        for c in clients:
+            c.close()
+
+
 def test_merge_candidates_against_a_float64_sort():
     rng = np.random.default_rng(4)
     T, keep = 5, 6
