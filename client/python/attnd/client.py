@@ -1386,12 +1386,12 @@ class _StepBookkeeping:
         self._next_layer = 0
         return self._step
 
-    def _layer_request(self, layer, tensors, shard, out, attended, lse,
-                       out_datatype=None) -> pb.StepRequest:
+    def _layer_request(self, layer, tensors, shard, out, attended, lse, out_datatype=None,
+                       candidates=False, selection=None) -> pb.StepRequest:
         shard = self._shard if shard is None else int(shard)
         return pb.StepRequest(
             layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse,
-                                out_datatype))
+                                out_datatype, candidates, selection))
 
     def _layered(self, response, layer, q_latent, out, details, attended, as_torch):
         self._next_layer = int(layer) + 1
@@ -1458,11 +1458,14 @@ class StepStream(_StepBookkeeping):
                              f"the server ended the Step stream instead of answering {expect!r}")
         return self._check_kind(response, expect)
 
-    def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0) -> StepInfo:
+    def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
+              position_offsets: Optional[Sequence[int]] = None,
+              query_positions: Optional[Sequence[int]] = None) -> StepInfo:
         """Opens a step over ``batch`` (none may be open on this stream); ``num_shards`` > 1 opens a
-        sharded step as its shard 0 (see :meth:`AttndClient.begin_step`)."""
-        response = self._roundtrip(pb.StepRequest(begin=_batch(batch, write_only, num_shards)),
-                                   "begun")
+        sharded step as its shard 0; ``position_offsets`` / ``query_positions`` a context-parallel
+        one (see :meth:`AttndClient.begin_step`)."""
+        response = self._roundtrip(pb.StepRequest(begin=_batch(
+            batch, write_only, num_shards, position_offsets, query_positions)), "begun")
         return self._opened(response.begun, batch, 0)
 
     def join(self, step_id: int, shard: int) -> StepInfo:
@@ -1490,14 +1493,19 @@ class StepStream(_StepBookkeeping):
         lse: bool = False,
         as_torch: bool = False,
         out_datatype: Optional[str] = None,
+        candidates: bool = False,
+        selection: Optional[Candidates] = None,
     ):
         """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
-        ``attended``, ``lse``, ``as_torch`` too). ``shard`` defaults to the shard this stream joined as (0 after
-        ``begin``)."""
+        ``attended``, ``lse``, ``as_torch``, ``out_datatype``, ``candidates``, ``selection`` too).
+        ``shard`` defaults to the shard this stream joined as (0 after ``begin``)."""
         tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         response = self._roundtrip(
-            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype), "layer")
+            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype, candidates,
+                                selection), "layer")
+        if candidates:  # the same layer comes again, with the merged selection
+            return Candidates.from_proto(response.layer.candidates)
         return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
 
     def abort(self) -> None:
@@ -1592,10 +1600,11 @@ class AsyncStepStream(_StepBookkeeping):
                              details or f"the server ended the Step stream instead of {expect!r}")
         return self._check_kind(response, expect)
 
-    async def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0
-                    ) -> StepInfo:
-        response = await self._roundtrip(
-            pb.StepRequest(begin=_batch(batch, write_only, num_shards)), "begun")
+    async def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
+                    position_offsets: Optional[Sequence[int]] = None,
+                    query_positions: Optional[Sequence[int]] = None) -> StepInfo:
+        response = await self._roundtrip(pb.StepRequest(begin=_batch(
+            batch, write_only, num_shards, position_offsets, query_positions)), "begun")
         return self._opened(response.begun, batch, 0)
 
     async def join(self, step_id: int, shard: int) -> StepInfo:
@@ -1621,12 +1630,17 @@ class AsyncStepStream(_StepBookkeeping):
         lse: bool = False,
         as_torch: bool = False,
         out_datatype: Optional[str] = None,
+        candidates: bool = False,
+        selection: Optional[Candidates] = None,
     ):
         """See :meth:`StepStream.layer`."""
         tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
                        index_q=index_q, index_k=index_k, index_w=index_w)
         response = await self._roundtrip(
-            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype), "layer")
+            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype, candidates,
+                                selection), "layer")
+        if candidates:  # the same layer comes again, with the merged selection
+            return Candidates.from_proto(response.layer.candidates)
         return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
 
     async def abort(self) -> None:

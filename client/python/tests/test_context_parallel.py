@@ -144,6 +144,43 @@ def test_open_refuses_servers_that_cannot_serve_it(servers, tmp_path):
             c.close()
 
 
+def test_a_context_parallel_step_over_the_stream(servers):
+    """One server holding a slice that starts at 0 (its own candidates are the merge): over the
+    stream, candidates then the selection with the queries equal an ordinary step on the same
+    inputs, bit for bit."""
+    rng = np.random.default_rng(13)
+    with AttndClient(servers[0], timeout=30) as c:
+        spec = c.info().model
+        for sid in ("st-cp", "st-plain"):
+            c.open_sequence(sid)
+        try:
+            for T in (30, 1):
+                layers = [_layer(spec, kind, T, rng) for kind in spec.layers]
+                with c.stream() as s:
+                    s.begin([("st-plain", T)])
+                    want = [s.layer(i, lse=True, **x) for i, x in enumerate(layers)]
+                with c.stream() as s:
+                    s.begin([("st-cp", T)], position_offsets=[0])
+                    got = []
+                    for i, x in enumerate(layers):
+                        if "index_q" in x:
+                            cand = s.layer(i, candidates=True, **{k: v for k, v in x.items()
+                                                                   if not k.startswith("q_")})
+                            assert isinstance(cand, Candidates) and len(cand.count) == T
+                            x = {k: x[k] for k in ("q_latent", "q_rope")}
+                            got.append(s.layer(i, selection=merge_candidates([cand]), lse=True,
+                                               **x))
+                        else:
+                            got.append(s.layer(i, lse=True, **x))
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(g.out, w.out)
+                    np.testing.assert_array_equal(g.lse, w.lse)
+            assert c.describe_sequence("st-cp").length == 31
+        finally:
+            c.close_sequence("st-cp")
+            c.close_sequence("st-plain")
+
+
 def test_merge_candidates_against_a_float64_sort():
     rng = np.random.default_rng(4)
     T, keep = 5, 6
