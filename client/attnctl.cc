@@ -353,6 +353,7 @@ std::vector<v1::LayerInputs> VariantLayers(const std::vector<GeneratedLayer>& g,
   for (const GeneratedLayer& l : g) {
     v1::LayerInputs in = l.wire;
     auto encode = [&](v1::Tensor* t, const std::vector<float>& f) {
+      if (!v.fp8_queries && !t->data().empty()) return;  // GenerateStep's BF16 already
       std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
       if (v.fp8_queries) {
         *t = MakeFp8Tensor(shape, f.data());

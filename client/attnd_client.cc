@@ -32,9 +32,9 @@ v1::Tensor MakeFp8Tensor(const std::vector<int64_t>& shape, const float* values)
   const int64_t width = shape.empty() ? 1 : shape.back(), rows = width > 0 ? n / width : 0;
   std::string codes(static_cast<size_t>(n), '\0');
   std::vector<float> scales(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r)
-    fp8::QuantizeTiles(values + r * width, static_cast<int>(width), static_cast<int>(width),
-                       reinterpret_cast<uint8_t*>(codes.data()) + r * width, &scales[r]);
+  if (rows > 0)  // a tile per row
+    fp8::QuantizeTiles(values, n, static_cast<int>(width), reinterpret_cast<uint8_t*>(codes.data()),
+                       scales.data());
   v1::Tensor t = MakeTensor(DType::kFP8E4M3, shape, codes.data(), codes.size());
   std::vector<int64_t> sshape(shape.begin(), shape.end());
   if (sshape.empty()) sshape.push_back(1);

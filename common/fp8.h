@@ -88,8 +88,8 @@ inline float TileScale(float amax) {
 }
 
 // Quantises `n` values (n a multiple of `tile`) into e4m3 with one scale per tile.
-inline void QuantizeTiles(const float* x, int n, int tile, uint8_t* values, float* scales) {
-  for (int t = 0; t < n / tile; ++t) {
+inline void QuantizeTiles(const float* x, int64_t n, int tile, uint8_t* values, float* scales) {
+  for (int64_t t = 0; t < n / tile; ++t) {
     float amax = 0;
     for (int i = 0; i < tile; ++i) amax = std::fmax(amax, std::fabs(x[t * tile + i]));
     const float s = TileScale(amax), inv = 1.0f / s;  // exact: powers of two in range

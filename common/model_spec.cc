@@ -30,6 +30,10 @@ int64_t FirstVisibleKey(const ModelSpec& spec, LayerKind kind, int64_t pos) {
   return std::max<int64_t>(0, pos + 1 - spec.sliding_window);
 }
 
+int64_t CandidatesPerQuery(const ModelSpec& spec) {
+  return spec.selection == SelectionMode::kPageBudget ? spec.page_budget : spec.index_topk;
+}
+
 bool SelectsEveryVisibleKey(const ModelSpec& spec, int64_t visible) {
   const int64_t pages = (visible + spec.page_size - 1) / spec.page_size;
   switch (spec.selection) {

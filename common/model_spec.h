@@ -79,6 +79,10 @@ int64_t FirstVisibleKey(const ModelSpec& spec, LayerKind kind, int64_t pos);
 // pages fit the budget. One rule for every backend.
 bool SelectsEveryVisibleKey(const ModelSpec& spec, int64_t visible);
 
+// Context parallelism: how many candidates a query keeps for a full layer's global selection:
+// K tokens, or under page_budget the budget's pages.
+int64_t CandidatesPerQuery(const ModelSpec& spec);
+
 absl::string_view LayerKindName(LayerKind k);
 std::string SelectionModeName(const ModelSpec& spec);  // "token", "page_union", "page_budget:8"
 absl::string_view PrefillModeName(PrefillMode m);

@@ -9,13 +9,6 @@
 #include "kernels/cpu/attention_cpu.h"
 
 namespace attnd {
-namespace {
-
-int64_t Keep(const ModelSpec& spec) {
-  return spec.selection == SelectionMode::kPageBudget ? spec.page_budget : spec.index_topk;
-}
-
-}  // namespace
 
 void LocalSelection(const ModelSpec& spec, int32_t count, const int64_t* keys, const float* scores,
                     int64_t query_pos, int64_t offset, int64_t visible, std::vector<int32_t>* out) {
@@ -70,9 +63,9 @@ absl::Status CheckSelection(const ModelSpec& spec, const std::vector<int64_t>& q
                      " under selection mode ", SelectionModeName(spec)));
   int64_t total = 0;
   for (int32_t c : sel.count) {
-    if (c < 0 || c > Keep(spec))
+    if (c < 0 || c > CandidatesPerQuery(spec))
       return absl::InvalidArgumentError(
-          absl::StrCat("selection: a query has ", c, " keys; at most ", Keep(spec)));
+          absl::StrCat("selection: a query has ", c, " keys; at most ", CandidatesPerQuery(spec)));
     total += c;
   }
   if (total != static_cast<int64_t>(sel.keys.size()) || sel.keys.size() != sel.scores.size())

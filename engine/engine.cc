@@ -194,6 +194,8 @@ struct Engine::Impl {
   // absolute ones in step order.
   absl::Status CheckSlice(size_t i, const Sequence& seq, const StepEntry& e,
                           bool attend_only) const;
+  // OK when every device serves context parallelism and the model has no sliding window.
+  absl::Status ContextParallelServed() const;
   absl::Status CheckShapes(const Step& st, int layer, const LayerInputs& in, size_t out_bytes,
                            bool candidates, const Absorption* absorb) const;
   absl::Status LocalSelections(const Step& st, const Candidates& sel,
@@ -292,11 +294,17 @@ absl::Status Engine::SetAbsorption(std::shared_ptr<const Absorption> weights) {
 
 std::shared_ptr<const Absorption> Engine::absorption() const { return impl_->Absorbing(); }
 
-bool Engine::ServesContextParallel() const {
-  if (impl_->spec().sliding_window > 0) return false;
-  for (const auto& d : impl_->devices)
-    if (!d->SupportsContextParallel()) return false;
-  return true;
+bool Engine::ServesContextParallel() const { return impl_->ContextParallelServed().ok(); }
+
+absl::Status Engine::Impl::ContextParallelServed() const {
+  if (spec().sliding_window > 0)
+    return absl::InvalidArgumentError(
+        "context_parallel: not served for a model with a sliding window");
+  for (const auto& d : devices)
+    if (!d->SupportsContextParallel())
+      return absl::UnimplementedError(
+          absl::StrCat("context_parallel: ", d->name(), " does not serve it"));
+  return absl::OkStatus();
 }
 
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
@@ -490,14 +498,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   if (cp && options.write_only)
     return absl::InvalidArgumentError(
         "context_parallel: not with write_only (an import writes a slice as any other)");
-  if (cp && spec.sliding_window > 0)
-    return absl::InvalidArgumentError(
-        "context_parallel: not served for a model with a sliding window");
-  if (cp)
-    for (const auto& d : devices)
-      if (!d->SupportsContextParallel())
-        return absl::UnimplementedError(
-            absl::StrCat("context_parallel: ", d->name(), " does not serve it"));
+  if (cp) RETURN_IF_ERROR(ContextParallelServed());
   std::vector<int32_t> need(devices.size(), 0);
   absl::flat_hash_set<const Sequence*> seen;
   seen.reserve(batch.size());
@@ -862,7 +863,7 @@ absl::Status Engine::Impl::GatherCandidates(
   }
   Candidates c;
   c.pages = pages;
-  c.keep = pages ? s.page_budget : s.index_topk;
+  c.keep = CandidatesPerQuery(s);
   for (int64_t t = 0; t < st.tokens; ++t) {
     const LayerCall::LocalCandidates& l = *by_row[t];
     c.count.push_back(static_cast<int32_t>(l.keys.size()));

@@ -76,6 +76,43 @@ absl::Status CheckKeyScales(const ModelSpec& s, int64_t T, const LayerInputs& in
   return absl::OkStatus();
 }
 
+// The attention queries (q_latent, or q_nope where the server absorbs, and q_rope) of a step of
+// T tokens.
+absl::Status CheckQueries(const ModelSpec& s, int64_t T, const LayerInputs& in,
+                          const Absorption* absorb) {
+  if (in.q_nope.present) {
+    if (in.q_latent.present)
+      return absl::InvalidArgumentError(
+          "q_nope and q_latent: give one (q_nope is absorbed on the server, q_latent was "
+          "absorbed by the worker)");
+    if (absorb == nullptr)
+      return absl::FailedPreconditionError(
+          "q_nope: this server holds no absorption weights (start attnd with "
+          "--absorb-from=CHECKPOINT_DIR or upload them with UploadAbsorption); send q_latent");
+    RETURN_IF_ERROR(CheckTensor("q_nope", in.q_nope, {T, s.num_heads, absorb->qk_nope_head_dim()}));
+  } else {
+    RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
+  }
+  return CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim});
+}
+
+// The output buffer: [T, H, L] (or [T, H, V] absorbed) in the call's output datatype.
+absl::Status CheckOutput(const ModelSpec& s, int64_t T, const LayerInputs& in, size_t out_bytes,
+                         const Absorption* absorb) {
+  const DType out_dtype = OutputDType(in);
+  if (out_dtype == DType::kFP8E4M3)
+    return absl::InvalidArgumentError(
+        "out_dtype: the engine writes BF16, FP16 or FP32 outputs (an fp8 reply is quantised from "
+        "FP32 by the service)");
+  const int width = OutputHeadDim(s, in, absorb);
+  const size_t want = static_cast<size_t>(T) * s.num_heads * width * DTypeSize(out_dtype);
+  if (out_bytes != want)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output buffer: ", out_bytes, " bytes, expected ", want,
+        in.q_nope.present ? " ([T, H, V] in " : " ([T, H, L] in ", DTypeName(out_dtype), ")"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
@@ -142,20 +179,7 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
           "write-only step: give only kv_latent, k_rope and (full layers) index_k; no output");
     return CheckKeyScales(s, T, in);
   }
-  if (in.q_nope.present) {
-    if (in.q_latent.present)
-      return absl::InvalidArgumentError(
-          "q_nope and q_latent: give one (q_nope is absorbed on the server, q_latent was "
-          "absorbed by the worker)");
-    if (absorb == nullptr)
-      return absl::FailedPreconditionError(
-          "q_nope: this server holds no absorption weights (start attnd with "
-          "--absorb-from=CHECKPOINT_DIR or upload them with UploadAbsorption); send q_latent");
-    RETURN_IF_ERROR(CheckTensor("q_nope", in.q_nope, {T, s.num_heads, absorb->qk_nope_head_dim()}));
-  } else {
-    RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
-  }
-  RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
+  RETURN_IF_ERROR(CheckQueries(s, T, in, absorb));
   if (s.layers[layer] == LayerKind::kFull) {
     RETURN_IF_ERROR(CheckTensor("index_q", in.index_q, {T, s.index_n_heads, s.index_head_dim}));
     RETURN_IF_ERROR(CheckTensor("index_k", in.index_k, {T, s.index_head_dim}));
@@ -172,18 +196,7 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
   }
   RETURN_IF_ERROR(CheckKeyScales(s, T, in));
   RETURN_IF_ERROR(CheckQueryScales(s, T, in));
-  const DType out_dtype = OutputDType(in);
-  if (out_dtype == DType::kFP8E4M3)
-    return absl::InvalidArgumentError(
-        "out_dtype: the engine writes BF16, FP16 or FP32 outputs (an fp8 reply is quantised from "
-        "FP32 by the service)");
-  const int width = OutputHeadDim(s, in, absorb);
-  const size_t want = static_cast<size_t>(T) * s.num_heads * width * DTypeSize(out_dtype);
-  if (out_bytes != want)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "output buffer: ", out_bytes, " bytes, expected ", want,
-        in.q_nope.present ? " ([T, H, V] in " : " ([T, H, L] in ", DTypeName(out_dtype), ")"));
-  return absl::OkStatus();
+  return CheckOutput(s, T, in, out_bytes, absorb);
 }
 
 absl::Status CheckContextParallelShapes(const ModelSpec& s, DType cache_dtype, int64_t T, int layer,
@@ -223,25 +236,8 @@ absl::Status CheckContextParallelShapes(const ModelSpec& s, DType cache_dtype, i
                                : "index_k",
           full ? ": not on the selection call (the candidates call carried the indexer's)"
                : ": indexer tensors belong to full layers only"));
-    if (in.q_nope.present) {
-      if (in.q_latent.present) return absl::InvalidArgumentError("q_nope and q_latent: give one");
-      if (absorb == nullptr)
-        return absl::FailedPreconditionError(
-            "q_nope: this server holds no absorption weights; send q_latent");
-      RETURN_IF_ERROR(
-          CheckTensor("q_nope", in.q_nope, {T, s.num_heads, absorb->qk_nope_head_dim()}));
-    } else {
-      RETURN_IF_ERROR(CheckTensor("q_latent", in.q_latent, {T, s.num_heads, s.kv_lora_rank}));
-    }
-    RETURN_IF_ERROR(CheckTensor("q_rope", in.q_rope, {T, s.num_heads, s.qk_rope_head_dim}));
-    const DType out_dtype = OutputDType(in);
-    if (out_dtype == DType::kFP8E4M3)
-      return absl::InvalidArgumentError("out_dtype: the engine writes BF16, FP16 or FP32 outputs");
-    const size_t want =
-        static_cast<size_t>(T) * s.num_heads * OutputHeadDim(s, in, absorb) * DTypeSize(out_dtype);
-    if (out_bytes != want)
-      return absl::InvalidArgumentError(
-          absl::StrCat("output buffer: ", out_bytes, " bytes, expected ", want));
+    RETURN_IF_ERROR(CheckQueries(s, T, in, absorb));
+    RETURN_IF_ERROR(CheckOutput(s, T, in, out_bytes, absorb));
   }
   if ((message == CpMessage::kSelection) != (in.selection != nullptr))
     return absl::InvalidArgumentError(

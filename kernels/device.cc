@@ -1,7 +1,6 @@
 #include "kernels/device.h"
 
 #include <algorithm>
-#include <limits>
 #include <utility>
 
 #include "common/status_macros.h"
@@ -25,22 +24,14 @@ void LocalCandidatesOf(const ModelSpec& spec, const float* sc, int64_t n,
   // Best first, ties to the lower key: what merging the servers' lists needs.
   std::vector<std::pair<float, int32_t>> best;
   if (spec.selection == SelectionMode::kPageBudget) {
-    const int ps = spec.page_size;
-    for (int64_t p = 0; p * ps < n; ++p) {
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = p * ps; s < std::min<int64_t>(n, (p + 1) * ps); ++s)
-        top = std::max(top, cpu::RankKey(sc[s]));
-      best.emplace_back(top, static_cast<int32_t>(p));
-    }
+    cpu::PageMaxima(sc, n, spec.page_size, &best);
   } else {
     thread_local std::vector<int32_t> topk;
     topk.resize(std::min<int64_t>(n, spec.index_topk));
     topk.resize(cpu::ExactTopK(sc, n, spec.index_topk, topk.data()));
     for (int32_t p : topk) best.emplace_back(cpu::RankKey(sc[p]), p);
   }
-  const size_t keep = spec.selection == SelectionMode::kPageBudget
-                          ? static_cast<size_t>(spec.page_budget)
-                          : static_cast<size_t>(spec.index_topk);
+  const size_t keep = static_cast<size_t>(CandidatesPerQuery(spec));
   auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };

@@ -571,8 +571,7 @@ absl::Status AttentionService::CheckCandidateCall(const Engine::StepInfo& info,
     // Each query's candidates: at most K (or the budget) of 13 bytes or so, bounded before the
     // layer runs.
     const ModelSpec& s = engine_->spec();
-    const int64_t keep = s.selection == SelectionMode::kPageBudget ? s.page_budget : s.index_topk;
-    const int64_t reply = info.tokens * (keep * 16 + 8);
+    const int64_t reply = info.tokens * (CandidatesPerQuery(s) * 16 + 8);
     if (reply > options_.max_message_bytes - kMessageFramingBytes)
       return absl::InvalidArgumentError(
           absl::StrCat("return_candidates: up to ", reply,

@@ -101,6 +101,8 @@ class AttentionService final : public v1::Attention::CallbackService {
                                  size_t out_bytes) const;
   // return_lse: INVALID_ARGUMENT on a write-only step, or when the output of out_bytes (inline
   // unless out_shm) and the [T, heads] fp32 log-sum-exp could pass the message limit.
+  absl::Status CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
+                            size_t out_bytes, int heads) const;
   // Context parallelism: a candidates or selection call's own checks (and the selection as the
   // engine takes it), and a candidates call run.
   absl::Status CheckCandidateCall(const Engine::StepInfo& info, const v1::LayerInputs& in,
@@ -109,8 +111,6 @@ class AttentionService final : public v1::Attention::CallbackService {
                                const LayerInputs& views, const Engine::StepInfo& info,
                                v1::LayerOutput* out, Transport transport,
                                std::chrono::steady_clock::time_point start);
-  absl::Status CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                            size_t out_bytes, int heads) const;
 
   // Who is calling: UNAUTHENTICATED / PERMISSION_DENIED as Authenticator::Authenticate says.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;

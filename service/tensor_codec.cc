@@ -193,9 +193,8 @@ void QuantizeReply(const float* values, int64_t tokens, int heads, int width, v1
   sc->set_datatype(std::string(DTypeName(DType::kF32)));
   for (int64_t d : {tokens, static_cast<int64_t>(heads), int64_t{1}}) sc->add_shape(d);
   std::vector<float> scales(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r)
-    fp8::QuantizeTiles(values + r * width, width, width,
-                       reinterpret_cast<uint8_t*>(codes->data()) + r * width, &scales[r]);
+  fp8::QuantizeTiles(values, rows * width, width, reinterpret_cast<uint8_t*>(codes->data()),
+                     scales.data());  // a tile per row
   sc->mutable_data()->assign(reinterpret_cast<const char*>(scales.data()), 4 * scales.size());
 }
 

@@ -163,18 +163,22 @@ void PageUnionSelect(const float* scores, int64_t n, const int32_t* topk, int64_
   ExpandPages(BestPages(cand, max_pages, own), n, page_size, out);
 }
 
-void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
-                      std::vector<int32_t>* out) {
-  Scratch& ws = ThreadScratch();
-  auto& cand = ws.pages;
-  cand.clear();
+void PageMaxima(const float* scores, int64_t n, int page_size,
+                std::vector<std::pair<float, int32_t>>* out) {
+  out->clear();
   const int64_t num_pages = (n + page_size - 1) / page_size;
   for (int64_t p = 0; p < num_pages; ++p) {
     float best = kNegInf;
     const int64_t hi = std::min<int64_t>((p + 1) * page_size, n);
     for (int64_t s = p * page_size; s < hi; ++s) best = std::max(best, RankKey(scores[s]));
-    cand.emplace_back(best, static_cast<int32_t>(p));
+    out->emplace_back(best, static_cast<int32_t>(p));
   }
+}
+
+void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
+                      std::vector<int32_t>* out) {
+  auto& cand = ThreadScratch().pages;
+  PageMaxima(scores, n, page_size, &cand);
   const int32_t own = static_cast<int32_t>((n - 1) / page_size);
   ExpandPages(BestPages(cand, budget, own), n, page_size, out);
 }

@@ -50,6 +50,9 @@ std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int
                                int32_t own_page);
 // NaN ranks below every number in a selection.
 float RankKey(float score);
+// (best RankKey score, page) of every page of scores[0, n), in page order.
+void PageMaxima(const float* scores, int64_t n, int page_size,
+                std::vector<std::pair<float, int32_t>>* out);
 
 // MLA for one query token over a set of keys, for heads [0, num_heads) of q:
 //   s_j = sm_scale·(q_latent·c_kv_j + q_rope·k_pe_j) [soft-capped], p = softmax(s),

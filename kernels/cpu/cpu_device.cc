@@ -185,15 +185,22 @@ void CpuDevice::ConvertIndexQueries(const StepShare& share, Step& st, const Laye
   });
 }
 
+// Token i's kept positions to physical slots, once: every layer until the next full one reads
+// them.
+void CpuDevice::KeepSlots(const StepShare& share, Step& st, int64_t i) {
+  const PageTable table = share.table();
+  const auto& sel = st.positions[i];
+  auto& slots = st.slots[i];
+  slots.resize(sel.size());
+  for (size_t j = 0; j < sel.size(); ++j)
+    slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], sel[j]));
+}
+
 void CpuDevice::Keep(const StepShare& share, Step& st,
                      const std::vector<std::vector<int32_t>>& selection) {
-  const PageTable table = share.table();
   for (int64_t i = 0; i < share.size(); ++i) {
     st.positions[i] = selection[i];
-    auto& slots = st.slots[i];
-    slots.resize(selection[i].size());
-    for (size_t j = 0; j < selection[i].size(); ++j)
-      slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], selection[i][j]));
+    KeepSlots(share, st, i);
   }
 }
 
@@ -264,11 +271,7 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer,
           cpu::PageBudgetSelect(sc, n, spec_.page_size, spec_.page_budget, &sel);
           break;
       }
-      // Positions to physical slots, once: every layer until the next full one reads them.
-      auto& slots = st.slots[i];
-      slots.resize(sel.size());
-      for (size_t j = 0; j < sel.size(); ++j)
-        slots[j] = static_cast<int32_t>(table.Slot(share.seq[i], sel[j]));
+      KeepSlots(share, st, i);
     });
     w0 = w1;
   }

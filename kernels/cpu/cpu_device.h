@@ -46,6 +46,7 @@ class CpuDevice final : public Device {
   // best local keys instead (context parallelism).
   void Select(const StepShare& share, Step& st, int layer,
               std::vector<LayerCall::LocalCandidates>* candidates);
+  void KeepSlots(const StepShare& share, Step& st, int64_t i);
   // A selection given in local positions (context parallelism), kept as Select keeps its own.
   void Keep(const StepShare& share, Step& st, const std::vector<std::vector<int32_t>>& selection);
   // MLA for the share's queries into call.out (and call.lse); absorbed calls get W_UV applied.

@@ -155,8 +155,8 @@ class ContextParallelSequence:
             c = servers[k]
             t = dict.fromkeys(_QUERIES + _KEYS + _INDEX_QUERIES)
             t.update(pick(k, _QUERIES + (keys if k == tail else ())))
-            msg = _layer_inputs(layer, t, False, 0, None, attended, True, "FP32", False,
-                                selection, keys_required=False)
+            msg = _layer_inputs(layer, t, uint16_as_bf16=False, attended=attended, lse=True,
+                                out_datatype="FP32", selection=selection, keys_required=False)
             return c._unary("AttendLayer", pb.AttendLayerRequest(step_id=steps[k], inputs=msg),
                             lambda r: _result(r.output, False, None, True))
 

@@ -19,6 +19,7 @@ import pytest
 from attnd import AttndClient, AttndError
 
 from attnd_process import start, stop
+from layer_inputs import random_layer
 
 DN, V = 24, 20  # qk_nope_head_dim, v_head_dim (the tiny model: H 4, L 32)
 
@@ -92,15 +93,7 @@ def _split(w):
 
 
 def _layer_tensors(spec, kind, T, rng):
-    x = {"q_nope": rng.standard_normal((T, spec.num_heads, DN)),
-         "q_rope": rng.standard_normal((T, spec.num_heads, spec.qk_rope_head_dim)),
-         "kv_latent": rng.standard_normal((T, spec.kv_lora_rank)),
-         "k_rope": rng.standard_normal((T, spec.qk_rope_head_dim))}
-    if kind == "full":
-        x["index_q"] = rng.standard_normal((T, spec.index_n_heads, spec.index_head_dim))
-        x["index_k"] = rng.standard_normal((T, spec.index_head_dim))
-        x["index_w"] = rng.standard_normal((T, spec.index_n_heads))
-    return {k: v.astype(np.float32) for k, v in x.items()}
+    return random_layer(spec, kind, T, rng, DN)
 
 
 def _worker_side(x, w):

@@ -14,6 +14,7 @@ import pytest
 
 from attnd import AttndClient, Candidates, ContextParallelSequence, merge_candidates
 from attnd_process import start
+from layer_inputs import random_layer
 
 MODES = ["token", "page_union", "page_budget:2"]
 
@@ -40,15 +41,7 @@ def servers(request, tmp_path_factory):
 
 
 def _layer(spec, kind, T, rng):
-    x = {"q_latent": rng.standard_normal((T, spec.num_heads, spec.kv_lora_rank)),
-         "q_rope": rng.standard_normal((T, spec.num_heads, spec.qk_rope_head_dim)),
-         "kv_latent": rng.standard_normal((T, spec.kv_lora_rank)),
-         "k_rope": rng.standard_normal((T, spec.qk_rope_head_dim))}
-    if kind == "full":
-        x["index_q"] = rng.standard_normal((T, spec.index_n_heads, spec.index_head_dim))
-        x["index_k"] = rng.standard_normal((T, spec.index_head_dim))
-        x["index_w"] = rng.standard_normal((T, spec.index_n_heads))
-    return {k: v.astype(np.float32) for k, v in x.items()}
+    return random_layer(spec, kind, T, rng)
 
 
 @pytest.mark.parametrize("parts", [2, 3])

@@ -17,6 +17,7 @@ import pytest
 
 from attnd import AttndClient, AttndError, Fp8Tensor, ShmArena, quantize_fp8
 from attnd_process import start, stop
+from layer_inputs import random_layer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import wire_bench  # noqa: E402
@@ -34,16 +35,7 @@ def server(tmp_path_factory):
 
 
 def _inputs(spec, kind, T, rng, absorbed):
-    x = {"q_nope" if absorbed else "q_latent":
-         rng.standard_normal((T, spec.num_heads, DN if absorbed else spec.kv_lora_rank)),
-         "q_rope": rng.standard_normal((T, spec.num_heads, spec.qk_rope_head_dim)),
-         "kv_latent": rng.standard_normal((T, spec.kv_lora_rank)),
-         "k_rope": rng.standard_normal((T, spec.qk_rope_head_dim))}
-    if kind == "full":
-        x["index_q"] = rng.standard_normal((T, spec.index_n_heads, spec.index_head_dim))
-        x["index_k"] = rng.standard_normal((T, spec.index_head_dim))
-        x["index_w"] = rng.standard_normal((T, spec.index_n_heads))
-    return {k: v.astype(np.float32) for k, v in x.items()}
+    return random_layer(spec, kind, T, rng, DN if absorbed else None)
 
 
 def _pow2_e4m3(x):
