@@ -147,8 +147,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        "forces the CPU",
        List(&f->devices, true)},
       {"threads", "N", "compute threads (default: all cores)", Int(&f->threads)},
-      {"cpu-isa", "auto|avx2|generic", "CPU inner loops (default auto: the widest the host has)",
-       OneOf(&f->cpu_isa, {"auto", "avx2", "generic"})},
+      {"cpu-isa", "auto|avx512|avx2|generic",
+       "CPU inner loops (default auto: the widest the host has; avx512 and\navx2 give the same "
+       "bits)",
+       OneOf(&f->cpu_isa, {"auto", "avx512", "avx2", "generic"})},
       {"max-message-bytes", "N", "gRPC send/receive limit (default 1073741824)",
        Int(&f->max_message_bytes)},
       {"step-idle-timeout-ms", "N", "abort open steps idle this long (default 30000)",

@@ -84,13 +84,15 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.limits.check_finite = f.check_finite;
   o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
   o.limits.tenant_quota = FlagQuota(f);
-  if (f.cpu_isa == "generic") {
-    o.isa = cpu::Isa::kGeneric;
-  } else if (f.cpu_isa == "avx2") {
+  if (f.cpu_isa != "auto") {
     const auto isas = cpu::SupportedIsas();
-    if (std::find(isas.begin(), isas.end(), cpu::Isa::kAvx2) == isas.end())
-      return absl::FailedPreconditionError("--cpu-isa=avx2: this CPU lacks AVX2/FMA");
-    o.isa = cpu::Isa::kAvx2;
+    const auto named = std::find_if(isas.begin(), isas.end(),
+                                    [&](cpu::Isa isa) { return cpu::IsaName(isa) == f.cpu_isa; });
+    if (named == isas.end())
+      return absl::FailedPreconditionError(
+          absl::StrCat("--cpu-isa=", f.cpu_isa, ": this CPU lacks ",
+                       f.cpu_isa == "avx512" ? "AVX-512 (F, BW, VL, DQ)" : "AVX2/FMA/F16C"));
+    o.isa = *named;
   }
   if (!f.absorb_from.empty()) {
     auto absorb = LoadAbsorption(f.absorb_from, o.spec);

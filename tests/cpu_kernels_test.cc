@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -232,6 +233,83 @@ TEST_P(PerIsa, E4M3DecodeIsExactForEveryFiniteCodeAndScale) {
       ASSERT_EQ(static_cast<double>(out[i]), want) << "code " << int(codes[i]) << " tile " << tile;
       ASSERT_EQ(std::signbit(out[i]), (codes[i] & 0x80) != 0) << int(codes[i]);  // -0 stays -0
     }
+  }
+}
+
+// Every inner loop of the AVX-512 table gives the AVX2 table's bits on the same inputs: GEMMs of
+// shapes whose columns fill whole vectors, or leave scalar tails, on both; the online softmax, exp,
+// the indexer's reduction, and both row decodes.
+TEST(Isas, Avx512GivesTheBitsOfAvx2) {
+  const auto isas = SupportedIsas();
+  if (std::find(isas.begin(), isas.end(), Isa::kAvx512) == isas.end())
+    GTEST_SKIP() << "this host has no AVX-512";
+  const Kernels &a = GetKernels(Isa::kAvx2), &b = GetKernels(Isa::kAvx512);
+  std::mt19937_64 rng(21);
+  const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  for (int M : {1, 5, 8, 13, 64}) {
+    for (int N : {16, 24, 40, 64, 100, 512}) {
+      for (int D : {7, 64, 576}) {
+        const int lda = D + 1, ldb = N + 3, ldc = N + 5;
+        const auto A = Randn(M * lda, rng), B = Randn(D * ldb, rng), C = Randn(M * ldc, rng);
+        for (bool acc : {false, true}) {
+          auto x = C, y = C;
+          a.gemm(M, N, D, A.data(), lda, B.data(), ldb, x.data(), ldc, acc);
+          b.gemm(M, N, D, A.data(), lda, B.data(), ldb, y.data(), ldc, acc);
+          ASSERT_TRUE(same(x, y)) << "gemm " << M << "x" << N << "x" << D << " acc " << acc;
+          ASSERT_FALSE(same(x, C));
+        }
+        // gemm_at_scaled: At is [D, M] with row stride M + 2.
+        const auto At = Randn(D * (M + 2), rng), scale = Randn(M, rng);
+        auto x = C, y = C;
+        a.gemm_at_scaled(M, N, D, At.data(), M + 2, B.data(), ldb, x.data(), ldc, scale.data());
+        b.gemm_at_scaled(M, N, D, At.data(), M + 2, B.data(), ldb, y.data(), ldc, scale.data());
+        ASSERT_TRUE(same(x, y)) << "gemm_at_scaled " << M << "x" << N << "x" << D;
+      }
+    }
+  }
+  for (int cols : {16, 32, 128}) {
+    const int rows = 64, ld = cols + 16;
+    auto s = Randn(rows * ld, rng, 4.0f);
+    s[3 * ld + 1] = -std::numeric_limits<float>::infinity();
+    auto m = Randn(cols, rng), l = Randn(cols, rng), corr = std::vector<float>(cols);
+    for (float& v : l) v = std::abs(v);
+    m[0] = -std::numeric_limits<float>::infinity();
+    auto s2 = s, m2 = m, l2 = l, corr2 = corr;
+    a.softmax_tile(s.data(), rows, cols, ld, m.data(), l.data(), corr.data());
+    b.softmax_tile(s2.data(), rows, cols, ld, m2.data(), l2.data(), corr2.data());
+    ASSERT_TRUE(same(s, s2) && same(m, m2) && same(l, l2) && same(corr, corr2)) << cols;
+  }
+  {
+    auto x = Randn(1001, rng, 30.0f), y = x;
+    a.exp_inplace(x.data(), 1001);
+    b.exp_inplace(y.data(), 1001);
+    ASSERT_TRUE(same(x, y));
+  }
+  for (int n : {61, 64, 128}) {
+    const int rows = 17, ld = n + 4;
+    const auto s = Randn(rows * ld, rng), w = Randn(n, rng);
+    std::vector<float> x(rows), y(rows);
+    a.relu_dot(s.data(), rows, n, ld, w.data(), x.data());
+    b.relu_dot(s.data(), rows, n, ld, w.data(), y.data());
+    ASSERT_TRUE(same(x, y)) << n;
+  }
+  for (int n : {64, 100, 576}) {
+    std::vector<unsigned char> codes(n);
+    std::vector<unsigned short> bf(n);
+    for (int i = 0; i < n; ++i) {
+      codes[i] = static_cast<unsigned char>(rng() & 0xff);
+      bf[i] = static_cast<unsigned short>(rng());
+    }
+    const std::vector<float> scales = {0.5f, 0x1p-20f, 0x1p119f, 8.0f, 1.0f};
+    std::vector<float> x(n), y(n);
+    a.e4m3_to_f32(codes.data(), scales.data(), 128, x.data(), n);
+    b.e4m3_to_f32(codes.data(), scales.data(), 128, y.data(), n);
+    ASSERT_TRUE(same(x, y)) << n;  // NaN codes too: the same NaN bits
+    a.bf16_to_f32(bf.data(), x.data(), n);
+    b.bf16_to_f32(bf.data(), y.data(), n);
+    ASSERT_TRUE(same(x, y)) << n;
   }
 }
 

@@ -1,6 +1,8 @@
 // Run-time dispatch of the CPU backend's inner loops to the widest vector ISA the host has.
-// The default build targets baseline x86-64; AVX2+FMA code is compiled alongside it with
-// function-level target attributes and chosen at run time, never with -march=native.
+// The default build targets baseline x86-64; AVX2+FMA and AVX-512 code is compiled alongside it
+// with function-level target attributes and chosen at run time, never with -march=native. AVX2
+// and AVX-512 compute the same bits (each output one FMA chain in the same order; the indexer's
+// reduction in 8-lane vectors on both): the wider ISA only changes the speed.
 #pragma once
 
 #include <vector>
@@ -9,9 +11,9 @@
 
 namespace attnd::cpu {
 
-enum class Isa { kGeneric, kAvx2 };
+enum class Isa { kGeneric, kAvx2, kAvx512 };
 
-absl::string_view IsaName(Isa isa);
+absl::string_view IsaName(Isa isa);  // "generic", "avx2", "avx512"
 // Every ISA this host can run, widest last.
 std::vector<Isa> SupportedIsas();
 // The widest supported ISA (what the backend uses unless told otherwise).
