@@ -100,23 +100,11 @@ Isa BestIsa() {
 }
 
 const Kernels& GetKernels(Isa isa) {
-  static const Kernels kGeneric = {
-      &generic::Gemm,        &generic::GemmAtScaled, &generic::ExpInplace,
-      &generic::SoftmaxTile, &generic::Bf16ToF32,    &generic::E4M3ToF32,
-      &generic::ReluDot,     &generic::FmaLoop,      generic::kFmaChains * generic::kVW * 2};
 #if defined(__x86_64__)
-  static const Kernels kAvx2 = {
-      &avx2::Gemm,        &avx2::GemmAtScaled, &avx2::ExpInplace,
-      &avx2::SoftmaxTile, &avx2::Bf16ToF32,    &avx2::E4M3ToF32,
-      &avx2::ReluDot,     &avx2::FmaLoop,      avx2::kFmaChains * avx2::kVW * 2};
-  static const Kernels kAvx512 = {
-      &avx512::Gemm,        &avx512::GemmAtScaled, &avx512::ExpInplace,
-      &avx512::SoftmaxTile, &avx512::Bf16ToF32,    &avx512::E4M3ToF32,
-      &avx512::ReluDot,     &avx512::FmaLoop,      avx512::kFmaChains * avx512::kVW * 2};
-  if (isa == Isa::kAvx2) return kAvx2;
-  if (isa == Isa::kAvx512) return kAvx512;
+  if (isa == Isa::kAvx2) return avx2::kKernels;
+  if (isa == Isa::kAvx512) return avx512::kKernels;
 #endif
-  return kGeneric;
+  return generic::kKernels;
 }
 
 }  // namespace attnd::cpu
