@@ -4,7 +4,7 @@ caches, next to the same ops written in PyTorch on the same cores and shapes (fp
 attnd's contract; the fp8 cache dequantised per 128-value tile on the gather, the rope part bf16).
 PyTorch reads unpaged caches and needs no page table, which only favours it.
 
-    ~/.cache/attnd-torch-venv/bin/python bench/cpu_vs_torch.py [--reps 8]
+    ~/.cache/attnd-torch-venv/bin/python bench/cpu_vs_torch.py [--reps 8] [--isa avx2]
 
 Prints one table: op, cache, attnd best ms, its best GFLOP/s as a fraction of the best FMA peak
 seen in the run (the peak is measured at the start and after every benchmark), PyTorch best ms,
@@ -98,11 +98,11 @@ def torch_ops(reps):
     return out
 
 
-def attnd_ops(reps):
+def attnd_ops(reps, isa):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "eb.json")
         subprocess.run(
-            [str(ROOT / "build" / "bench" / "engine_bench"),
+            [str(ROOT / "build" / "bench" / "engine_bench"), *([f"--isa={isa}"] if isa else []),
              "--benchmark_filter=Peaks|Decode/ctx:8192|Prefill",
              f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.15",
              "--benchmark_report_aggregates_only=true", f"--benchmark_out={path}",
@@ -126,18 +126,20 @@ def attnd_ops(reps):
             out[key(b)] = b["real_time"]
         if b.get("aggregate_name") == "max":
             fracs[key(b)] = b["GFLOP/s"] / peak
-    return out, fracs, peak
+    isa_name = next((b.get("label", "?") for b in runs if b["name"].startswith("Peaks")), "?")
+    return out, fracs, peak, isa_name
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--isa", default="", help="engine_bench --isa (default: the widest)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    ours, fracs, peak = attnd_ops(args.reps)
+    ours, fracs, peak, isa_name = attnd_ops(args.reps, args.isa)
     theirs = torch_ops(args.reps)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {args.reps}; "
-          f"FMA peak {peak:.1f} GFLOP/s (best seen)")
+    print(f"attnd {isa_name}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"best of {args.reps}; FMA peak {peak:.1f} GFLOP/s (best seen)")
     print(f"{'op':14} {'cache':9} {'attnd ms':>9} {'frac FMA':>9} {'torch ms':>9} {'speed-up':>9}")
     for key in sorted(ours):
         op, cache = key
