@@ -103,7 +103,7 @@ def attnd_ops(reps, isa):
         path = os.path.join(tmp, "eb.json")
         subprocess.run(
             [str(ROOT / "build" / "bench" / "engine_bench"), *([f"--isa={isa}"] if isa else []),
-             "--benchmark_filter=Peaks|Decode/ctx:8192|Prefill",
+             "--benchmark_filter=Peaks|Decode/ctx:8192/.*/heads:16|Prefill",
              f"--benchmark_repetitions={reps}", "--benchmark_min_time=0.15",
              "--benchmark_report_aggregates_only=true", f"--benchmark_out={path}",
              "--benchmark_out_format=json"], check=True, stdout=subprocess.DEVNULL)

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/fp8.h"
@@ -219,11 +220,12 @@ BENCHMARK(MlaOneQuery)
     ->ArgsProduct({{0, 1}, {0, 1}, {16, 64}})
     ->ArgNames({"scattered", "fp8", "heads"});
 
-ModelSpec BenchSpec() {
+// DeepSeek-V3.2's dims with 16 query heads (a tensor-parallel shard's) unless told otherwise.
+ModelSpec BenchSpec(int heads = 16) {
   ModelSpec s = PresetModelSpec("deepseek-v3.2").value();
   s.name = "bench";
   s.layers = {LayerKind::kFull, LayerKind::kShared};
-  s.num_heads = 16;
+  s.num_heads = heads;
   return s;
 }
 
@@ -266,9 +268,9 @@ double IndexBytes(const ModelSpec& s, DType cache) {
 DType CacheArg(int64_t arg) { return arg == 1 ? DType::kFP8E4M3 : DType::kBF16; }
 
 // An engine with `batch` sequences of `context` tokens, imported with write-only steps.
-std::unique_ptr<Engine> MakeEngine(int batch, int64_t context, DType cache) {
+std::unique_ptr<Engine> MakeEngine(int batch, int64_t context, DType cache, int heads) {
   EngineOptions o;
-  o.spec = BenchSpec();
+  o.spec = BenchSpec(heads);
   o.cache_dtype = cache;
   o.isa = BenchIsa();
   const int64_t pages = batch * (context / o.spec.page_size + 64) + 16;
@@ -305,21 +307,23 @@ void SetRates(benchmark::State& state, double flops, double bytes) {
       bytes / MeasureCopyBandwidth(), benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Decode: batch 8, 16 heads, K = 2048. Arg 0: context; arg 1: 0 = full layer (indexer over the
-// whole context + top-k + sparse MLA), 1 = shared layer (sparse MLA over the carried selection);
-// arg 2: the cache, 0 = bf16, 1 = fp8.
+// Decode: batch 8, K = 2048. Arg 0: context; arg 1: 0 = full layer (indexer over the whole
+// context + top-k + sparse MLA), 1 = shared layer (sparse MLA over the carried selection);
+// arg 2: the cache, 0 = bf16, 1 = fp8; arg 3: query heads (16: a shard's; 128: all of
+// DeepSeek-V3.2's, as a sharded step brings them).
 void Decode(benchmark::State& state) {
   const int batch = 8;
   const int64_t context = state.range(0);
   const bool shared = state.range(1) == 1;
   const DType cache = CacheArg(state.range(2));
-  static std::map<std::pair<int64_t, DType>, std::unique_ptr<Engine>> engines;
-  auto& slot = engines[{context, cache}];
-  if (!slot) {
+  const int heads = static_cast<int>(state.range(3));
+  static std::map<std::tuple<int64_t, DType, int>, std::unique_ptr<Engine>> engines;
+  const auto key = std::make_tuple(context, cache, heads);
+  if (!engines[key]) {
     engines.clear();  // one cache at a time: they are large
-    engines[{context, cache}] = MakeEngine(batch, context, cache);
+    engines[key] = MakeEngine(batch, context, cache, heads);
   }
-  Engine& e = *engines[{context, cache}];
+  Engine& e = *engines[key];
   const ModelSpec& s = e.spec();
   std::mt19937 rng(2);
   Tensors tb;
@@ -357,8 +361,10 @@ void Decode(benchmark::State& state) {
 BENCHMARK(Decode)
     ->ComputeStatistics("min", Lowest)
     ->ComputeStatistics("max", Highest)
-    ->ArgsProduct({{8192, 32768}, {0, 1}, {0, 1}})
-    ->ArgNames({"ctx", "shared", "fp8"})
+    ->ArgsProduct({{8192, 32768}, {0, 1}, {0, 1}, {16}})
+    ->Args({8192, 1, 0, 128})
+    ->Args({8192, 1, 1, 128})
+    ->ArgNames({"ctx", "shared", "fp8", "heads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -355,6 +355,41 @@ TEST(Engine, ForkedPrefixPlusExtendEqualsRecomputingTheWholeSequence) {
   EXPECT_NE(info->pages[4], pinfo->pages[4]);
 }
 
+// Many query heads (as a sharded step brings them): the CPU device splits a step's heads into
+// groups of 16 to 64 by the work there is (one query alone: narrow groups so both threads work;
+// a batch: wide ones). The outputs match the float64 oracle either way and a query's output is
+// the same bits alone as in a batch.
+TEST(Engine, ManyHeadsMatchTheReferenceWhateverTheHeadGrouping) {
+  for (int heads : {40, 64}) {
+    ModelSpec spec = TestSpec(16, heads, SelectionMode::kToken);
+    Harness h(Options(spec, DType::kF32));
+    std::vector<StepEntry> prefill, decode;
+    for (int i = 0; i < 8; ++i) {
+      const std::string id = "s" + std::to_string(i);
+      h.Open(id);
+      prefill.push_back({id, 40 + 9 * i});
+      decode.push_back({id, 1});
+    }
+    h.RunAndCheck(prefill, DType::kF32, 1, 1e-5);
+    h.Fork("alone", "s3", h.Length("s3"));
+    const auto mine = h.MakeInputs({{"alone", 1}}, DType::kF32, 2);
+    std::vector<StepEntry> batch(decode.begin(), decode.begin() + 3);
+    const auto rest = h.MakeInputs(batch, DType::kF32, 3);
+    batch.push_back({"s3", 1});
+    auto in_batch = h.Run(batch, Concat(rest, mine));
+    ASSERT_TRUE(in_batch.status.ok()) << in_batch.status;
+    std::vector<LayerCheck> checks;
+    const auto ref = h.Reference(batch, Concat(rest, mine), in_batch.traces, &checks);
+    auto alone = h.Run({{"alone", 1}}, mine);
+    ASSERT_TRUE(alone.status.ok()) << alone.status;
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      EXPECT_LE(RelL2(in_batch.out[l], ref[l]), 1e-5) << heads << " heads, layer " << l;
+      EXPECT_EQ(alone.out[l], Rows(in_batch.out[l], spec, 3, 4)) << heads << " heads, layer " << l;
+    }
+    h.RunAndCheck(decode, DType::kF32, 4, 1e-5);
+  }
+}
+
 TEST(Engine, ResultsDoNotDependOnBatchCompositionOrOrder) {
   ModelSpec spec = TestSpec(16, 4, SelectionMode::kPageUnion);
   Harness h(Options(spec, DType::kBF16));
