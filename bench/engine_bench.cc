@@ -420,17 +420,12 @@ int main(int argc, char** argv) {
       rest.push_back(argv[i]);
       continue;
     }
-    bool found = false;
-    for (attnd::cpu::Isa isa : attnd::cpu::SupportedIsas()) {
-      if (attnd::cpu::IsaName(isa) == arg.substr(6)) {
-        attnd::BenchIsa() = isa;
-        found = true;
-      }
-    }
-    if (!found) {
+    const auto isa = attnd::cpu::SupportedIsaNamed(arg.substr(6));
+    if (!isa) {
       std::fprintf(stderr, "engine_bench: %s is not an ISA this host runs\n", arg.c_str());
       return 2;
     }
+    attnd::BenchIsa() = *isa;
   }
   int n = static_cast<int>(rest.size());
   benchmark::Initialize(&n, rest.data());

@@ -85,10 +85,8 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
   o.limits.tenant_quota = FlagQuota(f);
   if (f.cpu_isa != "auto") {
-    const auto isas = cpu::SupportedIsas();
-    const auto named = std::find_if(isas.begin(), isas.end(),
-                                    [&](cpu::Isa isa) { return cpu::IsaName(isa) == f.cpu_isa; });
-    if (named == isas.end())
+    const std::optional<cpu::Isa> named = cpu::SupportedIsaNamed(f.cpu_isa);
+    if (!named)
       return absl::FailedPreconditionError(
           absl::StrCat("--cpu-isa=", f.cpu_isa, ": this CPU lacks ",
                        f.cpu_isa == "avx512" ? "AVX-512 (F, BW, VL, DQ)" : "AVX2/FMA/F16C"));

@@ -313,6 +313,12 @@ TEST(Isas, Avx512GivesTheBitsOfAvx2) {
   }
 }
 
+TEST(Isas, EverySupportedIsaIsFoundByItsName) {
+  for (Isa isa : SupportedIsas()) EXPECT_EQ(SupportedIsaNamed(IsaName(isa)), isa);
+  EXPECT_EQ(SupportedIsaNamed("sse9"), std::nullopt);
+  EXPECT_EQ(SupportedIsaNamed(""), std::nullopt);
+}
+
 INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(SupportedIsas()),
                          [](const auto& info) { return std::string(IsaName(info.param)); });
 

@@ -99,6 +99,12 @@ Isa BestIsa() {
   return best;
 }
 
+std::optional<Isa> SupportedIsaNamed(absl::string_view name) {
+  for (Isa isa : SupportedIsas())
+    if (IsaName(isa) == name) return isa;
+  return std::nullopt;
+}
+
 const Kernels& GetKernels(Isa isa) {
 #if defined(__x86_64__)
   if (isa == Isa::kAvx2) return avx2::kKernels;

@@ -5,6 +5,7 @@
 // reduction in 8-lane vectors on both): the wider ISA only changes the speed.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "absl/strings/string_view.h"
@@ -18,6 +19,8 @@ absl::string_view IsaName(Isa isa);  // "generic", "avx2", "avx512"
 std::vector<Isa> SupportedIsas();
 // The widest supported ISA (what the backend uses unless told otherwise).
 Isa BestIsa();
+// The supported ISA whose IsaName is `name`; nullopt for an unknown name or one this host lacks.
+std::optional<Isa> SupportedIsaNamed(absl::string_view name);
 
 // The inner loops, one table per ISA. All pointers are fp32, row-major.
 struct Kernels {
