@@ -26,9 +26,12 @@
 #include "common/thread_pool.h"
 #include "engine/engine.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "tests/run_layer.h"
 
 namespace attnd {
 namespace {
+using testing::RunCandidatesInto;
+using testing::RunLayerInto;
 
 int Threads() { return static_cast<int>(std::thread::hardware_concurrency()); }
 
@@ -285,7 +288,8 @@ std::unique_ptr<Engine> MakeEngine(int batch, int64_t context, DType cache, int 
       auto step = e->BeginStep({{id, q}}, StepOptions::WriteOnly());
       for (int l = 0; l < 2; ++l) {
         Tensors tb;
-        if (!e->RunLayer(*step, l, MakeInputs(o.spec, q, l == 0, true, tb, rng), nullptr, 0).ok())
+        if (!RunLayerInto(*e, *step, l, MakeInputs(o.spec, q, l == 0, true, tb, rng), nullptr, 0)
+                 .ok())
           std::abort();
       }
       done += q;
@@ -336,10 +340,10 @@ void Decode(benchmark::State& state) {
     state.PauseTiming();
     auto step = e.BeginStep(entries).value();
     if (!shared) state.ResumeTiming();
-    if (!e.RunLayer(step, 0, full_in, out.data(), out.size() * 2).ok()) std::abort();
+    if (!RunLayerInto(e, step, 0, full_in, out.data(), out.size() * 2).ok()) std::abort();
     if (shared) {
       state.ResumeTiming();
-      if (!e.RunLayer(step, 1, shared_in, out.data(), out.size() * 2).ok()) std::abort();
+      if (!RunLayerInto(e, step, 1, shared_in, out.data(), out.size() * 2).ok()) std::abort();
     } else {
       state.PauseTiming();
       (void)e.AbortStep(step);
@@ -386,7 +390,7 @@ void Prefill(benchmark::State& state) {
   if (!e->OpenSequence("p").ok()) std::abort();
   for (auto _ : state) {
     auto step = e->BeginStep({{"p", T}}).value();
-    if (!e->RunLayer(step, 0, in, out.data(), out.size() * 2).ok()) std::abort();
+    if (!RunLayerInto(*e, step, 0, in, out.data(), out.size() * 2).ok()) std::abort();
     state.PauseTiming();
     (void)e->AbortStep(step);
     state.ResumeTiming();

@@ -42,8 +42,6 @@ struct TensorView {
 // Indexer tensors are given on full layers only. Each may have its own dtype; the output takes
 // q_latent's. With server-side absorption (common/absorption.h) a call may give q_nope instead
 // of q_latent: the server absorbs it and returns [T, H, V] instead of [T, H, L].
-struct Candidates;  // engine/context_parallel.h
-
 struct LayerInputs {
   TensorView q_latent;   // [T, H, L]
   TensorView q_nope;     // [T, H, Dn], instead of q_latent (absorbed on the server)
@@ -56,9 +54,6 @@ struct LayerInputs {
   // The output's datatype (BF16, FP16 or FP32) instead of the query's; unset: the query's, BF16
   // for FP8_E4M3 queries.
   std::optional<DType> out_dtype;
-  // Context-parallel steps, full layers: the merged candidates this layer attends by (after
-  // Engine::RunCandidates); the call then carries the queries only.
-  const Candidates* selection = nullptr;
 };
 
 // Checks that `t` is present, has exactly `expected` dims and a byte count matching them in its

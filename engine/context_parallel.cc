@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/attention_cpu.h"
 
 namespace attnd {
@@ -95,6 +96,60 @@ absl::Status CheckSelection(const ModelSpec& spec, const std::vector<int64_t>& q
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status LocalSelections(const ModelSpec& spec, const StepPlan& plan, int64_t tokens,
+                             const Candidates& sel,
+                             std::vector<std::vector<std::vector<int32_t>>>* kept) {
+  std::vector<int64_t> query_pos(tokens);
+  std::vector<uint8_t> needs(tokens);
+  for (const StepPlan::Share& sh : plan.shares)
+    for (int64_t i = 0; i < sh.share.size(); ++i) {
+      query_pos[sh.share.rows[i]] = sh.share.query_pos[i];
+      needs[sh.share.rows[i]] = sh.share.needs_index[i];
+    }
+  RETURN_IF_ERROR(CheckSelection(spec, query_pos, needs, sel));
+  std::vector<int64_t> first(tokens + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) first[t + 1] = first[t] + sel.count[t];
+  kept->assign(plan.shares.size(), {});
+  for (size_t k = 0; k < plan.shares.size(); ++k) {
+    const StepShare& sh = plan.shares[k].share;
+    auto& mine = (*kept)[k];
+    mine.assign(sh.size(), {});
+    for (int64_t i = 0; i < sh.size(); ++i) {
+      if (!sh.needs_index[i]) continue;
+      const int64_t t = sh.rows[i];
+      LocalSelection(spec, sel.count[t], sel.keys.data() + first[t], sel.scores.data() + first[t],
+                     sh.query_pos[i], sh.offset[i], sh.pos[i] + 1, &mine[i]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+Candidates GatherCandidates(const ModelSpec& s, const StepPlan& plan, int64_t tokens,
+                            const std::vector<std::vector<LayerCall::LocalCandidates>>& local) {
+  std::vector<const LayerCall::LocalCandidates*> by_row(tokens, nullptr);
+  std::vector<int64_t> shift(tokens, 0);
+  const bool pages = s.selection == SelectionMode::kPageBudget;
+  for (size_t k = 0; k < plan.shares.size(); ++k) {
+    const StepShare& sh = plan.shares[k].share;
+    for (int64_t i = 0; i < sh.size(); ++i) {
+      by_row[sh.rows[i]] = &local[k][i];
+      shift[sh.rows[i]] = pages ? sh.offset[i] / s.page_size : sh.offset[i];
+    }
+  }
+  Candidates c;
+  c.pages = pages;
+  c.keep = CandidatesPerQuery(s);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const LayerCall::LocalCandidates& l = *by_row[t];
+    c.count.push_back(static_cast<int32_t>(l.keys.size()));
+    for (size_t j = 0; j < l.keys.size(); ++j) {
+      c.keys.push_back(l.keys[j] + shift[t]);
+      c.scores.push_back(l.scores[j]);
+    }
+  }
+  return c;
 }
 
 }  // namespace attnd

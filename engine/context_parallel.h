@@ -12,6 +12,8 @@
 #include "absl/status/status.h"
 #include "common/candidates.h"
 #include "common/model_spec.h"
+#include "engine/step_plan.h"
+#include "kernels/device.h"
 
 namespace attnd {
 
@@ -28,5 +30,17 @@ void LocalSelection(const ModelSpec& spec, int32_t count, const int64_t* keys, c
 // visible to its query (a position <= the query's, a page <= its own).
 absl::Status CheckSelection(const ModelSpec& spec, const std::vector<int64_t>& query_pos,
                             const std::vector<uint8_t>& needs_index, const Candidates& sel);
+
+// A step's merged selection (a kSelection call's) as each plan share's local positions:
+// (*kept)[share][i] for the share's token i (empty for tokens that need no indexer).
+// INVALID_ARGUMENT (CheckSelection) when it does not fit the step's `tokens` queries.
+absl::Status LocalSelections(const ModelSpec& spec, const StepPlan& plan, int64_t tokens,
+                             const Candidates& sel,
+                             std::vector<std::vector<std::vector<int32_t>>>* kept);
+
+// Every share's local candidates (a kCandidates call's, local[share][i]) in absolute keys and
+// step order: positions shifted by each slice's offset, or page ids by its first page.
+Candidates GatherCandidates(const ModelSpec& spec, const StepPlan& plan, int64_t tokens,
+                            const std::vector<std::vector<LayerCall::LocalCandidates>>& local);
 
 }  // namespace attnd

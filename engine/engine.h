@@ -5,8 +5,10 @@
 //   ASSIGN_OR_RETURN(auto engine, Engine::Create(options));
 //   RETURN_IF_ERROR(engine->OpenSequence("req-1"));
 //   ASSIGN_OR_RETURN(uint64_t step, engine->BeginStep({{"req-1", 128}}));   // prefill 128
-//   for (int l = 0; l < spec.num_layers(); ++l)
-//     RETURN_IF_ERROR(engine->RunLayer(step, l, inputs[l], out, out_bytes));  // last one commits
+//   for (int l = 0; l < spec.num_layers(); ++l) {
+//     OwnedSink out;
+//     ASSIGN_OR_RETURN(LayerResult r, engine->RunLayer(step, {l, inputs[l]}, &out));
+//   }                                                       // the last layer commits
 //
 // Thread safety: every method may be called from any thread. Layers of different steps run
 // concurrently; one step's layers run one at a time and in order.
@@ -26,7 +28,7 @@
 #include "common/absorption.h"
 #include "common/model_spec.h"
 #include "common/tensor.h"
-#include "engine/context_parallel.h"
+#include "engine/layer_request.h"
 #include "engine/row_reader.h"
 #include "kernels/cpu/cpu_isa.h"
 #include "kv_store/tenant_ledger.h"
@@ -117,11 +119,6 @@ struct StepRef {
   uint64_t id;
   std::string tenant;
   uint64_t channel = 0;
-};
-
-// What each query attended on a layer (for tests and debugging).
-struct LayerTrace {
-  std::vector<std::vector<int32_t>> keys;  // [T] attended key positions, ascending
 };
 
 struct SequenceInfo {
@@ -254,25 +251,18 @@ class Engine {
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).
   absl::StatusOr<StepInfo> DescribeStep(const StepRef& step) const;
-  // Checks a layer's inputs against the open step without running or aborting anything: the
-  // service calls it before it allocates the output. Same errors as RunLayer.
-  // `candidates`: a RunCandidates call's.
-  absl::Status CheckLayer(const StepRef& step, int layer, const LayerInputs& in, size_t out_bytes,
-                          bool candidates = false) const;
-  // Runs layer `layer` (must be the step's next layer) and writes out [T, H, L] in q_latent's
-  // dtype ([T, H, V] when the call gives q_nope and the server absorbs) (out_bytes must match;
-  // write-only steps take no queries, out = nullptr, 0 bytes). The last layer commits the step. Any
-  // error aborts the step, so every sequence is left as before it. lse, when given, receives [T, H]
-  // fp32: each query head's natural-log log-sum-exp of its scaled scores over the keys it attended
-  // (-inf: none); not on write-only steps.
-  absl::Status RunLayer(const StepRef& step, int layer, const LayerInputs& in, void* out,
-                        size_t out_bytes, LayerTrace* trace = nullptr, float* lse = nullptr);
-  // A context-parallel step's full layer, first call: writes the keys given (none on attend-only
-  // steps) and puts each query's best local candidates in *out (absolute keys; none for queries
-  // that attend every visible key); the layer then runs with RunLayer, in.selection being every
-  // server's candidates merged (MergeCandidates). Any error aborts the step.
-  absl::Status RunCandidates(const StepRef& step, int layer, const LayerInputs& in,
-                             Candidates* out);
+  // Runs one call of layer request.layer (the step's next layer), the one entry point of the
+  // layer path (engine/layer_request.h): every rule is checked against the step, then
+  // sink->Prepare gets the call's LayerShape and returns where the output goes ([T, H, L] in the
+  // output datatype, or [T, H, V] when the call gives q_nope and the server absorbs; no output
+  // on write-only steps and candidates calls, where the sink may be null), then every device
+  // computes. The last layer commits the step. Any error aborts the step, so every sequence is
+  // left as before it. Modes: kAttend, or on a context-parallel step's full layers kCandidates
+  // (writes the keys given and returns each query's best local candidates, absolute keys) and
+  // then kSelection with every server's candidates merged (MergeCandidates); the layer advances
+  // after kSelection.
+  absl::StatusOr<LayerResult> RunLayer(const StepRef& step, const LayerRequest& request,
+                                       LayerSink* sink);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
   absl::Status AbortStep(const StepRef& step, AbortReason reason = AbortReason::kAbort);

@@ -159,9 +159,6 @@ absl::Status CheckLayerDTypes(const LayerInputs& in, DType cache_dtype) {
 absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, bool write_only,
                               int layer, const LayerInputs& in, size_t out_bytes,
                               const Absorption* absorb) {
-  if (in.selection != nullptr)
-    return absl::InvalidArgumentError(
-        "selection: only context-parallel steps take one (BeginStep context_parallel)");
   RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
   RETURN_IF_ERROR(CheckTensor("kv_latent", in.kv_latent, {T, s.kv_lora_rank}));
   RETURN_IF_ERROR(CheckTensor("k_rope", in.k_rope, {T, s.qk_rope_head_dim}));
@@ -200,8 +197,9 @@ absl::Status CheckLayerShapes(const ModelSpec& s, DType cache_dtype, int64_t T, 
 }
 
 absl::Status CheckContextParallelShapes(const ModelSpec& s, DType cache_dtype, int64_t T, int layer,
-                                        CpMessage message, bool attend_only, const LayerInputs& in,
-                                        size_t out_bytes, const Absorption* absorb) {
+                                        CpMessage message, bool attend_only, bool selection_given,
+                                        const LayerInputs& in, size_t out_bytes,
+                                        const Absorption* absorb) {
   RETURN_IF_ERROR(CheckLayerDTypes(in, cache_dtype));
   const bool full = s.layers[layer] == LayerKind::kFull;
   const char* why = message == CpMessage::kSelection
@@ -239,7 +237,7 @@ absl::Status CheckContextParallelShapes(const ModelSpec& s, DType cache_dtype, i
     RETURN_IF_ERROR(CheckQueries(s, T, in, absorb));
     RETURN_IF_ERROR(CheckOutput(s, T, in, out_bytes, absorb));
   }
-  if ((message == CpMessage::kSelection) != (in.selection != nullptr))
+  if ((message == CpMessage::kSelection) != selection_given)
     return absl::InvalidArgumentError(
         message == CpMessage::kSelection
             ? "selection: a context-parallel full layer attends the merged candidates; give them"

@@ -24,11 +24,12 @@ enum class CpMessage {
   kSelection,   // full layers, then: the queries (q_latent or q_nope, q_rope) and the selection
   kLayer,       // dense and shared layers: the keys (unless attend-only) and the queries
 };
-// CheckLayerShapes for a context-parallel call; `attend_only` steps never carry keys.
+// CheckLayerShapes for a context-parallel call; `attend_only` steps never carry keys;
+// `selection_given`: the call carries a selection (only kSelection messages take one).
 absl::Status CheckContextParallelShapes(const ModelSpec& spec, DType cache_dtype, int64_t tokens,
                                         int layer, CpMessage message, bool attend_only,
-                                        const LayerInputs& in, size_t out_bytes,
-                                        const Absorption* absorb);
+                                        bool selection_given, const LayerInputs& in,
+                                        size_t out_bytes, const Absorption* absorb);
 // INVALID_ARGUMENT when the call's tensors are not all of one datatype (FP32 queries with BF16
 // keys would otherwise be converted silently), naming the first that differs. The exceptions:
 // kv_latent and index_k may come as FP8_E4M3 with scales, quantised as an fp8 cache holds keys

@@ -19,9 +19,12 @@
 #include "engine/engine.h"
 #include "fuzz/fuzz_input.h"
 #include "kernels/reference/step_oracle.h"
+#include "tests/run_layer.h"
 
 namespace attnd {
 namespace {
+using testing::RunCandidatesInto;
+using testing::RunLayerInto;
 
 #define FUZZ_CHECK(cond, ...)                                                                    \
   do {                                                                                           \
@@ -241,7 +244,7 @@ class Run {
       }
       std::vector<float> out(T * H * L);
       const int layer = in.Bool(0.03) ? in.Int(0, 3) : l;  // sometimes out of order
-      const absl::Status s = engine_->RunLayer(*step, layer, v, out.data(), out.size() * 4);
+      const absl::Status s = RunLayerInto(*engine_, *step, layer, v, out.data(), out.size() * 4);
       if (!s.ok()) {
         failed = true;
         FUZZ_CHECK(l == broken || layer != l, "a good layer failed: ", s.ToString());
@@ -340,7 +343,7 @@ class Run {
         }
         cv.index_q = x.iq.View({T, Hi, Di});
         cv.index_w = x.iw.View({T, Hi});
-        const absl::Status s = engine_->RunCandidates(*step, l, cv, &c);
+        const absl::Status s = RunCandidatesInto(*engine_, *step, l, cv, &c);
         FUZZ_CHECK(s.ok(), "good candidates refused: ", s.ToString());
         FUZZ_CHECK(static_cast<int64_t>(c.count.size()) == T, "candidates per query");
         if (!c.keys.empty() && in.Bool(0.2)) {  // tamper: some edits are valid, some not
@@ -361,10 +364,10 @@ class Run {
               break;
           }
         }
-        v.selection = &c;
       }
       std::vector<float> out(T * H * L);
-      const absl::Status s = engine_->RunLayer(*step, l, v, out.data(), out.size() * 4);
+      const absl::Status s = RunLayerInto(*engine_, *step, l, v, out.data(), out.size() * 4,
+                                          nullptr, nullptr, full ? &c : nullptr);
       if (!s.ok()) {
         FUZZ_CHECK(tampered, "a good context-parallel layer failed: ", s.ToString());
         FUZZ_CHECK(FreePages() == free_before, "an aborted step changed the pool");

@@ -14,6 +14,7 @@
 #include "engine/layer_check.h"
 #include "kv_store/cache_layout.h"
 #include "service/export_chunk.h"
+#include "service/layer_codec.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
 
@@ -75,17 +76,6 @@ absl::StatusOr<uid_t> PeerUid(const Caller& c) {
   return cred.uid;
 }
 
-// Heads [h0, h0 + hn) of a [T, H] fp32 log-sum-exp buffer as a reply's FP32 [T, hn] tensor.
-void SetLse(const std::vector<float>& lse, int64_t T, int H, int h0, int hn, v1::Tensor* t) {
-  t->set_datatype("FP32");
-  t->add_shape(T);
-  t->add_shape(hn);
-  std::string* bytes = t->mutable_data();
-  bytes->resize(static_cast<size_t>(T) * hn * 4);
-  for (int64_t r = 0; r < T; ++r)
-    std::memcpy(bytes->data() + r * hn * 4, lse.data() + r * H + h0, static_cast<size_t>(hn) * 4);
-}
-
 }  // namespace
 
 AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMetrics* metrics,
@@ -105,50 +95,6 @@ int64_t AttentionService::max_attended_positions() const {
   // A position costs at most 5 bytes packed, and the reply carries the output too: a sixteenth
   // of the message limit, at most 2^24 positions (64 MiB of trace in memory).
   return std::min<int64_t>(int64_t{1} << 24, std::max<int64_t>(0, options_.max_message_bytes / 16));
-}
-
-absl::Status AttentionService::CheckAttendedFits(const Engine::StepInfo& info,
-                                                 const v1::LayerInputs& in,
-                                                 size_t out_bytes) const {
-  if (info.write_only)
-    return absl::InvalidArgumentError("return_attended: a write-only step attends nothing");
-  const ModelSpec& s = engine_->spec();
-  const int layer = in.layer();
-  const bool capped = layer >= 0 && layer < s.num_layers() &&
-                      s.layers[layer] != LayerKind::kDense &&
-                      s.selection == SelectionMode::kToken && s.prefill == PrefillMode::kSparse;
-  const int64_t bound = capped ? info.topk_keys : info.visible_keys;
-  if (bound > max_attended_positions())
-    return absl::InvalidArgumentError(absl::StrCat(
-        "return_attended: this layer's queries may attend ", bound, " keys in all; at most ",
-        max_attended_positions(),
-        " positions come back (ServerInfo.limits.max_attended_positions): trace fewer tokens"));
-  // Packed positions take at most 5 bytes each, a query's entry about 12 more; the output
-  // travels in the same reply unless it goes to shared memory.
-  const int64_t reply = (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) + 5 * bound +
-                        12 * info.tokens +
-                        (in.return_lse() ? info.tokens * s.num_heads * 4 : 0);  // asked for too
-  if (reply > options_.max_message_bytes - kMessageFramingBytes)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "return_attended: the output and up to ", bound, " positions (", reply,
-        " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
-        "; send the output to shared memory (out_shm) or trace fewer tokens"));
-  return absl::OkStatus();
-}
-
-absl::Status AttentionService::CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                                            size_t out_bytes, int heads) const {
-  if (info.write_only)
-    return absl::InvalidArgumentError("return_lse: a write-only step attends nothing");
-  // [T, heads] fp32 beside the output (unless that goes to shared memory).
-  const int64_t reply =
-      (in.has_out_shm() ? 0 : static_cast<int64_t>(out_bytes)) + info.tokens * heads * 4;
-  if (reply > options_.max_message_bytes - kMessageFramingBytes)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "return_lse: the output and its log-sum-exp (", reply,
-        " bytes) would not fit in a reply of --max-message-bytes=", options_.max_message_bytes,
-        "; send the output to shared memory (out_shm) or fewer tokens per step"));
-  return absl::OkStatus();
 }
 
 int64_t AttentionService::max_export_chunk_tokens() const {
@@ -479,55 +425,62 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   }
   const int layer = parts[0].in->layer();
   const DType dt = v[0].q_latent.dtype;
-  const size_t out_bytes = static_cast<size_t>(T) * s.num_heads * L * DTypeSize(dt);
-  // Shard 0's key and indexer tensors, and the layer order, before anything is allocated (the
-  // queries' shapes were checked per shard above).
-  {
-    LayerInputs check = v[0];
-    check.q_latent =
-        TensorView::Of(dt, {T, s.num_heads, L}, v[0].q_latent.data, v[0].q_latent.nbytes * S);
-    check.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, v[0].q_rope.data,
-                                  v[0].q_rope.nbytes * S);
-    RETURN_IF_ERROR(engine_->CheckLayer(step, layer, check, out_bytes));
-  }
+  // All heads, token-major: [T, H, *] gathered from S slices of [T, H/S, *] once the inputs are
+  // read (the sink's Prepare); sized now, so the request's views can point at them.
+  std::string ql(v[0].q_latent.nbytes * S, '\0'), qr(v[0].q_rope.nbytes * S, '\0');
+  LayerRequest request;
+  request.layer = layer;
+  request.tensors = v[0];  // shard 0's keys and indexer tensors
+  request.tensors.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, ql.data(), ql.size());
+  request.tensors.q_rope =
+      TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
+  for (int k = 0; k < S; ++k) request.want_lse |= parts[k].in->return_lse();
   // Every shard's output buffer before the layer runs: the last layer commits, so nothing may
   // fail after it.
-  bool any_lse = false;  // each shard that asks gets its heads' log-sum-exp, [T, H/S]
-  for (int k = 0; k < S; ++k) {
-    if (!parts[k].in->return_lse()) continue;
-    any_lse = true;
-    if (absl::Status fits = CheckLseFits(info, *parts[k].in, out_bytes / S, Hs); !fits.ok())
-      return absl::InvalidArgumentError(absl::StrCat("shard ", k, ": ", fits.message()));
-  }
+  std::string out;
   std::vector<char*> dst(S);
-  for (int k = 0; k < S; ++k) {
-    ASSIGN_OR_RETURN(void* out_k,
-                     PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
-                                   options_.max_message_bytes, shm_access, &shm));
-    dst[k] = static_cast<char*>(out_k);
-  }
-  RETURN_IF_ERROR(shm.ReadInputs());
-  // All heads, token-major: [T, H, *] from S slices of [T, H/S, *].
-  auto gather = [&](auto member, int dim) {
-    const DType dt = (v[0].*member).dtype;
-    const size_t slice = static_cast<size_t>(Hs) * dim * DTypeSize(dt);
-    std::string full(static_cast<size_t>(T) * S * slice, '\0');
+  auto gather = [&](auto member, int dim, std::string* full) {
+    const size_t slice = static_cast<size_t>(Hs) * dim * DTypeSize((v[0].*member).dtype);
     for (int64_t t = 0; t < T; ++t)
       for (int k = 0; k < S; ++k)
-        std::memcpy(full.data() + (t * S + k) * slice,
+        std::memcpy(full->data() + (t * S + k) * slice,
                     static_cast<const char*>((v[k].*member).data) + t * slice, slice);
-    return full;
   };
-  const std::string ql = gather(&LayerInputs::q_latent, L);
-  const std::string qr = gather(&LayerInputs::q_rope, R);
-  LayerInputs all = v[0];  // shard 0's keys, now read
-  all.q_latent = TensorView::Of(dt, {T, s.num_heads, L}, ql.data(), ql.size());
-  all.q_rope = TensorView::Of(v[0].q_rope.dtype, {T, s.num_heads, R}, qr.data(), qr.size());
-  std::string out(out_bytes, '\0');
-  RETURN_IF_ERROR(shm.CheckOutputRegions());
-  std::vector<float> lse(any_lse ? static_cast<size_t>(T) * s.num_heads : 0);
-  RETURN_IF_ERROR(engine_->RunLayer(step, layer, all, out.data(), out.size(), nullptr,
-                                    any_lse ? lse.data() : nullptr));
+  struct ShardSink final : LayerSink {
+    std::function<absl::StatusOr<void*>(const LayerShape&)> fn;
+    absl::StatusOr<void*> Prepare(const LayerShape& shape) override { return fn(shape); }
+  } sink;
+  sink.fn = [&](const LayerShape& shape) -> absl::StatusOr<void*> {
+    LayerShape mine = shape;  // each shard's reply: its heads
+    mine.heads = Hs;
+    mine.out_bytes = shape.out_bytes / S;
+    for (int k = 0; k < S; ++k) {
+      mine.lse_floats = parts[k].in->return_lse() ? static_cast<size_t>(T) * Hs : 0;
+      if (absl::Status fits = CheckReplyFits(mine, *parts[k].in, false, reply_limits()); !fits.ok())
+        return absl::InvalidArgumentError(absl::StrCat("shard ", k, ": ", fits.message()));
+    }
+    for (int k = 0; k < S; ++k) {
+      ASSIGN_OR_RETURN(void* out_k,
+                       PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
+                                     options_.max_message_bytes, shm_access, &shm));
+      dst[k] = static_cast<char*>(out_k);
+    }
+    RETURN_IF_ERROR(shm.ReadInputs());
+    // Shard 0's key and indexer views, now read (their shared-memory bytes are in `shm`).
+    LayerInputs& all = request.tensors;
+    all.kv_latent = v[0].kv_latent;
+    all.k_rope = v[0].k_rope;
+    all.index_q = v[0].index_q;
+    all.index_k = v[0].index_k;
+    all.index_w = v[0].index_w;
+    gather(&LayerInputs::q_latent, L, &ql);
+    gather(&LayerInputs::q_rope, R, &qr);
+    RETURN_IF_ERROR(shm.CheckOutputRegions());
+    out.assign(shape.out_bytes, '\0');
+    return static_cast<void*>(out.data());
+  };
+  ASSIGN_OR_RETURN(const LayerResult result, engine_->RunLayer(step, request, &sink));
+  const std::vector<float>& lse = result.lse;
   const size_t slice = static_cast<size_t>(Hs) * L * DTypeSize(dt);
   for (int k = 0; k < S; ++k) {
     for (int64_t t = 0; t < T; ++t)
@@ -555,60 +508,8 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
   return absl::OkStatus();
 }
 
-absl::Status AttentionService::CheckCandidateCall(const Engine::StepInfo& info,
-                                                  const v1::LayerInputs& in,
-                                                  Candidates* selection) const {
-  if (!info.context_parallel)
-    return absl::FailedPreconditionError(
-        "return_candidates and selection belong to context-parallel steps (BeginStep "
-        "context_parallel)");
-  if (in.return_candidates()) {
-    if (in.has_selection() || in.has_out_shm() || !in.out_datatype().empty() ||
-        in.return_attended() || in.return_lse())
-      return absl::InvalidArgumentError(
-          "return_candidates: the call attends nothing; no selection, out_shm, out_datatype, "
-          "return_attended or return_lse");
-    // Each query's candidates: at most K (or the budget) of 13 bytes or so, bounded before the
-    // layer runs.
-    const ModelSpec& s = engine_->spec();
-    const int64_t reply = info.tokens * (CandidatesPerQuery(s) * 16 + 8);
-    if (reply > options_.max_message_bytes - kMessageFramingBytes)
-      return absl::InvalidArgumentError(
-          absl::StrCat("return_candidates: up to ", reply,
-                       " bytes of candidates would not fit in a reply of "
-                       "--max-message-bytes=",
-                       options_.max_message_bytes, "; send fewer tokens per step"));
-    return absl::OkStatus();
-  }
-  const v1::Candidates& c = in.selection();  // bounded by the request's size
-  selection->pages = c.pages();
-  selection->keep = c.keep();
-  selection->count.assign(c.count().begin(), c.count().end());
-  selection->keys.assign(c.keys().begin(), c.keys().end());
-  selection->scores.assign(c.scores().begin(), c.scores().end());
-  return absl::OkStatus();
-}
-
-absl::Status AttentionService::LayerCandidates(const StepRef& step, const v1::LayerInputs& in,
-                                               const LayerInputs& views,
-                                               const Engine::StepInfo& info, v1::LayerOutput* out,
-                                               Transport transport,
-                                               std::chrono::steady_clock::time_point start) {
-  Candidates c;
-  RETURN_IF_ERROR(engine_->RunCandidates(step, in.layer(), views, &c));
-  v1::Candidates* w = out->mutable_candidates();
-  w->set_pages(c.pages);
-  w->set_keep(c.keep);
-  w->mutable_count()->Add(c.count.begin(), c.count.end());
-  w->mutable_keys()->Add(c.keys.begin(), c.keys.end());
-  w->mutable_scores()->Add(c.scores.begin(), c.scores.end());
-  out->set_layer(in.layer());
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  out->set_server_seconds(seconds);
-  metrics_->LayerDone(transport, info.phase, engine_->spec().layers[in.layer()], seconds,
-                      in.ByteSizeLong(), out->ByteSizeLong());
-  return absl::OkStatus();
+ReplyLimits AttentionService::reply_limits() const {
+  return {options_.max_message_bytes, max_attended_positions()};
 }
 
 absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
@@ -617,89 +518,37 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   const ShmAccess shm_access = ShmFor(caller);
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
-  const ModelSpec& s = engine_->spec();
-  // Every check before the output is allocated or shared memory is read; every error aborts
-  // the step, as in the engine.
-  ShmTransfers shm;
-  LayerInputs views;
-  void* buf = nullptr;
-  size_t bytes = 0;
-  bool fp8_reply = false;
-  std::string fp32_out;
-  const bool candidates = in.return_candidates();
-  Candidates selection;
+  DecodedLayer decoded;
   absl::Status st = [&]() -> absl::Status {
     if (in.shard() != 0)
       return absl::InvalidArgumentError(absl::StrCat("shard: ", in.shard(), " given on step ",
                                                      step.id, ", which is not sharded"));
-    if (info.write_only && in.has_out_shm())
-      return absl::InvalidArgumentError("out_shm: given on a write-only step, which has no output");
-    if (candidates || in.has_selection()) RETURN_IF_ERROR(CheckCandidateCall(info, in, &selection));
-    RETURN_IF_ERROR(ViewOf(in, shm_access, &shm, &views));
-    if (in.has_selection()) views.selection = &selection;
-    if (candidates) {  // attends nothing: no output
-      RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, 0, true));
-      RETURN_IF_ERROR(shm.ReadInputs());
-      return absl::OkStatus();
-    }
-    ASSIGN_OR_RETURN(fp8_reply, ReplyDType(in, info.write_only, &views));
-    const DType dt =
-        views.q_latent.present || views.q_nope.present ? OutputDType(views) : DType::kBF16;
-    // [T, H, L], or [T, H, V] for an absorbed call (q_nope): CheckLayer refuses q_nope where the
-    // server holds no weights.
-    const int width = OutputHeadDim(s, views, engine_->absorption().get());
-    if (!info.write_only)
-      bytes = static_cast<size_t>(info.tokens) * s.num_heads * width * DTypeSize(dt);
-    RETURN_IF_ERROR(engine_->CheckLayer(step, in.layer(), views, bytes));
-    if (in.return_attended()) RETURN_IF_ERROR(CheckAttendedFits(info, in, bytes));
-    if (in.return_lse()) RETURN_IF_ERROR(CheckLseFits(info, in, bytes, s.num_heads));
-    if (fp8_reply) {  // the engine writes FP32 here; the reply carries its e4m3 codes and scales
-      const int64_t rows = info.tokens * s.num_heads, reply = rows * (width + 4);
-      if (reply > options_.max_message_bytes - kMessageFramingBytes)
-        return absl::InvalidArgumentError(absl::StrCat(
-            "output: ", reply, " bytes would not fit in a reply of at most ",
-            options_.max_message_bytes, " bytes (max_message_bytes); send fewer tokens per step"));
-      fp32_out.resize(bytes);
-      buf = fp32_out.data();
-    } else if (!info.write_only) {
-      ASSIGN_OR_RETURN(buf, PrepareOutput(in, out->mutable_out(), dt, info.tokens, s.num_heads,
-                                          width, options_.max_message_bytes, shm_access, &shm));
-    }
-    RETURN_IF_ERROR(shm.ReadInputs());
-    return shm.CheckOutputRegions();
+    return DecodeLayer(in, info, shm_access, &decoded);
   }();
-  if (!st.ok()) {
+  if (!st.ok()) {  // every error aborts the step, as in the engine
     (void)engine_->AbortStep(step, AbortReason::kError);
     return st;
   }
-  if (candidates) return LayerCandidates(step, in, views, info, out, transport, start);
-  LayerTrace trace;
-  std::vector<float> lse(in.return_lse() ? static_cast<size_t>(info.tokens) * s.num_heads : 0);
-  st = engine_->RunLayer(step, in.layer(), views, buf, bytes,
-                         in.return_attended() ? &trace : nullptr,
-                         in.return_lse() ? lse.data() : nullptr);
-  if (st.ok() && in.return_lse())
-    SetLse(lse, info.tokens, s.num_heads, 0, s.num_heads, out->mutable_lse());
-  if (st.ok() && fp8_reply)
-    QuantizeReply(reinterpret_cast<const float*>(fp32_out.data()), info.tokens, s.num_heads,
-                  static_cast<int>(bytes / 4 / (info.tokens * s.num_heads)), out->mutable_out());
-  for (const std::vector<int32_t>& keys : trace.keys)
-    out->add_attended()->mutable_positions()->Add(keys.begin(), keys.end());
-  out->set_layer(in.layer());
-  const bool last = in.layer() == s.num_layers() - 1;
-  out->set_committed(st.ok() && last);
-  RETURN_IF_ERROR(st);
+  ReplySink sink(in, &decoded, shm_access, reply_limits(), out);
+  absl::StatusOr<LayerResult> result = engine_->RunLayer(step, decoded.request, &sink);
+  if (!result.ok()) {
+    out->set_layer(in.layer());
+    out->set_committed(false);
+    return result.status();
+  }
+  EncodeLayerResult(*result, in, decoded, sink, out);
+  const bool last = result->committed;
   // After the layer ran: a region that shrank meanwhile is written past its new end (pwrite grows
   // it back), never a fault; only an I/O error fails here. Every error aborts the step, and
   // after the last layer, which committed, the error says so.
-  if (absl::Status w = shm.WriteOutputs(); !w.ok()) {
+  if (absl::Status w = decoded.shm.WriteOutputs(); !w.ok()) {
     if (!last) (void)engine_->AbortStep(step, AbortReason::kError);
     return OutputWriteError(step.id, last, w);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   out->set_server_seconds(seconds);
-  metrics_->LayerDone(transport, info.phase, s.layers[in.layer()], seconds, in.ByteSizeLong(),
+  metrics_->LayerDone(transport, info.phase, result->shape.kind, seconds, in.ByteSizeLong(),
                       out->ByteSizeLong());
   if (last)
     metrics_->StepDone(

@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "service/auth.h"
 #include "service/executor.h"
+#include "service/layer_codec.h"
 #include "service/service_metrics.h"
 #include "service/shard_gather.h"
 #include "service/shm_registry.h"
@@ -94,23 +95,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   int64_t max_echo_bytes() const;
   int64_t max_export_chunk_tokens() const;
   int64_t max_attended_positions() const;
-  // return_attended: INVALID_ARGUMENT on a write-only step, or when the trace could pass
-  // max_attended_positions or the reply (output inline unless out_shm, plus the positions)
-  // could pass the message limit.
-  absl::Status CheckAttendedFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                                 size_t out_bytes) const;
-  // return_lse: INVALID_ARGUMENT on a write-only step, or when the output of out_bytes (inline
-  // unless out_shm) and the [T, heads] fp32 log-sum-exp could pass the message limit.
-  absl::Status CheckLseFits(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                            size_t out_bytes, int heads) const;
-  // Context parallelism: a candidates or selection call's own checks (and the selection as the
-  // engine takes it), and a candidates call run.
-  absl::Status CheckCandidateCall(const Engine::StepInfo& info, const v1::LayerInputs& in,
-                                  Candidates* selection) const;
-  absl::Status LayerCandidates(const StepRef& step, const v1::LayerInputs& in,
-                               const LayerInputs& views, const Engine::StepInfo& info,
-                               v1::LayerOutput* out, Transport transport,
-                               std::chrono::steady_clock::time_point start);
+  // What one reply may hold (the message limit, max_attended_positions).
+  ReplyLimits reply_limits() const;
 
   // Who is calling: UNAUTHENTICATED / PERMISSION_DENIED as Authenticator::Authenticate says.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;

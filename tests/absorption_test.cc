@@ -18,6 +18,7 @@
 #include "common/fp8.h"
 #include "common/safetensors.h"
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -463,7 +464,7 @@ TEST_P(EngineAbsorption, MatchesTheFloat64ReferenceOnEveryLayerKind) {
       std::vector<uint8_t> out(static_cast<size_t>(T) * H * v * DTypeSize(out_t));
       std::vector<float> lse(static_cast<size_t>(T) * H);
       const absl::Status r =
-          engine->RunLayer(step, l, in, out.data(), out.size(), &got[l].trace, lse.data());
+          RunLayerInto(*engine, step, l, in, out.data(), out.size(), &got[l].trace, lse.data());
       ASSERT_TRUE(r.ok()) << r;
       got[l].out = ToDoubles(out_t, out);
       got[l].lse.assign(lse.begin(), lse.end());
@@ -534,7 +535,7 @@ TEST(EngineAbsorption, EqualsTheWorkerSideAbsorption) {
       LayerInputs in = layers[l].inputs();
       in.q_latent = TensorView::Of(DType::kF32, {T, H, L}, ql.data(), ql.size() * 4);
       std::vector<float> lat(static_cast<size_t>(T) * H * L);
-      ASSERT_TRUE(worker->RunLayer(a, l, in, lat.data(), lat.size() * 4).ok());
+      ASSERT_TRUE(RunLayerInto(*worker, a, l, in, lat.data(), lat.size() * 4).ok());
       std::vector<double> want(static_cast<size_t>(T) * H * v, 0.0);
       for (int64_t t = 0; t < T; ++t)
         for (int h = 0; h < H; ++h)
@@ -547,7 +548,7 @@ TEST(EngineAbsorption, EqualsTheWorkerSideAbsorption) {
       in.q_latent = {};
       in.q_nope = qn.view();
       std::vector<float> out(static_cast<size_t>(T) * H * v);
-      const absl::Status r = server->RunLayer(b, l, in, out.data(), out.size() * 4);
+      const absl::Status r = RunLayerInto(*server, b, l, in, out.data(), out.size() * 4);
       ASSERT_TRUE(r.ok()) << r;
       EXPECT_LE(RelL2(std::vector<double>(out.begin(), out.end()), want), 1e-5) << l;
     }
@@ -572,7 +573,7 @@ TEST(EngineAbsorption, RefusesBadAbsorbedCallsPreciselyAndKeepsTheSequence) {
   in.q_latent = {};
   in.q_nope = qn.view();
   uint64_t step = plain->BeginStep({{"x", 3}}).value();
-  absl::Status r = plain->RunLayer(step, 0, in, out.data(), out.size() * 4);
+  absl::Status r = RunLayerInto(*plain, step, 0, in, out.data(), out.size() * 4);
   EXPECT_EQ(r.code(), absl::StatusCode::kFailedPrecondition) << r;
   EXPECT_NE(r.message().find("no absorption weights"), std::string::npos) << r;
   EXPECT_EQ(plain->DescribeSequence("x")->length, 0);
@@ -589,7 +590,7 @@ TEST(EngineAbsorption, RefusesBadAbsorbedCallsPreciselyAndKeepsTheSequence) {
   const auto run = [&](const LayerInputs& call, size_t bytes) {
     const uint64_t id = plain->BeginStep({{"x", 3}}).value();
     std::vector<uint8_t> buf(bytes);
-    return plain->RunLayer(id, 0, call, buf.data(), buf.size());
+    return RunLayerInto(*plain, id, 0, call, buf.data(), buf.size());
   };
   const size_t v_bytes = 3 * H * v * 4;
   LayerInputs both = in;
@@ -613,7 +614,7 @@ TEST(EngineAbsorption, RefusesBadAbsorbedCallsPreciselyAndKeepsTheSequence) {
     LayerInputs li = layers[l].inputs();
     li.q_latent = {};
     li.q_nope = qn.view();
-    ASSERT_TRUE(plain->RunLayer(step, l, li, out.data(), out.size() * 4).ok());
+    ASSERT_TRUE(RunLayerInto(*plain, step, l, li, out.data(), out.size() * 4).ok());
   }
   EXPECT_EQ(plain->DescribeSequence("x")->length, 3);
 }

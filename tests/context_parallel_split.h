@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "engine/context_parallel.h"
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 
@@ -70,8 +71,8 @@ class ContextParallelSplit {
       if (full) {
         std::vector<Candidates> cand(tail + 1);
         for (size_t k = 0; k <= tail; ++k)
-          RETURN_IF_ERROR(parts_[k]->RunCandidates(
-              ids[k], l, Part(layers[l], k == tail, false, true), &cand[k]));
+          RETURN_IF_ERROR(RunCandidatesInto(*parts_[k], ids[k], l,
+                                            Part(layers[l], k == tail, false, true), &cand[k]));
         std::vector<const Candidates*> ptrs;
         for (const auto& c : cand) ptrs.push_back(&c);
         RETURN_IF_ERROR(MergeCandidates(ptrs, &merged));
@@ -81,10 +82,9 @@ class ContextParallelSplit {
       std::vector<std::vector<int32_t>> keys(q_len);
       for (size_t k = 0; k <= tail; ++k) {
         LayerInputs in = Part(layers[l], k == tail && !full, true, false);
-        if (full) in.selection = &merged;
         LayerTrace trace;
-        RETURN_IF_ERROR(parts_[k]->RunLayer(ids[k], l, in, out[k].data(), 4 * out[k].size(), &trace,
-                                            lse[k].data()));
+        RETURN_IF_ERROR(RunLayerInto(*parts_[k], ids[k], l, in, out[k].data(), 4 * out[k].size(),
+                                     &trace, lse[k].data(), full ? &merged : nullptr));
         for (int64_t t = 0; t < q_len; ++t)
           keys[t].insert(keys[t].end(), trace.keys[t].begin(), trace.keys[t].end());
       }

@@ -13,6 +13,7 @@
 
 #include "common/status_macros.h"
 #include "tests/context_parallel_split.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -89,9 +90,9 @@ TEST_P(ContextParallel, SelectsWhatOneEngineSelects) {
     std::vector<LayerTrace> traces(spec.num_layers());
     std::vector<float> out(static_cast<size_t>(q) * spec.num_heads * spec.kv_lora_rank);
     for (int l = 0; l < spec.num_layers(); ++l)
-      ASSERT_TRUE((*whole)
-                      ->RunLayer(*id, l, layers[l].inputs(), out.data(), 4 * out.size(), &traces[l])
-                      .ok());
+      ASSERT_TRUE(
+          RunLayerInto(**whole, *id, l, layers[l].inputs(), out.data(), 4 * out.size(), &traces[l])
+              .ok());
     auto got = split.Step(q, layers);
     ASSERT_TRUE(got.ok()) << got.status();
     for (int l = 0; l < spec.num_layers(); ++l)
@@ -129,11 +130,12 @@ TEST(ContextParallelHardening, BadRequestsAreRefusedAndChangeNothing) {
     for (int l = 0; l < spec.num_layers(); ++l) {
       Candidates c;
       if (spec.layers[l] == LayerKind::kFull) {
-        ASSERT_TRUE(engine.RunCandidates(*id, l, Part(layers[l], true, false, true), &c).ok());
+        ASSERT_TRUE(RunCandidatesInto(engine, *id, l, Part(layers[l], true, false, true), &c).ok());
       }
       LayerInputs in = Part(layers[l], spec.layers[l] != LayerKind::kFull, true, false);
-      if (spec.layers[l] == LayerKind::kFull) in.selection = &c;
-      ASSERT_TRUE(engine.RunLayer(*id, l, in, out.data(), 4 * out.size()).ok());
+      const Candidates* sel = spec.layers[l] == LayerKind::kFull ? &c : nullptr;
+      ASSERT_TRUE(
+          RunLayerInto(engine, *id, l, in, out.data(), 4 * out.size(), nullptr, nullptr, sel).ok());
     }
   }
   ASSERT_EQ(engine.DescribeSequence(SequenceKey("", "s"))->length, 40);
@@ -190,18 +192,18 @@ TEST(ContextParallelHardening, BadRequestsAreRefusedAndChangeNothing) {
   layer_fails(
       attend,
       [&](uint64_t id) {
-        return engine.RunLayer(id, 0, Part(layers[0], false, true, false), out.data(),
-                               4 * out.size());
+        return RunLayerInto(engine, id, 0, Part(layers[0], false, true, false), out.data(),
+                            4 * out.size());
       },
       absl::StatusCode::kFailedPrecondition, "first gives its candidates");
   layer_fails(
-      attend, [&](uint64_t id) { return engine.RunCandidates(id, 0, layers[0].inputs(), &c); },
+      attend, [&](uint64_t id) { return RunCandidatesInto(engine, id, 0, layers[0].inputs(), &c); },
       absl::StatusCode::kInvalidArgument, "an attend-only step writes nothing");
   layer_fails(
       cp,
       [&](uint64_t id) {
-        RETURN_IF_ERROR(engine.RunCandidates(id, 0, Part(layers[0], true, false, true), &c));
-        return engine.RunCandidates(id, 0, Part(layers[0], true, false, true), &c);
+        RETURN_IF_ERROR(RunCandidatesInto(engine, id, 0, Part(layers[0], true, false, true), &c));
+        return RunCandidatesInto(engine, id, 0, Part(layers[0], true, false, true), &c);
       },
       absl::StatusCode::kFailedPrecondition, "candidates were given already");
   // Selections that do not fit the step.
@@ -210,13 +212,14 @@ TEST(ContextParallelHardening, BadRequestsAreRefusedAndChangeNothing) {
         attend,
         [&](uint64_t id) {
           Candidates got;
-          RETURN_IF_ERROR(engine.RunCandidates(id, 0, Part(layers[0], false, false, true), &got));
+          RETURN_IF_ERROR(
+              RunCandidatesInto(engine, id, 0, Part(layers[0], false, false, true), &got));
           EXPECT_EQ(got.count.size(), 2u);
           EXPECT_EQ(got.count[0], 24) << "the slice's 40 keys, top 24";
           edit(got);
           LayerInputs in = Part(layers[0], false, true, false);
-          in.selection = &got;
-          return engine.RunLayer(id, 0, in, out.data(), 4 * out.size());
+          return RunLayerInto(engine, id, 0, in, out.data(), 4 * out.size(), nullptr, nullptr,
+                              &got);
         },
         absl::StatusCode::kInvalidArgument, words);
   };
@@ -238,12 +241,12 @@ TEST(ContextParallelHardening, BadRequestsAreRefusedAndChangeNothing) {
     auto id = engine.BeginStep({{"s", 2}});
     ASSERT_TRUE(id.ok());
     LayerInputs in = layers[0].inputs();
-    in.selection = &c;
-    const absl::Status st = engine.RunLayer(*id, 0, in, out.data(), 4 * out.size());
+    const absl::Status st =
+        RunLayerInto(engine, *id, 0, in, out.data(), 4 * out.size(), nullptr, nullptr, &c);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     unchanged();
     id = engine.BeginStep({{"s", 2}});
-    EXPECT_EQ(engine.RunCandidates(*id, 0, layers[0].inputs(), &c).code(),
+    EXPECT_EQ(RunCandidatesInto(engine, *id, 0, layers[0].inputs(), &c).code(),
               absl::StatusCode::kFailedPrecondition);
     unchanged();
   }
@@ -253,11 +256,14 @@ TEST(ContextParallelHardening, BadRequestsAreRefusedAndChangeNothing) {
   for (int l = 0; l < spec.num_layers(); ++l) {
     Candidates got;
     if (spec.layers[l] == LayerKind::kFull) {
-      ASSERT_TRUE(engine.RunCandidates(*id, l, Part(layers[l], false, false, true), &got).ok());
+      ASSERT_TRUE(
+          RunCandidatesInto(engine, *id, l, Part(layers[l], false, false, true), &got).ok());
     }
     LayerInputs in = Part(layers[l], false, true, false);
-    if (spec.layers[l] == LayerKind::kFull) in.selection = &got;
-    ASSERT_TRUE(engine.RunLayer(*id, l, in, out.data(), 4 * out.size()).ok()) << l;
+    const Candidates* sel = spec.layers[l] == LayerKind::kFull ? &got : nullptr;
+    ASSERT_TRUE(
+        RunLayerInto(engine, *id, l, in, out.data(), 4 * out.size(), nullptr, nullptr, sel).ok())
+        << l;
   }
   unchanged();  // attend-only: nothing written
   for (float v : out) ASSERT_FALSE(std::isnan(v));

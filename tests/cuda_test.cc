@@ -11,6 +11,7 @@
 #include "tests/context_parallel_split.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -146,8 +147,8 @@ TEST(Cuda, AbsorbedCallsMatchTheCpuBackend) {
         for (int e = 0; e < 2; ++e) {
           out[e].resize(static_cast<size_t>(T) * H * v * DTypeSize(dtype));
           lse[e].resize(static_cast<size_t>(T) * H);
-          const absl::Status r = engines[e]->RunLayer(step[e], l, in, out[e].data(), out[e].size(),
-                                                      &trace[e], lse[e].data());
+          const absl::Status r = RunLayerInto(*engines[e], step[e], l, in, out[e].data(),
+                                              out[e].size(), &trace[e], lse[e].data());
           ASSERT_TRUE(r.ok()) << devices[e] << ": " << r;
         }
         std::vector<double> f[2];

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/reference/step_oracle.h"
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -46,7 +47,7 @@ double CheckedStep(Engine& e, reference::StepOracle& oracle, const Batch& batch,
     std::vector<float> out(static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank, NAN);
     LayerTrace trace;
     const absl::Status st =
-        e.RunLayer(*step, l, layers[l].inputs(), out.data(), out.size() * 4, &trace);
+        RunLayerInto(e, *step, l, layers[l].inputs(), out.data(), out.size() * 4, &trace);
     if (!st.ok()) {
       *error = st.ToString();
       return -1;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -59,7 +60,7 @@ absl::Status RunAll(Harness& h, uint64_t step, const std::vector<LayerData>& in)
   for (int l = 0; l < s.num_layers(); ++l) {
     const int64_t T = in[l].q_latent.shape[0];
     std::vector<uint8_t> out(T * s.num_heads * s.kv_lora_rank * DTypeSize(in[l].q_latent.dtype));
-    absl::Status st = h.engine().RunLayer(step, l, in[l].inputs(), out.data(), out.size());
+    absl::Status st = RunLayerInto(h.engine(), step, l, in[l].inputs(), out.data(), out.size());
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
@@ -266,11 +267,11 @@ TEST(EngineHardening, IndexKeysOnANonFullLayerOfAWriteOnlyStepAreRefused) {
     v.index_k = d.index_k.view();
     return v;
   };
-  ASSERT_TRUE(h.engine().RunLayer(*step, 0, keys(in[0]), nullptr, 0).ok());
+  ASSERT_TRUE(RunLayerInto(h.engine(), *step, 0, keys(in[0]), nullptr, 0).ok());
   LayerInputs bad = keys(in[1]);  // layer 1 is shared: no index_k
   const std::vector<uint8_t> short_keys(5, 0x7f);
   bad.index_k = TensorView::Of(DType::kF32, {1 << 20, 16}, short_keys.data(), short_keys.size());
-  const absl::Status s = h.engine().RunLayer(*step, 1, bad, nullptr, 0);
+  const absl::Status s = RunLayerInto(h.engine(), *step, 1, bad, nullptr, 0);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("index_k"), absl::string_view::npos) << s;
   EXPECT_EQ(h.engine().DescribeSequence("w")->length, 0);
@@ -284,7 +285,7 @@ TEST(EngineHardening, LateMessagesLearnTheirStepsFate) {
   const auto in = h.MakeInputs(batch, DType::kF32, 11);
   std::vector<uint8_t> out(2 * 4 * 32 * 4);
   auto run0 = [&](uint64_t step) {
-    return h.engine().RunLayer(step, 0, in[0].inputs(), out.data(), out.size());
+    return RunLayerInto(h.engine(), step, 0, in[0].inputs(), out.data(), out.size());
   };
   auto aborted = h.engine().BeginStep(batch).value();
   ASSERT_TRUE(h.engine().AbortStep(aborted).ok());
@@ -303,7 +304,7 @@ TEST(EngineHardening, LateMessagesLearnTheirStepsFate) {
   EXPECT_EQ(run0(987654321).code(), absl::StatusCode::kNotFound);
 
   auto failed = h.engine().BeginStep(batch).value();
-  EXPECT_FALSE(h.engine().RunLayer(failed, 1, in[1].inputs(), out.data(), out.size()).ok());
+  EXPECT_FALSE(RunLayerInto(h.engine(), failed, 1, in[1].inputs(), out.data(), out.size()).ok());
   const absl::Status f = run0(failed);
   EXPECT_EQ(f.code(), absl::StatusCode::kCancelled);
   EXPECT_NE(f.message().find("out of order"), absl::string_view::npos) << f;
@@ -326,7 +327,7 @@ TEST(EngineHardening, ABeginRightAfterAnAbortOfARunningLayerSucceeds) {
     std::promise<void> started;
     auto f = std::async(std::launch::async, [&] {
       started.set_value();
-      return h.engine().RunLayer(step, 0, in[0].inputs(), out.data(), out.size());
+      return RunLayerInto(h.engine(), step, 0, in[0].inputs(), out.data(), out.size());
     });
     started.get_future().wait();
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -9,6 +9,7 @@
 #include "common/fp8.h"
 #include "engine/layer_check.h"
 #include "kernels/reference/reference.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 
@@ -194,7 +195,7 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
       in.kv_latent = layers[l].kv_latent.view();
       in.k_rope = layers[l].k_rope.view();
       in.index_k = layers[l].index_k.view();
-      r.status = engine_->RunLayer(*step, l, in, nullptr, 0);
+      r.status = RunLayerInto(*engine_, *step, l, in, nullptr, 0);
       if (!r.status.ok()) return r;
       continue;
     }
@@ -202,8 +203,8 @@ Harness::Result Harness::Run(const std::vector<StepEntry>& batch,
     const size_t n = static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank;
     std::vector<uint8_t> out(n * DTypeSize(odt));
     std::vector<float> lse(static_cast<size_t>(T) * s.num_heads, NAN);
-    r.status = engine_->RunLayer(*step, l, layers[l].inputs(), out.data(), out.size(), &r.traces[l],
-                                 lse.data());
+    r.status = RunLayerInto(*engine_, *step, l, layers[l].inputs(), out.data(), out.size(),
+                            &r.traces[l], lse.data());
     if (!r.status.ok()) return r;
     std::vector<float> f(n);
     ConvertToF32(odt, out.data(), f.data(), n);

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -478,7 +479,7 @@ TEST(Engine, WriteOnlyImportThenDecodeEqualsComputingThePrefix) {
   ASSERT_TRUE(step.ok());
   const auto in = h.MakeInputs({{"imported", 1}}, DType::kBF16, 4);
   std::vector<uint8_t> out(4 * 32 * 2);
-  EXPECT_EQ(h.engine().RunLayer(*step, 0, in[0].inputs(), out.data(), out.size()).code(),
+  EXPECT_EQ(RunLayerInto(h.engine(), *step, 0, in[0].inputs(), out.data(), out.size()).code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -75,7 +76,7 @@ TEST(EngineState, AbortAfterAnyLayerRestoresTheExactPriorState) {
     EXPECT_FALSE(Take(h.engine(), kIds) == before);  // pages are reserved while open
     for (int l = 0; l < stop; ++l) {
       std::vector<uint8_t> out(43 * 4 * 32 * 4);
-      ASSERT_TRUE(h.engine().RunLayer(*step, l, in[l].inputs(), out.data(), out.size()).ok());
+      ASSERT_TRUE(RunLayerInto(h.engine(), *step, l, in[l].inputs(), out.data(), out.size()).ok());
     }
     ASSERT_TRUE(h.engine().AbortStep(*step).ok());
     EXPECT_TRUE(Take(h.engine(), kIds) == before) << "aborted after " << stop << " layers";
@@ -190,11 +191,12 @@ TEST(EngineState, ALayerSentWhileOneRunsAbortsTheStep) {
     auto step = h.engine().BeginStep(batch);
     ASSERT_TRUE(step.ok());
     absl::Status first;
-    std::thread t(
-        [&] { first = h.engine().RunLayer(*step, 0, in[0].inputs(), out.data(), out.size()); });
+    std::thread t([&] {
+      first = RunLayerInto(h.engine(), *step, 0, in[0].inputs(), out.data(), out.size());
+    });
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     const absl::Status second =
-        h.engine().RunLayer(*step, 2, in[2].inputs(), out.data(), out.size());
+        RunLayerInto(h.engine(), *step, 2, in[2].inputs(), out.data(), out.size());
     t.join();
     EXPECT_EQ(second.code(), absl::StatusCode::kFailedPrecondition) << second;
     if (second.message().find("already running") != std::string::npos) {
@@ -232,7 +234,7 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
   expect(e.BeginStep({{"a", 1}, {"a", 2}}).status(), absl::StatusCode::kInvalidArgument, "twice");
   expect(e.BeginStep({{"a", 1}, {"b", Spec().max_context}}).status(), absl::StatusCode::kOutOfRange,
          "max_context");
-  expect(e.RunLayer(12345, 0, {}, nullptr, 0), absl::StatusCode::kNotFound, "12345");
+  expect(RunLayerInto(e, 12345, 0, {}, nullptr, 0), absl::StatusCode::kNotFound, "12345");
 
   // Layer inputs: each malformed tensor in turn, on a fresh step that the error aborts.
   const std::vector<StepEntry> batch = {{"a", 2}, {"b", 1}};
@@ -270,8 +272,9 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
     size_t n = out_bytes;
     c.mutate(in, n);
     std::vector<uint8_t> out(out_bytes + 16);
-    expect(e.RunLayer(*step, 0, in, out.data(), n), absl::StatusCode::kInvalidArgument, c.needle);
-    EXPECT_EQ(e.RunLayer(*step, 0, good[0].inputs(), out.data(), out_bytes).code(),
+    expect(RunLayerInto(e, *step, 0, in, out.data(), n), absl::StatusCode::kInvalidArgument,
+           c.needle);
+    EXPECT_EQ(RunLayerInto(e, *step, 0, good[0].inputs(), out.data(), out_bytes).code(),
               absl::StatusCode::kCancelled)
         << "the failed step was aborted: " << c.name;
   }
@@ -280,10 +283,10 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
     auto step = e.BeginStep(batch);
     ASSERT_TRUE(step.ok());
     std::vector<uint8_t> out(out_bytes);
-    ASSERT_TRUE(e.RunLayer(*step, 0, good[0].inputs(), out.data(), out_bytes).ok());
+    ASSERT_TRUE(RunLayerInto(e, *step, 0, good[0].inputs(), out.data(), out_bytes).ok());
     LayerInputs in = good[1].inputs();
     in.index_k = good[0].index_k.view();
-    expect(e.RunLayer(*step, 1, in, out.data(), out_bytes), absl::StatusCode::kInvalidArgument,
+    expect(RunLayerInto(e, *step, 1, in, out.data(), out_bytes), absl::StatusCode::kInvalidArgument,
            "index_k: given for layer 1, a shared layer");
   }
   // Layer out of order, then a sequence already in an open step.
@@ -295,7 +298,7 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
     EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_NE(busy.status().message().find("'b' is already in open step"), std::string::npos);
     EXPECT_EQ(e.CloseSequence("a").code(), absl::StatusCode::kFailedPrecondition);
-    expect(e.RunLayer(*step, 2, good[2].inputs(), out.data(), out_bytes),
+    expect(RunLayerInto(e, *step, 2, good[2].inputs(), out.data(), out_bytes),
            absl::StatusCode::kFailedPrecondition, "layer 2 out of order, expected layer 0");
   }
   EXPECT_EQ(e.num_open_steps(), 0);

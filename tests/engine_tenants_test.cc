@@ -5,6 +5,7 @@
 #include <set>
 
 #include "tests/engine_harness.h"
+#include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
@@ -32,8 +33,8 @@ absl::Status RunStep(Engine& e, const std::string& tenant, const std::vector<Ste
   std::vector<float> out(static_cast<size_t>(T) * s.num_heads * s.kv_lora_rank);
   const auto layers = RandomLayers(s, T, DType::kF32, seed);
   for (int l = 0; l < s.num_layers(); ++l) {
-    const absl::Status r = e.RunLayer(StepRef(tenant, *step, channel), l, layers[l].inputs(),
-                                      out.data(), out.size() * sizeof(float));
+    const absl::Status r = RunLayerInto(e, StepRef(tenant, *step, channel), l, layers[l].inputs(),
+                                        out.data(), out.size() * sizeof(float));
     if (!r.ok()) return r;
   }
   return absl::OkStatus();
@@ -80,7 +81,7 @@ TEST(EngineTenants, AnotherTenantsOrChannelsStepIsNotFoundOpenOrEnded) {
     EXPECT_EQ(e->AbortStep(stranger).code(), absl::StatusCode::kNotFound);
     const auto layers = RandomLayers(e->spec(), 3, DType::kF32, 2);
     std::vector<float> out(3 * e->spec().num_heads * e->spec().kv_lora_rank);
-    EXPECT_EQ(e->RunLayer(stranger, 0, layers[0].inputs(), out.data(), out.size() * 4).code(),
+    EXPECT_EQ(RunLayerInto(*e, stranger, 0, layers[0].inputs(), out.data(), out.size() * 4).code(),
               absl::StatusCode::kNotFound);
   }
   EXPECT_TRUE(e->DescribeStep(StepRef("a", *step, 7)).ok()) << "strangers changed nothing";

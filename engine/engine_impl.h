@@ -1,0 +1,118 @@
+// The engine's private state, shared by the files that implement it: engine.cc (lifecycle,
+// sequences, steps' ends), admission.cc (BeginStep's checks and reservations) and layer_run.cc
+// (the layer call). Not part of the API: include engine/engine.h.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "common/thread_pool.h"
+#include "engine/absorption_holder.h"
+#include "engine/engine.h"
+#include "engine/step_fates.h"
+#include "engine/step_plan.h"
+#include "kernels/device.h"
+#include "kv_store/sequence_table.h"
+
+namespace attnd {
+
+using EngineClock = std::chrono::steady_clock;
+
+// One batch entry of a step, from admission to commit: what BeginStep asked (StepEntry), the
+// sequence it binds and the pages it reserved.
+struct StepSeq {
+  Sequence* seq = nullptr;
+  int64_t q_len = 0;
+  int64_t new_len = 0;                // the sequence's length once the step commits
+  int64_t offset = 0, query_pos = 0;  // context parallelism (StepEntry)
+  std::vector<int32_t> new_pages;     // reserved by the step, owned by it until commit
+  std::vector<int32_t> table;         // seq->pages + new_pages
+};
+
+struct Step {
+  uint64_t id = 0;
+  std::string tenant;
+  uint64_t channel = 0;
+  std::vector<StepSeq> seqs;
+  int64_t tokens = 0;
+  int64_t visible_keys = 0;  // sum over the queries of the keys each sees (position + 1)
+  int64_t topk_keys = 0;     // the same with each capped at K
+  StepOptions options;
+  int next_layer = 0;
+  bool candidates_given = false;  // context parallelism: next_layer's kCandidates call ran
+  bool busy = false;
+  bool abort_requested = false;
+  AbortReason abort_reason = AbortReason::kAbort;  // of a requested abort
+  EngineClock::time_point begun;
+  StepPhase phase = StepPhase::kDecode;  // set once at admission
+  EngineClock::time_point last_used;
+  StepPlan plan;
+  std::vector<std::unique_ptr<DeviceStep>> on_device;  // [plan.shares]
+};
+
+struct Engine::Impl {
+  EngineOptions options;
+  std::string cache_sizing;
+  const ModelSpec& spec() const { return options.spec; }
+  std::unique_ptr<ThreadPool> pool;
+  std::vector<std::unique_ptr<Device>> devices;  // fixed after Create: read without mu
+  AbsorptionHolder absorption;                   // its own locks
+
+  mutable std::mutex mu;               // guards everything below
+  std::condition_variable step_ended;  // notified whenever a step ends, a layer or a copy does
+  std::unique_ptr<SequenceTable> table;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
+  EngineCounters counters;  // device_compute_seconds kept in compute_ns below
+  std::unique_ptr<std::atomic<int64_t>[]> compute_ns;  // per device, without mu
+  StepFates fates;  // what a late message for an ended step is told
+
+  // --- steps' ends (engine.cc); mu held ---
+  // Returns an unregistered (or registered) step's pages and sequences.
+  void Release(Step* step);
+  // Takes an ended step out of the table. The caller destroys it after releasing mu: freeing a
+  // device's step state may wait for that device.
+  std::unique_ptr<Step> Retire(Step* step);
+  // `why` is what a later message for this step is told (CANCELLED or DEADLINE_EXCEEDED).
+  [[nodiscard]] std::unique_ptr<Step> AbortLocked(Step* step, absl::Status why, AbortReason reason);
+  [[nodiscard]] std::unique_ptr<Step> CommitLocked(Step* step);
+  // The open step `ref`, or the status its fate (or absence) gives; another tenant's step reads
+  // exactly as one that does not exist.
+  absl::StatusOr<Step*> FindStep(const StepRef& ref) const;
+  static bool Owns(const Step& st, const StepRef& ref) {
+    return st.tenant == ref.tenant && st.channel == ref.channel;
+  }
+  // A fresh step id: random, never 0, never one open or remembered.
+  uint64_t NewStepId() const;
+
+  // --- admission (admission.cc) ---
+  // Validates a batch, reserves its pages and binds its sequences (mu held), or changes nothing.
+  // *retry: a sequence is held by a step running a layer, or is being copied.
+  absl::StatusOr<std::unique_ptr<Step>> TryBegin(const std::vector<StepEntry>& batch,
+                                                 const StepOptions& options, bool* retry);
+  // Builds the plan and each device's step state for a bound step (mu not held).
+  absl::Status Prepare(Step& st);
+  // OK when every device serves context parallelism and the model has no sliding window.
+  absl::Status ContextParallelServed() const;
+
+  // --- the layer call (layer_run.cc) ---
+  // Engine::RunLayer: the step's layer order, its busy flag, aborting it on any error;
+  // advances it unless the call gave candidates.
+  absl::StatusOr<LayerResult> Run(const StepRef& ref, const LayerRequest& request, LayerSink* sink);
+  // Every rule of a call against its step (st busy: its fields are stable), or the error.
+  absl::StatusOr<LayerShape> CheckRequest(const Step& st, const LayerRequest& request,
+                                          const Absorption* absorb) const;
+  // Checks the bytes, runs the layer on every device and fills `result`; st is busy.
+  absl::Status Compute(Step& st, const LayerRequest& request, const LayerShape& shape, void* out,
+                       const Absorption* absorb, LayerResult* result);
+
+  // Runs a PageMove's copies (mu not held).
+  absl::Status Copy(const PageMove& move);
+};
+
+}  // namespace attnd
