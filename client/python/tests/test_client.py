@@ -415,9 +415,9 @@ def test_missing_descriptor_import_error(tmp_path):
     """A checkout without the compiled descriptor says how to make it."""
     pkg = tmp_path / "attnd"
     (pkg / "v1").mkdir(parents=True)
-    for f in ("__init__.py", "client.py", "router.py", "v1/__init__.py", "v1/_descriptors.py",
-              "v1/attention_pb2.py", "v1/attention_pb2_grpc.py"):
-        (pkg / f).write_text((PYTHON_DIR / "attnd" / f).read_text())
+    src = PYTHON_DIR / "attnd"
+    for f in [*src.glob("*.py"), *src.glob("v1/*.py")]:  # every module; no attention.binpb
+        (pkg / f.relative_to(src)).write_text(f.read_text())
     r = subprocess.run([sys.executable, "-c", "import attnd"], cwd=tmp_path, capture_output=True,
                        text=True)
     assert r.returncode != 0
