@@ -41,8 +41,9 @@ Example::
         with client.stream() as stream:
             stream.begin([("s1", T)])
             for i in range(spec.num_layers):
-                out = stream.layer(i, q_latent=..., q_rope=..., kv_latent=..., k_rope=...,
-                                   index_q=..., index_k=..., index_w=...)  # indexer: full layers
+                out = stream.layer(LayerInputs(i, q_latent=..., q_rope=..., kv_latent=...,
+                                               k_rope=..., index_q=..., index_k=...,
+                                               index_w=...))  # indexer: full layers
         # the same with no tensor bytes on the wire (a client on the server's host)
         with ShmArena(64 << 20) as arena, client.stream() as stream:
             arena.register(client)
@@ -51,7 +52,8 @@ Example::
             mark = arena.used
             for i in range(spec.num_layers):
                 arena.reset(mark)  # reuse the input slots layer after layer
-                y = stream.layer(i, q_latent=arena.put(q_latent), ..., out=out)  # y views `out`
+                y = stream.layer(LayerInputs(i, q_latent=arena.put(q_latent), ..., out=out))
+                # y views `out`
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ from .types import (AbsorptionInfo, Batch, Candidates, DeviceInfo, LayerResult, 
                     SequenceInfo, ServerInfo, StepInfo, _plain, _server_info)
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
-from .wire import _batch, _layer_inputs, _query, _raw_bf16, _result
+from .wire import (LayerInputs, LayerOutput, _batch, check_output_call,
+                   decode_layer, encode_layer, layer_call)
 
 # The client's names, and (re-exported) every name this module held before the package was split
 # into modules: ``from attnd.client import X`` keeps working for all of them.
@@ -84,6 +87,8 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DeviceInfo",
     "Fp8Tensor",
+    "LayerInputs",
+    "LayerOutput",
     "LayerResult",
     "ModelSpec",
     "SequenceInfo",
@@ -235,80 +240,55 @@ class _Api:
                            _batch(batch, write_only, num_shards, position_offsets, query_positions),
                            lambda r: StepInfo(step_id=r.step_id, num_tokens=r.num_tokens))
 
-    def attend_layer(
-        self,
-        step_id: int,
-        layer: int,
-        *,
-        q_latent: Optional[TensorArg] = None,
-        q_nope: Optional[TensorArg] = None,
-        q_rope: Optional[TensorArg] = None,
-        kv_latent: Optional[TensorArg] = None,
-        k_rope: Optional[TensorArg] = None,
-        index_q: Optional[TensorArg] = None,
-        index_k: Optional[TensorArg] = None,
-        index_w: Optional[TensorArg] = None,
-        shard: int = 0,
-        out: Optional[ShmTensor] = None,
-        details: bool = False,
-        attended: bool = False,
-        lse: bool = False,
-        as_torch: bool = False,
-        out_datatype: Optional[str] = None,
-        candidates: bool = False,
-        selection: Optional[Candidates] = None,
-    ):
-        """Runs the step's next layer; returns out [T, H, L] in q_latent's dtype (None if write-only;
-        a torch tensor with ``as_torch``),
-        or with ``details`` (implied by ``attended`` and ``lse``) a :class:`LayerResult`: the
-        output, the server's seconds on the call, with ``attended`` each query's attended key
-        positions (bounded by ServerInfo.limits.max_attended_positions; not on sharded steps) and
-        with ``lse`` each query head's log-sum-exp [T, H] float32, by which outputs over disjoint
-        key sets merge (:func:`merge_attention`; a shard's heads [T, H/S] on sharded steps; not
-        on write-only steps).
+    def attend_layer(self, step_id: int, inputs: Optional[LayerInputs] = None,
+                     **legacy) -> LayerOutput:
+        """Runs the step's next layer with ``inputs`` (a :class:`LayerInputs`); returns its output
+        [T, H, L] (:data:`LayerOutput`: an array of the query's dtype, a torch tensor with
+        ``as_torch``, an :class:`Fp8Tensor` with ``out_datatype="FP8_E4M3"``, None on a write-only
+        step; with server-side absorption and ``q_nope``, the values [T, H, V]; a shard's heads
+        [T, H/S, *] on a sharded step; a view of the ``out`` slot with shared memory).
+        :meth:`attend_layer_details` returns a :class:`LayerResult` (lse, attended positions, the
+        server's time) and :meth:`attend_layer_candidates` a context-parallel full layer's
+        :class:`Candidates`. ValueError if ``inputs`` asks for return_lse / return_attended.
 
-        Server-side absorption (``info().absorption`` set): give ``q_nope`` [T, H, Dn] instead of
-        q_latent; the server forms q_nope · W_UK and returns the values [T, H, V] (out_latent ·
-        W_UV^T) instead of the latent output. Not on sharded steps.
+        The last layer commits the step; any error aborts it (its sequences stay as before).
+        Server-side absorption (``info().absorption`` set) takes q_nope instead of q_latent (not on
+        sharded steps). ``out_datatype`` is not for ``out`` (shared memory), sharded or write-only
+        steps. Sharded steps: every shard calls with its ``shard`` and heads; shard 0 alone sends
+        the keys and the indexer tensors; the call returns once every shard's message is in.
 
-        ``out_datatype``: the reply's datatype instead of the query's ("BF16", "FP16", "FP32"), or
-        "FP8_E4M3": the output then comes as an :class:`Fp8Tensor` (e4m3 codes with one float32
-        power-of-two scale per token and head, ``.dequantize()`` for the values), quantised from
-        the float32 result: half the bytes of BF16, the input DeepSeek's fp8 o_proj takes. Not
-        with ``out`` (shared memory), on sharded or on write-only steps.
+        Deprecated (one release): ``attend_layer(step_id, layer, q_latent=..., details=...,
+        lse=..., attended=..., candidates=..., ...)`` with keywords, returning what it returned
+        before (the output, a LayerResult or Candidates by those flags), with a
+        DeprecationWarning."""
+        inputs, kind = layer_call("attend_layer", inputs, legacy)
+        if kind == "output":
+            check_output_call(inputs, "attend_layer")
+        return self._attend(step_id, inputs, kind)
 
-        Context-parallel steps, full layers: first ``candidates=True`` with the keys (none on
-        attend-only steps), index_q and index_w returns this server's :class:`Candidates`; then
-        the layer again with ``selection=merge_candidates(every server's)`` and the queries only.
+    def attend_layer_details(self, step_id: int, inputs: LayerInputs) -> LayerResult:
+        """:meth:`attend_layer`, returning a :class:`LayerResult`: the output, the server's
+        seconds on the call, whether it committed the step, with ``return_attended`` each query's
+        attended key positions (bounded by ServerInfo.limits.max_attended_positions; not on sharded
+        steps) and with ``return_lse`` each query head's log-sum-exp [T, H] float32, by which
+        outputs over disjoint key sets merge (:func:`merge_attention`; not on write-only steps)."""
+        return self._attend(step_id, inputs, "details")
 
-        The last layer commits the step. Any error aborts the step (sequences stay as before it).
-        Indexer tensors (index_q [T,Hi,Di], index_k [T,Di], index_w [T,Hi]) go with full layers only.
-        kv_latent and k_rope are required except from shards other than 0 (and on
-        context-parallel calls that write nothing). Tensors are numpy
-        arrays, CPU torch tensors or DLPack arrays (:func:`as_numpy`), all of one datatype.
+    def attend_layer_candidates(self, step_id: int, inputs: LayerInputs) -> Candidates:
+        """A context-parallel step's full layer, first call (DESIGN §13): with the keys (none on
+        attend-only steps), index_q and index_w, returns this server's :class:`Candidates`; the
+        layer then runs again (:meth:`attend_layer` / ``_details``) with
+        ``selection=merge_candidates(every server's)`` and the queries only."""
+        return self._attend(step_id, inputs, "candidates")
 
-        Any tensor may be a :class:`ShmTensor` (a reference into a registered shared-memory region)
-        instead of an array. Sharded steps: ``shard`` is this message's shard; q_latent / q_rope
-        hold its heads, [T, H/S, *]; shard 0 alone sends kv_latent, k_rope and the indexer tensors;
-        the call returns once every shard's message for the layer is in, with this shard's heads,
-        [T, H/S, L]. ``out``: a slot of a :class:`ShmArena` (its region registered, its byte size
-        the output's) that the server writes the output into; the call then returns a view of the
-        slot (valid until the slot is rewritten) instead of decoding bytes from the reply.
-        """
-        tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
-                       index_q=index_q, index_k=index_k, index_w=index_w)
+    def _attend(self, step_id: int, inputs: LayerInputs, kind: str):
         request = pb.AttendLayerRequest(
             step_id=step_id,
-            inputs=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse,
-                                 out_datatype, candidates, selection),
-        )
-        if candidates:
-            return self._unary("AttendLayer", request,
-                               lambda r: Candidates.from_proto(r.output.candidates))
-        raw = _raw_bf16(_query(q_latent, q_nope), self._uint16_as_bf16)
-        return self._unary(
-            "AttendLayer", request,
-            lambda r: _result(r.output, raw, out, details or attended or lse, as_torch))
+            inputs=encode_layer(inputs, uint16_as_bf16=self._uint16_as_bf16,
+                                candidates=kind == "candidates"))
+        uint16_as_bf16 = self._uint16_as_bf16
+        return self._unary("AttendLayer", request,
+                           lambda r: decode_layer(r.output, inputs, uint16_as_bf16, kind))
 
     def abort_step(self, step_id: int) -> None:
         """Aborts an open step: every sequence in it is left as before the step."""

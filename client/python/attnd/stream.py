@@ -11,11 +11,11 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from .errors import AttndError
-from .shm import ShmTensor, TensorArg
-from .types import Batch, Candidates, StepInfo
+from .types import Batch, Candidates, LayerResult, StepInfo
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
-from .wire import _batch, _layer_inputs, _query, _raw_bf16, _result
+from .wire import (LayerInputs, LayerOutput, _batch, check_output_call, decode_layer, encode_layer,
+                   layer_call)
 
 __all__ = ["AsyncStepStream", "StepStream"]
 
@@ -73,19 +73,17 @@ class _StepBookkeeping:
         self._next_layer = 0
         return self._step
 
-    def _layer_request(self, layer, tensors, shard, out, attended, lse, out_datatype=None,
-                       candidates=False, selection=None) -> pb.StepRequest:
-        shard = self._shard if shard is None else int(shard)
-        return pb.StepRequest(
-            layer=_layer_inputs(layer, tensors, self._uint16_as_bf16, shard, out, attended, lse,
-                                out_datatype, candidates, selection))
+    def _layer_request(self, inputs: LayerInputs, kind: str) -> pb.StepRequest:
+        return pb.StepRequest(layer=encode_layer(
+            inputs, uint16_as_bf16=self._uint16_as_bf16, default_shard=self._shard,
+            candidates=kind == "candidates"))
 
-    def _layered(self, response, layer, q_latent, out, details, attended, as_torch):
-        self._next_layer = int(layer) + 1
-        if response.layer.committed:
-            self._step, self._shard = None, 0
-        return _result(response.layer, _raw_bf16(q_latent, self._uint16_as_bf16), out,
-                       details or attended, as_torch)
+    def _layered(self, response: pb.StepResponse, inputs: LayerInputs, kind: str):
+        if kind != "candidates":  # a candidates call leaves the layer to come again
+            self._next_layer = int(inputs.layer) + 1
+            if response.layer.committed:
+                self._step, self._shard = None, 0
+        return decode_layer(response.layer, inputs, self._uint16_as_bf16, kind)
 
     def _aborted(self) -> None:
         self._step, self._shard = None, 0
@@ -161,39 +159,31 @@ class StepStream(_StepBookkeeping):
         request = pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard)))
         return self._opened(self._roundtrip(request, "joined").joined, None, int(shard))
 
-    def layer(
-        self,
-        layer: int,
-        *,
-        q_latent: Optional[TensorArg] = None,
-        q_nope: Optional[TensorArg] = None,
-        q_rope: Optional[TensorArg] = None,
-        kv_latent: Optional[TensorArg] = None,
-        k_rope: Optional[TensorArg] = None,
-        index_q: Optional[TensorArg] = None,
-        index_k: Optional[TensorArg] = None,
-        index_w: Optional[TensorArg] = None,
-        shard: Optional[int] = None,
-        out: Optional[ShmTensor] = None,
-        details: bool = False,
-        attended: bool = False,
-        lse: bool = False,
-        as_torch: bool = False,
-        out_datatype: Optional[str] = None,
-        candidates: bool = False,
-        selection: Optional[Candidates] = None,
-    ):
-        """Runs the open step's next layer; see :meth:`AttndClient.attend_layer` (``details``,
-        ``attended``, ``lse``, ``as_torch``, ``out_datatype``, ``candidates``, ``selection`` too).
-        ``shard`` defaults to the shard this stream joined as (0 after ``begin``)."""
-        tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
-                       index_q=index_q, index_k=index_k, index_w=index_w)
-        response = self._roundtrip(
-            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype, candidates,
-                                selection), "layer")
-        if candidates:  # the same layer comes again, with the merged selection
-            return Candidates.from_proto(response.layer.candidates)
-        return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
+    def layer(self, inputs: Optional[LayerInputs] = None, **legacy) -> LayerOutput:
+        """Runs the open step's next layer with ``inputs``; returns its output, as
+        :meth:`AttndClient.attend_layer` does (``inputs.shard`` None: the shard this stream joined
+        as, 0 after ``begin``). :meth:`layer_details` returns a :class:`LayerResult`,
+        :meth:`layer_candidates` :class:`Candidates`. The keyword form of the previous release,
+        ``layer(i, q_latent=..., ...)``, still works for one release, with a DeprecationWarning
+        (see :meth:`AttndClient.attend_layer`)."""
+        inputs, kind = layer_call("layer", inputs, legacy)
+        if kind == "output":
+            check_output_call(inputs, "layer")
+        return self._layer(inputs, kind)
+
+    def layer_details(self, inputs: LayerInputs) -> LayerResult:
+        """:meth:`layer`, returning a :class:`LayerResult` (see
+        :meth:`AttndClient.attend_layer_details`)."""
+        return self._layer(inputs, "details")
+
+    def layer_candidates(self, inputs: LayerInputs) -> Candidates:
+        """A context-parallel full layer's candidates (see
+        :meth:`AttndClient.attend_layer_candidates`); the same layer then comes again."""
+        return self._layer(inputs, "candidates")
+
+    def _layer(self, inputs: LayerInputs, kind: str):
+        response = self._roundtrip(self._layer_request(inputs, kind), "layer")
+        return self._layered(response, inputs, kind)
 
     def abort(self) -> None:
         """Aborts the open step (a no-op when none is open); the stream stays usable."""
@@ -298,37 +288,24 @@ class AsyncStepStream(_StepBookkeeping):
         request = pb.StepRequest(join=pb.JoinStepRequest(step_id=step_id, shard=int(shard)))
         return self._opened((await self._roundtrip(request, "joined")).joined, None, int(shard))
 
-    async def layer(
-        self,
-        layer: int,
-        *,
-        q_latent: Optional[TensorArg] = None,
-        q_nope: Optional[TensorArg] = None,
-        q_rope: Optional[TensorArg] = None,
-        kv_latent: Optional[TensorArg] = None,
-        k_rope: Optional[TensorArg] = None,
-        index_q: Optional[TensorArg] = None,
-        index_k: Optional[TensorArg] = None,
-        index_w: Optional[TensorArg] = None,
-        shard: Optional[int] = None,
-        out: Optional[ShmTensor] = None,
-        details: bool = False,
-        attended: bool = False,
-        lse: bool = False,
-        as_torch: bool = False,
-        out_datatype: Optional[str] = None,
-        candidates: bool = False,
-        selection: Optional[Candidates] = None,
-    ):
-        """See :meth:`StepStream.layer`."""
-        tensors = dict(q_latent=q_latent, q_nope=q_nope, q_rope=q_rope, kv_latent=kv_latent, k_rope=k_rope,
-                       index_q=index_q, index_k=index_k, index_w=index_w)
-        response = await self._roundtrip(
-            self._layer_request(layer, tensors, shard, out, attended, lse, out_datatype, candidates,
-                                selection), "layer")
-        if candidates:  # the same layer comes again, with the merged selection
-            return Candidates.from_proto(response.layer.candidates)
-        return self._layered(response, layer, _query(q_latent, q_nope), out, details or lse, attended, as_torch)
+    async def layer(self, inputs: Optional[LayerInputs] = None, **legacy) -> LayerOutput:
+        """See :meth:`StepStream.layer` (the keyword form too, deprecated)."""
+        inputs, kind = layer_call("layer", inputs, legacy)
+        if kind == "output":
+            check_output_call(inputs, "layer")
+        return await self._layer(inputs, kind)
+
+    async def layer_details(self, inputs: LayerInputs) -> LayerResult:
+        """See :meth:`StepStream.layer_details`."""
+        return await self._layer(inputs, "details")
+
+    async def layer_candidates(self, inputs: LayerInputs) -> Candidates:
+        """See :meth:`StepStream.layer_candidates`."""
+        return await self._layer(inputs, "candidates")
+
+    async def _layer(self, inputs: LayerInputs, kind: str):
+        response = await self._roundtrip(self._layer_request(inputs, kind), "layer")
+        return self._layered(response, inputs, kind)
 
     async def abort(self) -> None:
         if self._step is None or self._closed:

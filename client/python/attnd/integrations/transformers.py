@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..client import AttndClient
+from ..client import AttndClient, LayerInputs
 from ..hf_config import check_spec_matches
 
 _MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -170,7 +170,7 @@ class AttndModel:
     # -- steps --
 
     def _attend(self, layer: int, tensors) -> torch.Tensor:
-        return self.client.attend_layer(self._step, layer, as_torch=True, **tensors)
+        return self.client.attend_layer(self._step, LayerInputs(layer, as_torch=True, **tensors))
 
     @torch.no_grad()
     def forward(self, batch: Sequence[Tuple[str, torch.Tensor]]) -> List[torch.Tensor]:
