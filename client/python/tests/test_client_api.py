@@ -16,16 +16,7 @@ import pytest
 from attnd import AsyncAttndClient, AttndClient, AttndError, ShmArena, spec_from_hf_config
 
 from attnd_process import start, stop
-from test_drain import _inputs as _layers, _step  # one step's random bf16 inputs; a step
-
-
-@pytest.fixture
-def two_servers():
-    a, ta, _ = start([], kv_pages=128)
-    b, tb, _ = start([], kv_pages=128)
-    yield ta, tb
-    stop(a)
-    stop(b)
+from attnd_testlib import bf16_layers as _layers, run_step as _step  # one step's random bf16 inputs; a step
 
 
 def test_the_async_client_gives_the_sync_clients_results(two_servers):

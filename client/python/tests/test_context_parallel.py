@@ -14,7 +14,7 @@ import pytest
 
 from attnd import AttndClient, Candidates, ContextParallelSequence, merge_candidates
 from attnd_process import start
-from layer_inputs import random_layer
+from attnd_testlib import random_layer
 
 MODES = ["token", "page_union", "page_budget:2"]
 

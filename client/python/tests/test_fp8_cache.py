@@ -16,16 +16,7 @@ from attnd import AttndClient, AttndError, from_tensor
 from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import start, stop
-from test_drain import _inputs as _layers, _step
-
-
-@pytest.fixture
-def fp8_pair():
-    a, ta, _ = start(["--cache-dtype=fp8"], kv_pages=128)
-    b, tb, _ = start(["--cache-dtype=fp8"], kv_pages=128)
-    yield ta, tb
-    stop(a)
-    stop(b)
+from attnd_testlib import bf16_layers as _layers, run_step as _step
 
 
 def _export(client, sid):

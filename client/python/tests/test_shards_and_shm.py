@@ -6,8 +6,8 @@ step with the same inputs on a twin sequence (twins: forks of one parent at its 
 hold the same keys). Shared memory: the same step with every input and the output in a registered
 region must be bit-identical to the bytes path. Errors leave every sequence as it was.
 
-The server and the harness (sequences kept in step with a float64 reference) come from test_client;
-imported fixtures are this module's own, so pytest starts a second session server for it.
+The session server and the harness (sequences kept in step with a float64 reference) are conftest's
+fixtures; this module's ``client`` talks to the server over its Unix-socket listener.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import pytest
 from attnd import AttndClient, AttndError, ShmArena, ShmTensor, StepStream
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
-from test_client import (  # noqa: F401  (client, harness, info, server: fixtures)
+from attnd_testlib import (
     BF16,
-    PYTHON_DIR,
+    SHARD_TIMEOUT_S,
     Batch,
     Harness,
     LayerInputs,
@@ -39,17 +39,16 @@ from test_client import (  # noqa: F401  (client, harness, info, server: fixture
     expect,
     f64,
     first_full_layer,
-    harness,
-    info,
     local_target,
-    server,
+    run_sharded,
+    shard_inputs,
 )
 
-SHARD_TIMEOUT_S = 60.0
+PYTHON_DIR = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def client(server):  # noqa: F811  (this module's client: over the Unix-socket listener)
+def client(server):  # (this module's client: over the Unix-socket listener)
     """Shared memory is served only over the server's Unix-socket listener."""
     with AttndClient(local_target(server), timeout=60.0) as c:
         yield c
@@ -58,66 +57,6 @@ ARENA_BYTES = 4 << 20
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def shard_inputs(x: LayerInputs, S: int, k: int) -> LayerInputs:
-    """Shard k's message of a layer: its heads of q_latent / q_rope; shard 0 also the keys and the
-    indexer tensors."""
-    H = x["q_latent"].shape[1]
-    heads = slice(k * H // S, (k + 1) * H // S)
-    part = {"q_latent": x["q_latent"][:, heads], "q_rope": x["q_rope"][:, heads]}
-    if k == 0:
-        part.update({n: v for n, v in x.items() if n not in part})
-    return part
-
-
-def run_sharded(vias: Sequence, batch: Batch, inputs: List[LayerInputs], S: int,
-                layer_kwargs=None) -> List[List[np.ndarray]]:
-    """One step run by S shards, each in its own thread: vias[k] is shard k's StepStream (shard 0
-    begins, the others join) or an AttndClient (unary; shard 0 begins). Returns outs[layer][shard].
-
-    ``layer_kwargs(k, layer, msg)`` may rewrite shard k's keyword arguments for a layer."""
-    T = sum(q for _, q in batch)
-    step_ids: List["queue.Queue[Optional[int]]"] = [queue.Queue() for _ in range(S)]
-
-    def shard(k: int) -> List[np.ndarray]:
-        via = vias[k]
-        stream = isinstance(via, StepStream)
-        if k == 0:
-            step_id = None
-            try:
-                begin = via.begin if stream else via.begin_step
-                step = begin(batch, num_shards=S)
-                assert step.num_tokens == T
-                step_id = step.step_id
-            finally:
-                for q in step_ids[1:]:
-                    q.put(step_id)  # None: the others give up
-        else:
-            step_id = step_ids[k].get(timeout=SHARD_TIMEOUT_S)
-            if step_id is None:
-                raise RuntimeError(f"shard {k}: shard 0 did not open the step")
-            if stream:
-                joined = via.join(step_id, k)
-                assert (joined.step_id, joined.num_tokens) == (step_id, T)
-                assert via.shard == k
-        outs = []
-        for i, x in enumerate(inputs):
-            msg = shard_inputs(x, S, k)
-            if layer_kwargs is not None:
-                msg = layer_kwargs(k, i, msg)
-            if stream:
-                outs.append(via.layer(i, **msg))  # the shard defaults to the joined one
-            else:
-                outs.append(via.attend_layer(step_id, i, shard=k, **msg))
-        if stream:
-            assert via.step is None  # committed
-        return outs
-
-    with ThreadPoolExecutor(max_workers=S) as pool:
-        futures = [pool.submit(shard, k) for k in range(S)]
-        per_shard = [f.result(timeout=SHARD_TIMEOUT_S) for f in futures]
-    return [list(layer) for layer in zip(*per_shard)]
 
 
 def check_finite(a: np.ndarray, what: str) -> None:
