@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client" / "python"))
 sys.path.insert(0, str(ROOT / "client" / "python" / "tests"))
 from attnd import AttndClient, ContextParallelSequence, LayerInputs  # noqa: E402
+
 from attnd_process import start  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -57,7 +58,8 @@ def import_keys(client, sid, spec, n, rng):
         T = min(CHUNK, n - done)
         st = client.begin_step([(sid, T)], write_only=True)
         for i, kind in enumerate(spec.layers):
-            client.attend_layer(st.step_id, LayerInputs(i, **layer_tensors(spec, kind, T, rng, False)))
+            x = layer_tensors(spec, kind, T, rng, False)
+            client.attend_layer(st.step_id, LayerInputs(i, **x))
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python" / "tests"))
 from attnd import AttndClient, LayerInputs  # noqa: E402
+
 from attnd_process import start  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16

@@ -67,12 +67,30 @@ from .merge import merge_attention, merge_candidates
 from .shm import ShmArena, ShmTensor, TensorArg
 from .stream import AsyncStepStream, StepStream
 from .tensors import Fp8Tensor, as_numpy, from_tensor, quantize_fp8, to_tensor, to_torch
-from .types import (AbsorptionInfo, Batch, Candidates, DeviceInfo, LayerResult, ModelSpec,
-                    SequenceInfo, ServerInfo, StepInfo, _plain, _server_info)
+from .types import (
+    AbsorptionInfo,
+    Batch,
+    Candidates,
+    DeviceInfo,
+    LayerResult,
+    ModelSpec,
+    SequenceInfo,
+    ServerInfo,
+    StepInfo,
+    _plain,
+    _server_info,
+)
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
-from .wire import (LayerInputs, LayerOutput, _batch, check_output_call,
-                   decode_layer, encode_layer, layer_call)
+from .wire import (
+    LayerInputs,
+    LayerOutput,
+    _batch,
+    check_output_call,
+    decode_layer,
+    encode_layer,
+    layer_call,
+)
 
 # The client's names, and (re-exported) every name this module held before the package was split
 # into modules: ``from attnd.client import X`` keeps working for all of them.
@@ -407,7 +425,7 @@ class AttndClient(_Api):
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
 
-    def handoff(self, sequence_id: str, to: "AttndClient", *, chunk_tokens: int = 0,
+    def handoff(self, sequence_id: str, to: AttndClient, *, chunk_tokens: int = 0,
                 close_source: bool = False) -> SequenceInfo:
         """Copies a sequence to the server behind ``to`` (same id): it is opened there as a
         handoff target (refusing ordinary steps until complete), filled with write-only steps
@@ -447,8 +465,9 @@ class AttndClient(_Api):
 
     # -- steps: the stream --
 
-    def stream(self, *, timeout: Optional[float] = None) -> "StepStream":
-        """Opens a ``Step`` stream (many steps, one at a time). ``timeout`` bounds the whole stream."""
+    def stream(self, *, timeout: Optional[float] = None) -> StepStream:
+        """Opens a ``Step`` stream (many steps, one at a time). ``timeout`` bounds the whole
+        stream."""
         return StepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
                           metadata=self._metadata)
 
@@ -457,7 +476,7 @@ class AttndClient(_Api):
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "AttndClient":
+    def __enter__(self) -> AttndClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -515,7 +534,7 @@ class AsyncAttndClient(_Api):
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
 
-    async def handoff(self, sequence_id: str, to: "AsyncAttndClient", *, chunk_tokens: int = 0,
+    async def handoff(self, sequence_id: str, to: AsyncAttndClient, *, chunk_tokens: int = 0,
                       close_source: bool = False) -> SequenceInfo:
         """See :meth:`AttndClient.handoff`."""
         length = (await self.describe_sequence(sequence_id)).length
@@ -551,7 +570,7 @@ class AsyncAttndClient(_Api):
             await self.close_sequence(sequence_id)
         return there
 
-    def stream(self, *, timeout: Optional[float] = None) -> "AsyncStepStream":
+    def stream(self, *, timeout: Optional[float] = None) -> AsyncStepStream:
         """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""
         return AsyncStepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
                                metadata=self._metadata)
@@ -559,7 +578,7 @@ class AsyncAttndClient(_Api):
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncAttndClient":
+    async def __aenter__(self) -> AsyncAttndClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

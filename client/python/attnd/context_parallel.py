@@ -24,8 +24,8 @@ import numpy as np
 from .client import AttndClient
 from .merge import merge_attention, merge_candidates
 from .types import Candidates
-from .wire import LayerInputs, decode_layer, encode_layer
 from .v1 import attention_pb2 as pb
+from .wire import LayerInputs, decode_layer, encode_layer
 
 _KEYS = ("kv_latent", "k_rope", "index_k")
 _QUERIES = ("q_latent", "q_nope", "q_rope")
@@ -147,8 +147,8 @@ class ContextParallelSequence:
         if full:
             t0 = time.perf_counter()
             parts = self._each(lambda k: servers[k].attend_layer_candidates(
-                steps[k], LayerInputs(layer, **pick(k, _INDEX_QUERIES + (_KEYS if k == tail else ())))),
-                n)
+                steps[k],
+                LayerInputs(layer, **pick(k, _INDEX_QUERIES + (_KEYS if k == tail else ())))), n)
             self.candidates_seconds += time.perf_counter() - t0
             selection = merge_candidates(parts)
         keys = () if full else _KEYS

@@ -17,7 +17,7 @@ class AttndError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, error: grpc.RpcError) -> "AttndError":
+    def from_rpc_error(cls, error: grpc.RpcError) -> AttndError:
         code = error.code() if callable(getattr(error, "code", None)) else None
         details = error.details() if callable(getattr(error, "details", None)) else None
         return cls(code or grpc.StatusCode.UNKNOWN, details or str(error))

@@ -45,7 +45,8 @@ def merge_attention(outs: Sequence, lses: Sequence) -> Tuple[np.ndarray, np.ndar
     ``outs[i]`` [T, H, L] and ``lses[i]`` [T, H] (``LayerResult.lse``). Returns (out, lse) in
     float32: out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i), computed in
     float64. Parts whose lse is -inf (they saw no key) add nothing; a query head that no part saw
-    gets out 0 and lse -inf, as one server attending nothing reports; a NaN lse makes its row NaN."""
+    gets out 0 and lse -inf, as one server attending nothing reports; a NaN lse makes its row
+    NaN."""
     if len(outs) != len(lses) or not outs:
         raise ValueError(f"merge_attention: {len(outs)} outputs and {len(lses)} lse arrays; "
                          "give one lse per output, at least one")

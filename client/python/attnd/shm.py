@@ -37,7 +37,7 @@ class ShmTensor:
     offset: int
     dtype: np.dtype
     shape: Tuple[int, ...]
-    arena: Optional["ShmArena"] = dataclasses.field(default=None, compare=False, repr=False)
+    arena: Optional[ShmArena] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _native(np.dtype(self.dtype)))
@@ -67,7 +67,8 @@ class ShmArena:
 
     ``ShmArena(size)`` creates the object (``name`` defaults to a fresh "attnd-<pid>-<hex>";
     ``/dev/shm/<name>`` on Linux); :meth:`attach` (or ``create=False``, ``size`` then ignored)
-    maps an existing one, e.g. another process's. Its key for RegisterSharedMemory is ``"/" + name``; :meth:`register`
+    maps an existing one, e.g. another process's. Its key for RegisterSharedMemory is ``"/" +
+    name``; :meth:`register`
     registers the whole object as region ``region`` (default: ``name``). Slots are bump-allocated
     ``alignment`` bytes apart: :meth:`alloc` reserves one, :meth:`put` reserves one and writes an
     array into it, :meth:`write` overwrites one, :meth:`read` views one, :meth:`reset` frees the
@@ -101,12 +102,12 @@ class ShmArena:
         self.size: int = int(size) if create else self._shm.size
         self.alignment = int(alignment)
         self._used = 0
-        self._clients: List["AttndClient"] = []
+        self._clients: List[AttndClient] = []
         self._unmapped: Optional[shared_memory.SharedMemory] = None  # closed, not yet unmapped
 
     @classmethod
     def attach(cls, name: str, *, region: Optional[str] = None, alignment: int = 64
-               ) -> "ShmArena":
+               ) -> ShmArena:
         """Maps the existing object ``name`` (created by another ShmArena, possibly in another
         process) without owning it: close() unmaps but does not unlink it."""
         return cls(0, name, region=region, alignment=alignment, create=False)
@@ -207,7 +208,7 @@ class ShmArena:
 
     # -- registration --
 
-    def register(self, client: "AttndClient") -> None:
+    def register(self, client: AttndClient) -> None:
         """Registers the whole object as region ``region`` with ``client``'s server (once per
         server); close() unregisters it. A sync :class:`AttndClient` (close() must unregister
         without an event loop); with an async client, ``await client.register_shared_memory(
@@ -221,7 +222,7 @@ class ShmArena:
         client.register_shared_memory(self.region, self.key, self.size)
         self._clients.append(client)
 
-    def unregister(self, client: "AttndClient") -> None:
+    def unregister(self, client: AttndClient) -> None:
         """Unregisters the region from ``client``'s server."""
         client.unregister_shared_memory(self.region)
         if client in self._clients:
@@ -261,7 +262,7 @@ class ShmArena:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> "ShmArena":
+    def __enter__(self) -> ShmArena:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

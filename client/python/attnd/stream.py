@@ -14,8 +14,15 @@ from .errors import AttndError
 from .types import Batch, Candidates, LayerResult, StepInfo
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
-from .wire import (LayerInputs, LayerOutput, _batch, check_output_call, decode_layer, encode_layer,
-                   layer_call)
+from .wire import (
+    LayerInputs,
+    LayerOutput,
+    _batch,
+    check_output_call,
+    decode_layer,
+    encode_layer,
+    layer_call,
+)
 
 __all__ = ["AsyncStepStream", "StepStream"]
 
@@ -99,7 +106,8 @@ class StepStream(_StepBookkeeping):
 
     ``begin(batch)``, then ``layer(i, ...)`` for i = 0..N-1 (the last one commits), then the next
     ``begin`` — or ``abort()`` in between. Each call sends one message and waits for its reply. An
-    error (raised as :class:`AttndError`) ends the stream and aborts its open step; open a new stream
+    error (raised as :class:`AttndError`) ends the stream and aborts its open step; open a new
+    stream
     to go on. ``close()`` aborts an open step and ends the stream cleanly. As a context manager it
     closes on normal exit and cancels (which aborts an open step) on an exception. Not thread-safe.
 
@@ -112,7 +120,7 @@ class StepStream(_StepBookkeeping):
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
                  uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
         self._init_bookkeeping(stub, metadata, uint16_as_bf16)
-        self._requests: "queue.Queue[Optional[pb.StepRequest]]" = queue.Queue()
+        self._requests: queue.Queue[Optional[pb.StepRequest]] = queue.Queue()
         self._call = stub.Step(self._request_iterator(), timeout=timeout, metadata=self._metadata)
 
     def _request_iterator(self) -> Iterator[pb.StepRequest]:
@@ -140,7 +148,8 @@ class StepStream(_StepBookkeeping):
         except StopIteration:
             self._finish()
             raise AttndError(grpc.StatusCode.UNKNOWN,
-                             f"the server ended the Step stream instead of answering {expect!r}")
+                             f"the server ended the Step stream instead of answering {expect!r}"
+                             ) from None
         return self._check_kind(response, expect)
 
     def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
@@ -218,16 +227,16 @@ class StepStream(_StepBookkeeping):
         for sid in ids:
             while time.monotonic() < deadline:
                 try:
-                    info = self._stub.DescribeSequence(pb.DescribeSequenceRequest(sequence_id=sid),
-                                                       timeout=max(0.01, deadline - time.monotonic()),
-                                                       metadata=self._metadata)
+                    info = self._stub.DescribeSequence(
+                        pb.DescribeSequenceRequest(sequence_id=sid),
+                        timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
                 except grpc.RpcError:
                     break
                 if not info.in_step:
                     break
                 time.sleep(0.002)
 
-    def __enter__(self) -> "StepStream":
+    def __enter__(self) -> StepStream:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -352,7 +361,7 @@ class AsyncStepStream(_StepBookkeeping):
                     break
                 await asyncio.sleep(0.002)
 
-    async def __aenter__(self) -> "AsyncStepStream":
+    async def __aenter__(self) -> AsyncStepStream:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:

@@ -70,7 +70,7 @@ class ServerInfo:
     shm: bool  # shared memory is enabled (over the server's Unix-socket listener)
     max_attended_positions: int  # attend_layer(attended=True): the step's visible keys, at most
     # server-side absorption's weights (None: the server holds none and refuses q_nope)
-    absorption: Optional["AbsorptionInfo"] = None
+    absorption: Optional[AbsorptionInfo] = None
     # serves context-parallel steps (False on servers too old to know them: never drive one)
     context_parallel: bool = False
 
@@ -104,7 +104,8 @@ class StepInfo:
 
 
 def _plain(cls, msg, **override):
-    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name not in override}
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)
+              if f.name not in override}
     return cls(**values, **override)
 
 
@@ -135,7 +136,7 @@ class Candidates:
     scores: np.ndarray  # float32 [sum(count)]
 
     @classmethod
-    def from_proto(cls, c: pb.Candidates) -> "Candidates":
+    def from_proto(cls, c: pb.Candidates) -> Candidates:
         return cls(pages=c.pages, keep=int(c.keep), count=np.array(c.count, np.int32),
                    keys=np.array(c.keys, np.int64), scores=np.array(c.scores, np.float32))
 

@@ -172,7 +172,7 @@ def _layer_inputs(layer: int, tensors: dict, uint16_as_bf16: bool, shard: int = 
                   out: Optional[ShmTensor] = None, attended: bool = False,
                   lse: bool = False, out_datatype: Optional[str] = None,
                   candidates: bool = False,
-                  selection: Optional["Candidates"] = None,
+                  selection: Optional[Candidates] = None,
                   keys_required: bool = True) -> pb.LayerInputs:
     # Context-parallel calls may carry no keys (attend-only steps; a full layer's second call):
     # attnd.ContextParallelSequence passes keys_required=False.

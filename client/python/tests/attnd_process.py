@@ -42,8 +42,10 @@ def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while "serving attnd.v1" not in tail(log):
-        assert proc.poll() is None, f"attnd exited with {proc.returncode} at startup: {cmd}\n{tail(log)}"
-        assert time.monotonic() < deadline, f"attnd did not start in {STARTUP_TIMEOUT_S} s\n{tail(log)}"
+        assert proc.poll() is None, (f"attnd exited with {proc.returncode} at startup: {cmd}\n"
+                                     f"{tail(log)}")
+        assert time.monotonic() < deadline, (f"attnd did not start in {STARTUP_TIMEOUT_S} s\n"
+                                             f"{tail(log)}")
         time.sleep(0.05)
     return proc, f"127.0.0.1:{port}", mport
 

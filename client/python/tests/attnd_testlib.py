@@ -36,7 +36,8 @@ def f64(a: np.ndarray) -> np.ndarray:
 
 
 class Reference:
-    """The contract in float64: per sequence and layer the stored latent rows [c_kv | k_pe] and (full
+    """The contract in float64: per sequence and layer the stored latent rows [c_kv | k_pe] and
+    (full
     layers) indexer keys, rounded like the server's cache."""
 
     def __init__(self, spec: ModelSpec, cache_datatype: str) -> None:
@@ -244,11 +245,13 @@ class Harness:
         for layer, (got, exp) in enumerate(zip(outs, want)):
             dtype = inputs[layer]["q_latent"].dtype
             assert got is not None and got.dtype == dtype, (what, layer, got)
-            assert got.shape == (exp.shape[0], s.num_heads, s.kv_lora_rank), (what, layer, got.shape)
+            assert got.shape == (exp.shape[0], s.num_heads, s.kv_lora_rank), (what, layer,
+                                                                              got.shape)
             assert np.isfinite(f64(got)).all(), f"{what} layer {layer}: NaN/inf in the output"
             err = rel_l2(got, exp)
-            assert err <= tol, (f"{what} layer {layer} ({s.layers[layer]}): relative L2 {err:.3g} > "
-                                f"{tol} (top-k boundary: min relative gap {self.ref.min_margin:.3g}, "
+            assert err <= tol, (f"{what} layer {layer} ({s.layers[layer]}): relative L2 "
+                                f"{err:.3g} > {tol} (top-k boundary: min relative gap "
+                                f"{self.ref.min_margin:.3g}, "
                                 f"{self.ref.boundary_ties} exact ties)")
 
     def assert_serves(self, sids: Sequence[str]) -> None:
@@ -308,7 +311,7 @@ def run_sharded(vias: Sequence, batch: Batch, inputs: List[LayerInputs], S: int,
 
     ``layer_kwargs(k, layer, msg)`` may rewrite shard k's keyword arguments for a layer."""
     T = sum(q for _, q in batch)
-    step_ids: List["queue.Queue[Optional[int]]"] = [queue.Queue() for _ in range(S)]
+    step_ids: List[queue.Queue[Optional[int]]] = [queue.Queue() for _ in range(S)]
 
     def shard(k: int) -> List[np.ndarray]:
         via = vias[k]

@@ -1,9 +1,10 @@
 """Tests of the Python client against a real attnd server and an independent float64 reference.
 
-The session server (conftest.py's ``server``: build/service/attnd, env ATTND_BIN overrides, the tiny
-model on a free loopback port) and the harness (attnd_testlib) serve them. The reference models the contract (DESIGN §2) in float64 with per-sequence key
-histories kept by the test; it rounds stored keys the way the server's cache does (bf16 or fp32, from
-ServerInfo.cache_datatype), so it needs nothing from the server but its model spec.
+The session server (conftest.py's ``server``: build/service/attnd, env ATTND_BIN overrides, the
+tiny model on a free loopback port) and the harness (attnd_testlib) serve them. The reference
+models the contract (DESIGN §2) in float64 with per-sequence key histories kept by the test; it
+rounds stored keys the way the server's cache does (bf16 or fp32, from ServerInfo.cache_datatype),
+so it needs nothing from the server but its model spec.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ REPO = Path(__file__).resolve().parents[3]
 PYTHON_DIR = REPO / "client" / "python"
 
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
-# Relative L2 error bounds against the float64 reference (DESIGN §2: bf16 inputs <= 1e-2). fp32 inputs
+# Relative L2 error bounds against the float64 reference (DESIGN §2: bf16 inputs <= 1e-2). fp32
+# inputs
 # keep 1e-2 too: the server's cache is bf16, so the design's 1e-5 fp32 target (which assumes an fp32
 # cache) does not apply end to end. The reference rounds stored keys like the cache, so the observed
 # errors are far smaller; fp16 outputs round at 2^-11, within the same bound.
@@ -173,7 +175,8 @@ def test_stream_and_unary_agree(harness, client):
             h.check(via_stream, want_x, inputs, f"stream {xb}", 1e-2)
             h.check(via_unary, want_y, inputs, f"unary {yb}", 1e-2)
             for layer, (s_out, u_out) in enumerate(zip(via_stream, via_unary)):
-                assert np.array_equal(bits(s_out), bits(u_out)), f"layer {layer} of {entries} differs"
+                assert np.array_equal(bits(s_out), bits(u_out)), (f"layer {layer} of {entries} "
+                                                                  "differs")
     for x, y in ((x1, y1), (x2, y2)):
         dx, dy = client.describe_sequence(x), client.describe_sequence(y)
         assert (dx.length, dx.num_pages, dx.in_step) == (dy.length, dy.num_pages, False)
@@ -187,7 +190,8 @@ def test_stream_and_unary_agree(harness, client):
 
 
 def test_fork_prefix_then_extend(harness, client):
-    """Forks at a partial page and at a page boundary extend (alongside the parent) as the reference;
+    """Forks at a partial page and at a page boundary extend (alongside the parent) as the
+    reference;
     the parent is unaffected by its children's writes and vice versa."""
     h = harness
     page = h.spec.page_size
@@ -315,7 +319,8 @@ def test_wrong_shape_invalid_argument(harness, client, path, tensor):
         step = client.begin_step(batch)
         for i in range(bad_layer):
             client.attend_layer(step.step_id, i, **inputs[i])
-        e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id, bad_layer, **x)
+        e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id,
+                   bad_layer, **x)
         # the error aborted the step: a later layer is told so
         nxt = bad_layer + 1 if bad_layer + 1 < spec.num_layers else bad_layer
         expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id, nxt, **inputs[nxt])
@@ -450,7 +455,7 @@ def test_cancel_then_begin_at_once(harness, client):
     h = harness
     a = h.open("cancelled")
     inputs = h.inputs(5)
-    for i in range(15):
+    for _ in range(15):
         stream = client.stream()
         stream.begin([(a, 5)])
         stream.layer(0, **inputs[0])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from attnd import AttndClient, Candidates, ContextParallelSequence, merge_candidates
+
 from attnd_process import start
 from attnd_testlib import random_layer
 

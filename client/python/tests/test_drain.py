@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnd import AttndClient, AttndError, route
 
 from attnd_process import start
-from attnd_testlib import bf16_layers as _inputs, run_step as _step
+from attnd_testlib import bf16_layers as _inputs
+from attnd_testlib import run_step as _step
 
 BF16 = ml_dtypes.bfloat16
 

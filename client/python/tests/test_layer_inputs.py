@@ -59,7 +59,8 @@ def _request_of(call):
 ])
 def test_the_keyword_form_sends_the_same_message_and_names_the_new_call(flags, new_call):
     x = _tensors(3)
-    fields = {"return_lse": flags.get("lse", False), "return_attended": flags.get("attended", False),
+    fields = {"return_lse": flags.get("lse", False),
+              "return_attended": flags.get("attended", False),
               **{k: v for k, v in flags.items() if k in ("out_datatype", "shard")}}
     with pytest.warns(DeprecationWarning, match=rf"call {new_call}\(attnd\.LayerInputs"):
         old = _request_of(lambda c: c.attend_layer(7, 2, **x, **flags))

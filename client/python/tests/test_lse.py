@@ -15,9 +15,14 @@ import pytest
 from attnd import AttndClient, AttndError, merge_attention
 
 from attnd_process import start, stop
-from attnd_testlib import decode_with_lse as _decode, fp32_keys as _keys, fp32_queries as _queries
-from attnd_testlib import key_rows as _rows, reference_attention as _reference, rel_err as _rel
-from attnd_testlib import run_sharded, write_keys as _write
+from attnd_testlib import decode_with_lse as _decode
+from attnd_testlib import fp32_keys as _keys
+from attnd_testlib import fp32_queries as _queries
+from attnd_testlib import key_rows as _rows
+from attnd_testlib import reference_attention as _reference
+from attnd_testlib import rel_err as _rel
+from attnd_testlib import run_sharded
+from attnd_testlib import write_keys as _write
 
 CAP = 30.0
 

@@ -1,7 +1,8 @@
 """Sharded steps and system shared memory through the Python client, against a real attnd.
 
 Sharded steps: S tensor-parallel shards (threads, each with its own stream, or unary calls) run one
-step; per token their outputs, concatenated over the head axis, must be bit-identical to an unsharded
+step; per token their outputs, concatenated over the head axis, must be bit-identical to an
+unsharded
 step with the same inputs on a twin sequence (twins: forks of one parent at its full length, so both
 hold the same keys). Shared memory: the same step with every input and the output in a registered
 region must be bit-identical to the bytes path. Errors leave every sequence as it was.
@@ -29,6 +30,7 @@ import pytest
 from attnd import AttndClient, AttndError, ShmArena, ShmTensor, StepStream
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
+
 from attnd_testlib import (
     BF16,
     SHARD_TIMEOUT_S,
@@ -89,7 +91,8 @@ def assert_twins_agree(h: Harness, xs: Sequence[str], ys: Sequence[str]) -> None
 @pytest.mark.parametrize("path", ["stream", "unary"])
 @pytest.mark.parametrize("shards", ["2", "H"])
 def test_sharded_matches_unsharded(harness, client, server, path, shards):
-    """S shards in S threads (shard 0 begins with num_shards=S, the others join) over a prefill chunk
+    """S shards in S threads (shard 0 begins with num_shards=S, the others join) over a prefill
+    chunk
     and two decode steps: their outputs, concatenated per token over the heads, are bit-identical to
     an unsharded step with the same inputs on twin sequences."""
     h = harness
@@ -111,7 +114,8 @@ def test_sharded_matches_unsharded(harness, client, server, path, shards):
             for layer, (parts, ref) in enumerate(zip(sharded, whole)):
                 what = f"step {n} layer {layer}"
                 for k, part in enumerate(parts):
-                    assert part.dtype == BF16 and part.shape == (T, H // S, L), (what, k, part.shape)
+                    assert part.dtype == BF16 and part.shape == (T, H // S, L), (what, k,
+                                                                                 part.shape)
                     check_finite(part, f"{what} shard {k}")
                 got = np.concatenate(parts, axis=1)
                 assert np.array_equal(bits(got), bits(ref)), f"{what}: shards differ from unsharded"
@@ -129,7 +133,8 @@ def test_sharded_matches_unsharded(harness, client, server, path, shards):
 
 
 def test_bad_shard_count_invalid_argument(harness, client):
-    """num_shards not dividing H (or negative, or with write_only): INVALID_ARGUMENT, nothing open."""
+    """num_shards not dividing H (or negative, or with write_only): INVALID_ARGUMENT, nothing
+    open."""
     h = harness
     a = h.open("a")
     h.step(client, [(a, 20)])
@@ -232,7 +237,8 @@ def to_shm(arena: ShmArena, x: LayerInputs) -> Dict[str, ShmTensor]:
 
 def run_shm_step(via, arena: ShmArena, batch: Batch, inputs: List[LayerInputs],
                  S: int = 1, k: int = 0, step_id: Optional[int] = None) -> List[np.ndarray]:
-    """A step (or shard k of a sharded step) with every tensor and the output in ``arena``; per layer
+    """A step (or shard k of a sharded step) with every tensor and the output in ``arena``; per
+    layer
     the input slots are reused and the output is copied out of the (reused) output slot."""
     H, L = inputs[0]["q_latent"].shape[1], inputs[0]["kv_latent"].shape[1]
     T = sum(q for _, q in batch)
@@ -297,9 +303,9 @@ def test_shm_sharded(harness, client, server, arena):
             inputs = h.inputs(T)
             for a in arenas:
                 a.reset()
-            begun: "queue.Queue[Optional[int]]" = queue.Queue()
+            begun: queue.Queue[Optional[int]] = queue.Queue()
 
-            def shard(k: int) -> List[np.ndarray]:
+            def shard(k: int, begun=begun, xb=xb, inputs=inputs) -> List[np.ndarray]:
                 with clients[k].stream(timeout=60) as stream:
                     if k == 0:
                         try:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from attnd import AttndClient, AttndError, Fp8Tensor, ShmArena, quantize_fp8
+
 from attnd_process import start, stop
 from attnd_testlib import random_layer
 
