@@ -30,7 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client" / "python"))
 sys.path.insert(0, str(ROOT / "client" / "python" / "tests"))
-from attnd import AttndClient, ContextParallelSequence  # noqa: E402
+from attnd import AttndClient, ContextParallelSequence, LayerInputs  # noqa: E402
+
 from attnd_process import start  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -57,7 +58,8 @@ def import_keys(client, sid, spec, n, rng):
         T = min(CHUNK, n - done)
         st = client.begin_step([(sid, T)], write_only=True)
         for i, kind in enumerate(spec.layers):
-            client.attend_layer(st.step_id, i, **layer_tensors(spec, kind, T, rng, False))
+            x = layer_tensors(spec, kind, T, rng, False)
+            client.attend_layer(st.step_id, LayerInputs(i, **x))
 
 
 def main() -> None:
@@ -97,7 +99,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 st = whole.begin_step([("s", 1)])
                 for i, x in enumerate(layers):
-                    whole.attend_layer(st.step_id, i, **x)
+                    whole.attend_layer(st.step_id, LayerInputs(i, **x))
                 one.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 seq.step(1, layers)

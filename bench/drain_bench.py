@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python" / "tests"))
-from attnd import AttndClient  # noqa: E402
+from attnd import AttndClient, LayerInputs  # noqa: E402
+
 from attnd_process import start  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -56,7 +57,7 @@ def import_sequences(client, keys, names, context):
             for i, layer in enumerate(keys):
                 x = {k: v[:t] for k, v in layer.items()}
                 sent += sum(v.nbytes for v in x.values())
-                client.attend_layer(step.step_id, i, **x)
+                client.attend_layer(step.step_id, LayerInputs(i, **x))
     return sent
 
 

@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client" / "python"), str(ROOT / "client" / "python" / "tests")]
 
 from attnd import AttndClient, quantize_fp8  # noqa: E402
+
 from attnd_process import start, stop  # noqa: E402
-from test_lse import _decode, _keys, _queries, _write  # noqa: E402
+from attnd_testlib import decode_with_lse as _decode  # noqa: E402
+from attnd_testlib import fp32_keys as _keys  # noqa: E402
+from attnd_testlib import fp32_queries as _queries  # noqa: E402
+from attnd_testlib import write_keys as _write  # noqa: E402
 
 QUERIES = ("q_latent", "q_rope", "index_q")
 

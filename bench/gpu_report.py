@@ -63,7 +63,8 @@ def main():
         if op == "prefill MLA":
             op = "prefill MLA (dense causal)"
         for r in torch_rows:
-            if r["op"] == op and ("shape_ctx" not in r or f"ctx={r['shape_ctx'] // 1024}K" in row["shape"]):
+            if r["op"] == op and ("shape_ctx" not in r
+                                  or f"ctx={r['shape_ctx'] // 1024}K" in row["shape"]):
                 return r["torch_ms"]
         return None
 

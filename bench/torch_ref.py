@@ -36,7 +36,7 @@ def main():
     G = 8192
     a = torch.randn(G, G, device=dev, generator=g).bfloat16()
     b = torch.randn(G, G, device=dev, generator=g).bfloat16()
-    ms = time_ms(lambda: torch.matmul(a, b))
+    ms = time_ms(lambda: torch.matmul(a, b))  # noqa: F821 (ruff misreads the later del)
     out.append({"op": "bf16 GEMM (limit)", "torch_ms": ms, "tflops": 2 * G**3 / (ms * 1e-3) / 1e12})
     del a, b
 
@@ -46,21 +46,23 @@ def main():
     w = torch.randn(B, Hi, device=dev, generator=g)
 
     def indexer():
-        s = torch.matmul(keys, q.transpose(1, 2)).float().relu_()  # [B, ctx, Hi]
+        s = torch.matmul(keys, q.transpose(1, 2)).float().relu_()  # noqa: F821  [B, ctx, Hi]
         return (s * w[:, None, :]).sum(-1)
 
     out.append({"op": "indexer scores", "torch_ms": time_ms(indexer)})
-    out.append({"op": "indexer + top-k", "torch_ms": time_ms(lambda: torch.topk(indexer(), K, dim=-1))})
+    out.append({"op": "indexer + top-k",
+                "torch_ms": time_ms(lambda: torch.topk(indexer(), K, dim=-1))})
     del keys
 
     for ctx in (8192, 65536):
         kv = torch.randn(B, ctx, D, device=dev, generator=g).bfloat16()
-        sel = torch.stack([torch.randperm(ctx, device=dev, generator=g)[:K].sort().values for _ in range(B)])
+        sel = torch.stack([torch.randperm(ctx, device=dev, generator=g)[:K].sort().values
+                           for _ in range(B)])
         ql = torch.randn(B, H, D, device=dev, generator=g).bfloat16()
 
         def mla():
-            kv_sel = torch.gather(kv, 1, sel[:, :, None].expand(B, K, D))  # [B, K, D]
-            s = torch.matmul(ql, kv_sel.transpose(1, 2)).float() * 0.135
+            kv_sel = torch.gather(kv, 1, sel[:, :, None].expand(B, K, D))  # noqa: B023  [B, K, D]
+            s = torch.matmul(ql, kv_sel.transpose(1, 2)).float() * 0.135  # noqa: B023 (run now)
             p = torch.softmax(s, -1)
             return torch.matmul(p.bfloat16(), kv_sel[:, :, :L])
 

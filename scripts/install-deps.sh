@@ -29,11 +29,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
-if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate" >/dev/null 2>&1; then
-  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate"
+if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate, ruff" >/dev/null 2>&1; then
+  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate ruff"
   "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
-    kubernetes-validate ||
+    kubernetes-validate ruff ||
     "$py" -m pip install -q --disable-pip-version-check --break-system-packages \
       grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
-      kubernetes-validate
+      kubernetes-validate ruff
 fi

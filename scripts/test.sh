@@ -17,6 +17,7 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
+  python3 -m ruff check client/python bench/*.py
   python3 -m pytest -q client/python/tests bench/test_gpu_report.py
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
   BUILD_DIR="$BUILD_DIR" ./scripts/test_transformers.sh

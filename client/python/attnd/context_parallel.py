@@ -2,7 +2,7 @@
 holding a contiguous, page-aligned slice of its positions.
 
 The client drives each server's step and merges what comes back: a full layer first gathers
-every server's candidates (``attend_layer(..., candidates=True)``), merges them into the global
+every server's candidates (``attend_layer_candidates``), merges them into the global
 selection (:func:`merge_candidates`) and sends it with the queries (one extra round trip per
 full layer); every layer's partial outputs merge by log-sum-exp (:func:`merge_attention`). The
 result equals one server holding the whole sequence.
@@ -21,9 +21,11 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .client import (AttndClient, Candidates, _layer_inputs, _result, merge_attention,
-                     merge_candidates)
+from .client import AttndClient
+from .merge import merge_attention, merge_candidates
+from .types import Candidates
 from .v1 import attention_pb2 as pb
+from .wire import LayerInputs, decode_layer, encode_layer
 
 _KEYS = ("kv_latent", "k_rope", "index_k")
 _QUERIES = ("q_latent", "q_nope", "q_rope")
@@ -144,21 +146,21 @@ class ContextParallelSequence:
         selection: Optional[Candidates] = None
         if full:
             t0 = time.perf_counter()
-            parts = self._each(lambda k: servers[k].attend_layer(
-                steps[k], layer, candidates=True,
-                **pick(k, _INDEX_QUERIES + (_KEYS if k == tail else ()))), n)
+            parts = self._each(lambda k: servers[k].attend_layer_candidates(
+                steps[k],
+                LayerInputs(layer, **pick(k, _INDEX_QUERIES + (_KEYS if k == tail else ())))), n)
             self.candidates_seconds += time.perf_counter() - t0
             selection = merge_candidates(parts)
         keys = () if full else _KEYS
 
-        def attend(k):  # attend_layer, but with no keys where this server writes none
+        def attend(k):  # attend_layer_details, but with no keys where this server writes none
             c = servers[k]
-            t = dict.fromkeys(_QUERIES + _KEYS + _INDEX_QUERIES)
-            t.update(pick(k, _QUERIES + (keys if k == tail else ())))
-            msg = _layer_inputs(layer, t, uint16_as_bf16=False, attended=attended, lse=True,
-                                out_datatype="FP32", selection=selection, keys_required=False)
+            inputs = LayerInputs(layer, **pick(k, _QUERIES + (keys if k == tail else ())),
+                                 return_attended=attended, return_lse=True, out_datatype="FP32",
+                                 selection=selection)
+            msg = encode_layer(inputs, uint16_as_bf16=False, keys_required=False)
             return c._unary("AttendLayer", pb.AttendLayerRequest(step_id=steps[k], inputs=msg),
-                            lambda r: _result(r.output, False, None, True))
+                            lambda r: decode_layer(r.output, inputs, False, "details"))
 
         replies = self._each(attend, n)
         out, lse = merge_attention([r.out for r in replies], [r.lse for r in replies])

@@ -6,11 +6,13 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
 ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
+STARTUP_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
@@ -19,20 +21,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2
+def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
+          port: Optional[int] = None, log: Optional[Path] = None
           ) -> Tuple[subprocess.Popen, str, int]:
-    """attnd on 127.0.0.1 with `extra` flags (later flags win; kv_pages None: no --kv-pages);
-    returns (process, target, metrics port) once it printed its serving line. Its stdout and
-    stderr stay readable from the process."""
-    port, mport = free_port(), free_port()
+    """attnd on 127.0.0.1 with `extra` flags (later flags win; kv_pages None: no --kv-pages) on
+    ``port`` (default: a free one); returns (process, target, metrics port) once it printed its
+    serving line. Its stdout and stderr stay readable from the process, or with ``log`` go to that
+    file (for a server that lives long and logs much)."""
+    port, mport = port or free_port(), free_port()
     pages = [] if kv_pages is None else [f"--kv-pages={kv_pages}"]
-    proc = subprocess.Popen(
-        [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
-         *pages, f"--threads={threads}", f"--metrics-port={mport}", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    assert "serving attnd.v1" in line, line + (proc.stdout.read() if proc.poll() is not None else "")
+    cmd = [str(ATTND_BIN), f"--grpc-port={port}", "--grpc-address=127.0.0.1", "--model=tiny",
+           *pages, f"--threads={threads}", f"--metrics-port={mport}", *extra]
+    if log is None:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = proc.stdout.readline()
+        assert "serving attnd.v1" in line, line + (proc.stdout.read() if proc.poll() is not None
+                                                   else "")
+        return proc, f"127.0.0.1:{port}", mport
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while "serving attnd.v1" not in tail(log):
+        assert proc.poll() is None, (f"attnd exited with {proc.returncode} at startup: {cmd}\n"
+                                     f"{tail(log)}")
+        assert time.monotonic() < deadline, (f"attnd did not start in {STARTUP_TIMEOUT_S} s\n"
+                                             f"{tail(log)}")
+        time.sleep(0.05)
     return proc, f"127.0.0.1:{port}", mport
+
+
+def tail(path: Path, n: int = 4000) -> str:
+    """The last ``n`` characters of a log file ("" if unreadable)."""
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
 
 
 def stop(proc: subprocess.Popen) -> None:

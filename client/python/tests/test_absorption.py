@@ -19,7 +19,7 @@ import pytest
 from attnd import AttndClient, AttndError
 
 from attnd_process import start, stop
-from layer_inputs import random_layer
+from attnd_testlib import random_layer
 
 DN, V = 24, 20  # qk_nope_head_dim, v_head_dim (the tiny model: H 4, L 32)
 

@@ -1,386 +1,45 @@
 """Tests of the Python client against a real attnd server and an independent float64 reference.
 
-A session fixture starts build/service/attnd (env ATTND_BIN overrides) with the tiny model on a free
-loopback port. The reference below models the contract (DESIGN §2) in float64 with per-sequence key
-histories kept by the test; it rounds stored keys the way the server's cache does (bf16 or fp32, from
-ServerInfo.cache_datatype), so it needs nothing from the server but its model spec.
+The session server (conftest.py's ``server``: build/service/attnd, env ATTND_BIN overrides, the
+tiny model on a free loopback port) and the harness (attnd_testlib) serve them. The reference
+models the contract (DESIGN §2) in float64 with per-sequence key histories kept by the test; it
+rounds stored keys the way the server's cache does (bf16 or fp32, from ServerInfo.cache_datatype),
+so it needs nothing from the server but its model spec.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import zlib
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Tuple
 
 import grpc
-import ml_dtypes
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, ModelSpec, ServerInfo, StepStream, from_tensor, to_tensor
+from attnd import AttndClient, AttndError, from_tensor, to_tensor
+
+from attnd_testlib import BF16, Harness, bits, expect, f64, first_full_layer, rel_l2
 
 REPO = Path(__file__).resolve().parents[3]
 PYTHON_DIR = REPO / "client" / "python"
-ATTND_BIN = Path(os.environ.get("ATTND_BIN", REPO / "build" / "service" / "attnd"))
-STARTUP_TIMEOUT_S = 30.0
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
-# Relative L2 error bounds against the float64 reference (DESIGN §2: bf16 inputs <= 1e-2). fp32 inputs
+# Relative L2 error bounds against the float64 reference (DESIGN §2: bf16 inputs <= 1e-2). fp32
+# inputs
 # keep 1e-2 too: the server's cache is bf16, so the design's 1e-5 fp32 target (which assumes an fp32
 # cache) does not apply end to end. The reference rounds stored keys like the cache, so the observed
 # errors are far smaller; fp16 outputs round at 2^-11, within the same bound.
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp32": 1e-2}
 
-Batch = List[Tuple[str, int]]
-LayerInputs = Dict[str, np.ndarray]
-
-
-# ---- the server --------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def socket_path(port: int) -> str:
-    """The Unix-socket listener of the session server on ``port`` (shared memory goes there)."""
-    return f"/tmp/attnd-pytest-{port}.sock"
-
-
-def local_target(target: str) -> str:
-    """The gRPC target of the Unix-socket listener of the session server at ``target``."""
-    return "unix:" + socket_path(int(target.rsplit(":", 1)[1]))
-
-
-@pytest.fixture(scope="session")
-def server():
-    """A running attnd (tiny model); yields its target. At the end: SIGTERM, which must exit 0."""
-    if not ATTND_BIN.is_file():
-        pytest.fail(f"attnd binary not found at {ATTND_BIN}: build it (scripts/test.sh) or set ATTND_BIN")
-    port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="attnd-pytest-", suffix=".log")[1])
-    cmd = [str(ATTND_BIN), f"--grpc-port={port}", "--model=tiny", "--kv-pages=512", "--threads=2",
-           "--metrics-port=0", "--shm", f"--shm-socket={socket_path(port)}"]
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    target = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with AttndClient(target, timeout=2.0) as probe:
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"attnd exited with {proc.returncode} at startup: {' '.join(cmd)}\n"
-                                f"{_tail(log)}")
-                try:
-                    probe.info()
-                    break
-                except AttndError:
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"attnd did not answer ServerInfo within {STARTUP_TIMEOUT_S} s\n"
-                                    f"{_tail(log)}")
-                    time.sleep(0.1)
-        yield target
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                pytest.fail(f"attnd did not exit within 30 s of SIGTERM\n{_tail(log)}")
-    assert proc.returncode == 0, f"attnd exited with {proc.returncode} after SIGTERM\n{_tail(log)}"
-    log.unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="session")
-def client(server):
-    with AttndClient(server, timeout=60.0) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
-def info(client) -> ServerInfo:
-    info = client.info()
-    spec = info.model
-    # The reference below models these modes only.
-    assert spec.selection == "token", spec
-    assert spec.prefill == "sparse", spec
-    assert set(spec.layers) <= {"full", "shared", "dense"}, spec
-    assert spec.sliding_window == 0 and spec.soft_cap == 0, spec
-    assert info.cache_datatype in ("BF16", "FP32"), info
-    return info
-
-
-_ids = itertools.count()
-
-
-@pytest.fixture
-def harness(client, info, request):
-    """A per-test harness: fresh sequence ids, a seeded rng, the reference; closes its sequences."""
-    h = Harness(client, info, seed=zlib.crc32(request.node.name.encode()), tag=f"t{next(_ids)}")
-    yield h
-    h.close_all()
 
 
 # ---- the float64 reference ---------------------------------------------------------------------
 
 
-def f64(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a).astype(np.float32).astype(np.float64)  # exact for bf16, fp16 and fp32
-
-
-class Reference:
-    """The contract in float64: per sequence and layer the stored latent rows [c_kv | k_pe] and (full
-    layers) indexer keys, rounded like the server's cache."""
-
-    def __init__(self, spec: ModelSpec, cache_datatype: str) -> None:
-        self.spec = spec
-        self.cache_dtype = BF16 if cache_datatype == "BF16" else np.dtype(np.float32)
-        self.seqs: Dict[str, List[Dict[str, np.ndarray]]] = {}
-        # diagnostics: the smallest non-zero relative top-k boundary gap, and exact boundary ties
-        self.min_margin = np.inf
-        self.boundary_ties = 0
-        # per layer of the last step: each query's attended key positions (ascending)
-        self.last_attended: List[List[np.ndarray]] = []
-
-    def cache(self, a: np.ndarray) -> np.ndarray:
-        """New keys as stored: wire -> fp32 -> cache dtype (round to nearest even) -> float64."""
-        return np.asarray(a).astype(np.float32).astype(self.cache_dtype).astype(np.float64)
-
-    def open(self, sid: str, parent: Optional[str] = None, prefix_len: int = 0) -> None:
-        s = self.spec
-        if parent is None:
-            self.seqs[sid] = [
-                {"ckv": np.zeros((0, s.kv_lora_rank)), "kpe": np.zeros((0, s.qk_rope_head_dim)),
-                 "ik": np.zeros((0, s.index_head_dim))}
-                for _ in s.layers
-            ]
-        else:
-            assert prefix_len <= self.length(parent)
-            self.seqs[sid] = [{k: v[:prefix_len].copy() for k, v in layer.items()}
-                              for layer in self.seqs[parent]]
-
-    def close(self, sid: str) -> None:
-        del self.seqs[sid]
-
-    def length(self, sid: str) -> int:
-        return self.seqs[sid][0]["ckv"].shape[0]
-
-    def _select(self, iq: np.ndarray, w: np.ndarray, ik: np.ndarray, pos: int) -> np.ndarray:
-        """Exact top-k of I[s] = sum_h w[h] relu(iq[h] . ik[s]) over s <= pos; ties to lower s."""
-        K = self.spec.index_topk
-        visible = pos + 1
-        if visible <= K:
-            return np.arange(visible)
-        scores = (np.maximum(iq @ ik[:visible].T, 0.0) * w[:, None]).sum(axis=0)
-        order = np.argsort(-scores, kind="stable")  # stable: equal scores keep the lower position
-        gap = scores[order[K - 1]] - scores[order[K]]
-        if gap == 0:  # an exact tie at the boundary (all-relu-zero scores): decided by position
-            self.boundary_ties += 1
-        else:
-            self.min_margin = min(self.min_margin, gap / max(np.abs(scores).max(), 1e-30))
-        return np.sort(order[:K])
-
-    def step(self, batch: Sequence[Tuple[str, int]], inputs: List[LayerInputs]) -> List[np.ndarray]:
-        """Expected outputs (float64 [T, H, L]; None on write-only layers) and commits the keys."""
-        s = self.spec
-        tokens = [(sid, self.length(sid) + j) for sid, q_len in batch for j in range(q_len)]
-        T = len(tokens)
-        staged: Dict[str, List[Dict[str, np.ndarray]]] = {sid: [] for sid, _ in batch}
-        outs: List[Optional[np.ndarray]] = []
-        self.last_attended = []
-        selection: Optional[List[np.ndarray]] = None
-        for layer, kind in enumerate(s.layers):
-            x = inputs[layer]
-            # 1. write the new keys
-            keys: Dict[str, Dict[str, np.ndarray]] = {}
-            row = 0
-            for sid, q_len in batch:
-                old = self.seqs[sid][layer]
-                rows = slice(row, row + q_len)
-                keys[sid] = {
-                    "ckv": np.concatenate([old["ckv"], self.cache(x["kv_latent"][rows])]),
-                    "kpe": np.concatenate([old["kpe"], self.cache(x["k_rope"][rows])]),
-                    "ik": (np.concatenate([old["ik"], self.cache(x["index_k"][rows])])
-                           if kind == "full" else old["ik"]),
-                }
-                staged[sid].append(keys[sid])
-                row += q_len
-            if x.get("q_latent") is None:  # write-only step
-                outs.append(None)
-                continue
-            # 2-3. index and select (full), reuse (shared), everything visible (dense)
-            if kind == "full":
-                iq, iw = f64(x["index_q"]), f64(x["index_w"])
-                selection = [self._select(iq[t], iw[t], keys[sid]["ik"], pos)
-                             for t, (sid, pos) in enumerate(tokens)]
-                layer_selection = selection
-            elif kind == "shared":
-                assert selection is not None, "a shared layer before any full layer"
-                layer_selection = selection
-            else:
-                layer_selection = [np.arange(pos + 1) for _, pos in tokens]
-            self.last_attended.append(layer_selection)
-            # 4. attend
-            ql, qr = f64(x["q_latent"]), f64(x["q_rope"])
-            out = np.zeros((T, s.num_heads, s.kv_lora_rank))
-            for t, (sid, _) in enumerate(tokens):
-                sel = layer_selection[t]
-                ckv, kpe = keys[sid]["ckv"][sel], keys[sid]["kpe"][sel]
-                logits = s.sm_scale * (ql[t] @ ckv.T + qr[t] @ kpe.T)  # [H, n]
-                p = np.exp(logits - logits.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                out[t] = p @ ckv
-            outs.append(out)
-        for sid, layers in staged.items():
-            self.seqs[sid] = layers
-        return outs
-
-
 # ---- the harness -------------------------------------------------------------------------------
-
-
-def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.linalg.norm(f64(got) - want) / np.linalg.norm(want))
-
-
-class Harness:
-    def __init__(self, client: AttndClient, info: ServerInfo, seed: int, tag: str) -> None:
-        self.client = client
-        self.info = info
-        self.spec = info.model
-        self.ref = Reference(info.model, info.cache_datatype)
-        self.rng = np.random.default_rng(seed)
-        self.tag = tag
-        self.opened: List[str] = []
-
-    # sequences (server and reference together)
-
-    def open(self, name: str, parent: Optional[str] = None, prefix_len: int = 0) -> str:
-        sid = f"{self.tag}-{name}"
-        got = self.client.open_sequence(sid, fork_parent=parent, prefix_len=prefix_len)
-        assert got.sequence_id == sid and got.length == prefix_len and not got.in_step, got
-        self.ref.open(sid, parent, prefix_len)
-        self.opened.append(sid)
-        return sid
-
-    def close_all(self) -> None:
-        for sid in self.opened:
-            try:
-                self.client.close_sequence(sid)
-            except AttndError:
-                pass
-
-    def states(self, sids: Sequence[str]) -> Dict[str, Tuple[int, bool]]:
-        """(length, in_step) of each sequence, from the server."""
-        out = {}
-        for sid in sids:
-            d = self.client.describe_sequence(sid)
-            out[sid] = (d.length, d.in_step)
-        return out
-
-    def assert_unchanged(self, sids: Sequence[str]) -> None:
-        """The server's sequences are as the reference has them: committed length, not in a step."""
-        for sid, (length, in_step) in self.states(sids).items():
-            assert (length, in_step) == (self.ref.length(sid), False), sid
-
-    # data
-
-    def rand(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        x = self.rng.standard_normal(shape).astype(np.float32)
-        x = np.where(np.abs(x) < 1e-2, np.float32(1e-2), x)  # random, never (near) zero
-        return x.astype(dtype)
-
-    def inputs(self, T: int, dtype: np.dtype = BF16, write_only: bool = False) -> List[LayerInputs]:
-        s = self.spec
-        layers = []
-        for kind in s.layers:
-            x: LayerInputs = {
-                "kv_latent": self.rand((T, s.kv_lora_rank), dtype),
-                "k_rope": self.rand((T, s.qk_rope_head_dim), dtype),
-            }
-            if not write_only:
-                x["q_latent"] = self.rand((T, s.num_heads, s.kv_lora_rank), dtype)
-                x["q_rope"] = self.rand((T, s.num_heads, s.qk_rope_head_dim), dtype)
-            if kind == "full":
-                x["index_k"] = self.rand((T, s.index_head_dim), dtype)
-                if not write_only:
-                    x["index_q"] = self.rand((T, s.index_n_heads, s.index_head_dim), dtype)
-                    x["index_w"] = self.rand((T, s.index_n_heads), dtype)
-            layers.append(x)
-        return layers
-
-    # steps
-
-    def send(self, via, batch: Batch, inputs: List[LayerInputs], write_only: bool = False
-             ) -> List[Optional[np.ndarray]]:
-        """Runs a whole step on the server through a StepStream or the unary calls of a client."""
-        T = sum(q for _, q in batch)
-        if isinstance(via, StepStream):
-            step = via.begin(batch, write_only=write_only)
-            outs = [via.layer(i, **x) for i, x in enumerate(inputs)]
-            assert via.step is None  # committed
-        else:
-            step = via.begin_step(batch, write_only=write_only)
-            outs = [via.attend_layer(step.step_id, i, **x) for i, x in enumerate(inputs)]
-        assert step.num_tokens == T
-        return outs
-
-    def step(self, via, batch: Batch, dtype: np.dtype = BF16, tol: float = 1e-2,
-             inputs: Optional[List[LayerInputs]] = None, what: str = "") -> List[np.ndarray]:
-        """Runs a step on the server and checks every layer's output against the reference."""
-        T = sum(q for _, q in batch)
-        inputs = inputs if inputs is not None else self.inputs(T, dtype)
-        outs = self.send(via, batch, inputs)
-        want = self.ref.step(batch, inputs)
-        self.check(outs, want, inputs, f"{what} batch {batch}", tol)
-        return outs
-
-    def check(self, outs, want, inputs, what: str, tol: float) -> None:
-        s = self.spec
-        for layer, (got, exp) in enumerate(zip(outs, want)):
-            dtype = inputs[layer]["q_latent"].dtype
-            assert got is not None and got.dtype == dtype, (what, layer, got)
-            assert got.shape == (exp.shape[0], s.num_heads, s.kv_lora_rank), (what, layer, got.shape)
-            assert np.isfinite(f64(got)).all(), f"{what} layer {layer}: NaN/inf in the output"
-            err = rel_l2(got, exp)
-            assert err <= tol, (f"{what} layer {layer} ({s.layers[layer]}): relative L2 {err:.3g} > "
-                                f"{tol} (top-k boundary: min relative gap {self.ref.min_margin:.3g}, "
-                                f"{self.ref.boundary_ties} exact ties)")
-
-    def assert_serves(self, sids: Sequence[str]) -> None:
-        """The server still answers and a decode step over ``sids`` matches the reference."""
-        assert self.client.info().model == self.spec
-        self.step(self.client, [(sid, 1) for sid in sids], what="after error:")
-        self.assert_unchanged(sids)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-def first_full_layer(spec: ModelSpec, at_least: int = 0) -> int:
-    full = [i for i, k in enumerate(spec.layers) if k == "full" and i >= at_least]
-    return full[0] if full else [i for i, k in enumerate(spec.layers) if k == "full"][0]
 
 
 # ---- tests without a server --------------------------------------------------------------------
@@ -415,9 +74,9 @@ def test_missing_descriptor_import_error(tmp_path):
     """A checkout without the compiled descriptor says how to make it."""
     pkg = tmp_path / "attnd"
     (pkg / "v1").mkdir(parents=True)
-    for f in ("__init__.py", "client.py", "router.py", "v1/__init__.py", "v1/_descriptors.py",
-              "v1/attention_pb2.py", "v1/attention_pb2_grpc.py"):
-        (pkg / f).write_text((PYTHON_DIR / "attnd" / f).read_text())
+    src = PYTHON_DIR / "attnd"
+    for f in [*src.glob("*.py"), *src.glob("v1/*.py")]:  # every module; no attention.binpb
+        (pkg / f.relative_to(src)).write_text(f.read_text())
     r = subprocess.run([sys.executable, "-c", "import attnd"], cwd=tmp_path, capture_output=True,
                        text=True)
     assert r.returncode != 0
@@ -516,7 +175,8 @@ def test_stream_and_unary_agree(harness, client):
             h.check(via_stream, want_x, inputs, f"stream {xb}", 1e-2)
             h.check(via_unary, want_y, inputs, f"unary {yb}", 1e-2)
             for layer, (s_out, u_out) in enumerate(zip(via_stream, via_unary)):
-                assert np.array_equal(bits(s_out), bits(u_out)), f"layer {layer} of {entries} differs"
+                assert np.array_equal(bits(s_out), bits(u_out)), (f"layer {layer} of {entries} "
+                                                                  "differs")
     for x, y in ((x1, y1), (x2, y2)):
         dx, dy = client.describe_sequence(x), client.describe_sequence(y)
         assert (dx.length, dx.num_pages, dx.in_step) == (dy.length, dy.num_pages, False)
@@ -530,7 +190,8 @@ def test_stream_and_unary_agree(harness, client):
 
 
 def test_fork_prefix_then_extend(harness, client):
-    """Forks at a partial page and at a page boundary extend (alongside the parent) as the reference;
+    """Forks at a partial page and at a page boundary extend (alongside the parent) as the
+    reference;
     the parent is unaffected by its children's writes and vice versa."""
     h = harness
     page = h.spec.page_size
@@ -590,13 +251,6 @@ def test_raw_uint16_bf16(harness, client, server):
 
 
 # ---- errors: each leaves the sequences as they were, and the server serving ----------------------
-
-
-def expect(code: grpc.StatusCode, call, *args, **kwargs) -> AttndError:
-    with pytest.raises(AttndError) as e:
-        call(*args, **kwargs)
-    assert e.value.code == code, f"expected {code.name}, got {e.value.code.name}: {e.value.details}"
-    return e.value
 
 
 def _two_sequences(h: Harness) -> Tuple[str, str]:
@@ -665,7 +319,8 @@ def test_wrong_shape_invalid_argument(harness, client, path, tensor):
         step = client.begin_step(batch)
         for i in range(bad_layer):
             client.attend_layer(step.step_id, i, **inputs[i])
-        e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id, bad_layer, **x)
+        e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id,
+                   bad_layer, **x)
         # the error aborted the step: a later layer is told so
         nxt = bad_layer + 1 if bad_layer + 1 < spec.num_layers else bad_layer
         expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id, nxt, **inputs[nxt])
@@ -800,7 +455,7 @@ def test_cancel_then_begin_at_once(harness, client):
     h = harness
     a = h.open("cancelled")
     inputs = h.inputs(5)
-    for i in range(15):
+    for _ in range(15):
         stream = client.stream()
         stream.begin([(a, 5)])
         stream.layer(0, **inputs[0])

@@ -16,16 +16,8 @@ import pytest
 from attnd import AsyncAttndClient, AttndClient, AttndError, ShmArena, spec_from_hf_config
 
 from attnd_process import start, stop
-from test_drain import _inputs as _layers, _step  # one step's random bf16 inputs; a step
-
-
-@pytest.fixture
-def two_servers():
-    a, ta, _ = start([], kv_pages=128)
-    b, tb, _ = start([], kv_pages=128)
-    yield ta, tb
-    stop(a)
-    stop(b)
+from attnd_testlib import bf16_layers as _layers  # one step's random bf16 inputs; a step
+from attnd_testlib import run_step as _step
 
 
 def test_the_async_client_gives_the_sync_clients_results(two_servers):
@@ -139,7 +131,8 @@ def test_handoff_moves_a_sequence_whose_next_outputs_are_bit_identical(two_serve
         assert a.describe_sequence("twin").length == 41
 
         async def async_handoff():
-            async with AsyncAttndClient(ta, timeout=30) as aa, AsyncAttndClient(tb, timeout=30) as ab:
+            async with AsyncAttndClient(ta, timeout=30) as aa, \
+                    AsyncAttndClient(tb, timeout=30) as ab:
                 return await aa.handoff("twin", ab, chunk_tokens=16, close_source=True)
         assert asyncio.run(async_handoff()).length == 41
         twin_b = _step(b, "twin", _layers(spec, 1, rng))
@@ -229,7 +222,8 @@ def test_attended_positions_are_bounded_before_any_work(tmp_path):
                 c.attend_layer(step.step_id, 3, attended=True, **layers[3])
             assert e.value.code.name == "INVALID_ARGUMENT"
             assert "80200 keys" in e.value.details and str(limit) in e.value.details
-            assert c.describe_sequence("long").length == 0 and not c.describe_sequence("long").in_step
+            long = c.describe_sequence("long")
+            assert long.length == 0 and not long.in_step
             # Without the trace the same step runs.
             step = c.begin_step([("long", 400)])
             outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from attnd import AttndClient, Candidates, ContextParallelSequence, merge_candidates
+
 from attnd_process import start
-from layer_inputs import random_layer
+from attnd_testlib import random_layer
 
 MODES = ["token", "page_union", "page_budget:2"]
 

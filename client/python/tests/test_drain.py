@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnd import AttndClient, AttndError, route
 
 from attnd_process import start
+from attnd_testlib import bf16_layers as _inputs
+from attnd_testlib import run_step as _step
 
 BF16 = ml_dtypes.bfloat16
 
@@ -25,28 +27,6 @@ BF16 = ml_dtypes.bfloat16
 def _start(extra):
     proc, target, _ = start(extra, kv_pages=400, threads=1)
     return proc, target
-
-
-def _inputs(spec, T, rng, write_only=False):
-    layers = []
-    r = lambda *shape: rng.standard_normal(shape).astype(BF16)  # noqa: E731
-    for kind in spec.layers:
-        x = {"kv_latent": r(T, spec.kv_lora_rank), "k_rope": r(T, spec.qk_rope_head_dim)}
-        if not write_only:
-            x["q_latent"] = r(T, spec.num_heads, spec.kv_lora_rank)
-            x["q_rope"] = r(T, spec.num_heads, spec.qk_rope_head_dim)
-        if kind == "full":
-            x["index_k"] = r(T, spec.index_head_dim)
-            if not write_only:
-                x["index_q"] = r(T, spec.index_n_heads, spec.index_head_dim)
-                x["index_w"] = r(T, spec.index_n_heads)
-        layers.append(x)
-    return layers
-
-
-def _step(client, sid, inputs):
-    step = client.begin_step([(sid, inputs[0]["kv_latent"].shape[0])])
-    return [client.attend_layer(step.step_id, i, **x) for i, x in enumerate(inputs)]
 
 
 def _ready(target) -> bool:

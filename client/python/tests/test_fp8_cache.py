@@ -16,16 +16,8 @@ from attnd import AttndClient, AttndError, from_tensor
 from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import start, stop
-from test_drain import _inputs as _layers, _step
-
-
-@pytest.fixture
-def fp8_pair():
-    a, ta, _ = start(["--cache-dtype=fp8"], kv_pages=128)
-    b, tb, _ = start(["--cache-dtype=fp8"], kv_pages=128)
-    yield ta, tb
-    stop(a)
-    stop(b)
+from attnd_testlib import bf16_layers as _layers
+from attnd_testlib import run_step as _step
 
 
 def _export(client, sid):
@@ -76,7 +68,7 @@ def test_an_export_is_the_cache_and_an_import_reproduces_it_bit_for_bit(fp8_pair
             _step(a, sid, prefill)
         chunks = list(a.export_sequence("moved", chunk_tokens=64))
         assert len(chunks) == spec.num_layers
-        L, R, Di = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.index_head_dim
+        L, Di = spec.kv_lora_rank, spec.index_head_dim
         for layer, chunk in enumerate(chunks):
             k = chunk.keys
             assert k.kv_latent.datatype == "FP8_E4M3" and list(k.kv_latent.shape) == [40, L]

@@ -15,7 +15,13 @@ from attnd import AttndClient, Fp8Tensor, quantize_fp8, to_tensor
 from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import start, stop
-from test_lse import _decode, _keys, _queries, _reference, _rel, _rows, _write
+from attnd_testlib import decode_with_lse as _decode
+from attnd_testlib import fp32_keys as _keys
+from attnd_testlib import fp32_queries as _queries
+from attnd_testlib import key_rows as _rows
+from attnd_testlib import reference_attention as _reference
+from attnd_testlib import rel_err as _rel
+from attnd_testlib import write_keys as _write
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,14 @@ import pytest
 from attnd import AttndClient, AttndError, merge_attention
 
 from attnd_process import start, stop
+from attnd_testlib import decode_with_lse as _decode
+from attnd_testlib import fp32_keys as _keys
+from attnd_testlib import fp32_queries as _queries
+from attnd_testlib import key_rows as _rows
+from attnd_testlib import reference_attention as _reference
+from attnd_testlib import rel_err as _rel
+from attnd_testlib import run_sharded
+from attnd_testlib import write_keys as _write
 
 CAP = 30.0
 
@@ -28,73 +36,6 @@ def target(tmp_path_factory):
     proc, target, _ = start(["--cache-dtype=fp32", f"--model-file={spec}"], kv_pages=64)
     yield target
     stop(proc)
-
-
-def _keys(spec, T, rng):
-    """Per layer: the new keys of T tokens (fp32, scaled so that scores spread widely)."""
-    out = []
-    for kind in spec.layers:
-        x = {"kv_latent": rng.standard_normal((T, spec.kv_lora_rank)).astype(np.float32),
-             "k_rope": rng.standard_normal((T, spec.qk_rope_head_dim)).astype(np.float32)}
-        if kind == "full":
-            x["index_k"] = rng.standard_normal((T, spec.index_head_dim)).astype(np.float32)
-        out.append(x)
-    return out
-
-
-def _queries(spec, rng):
-    """Per layer: one decode token's queries (fp32)."""
-    out = []
-    for kind in spec.layers:
-        x = {"q_latent": 2 * rng.standard_normal((1, spec.num_heads, spec.kv_lora_rank)),
-             "q_rope": 2 * rng.standard_normal((1, spec.num_heads, spec.qk_rope_head_dim))}
-        if kind == "full":
-            x["index_q"] = rng.standard_normal((1, spec.index_n_heads, spec.index_head_dim))
-            x["index_w"] = rng.standard_normal((1, spec.index_n_heads))
-        out.append({k: v.astype(np.float32) for k, v in x.items()})
-    return out
-
-
-def _write(client, sid, keys):
-    step = client.begin_step([(sid, keys[0]["kv_latent"].shape[0])], write_only=True)
-    for layer, x in enumerate(keys):
-        client.attend_layer(step.step_id, layer, **x)
-
-
-def _decode(client, sid, new_key, queries, *, stream=False):
-    """One decode step over every layer with lse and the attended positions; [LayerResult]."""
-    tensors = [dict(k, **q) for k, q in zip(new_key, queries)]
-    if stream:
-        with client.stream() as s:
-            s.begin([(sid, 1)])
-            return [s.layer(layer, lse=True, attended=True, **x) for layer, x in enumerate(tensors)]
-    step = client.begin_step([(sid, 1)])
-    return [client.attend_layer(step.step_id, layer, lse=True, attended=True, **x)
-            for layer, x in enumerate(tensors)]
-
-
-def _reference(spec, kind, keys, q):
-    """float64 attention of one query over key rows `keys` [n, L+R]: (out [H, L], lse [H])."""
-    k = np.asarray(keys, dtype=np.float64)
-    qq = np.concatenate([q["q_latent"][0], q["q_rope"][0]], axis=-1).astype(np.float64)
-    s = spec.sm_scale * qq @ k.T  # [H, n]
-    if kind == "dense" and spec.soft_cap > 0:
-        s = spec.soft_cap * np.tanh(s / spec.soft_cap)
-    top = s.max(axis=1, keepdims=True)
-    p = np.exp(s - top)
-    lse = top[:, 0] + np.log(p.sum(axis=1))
-    return (p / p.sum(axis=1, keepdims=True)) @ k[:, :spec.kv_lora_rank], lse
-
-
-def _rows(keys, new_key, layer):
-    """The layer's cached key rows [n + 1, L+R]: the written ones, then the decode token's."""
-    rows = np.concatenate([keys[layer]["kv_latent"], keys[layer]["k_rope"]], axis=1)
-    new = np.concatenate([new_key[layer]["kv_latent"], new_key[layer]["k_rope"]], axis=1)
-    return np.concatenate([rows, new])
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
@@ -201,7 +142,6 @@ def test_lse_is_refused_on_write_only_steps_and_nothing_is_written(target):
 
 
 def test_each_shard_gets_its_heads_lse_as_the_unsharded_step_has_them(target):
-    from test_shards_and_shm import run_sharded
 
     rng = np.random.default_rng(4)
     with AttndClient(target, timeout=30) as c, AttndClient(target, timeout=30) as c1:

@@ -3,29 +3,29 @@ checked by promtool, and a clean SIGTERM shutdown with a step still open."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
-import json
-import re
 import urllib.parse
 import urllib.request
 
 import grpc
 import numpy as np
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-import yaml
 
 from attnd import AttndClient, AttndError
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
 
-from attnd_process import ATTND_BIN, ROOT, free_port as _free_port, start
+from attnd_process import ATTND_BIN, ROOT, start
+from attnd_process import free_port as _free_port
 
 
 def _start(extra: list[str]) -> tuple[subprocess.Popen, str, int]:
@@ -56,7 +56,8 @@ def test_reflection_lists_the_api(ops_server):
     target, _ = ops_server
     with grpc.insecure_channel(target) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        replies = stub.ServerReflectionInfo(iter([request]))
         names = {s.name for r in replies for s in r.list_services_response.service}
     assert "attnd.v1.Attention" in names
     assert "grpc.health.v1.Health" in names
@@ -100,7 +101,8 @@ def _layers(spec, t, rng, dtype=np.float32):
                  kv_latent=rng.standard_normal((t, spec.kv_lora_rank), dtype),
                  k_rope=rng.standard_normal((t, spec.qk_rope_head_dim), dtype))
         if kind == "full":
-            x.update(index_q=rng.standard_normal((t, spec.index_n_heads, spec.index_head_dim), dtype),
+            x.update(index_q=rng.standard_normal((t, spec.index_n_heads, spec.index_head_dim),
+                                                 dtype),
                      index_k=rng.standard_normal((t, spec.index_head_dim), dtype),
                      index_w=rng.standard_normal((t, spec.index_n_heads), dtype))
         out.append(x)
@@ -193,7 +195,7 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
         assert proc.wait(timeout=30) == 0
     out = proc.stdout.read()
     assert "config: devices cpu:0, model tiny" in out, out[:2000]
-    refused = [l for l in out.splitlines() if "BeginStep: OUT_OF_RANGE" in l]
+    refused = [line for line in out.splitlines() if "BeginStep: OUT_OF_RANGE" in line]
     assert 1 <= len(refused) <= 60, f"{len(refused)} lines for 200 refusals: not rate-limited"
     assert "max_context" in refused[0], refused[0]
     assert "similar lines dropped" in refused[-1], refused[-1]
@@ -323,12 +325,14 @@ def test_metrics_pass_promtool_and_count_the_work(ops_server, tmp_path):
             s.begin([("ops-m", 5)])
             for layer, kind in enumerate(spec.layers):
                 t = 5
-                ins = dict(q_latent=rng.standard_normal((t, spec.num_heads, spec.kv_lora_rank), np.float32),
-                           q_rope=rng.standard_normal((t, spec.num_heads, spec.qk_rope_head_dim), np.float32),
+                H, f32 = spec.num_heads, np.float32
+                ins = dict(q_latent=rng.standard_normal((t, H, spec.kv_lora_rank), f32),
+                           q_rope=rng.standard_normal((t, H, spec.qk_rope_head_dim), f32),
                            kv_latent=rng.standard_normal((t, spec.kv_lora_rank), np.float32),
                            k_rope=rng.standard_normal((t, spec.qk_rope_head_dim), np.float32))
                 if kind == "full":
-                    ins.update(index_q=rng.standard_normal((t, spec.index_n_heads, spec.index_head_dim), np.float32),
+                    ins.update(index_q=rng.standard_normal(
+                                   (t, spec.index_n_heads, spec.index_head_dim), np.float32),
                                index_k=rng.standard_normal((t, spec.index_head_dim), np.float32),
                                index_w=rng.standard_normal((t, spec.index_n_heads), np.float32))
                 s.layer(layer, **ins)
@@ -340,7 +344,8 @@ def test_metrics_pass_promtool_and_count_the_work(ops_server, tmp_path):
         assert _sample(text, "attnd_sequences") >= 1
         c.close_sequence("ops-m")
     promtool = shutil.which("promtool")
-    assert promtool, "promtool (Debian package prometheus) is required; scripts/install-deps.sh installs it"
+    assert promtool, ("promtool (Debian package prometheus) is required; "
+                      "scripts/install-deps.sh installs it")
     path = tmp_path / "metrics.txt"
     path.write_text(text)
     with open(path) as f:

@@ -4,7 +4,6 @@ for probes, and tenant isolation."""
 
 from __future__ import annotations
 
-import signal
 import ssl
 import subprocess
 import urllib.request
@@ -30,7 +29,8 @@ def _openssl(*args: str) -> None:
 def pki(tmp_path_factory) -> Path:
     """A CA, a server certificate for localhost and a client certificate for tenant team-py."""
     d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", *EC, "-days", "2", "-subj", "/CN=test-ca", "-keyout", str(d / "ca.key"),
+    _openssl("req", "-x509", *EC, "-days", "2", "-subj", "/CN=test-ca",
+             "-keyout", str(d / "ca.key"),
              "-out", str(d / "ca.pem"), "-addext", "basicConstraints=critical,CA:TRUE")
     for name, cn, san in (("server", "attnd", "DNS:localhost,IP:127.0.0.1"),
                           ("client", "team-py", "")):
@@ -95,7 +95,7 @@ def test_metrics_over_https_with_the_servers_certificate(pki, mtls_server):
     with urllib.request.urlopen(f"https://localhost:{mport}/metrics", context=ctx, timeout=10) as r:
         assert r.status == 200
         assert "attnd_" in r.read().decode()
-    with pytest.raises(Exception):  # plain HTTP on the TLS port gets no metrics
+    with pytest.raises(Exception):  # noqa: B017 (plain HTTP on the TLS port gets no metrics: any failure)
         urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read()
 
 

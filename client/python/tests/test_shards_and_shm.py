@@ -1,13 +1,14 @@
 """Sharded steps and system shared memory through the Python client, against a real attnd.
 
 Sharded steps: S tensor-parallel shards (threads, each with its own stream, or unary calls) run one
-step; per token their outputs, concatenated over the head axis, must be bit-identical to an unsharded
+step; per token their outputs, concatenated over the head axis, must be bit-identical to an
+unsharded
 step with the same inputs on a twin sequence (twins: forks of one parent at its full length, so both
 hold the same keys). Shared memory: the same step with every input and the output in a registered
 region must be bit-identical to the bytes path. Errors leave every sequence as it was.
 
-The server and the harness (sequences kept in step with a float64 reference) come from test_client;
-imported fixtures are this module's own, so pytest starts a second session server for it.
+The session server and the harness (sequences kept in step with a float64 reference) are conftest's
+fixtures; this module's ``client`` talks to the server over its Unix-socket listener.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import pytest
 from attnd import AttndClient, AttndError, ShmArena, ShmTensor, StepStream
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
-from test_client import (  # noqa: F401  (client, harness, info, server: fixtures)
+
+from attnd_testlib import (
     BF16,
-    PYTHON_DIR,
+    SHARD_TIMEOUT_S,
     Batch,
     Harness,
     LayerInputs,
@@ -39,17 +41,16 @@ from test_client import (  # noqa: F401  (client, harness, info, server: fixture
     expect,
     f64,
     first_full_layer,
-    harness,
-    info,
     local_target,
-    server,
+    run_sharded,
+    shard_inputs,
 )
 
-SHARD_TIMEOUT_S = 60.0
+PYTHON_DIR = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def client(server):  # noqa: F811  (this module's client: over the Unix-socket listener)
+def client(server):  # (this module's client: over the Unix-socket listener)
     """Shared memory is served only over the server's Unix-socket listener."""
     with AttndClient(local_target(server), timeout=60.0) as c:
         yield c
@@ -58,66 +59,6 @@ ARENA_BYTES = 4 << 20
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def shard_inputs(x: LayerInputs, S: int, k: int) -> LayerInputs:
-    """Shard k's message of a layer: its heads of q_latent / q_rope; shard 0 also the keys and the
-    indexer tensors."""
-    H = x["q_latent"].shape[1]
-    heads = slice(k * H // S, (k + 1) * H // S)
-    part = {"q_latent": x["q_latent"][:, heads], "q_rope": x["q_rope"][:, heads]}
-    if k == 0:
-        part.update({n: v for n, v in x.items() if n not in part})
-    return part
-
-
-def run_sharded(vias: Sequence, batch: Batch, inputs: List[LayerInputs], S: int,
-                layer_kwargs=None) -> List[List[np.ndarray]]:
-    """One step run by S shards, each in its own thread: vias[k] is shard k's StepStream (shard 0
-    begins, the others join) or an AttndClient (unary; shard 0 begins). Returns outs[layer][shard].
-
-    ``layer_kwargs(k, layer, msg)`` may rewrite shard k's keyword arguments for a layer."""
-    T = sum(q for _, q in batch)
-    step_ids: List["queue.Queue[Optional[int]]"] = [queue.Queue() for _ in range(S)]
-
-    def shard(k: int) -> List[np.ndarray]:
-        via = vias[k]
-        stream = isinstance(via, StepStream)
-        if k == 0:
-            step_id = None
-            try:
-                begin = via.begin if stream else via.begin_step
-                step = begin(batch, num_shards=S)
-                assert step.num_tokens == T
-                step_id = step.step_id
-            finally:
-                for q in step_ids[1:]:
-                    q.put(step_id)  # None: the others give up
-        else:
-            step_id = step_ids[k].get(timeout=SHARD_TIMEOUT_S)
-            if step_id is None:
-                raise RuntimeError(f"shard {k}: shard 0 did not open the step")
-            if stream:
-                joined = via.join(step_id, k)
-                assert (joined.step_id, joined.num_tokens) == (step_id, T)
-                assert via.shard == k
-        outs = []
-        for i, x in enumerate(inputs):
-            msg = shard_inputs(x, S, k)
-            if layer_kwargs is not None:
-                msg = layer_kwargs(k, i, msg)
-            if stream:
-                outs.append(via.layer(i, **msg))  # the shard defaults to the joined one
-            else:
-                outs.append(via.attend_layer(step_id, i, shard=k, **msg))
-        if stream:
-            assert via.step is None  # committed
-        return outs
-
-    with ThreadPoolExecutor(max_workers=S) as pool:
-        futures = [pool.submit(shard, k) for k in range(S)]
-        per_shard = [f.result(timeout=SHARD_TIMEOUT_S) for f in futures]
-    return [list(layer) for layer in zip(*per_shard)]
 
 
 def check_finite(a: np.ndarray, what: str) -> None:
@@ -150,7 +91,8 @@ def assert_twins_agree(h: Harness, xs: Sequence[str], ys: Sequence[str]) -> None
 @pytest.mark.parametrize("path", ["stream", "unary"])
 @pytest.mark.parametrize("shards", ["2", "H"])
 def test_sharded_matches_unsharded(harness, client, server, path, shards):
-    """S shards in S threads (shard 0 begins with num_shards=S, the others join) over a prefill chunk
+    """S shards in S threads (shard 0 begins with num_shards=S, the others join) over a prefill
+    chunk
     and two decode steps: their outputs, concatenated per token over the heads, are bit-identical to
     an unsharded step with the same inputs on twin sequences."""
     h = harness
@@ -172,7 +114,8 @@ def test_sharded_matches_unsharded(harness, client, server, path, shards):
             for layer, (parts, ref) in enumerate(zip(sharded, whole)):
                 what = f"step {n} layer {layer}"
                 for k, part in enumerate(parts):
-                    assert part.dtype == BF16 and part.shape == (T, H // S, L), (what, k, part.shape)
+                    assert part.dtype == BF16 and part.shape == (T, H // S, L), (what, k,
+                                                                                 part.shape)
                     check_finite(part, f"{what} shard {k}")
                 got = np.concatenate(parts, axis=1)
                 assert np.array_equal(bits(got), bits(ref)), f"{what}: shards differ from unsharded"
@@ -190,7 +133,8 @@ def test_sharded_matches_unsharded(harness, client, server, path, shards):
 
 
 def test_bad_shard_count_invalid_argument(harness, client):
-    """num_shards not dividing H (or negative, or with write_only): INVALID_ARGUMENT, nothing open."""
+    """num_shards not dividing H (or negative, or with write_only): INVALID_ARGUMENT, nothing
+    open."""
     h = harness
     a = h.open("a")
     h.step(client, [(a, 20)])
@@ -293,7 +237,8 @@ def to_shm(arena: ShmArena, x: LayerInputs) -> Dict[str, ShmTensor]:
 
 def run_shm_step(via, arena: ShmArena, batch: Batch, inputs: List[LayerInputs],
                  S: int = 1, k: int = 0, step_id: Optional[int] = None) -> List[np.ndarray]:
-    """A step (or shard k of a sharded step) with every tensor and the output in ``arena``; per layer
+    """A step (or shard k of a sharded step) with every tensor and the output in ``arena``; per
+    layer
     the input slots are reused and the output is copied out of the (reused) output slot."""
     H, L = inputs[0]["q_latent"].shape[1], inputs[0]["kv_latent"].shape[1]
     T = sum(q for _, q in batch)
@@ -358,9 +303,9 @@ def test_shm_sharded(harness, client, server, arena):
             inputs = h.inputs(T)
             for a in arenas:
                 a.reset()
-            begun: "queue.Queue[Optional[int]]" = queue.Queue()
+            begun: queue.Queue[Optional[int]] = queue.Queue()
 
-            def shard(k: int) -> List[np.ndarray]:
+            def shard(k: int, begun=begun, xb=xb, inputs=inputs) -> List[np.ndarray]:
                 with clients[k].stream(timeout=60) as stream:
                     if k == 0:
                         try:

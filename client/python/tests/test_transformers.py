@@ -3,7 +3,8 @@ tiny random-weight models (fixed seed; GLM with full and shared layers; index_to
 the test's lengths) whose attention runs on a real attnd produce the unmodified model's greedy
 tokens over a chunked prefill and 10 decode steps, with logits within 1e-4 (relative L2, fp32
 cache); with a bf16 cache, the tokens of the model whose cached keys are rounded the same way and
-logits within 5e-4. Needs torch and transformers: scripts/test.sh runs this file in the cached torch venv
+logits within 5e-4. Needs torch and transformers: scripts/test.sh runs this file in the cached
+torch venv
 with ATTND_REQUIRE_TORCH=1, where a missing import fails instead of skipping."""
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def test_torch_tensors_go_on_the_wire_as_numpy_would(served):
     the ml_dtypes arrays give; mixed datatypes are refused before anything is sent."""
     import ml_dtypes
     import numpy as np
-    from attnd import AttndError, as_numpy, to_tensor
+
+    from attnd import as_numpy, to_tensor
 
     adapter, _, _ = served
     c, spec = adapter.client, adapter.spec
@@ -293,6 +295,7 @@ def test_outputs_and_shared_memory_as_torch_tensors(served):
     """as_torch=True gives the output as a torch tensor holding the numpy output's bytes; an
     arena takes torch tensors and reads back as torch (shared memory, no copies)."""
     import numpy as np
+
     from attnd import ShmArena
 
     adapter, _, _ = served

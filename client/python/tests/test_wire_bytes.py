@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from attnd import AttndClient, AttndError, Fp8Tensor, ShmArena, quantize_fp8
+
 from attnd_process import start, stop
-from layer_inputs import random_layer
+from attnd_testlib import random_layer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import wire_bench  # noqa: E402

@@ -2,7 +2,7 @@
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     with AttndClient("attnd:50051") as client:
-        served = AttndModel(model, client)          # attnd started with --hf-config=path/config.json
+        served = AttndModel(model, client)  # attnd started with --hf-config=path/config.json
         tokens = served.generate("req-1", prompt_ids, max_new_tokens=32, prefill_chunk=512)
 
 The worker keeps everything but the attention core: embeddings, norms, the q/kv projections, RoPE,
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..client import AttndClient
+from ..client import AttndClient, LayerInputs
 from ..hf_config import check_spec_matches
 
 _MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -49,7 +49,7 @@ _MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 class _Layer:
     """One attention module's replacement forward."""
 
-    def __init__(self, owner: "AttndModel", index: int, attn, rope_module) -> None:
+    def __init__(self, owner: AttndModel, index: int, attn, rope_module) -> None:
         self.owner, self.index, self.attn, self.rope = owner, index, attn, rope_module
         w = attn.kv_b_proj.weight.detach().float()
         h, nope, v = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
@@ -117,7 +117,8 @@ class AttndModel:
     ``wire_dtype``: the datatype of what is sent (torch.float32 or torch.bfloat16); the cache's
     is the server's --cache-dtype. ``server_absorbs``: the server holds this checkpoint's
     kv_b_proj (attnd --absorb-from): send q_nope, receive the values (80 KB per token per layer
-    instead of 288 KB at DeepSeek dims, DESIGN §13). Sequences are opened by :meth:`open` or :meth:`fork` (a shared
+    instead of 288 KB at DeepSeek dims, DESIGN §13). Sequences are opened by :meth:`open` or
+    :meth:`fork` (a shared
     prefix), extended by :meth:`forward` (any mix of prefill chunks and decode tokens) and
     :meth:`generate`, and closed by :meth:`close`. Not thread-safe (one step at a time)."""
 
@@ -170,7 +171,7 @@ class AttndModel:
     # -- steps --
 
     def _attend(self, layer: int, tensors) -> torch.Tensor:
-        return self.client.attend_layer(self._step, layer, as_torch=True, **tensors)
+        return self.client.attend_layer(self._step, LayerInputs(layer, as_torch=True, **tensors))
 
     @torch.no_grad()
     def forward(self, batch: Sequence[Tuple[str, torch.Tensor]]) -> List[torch.Tensor]:
@@ -182,8 +183,8 @@ class AttndModel:
         step = self.client.begin_step([(sid, len(t)) for (sid, _), t in zip(batch, ids)])
         self._step = step.step_id
         try:
-            out = self.model(input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
-                             use_cache=False)
+            out = self.model(input_ids=torch.cat(ids)[None],
+                             position_ids=torch.cat(positions)[None], use_cache=False)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.client.abort_step(step.step_id)

@@ -1,0 +1,23 @@
+"""The error every attnd call raises: :class:`AttndError` (a gRPC status code and the server's
+message)."""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = ["AttndError"]
+
+
+class AttndError(Exception):
+    """A failed attnd call: ``code`` is the grpc.StatusCode, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> AttndError:
+        code = error.code() if callable(getattr(error, "code", None)) else None
+        details = error.details() if callable(getattr(error, "details", None)) else None
+        return cls(code or grpc.StatusCode.UNKNOWN, details or str(error))
