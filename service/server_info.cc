@@ -1,0 +1,92 @@
+// ServerInfo: what this server serves (model, limits, capacity, features).
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/client_text.h"
+#include "common/status_macros.h"
+#include "engine/layer_check.h"
+#include "kv_store/cache_layout.h"
+#include "service/attention_service.h"
+#include "service/export_chunk.h"
+#include "service/layer_codec.h"
+#include "service/service_internal.h"
+#include "service/status_map.h"
+#include "service/tensor_codec.h"
+
+namespace attnd {
+
+grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerContext* ctx,
+                                                       const v1::ServerInfoRequest*,
+                                                       v1::ServerInfoResponse* resp) {
+  return Unary(ctx, "ServerInfo", [&](const Caller& c) { return DoServerInfo(c, resp); });
+}
+
+absl::Status AttentionService::DoServerInfo(const Caller& caller,
+                                            v1::ServerInfoResponse* resp) const {
+  const ModelSpec& s = engine_->spec();
+  resp->set_version(absl::StrCat("attnd ", BuildVersion(), " (", BuildRevision(), ")"));
+  resp->set_tenant(caller.tenant);
+  resp->set_admin(caller.admin);
+  resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
+  resp->set_shm(options_.shm_enabled);
+  resp->set_context_parallel(engine_->ServesContextParallel());
+  if (const std::shared_ptr<const Absorption> a = engine_->absorption()) {
+    v1::AbsorptionInfo* ai = resp->mutable_absorption();
+    ai->set_qk_nope_head_dim(a->qk_nope_head_dim());
+    ai->set_v_head_dim(a->v_head_dim());
+    ai->set_source(a->source());
+    ai->set_bytes(static_cast<int64_t>(a->bytes()));
+  }
+  v1::ModelSpec* m = resp->mutable_model();
+  m->set_name(s.name);
+  for (LayerKind k : s.layers) m->add_layers(std::string(LayerKindName(k)));
+  m->set_kv_lora_rank(s.kv_lora_rank);
+  m->set_qk_rope_head_dim(s.qk_rope_head_dim);
+  m->set_num_heads(s.num_heads);
+  m->set_index_n_heads(s.index_n_heads);
+  m->set_index_head_dim(s.index_head_dim);
+  m->set_index_topk(s.index_topk);
+  m->set_page_size(s.page_size);
+  m->set_sm_scale(s.sm_scale);
+  m->set_max_context(s.max_context);
+  m->set_selection(SelectionModeName(s));
+  m->set_page_union_max_pages(s.page_union_max_pages);
+  m->set_prefill(std::string(PrefillModeName(s.prefill)));
+  m->set_sliding_window(s.sliding_window);
+  m->set_soft_cap(s.soft_cap);
+  resp->set_backend(options_.backend);
+  resp->set_cpu_isa(std::string(cpu::IsaName(engine_->options().isa)));
+  resp->set_cache_datatype(std::string(DTypeName(engine_->options().cache_dtype)));
+  for (const DeviceCapacity& d : engine_->Capacity()) {
+    v1::DeviceInfo* out = resp->add_devices();
+    out->set_name(d.name);
+    out->set_pages_total(d.pages_total);
+    out->set_pages_free(d.pages_free);
+    out->set_bytes_per_page(static_cast<int64_t>(d.bytes_per_page));
+    out->set_sequences(d.sequences);
+  }
+  for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
+  resp->add_datatypes("FP8_E4M3");  // queries with scales anywhere; keys into an fp8 cache
+  resp->set_max_message_bytes(options_.max_message_bytes);
+  resp->set_step_idle_timeout_ms(options_.step_idle_timeout_ms);
+  const EngineLimits& lim = engine_->options().limits;
+  v1::ServerLimits* l = resp->mutable_limits();
+  l->set_max_echo_bytes(max_echo_bytes());
+  l->set_max_export_chunk_tokens(max_export_chunk_tokens());
+  l->set_max_attended_positions(max_attended_positions());
+  l->set_max_step_tokens(lim.max_step_tokens);
+  l->set_max_batch_entries(lim.max_batch_entries);
+  l->set_max_sequences(lim.max_sequences);
+  l->set_max_id_bytes(static_cast<int64_t>(lim.max_id_bytes));
+  l->set_max_shm_regions(options_.max_shm_regions);
+  l->set_check_finite(lim.check_finite);
+  return absl::OkStatus();
+}
+
+}  // namespace attnd
