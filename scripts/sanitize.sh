@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The test suites under sanitizers (clang-14): the unit and integration tests under ASan+UBSan
-# (the service tests run an ASan+UBSan attnd), the engine's concurrency tests under TSan. Any report
-# fails the run (halt_on_error). Called by scripts/test.sh; can be run alone.
+# The test suites under sanitizers (clang-14): the unit, engine and in-process service tests
+# (ctest labels, tests/CMakeLists.txt) under ASan+UBSan, the engine's concurrency tests under
+# TSan. Any report fails the run (halt_on_error). Called by scripts/test.sh; can be run alone.
 #   scripts/sanitize.sh [asan|tsan|all]   (default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,10 +20,10 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
   configure build-asan address,undefined
   cmake --build build-asan -j "$(nproc)"
-  echo "sanitize: ASan+UBSan: the whole C++ suite"
+  echo "sanitize: ASan+UBSan: the unit, engine and service levels (the e2e ones run once, in test.sh)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:suppressions=$PWD/tests/sanitizers/asan.supp \
   LSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/lsan.supp \
-    ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E 'Cuda|InstallAndFindPackage'
+    ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE e2e -E 'Cuda'
 fi
 if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # The engine's concurrency (layers of different steps at once, aborts racing running layers,

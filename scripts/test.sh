@@ -5,21 +5,29 @@
 # the adapter in a torch venv cached under ~/.cache), the C++
 # suites again under ASan+UBSan and the concurrency tests under TSan (scripts/sanitize.sh), and a
 # short run of each libFuzzer target from its seed corpus (scripts/fuzz.sh).
-# ATTND_QUICK=1 skips the sanitizer and fuzz stages (for a quick local loop).
+# --quick (or ATTND_QUICK=1) skips the sanitizer and fuzz stages (for a quick local loop).
 set -euo pipefail
+if [ "${1:-}" = --quick ]; then ATTND_QUICK=1; fi
 cd "$(dirname "$0")/.."
+stage() { echo "test.sh: [${SECONDS}s] $*"; }  # each stage's start, for CI's stage times
+stage install-deps
 ./scripts/install-deps.sh
 BUILD_DIR=${BUILD_DIR:-build}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+stage build
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)"
+stage ctest
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
+  stage python
   python3 -m ruff check client/python bench/*.py
   python3 -m pytest -q client/python/tests bench/test_gpu_report.py
+  stage python-package
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
+  stage transformers
   BUILD_DIR="$BUILD_DIR" ./scripts/test_transformers.sh
 fi
 # With the CUDA backend built: gpu-check goes through every stage without a GPU and must say that
@@ -32,6 +40,9 @@ if [ -x "$BUILD_DIR/tests/cuda_test" ]; then
     { echo "test.sh: gpu-check --dry-run did not end with 'nothing measured'"; exit 1; }
 fi
 if [ "${ATTND_QUICK:-0}" != 1 ]; then
+  stage sanitizers
   ./scripts/sanitize.sh all
+  stage fuzz
   ./scripts/fuzz.sh "${ATTND_FUZZ_SECONDS:-60}"
 fi
+stage done
