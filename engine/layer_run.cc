@@ -29,15 +29,8 @@ absl::Status ForEachConcurrently(size_t n, Fn fn) {
 }  // namespace
 
 const char* LayerModeName(LayerMode mode) {
-  switch (mode) {
-    case LayerMode::kAttend:
-      return "attend";
-    case LayerMode::kCandidates:
-      return "candidates";
-    case LayerMode::kSelection:
-      return "selection";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"attend", "candidates", "selection"};
+  return kNames[static_cast<int>(mode)];
 }
 
 absl::StatusOr<void*> BufferSink::Prepare(const LayerShape& shape) {

@@ -37,6 +37,15 @@ Setter Int(T* out) {
     return true;
   };
 }
+// An integer in [lo, hi].
+Setter InRange(int* out, int lo, int hi) {
+  return [out, lo, hi](const std::string& v) {
+    int64_t x;
+    if (!absl::SimpleAtoi(v, &x) || x < lo || x > hi) return false;
+    *out = static_cast<int>(x);
+    return true;
+  };
+}
 // A positive integer (a limit of 0 would refuse everything).
 Setter Limit(int64_t* out) {
   return [out](const std::string& v) {
@@ -147,6 +156,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        "forces the CPU",
        List(&f->devices, true)},
       {"threads", "N", "compute threads (default: all cores)", Int(&f->threads)},
+      {"executor-threads", "N",
+       "threads that run layer calls and other blocking RPC work off\ngRPC's threads, 1 to 1024 "
+       "(default 8)",
+       InRange(&f->executor_threads, 1, 1024)},
       {"cpu-isa", "auto|avx512|avx2|generic",
        "CPU inner loops (default auto: the widest the host has; avx512 and\navx2 give the same "
        "bits)",

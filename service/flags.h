@@ -27,6 +27,7 @@ struct ServerFlags {
   DType cache_dtype = DType::kBF16;
   std::vector<std::string> devices = {"auto"};  // cpu:N and/or cuda:N, or auto
   int threads = 0;                              // compute threads; 0 = all cores
+  int executor_threads = 8;                     // the service's executor (blocking RPC work)
   std::string cpu_isa = "auto";                 // auto, avx512, avx2, generic
   int64_t max_message_bytes = int64_t{1} << 30;
   int64_t step_idle_timeout_ms = 30000;

@@ -183,7 +183,7 @@ int RunServer(const ServerFlags& flags) {
     std::fprintf(stderr,
                  "attnd: warning: --auth=token without --tls-cert: bearer tokens cross the network "
                  "in clear text (only safe on loopback or inside an encrypting mesh)\n");
-  Executor executor(8);
+  Executor executor(flags.executor_threads);
   metrics::Registry registry;
   ServiceMetrics service_metrics(&registry, engine.get(), &executor);
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;

@@ -40,7 +40,7 @@ TEST(Flags, VersionNamesTheBuild) {
 TEST(Flags, ValuesSwitchesAndDefaults) {
   auto f = Parse({"--grpc-address=::", "--grpc-port", "0", "--metrics-port=0", "--shm",
                   "--shm-socket=/tmp/x.sock", "--devices=cpu:0,cpu:1", "--drain-peers=a:1,b:2",
-                  "--kv-cache-fraction=0.9"});
+                  "--kv-cache-fraction=0.9", "--executor-threads=3"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->grpc_address, "::");
   EXPECT_EQ(f->metrics_port, 0);
@@ -48,7 +48,9 @@ TEST(Flags, ValuesSwitchesAndDefaults) {
   EXPECT_EQ(f->devices.size(), 2u);
   EXPECT_EQ(f->drain_peers.size(), 2u);
   EXPECT_DOUBLE_EQ(f->kv_cache_fraction, 0.9);
+  EXPECT_EQ(f->executor_threads, 3);
   const ServerFlags d = Parse({}).value();
+  EXPECT_EQ(d.executor_threads, 8);
   EXPECT_EQ(d.metrics_port, 8002);
   EXPECT_TRUE(d.allow_metrics);
   EXPECT_EQ(d.auth, "none");
@@ -63,6 +65,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"stray"}, "unexpected argument 'stray'"},
       {{"--grpc-port=70000"}, "port out of range"},
       {{"--threads=-1"}, "bad value '-1' for --threads"},
+      {{"--executor-threads=0"}, "bad value '0' for --executor-threads"},
+      {{"--executor-threads=1025"}, "bad value '1025' for --executor-threads"},
       {{"--max-sequences=0"}, "bad value '0' for --max-sequences"},
       {{"--kv-pages=4294967360"}, "bad value"},
       {{"--drain-parallel=65"}, "--drain-parallel: at most 64"},
