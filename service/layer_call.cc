@@ -73,11 +73,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   }
   ReplySink sink(in, &decoded, shm_access, reply_limits(), out);
   absl::StatusOr<LayerResult> result = engine_->RunLayer(step, decoded.request, &sink);
-  if (!result.ok()) {
-    out->set_layer(in.layer());
-    out->set_committed(false);
-    return result.status();
-  }
+  if (!result.ok()) return result.status();  // an error's reply is never sent
   EncodeLayerResult(*result, in, decoded, sink, out);
   const bool last = result->committed;
   // After the layer ran: a region that shrank meanwhile is written past its new end (pwrite grows
