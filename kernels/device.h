@@ -83,12 +83,6 @@ struct LayerCall {
   const std::vector<std::vector<int32_t>>* selection = nullptr;
 };
 
-// A query's local candidates (context parallelism) from its indexer scores over its n visible
-// keys: the top-K tokens (token, page_union) or the best `budget` pages by their best token
-// (page_budget), best first, ties to the lower key. Every backend's rule.
-void LocalCandidatesOf(const ModelSpec& spec, const float* scores, int64_t n,
-                       LayerCall::LocalCandidates* out);
-
 // A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by
 // Device::BeginStep, destroyed when the step ends.
 class DeviceStep {

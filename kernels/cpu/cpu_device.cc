@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/fp8_rows.h"
+#include "kernels/selection.h"
 
 namespace attnd {
 namespace {
@@ -276,28 +277,11 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer,
       const int64_t n = share.pos[i] + 1;
       const float* sc = st.scores.data() + offset[qi];
       if (candidates != nullptr) {
-        LocalCandidatesOf(spec_, sc, n, &(*candidates)[i]);
+        LayerCall::LocalCandidates& c = (*candidates)[i];
+        LocalCandidatesOf(spec_, sc, n, &c.keys, &c.scores);
         return;
       }
-      auto& sel = st.positions[i];
-      sel.clear();
-      switch (spec_.selection) {
-        case SelectionMode::kToken:
-          sel.resize(std::min<int64_t>(n, spec_.index_topk));
-          sel.resize(cpu::ExactTopK(sc, n, spec_.index_topk, sel.data()));
-          break;
-        case SelectionMode::kPageUnion: {
-          thread_local std::vector<int32_t> topk;
-          topk.resize(std::min<int64_t>(n, spec_.index_topk));
-          topk.resize(cpu::ExactTopK(sc, n, spec_.index_topk, topk.data()));
-          cpu::PageUnionSelect(sc, n, topk.data(), static_cast<int64_t>(topk.size()),
-                               spec_.page_size, spec_.page_union_max_pages, &sel);
-          break;
-        }
-        case SelectionMode::kPageBudget:
-          cpu::PageBudgetSelect(sc, n, spec_.page_size, spec_.page_budget, &sel);
-          break;
-      }
+      SelectKeys(spec_, sc, n, &st.positions[i]);
       KeepSlots(share, st, i);
     });
     w0 = w1;

@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/nccl_peer.h"
 #include "kernels/fp8_rows.h"
+#include "kernels/selection.h"
 
 namespace attnd::cuda {
 namespace {
@@ -531,9 +532,10 @@ absl::Status CudaDevice::State::Candidates(int layer, bool index_q_bf16,
     CUDA_RETURN(
         cudaMemcpyAsync(host.data(), scores.ptr, w->total * 4, cudaMemcpyDeviceToHost, stream));
     CUDA_RETURN(cudaStreamSynchronize(stream));
-    for (int q = 0; q < w->nq; ++q)
-      LocalCandidatesOf(spec, host.data() + w->host_offset[q], w->host_len[q],
-                        &(*out)[w->host_rows[q]]);
+    for (int q = 0; q < w->nq; ++q) {
+      LayerCall::LocalCandidates& c = (*out)[w->host_rows[q]];
+      LocalCandidatesOf(spec, host.data() + w->host_offset[q], w->host_len[q], &c.keys, &c.scores);
+    }
   }
   return absl::OkStatus();
 }
