@@ -1,8 +1,33 @@
 #include "kernels/device.h"
 
 #include "common/status_macros.h"
+#include "kernels/selection.h"
 
 namespace attnd {
+
+absl::Status Device::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
+  if (share.size() == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::unique_ptr<LayerRun> run, StartLayer(share, step, call));
+  // Context-parallel calls may carry no key rows: another server holds the new tokens, or an
+  // earlier call of the layer wrote them.
+  if (call.in->kv_latent.present) RETURN_IF_ERROR(run->WriteKeys());
+  if (call.candidates != nullptr) {  // context parallelism: this slice's candidates, no attention
+    RETURN_IF_ERROR(run->Score([&](int64_t i, const float* scores, int64_t visible) {
+      LayerCall::LocalCandidates& c = (*call.candidates)[i];
+      LocalCandidatesOf(spec_, scores, visible, &c.keys, &c.scores);
+    }));
+    return run->Finish();
+  }
+  if (call.out == nullptr) return run->Finish();  // write-only
+  // The selection, kept on the device for the layers that reuse it (IndexShare).
+  if (call.selection != nullptr) {  // context parallelism: the merged selection's local part
+    RETURN_IF_ERROR(run->Keep(*call.selection));
+  } else if (call.select) {
+    RETURN_IF_ERROR(run->Select());
+  }
+  RETURN_IF_ERROR(run->Attend());
+  return run->Finish();
+}
 
 absl::Status Device::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
   std::vector<uint8_t> staged;
