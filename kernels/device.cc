@@ -1,12 +1,33 @@
 #include "kernels/device.h"
 
-#include <algorithm>
-#include <utility>
-
 #include "common/status_macros.h"
-#include "kernels/cpu/attention_cpu.h"
+#include "kernels/selection.h"
 
 namespace attnd {
+
+absl::Status Device::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
+  if (share.size() == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::unique_ptr<LayerRun> run, StartLayer(share, step, call));
+  // Context-parallel calls may carry no key rows: another server holds the new tokens, or an
+  // earlier call of the layer wrote them.
+  if (call.in->kv_latent.present) RETURN_IF_ERROR(run->WriteKeys());
+  if (call.candidates != nullptr) {  // context parallelism: this slice's candidates, no attention
+    RETURN_IF_ERROR(run->Score([&](int64_t i, const float* scores, int64_t visible) {
+      LayerCall::LocalCandidates& c = (*call.candidates)[i];
+      LocalCandidatesOf(spec_, scores, visible, &c.keys, &c.scores);
+    }));
+    return run->Finish();
+  }
+  if (call.out == nullptr) return run->Finish();  // write-only
+  // The selection, kept on the device for the layers that reuse it (IndexShare).
+  if (call.selection != nullptr) {  // context parallelism: the merged selection's local part
+    RETURN_IF_ERROR(run->Keep(*call.selection));
+  } else if (call.select) {
+    RETURN_IF_ERROR(run->Select());
+  }
+  RETURN_IF_ERROR(run->Attend());
+  return run->Finish();
+}
 
 absl::Status Device::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
   std::vector<uint8_t> staged;
@@ -17,32 +38,6 @@ absl::Status Device::CopyPages(Device& dst, const std::vector<PageCopy>& copies)
     RETURN_IF_ERROR(dst.WritePage(c.dst, c.rows, staged.data()));
   }
   return absl::OkStatus();
-}
-
-void LocalCandidatesOf(const ModelSpec& spec, const float* sc, int64_t n,
-                       LayerCall::LocalCandidates* out) {
-  // Best first, ties to the lower key: what merging the servers' lists needs.
-  std::vector<std::pair<float, int32_t>> best;
-  if (spec.selection == SelectionMode::kPageBudget) {
-    cpu::PageMaxima(sc, n, spec.page_size, &best);
-  } else {
-    thread_local std::vector<int32_t> topk;
-    topk.resize(std::min<int64_t>(n, spec.index_topk));
-    topk.resize(cpu::ExactTopK(sc, n, spec.index_topk, topk.data()));
-    for (int32_t p : topk) best.emplace_back(cpu::RankKey(sc[p]), p);
-  }
-  const size_t keep = static_cast<size_t>(CandidatesPerQuery(spec));
-  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  std::sort(best.begin(), best.end(), better);
-  if (best.size() > keep) best.resize(keep);
-  out->keys.clear();
-  out->scores.clear();
-  for (const auto& [score, key] : best) {
-    out->keys.push_back(key);
-    out->scores.push_back(score);
-  }
 }
 
 }  // namespace attnd

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,12 +84,6 @@ struct LayerCall {
   const std::vector<std::vector<int32_t>>* selection = nullptr;
 };
 
-// A query's local candidates (context parallelism) from its indexer scores over its n visible
-// keys: the top-K tokens (token, page_union) or the best `budget` pages by their best token
-// (page_budget), best first, ties to the lower key. Every backend's rule.
-void LocalCandidatesOf(const ModelSpec& spec, const float* scores, int64_t n,
-                       LayerCall::LocalCandidates* out);
-
 // A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by
 // Device::BeginStep, destroyed when the step ends.
 class DeviceStep {
@@ -96,19 +91,46 @@ class DeviceStep {
   virtual ~DeviceStep() = default;
 };
 
+// One Device::RunLayer call on one device: the backend's steps, which RunLayer calls in the order
+// its policy says. Device::StartLayer creates one per call; it is destroyed when the call returns
+// (a backend may hold a lock, and its per-call state, for that long).
+class LayerRun {
+ public:
+  virtual ~LayerRun() = default;
+  // The call's key rows into the layer's caches (latent rows; indexer rows on full layers).
+  virtual absl::Status WriteKeys() = 0;
+  // The indexer: each share token that needs it gets its scores over its `visible` keys (host
+  // memory, valid during the call) through sink(token, scores, visible). Calls of the sink may
+  // run concurrently, for different tokens.
+  using ScoreSink = std::function<void(int64_t token, const float* scores, int64_t visible)>;
+  virtual absl::Status Score(const ScoreSink& sink) = 0;
+  // The indexer and the selection (kernels/selection.h's rule) for the tokens that need it, kept
+  // for the layers that follow.
+  virtual absl::Status Select() = 0;
+  // Keeps a given selection (per share token, local positions ascending) as Select keeps its own.
+  virtual absl::Status Keep(const std::vector<std::vector<int32_t>>& selection) = 0;
+  // MLA for the share's queries into call.out (and call.lse): the kept selection for the tokens
+  // that need the indexer on sparse layers, key ranges otherwise.
+  virtual absl::Status Attend() = 0;
+  // The call's work done before RunLayer returns (a GPU waits for its stream).
+  virtual absl::Status Finish() { return absl::OkStatus(); }
+};
+
 class Device {
  public:
   virtual ~Device() = default;
   const std::string& name() const { return name_; }
+  const ModelSpec& spec() const { return spec_; }
   const CacheLayout& layout() const { return layout_; }
 
   // Prepares a step's share (uploads its page table, sizes its selection buffers).
   virtual absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) = 0;
-  // One layer for the share: writes its new key rows, then unless write-only selects (when
-  // call.select) and attends. Different steps may run layers concurrently; one step's layers
-  // come one at a time.
-  virtual absl::Status RunLayer(const StepShare& share, DeviceStep& step,
-                                const LayerCall& call) = 0;
+  // One layer for the share: writes its new key rows (when the call has them), then either puts
+  // each indexed token's local candidates in call.candidates, or unless write-only keeps
+  // call.selection or selects (when call.select) and attends. Every backend's policy, written
+  // once over the backend's LayerRun (StartLayer). Different steps may run layers concurrently;
+  // one step's layers come one at a time.
+  absl::Status RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call);
   // The kept selection as key positions, per share token (ascending; empty for tokens that need
   // no indexer or before any selection). For traces.
   virtual absl::Status SelectedPositions(const StepShare& share, DeviceStep& step,
@@ -135,10 +157,16 @@ class Device {
   virtual bool SupportsContextParallel() const { return false; }
 
  protected:
-  Device(std::string name, const CacheLayout& layout) : name_(std::move(name)), layout_(layout) {}
+  Device(std::string name, const ModelSpec& spec, const CacheLayout& layout)
+      : name_(std::move(name)), spec_(spec), layout_(layout) {}
+  // The backend's steps for one RunLayer call (the share has tokens).
+  virtual absl::StatusOr<std::unique_ptr<LayerRun>> StartLayer(const StepShare& share,
+                                                               DeviceStep& step,
+                                                               const LayerCall& call) = 0;
 
  private:
   std::string name_;
+  ModelSpec spec_;
   CacheLayout layout_;
 };
 

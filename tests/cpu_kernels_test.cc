@@ -322,23 +322,6 @@ TEST(Isas, EverySupportedIsaIsFoundByItsName) {
 INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(SupportedIsas()),
                          [](const auto& info) { return std::string(IsaName(info.param)); });
 
-TEST(ExactTopK, MatchesFullSortWithTiesToLowerPositionAndNaNLast) {
-  std::mt19937_64 rng(5);
-  for (int trial = 0; trial < 200; ++trial) {
-    const int64_t n = 1 + rng() % 400;
-    const int64_t k = 1 + rng() % 64;
-    std::vector<float> s(n);
-    for (auto& x : s) x = static_cast<float>(rng() % 20) - 5;  // many exact ties
-    if (trial % 3 == 0) s[rng() % n] = NAN;
-    std::vector<double> sd(s.begin(), s.end());
-    for (auto& x : sd)
-      if (std::isnan(x)) x = -INFINITY;
-    std::vector<int32_t> got(std::min(n, k));
-    got.resize(ExactTopK(s.data(), n, k, got.data()));
-    EXPECT_EQ(got, reference::TopK(sd, k)) << "n=" << n << " k=" << k;
-  }
-}
-
 ModelSpec SmallSpec(SelectionMode mode) {
   ModelSpec s = PresetModelSpec("tiny").value();
   s.selection = mode;
@@ -346,31 +329,6 @@ ModelSpec SmallSpec(SelectionMode mode) {
   s.page_budget = 2;
   s.index_topk = 10;
   return s;
-}
-
-TEST(PageSelection, MatchesReferenceForUnionAndBudget) {
-  std::mt19937_64 rng(11);
-  for (auto mode : {SelectionMode::kPageUnion, SelectionMode::kPageBudget}) {
-    ModelSpec spec = SmallSpec(mode);
-    for (int trial = 0; trial < 100; ++trial) {
-      const int64_t n = 1 + rng() % 200;
-      auto s = Randn(n, rng);
-      std::vector<double> sd(s.begin(), s.end());
-      std::vector<int32_t> got;
-      if (mode == SelectionMode::kPageUnion) {
-        std::vector<int32_t> topk(std::min<int64_t>(n, spec.index_topk));
-        topk.resize(ExactTopK(s.data(), n, spec.index_topk, topk.data()));
-        PageUnionSelect(s.data(), n, topk.data(), topk.size(), spec.page_size,
-                        spec.page_union_max_pages, &got);
-      } else {
-        PageBudgetSelect(s.data(), n, spec.page_size, spec.page_budget, &got);
-      }
-      const auto want = reference::SelectKeys(spec, sd, false);
-      ASSERT_EQ(got, want) << "mode " << int(mode) << " n=" << n;
-      // The own page is always there, up to the query.
-      EXPECT_EQ(got.back(), n - 1);
-    }
-  }
 }
 
 // One sequence's rows, scattered over shuffled pages of a small pool.

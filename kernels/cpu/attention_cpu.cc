@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
+#include <vector>
 
 #include "common/fp8.h"
 
@@ -16,8 +16,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Per-thread scratch, grown on demand and reused across calls (no allocation per layer once warm).
 struct Scratch {
   std::vector<float> a, b, c, d;
-  std::vector<float> rank;
-  std::vector<std::pair<float, int32_t>> pages;
 };
 Scratch& ThreadScratch() {
   thread_local Scratch s;
@@ -85,39 +83,7 @@ void Transpose(const float* src, int rows, int cols, int lds, float* dst, int ld
     for (int c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c] * scale;
 }
 
-void ExpandPages(const std::vector<int32_t>& pages, int64_t n, int page_size,
-                 std::vector<int32_t>* out) {
-  for (int32_t p : pages) {
-    const int64_t lo = static_cast<int64_t>(p) * page_size;
-    const int64_t hi = std::min<int64_t>(lo + page_size, n);
-    for (int64_t s = lo; s < hi; ++s) out->push_back(static_cast<int32_t>(s));
-  }
-}
-
 }  // namespace
-
-float RankKey(float s) { return std::isnan(s) ? kNegInf : s; }
-
-std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int keep,
-                               int32_t own_page) {
-  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  if (static_cast<int64_t>(cand.size()) > keep) {
-    std::nth_element(cand.begin(), cand.begin() + keep, cand.end(), better);
-    cand.resize(keep);
-  }
-  std::vector<int32_t> pages;
-  pages.reserve(cand.size() + 1);
-  bool has_own = false;
-  for (auto& [score, page] : cand) {
-    pages.push_back(page);
-    has_own |= page == own_page;
-  }
-  if (!has_own) pages.push_back(own_page);
-  std::sort(pages.begin(), pages.end());
-  return pages;
-}
 
 void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
   // Scores are computed keys-major, S^T[key][head] = K[key,:] · q^T, so cached rows are used as
@@ -140,68 +106,6 @@ void IndexerScores(const Kernels& k, const IndexerScoreParams& p) {
     k.gemm(nk, H, D, kr, D, qt, H, st, H, false);
     k.relu_dot(st, nk, H, H, p.w, p.scores + (t0 - p.begin));
   }
-}
-
-int64_t ExactTopK(const float* scores, int64_t n, int64_t k, int32_t* out) {
-  if (k >= n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(i);
-    return n;
-  }
-  if (k <= 0) return 0;
-  Scratch& ws = ThreadScratch();
-  if (ws.rank.size() < static_cast<size_t>(n)) ws.rank.resize(n);
-  float* r = ws.rank.data();
-  for (int64_t i = 0; i < n; ++i) r[i] = RankKey(scores[i]);
-  std::nth_element(r, r + (k - 1), r + n, std::greater<float>());
-  const float threshold = r[k - 1];
-  int64_t above = 0;
-  for (int64_t i = 0; i < n; ++i) above += RankKey(scores[i]) > threshold;
-  int64_t ties_left = k - above;  // ties at the threshold go to the lowest positions
-  int64_t m = 0;
-  for (int64_t i = 0; i < n && m < k; ++i) {
-    const float v = RankKey(scores[i]);
-    if (v > threshold || (v == threshold && ties_left-- > 0)) out[m++] = static_cast<int32_t>(i);
-  }
-  return m;
-}
-
-void PageUnionSelect(const float* scores, int64_t n, const int32_t* topk, int64_t num_topk,
-                     int page_size, int max_pages, std::vector<int32_t>* out) {
-  Scratch& ws = ThreadScratch();
-  auto& cand = ws.pages;
-  cand.clear();
-  // topk is ascending, so tokens of one page are adjacent.
-  for (int64_t i = 0; i < num_topk; ++i) {
-    const int32_t page = topk[i] / page_size;
-    const float v = RankKey(scores[topk[i]]);
-    if (cand.empty() || cand.back().second != page) {
-      cand.emplace_back(v, page);
-    } else {
-      cand.back().first = std::max(cand.back().first, v);
-    }
-  }
-  const int32_t own = static_cast<int32_t>((n - 1) / page_size);
-  ExpandPages(BestPages(cand, max_pages, own), n, page_size, out);
-}
-
-void PageMaxima(const float* scores, int64_t n, int page_size,
-                std::vector<std::pair<float, int32_t>>* out) {
-  out->clear();
-  const int64_t num_pages = (n + page_size - 1) / page_size;
-  for (int64_t p = 0; p < num_pages; ++p) {
-    float best = kNegInf;
-    const int64_t hi = std::min<int64_t>((p + 1) * page_size, n);
-    for (int64_t s = p * page_size; s < hi; ++s) best = std::max(best, RankKey(scores[s]));
-    out->emplace_back(best, static_cast<int32_t>(p));
-  }
-}
-
-void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
-                      std::vector<int32_t>* out) {
-  auto& cand = ThreadScratch().pages;
-  PageMaxima(scores, n, page_size, &cand);
-  const int32_t own = static_cast<int32_t>((n - 1) / page_size);
-  ExpandPages(BestPages(cand, budget, own), n, page_size, out);
 }
 
 void MlaAttend(const Kernels& k, const MlaParams& p) {

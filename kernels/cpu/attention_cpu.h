@@ -1,17 +1,20 @@
-// The CPU backend's per-query operations: indexer scores, exact top-k, page selection and
-// MLA attention over paged caches. Device-neutral inputs (CacheRows and PageTable, spans as
-// pointer + count);
-// fp32 accumulation everywhere. Every function is thread safe and may run concurrently.
+// The CPU backend's per-query operations: indexer scores and MLA attention over paged caches
+// (selection, every backend's, is kernels/selection.h). Device-neutral inputs (CacheRows and
+// PageTable, spans as pointer + count); fp32 accumulation everywhere. Every function is thread
+// safe and may run concurrently.
 #pragma once
 
 #include <cstdint>
-#include <utility>
-#include <vector>
 
 #include "kernels/cpu/cpu_isa.h"
+#include "kernels/selection.h"
 #include "kv_store/page_table.h"
 
 namespace attnd::cpu {
+
+// engine/context_parallel.cc still names these cpu::; they are kernels/selection.h's.
+using ::attnd::BestPages;
+using ::attnd::RankKey;
 
 // I[s] = Σ_h w[h] · relu(q[h,:] · k[s,:]) for key positions s in [begin, end).
 struct IndexerScoreParams {
@@ -27,32 +30,6 @@ struct IndexerScoreParams {
   float* scores = nullptr;  // [end - begin] output
 };
 void IndexerScores(const Kernels& k, const IndexerScoreParams& p);
-
-// The exact top-k of scores[0, n): the k (or n when smaller) positions with the highest score,
-// ties to the lower position, NaN ranked below every number. Writes them to out in ascending
-// position order and returns how many were written.
-int64_t ExactTopK(const float* scores, int64_t n, int64_t k, int32_t* out);
-
-// Page selection for the page modes (DESIGN §2). `scores` covers positions [0, n) where n - 1 is
-// the query's position; the query's own page is (n - 1) / page_size. Both append the attended key
-// positions to *out in ascending order.
-//  - page_union: pages holding any of `topk` (positions), best `max_pages` by their best token,
-//    plus the own page.
-//  - page_budget: the best `budget` pages by their max token score, plus the own page.
-void PageUnionSelect(const float* scores, int64_t n, const int32_t* topk, int64_t num_topk,
-                     int page_size, int max_pages, std::vector<int32_t>* out);
-void PageBudgetSelect(const float* scores, int64_t n, int page_size, int budget,
-                      std::vector<int32_t>* out);
-
-// Keeps the best `keep` of (score, page) pairs (ties to the lower page), appends `own_page` if
-// missing and returns the pages ascending. `cand` is reordered and truncated.
-std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int keep,
-                               int32_t own_page);
-// NaN ranks below every number in a selection.
-float RankKey(float score);
-// (best RankKey score, page) of every page of scores[0, n), in page order.
-void PageMaxima(const float* scores, int64_t n, int page_size,
-                std::vector<std::pair<float, int32_t>>* out);
 
 // MLA for one query token over a set of keys, for heads [0, num_heads) of q:
 //   s_j = sm_scale·(q_latent·c_kv_j + q_rope·k_pe_j) [soft-capped], p = softmax(s),

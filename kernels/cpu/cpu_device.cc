@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/fp8_rows.h"
+#include "kernels/selection.h"
 
 namespace attnd {
 namespace {
@@ -81,8 +82,7 @@ absl::StatusOr<std::unique_ptr<CpuDevice>> CpuDevice::Create(std::string name,
 
 CpuDevice::CpuDevice(std::string name, const ModelSpec& spec, KvCache cache, ThreadPool* pool,
                      const cpu::Kernels* kernels)
-    : Device(std::move(name), cache.layout()),
-      spec_(spec),
+    : Device(std::move(name), spec, cache.layout()),
       cache_(std::move(cache)),
       pool_(pool),
       kernels_(kernels) {}
@@ -94,26 +94,45 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CpuDevice::BeginStep(const StepShare
   return std::unique_ptr<DeviceStep>(std::move(st));
 }
 
-absl::Status CpuDevice::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
-  if (share.size() == 0) return absl::OkStatus();
-  Step& st = static_cast<Step&>(step);
-  // Context-parallel calls may carry no key rows: another server holds the new tokens, or an
-  // earlier call of the layer wrote them.
-  if (call.in->kv_latent.present) WriteKeys(share, call.layer, *call.in);
-  if (call.candidates != nullptr) {
-    ConvertIndexQueries(share, st, *call.in);
-    Select(share, st, call.layer, call.candidates);
+// One RunLayer call: Device::RunLayer's steps on the thread pool.
+struct CpuDevice::Call final : LayerRun {
+  Call(CpuDevice& d, const StepShare& share, Step& st, const LayerCall& call)
+      : d(d), share(share), st(st), call(call) {}
+  absl::Status WriteKeys() override {
+    d.WriteKeys(share, call.layer, *call.in);
     return absl::OkStatus();
   }
-  if (call.out == nullptr) return absl::OkStatus();
-  ConvertQueries(share, st, call);
-  if (call.selection != nullptr) {
-    Keep(share, st, *call.selection);
-  } else if (call.select) {
-    Select(share, st, call.layer, nullptr);
+  absl::Status Score(const ScoreSink& sink) override {
+    d.ConvertIndexQueries(share, st, *call.in);
+    d.Score(share, st, call.layer, sink);
+    return absl::OkStatus();
   }
-  Attend(share, st, call);
-  return absl::OkStatus();
+  absl::Status Select() override {
+    return Score([this](int64_t i, const float* scores, int64_t visible) {
+      SelectKeys(d.spec(), scores, visible, &st.positions[i]);
+      d.KeepSlots(share, st, i);
+    });
+  }
+  absl::Status Keep(const std::vector<std::vector<int32_t>>& selection) override {
+    d.Keep(share, st, selection);
+    return absl::OkStatus();
+  }
+  absl::Status Attend() override {
+    d.ConvertQueries(share, st, call);
+    d.Attend(share, st, call);
+    return absl::OkStatus();
+  }
+
+  CpuDevice& d;
+  const StepShare& share;
+  Step& st;
+  const LayerCall& call;
+};
+
+absl::StatusOr<std::unique_ptr<LayerRun>> CpuDevice::StartLayer(const StepShare& share,
+                                                                DeviceStep& step,
+                                                                const LayerCall& call) {
+  return std::make_unique<Call>(*this, share, static_cast<Step&>(step), call);
 }
 
 absl::Status CpuDevice::SelectedPositions(const StepShare& share, DeviceStep& step,
@@ -123,8 +142,8 @@ absl::Status CpuDevice::SelectedPositions(const StepShare& share, DeviceStep& st
 }
 
 void CpuDevice::WriteKeys(const StepShare& share, int layer, const LayerInputs& in) {
-  const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, Di = spec_.index_head_dim;
-  const int slot = spec_.FullSlot(layer);
+  const int L = spec().kv_lora_rank, R = spec().qk_rope_head_dim, Di = spec().index_head_dim;
+  const int slot = spec().FullSlot(layer);
   const DType ct = layout().dtype;
   const CacheRows latent = cache_.Latent(layer);
   const CacheRows index = slot >= 0 ? cache_.Index(slot) : CacheRows{};
@@ -159,7 +178,7 @@ void CpuDevice::QueryRow(const TensorView& t, int64_t row, int64_t elems, float*
 
 void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall& call) {
   const LayerInputs& in = *call.in;
-  const int H = spec_.num_heads, L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, D = L + R;
+  const int H = spec().num_heads, L = spec().kv_lora_rank, R = spec().qk_rope_head_dim, D = L + R;
   const int64_t n = share.size();
   // Queries to fp32: [n, H, L+R] with q_latent | q_rope per head.
   st.q.resize(static_cast<size_t>(n) * H * D);
@@ -194,20 +213,19 @@ void CpuDevice::ConvertQueries(const StepShare& share, Step& st, const LayerCall
                      st.q.data() + (i0 * H + h) * D, H * D, false);
     });
   }
-  if (call.select && call.selection == nullptr) ConvertIndexQueries(share, st, in);
 }
 
 void CpuDevice::ConvertIndexQueries(const StepShare& share, Step& st, const LayerInputs& in) {
   const int64_t n = share.size();
-  const int Hi = spec_.index_n_heads;
-  const int64_t row = int64_t{Hi} * spec_.index_head_dim;
+  const int Hi = spec().index_n_heads;
+  const int64_t row = int64_t{Hi} * spec().index_head_dim;
   st.index_q.resize(n * row);
   st.index_w.resize(n * Hi);
   pool_->ParallelFor(n, [&](int64_t i) {
     const int64_t t = share.rows[i];
     for (int h = 0; h < Hi; ++h)  // a row per head: fp8 queries have a scale each
-      QueryRow(in.index_q, t * Hi + h, spec_.index_head_dim,
-               st.index_q.data() + i * row + h * spec_.index_head_dim);
+      QueryRow(in.index_q, t * Hi + h, spec().index_head_dim,
+               st.index_q.data() + i * row + h * spec().index_head_dim);
     ConvertToF32(in.index_w.dtype, in.index_w.Row(t, Hi), st.index_w.data() + i * Hi, Hi);
   });
 }
@@ -231,10 +249,10 @@ void CpuDevice::Keep(const StepShare& share, Step& st,
   }
 }
 
-void CpuDevice::Select(const StepShare& share, Step& st, int layer,
-                       std::vector<LayerCall::LocalCandidates>* candidates) {
-  const int Hi = spec_.index_n_heads, Di = spec_.index_head_dim;
-  const CacheRows keys = cache_.Index(spec_.FullSlot(layer));
+void CpuDevice::Score(const StepShare& share, Step& st, int layer,
+                      const LayerRun::ScoreSink& sink) {
+  const int Hi = spec().index_n_heads, Di = spec().index_head_dim;
+  const CacheRows keys = cache_.Index(spec().FullSlot(layer));
   const PageTable table = share.table();
   std::vector<int64_t> need;  // local tokens whose selection could miss a visible key
   for (int64_t i = 0; i < share.size(); ++i)
@@ -273,32 +291,7 @@ void CpuDevice::Select(const StepShare& share, Step& st, int layer,
     });
     pool_->ParallelFor(static_cast<int64_t>(w1 - w0), [&](int64_t qi) {
       const int64_t i = need[w0 + qi];
-      const int64_t n = share.pos[i] + 1;
-      const float* sc = st.scores.data() + offset[qi];
-      if (candidates != nullptr) {
-        LocalCandidatesOf(spec_, sc, n, &(*candidates)[i]);
-        return;
-      }
-      auto& sel = st.positions[i];
-      sel.clear();
-      switch (spec_.selection) {
-        case SelectionMode::kToken:
-          sel.resize(std::min<int64_t>(n, spec_.index_topk));
-          sel.resize(cpu::ExactTopK(sc, n, spec_.index_topk, sel.data()));
-          break;
-        case SelectionMode::kPageUnion: {
-          thread_local std::vector<int32_t> topk;
-          topk.resize(std::min<int64_t>(n, spec_.index_topk));
-          topk.resize(cpu::ExactTopK(sc, n, spec_.index_topk, topk.data()));
-          cpu::PageUnionSelect(sc, n, topk.data(), static_cast<int64_t>(topk.size()),
-                               spec_.page_size, spec_.page_union_max_pages, &sel);
-          break;
-        }
-        case SelectionMode::kPageBudget:
-          cpu::PageBudgetSelect(sc, n, spec_.page_size, spec_.page_budget, &sel);
-          break;
-      }
-      KeepSlots(share, st, i);
+      sink(i, st.scores.data() + offset[qi], share.pos[i] + 1);
     });
     w0 = w1;
   }
@@ -310,10 +303,10 @@ void CpuDevice::Attend(const StepShare& share, Step& st, const LayerCall& call) 
   uint8_t* out = call.out;
   float* lse = call.lse;
   const Absorption* absorb = call.absorb;
-  const int H = spec_.num_heads, L = spec_.kv_lora_rank, D = spec_.latent_dim();
+  const int H = spec().num_heads, L = spec().kv_lora_rank, D = spec().latent_dim();
   // The output's per-head width: V when absorbed (out_latent · W_UV^T), else L.
   const int W = absorb != nullptr ? absorb->v_head_dim() : L;
-  const LayerKind kind = spec_.layers[layer];
+  const LayerKind kind = spec().layers[layer];
   const bool dense = kind == LayerKind::kDense;
   const size_t oe = DTypeSize(out_dtype);
   // Units of work: the plan's blocks of range queries, and on sparse layers one unit per query
@@ -341,7 +334,7 @@ void CpuDevice::Attend(const StepShare& share, Step& st, const LayerCall& call) 
       const int64_t i = u.first + j;
       std::copy_n(st.q.data() + (i * H + h0) * D, static_cast<size_t>(hn) * D,
                   q.data() + static_cast<size_t>(j) * hn * D);
-      lo[j] = FirstVisibleKey(spec_, kind, share.pos[i]);
+      lo[j] = FirstVisibleKey(spec(), kind, share.pos[i]);
       hi[j] = share.pos[i] + 1;
     }
     cpu::MlaParams p;
@@ -349,12 +342,12 @@ void CpuDevice::Attend(const StepShare& share, Step& st, const LayerCall& call) 
     p.num_heads = hn;
     p.num_queries = qn;
     p.latent_dim = L;
-    p.rope_dim = spec_.qk_rope_head_dim;
+    p.rope_dim = spec().qk_rope_head_dim;
     p.kv = kv;
-    p.sm_scale = static_cast<float>(spec_.sm_scale);
+    p.sm_scale = static_cast<float>(spec().sm_scale);
     p.out = o.data();
     if (lse != nullptr) p.lse = e.data();
-    if (dense) p.soft_cap = static_cast<float>(spec_.soft_cap);
+    if (dense) p.soft_cap = static_cast<float>(spec().soft_cap);
     if (range) {
       p.table = table;
       p.seq = share.seq[u.first];

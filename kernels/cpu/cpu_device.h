@@ -22,7 +22,6 @@ class CpuDevice final : public Device {
                                                            const cpu::Kernels* kernels);
 
   absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) override;
-  absl::Status RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) override;
   absl::Status SelectedPositions(const StepShare& share, DeviceStep& step,
                                  std::vector<std::vector<int32_t>>* out) override;
   absl::Status ReadRows(int layer, int slot, int32_t page, int first, int rows, uint8_t* latent,
@@ -33,8 +32,13 @@ class CpuDevice final : public Device {
   absl::StatusOr<bool> ReservedPageUntouched() override;
   bool SupportsContextParallel() const override { return true; }
 
+ protected:
+  absl::StatusOr<std::unique_ptr<LayerRun>> StartLayer(const StepShare& share, DeviceStep& step,
+                                                       const LayerCall& call) override;
+
  private:
   struct Step;
+  struct Call;
   CpuDevice(std::string name, const ModelSpec& spec, KvCache cache, ThreadPool* pool,
             const cpu::Kernels* kernels);
   void WriteKeys(const StepShare& share, int layer, const LayerInputs& in);
@@ -42,10 +46,8 @@ class CpuDevice final : public Device {
   // Row `row` of a query tensor seen as [rows, elems] to fp32 (FP8_E4M3: code x the row's scale).
   void QueryRow(const TensorView& t, int64_t row, int64_t elems, float* dst) const;
   void ConvertIndexQueries(const StepShare& share, Step& st, const LayerInputs& in);
-  // The indexer and the selection for the tokens that need it; with `candidates`, each one's
-  // best local keys instead (context parallelism).
-  void Select(const StepShare& share, Step& st, int layer,
-              std::vector<LayerCall::LocalCandidates>* candidates);
+  // The indexer's scores of the tokens that need it, in waves, each token's given to `sink`.
+  void Score(const StepShare& share, Step& st, int layer, const LayerRun::ScoreSink& sink);
   void KeepSlots(const StepShare& share, Step& st, int64_t i);
   // A selection given in local positions (context parallelism), kept as Select keeps its own.
   void Keep(const StepShare& share, Step& st, const std::vector<std::vector<int32_t>>& selection);
@@ -56,7 +58,6 @@ class CpuDevice final : public Device {
   void CopyIndexRows(const uint8_t* page, int first, int rows, uint8_t* to) const;
   void WriteIndexRows(uint8_t* page, int rows, const uint8_t* from) const;
 
-  ModelSpec spec_;
   KvCache cache_;
   ThreadPool* pool_;
   const cpu::Kernels* kernels_;

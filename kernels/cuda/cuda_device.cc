@@ -5,27 +5,17 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
-#include "kernels/cuda/nccl_peer.h"
-#include "kernels/fp8_rows.h"
 
 namespace attnd::cuda {
 namespace {
-
-#define CUDA_RETURN(expr)                                                            \
-  do {                                                                               \
-    const cudaError_t attnd_cuda_err_ = (expr);                                      \
-    if (attnd_cuda_err_ != cudaSuccess)                                              \
-      return absl::InternalError(                                                    \
-          absl::StrCat("CUDA: ", #expr, ": ", cudaGetErrorString(attnd_cuda_err_))); \
-  } while (0)
 
 // The most keys any query of a share can attend (its position + 1 bounds every mode).
 int64_t MaxKeys(const StepShare& share) {
@@ -37,91 +27,28 @@ int64_t MaxKeys(const StepShare& share) {
 // Bounds one wave of indexer scores (floats): 64 MiB of GPU scratch.
 constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 
-// bf16 requests take the tensor-core kernels (MLA and indexer); ATTND_CUDA_MLA=simt and
-// ATTND_CUDA_INDEXER=simt select the SIMT ones instead (gpu-check runs both; any other value
-// keeps the default). SetTensorCoreMla / SetTensorCoreIndexer override them in tests.
+// ATTND_CUDA_MLA=simt and ATTND_CUDA_INDEXER=simt select the SIMT kernels (gpu-check runs both;
+// any other value keeps the default). SetTensorCoreMla / SetTensorCoreIndexer override them in
+// tests.
 bool FromEnv(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr || std::string(v) != "simt";
 }
 std::atomic<int> g_tensor_core_mla{-1};  // -1: from the environment
+std::atomic<int> g_tensor_core_indexer{-1};
+
+}  // namespace
+
 bool TensorCoreMla() {
   static const bool from_env = FromEnv("ATTND_CUDA_MLA");
   const int set = g_tensor_core_mla.load();
   return set < 0 ? from_env : set == 1;
 }
-std::atomic<int> g_tensor_core_indexer{-1};
 bool TensorCoreIndexer() {
   static const bool from_env = FromEnv("ATTND_CUDA_INDEXER");
   const int set = g_tensor_core_indexer.load();
   return set < 0 ? from_env : set == 1;
 }
-
-// A device allocation that only grows: no allocation per layer once warm.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  absl::Status Reserve(size_t n) {
-    if (n <= bytes) return absl::OkStatus();
-    if (ptr) cudaFree(ptr);
-    ptr = nullptr;
-    bytes = 0;
-    const cudaError_t e = cudaMalloc(&ptr, n);
-    if (e == cudaErrorMemoryAllocation) {
-      cudaGetLastError();
-      ptr = nullptr;
-      return absl::ResourceExhaustedError(
-          absl::StrCat("GPU memory: cannot allocate ", n, " bytes of scratch"));
-    }
-    CUDA_RETURN(e);
-    bytes = n;
-    return absl::OkStatus();
-  }
-  void Release() {
-    if (ptr) cudaFree(ptr);
-    ptr = nullptr;
-    bytes = 0;
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr);
-  }
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-};
-
-// Pinned host staging, grown on demand.
-struct HostBuffer {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  absl::Status Reserve(size_t n) {
-    if (n <= bytes) return absl::OkStatus();
-    if (ptr) cudaFreeHost(ptr);
-    ptr = nullptr;
-    bytes = 0;
-    CUDA_RETURN(cudaMallocHost(&ptr, n));
-    bytes = n;
-    return absl::OkStatus();
-  }
-  uint8_t* data() const { return static_cast<uint8_t*>(ptr); }
-  ~HostBuffer() {
-    if (ptr) cudaFreeHost(ptr);
-  }
-};
-
-template <typename T>
-absl::Status Upload(DeviceBuffer& dst, const std::vector<T>& src, cudaStream_t s) {
-  RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(1, src.size() * sizeof(T))));
-  if (!src.empty())
-    CUDA_RETURN(
-        cudaMemcpyAsync(dst.ptr, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice, s));
-  // Pageable source: synchronise so the vector may change afterwards.
-  CUDA_RETURN(cudaStreamSynchronize(s));
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::StatusOr<int> ProbeDevices() {
   int n = 0;
@@ -153,165 +80,6 @@ absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal) {
 void SetTensorCoreMla(bool on) { g_tensor_core_mla = on ? 1 : 0; }
 void SetTensorCoreIndexer(bool on) { g_tensor_core_indexer = on ? 1 : 0; }
 
-// A step's share on this GPU: its uploaded plan and its kept selection (IndexShare carry).
-struct CudaDevice::Step final : DeviceStep {
-  explicit Step(int gpu) : ordinal(gpu) {}
-  // The buffers are freed on their own GPU, whichever thread ends the step.
-  ~Step() override { cudaSetDevice(ordinal); }
-  int ordinal = 0;
-  int64_t n = 0;
-  int64_t sel_cap = 0;
-  int32_t page_size = 0;
-  int64_t max_keys = 1;  // the most keys any query attends (position + 1)
-  DeviceBuffer pos, seq, indptr, pages, slot, needs_index;
-  DeviceBuffer sel, sel_slots, sel_count;  // [n, sel_cap] positions and slot ids, [n] counts
-  bool selected = false;                   // a full layer has run
-  // The indexer's queries in waves whose score rows fit kMaxScoreFloats, planned and uploaded
-  // once per step (every full layer reuses them).
-  struct Wave {
-    int nq = 0;
-    int64_t total = 0, max_len = 0, pages_total = 0, max_pages = 0;
-    DeviceBuffer rows, offset, len;   // [nq] local token, score offset, visible keys
-    DeviceBuffer page_offset, pages;  // [nq] page-key offset, pages (page modes)
-    std::vector<int32_t> host_rows;   // rows, offset and len on the host (candidates)
-    std::vector<int64_t> host_offset, host_len;
-  };
-  std::vector<std::unique_ptr<Wave>> waves;
-  QueryTables Tables() const {
-    QueryTables t;
-    t.table.indptr = indptr.as<int32_t>();
-    t.table.pages = pages.as<int32_t>();
-    t.table.page_size = page_size;
-    t.seq = seq.as<int32_t>();
-    t.pos = pos.as<int64_t>();
-    return t;
-  }
-};
-
-struct CudaDevice::State {
-  ModelSpec spec;
-  CacheLayout layout;
-  cudaStream_t stream = nullptr;       // layers (mu held)
-  cudaStream_t copy_stream = nullptr;  // page reads, writes and copies (copy_mu held)
-  uint8_t* cache = nullptr;            // CacheLayout's one allocation
-  std::mutex mu;                       // one layer at a time per GPU: the scratch below is shared
-  std::mutex copy_mu;
-  // Per-layer scratch.
-  DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, tmp_sel, tmp_count,
-      page_keys, page_list, page_count, out_f32, out_raw, lse;
-  DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
-  DeviceBuffer q_nope, out_v;      // absorbed calls: q_nope and the values, fp32
-  HostBuffer staging;
-  // Server-side absorption: every layer's W_UK [H, Dn, L] and W_UV^T [H, L, V] (PrepareAbsorption).
-  std::vector<DeviceBuffer> absorb_uk, absorb_uv;
-  int absorb_dn = 0, absorb_v = 0;
-  int sms = 1;                       // multiprocessors: how many split-K blocks fill the GPU
-  size_t scratch_budget = 0;         // the most per-layer scratch a step may need (bytes)
-  const StepShare* share = nullptr;  // the share whose layer runs now (mu held)
-  Step* st = nullptr;
-
-  CacheRows Latent(int layer) const { return layout.Latent(cache, layer); }
-  CacheRows Index(int slot) const { return layout.Index(cache, slot); }
-  QueryTables Tables() const { return st->Tables(); }
-
-  // out[t, h] = in[t, h] · w[h] ([k, cols] per head) for the share's tokens (absorption).
-  cudaError_t Project(const DeviceBuffer& in, const DeviceBuffer& w, DeviceBuffer& out, int heads,
-                      int k, int cols) {
-    HeadProjectParams p;
-    p.in = in.as<float>();
-    p.w = w.as<float>();
-    p.out = out.as<float>();
-    p.n = static_cast<int>(st->n);
-    p.heads = heads;
-    p.k = k;
-    p.cols = cols;
-    return LaunchHeadProject(p, stream);
-  }
-
-  // Gathers the share's rows of `t` into pinned staging, uploads them and converts to fp32.
-  absl::Status Rows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
-    if (t.dtype == DType::kFP8E4M3) return Fp8QueryRows(t, row_elems, f32);
-    const size_t es = DTypeSize(t.dtype), row = row_elems * es;
-    RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row)));
-    for (int64_t i = 0; i < st->n; ++i)
-      std::memcpy(staging.data() + i * row,
-                  static_cast<const uint8_t*>(t.data) + share->rows[i] * row, row);
-    RETURN_IF_ERROR(raw.Reserve(std::max<size_t>(1, st->n * row)));
-    RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st->n * row_elems * 4)));
-    CUDA_RETURN(cudaMemcpyAsync(raw.ptr, staging.ptr, st->n * row, cudaMemcpyHostToDevice, stream));
-    CUDA_RETURN(LaunchToF32(raw.ptr, t.dtype, f32.as<float>(), st->n * row_elems, stream));
-    CUDA_RETURN(cudaStreamSynchronize(stream));  // staging is reused by the next tensor
-    return absl::OkStatus();
-  }
-
-  // FP8_E4M3 queries (one scale per token and head): dequantised on the host by the function the
-  // CPU backend uses, then uploaded as fp32.
-  absl::Status Fp8QueryRows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
-    const int64_t elems = t.dims[t.rank - 1], heads = row_elems / elems;
-    const size_t row = row_elems * 4;
-    RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row)));
-    for (int64_t i = 0; i < st->n; ++i)
-      for (int64_t h = 0; h < heads; ++h)
-        QueryRowToF32(t, share->rows[i] * heads + h, elems,
-                      reinterpret_cast<float*>(staging.data() + i * row) + h * elems);
-    RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st->n * row)));
-    CUDA_RETURN(cudaMemcpyAsync(f32.ptr, staging.ptr, st->n * row, cudaMemcpyHostToDevice, stream));
-    CUDA_RETURN(cudaStreamSynchronize(stream));  // staging is reused by the next tensor
-    return absl::OkStatus();
-  }
-
-  // fp8 caches: each share row packed by pack(step row, out) into pinned staging, uploaded, and
-  // scattered to its slot.
-  template <typename Pack>
-  absl::Status WritePacked(const CacheRows& c, size_t row_bytes, Pack pack) {
-    RETURN_IF_ERROR(staging.Reserve(std::max<size_t>(1, st->n * row_bytes)));
-    for (int64_t i = 0; i < st->n; ++i) pack(share->rows[i], staging.data() + i * row_bytes);
-    RETURN_IF_ERROR(raw.Reserve(std::max<size_t>(1, st->n * row_bytes)));
-    CUDA_RETURN(
-        cudaMemcpyAsync(raw.ptr, staging.ptr, st->n * row_bytes, cudaMemcpyHostToDevice, stream));
-    ScatterRowsParams w;
-    w.src = static_cast<const uint8_t*>(raw.ptr);
-    w.n = static_cast<int>(st->n);
-    w.src_row_bytes = row_bytes;
-    w.cache = c;
-    w.slot = st->slot.as<int32_t>();
-    CUDA_RETURN(LaunchScatterRows(w, stream));
-    CUDA_RETURN(cudaStreamSynchronize(stream));  // staging and raw are reused next
-    return absl::OkStatus();
-  }
-
-  absl::Status Write(const CacheRows& c, const DeviceBuffer& src, int dim, int col) {
-    WriteRowsParams w;
-    w.src = src.as<float>();
-    w.n = static_cast<int>(st->n);
-    w.dim = dim;
-    w.cache = c;
-    w.col_offset = col;
-    w.slot = st->slot.as<int32_t>();
-    CUDA_RETURN(LaunchWriteRows(w, stream));
-    return absl::OkStatus();
-  }
-
-  absl::Status Select(int layer, bool index_q_bf16);
-  absl::Status SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16);
-  // The indexer's scores of one wave into `scores`.
-  absl::Status ScoreWave(int slot, const Step::Wave& wave, bool index_q_bf16);
-  // Context parallelism: each query's local candidates (the scores read back, the rule every
-  // backend shares), and a selection given as local positions kept as Select keeps its own.
-  absl::Status Candidates(int layer, bool index_q_bf16,
-                          std::vector<LayerCall::LocalCandidates>* out);
-  absl::Status Keep(const std::vector<std::vector<int32_t>>& selection);
-  // Plans the step's indexer waves from its share and uploads them (mu held).
-  absl::Status PlanWaves(const StepShare& share, Step* step);
-  absl::Status ToSlots();
-  // Grows the per-layer scratch to what a layer of `share` needs (mu held): a step that cannot
-  // fit fails at BeginStep with RESOURCE_EXHAUSTED, never in the middle of a layer.
-  absl::Status ReserveScratch(const StepShare& share);
-  // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).
-  absl::Status PageToHost(int32_t page, int rows, uint8_t* staged);
-  absl::Status HostToPage(int32_t page, int rows, const uint8_t* staged);
-};
-
 absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name, int ordinal,
                                                                const ModelSpec& spec,
                                                                const CacheLayout& layout,
@@ -322,7 +90,7 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
         absl::StrCat(name, ": no such GPU (", visible, " visible)"));
   if (spec.kv_lora_rank > 512)
     return absl::InvalidArgumentError("CUDA backend supports kv_lora_rank <= 512");
-  std::unique_ptr<CudaDevice> d(new CudaDevice(std::move(name), layout));
+  std::unique_ptr<CudaDevice> d(new CudaDevice(std::move(name), spec, layout));
   d->ordinal_ = ordinal;
   d->s_ = std::make_unique<State>();
   State& s = *d->s_;
@@ -364,8 +132,8 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
   return d;
 }
 
-CudaDevice::CudaDevice(std::string name, const CacheLayout& layout)
-    : Device(std::move(name), layout) {}
+CudaDevice::CudaDevice(std::string name, const ModelSpec& spec, const CacheLayout& layout)
+    : Device(std::move(name), spec, layout) {}
 
 CudaDevice::~CudaDevice() {
   if (!s_) return;
@@ -494,292 +262,6 @@ absl::Status CudaDevice::State::PlanWaves(const StepShare& share, Step* step) {
   return absl::OkStatus();
 }
 
-absl::Status CudaDevice::State::Select(int layer, bool index_q_bf16) {
-  const int slot = spec.FullSlot(layer);
-  for (const auto& w : st->waves) RETURN_IF_ERROR(SelectWave(slot, *w, index_q_bf16));
-  return ToSlots();
-}
-
-// Indexer scores, then top-k or page selection, for one wave of queries: writes their rows of
-// the step's selected positions (st->sel, st->sel_count).
-absl::Status CudaDevice::State::ScoreWave(int slot, const Step::Wave& wave, bool index_q_bf16) {
-  RETURN_IF_ERROR(scores.Reserve(wave.total * 4));
-  IndexerParams ip;
-  ip.q = idx_q.as<float>();
-  ip.w = idx_w.as<float>();
-  ip.heads = spec.index_n_heads;
-  ip.dim = spec.index_head_dim;
-  ip.keys = Index(slot);
-  ip.tables = Tables();
-  ip.queries = wave.rows.as<int32_t>();
-  ip.score_offset = wave.offset.as<int64_t>();
-  ip.nq = wave.nq;
-  ip.max_keys = wave.max_len;
-  ip.scores = scores.as<float>();
-  ip.tensor_cores = TensorCoreIndexer() && index_q_bf16;
-  CUDA_RETURN(LaunchIndexerScores(ip, stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::State::Candidates(int layer, bool index_q_bf16,
-                                           std::vector<LayerCall::LocalCandidates>* out) {
-  const int slot = spec.FullSlot(layer);
-  std::vector<float> host;
-  for (const auto& w : st->waves) {
-    RETURN_IF_ERROR(ScoreWave(slot, *w, index_q_bf16));
-    host.resize(w->total);
-    CUDA_RETURN(
-        cudaMemcpyAsync(host.data(), scores.ptr, w->total * 4, cudaMemcpyDeviceToHost, stream));
-    CUDA_RETURN(cudaStreamSynchronize(stream));
-    for (int q = 0; q < w->nq; ++q)
-      LocalCandidatesOf(spec, host.data() + w->host_offset[q], w->host_len[q],
-                        &(*out)[w->host_rows[q]]);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::State::Keep(const std::vector<std::vector<int32_t>>& selection) {
-  std::vector<int32_t> pos(st->n * st->sel_cap, 0), count(st->n, 0);
-  for (int64_t i = 0; i < st->n; ++i) {
-    if (static_cast<int64_t>(selection[i].size()) > st->sel_cap)
-      return absl::InternalError("a selection longer than the step's selection buffer");
-    std::copy(selection[i].begin(), selection[i].end(), pos.begin() + i * st->sel_cap);
-    count[i] = static_cast<int32_t>(selection[i].size());
-  }
-  RETURN_IF_ERROR(Upload(st->sel, pos, stream));
-  RETURN_IF_ERROR(Upload(st->sel_count, count, stream));
-  return ToSlots();
-}
-
-// Indexer scores, then top-k or page selection, for one wave of queries.
-absl::Status CudaDevice::State::SelectWave(int slot, const Step::Wave& wave, bool index_q_bf16) {
-  const int nq = wave.nq;
-  RETURN_IF_ERROR(ScoreWave(slot, wave, index_q_bf16));
-
-  TopKParams tk;
-  tk.scores = scores.as<float>();
-  tk.row_offset = wave.offset.as<int64_t>();
-  tk.row_len = wave.len.as<int64_t>();
-  tk.nq = nq;
-  if (spec.selection == SelectionMode::kToken) {
-    tk.k = spec.index_topk;
-    tk.out = st->sel.as<int32_t>();
-    tk.out_stride = st->sel_cap;
-    tk.out_count = st->sel_count.as<int32_t>();
-    tk.out_row = wave.rows.as<int32_t>();
-    CUDA_RETURN(LaunchTopK(tk, stream));
-    return absl::OkStatus();
-  }
-  // Page modes: per-query page keys, the best pages, then their positions.
-  RETURN_IF_ERROR(page_keys.Reserve(wave.pages_total * 4));
-  CUDA_RETURN(cudaMemsetAsync(page_keys.ptr, 0, wave.pages_total * 4, stream));
-  int64_t keep = spec.page_budget;
-  if (spec.selection == SelectionMode::kPageUnion) {
-    keep = spec.page_union_max_pages;
-    const int64_t k = spec.index_topk;
-    RETURN_IF_ERROR(tmp_sel.Reserve(nq * k * 4));
-    RETURN_IF_ERROR(tmp_count.Reserve(nq * 4));
-    tk.k = k;
-    tk.out = tmp_sel.as<int32_t>();
-    tk.out_stride = k;
-    tk.out_count = tmp_count.as<int32_t>();
-    CUDA_RETURN(LaunchTopK(tk, stream));
-    PageHitParams ph;
-    ph.scores = scores.as<float>();
-    ph.row_offset = wave.offset.as<int64_t>();
-    ph.selected = tmp_sel.as<int32_t>();
-    ph.selected_count = tmp_count.as<int32_t>();
-    ph.sel_stride = k;
-    ph.page_offset = wave.page_offset.as<int64_t>();
-    ph.nq = nq;
-    ph.page_size = spec.page_size;
-    ph.max_sel = k;
-    ph.page_keys = page_keys.as<uint32_t>();
-    CUDA_RETURN(LaunchPageHits(ph, stream));
-  } else {
-    PageMaxParams pm;
-    pm.scores = scores.as<float>();
-    pm.row_offset = wave.offset.as<int64_t>();
-    pm.row_len = wave.len.as<int64_t>();
-    pm.page_offset = wave.page_offset.as<int64_t>();
-    pm.nq = nq;
-    pm.page_size = spec.page_size;
-    pm.max_pages = wave.max_pages;
-    pm.page_keys = page_keys.as<uint32_t>();
-    CUDA_RETURN(LaunchPageMax(pm, stream));
-  }
-  RETURN_IF_ERROR(page_list.Reserve(nq * keep * 4));
-  RETURN_IF_ERROR(page_count.Reserve(nq * 4));
-  TopKParams pk;
-  pk.keys = page_keys.as<uint32_t>();
-  pk.row_offset = wave.page_offset.as<int64_t>();
-  pk.row_len = wave.pages.as<int64_t>();
-  pk.nq = nq;
-  pk.k = keep;
-  pk.drop_zero = true;
-  pk.out = page_list.as<int32_t>();
-  pk.out_stride = keep;
-  pk.out_count = page_count.as<int32_t>();
-  CUDA_RETURN(LaunchTopK(pk, stream));
-  ExpandParams ex;
-  ex.pages = page_list.as<int32_t>();
-  ex.page_count = page_count.as<int32_t>();
-  ex.page_stride = keep;
-  ex.row_len = wave.len.as<int64_t>();
-  ex.nq = nq;
-  ex.page_size = spec.page_size;
-  ex.out = st->sel.as<int32_t>();
-  ex.out_stride = st->sel_cap;
-  ex.out_count = st->sel_count.as<int32_t>();
-  ex.out_row = wave.rows.as<int32_t>();
-  CUDA_RETURN(LaunchExpandPages(ex, stream));
-  return absl::OkStatus();
-}
-
-// The selected positions to slot ids, once per full layer: attention reads slots directly.
-absl::Status CudaDevice::State::ToSlots() {
-  SlotsParams sp;
-  sp.positions = st->sel.as<int32_t>();
-  sp.count = st->sel_count.as<int32_t>();
-  sp.stride = st->sel_cap;
-  sp.n = static_cast<int>(st->n);
-  sp.tables = Tables();
-  sp.slots = st->sel_slots.as<int32_t>();
-  CUDA_RETURN(LaunchPositionsToSlots(sp, stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) {
-  State& s = *s_;
-  std::lock_guard<std::mutex> lock(s.mu);
-  Step& st = static_cast<Step&>(step);
-  s.st = &st;
-  s.share = &share;
-  if (st.n == 0) return absl::OkStatus();
-  CUDA_RETURN(cudaSetDevice(ordinal_));
-  const ModelSpec& sp = s.spec;
-  const int H = sp.num_heads, L = sp.kv_lora_rank, R = sp.qk_rope_head_dim;
-  const int Hi = sp.index_n_heads, Di = sp.index_head_dim;
-  const LayerKind kind = sp.layers[call.layer];
-  const LayerInputs& in = *call.in;
-  // 1. Keys into the caches (an fp8 cache's rows are quantised on the host, as on CPU devices);
-  // context-parallel calls may carry none (another server's tokens, or written already).
-  if (!in.kv_latent.present) {
-  } else if (s.layout.fp8()) {
-    RETURN_IF_ERROR(s.WritePacked(
-        s.Latent(call.layer), s.layout.latent_row_bytes(),
-        [&](int64_t t, uint8_t* row) { PackLatentRow(in.kv_latent, in.k_rope, t, L, R, row); }));
-    if (kind == LayerKind::kFull)
-      RETURN_IF_ERROR(s.WritePacked(
-          s.Index(sp.FullSlot(call.layer)), size_t(Di) + 4,
-          [&](int64_t t, uint8_t* row) { QuantizeKeyRow(in.index_k, t, Di, Di, row, row + Di); }));
-  } else {
-    RETURN_IF_ERROR(s.Rows(in.kv_latent, L, s.kv_lat));
-    RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.kv_lat, L, 0));
-    RETURN_IF_ERROR(s.Rows(in.k_rope, R, s.k_rope));
-    RETURN_IF_ERROR(s.Write(s.Latent(call.layer), s.k_rope, R, L));
-    if (kind == LayerKind::kFull) {
-      RETURN_IF_ERROR(s.Rows(in.index_k, Di, s.idx_k));
-      RETURN_IF_ERROR(s.Write(s.Index(sp.FullSlot(call.layer)), s.idx_k, Di, 0));
-    }
-  }
-  if (call.candidates != nullptr) {  // context parallelism: this slice's candidates, no attention
-    RETURN_IF_ERROR(s.Rows(in.index_q, int64_t{Hi} * Di, s.idx_q));
-    RETURN_IF_ERROR(s.Rows(in.index_w, Hi, s.idx_w));
-    return s.Candidates(call.layer, in.index_q.dtype == DType::kBF16, call.candidates);
-  }
-  if (call.out == nullptr) {  // write-only step
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));
-    return absl::OkStatus();
-  }
-  // 2. Selection, kept on the device (as slot ids) for the layers that reuse it.
-  if (call.selection != nullptr) {  // context parallelism: the merged selection's local part
-    RETURN_IF_ERROR(s.Keep(*call.selection));
-    st.selected = true;
-  } else if (call.select) {
-    RETURN_IF_ERROR(s.Rows(in.index_q, int64_t{Hi} * Di, s.idx_q));
-    RETURN_IF_ERROR(s.Rows(in.index_w, Hi, s.idx_w));
-    RETURN_IF_ERROR(s.Select(call.layer, in.index_q.dtype == DType::kBF16));
-    st.selected = true;
-  }
-  // 3. Attention (absorbed calls first form q_latent = q_nope · W_UK per head).
-  const Absorption* absorb = call.absorb;
-  if (absorb != nullptr) {
-    if (s.absorb_uk.size() != static_cast<size_t>(sp.num_layers()))
-      return absl::InternalError("absorbed call on a GPU without its absorption weights");
-    const int Dn = absorb->qk_nope_head_dim();
-    RETURN_IF_ERROR(s.Rows(in.q_nope, int64_t{H} * Dn, s.q_nope));
-    RETURN_IF_ERROR(s.q_lat.Reserve(std::max<size_t>(4, st.n * H * L * 4)));
-    CUDA_RETURN(s.Project(s.q_nope, s.absorb_uk[call.layer], s.q_lat, H, Dn, L));
-  } else {
-    RETURN_IF_ERROR(s.Rows(in.q_latent, int64_t{H} * L, s.q_lat));
-  }
-  RETURN_IF_ERROR(s.Rows(in.q_rope, int64_t{H} * R, s.q_rope));
-  RETURN_IF_ERROR(s.out_f32.Reserve(st.n * H * L * 4));
-  MlaParams mp;
-  mp.q_latent = s.q_lat.as<float>();
-  mp.q_rope = s.q_rope.as<float>();
-  mp.n = static_cast<int>(st.n);
-  mp.heads = H;
-  mp.latent = L;
-  mp.rope = R;
-  mp.sm_scale = static_cast<float>(sp.sm_scale);
-  mp.kv = s.Latent(call.layer);
-  mp.tables = s.Tables();
-  if (kind == LayerKind::kDense) {
-    mp.window = sp.sliding_window;
-    mp.soft_cap = static_cast<float>(sp.soft_cap);
-  } else {
-    mp.sel = st.sel_slots.as<int32_t>();
-    mp.sel_count = st.sel_count.as<int32_t>();
-    mp.needs_index = st.needs_index.as<uint8_t>();
-    mp.sel_stride = st.sel_cap;
-  }
-  mp.out = s.out_f32.as<float>();
-  if (call.lse != nullptr) {
-    RETURN_IF_ERROR(s.lse.Reserve(std::max<size_t>(4, st.n * H * 4)));
-    mp.lse = s.lse.as<float>();
-  }
-  mp.tensor_cores = TensorCoreMla() && absorb == nullptr && in.q_latent.dtype == DType::kBF16 &&
-                    in.q_rope.dtype == DType::kBF16;
-  if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
-    mp.splits = MlaSplits(mp.n, H, s.sms, st.max_keys, MlaHeadsPerBlock(mp));
-    RETURN_IF_ERROR(s.part_out.Reserve(size_t(mp.splits) * st.n * H * L * 4));
-    RETURN_IF_ERROR(s.part_ml.Reserve(size_t(mp.splits) * st.n * H * 2 * 4));
-    mp.part_out = s.part_out.as<float>();
-    mp.part_ml = s.part_ml.as<float>();
-  }
-  CUDA_RETURN(LaunchMla(mp, s.stream));
-  // 4. Output rows back in the request's dtype (absorbed: the values, out_latent · W_UV^T).
-  const float* result = s.out_f32.as<float>();
-  int W = L;
-  if (absorb != nullptr) {
-    W = absorb->v_head_dim();
-    RETURN_IF_ERROR(s.out_v.Reserve(std::max<size_t>(4, st.n * H * W * 4)));
-    CUDA_RETURN(s.Project(s.out_f32, s.absorb_uv[call.layer], s.out_v, H, L, W));
-    result = s.out_v.as<float>();
-  }
-  const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * W * es;
-  RETURN_IF_ERROR(s.out_raw.Reserve(st.n * row));
-  CUDA_RETURN(LaunchFromF32(result, call.out_dtype, s.out_raw.ptr, st.n * H * W, s.stream));
-  RETURN_IF_ERROR(s.staging.Reserve(st.n * row));
-  CUDA_RETURN(
-      cudaMemcpyAsync(s.staging.ptr, s.out_raw.ptr, st.n * row, cudaMemcpyDeviceToHost, s.stream));
-  CUDA_RETURN(cudaStreamSynchronize(s.stream));
-  for (int64_t i = 0; i < st.n; ++i)
-    std::memcpy(call.out + share.rows[i] * row, s.staging.data() + i * row, row);
-  if (call.lse != nullptr) {  // [n, H] fp32, after the output (staging is reused)
-    const size_t lrow = size_t{static_cast<size_t>(H)} * 4;
-    RETURN_IF_ERROR(s.staging.Reserve(std::max<size_t>(1, st.n * lrow)));
-    CUDA_RETURN(
-        cudaMemcpyAsync(s.staging.ptr, s.lse.ptr, st.n * lrow, cudaMemcpyDeviceToHost, s.stream));
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));
-    for (int64_t i = 0; i < st.n; ++i)
-      std::memcpy(call.lse + share.rows[i] * H, s.staging.data() + i * lrow, lrow);
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CudaDevice::PrepareAbsorption(const Absorption& weights) {
   State& s = *s_;
   std::lock_guard<std::mutex> lock(s.mu);
@@ -814,130 +296,6 @@ absl::Status CudaDevice::SelectedPositions(const StepShare& share, DeviceStep& s
     if (share.needs_index[i])
       (*out)[i].assign(sel.begin() + i * st.sel_cap, sel.begin() + i * st.sel_cap + count[i]);
   return absl::OkStatus();
-}
-
-absl::Status CudaDevice::ReadRows(int layer, int slot, int32_t page, int first, int rows,
-                                  uint8_t* latent, uint8_t* index) {
-  State& s = *s_;
-  std::lock_guard<std::mutex> lock(s.copy_mu);
-  CUDA_RETURN(cudaSetDevice(ordinal_));
-  const int64_t at = int64_t{page} * s.layout.page_size + first;
-  CUDA_RETURN(cudaMemcpyAsync(latent, s.Latent(layer).Row(at), rows * s.layout.latent_row_bytes(),
-                              cudaMemcpyDeviceToHost, s.copy_stream));
-  if (slot >= 0) {
-    const uint8_t* page_start = s.cache + s.layout.IndexPageOffset(slot, page);
-    for (const auto& r : s.layout.IndexRanges(first, rows)) {
-      if (r.bytes)
-        CUDA_RETURN(cudaMemcpyAsync(index, page_start + r.offset, r.bytes, cudaMemcpyDeviceToHost,
-                                    s.copy_stream));
-      index += r.bytes;
-    }
-  }
-  CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::State::PageToHost(int32_t page, int rows, uint8_t* staged) {
-  const int64_t at = int64_t{page} * layout.page_size;
-  for (int l = 0; l < layout.num_layers; ++l)
-    CUDA_RETURN(cudaMemcpyAsync(staged + layout.StagedLatent(l, rows), Latent(l).Row(at),
-                                rows * layout.latent_row_bytes(), cudaMemcpyDeviceToHost,
-                                copy_stream));
-  for (int k = 0; k < layout.num_full_layers; ++k) {
-    uint8_t* to = staged + layout.StagedIndex(k, rows);
-    for (const auto& r : layout.IndexRanges(0, rows)) {
-      if (r.bytes)
-        CUDA_RETURN(cudaMemcpyAsync(to, cache + layout.IndexPageOffset(k, page) + r.offset, r.bytes,
-                                    cudaMemcpyDeviceToHost, copy_stream));
-      to += r.bytes;
-    }
-  }
-  CUDA_RETURN(cudaStreamSynchronize(copy_stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::State::HostToPage(int32_t page, int rows, const uint8_t* staged) {
-  // On the copy stream, then waited for: a pageable copy may return before its DMA lands.
-  const int64_t at = int64_t{page} * layout.page_size;
-  for (int l = 0; l < layout.num_layers; ++l)
-    CUDA_RETURN(cudaMemcpyAsync(Latent(l).MutableRow(at), staged + layout.StagedLatent(l, rows),
-                                rows * layout.latent_row_bytes(), cudaMemcpyHostToDevice,
-                                copy_stream));
-  for (int k = 0; k < layout.num_full_layers; ++k) {
-    const uint8_t* from = staged + layout.StagedIndex(k, rows);
-    for (const auto& r : layout.IndexRanges(0, rows)) {
-      if (r.bytes)
-        CUDA_RETURN(cudaMemcpyAsync(cache + layout.IndexPageOffset(k, page) + r.offset, from,
-                                    r.bytes, cudaMemcpyHostToDevice, copy_stream));
-      from += r.bytes;
-    }
-  }
-  CUDA_RETURN(cudaStreamSynchronize(copy_stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaDevice::ReadPage(int32_t page, int rows, uint8_t* staged) {
-  std::lock_guard<std::mutex> lock(s_->copy_mu);
-  CUDA_RETURN(cudaSetDevice(ordinal_));
-  return s_->PageToHost(page, rows, staged);
-}
-
-absl::Status CudaDevice::WritePage(int32_t page, int rows, const uint8_t* staged) {
-  std::lock_guard<std::mutex> lock(s_->copy_mu);
-  CUDA_RETURN(cudaSetDevice(ordinal_));
-  return s_->HostToPage(page, rows, staged);
-}
-
-absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
-  auto* to = dynamic_cast<CudaDevice*>(&dst);
-  if (to == nullptr) return Device::CopyPages(dst, copies);  // to the host through staging
-  State& a = *s_;
-  const State& b = *to->s_;
-  // Every layer's and slot's rows of each page prefix: contiguous spans.
-  std::vector<NcclPeers::Transfer> spans;
-  for (const PageCopy& c : copies) {
-    if (c.rows <= 0) continue;
-    const int64_t from = int64_t{c.src} * a.layout.page_size,
-                  into = int64_t{c.dst} * a.layout.page_size;
-    for (int l = 0; l < a.layout.num_layers; ++l)
-      spans.push_back({a.Latent(l).Row(from), b.Latent(l).MutableRow(into),
-                       c.rows * a.layout.latent_row_bytes()});
-    for (int k = 0; k < a.layout.num_full_layers; ++k)
-      for (const auto& r : a.layout.IndexRanges(0, c.rows))
-        if (r.bytes)
-          spans.push_back({a.cache + a.layout.IndexPageOffset(k, c.src) + r.offset,
-                           b.cache + b.layout.IndexPageOffset(k, c.dst) + r.offset, r.bytes});
-  }
-  if (to != this && nccl_ && nccl_ == to->nccl_)
-    return nccl_->Move(nccl_rank_, to->nccl_rank_, spans);
-  std::lock_guard<std::mutex> lock(a.copy_mu);
-  CUDA_RETURN(cudaSetDevice(ordinal_));
-  for (const NcclPeers::Transfer& t : spans)
-    CUDA_RETURN(cudaMemcpyPeerAsync(t.dst, to->ordinal_, t.src, ordinal_, t.bytes, a.copy_stream));
-  CUDA_RETURN(cudaStreamSynchronize(a.copy_stream));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<bool> CudaDevice::ReservedPageUntouched() {
-  std::vector<uint8_t> host(layout().StagedBytes(layout().page_size));
-  RETURN_IF_ERROR(ReadPage(0, layout().page_size, host.data()));
-  return std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0; });
-}
-
-void ConnectPeers(const std::vector<CudaDevice*>& gpus) {
-  std::vector<int> ordinals;
-  for (const CudaDevice* g : gpus) ordinals.push_back(g->ordinal());
-  auto peers = NcclPeers::Create(ordinals);
-  if (!peers.ok()) {  // cudaMemcpyPeer still works; say why NCCL is not used
-    std::fprintf(stderr, "attnd: page moves between GPUs use cudaMemcpyPeer: %s\n",
-                 std::string(peers.status().message()).c_str());
-    return;
-  }
-  std::shared_ptr<NcclPeers> shared = std::move(peers).value();
-  for (size_t i = 0; i < gpus.size(); ++i) {
-    gpus[i]->nccl_ = shared;
-    gpus[i]->nccl_rank_ = static_cast<int>(i);
-  }
 }
 
 }  // namespace attnd::cuda

@@ -45,7 +45,6 @@ class CudaDevice final : public Device {
   int ordinal() const { return ordinal_; }
 
   absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) override;
-  absl::Status RunLayer(const StepShare& share, DeviceStep& step, const LayerCall& call) override;
   absl::Status SelectedPositions(const StepShare& share, DeviceStep& step,
                                  std::vector<std::vector<int32_t>>* out) override;
   absl::Status ReadRows(int layer, int slot, int32_t page, int first, int rows, uint8_t* latent,
@@ -61,11 +60,16 @@ class CudaDevice final : public Device {
   absl::Status PrepareAbsorption(const Absorption& weights) override;
   bool SupportsContextParallel() const override { return true; }
 
+ protected:
+  absl::StatusOr<std::unique_ptr<LayerRun>> StartLayer(const StepShare& share, DeviceStep& step,
+                                                       const LayerCall& call) override;
+
  private:
   friend void ConnectPeers(const std::vector<CudaDevice*>& gpus);
   struct State;
   struct Step;
-  CudaDevice(std::string name, const CacheLayout& layout);
+  struct Call;
+  CudaDevice(std::string name, const ModelSpec& spec, const CacheLayout& layout);
   int ordinal_ = 0;
   std::unique_ptr<State> s_;
   std::shared_ptr<NcclPeers> nccl_;

@@ -1,7 +1,9 @@
 // Launchers of the CUDA backend's kernels. Plain C++ parameter structs, one comment per field
-// ([shape] in brackets); the .cu holds the __global__ code. Caches are CacheRows addressed by
-// global slot id and sequences' pages a PageTable (kv_store/page_table.h, the structs the CPU
-// backend uses); element types are DType, dispatched once per launch to a templated kernel.
+// ([shape] in brackets); the .cu files hold the __global__ code, by operation (kernels/cuda/
+// convert, cache_write, indexer, selection and mla.cu). Launchers return the launch error and
+// never synchronise. Caches are CacheRows addressed by global slot id and sequences' pages a
+// PageTable (kv_store/page_table.h, the structs the CPU backend uses); element types are DType,
+// dispatched once per launch to a templated kernel.
 #pragma once
 
 #include <cuda_runtime_api.h>

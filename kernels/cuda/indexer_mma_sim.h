@@ -1,4 +1,4 @@
-// A lane-level CPU simulation of IndexerMmaKernel (kernels/cuda/cuda_kernels.cu) for one block:
+// A lane-level CPU simulation of IndexerMmaKernel (kernels/cuda/indexer.cu) for one block:
 // 8 warps x 32 lanes run the kernel's code with the same shared-memory layout and the same
 // fragment addressing (mma_fragments.h); each mma.sync runs from the 32 lanes' registers as the
 // PTX ISA defines it, shuffles as butterflies across the warp, shared memory through the checks

@@ -1,4 +1,4 @@
-// A lane-level CPU simulation of MlaMmaKernel<HB> (kernels/cuda/cuda_kernels.cu) for one block:
+// A lane-level CPU simulation of MlaMmaKernel<HB> (kernels/cuda/mla.cu) for one block:
 // one query, HB = 16 or 64 heads, its keys in tiles of 64 (one split of them): the same
 // shared-memory layout, the same fragment addressing (mma_fragments.h), the same barriers;
 // mma.sync and shared memory as in mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step
