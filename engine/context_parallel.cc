@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/attention_cpu.h"
+#include "kernels/selection.h"
 
 namespace attnd {
 
@@ -27,7 +27,7 @@ void LocalSelection(const ModelSpec& spec, int32_t count, const int64_t* keys, c
   if (spec.selection == SelectionMode::kPageUnion) {
     // Pages holding any of the top-k tokens, ranked by their best one.
     std::vector<std::pair<int64_t, float>> tokens;
-    for (int32_t j = 0; j < count; ++j) tokens.emplace_back(keys[j], cpu::RankKey(scores[j]));
+    for (int32_t j = 0; j < count; ++j) tokens.emplace_back(keys[j], RankKey(scores[j]));
     std::sort(tokens.begin(), tokens.end());
     for (const auto& [pos, score] : tokens) {
       const int32_t page = static_cast<int32_t>(pos / ps);
@@ -39,12 +39,12 @@ void LocalSelection(const ModelSpec& spec, int32_t count, const int64_t* keys, c
     }
   } else {
     for (int32_t j = 0; j < count; ++j)
-      cand.emplace_back(cpu::RankKey(scores[j]), static_cast<int32_t>(keys[j]));
+      cand.emplace_back(RankKey(scores[j]), static_cast<int32_t>(keys[j]));
   }
   const int keep =
       spec.selection == SelectionMode::kPageUnion ? spec.page_union_max_pages : spec.page_budget;
   const int32_t own = static_cast<int32_t>(query_pos / ps);
-  for (int32_t page : cpu::BestPages(cand, keep, own)) {
+  for (int32_t page : BestPages(cand, keep, own)) {
     const int64_t lo = std::max<int64_t>(int64_t{page} * ps, offset);
     const int64_t hi = std::min({int64_t{page} * ps + ps, query_pos + 1, end});
     for (int64_t p = lo; p < hi; ++p) out->push_back(static_cast<int32_t>(p - offset));

@@ -12,10 +12,6 @@
 
 namespace attnd::cpu {
 
-// engine/context_parallel.cc still names these cpu::; they are kernels/selection.h's.
-using ::attnd::BestPages;
-using ::attnd::RankKey;
-
 // I[s] = Σ_h w[h] · relu(q[h,:] · k[s,:]) for key positions s in [begin, end).
 struct IndexerScoreParams {
   const float* q = nullptr;  // [num_heads, head_dim] indexer query of one token
