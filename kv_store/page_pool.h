@@ -22,9 +22,11 @@ class PagePool {
   // Appends n fresh pages (refcount 1) to *out, or appends nothing and returns false when fewer
   // than n are free.
   bool Allocate(int32_t n, std::vector<int32_t>* out);
-  // Adds a reference to a live page (prefix sharing).
+  // Adds a reference to a live page (prefix sharing). A page that is free, reserved (0) or out
+  // of range aborts the process, in every build: a count gone wrong would hand one sequence's
+  // page to another.
   void Ref(int32_t page);
-  // Drops a reference; the page returns to the free list at zero.
+  // Drops a reference; the page returns to the free list at zero. Aborts as Ref does.
   void Unref(int32_t page);
 
  private:

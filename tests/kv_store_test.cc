@@ -44,6 +44,18 @@ TEST(PagePool, SharedPagesReturnOnLastUnref) {
   EXPECT_EQ(pool.refcount(got[0]), 0);
 }
 
+TEST(PagePoolDeathTest, AReferenceToAPageNotAllocatedAbortsInEveryBuild) {
+  PagePool pool(4);
+  std::vector<int32_t> got;
+  ASSERT_TRUE(pool.Allocate(1, &got));
+  pool.Unref(got[0]);  // free again
+  EXPECT_DEATH(pool.Unref(got[0]), "PagePool::Unref\\(page [0-9]+\\): not an allocated page");
+  EXPECT_DEATH(pool.Ref(got[0]), "PagePool::Ref");
+  EXPECT_DEATH(pool.Unref(0), "page 0");  // the reserved page
+  EXPECT_DEATH(pool.Ref(4), "page 4");    // out of range
+  EXPECT_EQ(pool.free_pages(), 3);        // and this process's pool is as it was
+}
+
 TEST(CacheLayout, SizesByBytesAndLaysOutRowsWithoutOverlap) {
   ModelSpec spec = PresetModelSpec("tiny").value();
   auto layout = CacheLayout::ForModel(spec, DType::kBF16, 0);
