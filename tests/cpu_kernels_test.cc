@@ -13,6 +13,7 @@
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/cpu/cpu_isa.h"
 #include "kernels/reference/reference.h"
+#include "tests/small_spec.h"
 
 namespace attnd::cpu {
 namespace {
@@ -322,14 +323,7 @@ TEST(Isas, EverySupportedIsaIsFoundByItsName) {
 INSTANTIATE_TEST_SUITE_P(Isas, PerIsa, ::testing::ValuesIn(SupportedIsas()),
                          [](const auto& info) { return std::string(IsaName(info.param)); });
 
-ModelSpec SmallSpec(SelectionMode mode) {
-  ModelSpec s = PresetModelSpec("tiny").value();
-  s.selection = mode;
-  s.page_union_max_pages = 3;
-  s.page_budget = 2;
-  s.index_topk = 10;
-  return s;
-}
+using testing::SmallSpec;
 
 // One sequence's rows, scattered over shuffled pages of a small pool.
 struct PagedSeq {

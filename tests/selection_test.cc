@@ -10,6 +10,7 @@
 #include <random>
 
 #include "kernels/reference/reference.h"
+#include "tests/small_spec.h"
 
 namespace attnd {
 namespace {
@@ -37,14 +38,7 @@ std::vector<int32_t> Ranked(const std::vector<T>& v) {
   return idx;
 }
 
-ModelSpec SmallSpec(SelectionMode mode) {
-  ModelSpec s = PresetModelSpec("tiny").value();
-  s.selection = mode;
-  s.page_union_max_pages = 3;
-  s.page_budget = 2;
-  s.index_topk = 10;
-  return s;
-}
+using testing::SmallSpec;
 
 TEST(ExactTopK, MatchesFullSortWithTiesToLowerPositionAndNaNLast) {
   std::mt19937_64 rng(5);
