@@ -6,7 +6,7 @@
 //   RETURN_IF_ERROR(engine->OpenSequence("req-1"));
 //   ASSIGN_OR_RETURN(uint64_t step, engine->BeginStep({{"req-1", 128}}));   // prefill 128
 //   for (int l = 0; l < spec.num_layers(); ++l) {
-//     OwnedSink out;
+//     BufferSink out(buffer, bytes);  // or the caller's own LayerSink
 //     ASSIGN_OR_RETURN(LayerResult r, engine->RunLayer(step, {l, inputs[l]}, &out));
 //   }                                                       // the last layer commits
 //

@@ -91,16 +91,6 @@ class BufferSink final : public LayerSink {
   size_t bytes_;
 };
 
-// An output the sink owns, sized by the call.
-class OwnedSink final : public LayerSink {
- public:
-  absl::StatusOr<void*> Prepare(const LayerShape& shape) override;
-  std::string& bytes() { return bytes_; }
-
- private:
-  std::string bytes_;
-};
-
 // What a successful call returns besides the output.
 struct LayerResult {
   LayerShape shape;

@@ -41,11 +41,6 @@ absl::StatusOr<void*> BufferSink::Prepare(const LayerShape& shape) {
   return data_;
 }
 
-absl::StatusOr<void*> OwnedSink::Prepare(const LayerShape& shape) {
-  bytes_.assign(shape.out_bytes, '\0');
-  return static_cast<void*>(bytes_.data());
-}
-
 absl::StatusOr<LayerShape> Engine::Impl::CheckRequest(const Step& st, const LayerRequest& r,
                                                       const Absorption* absorb) const {
   const ModelSpec& s = spec();

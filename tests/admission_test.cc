@@ -93,8 +93,8 @@ TEST(Admission, ContextParallelSlicesArePageAlignedAndQueriesFollowTheirKeys) {
                 "holds none");
   e.query_position = 0;
   e.position_offset = 0;
-  ExpectRefused(CheckSlice(s, 0, "a", s.max_context - 1, e, false),
-                absl::StatusCode::kOutOfRange, "exceeds max_context");
+  ExpectRefused(CheckSlice(s, 0, "a", s.max_context - 1, e, false), absl::StatusCode::kOutOfRange,
+                "exceeds max_context");
 }
 
 }  // namespace
