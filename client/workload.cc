@@ -9,48 +9,6 @@
 
 namespace attnd::client {
 
-absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec& m) {
-  ModelSpec s;
-  s.name = m.name();
-  for (const std::string& k : m.layers()) {
-    if (k == "full") {
-      s.layers.push_back(LayerKind::kFull);
-    } else if (k == "shared") {
-      s.layers.push_back(LayerKind::kShared);
-    } else if (k == "dense") {
-      s.layers.push_back(LayerKind::kDense);
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("server reports unknown layer kind ", k));
-    }
-  }
-  s.kv_lora_rank = m.kv_lora_rank();
-  s.qk_rope_head_dim = m.qk_rope_head_dim();
-  s.num_heads = m.num_heads();
-  s.index_n_heads = m.index_n_heads();
-  s.index_head_dim = m.index_head_dim();
-  s.index_topk = m.index_topk();
-  s.page_size = m.page_size();
-  s.sm_scale = m.sm_scale();
-  s.max_context = m.max_context();
-  s.page_union_max_pages = m.page_union_max_pages();
-  if (m.selection() == "token") {
-    s.selection = SelectionMode::kToken;
-  } else if (m.selection() == "page_union") {
-    s.selection = SelectionMode::kPageUnion;
-  } else if (m.selection().rfind("page_budget:", 0) == 0) {
-    s.selection = SelectionMode::kPageBudget;
-    s.page_budget = std::atoi(m.selection().c_str() + 12);
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("unknown selection ", m.selection()));
-  }
-  s.prefill = m.prefill() == "dense" ? PrefillMode::kDense : PrefillMode::kSparse;
-  s.sliding_window = m.sliding_window();
-  s.soft_cap = m.soft_cap();
-  absl::Status st = ValidateModelSpec(s);
-  if (!st.ok()) return st;
-  return s;
-}
-
 namespace {
 
 v1::Tensor Random(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,

@@ -10,11 +10,9 @@
 #include "attnd/v1/attention.pb.h"
 #include "common/model_spec.h"
 #include "kernels/reference/step_oracle.h"
+#include "proto/convert/model_spec_proto.h"
 
 namespace attnd::client {
-
-// The server's model spec as attnd::ModelSpec (validated).
-absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec& m);
 
 struct GeneratedLayer {
   v1::LayerInputs wire;

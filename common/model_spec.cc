@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "common/status_macros.h"
 
 namespace attnd {
@@ -73,6 +74,36 @@ std::string SelectionModeName(const ModelSpec& spec) {
 
 absl::string_view PrefillModeName(PrefillMode m) {
   return m == PrefillMode::kDense ? "dense" : "sparse";
+}
+
+absl::StatusOr<LayerKind> ParseLayerKind(absl::string_view name) {
+  if (name == "full") return LayerKind::kFull;
+  if (name == "shared") return LayerKind::kShared;
+  if (name == "dense") return LayerKind::kDense;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown layer kind '", name, "' (full, shared, dense)"));
+}
+
+absl::Status ParseSelectionMode(absl::string_view name, ModelSpec* spec) {
+  absl::string_view budget = name;
+  if (name == "token") {
+    spec->selection = SelectionMode::kToken;
+  } else if (name == "page_union") {
+    spec->selection = SelectionMode::kPageUnion;
+  } else if (absl::ConsumePrefix(&budget, "page_budget:") &&
+             absl::SimpleAtoi(budget, &spec->page_budget)) {
+    spec->selection = SelectionMode::kPageBudget;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", name, "' is not token, page_union or page_budget:B"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrefillMode> ParsePrefillMode(absl::string_view name) {
+  if (name == "sparse") return PrefillMode::kSparse;
+  if (name == "dense") return PrefillMode::kDense;
+  return absl::InvalidArgumentError(absl::StrCat("'", name, "' is not sparse or dense"));
 }
 
 absl::Status ValidateModelSpec(const ModelSpec& s) {

@@ -87,4 +87,11 @@ absl::string_view LayerKindName(LayerKind k);
 std::string SelectionModeName(const ModelSpec& spec);  // "token", "page_union", "page_budget:8"
 absl::string_view PrefillModeName(PrefillMode m);
 
+// The inverses of the names above, shared by the JSON form and the wire form
+// (proto/model_spec_proto): INVALID_ARGUMENT naming what is accepted otherwise.
+absl::StatusOr<LayerKind> ParseLayerKind(absl::string_view name);  // "full", "shared", "dense"
+// "token", "page_union" or "page_budget:B"; sets spec->selection (and page_budget).
+absl::Status ParseSelectionMode(absl::string_view name, ModelSpec* spec);
+absl::StatusOr<PrefillMode> ParsePrefillMode(absl::string_view name);  // "sparse", "dense"
+
 }  // namespace attnd

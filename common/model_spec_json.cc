@@ -12,19 +12,19 @@
 namespace attnd {
 namespace {
 
-absl::StatusOr<LayerKind> ParseLayerKind(absl::string_view s) {
-  if (s == "full" || s == "F") return LayerKind::kFull;
-  if (s == "shared" || s == "S") return LayerKind::kShared;
-  if (s == "dense" || s == "D") return LayerKind::kDense;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown layer kind '", s, "' (full, shared, dense)"));
+// One letter per layer (F, S, D) or the kind's name.
+absl::StatusOr<LayerKind> ParseLayerLetterOrName(absl::string_view s) {
+  if (s == "F") return LayerKind::kFull;
+  if (s == "S") return LayerKind::kShared;
+  if (s == "D") return LayerKind::kDense;
+  return ParseLayerKind(s);
 }
 
 absl::StatusOr<std::vector<LayerKind>> ParseLayerKinds(const nlohmann::json& v) {
   std::vector<LayerKind> out;
   if (v.is_string()) {
     for (char c : v.get<std::string>()) {
-      ASSIGN_OR_RETURN(LayerKind k, ParseLayerKind(absl::string_view(&c, 1)));
+      ASSIGN_OR_RETURN(LayerKind k, ParseLayerLetterOrName(absl::string_view(&c, 1)));
       out.push_back(k);
     }
     return out;
@@ -32,7 +32,7 @@ absl::StatusOr<std::vector<LayerKind>> ParseLayerKinds(const nlohmann::json& v) 
   if (!v.is_array()) return absl::InvalidArgumentError("a string of F/S/D or a list of kinds");
   for (const nlohmann::json& e : v) {
     if (!e.is_string()) return absl::InvalidArgumentError("its entries must be strings");
-    ASSIGN_OR_RETURN(LayerKind k, ParseLayerKind(e.get<std::string>()));
+    ASSIGN_OR_RETURN(LayerKind k, ParseLayerLetterOrName(e.get<std::string>()));
     out.push_back(k);
   }
   return out;
@@ -86,22 +86,14 @@ absl::StatusOr<ModelSpec> ParseModelSpecJson(absl::string_view text) {
     } else if (key == "selection") {
       std::string m;
       RETURN_IF_ERROR(f.String(key, &m));
-      if (m == "token") {
-        s.selection = SelectionMode::kToken;
-      } else if (m == "page_union") {
-        s.selection = SelectionMode::kPageUnion;
-      } else if (m.rfind("page_budget:", 0) == 0 &&
-                 absl::SimpleAtoi(m.substr(12), &s.page_budget)) {
-        s.selection = SelectionMode::kPageBudget;
-      } else {
-        return f.Bad(key, absl::StrCat("'", m, "' is not token, page_union or page_budget:B"));
-      }
+      absl::Status st = ParseSelectionMode(m, &s);
+      if (!st.ok()) return f.Bad(key, st.message());
     } else if (key == "prefill") {
       std::string m;
       RETURN_IF_ERROR(f.String(key, &m));
-      if (m != "sparse" && m != "dense")
-        return f.Bad(key, absl::StrCat("'", m, "' is not sparse or dense"));
-      s.prefill = m == "sparse" ? PrefillMode::kSparse : PrefillMode::kDense;
+      absl::StatusOr<PrefillMode> mode = ParsePrefillMode(m);
+      if (!mode.ok()) return f.Bad(key, mode.status().message());
+      s.prefill = *mode;
     } else {
       return absl::InvalidArgumentError(absl::StrCat("model spec JSON: unknown key '", key, "'"));
     }

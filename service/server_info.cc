@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "engine/layer_check.h"
 #include "kv_store/cache_layout.h"
+#include "proto/convert/model_spec_proto.h"
 #include "service/attention_service.h"
 #include "service/export_chunk.h"
 #include "service/layer_codec.h"
@@ -44,22 +45,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     ai->set_bytes(static_cast<int64_t>(a->bytes()));
   }
   v1::ModelSpec* m = resp->mutable_model();
-  m->set_name(s.name);
-  for (LayerKind k : s.layers) m->add_layers(std::string(LayerKindName(k)));
-  m->set_kv_lora_rank(s.kv_lora_rank);
-  m->set_qk_rope_head_dim(s.qk_rope_head_dim);
-  m->set_num_heads(s.num_heads);
-  m->set_index_n_heads(s.index_n_heads);
-  m->set_index_head_dim(s.index_head_dim);
-  m->set_index_topk(s.index_topk);
-  m->set_page_size(s.page_size);
-  m->set_sm_scale(s.sm_scale);
-  m->set_max_context(s.max_context);
-  m->set_selection(SelectionModeName(s));
-  m->set_page_union_max_pages(s.page_union_max_pages);
-  m->set_prefill(std::string(PrefillModeName(s.prefill)));
-  m->set_sliding_window(s.sliding_window);
-  m->set_soft_cap(s.soft_cap);
+  ModelSpecToProto(s, m);
   resp->set_backend(options_.backend);
   resp->set_cpu_isa(std::string(cpu::IsaName(engine_->options().isa)));
   resp->set_cache_datatype(std::string(DTypeName(engine_->options().cache_dtype)));

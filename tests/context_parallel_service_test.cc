@@ -53,7 +53,7 @@ TEST_P(ContextParallelService, EqualsOneServerHoldingItAll) {
   Client& whole = *clients[parts];
   auto info = whole.Info();
   ASSERT_TRUE(info.ok());
-  auto spec = client::ModelSpecFromProto(info->model());
+  auto spec = ModelSpecFromProto(info->model());
   ASSERT_TRUE(spec.ok()) << spec.status();
   std::vector<Client*> servers;
   for (int k = 0; k < parts; ++k) servers.push_back(clients[k].get());
@@ -132,7 +132,7 @@ TEST(ContextParallelService, BadCallsGetPreciseStatuses) {
                      {"--model-file=" + model, "--kv-pages=32", "--threads=1", "--metrics-port=0"});
   auto c = Client::Connect(proc.target());
   ASSERT_TRUE(c->OpenSequence("s").ok());
-  auto spec = client::ModelSpecFromProto(c->Info()->model());
+  auto spec = ModelSpecFromProto(c->Info()->model());
   std::mt19937_64 rng(3);
   auto layers = client::GenerateStep(*spec, 4, DType::kBF16, false, rng);
   // The driver checks what each server serves before it opens anything.

@@ -183,7 +183,7 @@ class TokenTest : public ::testing::Test {
   }
   const ModelSpec& spec() {
     if (spec_.num_layers() == 0)
-      spec_ = client::ModelSpecFromProto(As(kTokenA)->Info()->model()).value();
+      spec_ = ModelSpecFromProto(As(kTokenA)->Info()->model()).value();
     return spec_;
   }
   // Every exported byte of a sequence (all chunks, all layers).

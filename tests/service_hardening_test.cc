@@ -52,7 +52,7 @@ class HardeningTest : public ::testing::Test {
     auto info = client_->Info();
     ASSERT_TRUE(info.ok()) << info.status();
     info_ = *info;
-    spec_ = client::ModelSpecFromProto(info->model()).value();
+    spec_ = ModelSpecFromProto(info->model()).value();
   }
   // Runs a whole step over unary calls.
   absl::Status Step(const Batch& batch, bool write_only = false) {
@@ -364,7 +364,7 @@ TEST_F(WideTest, ACancelWhileALayerRunsReleasesTheSequenceAtOnce) {
   auto c = Client::Connect(server_->target());
   auto info = c->Info();
   ASSERT_TRUE(info.ok());
-  const ModelSpec spec = client::ModelSpecFromProto(info->model()).value();
+  const ModelSpec spec = ModelSpecFromProto(info->model()).value();
   std::mt19937_64 rng(3);
   ASSERT_TRUE(c->OpenSequence("cw").ok());
   auto g = client::GenerateStep(spec, 128, DType::kBF16, false, rng);

@@ -38,7 +38,7 @@ class ServiceTest : public ::testing::Test {
     client_ = Client::Connect(server_->target());
     auto info = client_->Info();
     ASSERT_TRUE(info.ok()) << info.status();
-    spec_ = client::ModelSpecFromProto(info->model()).value();
+    spec_ = ModelSpecFromProto(info->model()).value();
     oracle_ = std::make_unique<reference::StepOracle>(spec_, DType::kBF16);
   }
 
