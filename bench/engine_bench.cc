@@ -26,6 +26,7 @@
 #include "common/thread_pool.h"
 #include "engine/engine.h"
 #include "kernels/cpu/attention_cpu.h"
+#include "kernels/cpu/cpu_isa.h"
 #include "tests/run_layer.h"
 
 namespace attnd {
@@ -275,7 +276,7 @@ std::unique_ptr<Engine> MakeEngine(int batch, int64_t context, DType cache, int 
   EngineOptions o;
   o.spec = BenchSpec(heads);
   o.cache_dtype = cache;
-  o.isa = BenchIsa();
+  o.device.cpu_isa = std::string(cpu::IsaName(BenchIsa()));
   const int64_t pages = batch * (context / o.spec.page_size + 64) + 16;
   o.pages_per_device = static_cast<int32_t>(pages);
   auto e = Engine::Create(o).value();
@@ -380,7 +381,7 @@ void Prefill(benchmark::State& state) {
   EngineOptions o;
   o.spec = BenchSpec();
   o.cache_dtype = cache;
-  o.isa = BenchIsa();
+  o.device.cpu_isa = std::string(cpu::IsaName(BenchIsa()));
   o.pages_per_device = static_cast<int32_t>(T / o.spec.page_size + 8);
   auto e = Engine::Create(o).value();
   std::mt19937 rng(3);

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/client_text.h"
 #include "common/guarded.h"
 #include "common/status_macros.h"
@@ -103,8 +104,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (options.pages_per_device > 0) {
     impl->cache_sizing = absl::StrCat(options.pages_per_device, " pages per device (--kv-pages)");
   } else if (options.cache_fraction > 0) {
-    ASSIGN_OR_RETURN(const CacheBudget budget, CacheBytesForFraction(names, options.cache_fraction,
-                                                                     options.gpu_scratch_bytes));
+    ASSIGN_OR_RETURN(
+        const CacheBudget budget,
+        CacheBytesForFraction(names, options.cache_fraction, options.device.gpu_scratch_bytes));
     impl->options.cache_bytes_per_device = budget.bytes;
     impl->cache_sizing = budget.explanation;
   } else {
@@ -115,10 +117,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       const CacheLayout layout,
       CacheLayout::ForCapacity(options.spec, options.cache_dtype, options.pages_per_device,
                                impl->options.cache_bytes_per_device));
-  const cpu::Kernels* kernels = &cpu::GetKernels(options.isa);
+  ASSIGN_OR_RETURN(impl->cpu_isa, ResolveCpuIsa(options.device.cpu_isa));
   ASSIGN_OR_RETURN(impl->devices, CreateDevices(names, options.spec, layout,
-                                                DeviceOptions{impl->pool.get(), kernels,
-                                                              options.gpu_scratch_bytes}));
+                                                DeviceOptions{impl->pool.get(), options.device}));
   impl->table = std::make_unique<SequenceTable>(
       names, std::vector<int32_t>(names.size(), layout.num_pages), options.spec.page_size,
       SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences});
@@ -140,6 +141,16 @@ bool Engine::ServesContextParallel() const { return impl_->ContextParallelServed
 const ModelSpec& Engine::spec() const { return impl_->spec(); }
 const EngineOptions& Engine::options() const { return impl_->options; }
 const std::string& Engine::cache_sizing() const { return impl_->cache_sizing; }
+
+const std::string& Engine::cpu_isa() const { return impl_->cpu_isa; }
+
+std::string Engine::backend() const {
+  std::vector<absl::string_view> kinds;
+  for (const auto& d : impl_->devices)
+    if (std::find(kinds.begin(), kinds.end(), d->backend()) == kinds.end())
+      kinds.push_back(d->backend());
+  return absl::StrJoin(kinds, "+");
+}
 int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
 absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }
@@ -254,7 +265,8 @@ std::vector<DeviceCapacity> Engine::Capacity() const {
   std::vector<DeviceCapacity> out;
   for (int d = 0; d < num_devices(); ++d) {
     const PagePool& pool = impl_->table->pool(d);
-    out.push_back({impl_->devices[d]->name(), pool.usable_pages(), pool.free_pages(),
+    out.push_back({impl_->devices[d]->name(), std::string(impl_->devices[d]->backend()),
+                   pool.usable_pages(), pool.free_pages(),
                    impl_->devices[d]->layout().BytesPerPage(), impl_->table->sequences_on(d)});
   }
   return out;

@@ -30,7 +30,7 @@
 #include "common/tensor.h"
 #include "engine/layer_request.h"
 #include "engine/row_reader.h"
-#include "kernels/cpu/cpu_isa.h"
+#include "kernels/device_factory.h"
 #include "kv_store/tenant_ledger.h"
 
 namespace attnd {
@@ -60,11 +60,10 @@ struct EngineOptions {
   // > 0 (and no pages_per_device): the cache is this fraction of each device's available memory
   // instead of cache_bytes_per_device (kernels/device_factory.h CacheBytesForFraction).
   double cache_fraction = 0;
-  // Each GPU's working memory beside its cache (fixed at startup: cache + scratch must fit the
-  // GPU); a step needing more is RESOURCE_EXHAUSTED at BeginStep.
-  size_t gpu_scratch_bytes = size_t{8} << 30;
-  int threads = 0;                // compute threads; 0 = all cores
-  cpu::Isa isa = cpu::BestIsa();  // CPU inner-loop ISA (tests sweep every supported one)
+  // The CPU inner loops and each GPU's scratch (kernels/device_factory.h; tests sweep every
+  // supported ISA).
+  DeviceSettings device;
+  int threads = 0;  // compute threads; 0 = all cores
   EngineLimits limits;
   // Server-side absorption's weights (--absorb-from): calls may then give q_nope instead of
   // q_latent and get [T, H, V] back. Null: none (SetAbsorption may add them later).
@@ -154,6 +153,7 @@ struct EngineCounters {
 
 struct DeviceCapacity {
   std::string name;         // "cpu:0"
+  std::string backend;      // "cpu", "cuda"
   int32_t pages_total = 0;  // usable pages (page 0 excluded)
   int32_t pages_free = 0;
   size_t bytes_per_page = 0;
@@ -170,6 +170,10 @@ class Engine {
   const EngineOptions& options() const;
   // How the cache was sized, in words (for the startup log).
   const std::string& cache_sizing() const;
+  // The CPU inner loops CPU devices run ("avx512", "avx2", "generic").
+  const std::string& cpu_isa() const;
+  // Which backends serve the devices: "cpu", "cuda", or both joined by "+" in device order.
+  std::string backend() const;
 
   // ALREADY_EXISTS if the id is in use. Places the sequence on `device`, or with device < 0 on
   // the device with most free pages (ties to the lowest index).

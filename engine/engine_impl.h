@@ -59,6 +59,7 @@ struct Step {
 struct Engine::Impl {
   EngineOptions options;
   std::string cache_sizing;
+  std::string cpu_isa;  // what options.device.cpu_isa resolved to ("avx2", ...)
   const ModelSpec& spec() const { return options.spec; }
   std::unique_ptr<ThreadPool> pool;
   std::vector<std::unique_ptr<Device>> devices;  // fixed after Create: read without mu

@@ -122,6 +122,8 @@ class Device {
   const std::string& name() const { return name_; }
   const ModelSpec& spec() const { return spec_; }
   const CacheLayout& layout() const { return layout_; }
+  // Which backend this is ("cpu", "cuda"): for ServerInfo and the logs, never for a branch.
+  virtual absl::string_view backend() const = 0;
 
   // Prepares a step's share (uploads its page table, sizes its selection buffers).
   virtual absl::StatusOr<std::unique_ptr<DeviceStep>> BeginStep(const StepShare& share) = 0;

@@ -81,9 +81,23 @@ absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>
   return out;
 }
 
+absl::StatusOr<std::string> ResolveCpuIsa(absl::string_view cpu_isa) {
+  if (cpu_isa == "auto") return std::string(cpu::IsaName(cpu::BestIsa()));
+  if (cpu_isa != "avx512" && cpu_isa != "avx2" && cpu_isa != "generic")
+    return absl::InvalidArgumentError(
+        absl::StrCat("cpu isa '", cpu_isa, "' is not auto, avx512, avx2 or generic"));
+  if (!cpu::SupportedIsaNamed(cpu_isa))
+    return absl::FailedPreconditionError(
+        absl::StrCat("--cpu-isa=", cpu_isa, ": this CPU lacks ",
+                     cpu_isa == "avx512" ? "AVX-512 (F, BW, VL, DQ)" : "AVX2/FMA/F16C"));
+  return std::string(cpu_isa);
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
     const DeviceOptions& options) {
+  ASSIGN_OR_RETURN(const std::string isa, ResolveCpuIsa(options.settings.cpu_isa));
+  const cpu::Kernels* kernels = &cpu::GetKernels(*cpu::SupportedIsaNamed(isa));
   std::vector<std::unique_ptr<Device>> out;
 #ifdef ATTND_HAVE_CUDA
   std::vector<cuda::CudaDevice*> gpus;
@@ -91,14 +105,14 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
   for (const std::string& name : names) {
     ASSIGN_OR_RETURN(const DeviceName parsed, ParseDeviceName(name));
     if (!parsed.gpu) {
-      auto d = CpuDevice::Create(name, spec, layout, options.pool, options.kernels);
+      auto d = CpuDevice::Create(name, spec, layout, options.pool, kernels);
       if (!d.ok()) return d.status();
       out.push_back(std::move(d).value());
       continue;
     }
 #ifdef ATTND_HAVE_CUDA
-    auto d =
-        cuda::CudaDevice::Create(name, parsed.ordinal, spec, layout, options.gpu_scratch_bytes);
+    auto d = cuda::CudaDevice::Create(name, parsed.ordinal, spec, layout,
+                                      options.settings.gpu_scratch_bytes);
     if (!d.ok()) return d.status();
     gpus.push_back(d->get());
     out.push_back(std::move(d).value());

@@ -7,20 +7,33 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/model_spec.h"
 #include "common/thread_pool.h"
-#include "kernels/cpu/cpu_isa.h"
 #include "kernels/device.h"
 
 namespace attnd {
 
-// What devices are made with: CPU devices compute on the shared pool (which outlives them) with
-// the given inner loops; each GPU keeps gpu_scratch_bytes of working memory beside its cache.
-struct DeviceOptions {
-  ThreadPool* pool = nullptr;
-  const cpu::Kernels* kernels = nullptr;
+// How devices are made, as the operator asked for it (--cpu-isa, --gpu-scratch-bytes); only the
+// factory interprets it. CPU devices run the named inner loops ("auto": the widest this CPU
+// runs; "avx512", "avx2", "generic"); each GPU keeps gpu_scratch_bytes of working memory beside
+// its cache (fixed at startup: cache + scratch must fit the GPU; a step needing more is
+// RESOURCE_EXHAUSTED at BeginStep).
+struct DeviceSettings {
+  std::string cpu_isa = "auto";
   size_t gpu_scratch_bytes = size_t{8} << 30;
 };
+
+// What devices are made with: the settings, and the pool CPU devices compute on (it outlives
+// them).
+struct DeviceOptions {
+  ThreadPool* pool = nullptr;
+  DeviceSettings settings;
+};
+
+// The ISA name `cpu_isa` resolves to on this CPU ("auto" to the widest supported).
+// INVALID_ARGUMENT for an unknown name, FAILED_PRECONDITION when this CPU lacks it.
+absl::StatusOr<std::string> ResolveCpuIsa(absl::string_view cpu_isa);
 
 // One device per name, in order, each with a cache of `layout`. INVALID_ARGUMENT for a malformed
 // name, UNIMPLEMENTED for cuda:N in a build without CUDA, FAILED_PRECONDITION for a missing GPU,

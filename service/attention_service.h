@@ -24,7 +24,6 @@
 namespace attnd {
 
 struct ServiceOptions {
-  std::string backend = "cpu";
   int64_t max_message_bytes = 0;
   int64_t step_idle_timeout_ms = 0;
   int64_t max_echo_bytes = int64_t{64} << 20;  // Echo replies (also capped by the message size)

@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.pages_per_device = f.kv_pages;
   o.cache_bytes_per_device = static_cast<size_t>(f.kv_cache_bytes);
   o.cache_fraction = f.kv_cache_fraction;
-  o.gpu_scratch_bytes = static_cast<size_t>(f.gpu_scratch_bytes);
+  o.device.gpu_scratch_bytes = static_cast<size_t>(f.gpu_scratch_bytes);
   o.threads = f.threads;
   o.limits.max_step_tokens = f.max_step_tokens;
   o.limits.max_batch_entries = f.max_batch_entries;
@@ -84,14 +84,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.limits.check_finite = f.check_finite;
   o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
   o.limits.tenant_quota = FlagQuota(f);
-  if (f.cpu_isa != "auto") {
-    const std::optional<cpu::Isa> named = cpu::SupportedIsaNamed(f.cpu_isa);
-    if (!named)
-      return absl::FailedPreconditionError(
-          absl::StrCat("--cpu-isa=", f.cpu_isa, ": this CPU lacks ",
-                       f.cpu_isa == "avx512" ? "AVX-512 (F, BW, VL, DQ)" : "AVX2/FMA/F16C"));
-    o.isa = *named;
-  }
+  o.device.cpu_isa = f.cpu_isa;
   if (!f.absorb_from.empty()) {
     auto absorb = LoadAbsorption(f.absorb_from, o.spec);
     if (!absorb.ok())
@@ -208,9 +201,6 @@ int RunServer(const ServerFlags& flags) {
   }
 
   ServiceOptions so;
-  so.backend = "cpu";
-  for (const DeviceCapacity& d : engine->Capacity())
-    if (d.name.rfind("cuda:", 0) == 0) so.backend = "cuda";
   so.max_message_bytes = flags.max_message_bytes;
   so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
   so.max_echo_bytes = flags.max_echo_bytes;
@@ -266,8 +256,8 @@ int RunServer(const ServerFlags& flags) {
       "attnd: serving attnd.v1 on %s; model %s (%d layers), %zu device(s) x %d pages, "
       "cpu isa %s, metrics %s\n",
       HostPort(flags.grpc_address, port).c_str(), engine->spec().name.c_str(),
-      engine->spec().num_layers(), caps.size(), caps[0].pages_total,
-      std::string(cpu::IsaName(engine->options().isa)).c_str(), metrics_where.c_str());
+      engine->spec().num_layers(), caps.size(), caps[0].pages_total, engine->cpu_isa().c_str(),
+      metrics_where.c_str());
   std::printf("attnd: cache %s, %d pages x %zu B per device: %s\n",
               DTypeName(engine->options().cache_dtype), caps[0].pages_total, caps[0].bytes_per_page,
               engine->cache_sizing().c_str());

@@ -46,8 +46,8 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   }
   v1::ModelSpec* m = resp->mutable_model();
   ModelSpecToProto(s, m);
-  resp->set_backend(options_.backend);
-  resp->set_cpu_isa(std::string(cpu::IsaName(engine_->options().isa)));
+  resp->set_backend(engine_->backend());
+  resp->set_cpu_isa(engine_->cpu_isa());
   resp->set_cache_datatype(std::string(DTypeName(engine_->options().cache_dtype)));
   for (const DeviceCapacity& d : engine_->Capacity()) {
     v1::DeviceInfo* out = resp->add_devices();

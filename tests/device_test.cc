@@ -12,6 +12,7 @@
 
 #include "common/thread_pool.h"
 #include "engine/step_plan.h"
+#include "kernels/cpu/cpu_isa.h"
 #include "kernels/cpu/host_memory.h"
 #include "kernels/device_factory.h"
 #include "kernels/reference/step_oracle.h"
@@ -39,8 +40,7 @@ class DeviceInterface : public ::testing::TestWithParam<std::tuple<SelectionMode
     ASSERT_TRUE(layout.ok());
     const std::vector<std::string> names = gpu ? std::vector<std::string>{"cuda:0", "cpu:0"}
                                                : std::vector<std::string>{"cpu:0", "cpu:1"};
-    auto devices = CreateDevices(names, spec_, *layout,
-                                 DeviceOptions{&pool_, &cpu::GetKernels(cpu::BestIsa())});
+    auto devices = CreateDevices(names, spec_, *layout, DeviceOptions{&pool_, {}});
     ASSERT_TRUE(devices.ok()) << devices.status();
     devices_ = std::move(devices).value();
     free_.resize(63);
@@ -220,7 +220,7 @@ TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
   const ModelSpec s = MixedLayerSpec(SelectionMode::kToken);
   const auto layout = CacheLayout::ForCapacity(s, DType::kBF16, 8, 0).value();
   ThreadPool pool(1);
-  const DeviceOptions host{&pool, &cpu::GetKernels(cpu::BestIsa())};
+  const DeviceOptions host{&pool, {}};
   for (const char* bad : {"gpu:0", "cpu:", "cpu:-1", "cpu:x", ""}) {
     auto d = CreateDevices({bad}, s, layout, host);
     EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << bad;
@@ -231,6 +231,33 @@ TEST(DeviceFactory, RefusesMalformedNamesAndSaysWhatItWants) {
   EXPECT_EQ((*ok)[1]->layout().num_pages, 8);
   EXPECT_EQ(CacheLayout::ForCapacity(s, DType::kBF16, 1 << 30, 0).status().code(),
             absl::StatusCode::kInvalidArgument);  // slot ids past 32 bits
+}
+
+// --cpu-isa is interpreted by the factory alone: "auto" is the widest this CPU runs, a name this
+// CPU lacks is FAILED_PRECONDITION, an unknown one INVALID_ARGUMENT; the devices say their
+// backend (ServerInfo.backend comes from them, not from their names).
+TEST(DeviceFactory, ResolvesTheCpuIsaAndNamesEachDevicesBackend) {
+  EXPECT_EQ(ResolveCpuIsa("auto").value(), std::string(cpu::IsaName(cpu::BestIsa())));
+  EXPECT_EQ(ResolveCpuIsa("generic").value(), "generic");
+  EXPECT_EQ(ResolveCpuIsa("sse9").status().code(), absl::StatusCode::kInvalidArgument);
+  for (const char* isa : {"avx2", "avx512"}) {
+    const bool supported = cpu::SupportedIsaNamed(isa).has_value();
+    EXPECT_EQ(ResolveCpuIsa(isa).status().code(),
+              supported ? absl::StatusCode::kOk : absl::StatusCode::kFailedPrecondition)
+        << isa;
+  }
+  EngineOptions o;
+  o.spec = MixedLayerSpec(SelectionMode::kToken);
+  o.num_devices = 2;
+  o.pages_per_device = 8;
+  o.device.cpu_isa = "generic";
+  auto e = Engine::Create(o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ((*e)->backend(), "cpu");
+  EXPECT_EQ((*e)->cpu_isa(), "generic");
+  for (const DeviceCapacity& d : (*e)->Capacity()) EXPECT_EQ(d.backend, "cpu") << d.name;
+  o.device.cpu_isa = "sse9";
+  EXPECT_EQ(Engine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Here, not in cuda_test (built only with CUDA), so that a build without CUDA runs it.

@@ -9,6 +9,7 @@
 #include <optional>
 #include <tuple>
 
+#include "kernels/cpu/cpu_isa.h"
 #include "tests/engine_harness.h"
 #include "tests/run_layer.h"
 
@@ -180,7 +181,7 @@ class PerIsa : public ::testing::TestWithParam<cpu::Isa> {};
 TEST_P(PerIsa, LongContextDecodeMatchesReference) {
   ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
   EngineOptions o = Options(spec, DType::kF32);
-  o.isa = GetParam();
+  o.device.cpu_isa = std::string(cpu::IsaName(GetParam()));
   Harness h(o);
   h.Open("x");
   h.Open("y");
@@ -191,7 +192,7 @@ TEST_P(PerIsa, LongContextDecodeMatchesReference) {
 TEST_P(PerIsa, LongContextDecodeOnAnFp8CacheMatchesReference) {
   ModelSpec spec = TestSpec(16, 4, SelectionMode::kToken);
   EngineOptions o = Options(spec, DType::kF32, 512, DType::kFP8E4M3);
-  o.isa = GetParam();
+  o.device.cpu_isa = std::string(cpu::IsaName(GetParam()));
   Harness h(o);
   h.Open("x");
   h.RunAndCheck({{"x", 600}}, DType::kF32, 1, 1e-5);
@@ -212,7 +213,7 @@ TEST(Engine, Avx512GivesTheBitsOfAvx2) {
     std::vector<Harness::Result> runs[2];
     for (int i = 0; i < 2; ++i) {
       EngineOptions o = Options(TestSpec(16, 16, SelectionMode::kToken), DType::kF32, 512, cache);
-      o.isa = i == 0 ? cpu::Isa::kAvx2 : cpu::Isa::kAvx512;
+      o.device.cpu_isa = i == 0 ? "avx2" : "avx512";
       Harness h(o);
       h.Open("x");
       h.Open("y");

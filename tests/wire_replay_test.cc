@@ -46,7 +46,7 @@ class Session {
     o.spec = PresetModelSpec("tiny").value();
     o.pages_per_device = 64;
     o.threads = 1;
-    o.isa = cpu::Isa::kAvx2;
+    o.device.cpu_isa = "avx2";
     engine_ = Engine::Create(o).value();
     metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get());
     ServiceOptions so;

@@ -16,6 +16,7 @@ namespace attnd {
 class CpuDevice final : public Device {
  public:
   // `pool` and `kernels` outlive the device (several CPU devices share one pool).
+  absl::string_view backend() const override { return "cpu"; }
   static absl::StatusOr<std::unique_ptr<CpuDevice>> Create(std::string name, const ModelSpec& spec,
                                                            const CacheLayout& layout,
                                                            ThreadPool* pool,

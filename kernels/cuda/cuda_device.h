@@ -37,6 +37,7 @@ class CudaDevice final : public Device {
   // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`, after
   // checking that the cache and `scratch_bytes` of per-step working memory fit in its free
   // memory (RESOURCE_EXHAUSTED otherwise).
+  absl::string_view backend() const override { return "cuda"; }
   static absl::StatusOr<std::unique_ptr<CudaDevice>> Create(std::string name, int ordinal,
                                                             const ModelSpec& spec,
                                                             const CacheLayout& layout,
