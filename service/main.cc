@@ -10,7 +10,9 @@ int main(int argc, char** argv) {
   auto flags = attnd::ParseServerFlags(argc, argv);
   if (!flags.ok()) {
     const bool help = flags.status().code() == absl::StatusCode::kCancelled;
-    std::fprintf(help ? stdout : stderr, "%s", std::string(flags.status().message()).c_str());
+    std::string text(flags.status().message());
+    if (!text.empty() && text.back() != '\n') text += '\n';
+    std::fprintf(help ? stdout : stderr, "%s", text.c_str());
     return help ? 0 : 2;
   }
   google::InitGoogleLogging(argv[0]);

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
@@ -138,254 +139,307 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
   }
 };
 
+// What attnd says: the lifecycle lines (serving, draining, drained, stopped) on stdout whatever
+// --log-level says, where tools read the serving line's port; everything else through glog on
+// stderr.
+void Say(const std::string& line) {
+  std::printf("attnd: %s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+// One server's life, in the order RunServer takes its steps.
+class Server {
+ public:
+  explicit Server(const ServerFlags& flags) : flags_(flags) {}
+  ~Server() {
+    if (grpc_server_) grpc_server_->Shutdown();
+  }
+
+  // The engine, authentication and the metrics listener; then the gRPC server and the local
+  // (shared-memory) listener, serving.
+  absl::Status Start() {
+    ASSIGN_OR_RETURN(engine_, MakeEngine(flags_));
+    RETURN_IF_ERROR(StartAuth());
+    executor_ = std::make_unique<Executor>(flags_.executor_threads);
+    service_metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get(), executor_.get());
+    if (absl::Status st = StartMetrics(); !st.ok())
+      return absl::Status(st.code(), absl::StrCat("metrics: ", st.message()));
+    RETURN_IF_ERROR(BuildServer());
+    SayServing();
+    return absl::OkStatus();
+  }
+
+  // Idle steps expire, shard messages nobody claims are dropped and the token file is reread
+  // when it changes, in the background, until ShutDown.
+  void StartHousekeeping() {
+    housekeeping_ = std::thread([this] { Housekeeping(); });
+  }
+
+  // Waits for SIGTERM or SIGINT (the Drain RPC raises SIGTERM), then turns NOT_SERVING, refuses
+  // new work and hands every sequence to the drain peers (the Drain call's or the flag's).
+  void AwaitSignalAndDrain(const sigset_t& signals) {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    Say(absl::StrCat(sig == SIGTERM ? "SIGTERM" : "SIGINT", " received, draining"));
+    service_->SetDraining();
+    grpc_server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
+    std::vector<std::string> peers = flags_.drain_peers;
+    {
+      std::lock_guard<std::mutex> lock(drain_mu_);
+      if (!requested_peers_.empty()) peers = requested_peers_;
+    }
+    if (!peers.empty()) {
+      Drain(peers);
+    } else if (engine_->num_sequences() > 0) {
+      Say(absl::StrCat("no --drain-peers: ", engine_->num_sequences(),
+                       " sequence(s) are dropped at exit"));
+    }
+  }
+
+  // Stops listening, lets open calls finish for --shutdown-grace-ms (then answers parked shard
+  // messages), stops the housekeeping and aborts the steps still open. The exit code.
+  int ShutDown() {
+    local_.reset();  // no new local connections (those open finish with the others)
+    // Shard messages parked for a shard that never comes would keep Shutdown waiting forever:
+    // when the grace period ends, answer them.
+    std::mutex grace_mu;
+    std::condition_variable grace_cv;
+    bool shut = false;
+    std::thread grace([&] {
+      std::unique_lock<std::mutex> lock(grace_mu);
+      if (!grace_cv.wait_for(lock, std::chrono::milliseconds(flags_.shutdown_grace_ms),
+                             [&] { return shut; }))
+        service_->FailParkedShards();
+    });
+    grpc_server_->Shutdown(std::chrono::system_clock::now() +
+                           std::chrono::milliseconds(flags_.shutdown_grace_ms));
+    grpc_server_->Wait();
+    grpc_server_.reset();
+    {
+      std::lock_guard<std::mutex> lock(grace_mu);
+      shut = true;
+    }
+    grace_cv.notify_all();
+    grace.join();
+    {
+      std::lock_guard<std::mutex> lock(housekeeping_mu_);
+      stopping_ = true;
+    }
+    housekeeping_cv_.notify_all();
+    if (housekeeping_.joinable()) housekeeping_.join();
+    const int aborted = engine_->ExpireIdleSteps(std::chrono::milliseconds(0));
+    Say(absl::StrCat("stopped (", aborted, " open step(s) aborted at exit)"));
+    return 0;
+  }
+
+ private:
+  absl::Status StartAuth() {
+    AuthOptions ao;
+    ao.mode = ParseAuthMode(flags_.auth).value();  // the flag parser checked the name
+    ao.tokens_file = flags_.auth_tokens;
+    ao.admin_tenant = flags_.admin_tenant;
+    ASSIGN_OR_RETURN(auth_, Authenticator::Create(ao));
+    ApplyQuotas(flags_, *auth_, engine_.get());
+    const bool loopback = flags_.grpc_address.rfind("127.", 0) == 0 ||
+                          flags_.grpc_address == "::1" || flags_.grpc_address == "localhost";
+    if (ao.mode == AuthMode::kToken && flags_.tls_cert.empty() && !loopback)
+      LOG(WARNING) << "--auth=token without --tls-cert: bearer tokens cross the network in clear "
+                      "text (only safe on loopback or inside an encrypting mesh)";
+    return absl::OkStatus();
+  }
+
+  absl::Status StartMetrics() {
+    if (!flags_.allow_metrics) return absl::OkStatus();
+    const std::string listen = absl::StrCat(MetricsHost(flags_), ":", flags_.metrics_port);
+    if (flags_.metrics_tls) {
+      ASSIGN_OR_RETURN(metrics_https_, metrics::MetricsHttpsServer::Start(
+                                           listen, &registry_,
+                                           {flags_.tls_cert, flags_.tls_key,
+                                            static_cast<int>(flags_.reload_interval_s)}));
+      metrics_port_ = metrics_https_->port();
+    } else {
+      ASSIGN_OR_RETURN(metrics_http_, metrics::MetricsHttpServer::Start(listen, &registry_));
+      metrics_port_ = metrics_http_->port();
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status BuildServer() {
+    const TlsFiles tls{flags_.tls_cert, flags_.tls_key, flags_.tls_client_ca,
+                       static_cast<int>(flags_.reload_interval_s)};
+    ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds, MakeServerCredentials(tls));
+    ServiceOptions so;
+    so.max_message_bytes = flags_.max_message_bytes;
+    so.step_idle_timeout_ms = flags_.step_idle_timeout_ms;
+    so.max_echo_bytes = flags_.max_echo_bytes;
+    so.max_shm_regions = flags_.max_shm_regions;
+    so.auth = auth_;
+    so.shm_enabled = flags_.shm;
+    so.shm_prefix = flags_.shm_prefix;
+    so.start_drain = [this](std::vector<std::string> peers) {
+      {
+        std::lock_guard<std::mutex> lock(drain_mu_);
+        requested_peers_ = std::move(peers);
+      }
+      kill(getpid(), SIGTERM);  // the same path as an operator's SIGTERM
+    };
+    service_ = std::make_unique<AttentionService>(engine_.get(), executor_.get(),
+                                                  service_metrics_.get(), so);
+
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    if (!flags_.grpc_reflection) builder.SetOption(std::make_unique<WithoutReflection>());
+    const std::string address = HostPort(flags_.grpc_address, flags_.grpc_port);
+    builder.AddListeningPort(address, creds, &port_);
+    builder.SetMaxReceiveMessageSize(static_cast<int>(flags_.max_message_bytes));
+    builder.SetMaxSendMessageSize(static_cast<int>(flags_.max_message_bytes));
+    builder.RegisterService(service_.get());
+    grpc_server_ = builder.BuildAndStart();
+    if (!grpc_server_ || port_ == 0)
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+    if (flags_.shm) {
+      ASSIGN_OR_RETURN(local_, UnixListener::Start(flags_.shm_socket, flags_.shm_socket_mode,
+                                                   grpc_server_.get()));
+    }
+    grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
+    health->SetServingStatus("", true);
+    health->SetServingStatus(kServiceName, true);
+    return absl::OkStatus();
+  }
+
+  // The serving line (first, for tools that read the port), the cache, security and absorption
+  // lines, and the effective configuration in the log.
+  void SayServing() const {
+    const auto caps = engine_->Capacity();
+    const ModelSpec& spec = engine_->spec();
+    const EngineOptions& eo = engine_->options();
+    const std::string metrics_where =
+        metrics_port_ > 0
+            ? absl::StrCat("on :", metrics_port_, "/metrics", flags_.metrics_tls ? " (https)" : "")
+            : "off";
+    Say(absl::StrCat("serving attnd.v1 on ", HostPort(flags_.grpc_address, port_), "; model ",
+                     spec.name, " (", spec.num_layers(), " layers), ", caps.size(), " device(s) x ",
+                     caps[0].pages_total, " pages, cpu isa ", engine_->cpu_isa(), ", metrics ",
+                     metrics_where));
+    Say(absl::StrCat("cache ", DTypeName(eo.cache_dtype), ", ", caps[0].pages_total, " pages x ",
+                     caps[0].bytes_per_page, " B per device: ", engine_->cache_sizing()));
+    Say(absl::StrCat(
+        "tls ",
+        flags_.tls_cert.empty()        ? "off"
+        : flags_.tls_client_ca.empty() ? "on"
+                                       : "on (client certificates required)",
+        ", auth ", flags_.auth,
+        flags_.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags_.admin_tenant),
+        ", shared memory ", flags_.shm ? absl::StrCat("on ", flags_.shm_socket) : "off",
+        ", reflection ", flags_.grpc_reflection ? "on" : "off"));
+    if (const auto a = engine_->absorption())
+      Say(absl::StrCat("absorption on (", a->source(), "): q_nope [T, H, ", a->qk_nope_head_dim(),
+                       "] in, [T, H, ", a->v_head_dim(), "] out, ", a->bytes() >> 20, " MB"));
+    const ServerFlags& f = flags_;
+    LOG(INFO) << "config: devices " << absl::StrJoin(eo.devices, ",") << ", model " << spec.name
+              << ", cache " << DTypeName(eo.cache_dtype) << " " << caps[0].pages_total
+              << " pages x " << caps[0].bytes_per_page << " B per device ("
+              << engine_->cache_sizing() << "), threads " << eo.threads << ", max message "
+              << f.max_message_bytes << " B, step idle timeout " << f.step_idle_timeout_ms
+              << " ms; limits: step tokens " << f.max_step_tokens << ", batch "
+              << f.max_batch_entries << ", sequences " << f.max_sequences
+              << "; tenant quotas (0 = none): pages " << f.quota_pages << ", sequences "
+              << f.quota_sequences << ", steps " << f.quota_steps << ", shm regions "
+              << f.quota_shm_regions << "; auth " << f.auth << ", tls "
+              << (f.tls_cert.empty() ? "off" : "on") << ", shm " << (f.shm ? "on" : "off")
+              << "; drain peers "
+              << (f.drain_peers.empty() ? "none" : absl::StrJoin(f.drain_peers, ","))
+              << " (timeout " << f.drain_timeout_ms << " ms, " << f.drain_parallel << " at once)";
+  }
+
+  void Housekeeping() {
+    const int64_t idle_ms = flags_.step_idle_timeout_ms;
+    const auto idle = std::chrono::milliseconds(idle_ms);
+    const auto wait =
+        idle_ms > 0 ? std::clamp<std::chrono::milliseconds>(idle / 4, std::chrono::milliseconds(10),
+                                                            std::chrono::milliseconds(1000))
+                    : std::chrono::milliseconds(1000);
+    const auto reload_every = std::chrono::seconds(flags_.reload_interval_s);
+    auto next_reload = std::chrono::steady_clock::now() + reload_every;
+    std::unique_lock<std::mutex> lock(housekeeping_mu_);
+    while (!housekeeping_cv_.wait_for(lock, wait, [&] { return stopping_; })) {
+      if (std::chrono::steady_clock::now() >= next_reload) {
+        next_reload += reload_every;
+        const absl::StatusOr<bool> reloaded = auth_->ReloadIfChanged();
+        if (!reloaded.ok()) {
+          LOG(WARNING) << "token file not reloaded (the old tokens stay): "
+                       << reloaded.status().message();
+        } else if (*reloaded) {
+          ApplyQuotas(flags_, *auth_, engine_.get());
+          LOG(INFO) << "token file reloaded";
+        }
+      }
+      if (idle_ms <= 0) continue;
+      if (const int n = engine_->ExpireIdleSteps(idle); n > 0)
+        LOG(WARNING) << n << " idle step(s) expired after " << idle_ms
+                     << " ms and were aborted (their sequences are as before them)";
+      service_->ReapShards(idle);
+    }
+  }
+
+  void Drain(const std::vector<std::string>& peers) {
+    auto d = MakeDrainOptions(flags_, peers);
+    if (!d.ok()) {
+      LOG(ERROR) << "drain: " << d.status().message();
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const DrainReport r = DrainSequences(*engine_, *d);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    Say(absl::StrCat("drained: ", r.moved, " sequence(s) handed to ", r.peers.size(), " peer(s), ",
+                     r.failed, " left behind in ", std::llround(ms), " ms",
+                     r.first_error.empty() ? "" : ": ", r.first_error));
+  }
+
+  const ServerFlags& flags_;
+  std::unique_ptr<Engine> engine_;
+  std::shared_ptr<Authenticator> auth_;
+  std::unique_ptr<Executor> executor_;
+  metrics::Registry registry_;
+  std::unique_ptr<ServiceMetrics> service_metrics_;
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_http_;
+  std::unique_ptr<metrics::MetricsHttpsServer> metrics_https_;
+  int metrics_port_ = 0;
+  std::unique_ptr<AttentionService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  int port_ = 0;
+  std::unique_ptr<UnixListener> local_;
+
+  std::mutex drain_mu_;
+  std::vector<std::string> requested_peers_;  // from the Drain RPC
+
+  std::mutex housekeeping_mu_;
+  std::condition_variable housekeeping_cv_;
+  bool stopping_ = false;
+  std::thread housekeeping_;
+};
+
 }  // namespace
 
 int RunServer(const ServerFlags& flags) {
-  // Every thread started from here on inherits the blocked signals; main waits for them.
+  // Every thread started from here on inherits the blocked signals; AwaitSignalAndDrain waits
+  // for them.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto engine_or = MakeEngine(flags);
-  if (!engine_or.ok()) {
-    std::fprintf(stderr, "attnd: %s\n", std::string(engine_or.status().message()).c_str());
+  Server server(flags);
+  if (const absl::Status st = server.Start(); !st.ok()) {
+    LOG(ERROR) << st.message();
     return 1;
   }
-  std::unique_ptr<Engine> engine = std::move(engine_or).value();
-  auto fail = [](const absl::Status& s) {
-    std::fprintf(stderr, "attnd: %s\n", std::string(s.message()).c_str());
-    return 1;
-  };
-  AuthOptions ao;
-  ao.mode = ParseAuthMode(flags.auth).value();  // the flag parser checked the name
-  ao.tokens_file = flags.auth_tokens;
-  ao.admin_tenant = flags.admin_tenant;
-  auto auth_or = Authenticator::Create(ao);
-  if (!auth_or.ok()) return fail(auth_or.status());
-  std::shared_ptr<Authenticator> auth = std::move(auth_or).value();
-  ApplyQuotas(flags, *auth, engine.get());
-  const TlsFiles tls{flags.tls_cert, flags.tls_key, flags.tls_client_ca,
-                     static_cast<int>(flags.reload_interval_s)};
-  auto creds = MakeServerCredentials(tls);
-  if (!creds.ok()) return fail(creds.status());
-  const bool loopback = flags.grpc_address.rfind("127.", 0) == 0 || flags.grpc_address == "::1" ||
-                        flags.grpc_address == "localhost";
-  if (ao.mode == AuthMode::kToken && flags.tls_cert.empty() && !loopback)
-    std::fprintf(stderr,
-                 "attnd: warning: --auth=token without --tls-cert: bearer tokens cross the network "
-                 "in clear text (only safe on loopback or inside an encrypting mesh)\n");
-  Executor executor(flags.executor_threads);
-  metrics::Registry registry;
-  ServiceMetrics service_metrics(&registry, engine.get(), &executor);
-  std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
-  std::unique_ptr<metrics::MetricsHttpsServer> metrics_https;
-  int metrics_port = 0;
-  const std::string metrics_listen = absl::StrCat(MetricsHost(flags), ":", flags.metrics_port);
-  if (flags.allow_metrics && flags.metrics_tls) {
-    auto m = metrics::MetricsHttpsServer::Start(
-        metrics_listen, &registry,
-        {flags.tls_cert, flags.tls_key, static_cast<int>(flags.reload_interval_s)});
-    if (!m.ok()) return fail(m.status());
-    metrics_https = std::move(m).value();
-    metrics_port = metrics_https->port();
-  } else if (flags.allow_metrics) {
-    auto m = metrics::MetricsHttpServer::Start(metrics_listen, &registry);
-    if (!m.ok()) {
-      std::fprintf(stderr, "attnd: metrics: %s\n", std::string(m.status().message()).c_str());
-      return 1;
-    }
-    metrics_http = std::move(m).value();
-    metrics_port = metrics_http->port();
-  }
-
-  ServiceOptions so;
-  so.max_message_bytes = flags.max_message_bytes;
-  so.step_idle_timeout_ms = flags.step_idle_timeout_ms;
-  so.max_echo_bytes = flags.max_echo_bytes;
-  so.max_shm_regions = flags.max_shm_regions;
-  so.auth = auth;
-  so.shm_enabled = flags.shm;
-  so.shm_prefix = flags.shm_prefix;
-  std::mutex drain_mu;
-  std::vector<std::string> requested_peers;  // from the Drain RPC
-  so.start_drain = [&](std::vector<std::string> peers) {
-    {
-      std::lock_guard<std::mutex> lock(drain_mu);
-      requested_peers = std::move(peers);
-    }
-    kill(getpid(), SIGTERM);  // the same path as an operator's SIGTERM
-  };
-  AttentionService service(engine.get(), &executor, &service_metrics, so);
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  if (!flags.grpc_reflection) builder.SetOption(std::make_unique<WithoutReflection>());
-  int port = 0;
-  const std::string address = HostPort(flags.grpc_address, flags.grpc_port);
-  builder.AddListeningPort(address, *creds, &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(flags.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(flags.max_message_bytes));
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::fprintf(stderr, "attnd: cannot listen on %s\n", address.c_str());
-    return 1;
-  }
-  std::unique_ptr<UnixListener> local;
-  if (flags.shm) {
-    auto l = UnixListener::Start(flags.shm_socket, flags.shm_socket_mode, server.get());
-    if (!l.ok()) {
-      server->Shutdown();
-      return fail(l.status());
-    }
-    local = std::move(l).value();
-  }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kServiceName, true);
-
-  const auto caps = engine->Capacity();
-  const std::string metrics_where =
-      metrics_port > 0
-          ? absl::StrCat("on :", metrics_port, "/metrics", flags.metrics_tls ? " (https)" : "")
-          : "off";
-  std::printf(
-      "attnd: serving attnd.v1 on %s; model %s (%d layers), %zu device(s) x %d pages, "
-      "cpu isa %s, metrics %s\n",
-      HostPort(flags.grpc_address, port).c_str(), engine->spec().name.c_str(),
-      engine->spec().num_layers(), caps.size(), caps[0].pages_total, engine->cpu_isa().c_str(),
-      metrics_where.c_str());
-  std::printf("attnd: cache %s, %d pages x %zu B per device: %s\n",
-              DTypeName(engine->options().cache_dtype), caps[0].pages_total, caps[0].bytes_per_page,
-              engine->cache_sizing().c_str());
-  std::printf(
-      "attnd: tls %s, auth %s%s, shared memory %s, reflection %s\n",
-      flags.tls_cert.empty()        ? "off"
-      : flags.tls_client_ca.empty() ? "on"
-                                    : "on (client certificates required)",
-      flags.auth.c_str(),
-      flags.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags.admin_tenant).c_str(),
-      flags.shm ? absl::StrCat("on ", flags.shm_socket).c_str() : "off",
-      flags.grpc_reflection ? "on" : "off");
-  if (const auto a = engine->absorption())
-    std::printf("attnd: absorption on (%s): q_nope [T, H, %d] in, [T, H, %d] out, %zu MB\n",
-                a->source().c_str(), a->qk_nope_head_dim(), a->v_head_dim(), a->bytes() >> 20);
-  std::fflush(stdout);
-  LOG(INFO) << "config: devices " << absl::StrJoin(engine->options().devices, ",") << ", model "
-            << engine->spec().name << ", cache " << DTypeName(engine->options().cache_dtype) << " "
-            << caps[0].pages_total << " pages x " << caps[0].bytes_per_page << " B per device ("
-            << engine->cache_sizing() << "), threads " << engine->options().threads
-            << ", max message " << flags.max_message_bytes << " B, step idle timeout "
-            << flags.step_idle_timeout_ms << " ms; limits: step tokens " << flags.max_step_tokens
-            << ", batch " << flags.max_batch_entries << ", sequences " << flags.max_sequences
-            << "; tenant quotas (0 = none): pages " << flags.quota_pages << ", sequences "
-            << flags.quota_sequences << ", steps " << flags.quota_steps << ", shm regions "
-            << flags.quota_shm_regions << "; auth " << flags.auth << ", tls "
-            << (flags.tls_cert.empty() ? "off" : "on") << ", shm " << (flags.shm ? "on" : "off")
-            << "; drain peers "
-            << (flags.drain_peers.empty() ? "none" : absl::StrJoin(flags.drain_peers, ","))
-            << " (timeout " << flags.drain_timeout_ms << " ms, " << flags.drain_parallel
-            << " at once)";
-
-  // Idle steps expire in the background.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool stopping = false;
-  const auto idle = std::chrono::milliseconds(flags.step_idle_timeout_ms);
-  // Idle steps expire, and the token file is reread when it changes, in the background.
-  std::thread reaper([&] {
-    std::unique_lock<std::mutex> lock(mu);
-    const auto period = std::clamp<std::chrono::milliseconds>(
-        idle / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(1000));
-    const auto wait = flags.step_idle_timeout_ms > 0 ? period : std::chrono::milliseconds(1000);
-    const auto reload_every = std::chrono::seconds(flags.reload_interval_s);
-    auto next_reload = std::chrono::steady_clock::now() + reload_every;
-    while (!cv.wait_for(lock, wait, [&] { return stopping; })) {
-      if (std::chrono::steady_clock::now() >= next_reload) {
-        next_reload += reload_every;
-        const absl::StatusOr<bool> reloaded = auth->ReloadIfChanged();
-        if (!reloaded.ok()) {
-          LOG(WARNING) << "token file not reloaded (the old tokens stay): "
-                       << reloaded.status().message();
-        } else if (*reloaded) {
-          ApplyQuotas(flags, *auth, engine.get());
-          LOG(INFO) << "token file reloaded";
-        }
-      }
-      if (flags.step_idle_timeout_ms <= 0) continue;
-      if (const int n = engine->ExpireIdleSteps(idle); n > 0)
-        LOG(WARNING) << n << " idle step(s) expired after " << flags.step_idle_timeout_ms
-                     << " ms and were aborted (their sequences are as before them)";
-      service.ReapShards(idle);
-    }
-  });
-
-  int sig = 0;
-  sigwait(&signals, &sig);
-  std::printf("attnd: %s received, draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  std::fflush(stdout);
-  service.SetDraining();
-  health->SetServingStatus(kServiceName, false);
-  {
-    std::vector<std::string> peers = flags.drain_peers;
-    {
-      std::lock_guard<std::mutex> lock(drain_mu);
-      if (!requested_peers.empty()) peers = requested_peers;
-    }
-    if (!peers.empty()) {
-      auto d = MakeDrainOptions(flags, peers);
-      if (!d.ok()) {
-        std::fprintf(stderr, "attnd: drain: %s\n", std::string(d.status().message()).c_str());
-      } else {
-        const auto t0 = std::chrono::steady_clock::now();
-        const DrainReport r = DrainSequences(*engine, *d);
-        const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                .count();
-        std::printf(
-            "attnd: drained: %d sequence(s) handed to %zu peer(s), %d left behind in %.0f ms%s%s\n",
-            r.moved, r.peers.size(), r.failed, ms, r.first_error.empty() ? "" : ": ",
-            r.first_error.c_str());
-      }
-    } else if (engine->num_sequences() > 0) {
-      std::printf("attnd: no --drain-peers: %lld sequence(s) are dropped at exit\n",
-                  static_cast<long long>(engine->num_sequences()));
-    }
-    std::fflush(stdout);
-  }
-  local.reset();  // no new local connections (those open finish with the others)
-  // Shard messages parked for a shard that never comes would keep Shutdown waiting forever:
-  // when the grace period ends, answer them.
-  std::mutex grace_mu;
-  std::condition_variable grace_cv;
-  bool shut = false;
-  std::thread grace([&] {
-    std::unique_lock<std::mutex> lock(grace_mu);
-    if (!grace_cv.wait_for(lock, std::chrono::milliseconds(flags.shutdown_grace_ms),
-                           [&] { return shut; }))
-      service.FailParkedShards();
-  });
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(flags.shutdown_grace_ms));
-  server->Wait();
-  {
-    std::lock_guard<std::mutex> lock(grace_mu);
-    shut = true;
-  }
-  grace_cv.notify_all();
-  grace.join();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    stopping = true;
-  }
-  cv.notify_all();
-  reaper.join();
-  const int aborted = engine->ExpireIdleSteps(std::chrono::milliseconds(0));
-  std::printf("attnd: stopped (%d open step(s) aborted at exit)\n", aborted);
-  return 0;
+  server.StartHousekeeping();
+  server.AwaitSignalAndDrain(signals);
+  return server.ShutDown();
 }
 
 }  // namespace attnd
