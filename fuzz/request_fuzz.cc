@@ -19,9 +19,9 @@
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
 #include "fuzz/fuzz_input.h"
+#include "metrics/metrics.h"
 #include "service/attention_service.h"
 #include "service/executor.h"
-#include "service/metrics.h"
 #include "service/service_metrics.h"
 
 namespace attnd {

@@ -11,7 +11,7 @@
 
 #include "absl/status/status.h"
 #include "engine/engine.h"
-#include "service/metrics.h"
+#include "metrics/metrics.h"
 
 namespace attnd {
 

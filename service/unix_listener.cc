@@ -12,7 +12,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "service/accept_loop.h"
+#include "common/accept_loop.h"
 
 namespace attnd {
 

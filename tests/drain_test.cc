@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "service/metrics.h"
+#include "metrics/metrics.h"
 #include "service/service_metrics.h"
 
 namespace attnd {

@@ -1,6 +1,6 @@
 // The metrics registry's exposition text, its thread safety and collect hooks, and the HTTP
 // endpoint, whose output must pass `promtool check metrics`.
-#include "service/metrics.h"
+#include "metrics/metrics.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -29,7 +29,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
-#include "service/metrics_http.h"
+#include "metrics/metrics_http.h"
 
 namespace attnd::metrics {
 namespace {

@@ -21,9 +21,9 @@
 #include "client/attnd_client.h"
 #include "client/workload.h"
 #include "kernels/cpu/cpu_isa.h"
+#include "metrics/metrics.h"
 #include "service/attention_service.h"
 #include "service/executor.h"
-#include "service/metrics.h"
 #include "service/service_metrics.h"
 
 namespace attnd::testing {

@@ -1,4 +1,4 @@
-#include "service/metrics_https.h"
+#include "metrics/metrics_https.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -15,7 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "service/accept_loop.h"
+#include "common/accept_loop.h"
 
 namespace attnd::metrics {
 namespace {

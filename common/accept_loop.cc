@@ -1,4 +1,4 @@
-#include "service/accept_loop.h"
+#include "common/accept_loop.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -14,7 +14,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "service/metrics.h"
+#include "metrics/metrics.h"
 
 typedef struct ssl_ctx_st SSL_CTX;
 

@@ -1,4 +1,4 @@
-#include "service/metrics.h"
+#include "metrics/metrics.h"
 
 #include <algorithm>
 #include <charconv>

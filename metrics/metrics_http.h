@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "service/metrics.h"
+#include "metrics/metrics.h"
 
 struct mg_connection;
 struct mg_context;

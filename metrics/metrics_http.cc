@@ -1,4 +1,4 @@
-#include "service/metrics_http.h"
+#include "metrics/metrics_http.h"
 
 #include <civetweb.h>
 #include <openssl/ssl.h>
