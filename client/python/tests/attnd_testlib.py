@@ -19,13 +19,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, ModelSpec, ServerInfo, StepStream
+from attnd import AttndClient, AttndError, LayerInputs, ModelSpec, ServerInfo, StepStream
 
 from attnd_process import free_port  # noqa: F401  (re-exported for conftest)
 
 Batch = List[Tuple[str, int]]
-#: One layer's tensors by LayerInputs field name (the keyword form's arguments).
-LayerInputs = Dict[str, np.ndarray]
+#: One layer's tensors by LayerInputs field name (``LayerInputs(layer, **tensors)``).
+LayerTensors = Dict[str, np.ndarray]
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -88,7 +88,8 @@ class Reference:
             self.min_margin = min(self.min_margin, gap / max(np.abs(scores).max(), 1e-30))
         return np.sort(order[:K])
 
-    def step(self, batch: Sequence[Tuple[str, int]], inputs: List[LayerInputs]) -> List[np.ndarray]:
+    def step(self, batch: Sequence[Tuple[str, int]], inputs: List[LayerTensors]
+             ) -> List[np.ndarray]:
         """Expected outputs (float64 [T, H, L]; None on write-only layers) and commits the keys."""
         s = self.spec
         tokens = [(sid, self.length(sid) + j) for sid, q_len in batch for j in range(q_len)]
@@ -195,11 +196,12 @@ class Harness:
         x = np.where(np.abs(x) < 1e-2, np.float32(1e-2), x)  # random, never (near) zero
         return x.astype(dtype)
 
-    def inputs(self, T: int, dtype: np.dtype = BF16, write_only: bool = False) -> List[LayerInputs]:
+    def inputs(self, T: int, dtype: np.dtype = BF16, write_only: bool = False
+               ) -> List[LayerTensors]:
         s = self.spec
         layers = []
         for kind in s.layers:
-            x: LayerInputs = {
+            x: LayerTensors = {
                 "kv_latent": self.rand((T, s.kv_lora_rank), dtype),
                 "k_rope": self.rand((T, s.qk_rope_head_dim), dtype),
             }
@@ -216,22 +218,23 @@ class Harness:
 
     # steps
 
-    def send(self, via, batch: Batch, inputs: List[LayerInputs], write_only: bool = False
+    def send(self, via, batch: Batch, inputs: List[LayerTensors], write_only: bool = False
              ) -> List[Optional[np.ndarray]]:
         """Runs a whole step on the server through a StepStream or the unary calls of a client."""
         T = sum(q for _, q in batch)
         if isinstance(via, StepStream):
             step = via.begin(batch, write_only=write_only)
-            outs = [via.layer(i, **x) for i, x in enumerate(inputs)]
+            outs = [via.layer(LayerInputs(i, **x)) for i, x in enumerate(inputs)]
             assert via.step is None  # committed
         else:
             step = via.begin_step(batch, write_only=write_only)
-            outs = [via.attend_layer(step.step_id, i, **x) for i, x in enumerate(inputs)]
+            outs = [via.attend_layer(step.step_id, LayerInputs(i, **x))
+                    for i, x in enumerate(inputs)]
         assert step.num_tokens == T
         return outs
 
     def step(self, via, batch: Batch, dtype: np.dtype = BF16, tol: float = 1e-2,
-             inputs: Optional[List[LayerInputs]] = None, what: str = "") -> List[np.ndarray]:
+             inputs: Optional[List[LayerTensors]] = None, what: str = "") -> List[np.ndarray]:
         """Runs a step on the server and checks every layer's output against the reference."""
         T = sum(q for _, q in batch)
         inputs = inputs if inputs is not None else self.inputs(T, dtype)
@@ -293,7 +296,7 @@ def local_target(target: str) -> str:
 SHARD_TIMEOUT_S = 60.0
 
 
-def shard_inputs(x: LayerInputs, S: int, k: int) -> LayerInputs:
+def shard_inputs(x: LayerTensors, S: int, k: int) -> LayerTensors:
     """Shard k's message of a layer: its heads of q_latent / q_rope; shard 0 also the keys and the
     indexer tensors."""
     H = x["q_latent"].shape[1]
@@ -304,12 +307,13 @@ def shard_inputs(x: LayerInputs, S: int, k: int) -> LayerInputs:
     return part
 
 
-def run_sharded(vias: Sequence, batch: Batch, inputs: List[LayerInputs], S: int,
-                layer_kwargs=None) -> List[List[np.ndarray]]:
+def run_sharded(vias: Sequence, batch: Batch, inputs: List[LayerTensors], S: int,
+                layer_kwargs=None, details: bool = False) -> List[List[np.ndarray]]:
     """One step run by S shards, each in its own thread: vias[k] is shard k's StepStream (shard 0
-    begins, the others join) or an AttndClient (unary; shard 0 begins). Returns outs[layer][shard].
+    begins, the others join) or an AttndClient (unary; shard 0 begins). Returns outs[layer][shard]
+    (with ``details``: through the details calls, each a LayerResult).
 
-    ``layer_kwargs(k, layer, msg)`` may rewrite shard k's keyword arguments for a layer."""
+    ``layer_kwargs(k, layer, msg)`` may rewrite shard k's LayerInputs fields for a layer."""
     T = sum(q for _, q in batch)
     step_ids: List[queue.Queue[Optional[int]]] = [queue.Queue() for _ in range(S)]
 
@@ -339,10 +343,13 @@ def run_sharded(vias: Sequence, batch: Batch, inputs: List[LayerInputs], S: int,
             msg = shard_inputs(x, S, k)
             if layer_kwargs is not None:
                 msg = layer_kwargs(k, i, msg)
-            if stream:
-                outs.append(via.layer(i, **msg))  # the shard defaults to the joined one
+            if stream:  # the shard defaults to the joined one
+                inputs_k = LayerInputs(i, **msg)
+                outs.append(via.layer_details(inputs_k) if details else via.layer(inputs_k))
             else:
-                outs.append(via.attend_layer(step_id, i, shard=k, **msg))
+                inputs_k = LayerInputs(i, shard=k, **msg)
+                outs.append(via.attend_layer_details(step_id, inputs_k) if details
+                            else via.attend_layer(step_id, inputs_k))
         if stream:
             assert via.step is None  # committed
         return outs
@@ -390,7 +397,7 @@ def bf16_layers(spec, T, rng, write_only=False):
 
 def run_step(client, sid, inputs):
     step = client.begin_step([(sid, inputs[0]["kv_latent"].shape[0])])
-    return [client.attend_layer(step.step_id, i, **x) for i, x in enumerate(inputs)]
+    return [client.attend_layer(step.step_id, LayerInputs(i, **x)) for i, x in enumerate(inputs)]
 
 
 def fp32_keys(spec, T, rng):
@@ -421,7 +428,7 @@ def fp32_queries(spec, rng):
 def write_keys(client, sid, keys):
     step = client.begin_step([(sid, keys[0]["kv_latent"].shape[0])], write_only=True)
     for layer, x in enumerate(keys):
-        client.attend_layer(step.step_id, layer, **x)
+        client.attend_layer(step.step_id, LayerInputs(layer, **x))
 
 
 def decode_with_lse(client, sid, new_key, queries, *, stream=False):
@@ -430,9 +437,11 @@ def decode_with_lse(client, sid, new_key, queries, *, stream=False):
     if stream:
         with client.stream() as s:
             s.begin([(sid, 1)])
-            return [s.layer(layer, lse=True, attended=True, **x) for layer, x in enumerate(tensors)]
+            return [s.layer_details(LayerInputs(layer, return_lse=True, return_attended=True, **x))
+                    for layer, x in enumerate(tensors)]
     step = client.begin_step([(sid, 1)])
-    return [client.attend_layer(step.step_id, layer, lse=True, attended=True, **x)
+    return [client.attend_layer_details(step.step_id, LayerInputs(layer, return_lse=True,
+                                                                  return_attended=True, **x))
             for layer, x in enumerate(tensors)]
 
 

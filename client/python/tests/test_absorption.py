@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError
+from attnd import AttndClient, AttndError, LayerInputs
 
 from attnd_process import start, stop
 from attnd_testlib import random_layer
@@ -140,15 +140,18 @@ def test_absorbed_calls_equal_the_worker_side_path(servers, stream):
                 with a.stream() as sa, b.stream() as sb:
                     sa.begin([(sid, T)])
                     sb.begin([(sid, T)])
-                    got = [sa.layer(i, attended=True, **x) for i, x in enumerate(calls)]
-                    ref = [sb.layer(i, attended=True, **_worker_side(x, weights[i]))
+                    got = [sa.layer_details(LayerInputs(i, return_attended=True, **x))
+                           for i, x in enumerate(calls)]
+                    ref = [sb.layer_details(LayerInputs(i, return_attended=True,
+                                                        **_worker_side(x, weights[i])))
                            for i, x in enumerate(calls)]
             else:
                 sa = a.begin_step([(sid, T)])
                 sb = b.begin_step([(sid, T)])
-                got = [a.attend_layer(sa.step_id, i, attended=True, **x)
+                got = [a.attend_layer_details(sa.step_id, LayerInputs(i, return_attended=True, **x))
                        for i, x in enumerate(calls)]
-                ref = [b.attend_layer(sb.step_id, i, attended=True, **_worker_side(x, weights[i]))
+                ref = [b.attend_layer_details(sb.step_id, LayerInputs(
+                           i, return_attended=True, **_worker_side(x, weights[i])))
                        for i, x in enumerate(calls)]
             for i, (g, r) in enumerate(zip(got, ref)):
                 assert g.out.shape == (T, spec.num_heads, V) and g.out.dtype == np.float32
@@ -173,7 +176,7 @@ def test_uploaded_weights_serve_bit_identically(servers):
         u.open_sequence("x")
         step = u.begin_step([("x", 30)])
         with pytest.raises(AttndError) as e:  # no weights yet
-            u.attend_layer(step.step_id, 0, **calls[0])
+            u.attend_layer(step.step_id, LayerInputs(0, **calls[0]))
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "no absorption weights" in e.value.details
         # In several calls (one layer per message at this limit); not in use until the last.
@@ -191,8 +194,8 @@ def test_uploaded_weights_serve_bit_identically(servers):
         a.open_sequence("x")
         su, sa = u.begin_step([("x", 30)]), a.begin_step([("x", 30)])
         for i, x in enumerate(calls):
-            np.testing.assert_array_equal(u.attend_layer(su.step_id, i, **x),
-                                          a.attend_layer(sa.step_id, i, **x))
+            np.testing.assert_array_equal(u.attend_layer(su.step_id, LayerInputs(i, **x)),
+                                          a.attend_layer(sa.step_id, LayerInputs(i, **x)))
 
 
 def test_bad_absorbed_calls_are_refused_and_change_nothing(servers):
@@ -205,7 +208,7 @@ def test_bad_absorbed_calls_are_refused_and_change_nothing(servers):
         def refused(**call):
             step = c.begin_step([("bad", 2)])
             with pytest.raises(AttndError) as e:
-                c.attend_layer(step.step_id, 0, **call)
+                c.attend_layer(step.step_id, LayerInputs(0, **call))
             return e.value
 
         e = refused(q_latent=np.zeros((2, spec.num_heads, spec.kv_lora_rank), np.float32), **x)
@@ -219,7 +222,8 @@ def test_bad_absorbed_calls_are_refused_and_change_nothing(servers):
         def shard(k):
             part = {n: x[n][:, 2 * k:2 * k + 2] for n in ("q_nope", "q_rope")}
             try:
-                c.attend_layer(step.step_id, 0, shard=k, **part, **(rest if k == 0 else {}))
+                c.attend_layer(step.step_id, LayerInputs(0, shard=k, **part,
+                                                         **(rest if k == 0 else {})))
             except AttndError as err:
                 return err
             return None
@@ -233,7 +237,7 @@ def test_bad_absorbed_calls_are_refused_and_change_nothing(servers):
         c.open_sequence("bad")
         step = c.begin_step([("bad", 2)])
         with pytest.raises(AttndError) as e:
-            c.attend_layer(step.step_id, 0, **x)
+            c.attend_layer(step.step_id, LayerInputs(0, **x))
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "--absorb-from" in e.value.details
 

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, from_tensor, to_tensor
+from attnd import AttndClient, AttndError, LayerInputs, from_tensor, to_tensor
 
 from attnd_testlib import BF16, Harness, bits, expect, f64, first_full_layer, rel_l2
 
@@ -88,9 +88,9 @@ def test_missing_descriptor_import_error(tmp_path):
 
 
 def test_a_layer_call_can_return_what_each_query_attended_and_the_servers_time(client, harness):
-    """details=True: the server's seconds on the call; attended=True: each query's key positions,
-    the float64 reference's top-k on full layers (pruning: contexts past K), the full layer's on
-    shared ones, all visible keys while a query sees at most K."""
+    """The details call: the server's seconds on the call; return_attended: each query's key
+    positions, the float64 reference's top-k on full layers (pruning: contexts past K), the full
+    layer's on shared ones, all visible keys while a query sees at most K."""
     h, K = harness, harness.spec.index_topk
     a, b = h.open("a"), h.open("b")
     h.step(client, [(a, K + 20), (b, 5)])  # a's later queries select K of more keys
@@ -99,7 +99,7 @@ def test_a_layer_call_can_return_what_each_query_attended_and_the_servers_time(c
     want_out = h.ref.step(batch, inputs)
     step = client.begin_step(batch)
     for i, x in enumerate(inputs):
-        r = client.attend_layer(step.step_id, i, attended=True, **x)
+        r = client.attend_layer_details(step.step_id, LayerInputs(i, return_attended=True, **x))
         assert 0 < r.server_seconds < 30 and r.committed == (i == len(inputs) - 1)
         assert rel_l2(r.out, want_out[i]) < 1e-2 and not np.isnan(f64(r.out)).any()
         assert len(r.attended) == 5
@@ -109,14 +109,14 @@ def test_a_layer_call_can_return_what_each_query_attended_and_the_servers_time(c
     # Only the time: no positions asked, none sent.
     step = client.begin_step([(b, 1)])
     for i, x in enumerate(h.inputs(1)):
-        r = client.attend_layer(step.step_id, i, details=True, **x)
+        r = client.attend_layer_details(step.step_id, LayerInputs(i, **x))
         assert r.attended is None and r.server_seconds > 0
     h.ref.step([(b, 1)], h.inputs(1))  # keep the reference's lengths in step (outputs unused)
     # Refused where it cannot be served, and the step is aborted as for any bad layer call.
     step = client.begin_step([(a, 1)], write_only=True)
     x = h.inputs(1, write_only=True)[0]
     with pytest.raises(AttndError) as e:
-        client.attend_layer(step.step_id, 0, attended=True, **x)
+        client.attend_layer_details(step.step_id, LayerInputs(0, return_attended=True, **x))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "write-only" in e.value.details
     assert client.info().max_attended_positions >= 1 << 16
 
@@ -247,7 +247,7 @@ def test_raw_uint16_bf16(harness, client, server):
         assert a.dtype == BF16 and b.dtype == np.uint16
         assert np.array_equal(a.view(np.uint16), b)
     with pytest.raises(TypeError):  # not without asking
-        client.attend_layer(1, 0, **raw_inputs[0])
+        client.attend_layer(1, LayerInputs(0, **raw_inputs[0]))
 
 
 # ---- errors: each leaves the sequences as they were, and the server serving ----------------------
@@ -276,7 +276,8 @@ def test_unknown_sequence_not_found(harness, client):
         assert stream.closed
     h.assert_unchanged([a, b])
     inputs = h.inputs(1)
-    expect(grpc.StatusCode.NOT_FOUND, client.attend_layer, 2**63 + 12345, 0, **inputs[0])
+    expect(grpc.StatusCode.NOT_FOUND, client.attend_layer, 2**63 + 12345,
+           LayerInputs(0, **inputs[0]))
     expect(grpc.StatusCode.NOT_FOUND, client.abort_step, 2**63 + 12345)
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
@@ -312,18 +313,19 @@ def test_wrong_shape_invalid_argument(harness, client, path, tensor):
         with client.stream() as stream:
             stream.begin(batch)
             for i in range(bad_layer):
-                stream.layer(i, **inputs[i])
-            e = expect(grpc.StatusCode.INVALID_ARGUMENT, stream.layer, bad_layer, **x)
+                stream.layer(LayerInputs(i, **inputs[i]))
+            e = expect(grpc.StatusCode.INVALID_ARGUMENT, stream.layer, LayerInputs(bad_layer, **x))
             assert stream.closed
     else:
         step = client.begin_step(batch)
         for i in range(bad_layer):
-            client.attend_layer(step.step_id, i, **inputs[i])
+            client.attend_layer(step.step_id, LayerInputs(i, **inputs[i]))
         e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id,
-                   bad_layer, **x)
+                   LayerInputs(bad_layer, **x))
         # the error aborted the step: a later layer is told so
         nxt = bad_layer + 1 if bad_layer + 1 < spec.num_layers else bad_layer
-        expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id, nxt, **inputs[nxt])
+        expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id,
+               LayerInputs(nxt, **inputs[nxt]))
     assert tensor in e.details, e.details
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
@@ -342,9 +344,9 @@ def test_invalid_batches(harness, client):
         full = inputs[first_full_layer(h.spec)]
         step = client.begin_step([(a, 1), (b, 1)])
         for i in range(shared[0]):
-            client.attend_layer(step.step_id, i, **inputs[i])
-        e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id, shared[0],
-                   **inputs[shared[0]], index_q=full["index_q"])
+            client.attend_layer(step.step_id, LayerInputs(i, **inputs[i]))
+        e = expect(grpc.StatusCode.INVALID_ARGUMENT, client.attend_layer, step.step_id,
+                   LayerInputs(shared[0], **inputs[shared[0]], index_q=full["index_q"]))
         assert "index_q" in e.details
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
@@ -362,14 +364,16 @@ def test_layer_out_of_order_failed_precondition(harness, client, path, skip):
     if path == "stream":
         with client.stream() as stream:
             stream.begin(batch)
-            stream.layer(0, **inputs[0])
-            expect(grpc.StatusCode.FAILED_PRECONDITION, stream.layer, wrong, **inputs[wrong])
+            stream.layer(LayerInputs(0, **inputs[0]))
+            expect(grpc.StatusCode.FAILED_PRECONDITION, stream.layer,
+                   LayerInputs(wrong, **inputs[wrong]))
     else:
         step = client.begin_step(batch)
-        client.attend_layer(step.step_id, 0, **inputs[0])
-        expect(grpc.StatusCode.FAILED_PRECONDITION, client.attend_layer, step.step_id, wrong,
-               **inputs[wrong])
-        expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id, 1, **inputs[1])
+        client.attend_layer(step.step_id, LayerInputs(0, **inputs[0]))
+        expect(grpc.StatusCode.FAILED_PRECONDITION, client.attend_layer, step.step_id,
+               LayerInputs(wrong, **inputs[wrong]))
+        expect(grpc.StatusCode.CANCELLED, client.attend_layer, step.step_id,
+               LayerInputs(1, **inputs[1]))
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
 
@@ -404,15 +408,15 @@ def test_abort_restores(harness, client, path):
     if path == "stream":
         with client.stream() as stream:
             stream.begin(batch)
-            stream.layer(0, **inputs[0])
-            stream.layer(1, **inputs[1])
+            stream.layer(LayerInputs(0, **inputs[0]))
+            stream.layer(LayerInputs(1, **inputs[1]))
             stream.abort()
             assert stream.step is None and not stream.closed
             h.assert_unchanged([a, b])
             h.step(stream, [(a, 2), (b, 3)])  # the same stream goes on
     else:
         step = client.begin_step(batch)
-        client.attend_layer(step.step_id, 0, **inputs[0])
+        client.attend_layer(step.step_id, LayerInputs(0, **inputs[0]))
         client.abort_step(step.step_id)
         h.assert_unchanged([a, b])
         assert {s: client.describe_sequence(s).num_pages for s in (a, b)} == pages_before
@@ -429,7 +433,7 @@ def test_stream_cancel_aborts(harness, client):
     with pytest.raises(KeyError):
         with client.stream() as stream:
             stream.begin([(a, 1), (b, 1)])
-            stream.layer(0, **inputs[0])
+            stream.layer(LayerInputs(0, **inputs[0]))
             raise KeyError("client-side failure")
     assert stream.closed
     deadline = time.monotonic() + 10
@@ -458,7 +462,7 @@ def test_cancel_then_begin_at_once(harness, client):
     for _ in range(15):
         stream = client.stream()
         stream.begin([(a, 5)])
-        stream.layer(0, **inputs[0])
+        stream.layer(LayerInputs(0, **inputs[0]))
         stream.cancel()
         step = client.begin_step([(a, 5)])
         client.abort_step(step.step_id)

@@ -13,7 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AsyncAttndClient, AttndClient, AttndError, ShmArena, spec_from_hf_config
+from attnd import (
+    AsyncAttndClient,
+    AttndClient,
+    AttndError,
+    LayerInputs,
+    ShmArena,
+    spec_from_hf_config,
+)
 
 from attnd_process import start, stop
 from attnd_testlib import bf16_layers as _layers  # one step's random bf16 inputs; a step
@@ -44,7 +51,8 @@ def test_the_async_client_gives_the_sync_clients_results(two_servers):
             assert [i.length for i in infos] == [0, 31]
             for layers in (prefill, decode):
                 step = await c.begin_step([("async", layers[0]["kv_latent"].shape[0])])
-                got = [await c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+                got = [await c.attend_layer(step.step_id, LayerInputs(i, **x))
+                       for i, x in enumerate(layers)]
             assert len(await c.echo(b"x" * 1000, response_bytes=4096)) == 4096
             with pytest.raises(AttndError) as e:
                 await c.describe_sequence("nope")
@@ -57,14 +65,14 @@ def test_the_async_client_gives_the_sync_clients_results(two_servers):
             async with c.stream(timeout=60) as s:
                 for layers in (prefill, decode):
                     await s.begin([("astream", layers[0]["kv_latent"].shape[0])])
-                    streamed = [await s.layer(i, **x) for i, x in enumerate(layers)]
+                    streamed = [await s.layer(LayerInputs(i, **x)) for i, x in enumerate(layers)]
                     assert s.step is None  # committed
                 await s.begin([("astream", 1)])
-                await s.layer(0, **decode[0])
+                await s.layer(LayerInputs(0, **decode[0]))
                 await s.abort()
                 assert (await c.describe_sequence("astream")).length == 31
                 with pytest.raises(AttndError) as e:
-                    await s.layer(0, **decode[0])  # no step open: the stream ends
+                    await s.layer(LayerInputs(0, **decode[0]))  # no step open: the stream ends
                 assert s.closed
             await c.close_sequence("astream")
             for a, b in zip(streamed, got):
@@ -216,17 +224,20 @@ def test_attended_positions_are_bounded_before_any_work(tmp_path):
             layers = _layers(spec, 400, np.random.default_rng(4))  # 400*401/2 = 80200 keys seen
             step = c.begin_step([("long", 400)])
             for i in range(3):  # full and shared layers: 400 queries attend at most K = 24 each
-                r = c.attend_layer(step.step_id, i, attended=True, **layers[i])
+                r = c.attend_layer_details(step.step_id,
+                                           LayerInputs(i, return_attended=True, **layers[i]))
                 assert sum(len(p) for p in r.attended) == 300 + 24 * 376
             with pytest.raises(AttndError) as e:  # the dense layer would attend all 80200
-                c.attend_layer(step.step_id, 3, attended=True, **layers[3])
+                c.attend_layer_details(step.step_id,
+                                       LayerInputs(3, return_attended=True, **layers[3]))
             assert e.value.code.name == "INVALID_ARGUMENT"
             assert "80200 keys" in e.value.details and str(limit) in e.value.details
             long = c.describe_sequence("long")
             assert long.length == 0 and not long.in_step
             # Without the trace the same step runs.
             step = c.begin_step([("long", 400)])
-            outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+            outs = [c.attend_layer(step.step_id, LayerInputs(i, **x))
+                    for i, x in enumerate(layers)]
             assert outs[-1].shape == (400, spec.num_heads, spec.kv_lora_rank)
     finally:
         stop(proc)
@@ -248,16 +259,18 @@ def test_attended_positions_must_fit_the_reply_beside_the_output(tmp_path):
             for n in (500, 500, 226):  # 1226 tokens of context, imported
                 step = c.begin_step([("ctx", n)], write_only=True)
                 for i, x in enumerate(_layers(spec, n, rng, write_only=True)):
-                    c.attend_layer(step.step_id, i, **x)
+                    c.attend_layer(step.step_id, LayerInputs(i, **x))
             layers = _layers(spec, 48, rng)
             step = c.begin_step([("ctx", 48)])
             with pytest.raises(AttndError) as e:
-                c.attend_layer(step.step_id, 0, attended=True, **layers[0])
+                c.attend_layer_details(step.step_id,
+                                       LayerInputs(0, return_attended=True, **layers[0]))
             assert e.value.code.name == "INVALID_ARGUMENT"
             assert "60024 positions" in e.value.details and "out_shm" in e.value.details
             assert c.describe_sequence("ctx").length == 1226
             step = c.begin_step([("ctx", 48)])
-            outs = [c.attend_layer(step.step_id, i, **x) for i, x in enumerate(layers)]
+            outs = [c.attend_layer(step.step_id, LayerInputs(i, **x))
+                    for i, x in enumerate(layers)]
             assert outs[0].shape == (48, spec.num_heads, spec.kv_lora_rank)
     finally:
         stop(proc)

@@ -12,7 +12,13 @@ import signal
 import numpy as np
 import pytest
 
-from attnd import AttndClient, Candidates, ContextParallelSequence, merge_candidates
+from attnd import (
+    AttndClient,
+    Candidates,
+    ContextParallelSequence,
+    LayerInputs,
+    merge_candidates,
+)
 
 from attnd_process import start
 from attnd_testlib import random_layer
@@ -65,7 +71,8 @@ def test_a_split_sequence_equals_one_server(servers, parts):
             got = seq.step(T, layers, attended=True)
             st = whole.begin_step([(sid, T)])
             for i, x in enumerate(layers):
-                ref = whole.attend_layer(st.step_id, i, lse=True, attended=True, **x)
+                ref = whole.attend_layer_details(st.step_id, LayerInputs(
+                    i, return_lse=True, return_attended=True, **x))
                 g = got[i]
                 assert g.out.shape == ref.out.shape and not np.isnan(g.out).any()
                 err = float(np.linalg.norm(g.out.astype(np.float64) - ref.out) /
@@ -152,20 +159,21 @@ def test_a_context_parallel_step_over_the_stream(servers):
                 layers = [_layer(spec, kind, T, rng) for kind in spec.layers]
                 with c.stream() as s:
                     s.begin([("st-plain", T)])
-                    want = [s.layer(i, lse=True, **x) for i, x in enumerate(layers)]
+                    want = [s.layer_details(LayerInputs(i, return_lse=True, **x))
+                            for i, x in enumerate(layers)]
                 with c.stream() as s:
                     s.begin([("st-cp", T)], position_offsets=[0])
                     got = []
                     for i, x in enumerate(layers):
                         if "index_q" in x:
-                            cand = s.layer(i, candidates=True, **{k: v for k, v in x.items()
-                                                                   if not k.startswith("q_")})
+                            cand = s.layer_candidates(LayerInputs(
+                                i, **{k: v for k, v in x.items() if not k.startswith("q_")}))
                             assert isinstance(cand, Candidates) and len(cand.count) == T
                             x = {k: x[k] for k in ("q_latent", "q_rope")}
-                            got.append(s.layer(i, selection=merge_candidates([cand]), lse=True,
-                                               **x))
+                            got.append(s.layer_details(LayerInputs(
+                                i, selection=merge_candidates([cand]), return_lse=True, **x)))
                         else:
-                            got.append(s.layer(i, lse=True, **x))
+                            got.append(s.layer_details(LayerInputs(i, return_lse=True, **x)))
                 for g, w in zip(got, want):
                     np.testing.assert_array_equal(g.out, w.out)
                     np.testing.assert_array_equal(g.lse, w.lse)

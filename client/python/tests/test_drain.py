@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnd import AttndClient, AttndError, route
+from attnd import AttndClient, AttndError, LayerInputs, route
 
 from attnd_process import start
 from attnd_testlib import bf16_layers as _inputs
@@ -69,14 +69,14 @@ def test_sigterm_hands_every_sequence_to_the_peer_the_hash_picks():
                 s0 = on_a[0]
                 x0 = _inputs(spec, 1, rng)
                 open_step = clients[ta].begin_step([(s0, 1)])
-                first = clients[ta].attend_layer(open_step.step_id, 0, **x0[0])
+                first = clients[ta].attend_layer(open_step.step_id, LayerInputs(0, **x0[0]))
                 a.send_signal(signal.SIGTERM)
                 deadline = time.monotonic() + 10
                 while _ready(ta):  # the drain waits for the open step: the server stays up
                     assert time.monotonic() < deadline, "readiness never turned NOT_SERVING"
                     time.sleep(0.01)
                 # The open step may finish on the draining replica.
-                rest = [clients[ta].attend_layer(open_step.step_id, i, **x)
+                rest = [clients[ta].attend_layer(open_step.step_id, LayerInputs(i, **x))
                         for i, x in enumerate(x0) if i > 0]
                 early[s0] = (x0, [first] + rest)
             for s in seqs:

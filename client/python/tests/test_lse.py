@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, merge_attention
+from attnd import AttndClient, AttndError, LayerInputs, merge_attention
 
 from attnd_process import start, stop
 from attnd_testlib import decode_with_lse as _decode
@@ -61,7 +61,8 @@ def test_lse_is_the_log_sum_exp_over_the_attended_keys_on_every_layer_kind(targe
             assert _rel(r.out[0], ref_out) <= 1e-5, (layer, kind)
         # Without asking, nothing comes back.
         step = c.begin_step([(sid, 1)])
-        plain = c.attend_layer(step.step_id, 0, details=True, **dict(new_key[0], **queries[0]))
+        plain = c.attend_layer_details(step.step_id,
+                                       LayerInputs(0, **dict(new_key[0], **queries[0])))
         assert plain.lse is None
         c.abort_step(step.step_id)
 
@@ -135,7 +136,7 @@ def test_lse_is_refused_on_write_only_steps_and_nothing_is_written(target):
         keys = _keys(spec, 5, rng)
         step = c.begin_step([("wo", 5)], write_only=True)
         with pytest.raises(AttndError) as e:
-            c.attend_layer(step.step_id, 0, lse=True, **keys[0])
+            c.attend_layer_details(step.step_id, LayerInputs(0, return_lse=True, **keys[0]))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "return_lse: a write-only step attends nothing" in e.value.details
         assert c.describe_sequence("wo").length == 0
@@ -153,7 +154,8 @@ def test_each_shard_gets_its_heads_lse_as_the_unsharded_step_has_them(target):
         whole = _decode(c, "sh-y", new_key, queries)
         tensors = [dict(k, **q) for k, q in zip(new_key, queries)]
         sharded = run_sharded([c, c1], [("sh-x", 1)], tensors, 2,
-                              layer_kwargs=lambda k, i, msg: dict(msg, lse=True))
+                              layer_kwargs=lambda k, i, msg: dict(msg, return_lse=True),
+                              details=True)
         for layer, parts in enumerate(sharded):
             assert [p.lse.shape for p in parts] == [(1, spec.num_heads // 2)] * 2
             got = np.concatenate([p.lse for p in parts], axis=1)

@@ -20,7 +20,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from attnd import AttndClient, AttndError
+from attnd import AttndClient, AttndError, LayerInputs
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
 
@@ -123,7 +123,7 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
             c.open_sequence("m-a")
             step = c.begin_step([("m-a", 5)])
             for i, x in enumerate(_layers(spec, 5, rng)):
-                c.attend_layer(step.step_id, i, **x)
+                c.attend_layer(step.step_id, LayerInputs(i, **x))
             st = c.begin_step([("m-a", 1)])           # abort
             c.abort_step(st.step_id)
             s = c.stream()                             # cancel
@@ -132,7 +132,7 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
             st = c.begin_step([("m-a", 2)])           # error: a bad shape
             x = _layers(spec, 1, rng)[0]
             with pytest.raises(AttndError):
-                c.attend_layer(st.step_id, 0, **x)
+                c.attend_layer(st.step_id, LayerInputs(0, **x))
             c.begin_step([("m-a", 1)])                # expiry (idle 200 ms)
             time.sleep(1.0)
             with pytest.raises(AttndError) as e:       # max_context
@@ -253,7 +253,7 @@ def test_alert_rules_and_dashboard_check_and_name_only_exported_metrics(ops_serv
         c.open_sequence("rules-1")
         step = c.begin_step([("rules-1", 1)])
         for i, x in enumerate(_layers(spec, 1, np.random.default_rng(1))):
-            c.attend_layer(step.step_id, i, **x)
+            c.attend_layer(step.step_id, LayerInputs(i, **x))
         c.close_sequence("rules-1")
     path, doc = _rule_files(tmp_path)
     r = subprocess.run([shutil.which("promtool"), "check", "rules", str(path)], capture_output=True,
@@ -294,7 +294,7 @@ def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
             while time.monotonic() < deadline and value < 20:
                 step = c.begin_step([("prom-load", 1)])
                 for i, x in enumerate(_layers(spec, 1, rng)):
-                    c.attend_layer(step.step_id, i, **x)
+                    c.attend_layer(step.step_id, LayerInputs(i, **x))
                 q = urllib.parse.quote('sum(attnd_tokens_total{phase="decode"})')
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/query?query={q}",
@@ -335,7 +335,7 @@ def test_metrics_pass_promtool_and_count_the_work(ops_server, tmp_path):
                                    (t, spec.index_n_heads, spec.index_head_dim), np.float32),
                                index_k=rng.standard_normal((t, spec.index_head_dim), np.float32),
                                index_w=rng.standard_normal((t, spec.index_n_heads), np.float32))
-                s.layer(layer, **ins)
+                s.layer(LayerInputs(layer, **ins))
         text = _scrape(mport)
         assert _sample(text, 'attnd_steps_total{outcome="committed"}') == before + 1
         assert _sum(text, "attnd_layer_seconds_count", transport="stream",

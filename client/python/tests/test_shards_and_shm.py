@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, ShmArena, ShmTensor, StepStream
+from attnd import AttndClient, AttndError, LayerInputs, ShmArena, ShmTensor, StepStream
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
 
@@ -36,7 +36,7 @@ from attnd_testlib import (
     SHARD_TIMEOUT_S,
     Batch,
     Harness,
-    LayerInputs,
+    LayerTensors,
     bits,
     expect,
     f64,
@@ -171,13 +171,13 @@ def test_join_errors_and_abort(harness, client):
         expect(grpc.StatusCode.NOT_FOUND, stream.join, unsharded.step_id, 1)
     client.abort_step(unsharded.step_id)
     with pytest.raises(TypeError):  # shard 0 must send the keys
-        client.attend_layer(step.step_id, 0, **shard_inputs(inputs[0], 2, 1))
+        client.attend_layer(step.step_id, LayerInputs(0, **shard_inputs(inputs[0], 2, 1)))
     assert h.states([a, b]) == {a: (20, True), b: (3, True)}
     with client.stream() as stream:
         assert stream.join(step.step_id, 1).num_tokens == 3
         client.abort_step(step.step_id)  # shard 0 aborts: the joined stream's next layer fails
         with pytest.raises(AttndError) as e:
-            stream.layer(0, **shard_inputs(inputs[0], 2, 1))
+            stream.layer(LayerInputs(0, **shard_inputs(inputs[0], 2, 1)))
         assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED), e.value
     h.assert_unchanged([a, b])
     h.assert_serves([a, b])
@@ -231,11 +231,11 @@ def arena(client):
     expect(grpc.StatusCode.NOT_FOUND, client.unregister_shared_memory, a.region)
 
 
-def to_shm(arena: ShmArena, x: LayerInputs) -> Dict[str, ShmTensor]:
+def to_shm(arena: ShmArena, x: LayerTensors) -> Dict[str, ShmTensor]:
     return {name: arena.put(v) for name, v in x.items()}
 
 
-def run_shm_step(via, arena: ShmArena, batch: Batch, inputs: List[LayerInputs],
+def run_shm_step(via, arena: ShmArena, batch: Batch, inputs: List[LayerTensors],
                  S: int = 1, k: int = 0, step_id: Optional[int] = None) -> List[np.ndarray]:
     """A step (or shard k of a sharded step) with every tensor and the output in ``arena``; per
     layer
@@ -249,9 +249,9 @@ def run_shm_step(via, arena: ShmArena, batch: Batch, inputs: List[LayerInputs],
         arena.reset(mark)
         msg = to_shm(arena, shard_inputs(x, S, k) if S > 1 else x)
         if isinstance(via, StepStream):
-            y = via.layer(i, out=out, **msg)
+            y = via.layer(LayerInputs(i, out=out, **msg))
         else:
-            y = via.attend_layer(step_id, i, shard=k, out=out, **msg)
+            y = via.attend_layer(step_id, LayerInputs(i, shard=k, out=out, **msg))
         assert y.shape == (T, H // S, L) and y.dtype == out.dtype, (y.shape, y.dtype)
         assert np.array_equal(bits(y), bits(arena.read(out))), "the result does not view the slot"
         outs.append(y.copy())  # the slot is rewritten by the next layer
@@ -360,7 +360,7 @@ def test_shm_reply_carries_the_reference_not_bytes(harness, client, server, aren
     wo = h.inputs(3, write_only=True)
     step = client.begin_step([(a, 3)], write_only=True)
     for i, x in enumerate(wo):
-        assert client.attend_layer(step.step_id, i, **to_shm(arena, x)) is None
+        assert client.attend_layer(step.step_id, LayerInputs(i, **to_shm(arena, x))) is None
     h.ref.step([(a, 3)], wo)
     h.assert_unchanged([a])
     h.assert_serves([a])
@@ -380,14 +380,15 @@ def _fail_at(h: Harness, client: AttndClient, arena: ShmArena, path: str, bad_la
         with client.stream() as stream:
             stream.begin(batch)
             for i in range(bad_layer):
-                stream.layer(i, **kwargs[i])
-            e = expect(code, stream.layer, bad_layer, **change(kwargs[bad_layer]))
+                stream.layer(LayerInputs(i, **kwargs[i]))
+            e = expect(code, stream.layer, LayerInputs(bad_layer, **change(kwargs[bad_layer])))
             assert stream.closed
     else:
         step = client.begin_step(batch)
         for i in range(bad_layer):
-            client.attend_layer(step.step_id, i, **kwargs[i])
-        e = expect(code, client.attend_layer, step.step_id, bad_layer, **change(kwargs[bad_layer]))
+            client.attend_layer(step.step_id, LayerInputs(i, **kwargs[i]))
+        e = expect(code, client.attend_layer, step.step_id,
+                   LayerInputs(bad_layer, **change(kwargs[bad_layer])))
         expect(grpc.StatusCode.NOT_FOUND, client.abort_step, step.step_id)  # the error aborted it
     return e
 
@@ -481,7 +482,7 @@ def test_register_errors(harness, client, arena):
             for name, v in x.items():
                 slot = arena.put(v)
                 msg[name] = ShmTensor(sub, slot.offset - base, slot.dtype, slot.shape)
-            y = client.attend_layer(step.step_id, i, **msg)
+            y = client.attend_layer(step.step_id, LayerInputs(i, **msg))
             check_finite(y, f"sub-region layer {i}")
         h.ref.step([(a, 2)], inputs)
         h.assert_unchanged([a])

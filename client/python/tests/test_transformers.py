@@ -25,7 +25,7 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
-from attnd import AttndClient
+from attnd import AttndClient, LayerInputs
 from attnd.hf_config import spec_from_hf_config
 from attnd.integrations.transformers import AttndModel
 
@@ -253,7 +253,8 @@ def test_torch_tensors_go_on_the_wire_as_numpy_would(served):
     for name, convert in (("torch", lambda v: v), ("numpy", as_numpy)):
         c.open_sequence(name)
         step = c.begin_step([(name, 2)])
-        outs[name] = [c.attend_layer(step.step_id, i, **{k: convert(v) for k, v in x.items()})
+        outs[name] = [c.attend_layer(step.step_id,
+                                     LayerInputs(i, **{k: convert(v) for k, v in x.items()}))
                       for i, x in enumerate(layers)]
         c.close_sequence(name)
     for a, b in zip(outs["torch"], outs["numpy"]):
@@ -263,7 +264,7 @@ def test_torch_tensors_go_on_the_wire_as_numpy_would(served):
     step = c.begin_step([("mixed", 2)])
     mixed = dict(layers[0], index_w=layers[0]["index_w"].float())
     with pytest.raises(TypeError, match="one datatype per layer call"):
-        c.attend_layer(step.step_id, 0, **mixed)
+        c.attend_layer(step.step_id, LayerInputs(0, **mixed))
     c.abort_step(step.step_id)
     c.close_sequence("mixed")
 
@@ -306,7 +307,7 @@ def test_outputs_and_shared_memory_as_torch_tensors(served):
     for name, as_torch in (("t", True), ("n", False)):
         c.open_sequence(name)
         step = c.begin_step([(name, 1)])
-        got[name] = [c.attend_layer(step.step_id, i, as_torch=as_torch, **x)
+        got[name] = [c.attend_layer(step.step_id, LayerInputs(i, as_torch=as_torch, **x))
                      for i, x in enumerate(layers)]
         c.close_sequence(name)
     for t, n in zip(got["t"], got["n"]):

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, Fp8Tensor, ShmArena, quantize_fp8
+from attnd import AttndClient, AttndError, Fp8Tensor, LayerInputs, ShmArena, quantize_fp8
 
 from attnd_process import start, stop
 from attnd_testlib import random_layer
@@ -70,11 +70,11 @@ def test_reply_datatypes_encode_the_fp32_result(server, absorbed, stream):
                 if stream:
                     with c.stream() as s:
                         s.begin(batch)
-                        replies[sid] = [s.layer(i, out_datatype=dt, **x)
+                        replies[sid] = [s.layer(LayerInputs(i, out_datatype=dt, **x))
                                         for i, x in enumerate(calls)]
                 else:
                     st = c.begin_step(batch)
-                    replies[sid] = [c.attend_layer(st.step_id, i, out_datatype=dt, **x)
+                    replies[sid] = [c.attend_layer(st.step_id, LayerInputs(i, out_datatype=dt, **x))
                                     for i, x in enumerate(calls)]
             for i in range(len(calls)):
                 ref = replies["f32"][i]
@@ -115,9 +115,10 @@ def test_fp8_queries_and_reply_together(server):
                 if k in x:
                     x[k] = quantize_fp8(x[k])
         a = c.begin_step([("q8-a", 5)])
-        ref = [c.attend_layer(a.step_id, i, out_datatype="FP32", **x) for i, x in enumerate(calls)]
+        ref = [c.attend_layer(a.step_id, LayerInputs(i, out_datatype="FP32", **x))
+               for i, x in enumerate(calls)]
         b = c.begin_step([("q8-b", 5)])
-        got = [c.attend_layer(b.step_id, i, out_datatype="FP8_E4M3", **x)
+        got = [c.attend_layer(b.step_id, LayerInputs(i, out_datatype="FP8_E4M3", **x))
                for i, x in enumerate(calls)]
         for r, g in zip(ref, got):
             codes, scales = _pow2_e4m3(r)
@@ -135,7 +136,7 @@ def test_bad_reply_datatypes_are_refused_and_change_nothing(server):
         def refused(code, words, **kw):
             st = c.begin_step([("bad-out", 2)], write_only=kw.pop("write_only", False))
             with pytest.raises(AttndError) as e:
-                c.attend_layer(st.step_id, 0, **kw)
+                c.attend_layer(st.step_id, LayerInputs(0, **kw))
             assert e.value.code == code and words in e.value.details, e.value.details
             assert c.describe_sequence("bad-out").length == 0  # the step was aborted
 
@@ -159,7 +160,8 @@ def test_bad_reply_datatypes_are_refused_and_change_nothing(server):
                 part.update({n: x[n] for n in ("kv_latent", "k_rope", "index_q", "index_k",
                                                "index_w")})
             try:
-                c.attend_layer(st.step_id, 0, shard=k, out_datatype="FP32" if k else None, **part)
+                c.attend_layer(st.step_id, LayerInputs(0, shard=k,
+                                                       out_datatype="FP32" if k else None, **part))
             except AttndError as e:
                 return e
             return None
@@ -173,8 +175,8 @@ def test_bad_reply_datatypes_are_refused_and_change_nothing(server):
         assert c.describe_sequence("bad-out").length == 0
         # Still serving: a good call on the same sequence.
         st = c.begin_step([("bad-out", 2)])
-        outs = [c.attend_layer(st.step_id, i, out_datatype="FP8_E4M3",
-                               **_inputs(spec, k, 2, rng, False))
+        outs = [c.attend_layer(st.step_id, LayerInputs(i, out_datatype="FP8_E4M3",
+                                                       **_inputs(spec, k, 2, rng, False)))
                 for i, k in enumerate(spec.layers)]
         assert all(np.isfinite(o.dequantize()).all() for o in outs)
         assert c.describe_sequence("bad-out").length == 2
