@@ -1,5 +1,7 @@
 #include "kernels/device_factory.h"
 
+#include <algorithm>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -81,6 +83,18 @@ absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>
   return out;
 }
 
+absl::Status CheckHostCacheFits(int cpu_devices, size_t cache_bytes_per_device, uint64_t available,
+                                bool cgroup_limited) {
+  const double need = static_cast<double>(cache_bytes_per_device) * cpu_devices;
+  if (need <= static_cast<double>(available)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the cache needs ", Gib(need), " of host memory (", cpu_devices,
+                   " CPU device(s) x ", Gib(static_cast<double>(cache_bytes_per_device)), ") but ",
+                   Gib(static_cast<double>(available)), " are available",
+                   cgroup_limited ? " (within the cgroup limit)" : " (MemAvailable)",
+                   "; lower --kv-cache-bytes or --kv-pages, or use --kv-cache-fraction"));
+}
+
 absl::StatusOr<std::string> ResolveCpuIsa(absl::string_view cpu_isa) {
   if (cpu_isa == "auto") return std::string(cpu::IsaName(cpu::BestIsa()));
   if (cpu_isa != "avx512" && cpu_isa != "avx2" && cpu_isa != "generic")
@@ -97,13 +111,26 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
     const DeviceOptions& options) {
   ASSIGN_OR_RETURN(const std::string isa, ResolveCpuIsa(options.settings.cpu_isa));
+  int cpus = 0;
+  for (const std::string& name : names) cpus += name.rfind("cpu:", 0) == 0 ? 1 : 0;
+  if (cpus > 0) {
+    // A host whose memory cannot be read (no /proc) is not refused: its allocations still fail
+    // cleanly where they do not fit.
+    if (const auto m = cpu::QueryHostMemory(); m.ok())
+      RETURN_IF_ERROR(
+          CheckHostCacheFits(cpus, layout.TotalBytes(), m->available, m->cgroup_limited));
+  }
   const cpu::Kernels* kernels = &cpu::GetKernels(*cpu::SupportedIsaNamed(isa));
   std::vector<std::unique_ptr<Device>> out;
 #ifdef ATTND_HAVE_CUDA
   std::vector<cuda::CudaDevice*> gpus;
 #endif
-  for (const std::string& name : names) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
     ASSIGN_OR_RETURN(const DeviceName parsed, ParseDeviceName(name));
+    if (std::find(names.begin(), names.begin() + i, name) != names.begin() + i)
+      return absl::InvalidArgumentError(
+          absl::StrCat("device ", Quote(name), " is named twice (one cache per device)"));
     if (!parsed.gpu) {
       auto d = CpuDevice::Create(name, spec, layout, options.pool, kernels);
       if (!d.ok()) return d.status();

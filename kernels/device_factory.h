@@ -31,14 +31,22 @@ struct DeviceOptions {
   DeviceSettings settings;
 };
 
+// Whether CPU caches of cache_bytes_per_device each, on cpu_devices devices, fit the
+// `available` bytes of host memory (MemAvailable, or what the cgroup limit leaves):
+// RESOURCE_EXHAUSTED with both numbers otherwise (a cache that is accepted but does not fit is
+// OOM-killed later, under load). CreateDevices checks it.
+absl::Status CheckHostCacheFits(int cpu_devices, size_t cache_bytes_per_device, uint64_t available,
+                                bool cgroup_limited);
+
 // The ISA name `cpu_isa` resolves to on this CPU ("auto" to the widest supported).
 // INVALID_ARGUMENT for an unknown name, FAILED_PRECONDITION when this CPU lacks it.
 absl::StatusOr<std::string> ResolveCpuIsa(absl::string_view cpu_isa);
 
 // One device per name, in order, each with a cache of `layout`. INVALID_ARGUMENT for a malformed
-// name, UNIMPLEMENTED for cuda:N in a build without CUDA, FAILED_PRECONDITION for a missing GPU,
-// RESOURCE_EXHAUSTED when a cache (plus a GPU's scratch budget) does not fit. GPUs of one server
-// are connected so their page copies go device to device (NCCL when it loads, else peer copies).
+// or repeated name, UNIMPLEMENTED for cuda:N in a build without CUDA, FAILED_PRECONDITION for a
+// missing GPU, RESOURCE_EXHAUSTED when a cache (plus a GPU's scratch budget) does not fit. GPUs of
+// one server are connected so their page copies go device to device (NCCL when it loads, else peer
+// copies).
 absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
     const DeviceOptions& options);

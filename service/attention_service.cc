@@ -5,6 +5,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -241,7 +242,15 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
 absl::Status AttentionService::RequireAdmin(const Caller& caller, const char* method,
                                             const char* why) const {
   const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
-  if (open || caller.admin) return absl::OkStatus();
+  if (open) {
+    // Nobody has an identity: the admin is whoever is on this host.
+    if (caller.local || caller.loopback) return absl::OkStatus();
+    return absl::PermissionDeniedError(
+        absl::StrCat(method,
+                     ": without --auth, admin calls are served only on loopback or the "
+                     "local socket"));
+  }
+  if (caller.admin) return absl::OkStatus();
   return absl::PermissionDeniedError(
       absl::StrCat(method, ": only the admin identity (--admin-tenant)", why));
 }
@@ -251,6 +260,13 @@ grpc::ServerUnaryReactor* AttentionService::Drain(grpc::CallbackServerContext* c
   return Unary(ctx, "Drain", [&](const Caller& c) -> absl::Status {
     RETURN_IF_ERROR(RequireAdmin(c, "Drain", ""));
     if (!options_.start_drain) return absl::UnimplementedError("Drain: not served here");
+    for (const std::string& peer : req->peers())
+      if (std::find(options_.drain_peers.begin(), options_.drain_peers.end(), peer) ==
+          options_.drain_peers.end())
+        return absl::PermissionDeniedError(absl::StrCat(
+            "Drain: peer ", Quote(peer), " is not among --drain-peers (",
+            options_.drain_peers.empty() ? "none" : absl::StrJoin(options_.drain_peers, ","),
+            "); a drain goes only to configured peers"));
     options_.start_drain(std::vector<std::string>(req->peers().begin(), req->peers().end()));
     return absl::OkStatus();
   });

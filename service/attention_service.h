@@ -35,6 +35,8 @@ struct ServiceOptions {
   bool shm_enabled = false;
   std::string shm_prefix = "/attnd-";
   // Starts the drain (the server's SIGTERM path) with these peers (empty: the flags').
+  // A Drain call may name only peers among drain_peers (--drain-peers, as given).
+  std::vector<std::string> drain_peers;
   std::function<void(std::vector<std::string>)> start_drain;
 };
 

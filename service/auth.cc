@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -200,8 +201,22 @@ absl::StatusOr<std::string> Authenticator::TenantOfToken(const grpc::ServerConte
   return *tenant;
 }
 
+bool IsLoopbackPeer(absl::string_view peer) {
+  if (absl::ConsumePrefix(&peer, "ipv4:")) return absl::StartsWith(peer, "127.");
+  if (!absl::ConsumePrefix(&peer, "ipv6:")) return false;
+  if (!absl::ConsumePrefix(&peer, "[")) return false;
+  const size_t close = peer.find(']');
+  if (close == absl::string_view::npos) return false;
+  const absl::string_view host = peer.substr(0, close);
+  if (host == "::1") return true;
+  absl::string_view v4 = host;
+  return (absl::ConsumePrefix(&v4, "::ffff:") || absl::ConsumePrefix(&v4, "::FFFF:")) &&
+         absl::StartsWith(v4, "127.");
+}
+
 absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
   Caller c;
+  c.loopback = IsLoopbackPeer(ctx.peer());
   // Only the Unix-socket listener hands connections to gRPC by descriptor ("fd:N"); TCP peers
   // read "ipv4:..." or "ipv6:...".
   const std::string peer = ctx.peer();

@@ -20,6 +20,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kv_store/tenant_ledger.h"
 
 namespace attnd {
@@ -30,10 +31,11 @@ const char* AuthModeName(AuthMode mode);
 
 // The caller of one RPC.
 struct Caller {
-  std::string tenant;  // the namespace it acts in ("" = the anonymous tenant)
-  bool admin = false;  // the admin identity (--admin-tenant): may list every tenant's sequences
-  bool local = false;  // came over the Unix-socket listener
-  int socket_fd = -1;  // local: the connection's socket (for its peer credentials)
+  std::string tenant;     // the namespace it acts in ("" = the anonymous tenant)
+  bool admin = false;     // the admin identity (--admin-tenant): may list every tenant's sequences
+  bool local = false;     // came over the Unix-socket listener
+  bool loopback = false;  // came over TCP from this host (127.0.0.0/8, ::1, ::ffff:127.x)
+  int socket_fd = -1;     // local: the connection's socket (for its peer credentials)
 };
 
 // Metadata an admin sets to act inside one tenant's namespace (e.g. handing its sequences off).
@@ -44,6 +46,10 @@ struct AuthOptions {
   std::string tokens_file;   // --auth-tokens; also identifies local callers under mtls
   std::string admin_tenant;  // --admin-tenant; empty = nobody
 };
+
+// Whether a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000") is on this host's
+// loopback. Unix-socket peers ("fd:N", "unix:...") are not TCP and answer false.
+bool IsLoopbackPeer(absl::string_view peer);
 
 // A parsed token file.
 struct TokenTable {

@@ -99,6 +99,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        Str(&f->grpc_address)},
       {"grpc-port", "N", "gRPC port (default 50051; 0 picks a free port and prints it)",
        Int(&f->grpc_port)},
+      {"reuse-grpc-port", "true|false",
+       "share --grpc-port with other processes (SO_REUSEPORT; default off:\na port in use is a "
+       "startup error)",
+       Bool(&f->reuse_grpc_port), true},
       {"metrics-port", "N",
        "Prometheus /metrics port (default 8002, Triton's; 0 picks a free port\nand prints it)",
        Int(&f->metrics_port)},
@@ -135,15 +139,16 @@ std::vector<Flag> Table(ServerFlags* f) {
        "heads, 0.2 MiB at 16); a step that needs more is\nrefused at BeginStep (default "
        "8589934592)",
        Int(&f->gpu_scratch_bytes)},
-      {"cache-dtype", "bf16|fp8|fp32",
+      {"cache-dtype", "bf16|fp8|fp32 (or BF16|FP8_E4M3|FP32)",
        "cache element type (default bf16); fp8: e4m3 keys with fp32\nscales per 128 values, "
        "0.57x the bytes of bf16",
        [f](const std::string& v) {
-         if (v == "bf16") {
+         // The short names, or the API's datatype spellings (ServerInfo.cache_datatype).
+         if (v == "bf16" || v == "BF16") {
            f->cache_dtype = DType::kBF16;
-         } else if (v == "fp8") {
+         } else if (v == "fp8" || v == "FP8_E4M3" || v == "fp8_e4m3") {
            f->cache_dtype = DType::kFP8E4M3;
-         } else if (v == "fp32") {
+         } else if (v == "fp32" || v == "FP32") {
            f->cache_dtype = DType::kF32;
          } else {
            return false;
@@ -334,6 +339,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.auth == "mtls" && f.tls_client_ca.empty())
     return bad("--auth=mtls needs --tls-client-ca (and --tls-cert, --tls-key)");
   if (f.auth == "token" && f.auth_tokens.empty()) return bad("--auth=token needs --auth-tokens");
+  if (f.auth == "none" && !f.auth_tokens.empty())
+    return bad("--auth-tokens needs --auth=token (or --auth=mtls for local callers)");
   if (f.metrics_tls && f.tls_cert.empty()) return bad("--metrics-tls needs --tls-cert/--tls-key");
   if (f.shm && f.shm_socket.empty()) return bad("--shm needs --shm-socket=PATH");
   if (!f.model_file.empty() && !f.hf_config.empty())

@@ -13,12 +13,13 @@ namespace attnd {
 struct ServerFlags {
   std::string grpc_address = "0.0.0.0";
   int grpc_port = 50051;
-  int metrics_port = 8002;      // Triton's; 0 = an ephemeral port (printed)
-  bool allow_metrics = true;    // false: no metrics endpoint
-  std::string metrics_address;  // default: --grpc-address if IPv4, else 0.0.0.0
-  std::string model = "demo";   // a preset name
-  std::string model_file;       // a JSON model spec; wins over --model
-  std::string hf_config;        // a Hugging Face config.json: the spec from it
+  bool reuse_grpc_port = false;  // SO_REUSEPORT: share the port with another process on purpose
+  int metrics_port = 8002;       // Triton's; 0 = an ephemeral port (printed)
+  bool allow_metrics = true;     // false: no metrics endpoint
+  std::string metrics_address;   // default: --grpc-address if IPv4, else 0.0.0.0
+  std::string model = "demo";    // a preset name
+  std::string model_file;        // a JSON model spec; wins over --model
+  std::string hf_config;         // a Hugging Face config.json: the spec from it
   std::string absorb_from;  // a checkpoint directory: server-side absorption's kv_b_proj weights
   int64_t kv_cache_bytes = int64_t{1} << 30;  // per device
   double kv_cache_fraction = 0;  // > 0: the cache from device memory, over kv_cache_bytes

@@ -276,6 +276,7 @@ class Server {
     so.auth = auth_;
     so.shm_enabled = flags_.shm;
     so.shm_prefix = flags_.shm_prefix;
+    so.drain_peers = flags_.drain_peers;
     so.start_drain = [this](std::vector<std::string> peers) {
       {
         std::lock_guard<std::mutex> lock(drain_mu_);
@@ -291,13 +292,18 @@ class Server {
     grpc::ServerBuilder builder;
     if (!flags_.grpc_reflection) builder.SetOption(std::make_unique<WithoutReflection>());
     const std::string address = HostPort(flags_.grpc_address, flags_.grpc_port);
+    // gRPC shares a port by default (SO_REUSEPORT): a second attnd would silently take half the
+    // connections, and half the calls would find no sequence.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, flags_.reuse_grpc_port ? 1 : 0);
     builder.AddListeningPort(address, creds, &port_);
     builder.SetMaxReceiveMessageSize(static_cast<int>(flags_.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(flags_.max_message_bytes));
     builder.RegisterService(service_.get());
     grpc_server_ = builder.BuildAndStart();
     if (!grpc_server_ || port_ == 0)
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", address, " (port ", flags_.grpc_port,
+                       " in use by another process? --reuse-grpc-port shares it on purpose)"));
     if (flags_.shm) {
       ASSIGN_OR_RETURN(local_, UnixListener::Start(flags_.shm_socket, flags_.shm_socket_mode,
                                                    grpc_server_.get()));

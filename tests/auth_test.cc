@@ -76,6 +76,17 @@ TEST(Authenticator, RefusesInconsistentOptions) {
   EXPECT_TRUE(Authenticator::Create({AuthMode::kMtls, "", "ops"}).ok());
 }
 
+// Without --auth the admin calls are served to loopback peers only: what counts as loopback.
+TEST(LoopbackPeer, OnlyThisHostsTcpAddresses) {
+  for (const char* peer :
+       {"ipv4:127.0.0.1:5000", "ipv4:127.9.8.7:1", "ipv6:[::1]:5000", "ipv6:[::ffff:127.0.0.1]:80"})
+    EXPECT_TRUE(IsLoopbackPeer(peer)) << peer;
+  for (const char* peer : {"ipv4:10.0.0.1:5000", "ipv4:128.0.0.1:1", "ipv6:[2001:db8::1]:5000",
+                           "ipv6:[::ffff:10.0.0.1]:1", "ipv6:[::2]:1", "fd:7", "unix:/tmp/s", "",
+                           "ipv4:", "ipv6:[::1", "127.0.0.1:5000"})
+    EXPECT_FALSE(IsLoopbackPeer(peer)) << peer;
+}
+
 TEST(TenantName, PrintableAsciiWithoutSpaces) {
   for (const char* ok : {"a", "team-a", "spiffe://cluster/ns/x/sa/y", "user@example.com"})
     EXPECT_TRUE(CheckTenantName(ok).ok()) << ok;

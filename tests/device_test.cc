@@ -260,6 +260,28 @@ TEST(DeviceFactory, ResolvesTheCpuIsaAndNamesEachDevicesBackend) {
   EXPECT_EQ(Engine::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// One name, one device: a repeated name would be two caches the metrics and the table conflate.
+TEST(DeviceFactory, RefusesADeviceNamedTwice) {
+  const ModelSpec s = MixedLayerSpec(SelectionMode::kToken);
+  const auto layout = CacheLayout::ForCapacity(s, DType::kBF16, 8, 0).value();
+  ThreadPool pool(1);
+  auto d = CreateDevices({"cpu:0", "cpu:1", "cpu:0"}, s, layout, DeviceOptions{&pool, {}});
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("'cpu:0' is named twice"), std::string::npos) << d.status();
+}
+
+// A host cache larger than the memory available is refused at start, naming both numbers.
+TEST(DeviceFactory, AHostCacheBeyondTheAvailableMemoryIsRefusedWithBothNumbers) {
+  const uint64_t gib = uint64_t{1} << 30;
+  EXPECT_TRUE(CheckHostCacheFits(2, 4 * gib, 8 * gib, false).ok());  // exactly fits
+  const absl::Status st = CheckHostCacheFits(2, 16 * gib, 19 * gib, true);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  for (const char* want : {"32.00 GiB", "19.00 GiB", "2 CPU device(s) x 16.00 GiB", "cgroup"})
+    EXPECT_NE(st.message().find(want), std::string::npos) << want << ": " << st;
+  EXPECT_NE(CheckHostCacheFits(1, 2 * gib, gib, false).message().find("MemAvailable"),
+            std::string::npos);
+}
+
 // Here, not in cuda_test (built only with CUDA), so that a build without CUDA runs it.
 TEST(DeviceFactory, BuildWithoutCudaRejectsCudaDevicesClearly) {
   if (CudaBackendBuilt()) GTEST_SKIP() << "this build has the CUDA backend";

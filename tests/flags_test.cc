@@ -57,6 +57,21 @@ TEST(Flags, ValuesSwitchesAndDefaults) {
   EXPECT_FALSE(d.shm);
   EXPECT_TRUE(d.grpc_reflection);
   EXPECT_EQ(d.kv_cache_fraction, 0);  // sized by --kv-cache-bytes
+  EXPECT_FALSE(d.reuse_grpc_port);    // a port in use is a startup error
+  EXPECT_TRUE(Parse({"--reuse-grpc-port"}).value().reuse_grpc_port);
+}
+
+// --cache-dtype takes the short names and the API's datatype spellings alike.
+TEST(Flags, CacheDtypeTakesTheApisSpellings) {
+  const std::vector<std::pair<std::string, DType>> cases = {
+      {"bf16", DType::kBF16},        {"BF16", DType::kBF16},        {"fp8", DType::kFP8E4M3},
+      {"FP8_E4M3", DType::kFP8E4M3}, {"fp8_e4m3", DType::kFP8E4M3}, {"fp32", DType::kF32},
+      {"FP32", DType::kF32}};
+  for (const auto& [spelling, want] : cases) {
+    const auto f = Parse({"--cache-dtype=" + spelling});
+    ASSERT_TRUE(f.ok()) << spelling << ": " << f.status();
+    EXPECT_EQ(f->cache_dtype, want) << spelling;
+  }
 }
 
 TEST(Flags, RefusalsSayWhat) {
@@ -81,6 +96,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--admin-tenant=ops"}, "--admin-tenant needs --auth"},
       {{"--grpc-port"}, "flag --grpc-port needs a value"},
       {{"--log-level=loud"}, "bad value 'loud' for --log-level"},
+      {{"--auth-tokens=tokens.txt"}, "--auth-tokens needs --auth=token"},
+      {{"--cache-dtype=FP16"}, "bad value 'FP16' for --cache-dtype"},
   };
   for (const auto& [args, want] : cases) {
     const auto f = Parse(args);

@@ -126,7 +126,7 @@ def test_sigterm_hands_every_sequence_to_the_peer_the_hash_picks():
 
 def test_the_drain_rpc_starts_the_same_drain(tmp_path):
     b, tb = _start([])
-    a, ta = _start([])
+    a, ta = _start([f"--drain-peers={tb}"])  # a Drain call names configured peers only
     try:
         with AttndClient(ta, timeout=30.0) as ca, AttndClient(tb, timeout=30.0) as cb:
             spec = ca.info().model

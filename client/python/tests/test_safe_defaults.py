@@ -1,0 +1,159 @@
+"""Safe defaults (issue 28): a taken port is a startup error, admin calls without authentication
+only from this host, drains only to configured peers, and the flag and device refusals."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import List, Optional
+
+import grpc
+import numpy as np
+import pytest
+
+from attnd import AttndClient, AttndError
+
+from attnd_process import ATTND_BIN, start, stop
+
+
+def _run(args: List[str]) -> subprocess.CompletedProcess:
+    """attnd with `args` that is expected to refuse to start (exit within 60 s)."""
+    cmd = [str(ATTND_BIN), "--model=tiny", "--grpc-address=127.0.0.1", "--grpc-port=0",
+           "--metrics-port=0", "--threads=1", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def _port(target: str) -> int:
+    return int(target.rsplit(":", 1)[1])
+
+
+def _host_address() -> Optional[str]:
+    """A non-loopback IPv4 address of this host (no packet is sent), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 9))
+            address = s.getsockname()[0]
+    except OSError:
+        address = ""
+    if address and not address.startswith("127.") and address != "0.0.0.0":
+        return address
+    try:
+        for address in socket.gethostbyname_ex(socket.gethostname())[2]:
+            if not address.startswith("127."):
+                return address
+    except OSError:
+        pass
+    return None
+
+
+def test_a_taken_port_is_a_startup_error_naming_it():
+    proc, target, _ = start([])
+    try:
+        port = _port(target)
+        r = _run([f"--grpc-port={port}"])
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert f"port {port} in use" in r.stderr and "--reuse-grpc-port" in r.stderr, r.stderr
+        assert "serving attnd.v1" not in r.stdout
+        with AttndClient(target, timeout=30) as c:  # the first server still serves, alone
+            c.open_sequence("mine")
+            for _ in range(6):
+                assert c.describe_sequence("mine").length == 0
+    finally:
+        stop(proc)
+
+
+def test_reuse_grpc_port_shares_a_port_on_purpose():
+    first, target, _ = start(["--reuse-grpc-port"])
+    try:
+        second, _, _ = start(["--reuse-grpc-port"], port=_port(target))
+        try:
+            with AttndClient(target, timeout=30) as c:
+                assert c.info().model.name == "tiny"
+        finally:
+            stop(second)
+    finally:
+        stop(first)
+
+
+def test_without_auth_admin_calls_are_served_only_on_this_host():
+    host = _host_address()
+    if host is None:
+        pytest.skip("this host has no non-loopback IPv4 address to call from")
+    proc, target, _ = start(["--grpc-address=0.0.0.0"])  # later flags win
+    port = _port(target)
+    try:
+        with AttndClient(f"{host}:{port}", timeout=30) as remote:
+            spec = remote.info().model
+            remote.open_sequence("remote-seq")  # ordinary calls are served to everyone
+            with pytest.raises(AttndError) as e:
+                remote.drain([])
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
+            assert "only on loopback or the local socket" in str(e.value), e.value
+            rng = np.random.default_rng(28)
+            width = spec.num_heads * 16
+            weights = [rng.standard_normal((width, spec.kv_lora_rank), dtype=np.float32)
+                       for _ in range(spec.num_layers)]
+            with pytest.raises(AttndError) as e:
+                remote.upload_absorption(weights, 8, 8)
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
+        with AttndClient(f"127.0.0.1:{port}", timeout=30) as local:
+            assert local.describe_sequence("remote-seq").length == 0
+        assert proc.poll() is None
+    finally:
+        stop(proc)
+
+
+def test_a_drain_goes_only_to_configured_peers():
+    peer, peer_target, _ = start([])
+    proc, target, _ = start([f"--drain-peers={peer_target}"])
+    try:
+        with AttndClient(target, timeout=30) as c:
+            c.open_sequence("stays")
+            for bad in (["attacker.example:50051"], [peer_target, "10.0.0.9:1"]):
+                with pytest.raises(AttndError) as e:
+                    c.drain(bad)
+                assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
+                assert "is not among --drain-peers" in str(e.value), e.value
+            assert c.describe_sequence("stays").length == 0  # nothing moved, still serving
+            assert c.health() == "SERVING"
+            c.drain([peer_target])  # a configured peer: the drain runs
+        assert proc.wait(timeout=60) == 0
+        with AttndClient(peer_target, timeout=30) as p:
+            assert p.describe_sequence("stays").length == 0
+    finally:
+        for p in (proc, peer):
+            if p.poll() is None:
+                stop(p)
+
+
+def _mem_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def test_flag_and_device_refusals_say_what():
+    r = _run(["--auth-tokens=/nonexistent/tokens.txt"])
+    assert r.returncode == 2 and "--auth-tokens needs --auth=token" in r.stderr, r.stderr
+    r = _run(["--devices=cpu:0,cpu:0", "--kv-pages=64"])
+    assert r.returncode == 1 and "'cpu:0' is named twice" in r.stderr, r.stderr
+    # deepseek-v3.2's pages are large: twice this host's memory is a few ten thousand pages.
+    r = _run(["--model=deepseek-v3.2", f"--kv-cache-bytes={2 * _mem_total_bytes()}"])
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    m = re.search(r"the cache needs ([0-9.]+) GiB of host memory .* but ([0-9.]+) GiB are "
+                  r"available", r.stderr)
+    assert m and float(m.group(1)) > float(m.group(2)), r.stderr
+
+
+@pytest.mark.parametrize("spelling,reported", [("BF16", "BF16"), ("FP8_E4M3", "FP8_E4M3"),
+                                               ("fp32", "FP32")])
+def test_the_cache_dtype_takes_the_apis_spelling(spelling, reported):
+    proc, target, _ = start([f"--cache-dtype={spelling}"])
+    try:
+        with AttndClient(target, timeout=30) as c:
+            assert c.info().cache_datatype == reported
+    finally:
+        stop(proc)
