@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "attnd/v1/attention.grpc.pb.h"
+#include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 
 #ifndef ATTND_VERSION
@@ -110,12 +112,24 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                                               {"phase", StepPhaseName(phases[p])},
                                               {"kind", std::string(LayerKindName(kinds[k]))}});
   }
+  requests_ = &registry->AddCounter(
+      "attnd_rpc_requests_total",
+      "RPCs finished, by method and gRPC status code (OK included): the error ratio's "
+      "denominator.");
   errors_ = &registry->AddCounter("attnd_rpc_errors_total",
                                   "RPCs that ended in an error, by method and gRPC status code.");
   rejections_ = &registry->AddCounter(
       "attnd_rejections_total",
       "New sequences or steps refused, by reason (cache_full, quota, max_context, draining, "
       "limit).");
+  // Series exist before their first event, so rates and ratios do too.
+  if (const google::protobuf::ServiceDescriptor* service =
+          google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+              v1::Attention::service_full_name()))
+    for (int m = 0; m < service->method_count(); ++m)
+      requests_->Add({{"method", service->method(m)->name()}, {"code", "OK"}});
+  for (const char* reason : {"cache_full", "quota", "max_context", "draining", "limit"})
+    rejections_->Add({{"reason", reason}});
   auto& bytes = registry->AddCounter("attnd_payload_bytes_total",
                                      "Layer-message bytes received and replies sent.");
   bytes_received_ = &bytes.Add({{"direction", "received"}});
@@ -176,6 +190,7 @@ void ServiceMetrics::StepDone(StepPhase phase, double seconds) {
 }
 
 void ServiceMetrics::RpcDone(const char* method, const absl::Status& status) {
+  requests_->Add({{"method", method}, {"code", CodeName(status.code())}}).Increment();
   if (status.ok()) return;
   errors_->Add({{"method", method}, {"code", CodeName(status.code())}}).Increment();
   const std::string m = method;

@@ -31,7 +31,7 @@ class ServiceMetrics {
                  size_t bytes_received, size_t bytes_sent);
   // A step committed `seconds` after it began.
   void StepDone(StepPhase phase, double seconds);
-  // An RPC finished with `status` (only errors are counted); a refused OpenSequence or
+  // An RPC finished with `status` (counted by code; errors also apart); a refused OpenSequence or
   // BeginStep also counts as a rejection by reason (cache full, quota, max_context, draining).
   void RpcDone(const char* method, const absl::Status& status);
 
@@ -42,6 +42,7 @@ class ServiceMetrics {
   // Every label set of the hot path made at construction: the hot path indexes, never inserts.
   metrics::Histogram* layer_seconds_[2][3][3];  // [transport][phase][kind]
   metrics::Histogram* step_seconds_[3];         // [phase]
+  metrics::Family<metrics::Counter>* requests_;
   metrics::Family<metrics::Counter>* errors_;
   metrics::Family<metrics::Counter>* rejections_;
   metrics::Counter* bytes_received_;

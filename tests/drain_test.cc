@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "metrics/metrics.h"
 #include "service/service_metrics.h"
 
@@ -47,7 +48,44 @@ TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
   EXPECT_NE(text.find("attnd_rpc_errors_total{code=\"UNAVAILABLE\",method=\"CloseSequence\"} 1"),
             std::string::npos)
       << text;
-  EXPECT_EQ(text.find("method=\"DescribeSequence\""), std::string::npos) << "OK is not an error";
+  EXPECT_EQ(text.find("attnd_rpc_errors_total{code=\"OK\""), std::string::npos)
+      << "OK is not an error";
+}
+
+// Every RPC counts by method and code, OK included (the error ratio's denominator); the OK
+// series of every method and every rejection reason exist at 0 before their first event.
+TEST(ServiceMetrics, RequestTotalsCountEveryCallAndExistBeforeTheFirst) {
+  EngineOptions o;
+  o.spec = PresetModelSpec("tiny").value();
+  o.pages_per_device = 16;
+  o.threads = 1;
+  auto engine = Engine::Create(o).value();
+  metrics::Registry registry;
+  ServiceMetrics m(&registry, engine.get());
+  std::string text = registry.Serialize();
+  for (const char* method : {"BeginStep", "AttendLayer", "Step", "Drain", "ServerInfo"})
+    EXPECT_NE(
+        text.find(absl::StrCat("attnd_rpc_requests_total{code=\"OK\",method=\"", method, "\"} 0")),
+        std::string::npos)
+        << method << "\n"
+        << text;
+  for (const char* reason : {"cache_full", "quota", "max_context", "draining", "limit"})
+    EXPECT_NE(text.find(absl::StrCat("attnd_rejections_total{reason=\"", reason, "\"} 0")),
+              std::string::npos)
+        << reason;
+  m.RpcDone("DescribeSequence", absl::OkStatus());
+  m.RpcDone("DescribeSequence", absl::OkStatus());
+  m.RpcDone("DescribeSequence", absl::NotFoundError("no sequence 'x'"));
+  text = registry.Serialize();
+  EXPECT_NE(text.find("attnd_rpc_requests_total{code=\"OK\",method=\"DescribeSequence\"} 2"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("attnd_rpc_requests_total{code=\"NOT_FOUND\",method=\"DescribeSequence\"} 1"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("attnd_rpc_errors_total{code=\"NOT_FOUND\",method=\"DescribeSequence\"} 1"),
+            std::string::npos)
+      << text;
 }
 
 }  // namespace
