@@ -120,10 +120,19 @@ std::string HostPort(const std::string& host, int port) {
   return v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
-// The metrics listener's host: civetweb (Debian's build) and the HTTPS listener are IPv4 only.
-std::string MetricsHost(const ServerFlags& f) {
+// The metrics listener's host: --metrics-address, else the gRPC address's, in the same family
+// where it can be: civetweb (Debian's build) and the HTTPS listener are IPv4 only, so ::1 is
+// served on 127.0.0.1 and :: on 0.0.0.0; another IPv6 address needs --metrics-address (rather
+// than metrics on every IPv4 interface of a server bound to one address).
+absl::StatusOr<std::string> MetricsHost(const ServerFlags& f) {
   if (!f.metrics_address.empty()) return f.metrics_address;
-  return f.grpc_address.find(':') == std::string::npos ? f.grpc_address : "0.0.0.0";
+  const std::string& g = f.grpc_address;
+  if (g.find(':') == std::string::npos) return g;
+  if (g == "::1" || g == "[::1]") return std::string("127.0.0.1");
+  if (g == "::" || g == "[::]") return std::string("0.0.0.0");
+  return absl::InvalidArgumentError(absl::StrCat("--grpc-address=", g,
+                                                 ": the metrics listener is IPv4 only; give "
+                                                 "--metrics-address (or --allow-metrics=false)"));
 }
 
 // Drops gRPC's reflection plugin from a builder: linking grpc++_reflection registers it for every
@@ -250,7 +259,8 @@ class Server {
 
   absl::Status StartMetrics() {
     if (!flags_.allow_metrics) return absl::OkStatus();
-    const std::string listen = absl::StrCat(MetricsHost(flags_), ":", flags_.metrics_port);
+    ASSIGN_OR_RETURN(metrics_host_, MetricsHost(flags_));
+    const std::string listen = absl::StrCat(metrics_host_, ":", flags_.metrics_port);
     if (flags_.metrics_tls) {
       ASSIGN_OR_RETURN(metrics_https_, metrics::MetricsHttpsServer::Start(
                                            listen, &registry_,
@@ -321,9 +331,9 @@ class Server {
     const ModelSpec& spec = engine_->spec();
     const EngineOptions& eo = engine_->options();
     const std::string metrics_where =
-        metrics_port_ > 0
-            ? absl::StrCat("on :", metrics_port_, "/metrics", flags_.metrics_tls ? " (https)" : "")
-            : "off";
+        metrics_port_ > 0 ? absl::StrCat("on ", metrics_host_, ":", metrics_port_, "/metrics",
+                                         flags_.metrics_tls ? " (https)" : "")
+                          : "off";
     Say(absl::StrCat("serving attnd.v1 on ", HostPort(flags_.grpc_address, port_), "; model ",
                      spec.name, " (", spec.num_layers(), " layers), ", caps.size(), " device(s) x ",
                      caps[0].pages_total, " pages, cpu isa ", engine_->cpu_isa(), ", metrics ",
@@ -412,6 +422,7 @@ class Server {
   std::unique_ptr<ServiceMetrics> service_metrics_;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_;
   std::unique_ptr<metrics::MetricsHttpsServer> metrics_https_;
+  std::string metrics_host_;
   int metrics_port_ = 0;
   std::unique_ptr<AttentionService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import List, Optional
 
@@ -157,3 +158,35 @@ def test_the_cache_dtype_takes_the_apis_spelling(spelling, reported):
             assert c.info().cache_datatype == reported
     finally:
         stop(proc)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_metrics_follow_the_grpc_address_and_the_start_line_names_both():
+    if not _ipv6_loopback():
+        pytest.skip("this host has no IPv6 loopback")
+    cmd = [str(ATTND_BIN), "--model=tiny", "--kv-pages=64", "--threads=1", "--grpc-address=::1",
+           "--grpc-port=0", "--metrics-port=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"serving attnd\.v1 on \[::1\]:(\d+);.* metrics on ([0-9.]+):(\d+)/metrics",
+                      line)
+        assert m, line
+        assert m.group(2) == "127.0.0.1", line  # loopback stays loopback, not every interface
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(3)}/metrics", timeout=10) as r:
+            assert b"attnd_build_info" in r.read()
+        with AttndClient(f"[::1]:{m.group(1)}", timeout=30) as c:
+            assert c.info().model.name == "tiny"
+    finally:
+        stop(proc)
+    # A specific IPv6 address has no IPv4 twin: the operator names the metrics address.
+    r = _run(["--grpc-address=fd00::1"])
+    assert r.returncode == 1 and "--metrics-address" in r.stderr, r.stderr
