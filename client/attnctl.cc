@@ -173,6 +173,22 @@ int List(Client& c, const Args& a, bool json) {
   return 0;
 }
 
+int Describe(Client& c, const std::string& id, bool json) {
+  auto s = c.DescribeSequence(id);
+  if (!s.ok()) return Fail(s.status(), "describe");
+  if (json) return PrintJson(*s);
+  std::printf("%s\t%lld tokens\t%d pages\t%s%s%s\n", s->sequence_id().c_str(),
+              static_cast<long long>(s->length()), s->num_pages(), s->device().c_str(),
+              s->in_step() ? "\tin step" : "", s->importing() ? "\timporting" : "");
+  return 0;
+}
+
+int Close(Client& c, const std::string& id) {
+  if (auto s = c.CloseSequence(id); !s.ok()) return Fail(s, "close");
+  std::printf("closed %s\n", id.c_str());
+  return 0;
+}
+
 // The connection flags: TLS files, a bearer token, acting as a tenant.
 absl::StatusOr<ConnectOptions> ConnectFlags(const Args& a) {
   ConnectOptions o;
@@ -649,7 +665,7 @@ int main(int argc, char** argv) {
             ? "the admin only: act inside this tenant's namespace"
             : "TLS: the server's CA / this client's certificate / its key / the name to verify");
   std::string output = "text";
-  app.add_option("--output", output, "text or json (info, list)")
+  app.add_option("--output", output, "text or json (info, list, describe)")
       ->check(CLI::IsMember({"text", "json"}));
   CLI::App* info =
       app.add_subcommand("info", "the server's model, devices, limits and who you are");
@@ -659,6 +675,12 @@ int main(int argc, char** argv) {
                      "\"\" (liveness) or attnd.v1.Attention (readiness)");
   CLI::App* list = app.add_subcommand("list", "this tenant's sequences");
   flag(list, "all-tenants", "the admin only: every tenant's");
+  CLI::App* describe = app.add_subcommand("describe", "one sequence: length, pages, device, state");
+  std::string describe_id;
+  describe->add_option("sequence", describe_id, "the sequence id")->required();
+  CLI::App* close = app.add_subcommand("close", "close a sequence: its pages go back to the cache");
+  std::string close_id;
+  close->add_option("sequence", close_id, "the sequence id")->required();
   CLI::App* drain = app.add_subcommand("drain", "the admin: hand every sequence off, then exit");
   str(drain, "to", "HOST:PORT,... instead of the server's --drain-peers");
   CLI::App* demo = app.add_subcommand("demo", "prefill, forks and decode, checked against float64");
@@ -715,6 +737,8 @@ int main(int argc, char** argv) {
   if (info->parsed()) return Info(*client, json);
   if (health->parsed()) return Health(*client, health_service);
   if (list->parsed()) return List(*client, a, json);
+  if (describe->parsed()) return Describe(*client, describe_id, json);
+  if (close->parsed()) return Close(*client, close_id);
   if (drain->parsed()) return Drain(*client, a);
   if (demo->parsed()) return Demo(*client, a);
   if (handoff->parsed()) return Handoff(*client, a, *options);

@@ -372,6 +372,19 @@ int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
   return static_cast<int>(expired.size());
 }
 
+int Engine::ExpireIdleSequences(std::chrono::steady_clock::duration idle) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const auto now = Clock::now();
+  std::vector<SequenceKey> expired;
+  for (const Sequence* s : impl_->table->List(nullptr))
+    if (s->step == 0 && !s->copying && !s->filling && now - s->last_used > idle)
+      expired.emplace_back(s->tenant, s->id);
+  int closed = 0;
+  for (const SequenceKey& key : expired) closed += impl_->table->Close(key).ok() ? 1 : 0;
+  impl_->counters.sequences_expired += closed;
+  return closed;
+}
+
 int64_t Engine::steps_aborted() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   int64_t n = 0;

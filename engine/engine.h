@@ -148,6 +148,7 @@ struct EngineCounters {
   // New tokens of committed steps, counted once per step (not per layer), by the entry's kind:
   // q_len 1 decode, longer prefill, write-only import.
   int64_t tokens_prefill = 0, tokens_decode = 0, tokens_import = 0;
+  int64_t sequences_expired = 0;  // closed by ExpireIdleSequences (their lease ran out)
   std::vector<double> device_compute_seconds;  // per device: time spent computing layers
 };
 
@@ -272,6 +273,11 @@ class Engine {
   absl::Status AbortStep(const StepRef& step, AbortReason reason = AbortReason::kAbort);
   // Aborts steps idle for longer than `idle`; returns how many.
   int ExpireIdleSteps(std::chrono::steady_clock::duration idle);
+  // Closes every sequence (of every tenant) that no step began or ended on for longer than
+  // `idle` since it was opened, and that is in no open step and no copy: a crashed worker's
+  // sequences give their pages back (--sequence-idle-timeout-s). Returns how many; counted in
+  // EngineCounters::sequences_expired.
+  int ExpireIdleSequences(std::chrono::steady_clock::duration idle);
   // Steps aborted so far, for any reason (errors, AbortStep, expiry), and steps committed.
   int64_t steps_aborted() const;
   int64_t steps_committed() const;

@@ -230,11 +230,13 @@ void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
   pools_[seq->device].Allocate(grow, new_pages);
   tenants_.AddPages(seq->tenant, grow);
   seq->step = step;
+  seq->last_used = std::chrono::steady_clock::now();
 }
 
 void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len,
                            bool commit) {
   seq->step = 0;
+  seq->last_used = std::chrono::steady_clock::now();
   if (commit) {
     seq->pages.insert(seq->pages.end(), new_pages.begin(), new_pages.end());
     seq->length = new_len;

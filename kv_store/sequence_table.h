@@ -4,6 +4,7 @@
 // tenant's share of them (quotas).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -32,6 +33,9 @@ struct Sequence {
   bool filling = false;
   // A handoff target: ordinary steps wait until write-only steps brought it to this length.
   int64_t import_length = 0;
+  // When it was opened or a step last began or ended on it: its lease
+  // (Engine::ExpireIdleSequences closes sequences idle for longer).
+  std::chrono::steady_clock::time_point last_used = std::chrono::steady_clock::now();
 };
 
 struct SequenceLimits {

@@ -173,6 +173,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        Int(&f->max_message_bytes)},
       {"step-idle-timeout-ms", "N", "abort open steps idle this long (default 30000)",
        Int(&f->step_idle_timeout_ms)},
+      {"sequence-idle-timeout-s", "N",
+       "close sequences no step began or ended on for this long (their\nlease; every step "
+       "renews it; default 0 = never)",
+       Int(&f->sequence_idle_timeout_s)},
       {"shutdown-grace-ms", "N", "after the drain, let RPCs finish this long (default 10000)",
        Int(&f->shutdown_grace_ms)},
       {"log-level", "info|warning|error",
@@ -346,6 +350,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (!f.model_file.empty() && !f.hf_config.empty())
     return bad("--model-file and --hf-config: give one");
   if (f.drain_parallel > 64) return bad("--drain-parallel: at most 64");
+  if (f.sequence_idle_timeout_s > int64_t{10} * 365 * 86400)
+    return bad("--sequence-idle-timeout-s: at most ten years (0 = never)");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
   if (!f.admin_tenant.empty() && f.auth == "none")
     return bad("--admin-tenant needs --auth=token or --auth=mtls");

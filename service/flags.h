@@ -32,6 +32,7 @@ struct ServerFlags {
   std::string cpu_isa = "auto";                 // auto, avx512, avx2, generic
   int64_t max_message_bytes = int64_t{1} << 30;
   int64_t step_idle_timeout_ms = 30000;
+  int64_t sequence_idle_timeout_s = 0;  // a sequence's lease; 0 = never expires
   int64_t shutdown_grace_ms = 10000;
   // Per-request bounds (DESIGN §11); defaults a production server can ship with.
   int64_t max_step_tokens = 65536;

@@ -391,6 +391,12 @@ class Server {
           LOG(INFO) << "token file reloaded";
         }
       }
+      if (flags_.sequence_idle_timeout_s > 0)
+        if (const int n =
+                engine_->ExpireIdleSequences(std::chrono::seconds(flags_.sequence_idle_timeout_s));
+            n > 0)
+          LOG(WARNING) << n << " sequence(s) closed: no step for longer than "
+                       << flags_.sequence_idle_timeout_s << " s (--sequence-idle-timeout-s)";
       if (idle_ms <= 0) continue;
       if (const int n = engine_->ExpireIdleSteps(idle); n > 0)
         LOG(WARNING) << n << " idle step(s) expired after " << idle_ms

@@ -143,6 +143,11 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
       "as before it.");
   for (int r = 0; r < kNumAbortReasons; ++r)
     aborted_by_reason_->Add({{"reason", AbortReasonName(static_cast<AbortReason>(r))}});
+  sequences_expired_ = &registry
+                            ->AddCounter("attnd_sequences_expired_total",
+                                         "Sequences closed because no step renewed their lease "
+                                         "(--sequence-idle-timeout-s).")
+                            .Add({});
   tokens_ = &registry->AddCounter(
       "attnd_tokens_total",
       "New tokens of committed steps, once per step (not per layer), by phase (prefill, decode, "
@@ -209,6 +214,7 @@ void ServiceMetrics::Refresh() {
             static_cast<double>(c.steps_aborted[r]));
   }
   CatchUp(steps_aborted_, static_cast<double>(aborted));
+  CatchUp(sequences_expired_, static_cast<double>(c.sequences_expired));
   CatchUp(&tokens_->Add({{"phase", "prefill"}}), static_cast<double>(c.tokens_prefill));
   CatchUp(&tokens_->Add({{"phase", "decode"}}), static_cast<double>(c.tokens_decode));
   CatchUp(&tokens_->Add({{"phase", "import"}}), static_cast<double>(c.tokens_import));

@@ -49,6 +49,7 @@ class ServiceMetrics {
   metrics::Counter* bytes_sent_;
   metrics::Counter* steps_committed_;
   metrics::Counter* steps_aborted_;
+  metrics::Counter* sequences_expired_;
   metrics::Family<metrics::Counter>* aborted_by_reason_;
   metrics::Family<metrics::Counter>* tokens_;
   metrics::Family<metrics::Counter>* compute_seconds_;

@@ -177,6 +177,29 @@ TEST(EngineState, IdleStepsExpireAndAbort) {
   EXPECT_EQ(h.engine().steps_aborted(), 1);
 }
 
+// A sequence's lease: opened or last stepped longer ago than the timeout, in no open step, it is
+// closed (pages back, counted); a step renews it; a sequence in an open step is never closed.
+TEST(EngineState, IdleSequencesExpireAndEveryStepRenewsTheLease) {
+  Harness h(Options());
+  h.Open("stale");
+  h.Open("renewed");
+  h.Open("held");
+  h.RunAndCheck({{"stale", 5}, {"renewed", 5}, {"held", 5}}, DType::kF32, 70, 1e-4);
+  const int32_t free_before = h.engine().Capacity()[0].pages_free;
+  EXPECT_EQ(h.engine().ExpireIdleSequences(std::chrono::hours(1)), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  auto held = h.engine().BeginStep({{"held", 1}});  // open across the expiry
+  ASSERT_TRUE(held.ok()) << held.status();
+  h.RunAndCheck({{"renewed", 1}}, DType::kF32, 71, 1e-4);  // renews its lease now
+  EXPECT_EQ(h.engine().ExpireIdleSequences(std::chrono::milliseconds(40)), 1);
+  EXPECT_EQ(h.engine().DescribeSequence("stale").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(h.engine().DescribeSequence("renewed")->length, 6);
+  EXPECT_EQ(h.engine().DescribeSequence("held")->length, 5);
+  EXPECT_GT(h.engine().Capacity()[0].pages_free, free_before) << "the stale pages came back";
+  EXPECT_EQ(h.engine().Counters().sequences_expired, 1);
+  ASSERT_TRUE(h.engine().AbortStep(*held).ok());
+}
+
 // A layer sent while another layer of the same step runs is an error and, like every error, aborts
 // the step: the running layer reports the abort and nothing changes.
 TEST(EngineState, ALayerSentWhileOneRunsAbortsTheStep) {

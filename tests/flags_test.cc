@@ -97,6 +97,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--grpc-port"}, "flag --grpc-port needs a value"},
       {{"--log-level=loud"}, "bad value 'loud' for --log-level"},
       {{"--auth-tokens=tokens.txt"}, "--auth-tokens needs --auth=token"},
+      {{"--sequence-idle-timeout-s=-1"}, "bad value '-1' for --sequence-idle-timeout-s"},
+      {{"--sequence-idle-timeout-s=400000000"}, "--sequence-idle-timeout-s: at most ten years"},
       {{"--cache-dtype=FP16"}, "bad value 'FP16' for --cache-dtype"},
   };
   for (const auto& [args, want] : cases) {

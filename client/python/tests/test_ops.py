@@ -383,11 +383,12 @@ def test_attnctl_is_a_conventional_cli(ops_server):
     target, _ = ops_server
     r = _ctl("--help", check=0)
     assert "Usage: attnctl" in r.stdout and not r.stderr
-    for cmd in ("info", "health", "list", "drain", "demo", "bench", "handoff", "soak"):
+    for cmd in ("info", "health", "list", "describe", "close", "drain", "demo", "bench", "handoff",
+                "soak"):
         r = _ctl(cmd, "--help", check=0)
         assert f"attnctl {cmd}" in r.stdout, r.stdout  # per-command help, nothing run
     for bad in (["info", "--bogus=1"], ["info", "stray"], ["demo", "--sequences=0"], [],
-                ["handoff", "--sequence=x"], ["--output=yaml", "info"]):
+                ["handoff", "--sequence=x"], ["--output=yaml", "info"], ["describe"], ["close"]):
         r = _ctl(*bad, check=2)
         assert r.stderr and not r.stdout, bad
     env = {"ATTND_TARGET": target}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import List, Optional
@@ -190,3 +191,37 @@ def test_metrics_follow_the_grpc_address_and_the_start_line_names_both():
     # A specific IPv6 address has no IPv4 twin: the operator names the metrics address.
     r = _run(["--grpc-address=fd00::1"])
     assert r.returncode == 1 and "--metrics-address" in r.stderr, r.stderr
+
+
+def _scrape_total(mport: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_a_sequence_lease_runs_out_without_steps_and_attnctl_describes_and_closes():
+    attnctl = ATTND_BIN.parent.parent / "client" / "attnctl"
+    proc, target, mport = start(["--sequence-idle-timeout-s=1"])
+    try:
+        with AttndClient(target, timeout=30) as c:
+            c.open_sequence("idle")
+            c.open_sequence("kept")
+            for _ in range(6):  # ~3 s: every step renews kept's lease (begun and aborted)
+                c.abort_step(c.begin_step([("kept", 1)]).step_id)
+                time.sleep(0.5)
+            with pytest.raises(AttndError) as e:
+                c.describe_sequence("idle")
+            assert e.value.code == grpc.StatusCode.NOT_FOUND, e.value
+            assert c.describe_sequence("kept").length == 0
+        assert _scrape_total(mport, "attnd_sequences_expired_total") == 1
+        ctl = lambda *a: subprocess.run([str(attnctl), f"--target={target}", *a],  # noqa: E731
+                                        capture_output=True, text=True, timeout=60)
+        r = ctl("describe", "kept")
+        assert r.returncode == 0 and r.stdout.startswith("kept\t0 tokens"), (r.stdout, r.stderr)
+        r = ctl("close", "kept")
+        assert r.returncode == 0 and "closed kept" in r.stdout, (r.stdout, r.stderr)
+        r = ctl("describe", "kept")
+        assert r.returncode == 1 and "NOT_FOUND" in r.stderr, (r.stdout, r.stderr)
+    finally:
+        stop(proc)
