@@ -111,12 +111,17 @@ absl::StatusOr<std::vector<std::string>> DrainPeers(const std::vector<std::strin
   return out;
 }
 
+int64_t AwaitOpenSteps(const Engine& engine, std::chrono::steady_clock::time_point deadline) {
+  while (engine.num_open_steps() > 0 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return engine.num_open_steps();
+}
+
 DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
   DrainReport report;
   const auto deadline = Clock::now() + o.timeout;
   // Open steps may finish (their next layers are still served); new ones are refused.
-  while (engine.num_open_steps() > 0 && Clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  AwaitOpenSteps(engine, deadline);
   auto peers = DrainPeers(o.peers);
   if (!peers.ok() || peers->empty()) {
     report.failed = static_cast<int>(engine.num_sequences());

@@ -39,6 +39,10 @@ struct DrainReport {
 // The peers as endpoints: "dns:" entries resolved, this host's addresses dropped.
 absl::StatusOr<std::vector<std::string>> DrainPeers(const std::vector<std::string>& peers);
 
+// Waits until no step is open or the deadline passes (open steps' layers are still served; the
+// service refuses new ones); returns how many are still open.
+int64_t AwaitOpenSteps(const Engine& engine, std::chrono::steady_clock::time_point deadline);
+
 // Waits (until the timeout) for open steps to end, then moves every sequence of every tenant.
 // The service must already refuse new sequences and steps.
 DrainReport DrainSequences(Engine& engine, const DrainOptions& options);

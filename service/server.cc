@@ -199,10 +199,19 @@ class Server {
     }
     if (!peers.empty()) {
       Drain(peers);
-    } else if (engine_->num_sequences() > 0) {
+      return;
+    }
+    // No peers: the same window for open steps to finish, listener open and NOT_SERVING, then
+    // the sequences go with the process.
+    const int64_t left =
+        AwaitOpenSteps(*engine_, std::chrono::steady_clock::now() +
+                                     std::chrono::milliseconds(flags_.drain_timeout_ms));
+    if (left > 0)
+      Say(absl::StrCat(left, " step(s) still open after --drain-timeout-ms=",
+                       flags_.drain_timeout_ms, " are aborted at exit"));
+    if (engine_->num_sequences() > 0)
       Say(absl::StrCat("no --drain-peers: ", engine_->num_sequences(),
                        " sequence(s) are dropped at exit"));
-    }
   }
 
   // Stops listening, lets open calls finish for --shutdown-grace-ms (then answers parked shard

@@ -4,6 +4,7 @@ only from this host, drains only to configured peers, and the flag and device re
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -15,9 +16,10 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError
+from attnd import AttndClient, AttndError, LayerInputs
 
 from attnd_process import ATTND_BIN, start, stop
+from attnd_testlib import bf16_layers
 
 
 def _run(args: List[str]) -> subprocess.CompletedProcess:
@@ -225,3 +227,33 @@ def test_a_sequence_lease_runs_out_without_steps_and_attnctl_describes_and_close
         assert r.returncode == 1 and "NOT_FOUND" in r.stderr, (r.stdout, r.stderr)
     finally:
         stop(proc)
+
+
+def test_a_drain_without_peers_lets_open_steps_finish_with_the_listener_open():
+    proc, target, _ = start(["--drain-timeout-ms=20000"])
+    try:
+        with AttndClient(target, timeout=10) as c:
+            spec = c.info().model
+            c.open_sequence("finishing")
+            layers = bf16_layers(spec, 3, np.random.default_rng(7))
+            step = c.begin_step([("finishing", 3)])
+            out0 = c.attend_layer(step.step_id, LayerInputs(0, **layers[0]))
+            proc.send_signal(signal.SIGTERM)
+            for _ in range(400):  # the open channel answers NOT_SERVING (never UNAVAILABLE)
+                if c.health() == "NOT_SERVING":
+                    break
+                time.sleep(0.005)
+            assert c.health() == "NOT_SERVING" and c.health("") == "SERVING"
+            with pytest.raises(AttndError) as e:  # new work is refused meanwhile
+                c.begin_step([("finishing", 1)])
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+            outs = [out0] + [c.attend_layer(step.step_id, LayerInputs(i, **x))
+                             for i, x in enumerate(layers) if i > 0]
+            assert all(o.shape == (3, spec.num_heads, spec.kv_lora_rank) for o in outs)
+            assert all(np.isfinite(o.astype(np.float32)).all() for o in outs)
+            assert c.describe_sequence("finishing").length == 3  # the step committed
+        assert proc.wait(timeout=60) == 0
+        assert "1 sequence(s) are dropped at exit" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            stop(proc)
