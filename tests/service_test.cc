@@ -700,11 +700,12 @@ TEST_F(ServiceTest, HandOffMovesASequenceToAnotherServerExactly) {
 }
 
 TEST_F(ServiceTest, ShutdownAnswersAShardThatWaitsForAnotherShard) {
-  // No idle expiry: only the shutdown grace period can answer the waiting shard.
+  // No idle expiry: only the shutdown grace period can answer the waiting shard. The drain first
+  // waits --drain-timeout-ms for the open step (peers or none), then the grace period runs.
   auto other = std::make_unique<ServerProcess>(
-      ATTND_BINARY,
-      std::vector<std::string>{"--model=tiny", "--kv-pages=64", "--threads=1", "--metrics-port=0",
-                               "--step-idle-timeout-ms=0", "--shutdown-grace-ms=300"});
+      ATTND_BINARY, std::vector<std::string>{"--model=tiny", "--kv-pages=64", "--threads=1",
+                                             "--metrics-port=0", "--step-idle-timeout-ms=0",
+                                             "--drain-timeout-ms=500", "--shutdown-grace-ms=300"});
   auto c = Client::Connect(other->target());
   ASSERT_TRUE(c->OpenSequence("wait").ok());
   auto b = c->BeginStep({{"wait", 1}}, false, 2);
