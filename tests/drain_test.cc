@@ -25,12 +25,16 @@ TEST(DrainPeers, ExplicitPeersStayAndThisHostsAddressesAreSkipped) {
   EXPECT_FALSE(DrainPeers({"dns:no-such-name.invalid:50051"}).ok());
 }
 
-TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
+std::unique_ptr<Engine> TinyEngine() {
   EngineOptions o;
   o.spec = PresetModelSpec("tiny").value();
   o.pages_per_device = 16;
   o.threads = 1;
-  auto engine = Engine::Create(o).value();
+  return Engine::Create(o).value();
+}
+
+TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
+  auto engine = TinyEngine();
   metrics::Registry registry;
   ServiceMetrics m(&registry, engine.get());
   m.RpcDone("BeginStep", absl::UnavailableError("attnd is draining"));
@@ -55,11 +59,7 @@ TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
 // Every RPC counts by method and code, OK included (the error ratio's denominator); the OK
 // series of every method and every rejection reason exist at 0 before their first event.
 TEST(ServiceMetrics, RequestTotalsCountEveryCallAndExistBeforeTheFirst) {
-  EngineOptions o;
-  o.spec = PresetModelSpec("tiny").value();
-  o.pages_per_device = 16;
-  o.threads = 1;
-  auto engine = Engine::Create(o).value();
+  auto engine = TinyEngine();
   metrics::Registry registry;
   ServiceMetrics m(&registry, engine.get());
   std::string text = registry.Serialize();

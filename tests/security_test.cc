@@ -182,8 +182,7 @@ class TokenTest : public ::testing::Test {
     return absl::OkStatus();
   }
   const ModelSpec& spec() {
-    if (spec_.num_layers() == 0)
-      spec_ = ModelSpecFromProto(As(kTokenA)->Info()->model()).value();
+    if (spec_.num_layers() == 0) spec_ = ModelSpecFromProto(As(kTokenA)->Info()->model()).value();
     return spec_;
   }
   // Every exported byte of a sequence (all chunks, all layers).

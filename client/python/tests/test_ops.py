@@ -354,7 +354,9 @@ def test_metrics_pass_promtool_and_count_the_work(ops_server, tmp_path):
 
 
 def test_sigterm_with_an_open_step_drains_and_exits_zero():
-    proc, target, _ = _start(["--shutdown-grace-ms=300"])
+    # Without peers the drain still waits up to --drain-timeout-ms for open steps (listener open,
+    # NOT_SERVING); this one never sends a layer, so the wait ends at the timeout.
+    proc, target, _ = _start(["--shutdown-grace-ms=300", "--drain-timeout-ms=1000"])
     with AttndClient(target) as c:
         c.open_sequence("ops-drain")
         s = c.stream()
@@ -366,6 +368,7 @@ def test_sigterm_with_an_open_step_drains_and_exits_zero():
         s.cancel()
     out = proc.stdout.read()
     assert "draining" in out and "stopped" in out, out
+    assert "1 step(s) still open after --drain-timeout-ms=1000 are aborted at exit" in out, out
 
 
 ATTNCTL = ATTND_BIN.parent.parent / "client" / "attnctl"
