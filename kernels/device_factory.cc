@@ -111,8 +111,16 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
     const DeviceOptions& options) {
   ASSIGN_OR_RETURN(const std::string isa, ResolveCpuIsa(options.settings.cpu_isa));
+  std::vector<DeviceName> parsed;
   int cpus = 0;
-  for (const std::string& name : names) cpus += name.rfind("cpu:", 0) == 0 ? 1 : 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    ASSIGN_OR_RETURN(const DeviceName d, ParseDeviceName(names[i]));
+    if (std::find(names.begin(), names.begin() + i, names[i]) != names.begin() + i)
+      return absl::InvalidArgumentError(
+          absl::StrCat("device ", Quote(names[i]), " is named twice (one cache per device)"));
+    parsed.push_back(d);
+    cpus += d.gpu ? 0 : 1;
+  }
   if (cpus > 0) {
     // A host whose memory cannot be read (no /proc) is not refused: its allocations still fail
     // cleanly where they do not fit.
@@ -127,18 +135,14 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
 #endif
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string& name = names[i];
-    ASSIGN_OR_RETURN(const DeviceName parsed, ParseDeviceName(name));
-    if (std::find(names.begin(), names.begin() + i, name) != names.begin() + i)
-      return absl::InvalidArgumentError(
-          absl::StrCat("device ", Quote(name), " is named twice (one cache per device)"));
-    if (!parsed.gpu) {
+    if (!parsed[i].gpu) {
       auto d = CpuDevice::Create(name, spec, layout, options.pool, kernels);
       if (!d.ok()) return d.status();
       out.push_back(std::move(d).value());
       continue;
     }
 #ifdef ATTND_HAVE_CUDA
-    auto d = cuda::CudaDevice::Create(name, parsed.ordinal, spec, layout,
+    auto d = cuda::CudaDevice::Create(name, parsed[i].ordinal, spec, layout,
                                       options.settings.gpu_scratch_bytes);
     if (!d.ok()) return d.status();
     gpus.push_back(d->get());

@@ -127,7 +127,8 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
           google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
               v1::Attention::service_full_name()))
     for (int m = 0; m < service->method_count(); ++m)
-      requests_->Add({{"method", service->method(m)->name()}, {"code", "OK"}});
+      ok_requests_[service->method(m)->name()] =
+          &requests_->Add({{"method", service->method(m)->name()}, {"code", "OK"}});
   for (const char* reason : {"cache_full", "quota", "max_context", "draining", "limit"})
     rejections_->Add({{"reason", reason}});
   auto& bytes = registry->AddCounter("attnd_payload_bytes_total",
@@ -195,8 +196,14 @@ void ServiceMetrics::StepDone(StepPhase phase, double seconds) {
 }
 
 void ServiceMetrics::RpcDone(const char* method, const absl::Status& status) {
+  if (status.ok()) {
+    // Every unary layer call ends here: its counter was made at construction.
+    const auto it = ok_requests_.find(method);
+    (it != ok_requests_.end() ? *it->second : requests_->Add({{"method", method}, {"code", "OK"}}))
+        .Increment();
+    return;
+  }
   requests_->Add({{"method", method}, {"code", CodeName(status.code())}}).Increment();
-  if (status.ok()) return;
   errors_->Add({{"method", method}, {"code", CodeName(status.code())}}).Increment();
   const std::string m = method;
   if (m == "OpenSequence" || m == "BeginStep" || m == "Step")

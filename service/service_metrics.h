@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "engine/engine.h"
 #include "metrics/metrics.h"
@@ -43,6 +44,8 @@ class ServiceMetrics {
   metrics::Histogram* layer_seconds_[2][3][3];  // [transport][phase][kind]
   metrics::Histogram* step_seconds_[3];         // [phase]
   metrics::Family<metrics::Counter>* requests_;
+  // requests_{method, code="OK"} per method of the service, fixed after construction.
+  absl::flat_hash_map<std::string, metrics::Counter*> ok_requests_;
   metrics::Family<metrics::Counter>* errors_;
   metrics::Family<metrics::Counter>* rejections_;
   metrics::Counter* bytes_received_;
