@@ -1,30 +1,20 @@
 #include "common/dtype.h"
 
+#include "common/enum_names.h"
 #include "common/fp8.h"
 
 namespace attnd {
 
-const char* DTypeName(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "FP32";
-    case DType::kBF16:
-      return "BF16";
-    case DType::kF16:
-      return "FP16";
-    case DType::kFP8E4M3:
-      return "FP8_E4M3";
-  }
-  return "?";
-}
+namespace {
+constexpr NamedValue<DType> kDTypeNames[] = {{DType::kF32, "FP32"},
+                                             {DType::kBF16, "BF16"},
+                                             {DType::kF16, "FP16"},
+                                             {DType::kFP8E4M3, "FP8_E4M3"}};
+}  // namespace
 
-std::optional<DType> ParseDType(std::string_view name) {
-  if (name == "FP32") return DType::kF32;
-  if (name == "BF16") return DType::kBF16;
-  if (name == "FP16") return DType::kF16;
-  if (name == "FP8_E4M3") return DType::kFP8E4M3;
-  return std::nullopt;
-}
+const char* DTypeName(DType t) { return NameIn(kDTypeNames, t); }
+
+std::optional<DType> ParseDType(std::string_view name) { return ValueNamed(kDTypeNames, name); }
 
 float F16ToF32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

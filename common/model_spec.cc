@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/enum_names.h"
 #include "common/status_macros.h"
 
 namespace attnd {
@@ -48,17 +49,14 @@ bool SelectsEveryVisibleKey(const ModelSpec& spec, int64_t visible) {
   return false;
 }
 
-absl::string_view LayerKindName(LayerKind k) {
-  switch (k) {
-    case LayerKind::kFull:
-      return "full";
-    case LayerKind::kShared:
-      return "shared";
-    case LayerKind::kDense:
-      return "dense";
-  }
-  return "?";
-}
+namespace {
+constexpr NamedValue<LayerKind> kLayerKindNames[] = {
+    {LayerKind::kFull, "full"}, {LayerKind::kShared, "shared"}, {LayerKind::kDense, "dense"}};
+constexpr NamedValue<PrefillMode> kPrefillModeNames[] = {{PrefillMode::kSparse, "sparse"},
+                                                         {PrefillMode::kDense, "dense"}};
+}  // namespace
+
+absl::string_view LayerKindName(LayerKind k) { return NameIn(kLayerKindNames, k); }
 
 std::string SelectionModeName(const ModelSpec& spec) {
   switch (spec.selection) {
@@ -72,14 +70,10 @@ std::string SelectionModeName(const ModelSpec& spec) {
   return "?";
 }
 
-absl::string_view PrefillModeName(PrefillMode m) {
-  return m == PrefillMode::kDense ? "dense" : "sparse";
-}
+absl::string_view PrefillModeName(PrefillMode m) { return NameIn(kPrefillModeNames, m, "sparse"); }
 
 absl::StatusOr<LayerKind> ParseLayerKind(absl::string_view name) {
-  if (name == "full") return LayerKind::kFull;
-  if (name == "shared") return LayerKind::kShared;
-  if (name == "dense") return LayerKind::kDense;
+  if (auto kind = ValueNamed(kLayerKindNames, name)) return *kind;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown layer kind '", name, "' (full, shared, dense)"));
 }
@@ -101,8 +95,7 @@ absl::Status ParseSelectionMode(absl::string_view name, ModelSpec* spec) {
 }
 
 absl::StatusOr<PrefillMode> ParsePrefillMode(absl::string_view name) {
-  if (name == "sparse") return PrefillMode::kSparse;
-  if (name == "dense") return PrefillMode::kDense;
+  if (auto mode = ValueNamed(kPrefillModeNames, name)) return *mode;
   return absl::InvalidArgumentError(absl::StrCat("'", name, "' is not sparse or dense"));
 }
 

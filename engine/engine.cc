@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/client_text.h"
+#include "common/enum_names.h"
 #include "common/guarded.h"
 #include "common/status_macros.h"
 #include "engine/engine_impl.h"
@@ -410,15 +411,10 @@ const char* AbortReasonName(AbortReason reason) {
 }
 
 const char* StepPhaseName(StepPhase phase) {
-  switch (phase) {
-    case StepPhase::kPrefill:
-      return "prefill";
-    case StepPhase::kDecode:
-      return "decode";
-    case StepPhase::kImport:
-      return "import";
-  }
-  return "?";
+  static constexpr NamedValue<StepPhase> kNames[] = {{StepPhase::kPrefill, "prefill"},
+                                                     {StepPhase::kDecode, "decode"},
+                                                     {StepPhase::kImport, "import"}};
+  return NameIn(kNames, phase);
 }
 
 int64_t Engine::steps_committed() const {

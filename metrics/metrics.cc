@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/enum_names.h"
 
 namespace attnd::metrics {
 namespace {
@@ -170,15 +171,10 @@ void AppendSamples(absl::string_view name, const Labels& labels, const Histogram
 }
 
 absl::string_view TypeName(MetricType type) {
-  switch (type) {
-    case MetricType::kCounter:
-      return "counter";
-    case MetricType::kGauge:
-      return "gauge";
-    case MetricType::kHistogram:
-      return "histogram";
-  }
-  return "untyped";
+  static constexpr NamedValue<MetricType> kNames[] = {{MetricType::kCounter, "counter"},
+                                                      {MetricType::kGauge, "gauge"},
+                                                      {MetricType::kHistogram, "histogram"}};
+  return NameIn(kNames, type, "untyped");
 }
 
 // The sample names a family emits; two families must never share one.

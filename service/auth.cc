@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/enum_names.h"
 
 namespace attnd {
 namespace {
@@ -36,25 +37,16 @@ std::optional<std::string> Metadata(const grpc::ServerContextBase& ctx, const ch
 
 }  // namespace
 
+constexpr NamedValue<AuthMode> kAuthModeNames[] = {
+    {AuthMode::kNone, "none"}, {AuthMode::kToken, "token"}, {AuthMode::kMtls, "mtls"}};
+
 absl::StatusOr<AuthMode> ParseAuthMode(const std::string& name) {
-  if (name == "none") return AuthMode::kNone;
-  if (name == "token") return AuthMode::kToken;
-  if (name == "mtls") return AuthMode::kMtls;
+  if (auto mode = ValueNamed(kAuthModeNames, absl::string_view(name))) return *mode;
   return absl::InvalidArgumentError(
       absl::StrCat("--auth: '", name, "' is not none, token or mtls"));
 }
 
-const char* AuthModeName(AuthMode mode) {
-  switch (mode) {
-    case AuthMode::kNone:
-      return "none";
-    case AuthMode::kToken:
-      return "token";
-    case AuthMode::kMtls:
-      return "mtls";
-  }
-  return "?";
-}
+const char* AuthModeName(AuthMode mode) { return NameIn(kAuthModeNames, mode); }
 
 absl::Status CheckTenantName(const std::string& tenant) {
   bool ok = !tenant.empty() && tenant.size() <= kMaxTenantBytes;

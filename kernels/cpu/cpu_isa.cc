@@ -2,6 +2,7 @@
 
 #include <array>
 
+#include "common/enum_names.h"
 #include "common/fp8.h"
 
 #if defined(__x86_64__)
@@ -65,15 +66,9 @@ namespace avx512 {
 #endif
 
 absl::string_view IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kGeneric:
-      break;
-  }
-  return "generic";
+  static constexpr NamedValue<Isa> kNames[] = {
+      {Isa::kGeneric, "generic"}, {Isa::kAvx2, "avx2"}, {Isa::kAvx512, "avx512"}};
+  return NameIn(kNames, isa, "generic");
 }
 
 std::vector<Isa> SupportedIsas() {
