@@ -21,38 +21,7 @@ ModelSpec Spec() {
   return s;
 }
 
-EngineOptions Options(int32_t pages = 256) {
-  EngineOptions o;
-  o.spec = Spec();
-  o.cache_dtype = DType::kF32;
-  o.pages_per_device = pages;
-  o.threads = 2;
-  return o;
-}
-
-struct State {
-  std::vector<std::pair<int64_t, bool>> seqs;  // (length, in_step)
-  int32_t free_pages = 0;
-  int64_t open_steps = 0;
-  std::vector<int32_t> refcounts;
-  bool operator==(const State& o) const {
-    return seqs == o.seqs && free_pages == o.free_pages && open_steps == o.open_steps &&
-           refcounts == o.refcounts;
-  }
-};
-
-State Take(Engine& e, const std::vector<std::string>& ids) {
-  State s;
-  for (const auto& id : ids) {
-    auto d = e.DescribeSequence(id);
-    EXPECT_TRUE(d.ok()) << id;
-    s.seqs.emplace_back(d.ok() ? d->length : -1, d.ok() && d->in_step);
-  }
-  s.free_pages = e.Capacity()[0].pages_free;
-  s.open_steps = e.num_open_steps();
-  s.refcounts = e.PageRefcounts(0);
-  return s;
-}
+EngineOptions Options(int32_t pages = 256) { return TestEngineOptions(Spec(), pages); }
 
 // Runs every layer of a step with fresh random inputs; returns the first error.
 absl::Status RunAll(Harness& h, uint64_t step, const std::vector<LayerData>& in) {
@@ -75,7 +44,7 @@ TEST(EngineHardening, HugeQLenIsRefusedBeforeAnyArithmeticAndChangesNothing) {
   h.Open("b");
   h.RunAndCheck({{"a", 5}, {"b", 1}}, DType::kF32, 1, 1e-5);
   const std::vector<std::string> ids = {"a", "b"};
-  const State before = Take(h.engine(), ids);
+  const EngineSnapshot before = TakeSnapshot(h.engine(), ids);
   const int64_t huge[] = {std::numeric_limits<int64_t>::max(),
                           std::numeric_limits<int64_t>::max() - 1,
                           h.spec().max_context,  // 1 + max_context: one past the limit
@@ -84,12 +53,12 @@ TEST(EngineHardening, HugeQLenIsRefusedBeforeAnyArithmeticAndChangesNothing) {
     auto r = h.engine().BeginStep({{"a", 3}, {"b", q}});
     EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << q << ": " << r.status();
     EXPECT_NE(r.status().message().find("max_context"), absl::string_view::npos);
-    EXPECT_TRUE(Take(h.engine(), ids) == before) << "q_len " << q;
+    EXPECT_TRUE(TakeSnapshot(h.engine(), ids) == before) << "q_len " << q;
   }
   EXPECT_EQ(h.engine().BeginStep({{"a", -7}}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(h.engine().BeginStep({{"a", std::numeric_limits<int64_t>::min()}}).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Take(h.engine(), ids) == before);
+  EXPECT_TRUE(TakeSnapshot(h.engine(), ids) == before);
   // Both sequences go on at once, exactly.
   h.RunAndCheck({{"a", 2}, {"b", 3}}, DType::kF32, 2, 1e-5);
   EXPECT_TRUE(h.engine().CloseSequence("a").ok());
@@ -105,7 +74,7 @@ TEST(EngineHardening, StepTokensBatchEntriesSequencesAndIdsAreBounded) {
   Harness h(o);
   for (const char* id : {"a", "b", "c", "d"}) h.Open(id);
   const std::vector<std::string> ids = {"a", "b", "c", "d"};
-  const State before = Take(h.engine(), ids);
+  const EngineSnapshot before = TakeSnapshot(h.engine(), ids);
   // Each entry fits max_context; together they pass the step bound.
   auto r = h.engine().BeginStep({{"a", 60}, {"b", 41}});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
@@ -113,7 +82,7 @@ TEST(EngineHardening, StepTokensBatchEntriesSequencesAndIdsAreBounded) {
   r = h.engine().BeginStep({{"a", 1}, {"b", 1}, {"c", 1}, {"d", 1}});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   EXPECT_NE(r.status().message().find("--max-batch-entries"), absl::string_view::npos);
-  EXPECT_TRUE(Take(h.engine(), ids) == before);
+  EXPECT_TRUE(TakeSnapshot(h.engine(), ids) == before);
   EXPECT_TRUE(h.engine().BeginStep({{"a", 60}, {"b", 40}}).ok());  // exactly at the bound
   // Ids: length, then count.
   EXPECT_EQ(h.engine().OpenSequence("123456789").code(), absl::StatusCode::kInvalidArgument);
@@ -191,7 +160,7 @@ TEST(EngineHardening, NonFiniteInputsAreRefusedNamingTensorAndIndex) {
   Harness h(Options());
   h.Open("n");
   h.RunAndCheck({{"n", 9}}, DType::kF32, 5, 1e-5);
-  const State before = Take(h.engine(), {"n"});
+  const EngineSnapshot before = TakeSnapshot(h.engine(), {"n"});
   const std::vector<StepEntry> batch = {{"n", 3}};
   struct Case {
     const char* tensor;
@@ -218,7 +187,7 @@ TEST(EngineHardening, NonFiniteInputsAreRefusedNamingTensorAndIndex) {
         << s;
     EXPECT_NE(s.message().find(absl::StrCat("(element ", c.element, ")")), absl::string_view::npos)
         << s;
-    EXPECT_TRUE(Take(h.engine(), {"n"}) == before) << c.tensor;
+    EXPECT_TRUE(TakeSnapshot(h.engine(), {"n"}) == before) << c.tensor;
   }
   // The sequence is exactly as before: later steps match the reference (no NaN key cached).
   h.RunAndCheck({{"n", 40}}, DType::kF32, 7, 1e-5);

@@ -105,6 +105,37 @@ LayerInputs LayerData::inputs() const {
   return in;
 }
 
+EngineOptions TestEngineOptions(ModelSpec spec, int32_t pages, DType cache) {
+  EngineOptions o;
+  o.spec = std::move(spec);
+  o.cache_dtype = cache;
+  o.pages_per_device = pages;
+  o.threads = 2;
+  return o;
+}
+
+bool EngineSnapshot::operator==(const EngineSnapshot& o) const {
+  if (seqs.size() != o.seqs.size()) return false;
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (seqs[i].id != o.seqs[i].id || seqs[i].length != o.seqs[i].length ||
+        seqs[i].pages != o.seqs[i].pages || seqs[i].in_step != o.seqs[i].in_step)
+      return false;
+  return refcounts == o.refcounts && free_pages == o.free_pages && open_steps == o.open_steps;
+}
+
+EngineSnapshot TakeSnapshot(Engine& e, const std::vector<std::string>& ids) {
+  EngineSnapshot s;
+  for (const auto& id : ids) {
+    auto info = e.DescribeSequence(id);
+    EXPECT_TRUE(info.ok()) << id << ": " << info.status();
+    if (info.ok()) s.seqs.push_back(*info);
+  }
+  s.refcounts = e.PageRefcounts(0);
+  s.free_pages = e.Capacity()[0].pages_free;
+  s.open_steps = e.num_open_steps();
+  return s;
+}
+
 Harness::Harness(EngineOptions options) {
   auto e = Engine::Create(options);
   if (!e.ok()) {

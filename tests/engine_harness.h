@@ -47,6 +47,21 @@ std::vector<LayerData> RandomLayers(const ModelSpec& spec, int64_t T, DType dtyp
 // window and a soft cap) under `mode`, top-24, at most 3 union pages, a budget of 2 pages.
 ModelSpec MixedLayerSpec(SelectionMode mode);
 
+// Engine options for tests: `spec`, `pages` per device, a `cache` dtype, two threads.
+EngineOptions TestEngineOptions(ModelSpec spec, int32_t pages, DType cache = DType::kF32);
+
+// Everything observable about the engine's state on device 0: the named sequences (id, length,
+// pages, in_step), page refcounts, free pages, open steps. A failed or refused call must leave
+// it equal.
+struct EngineSnapshot {
+  std::vector<SequenceInfo> seqs;
+  std::vector<int32_t> refcounts;
+  int32_t free_pages = 0;
+  int64_t open_steps = 0;
+  bool operator==(const EngineSnapshot& o) const;
+};
+EngineSnapshot TakeSnapshot(Engine& e, const std::vector<std::string>& ids);
+
 using reference::LayerCheck;
 using reference::RelL2;
 

@@ -16,44 +16,7 @@ ModelSpec Spec() {
   return s;
 }
 
-EngineOptions Options(int32_t pages = 256) {
-  EngineOptions o;
-  o.spec = Spec();
-  o.cache_dtype = DType::kF32;
-  o.pages_per_device = pages;
-  o.threads = 2;
-  return o;
-}
-
-// Everything observable about the engine's state.
-struct Snapshot {
-  std::vector<SequenceInfo> seqs;
-  std::vector<int32_t> refcounts;
-  int32_t free_pages = 0;
-  int64_t open_steps = 0;
-
-  bool operator==(const Snapshot& o) const {
-    if (seqs.size() != o.seqs.size()) return false;
-    for (size_t i = 0; i < seqs.size(); ++i)
-      if (seqs[i].id != o.seqs[i].id || seqs[i].length != o.seqs[i].length ||
-          seqs[i].pages != o.seqs[i].pages || seqs[i].in_step != o.seqs[i].in_step)
-        return false;
-    return refcounts == o.refcounts && free_pages == o.free_pages && open_steps == o.open_steps;
-  }
-};
-
-Snapshot Take(Engine& e, const std::vector<std::string>& ids) {
-  Snapshot s;
-  for (const auto& id : ids) {
-    auto info = e.DescribeSequence(id);
-    EXPECT_TRUE(info.ok()) << id;
-    if (info.ok()) s.seqs.push_back(*info);
-  }
-  s.refcounts = e.PageRefcounts(0);
-  s.free_pages = e.Capacity()[0].pages_free;
-  s.open_steps = e.num_open_steps();
-  return s;
-}
+EngineOptions Options(int32_t pages = 256) { return TestEngineOptions(Spec(), pages); }
 
 // Two prefilled sequences, one forked, so there are shared pages and partial pages.
 void Populate(Harness& h) {
@@ -68,18 +31,18 @@ TEST(EngineState, AbortAfterAnyLayerRestoresTheExactPriorState) {
   for (int stop = 0; stop <= Spec().num_layers() - 1; ++stop) {
     Harness h(Options());
     Populate(h);
-    const Snapshot before = Take(h.engine(), kIds);
+    const EngineSnapshot before = TakeSnapshot(h.engine(), kIds);
     const std::vector<StepEntry> batch = {{"a", 1}, {"c", 30}, {"b", 12}};
     const auto in = h.MakeInputs(batch, DType::kF32, 50 + stop);
     auto step = h.engine().BeginStep(batch);
     ASSERT_TRUE(step.ok());
-    EXPECT_FALSE(Take(h.engine(), kIds) == before);  // pages are reserved while open
+    EXPECT_FALSE(TakeSnapshot(h.engine(), kIds) == before);  // pages are reserved while open
     for (int l = 0; l < stop; ++l) {
       std::vector<uint8_t> out(43 * 4 * 32 * 4);
       ASSERT_TRUE(RunLayerInto(h.engine(), *step, l, in[l].inputs(), out.data(), out.size()).ok());
     }
     ASSERT_TRUE(h.engine().AbortStep(*step).ok());
-    EXPECT_TRUE(Take(h.engine(), kIds) == before) << "aborted after " << stop << " layers";
+    EXPECT_TRUE(TakeSnapshot(h.engine(), kIds) == before) << "aborted after " << stop << " layers";
     EXPECT_EQ(h.engine().AbortStep(*step).code(), absl::StatusCode::kNotFound);
     // The sequences go on as if the step never happened (the reference has no trace of it).
     h.RunAndCheck(batch, DType::kF32, 99, 1e-5);
@@ -89,27 +52,27 @@ TEST(EngineState, AbortAfterAnyLayerRestoresTheExactPriorState) {
 TEST(EngineState, ExhaustingThePoolFailsCleanlyAndChangesNothing) {
   Harness h(Options(12));  // 11 usable pages of 16 tokens
   Populate(h);             // a: 3 pages, b: 2, c: 2 shared + 1 copied = 6 used
-  const Snapshot before = Take(h.engine(), kIds);
+  const EngineSnapshot before = TakeSnapshot(h.engine(), kIds);
   EXPECT_EQ(before.free_pages, 5);
   auto step = h.engine().BeginStep({{"a", 1}, {"b", 100}});
   ASSERT_EQ(step.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(step.status().message().find("KV cache full"), std::string::npos);
   EXPECT_NE(step.status().message().find("pages"), std::string::npos);
-  EXPECT_TRUE(Take(h.engine(), kIds) == before);
+  EXPECT_TRUE(TakeSnapshot(h.engine(), kIds) == before);
   EXPECT_EQ(h.engine().ForkSequence("d", "b", 20).code(), absl::StatusCode::kOk);
   // Fill the pool exactly, then a fork needing a page for its partial tail fails cleanly.
   h.RunAndCheck({{"a", 16 * 4 - 40}}, DType::kF32, 3, 1e-5);  // a: 4 pages, exactly full
-  const auto mid = Take(h.engine(), kIds);
+  const auto mid = TakeSnapshot(h.engine(), kIds);
   auto fill = h.engine().BeginStep({{"b", 16 * mid.free_pages + 11}});  // b has 11 free rows
   ASSERT_TRUE(fill.ok()) << fill.status();
   ASSERT_TRUE(h.engine().AbortStep(*fill).ok());
   h.RunAndCheck({{"b", 16 * mid.free_pages + 11}}, DType::kF32, 4, 1e-5);
   EXPECT_EQ(h.engine().Capacity()[0].pages_free, 0);
-  const Snapshot full = Take(h.engine(), kIds);
+  const EngineSnapshot full = TakeSnapshot(h.engine(), kIds);
   EXPECT_EQ(h.engine().ForkSequence("e", "a", 20).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(h.engine().ForkSequence("f", "a", 32).ok());  // page aligned: shares, no copy
   EXPECT_TRUE(h.engine().CloseSequence("f").ok());
-  EXPECT_TRUE(Take(h.engine(), kIds) == full);
+  EXPECT_TRUE(TakeSnapshot(h.engine(), kIds) == full);
 }
 
 TEST(EngineState, PageZeroNeverHoldsATokenAndIsNeverWritten) {
@@ -167,13 +130,13 @@ TEST(EngineState, AnImportingSequenceRefusesOrdinaryStepsUntilComplete) {
 TEST(EngineState, IdleStepsExpireAndAbort) {
   Harness h(Options());
   Populate(h);
-  const Snapshot before = Take(h.engine(), kIds);
+  const EngineSnapshot before = TakeSnapshot(h.engine(), kIds);
   auto step = h.engine().BeginStep({{"a", 3}});
   ASSERT_TRUE(step.ok());
   EXPECT_EQ(h.engine().ExpireIdleSteps(std::chrono::hours(1)), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(h.engine().ExpireIdleSteps(std::chrono::milliseconds(5)), 1);
-  EXPECT_TRUE(Take(h.engine(), kIds) == before);
+  EXPECT_TRUE(TakeSnapshot(h.engine(), kIds) == before);
   EXPECT_EQ(h.engine().steps_aborted(), 1);
 }
 
@@ -205,7 +168,7 @@ TEST(EngineState, IdleSequencesExpireAndEveryStepRenewsTheLease) {
 TEST(EngineState, ALayerSentWhileOneRunsAbortsTheStep) {
   Harness h(Options(1024));
   Populate(h);
-  const Snapshot before = Take(h.engine(), kIds);
+  const EngineSnapshot before = TakeSnapshot(h.engine(), kIds);
   const std::vector<StepEntry> batch = {{"b", 4000}};  // a slow layer 0
   const auto in = h.MakeInputs(batch, DType::kF32, 30);
   std::vector<uint8_t> out(4000 * 4 * 32 * 4);
@@ -226,7 +189,7 @@ TEST(EngineState, ALayerSentWhileOneRunsAbortsTheStep) {
       overlapped = true;
       EXPECT_EQ(first.code(), absl::StatusCode::kCancelled) << first;
     }
-    EXPECT_TRUE(Take(h.engine(), kIds) == before) << "attempt " << attempt;
+    EXPECT_TRUE(TakeSnapshot(h.engine(), kIds) == before) << "attempt " << attempt;
   }
   EXPECT_TRUE(overlapped) << "layer 0 never seen running";
 }
@@ -236,11 +199,11 @@ TEST(EngineState, EveryBadInputGetsItsStatusAndChangesNothing) {
   Harness h(Options());
   Populate(h);
   Engine& e = h.engine();
-  const Snapshot before = Take(e, kIds);
+  const EngineSnapshot before = TakeSnapshot(e, kIds);
   auto expect = [&](absl::Status st, absl::StatusCode code, const char* needle) {
     EXPECT_EQ(st.code(), code) << st;
     EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
-    EXPECT_TRUE(Take(e, kIds) == before) << needle;
+    EXPECT_TRUE(TakeSnapshot(e, kIds) == before) << needle;
   };
   // Sequences.
   expect(e.OpenSequence("a"), absl::StatusCode::kAlreadyExists, "already exists");
