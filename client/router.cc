@@ -28,20 +28,26 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+std::vector<Replica> AddressesAsReplicas(std::vector<std::string> endpoints) {
+  std::vector<Replica> out;
+  for (std::string& e : endpoints) out.push_back({e, e});
+  return out;
+}
+
 }  // namespace
 
-uint64_t RendezvousWeight(const std::string& endpoint, const std::string& sequence_id) {
+uint64_t RendezvousWeight(const std::string& name, const std::string& sequence_id) {
   // A 0 byte between the two keeps ("ab", "c") and ("a", "bc") apart.
-  uint64_t h = Fnv1a(endpoint, 0xcbf29ce484222325ull);
+  uint64_t h = Fnv1a(name, 0xcbf29ce484222325ull);
   h ^= 0;
   h *= 0x100000001b3ull;
   return Mix(Fnv1a(sequence_id, h));
 }
 
-std::string Route(const std::vector<std::string>& endpoints, const std::string& sequence_id) {
+std::string Route(const std::vector<std::string>& names, const std::string& sequence_id) {
   std::string best;
   uint64_t best_w = 0;
-  for (const std::string& e : endpoints) {
+  for (const std::string& e : names) {
     const uint64_t w = RendezvousWeight(e, sequence_id);
     if (best.empty() || w > best_w || (w == best_w && e < best)) {
       best = e;
@@ -49,6 +55,20 @@ std::string Route(const std::vector<std::string>& endpoints, const std::string& 
     }
   }
   return best;
+}
+
+std::vector<std::string> Ranked(std::vector<std::string> names, const std::string& sequence_id) {
+  std::vector<std::pair<uint64_t, std::string>> weighted;
+  weighted.reserve(names.size());
+  for (std::string& n : names)
+    weighted.emplace_back(RendezvousWeight(n, sequence_id), std::move(n));
+  std::sort(weighted.begin(), weighted.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<std::string> out;
+  out.reserve(weighted.size());
+  for (auto& [w, n] : weighted) out.push_back(std::move(n));
+  return out;
 }
 
 absl::StatusOr<std::vector<std::string>> ResolveEndpoints(const std::string& host, int port) {
@@ -75,39 +95,142 @@ absl::StatusOr<std::vector<std::string>> ResolveEndpoints(const std::string& hos
   return std::vector<std::string>(out.begin(), out.end());
 }
 
-Router::Router(std::vector<std::string> endpoints) { SetEndpoints(std::move(endpoints)); }
+std::vector<Replica> NameReplicas(const std::vector<std::string>& addresses,
+                                  const ConnectOptions& options, std::vector<std::string>* errors) {
+  std::vector<Replica> out;
+  for (const std::string& address : addresses) {
+    absl::StatusOr<v1::ServerInfoResponse> info = absl::UnavailableError("no client");
+    if (auto c = Client::Connect(address, options); c.ok()) info = (*c)->Info();
+    if (!info.ok()) {
+      if (errors) errors->push_back(absl::StrCat(address, ": ", info.status().message()));
+      continue;
+    }
+    out.push_back({info->replica_name().empty() ? address : info->replica_name(), address});
+  }
+  return out;
+}
+
+Router::Router(std::vector<std::string> endpoints) : Router(AddressesAsReplicas(endpoints), {}) {}
+
+Router::Router(std::vector<Replica> replicas, ConnectOptions options)
+    : options_(std::move(options)) {
+  SetReplicas(std::move(replicas));
+}
 
 void Router::SetEndpoints(std::vector<std::string> endpoints) {
-  std::sort(endpoints.begin(), endpoints.end());
-  endpoints.erase(std::unique(endpoints.begin(), endpoints.end()), endpoints.end());
+  SetReplicas(AddressesAsReplicas(std::move(endpoints)));
+}
+
+void Router::SetReplicas(std::vector<Replica> replicas) {
+  std::map<std::string, std::string> next;
+  for (Replica& r : replicas) next[r.name] = std::move(r.address);
   std::lock_guard<std::mutex> lock(mu_);
-  endpoints_ = std::move(endpoints);
   for (auto it = clients_.begin(); it != clients_.end();) {
-    if (std::binary_search(endpoints_.begin(), endpoints_.end(), it->first)) {
+    auto n = next.find(it->first);
+    if (n != next.end() && n->second == address_of_[it->first]) {
       ++it;
     } else {
-      it = clients_.erase(it);
+      it = clients_.erase(it);  // the Client itself lives on in all_clients_
     }
   }
+  address_of_ = std::move(next);
+}
+
+std::vector<Replica> Router::replicas() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Replica> out;
+  for (const auto& [name, address] : address_of_) out.push_back({name, address});
+  return out;
 }
 
 std::vector<std::string> Router::endpoints() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return endpoints_;
+  std::vector<std::string> out;
+  for (Replica& r : replicas()) out.push_back(std::move(r.address));
+  return out;
 }
 
 std::string Router::Pick(const std::string& sequence_id) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return Route(endpoints_, sequence_id);
+  std::vector<std::string> names;
+  for (const auto& [name, address] : address_of_) names.push_back(name);
+  return Route(names, sequence_id);
+}
+
+Client* Router::ClientLocked(const std::string& name) {
+  auto known = clients_.find(name);
+  if (known != clients_.end()) return known->second;
+  auto address = address_of_.find(name);
+  if (address == address_of_.end()) return nullptr;
+  auto c = Client::Connect(address->second, options_);
+  if (!c.ok()) return nullptr;
+  all_clients_.push_back(*std::move(c));
+  return clients_[name] = all_clients_.back().get();
 }
 
 Client* Router::ClientFor(const std::string& sequence_id) {
+  const std::string owner = Pick(sequence_id);
   std::lock_guard<std::mutex> lock(mu_);
-  const std::string e = Route(endpoints_, sequence_id);
-  if (e.empty()) return nullptr;
-  auto& c = clients_[e];
-  if (!c) c = Client::Connect(e);
-  return c.get();
+  return owner.empty() ? nullptr : ClientLocked(owner);
+}
+
+int64_t Router::pulls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pulls_;
+}
+
+absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
+  std::lock_guard<std::mutex> moving(move_mu_);
+  std::vector<std::pair<std::string, Client*>> ranked;  // (name, client or nullptr)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> names;
+    for (const auto& [name, address] : address_of_) names.push_back(name);
+    for (std::string& n : Ranked(std::move(names), sequence_id)) {
+      Client* c = ClientLocked(n);
+      ranked.emplace_back(std::move(n), c);
+    }
+  }
+  if (ranked.empty()) return absl::UnavailableError("no replicas to route to");
+  Client* owner = ranked[0].second;
+  bool owner_reachable = false;
+  if (owner != nullptr) {
+    auto here = owner->DescribeSequence(sequence_id);
+    if (here.ok()) return owner;
+    owner_reachable = here.status().code() == absl::StatusCode::kNotFound;
+  }
+  std::string errors;
+  for (size_t i = 1; i < ranked.size(); ++i) {
+    Client* holder = ranked[i].second;
+    if (holder == nullptr) continue;
+    auto there = holder->DescribeSequence(sequence_id);
+    if (!there.ok()) {
+      if (there.status().code() != absl::StatusCode::kNotFound)
+        absl::StrAppend(&errors, "; ", ranked[i].first, ": ", there.status().message());
+      continue;
+    }
+    if (!owner_reachable || there->in_step() || there->importing()) return holder;
+    absl::Status moved = HandOffSequence(*holder, *owner, sequence_id);
+    if (moved.ok()) {
+      auto copy = owner->DescribeSequence(sequence_id);
+      if (!copy.ok() || copy->length() != there->length()) {
+        (void)owner->CloseSequence(sequence_id);
+        moved = absl::InternalError(absl::StrCat(ranked[0].first, " holds ",
+                                                 copy.ok() ? copy->length() : -1, " tokens, not ",
+                                                 there->length()));
+      }
+    }
+    if (!moved.ok()) {
+      // The copy failed (the owner may be full): the sequence stays, usable, where it is.
+      return holder;
+    }
+    (void)holder->CloseSequence(sequence_id);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++pulls_;
+    return owner;
+  }
+  return absl::NotFoundError(absl::StrCat("sequence '", sequence_id.substr(0, 64),
+                                          "' is on none of the ", ranked.size(), " replicas",
+                                          errors));
 }
 
 }  // namespace attnd::client

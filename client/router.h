@@ -1,8 +1,10 @@
 // Client-side routing of sequences to attnd replicas by rendezvous (highest random weight)
-// hashing (DESIGN §5): every sequence goes to the replica with the highest hash of
-// (endpoint, sequence id), so all of its steps meet its KV cache, and when a replica joins or
-// leaves only the sequences that hash to it move. The hash is fixed (FNV-1a 64 + a splitmix64
-// finaliser) so C++ and Python clients agree (`attnd.route` in the Python client).
+// hashing (docs/architecture.md, "Routing"): every sequence goes to the replica whose name has
+// the highest hash with the sequence id, so all of its steps meet its KV cache, and when a
+// replica joins or leaves only the sequences that hash to it move. The hash is over replica
+// *names* (ServerInfo.replica_name, --replica-name: a StatefulSet pod's name), not addresses, so
+// a replica back under a new address owns what it owned. The hash is fixed (FNV-1a 64 + a
+// splitmix64 finaliser) so C++ and Python clients and the drain agree (`attnd.route`).
 #pragma once
 
 #include <cstdint>
@@ -17,33 +19,75 @@
 
 namespace attnd::client {
 
-// The rendezvous weight of `sequence_id` on `endpoint`.
-uint64_t RendezvousWeight(const std::string& endpoint, const std::string& sequence_id);
+// The rendezvous weight of `sequence_id` on the replica named `name`.
+uint64_t RendezvousWeight(const std::string& name, const std::string& sequence_id);
 
-// The endpoint `sequence_id` belongs to (ties to the lexicographically smaller endpoint);
-// empty when there are no endpoints.
-std::string Route(const std::vector<std::string>& endpoints, const std::string& sequence_id);
+// The name `sequence_id` belongs to (ties to the lexicographically smaller name); empty when
+// there are none.
+std::string Route(const std::vector<std::string>& names, const std::string& sequence_id);
+
+// `names` in the order `sequence_id` ranks them: its owner (Route) first, then the replica that
+// would own it without the owner, and so on. A drain hands a sequence to the first of these
+// that remains; a client that misses on the owner looks there next.
+std::vector<std::string> Ranked(std::vector<std::string> names, const std::string& sequence_id);
 
 // Every address `host` resolves to, as "ip:port" (a Kubernetes headless Service name gives one
 // per ready pod). UNAVAILABLE when it resolves to nothing.
 absl::StatusOr<std::vector<std::string>> ResolveEndpoints(const std::string& host, int port);
 
-// A Client per endpoint, and the routing between them. Thread safe.
+// A replica: the name sequences hash over, and where it is now.
+struct Replica {
+  std::string name;
+  std::string address;
+  bool operator==(const Replica& o) const { return name == o.name && address == o.address; }
+};
+
+// Each address with the name it serves under (ServerInfo.replica_name; an attnd without one is
+// named by its address). Unreachable addresses are left out, with a line each in *errors.
+std::vector<Replica> NameReplicas(const std::vector<std::string>& addresses,
+                                  const ConnectOptions& options,
+                                  std::vector<std::string>* errors = nullptr);
+
+// A Client per replica, and the routing between them. Thread safe; a Client* it returns stays
+// valid for the Router's lifetime, across membership changes.
 class Router {
  public:
+  // Replicas named by their addresses (routing then changes when an address does).
   explicit Router(std::vector<std::string> endpoints);
-  // Replaces the endpoint set (e.g. after re-resolving the Service); clients of endpoints that
-  // stay are kept.
-  void SetEndpoints(std::vector<std::string> endpoints);
-  std::vector<std::string> endpoints() const;
+  Router(std::vector<Replica> replicas, ConnectOptions options);
+
+  // Replaces the membership (e.g. after re-resolving the Service and NameReplicas); a replica
+  // that keeps its name and address keeps its client. Names must be unique (later ones win).
+  void SetReplicas(std::vector<Replica> replicas);
+  void SetEndpoints(std::vector<std::string> endpoints);  // names = addresses
+  std::vector<Replica> replicas() const;                  // by name
+  std::vector<std::string> endpoints() const;             // their addresses, by name
+
+  // The name of the replica that owns `sequence_id` (empty without replicas).
   std::string Pick(const std::string& sequence_id) const;
-  // The client of the replica that owns `sequence_id`; nullptr without endpoints.
+  // The client of the replica that owns `sequence_id`; nullptr without replicas.
   Client* ClientFor(const std::string& sequence_id);
 
+  // Where to step `sequence_id`, after a call on ClientFor's client failed with NOT_FOUND or
+  // UNAVAILABLE ("pull on miss"). Asks the owner, then the next-ranked replicas; where one of
+  // those holds it (a drain put it there, or its owner is new), moves it to the owner exactly as
+  // cached (HandOffSequence, the length confirmed, then closed there) and returns the owner's
+  // client. When the owner is unreachable, or the sequence is in a step or still importing where
+  // it is, returns the client of the replica holding it. NOT_FOUND when no replica holds it (it
+  // may be moving: retry shortly).
+  absl::StatusOr<Client*> Locate(const std::string& sequence_id);
+  int64_t pulls() const;  // sequences Locate has moved to their owner
+
  private:
+  Client* ClientLocked(const std::string& name);  // mu_ held
+
+  const ConnectOptions options_;
   mutable std::mutex mu_;
-  std::vector<std::string> endpoints_;
-  std::map<std::string, std::unique_ptr<Client>> clients_;
+  std::map<std::string, std::string> address_of_;  // name -> address
+  std::map<std::string, Client*> clients_;         // name -> its client (owned by all_clients_)
+  std::vector<std::unique_ptr<Client>> all_clients_;
+  std::mutex move_mu_;  // one pull at a time (two threads missing on one sequence)
+  int64_t pulls_ = 0;
 };
 
 }  // namespace attnd::client

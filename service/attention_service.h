@@ -49,6 +49,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   // Refuse new sequences and steps with UNAVAILABLE; open steps may finish.
   void SetDraining() { draining_ = true; }
   bool draining() const { return draining_; }
+  // ServerInfo.replica_name (set once the port is bound, before readiness).
+  void SetReplicaName(std::string name);
 
   grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
                                        const v1::ServerInfoRequest* req,
@@ -175,6 +177,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   Executor* executor_;
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
+  mutable std::mutex name_mu_;
+  std::string replica_name_;               // guarded by name_mu_
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels
   StepLog step_log_;
 };

@@ -122,13 +122,28 @@ DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
   const auto deadline = Clock::now() + o.timeout;
   // Open steps may finish (their next layers are still served); new ones are refused.
   AwaitOpenSteps(engine, deadline);
-  auto peers = DrainPeers(o.peers);
-  if (!peers.ok() || peers->empty()) {
+  auto addresses = DrainPeers(o.peers);
+  // The peers by the names the clients hash over; one that does not answer takes nothing.
+  std::vector<std::string> unreachable;
+  std::vector<client::Replica> replicas;
+  if (addresses.ok()) {
+    for (client::Replica& r : client::NameReplicas(*addresses, o.credentials, &unreachable))
+      if (r.name != o.self_name) replicas.push_back(std::move(r));
+  }
+  if (replicas.empty()) {
     report.failed = static_cast<int>(engine.num_sequences());
-    report.first_error = peers.ok() ? "no peer to drain to" : std::string(peers.status().message());
+    report.first_error = !addresses.ok()        ? std::string(addresses.status().message())
+                         : !unreachable.empty() ? absl::StrCat("no peer answered: ", unreachable[0])
+                                                : "no peer to drain to";
     return report;
   }
-  report.peers = *peers;
+  std::map<std::string, std::string> address_of;
+  std::vector<std::string> names;
+  for (const client::Replica& r : replicas) {
+    address_of[r.name] = r.address;
+    names.push_back(r.name);
+    report.peers.push_back(absl::StrCat(r.name, " (", r.address, ")"));
+  }
   const std::vector<SequenceInfo> all = engine.ListSequences(nullptr);
   std::mutex mu;  // guards `next` and `report`
   size_t next = 0;
@@ -144,7 +159,7 @@ DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
       absl::Status s = absl::DeadlineExceededError("drain timeout");
       std::string peer;
       if (Clock::now() < deadline) {
-        peer = client::Route(*peers, seq.id);
+        peer = address_of.at(client::Route(names, seq.id));
         s = MoveOne(engine, seq, peer, o);
       }
       std::lock_guard<std::mutex> lock(mu);

@@ -19,6 +19,9 @@ struct DrainOptions {
   // The remaining replicas: "host:port" each, or "dns:NAME:PORT" for every address NAME resolves
   // to (a headless Service) except this host's own.
   std::vector<std::string> peers;
+  // This replica's name: a peer answering with it (this host listed among the peers) is left
+  // out. Sequences go by the hash over the peers' names (client::NameReplicas).
+  std::string self_name;
   // How to reach them: TLS files and the admin identity's token (sequences of a tenant are
   // opened on the peer as that tenant: metadata attnd-tenant).
   client::ConnectOptions credentials;
@@ -33,7 +36,7 @@ struct DrainReport {
   int moved = 0;
   int failed = 0;  // left here (and lost at exit)
   std::string first_error;
-  std::vector<std::string> peers;  // the peers the hash ran over
+  std::vector<std::string> peers;  // the peers the hash ran over, "name (address)"
 };
 
 // The peers as endpoints: "dns:" entries resolved, this host's addresses dropped.

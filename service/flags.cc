@@ -1,10 +1,12 @@
 #include "service/flags.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <limits>
 #include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -253,6 +255,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        "host:port,... or dns:NAME:PORT (a headless Service; this host's\naddresses are skipped); "
        "none: sequences are dropped at exit",
        List(&f->drain_peers, false)},
+      {"replica-name", "NAME",
+       "what clients and drains hash sequences over (default\nHOST:PORT: in a StatefulSet "
+       "stable across restarts)",
+       Str(&f->replica_name)},
       {"drain-timeout-ms", "N", "for open steps to end and the moves (default 60000)",
        Int(&f->drain_timeout_ms)},
       {"drain-parallel", "N",
@@ -350,6 +356,12 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (!f.model_file.empty() && !f.hf_config.empty())
     return bad("--model-file and --hf-config: give one");
   if (f.drain_parallel > 64) return bad("--drain-parallel: at most 64");
+  if (f.replica_name.size() > 253 ||  // empty: HOST:PORT, once the port is bound
+      !std::all_of(f.replica_name.begin(), f.replica_name.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' ||
+               c == '_' || c == ':';
+      }))
+    return bad("--replica-name: at most 253 letters, digits, '-', '.', '_' or ':'");
   if (f.sequence_idle_timeout_s > int64_t{10} * 365 * 86400)
     return bad("--sequence-idle-timeout-s: at most ten years (0 = never)");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");

@@ -63,6 +63,8 @@ struct ServerFlags {
   int64_t quota_shm_regions = 0;
   // Drain (DESIGN §12): on SIGTERM (or the Drain RPC) hand every sequence to these replicas.
   std::vector<std::string> drain_peers;  // host:port, or dns:NAME:PORT
+  // The name routing hashes over (ServerInfo.replica_name); default: this host's name.
+  std::string replica_name;
   int64_t drain_timeout_ms = 60000;
   int64_t drain_parallel = 4;
   std::string drain_token_file;  // the admin identity's token on the peers

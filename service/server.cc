@@ -114,6 +114,16 @@ absl::StatusOr<DrainOptions> MakeDrainOptions(const ServerFlags& f,
   return d;
 }
 
+// The replica name without --replica-name: this host's name and the bound port (a StatefulSet
+// pod's name is its host name and every pod has the same port: stable across restarts; two
+// servers on one host differ).
+std::string DefaultReplicaName(int port) {
+  char host[256] = "";
+  if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0')
+    std::snprintf(host, sizeof(host), "localhost");
+  return absl::StrCat(host, ":", port);
+}
+
 // "host:port", with an IPv6 host in brackets ("[::]:50051").
 std::string HostPort(const std::string& host, int port) {
   const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
@@ -327,6 +337,8 @@ class Server {
       ASSIGN_OR_RETURN(local_, UnixListener::Start(flags_.shm_socket, flags_.shm_socket_mode,
                                                    grpc_server_.get()));
     }
+    replica_name_ = flags_.replica_name.empty() ? DefaultReplicaName(port_) : flags_.replica_name;
+    service_->SetReplicaName(replica_name_);
     grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
     health->SetServingStatus("", true);
     health->SetServingStatus(kServiceName, true);
@@ -343,10 +355,10 @@ class Server {
         metrics_port_ > 0 ? absl::StrCat("on ", metrics_host_, ":", metrics_port_, "/metrics",
                                          flags_.metrics_tls ? " (https)" : "")
                           : "off";
-    Say(absl::StrCat("serving attnd.v1 on ", HostPort(flags_.grpc_address, port_), "; model ",
-                     spec.name, " (", spec.num_layers(), " layers), ", caps.size(), " device(s) x ",
-                     caps[0].pages_total, " pages, cpu isa ", engine_->cpu_isa(), ", metrics ",
-                     metrics_where));
+    Say(absl::StrCat("serving attnd.v1 on ", HostPort(flags_.grpc_address, port_), " as replica ",
+                     replica_name_, "; model ", spec.name, " (", spec.num_layers(), " layers), ",
+                     caps.size(), " device(s) x ", caps[0].pages_total, " pages, cpu isa ",
+                     engine_->cpu_isa(), ", metrics ", metrics_where));
     Say(absl::StrCat("cache ", DTypeName(eo.cache_dtype), ", ", caps[0].pages_total, " pages x ",
                      caps[0].bytes_per_page, " B per device: ", engine_->cache_sizing()));
     Say(absl::StrCat(
@@ -420,6 +432,7 @@ class Server {
       LOG(ERROR) << "drain: " << d.status().message();
       return;
     }
+    d->self_name = replica_name_;
     const auto t0 = std::chrono::steady_clock::now();
     const DrainReport r = DrainSequences(*engine_, *d);
     const double ms =
@@ -446,6 +459,7 @@ class Server {
 
   std::mutex drain_mu_;
   std::vector<std::string> requested_peers_;  // from the Drain RPC
+  std::string replica_name_;                  // --replica-name, or HOST:PORT
 
   std::mutex housekeeping_mu_;
   std::condition_variable housekeeping_cv_;

@@ -28,6 +28,11 @@ grpc::ServerUnaryReactor* AttentionService::ServerInfo(grpc::CallbackServerConte
   return Unary(ctx, "ServerInfo", [&](const Caller& c) { return DoServerInfo(c, resp); });
 }
 
+void AttentionService::SetReplicaName(std::string name) {
+  std::lock_guard<std::mutex> lock(name_mu_);
+  replica_name_ = std::move(name);
+}
+
 absl::Status AttentionService::DoServerInfo(const Caller& caller,
                                             v1::ServerInfoResponse* resp) const {
   const ModelSpec& s = engine_->spec();
@@ -37,6 +42,10 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
   resp->set_shm(options_.shm_enabled);
   resp->set_context_parallel(engine_->ServesContextParallel());
+  {
+    std::lock_guard<std::mutex> lock(name_mu_);
+    resp->set_replica_name(replica_name_);
+  }
   if (const std::shared_ptr<const Absorption> a = engine_->absorption()) {
     v1::AbsorptionInfo* ai = resp->mutable_absorption();
     ai->set_qk_nope_head_dim(a->qk_nope_head_dim());

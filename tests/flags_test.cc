@@ -59,6 +59,9 @@ TEST(Flags, ValuesSwitchesAndDefaults) {
   EXPECT_EQ(d.kv_cache_fraction, 0);  // sized by --kv-cache-bytes
   EXPECT_FALSE(d.reuse_grpc_port);    // a port in use is a startup error
   EXPECT_TRUE(Parse({"--reuse-grpc-port"}).value().reuse_grpc_port);
+  EXPECT_EQ(d.replica_name, "");  // HOST:PORT once the port is bound
+  EXPECT_EQ(Parse({"--replica-name=attnd-0.attnd:50051"}).value().replica_name,
+            "attnd-0.attnd:50051");
 }
 
 // --cache-dtype takes the short names and the API's datatype spellings alike.
@@ -100,6 +103,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--sequence-idle-timeout-s=-1"}, "bad value '-1' for --sequence-idle-timeout-s"},
       {{"--sequence-idle-timeout-s=400000000"}, "--sequence-idle-timeout-s: at most ten years"},
       {{"--cache-dtype=FP16"}, "bad value 'FP16' for --cache-dtype"},
+      {{"--replica-name=a/b"}, "--replica-name: at most 253 letters, digits"},
+      {{"--replica-name=" + std::string(254, 'a')}, "--replica-name: at most 253"},
   };
   for (const auto& [args, want] : cases) {
     const auto f = Parse(args);

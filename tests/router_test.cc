@@ -46,6 +46,21 @@ TEST(Router, OnlySequencesOfARemovedReplicaMove) {
   EXPECT_NEAR(moved, 1000, 150);
 }
 
+TEST(Router, RankedStartsAtTheOwnerAndEachNextIsTheOwnerWithoutThoseBefore) {
+  const auto eps = Endpoints(5);
+  for (int i = 0; i < 200; ++i) {
+    const std::string id = absl::StrCat("r", i);
+    std::vector<std::string> rest = eps;
+    const std::vector<std::string> ranked = Ranked(eps, id);
+    ASSERT_EQ(ranked.size(), eps.size());
+    for (const std::string& next : ranked) {
+      EXPECT_EQ(Route(rest, id), next) << id;  // where a drain of those before sends it
+      rest.erase(std::find(rest.begin(), rest.end(), next));
+    }
+  }
+  EXPECT_TRUE(Ranked({}, "x").empty());
+}
+
 TEST(Router, KnownWeightsMatchThePythonClient) {
   // Pinned values: client/python/tests/test_router.py checks the same numbers.
   EXPECT_EQ(RendezvousWeight("10.0.0.1:50051", "req-1"), 0x8bf57d503040d621ull);

@@ -37,7 +37,7 @@ from .client import (
 )
 from .context_parallel import ContextParallelSequence, MergedLayer
 from .hf_config import spec_from_hf_config
-from .router import rendezvous_weight, resolve_endpoints, route
+from .router import Router, name_replicas, ranked, rendezvous_weight, resolve_endpoints, route
 
 __all__ = [
     "AbsorptionInfo",
@@ -73,6 +73,9 @@ __all__ = [
     "quantize_fp8",
     "to_tensor",
     "rendezvous_weight",
+    "Router",
+    "name_replicas",
+    "ranked",
     "resolve_endpoints",
     "route",
 ]

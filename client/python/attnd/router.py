@@ -1,11 +1,24 @@
 """Rendezvous (highest-random-weight) routing of sequences to attnd replicas, with the same hash
-as the C++ client (client/router.h): FNV-1a 64 over endpoint, a 0 byte, sequence id, then a
-splitmix64 finaliser. Every step of a sequence must reach the replica holding its KV cache."""
+as the C++ client (client/router.h) and the server's drain: FNV-1a 64 over the replica's name, a 0
+byte, the sequence id, then a splitmix64 finaliser. Every step of a sequence must reach the
+replica holding its KV cache.
+
+Replicas are hashed by *name* (``ServerInfo.replica_name``, attnd's ``--replica-name``; in a
+StatefulSet the pod's stable name), not by address, so a replica back under a new pod IP still
+owns what it owned. :class:`Router` keeps a client per replica and, when a call misses
+(NOT_FOUND or UNAVAILABLE on the owner), :meth:`Router.locate` finds the sequence on the
+next-ranked replicas and pulls it to its owner."""
 
 from __future__ import annotations
 
 import socket
-from typing import Iterable, List, Optional
+import threading
+from typing import Dict, Iterable, List, Mapping, Optional
+
+import grpc
+
+from .client import AttndClient
+from .errors import AttndError
 
 _MASK = (1 << 64) - 1
 
@@ -25,15 +38,15 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def rendezvous_weight(endpoint: str, sequence_id: str) -> int:
-    """The weight of ``sequence_id`` on ``endpoint`` (a 64-bit integer)."""
-    h = _fnv1a(endpoint.encode(), 0xCBF29CE484222325)
+def rendezvous_weight(name: str, sequence_id: str) -> int:
+    """The weight of ``sequence_id`` on the replica named ``name`` (a 64-bit integer)."""
+    h = _fnv1a(name.encode(), 0xCBF29CE484222325)
     h = (h * 0x100000001B3) & _MASK  # the 0 byte between the two keys
     return _mix(_fnv1a(sequence_id.encode(), h))
 
 
 def route(endpoints: Iterable[str], sequence_id: str) -> Optional[str]:
-    """The endpoint that owns ``sequence_id`` (ties to the smaller endpoint), or None."""
+    """The replica name that owns ``sequence_id`` (ties to the smaller name), or None."""
     best, best_w = None, -1
     for e in endpoints:
         w = rendezvous_weight(e, sequence_id)
@@ -48,3 +61,117 @@ def resolve_endpoints(host: str, port: int) -> List[str]:
     for family, _, _, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         out.add(f"[{addr[0]}]:{port}" if family == socket.AF_INET6 else f"{addr[0]}:{port}")
     return sorted(out)
+
+
+def ranked(names: Iterable[str], sequence_id: str) -> List[str]:
+    """``names`` in the order ``sequence_id`` ranks them: its owner first, then the one that owns
+    it without the owner, and so on (where a drain sends it; where a miss looks next)."""
+    return sorted(names, key=lambda n: (-rendezvous_weight(n, sequence_id), n))
+
+
+def name_replicas(addresses: Iterable[str], **client_kwargs) -> Dict[str, str]:
+    """``{name: address}``: each address with the name it serves under (``ServerInfo``; an attnd
+    without one is named by its address). Unreachable addresses are left out."""
+    out: Dict[str, str] = {}
+    for address in addresses:
+        try:
+            with AttndClient(address, **client_kwargs) as c:
+                out[c.info().replica_name or address] = address
+        except AttndError:
+            continue
+    return out
+
+
+_MISS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+
+
+class Router:
+    """A client per replica (``{name: address}``) and the routing between them; thread safe.
+
+    Step a sequence on :meth:`client_for`; when a call there fails with NOT_FOUND or UNAVAILABLE
+    (a drain moved it, its owner is new, or the owner is going away), call :meth:`locate` and
+    retry on the client it returns. :meth:`set_replicas` takes a new membership (re-resolve the
+    Service, then :func:`name_replicas`). ``client_kwargs`` go to every :class:`AttndClient`."""
+
+    def __init__(self, replicas: Mapping[str, str], **client_kwargs) -> None:
+        self._kwargs = client_kwargs
+        self._mu = threading.Lock()
+        self._moving = threading.Lock()
+        self._address: Dict[str, str] = {}
+        self._clients: Dict[str, AttndClient] = {}
+        self._retired: List[AttndClient] = []
+        self.pulls = 0  # sequences locate() moved to their owner
+        self.set_replicas(replicas)
+
+    def set_replicas(self, replicas: Mapping[str, str]) -> None:
+        """Replaces the membership; a replica that keeps its name and address keeps its client."""
+        with self._mu:
+            for name in list(self._clients):
+                if replicas.get(name) != self._address.get(name):
+                    self._retired.append(self._clients.pop(name))  # may still be in use
+            self._address = dict(replicas)
+
+    def replicas(self) -> Dict[str, str]:
+        with self._mu:
+            return dict(self._address)
+
+    def pick(self, sequence_id: str) -> Optional[str]:
+        """The name of the replica that owns ``sequence_id`` (None without replicas)."""
+        with self._mu:
+            return route(self._address, sequence_id)
+
+    def _client(self, name: str) -> AttndClient:  # self._mu held
+        c = self._clients.get(name)
+        if c is None:
+            c = self._clients[name] = AttndClient(self._address[name], **self._kwargs)
+        return c
+
+    def client_for(self, sequence_id: str) -> AttndClient:
+        """The client of the replica that owns ``sequence_id``."""
+        with self._mu:
+            owner = route(self._address, sequence_id)
+            if owner is None:
+                raise AttndError(grpc.StatusCode.UNAVAILABLE, "no replicas to route to")
+            return self._client(owner)
+
+    def locate(self, sequence_id: str) -> AttndClient:
+        """Where to step ``sequence_id`` after a miss: the owner when it holds it; else the first
+        next-ranked replica that does, from which it is moved to the owner (exactly as cached,
+        the length confirmed, then closed there). When the owner is unreachable, or the sequence
+        is in a step or still importing where it is, that replica's client. NOT_FOUND when no
+        replica holds it (it may be moving: retry shortly)."""
+        with self._moving:
+            with self._mu:
+                order = [(n, self._client(n)) for n in ranked(self._address, sequence_id)]
+            if not order:
+                raise AttndError(grpc.StatusCode.UNAVAILABLE, "no replicas to route to")
+            owner_name, owner = order[0]
+            owner_reachable = False
+            try:
+                owner.describe_sequence(sequence_id)
+                return owner
+            except AttndError as e:
+                owner_reachable = e.code == grpc.StatusCode.NOT_FOUND
+            for _, holder in order[1:]:
+                try:
+                    there = holder.describe_sequence(sequence_id)
+                except AttndError:
+                    continue
+                if not owner_reachable or there.in_step or there.importing:
+                    return holder
+                try:
+                    holder.handoff(sequence_id, owner, close_source=True)
+                except AttndError:
+                    return holder  # the copy failed (the owner may be full): it stays usable
+                self.pulls += 1
+                return owner
+            raise AttndError(grpc.StatusCode.NOT_FOUND,
+                             f"sequence {sequence_id[:64]!r} is on none of the {len(order)} "
+                             "replicas")
+
+    def close(self) -> None:
+        with self._mu:
+            for c in list(self._clients.values()) + self._retired:
+                c.close()
+            self._clients.clear()
+            self._retired.clear()

@@ -73,6 +73,8 @@ class ServerInfo:
     absorption: Optional[AbsorptionInfo] = None
     # serves context-parallel steps (False on servers too old to know them: never drive one)
     context_parallel: bool = False
+    # the name clients and drains hash sequences over (attnd --replica-name; "" from older ones)
+    replica_name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

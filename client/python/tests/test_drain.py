@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnd import AttndClient, AttndError, LayerInputs, route
+from attnd import AttndClient, AttndError, LayerInputs
+from attnd import route as route_names
 
 from attnd_process import start
 from attnd_testlib import bf16_layers as _inputs
@@ -47,6 +48,13 @@ def test_sigterm_hands_every_sequence_to_the_peer_the_hash_picks():
         spec = clients[ta].info().model
         rng = np.random.default_rng(3)
         everyone = [ta, tb, tc]
+        # The hash runs over the replicas' names (HOST:PORT without --replica-name), as the drain's.
+        target_of = {clients[t].info().replica_name: t for t in everyone}
+        assert len(target_of) == 3, target_of
+
+        def route(targets, s):
+            return target_of[route_names([n for n, t in target_of.items() if t in targets], s)]
+
         # Sequences routed over all three; each has a twin on a replica that stays, fed the same
         # inputs, so its outputs say what the moved sequence must answer.
         seqs = [f"drain-{i}" for i in range(24)]

@@ -180,7 +180,7 @@ def test_metrics_follow_the_grpc_address_and_the_start_line_names_both():
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
-        m = re.search(r"serving attnd\.v1 on \[::1\]:(\d+);.* metrics on ([0-9.]+):(\d+)/metrics",
+        m = re.search(r"serving attnd\.v1 on \[::1\]:(\d+) .* metrics on ([0-9.]+):(\d+)/metrics",
                       line)
         assert m, line
         assert m.group(2) == "127.0.0.1", line  # loopback stays loopback, not every interface
