@@ -31,26 +31,32 @@ v1::Tensor Random(DType dtype, std::vector<int64_t> shape, std::mt19937_64& rng,
 
 }  // namespace
 
+GeneratedLayer GenerateLayer(const ModelSpec& s, int l, int64_t T, DType dtype, bool write_only,
+                             std::mt19937_64& rng) {
+  GeneratedLayer g;
+  v1::LayerInputs& w = g.wire;
+  reference::LayerValues& v = g.values;
+  w.set_layer(l);
+  const bool full = s.layers[l] == LayerKind::kFull;
+  *w.mutable_kv_latent() = Random(dtype, {T, s.kv_lora_rank}, rng, &v.kv_latent);
+  *w.mutable_k_rope() = Random(dtype, {T, s.qk_rope_head_dim}, rng, &v.k_rope);
+  if (full) *w.mutable_index_k() = Random(dtype, {T, s.index_head_dim}, rng, &v.index_k);
+  if (write_only) return g;
+  *w.mutable_q_latent() = Random(dtype, {T, s.num_heads, s.kv_lora_rank}, rng, &v.q_latent);
+  *w.mutable_q_rope() = Random(dtype, {T, s.num_heads, s.qk_rope_head_dim}, rng, &v.q_rope);
+  if (full) {
+    *w.mutable_index_q() = Random(dtype, {T, s.index_n_heads, s.index_head_dim}, rng, &v.index_q);
+    *w.mutable_index_w() = Random(dtype, {T, s.index_n_heads}, rng, &v.index_w);
+  }
+  return g;
+}
+
 std::vector<GeneratedLayer> GenerateStep(const ModelSpec& s, int64_t T, DType dtype,
                                          bool write_only, std::mt19937_64& rng) {
-  std::vector<GeneratedLayer> out(s.num_layers());
-  for (int l = 0; l < s.num_layers(); ++l) {
-    GeneratedLayer& g = out[l];
-    v1::LayerInputs& w = g.wire;
-    reference::LayerValues& v = g.values;
-    w.set_layer(l);
-    const bool full = s.layers[l] == LayerKind::kFull;
-    *w.mutable_kv_latent() = Random(dtype, {T, s.kv_lora_rank}, rng, &v.kv_latent);
-    *w.mutable_k_rope() = Random(dtype, {T, s.qk_rope_head_dim}, rng, &v.k_rope);
-    if (full) *w.mutable_index_k() = Random(dtype, {T, s.index_head_dim}, rng, &v.index_k);
-    if (write_only) continue;
-    *w.mutable_q_latent() = Random(dtype, {T, s.num_heads, s.kv_lora_rank}, rng, &v.q_latent);
-    *w.mutable_q_rope() = Random(dtype, {T, s.num_heads, s.qk_rope_head_dim}, rng, &v.q_rope);
-    if (full) {
-      *w.mutable_index_q() = Random(dtype, {T, s.index_n_heads, s.index_head_dim}, rng, &v.index_q);
-      *w.mutable_index_w() = Random(dtype, {T, s.index_n_heads}, rng, &v.index_w);
-    }
-  }
+  std::vector<GeneratedLayer> out;
+  out.reserve(s.num_layers());
+  for (int l = 0; l < s.num_layers(); ++l)
+    out.push_back(GenerateLayer(s, l, T, dtype, write_only, rng));
   return out;
 }
 

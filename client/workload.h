@@ -23,6 +23,10 @@ struct GeneratedLayer {
 // only kv_latent, k_rope and (full layers) index_k.
 std::vector<GeneratedLayer> GenerateStep(const ModelSpec& spec, int64_t tokens, DType dtype,
                                          bool write_only, std::mt19937_64& rng);
+// One layer of GenerateStep (the same draws, in the same order: GenerateStep is this for every
+// layer), for callers that send a layer before making the next.
+GeneratedLayer GenerateLayer(const ModelSpec& spec, int layer, int64_t tokens, DType dtype,
+                             bool write_only, std::mt19937_64& rng);
 
 // Sample collector for latencies in seconds.
 class LatencyStats {

@@ -403,13 +403,55 @@ def test_attnctl_is_a_conventional_cli(ops_server):
 
 
 def test_a_failed_demo_leaves_no_sequence_behind():
-    # Too small a cache for the demo's prefill: it fails half-way, and closes what it opened.
-    proc, target, _ = _start(["--kv-pages=12"])
+    # Room for the demo's four sequences but not its forks: it fails half-way (after the
+    # prefill), and closes what it opened.
+    proc, target, _ = _start(["--max-sequences=4"])
     try:
-        r = _ctl("demo", f"--target={target}", "--sequences=4", "--prompt=2000")
-        assert r.returncode == 1 and "KV cache full" in r.stderr, (r.stdout, r.stderr)
+        r = _ctl("demo", f"--target={target}", "--sequences=4", "--prompt=300")
+        assert r.returncode == 1 and "--max-sequences" in r.stderr, (r.stdout, r.stderr)
+        assert "prefill 1/1" in r.stdout, r.stdout  # it did get half-way
         with AttndClient(target) as c:
             assert c.list_sequences() == [], "the failed demo left sequences open"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_demo_and_bench_refuse_what_cannot_fit_before_building_anything():
+    # Beyond max_context or the free pages: refused at once, naming both numbers, nothing opened.
+    proc, target, _ = _start(["--kv-pages=100"])
+    try:
+        with AttndClient(target) as c:
+            info = c.info()
+        free = sum(d.pages_free for d in info.devices)
+        cases = [
+            (["demo", "--prompt=100000"], f"over the model's max_context {info.model.max_context}"),
+            (["demo", "--sequences=3", "--prompt=2000"], f"the server has {free} free"),
+            (["bench", "--batch=64", "--context=4096"], f"the server has {free} free"),
+            (["bench", "--context=9000"], "over the model's max_context"),
+        ]
+        for args, want in cases:
+            t0 = time.monotonic()
+            r = _ctl(*args, f"--target={target}")
+            assert r.returncode == 1 and want in r.stderr, (args, r.stdout, r.stderr)
+            assert time.monotonic() - t0 < 5, args
+            with AttndClient(target) as c:
+                assert c.list_sequences() == [], args
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_demo_checks_all_a_sample_or_nothing_against_float64(ops_server):
+    target, _ = ops_server
+    runs = {}
+    for mode in ("all", "sample", "none"):
+        r = _ctl("demo", f"--target={target}", "--sequences=3", "--prompt=200", "--decode=8",
+                 f"--check={mode}", check=0)
+        assert "prefill 1/1" in r.stdout and "decode 8/8" in r.stdout, r.stdout  # progress
+        runs[mode] = r.stdout
+    assert "of 5 sequence(s) against float64" in runs["all"] and "PASS" in runs["all"]
+    assert "of 3 sequence(s) against float64" in runs["sample"] and "PASS" in runs["sample"]
+    assert "reference check: skipped (--check=none)" in runs["none"]
+    r = _ctl("demo", f"--target={target}", "--check=some", check=2)  # a usage error
+    assert "--check" in r.stderr and not r.stdout
