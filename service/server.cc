@@ -25,6 +25,7 @@
 #include "common/hf_config.h"
 #include "common/status_macros.h"
 #include "engine/engine.h"
+#include "grpc/health/v1/health.pb.h"
 #include "metrics/metrics.h"
 #include "metrics/metrics_http.h"
 #include "metrics/metrics_https.h"
@@ -317,6 +318,9 @@ class Server {
                                                   service_metrics_.get(), so);
 
     grpc::EnableDefaultHealthCheckService(true);
+    // gRPC serves health without a protobuf descriptor; naming ours here links it in, so
+    // reflection describes grpc.health.v1.Health (grpcurl ... grpc.health.v1.Health/Check).
+    (void)grpc::health::v1::HealthCheckRequest::descriptor();
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     if (!flags_.grpc_reflection) builder.SetOption(std::make_unique<WithoutReflection>());

@@ -63,6 +63,33 @@ def test_reflection_lists_the_api(ops_server):
     assert "grpc.health.v1.Health" in names
 
 
+def test_reflection_describes_health_so_a_generic_client_can_call_it(ops_server):
+    # What grpcurl does: ask reflection for the file declaring the service, build the request
+    # from that descriptor alone, call the method by name.
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    target, _ = ops_server
+    with grpc.insecure_channel(target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        request = reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="grpc.health.v1.Health")
+        (reply,) = list(stub.ServerReflectionInfo(iter([request])))
+        assert reply.HasField("file_descriptor_response"), reply
+        pool = descriptor_pool.DescriptorPool()
+        for raw in reply.file_descriptor_response.file_descriptor_proto:
+            pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+        service = pool.FindServiceByName("grpc.health.v1.Health")
+        check = service.methods_by_name["Check"]
+        assert "Watch" in service.methods_by_name
+        req_cls = message_factory.GetMessageClass(check.input_type)
+        resp_cls = message_factory.GetMessageClass(check.output_type)
+        call = ch.unary_unary("/grpc.health.v1.Health/Check",
+                              request_serializer=req_cls.SerializeToString,
+                              response_deserializer=resp_cls.FromString)
+        resp = call(req_cls(service="attnd.v1.Attention"), timeout=5)
+        status = check.output_type.enum_types_by_name["ServingStatus"]
+        assert status.values_by_number[resp.status].name == "SERVING"
+
+
 def _scrape(mport: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
         assert r.status == 200
