@@ -23,7 +23,7 @@ stage ctest
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
   stage python
-  python3 -m ruff check client/python bench/*.py
+  python3 -m ruff check client/python bench/*.py examples
   python3 -m pytest -q client/python/tests bench/test_gpu_report.py
   stage python-package
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh

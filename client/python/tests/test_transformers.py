@@ -360,3 +360,40 @@ def test_server_side_absorption_from_save_pretrained_gives_the_models_tokens(ser
         got_tokens.append(int(logits[-1].argmax()))
         (logits,) = adapter.forward([("s", torch.tensor([got_tokens[-1]]))])
     assert got_tokens == want_tokens
+
+
+def test_the_patched_model_says_so_outside_a_step_and_detach_restores_it(served):
+    adapter, reference, _ = served
+    model = adapter.model
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(11))
+    with pytest.raises(RuntimeError, match="patched by attnd's AttndModel"):
+        model(input_ids=ids, use_cache=False)
+    with torch.no_grad():
+        want = reference(input_ids=ids, use_cache=False).logits
+    adapter.detach()
+    adapter.detach()  # idempotent
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(got, want), "after detach the model is the unmodified one"
+    with pytest.raises(RuntimeError, match="detach"):
+        adapter.forward([("s", torch.tensor([1]))])
+
+
+def test_the_readme_transformers_quick_start_runs_as_written_in_under_a_minute():
+    # examples/tiny_transformers.py (shown verbatim in the README: test_quickstart.py checks)
+    # exits 0 only when attnd's greedy tokens equal the unmodified model's.
+    import subprocess
+    import sys
+    import time
+
+    from attnd_process import ATTND_BIN, ROOT
+    env = dict(os.environ, ATTND_BIN=str(ATTND_BIN),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "client" / "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_transformers.py")],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    assert time.monotonic() - t0 < 60
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("attnd: [") and lines[0][7:] == lines[1][7:], r.stdout

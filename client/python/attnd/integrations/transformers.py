@@ -60,6 +60,11 @@ class _Layer:
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, *args, **kwargs):
         attn, owner = self.attn, self.owner
+        if owner._step is None:
+            raise RuntimeError(
+                "this model's attention is patched by attnd's AttndModel: run it through "
+                "AttndModel.forward() or .generate() (a plain model(...) or model.generate() has "
+                "no attnd step to attend in), or call AttndModel.detach() to restore it")
         b, s, _ = hidden_states.shape
         if b != 1:
             raise ValueError("AttndModel packs every sequence into one row (batch size 1)")
@@ -114,10 +119,16 @@ class _Layer:
 class AttndModel:
     """A transformers DeepSeek-V3.2 / GLM-MoE-DSA causal LM whose attention runs on attnd.
 
+    It patches ``model`` in place: every attention module's ``forward`` (the instance's, the
+    class stays untouched) is replaced by one that sends the layer to attnd, so the model then
+    runs only through this object's :meth:`forward` and :meth:`generate`; called directly it
+    raises a RuntimeError saying so. :meth:`detach` (or leaving a ``with AttndModel(...)``
+    block) restores the model's own attention.
+
     ``wire_dtype``: the datatype of what is sent (torch.float32 or torch.bfloat16); the cache's
     is the server's --cache-dtype. ``server_absorbs``: the server holds this checkpoint's
     kv_b_proj (attnd --absorb-from): send q_nope, receive the values (80 KB per token per layer
-    instead of 288 KB at DeepSeek dims, DESIGN §13). Sequences are opened by :meth:`open` or
+    instead of 288 KB at DeepSeek dims). Sequences are opened by :meth:`open` or
     :meth:`fork` (a shared
     prefix), extended by :meth:`forward` (any mix of prefill chunks and decode tokens) and
     :meth:`generate`, and closed by :meth:`close`. Not thread-safe (one step at a time)."""
@@ -153,6 +164,19 @@ class AttndModel:
         self.lengths: Dict[str, int] = {}
         self._step: Optional[int] = None
 
+    def detach(self) -> None:
+        """Restores every attention module's own forward: the model runs as before it was
+        patched (its sequences on attnd stay open; close them first). Idempotent."""
+        for layer in self.layers:
+            layer.attn.__dict__.pop("forward", None)
+        self.layers = []
+
+    def __enter__(self) -> AttndModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
     # -- sequences --
 
     def open(self, sequence_id: str) -> None:
@@ -177,6 +201,8 @@ class AttndModel:
     def forward(self, batch: Sequence[Tuple[str, torch.Tensor]]) -> List[torch.Tensor]:
         """One step: each (sequence id, new token ids [n]) appended to its sequence; returns each
         entry's logits [n, vocab]. A failure aborts the step: every sequence stays as it was."""
+        if not self.layers:
+            raise RuntimeError("AttndModel.detach() was called: the model no longer runs on attnd")
         ids = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for _, t in batch]
         positions = [torch.arange(self.lengths[sid], self.lengths[sid] + len(t))
                      for (sid, _), t in zip(batch, ids)]
