@@ -49,8 +49,11 @@ absl::StatusOr<Caller> AttentionService::Authenticate(const grpc::ServerContextB
   return options_.auth->Authenticate(ctx);
 }
 
-void AttentionService::Report(const char* method, const absl::Status& status) {
-  metrics_->RpcDone(method, status);
+void AttentionService::Report(const char* method, const absl::Status& status,
+                              std::chrono::steady_clock::time_point started) {
+  metrics_->RpcDone(
+      method, status,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   step_log_.Record(method, status);
 }
 
@@ -184,15 +187,16 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
 grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContext* ctx,
                                                       const v1::BeginStepRequest* req,
                                                       v1::BeginStepResponse* resp) {
+  const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) {
-    Report("BeginStep", caller.status());
+    Report("BeginStep", caller.status(), started);
     return Done(ctx, caller.status());
   }
   auto* reactor = ctx->DefaultReactor();
-  executor_->Post([this, caller = *std::move(caller), req, resp, reactor] {
+  executor_->Post([this, caller = *std::move(caller), req, resp, reactor, started] {
     const absl::Status s = Guarded([&] { return Begin(caller, *req, resp).status(); });
-    Report("BeginStep", s);
+    Report("BeginStep", s, started);
     reactor->Finish(ToGrpcStatus(s));
   });
   return reactor;

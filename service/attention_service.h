@@ -30,7 +30,7 @@ struct ServiceOptions {
   int max_shm_regions = 64;
   // Who calls (null: everyone is the anonymous tenant, no call is local).
   std::shared_ptr<const Authenticator> auth;
-  // Shared memory (DESIGN §11): off unless enabled, then only for callers on the Unix-socket
+  // Shared memory (docs/trust.md): off unless enabled, then only for callers on the Unix-socket
   // listener, for objects under `shm_prefix` owned by the caller's user.
   bool shm_enabled = false;
   std::string shm_prefix = "/attnd-";
@@ -154,7 +154,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   void FailParkedShards();
   Executor* executor() { return executor_; }
   // An RPC finished: its metrics, and a (rate-limited) log line when it failed.
-  void Report(const char* method, const absl::Status& status);
+  // Counts and times a finished call (`started`: when it arrived) and logs a failure.
+  void Report(const char* method, const absl::Status& status,
+              std::chrono::steady_clock::time_point started);
   Engine* engine() { return engine_; }
   ServiceMetrics* metrics() { return metrics_; }
 

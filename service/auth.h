@@ -1,4 +1,4 @@
-// Who is calling (DESIGN §11): the tenant of every RPC, from the mTLS client certificate or a
+// Who is calling (docs/trust.md): the tenant of every RPC, from the mTLS client certificate or a
 // bearer token, and whether the call came over the local Unix-socket listener (the only way to
 // use shared memory). Tokens live in a file (reloaded when it changes) and are kept only as
 // SHA-256 digests, compared in constant time, and never logged.

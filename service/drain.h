@@ -1,6 +1,6 @@
-// Drain (DESIGN §12): before a replica exits, every sequence it holds is handed to one of the
-// remaining replicas — the one the clients' rendezvous hash picks over them (client::Route), so a
-// worker that gets UNAVAILABLE here finds its sequence where it will look for it. The keys move
+// Drain (docs/lifecycle.md): before a replica exits, every sequence it holds is handed to one of
+// the remaining replicas — the one the clients' rendezvous hash picks over them (client::Route), so
+// a worker that gets UNAVAILABLE here finds its sequence where it will look for it. The keys move
 // exactly as cached (ExportSequence's chunks, imported with write-only steps); a sequence is
 // closed here only after the peer confirms its length.
 #pragma once

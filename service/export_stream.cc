@@ -94,11 +94,12 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   }
 
   void End(const absl::Status& s) {
-    svc_->Report("ExportSequence", s);
+    svc_->Report("ExportSequence", s, started_);
     Finish(ToGrpcStatus(s));
   }
 
   AttentionService* svc_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   Engine* engine_;
   Executor* executor_;
   int64_t max_message_bytes_;

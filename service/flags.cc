@@ -109,7 +109,8 @@ std::vector<Flag> Table(ServerFlags* f) {
        "Prometheus /metrics port (default 8002, Triton's; 0 picks a free port\nand prints it)",
        Int(&f->metrics_port)},
       {"metrics-address", "ADDR",
-       "its IPv4 address or host name (default: --grpc-address when that is\nIPv4, else 0.0.0.0)",
+       "its IPv4 address or host name (default: --grpc-address's host; ::1 is\n127.0.0.1, :: is "
+       "0.0.0.0, another IPv6 address needs this flag)",
        Str(&f->metrics_address)},
       {"allow-metrics", "true|false", "serve /metrics at all (default true)",
        Bool(&f->allow_metrics)},
@@ -123,7 +124,7 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"absorb-from", "DIR",
        "server-side absorption: read every layer's kv_b_proj weight from this\nHugging Face "
        "checkpoint (config.json + safetensors); calls may then\nsend q_nope and receive [T, H, "
-       "V] (DESIGN §13)",
+       "V] (docs/numerics.md)",
        Str(&f->absorb_from)},
       {"kv-cache-bytes", "N", "cache bytes per device (default 1073741824)",
        Int(&f->kv_cache_bytes)},
@@ -173,6 +174,22 @@ std::vector<Flag> Table(ServerFlags* f) {
        OneOf(&f->cpu_isa, {"auto", "avx512", "avx2", "generic"})},
       {"max-message-bytes", "N", "gRPC send/receive limit (default 1073741824)",
        Int(&f->max_message_bytes)},
+      {"keepalive-time-ms", "N",
+       "ping a connection idle this long; one that does not answer in\n--keepalive-timeout-ms is "
+       "closed (default 60000; 0 = never)",
+       Int(&f->keepalive_time_ms)},
+      {"keepalive-timeout-ms", "N", "(default 20000)", Int(&f->keepalive_timeout_ms)},
+      {"keepalive-min-client-interval-ms", "N",
+       "clients' keepalive pings may come this often, calls or not\n(more often: GOAWAY "
+       "too_many_pings; default 10000)",
+       Int(&f->keepalive_min_client_interval_ms)},
+      {"max-connection-age-ms", "N",
+       "close connections this old, gracefully (clients reconnect and re-\nresolve; default 0 = "
+       "never)",
+       Int(&f->max_connection_age_ms)},
+      {"max-connection-age-grace-ms", "N",
+       "then give calls in flight (a Step stream) this long (default 0:\nas long as they take)",
+       Int(&f->max_connection_age_grace_ms)},
       {"step-idle-timeout-ms", "N", "abort open steps idle this long (default 30000)",
        Int(&f->step_idle_timeout_ms)},
       {"sequence-idle-timeout-s", "N",

@@ -31,10 +31,16 @@ struct ServerFlags {
   int executor_threads = 8;                     // the service's executor (blocking RPC work)
   std::string cpu_isa = "auto";                 // auto, avx512, avx2, generic
   int64_t max_message_bytes = int64_t{1} << 30;
+  // Connections: keepalive pings both ways, and an optional maximum age (0 = off).
+  int keepalive_time_ms = 60000;
+  int keepalive_timeout_ms = 20000;
+  int keepalive_min_client_interval_ms = 10000;
+  int max_connection_age_ms = 0;
+  int max_connection_age_grace_ms = 0;  // 0: calls in flight finish however long they take
   int64_t step_idle_timeout_ms = 30000;
   int64_t sequence_idle_timeout_s = 0;  // a sequence's lease; 0 = never expires
   int64_t shutdown_grace_ms = 10000;
-  // Per-request bounds (DESIGN §11); defaults a production server can ship with.
+  // Per-request bounds (docs/trust.md); defaults a production server can ship with.
   int64_t max_step_tokens = 65536;
   int64_t max_batch_entries = 4096;
   int64_t max_sequences = 65536;
@@ -43,7 +49,7 @@ struct ServerFlags {
   int32_t max_shm_regions = 64;
   bool check_finite = true;  // refuse NaN/Inf inputs; off only for trusted, measured deployments
   int64_t begin_wait_ms = 10000;  // BeginStep waits this long for a conflicting running layer
-  // Trust (DESIGN §11). Defaults suit local use: no TLS, one anonymous tenant, no shared memory.
+  // Trust (docs/trust.md). Defaults suit local use: no TLS, one anonymous tenant, no shared memory.
   std::string auth = "none";       // none, token, mtls
   std::string auth_tokens;         // token file (token -> tenant, quota overrides)
   std::string admin_tenant;        // may list every tenant's sequences and act as one
@@ -61,7 +67,7 @@ struct ServerFlags {
   int64_t quota_sequences = 0;
   int64_t quota_steps = 0;
   int64_t quota_shm_regions = 0;
-  // Drain (DESIGN §12): on SIGTERM (or the Drain RPC) hand every sequence to these replicas.
+  // Drain (docs/lifecycle.md): on SIGTERM (or the Drain RPC) hand every sequence to these replicas.
   std::vector<std::string> drain_peers;  // host:port, or dns:NAME:PORT
   // The name routing hashes over (ServerInfo.replica_name); default: this host's name.
   std::string replica_name;

@@ -98,26 +98,27 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
 grpc::ServerUnaryReactor* AttentionService::AttendLayer(grpc::CallbackServerContext* ctx,
                                                         const v1::AttendLayerRequest* req,
                                                         v1::AttendLayerResponse* resp) {
+  const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) {
-    Report("AttendLayer", caller.status());
+    Report("AttendLayer", caller.status(), started);
     return Done(ctx, caller.status());
   }
   const StepRef step = RefOf(*caller, req->step_id());
   // Another tenant's step, or a stream's, reads as absent (before any shard bookkeeping).
   if (absl::Status s = engine_->DescribeStep(step).status(); !s.ok()) {
-    Report("AttendLayer", s);
+    Report("AttendLayer", s, started);
     return Done(ctx, s);
   }
   auto* reactor = ctx->DefaultReactor();
   LayerAsync(*caller, step, &req->inputs(), resp->mutable_output(), Transport::kUnary,
-             [this, ctx, step, resp, reactor](absl::Status s) {
+             [this, ctx, step, resp, reactor, started](absl::Status s) {
                if (s.ok() && ctx->IsCancelled() && !resp->output().committed()) {
                  // The caller will never see this output: leave its sequences as before.
                  s = absl::CancelledError("call cancelled; step aborted");
                  AbortEverywhere(step, s, AbortReason::kCancel);
                }
-               Report("AttendLayer", s);
+               Report("AttendLayer", s, started);
                reactor->Finish(ToGrpcStatus(s));
              });
   return reactor;

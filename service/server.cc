@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -328,6 +329,21 @@ class Server {
     // gRPC shares a port by default (SO_REUSEPORT): a second attnd would silently take half the
     // connections, and half the calls would find no sequence.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, flags_.reuse_grpc_port ? 1 : 0);
+    // Keepalive: a worker that vanished without a FIN (a node lost) is found within time +
+    // timeout, and workers' own keepalive pings (idle between steps) are welcome.
+    constexpr int kNever = std::numeric_limits<int>::max();
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               flags_.keepalive_time_ms > 0 ? flags_.keepalive_time_ms : kNever);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, flags_.keepalive_timeout_ms);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                               flags_.keepalive_min_client_interval_ms);
+    if (flags_.max_connection_age_ms > 0) {
+      builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, flags_.max_connection_age_ms);
+      builder.AddChannelArgument(
+          GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+          flags_.max_connection_age_grace_ms > 0 ? flags_.max_connection_age_grace_ms : kNever);
+    }
     builder.AddListeningPort(address, creds, &port_);
     builder.SetMaxReceiveMessageSize(static_cast<int>(flags_.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(flags_.max_message_bytes));
@@ -383,11 +399,15 @@ class Server {
               << " pages x " << caps[0].bytes_per_page << " B per device ("
               << engine_->cache_sizing() << "), threads " << eo.threads << ", max message "
               << f.max_message_bytes << " B, step idle timeout " << f.step_idle_timeout_ms
-              << " ms; limits: step tokens " << f.max_step_tokens << ", batch "
-              << f.max_batch_entries << ", sequences " << f.max_sequences
-              << "; tenant quotas (0 = none): pages " << f.quota_pages << ", sequences "
-              << f.quota_sequences << ", steps " << f.quota_steps << ", shm regions "
-              << f.quota_shm_regions << "; auth " << f.auth << ", tls "
+              << " ms; keepalive " << f.keepalive_time_ms << "/" << f.keepalive_timeout_ms
+              << " ms (clients every " << f.keepalive_min_client_interval_ms
+              << " ms), max connection age "
+              << (f.max_connection_age_ms > 0 ? absl::StrCat(f.max_connection_age_ms, " ms")
+                                              : std::string("none"))
+              << "; limits: step tokens " << f.max_step_tokens << ", batch " << f.max_batch_entries
+              << ", sequences " << f.max_sequences << "; tenant quotas (0 = none): pages "
+              << f.quota_pages << ", sequences " << f.quota_sequences << ", steps " << f.quota_steps
+              << ", shm regions " << f.quota_shm_regions << "; auth " << f.auth << ", tls "
               << (f.tls_cert.empty() ? "off" : "on") << ", shm " << (f.shm ? "on" : "off")
               << "; drain peers "
               << (f.drain_peers.empty() ? "none" : absl::StrJoin(f.drain_peers, ","))

@@ -74,9 +74,10 @@ inline absl::StatusOr<uid_t> PeerUid(const Caller& c) {
 template <typename Fn>
 grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* ctx,
                                                   const char* method, Fn fn) {
+  const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   const absl::Status s = caller.ok() ? Guarded([&] { return fn(*caller); }) : caller.status();
-  Report(method, s);
+  Report(method, s, started);
   return Done(ctx, s);
 }
 

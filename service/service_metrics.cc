@@ -122,13 +122,20 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
       "attnd_rejections_total",
       "New sequences or steps refused, by reason (cache_full, quota, max_context, draining, "
       "limit).");
+  rpc_seconds_ = &registry->AddHistogram(
+      "attnd_rpc_seconds",
+      "Time from an RPC's start to its status inside the server, by method (a Step or "
+      "ExportSequence stream: its lifetime; attnd_layer_seconds times each layer).",
+      metrics::DefaultLatencyBuckets());
   // Series exist before their first event, so rates and ratios do too.
   if (const google::protobuf::ServiceDescriptor* service =
           google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
               v1::Attention::service_full_name()))
-    for (int m = 0; m < service->method_count(); ++m)
-      ok_requests_[service->method(m)->name()] =
-          &requests_->Add({{"method", service->method(m)->name()}, {"code", "OK"}});
+    for (int m = 0; m < service->method_count(); ++m) {
+      const std::string& name = service->method(m)->name();
+      ok_requests_[name] = &requests_->Add({{"method", name}, {"code", "OK"}});
+      rpc_seconds_by_method_[name] = &rpc_seconds_->Add({{"method", name}});
+    }
   for (const char* reason : {"cache_full", "quota", "max_context", "draining", "limit"})
     rejections_->Add({{"reason", reason}});
   auto& bytes = registry->AddCounter("attnd_payload_bytes_total",
@@ -195,7 +202,10 @@ void ServiceMetrics::StepDone(StepPhase phase, double seconds) {
   step_seconds_[static_cast<int>(phase)]->Observe(seconds);
 }
 
-void ServiceMetrics::RpcDone(const char* method, const absl::Status& status) {
+void ServiceMetrics::RpcDone(const char* method, const absl::Status& status, double seconds) {
+  const auto timed = rpc_seconds_by_method_.find(method);
+  (timed != rpc_seconds_by_method_.end() ? *timed->second : rpc_seconds_->Add({{"method", method}}))
+      .Observe(seconds);
   if (status.ok()) {
     // Every unary layer call ends here: its counter was made at construction.
     const auto it = ok_requests_.find(method);

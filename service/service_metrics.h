@@ -1,4 +1,4 @@
-// The service's Prometheus metrics (DESIGN §8), Prometheus naming conventions throughout:
+// The service's Prometheus metrics (docs/lifecycle.md), Prometheus naming conventions throughout:
 // build info; errors by RPC method and status code; steps by outcome and aborted steps by reason;
 // rejections by reason; tokens once per committed step by phase; layer and step latency by phase
 // (and layer kind); payload bytes; the executor's queue; compute seconds and cache use per device;
@@ -34,7 +34,8 @@ class ServiceMetrics {
   void StepDone(StepPhase phase, double seconds);
   // An RPC finished with `status` (counted by code; errors also apart); a refused OpenSequence or
   // BeginStep also counts as a rejection by reason (cache full, quota, max_context, draining).
-  void RpcDone(const char* method, const absl::Status& status);
+  // `seconds`: from the call's start to its status (a stream: its lifetime).
+  void RpcDone(const char* method, const absl::Status& status, double seconds);
 
  private:
   void Refresh();
@@ -46,6 +47,9 @@ class ServiceMetrics {
   metrics::Family<metrics::Counter>* requests_;
   // requests_{method, code="OK"} per method of the service, fixed after construction.
   absl::flat_hash_map<std::string, metrics::Counter*> ok_requests_;
+  // rpc_seconds_{method} per method of the service, fixed after construction.
+  metrics::Family<metrics::Histogram>* rpc_seconds_;
+  absl::flat_hash_map<std::string, metrics::Histogram*> rpc_seconds_by_method_;
   metrics::Family<metrics::Counter>* errors_;
   metrics::Family<metrics::Counter>* rejections_;
   metrics::Counter* bytes_received_;

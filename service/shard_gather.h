@@ -1,6 +1,6 @@
 // Tensor-parallel shards of one worker send their slice of the heads for each layer of a
 // sharded step; this collects them until every shard's message for the layer is in, then hands
-// the set to one computation (DESIGN §3). Thread safe.
+// the set to one computation (docs/architecture.md). Thread safe.
 #pragma once
 
 #include <chrono>

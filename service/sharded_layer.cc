@@ -1,6 +1,6 @@
-// Sharded steps (tensor-parallel workers, DESIGN §4): each shard's message parks in ShardGather
-// until every shard's is in, then one engine layer runs over all heads and each shard gets its
-// heads back.
+// Sharded steps (tensor-parallel workers, docs/architecture.md): each shard's message parks in
+// ShardGather until every shard's is in, then one engine layer runs over all heads and each shard
+// gets its heads back.
 #include <sys/socket.h>
 
 #include <chrono>

@@ -1,13 +1,13 @@
 // Registered POSIX shared-memory regions of co-located clients: layer tensors are read from and
-// outputs written to them without crossing the gRPC transport (DESIGN §7). Thread safe.
+// outputs written to them without crossing the gRPC transport (docs/wire-protocol.md). Thread safe.
 //
 // The server never maps a client's object: a mapped object that its owner truncates turns the
 // next access into SIGBUS, which would kill every sequence of every client. Regions are read and
 // written with pread/pwrite on a descriptor held open instead, so an object that shrinks or
-// vanishes fails only the call that uses it (DESIGN §11). A region stays usable while a request
+// vanishes fails only the call that uses it (docs/trust.md). A region stays usable while a request
 // holds it, even after it is unregistered.
 //
-// Trust (DESIGN §11): regions live in their tenant's namespace; only objects under the allowed
+// Trust (docs/trust.md): regions live in their tenant's namespace; only objects under the allowed
 // name prefix and owned by the calling process's user are opened (the service learns that user
 // from the Unix socket's peer credentials); each tenant holds at most its quota of regions.
 #pragma once

@@ -1,4 +1,4 @@
-// The one place where engine errors become gRPC statuses (DESIGN §6).
+// The one place where engine errors become gRPC statuses (docs/wire-protocol.md).
 #pragma once
 
 #include <grpcpp/support/status.h>

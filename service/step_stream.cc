@@ -29,7 +29,7 @@ class AttentionService::StepStream final
   StepStream(AttentionService* svc, absl::StatusOr<Caller> caller, uint64_t channel)
       : svc_(svc), channel_(channel) {
     if (!caller.ok()) {
-      svc_->Report("Step", caller.status());
+      svc_->Report("Step", caller.status(), started_);
       FinishOnce(ToGrpcStatus(caller.status()));
       return;
     }
@@ -153,7 +153,7 @@ class AttentionService::StepStream final
   }
   void Fail(const absl::Status& s) {
     AbortOpenStep(AbortReason::kError);
-    svc_->Report("Step", s);
+    svc_->Report("Step", s, started_);
     FinishOnce(ToGrpcStatus(s));
   }
   // Finish is called outside mu_: once it is called OnDone may run (and delete this) on another
@@ -168,6 +168,7 @@ class AttentionService::StepStream final
   }
 
   AttentionService* svc_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   Caller caller_;
   const uint64_t channel_;  // binds this stream's unsharded steps to it
   v1::StepRequest req_;

@@ -1,4 +1,4 @@
-// Transport security from the flags (DESIGN §11): TLS with the certificate files watched for
+// Transport security from the flags (docs/trust.md): TLS with the certificate files watched for
 // rotation, optionally requiring verified client certificates (mTLS).
 #pragma once
 

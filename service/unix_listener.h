@@ -1,4 +1,4 @@
-// The local listener for co-located clients (DESIGN §11): a Unix-domain socket whose
+// The local listener for co-located clients (docs/trust.md): a Unix-domain socket whose
 // connections are handed to the gRPC server one by one, so a call's peer reads "fd:N" and the
 // service can ask the kernel who is at the other end (SO_PEERCRED) before it opens a client's
 // shared-memory object. gRPC's own `unix:` listener hides the connection's descriptor.

@@ -37,12 +37,14 @@ TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
   auto engine = TinyEngine();
   metrics::Registry registry;
   ServiceMetrics m(&registry, engine.get());
-  m.RpcDone("BeginStep", absl::UnavailableError("attnd is draining"));
-  m.RpcDone("OpenSequence", absl::ResourceExhaustedError("tenant quota sequences: holds 2 of 2"));
-  m.RpcDone("BeginStep", absl::ResourceExhaustedError("KV cache full on cpu:0"));
-  m.RpcDone("Step", absl::OutOfRangeError("length 10 + q_len 9000 exceeds max_context 4096"));
-  m.RpcDone("CloseSequence", absl::UnavailableError("x"));  // an error, not a rejection
-  m.RpcDone("DescribeSequence", absl::OkStatus());
+  m.RpcDone("BeginStep", absl::UnavailableError("attnd is draining"), 0.001);
+  m.RpcDone("OpenSequence", absl::ResourceExhaustedError("tenant quota sequences: holds 2 of 2"),
+            0.001);
+  m.RpcDone("BeginStep", absl::ResourceExhaustedError("KV cache full on cpu:0"), 0.001);
+  m.RpcDone("Step", absl::OutOfRangeError("length 10 + q_len 9000 exceeds max_context 4096"),
+            0.001);
+  m.RpcDone("CloseSequence", absl::UnavailableError("x"), 0.001);  // an error, not a rejection
+  m.RpcDone("DescribeSequence", absl::OkStatus(), 0.001);
   const std::string text = registry.Serialize();
   for (const char* reason : {"draining", "quota", "cache_full", "max_context"})
     EXPECT_NE(text.find(std::string("attnd_rejections_total{reason=\"") + reason + "\"} 1"),
@@ -73,10 +75,18 @@ TEST(ServiceMetrics, RequestTotalsCountEveryCallAndExistBeforeTheFirst) {
     EXPECT_NE(text.find(absl::StrCat("attnd_rejections_total{reason=\"", reason, "\"} 0")),
               std::string::npos)
         << reason;
-  m.RpcDone("DescribeSequence", absl::OkStatus());
-  m.RpcDone("DescribeSequence", absl::OkStatus());
-  m.RpcDone("DescribeSequence", absl::NotFoundError("no sequence 'x'"));
+  EXPECT_NE(text.find("attnd_rpc_seconds_count{method=\"AttendLayer\"} 0"), std::string::npos)
+      << text;
+  m.RpcDone("DescribeSequence", absl::OkStatus(), 0.002);
+  m.RpcDone("DescribeSequence", absl::OkStatus(), 0.003);
+  m.RpcDone("DescribeSequence", absl::NotFoundError("no sequence 'x'"), 0.5);
   text = registry.Serialize();
+  // Every call is timed, failed ones included.
+  EXPECT_NE(text.find("attnd_rpc_seconds_count{method=\"DescribeSequence\"} 3"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("attnd_rpc_seconds_sum{method=\"DescribeSequence\"} 0.505"),
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("attnd_rpc_requests_total{code=\"OK\",method=\"DescribeSequence\"} 2"),
             std::string::npos)
       << text;

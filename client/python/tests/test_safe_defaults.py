@@ -3,10 +3,12 @@ only from this host, drains only to configured peers, and the flag and device re
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -257,3 +259,80 @@ def test_a_drain_without_peers_lets_open_steps_finish_with_the_listener_open():
     finally:
         if proc.poll() is None:
             stop(proc)
+
+
+_FROZEN_WORKER = """
+import os, signal, sys
+import numpy as np
+from attnd import AttndClient, LayerInputs
+from attnd_testlib import bf16_layers
+c = AttndClient(sys.argv[1], timeout=30.0)
+c.open_sequence("frozen")
+s = c.stream()
+s.begin([("frozen", 2)])
+s.layer(LayerInputs(0, **bf16_layers(c.info().model, 2, np.random.default_rng(1))[0]))
+print("in step", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # a worker that hangs (or whose node vanished): no FIN
+"""
+
+
+def _frozen_worker_step_after(extra, seconds: float) -> bool:
+    """Whether a frozen worker's open step is still open `seconds` after it froze."""
+    proc, target, _ = start(["--step-idle-timeout-ms=60000", *extra], kv_pages=32)
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    worker = subprocess.Popen([sys.executable, "-c", _FROZEN_WORKER, target], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "in step"
+        with AttndClient(target) as c:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if not c.describe_sequence("frozen").in_step:
+                    return False
+                time.sleep(0.05)
+            return True
+    finally:
+        worker.kill()
+        worker.wait()
+        stop(proc)
+
+
+def test_keepalive_finds_a_frozen_worker_and_frees_its_step():
+    # Server pings every 300 ms, 300 ms to answer: the frozen worker's connection is closed and
+    # its step aborted within about a second, not after --step-idle-timeout-ms (60 s here).
+    assert not _frozen_worker_step_after(
+        ["--keepalive-time-ms=300", "--keepalive-timeout-ms=300"], 5.0)
+    # Without keepalive the step stays open (its sequence in a step nobody drives).
+    assert _frozen_worker_step_after(["--keepalive-time-ms=0"], 3.0)
+
+
+def test_max_connection_age_reconnects_clients_and_an_open_step_stream_outlives_it():
+    proc, target, _ = start(["--max-connection-age-ms=300"], kv_pages=32)
+    try:
+        from attnd.v1 import attention_pb2 as pb
+        from attnd.v1 import attention_pb2_grpc as pb_grpc
+        states = []
+        with grpc.insecure_channel(target) as ch:
+            ch.subscribe(lambda st: states.append(st.name), try_to_connect=True)
+            stub = pb_grpc.AttentionStub(ch)
+            stub.ServerInfo(pb.ServerInfoRequest(), timeout=5)
+            time.sleep(1.5)
+            stub.ServerInfo(pb.ServerInfoRequest(), timeout=5)
+        assert "IDLE" in states[states.index("READY"):], states  # closed by age, then reconnected
+        # A Step stream open across the age is not cut (the grace is unbounded by default).
+        rng = np.random.default_rng(4)
+        with AttndClient(target, timeout=30.0) as c:
+            spec = c.info().model
+            c.open_sequence("aged")
+            with c.stream() as s:
+                s.begin([("aged", 3)])
+                x = bf16_layers(spec, 3, rng)
+                s.layer(LayerInputs(0, **x[0]))
+                time.sleep(1.0)  # past the age, mid-step
+                for i, layer in enumerate(x[1:], start=1):
+                    s.layer(LayerInputs(i, **layer))
+            assert c.describe_sequence("aged").length == 3
+    finally:
+        stop(proc)
