@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What context parallelism costs (DESIGN §13): a decode step of one sequence split over
+"""What context parallelism costs (docs/numerics.md): a decode step of one sequence split over
 --parts attnd servers against the same step on one server holding the whole sequence, in the
 same run; and the extra round trip a full layer pays for its candidates exchange.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""How fast a drain hands sequences off (DESIGN §12), against how fast a client imports the same
-bytes into the same peer in the same run.
+"""How fast a drain hands sequences off (docs/lifecycle.md), against how fast a client imports the
+same bytes into the same peer in the same run.
 
 Starts two attnd on loopback (a source and its drain peer), imports --sequences sequences of
 --context tokens into the source with write-only steps (random bf16 keys), then SIGTERMs the

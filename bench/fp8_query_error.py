@@ -1,6 +1,6 @@
-"""What FP8_E4M3 queries cost in accuracy (DESIGN §13): one attnd (demo model: DeepSeek-V3.2 dims,
-16 heads; fp32 cache) serving the same decode step twice over the same 300 keys, once with fp32
-queries and once with the same queries through quantize_fp8 (one scale per token and head).
+"""What FP8_E4M3 queries cost in accuracy (docs/numerics.md): one attnd (demo model: DeepSeek-V3.2
+dims, 16 heads; fp32 cache) serving the same decode step twice over the same 300 keys, once with
+fp32 queries and once with the same queries through quantize_fp8 (one scale per token and head).
 Prints the output's rel-L2 change per layer kind and the share of the top-k both keep.
 
     python3 bench/fp8_query_error.py [--trials 4] [--keys 300]   # K 2048 above the context

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Wire bytes per token per layer and the transport overhead of each way to send a decode layer
-(DESIGN §13): `attnctl bench` against an attnd that holds absorption weights.
+(docs/numerics.md): `attnctl bench` against an attnd that holds absorption weights.
 
 Writes a safetensors checkpoint with random kv_b_proj weights for every layer of the model
 (--base's dims, --layers' kinds), starts attnd on loopback with --absorb-from=that checkpoint,

@@ -1,6 +1,6 @@
 // Merging attention computed over disjoint key sets: a sequence whose positions are split over
-// several attnd servers (DESIGN §13), each attending its own keys and returning its output with
-// each query head's log-sum-exp (LayerInputs.return_lse, LayerOutput.lse).
+// several attnd servers (docs/numerics.md), each attending its own keys and returning its output
+// with each query head's log-sum-exp (LayerInputs.return_lse, LayerOutput.lse).
 //
 //   out = sum_i exp(lse_i - lse) out_i,   lse = log sum_i exp(lse_i)
 //

@@ -433,7 +433,7 @@ int Demo(Client& c, const Args& a) {
   return failed == 0 && checked_layers > 0 ? 0 : 1;
 }
 
-// What a worker may put on the wire for the same decode layer (DESIGN §13).
+// What a worker may put on the wire for the same decode layer (docs/numerics.md).
 struct WireVariant {
   const char* name;
   bool absorbed;     // q_nope [T, H, Dn] instead of q_latent (the server holds W_UK, W_UV)

@@ -73,7 +73,7 @@ absl::Status FromGrpc(const grpc::Status& s);
 class StepStream;
 class Client;
 
-// How to reach a server (DESIGN §11). Without a CA the channel is plaintext.
+// How to reach a server (docs/trust.md). Without a CA the channel is plaintext.
 struct ConnectOptions {
   int max_message_bytes = 1 << 30;  // raises the channel's send/receive limits
   std::string tls_ca_file;          // PEM: verify the server against this CA (enables TLS)

@@ -1,4 +1,4 @@
-// Context parallelism from the client (DESIGN §13): one logical sequence spread over several
+// Context parallelism from the client (docs/numerics.md): one logical sequence spread over several
 // attnd servers, each holding a contiguous, page-aligned slice of its positions. The client
 // drives each server's step and merges what comes back: a full layer's candidates into the
 // global selection (one extra round trip per full layer), every layer's partial outputs by

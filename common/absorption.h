@@ -1,4 +1,4 @@
-// Server-side absorption (DESIGN §13): the weights that let a worker send q_nope [T, H, Dn]
+// Server-side absorption (docs/numerics.md): the weights that let a worker send q_nope [T, H, Dn]
 // instead of the absorbed query q_latent = q_nope · W_UK [T, H, L], and receive the attention's
 // values [T, H, V] = out_latent · W_UV^T instead of the latent output [T, H, L]. At DeepSeek
 // dims that is 80 KB per token per layer instead of 288 KB.

@@ -1,4 +1,4 @@
-// A context-parallel full layer's candidates (DESIGN §13, engine/context_parallel.h) and how
+// A context-parallel full layer's candidates (docs/numerics.md, engine/context_parallel.h) and how
 // the client merges the servers' lists. Header-only: the engine and the C++ client share it.
 #pragma once
 

@@ -1,6 +1,6 @@
 // Client-supplied text inside status messages and logs: at most a short, escaped prefix, so a
 // 16 MB sequence id or a 100 KB datatype string can never turn the real status into a
-// metadata-size error (DESIGN §11).
+// metadata-size error (docs/trust.md).
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,5 @@
-// float8_e4m3fn and the fp8 cache's token formats (DESIGN §4): what --cache-dtype=fp8 stores.
+// float8_e4m3fn and the fp8 cache's token formats (docs/architecture.md): what --cache-dtype=fp8
+// stores.
 //   latent token (FlashMLA's DeepSeek-V3.2 layout), 656 B:
 //     [512 x e4m3 c_kv][4 x fp32 scale, one per 128-value tile][64 x bf16 k_rope]
 //   indexer key (DeepGEMM's paged layout stores a page's values, then its scales), 132 B:

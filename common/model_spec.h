@@ -15,7 +15,7 @@ namespace attnd {
 // preceding full layer of the same step (IndexShare); dense layers attend every visible key.
 enum class LayerKind : uint8_t { kFull, kShared, kDense };
 
-// How a full layer turns indexer scores into the keys attended (DESIGN §2).
+// How a full layer turns indexer scores into the keys attended (docs/numerics.md).
 enum class SelectionMode : uint8_t {
   kToken,       // exactly the top-k tokens
   kPageUnion,   // pages holding any top-k token, best `page_union_max_pages` by best token, + own

@@ -38,10 +38,10 @@ struct TensorView {
   std::string ShapeString() const;  // "[8, 16, 512]"
 };
 
-// The tensors of one layer call (DESIGN §1), T = total new tokens of the step in batch order.
-// Indexer tensors are given on full layers only. Each may have its own dtype; the output takes
-// q_latent's. With server-side absorption (common/absorption.h) a call may give q_nope instead
-// of q_latent: the server absorbs it and returns [T, H, V] instead of [T, H, L].
+// The tensors of one layer call (docs/architecture.md), T = total new tokens of the step in batch
+// order. Indexer tensors are given on full layers only. Each may have its own dtype; the output
+// takes q_latent's. With server-side absorption (common/absorption.h) a call may give q_nope
+// instead of q_latent: the server absorbs it and returns [T, H, V] instead of [T, H, L].
 struct LayerInputs {
   TensorView q_latent;   // [T, H, L]
   TensorView q_nope;     // [T, H, Dn], instead of q_latent (absorbed on the server)

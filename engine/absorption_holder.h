@@ -1,4 +1,4 @@
-// Server-side absorption's weights as the engine holds them (DESIGN §13): set once, never
+// Server-side absorption's weights as the engine holds them (docs/numerics.md): set once, never
 // replaced, so a running step's layers all see the same ones.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Admission: the checks BeginStep makes on a batch before it reserves anything (DESIGN §11).
+// Admission: the checks BeginStep makes on a batch before it reserves anything (docs/trust.md).
 // Pure functions of the model, the limits and a sequence's state; Engine::Impl::TryBegin
 // (admission.cc) applies them under the engine lock, then reserves pages and binds sequences.
 #pragma once

@@ -1,4 +1,4 @@
-// Context parallelism (DESIGN §13): one logical sequence spread over several servers, each
+// Context parallelism (docs/numerics.md): one logical sequence spread over several servers, each
 // holding a contiguous, page-aligned slice of its positions. Dense and shared layers merge the
 // servers' partial attentions by log-sum-exp; a full layer first gathers every server's local
 // top-k candidates (Engine::RunCandidates), the client merges them (MergeCandidates), and each

@@ -20,7 +20,7 @@ namespace {
 
 using Clock = EngineClock;
 
-// An unguessable step id (DESIGN §11: a stranger must not be able to name another's step).
+// An unguessable step id (docs/trust.md: a stranger must not be able to name another's step).
 uint64_t RandomId() {
   uint64_t v = 0;
   size_t got = 0;

@@ -13,9 +13,10 @@
 // Thread safety: every method may be called from any thread. Layers of different steps run
 // concurrently; one step's layers run one at a time and in order.
 //
-// Tenants (DESIGN §11): every sequence and step belongs to a tenant (SequenceKey, StepRef; a bare
-// id names the anonymous tenant ""). Another tenant's sequence or step answers NOT_FOUND exactly
-// as one that does not exist; step ids are random 64-bit values; quotas bound what each holds.
+// Tenants (docs/trust.md): every sequence and step belongs to a tenant (SequenceKey, StepRef; a
+// bare id names the anonymous tenant ""). Another tenant's sequence or step answers NOT_FOUND
+// exactly as one that does not exist; step ids are random 64-bit values; quotas bound what each
+// holds.
 #pragma once
 
 #include <chrono>
@@ -35,7 +36,7 @@
 
 namespace attnd {
 
-// Per-request bounds, checked before any work or memory is spent (DESIGN §11).
+// Per-request bounds, checked before any work or memory is spent (docs/trust.md).
 struct EngineLimits {
   int64_t max_step_tokens = 65536;   // sum of q_len over one step's batch
   int64_t max_batch_entries = 4096;  // sequences in one step
@@ -94,7 +95,7 @@ struct StepOptions {
   // StepRef with the same channel finds it.
   uint64_t channel = 0;
 
-  // Context parallelism (engine/context_parallel.h, DESIGN §13): this server holds a slice of
+  // Context parallelism (engine/context_parallel.h, docs/numerics.md): this server holds a slice of
   // each sequence, from its entry's position_offset on. Full layers then take two calls,
   // RunCandidates and RunLayer with LayerInputs::selection. Not with write_only or a sliding
   // window; on devices that serve it (Device::SupportsContextParallel: CPU and CUDA).
@@ -218,7 +219,7 @@ class Engine {
   TenantUsage TenantUsageOf(const std::string& tenant) const;
   TenantQuota TenantQuotaOf(const std::string& tenant) const;
   std::vector<DeviceCapacity> Capacity() const;
-  // Server-side absorption (DESIGN §13): sets the weights once (checked against the model,
+  // Server-side absorption (docs/numerics.md): sets the weights once (checked against the model,
   // copied to every device). The same weights again: OK, nothing changes; different ones once
   // some are set: ALREADY_EXISTS (a running step never sees its weights change).
   absl::Status SetAbsorption(std::shared_ptr<const Absorption> weights);

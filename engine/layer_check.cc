@@ -29,7 +29,7 @@ bool IsKey(const TensorView* t, const LayerInputs& in) {
   return t == &in.kv_latent || t == &in.index_k;
 }
 
-// Queries that may travel as FP8_E4M3 with one fp32 scale per token and head (DESIGN §13).
+// Queries that may travel as FP8_E4M3 with one fp32 scale per token and head (docs/numerics.md).
 bool IsQuery(const TensorView* t, const LayerInputs& in) {
   return t == &in.q_latent || t == &in.q_nope || t == &in.q_rope || t == &in.index_q;
 }

@@ -18,7 +18,7 @@ namespace attnd {
 absl::Status CheckLayerShapes(const ModelSpec& spec, DType cache_dtype, int64_t tokens,
                               bool write_only, int layer, const LayerInputs& in, size_t out_bytes,
                               const Absorption* absorb = nullptr);
-// The messages of a context-parallel step's layer (DESIGN §13, engine/context_parallel.h).
+// The messages of a context-parallel step's layer (docs/numerics.md, engine/context_parallel.h).
 enum class CpMessage {
   kCandidates,  // full layers, first: the keys (unless attend-only) and index_q, index_w
   kSelection,   // full layers, then: the queries (q_latent or q_nope, q_rope) and the selection

@@ -44,7 +44,7 @@ struct StepShare {
   std::vector<QueryBlock> dense_blocks, sparse_blocks;
   // Longest selection a query can have: the selected-slot buffer's row length.
   int64_t max_selected = 0;
-  // Context parallelism (DESIGN §13): the sequence's other positions live on other servers.
+  // Context parallelism (docs/numerics.md): the sequence's other positions live on other servers.
   // Positions above stay local (key 0 is the slice's first); [n] each query's absolute position
   // and its sequence's absolute position of local key 0. Empty on ordinary steps.
   std::vector<int64_t> query_pos, offset;

@@ -1,7 +1,7 @@
-// An fp8 cache's rows (DESIGN §4, kv_store/cache_layout.h) made from a layer's key tensors on the
-// host: the one quantiser every backend uses, so a key is cached as the same bytes on every
-// device (and a migration, export or import moves bytes, never re-quantises). Keys given as
-// FP8_E4M3 with their scales (an export's) are copied as they are.
+// An fp8 cache's rows (docs/architecture.md, kv_store/cache_layout.h) made from a layer's key
+// tensors on the host: the one quantiser every backend uses, so a key is cached as the same bytes
+// on every device (and a migration, export or import moves bytes, never re-quantises). Keys given
+// as FP8_E4M3 with their scales (an export's) are copied as they are.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +20,9 @@ void QuantizeKeyRow(const TensorView& t, int64_t row, int n, int tile, uint8_t* 
 void PackLatentRow(const TensorView& kv_latent, const TensorView& k_rope, int64_t row, int L, int R,
                    uint8_t* out);
 
-// Row `row` of a query tensor seen as [rows, elems] as fp32 (DESIGN §13): FP8_E4M3 codes times
-// the row's one scale (TensorView::scales, one per token and head), any other datatype converted.
+// Row `row` of a query tensor seen as [rows, elems] as fp32 (docs/numerics.md): FP8_E4M3 codes
+// times the row's one scale (TensorView::scales, one per token and head), any other datatype
+// converted.
 void QueryRowToF32(const TensorView& t, int64_t row, int64_t elems, float* dst);
 
 }  // namespace attnd

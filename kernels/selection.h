@@ -30,9 +30,9 @@ std::vector<int32_t> BestPages(std::vector<std::pair<float, int32_t>>& cand, int
 void PageMaxima(const float* scores, int64_t n, int page_size,
                 std::vector<std::pair<float, int32_t>>* out);
 
-// Page selection for the page modes (DESIGN §2). `scores` covers positions [0, n) where n - 1 is
-// the query's position; the query's own page is (n - 1) / page_size. Both append the attended key
-// positions to *out in ascending order.
+// Page selection for the page modes (docs/numerics.md). `scores` covers positions [0, n) where n -
+// 1 is the query's position; the query's own page is (n - 1) / page_size. Both append the attended
+// key positions to *out in ascending order.
 //  - page_union: pages holding any of `topk` (positions, ascending), best `max_pages` by their
 //    best token, plus the own page.
 //  - page_budget: the best `budget` pages by their max token score, plus the own page.

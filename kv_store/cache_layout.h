@@ -18,9 +18,10 @@ struct ModelSpec;
 //   latent[layer][page][offset][L+R] | index[slot][page][offset][Di]    (row-major, `dtype`)
 // A row is addressed by its global slot id, slot = page * page_size + offset (FlashMLA's global
 // indices): a layer's rows start at LatentOffset(layer) and row `slot` is slot rows further.
-// An fp8 cache (dtype kFP8E4M3, DESIGN §4) has the same shape with other rows: a latent row is
-// [L e4m3 | one fp32 scale per tile | R bf16] (common/fp8.h), and a page of indexer rows holds
-// its page_size rows of Di e4m3 values, then their page_size fp32 scales (DeepGEMM's paged layout).
+// An fp8 cache (dtype kFP8E4M3, docs/architecture.md) has the same shape with other rows: a latent
+// row is [L e4m3 | one fp32 scale per tile | R bf16] (common/fp8.h), and a page of indexer rows
+// holds its page_size rows of Di e4m3 values, then their page_size fp32 scales (DeepGEMM's paged
+// layout).
 struct CacheLayout {
   int num_layers = 0;
   int num_full_layers = 0;  // indexer-key slots

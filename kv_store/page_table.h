@@ -13,9 +13,9 @@ namespace attnd {
 
 // One layer's latent rows (or one full layer's indexer rows) of a cache: row `slot` of the layer,
 // slot = page * page_size + offset, lives at base + slot * row_bytes.
-// fp8 rows (dtype kFP8E4M3, DESIGN §4): the row starts with fp8_dim e4m3 values. Latent rows keep
-// one fp32 scale per tile right after them (fp8::LatentTiles) and then dim - fp8_dim bf16 values.
-// Indexer rows (scales_apart = page_size) keep their one scale apart: a page of them is its
+// fp8 rows (dtype kFP8E4M3, docs/architecture.md): the row starts with fp8_dim e4m3 values. Latent
+// rows keep one fp32 scale per tile right after them (fp8::LatentTiles) and then dim - fp8_dim bf16
+// values. Indexer rows (scales_apart = page_size) keep their one scale apart: a page of them is its
 // page_size rows of values, then their scales, so Row(slot) is where the row's values start.
 struct CacheRows {
   const uint8_t* base = nullptr;  // the layer's first row (slot 0)

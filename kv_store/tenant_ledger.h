@@ -1,4 +1,4 @@
-// Tenants (DESIGN §11): who owns a sequence or a step, what each may hold (quotas) and what each
+// Tenants (docs/trust.md): who owns a sequence or a step, what each may hold (quotas) and what each
 // holds now. The anonymous tenant "" is the one tenant of an unauthenticated server.
 #pragma once
 

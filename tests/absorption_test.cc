@@ -1,5 +1,5 @@
-// Server-side absorption (DESIGN §13): the safetensors reader, the weights' split into W_UK and
-// W_UV, loading them from a checkpoint the test writes, and the engine's absorbed calls against
+// Server-side absorption (docs/numerics.md): the safetensors reader, the weights' split into W_UK
+// and W_UV, loading them from a checkpoint the test writes, and the engine's absorbed calls against
 // the float64 reference (q_latent = q_nope · W_UK, attention, out · W_UV^T) and against the
 // worker-side path (q_latent sent, W_UV applied by the caller).
 #include "common/absorption.h"

@@ -1,5 +1,5 @@
-// Context parallelism over gRPC (DESIGN §13): the C++ client's ContextParallelSequence drives a
-// sequence split over 2 and 3 real attnd servers on loopback and gets, through chunked prefill
+// Context parallelism over gRPC (docs/numerics.md): the C++ client's ContextParallelSequence drives
+// a sequence split over 2 and 3 real attnd servers on loopback and gets, through chunked prefill
 // and decode, the same outputs (fp32, <= 1e-5 relative L2) and attended keys as one server
 // holding the whole sequence; bad context-parallel calls get precise statuses.
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
-// Context parallelism in the engine (DESIGN §13): one sequence split over 2 and 3 engines, each
-// holding a page-aligned slice, equals one engine holding it all (itself checked against the
+// Context parallelism in the engine (docs/numerics.md): one sequence split over 2 and 3 engines,
+// each holding a page-aligned slice, equals one engine holding it all (itself checked against the
 // float64 oracle) for every layer kind and selection mode, through chunked prefill and decode:
 // outputs merged by log-sum-exp (fp32, <= 1e-5 relative L2) and the attended keys.
 #include "engine/context_parallel.h"

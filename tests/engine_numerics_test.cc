@@ -64,7 +64,8 @@ void SweepSteps(const SweepParam& param, std::optional<DType> cache) {
 
 TEST_P(Sweep, EveryStepMatchesFloat64Reference) { SweepSteps(GetParam(), std::nullopt); }
 
-// The same steps on an fp8 cache, against the float64 oracle on the dequantised keys (DESIGN §4).
+// The same steps on an fp8 cache, against the float64 oracle on the dequantised keys
+// (docs/architecture.md).
 class Fp8Sweep : public ::testing::TestWithParam<SweepParam> {};
 TEST_P(Fp8Sweep, EveryStepMatchesFloat64ReferenceOnDequantisedKeys) {
   SweepSteps(GetParam(), DType::kFP8E4M3);
@@ -114,9 +115,9 @@ INSTANTIATE_TEST_SUITE_P(Engine, Fp8Sweep,
                                                               SelectionMode::kPageBudget)),
                          SweepName);
 
-// What fp8 keys cost in accuracy (DESIGN §4 asks for it measured, not hidden): the same steps on
-// an fp8 and on an fp32 cache at DeepSeek-V3.2's row shapes (L 512 in four tiles, R 64, Di 128),
-// fp32 and bf16 queries. With K above every context the layers attend the same keys on both
+// What fp8 keys cost in accuracy (docs/architecture.md asks for it measured, not hidden): the same
+// steps on an fp8 and on an fp32 cache at DeepSeek-V3.2's row shapes (L 512 in four tiles, R 64, Di
+// 128), fp32 and bf16 queries. With K above every context the layers attend the same keys on both
 // caches (the attention's own error); with K = 64 of up to 304 keys the indexer's selections
 // move too (random keys: many near ties), measured as the share of selected keys both keep; a
 // swapped key is 1/64 of a near-uniform average, so the outputs move far more than the keys do.

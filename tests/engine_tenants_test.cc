@@ -1,4 +1,4 @@
-// Tenants in the engine (DESIGN §11): namespaces for sequences and steps, steps bound to their
+// Tenants in the engine (docs/trust.md): namespaces for sequences and steps, steps bound to their
 // tenant and channel (open or ended), random step ids, and quotas that count every page held.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Trust (DESIGN §11) against a real attnd over loopback: TLS with certificates generated here,
+// Trust (docs/trust.md) against a real attnd over loopback: TLS with certificates generated here,
 // rotation picked up by a running server, mTLS identities, bearer tokens, tenant isolation for
 // every RPC that names a sequence, step or region, quotas, the admin identity, random step ids,
 // and the shared-memory policy (Unix socket only, owner check, name prefix).

@@ -67,9 +67,9 @@ __device__ __forceinline__ float LoadScale(const uint8_t* p) {
   return s;
 }
 
-// Value d of the cached row at `slot`, as fp32: fp8 rows dequantised with their scales (DESIGN
-// §4: a latent row is L codes, one scale per tile of 128 (one tile below 128), then bf16 rope;
-// an indexer row's one scale lives apart, after its page's values).
+// Value d of the cached row at `slot`, as fp32: fp8 rows dequantised with their scales
+// (docs/architecture.md: a latent row is L codes, one scale per tile of 128 (one tile below 128),
+// then bf16 rope; an indexer row's one scale lives apart, after its page's values).
 template <DType T>
 __device__ __forceinline__ float CacheValue(const CacheRows& c, int64_t slot, int d) {
   const uint8_t* row = c.Row(slot);

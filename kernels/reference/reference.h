@@ -1,4 +1,4 @@
-// A float64 reference of the per-layer contract (DESIGN §2), for tests only. Written
+// A float64 reference of the per-layer contract (docs/numerics.md), for tests only. Written
 // independently of the fast path: whole unpaged histories, naive loops, full sorts.
 #pragma once
 

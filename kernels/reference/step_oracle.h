@@ -1,5 +1,5 @@
 // The float64 oracle of whole steps: keeps every sequence's unpaged key history and computes
-// what each layer of a step must return (DESIGN §2). Used by tests and by `attnctl demo`.
+// what each layer of a step must return (docs/numerics.md). Used by tests and by `attnctl demo`.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +33,7 @@ struct LayerCheck {
 class StepOracle {
  public:
   // Keys are kept rounded to `cache_dtype`, as the server's caches hold them (kFP8E4M3: quantised
-  // per tile with power-of-two scales, the rope part bf16; DESIGN §4).
+  // per tile with power-of-two scales, the rope part bf16; docs/architecture.md).
   StepOracle(ModelSpec spec, DType cache_dtype);
   const ModelSpec& spec() const { return spec_; }
 

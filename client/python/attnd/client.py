@@ -249,7 +249,7 @@ class _Api:
         shards (S must divide H; not with ``write_only``) each send their H/S heads per layer —
         here through attend_layer with ``shard=k`` and this step id (unary shards need no join).
 
-        Context parallelism (DESIGN §13; :class:`attnd.ContextParallelSequence` drives it):
+        Context parallelism (docs/numerics.md; :class:`attnd.ContextParallelSequence` drives it):
         ``position_offsets`` (per entry, page-aligned) opens a context-parallel step over this
         server's slice of each sequence; with ``query_positions`` (per entry) an attend-only one,
         whose queries follow every key held here and write nothing.
@@ -293,8 +293,8 @@ class _Api:
         return self._attend(step_id, inputs, "details")
 
     def attend_layer_candidates(self, step_id: int, inputs: LayerInputs) -> Candidates:
-        """A context-parallel step's full layer, first call (DESIGN §13): with the keys (none on
-        attend-only steps), index_q and index_w, returns this server's :class:`Candidates`; the
+        """A context-parallel step's full layer, first call (docs/numerics.md): with the keys (none
+        on attend-only steps), index_q and index_w, returns this server's :class:`Candidates`; the
         layer then runs again (:meth:`attend_layer` / ``_details``) with
         ``selection=merge_candidates(every server's)`` and the queries only."""
         return self._attend(step_id, inputs, "candidates")

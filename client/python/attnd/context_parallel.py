@@ -1,5 +1,5 @@
-"""Context parallelism (DESIGN §13): one logical sequence spread over several attnd servers, each
-holding a contiguous, page-aligned slice of its positions.
+"""Context parallelism (docs/numerics.md): one logical sequence spread over several attnd servers,
+each holding a contiguous, page-aligned slice of its positions.
 
 The client drives each server's step and merges what comes back: a full layer first gathers
 every server's candidates (``attend_layer_candidates``), merges them into the global

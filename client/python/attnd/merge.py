@@ -1,5 +1,5 @@
 """Merging what several servers computed over disjoint parts of one sequence (context
-parallelism, DESIGN §13): :func:`merge_candidates` and :func:`merge_attention`."""
+parallelism, docs/numerics.md): :func:`merge_candidates` and :func:`merge_attention`."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def _check_dtype(dtype: np.dtype) -> None:
 @dataclasses.dataclass(frozen=True)
 class Fp8Tensor:
     """A query as FP8_E4M3 codes with one float32 scale per row of its last axis (per token and
-    head: DESIGN §13), a quarter of float32's bytes on the wire; the server dequantises it as
+    head: docs/numerics.md), a quarter of float32's bytes on the wire; the server dequantises it as
     code x scale in float32. Make one with :func:`quantize_fp8`; pass it as q_latent, q_nope,
     q_rope or index_q (the other tensors keep their datatype; the output comes back as BF16).
     A layer call with ``out_datatype="FP8_E4M3"`` returns its output as one (power-of-two

@@ -125,7 +125,7 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Candidates:
-    """A context-parallel full layer's candidates (DESIGN §13): per query its best keys in
+    """A context-parallel full layer's candidates (docs/numerics.md): per query its best keys in
     absolute terms, positions (token, page_union) or page ids (``pages``: page_budget), best first
     (ties to the lower key); a query that attends every visible key has none. What
     ``attend_layer(..., candidates=True)`` returns and ``selection=`` takes (merged by

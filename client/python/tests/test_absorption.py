@@ -1,4 +1,4 @@
-"""Server-side absorption (DESIGN §13) through real servers: one reads kv_b_proj from a
+"""Server-side absorption (docs/numerics.md) through real servers: one reads kv_b_proj from a
 safetensors checkpoint this test writes (two shards, FP32 and BF16 layers), one gets the same
 weights uploaded over RPC, one has none and is driven the worker-side way (q_latent = q_nope @
 W_UK sent, W_UV applied by the caller). Absorbed calls send q_nope and receive [T, H, V]; they

@@ -2,9 +2,9 @@
 
 The session server (conftest.py's ``server``: build/service/attnd, env ATTND_BIN overrides, the
 tiny model on a free loopback port) and the harness (attnd_testlib) serve them. The reference
-models the contract (DESIGN §2) in float64 with per-sequence key histories kept by the test; it
-rounds stored keys the way the server's cache does (bf16 or fp32, from ServerInfo.cache_datatype),
-so it needs nothing from the server but its model spec.
+models the contract (docs/numerics.md) in float64 with per-sequence key histories kept by the test;
+it rounds stored keys the way the server's cache does (bf16 or fp32, from
+ServerInfo.cache_datatype), so it needs nothing from the server but its model spec.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[3]
 PYTHON_DIR = REPO / "client" / "python"
 
 DTYPES = {"bf16": BF16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}
-# Relative L2 error bounds against the float64 reference (DESIGN §2: bf16 inputs <= 1e-2). fp32
-# inputs
+# Relative L2 error bounds against the float64 reference (docs/numerics.md: bf16 inputs <= 1e-2).
+# fp32 inputs
 # keep 1e-2 too: the server's cache is bf16, so the design's 1e-5 fp32 target (which assumes an fp32
 # cache) does not apply end to end. The reference rounds stored keys like the cache, so the observed
 # errors are far smaller; fp16 outputs round at 2^-11, within the same bound.

@@ -1,7 +1,7 @@
-"""Context parallelism (DESIGN §13) through the Python client: a sequence split over 2 and over 3
-real attnd servers, driven by ContextParallelSequence, gives for every layer kind (full, shared,
-dense) and every selection mode (token, page_union, page_budget; sparse and dense prefill) the
-same outputs (fp32, <= 1e-5 relative L2), log-sum-exps and attended keys as one server holding
+"""Context parallelism (docs/numerics.md) through the Python client: a sequence split over 2 and
+over 3 real attnd servers, driven by ContextParallelSequence, gives for every layer kind (full,
+shared, dense) and every selection mode (token, page_union, page_budget; sparse and dense prefill)
+the same outputs (fp32, <= 1e-5 relative L2), log-sum-exps and attended keys as one server holding
 it all, through chunked prefill and decode; merge_candidates against a float64 sort."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Drain (DESIGN §12) against three real attnd on loopback: SIGTERM one in the middle of a decode
-workload. Its readiness turns NOT_SERVING at once, the workload sees nothing but UNAVAILABLE from
-it, every sequence it held appears on the peer the rendezvous hash picks over the remaining
+"""Drain (docs/lifecycle.md) against three real attnd on loopback: SIGTERM one in the middle of a
+decode workload. Its readiness turns NOT_SERVING at once, the workload sees nothing but UNAVAILABLE
+from it, every sequence it held appears on the peer the rendezvous hash picks over the remaining
 replicas, the next decode outputs of each moved sequence are bit-identical to those of a twin that
 never moved, and the drained process exits 0."""
 

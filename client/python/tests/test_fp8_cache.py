@@ -1,8 +1,8 @@
-"""The fp8 cache (--cache-dtype=fp8, DESIGN §4) through real servers: its pages cost at most 0.6x
-the bf16 bytes, an export carries the keys exactly as cached (e4m3 codes with their power-of-two
-scales, rope bf16) and decodes to the quantised inputs, an import into a second fp8 server gives
-a byte-identical cache and bit-identical outputs, and fp8 keys are refused where they do not
-belong."""
+"""The fp8 cache (--cache-dtype=fp8, docs/architecture.md) through real servers: its pages cost at
+most 0.6x the bf16 bytes, an export carries the keys exactly as cached (e4m3 codes with their
+power-of-two scales, rope bf16) and decodes to the quantised inputs, an import into a second fp8
+server gives a byte-identical cache and bit-identical outputs, and fp8 keys are refused where they
+do not belong."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""FP8_E4M3 queries on the wire (DESIGN §13) through a real server: q_latent, q_rope and index_q as
-e4m3 codes with one float32 scale per token and head, a quarter of fp32's bytes; the server
-attends with code x scale, so a call equals the same call with those dequantised values in FP32
-(the same selections, bit-identical log-sum-exps) and matches the float64 reference on them; the
-output comes back as BF16; malformed scales are refused with nothing written."""
+"""FP8_E4M3 queries on the wire (docs/numerics.md) through a real server: q_latent, q_rope and
+index_q as e4m3 codes with one float32 scale per token and head, a quarter of fp32's bytes; the
+server attends with code x scale, so a call equals the same call with those dequantised values in
+FP32 (the same selections, bit-identical log-sum-exps) and matches the float64 reference on them;
+the output comes back as BF16; malformed scales are refused with nothing written."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LSE (DESIGN §13) through a real server: a layer call may ask for each query head's
+"""LSE (docs/numerics.md) through a real server: a layer call may ask for each query head's
 log-sum-exp; it equals the float64 log-sum-exp of the head's scaled (and, on dense layers,
 soft-capped) scores over exactly the keys it attended, on every layer kind, unary and streamed;
 outputs of one query over disjoint key sets merge (merge_attention) to the attention over their

@@ -1,4 +1,4 @@
-"""Trust through the Python client against a real attnd (DESIGN §11): mTLS with certificates made
+"""Trust through the Python client against a real attnd (docs/trust.md): mTLS with certificates made
 here by openssl, metrics over HTTPS, reflection switched off, bearer tokens with health left open
 for probes, and tenant isolation."""
 

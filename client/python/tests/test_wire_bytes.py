@@ -1,4 +1,4 @@
-"""Fewer bytes on the wire (DESIGN §13): the reply's datatype (out_datatype, FP8_E4M3 with
+"""Fewer bytes on the wire (docs/numerics.md): the reply's datatype (out_datatype, FP8_E4M3 with
 per-token-head power-of-two scales) against the FP32 reply of the same call, and `attnctl bench`'s
 wire bytes per token per layer against the bytes each variant must carry (bench/wire_bench.py
 starts a real attnd with absorption weights)."""
