@@ -94,6 +94,18 @@ def test_the_pieces_select_and_reach_each_other():
     assert args["--drain-peers"].startswith(f"dns:{svc['metadata']['name']}:")
 
 
+def test_the_pod_is_pinned_filtered_and_tolerates_one_slow_probe():
+    sts, c = _by_kind("StatefulSet"), _container()
+    image, _, tag = c["image"].rpartition(":")
+    version = re.search(r"project\(attnd VERSION ([0-9.]+)",
+                        (ROOT / "CMakeLists.txt").read_text()).group(1)
+    assert tag == version, f"{c['image']}: pin the release ({version}), not {tag or 'no tag'}"
+    pod = sts["spec"]["template"]["spec"]["securityContext"]
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"} and pod["runAsNonRoot"]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["readinessProbe"]["failureThreshold"] >= 2
+
+
 def _check_flags(argv):
     """Every flag in `argv` is one `attnd --help` lists (their values are attnd's flag parser's
     to check: flags_test; a manifest value it refused would keep the pod from starting)."""
