@@ -724,6 +724,8 @@ int main(int argc, char** argv) {
   using namespace attnd::client;
   Args a;
   CLI::App app{"attnctl: talks to a running attnd (see attnctl COMMAND --help)", "attnctl"};
+  app.set_version_flag("--version",
+                       std::string("attnctl ") + ATTND_VERSION + " (" + ATTND_REVISION + ")");
   app.require_subcommand(1);
   app.fallthrough();  // connection flags may follow the command
   const char* env_target = std::getenv("ATTND_TARGET");

@@ -58,6 +58,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import grpc
@@ -163,6 +164,11 @@ class _Api:
     def _init_channel(self, grpc_module, target, max_message_bytes, options, root_certificates,
                       private_key, certificate_chain, server_name, token, act_as_tenant,
                       timeout, uint16_as_bf16) -> None:
+        # As attnctl: $ATTND_TARGET when no target is given, $ATTND_TOKEN when no token is.
+        if target is None:
+            target = os.environ.get("ATTND_TARGET") or "localhost:50051"
+        if token is None:
+            token = os.environ.get("ATTND_TOKEN") or None
         channel_options = [
             ("grpc.max_receive_message_length", int(max_message_bytes)),
             ("grpc.max_send_message_length", int(max_message_bytes)),
@@ -334,7 +340,8 @@ class AttndClient(_Api):
 
     Args:
       target: "host:port" (any gRPC target); "unix:/path" reaches the server's Unix-socket
-        listener, the only way to use shared memory.
+        listener, the only way to use shared memory. Default: $ATTND_TARGET, else
+        localhost:50051 (as attnctl). ``token`` defaults to $ATTND_TOKEN the same way.
       max_message_bytes: the channel's receive and send limit (gRPC's default receive limit, 4 MiB,
         is far too small for prefill layers); keep it at most the server's ``max_message_bytes``.
       timeout: a deadline in seconds for every unary call (None: none).
@@ -353,7 +360,7 @@ class AttndClient(_Api):
 
     def __init__(
         self,
-        target: str,
+        target: Optional[str] = None,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         timeout: Optional[float] = None,
@@ -491,7 +498,7 @@ class AsyncAttndClient(_Api):
     the sync client (the arena itself is registered through a sync client or
     ``await client.register_shared_memory(...)``)."""
 
-    def __init__(self, target: str, **kwargs) -> None:
+    def __init__(self, target: Optional[str] = None, **kwargs) -> None:
         defaults = dict(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, options=(),
                         root_certificates=None, private_key=None, certificate_chain=None,
                         server_name=None, token=None, act_as_tenant=None, timeout=None,

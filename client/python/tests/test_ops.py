@@ -413,6 +413,10 @@ def test_attnctl_is_a_conventional_cli(ops_server):
     target, _ = ops_server
     r = _ctl("--help", check=0)
     assert "Usage: attnctl" in r.stdout and not r.stderr
+    version = _ctl("--version", check=0).stdout.strip()
+    server = subprocess.run([str(ATTND_BIN), "--version"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert version.startswith("attnctl ") and version[8:] == server[6:], (version, server)
     for cmd in ("info", "health", "list", "describe", "close", "drain", "demo", "bench", "handoff",
                 "soak"):
         r = _ctl(cmd, "--help", check=0)

@@ -27,6 +27,7 @@ def test_the_installed_package_is_the_one_imported():
         assert REPO / "client" / "python" not in where.parents, where
         assert "site-packages" in str(where), where
     assert (Path(pb.__file__).with_name("attention.binpb")).exists()
+    assert (Path(attnd.__file__).with_name("py.typed")).exists(), "PEP 561 marker installed"
 
 
 def test_versions_agree():

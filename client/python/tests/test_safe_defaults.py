@@ -336,3 +336,21 @@ def test_max_connection_age_reconnects_clients_and_an_open_step_stream_outlives_
             assert c.describe_sequence("aged").length == 3
     finally:
         stop(proc)
+
+
+def test_the_python_client_takes_its_target_and_token_from_the_environment(monkeypatch, tmp_path):
+    # As attnctl: $ATTND_TARGET when no target is given, $ATTND_TOKEN when no token is.
+    tokens = tmp_path / "tokens"
+    tokens.write_text("env-token-0123456789 team-a\n")
+    proc, target, _ = start(["--auth=token", f"--auth-tokens={tokens}"], kv_pages=32)
+    try:
+        monkeypatch.setenv("ATTND_TARGET", target)
+        monkeypatch.setenv("ATTND_TOKEN", "env-token-0123456789")
+        with AttndClient() as c:
+            assert c.info().tenant == "team-a"
+        monkeypatch.delenv("ATTND_TOKEN")
+        with AttndClient() as c, pytest.raises(AttndError) as e:
+            c.info()
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        stop(proc)
