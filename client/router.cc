@@ -134,6 +134,8 @@ void Router::SetReplicas(std::vector<Replica> replicas) {
     }
   }
   address_of_ = std::move(next);
+  names_.clear();
+  for (const auto& [name, address] : address_of_) names_.push_back(name);
 }
 
 std::vector<Replica> Router::replicas() const {
@@ -151,9 +153,7 @@ std::vector<std::string> Router::endpoints() const {
 
 std::string Router::Pick(const std::string& sequence_id) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::string> names;
-  for (const auto& [name, address] : address_of_) names.push_back(name);
-  return Route(names, sequence_id);
+  return Route(names_, sequence_id);
 }
 
 Client* Router::ClientLocked(const std::string& name) {
@@ -168,8 +168,8 @@ Client* Router::ClientLocked(const std::string& name) {
 }
 
 Client* Router::ClientFor(const std::string& sequence_id) {
-  const std::string owner = Pick(sequence_id);
   std::lock_guard<std::mutex> lock(mu_);
+  const std::string owner = Route(names_, sequence_id);
   return owner.empty() ? nullptr : ClientLocked(owner);
 }
 
@@ -183,9 +183,7 @@ absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
   std::vector<std::pair<std::string, Client*>> ranked;  // (name, client or nullptr)
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::string> names;
-    for (const auto& [name, address] : address_of_) names.push_back(name);
-    for (std::string& n : Ranked(std::move(names), sequence_id)) {
+    for (std::string& n : Ranked(names_, sequence_id)) {
       Client* c = ClientLocked(n);
       ranked.emplace_back(std::move(n), c);
     }

@@ -84,6 +84,7 @@ class Router {
   const ConnectOptions options_;
   mutable std::mutex mu_;
   std::map<std::string, std::string> address_of_;  // name -> address
+  std::vector<std::string> names_;                 // address_of_'s keys, for Route
   std::map<std::string, Client*> clients_;         // name -> its client (owned by all_clients_)
   std::vector<std::unique_ptr<Client>> all_clients_;
   std::mutex move_mu_;  // one pull at a time (two threads missing on one sequence)

@@ -133,8 +133,8 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
               v1::Attention::service_full_name()))
     for (int m = 0; m < service->method_count(); ++m) {
       const std::string& name = service->method(m)->name();
-      ok_requests_[name] = &requests_->Add({{"method", name}, {"code", "OK"}});
-      rpc_seconds_by_method_[name] = &rpc_seconds_->Add({{"method", name}});
+      methods_[name] = {&requests_->Add({{"method", name}, {"code", "OK"}}),
+                        &rpc_seconds_->Add({{"method", name}})};
     }
   for (const char* reason : {"cache_full", "quota", "max_context", "draining", "limit"})
     rejections_->Add({{"reason", reason}});
@@ -203,14 +203,12 @@ void ServiceMetrics::StepDone(StepPhase phase, double seconds) {
 }
 
 void ServiceMetrics::RpcDone(const char* method, const absl::Status& status, double seconds) {
-  const auto timed = rpc_seconds_by_method_.find(method);
-  (timed != rpc_seconds_by_method_.end() ? *timed->second : rpc_seconds_->Add({{"method", method}}))
-      .Observe(seconds);
+  // Every unary layer call ends here: its series were made at construction.
+  const auto known = methods_.find(method);
+  const bool listed = known != methods_.end();
+  (listed ? *known->second.seconds : rpc_seconds_->Add({{"method", method}})).Observe(seconds);
   if (status.ok()) {
-    // Every unary layer call ends here: its counter was made at construction.
-    const auto it = ok_requests_.find(method);
-    (it != ok_requests_.end() ? *it->second : requests_->Add({{"method", method}, {"code", "OK"}}))
-        .Increment();
+    (listed ? *known->second.ok : requests_->Add({{"method", method}, {"code", "OK"}})).Increment();
     return;
   }
   requests_->Add({{"method", method}, {"code", CodeName(status.code())}}).Increment();

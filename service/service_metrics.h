@@ -45,11 +45,13 @@ class ServiceMetrics {
   metrics::Histogram* layer_seconds_[2][3][3];  // [transport][phase][kind]
   metrics::Histogram* step_seconds_[3];         // [phase]
   metrics::Family<metrics::Counter>* requests_;
-  // requests_{method, code="OK"} per method of the service, fixed after construction.
-  absl::flat_hash_map<std::string, metrics::Counter*> ok_requests_;
-  // rpc_seconds_{method} per method of the service, fixed after construction.
   metrics::Family<metrics::Histogram>* rpc_seconds_;
-  absl::flat_hash_map<std::string, metrics::Histogram*> rpc_seconds_by_method_;
+  // Per method of the service, fixed after construction: one lookup per finished call.
+  struct MethodSeries {
+    metrics::Counter* ok;         // requests_{method, code="OK"}
+    metrics::Histogram* seconds;  // rpc_seconds_{method}
+  };
+  absl::flat_hash_map<std::string, MethodSeries> methods_;
   metrics::Family<metrics::Counter>* errors_;
   metrics::Family<metrics::Counter>* rejections_;
   metrics::Counter* bytes_received_;

@@ -138,6 +138,7 @@ TEST(Routing, DecodeSurvivesADrainARejoinUnderANewAddressAndAScaleUp) {
 
   // attnd-1 drains (SIGTERM): its sequences go to the peer the hash ranks next over the names.
   // The workload still routes to it until the membership changes, and locates them there.
+  const std::string b_address = b->target();
   EXPECT_EQ(b->Stop(), 0);
   router.SetReplicas(Members({{"attnd-0", a.get()}, {"attnd-2", c.get()}}));
   run_for(300);
@@ -146,7 +147,7 @@ TEST(Routing, DecodeSurvivesADrainARejoinUnderANewAddressAndAScaleUp) {
   // attnd-1 comes back under a new address (a new pod IP): by name it owns what it owned, and
   // the workload pulls each of those sequences back on its first miss there.
   auto b2 = StartReplica("attnd-1");
-  ASSERT_NE(b2->target(), "");
+  ASSERT_NE(b2->target(), b_address) << "the rejoin must come under another address";
   router.SetReplicas(Members({{"attnd-0", a.get()}, {"attnd-1", b2.get()}, {"attnd-2", c.get()}}));
   run_for(500);
   EXPECT_EQ(router.pulls() - pulls_before_rejoin, on_b) << "each of attnd-1's sequences came home";
