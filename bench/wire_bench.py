@@ -59,8 +59,10 @@ def write_checkpoint(d: Path, layers: int, heads: int, latent: int, dn: int, v: 
         {"model_type": "deepseek_v32", "qk_nope_head_dim": dn, "v_head_dim": v}))
 
 
-def run(base: str, layers: str, batch: int, context: int, steps: int, threads: int) -> str:
-    """attnctl bench's report against a fresh attnd (raises when either fails)."""
+def run(base: str, layers: str, batch: int, context: int, steps: int, threads: int,
+        output: str = "text") -> str:
+    """attnctl bench's report (--output=text or json) against a fresh attnd (raises when either
+    fails)."""
     heads, latent, dn, v = DIMS[base]
     with tempfile.TemporaryDirectory(prefix="attnd-wire-") as tmp:
         d = Path(tmp)
@@ -73,7 +75,8 @@ def run(base: str, layers: str, batch: int, context: int, steps: int, threads: i
                                 kv_pages=pages, threads=threads)
         try:
             r = subprocess.run([str(ATTNCTL), "bench", f"--target={target}", f"--batch={batch}",
-                                f"--context={context}", f"--steps={steps}"],
+                                f"--context={context}", f"--steps={steps}",
+                                f"--output={output}"],
                                capture_output=True, text=True, timeout=1800)
         finally:
             stop(proc)

@@ -23,6 +23,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
@@ -33,6 +34,7 @@
 #include "client/attnd_client.h"
 #include "client/soak.h"
 #include "client/workload.h"
+#include "grpc/health/v1/health.pb.h"
 
 namespace attnd::client {
 namespace {
@@ -94,15 +96,14 @@ int PrintJson(const google::protobuf::Message& m) {
 // here): the request is field 1, the service name; the reply's field 1 is the status (1 =
 // SERVING).
 int Health(Client& c, const std::string& service) {
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
   grpc::GenericStub stub(c.channel());
-  std::string req;
-  req.push_back(0x0a);
-  req.push_back(static_cast<char>(service.size()));
-  req += service;
+  const std::string req = request.SerializeAsString();
   grpc::Slice slice(req);
   grpc::ByteBuffer in(&slice, 1), out;
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  c.PrepareUnary(&ctx);
   std::promise<grpc::Status> done;
   stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
                  [&done](grpc::Status s) { done.set_value(s); });
@@ -113,11 +114,12 @@ int Health(Client& c, const std::string& service) {
   if (out.Dump(&slices).ok())
     for (const auto& sl : slices)
       bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  const int status = bytes.size() >= 2 && bytes[0] == 0x08 ? bytes[1] : 0;
-  static const char* kNames[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  grpc::health::v1::HealthCheckResponse reply;
+  if (!reply.ParseFromString(bytes))
+    return Fail(absl::InternalError("unreadable health reply"), "health");
   std::printf("%s: %s\n", service.empty() ? "(server)" : service.c_str(),
-              kNames[status >= 0 && status <= 3 ? status : 0]);
-  return status == 1 ? 0 : 1;
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(reply.status()).c_str());
+  return reply.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
 int Info(Client& c, bool json) {
@@ -151,7 +153,7 @@ int Drain(Client& c, const Args& a) {
   for (absl::string_view p : absl::StrSplit(a.Get("to", ""), ',', absl::SkipEmpty()))
     req.add_peers(std::string(p));
   grpc::ClientContext ctx;
-  c.Authorize(&ctx);
+  c.PrepareUnary(&ctx);
   v1::DrainResponse resp;
   if (auto s = FromGrpc(c.stub()->Drain(&ctx, req, &resp)); !s.ok()) return Fail(s, "drain");
   std::printf("drain started: the server hands its sequences to %s and exits\n",
@@ -488,7 +490,7 @@ struct WireFigures {
   int64_t calls = 0, full_calls = 0;  // full layers: the ones with indexer tensors
 };
 
-int Bench(Client& c, const Args& a, const ConnectOptions& options) {
+int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
   auto info = c.Info();
   if (!info.ok()) return Fail(info.status(), "info");
   auto spec_or = ModelSpecFromProto(info->model());
@@ -646,6 +648,47 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options) {
     (void)local_stream->Close();
     (void)local->UnregisterSharedMemory(tag);
   }
+  if (json) {
+    nlohmann::json out = {{"model", spec.name},
+                          {"batch", B},
+                          {"context", context},
+                          {"heads", spec.num_heads},
+                          {"layers", spec.num_layers()},
+                          {"steps", steps},
+                          {"absorbed_measured", absorbs},
+                          {"shared_memory_measured", local != nullptr},
+                          {"latent_request_bytes", req_bytes},
+                          {"latent_reply_bytes", resp_bytes}};
+    for (size_t vi = 0; vi < variants.size(); ++vi) {
+      const WireFigures& f = figures[vi];
+      const double per = 1024.0 * B * static_cast<double>(f.calls);
+      out["variants"].push_back(
+          {{"name", variants[vi].name},
+           {"attention_kib_per_token", f.attention_bytes / per},
+           {"indexer_kib_per_token",
+            f.full_calls > 0 ? f.indexer_bytes / (1024.0 * B * f.full_calls) : 0.0},
+           {"request_kib_per_token", f.request_bytes / per},
+           {"reply_kib_per_token", f.reply_bytes / per},
+           {"round_trip_ms_p50", f.round_trip.Percentile(50) * 1e3},
+           {"round_trip_ms_p99", f.round_trip.Percentile(99) * 1e3},
+           {"server_ms_p50", f.server.Percentile(50) * 1e3},
+           {"transport_ms_p50", f.transport.Percentile(50) * 1e3},
+           {"echo_ms_p50", f.echo.Percentile(50) * 1e3},
+           {"calls", f.calls}});
+    }
+    for (auto& [name, st] :
+         {std::pair<const char*, const LatencyStats*>{"stream", &figures[0].round_trip},
+          {"unary", &unary_lat},
+          {"stream + shared memory", &shm_lat},
+          {"echo", &figures[0].echo}})
+      if (st->count() > 0)
+        out["round_trips"].push_back({{"transport", name},
+                                      {"p50_ms", st->Percentile(50) * 1e3},
+                                      {"p99_ms", st->Percentile(99) * 1e3},
+                                      {"calls", st->count()}});
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
   std::printf("decode batch %d, context %lld, %d heads, %d layers (%s)\n", B,
               static_cast<long long>(context), spec.num_heads, spec.num_layers(),
               spec.name.c_str());
@@ -755,8 +798,13 @@ int main(int argc, char** argv) {
             ? "the admin only: act inside this tenant's namespace"
             : "TLS: the server's CA / this client's certificate / its key / the name to verify");
   std::string output = "text";
-  app.add_option("--output", output, "text or json (info, list, describe)")
+  app.add_option("--output", output, "text or json (info, list, describe, bench)")
       ->check(CLI::IsMember({"text", "json"}));
+  double timeout_s = 60;
+  CLI::Option* timeout = app.add_option("--timeout", timeout_s,
+                                        "seconds each call may take (default 60; health 5; 0 = "
+                                        "no limit)")
+                             ->check(CLI::Range(0.0, 86400.0));
   CLI::App* info =
       app.add_subcommand("info", "the server's model, devices, limits and who you are");
   CLI::App* health = app.add_subcommand("health", "gRPC health: exit 0 when serving");
@@ -802,8 +850,23 @@ int main(int argc, char** argv) {
   num(soak, "report-seconds", 1, 86400, "report period (default 30)");
   num(soak, "server-pid", 0, INT32_MAX, "watch its RSS and descriptors");
   num(soak, "seed", 0, INT64_MAX, "random seed (default 1)");
+  // "--flag=" is an empty value: CLI11 would take the next argument as the value instead
+  // (attnctl health --service= --target=X ignored the target), so pass it apart.
+  std::vector<std::string> words;
+  for (int i = 0; i < argc; ++i) {
+    const std::string w = argv[i];
+    if (i > 0 && w.size() > 3 && w.rfind("--", 0) == 0 && w.back() == '=' &&
+        w.find('=') == w.size() - 1) {
+      words.push_back(w.substr(0, w.size() - 1));
+      words.emplace_back();
+    } else {
+      words.push_back(w);
+    }
+  }
+  std::vector<char*> args;
+  for (std::string& w : words) args.push_back(w.data());
   try {
-    app.parse(argc, argv);
+    app.parse(static_cast<int>(args.size()), args.data());
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e);  // --help: the text on stdout, 0; errors on stderr
     return code == 0 ? 0 : 2;
@@ -822,6 +885,9 @@ int main(int argc, char** argv) {
   }
   auto options = ConnectFlags(a);
   if (!options.ok()) return Fail(options.status(), "connect");
+  // A probe's default is short: a hung server must fail it well inside the kubelet's timeout.
+  const double call_s = health->parsed() && timeout->count() == 0 ? 5 : timeout_s;
+  options->call_timeout_ms = static_cast<int64_t>(call_s * 1000);
   auto client_or = Client::Connect(target, *options);
   if (!client_or.ok()) return Fail(client_or.status(), "connect");
   auto client = std::move(client_or).value();
@@ -834,5 +900,5 @@ int main(int argc, char** argv) {
   if (drain->parsed()) return Drain(*client, a);
   if (demo->parsed()) return Demo(*client, a);
   if (handoff->parsed()) return Handoff(*client, a, *options);
-  return Bench(*client, a, *options);
+  return Bench(*client, a, *options, json);
 }

@@ -174,21 +174,29 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   if (!o.token.empty()) md.emplace_back("authorization", absl::StrCat("Bearer ", o.token));
   if (!o.act_as_tenant.empty()) md.emplace_back("attnd-tenant", o.act_as_tenant);
   return std::unique_ptr<Client>(
-      new Client(grpc::CreateCustomChannel(target, creds, args), std::move(md)));
+      new Client(grpc::CreateCustomChannel(target, creds, args), std::move(md), o.call_timeout_ms));
 }
 
 void Client::Authorize(grpc::ClientContext* ctx) const {
   for (const auto& [k, v] : metadata_) ctx->AddMetadata(k, v);
 }
 
-Client::Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata)
+void Client::PrepareUnary(grpc::ClientContext* ctx) const {
+  Authorize(ctx);
+  if (call_timeout_ms_ > 0)
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(call_timeout_ms_));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata, int64_t call_timeout_ms)
     : channel_(std::move(channel)),
       stub_(v1::Attention::NewStub(channel_)),
-      metadata_(std::move(metadata)) {}
+      metadata_(std::move(metadata)),
+      call_timeout_ms_(call_timeout_ms) {}
 
 absl::StatusOr<v1::ServerInfoResponse> Client::Info() {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::ServerInfoResponse resp;
   absl::Status s = FromGrpc(stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &resp));
   if (!s.ok()) return s;
@@ -199,7 +207,7 @@ absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
                                                       const std::string& parent, int64_t prefix_len,
                                                       int64_t import_length) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::OpenSequenceRequest req;
   req.set_sequence_id(id);
   req.set_fork_parent_id(parent);
@@ -213,7 +221,7 @@ absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
 
 absl::Status Client::CloseSequence(const std::string& id) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::CloseSequenceRequest req;
   req.set_sequence_id(id);
   v1::CloseSequenceResponse resp;
@@ -222,7 +230,7 @@ absl::Status Client::CloseSequence(const std::string& id) {
 
 absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::ListSequencesRequest req;
   req.set_all_tenants(all_tenants);
   v1::ListSequencesResponse resp;
@@ -233,7 +241,7 @@ absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants
 
 absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
@@ -261,7 +269,7 @@ absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const Batch& batch, bool
 
 absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const v1::BeginStepRequest& request) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::BeginStepResponse resp;
   absl::Status s = FromGrpc(stub_->BeginStep(&ctx, request, &resp));
   if (!s.ok()) return s;
@@ -270,7 +278,7 @@ absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const v1::BeginStepReque
 
 absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::LayerInputs& in) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::AttendLayerRequest req;
   req.set_step_id(step_id);
   *req.mutable_inputs() = in;
@@ -282,7 +290,7 @@ absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::
 
 absl::Status Client::AbortStep(uint64_t step_id) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::AbortStepRequest req;
   req.set_step_id(step_id);
   v1::AbortStepResponse resp;
@@ -292,7 +300,7 @@ absl::Status Client::AbortStep(uint64_t step_id) {
 absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
                                           int64_t offset, int64_t bytes) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::RegisterSharedMemoryRequest req;
   req.set_name(name);
   req.set_key(key);
@@ -304,7 +312,7 @@ absl::Status Client::RegisterSharedMemory(const std::string& name, const std::st
 
 absl::Status Client::UnregisterSharedMemory(const std::string& name) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::UnregisterSharedMemoryRequest req;
   req.set_name(name);
   v1::UnregisterSharedMemoryResponse resp;
@@ -313,7 +321,7 @@ absl::Status Client::UnregisterSharedMemory(const std::string& name) {
 
 absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
   grpc::ClientContext ctx;
-  Authorize(&ctx);
+  PrepareUnary(&ctx);
   v1::EchoRequest req;
   req.set_payload(payload);
   req.set_response_bytes(response_bytes);

@@ -82,6 +82,7 @@ struct ConnectOptions {
   std::string tls_server_name;      // the name to verify instead of the target's host
   std::string token;                // sent as `authorization: Bearer <token>` on every call
   std::string act_as_tenant;        // the admin only: act inside this tenant's namespace
+  int64_t call_timeout_ms = 0;      // each unary call's deadline (0 = none; streams have none)
 };
 
 // Copies sequence `id` from `from` to `to` (ExportSequence there, write-only steps here), in
@@ -133,13 +134,16 @@ class Client {
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
   // Adds this client's credentials metadata to a context (for calls made through stub()).
   void Authorize(grpc::ClientContext* ctx) const;
+  // Authorize, and the deadline of ConnectOptions.call_timeout_ms: for a unary call.
+  void PrepareUnary(grpc::ClientContext* ctx) const;
 
  private:
   using Metadata = std::vector<std::pair<std::string, std::string>>;
-  Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata);
+  Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata, int64_t call_timeout_ms);
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   Metadata metadata_;
+  int64_t call_timeout_ms_ = 0;
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and

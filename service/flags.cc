@@ -202,6 +202,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        "leveled logs on stderr (default info): the effective configuration,\none line per refused "
        "or aborted step (rate-limited), drains, reloads",
        OneOf(&f->log_level, {"info", "warning", "error"})},
+      {"log-format", "text|json",
+       "text (default) or one JSON object per line (ts, level, msg, file),\nthe lifecycle lines "
+       "on stdout included",
+       OneOf(&f->log_format, {"text", "json"})},
       {"", "", "Per-request limits (ServerInfo.limits reports them):", nullptr},
       {"max-step-tokens", "N", "new tokens in one step, all sequences (default 65536)",
        Limit(&f->max_step_tokens)},

@@ -75,7 +75,8 @@ struct ServerFlags {
   int64_t drain_parallel = 4;
   std::string drain_token_file;  // the admin identity's token on the peers
   std::string drain_tls_ca, drain_tls_cert, drain_tls_key;
-  std::string log_level = "info";  // info, warning, error (glog, on stderr)
+  std::string log_level = "info";   // info, warning, error (glog, on stderr)
+  std::string log_format = "text";  // text, json (service/logging.h)
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;

@@ -1,9 +1,8 @@
 // attnd: the attention-offload server. See `attnd --help`.
-#include <glog/logging.h>
-
 #include <cstdio>
 
 #include "service/flags.h"
+#include "service/logging.h"
 #include "service/server.h"
 
 int main(int argc, char** argv) {
@@ -15,10 +14,6 @@ int main(int argc, char** argv) {
     std::fprintf(help ? stdout : stderr, "%s", text.c_str());
     return help ? 0 : 2;
   }
-  google::InitGoogleLogging(argv[0]);
-  FLAGS_logtostderr = true;  // containers log to stderr
-  FLAGS_minloglevel = flags->log_level == "error"     ? google::GLOG_ERROR
-                      : flags->log_level == "warning" ? google::GLOG_WARNING
-                                                      : google::GLOG_INFO;
+  attnd::SetUpLogging(argv[0], flags->log_level, flags->log_format);
   return attnd::RunServer(*flags);
 }

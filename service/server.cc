@@ -32,6 +32,7 @@
 #include "metrics/metrics_https.h"
 #include "service/attention_service.h"
 #include "service/drain.h"
+#include "service/logging.h"
 #include "service/service_metrics.h"
 #include "service/tls.h"
 #include "service/unix_listener.h"
@@ -159,14 +160,6 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
         plugins->end());
   }
 };
-
-// What attnd says: the lifecycle lines (serving, draining, drained, stopped) on stdout whatever
-// --log-level says, where tools read the serving line's port; everything else through glog on
-// stderr.
-void Say(const std::string& line) {
-  std::printf("attnd: %s\n", line.c_str());
-  std::fflush(stdout);
-}
 
 // One server's life, in the order RunServer takes its steps.
 class Server {
@@ -394,22 +387,18 @@ class Server {
       Say(absl::StrCat("absorption on (", a->source(), "): q_nope [T, H, ", a->qk_nope_head_dim(),
                        "] in, [T, H, ", a->v_head_dim(), "] out, ", a->bytes() >> 20, " MB"));
     const ServerFlags& f = flags_;
+    // The rest of the configuration (the lines above said the cache and the trust settings).
     LOG(INFO) << "config: devices " << absl::StrJoin(eo.devices, ",") << ", model " << spec.name
-              << ", cache " << DTypeName(eo.cache_dtype) << " " << caps[0].pages_total
-              << " pages x " << caps[0].bytes_per_page << " B per device ("
-              << engine_->cache_sizing() << "), threads " << eo.threads << ", max message "
-              << f.max_message_bytes << " B, step idle timeout " << f.step_idle_timeout_ms
-              << " ms; keepalive " << f.keepalive_time_ms << "/" << f.keepalive_timeout_ms
-              << " ms (clients every " << f.keepalive_min_client_interval_ms
-              << " ms), max connection age "
+              << ", threads " << eo.threads << ", max message " << f.max_message_bytes
+              << " B, step idle timeout " << f.step_idle_timeout_ms << " ms; keepalive "
+              << f.keepalive_time_ms << "/" << f.keepalive_timeout_ms << " ms (clients every "
+              << f.keepalive_min_client_interval_ms << " ms), max connection age "
               << (f.max_connection_age_ms > 0 ? absl::StrCat(f.max_connection_age_ms, " ms")
                                               : std::string("none"))
               << "; limits: step tokens " << f.max_step_tokens << ", batch " << f.max_batch_entries
               << ", sequences " << f.max_sequences << "; tenant quotas (0 = none): pages "
               << f.quota_pages << ", sequences " << f.quota_sequences << ", steps " << f.quota_steps
-              << ", shm regions " << f.quota_shm_regions << "; auth " << f.auth << ", tls "
-              << (f.tls_cert.empty() ? "off" : "on") << ", shm " << (f.shm ? "on" : "off")
-              << "; drain peers "
+              << ", shm regions " << f.quota_shm_regions << "; drain peers "
               << (f.drain_peers.empty() ? "none" : absl::StrJoin(f.drain_peers, ","))
               << " (timeout " << f.drain_timeout_ms << " ms, " << f.drain_parallel << " at once)";
   }

@@ -222,10 +222,35 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
         assert proc.wait(timeout=30) == 0
     out = proc.stdout.read()
     assert "config: devices cpu:0, model tiny" in out, out[:2000]
+    for said in ("cache BF16", "auth none", "keepalive 60000/20000 ms"):  # each said once
+        assert sum(said in line for line in out.splitlines()) == 1, (said, out[:2000])
     refused = [line for line in out.splitlines() if "BeginStep: OUT_OF_RANGE" in line]
     assert 1 <= len(refused) <= 60, f"{len(refused)} lines for 200 refusals: not rate-limited"
     assert "max_context" in refused[0], refused[0]
     assert "similar lines dropped" in refused[-1], refused[-1]
+
+
+def test_json_logs_are_one_object_per_line_lifecycle_lines_included(tmp_path):
+    log = tmp_path / "attnd.log"
+    proc, target, _ = start(["--log-format=json", "--log-level=info"], log=log)
+    try:
+        with AttndClient(target, timeout=30) as c:
+            c.open_sequence("json-a")
+            with pytest.raises(AttndError):
+                c.begin_step([("json-a", c.info().model.max_context + 1)])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]  # each one parses
+    assert all({"ts", "level", "msg"} <= line.keys() for line in lines), lines
+    msgs = [line["msg"] for line in lines]
+    assert msgs[0].startswith("serving attnd.v1 on 127.0.0.1:"), msgs
+    assert any(m.startswith("config: devices cpu:0, model tiny") for m in msgs), msgs
+    assert any(m.startswith("stopped (") for m in msgs), msgs
+    refused = [line for line in lines if "BeginStep: OUT_OF_RANGE" in line["msg"]]
+    assert refused and refused[0]["level"] in ("INFO", "WARNING"), lines
+    assert re.fullmatch(r"[a-z_]+\.cc:\d+", refused[0]["file"]), refused[0]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", refused[0]["ts"])
 
 
 def _mem_available():
@@ -316,12 +341,16 @@ def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
         with AttndClient(target, timeout=30) as c:
             spec = c.info().model
             c.open_sequence("prom-load")
-            deadline = time.monotonic() + 60
-            value = 0.0
-            while time.monotonic() < deadline and value < 20:
+            t0 = time.monotonic()
+            deadline, value = t0 + 60, 0.0
+            # Over several scrapes (the rates below need calls between two of them), until
+            # Prometheus has seen decode tokens.
+            while time.monotonic() < deadline and (value < 20 or time.monotonic() < t0 + 4):
                 step = c.begin_step([("prom-load", 1)])
                 for i, x in enumerate(_layers(spec, 1, rng)):
                     c.attend_layer(step.step_id, LayerInputs(i, **x))
+                with pytest.raises(AttndError):  # one failed call per step: an error ratio
+                    c.describe_sequence("prom-no-such-sequence")
                 q = urllib.parse.quote('sum(attnd_tokens_total{phase="decode"})')
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/query?query={q}",
@@ -333,6 +362,19 @@ def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
                 time.sleep(0.05)
             c.close_sequence("prom-load")
         assert value >= 20, f"Prometheus saw {value} decode tokens"
+        # The dashboard's error-ratio panel, as Prometheus computes it: every DescribeSequence
+        # failed, no BeginStep did.
+        dash = json.loads((ROOT / "deploy" / "grafana" / "attnd-dashboard.json").read_text())
+        expr = next(p for p in dash["panels"] if "error ratio" in p["title"])["targets"][0]["expr"]
+        ratios, deadline, want = {}, time.monotonic() + 20, {"DescribeSequence", "BeginStep"}
+        while time.monotonic() < deadline and not want <= ratios.keys():
+            q = urllib.parse.quote(expr)
+            with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/query?query={q}",
+                                        timeout=5) as r:
+                ratios = {x["metric"]["method"]: float(x["value"][1])
+                          for x in json.loads(r.read())["data"]["result"]}
+            time.sleep(0.5)
+        assert ratios.get("DescribeSequence") == 1.0 and ratios.get("BeginStep") == 0.0, ratios
         with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/targets", timeout=5) as r:
             targets = json.loads(r.read())["data"]["activeTargets"]
         assert targets and targets[0]["health"] == "up", targets
@@ -427,10 +469,40 @@ def test_attnctl_is_a_conventional_cli(ops_server):
         assert r.stderr and not r.stdout, bad
     env = {"ATTND_TARGET": target}
     assert "SERVING" in _ctl("health", env=env, check=0).stdout
+    assert _ctl("health", "--service=", env=env, check=0).stdout == "(server): SERVING\n"
+    # A service name longer than one protobuf length byte (it was sent mis-encoded): unknown.
+    r = _ctl("health", "--service=" + "x" * 150, env=env, check=1)
+    assert "NOT_FOUND" in r.stderr, (r.stdout, r.stderr)
     info = json.loads(_ctl("info", "--output=json", env=env, check=0).stdout)
     assert info["model"]["name"] == "tiny" and info["version"].startswith("attnd ")
     listed = json.loads(_ctl("list", "--output", "json", env=env, check=0).stdout)
     assert isinstance(listed.get("sequences", []), list)
+
+
+def test_attnctl_gives_up_on_a_hung_server_after_its_timeout():
+    """A stopped server (SIGSTOP: the port accepts, nothing answers): --timeout bounds each call,
+    health defaults to 5 s (a probe must fail inside the kubelet's timeout), 0 waits."""
+    proc, target, _ = _start([])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        for args, limit in ((["info", "--timeout=1"], 1), (["health"], 5),
+                            (["list", "--timeout", "0.5"], 0.5)):
+            t0 = time.monotonic()
+            r = _ctl(*args, f"--target={target}", check=1)
+            took = time.monotonic() - t0
+            assert "DEADLINE_EXCEEDED" in r.stderr, (args, r.stderr)
+            assert limit <= took < limit + 3, (args, took)
+        waiting = subprocess.Popen([str(ATTNCTL), "info", "--timeout=0", f"--target={target}"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2)
+        assert waiting.poll() is None, "--timeout=0 gave up"
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = waiting.communicate(timeout=30)
+        assert waiting.returncode == 0 and "tiny" in out, (out, err)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
 
 
 def test_a_failed_demo_leaves_no_sequence_behind():

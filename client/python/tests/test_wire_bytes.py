@@ -6,7 +6,7 @@ starts a real attnd with absorption weights)."""
 from __future__ import annotations
 
 import concurrent.futures
-import re
+import json
 import sys
 from pathlib import Path
 
@@ -182,23 +182,18 @@ def test_bad_reply_datatypes_are_refused_and_change_nothing(server):
         assert c.describe_sequence("bad-out").length == 2
 
 
-def _bench_rows(text):
-    rows = {}
-    for line in text.splitlines():
-        m = re.match(r"^(latent bf16|latent fp8 queries|absorbed bf16|absorbed fp8 queries|"
-                     r"absorbed fp8 q \+ reply)\s+([0-9].*)$", line)
-        if m:
-            rows[m.group(1)] = [float(v) for v in m.group(2).split()]
-    return rows
-
-
 def test_attnctl_bench_reports_each_variants_wire_bytes():
     """attnctl bench against a real attnd holding absorption weights (tiny dims, batch 8): each
     variant's attention bytes per token per layer are what its tensors must carry, plus at most
     40 bytes of message framing per token; the round trip covers the server's time."""
     B = 8
-    out = wire_bench.run("tiny", "FSFD", batch=B, context=64, steps=2, threads=2)
-    rows = _bench_rows(out)
+    out = json.loads(wire_bench.run("tiny", "FSFD", batch=B, context=64, steps=2, threads=2,
+                                    output="json"))
+    assert (out["batch"], out["context"], out["absorbed_measured"]) == (B, 64, True), out
+    fields = ["attention_kib_per_token", "indexer_kib_per_token", "request_kib_per_token",
+              "reply_kib_per_token", "round_trip_ms_p50", "round_trip_ms_p99", "server_ms_p50",
+              "transport_ms_p50", "echo_ms_p50"]
+    rows = {v["name"]: [v[f] for f in fields] for v in out["variants"]}
     assert set(rows) == {"latent bf16", "latent fp8 queries", "absorbed bf16",
                          "absorbed fp8 queries", "absorbed fp8 q + reply"}, out
     H, L, R, Di, Hi = 4, 32, 16, 16, 4  # the tiny model
