@@ -106,7 +106,7 @@ def test_the_pod_is_pinned_filtered_and_tolerates_one_slow_probe():
     assert c["readinessProbe"]["failureThreshold"] >= 2
 
 
-def _check_flags(argv):
+def check_flags(argv):
     """Every flag in `argv` is one `attnd --help` lists (their values are attnd's flag parser's
     to check: flags_test; a manifest value it refused would keep the pod from starting)."""
     known = set(re.findall(r"^  (--[a-z0-9-]+)", subprocess.run(
@@ -119,7 +119,7 @@ def _check_flags(argv):
 
 def test_the_manifest_and_dockerfile_pass_only_flags_attnd_accepts():
     container_args = [a for a in _container()["args"] if a.startswith("--")]
-    known = _check_flags(container_args)
+    known = check_flags(container_args)
     # The commented-out multi-tenant flags too: uncommenting them must give a working line.
     commented = re.findall(r"^\s*#\s*- (--[a-z0-9-]+=\S+)", MANIFESTS.read_text(), re.M)
     assert len(commented) >= 5
@@ -127,5 +127,5 @@ def test_the_manifest_and_dockerfile_pass_only_flags_attnd_accepts():
         assert a.split("=", 1)[0] in known, a
     docker = (ROOT / "deploy" / "Dockerfile").read_text()
     cmd = yaml.safe_load(re.search(r"^CMD (\[.*\])$", docker, re.M).group(1))
-    _check_flags(cmd)
+    check_flags(cmd)
     assert "--kv-cache-fraction=0.9" in cmd and "--kv-cache-fraction=0.9" in container_args
