@@ -77,7 +77,7 @@ class ServiceMetrics {
   metrics::Gauge* start_time_;
 };
 
-// The build's version ("0.2.0", from the CMake project) and git revision ("unknown" outside git).
+// The build's version ("0.3.0", from the CMake project) and git revision ("unknown" outside git).
 const char* BuildVersion();
 const char* BuildRevision();
 

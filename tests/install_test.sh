@@ -4,6 +4,7 @@
 # program through pkg-config.
 set -euo pipefail
 BUILD=$1
+VERSION=$2  # MAJOR.MINOR of this build: what a user of this release asks find_package for
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cmake --install "$BUILD" --prefix "$WORK/prefix" >/dev/null
@@ -23,11 +24,11 @@ int main() {
   return t.data().size() == 16 && unavailable ? 0 : 1;
 }
 CC
-cat > "$WORK/app/CMakeLists.txt" <<'CM'
+cat > "$WORK/app/CMakeLists.txt" <<CM
 cmake_minimum_required(VERSION 3.16)
 project(attnd_app CXX)
 set(CMAKE_CXX_STANDARD 17)
-find_package(attnd 0.2 REQUIRED)
+find_package(attnd $VERSION REQUIRED)
 add_executable(app main.cc)
 target_link_libraries(app PRIVATE attnd::client)
 CM

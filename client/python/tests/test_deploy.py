@@ -100,6 +100,9 @@ def test_the_pod_is_pinned_filtered_and_tolerates_one_slow_probe():
     version = re.search(r"project\(attnd VERSION ([0-9.]+)",
                         (ROOT / "CMakeLists.txt").read_text()).group(1)
     assert tag == version, f"{c['image']}: pin the release ({version}), not {tag or 'no tag'}"
+    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert f'org.opencontainers.image.version="{version}"' in docker
+    assert f"-t {image}:{version} " in docker, "the Dockerfile's build line makes that tag"
     pod = sts["spec"]["template"]["spec"]["securityContext"]
     assert pod["seccompProfile"] == {"type": "RuntimeDefault"} and pod["runAsNonRoot"]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False

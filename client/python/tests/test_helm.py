@@ -34,7 +34,7 @@ VARIANTS = {
              "quotas": {"pages": 200000}, "antiAffinity": "hard",
              "extraArgs": ["--grpc-reflection=false"]},
     "token": {"tls": {"enabled": True}, "auth": {"mode": "token", "adminTenant": "ops"},
-              "replicas": 3, "image": {"tag": "0.2.0-rc1"}},
+              "replicas": 3, "image": {"tag": "0.3.0-rc1"}},
     "bare": {"podDisruptionBudget": {"enabled": False}, "serviceMonitor": {"enabled": False},
              "dashboard": {"enabled": False}, "antiAffinity": "none",
              "topologySpread": {"enabled": True}, "cache": {"dtype": "fp8"},
@@ -136,7 +136,7 @@ def test_the_image_is_the_release_unless_a_tag_is_given():
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert meta["appVersion"] == meta["version"] == version
     assert _container(_render({}))["image"] == f"attnd:{version}"
-    assert _container(_render(VARIANTS["token"]))["image"] == "attnd:0.2.0-rc1"
+    assert _container(_render(VARIANTS["token"]))["image"] == "attnd:0.3.0-rc1"
 
 
 def test_the_chart_and_the_plain_manifest_agree_where_both_set_a_flag():
