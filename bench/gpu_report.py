@@ -1,7 +1,11 @@
 """Joins cuda_bench's JSON lines, the PyTorch timings and the GPU test results into one markdown
 table (scripts/gpu-check.sh).
 
-  gpu_report.py BENCH.jsonl TORCH.jsonl [TESTS.xml ...]
+  gpu_report.py [--stages=STAGES.jsonl] BENCH.jsonl TORCH.jsonl [TESTS.xml ...]
+
+With --stages (gpu-check's record of each stage: limit, seconds, verdict, note) the report opens
+with the stage table, the sanitizer's verdict and the reruns. A test XML file that is missing or
+unreadable is named ("no XML": the binary timed out or crashed before writing it).
 
 Test results are counted per test case (GoogleTest writes no skip count on the root element):
 a case is skipped when it has a <skipped> element or result="skipped", failed when it has a
@@ -21,13 +25,16 @@ def lines(path):
         return []
 
 
-def count_tests(paths):
-    """(passed, failed, skipped, files read) over every test case of the given XML files."""
+def count_tests(paths, missing=None):
+    """(passed, failed, skipped, files read) over every test case of the given XML files; the
+    paths that could not be read are appended to `missing`."""
     passed = failed = skipped = read = 0
     for path in paths:
         try:
             root = ET.parse(path).getroot()
         except (OSError, ET.ParseError):
+            if missing is not None:
+                missing.append(path)
             continue
         read += 1
         for case in root.iter("testcase"):
@@ -41,11 +48,40 @@ def count_tests(paths):
     return passed, failed, skipped, read
 
 
+def stage_table(stages):
+    """The stages as gpu-check ran them, then the sanitizer's verdict and the reruns."""
+    print("| stage | limit | took | verdict | note |")
+    print("|---|---|---|---|---|")
+    for s in stages:
+        print(f"| {s['stage']} | {s['limit_s']} s | {s['seconds']} s | {s['verdict']} | "
+              f"{s['note']} |")
+    sanitizer = [s for s in stages if s["stage"].startswith(("sanitizer", "memcheck",
+                                                             "racecheck", "synccheck"))]
+    verdicts = {s["verdict"] for s in sanitizer}
+    word = ("not run" if not sanitizer else "unavailable" if verdicts == {"unavailable"}
+            else "clean" if verdicts == {"passed"} else "errors or not finished")
+    print(f"\ncompute-sanitizer: {word}"
+          + "".join(f"; {s['stage']}: {s['verdict']}" for s in sanitizer))
+    reruns = next((s for s in stages if s["stage"] == "reruns"), None)
+    if reruns:
+        print(f"reruns: {reruns['verdict']} ({reruns['note']})")
+    print()
+
+
 def main():
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    stages = None
+    if args and args[0].startswith("--stages="):
+        stages = lines(args.pop(0).split("=", 1)[1])
+    if len(args) < 2:
         sys.exit(__doc__)
-    ours, torch_rows = lines(sys.argv[1]), lines(sys.argv[2])
-    passed, failed, skipped, read = count_tests(sys.argv[3:])
+    if stages is not None:
+        stage_table(stages)
+    ours, torch_rows = lines(args[0]), lines(args[1])
+    missing = []
+    passed, failed, skipped, read = count_tests(args[2:], missing)
+    for path in missing:
+        print(f"GPU tests: no XML at {path} (the binary timed out or crashed, or never ran)")
     if read:
         print(f"GPU tests: {passed} passed, {failed} failed, {skipped} skipped")
         if passed == 0:

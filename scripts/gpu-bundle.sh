@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the GPU test and benchmark binaries here and bundles them with the shared libraries
 # they need (Debian's Abseil etc.), so they run on a GPU machine that has only the NVIDIA
-# driver: build-gpu/bundle/{cuda_test,cuda_scale_test,device_test,cuda_bench,lib/}. scripts/gpu-check.sh runs
-# them there.
+# driver: build-gpu/bundle/{cuda_test,cuda_scale_test,device_test,cuda_bench,lib/}.
+# scripts/gpu-check.sh runs them there. Says the bundle's size and fails when it and the tracked
+# tree exceed the 64 MiB a device run carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
@@ -21,4 +22,16 @@ for bin in "$OUT/cuda_test" "$OUT/cuda_scale_test" "$OUT/device_test" "$OUT/cuda
     esac
   done
 done
-du -sh "$OUT"
+# Debug sections are most of the bytes; function names stay for backtraces.
+strip --strip-debug "$OUT"/cuda_test "$OUT"/cuda_scale_test "$OUT"/device_test "$OUT"/cuda_bench \
+  "$OUT"/lib/* 2>/dev/null || true
+# A device run carries the working tree and the bundle, 64 MiB in all.
+LIMIT=$((64 << 20))
+bundle=$(du -sb "$OUT" | cut -f1)
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+echo "gpu-bundle: $OUT $((bundle >> 20)) MiB + the tracked tree $((tree >> 20)) MiB =" \
+  "$(((bundle + tree) >> 20)) MiB of the $((LIMIT >> 20)) MiB a device run can carry"
+if [ $((bundle + tree)) -gt "$LIMIT" ]; then
+  echo "gpu-bundle: too large to carry to the GPU machine"
+  exit 1
+fi

@@ -1,32 +1,47 @@
 #!/usr/bin/env bash
-# One script for a machine with an NVIDIA GPU (sm_80/sm_90). Uses the bundle made here by
-# scripts/gpu-bundle.sh (carried over: the GPU machine has nvcc, CMake and PyTorch but not
-# Debian's gRPC or GoogleTest); if absent and nvcc + gtest exist, builds it.
-#   1. GPU tests: CUDA vs CPU backend vs float64 reference, random data, every mode; the Device
-#      interface test on cuda:0; the tensor-core MLA kernel's parity pass.
-#   2. Failing tests again, one process each with CUDA_LAUNCH_BLOCKING=1 (names the kernel).
-#   3. compute-sanitizer memcheck on one case, when a probe shows it works on this host.
-#   4. Kernel benchmark with this GPU's copy bandwidth measured in the run; PyTorch versions of
+# One script for a machine with an NVIDIA GPU (sm_80/sm_90), sized to the device window: a
+# session has 15 minutes of device time and one command at most 600 s, so the default budget
+# (GPU_CHECK_BUDGET_S, 420 s) leaves room for the machine's start and a rerun. Uses the bundle
+# made here by scripts/gpu-bundle.sh (carried over: the GPU machine has the driver, not Debian's
+# gRPC or GoogleTest); if absent and nvcc + gtest exist, builds it.
+#   1. GPU tests: CUDA vs CPU backend vs float64 reference, random data, every mode (bf16 on the
+#      tensor-core kernels, the default); real dimensions; the Device interface on cuda:0.
+#   2. Failing tests again, one process each with CUDA_LAUNCH_BLOCKING=1 (names the kernel),
+#      at most GPU_CHECK_RERUNS (4) of them and GPU_CHECK_RERUN_S (90) seconds in all.
+#   3. The SIMT kernels on the bf16 cases that stage 1 ran on tensor cores (ATTND_CUDA_MLA=simt
+#      ATTND_CUDA_INDEXER=simt): both kernel families against the same references.
+#   4. compute-sanitizer, when a probe that launches a real kernel shows it works here
+#      ("not supported" is read as unavailable, not as a failure): memcheck on one
+#      DeepSeek-dims case, racecheck and synccheck on one tensor-core step.
+#   5. Kernel benchmark with this GPU's copy bandwidth measured in the run; PyTorch versions of
 #      the same ops on the same shapes.
-#   5. One table: op, shape, time, GB/s or TFLOP/s, fraction of the limit, speed-up over PyTorch.
-# Everything goes under ${OUT:-gpu-check-out}; logs are written to files before anything filters
-# them. Where nvidia-smi lists a GPU, ATTND_REQUIRE_GPU=1 makes every GPU skip a failure.
-# Stages stop being started once ${GPU_CHECK_BUDGET_S:-660} seconds have passed (the session's
-# device time is 15 minutes). --dry-run goes through every stage without a GPU (what this CPU
-# machine can check): the report then ends with "no GPU: nothing measured".
+#   6. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
+#      fraction of the limit, speed-up over PyTorch.
+# A stage starts only when its time limit fits what is left of the budget; every command runs
+# under `timeout -k`, so a hung kernel cannot hold the window. Everything goes under
+# ${OUT:-gpu-check-out} (stages.jsonl: one line per stage); logs are written to files before
+# anything filters them. Where nvidia-smi lists a GPU, ATTND_REQUIRE_GPU=1 makes every GPU skip a
+# failure. --dry-run goes through every stage without a GPU (what the CPU machine can check):
+# the report then ends with "no GPU: nothing measured".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = --dry-run ] && DRY=1
 OUT=${OUT:-gpu-check-out}
-BUDGET=${GPU_CHECK_BUDGET_S:-660}
+BUDGET=${GPU_CHECK_BUDGET_S:-420}
+MAX_RERUNS=${GPU_CHECK_RERUNS:-4}
+RERUN_BUDGET=${GPU_CHECK_RERUN_S:-90}
+KILL_AFTER=5  # seconds between timeout's TERM and its KILL
 mkdir -p "$OUT"
+STAGES="$OUT/stages.jsonl"
+: > "$STAGES"
 BUNDLE=${BUNDLE:-build-gpu/bundle}
 if [ ! -x "$BUNDLE/cuda_test" ]; then
   echo "gpu-check: no bundle at $BUNDLE; building (needs this repo's dependencies)"
   ./scripts/gpu-bundle.sh || { echo "gpu-check: cannot build the bundle"; exit 1; }
 fi
-export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib:${LD_LIBRARY_PATH:-}"
+case $BUNDLE in /*) ;; *) BUNDLE=$PWD/$BUNDLE ;; esac
+export LD_LIBRARY_PATH="$BUNDLE/lib:${LD_LIBRARY_PATH:-}"
 status=0
 if nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     > "$OUT/nvidia-smi.txt" 2>&1 && [ -s "$OUT/nvidia-smi.txt" ]; then
@@ -39,32 +54,64 @@ else
   echo "gpu-check: nvidia-smi lists no GPU; use --dry-run to go through the stages anyway"
   exit 1
 fi
-in_budget() {  # in_budget STAGE: whether there is time left to start STAGE
-  if [ "$SECONDS" -ge "$BUDGET" ]; then
-    echo "gpu-check: $1 not started: ${SECONDS}s of the ${BUDGET}s budget used"
+
+# record STAGE LIMIT VERDICT SECONDS NOTE: one JSON line in stages.jsonl.
+record() {
+  python3 -c 'import json, sys
+print(json.dumps({"stage": sys.argv[1], "limit_s": int(sys.argv[2]), "verdict": sys.argv[3],
+                  "seconds": int(sys.argv[4]), "note": sys.argv[5]}))' "$@" >> "$STAGES"
+}
+# fits STAGE LIMIT: whether STAGE, given LIMIT seconds (and the kill delay), fits what is left.
+fits() {
+  local left=$((BUDGET - SECONDS))
+  if [ $(($2 + KILL_AFTER)) -gt "$left" ]; then
+    echo "gpu-check: $1 not started: it may take ${2}s, ${left}s of the ${BUDGET}s budget left"
+    record "$1" "$2" "not started" 0 "${left}s of the budget left"
     status=1
     return 1
   fi
 }
-# run_tests NAME BINARY TIMEOUT [gtest args...]: full log to a file first, then a summary.
-run_tests() {
-  local name=$1 bin=$2 limit=$3
-  shift 3
-  timeout "$limit" "$bin" --gtest_output="xml:$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  grep -E '^\[  (FAILED|SKIPPED) |^\[==========\]|^\[  PASSED  \]' "$OUT/$name.log" | head -40
-  [ $rc -eq 124 ] && echo "gpu-check: $name timed out after ${limit}s"
-  return $rc
+bounded() {  # bounded LIMIT COMMAND...: COMMAND, killed after LIMIT (+ the kill delay) seconds
+  local limit=$1
+  shift
+  timeout -k "$KILL_AFTER" "$limit" "$@"
 }
+verdict_of() {  # verdict_of RC: the word for an exit code under `bounded`
+  case $1 in
+    0) echo passed ;;
+    124 | 137) echo "timed out" ;;
+    *) echo failed ;;
+  esac
+}
+# run_tests STAGE NAME BINARY LIMIT [gtest args...]: the full log to a file first, then a
+# summary; a binary that leaves no XML (it timed out or crashed) is said so, by name.
+run_tests() {
+  local stage=$1 name=$2 bin=$3 limit=$4
+  shift 4
+  fits "$stage" "$limit" || return 0
+  local t0=$SECONDS
+  rm -f "$OUT/$name.xml"
+  bounded "$limit" "$bin" --gtest_output="xml:$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$? note=""
+  grep -E '^\[  (FAILED|SKIPPED) |^\[==========\]|^\[  PASSED  \]' "$OUT/$name.log" | head -40
+  if [ ! -s "$OUT/$name.xml" ]; then
+    note="no XML (timed out or crashed, exit $rc): see $name.log"
+    echo "gpu-check: $name: $note"
+    [ $rc = 0 ] && rc=1
+  fi
+  [ $rc -ne 0 ] && status=1
+  record "$stage" "$limit" "$(verdict_of $rc)" $((SECONDS - t0)) "$note"
+}
+
 echo "== GPU tests"
-in_budget "GPU tests" && { run_tests cuda_test "$BUNDLE/cuda_test" 240 || status=1; }
-in_budget "GPU tests at real dimensions" && \
-  { run_tests cuda_scale_test "$BUNDLE/cuda_scale_test" 240 || status=1; }
-in_budget "device interface tests" && \
-  { run_tests device_test "$BUNDLE/device_test" 120 --gtest_filter='*cuda*' || status=1; }
+run_tests "GPU tests" cuda_test "$BUNDLE/cuda_test" 120
+run_tests "GPU tests at real dimensions" cuda_scale_test "$BUNDLE/cuda_scale_test" 120
+run_tests "device interface on cuda:0" device_test "$BUNDLE/device_test" 45 --gtest_filter='*cuda*'
+
 echo "== failing tests one by one with CUDA_LAUNCH_BLOCKING=1 (a faulting kernel poisons its process)"
+reruns=0 rerun_t0=$SECONDS rerun_failed=0 rerun_note=""
 for name in cuda_test cuda_scale_test device_test; do
-  [ -f "$OUT/$name.xml" ] || continue
+  [ -s "$OUT/$name.xml" ] || continue
   python3 - "$OUT/$name.xml" > "$OUT/$name.failed" <<'PY'
 import sys, xml.etree.ElementTree as ET
 for s in ET.parse(sys.argv[1]).getroot().iter("testsuite"):
@@ -73,55 +120,117 @@ for s in ET.parse(sys.argv[1]).getroot().iter("testsuite"):
             print(f"{s.get('name')}.{c.get('name')}")
 PY
   while read -r t; do
-    in_budget "rerun of $t" || break
+    left=$((RERUN_BUDGET - (SECONDS - rerun_t0)))
+    if [ "$reruns" -ge "$MAX_RERUNS" ] || [ "$left" -lt 10 ]; then
+      rerun_note="capped at $MAX_RERUNS reruns / ${RERUN_BUDGET}s; $t and later not rerun"
+      break 2
+    fi
+    limit=$((left < 40 ? left : 40))
+    fits "rerun of $t" "$limit" || break 2
+    safe=$(printf '%s' "$t" | tr -c 'A-Za-z0-9_.-' '_')  # parameterised names hold '/'
     echo "-- $t"
-    CUDA_LAUNCH_BLOCKING=1 timeout 60 "$BUNDLE/$name" --gtest_filter="$t" \
-      > "$OUT/rerun.$t.log" 2>&1
-    grep -E 'Failure|CUDA|error|\[  (PASSED|FAILED) ' "$OUT/rerun.$t.log" | head -12
+    CUDA_LAUNCH_BLOCKING=1 bounded "$limit" "$BUNDLE/$name" --gtest_filter="$t" \
+      > "$OUT/rerun.$safe.log" 2>&1
+    rc=$?
+    grep -E 'Failure|CUDA|error|\[  (PASSED|FAILED) ' "$OUT/rerun.$safe.log" | head -12
+    reruns=$((reruns + 1))
+    [ $rc -ne 0 ] && rerun_failed=$((rerun_failed + 1))
+    record "rerun $t" "$limit" "$(verdict_of $rc)" 0 "rerun.$safe.log"
   done < "$OUT/$name.failed"
 done
-echo "== the SIMT kernels for bf16 (ATTND_CUDA_MLA=simt ATTND_CUDA_INDEXER=simt; the default is tensor cores)"
-if in_budget "SIMT parity"; then
-  ATTND_CUDA_MLA=simt ATTND_CUDA_INDEXER=simt run_tests cuda_test_simt "$BUNDLE/cuda_test" 180 \
-    --gtest_filter='*BF16*:Cuda.*' ||
-    { echo "gpu-check: the SIMT kernels fail parity too (see $OUT/cuda_test_simt.log)"; status=1; }
+record "reruns" "$RERUN_BUDGET" "$([ $reruns = 0 ] && echo none || echo "$reruns run")" \
+  $((SECONDS - rerun_t0)) "$rerun_failed still failing alone${rerun_note:+; $rerun_note}"
+
+echo "== the SIMT kernels on the bf16 cases (stage 1 ran them on tensor cores)"
+ATTND_CUDA_MLA=simt ATTND_CUDA_INDEXER=simt \
+  run_tests "SIMT kernels, bf16 cases" cuda_test_simt "$BUNDLE/cuda_test" 60 --gtest_filter='*BF16*'
+
+echo "== compute-sanitizer"
+SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+sanitize() {  # sanitize STAGE TOOL LIMIT BINARY FILTER
+  local stage=$1 tool=$2 limit=$3 bin=$4 filter=$5
+  fits "$stage" "$limit" || return 0
+  local t0=$SECONDS log
+  log="$OUT/sanitizer-$tool.log"
+  bounded "$limit" "$SANITIZER" --tool "$tool" --error-exitcode 3 "$bin" \
+    --gtest_filter="$filter" > "$log" 2>&1
+  local rc=$?
+  tail -6 "$log"
+  [ $rc -ne 0 ] && status=1
+  local note="$filter"
+  [ $rc = 3 ] && note="$tool reported errors: sanitizer-$tool.log"
+  record "$stage" "$limit" "$(verdict_of $rc)" $((SECONDS - t0)) "$note"
+}
+# The probe launches a real kernel (a small parity case), so a sanitizer that cannot attach to
+# this GPU shows here, not as a failure of the checks below.
+PROBE_FILTER='Modes/CudaParity.MatchesReferenceAndCpuBackend/token_FP32'
+if [ ! -x "$SANITIZER" ]; then
+  echo "gpu-check: compute-sanitizer not installed: unavailable"
+  record "sanitizer probe" 0 unavailable 0 "compute-sanitizer not installed"
+elif fits "sanitizer probe" 30; then
+  t0=$SECONDS
+  bounded 30 "$SANITIZER" --tool memcheck "$BUNDLE/cuda_test" --gtest_filter="$PROBE_FILTER" \
+    > "$OUT/sanitizer-probe.log" 2>&1
+  rc=$?
+  if grep -qiE 'not supported|unable to|no cuda-capable|device not|insufficient' \
+      "$OUT/sanitizer-probe.log" || grep -q '^\[  SKIPPED \]' "$OUT/sanitizer-probe.log"; then
+    echo "gpu-check: compute-sanitizer cannot check this device (sanitizer-probe.log): unavailable"
+    record "sanitizer probe" 30 unavailable $((SECONDS - t0)) "$(grep -m1 -iE \
+      'not supported|unable to|no cuda-capable|device not|insufficient|SKIPPED' \
+      "$OUT/sanitizer-probe.log" | cut -c1-120 | tr '"' "'")"
+  elif [ $rc -ne 0 ]; then
+    record "sanitizer probe" 30 "$(verdict_of $rc)" $((SECONDS - t0)) "sanitizer-probe.log"
+    status=1
+  else
+    record "sanitizer probe" 30 passed $((SECONDS - t0)) "$PROBE_FILTER"
+    sanitize "memcheck, DeepSeek dims" memcheck 90 "$BUNDLE/cuda_scale_test" \
+      'Heads/DeepSeekDimsTest.SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsOfKeys/16'
+    sanitize "racecheck, tensor-core step" racecheck 60 "$BUNDLE/cuda_test" \
+      'Modes/CudaParity.MatchesReferenceAndCpuBackend/token_BF16'
+    sanitize "synccheck, tensor-core step" synccheck 45 "$BUNDLE/cuda_test" \
+      'Modes/CudaParity.MatchesReferenceAndCpuBackend/token_BF16'
+  fi
 fi
-echo "== compute-sanitizer (memcheck) on one case"
-if ! command -v compute-sanitizer >/dev/null 2>&1; then
-  echo "gpu-check: compute-sanitizer not installed: skipped"
-elif ! timeout 60 compute-sanitizer --tool memcheck "$BUNDLE/cuda_test" --gtest_list_tests \
-    > "$OUT/sanitizer-probe.log" 2>&1; then
-  echo "gpu-check: compute-sanitizer does not work on this host (see $OUT/sanitizer-probe.log): skipped"
-elif [ $DRY = 0 ] && in_budget "compute-sanitizer"; then
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$BUNDLE/cuda_test" \
-    --gtest_filter='Modes/CudaParity.MatchesReferenceAndCpuBackend/token_BF16' \
-    > "$OUT/sanitizer.log" 2>&1 || status=1
-  tail -8 "$OUT/sanitizer.log"
-fi
+
 echo "== kernel benchmark"
 BENCH="$BUNDLE/cuda_bench"
-if ! "$BUNDLE/cuda_test" --gtest_list_tests >/dev/null 2>&1; then
+if ! "$BUNDLE/cuda_test" --gtest_list_tests >/dev/null 2>&1 && command -v nvcc >/dev/null; then
   # The carried binaries do not load here (e.g. an older glibc): the benchmark needs only nvcc.
   echo "gpu-check: carried binaries do not load; building cuda_bench with nvcc"
-  nvcc -O3 -std=c++17 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
-    -I. bench/cuda_bench.cc kernels/cuda/*.cu -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
+  bounded 120 nvcc -O3 -std=c++17 -gencode arch=compute_80,code=sm_80 \
+    -gencode arch=compute_90,code=sm_90 -I. bench/cuda_bench.cc kernels/cuda/*.cu \
+    -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
 fi
 : > "$OUT/cuda_bench.jsonl"
-if in_budget "kernel benchmark"; then
-  timeout 180 "$BENCH" --json="$OUT/cuda_bench.jsonl" > "$OUT/cuda_bench.log" 2>&1 || status=1
+if fits "kernel benchmark" 90; then
+  t0=$SECONDS
+  bounded 90 "$BENCH" --json="$OUT/cuda_bench.jsonl" > "$OUT/cuda_bench.log" 2>&1
+  rc=$?
   tail -20 "$OUT/cuda_bench.log"
+  if [ $DRY = 1 ] && [ ! -s "$OUT/cuda_bench.jsonl" ]; then
+    record "kernel benchmark" 90 unavailable $((SECONDS - t0)) "no GPU"
+  else
+    [ $rc -ne 0 ] && status=1
+    record "kernel benchmark" 90 "$(verdict_of $rc)" $((SECONDS - t0)) \
+      "$(wc -l < "$OUT/cuda_bench.jsonl") rows"
+  fi
 fi
 echo "== PyTorch versions"
 : > "$OUT/torch.jsonl"
-if [ -s "$OUT/cuda_bench.jsonl" ] && in_budget "PyTorch versions"; then
-  timeout 180 python3 bench/torch_ref.py --json "$OUT/torch.jsonl" > "$OUT/torch.log" 2>&1 ||
-    echo "gpu-check: PyTorch timing failed (see $OUT/torch.log)"
-else
+if [ ! -s "$OUT/cuda_bench.jsonl" ]; then
   echo "gpu-check: nothing measured on a GPU: PyTorch versions skipped"
+  record "PyTorch versions" 0 unavailable 0 "nothing measured to compare with"
+elif fits "PyTorch versions" 90; then
+  t0=$SECONDS
+  bounded 90 python3 bench/torch_ref.py --json "$OUT/torch.jsonl" > "$OUT/torch.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && echo "gpu-check: PyTorch timing failed (see $OUT/torch.log)"
+  record "PyTorch versions" 90 "$(verdict_of $rc)" $((SECONDS - t0)) "torch.log"
 fi
 echo "== table"
-python3 bench/gpu_report.py "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" "$OUT/cuda_test.xml" \
-  "$OUT/cuda_scale_test.xml" "$OUT/device_test.xml" | tee "$OUT/table.md"
-echo "gpu-check: ${SECONDS}s"
+python3 bench/gpu_report.py --stages="$STAGES" "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" \
+  "$OUT/cuda_test.xml" "$OUT/cuda_scale_test.xml" "$OUT/device_test.xml" \
+  "$OUT/cuda_test_simt.xml" | tee "$OUT/table.md"
+echo "gpu-check: ${SECONDS}s of the ${BUDGET}s budget"
 [ $DRY = 1 ] && exit 0
 exit $status

@@ -24,7 +24,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
   stage python
   python3 -m ruff check client/python bench/*.py examples
-  python3 -m pytest -q client/python/tests bench/test_gpu_report.py
+  python3 -m pytest -q client/python/tests bench/test_gpu_report.py bench/test_gpu_check.py
   stage python-package
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
   stage transformers

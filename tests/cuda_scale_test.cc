@@ -74,14 +74,14 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
       {{"a", 1}, {"b", 1}}, {{"a", 3}, {"b", 1}}, {{"b", 1}, {"a", 1}}};
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto in = simt.MakeInputs(steps[i], DType::kBF16, 10 + i);
-    cuda::SetTensorCoreMla(false);
-    cuda::SetTensorCoreIndexer(false);
-    auto s = simt.Run(steps[i], in);
-    cuda::SetTensorCoreMla(true);
-    cuda::SetTensorCoreIndexer(true);
-    auto m = mma.Run(steps[i], in);
-    cuda::SetTensorCoreMla(false);
-    cuda::SetTensorCoreIndexer(false);
+    auto s = [&] {
+      cuda::ScopedKernelChoice simt_kernels(false, false);
+      return simt.Run(steps[i], in);
+    }();
+    auto m = [&] {
+      cuda::ScopedKernelChoice tensor_core_kernels(true, true);
+      return mma.Run(steps[i], in);
+    }();
     ASSERT_TRUE(s.status.ok()) << s.status;
     ASSERT_TRUE(m.status.ok()) << m.status;
     std::vector<LayerCheck> checks;

@@ -28,8 +28,7 @@ int64_t MaxKeys(const StepShare& share) {
 constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 
 // ATTND_CUDA_MLA=simt and ATTND_CUDA_INDEXER=simt select the SIMT kernels (gpu-check runs both;
-// any other value keeps the default). SetTensorCoreMla / SetTensorCoreIndexer override them in
-// tests.
+// any other value keeps the default). ScopedKernelChoice overrides them in tests.
 bool FromEnv(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr || std::string(v) != "simt";
@@ -77,8 +76,13 @@ absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal) {
   return m;
 }
 
-void SetTensorCoreMla(bool on) { g_tensor_core_mla = on ? 1 : 0; }
-void SetTensorCoreIndexer(bool on) { g_tensor_core_indexer = on ? 1 : 0; }
+ScopedKernelChoice::ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer)
+    : mla_before_(g_tensor_core_mla.exchange(tensor_core_mla ? 1 : 0)),
+      indexer_before_(g_tensor_core_indexer.exchange(tensor_core_indexer ? 1 : 0)) {}
+ScopedKernelChoice::~ScopedKernelChoice() {
+  g_tensor_core_mla = mla_before_;
+  g_tensor_core_indexer = indexer_before_;
+}
 
 absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name, int ordinal,
                                                                const ModelSpec& spec,

@@ -26,11 +26,20 @@ struct GpuMemory {
   size_t free = 0, total = 0;
 };
 absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal);
-// Selects the bf16 tensor-core MLA kernel (true, the default) or the SIMT one for bf16
-// requests, overriding ATTND_CUDA_MLA=simt; for tests comparing the two.
-void SetTensorCoreMla(bool on);
-// The same for the bf16 tensor-core indexer (ATTND_CUDA_INDEXER=simt).
-void SetTensorCoreIndexer(bool on);
+// While it lives, bf16 requests take the tensor-core MLA kernel or the SIMT one (`mla`) and the
+// tensor-core indexer or the SIMT one (`indexer`), over ATTND_CUDA_MLA / ATTND_CUDA_INDEXER; it
+// then restores the choice before it (the environment's included), so a test comparing the two
+// cannot leave its choice to the tests after it.
+class ScopedKernelChoice {
+ public:
+  ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer);
+  ~ScopedKernelChoice();
+  ScopedKernelChoice(const ScopedKernelChoice&) = delete;
+  ScopedKernelChoice& operator=(const ScopedKernelChoice&) = delete;
+
+ private:
+  int mla_before_, indexer_before_;  // -1: the environment's choice
+};
 
 class CudaDevice final : public Device {
  public:

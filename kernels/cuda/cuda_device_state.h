@@ -29,7 +29,7 @@
 namespace attnd::cuda {
 
 // bf16 requests take the tensor-core kernels (MLA and indexer) unless ATTND_CUDA_MLA=simt /
-// ATTND_CUDA_INDEXER=simt or SetTensorCoreMla / SetTensorCoreIndexer say otherwise.
+// ATTND_CUDA_INDEXER=simt or a ScopedKernelChoice says otherwise.
 bool TensorCoreMla();
 bool TensorCoreIndexer();
 
