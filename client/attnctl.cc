@@ -108,7 +108,7 @@ int Health(Client& c, const std::string& service) {
   stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &in, &out,
                  [&done](grpc::Status s) { done.set_value(s); });
   const grpc::Status s = done.get_future().get();
-  if (!s.ok()) return Fail(FromGrpc(s), "health");
+  if (!s.ok()) return Fail(FromGrpcNotCancelled(s), "health");
   std::vector<grpc::Slice> slices;
   std::string bytes;
   if (out.Dump(&slices).ok())
@@ -155,7 +155,8 @@ int Drain(Client& c, const Args& a) {
   grpc::ClientContext ctx;
   c.PrepareUnary(&ctx);
   v1::DrainResponse resp;
-  if (auto s = FromGrpc(c.stub()->Drain(&ctx, req, &resp)); !s.ok()) return Fail(s, "drain");
+  if (auto s = FromGrpcNotCancelled(c.stub()->Drain(&ctx, req, &resp)); !s.ok())
+    return Fail(s, "drain");
   std::printf("drain started: the server hands its sequences to %s and exits\n",
               req.peers_size() > 0 ? a.Get("to", "").c_str() : "its --drain-peers");
   return 0;

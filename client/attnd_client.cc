@@ -132,6 +132,13 @@ absl::Status FromGrpc(const grpc::Status& s) {
                       s.error_message());
 }
 
+absl::Status FromGrpcNotCancelled(const grpc::Status& s) {
+  if (s.error_code() == grpc::StatusCode::CANCELLED && s.error_message() == "CANCELLED")
+    return absl::UnavailableError(
+        "the server shut down before handling the call (gRPC said CANCELLED); retry");
+  return FromGrpc(s);
+}
+
 std::unique_ptr<Client> Client::Connect(const std::string& target, int max_message_bytes) {
   ConnectOptions o;
   o.max_message_bytes = max_message_bytes;
@@ -198,7 +205,7 @@ absl::StatusOr<v1::ServerInfoResponse> Client::Info() {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
   v1::ServerInfoResponse resp;
-  absl::Status s = FromGrpc(stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &resp));
+  absl::Status s = FromGrpcNotCancelled(stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -214,7 +221,7 @@ absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
   req.set_fork_prefix_len(prefix_len);
   req.set_import_length(import_length);
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpc(stub_->OpenSequence(&ctx, req, &resp));
+  absl::Status s = FromGrpcNotCancelled(stub_->OpenSequence(&ctx, req, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -225,7 +232,7 @@ absl::Status Client::CloseSequence(const std::string& id) {
   v1::CloseSequenceRequest req;
   req.set_sequence_id(id);
   v1::CloseSequenceResponse resp;
-  return FromGrpc(stub_->CloseSequence(&ctx, req, &resp));
+  return FromGrpcNotCancelled(stub_->CloseSequence(&ctx, req, &resp));
 }
 
 absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants) {
@@ -234,7 +241,7 @@ absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants
   v1::ListSequencesRequest req;
   req.set_all_tenants(all_tenants);
   v1::ListSequencesResponse resp;
-  absl::Status s = FromGrpc(stub_->ListSequences(&ctx, req, &resp));
+  absl::Status s = FromGrpcNotCancelled(stub_->ListSequences(&ctx, req, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -245,7 +252,7 @@ absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id)
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpc(stub_->DescribeSequence(&ctx, req, &resp));
+  absl::Status s = FromGrpcNotCancelled(stub_->DescribeSequence(&ctx, req, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -271,7 +278,7 @@ absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const v1::BeginStepReque
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
   v1::BeginStepResponse resp;
-  absl::Status s = FromGrpc(stub_->BeginStep(&ctx, request, &resp));
+  absl::Status s = FromGrpcNotCancelled(stub_->BeginStep(&ctx, request, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -283,7 +290,7 @@ absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::
   req.set_step_id(step_id);
   *req.mutable_inputs() = in;
   v1::AttendLayerResponse resp;
-  absl::Status s = FromGrpc(stub_->AttendLayer(&ctx, req, &resp));
+  absl::Status s = FromGrpcNotCancelled(stub_->AttendLayer(&ctx, req, &resp));
   if (!s.ok()) return s;
   return std::move(*resp.mutable_output());
 }
@@ -294,7 +301,7 @@ absl::Status Client::AbortStep(uint64_t step_id) {
   v1::AbortStepRequest req;
   req.set_step_id(step_id);
   v1::AbortStepResponse resp;
-  return FromGrpc(stub_->AbortStep(&ctx, req, &resp));
+  return FromGrpcNotCancelled(stub_->AbortStep(&ctx, req, &resp));
 }
 
 absl::Status Client::RegisterSharedMemory(const std::string& name, const std::string& key,
@@ -307,7 +314,7 @@ absl::Status Client::RegisterSharedMemory(const std::string& name, const std::st
   req.set_offset(offset);
   req.set_byte_size(bytes);
   v1::RegisterSharedMemoryResponse resp;
-  return FromGrpc(stub_->RegisterSharedMemory(&ctx, req, &resp));
+  return FromGrpcNotCancelled(stub_->RegisterSharedMemory(&ctx, req, &resp));
 }
 
 absl::Status Client::UnregisterSharedMemory(const std::string& name) {
@@ -316,7 +323,7 @@ absl::Status Client::UnregisterSharedMemory(const std::string& name) {
   v1::UnregisterSharedMemoryRequest req;
   req.set_name(name);
   v1::UnregisterSharedMemoryResponse resp;
-  return FromGrpc(stub_->UnregisterSharedMemory(&ctx, req, &resp));
+  return FromGrpcNotCancelled(stub_->UnregisterSharedMemory(&ctx, req, &resp));
 }
 
 absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
@@ -326,7 +333,7 @@ absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
   req.set_payload(payload);
   req.set_response_bytes(response_bytes);
   v1::EchoResponse resp;
-  return FromGrpc(stub_->Echo(&ctx, req, &resp));
+  return FromGrpcNotCancelled(stub_->Echo(&ctx, req, &resp));
 }
 
 std::unique_ptr<StepStream> Client::OpenStream() {
@@ -352,7 +359,7 @@ absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& re
   v1::StepResponse resp;
   if (!rw_->Write(req) || !rw_->Read(&resp)) {
     closed_ = true;
-    error_ = FromGrpc(rw_->Finish());
+    error_ = FromGrpcNotCancelled(rw_->Finish());
     if (error_.ok()) error_ = absl::UnavailableError("stream ended without a reply");
     return error_;
   }
@@ -399,7 +406,7 @@ absl::Status StepStream::Close() {
   if (closed_) return error_;
   closed_ = true;
   rw_->WritesDone();
-  error_ = FromGrpc(rw_->Finish());
+  error_ = FromGrpcNotCancelled(rw_->Finish());
   return error_;
 }
 
@@ -469,7 +476,7 @@ absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
       return fail(o.status());
     }
   }
-  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return fail(s);
+  if (auto s = FromGrpcNotCancelled(reader->Finish()); !s.ok()) return fail(s);
   return absl::OkStatus();
 }
 

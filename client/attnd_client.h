@@ -69,6 +69,11 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // gRPC status -> absl::Status, same code and message.
 absl::Status FromGrpc(const grpc::Status& s);
+// The same for a call this client did not cancel itself, with one exception: gRPC ends a call
+// that reached a server as it shut down, before a handler took it, with CANCELLED "CANCELLED"
+// (grpc/grpc#41785; newer gRPC says UNAVAILABLE). Nobody cancelled it here, so it is the server
+// going away (a drained replica exiting): UNAVAILABLE, which callers treat as a miss and retry.
+absl::Status FromGrpcNotCancelled(const grpc::Status& s);
 
 class StepStream;
 class Client;

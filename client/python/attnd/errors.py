@@ -20,4 +20,11 @@ class AttndError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError) -> AttndError:
         code = error.code() if callable(getattr(error, "code", None)) else None
         details = error.details() if callable(getattr(error, "details", None)) else None
+        if code == grpc.StatusCode.CANCELLED and details == "CANCELLED":
+            # gRPC's word for a call that reached a server as it shut down, before a handler
+            # took it (grpc/grpc#41785; newer gRPC says UNAVAILABLE). A call this client cancels
+            # says "Locally cancelled by application!": this one is the server going away.
+            return cls(grpc.StatusCode.UNAVAILABLE,
+                       "the server shut down before handling the call (gRPC said CANCELLED); "
+                       "retry")
         return cls(code or grpc.StatusCode.UNKNOWN, details or str(error))

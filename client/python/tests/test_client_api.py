@@ -286,3 +286,32 @@ def test_an_arena_refuses_an_async_client():
             finally:
                 arena.close()
     asyncio.run(run())
+
+
+class _RpcError(grpc.RpcError):
+    """An RpcError as gRPC raises it: code() and details()."""
+
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_a_call_ended_by_a_server_shutting_down_is_unavailable():
+    """gRPC ends a call that reached a server as it shut down, before a handler took it, with
+    CANCELLED "CANCELLED" (tests/client_status_test.cc shows it on a real server): to a client
+    that cancelled nothing that is the server going away, a miss to retry, as in the C++ client.
+    A call the client cancelled, and the server's own CANCELLED messages, stay CANCELLED."""
+    from attnd import AttndError
+
+    gone = AttndError.from_rpc_error(_RpcError(grpc.StatusCode.CANCELLED, "CANCELLED"))
+    assert gone.code == grpc.StatusCode.UNAVAILABLE and "shut down" in gone.details
+    for details in ("Locally cancelled by application!", "step aborted by AbortStep"):
+        kept = AttndError.from_rpc_error(_RpcError(grpc.StatusCode.CANCELLED, details))
+        assert kept.code == grpc.StatusCode.CANCELLED and kept.details == details
+    other = AttndError.from_rpc_error(_RpcError(grpc.StatusCode.NOT_FOUND, "CANCELLED"))
+    assert other.code == grpc.StatusCode.NOT_FOUND
