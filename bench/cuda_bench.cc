@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/mla_split.h"
 
 namespace {
 
@@ -251,13 +252,19 @@ int main(int argc, char** argv) {
     mp.sel_count = Upload(cnt);
     mp.sel_stride = K;
     mp.out = out;
+    mp.max_keys = K;  // the tensor-core kernel's split-K (a fixed split per query, mla_split.h)
+    const int splits = attnd::cuda::MlaQuerySplits(K);
+    mp.part_queries = attnd::cuda::MlaPartialQueries(B, splits, H, L);
+    mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
+    mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
     const double bytes = double(B) * K * D * 2;  // the selected latent rows
     const std::string shape = "B=64 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
     for (bool tc : {false, true}) {
       mp.tensor_cores = tc;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
-      Report(tc ? "sparse MLA decode (mma)" : "sparse MLA decode", shape, ms, bytes / 1e9, "GB/s",
-             copy_bw / 1e9);
+      Report(tc ? "sparse MLA decode (mma, split-K x" + std::to_string(splits) + ")"
+                : "sparse MLA decode",
+             shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9);
     }
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
@@ -267,25 +274,19 @@ int main(int argc, char** argv) {
       Report("sparse MLA decode (mma, 16 heads/block)", shape, ms, bytes / 1e9, "GB/s",
              copy_bw / 1e9);
     }
-    // A small batch (4 queries): one block per 16 heads leaves most SMs idle; split-K fills them.
+    // A small batch (4 queries): the same split per query (the batch does not choose it).
     {
       attnd::cuda::MlaParams small = mp;
       small.n = 4;
       small.tensor_cores = true;
       const double small_bytes = 4.0 * K * D * 2;
       const std::string small_shape = "B=4 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
-      const double ms1 = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });
-      Report("sparse MLA decode (mma)", small_shape, ms1, small_bytes / 1e9, "GB/s", copy_bw / 1e9);
-      small.splits = attnd::cuda::MlaSplits(4, H, prop.multiProcessorCount, K,
-                                            attnd::cuda::MlaHeadsPerBlock(small));
-      small.part_out = Alloc<float>(size_t(small.splits) * 4 * H * L);
-      small.part_ml = Alloc<float>(size_t(small.splits) * 4 * H * 2);
-      const double ms2 = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });
-      Report("sparse MLA decode (mma, split-K x" + std::to_string(small.splits) + ")", small_shape,
-             ms2, small_bytes / 1e9, "GB/s", copy_bw / 1e9);
-      CHECK(cudaFree(small.part_out));
-      CHECK(cudaFree(small.part_ml));
+      const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(small, 0)); });
+      Report("sparse MLA decode (mma, split-K x" + std::to_string(splits) + ")", small_shape, ms,
+             small_bytes / 1e9, "GB/s", copy_bw / 1e9);
     }
+    CHECK(cudaFree(mp.part_out));
+    CHECK(cudaFree(mp.part_ml));
     CHECK(cudaFree(kv.data));
   }
   // ---- a 4K-token prefill layer: dense causal MLA, 128 heads ----
@@ -311,6 +312,11 @@ int main(int argc, char** argv) {
     mp.kv = kv.view();
     mp.tables = kv.Tables(1, seq, pos);
     mp.out = out;
+    mp.max_keys = T;
+    const int splits = attnd::cuda::MlaQuerySplits(T);
+    mp.part_queries = attnd::cuda::MlaPartialQueries(static_cast<int>(T), splits, H, L);
+    mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
+    mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
     const double flops = double(T) * (T + 1) / 2 * H * (D + L) * 2;
     for (bool tc : {false, true}) {
       mp.tensor_cores = tc;

@@ -2,13 +2,15 @@
 // DeepSeek-V3.2 dims (16 and 128 heads, page_size 64, top-2048 over thousands of keys, dynamic
 // shared memory above 48 KB) with the SIMT and the tensor-core kernels (indexer and MLA)
 // against each other and the float64 oracle,
-// all-equal indexer scores, more than 65,535 queries in one step, a step too large for GPU
+// a sequence's bits alone and in a batch of 64, all-equal indexer scores, more than 65,535
+// queries in one step, a step too large for GPU
 // scratch, and NCCL page moves between two GPUs. Every test skips with its reason without a GPU
 // (fails with ATTND_REQUIRE_GPU=1); each can run alone (--gtest_filter) in its own process.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_device.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
@@ -99,6 +101,62 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
 }
 
 INSTANTIATE_TEST_SUITE_P(Heads, DeepSeekDimsTest, ::testing::Values(16, 128));
+
+// Rows [begin, begin + count) of a step's inputs (every tensor's first dimension is the token).
+std::vector<LayerData> Rows(const std::vector<LayerData>& layers, int64_t begin, int64_t count) {
+  std::vector<LayerData> out = layers;
+  for (LayerData& l : out)
+    for (HostTensor* t :
+         {&l.q_latent, &l.q_rope, &l.kv_latent, &l.k_rope, &l.index_q, &l.index_k, &l.index_w}) {
+      if (!t->present) continue;
+      const int64_t T = t->shape[0];
+      const size_t bytes = t->bytes.size() / T, values = t->values.size() / T;
+      t->bytes = std::vector<uint8_t>(t->bytes.begin() + begin * bytes,
+                                      t->bytes.begin() + (begin + count) * bytes);
+      t->values = std::vector<double>(t->values.begin() + begin * values,
+                                      t->values.begin() + (begin + count) * values);
+      t->shape[0] = count;
+    }
+  return out;
+}
+
+// A sequence's outputs do not depend on what shares its step (docs/numerics.md): decoded alone
+// and in a batch of 64 of other lengths, its bits are the same, on the tensor-core kernels
+// (whose split-K comes from each query's own keys) and on the SIMT ones.
+TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const ModelSpec spec = DeepSeekDims(128);
+  for (const bool tensor_cores : {true, false}) {
+    cuda::ScopedKernelChoice kernels(tensor_cores, tensor_cores);
+    Harness alone(Options(spec, DType::kBF16, {"cuda:0"}, 1024));
+    Harness batch(Options(spec, DType::kBF16, {"cuda:0"}, 1024));
+    std::vector<StepEntry> import = {{"a", 3000}}, decode = {{"a", 1}};
+    for (int i = 0; i < 63; ++i) {  // 100 to 4,000 keys: splits from 1 to 8
+      import.push_back({absl::StrCat("b", i), 100 + 62 * i});
+      decode.push_back({absl::StrCat("b", i), 1});
+    }
+    alone.Open("a");
+    for (const auto& e : import) batch.Open(e.sequence_id);
+    const auto keys = batch.MakeInputs(import, DType::kBF16, 21);
+    ASSERT_TRUE(batch.Run(import, keys, StepOptions::WriteOnly()).status.ok());
+    ASSERT_TRUE(alone.Run({import[0]}, Rows(keys, 0, 3000), StepOptions::WriteOnly()).status.ok());
+    const auto in = batch.MakeInputs(decode, DType::kBF16, 22);
+    auto many = batch.Run(decode, in);
+    auto one = alone.Run({decode[0]}, Rows(in, 0, 1));
+    ASSERT_TRUE(many.status.ok()) << many.status;
+    ASSERT_TRUE(one.status.ok()) << one.status;
+    const size_t row = one.out[0].size();  // a's H x L outputs come first in the batch
+    for (size_t l = 0; l < one.out.size(); ++l) {
+      const std::vector<double> first(many.out[l].begin(), many.out[l].begin() + row);
+      EXPECT_EQ(first, one.out[l]) << (tensor_cores ? "tensor-core" : "SIMT") << " layer " << l
+                                   << ": a's bits changed with the batch";
+      const std::vector<double> first_lse(many.lse[l].begin(),
+                                          many.lse[l].begin() + one.lse[l].size());
+      EXPECT_EQ(first_lse, one.lse[l]) << "layer " << l << ": a's log-sum-exps changed";
+      EXPECT_EQ(many.traces[l].keys[0], one.traces[l].keys[0]) << "layer " << l;
+    }
+  }
+}
 
 TEST(CudaScale, AllEqualScoresSelectTheLowestPositionsLikeTheCpu) {
   ATTND_SKIP_WITHOUT_GPU();

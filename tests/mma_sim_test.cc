@@ -3,6 +3,8 @@
 // edge shapes against the float64 reference, with race, bounds, alignment and coverage checks.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <random>
 
 #include "common/model_spec.h"
@@ -116,11 +118,12 @@ TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
   for (auto& x : q) x = n01(rng);
   for (auto& x : keys) x = F32ToBF16(n01(rng));
   const float scale = 1.0f / std::sqrt(float(D));
-  // Every split's block, then the merge (one split: the block's own normalised output).
+  // Every block of a grid of `splits`, then the merge (a query of one split: its block's own
+  // normalised output; blocks past the query's own splits do nothing).
   std::vector<sim::MlaBlock> parts(splits);
   for (int z = 0; z < splits; ++z)
     ASSERT_NO_THROW(parts[z] = sim::RunMlaMmaBlock(L, R, q, keys, n, scale, cap, splits, z, HB));
-  const std::vector<float> got = splits == 1 ? parts[0].out : sim::CombineSplits(parts, L);
+  const std::vector<float> got = sim::CombineSplits(parts, L);
   ModelSpec spec;
   spec.num_heads = HB;
   spec.kv_lora_rank = L;
@@ -143,17 +146,19 @@ TEST_P(MlaMmaBlock, OutputsMatchTheFloat64Reference) {
   EXPECT_LE(std::sqrt(num / den), 1e-2);
 }
 
-// DeepSeek-V3.2 (512 + 64) over a top-2048 selection, partial and single tiles, a soft cap,
-// a smaller latent; split-K over 2, 3 (uneven), 16 splits and more splits than tiles (empty
-// splits merge as nothing); blocks of 64 heads.
+// DeepSeek-V3.2 (512 + 64) over a top-2048 selection (4 splits of 512 keys), partial and single
+// tiles, a soft cap, a smaller latent; grids wider than the query needs (its blocks past its own
+// splits idle; a one-split query writes its output itself), 3 uneven splits (1200 keys), 16
+// splits of more than 8 tiles (9000 keys); blocks of 64 heads.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, MlaMmaBlock,
-    ::testing::Values(MlaShape{512, 64, 2048, 0, 1, 16}, MlaShape{512, 64, 100, 0, 1, 16},
+    ::testing::Values(MlaShape{512, 64, 2048, 0, 4, 16}, MlaShape{512, 64, 100, 0, 1, 16},
                       MlaShape{512, 64, 1, 0, 1, 16}, MlaShape{128, 64, 200, 2.5f, 1, 16},
                       MlaShape{64, 16, 64, 0, 1, 16}, MlaShape{512, 64, 2048, 0, 16, 16},
-                      MlaShape{512, 64, 300, 0, 3, 16}, MlaShape{128, 64, 200, 2.5f, 2, 16},
-                      MlaShape{64, 16, 70, 0, 5, 16}, MlaShape{512, 64, 700, 0, 1, 64},
-                      MlaShape{512, 64, 130, 0, 3, 64}, MlaShape{128, 64, 65, 2.5f, 1, 64}));
+                      MlaShape{512, 64, 1200, 0, 3, 16}, MlaShape{128, 64, 200, 2.5f, 2, 16},
+                      MlaShape{64, 16, 70, 0, 5, 16}, MlaShape{64, 16, 9000, 0, 16, 16},
+                      MlaShape{512, 64, 700, 0, 2, 64}, MlaShape{512, 64, 130, 0, 3, 64},
+                      MlaShape{128, 64, 65, 2.5f, 1, 64}));
 
 TEST(MlaMmaSim, AShapeOutsideTheContractIsRefused) {
   std::vector<float> q(16 * 48);
@@ -161,26 +166,50 @@ TEST(MlaMmaSim, AShapeOutsideTheContractIsRefused) {
   EXPECT_THROW(sim::RunMlaMmaBlock(32, 16, q, keys, 1, 1.0f, 0.0f), std::runtime_error);
 }
 
-TEST(MlaMmaSim, SplitKMatchesOneBlockClosely) {
+// A query's split-K comes from its own keys, never from the batch: its bits are the same in a
+// grid sized for itself as in one sized for the step's longest query (docs/numerics.md; on the
+// GPU, a sequence decoded alone or in a batch of 64).
+TEST(MlaMmaSim, AQuerysBitsDoNotDependOnWhatSharesItsStep) {
   const int L = 512, R = 64, D = L + R;
-  const int64_t n = 777;
   std::mt19937_64 rng(9);
   std::normal_distribution<float> n01(0, 1);
   std::vector<float> q(16 * D);
-  std::vector<uint16_t> keys(size_t(n) * D);
   for (auto& x : q) x = n01(rng);
-  for (auto& x : keys) x = F32ToBF16(n01(rng));
-  const auto one = sim::RunMlaMmaBlock(L, R, q, keys, n, 0.05f, 0.0f).out;
-  std::vector<sim::MlaBlock> parts;
-  for (int z = 0; z < 4; ++z)
-    parts.push_back(sim::RunMlaMmaBlock(L, R, q, keys, n, 0.05f, 0.0f, 4, z));
-  const auto split = sim::CombineSplits(parts, L);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < one.size(); ++i) {
-    num += (split[i] - one[i]) * (split[i] - one[i]);
-    den += one[i] * one[i];
+  for (const int64_t n : {300, 777, 2048}) {  // one split, 2 (uneven), 4
+    std::vector<uint16_t> keys(size_t(n) * D);
+    for (auto& x : keys) x = F32ToBF16(n01(rng));
+    auto run = [&](int grid) {
+      std::vector<sim::MlaBlock> parts;
+      for (int z = 0; z < grid; ++z)
+        parts.push_back(sim::RunMlaMmaBlock(L, R, q, keys, n, 0.05f, 0.0f, grid, z));
+      return sim::CombineSplits(parts, L);
+    };
+    const std::vector<float> alone = run(MlaQuerySplits(n)), shared = run(kMlaMaxSplits);
+    ASSERT_EQ(alone.size(), shared.size());
+    EXPECT_EQ(std::memcmp(alone.data(), shared.data(), alone.size() * sizeof(float)), 0)
+        << n << " keys: the bits changed with the grid";
+    for (float x : alone) ASSERT_TRUE(std::isfinite(x)) << n;
   }
-  EXPECT_LE(std::sqrt(num / den), 5e-3);  // only the bf16 rounding of probabilities differs
+  EXPECT_EQ(MlaQuerySplits(300), 1);
+  EXPECT_EQ(MlaQuerySplits(777), 2);
+  EXPECT_EQ(MlaQuerySplits(2048), 4);
+  EXPECT_EQ(MlaQuerySplits(int64_t{1} << 20), kMlaMaxSplits);  // more tiles per split instead
+  // A grid too small for the query would drop keys: the simulation refuses it, as LaunchMla
+  // sizes the grid from the longest query.
+  std::vector<uint16_t> keys(size_t(2048) * D, 0x3f80);
+  EXPECT_THROW(sim::RunMlaMmaBlock(L, R, q, keys, 2048, 0.05f, 0.0f, 2, 0), std::runtime_error);
+}
+
+// The wave size bounds the partials a step holds at once, and every query gets one.
+TEST(MlaMmaSim, PartialsComeInWavesThatFitTheirBudget) {
+  for (const int n : {1, 64, 4096, 65536}) {
+    const int splits = MlaQuerySplits(4096), w = MlaPartialQueries(n, splits, 128, 512);
+    EXPECT_GE(w, 1);
+    EXPECT_LE(w, n);
+    EXPECT_LE(int64_t{w} * splits * 128 * 514 * 4, kMlaPartialBytes) << n;
+  }
+  EXPECT_EQ(MlaPartialQueries(4096, 1, 128, 512), 4096);  // no partials: one wave
+  EXPECT_EQ(MlaPartialQueries(64, 4, 128, 512), 64);      // a decode batch: one wave
 }
 
 }  // namespace

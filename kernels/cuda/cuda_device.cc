@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/mla_split.h"
 
 namespace attnd::cuda {
 namespace {
@@ -160,8 +161,11 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
   const size_t keep =
       static_cast<size_t>(std::max({1, spec.page_budget, spec.page_union_max_pages}));
   const size_t pages = need_keys / spec.page_size + n;  // a wave's page keys
-  // Split-K partials, sized for the smaller blocks (the most splits).
-  const size_t splits = MlaSplits(static_cast<int>(n), spec.num_heads, sms, MaxKeys(share), 16);
+  // Split-K partials for the step's longest query (the most splits any layer of it takes), for
+  // a wave of its queries at a time (mla_split.h).
+  const int splits = MlaQuerySplits(MaxKeys(share));
+  const size_t part_rows =
+      size_t(splits) * MlaPartialQueries(static_cast<int>(n), splits, spec.num_heads, L) * H;
   const std::pair<DeviceBuffer*, size_t> want[] = {
       {&raw, n * row},
       {&q_lat, n * H * L * 4},
@@ -182,8 +186,8 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&page_keys, pages * 4},
       {&page_list, n * keep * 4},
       {&page_count, n * 4},
-      {&part_out, splits > 1 ? splits * n * H * L * 4 : 4},
-      {&part_ml, splits > 1 ? splits * n * H * 2 * 4 : 4}};
+      {&part_out, splits > 1 ? part_rows * L * 4 : 4},
+      {&part_ml, splits > 1 ? part_rows * 2 * 4 : 4}};
   // The step's own selection buffers (positions and slot ids) count too.
   size_t total = 2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4;
   for (const auto& [buf, bytes] : want) total += bytes;
@@ -192,11 +196,19 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
         absl::StrCat("a step of ", share.size(), " tokens needs about ", total >> 20,
                      " MiB of GPU scratch beyond the KV cache, over the ", scratch_budget >> 20,
                      " MiB budget (--gpu-scratch-bytes); send smaller steps"));
+  // The sizes before this attempt: a failed one puts back exactly these, so the scratch the
+  // other open steps' layers use stays as it was.
+  std::vector<size_t> before;
+  for (const auto& [buf, bytes] : want) before.push_back(buf->bytes);
   total = 0;
   for (const auto& [buf, bytes] : want) {
     total += bytes;
     if (absl::Status r = buf->Reserve(bytes); !r.ok()) {
-      for (const auto& w : want) w.first->Release();  // give back what this attempt grew
+      size_t i = 0;
+      for (const auto& w : want)  // first free what this attempt grew (or lost)...
+        if (w.first->bytes != before[i++]) w.first->Release();
+      i = 0;
+      for (const auto& w : want) (void)w.first->Reserve(before[i++]);  // ...then restore
       return absl::ResourceExhaustedError(absl::StrCat(
           "a step of ", share.size(), " tokens needs about ", total >> 20,
           " MiB of GPU scratch beyond the KV cache: ", r.message(), "; send smaller steps"));

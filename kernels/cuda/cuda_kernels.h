@@ -78,7 +78,11 @@ struct IndexerParams {
   const int32_t* queries = nullptr;       // [nq] local query index
   const int64_t* score_offset = nullptr;  // [nq] where the query's scores start
   int nq = 0;
-  int64_t max_keys = 0;     // longest row (grid size)
+  int64_t max_keys = 0;
+  // The queries whose partials part_out and part_ml hold (MlaPartialQueries): a larger step
+  // runs in waves of that many.
+  int part_queries = 0;
+  int first_query = 0;      // LaunchMla's: the wave's first query     // longest row (grid size)
   float* scores = nullptr;  // [sum of pos+1]
   // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q to bf16, so it is meant for
   // bf16 requests; it needs a bf16 cache, heads % 16 == 0, dim % 16 == 0 and 16-byte aligned
@@ -181,10 +185,16 @@ struct MlaParams {
   // latent % 64 == 0 and <= 512, (latent + rope) % 16 == 0 and 16-byte aligned cache rows
   // (base and row bytes); otherwise the SIMT kernel runs.
   bool tensor_cores = false;
-  // Tensor-core kernel only: split each query's keys over `splits` blocks (flash-decoding, for
-  // batches too small to fill the GPU), then merge. splits > 1 needs part_out
-  // [splits, n, H, L] and part_ml [splits, n, H, 2] fp32 scratch.
-  int splits = 1;
+  // Tensor-core kernel only: the most keys any query attends (a bound: position + 1 will do).
+  // Each query splits its keys by its own count (mla_split.h), so its bits do not depend on the
+  // batch; the grid takes S = MlaQuerySplits(max_keys) blocks per query, and S > 1 needs part_out
+  // [S, part_queries, H, L] and part_ml [S, part_queries, H, 2] fp32 scratch. 0 is refused
+  // (cudaErrorInvalidValue).
+  int64_t max_keys = 0;
+  // The queries whose partials part_out and part_ml hold (MlaPartialQueries): a larger step
+  // runs in waves of that many.
+  int part_queries = 0;
+  int first_query = 0;  // LaunchMla's: the wave's first query
   float* part_out = nullptr;
   float* part_ml = nullptr;
   // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
@@ -195,10 +205,6 @@ struct MlaParams {
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
 // The heads per block the tensor-core MLA takes for `p` on the current GPU (16 or 64).
 int MlaHeadsPerBlock(const MlaParams& p);
-// Splits for the tensor-core MLA of n queries x `heads` in blocks of heads_per_block on a GPU of
-// `sms` multiprocessors, whose longest key list is `max_keys`: about two blocks per SM, at most
-// 16, at least one tile of 64 keys per split.
-int MlaSplits(int n, int heads, int sms, int64_t max_keys, int heads_per_block);
 // Whether LaunchMla would take the tensor-core kernel for `p`.
 bool MlaUsesTensorCores(const MlaParams& p);
 

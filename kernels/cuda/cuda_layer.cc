@@ -11,6 +11,7 @@
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/mla_split.h"
 #include "kernels/fp8_rows.h"
 
 namespace attnd::cuda {
@@ -376,10 +377,13 @@ absl::Status CudaDevice::Call::Attend() {
   }
   mp.tensor_cores = TensorCoreMla() && absorb == nullptr && in.q_latent.dtype == DType::kBF16 &&
                     in.q_rope.dtype == DType::kBF16;
-  if (MlaUsesTensorCores(mp)) {  // flash-decoding when the batch alone cannot fill the GPU
-    mp.splits = MlaSplits(mp.n, H, s.sms, st.max_keys, MlaHeadsPerBlock(mp));
-    RETURN_IF_ERROR(s.part_out.Reserve(size_t(mp.splits) * st.n * H * L * 4));
-    RETURN_IF_ERROR(s.part_ml.Reserve(size_t(mp.splits) * st.n * H * 2 * 4));
+  if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
+    mp.max_keys = st.max_keys;
+    const int splits = MlaQuerySplits(st.max_keys);
+    mp.part_queries = MlaPartialQueries(mp.n, splits, H, L);
+    const size_t rows = size_t(splits) * mp.part_queries * H;  // BeginStep reserved these
+    RETURN_IF_ERROR(s.part_out.Reserve(rows * L * 4));
+    RETURN_IF_ERROR(s.part_ml.Reserve(rows * 2 * 4));
     mp.part_out = s.part_out.as<float>();
     mp.part_ml = s.part_ml.as<float>();
   }

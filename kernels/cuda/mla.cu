@@ -5,6 +5,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mma_fragments.h"
 
 namespace attnd::cuda {
@@ -160,7 +161,10 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
   float* m = sf + HB * kMmaKeys;
   float* l = m + HB;
   float* corr = l + HB;
-  const int q = blockIdx.x, h0 = blockIdx.y * HB;
+  // The query, and its row among this wave's partials (LaunchMla runs a step in waves of
+  // part_queries queries when their partials would not fit at once).
+  const int q = p.first_query + static_cast<int>(blockIdx.x), wq = blockIdx.x;
+  const int h0 = blockIdx.y * HB;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = threadIdx.x; i < HB * D; i += blockDim.x) {
     const int h = i / D, d = i % D;
@@ -180,9 +184,12 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0;
   const KeySet keys = KeysOf(p, q);
-  // Split-K (flash-decoding): block z takes tiles [z * per, (z + 1) * per) of the query's keys.
+  // Split-K (flash-decoding) by the query's own keys (mla_split.h): block z takes tiles
+  // [z * per, (z + 1) * per); the grid's splits past the query's own have nothing to do.
+  const int query_splits = MlaQuerySplits(keys.total);
+  if (static_cast<int>(blockIdx.z) >= query_splits) return;  // the whole block: no barrier left
   const int64_t tiles = (keys.total + kMmaKeys - 1) / kMmaKeys;
-  const int64_t per = (tiles + p.splits - 1) / p.splits;
+  const int64_t per = MlaTilesPerSplit(keys.total);
   const int64_t first = min(tiles, blockIdx.z * per) * kMmaKeys;
   const int64_t last = min(keys.total, (blockIdx.z + 1) * per * kMmaKeys);
   __syncthreads();
@@ -278,12 +285,14 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
     }
     __syncthreads();
   }
-  // One split: the normalised output. Several: this split's unnormalised sums and its (m, l),
-  // which MlaCombineKernel merges.
-  const bool partial = p.splits > 1;
-  float* out = partial ? p.part_out + int64_t{blockIdx.z} * p.n * p.heads * L : p.out;
+  // A query of one split: the normalised output. Several: this split's unnormalised sums and
+  // its (m, l), which MlaCombineKernel merges.
+  const bool partial = query_splits > 1;
+  const int64_t wave = p.part_queries;  // partials: [splits, part_queries, H, L]
+  const int row_q = partial ? wq : q;
+  float* out = partial ? p.part_out + int64_t{blockIdx.z} * wave * p.heads * L : p.out;
   if (partial && threadIdx.x < HB) {
-    float* ml = p.part_ml + ((int64_t{blockIdx.z} * p.n + q) * p.heads + h0 + threadIdx.x) * 2;
+    float* ml = p.part_ml + ((int64_t{blockIdx.z} * wave + wq) * p.heads + h0 + threadIdx.x) * 2;
     ml[0] = m[threadIdx.x];
     ml[1] = l[threadIdx.x];
   }
@@ -301,8 +310,8 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
     for (int nt = 0; nt < 8; ++nt) {
       if (nt >= ntiles) break;
       const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
-      float* lo = out + (int64_t{q} * p.heads + h0 + lo_row) * L + col;
-      float* hi = out + (int64_t{q} * p.heads + h0 + hi_row) * L + col;
+      float* lo = out + (int64_t{row_q} * p.heads + h0 + lo_row) * L + col;
+      float* hi = out + (int64_t{row_q} * p.heads + h0 + hi_row) * L + col;
       lo[0] = acc[mt][nt][0] * inv_lo;
       lo[1] = acc[mt][nt][1] * inv_lo;
       hi[0] = acc[mt][nt][2] * inv_hi;
@@ -312,25 +321,29 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
 }
 
 // Merges the splits of MlaMmaKernel: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with
-// M the largest m_s; splits that saw no key (m_s = -inf) add nothing. grid (queries, heads).
+// M the largest m_s, over the query's own splits; splits that saw no key (m_s = -inf) add
+// nothing. A query of one split wrote its output itself. grid (queries, heads).
 __global__ void MlaCombineKernel(MlaParams p) {
-  const int q = blockIdx.x, h = blockIdx.y, L = p.latent;
-  const int64_t stride = int64_t{p.n} * p.heads;  // between splits, in (query, head) rows
+  const int q = p.first_query + static_cast<int>(blockIdx.x), h = blockIdx.y, L = p.latent;
+  const int splits = MlaQuerySplits(KeysOf(p, q).total);
+  if (splits == 1) return;
+  const int64_t stride = int64_t{p.part_queries} * p.heads;    // between splits, in rows
+  const int64_t part_row = int64_t{blockIdx.x} * p.heads + h;  // this wave's
   const int64_t row = int64_t{q} * p.heads + h;
   float M = -INFINITY;
-  for (int z = 0; z < p.splits; ++z) M = fmaxf(M, p.part_ml[(z * stride + row) * 2]);
+  for (int z = 0; z < splits; ++z) M = fmaxf(M, p.part_ml[(z * stride + part_row) * 2]);
   float denom = 0.0f;
-  for (int z = 0; z < p.splits; ++z) {
-    const float mz = p.part_ml[(z * stride + row) * 2];
-    if (mz != -INFINITY) denom += __expf(mz - M) * p.part_ml[(z * stride + row) * 2 + 1];
+  for (int z = 0; z < splits; ++z) {
+    const float mz = p.part_ml[(z * stride + part_row) * 2];
+    if (mz != -INFINITY) denom += __expf(mz - M) * p.part_ml[(z * stride + part_row) * 2 + 1];
   }
   const float inv = denom > 0 ? 1.0f / denom : 0.0f;
   if (p.lse != nullptr && threadIdx.x == 0) p.lse[row] = denom == 0 ? -INFINITY : M + logf(denom);
   for (int d = threadIdx.x; d < L; d += blockDim.x) {
     float v = 0.0f;
-    for (int z = 0; z < p.splits; ++z) {
-      const float mz = p.part_ml[(z * stride + row) * 2];
-      if (mz != -INFINITY) v += __expf(mz - M) * p.part_out[(z * stride + row) * L + d];
+    for (int z = 0; z < splits; ++z) {
+      const float mz = p.part_ml[(z * stride + part_row) * 2];
+      if (mz != -INFINITY) v += __expf(mz - M) * p.part_out[(z * stride + part_row) * L + d];
     }
     p.out[row * L + d] = v * inv;
   }
@@ -370,13 +383,6 @@ int MlaHeadsPerBlock(const MlaParams& p) {
   return MlaMmaSmem(64, p.latent + p.rope) <= static_cast<size_t>(optin) ? 64 : 16;
 }
 
-int MlaSplits(int n, int heads, int sms, int64_t max_keys, int heads_per_block) {
-  const int64_t blocks = int64_t{n} * std::max(1, heads / std::max(1, heads_per_block));
-  const int64_t tiles = (max_keys + kMmaKeys - 1) / kMmaKeys;
-  const int64_t want = (2 * int64_t{sms} + blocks - 1) / std::max<int64_t>(1, blocks);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, 16, tiles})));
-}
-
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
   if (MlaUsesTensorCores(p)) {
@@ -386,13 +392,24 @@ cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     if (e != cudaSuccess) return e;
-    const int splits = std::max(1, p.splits);
-    if (splits > 1 && (p.part_out == nullptr || p.part_ml == nullptr)) return cudaErrorInvalidValue;
-    MlaParams c = p;
-    c.splits = splits;
-    kernel<<<dim3(p.n, p.heads / hb, splits), kThreads, smem, s>>>(c);
-    if ((e = cudaGetLastError()) != cudaSuccess || splits == 1) return e;
-    MlaCombineKernel<<<dim3(p.n, p.heads), 128, 0, s>>>(c);
+    if (p.max_keys < 1) return cudaErrorInvalidValue;  // the grid would miss keys
+    const int splits = MlaQuerySplits(p.max_keys);
+    if (splits > 1 && (p.part_out == nullptr || p.part_ml == nullptr || p.part_queries < 1))
+      return cudaErrorInvalidValue;
+    // Waves of part_queries queries (their partials fit part_out); a query's bits do not depend
+    // on its wave.
+    const int wave = splits > 1 ? p.part_queries : p.n;
+    for (int first = 0; first < p.n; first += wave) {
+      MlaParams c = p;
+      c.first_query = first;
+      const int count = std::min(wave, p.n - first);
+      kernel<<<dim3(count, p.heads / hb, splits), kThreads, smem, s>>>(c);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+      if (splits == 1) continue;
+      MlaCombineKernel<<<dim3(count, p.heads), 128, 0, s>>>(c);
+      if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    return cudaSuccess;
     return cudaGetLastError();
   }
   if (p.latent > kThreads * kMlaDimsPerThread) return cudaErrorInvalidValue;

@@ -14,20 +14,26 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/mma_sim.h"
 
 namespace attnd::cuda::sim {
 
-// What one block leaves: with one split the normalised out [HB][L]; with several, this split's
-// unnormalised sums out [HB][L] and its running max m and denominator l per head.
+// What one block leaves: for a query of one split the normalised out [HB][L]; of several, this
+// split's unnormalised sums out [HB][L] and its running max m and denominator l per head; a
+// block past the query's own splits (the grid's are for the step's longest query) nothing
+// (`idle`).
 struct MlaBlock {
   std::vector<float> out, m, l;
+  bool idle = false;
 };
 
 // q [HB][L+R] (fp32; rounded to bf16 as the kernel does), keys [n][L+R] bf16 bits (the query's
-// keys in order); block `split` of `splits` (blockIdx.z). Throws on any shared-memory fault or
-// a shape outside the kernel's contract (L % 64 == 0, L <= 512, (L+R) % 16 == 0, HB 16 or 64).
+// keys in order); block `split` of a grid of `splits` (blockIdx.z); the query's own partition is
+// from n alone (mla_split.h). Throws on any shared-memory fault, a grid with fewer splits than
+// the query needs, or a shape outside the kernel's contract (L % 64 == 0, L <= 512,
+// (L+R) % 16 == 0, HB 16 or 64).
 inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
                                const std::vector<uint16_t>& keys, int64_t n, float sm_scale,
                                float soft_cap, int splits = 1, int split = 0, int HB = 16) {
@@ -35,6 +41,13 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
   const int D = L + R, DP = D + 8, PP = kKeys + 8, MT = HB / 16;
   if (L % 64 != 0 || L > 512 || D % 16 != 0 || (HB != 16 && HB != 64))
     throw std::runtime_error("shape outside contract");
+  const int query_splits = MlaQuerySplits(n);
+  if (splits < query_splits) throw std::runtime_error("grid has fewer splits than the query");
+  if (split >= query_splits) {
+    MlaBlock none;
+    none.idle = true;
+    return none;
+  }
   // Cells: qs [HB][DP] | ks [64][DP] | ps [HB][PP] | sf [HB][64] f32 | m, l, corr [HB] f32.
   const size_t qs = 0, ks = size_t(HB) * DP, ps = ks + size_t(kKeys) * DP,
                sf = ps + size_t(HB) * PP, m = sf + 2 * size_t(HB) * kKeys, l = m + 2 * size_t(HB),
@@ -59,7 +72,7 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
     }
   }
   smem.Barrier();
-  const int64_t tiles = (n + kKeys - 1) / kKeys, per = (tiles + splits - 1) / splits;
+  const int64_t tiles = (n + kKeys - 1) / kKeys, per = MlaTilesPerSplit(n);
   const int64_t first = std::min(tiles, split * per) * kKeys;
   const int64_t last = std::min<int64_t>(n, (split + 1) * per * kKeys);
   for (int64_t t0 = first; t0 < last; t0 += kKeys) {
@@ -172,7 +185,7 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
     }
     smem.Barrier();
   }
-  const bool partial = splits > 1;
+  const bool partial = query_splits > 1;
   MlaBlock block;
   std::vector<float>& out = block.out;
   out.assign(size_t(HB) * L, NAN);
@@ -208,20 +221,26 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
   return block;
 }
 
-// MlaCombineKernel for one query: merges the splits' partial blocks into out [HB][L].
-inline std::vector<float> CombineSplits(const std::vector<MlaBlock>& parts, int L) {
-  const int HB = static_cast<int>(parts.at(0).m.size());
+// The query's output from its grid's blocks, as the kernels leave it: a query of one split, its
+// block's own output (MlaCombineKernel skips it); of several, MlaCombineKernel's merge of its
+// own splits' partials (the grid's idle blocks add nothing).
+inline std::vector<float> CombineSplits(const std::vector<MlaBlock>& blocks, int L) {
+  std::vector<const MlaBlock*> parts;
+  for (const MlaBlock& b : blocks)
+    if (!b.idle) parts.push_back(&b);
+  if (parts.size() == 1 && parts[0]->m.empty()) return parts[0]->out;  // one split
+  const int HB = static_cast<int>(parts.at(0)->m.size());
   std::vector<float> out(size_t(HB) * L);
   for (int h = 0; h < HB; ++h) {
     float M = -INFINITY, denom = 0.0f;
-    for (const MlaBlock& b : parts) M = std::max(M, b.m[h]);
-    for (const MlaBlock& b : parts)
-      if (b.m[h] != -INFINITY) denom += std::exp(b.m[h] - M) * b.l[h];
+    for (const MlaBlock* b : parts) M = std::max(M, b->m[h]);
+    for (const MlaBlock* b : parts)
+      if (b->m[h] != -INFINITY) denom += std::exp(b->m[h] - M) * b->l[h];
     const float inv = denom > 0 ? 1.0f / denom : 0.0f;
     for (int d = 0; d < L; ++d) {
       float v = 0.0f;
-      for (const MlaBlock& b : parts)
-        if (b.m[h] != -INFINITY) v += std::exp(b.m[h] - M) * b.out[size_t(h) * L + d];
+      for (const MlaBlock* b : parts)
+        if (b->m[h] != -INFINITY) v += std::exp(b->m[h] - M) * b->out[size_t(h) * L + d];
       out[size_t(h) * L + d] = v * inv;
     }
   }
