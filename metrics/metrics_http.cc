@@ -1,10 +1,17 @@
 #include "metrics/metrics_http.h"
 
 #include <civetweb.h>
+#include <netdb.h>
 #include <openssl/ssl.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/memory/memory.h"
@@ -129,6 +136,10 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
         absl::StrCat("metrics HTTP server on ", listen, ": civetweb reports no listening port"));
   }
   server->port_ = ports[0].port;
+  // Where ~MetricsHttpServer knocks: the bound host, or loopback for all interfaces.
+  const size_t colon = listen.rfind(':');
+  const std::string host = colon == std::string::npos ? "" : listen.substr(0, colon);
+  server->wake_host_ = host.empty() || host == "0.0.0.0" ? "127.0.0.1" : host;
   {
     std::lock_guard<std::mutex> lock(server->log_mu_);
     server->started_ = true;
@@ -136,8 +147,47 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   return server;
 }
 
+namespace {
+// One TCP connection to host:port, closed at once (nothing sent).
+void Knock(const std::string& host, int port) {
+  addrinfo hints = {};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    (void)connect(fd, found->ai_addr, found->ai_addrlen);
+    close(fd);
+  }
+  freeaddrinfo(found);
+}
+}  // namespace
+
 MetricsHttpServer::~MetricsHttpServer() {
-  if (context_ != nullptr) mg_stop(context_);
+  if (context_ == nullptr) return;
+  // civetweb's listener notices the stop only between 2-s poll rounds, and mg_stop waits for it
+  // (every attnd took 2 s to exit). A connection wakes the poll: knock on our own port while
+  // mg_stop runs, after it has had time to raise its stop flag (so no worker takes the knock;
+  // one that did would read EOF at once).
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopped = false;
+  std::thread waker([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopped; })) {
+      lock.unlock();
+      Knock(wake_host_, port_);
+      lock.lock();
+    }
+  });
+  mg_stop(context_);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stopped = true;
+  }
+  cv.notify_all();
+  waker.join();
 }
 
 int MetricsHttpServer::HandleRequest(mg_connection* connection, void* server) {

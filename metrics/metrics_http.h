@@ -39,8 +39,8 @@ class MetricsHttpServer {
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
       const std::string& listen, Registry* registry, std::optional<MetricsTls> tls = std::nullopt);
 
-  // Stops listening and waits for requests in progress; takes up to ~2 s because civetweb's
-  // listener thread notices the stop only between 2-s poll rounds.
+  // Stops listening and waits for requests in progress (civetweb's listener, which polls in
+  // 2-s rounds, is woken by a connection to the port, so this takes milliseconds).
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
@@ -59,6 +59,7 @@ class MetricsHttpServer {
   std::optional<MetricsTls> tls_;
   mg_context* context_ = nullptr;
   int port_ = 0;
+  std::string wake_host_;  // the address the destructor connects to, to wake the listener
   // civetweb reports why it failed to start only through its log callback; collected here while
   // Start runs, then log lines go to stderr.
   std::mutex log_mu_;  // guards started_ and start_log_
