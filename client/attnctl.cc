@@ -92,9 +92,8 @@ int PrintJson(const google::protobuf::Message& m) {
   return 0;
 }
 
-// grpc.health.v1.Health/Check through a generic stub (the health proto's stubs are not built
-// here): the request is field 1, the service name; the reply's field 1 is the status (1 =
-// SERVING).
+// grpc.health.v1.Health/Check through a generic stub with the health proto's messages (its
+// service stubs are not built here); exit 0 when SERVING.
 int Health(Client& c, const std::string& service) {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
@@ -649,6 +648,32 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
     (void)local_stream->Close();
     (void)local->UnregisterSharedMemory(tag);
   }
+  // What both reports say: per wire variant, its bytes per token per layer and times (ms); per
+  // transport, its round trips.
+  struct VariantRow {
+    const char* name;
+    double attention, indexer, request, reply, rt50, rt99, server, transport, echo;
+    int64_t calls;
+  };
+  std::vector<VariantRow> rows;
+  for (size_t vi = 0; vi < variants.size(); ++vi) {
+    const WireFigures& f = figures[vi];
+    const double per = 1024.0 * B * static_cast<double>(f.calls);
+    rows.push_back({variants[vi].name, f.attention_bytes / per,
+                    f.full_calls > 0 ? f.indexer_bytes / (1024.0 * B * f.full_calls) : 0.0,
+                    f.request_bytes / per, f.reply_bytes / per, f.round_trip.Percentile(50) * 1e3,
+                    f.round_trip.Percentile(99) * 1e3, f.server.Percentile(50) * 1e3,
+                    f.transport.Percentile(50) * 1e3, f.echo.Percentile(50) * 1e3, f.calls});
+  }
+  struct Transport {
+    const char* text;  // the table's label
+    const char* json;  // the JSON report's name
+    const LatencyStats* stats;
+  };
+  const Transport transports[] = {{"stream", "stream", &figures[0].round_trip},
+                                  {"unary", "unary", &unary_lat},
+                                  {"stream + shared mem", "stream + shared memory", &shm_lat},
+                                  {"echo (same bytes)", "echo", &figures[0].echo}};
   if (json) {
     nlohmann::json out = {{"model", spec.name},
                           {"batch", B},
@@ -660,33 +685,24 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
                           {"shared_memory_measured", local != nullptr},
                           {"latent_request_bytes", req_bytes},
                           {"latent_reply_bytes", resp_bytes}};
-    for (size_t vi = 0; vi < variants.size(); ++vi) {
-      const WireFigures& f = figures[vi];
-      const double per = 1024.0 * B * static_cast<double>(f.calls);
-      out["variants"].push_back(
-          {{"name", variants[vi].name},
-           {"attention_kib_per_token", f.attention_bytes / per},
-           {"indexer_kib_per_token",
-            f.full_calls > 0 ? f.indexer_bytes / (1024.0 * B * f.full_calls) : 0.0},
-           {"request_kib_per_token", f.request_bytes / per},
-           {"reply_kib_per_token", f.reply_bytes / per},
-           {"round_trip_ms_p50", f.round_trip.Percentile(50) * 1e3},
-           {"round_trip_ms_p99", f.round_trip.Percentile(99) * 1e3},
-           {"server_ms_p50", f.server.Percentile(50) * 1e3},
-           {"transport_ms_p50", f.transport.Percentile(50) * 1e3},
-           {"echo_ms_p50", f.echo.Percentile(50) * 1e3},
-           {"calls", f.calls}});
-    }
-    for (auto& [name, st] :
-         {std::pair<const char*, const LatencyStats*>{"stream", &figures[0].round_trip},
-          {"unary", &unary_lat},
-          {"stream + shared memory", &shm_lat},
-          {"echo", &figures[0].echo}})
-      if (st->count() > 0)
-        out["round_trips"].push_back({{"transport", name},
-                                      {"p50_ms", st->Percentile(50) * 1e3},
-                                      {"p99_ms", st->Percentile(99) * 1e3},
-                                      {"calls", st->count()}});
+    for (const VariantRow& r : rows)
+      out["variants"].push_back({{"name", r.name},
+                                 {"attention_kib_per_token", r.attention},
+                                 {"indexer_kib_per_token", r.indexer},
+                                 {"request_kib_per_token", r.request},
+                                 {"reply_kib_per_token", r.reply},
+                                 {"round_trip_ms_p50", r.rt50},
+                                 {"round_trip_ms_p99", r.rt99},
+                                 {"server_ms_p50", r.server},
+                                 {"transport_ms_p50", r.transport},
+                                 {"echo_ms_p50", r.echo},
+                                 {"calls", r.calls}});
+    for (const Transport& t : transports)
+      if (t.stats->count() > 0)
+        out["round_trips"].push_back({{"transport", t.json},
+                                      {"p50_ms", t.stats->Percentile(50) * 1e3},
+                                      {"p99_ms", t.stats->Percentile(99) * 1e3},
+                                      {"calls", t.stats->count()}});
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
@@ -701,16 +717,10 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
       "trip of the same bytes):\n");
   std::printf("%-24s %9s %9s %9s %9s %8s %8s %8s %10s %8s\n", "variant", "attention", "indexer",
               "request", "reply", "rt p50", "rt p99", "server", "transport", "echo");
-  for (size_t vi = 0; vi < variants.size(); ++vi) {
-    const WireFigures& f = figures[vi];
-    const double per = 1024.0 * B * static_cast<double>(f.calls);
-    std::printf("%-24s %9.2f %9.2f %9.2f %9.2f %8.3f %8.3f %8.3f %10.3f %8.3f\n", variants[vi].name,
-                f.attention_bytes / per,
-                f.full_calls > 0 ? f.indexer_bytes / (1024.0 * B * f.full_calls) : 0.0,
-                f.request_bytes / per, f.reply_bytes / per, f.round_trip.Percentile(50) * 1e3,
-                f.round_trip.Percentile(99) * 1e3, f.server.Percentile(50) * 1e3,
-                f.transport.Percentile(50) * 1e3, f.echo.Percentile(50) * 1e3);
-  }
+  for (const VariantRow& r : rows)
+    std::printf("%-24s %9.2f %9.2f %9.2f %9.2f %8.3f %8.3f %8.3f %10.3f %8.3f\n", r.name,
+                r.attention, r.indexer, r.request, r.reply, r.rt50, r.rt99, r.server, r.transport,
+                r.echo);
   if (!absorbs)
     std::printf(
         "(absorbed variants not measured: the server holds no absorption weights; start it with "
@@ -718,14 +728,10 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
   std::printf("\nlatent bf16 layers: request %.1f KB, reply %.1f KB per layer\n", req_bytes / 1e3,
               resp_bytes / 1e3);
   std::printf("%-22s %10s %10s %8s\n", "per-layer round trip", "p50", "p99", "calls");
-  for (auto& [name, st] :
-       {std::pair<const char*, const LatencyStats*>{"stream", &figures[0].round_trip},
-        {"unary", &unary_lat},
-        {"stream + shared mem", &shm_lat},
-        {"echo (same bytes)", &figures[0].echo}})
-    if (st->count() > 0)
-      std::printf("%-22s %8.3fms %8.3fms %8zu\n", name, st->Percentile(50) * 1e3,
-                  st->Percentile(99) * 1e3, st->count());
+  for (const Transport& t : transports)
+    if (t.stats->count() > 0)
+      std::printf("%-22s %8.3fms %8.3fms %8zu\n", t.text, t.stats->Percentile(50) * 1e3,
+                  t.stats->Percentile(99) * 1e3, t.stats->count());
   if (local == nullptr)
     std::printf(
         "(shared memory not measured: give --shm-target=unix:PATH of a server run "

@@ -23,18 +23,12 @@ std::string Timestamp(std::time_t seconds, int usec) {
                          t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec, usec);
 }
 
-// `s` as a JSON string (bytes that are not UTF-8 become U+FFFD rather than an error).
-std::string Quote(const std::string& s) {
-  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
+// One JSON object and a newline (bytes that are not UTF-8 become U+FFFD rather than an error).
 std::string JsonLine(const char* level, const std::string& ts, const std::string& msg,
                      const std::string& file) {
-  std::string out =
-      absl::StrCat("{\"ts\":\"", ts, "\",\"level\":\"", level, "\",\"msg\":", Quote(msg));
-  if (!file.empty()) absl::StrAppend(&out, ",\"file\":", Quote(file));
-  out += "}\n";
-  return out;
+  nlohmann::ordered_json line = {{"ts", ts}, {"level", level}, {"msg", msg}};
+  if (!file.empty()) line["file"] = file;
+  return line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 // glog's messages as JSON lines on stderr (glog's own stderr output is off in this mode).
@@ -43,11 +37,9 @@ class JsonSink : public google::LogSink {
   void send(google::LogSeverity severity, const char* /*full_filename*/, const char* base_filename,
             int line, const google::LogMessageTime& time, const char* message,
             size_t message_len) override {
-    static const char* kLevels[] = {"INFO", "WARNING", "ERROR", "FATAL"};
     const std::string text =
-        JsonLine(kLevels[severity >= 0 && severity <= 3 ? severity : 0],
-                 Timestamp(time.timestamp(), time.usec()), std::string(message, message_len),
-                 absl::StrCat(base_filename, ":", line));
+        JsonLine(google::GetLogSeverityName(severity), Timestamp(time.timestamp(), time.usec()),
+                 std::string(message, message_len), absl::StrCat(base_filename, ":", line));
     std::fwrite(text.data(), 1, text.size(), stderr);
   }
 };

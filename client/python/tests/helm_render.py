@@ -4,11 +4,11 @@ objects). It is strict where Helm is lenient: a value path missing from the valu
 function or construct, or an unbalanced block is an error, so a typo in the chart fails here even
 where Helm would render it as empty.
 
-Supported: text with {{ }} actions and their {{- -}} trim markers, comments; if / else if / else,
-with, range (lists), define / include; pipelines with | and parentheses; the functions default,
-quote, toYaml, toJson, nindent, indent, printf (%s %d %v), eq, ne, not, and, or, fail, required,
-int, trunc, trimSuffix; .Values, .Release.Name/Namespace, .Chart.Name/Version/AppVersion, and
-.Files.Get."""
+Supported (what the chart uses; anything else is an error): text with {{ }} actions and their
+{{- -}} trim markers, comments; if / else if / else, with, define / include; pipelines with | and
+parentheses; the functions default, quote, toYaml, nindent, printf (%s %d %v), eq, ne, not, and,
+or, fail, trunc, trimSuffix; .Values, .Release.Name/Namespace, .Chart.Name/Version/AppVersion,
+and .Files.Get."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class TemplateError(Exception):
 
 
 class Fail(Exception):
-    """The chart's own `fail` or `required`: a refused configuration (helm: 'execution error')."""
+    """The chart's own `fail`: a refused configuration (helm: 'execution error')."""
 
 
 _ACTION = re.compile(r"{{(-\s)?(.*?)(\s-)?}}", re.S)
@@ -93,15 +93,14 @@ def _parse(src: str) -> List[Any]:
         body = p[1]
         word = body.split(None, 1)[0] if body else ""
         rest = body[len(word):].strip()
-        if word in ("if", "with", "range", "define"):
+        if word in ("if", "with", "define"):
             node = {"kind": word, "words": _lex(rest), "body": [], "else": None}
             stack[-1][1].append(node)
             stack.append((node, node["body"]))
         elif word == "else":
             node, _ = stack[-1]
-            if (node is None or node["kind"] not in ("if", "with", "range")
-                    or node["else"] is not None):
-                raise TemplateError("else outside if/with/range")
+            if node is None or node["kind"] not in ("if", "with") or node["else"] is not None:
+                raise TemplateError("else outside if/with")
             node["else"] = []
             if rest.startswith("if "):  # else if: a nested if that shares the outer end
                 inner = {"kind": "if", "words": _lex(rest[3:]), "body": [], "else": None,
@@ -205,14 +204,6 @@ class Chart:
                     out.append(self._run(node["body"], v if kind == "with" else dot, top))
                 elif node["else"] is not None:
                     out.append(self._run(node["else"], dot, top))
-            elif kind == "range":
-                v = self._eval(node["words"], dot, top)
-                if _truthy(v):
-                    if not isinstance(v, list):
-                        raise TemplateError("range over a non-list")
-                    out += [self._run(node["body"], x, top) for x in v]
-                elif node["else"] is not None:
-                    out.append(self._run(node["else"], dot, top))
         return "".join(out)
 
     def _eval(self, words: List[Tuple[str, Any]], dot: Any, top: Dict[str, Any]) -> Any:
@@ -278,14 +269,11 @@ class Chart:
             "default": lambda d, v=None: v if _truthy(v) else d,
             "quote": lambda v: json.dumps(_text(v)),
             "toYaml": _to_yaml,
-            "toJson": lambda v: json.dumps(v, separators=(",", ":")),
             "nindent": lambda n, s: "\n" + _indent(n, s),
-            "indent": _indent,
             "printf": _printf,
             "eq": lambda a, b: a == b,
             "ne": lambda a, b: a != b,
             "not": lambda v: not _truthy(v),
-            "int": int,
             "trunc": lambda n, s: s[:n],
             "trimSuffix": lambda suffix, s: s[:-len(suffix)] if s.endswith(suffix) else s,
         }
@@ -300,10 +288,6 @@ class Chart:
             return next((a for a in args if _truthy(a)), args[-1])
         if name == "fail":
             raise Fail(args[0])
-        if name == "required":
-            if not _truthy(args[1]):
-                raise Fail(args[0])
-            return args[1]
         if name not in simple:
             raise TemplateError(f"unknown function {name!r}")
         return simple[name](*args)
