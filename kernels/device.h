@@ -84,6 +84,16 @@ struct LayerCall {
   const std::vector<std::vector<int32_t>>* selection = nullptr;
 };
 
+// What a layer call makes a device do (Device::RunLayer's policy, written once): write the call's
+// key rows, run the indexer (for candidates, or to select), attend. A backend that stages the
+// call's inputs up front (the CUDA one) stages exactly these.
+struct LayerNeeds {
+  bool keys = false;     // kv_latent, k_rope (index_k on full layers) into the caches
+  bool indexer = false;  // index_q and index_w: the indexer's scores
+  bool attend = false;   // q_latent (or q_nope) and q_rope: MLA into call.out
+};
+LayerNeeds NeedsOf(const LayerCall& call);
+
 // A step's state on one device (its uploaded plan, its kept selection, its scratch). Created by
 // Device::BeginStep, destroyed when the step ends.
 class DeviceStep {
