@@ -6,12 +6,13 @@
 namespace attnd::cuda {
 namespace {
 
-template <DType T>
+// Cache dtype T, source dtype S: each value converted once (S -> fp32 -> T, exact where T holds S).
+template <DType T, DType S>
 __global__ void WriteRowsKernel(WriteRowsParams p) {
   const int r = blockIdx.x;
   uint8_t* row = p.cache.MutableRow(p.slot[r]);
   for (int d = threadIdx.x; d < p.dim; d += blockDim.x)
-    Store<T>(row, p.col_offset + d, p.src[int64_t{r} * p.dim + d]);
+    Store<T>(row, p.col_offset + d, Load<S>(p.src, int64_t{r} * p.dim + d));
 }
 
 // One block per row: an fp8 cache row packed on the host (kernels/fp8_rows.h) to its slot; an
@@ -32,9 +33,17 @@ __global__ void ScatterRowsKernel(ScatterRowsParams p) {
 cudaError_t LaunchWriteRows(const WriteRowsParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
   if (p.cache.dtype == DType::kFP8E4M3) return cudaErrorInvalidValue;  // LaunchScatterRows
+  if (p.src_dtype == DType::kFP8E4M3) return cudaErrorInvalidValue;    // fp8 keys: fp8 caches
   return Dispatch(p.cache.dtype, [&](auto t) {
-    WriteRowsKernel<decltype(t)::value><<<p.n, 128, 0, s>>>(p);
-    return cudaGetLastError();
+    return Dispatch(p.src_dtype, [&](auto src) {
+      if constexpr (decltype(t)::value == DType::kFP8E4M3 ||
+                    decltype(src)::value == DType::kFP8E4M3) {
+        return cudaErrorInvalidValue;  // refused above; not instantiated
+      } else {
+        WriteRowsKernel<decltype(t)::value, decltype(src)::value><<<p.n, 128, 0, s>>>(p);
+        return cudaGetLastError();
+      }
+    });
   });
 }
 

@@ -16,6 +16,14 @@ __global__ void ToF32Kernel(const void* src, float* dst, int64_t n) {
     dst[i] = Load<T>(src, i);
 }
 
+// FP8_E4M3 queries: each value times its row's scale (one fp32 multiply).
+__global__ void DequantKernel(const uint8_t* src, const float* scales, int64_t per_scale,
+                              float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = Load<DType::kFP8E4M3>(src, i) * scales[i / per_scale];
+}
+
 template <DType T>
 __global__ void FromF32Kernel(const float* src, void* dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -83,8 +91,15 @@ __global__ void HeadProjectKernel(HeadProjectParams p) {
 
 }  // namespace
 
-cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s) {
+cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s,
+                        const float* scales, int64_t per_scale) {
   if (count <= 0) return cudaSuccess;
+  if (dtype == DType::kFP8E4M3) {
+    if (scales == nullptr || per_scale <= 0) return cudaErrorInvalidValue;
+    DequantKernel<<<Blocks(count), kThreads, 0, s>>>(static_cast<const uint8_t*>(src), scales,
+                                                     per_scale, dst, count);
+    return cudaGetLastError();
+  }
   return Dispatch(dtype, [&](auto t) {
     ToF32Kernel<decltype(t)::value><<<Blocks(count), kThreads, 0, s>>>(src, dst, count);
     return cudaGetLastError();

@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/layer_upload.h"
 #include "kernels/cuda/mla_split.h"
 
 namespace attnd::cuda {
@@ -121,8 +122,12 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
                      "; rebuild with CMAKE_CUDA_ARCHITECTURES including ", prop.major, prop.minor));
   }
   CUDA_RETURN(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, ordinal));
-  CUDA_RETURN(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-  CUDA_RETURN(cudaStreamCreateWithFlags(&s.copy_stream, cudaStreamNonBlocking));
+  for (cudaStream_t* st : {&s.stream, &s.upload_stream, &s.download_stream, &s.copy_stream})
+    CUDA_RETURN(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
+  for (UploadSlot& slot : s.slots)
+    for (Event* e : {&slot.keys_in, &slot.queries_in, &slot.computed, &slot.out_back})
+      RETURN_IF_ERROR(e->Create());
+  RETURN_IF_ERROR(s.plan_uploaded.Create());
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, layout.TotalBytes());
   if (e != cudaSuccess)
@@ -144,16 +149,29 @@ CudaDevice::~CudaDevice() {
   if (!s_) return;
   cudaSetDevice(ordinal_);
   if (s_->cache) cudaFree(s_->cache);
-  if (s_->stream) cudaStreamDestroy(s_->stream);
-  if (s_->copy_stream) cudaStreamDestroy(s_->copy_stream);
+  for (cudaStream_t st : {s_->stream, s_->upload_stream, s_->download_stream, s_->copy_stream})
+    if (st) cudaStreamDestroy(st);
+}
+
+UploadSlot& CudaDevice::State::AcquireSlot(std::unique_lock<std::mutex>* lock) {
+  const unsigned first = next_slot.fetch_add(1);
+  for (unsigned i = 0; i < slots.size(); ++i) {  // a free one, starting from this call's turn
+    UploadSlot& slot = slots[(first + i) % slots.size()];
+    std::unique_lock<std::mutex> l(slot.mu, std::try_to_lock);
+    if (l.owns_lock()) {
+      *lock = std::move(l);
+      return slot;
+    }
+  }
+  UploadSlot& slot = slots[first % slots.size()];  // both in use: wait for this call's turn
+  *lock = std::unique_lock<std::mutex>(slot.mu);
+  return slot;
 }
 
 absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
   const size_t n = std::max<size_t>(1, share.size());
   const size_t H = spec.num_heads, L = spec.kv_lora_rank, R = spec.qk_rope_head_dim;
   const size_t Hi = spec.index_n_heads, Di = spec.index_head_dim;
-  // The widest row of any layer tensor, in the widest wire dtype (fp32).
-  const size_t row = 4 * std::max({H * L, H * R, Hi * Di, L, R, Di, Hi});
   int64_t need_keys = 0;  // one wave's score rows
   for (int64_t i = 0; i < share.size(); ++i)
     if (share.needs_index[i]) need_keys = std::min(need_keys + share.pos[i] + 1, kMaxScoreFloats);
@@ -166,20 +184,18 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
   const int splits = MlaQuerySplits(MaxKeys(share));
   const size_t part_rows =
       size_t(splits) * MlaPartialQueries(static_cast<int>(n), splits, spec.num_heads, L) * H;
+  // Each upload slot holds one call's packed inputs and outputs (layer_upload.h).
+  const size_t slot_bytes = MaxLayerUploadBytes(spec, layout, share.size(), absorb_dn, absorb_v);
   const std::pair<DeviceBuffer*, size_t> want[] = {
-      {&raw, n * row},
+      {&slots[0].dev, slot_bytes},
+      {&slots[1].dev, slot_bytes},
       {&q_lat, n * H * L * 4},
       {&q_rope, n * H * R * 4},
-      {&kv_lat, n * L * 4},
-      {&k_rope, n * R * 4},
       {&idx_q, n * Hi * Di * 4},
-      {&idx_k, n * Di * 4},
       {&idx_w, n * Hi * 4},
       {&out_f32, n * H * L * 4},
-      {&out_raw, n * H * std::max<size_t>(L, absorb_v) * 4},
       {&q_nope, std::max<size_t>(4, n * H * absorb_dn * 4)},
       {&out_v, std::max<size_t>(4, n * H * absorb_v * 4)},
-      {&lse, n * H * 4},
       {&scores, std::max<size_t>(4, need_keys * 4)},
       {&tmp_sel, n * k * 4},
       {&tmp_count, n * 4},
@@ -214,12 +230,15 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
           " MiB of GPU scratch beyond the KV cache: ", r.message(), "; send smaller steps"));
     }
   }
-  return staging.Reserve(n * row);
+  // The slots' pinned host buffers grow to each call's own size (StartLayer), not to this bound:
+  // pinned memory is the host's, and fp32 worst cases would pin gigabytes for bf16 traffic.
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShare& share) {
   State& s = *s_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  // Both upload slots (they may grow), then the layer lock: the order every call takes them in.
+  std::scoped_lock lock(s.slots[0].mu, s.slots[1].mu, s.mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
   RETURN_IF_ERROR(s.ReserveScratch(share));
   auto st = std::make_unique<Step>(ordinal_);
@@ -227,55 +246,64 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   st->sel_cap = std::max<int64_t>(1, share.max_selected);
   st->page_size = share.page_size;
   st->max_keys = MaxKeys(share);
-  RETURN_IF_ERROR(s.PlanWaves(share, st.get()));
-  RETURN_IF_ERROR(Upload(st->pos, share.pos, s.stream));
-  RETURN_IF_ERROR(Upload(st->seq, share.seq, s.stream));
-  RETURN_IF_ERROR(Upload(st->indptr, share.indptr, s.stream));
-  RETURN_IF_ERROR(Upload(st->pages, share.pages, s.stream));
-  RETURN_IF_ERROR(Upload(st->slot, share.slot, s.stream));
-  RETURN_IF_ERROR(Upload(st->needs_index, share.needs_index, s.stream));
+  // The plan in one copy: no stream sync (the layers' kernels follow on the same stream); the
+  // pinned staging is reused once the previous step's copy has passed.
+  PlanPacker plan;
+  st->pos = plan.Add(share.pos);
+  st->seq = plan.Add(share.seq);
+  st->indptr = plan.Add(share.indptr);
+  st->pages = plan.Add(share.pages);
+  st->slot = plan.Add(share.slot);
+  st->needs_index = plan.Add(share.needs_index);
+  s.PlanWaves(share, st.get(), &plan);
+  const std::vector<uint8_t>& bytes = plan.bytes();
+  RETURN_IF_ERROR(st->plan.Reserve(bytes.size()));
+  CUDA_RETURN(cudaEventSynchronize(s.plan_uploaded.e));
+  RETURN_IF_ERROR(s.plan_host.Reserve(bytes.size()));
+  std::memcpy(s.plan_host.data(), bytes.data(), bytes.size());
+  CUDA_RETURN(cudaMemcpyAsync(st->plan.ptr, s.plan_host.ptr, bytes.size(), cudaMemcpyHostToDevice,
+                              s.stream));
+  CUDA_RETURN(cudaEventRecord(s.plan_uploaded.e, s.stream));
   RETURN_IF_ERROR(st->sel.Reserve(std::max<size_t>(4, st->n * st->sel_cap * 4)));
   RETURN_IF_ERROR(st->sel_slots.Reserve(std::max<size_t>(4, st->n * st->sel_cap * 4)));
   RETURN_IF_ERROR(st->sel_count.Reserve(std::max<size_t>(4, st->n * 4)));
   // Rows that never select keep count 0 (PositionsToSlots and traces read every row).
   CUDA_RETURN(cudaMemsetAsync(st->sel_count.ptr, 0, st->sel_count.bytes, s.stream));
-  CUDA_RETURN(cudaStreamSynchronize(s.stream));
   return std::unique_ptr<DeviceStep>(std::move(st));
 }
 
-absl::Status CudaDevice::State::PlanWaves(const StepShare& share, Step* step) {
+void CudaDevice::State::PlanWaves(const StepShare& share, Step* step, PlanPacker* plan) const {
   for (int64_t i = 0; i < share.size();) {
     std::vector<int32_t> rows;
     std::vector<int64_t> offset, len, page_offset, pages;
-    auto w = std::make_unique<Step::Wave>();
+    Step::Wave w;
     for (; i < share.size(); ++i) {
       if (!share.needs_index[i]) continue;
       const int64_t v = share.pos[i] + 1;
-      if (!rows.empty() && w->total + v > kMaxScoreFloats) break;
+      if (!rows.empty() && w.total + v > kMaxScoreFloats) break;
       const int64_t np = (v + spec.page_size - 1) / spec.page_size;
       rows.push_back(static_cast<int32_t>(i));
-      offset.push_back(w->total);
+      offset.push_back(w.total);
       len.push_back(v);
-      page_offset.push_back(w->pages_total);
+      page_offset.push_back(w.pages_total);
       pages.push_back(np);
-      w->total += v;
-      w->max_len = std::max(w->max_len, v);
-      w->pages_total += np;
-      w->max_pages = std::max(w->max_pages, np);
+      w.total += v;
+      w.max_len = std::max(w.max_len, v);
+      w.pages_total += np;
+      w.max_pages = std::max(w.max_pages, np);
     }
     if (rows.empty()) break;
-    w->nq = static_cast<int>(rows.size());
-    RETURN_IF_ERROR(Upload(w->rows, rows, stream));
-    RETURN_IF_ERROR(Upload(w->offset, offset, stream));
-    RETURN_IF_ERROR(Upload(w->len, len, stream));
-    RETURN_IF_ERROR(Upload(w->page_offset, page_offset, stream));
-    RETURN_IF_ERROR(Upload(w->pages, pages, stream));
-    w->host_rows = std::move(rows);
-    w->host_offset = std::move(offset);
-    w->host_len = std::move(len);
+    w.nq = static_cast<int>(rows.size());
+    w.rows = plan->Add(rows);
+    w.offset = plan->Add(offset);
+    w.len = plan->Add(len);
+    w.page_offset = plan->Add(page_offset);
+    w.pages = plan->Add(pages);
+    w.host_rows = std::move(rows);
+    w.host_offset = std::move(offset);
+    w.host_len = std::move(len);
     step->waves.push_back(std::move(w));
   }
-  return absl::OkStatus();
 }
 
 absl::Status CudaDevice::PrepareAbsorption(const Absorption& weights) {

@@ -7,7 +7,10 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -86,6 +89,30 @@ struct HostBuffer {
   }
 };
 
+// An event for ordering and waiting (no timing).
+struct Event {
+  cudaEvent_t e = nullptr;
+  absl::Status Create() {
+    CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+};
+
+// One layer call's packed inputs and outputs (kernels/cuda/layer_upload.h), in pinned host memory
+// and on the GPU. A call holds its slot from StartLayer until its work on the GPU is done (it
+// waits before it lets go), so the next holder finds both buffers free.
+struct UploadSlot {
+  std::mutex mu;
+  HostBuffer host;
+  DeviceBuffer dev;
+  Event keys_in, queries_in;  // upload stream: the key part, the query part landed
+  Event computed;             // compute stream: the call's kernels are done
+  Event out_back;             // download stream: the output part is in `host`
+};
+
 template <typename T>
 absl::Status Upload(DeviceBuffer& dst, const std::vector<T>& src, cudaStream_t s) {
   RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(1, src.size() * sizeof(T))));
@@ -97,6 +124,23 @@ absl::Status Upload(DeviceBuffer& dst, const std::vector<T>& src, cudaStream_t s
   return absl::OkStatus();
 }
 
+// A step's plan as one upload: host vectors appended to a packed buffer (each 16-byte aligned),
+// then copied to the GPU in one copy; Add returns where each vector will be on the GPU.
+class PlanPacker {
+ public:
+  template <typename T>
+  size_t Add(const std::vector<T>& v) {
+    const size_t at = (bytes_.size() + 15) / 16 * 16;
+    bytes_.resize(at + std::max<size_t>(1, v.size()) * sizeof(T));
+    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
+    return at;
+  }
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
 // A step's share on this GPU: its uploaded plan and its kept selection (IndexShare carry).
 struct CudaDevice::Step final : DeviceStep {
   explicit Step(int gpu) : ordinal(gpu) {}
@@ -107,7 +151,14 @@ struct CudaDevice::Step final : DeviceStep {
   int64_t sel_cap = 0;
   int32_t page_size = 0;
   int64_t max_keys = 1;  // the most keys any query attends (position + 1)
-  DeviceBuffer pos, seq, indptr, pages, slot, needs_index;
+  // The plan in one buffer (PlanPacker): the share's positions, sequences, page tables, slots,
+  // needs_index and every wave's vectors, at these offsets.
+  DeviceBuffer plan;
+  size_t pos = 0, seq = 0, indptr = 0, pages = 0, slot = 0, needs_index = 0;
+  template <typename T>
+  const T* At(size_t offset) const {
+    return reinterpret_cast<const T*>(plan.as<uint8_t>() + offset);
+  }
   DeviceBuffer sel, sel_slots, sel_count;  // [n, sel_cap] positions and slot ids, [n] counts
   bool selected = false;                   // a full layer has run
   // The indexer's queries in waves whose score rows fit kMaxScoreFloats, planned and uploaded
@@ -115,19 +166,19 @@ struct CudaDevice::Step final : DeviceStep {
   struct Wave {
     int nq = 0;
     int64_t total = 0, max_len = 0, pages_total = 0, max_pages = 0;
-    DeviceBuffer rows, offset, len;   // [nq] local token, score offset, visible keys
-    DeviceBuffer page_offset, pages;  // [nq] page-key offset, pages (page modes)
-    std::vector<int32_t> host_rows;   // rows, offset and len on the host (candidates)
+    // In `plan`: [nq] local token, score offset, visible keys; page-key offset, pages.
+    size_t rows = 0, offset = 0, len = 0, page_offset = 0, pages = 0;
+    std::vector<int32_t> host_rows;  // rows, offset and len on the host (candidates)
     std::vector<int64_t> host_offset, host_len;
   };
-  std::vector<std::unique_ptr<Wave>> waves;
+  std::vector<Wave> waves;
   QueryTables Tables() const {
     QueryTables t;
-    t.table.indptr = indptr.as<int32_t>();
-    t.table.pages = pages.as<int32_t>();
+    t.table.indptr = At<int32_t>(indptr);
+    t.table.pages = At<int32_t>(pages);
     t.table.page_size = page_size;
-    t.seq = seq.as<int32_t>();
-    t.pos = pos.as<int64_t>();
+    t.seq = At<int32_t>(seq);
+    t.pos = At<int64_t>(pos);
     return t;
   }
 };
@@ -135,17 +186,27 @@ struct CudaDevice::Step final : DeviceStep {
 struct CudaDevice::State {
   ModelSpec spec;
   CacheLayout layout;
-  cudaStream_t stream = nullptr;       // layers (mu held)
-  cudaStream_t copy_stream = nullptr;  // page reads, writes and copies (copy_mu held)
-  uint8_t* cache = nullptr;            // CacheLayout's one allocation
-  std::mutex mu;                       // one layer at a time per GPU: the scratch below is shared
+  cudaStream_t stream = nullptr;           // layers' kernels (mu held while launching)
+  cudaStream_t upload_stream = nullptr;    // layer inputs to the GPU (a slot held)
+  cudaStream_t download_stream = nullptr;  // layer outputs back (a slot held)
+  cudaStream_t copy_stream = nullptr;      // page reads, writes and copies (copy_mu held)
+  uint8_t* cache = nullptr;                // CacheLayout's one allocation
+  // One layer's kernels launched at a time per GPU: the scratch below is shared. Lock order: a
+  // slot's mu (a layer call holds one, BeginStep both), then mu.
+  std::mutex mu;
   std::mutex copy_mu;
-  // Per-layer scratch.
-  DeviceBuffer raw, q_lat, q_rope, kv_lat, k_rope, idx_q, idx_k, idx_w, scores, tmp_sel, tmp_count,
-      page_keys, page_list, page_count, out_f32, out_raw, lse;
+  // Per-layer fp32 scratch (converted inputs, intermediate results).
+  DeviceBuffer q_lat, q_rope, idx_q, idx_w, scores, tmp_sel, tmp_count, page_keys, page_list,
+      page_count, out_f32;
   DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
   DeviceBuffer q_nope, out_v;      // absorbed calls: q_nope and the values, fp32
-  HostBuffer staging;
+  // Two calls' packed inputs and outputs: one call's upload and download overlap another's
+  // kernels (kernels/cuda/layer_upload.h).
+  std::array<UploadSlot, 2> slots;
+  std::atomic<unsigned> next_slot{0};
+  // BeginStep's plan upload (mu held): pinned staging, reused once `plan_uploaded` passed.
+  HostBuffer plan_host;
+  Event plan_uploaded;
   // Server-side absorption: every layer's W_UK [H, Dn, L] and W_UV^T [H, L, V] (PrepareAbsorption).
   std::vector<DeviceBuffer> absorb_uk, absorb_uv;
   int absorb_dn = 0, absorb_v = 0;
@@ -155,11 +216,14 @@ struct CudaDevice::State {
   CacheRows Latent(int layer) const { return layout.Latent(cache, layer); }
   CacheRows Index(int slot) const { return layout.Index(cache, slot); }
 
-  // Plans the step's indexer waves from its share and uploads them (mu held).
-  absl::Status PlanWaves(const StepShare& share, Step* step);
-  // Grows the per-layer scratch to what a layer of `share` needs (mu held): a step that cannot
-  // fit fails at BeginStep with RESOURCE_EXHAUSTED, never in the middle of a layer.
+  // Plans the step's indexer waves from its share into `plan` (mu held).
+  void PlanWaves(const StepShare& share, Step* step, PlanPacker* plan) const;
+  // Grows the per-layer scratch and both upload slots to what a layer of `share` needs (mu and
+  // both slots held): a step that cannot fit fails at BeginStep with RESOURCE_EXHAUSTED, never in
+  // the middle of a layer.
   absl::Status ReserveScratch(const StepShare& share);
+  // A free upload slot, locked into *lock (waits for one when both are in use).
+  UploadSlot& AcquireSlot(std::unique_lock<std::mutex>* lock);
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).
   absl::Status PageToHost(int32_t page, int rows, uint8_t* staged);
   absl::Status HostToPage(int32_t page, int rows, const uint8_t* staged);

@@ -26,8 +26,11 @@ struct QueryTables {
 // Whether the kernels have code for the current GPU (cudaErrorNoKernelImageForDevice if not).
 cudaError_t ProbeKernels();
 
-// dst[i] = float(src[i]) for `count` elements of dtype.
-cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s);
+// dst[i] = float(src[i]) for `count` elements of dtype. FP8_E4M3 (queries) takes `scales`: one
+// fp32 scale per `per_scale` consecutive values, dst[i] = e4m3(src[i]) x scales[i / per_scale]
+// (one fp32 multiply, as kernels/fp8_rows.h's QueryRowToF32 does it on the host).
+cudaError_t LaunchToF32(const void* src, DType dtype, float* dst, int64_t count, cudaStream_t s,
+                        const float* scales = nullptr, int64_t per_scale = 0);
 // dst[i] = dtype(src[i]) (round to nearest even).
 cudaError_t LaunchFromF32(const float* src, DType dtype, void* dst, int64_t count, cudaStream_t s);
 
@@ -47,7 +50,8 @@ cudaError_t LaunchHeadProject(const HeadProjectParams& p, cudaStream_t s);
 cudaError_t LaunchFillNormalBf16(void* dst, int64_t count, uint64_t seed, cudaStream_t s);
 
 struct WriteRowsParams {
-  const float* src = nullptr;  // [n, dim] new rows
+  const void* src = nullptr;  // [n, dim] new rows in src_dtype (BF16, FP16 or FP32)
+  DType src_dtype = DType::kF32;
   int n = 0, dim = 0;
   CacheRows cache;                // the layer's rows (cache dtype)
   int col_offset = 0;             // first column written inside the cache row

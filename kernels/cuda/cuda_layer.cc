@@ -1,5 +1,12 @@
 // One RunLayer call on a GPU (CudaDevice::Call, the LayerRun of Device::RunLayer): the call's
-// rows uploaded and converted, key writes, the indexer and the selection, and MLA.
+// inputs gathered once into a pinned upload slot and copied up in two pieces (layer_upload.h),
+// key writes, the indexer and the selection, MLA, and the output and its log-sum-exp copied back
+// in one piece. The host waits once, for that copy; everything else is ordered by events.
+//
+// Overlap: a call packs and uploads its inputs before it takes the GPU's layer lock, so it does
+// so while another step's layer computes; it releases the lock before it waits for its output,
+// so the next layer's kernels queue behind its own. A step's own layers cannot overlap: the
+// worker makes layer l + 1's inputs from layer l's output.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -11,107 +18,99 @@
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/layer_upload.h"
 #include "kernels/cuda/mla_split.h"
-#include "kernels/fp8_rows.h"
 
 namespace attnd::cuda {
 
-// One RunLayer call on this GPU (Device::RunLayer's steps): its share, step and call, passed to
-// every helper through this object, and the GPU's layer lock, held for the call's lifetime (the
-// State's per-layer scratch is shared by every step).
+// One RunLayer call on this GPU (Device::RunLayer's steps): its share, step, call and upload
+// slot, and the GPU's layer lock while it launches kernels.
 struct CudaDevice::Call final : LayerRun {
-  Call(State& state, const StepShare& share, Step& step, const LayerCall& call)
-      : s(state), lock(state.mu), share(share), st(step), call(call) {}
+  Call(State& state, std::unique_lock<std::mutex> slot_lock, UploadSlot& slot, LayerUpload plan,
+       const StepShare& share, Step& step, const LayerCall& call)
+      : s(state),
+        slot_lock(std::move(slot_lock)),
+        slot(slot),
+        plan(std::move(plan)),
+        lock(state.mu),
+        share(share),
+        st(step),
+        call(call) {}
+  // A call that did not finish (an error on the way) waits for its GPU work before the slot is
+  // let go: the next holder overwrites the slot's buffers.
+  ~Call() override {
+    if (finished) return;
+    cudaEventRecord(slot.computed.e, s.stream);
+    cudaEventSynchronize(slot.computed.e);
+    cudaStreamSynchronize(s.upload_stream);
+    cudaStreamSynchronize(s.download_stream);
+  }
 
   absl::Status WriteKeys() override;
   absl::Status Score(const ScoreSink& sink) override;
   absl::Status Select() override;
   absl::Status Keep(const std::vector<std::vector<int32_t>>& selection) override;
   absl::Status Attend() override;
-  absl::Status Finish() override {
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));
-    return absl::OkStatus();
-  }
+  absl::Status Finish() override;
 
   QueryTables Tables() const { return st.Tables(); }
-  bool IndexQueriesBf16() const { return call.in->index_q.dtype == DType::kBF16; }
+  const uint8_t* In(const UploadSection& section) const {
+    return slot.dev.as<uint8_t>() + section.offset;
+  }
+  uint8_t* Out(const UploadSection& section) const {
+    return slot.dev.as<uint8_t>() + section.offset;
+  }
+  // A planned tensor's rows to fp32 (`f32`, n x row_elems), FP8_E4M3 with its scales.
+  absl::Status ToF32(const UploadTensor& t, DeviceBuffer& f32) {
+    const int64_t count = st.n * t.row_elems;
+    RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, count * 4)));
+    const float* scales =
+        t.scales.present() ? reinterpret_cast<const float*>(In(t.scales)) : nullptr;
+    CUDA_RETURN(LaunchToF32(In(t.rows), t.dtype, f32.as<float>(), count, s.stream, scales,
+                            t.row_elems / t.heads));
+    return absl::OkStatus();
+  }
+  // The stream waits (on the GPU) for a part of the upload.
+  absl::Status WaitFor(const Event& landed) {
+    CUDA_RETURN(cudaStreamWaitEvent(s.stream, landed.e, 0));
+    return absl::OkStatus();
+  }
+  bool IndexQueriesBf16() const { return plan.index_q.dtype == DType::kBF16; }
   // out[t, h] = in[t, h] · w[h] ([k, cols] per head) for the share's tokens (absorption).
-  cudaError_t Project(const DeviceBuffer& in, const DeviceBuffer& w, DeviceBuffer& out, int heads,
-                      int k, int cols) {
+  cudaError_t Project(const DeviceBuffer& in, const DeviceBuffer& w, float* out, int heads, int k,
+                      int cols) {
     HeadProjectParams p;
     p.in = in.as<float>();
     p.w = w.as<float>();
-    p.out = out.as<float>();
+    p.out = out;
     p.n = static_cast<int>(st.n);
     p.heads = heads;
     p.k = k;
     p.cols = cols;
     return LaunchHeadProject(p, s.stream);
   }
-
-  // Gathers the share's rows of `t` into pinned staging, uploads them and converts to fp32.
-  absl::Status Rows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
-    if (t.dtype == DType::kFP8E4M3) return Fp8QueryRows(t, row_elems, f32);
-    const size_t es = DTypeSize(t.dtype), row = row_elems * es;
-    RETURN_IF_ERROR(s.staging.Reserve(std::max<size_t>(1, st.n * row)));
-    for (int64_t i = 0; i < st.n; ++i)
-      std::memcpy(s.staging.data() + i * row,
-                  static_cast<const uint8_t*>(t.data) + share.rows[i] * row, row);
-    RETURN_IF_ERROR(s.raw.Reserve(std::max<size_t>(1, st.n * row)));
-    RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st.n * row_elems * 4)));
-    CUDA_RETURN(
-        cudaMemcpyAsync(s.raw.ptr, s.staging.ptr, st.n * row, cudaMemcpyHostToDevice, s.stream));
-    CUDA_RETURN(LaunchToF32(s.raw.ptr, t.dtype, f32.as<float>(), st.n * row_elems, s.stream));
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));  // staging is reused by the next tensor
-    return absl::OkStatus();
-  }
-
-  // FP8_E4M3 queries (one scale per token and head): dequantised on the host by the function the
-  // CPU backend uses, then uploaded as fp32.
-  absl::Status Fp8QueryRows(const TensorView& t, int64_t row_elems, DeviceBuffer& f32) {
-    const int64_t elems = t.dims[t.rank - 1], heads = row_elems / elems;
-    const size_t row = row_elems * 4;
-    RETURN_IF_ERROR(s.staging.Reserve(std::max<size_t>(1, st.n * row)));
-    for (int64_t i = 0; i < st.n; ++i)
-      for (int64_t h = 0; h < heads; ++h)
-        QueryRowToF32(t, share.rows[i] * heads + h, elems,
-                      reinterpret_cast<float*>(s.staging.data() + i * row) + h * elems);
-    RETURN_IF_ERROR(f32.Reserve(std::max<size_t>(4, st.n * row)));
-    CUDA_RETURN(
-        cudaMemcpyAsync(f32.ptr, s.staging.ptr, st.n * row, cudaMemcpyHostToDevice, s.stream));
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));  // staging is reused by the next tensor
-    return absl::OkStatus();
-  }
-
-  // fp8 caches: each share row packed by pack(step row, out) into pinned staging, uploaded, and
-  // scattered to its slot.
-  template <typename Pack>
-  absl::Status WritePacked(const CacheRows& c, size_t row_bytes, Pack pack) {
-    RETURN_IF_ERROR(s.staging.Reserve(std::max<size_t>(1, st.n * row_bytes)));
-    for (int64_t i = 0; i < st.n; ++i) pack(share.rows[i], s.staging.data() + i * row_bytes);
-    RETURN_IF_ERROR(s.raw.Reserve(std::max<size_t>(1, st.n * row_bytes)));
-    CUDA_RETURN(cudaMemcpyAsync(s.raw.ptr, s.staging.ptr, st.n * row_bytes, cudaMemcpyHostToDevice,
-                                s.stream));
-    ScatterRowsParams w;
-    w.src = static_cast<const uint8_t*>(s.raw.ptr);
-    w.n = static_cast<int>(st.n);
-    w.src_row_bytes = row_bytes;
-    w.cache = c;
-    w.slot = st.slot.as<int32_t>();
-    CUDA_RETURN(LaunchScatterRows(w, s.stream));
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));  // staging and raw are reused next
-    return absl::OkStatus();
-  }
-
-  absl::Status Write(const CacheRows& c, const DeviceBuffer& src, int dim, int col) {
+  // Wire rows (a planned tensor) into `dim` columns from `col` of each share token's slot.
+  absl::Status Write(const CacheRows& c, const UploadTensor& t, int dim, int col) {
     WriteRowsParams w;
-    w.src = src.as<float>();
+    w.src = In(t.rows);
+    w.src_dtype = t.dtype;
     w.n = static_cast<int>(st.n);
     w.dim = dim;
     w.cache = c;
     w.col_offset = col;
-    w.slot = st.slot.as<int32_t>();
+    w.slot = st.At<int32_t>(st.slot);
     CUDA_RETURN(LaunchWriteRows(w, s.stream));
+    return absl::OkStatus();
+  }
+  // fp8 caches: rows packed on the host (row_bytes each) to their slots.
+  absl::Status Scatter(const CacheRows& c, const UploadSection& rows, size_t row_bytes) {
+    ScatterRowsParams w;
+    w.src = In(rows);
+    w.n = static_cast<int>(st.n);
+    w.src_row_bytes = row_bytes;
+    w.cache = c;
+    w.slot = st.At<int32_t>(st.slot);
+    CUDA_RETURN(LaunchScatterRows(w, s.stream));
     return absl::OkStatus();
   }
 
@@ -125,30 +124,69 @@ struct CudaDevice::Call final : LayerRun {
   absl::Status ToSlots();
 
   State& s;
-  std::lock_guard<std::mutex> lock;
+  std::unique_lock<std::mutex> slot_lock;
+  UploadSlot& slot;
+  const LayerUpload plan;
+  std::unique_lock<std::mutex> lock;  // s.mu, released in Finish before the wait
   const StepShare& share;
   Step& st;
   const LayerCall& call;
+  bool attended = false;  // the output part is on its way back
+  bool finished = false;
 };
 
 absl::StatusOr<std::unique_ptr<LayerRun>> CudaDevice::StartLayer(const StepShare& share,
                                                                  DeviceStep& step,
                                                                  const LayerCall& call) {
-  auto run = std::make_unique<Call>(*s_, share, static_cast<Step&>(step), call);  // locks s_->mu
+  State& s = *s_;
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  return std::unique_ptr<LayerRun>(std::move(run));
+  LayerUpload plan = PlanLayerUpload(s.spec, s.layout, share.size(), call, NeedsOf(call));
+  std::unique_lock<std::mutex> slot_lock;
+  UploadSlot& slot = s.AcquireSlot(&slot_lock);
+  // BeginStep reserved both slots' GPU buffers for this step's largest call (no allocation
+  // here); the pinned host buffer grows to the largest call it has carried.
+  RETURN_IF_ERROR(slot.dev.Reserve(std::max<size_t>(1, plan.total_bytes)));
+  RETURN_IF_ERROR(slot.host.Reserve(std::max<size_t>(1, plan.total_bytes)));
+  // The one host copy of the inputs (the slot's previous holder waited for its copies).
+  PackLayerUpload(plan, share, call, s.spec, s.layout, slot.host.data());
+  if (plan.keys_bytes > 0)
+    CUDA_RETURN(cudaMemcpyAsync(slot.dev.ptr, slot.host.ptr, plan.keys_bytes,
+                                cudaMemcpyHostToDevice, s.upload_stream));
+  CUDA_RETURN(cudaEventRecord(slot.keys_in.e, s.upload_stream));
+  if (plan.input_bytes > plan.keys_bytes)
+    CUDA_RETURN(cudaMemcpyAsync(
+        slot.dev.as<uint8_t>() + plan.keys_bytes, slot.host.data() + plan.keys_bytes,
+        plan.input_bytes - plan.keys_bytes, cudaMemcpyHostToDevice, s.upload_stream));
+  CUDA_RETURN(cudaEventRecord(slot.queries_in.e, s.upload_stream));
+  return std::unique_ptr<LayerRun>(std::make_unique<Call>(  // takes the layer lock
+      s, std::move(slot_lock), slot, std::move(plan), share, static_cast<Step&>(step), call));
+}
+
+absl::Status CudaDevice::Call::Finish() {
+  CUDA_RETURN(cudaEventRecord(slot.computed.e, s.stream));
+  lock.unlock();  // the next layer's kernels may queue now
+  if (attended) {
+    CUDA_RETURN(cudaEventSynchronize(slot.out_back.e));
+    finished = true;
+    UnpackLayerOutput(plan, share, slot.host.data(), call);
+    return absl::OkStatus();
+  }
+  // No output: the keys are written (and any selection kept) when the kernels are done.
+  finished = true;
+  CUDA_RETURN(cudaEventSynchronize(slot.computed.e));
+  return absl::OkStatus();
 }
 
 absl::Status CudaDevice::Call::IndexQueries() {
-  const int64_t Hi = s.spec.index_n_heads, Di = s.spec.index_head_dim;
-  RETURN_IF_ERROR(Rows(call.in->index_q, Hi * Di, s.idx_q));
-  return Rows(call.in->index_w, Hi, s.idx_w);
+  RETURN_IF_ERROR(WaitFor(slot.keys_in));
+  RETURN_IF_ERROR(ToF32(plan.index_q, s.idx_q));
+  return ToF32(plan.index_w, s.idx_w);
 }
 
 absl::Status CudaDevice::Call::Select() {
   RETURN_IF_ERROR(IndexQueries());
   const int slot = s.spec.FullSlot(call.layer);
-  for (const auto& w : st.waves) RETURN_IF_ERROR(SelectWave(slot, *w));
+  for (const Step::Wave& w : st.waves) RETURN_IF_ERROR(SelectWave(slot, w));
   RETURN_IF_ERROR(ToSlots());
   st.selected = true;
   return absl::OkStatus();
@@ -163,8 +201,8 @@ absl::Status CudaDevice::Call::ScoreWave(int slot, const Step::Wave& wave) {
   ip.dim = s.spec.index_head_dim;
   ip.keys = s.Index(slot);
   ip.tables = Tables();
-  ip.queries = wave.rows.as<int32_t>();
-  ip.score_offset = wave.offset.as<int64_t>();
+  ip.queries = st.At<int32_t>(wave.rows);
+  ip.score_offset = st.At<int64_t>(wave.offset);
   ip.nq = wave.nq;
   ip.max_keys = wave.max_len;
   ip.scores = s.scores.as<float>();
@@ -178,14 +216,14 @@ absl::Status CudaDevice::Call::Score(const ScoreSink& sink) {
   RETURN_IF_ERROR(IndexQueries());
   const int slot = s.spec.FullSlot(call.layer);
   std::vector<float> host;
-  for (const auto& w : st.waves) {
-    RETURN_IF_ERROR(ScoreWave(slot, *w));
-    host.resize(w->total);
+  for (const Step::Wave& w : st.waves) {
+    RETURN_IF_ERROR(ScoreWave(slot, w));
+    host.resize(w.total);
     CUDA_RETURN(
-        cudaMemcpyAsync(host.data(), s.scores.ptr, w->total * 4, cudaMemcpyDeviceToHost, s.stream));
+        cudaMemcpyAsync(host.data(), s.scores.ptr, w.total * 4, cudaMemcpyDeviceToHost, s.stream));
     CUDA_RETURN(cudaStreamSynchronize(s.stream));
-    for (int q = 0; q < w->nq; ++q)
-      sink(w->host_rows[q], host.data() + w->host_offset[q], w->host_len[q]);
+    for (int q = 0; q < w.nq; ++q)
+      sink(w.host_rows[q], host.data() + w.host_offset[q], w.host_len[q]);
   }
   return absl::OkStatus();
 }
@@ -212,15 +250,15 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
 
   TopKParams tk;
   tk.scores = s.scores.as<float>();
-  tk.row_offset = wave.offset.as<int64_t>();
-  tk.row_len = wave.len.as<int64_t>();
+  tk.row_offset = st.At<int64_t>(wave.offset);
+  tk.row_len = st.At<int64_t>(wave.len);
   tk.nq = nq;
   if (s.spec.selection == SelectionMode::kToken) {
     tk.k = s.spec.index_topk;
     tk.out = st.sel.as<int32_t>();
     tk.out_stride = st.sel_cap;
     tk.out_count = st.sel_count.as<int32_t>();
-    tk.out_row = wave.rows.as<int32_t>();
+    tk.out_row = st.At<int32_t>(wave.rows);
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     return absl::OkStatus();
   }
@@ -240,11 +278,11 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     PageHitParams ph;
     ph.scores = s.scores.as<float>();
-    ph.row_offset = wave.offset.as<int64_t>();
+    ph.row_offset = st.At<int64_t>(wave.offset);
     ph.selected = s.tmp_sel.as<int32_t>();
     ph.selected_count = s.tmp_count.as<int32_t>();
     ph.sel_stride = k;
-    ph.page_offset = wave.page_offset.as<int64_t>();
+    ph.page_offset = st.At<int64_t>(wave.page_offset);
     ph.nq = nq;
     ph.page_size = s.spec.page_size;
     ph.max_sel = k;
@@ -253,9 +291,9 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   } else {
     PageMaxParams pm;
     pm.scores = s.scores.as<float>();
-    pm.row_offset = wave.offset.as<int64_t>();
-    pm.row_len = wave.len.as<int64_t>();
-    pm.page_offset = wave.page_offset.as<int64_t>();
+    pm.row_offset = st.At<int64_t>(wave.offset);
+    pm.row_len = st.At<int64_t>(wave.len);
+    pm.page_offset = st.At<int64_t>(wave.page_offset);
     pm.nq = nq;
     pm.page_size = s.spec.page_size;
     pm.max_pages = wave.max_pages;
@@ -266,8 +304,8 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   RETURN_IF_ERROR(s.page_count.Reserve(nq * 4));
   TopKParams pk;
   pk.keys = s.page_keys.as<uint32_t>();
-  pk.row_offset = wave.page_offset.as<int64_t>();
-  pk.row_len = wave.pages.as<int64_t>();
+  pk.row_offset = st.At<int64_t>(wave.page_offset);
+  pk.row_len = st.At<int64_t>(wave.pages);
   pk.nq = nq;
   pk.k = keep;
   pk.drop_zero = true;
@@ -279,13 +317,13 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   ex.pages = s.page_list.as<int32_t>();
   ex.page_count = s.page_count.as<int32_t>();
   ex.page_stride = keep;
-  ex.row_len = wave.len.as<int64_t>();
+  ex.row_len = st.At<int64_t>(wave.len);
   ex.nq = nq;
   ex.page_size = s.spec.page_size;
   ex.out = st.sel.as<int32_t>();
   ex.out_stride = st.sel_cap;
   ex.out_count = st.sel_count.as<int32_t>();
-  ex.out_row = wave.rows.as<int32_t>();
+  ex.out_row = st.At<int32_t>(wave.rows);
   CUDA_RETURN(LaunchExpandPages(ex, s.stream));
   return absl::OkStatus();
 }
@@ -303,53 +341,44 @@ absl::Status CudaDevice::Call::ToSlots() {
   return absl::OkStatus();
 }
 
-// Keys into the caches: an fp8 cache's rows are quantised on the host, as on CPU devices.
+// Keys into the caches: an fp8 cache's rows were quantised on the host when they were packed,
+// as on CPU devices; other caches convert the wire rows as they write them.
 absl::Status CudaDevice::Call::WriteKeys() {
   const ModelSpec& sp = s.spec;
   const int L = sp.kv_lora_rank, R = sp.qk_rope_head_dim, Di = sp.index_head_dim;
   const bool full = sp.layers[call.layer] == LayerKind::kFull;
-  const LayerInputs& in = *call.in;
+  RETURN_IF_ERROR(WaitFor(slot.keys_in));
   if (s.layout.fp8()) {
-    RETURN_IF_ERROR(WritePacked(
-        s.Latent(call.layer), s.layout.latent_row_bytes(),
-        [&](int64_t t, uint8_t* row) { PackLatentRow(in.kv_latent, in.k_rope, t, L, R, row); }));
-    if (full)
-      RETURN_IF_ERROR(WritePacked(
-          s.Index(sp.FullSlot(call.layer)), size_t(Di) + 4,
-          [&](int64_t t, uint8_t* row) { QuantizeKeyRow(in.index_k, t, Di, Di, row, row + Di); }));
+    RETURN_IF_ERROR(Scatter(s.Latent(call.layer), plan.latent_rows, s.layout.latent_row_bytes()));
+    if (full) RETURN_IF_ERROR(Scatter(s.Index(sp.FullSlot(call.layer)), plan.index_rows, Di + 4));
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(Rows(in.kv_latent, L, s.kv_lat));
-  RETURN_IF_ERROR(Write(s.Latent(call.layer), s.kv_lat, L, 0));
-  RETURN_IF_ERROR(Rows(in.k_rope, R, s.k_rope));
-  RETURN_IF_ERROR(Write(s.Latent(call.layer), s.k_rope, R, L));
-  if (full) {
-    RETURN_IF_ERROR(Rows(in.index_k, Di, s.idx_k));
-    RETURN_IF_ERROR(Write(s.Index(sp.FullSlot(call.layer)), s.idx_k, Di, 0));
-  }
+  RETURN_IF_ERROR(Write(s.Latent(call.layer), plan.kv_latent, L, 0));
+  RETURN_IF_ERROR(Write(s.Latent(call.layer), plan.k_rope, R, L));
+  if (full) RETURN_IF_ERROR(Write(s.Index(sp.FullSlot(call.layer)), plan.index_k, Di, 0));
   return absl::OkStatus();
 }
 
 // MLA over the kept selection (sparse layers) or the key ranges (absorbed calls first form
-// q_latent = q_nope · W_UK per head), then the output rows back in the request's dtype (absorbed:
-// the values, out_latent · W_UV^T).
+// q_latent = q_nope · W_UK per head), then the output rows in the request's dtype (absorbed: the
+// values, out_latent · W_UV^T) and the log-sum-exps into the slot, and both back in one copy.
 absl::Status CudaDevice::Call::Attend() {
   const ModelSpec& sp = s.spec;
   const int H = sp.num_heads, L = sp.kv_lora_rank, R = sp.qk_rope_head_dim;
   const LayerKind kind = sp.layers[call.layer];
-  const LayerInputs& in = *call.in;
   const Absorption* absorb = call.absorb;
+  RETURN_IF_ERROR(WaitFor(slot.queries_in));
   if (absorb != nullptr) {
     if (s.absorb_uk.size() != static_cast<size_t>(sp.num_layers()))
       return absl::InternalError("absorbed call on a GPU without its absorption weights");
     const int Dn = absorb->qk_nope_head_dim();
-    RETURN_IF_ERROR(Rows(in.q_nope, int64_t{H} * Dn, s.q_nope));
+    RETURN_IF_ERROR(ToF32(plan.query, s.q_nope));
     RETURN_IF_ERROR(s.q_lat.Reserve(std::max<size_t>(4, st.n * H * L * 4)));
-    CUDA_RETURN(Project(s.q_nope, s.absorb_uk[call.layer], s.q_lat, H, Dn, L));
+    CUDA_RETURN(Project(s.q_nope, s.absorb_uk[call.layer], s.q_lat.as<float>(), H, Dn, L));
   } else {
-    RETURN_IF_ERROR(Rows(in.q_latent, int64_t{H} * L, s.q_lat));
+    RETURN_IF_ERROR(ToF32(plan.query, s.q_lat));
   }
-  RETURN_IF_ERROR(Rows(in.q_rope, int64_t{H} * R, s.q_rope));
+  RETURN_IF_ERROR(ToF32(plan.q_rope, s.q_rope));
   RETURN_IF_ERROR(s.out_f32.Reserve(st.n * H * L * 4));
   MlaParams mp;
   mp.q_latent = s.q_lat.as<float>();
@@ -367,16 +396,13 @@ absl::Status CudaDevice::Call::Attend() {
   } else {
     mp.sel = st.sel_slots.as<int32_t>();
     mp.sel_count = st.sel_count.as<int32_t>();
-    mp.needs_index = st.needs_index.as<uint8_t>();
+    mp.needs_index = st.At<uint8_t>(st.needs_index);
     mp.sel_stride = st.sel_cap;
   }
   mp.out = s.out_f32.as<float>();
-  if (call.lse != nullptr) {
-    RETURN_IF_ERROR(s.lse.Reserve(std::max<size_t>(4, st.n * H * 4)));
-    mp.lse = s.lse.as<float>();
-  }
-  mp.tensor_cores = TensorCoreMla() && absorb == nullptr && in.q_latent.dtype == DType::kBF16 &&
-                    in.q_rope.dtype == DType::kBF16;
+  if (plan.lse.present()) mp.lse = reinterpret_cast<float*>(Out(plan.lse));  // [n, H] fp32
+  mp.tensor_cores = TensorCoreMla() && absorb == nullptr && plan.query.dtype == DType::kBF16 &&
+                    plan.q_rope.dtype == DType::kBF16;
   if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
     mp.max_keys = st.max_keys;
     const int splits = MlaQuerySplits(st.max_keys);
@@ -388,33 +414,23 @@ absl::Status CudaDevice::Call::Attend() {
     mp.part_ml = s.part_ml.as<float>();
   }
   CUDA_RETURN(LaunchMla(mp, s.stream));
-  // The output rows back in the request's dtype.
+  // The output rows in the request's dtype, into the slot.
   const float* result = s.out_f32.as<float>();
-  int W = L;
   if (absorb != nullptr) {
-    W = absorb->v_head_dim();
-    RETURN_IF_ERROR(s.out_v.Reserve(std::max<size_t>(4, st.n * H * W * 4)));
-    CUDA_RETURN(Project(s.out_f32, s.absorb_uv[call.layer], s.out_v, H, L, W));
+    RETURN_IF_ERROR(s.out_v.Reserve(std::max<size_t>(4, st.n * H * plan.width * 4)));
+    CUDA_RETURN(Project(s.out_f32, s.absorb_uv[call.layer], s.out_v.as<float>(), H, L, plan.width));
     result = s.out_v.as<float>();
   }
-  const size_t es = DTypeSize(call.out_dtype), row = size_t{static_cast<size_t>(H)} * W * es;
-  RETURN_IF_ERROR(s.out_raw.Reserve(st.n * row));
-  CUDA_RETURN(LaunchFromF32(result, call.out_dtype, s.out_raw.ptr, st.n * H * W, s.stream));
-  RETURN_IF_ERROR(s.staging.Reserve(st.n * row));
   CUDA_RETURN(
-      cudaMemcpyAsync(s.staging.ptr, s.out_raw.ptr, st.n * row, cudaMemcpyDeviceToHost, s.stream));
-  CUDA_RETURN(cudaStreamSynchronize(s.stream));
-  for (int64_t i = 0; i < st.n; ++i)
-    std::memcpy(call.out + share.rows[i] * row, s.staging.data() + i * row, row);
-  if (call.lse != nullptr) {  // [n, H] fp32, after the output (staging is reused)
-    const size_t lrow = size_t{static_cast<size_t>(H)} * 4;
-    RETURN_IF_ERROR(s.staging.Reserve(std::max<size_t>(1, st.n * lrow)));
-    CUDA_RETURN(
-        cudaMemcpyAsync(s.staging.ptr, s.lse.ptr, st.n * lrow, cudaMemcpyDeviceToHost, s.stream));
-    CUDA_RETURN(cudaStreamSynchronize(s.stream));
-    for (int64_t i = 0; i < st.n; ++i)
-      std::memcpy(call.lse + share.rows[i] * H, s.staging.data() + i * lrow, lrow);
-  }
+      LaunchFromF32(result, call.out_dtype, Out(plan.out), st.n * H * plan.width, s.stream));
+  // Output and log-sum-exps back in one copy, on the download stream once the kernels are done.
+  CUDA_RETURN(cudaEventRecord(slot.computed.e, s.stream));
+  CUDA_RETURN(cudaStreamWaitEvent(s.download_stream, slot.computed.e, 0));
+  CUDA_RETURN(cudaMemcpyAsync(slot.host.data() + plan.output_offset(),
+                              slot.dev.as<uint8_t>() + plan.output_offset(), plan.output_bytes(),
+                              cudaMemcpyDeviceToHost, s.download_stream));
+  CUDA_RETURN(cudaEventRecord(slot.out_back.e, s.download_stream));
+  attended = true;
   return absl::OkStatus();
 }
 
