@@ -128,6 +128,7 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
     for (Event* e : {&slot.keys_in, &slot.queries_in, &slot.computed, &slot.out_back})
       RETURN_IF_ERROR(e->Create());
   RETURN_IF_ERROR(s.plan_uploaded.Create());
+  RETURN_IF_ERROR(s.move_done.Create());
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, layout.TotalBytes());
   if (e != cudaSuccess)

@@ -207,6 +207,10 @@ struct CudaDevice::State {
   // BeginStep's plan upload (mu held): pinned staging, reused once `plan_uploaded` passed.
   HostBuffer plan_host;
   Event plan_uploaded;
+  // Page moves (copy_mu held): the span table of a move, and between GPUs a staging chunk
+  // (kMoveChunkBytes, made on the first such move) and the event that orders its reuse.
+  DeviceBuffer move_table, move_staging;
+  Event move_done;
   // Server-side absorption: every layer's W_UK [H, Dn, L] and W_UV^T [H, L, V] (PrepareAbsorption).
   std::vector<DeviceBuffer> absorb_uk, absorb_uv;
   int absorb_dn = 0, absorb_v = 0;

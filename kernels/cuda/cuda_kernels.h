@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "kernels/cuda/span_chunks.h"
 #include "kv_store/page_table.h"
 
 namespace attnd::cuda {
@@ -71,6 +72,10 @@ struct ScatterRowsParams {
   const int32_t* slot = nullptr;  // [n]
 };
 cudaError_t LaunchScatterRows(const ScatterRowsParams& p, cudaStream_t s);
+
+// table[i].bytes from table[i].src to table[i].dst, for i < count (device addresses; spans do
+// not overlap). One launch for a page move's thousands of spans.
+cudaError_t LaunchCopySpans(const SpanCopy* table, int64_t count, cudaStream_t s);
 
 // I[s] = Σ_h w[h] relu(q[h]·k[s]) for s in [0, pos+1) of each listed query.
 struct IndexerParams {

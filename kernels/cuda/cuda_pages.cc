@@ -11,6 +11,7 @@
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/nccl_peer.h"
+#include "kernels/cuda/span_chunks.h"
 
 namespace attnd::cuda {
 
@@ -86,13 +87,20 @@ absl::Status CudaDevice::WritePage(int32_t page, int rows, const uint8_t* staged
   return s_->HostToPage(page, rows, staged);
 }
 
+namespace {
+
+// A page move between GPUs goes in staged chunks of this many bytes (one transfer each).
+constexpr size_t kMoveChunkBytes = size_t{64} << 20;
+
+}  // namespace
+
 absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
   auto* to = dynamic_cast<CudaDevice*>(&dst);
   if (to == nullptr) return Device::CopyPages(dst, copies);  // to the host through staging
   State& a = *s_;
-  const State& b = *to->s_;
+  State& b = *to->s_;
   // Every layer's and slot's rows of each page prefix: contiguous spans.
-  std::vector<NcclPeers::Transfer> spans;
+  std::vector<SpanCopy> spans;
   for (const PageCopy& c : copies) {
     if (c.rows <= 0) continue;
     const int64_t from = int64_t{c.src} * a.layout.page_size,
@@ -106,12 +114,54 @@ absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& cop
           spans.push_back({a.cache + a.layout.IndexPageOffset(k, c.src) + r.offset,
                            b.cache + b.layout.IndexPageOffset(k, c.dst) + r.offset, r.bytes});
   }
-  if (to != this && nccl_ && nccl_ == to->nccl_)
-    return nccl_->Move(nccl_rank_, to->nccl_rank_, spans);
-  std::lock_guard<std::mutex> lock(a.copy_mu);
+  if (spans.empty()) return absl::OkStatus();
+  if (to == this) {  // on this GPU (a fork's partial page): one kernel over the span table
+    std::lock_guard<std::mutex> lock(a.copy_mu);
+    CUDA_RETURN(cudaSetDevice(ordinal_));
+    RETURN_IF_ERROR(Upload(a.move_table, spans, a.copy_stream));
+    CUDA_RETURN(LaunchCopySpans(a.move_table.as<SpanCopy>(), static_cast<int64_t>(spans.size()),
+                                a.copy_stream));
+    CUDA_RETURN(cudaStreamSynchronize(a.copy_stream));
+    return absl::OkStatus();
+  }
+  // Between GPUs: per chunk, the source gathers its pieces into its staging, one transfer (NCCL
+  // when connected, else a peer copy) lands them in the destination's staging, and the
+  // destination scatters them; a chunk's transfer waits until the previous chunk was scattered.
+  std::scoped_lock lock(a.copy_mu, b.copy_mu);
+  const SpanChunks plan = PlanSpanChunks(spans, kMoveChunkBytes);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  for (const NcclPeers::Transfer& t : spans)
-    CUDA_RETURN(cudaMemcpyPeerAsync(t.dst, to->ordinal_, t.src, ordinal_, t.bytes, a.copy_stream));
+  RETURN_IF_ERROR(a.move_staging.Reserve(kMoveChunkBytes));
+  RETURN_IF_ERROR(
+      Upload(a.move_table, plan.GatherTable(a.move_staging.as<uint8_t>()), a.copy_stream));
+  CUDA_RETURN(cudaSetDevice(to->ordinal_));
+  RETURN_IF_ERROR(b.move_staging.Reserve(kMoveChunkBytes));
+  RETURN_IF_ERROR(
+      Upload(b.move_table, plan.ScatterTable(b.move_staging.as<uint8_t>()), b.copy_stream));
+  const bool nccl = nccl_ && nccl_ == to->nccl_;
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const SpanChunks::Chunk& c = plan.chunks[i];
+    CUDA_RETURN(cudaSetDevice(ordinal_));
+    CUDA_RETURN(LaunchCopySpans(a.move_table.as<SpanCopy>() + c.first,
+                                static_cast<int64_t>(c.count), a.copy_stream));
+    if (nccl) {  // the receive is ordered after the previous scatter on b's stream
+      RETURN_IF_ERROR(nccl_->SendRecv(nccl_rank_, to->nccl_rank_, a.move_staging.ptr,
+                                      b.move_staging.ptr, c.bytes, a.copy_stream, b.copy_stream));
+    } else {
+      if (i > 0) CUDA_RETURN(cudaStreamWaitEvent(a.copy_stream, b.move_done.e, 0));
+      CUDA_RETURN(cudaMemcpyPeerAsync(b.move_staging.ptr, to->ordinal_, a.move_staging.ptr,
+                                      ordinal_, c.bytes, a.copy_stream));
+      CUDA_RETURN(cudaEventRecord(a.move_done.e, a.copy_stream));
+      CUDA_RETURN(cudaSetDevice(to->ordinal_));
+      CUDA_RETURN(cudaStreamWaitEvent(b.copy_stream, a.move_done.e, 0));
+    }
+    CUDA_RETURN(cudaSetDevice(to->ordinal_));
+    CUDA_RETURN(LaunchCopySpans(b.move_table.as<SpanCopy>() + c.first,
+                                static_cast<int64_t>(c.count), b.copy_stream));
+    CUDA_RETURN(cudaEventRecord(b.move_done.e, b.copy_stream));
+  }
+  CUDA_RETURN(cudaSetDevice(to->ordinal_));
+  CUDA_RETURN(cudaStreamSynchronize(b.copy_stream));
+  CUDA_RETURN(cudaSetDevice(ordinal_));
   CUDA_RETURN(cudaStreamSynchronize(a.copy_stream));
   return absl::OkStatus();
 }

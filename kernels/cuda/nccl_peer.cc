@@ -21,16 +21,8 @@ struct NcclPeers::Impl {
   nccl::ErrorStringFn error_string = nullptr;
   std::vector<int> ordinals;
   std::vector<nccl::Comm> comms;
-  std::vector<cudaStream_t> streams;
   std::mutex mu;  // one group at a time: a communicator is not safe for concurrent groups
 };
-
-#define NCCL_CUDA_RETURN(expr)                                                       \
-  do {                                                                               \
-    const cudaError_t e_ = (expr);                                                   \
-    if (e_ != cudaSuccess)                                                           \
-      return absl::InternalError(absl::StrCat(#expr, ": ", cudaGetErrorString(e_))); \
-  } while (0)
 
 absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<int>& ordinals) {
   auto impl = std::make_unique<Impl>();
@@ -60,13 +52,6 @@ absl::StatusOr<std::unique_ptr<NcclPeers>> NcclPeers::Create(const std::vector<i
   }
   std::unique_ptr<NcclPeers> p(new NcclPeers());
   p->impl_ = std::move(impl);  // from here the destructor releases what was made
-  Impl& m = *p->impl_;
-  for (int ord : ordinals) {
-    cudaStream_t s = nullptr;
-    NCCL_CUDA_RETURN(cudaSetDevice(ord));
-    NCCL_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    m.streams.push_back(s);
-  }
   return p;
 }
 
@@ -74,13 +59,13 @@ NcclPeers::~NcclPeers() {
   if (!impl_) return;
   for (size_t i = 0; i < impl_->comms.size(); ++i) {
     cudaSetDevice(impl_->ordinals[i]);
-    if (i < impl_->streams.size()) cudaStreamDestroy(impl_->streams[i]);
     impl_->destroy(impl_->comms[i]);
   }
   dlclose(impl_->lib);
 }
 
-absl::Status NcclPeers::Move(int from, int to, const std::vector<Transfer>& transfers) {
+absl::Status NcclPeers::SendRecv(int from, int to, const void* src, void* dst, size_t bytes,
+                                 cudaStream_t from_stream, cudaStream_t to_stream) {
   Impl& m = *impl_;
   if (from < 0 || to < 0 || from >= static_cast<int>(m.comms.size()) ||
       to >= static_cast<int>(m.comms.size()) || from == to)
@@ -89,27 +74,18 @@ absl::Status NcclPeers::Move(int from, int to, const std::vector<Transfer>& tran
   nccl::Result r = m.group_start();
   if (r != nccl::kSuccess)
     return absl::InternalError(absl::StrCat("ncclGroupStart: ", m.error_string(r)));
-  // Every call inside the group is issued even after a failure, so the group can end cleanly.
-  nccl::Result first = nccl::kSuccess;
-  cudaError_t cuda = cudaSuccess;
-  for (const Transfer& t : transfers) {
-    if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[from]);
-    r = m.send(t.src, t.bytes, nccl::kUint8, to, m.comms[from], m.streams[from]);
-    if (first == nccl::kSuccess) first = r;
-    if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[to]);
-    r = m.recv(t.dst, t.bytes, nccl::kUint8, from, m.comms[to], m.streams[to]);
-    if (first == nccl::kSuccess) first = r;
-  }
+  // Both calls are issued even after a failure, so the group can end cleanly.
+  cudaError_t cuda = cudaSetDevice(m.ordinals[from]);
+  nccl::Result first = m.send(src, bytes, nccl::kUint8, to, m.comms[from], from_stream);
+  if (cuda == cudaSuccess) cuda = cudaSetDevice(m.ordinals[to]);
+  r = m.recv(dst, bytes, nccl::kUint8, from, m.comms[to], to_stream);
+  if (first == nccl::kSuccess) first = r;
   r = m.group_end();
   if (first == nccl::kSuccess) first = r;
   if (cuda != cudaSuccess)
     return absl::InternalError(absl::StrCat("NCCL move: ", cudaGetErrorString(cuda)));
   if (first != nccl::kSuccess)
     return absl::InternalError(absl::StrCat("NCCL move: ", m.error_string(first)));
-  for (int rank : {from, to}) {
-    NCCL_CUDA_RETURN(cudaSetDevice(m.ordinals[rank]));
-    NCCL_CUDA_RETURN(cudaStreamSynchronize(m.streams[rank]));
-  }
   return absl::OkStatus();
 }
 

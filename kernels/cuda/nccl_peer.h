@@ -3,6 +3,8 @@
 // when it is missing, callers fall back to cudaMemcpyPeer.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -19,14 +21,11 @@ class NcclPeers {
   static absl::StatusOr<std::unique_ptr<NcclPeers>> Create(const std::vector<int>& ordinals);
   ~NcclPeers();
 
-  // One transfer: `bytes` from `src` on rank `from` to `dst` on rank `to`.
-  struct Transfer {
-    const void* src;
-    void* dst;
-    size_t bytes;
-  };
-  // Sends every transfer from rank `from` to rank `to` in one NCCL group and waits for them.
-  absl::Status Move(int from, int to, const std::vector<Transfer>& transfers);
+  // Sends `bytes` at `src` (rank `from`'s GPU) into `dst` (rank `to`'s) in one NCCL group,
+  // ordered on `from_stream` and `to_stream` (streams of those GPUs); does not wait. Page moves
+  // send one staging chunk at a time (kernels/cuda/span_chunks.h).
+  absl::Status SendRecv(int from, int to, const void* src, void* dst, size_t bytes,
+                        cudaStream_t from_stream, cudaStream_t to_stream);
 
  private:
   struct Impl;

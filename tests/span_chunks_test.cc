@@ -1,0 +1,117 @@
+// Page moves between GPUs cut into chunks (kernels/cuda/span_chunks.h), run on host memory the
+// way the GPU runs them: gather each chunk's pieces into staging, send the staging, scatter it.
+// Every byte of every span arrives once, nothing else is written, chunks fit their staging,
+// pieces are aligned and disjoint, and a sequence's thousands of spans become a few transfers.
+#include "kernels/cuda/span_chunks.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace attnd::cuda {
+namespace {
+
+// Runs the plan on host memory: gather, transfer, scatter, chunk by chunk.
+void Move(const SpanChunks& plan, size_t chunk_bytes) {
+  std::vector<uint8_t> src_staging(chunk_bytes), dst_staging(chunk_bytes);
+  const std::vector<SpanCopy> gather = plan.GatherTable(src_staging.data());
+  const std::vector<SpanCopy> scatter = plan.ScatterTable(dst_staging.data());
+  for (const SpanChunks::Chunk& c : plan.chunks) {
+    ASSERT_LE(c.bytes, chunk_bytes);
+    for (size_t i = c.first; i < c.first + c.count; ++i) {
+      ASSERT_LE(gather[i].dst + gather[i].bytes, src_staging.data() + chunk_bytes);
+      std::memcpy(gather[i].dst, gather[i].src, gather[i].bytes);
+    }
+    std::memcpy(dst_staging.data(), src_staging.data(), c.bytes);  // the one transfer
+    for (size_t i = c.first; i < c.first + c.count; ++i)
+      std::memcpy(scatter[i].dst, scatter[i].src, scatter[i].bytes);
+  }
+}
+
+TEST(SpanChunks, EveryByteArrivesOnceAndNothingElseIsWritten) {
+  std::mt19937 rng(3);
+  // Spans like a page move's: latent rows of 1..64 rows x 656 bytes, indexer values and their
+  // 4-byte scales, at unaligned offsets; some longer than a chunk.
+  std::vector<uint8_t> src(1 << 20), dst(1 << 20, 0xcc);
+  for (uint8_t& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<SpanCopy> spans;
+  std::vector<std::pair<size_t, size_t>> where;  // (offset, bytes) in both buffers
+  size_t at = 3;
+  while (true) {
+    const int kind = static_cast<int>(rng() % 4);
+    const size_t rows = 1 + rng() % 64;
+    size_t bytes = kind == 0 ? rows * 656 : kind == 1 ? rows * 128 : kind == 2 ? rows * 4 : 70000;
+    if (at + bytes + 7 > src.size()) break;
+    spans.push_back({src.data() + at, dst.data() + at, bytes});
+    where.push_back({at, bytes});
+    at += bytes + rng() % 8;  // gaps stay untouched
+  }
+  const size_t chunk = 64 << 10;
+  const SpanChunks plan = PlanSpanChunks(spans, chunk);
+  // Pieces: aligned staging offsets, disjoint, inside their chunk.
+  for (const SpanChunks::Chunk& c : plan.chunks) {
+    size_t end = 0;
+    for (size_t i = c.first; i < c.first + c.count; ++i) {
+      EXPECT_EQ(plan.offset[i] % kSpanAlign, 0u);
+      EXPECT_GE(plan.offset[i], end);
+      end = plan.offset[i] + plan.pieces[i].bytes;
+      EXPECT_LE(plan.pieces[i].bytes, chunk);
+    }
+    EXPECT_EQ(end, c.bytes);
+  }
+  Move(plan, chunk);
+  std::vector<bool> covered(dst.size(), false);
+  for (const auto& [off, bytes] : where) {
+    EXPECT_EQ(std::memcmp(dst.data() + off, src.data() + off, bytes), 0) << "span at " << off;
+    for (size_t i = off; i < off + bytes; ++i) covered[i] = true;
+  }
+  for (size_t i = 0; i < dst.size(); ++i) {
+    if (covered[i]) continue;
+    ASSERT_EQ(dst[i], 0xcc) << "byte " << i << " outside every span was written";
+  }
+  // Few transfers: the staged bytes (with at most 15 bytes of padding per piece) fill chunks.
+  size_t total = 0;
+  for (const auto& w : where) total += w.second;
+  const size_t padded = total + plan.pieces.size() * (kSpanAlign - 1);
+  EXPECT_LE(plan.chunks.size(), padded / chunk + 2) << spans.size() << " spans";
+}
+
+TEST(SpanChunks, ASequenceOf250000SpansMovesInAFewDozenTransfers) {
+  // A 128K-token DeepSeek-V3.2 sequence on an fp8 cache: 2,048 pages x (61 latent spans of
+  // 64 x 656 bytes + 61 indexer value spans of 64 x 128 + 61 scale spans of 64 x 4). Addresses
+  // are never touched by the planner, so fake ones will do.
+  std::vector<SpanCopy> spans;
+  uintptr_t a = 0x10000000;
+  for (int page = 0; page < 2048; ++page)
+    for (int layer = 0; layer < 61; ++layer)
+      for (size_t bytes : {size_t{64 * 656}, size_t{64 * 128}, size_t{64 * 4}}) {
+        spans.push_back(
+            {reinterpret_cast<const uint8_t*>(a), reinterpret_cast<uint8_t*>(a), bytes});
+        a += bytes;
+      }
+  EXPECT_EQ(spans.size(), 374784u);
+  const SpanChunks plan = PlanSpanChunks(spans, size_t{64} << 20);
+  size_t total = 0;
+  for (const SpanCopy& s : spans) total += s.bytes;
+  EXPECT_EQ(total, size_t{2048} * 61 * 64 * 788);  // 6.3 GB
+  // A span is cut only where a chunk fills up: at most one more piece per chunk.
+  EXPECT_LE(plan.pieces.size(), spans.size() + plan.chunks.size());
+  // Every span a multiple of 16 bytes: no padding, so the chunks are exactly full: 6.3 GB in 94
+  // transfers of 64 MiB (was 374,784 send/recv pairs in one NCCL group).
+  const size_t chunk = size_t{64} << 20;
+  EXPECT_EQ(plan.chunks.size(), (total + chunk - 1) / chunk);
+  EXPECT_EQ(plan.chunks.size(), 94u);
+}
+
+TEST(SpanChunks, EmptySpansAndEmptyListsMakeNoChunks) {
+  uint8_t x[16];
+  EXPECT_TRUE(PlanSpanChunks({}, 1024).chunks.empty());
+  const SpanChunks p = PlanSpanChunks({{x, x, 0}, {x, x, 0}}, 1024);
+  EXPECT_TRUE(p.chunks.empty());
+  EXPECT_TRUE(p.pieces.empty());
+}
+
+}  // namespace
+}  // namespace attnd::cuda
