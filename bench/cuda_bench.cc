@@ -1,15 +1,18 @@
 // GPU benchmark of the CUDA backend's kernels at DeepSeek-V3.2 dims, next to this GPU's
-// device-to-device copy bandwidth measured in the same run (the bf16 matmul rate comes from
-// bench/torch_ref.py in the same gpu-check run, so this binary needs no cuBLAS to carry).
-// Prints a table and writes JSON lines (--json=PATH) that scripts/gpu-check.sh joins with the
-// PyTorch timings of the same ops. Exits 0 with a message when no GPU is visible.
+// device-to-device copy bandwidth measured in the same run; every tensor-core row's result is
+// checked against the SIMT kernel's on the same inputs, top-k against the host's exact top-k (the
+// bf16 matmul rate comes from bench/torch_ref.py in the same gpu-check run, so this binary needs no
+// cuBLAS to carry). Prints a table and writes JSON lines (--json=PATH) that scripts/gpu-check.sh
+// joins with the PyTorch timings of the same ops. Exits 0 with a message when no GPU is visible.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -17,6 +20,7 @@
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/mla_split.h"
+#include "kernels/selection.h"
 
 namespace {
 
@@ -87,21 +91,44 @@ struct Row {
   double ms, rate;  // GB/s or TFLOP/s
   const char* unit;
   double frac;
+  std::string check;  // what the row's result was checked against, and how it came out
 };
 std::vector<Row> rows;
 FILE* json = nullptr;
 
 void Report(const std::string& op, const std::string& shape, double ms, double amount,
-            const char* unit, double limit) {
+            const char* unit, double limit, const std::string& check = "") {
   const double rate = amount / (ms * 1e-3);
   const double frac = limit > 0 ? rate / limit : -1;
-  rows.push_back({op, shape, ms, rate, unit, frac});
+  rows.push_back({op, shape, ms, rate, unit, frac, check});
   if (json)
     std::fprintf(json,
                  "{\"op\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"rate\": %.2f, "
-                 "\"unit\": \"%s\", \"frac\": %.3f}\n",
-                 op.c_str(), shape.c_str(), ms, rate, unit, frac);
+                 "\"unit\": \"%s\", \"frac\": %.3f, \"check\": \"%s\"}\n",
+                 op.c_str(), shape.c_str(), ms, rate, unit, frac, check.c_str());
   if (json) std::fflush(json);  // a row survives a later timeout or fault
+}
+
+template <typename T>
+std::vector<T> Download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Relative L2 distance of two result vectors, as text for a row's check ("NaN" if any is NaN).
+std::string RelL2Text(const std::vector<float>& got, const std::vector<float>& want,
+                      const char* against) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i]) || std::isnan(want[i])) return std::string("NaN vs ") + against;
+    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "rel L2 %.1e vs %s", std::sqrt(num / std::max(den, 1e-300)),
+                against);
+  return buf;
 }
 
 // A paged cache of `seqs` sequences of `ctx` tokens, rows of `dim` bf16, shuffled pages.
@@ -205,19 +232,53 @@ int main(int argc, char** argv) {
     tk.out_stride = K;
     tk.out_count = cnt;
     const double ms_idx = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
+    CHECK(cudaDeviceSynchronize());
+    const std::vector<float> simt_scores = Download(scores, size_t{B} * ctx);
     attnd::cuda::IndexerParams ip_mma = ip;
     ip_mma.tensor_cores = true;
     const double ms_idx_mma = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip_mma, 0)); });
+    CHECK(cudaDeviceSynchronize());
+    const std::vector<float> mma_scores = Download(scores, size_t{B} * ctx);
+    // Top-k alone, over the tensor-core scores now in `scores`: every row against the host's
+    // exact top-k of the same scores (kernels/selection.h), which the GPU must equal bit for bit.
+    const double ms_topk = TimeMs([&] { CHECK(attnd::cuda::LaunchTopK(tk, 0)); });
+    CHECK(cudaDeviceSynchronize());
+    const std::vector<int32_t> got_sel = Download(sel, size_t{B} * K);
+    int rows_equal = 0;
+    std::vector<int32_t> want(K);
+    for (int i = 0; i < B; ++i) {
+      const int64_t n = attnd::ExactTopK(mma_scores.data() + size_t(i) * ctx, ctx, K, want.data());
+      rows_equal += n == K && std::equal(want.begin(), want.end(), got_sel.begin() + size_t(i) * K);
+    }
+    const std::string topk_check =
+        std::to_string(rows_equal) + "/" + std::to_string(B) + " rows = host exact top-k";
     const double ms_both = TimeMs([&] {
-      CHECK(attnd::cuda::LaunchIndexerScores(ip, 0));
+      CHECK(attnd::cuda::LaunchIndexerScores(ip_mma, 0));
       CHECK(attnd::cuda::LaunchTopK(tk, 0));
     });
-    const double bytes = double(B) * ctx * Di * 2;  // the indexer keys it must read
+    // The tensor-core pipeline's selections against the SIMT scores' own top-k (the kernels sum
+    // in different orders and round the query to bf16, so keys near the cut may differ).
+    size_t overlap = 0;
+    for (int i = 0; i < B; ++i) {
+      attnd::ExactTopK(simt_scores.data() + size_t(i) * ctx, ctx, K, want.data());
+      std::vector<int32_t> both;
+      std::set_intersection(want.begin(), want.end(), got_sel.begin() + size_t(i) * K,
+                            got_sel.begin() + size_t(i + 1) * K, std::back_inserter(both));
+      overlap += both.size();
+    }
+    char overlap_text[96];
+    std::snprintf(overlap_text, sizeof overlap_text, "%.4f of the SIMT scores' top-k",
+                  double(overlap) / (double(B) * K));
+    const double bytes = double(B) * ctx * Di * 2;   // the indexer keys it must read
+    const double score_bytes = double(B) * ctx * 4;  // top-k reads each score once at least
     Report("indexer scores", "B=64 ctx=64K Hi=64 Di=128", ms_idx, bytes / 1e9, "GB/s",
            copy_bw / 1e9);
     Report("indexer scores (mma)", "B=64 ctx=64K Hi=64 Di=128", ms_idx_mma, bytes / 1e9, "GB/s",
-           copy_bw / 1e9);
-    Report("indexer + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s", copy_bw / 1e9);
+           copy_bw / 1e9, RelL2Text(mma_scores, simt_scores, "SIMT"));
+    Report("top-k", "B=64 ctx=64K K=2048", ms_topk, score_bytes / 1e9, "GB/s", copy_bw / 1e9,
+           topk_check);
+    Report("indexer (mma) + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s",
+           copy_bw / 1e9, overlap_text);
   }
   // ---- sparse MLA decode over a top-k selection ----
   for (int64_t ctx : {int64_t{8192}, int64_t{65536}}) {
@@ -257,22 +318,35 @@ int main(int argc, char** argv) {
     mp.part_queries = attnd::cuda::MlaPartialQueries(B, splits, H, L);
     mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
     mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
-    const double bytes = double(B) * K * D * 2;  // the selected latent rows
+    const double bytes = double(B) * K * D * 2;            // the selected latent rows
+    const double flops = double(B) * H * K * (D + L) * 2;  // Q K^T and P V
     const std::string shape = "B=64 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
+    auto tflops = [&](double ms) {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "%.1f TFLOP/s", flops / (ms * 1e-3) / 1e12);
+      return std::string(buf);
+    };
+    std::vector<float> simt_out;
     for (bool tc : {false, true}) {
       mp.tensor_cores = tc;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
+      CHECK(cudaDeviceSynchronize());
+      const std::vector<float> got = Download(out, size_t{B} * H * L);
+      if (!tc) simt_out = got;
       Report(tc ? "sparse MLA decode (mma, split-K x" + std::to_string(splits) + ")"
                 : "sparse MLA decode",
-             shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9);
+             shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9,
+             tflops(ms) + (tc ? "; " + RelL2Text(got, simt_out, "SIMT") : ""));
     }
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
       h16.tensor_cores = true;
       h16.heads_per_block = 16;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(h16, 0)); });
+      CHECK(cudaDeviceSynchronize());
       Report("sparse MLA decode (mma, 16 heads/block)", shape, ms, bytes / 1e9, "GB/s",
-             copy_bw / 1e9);
+             copy_bw / 1e9,
+             tflops(ms) + "; " + RelL2Text(Download(out, size_t{B} * H * L), simt_out, "SIMT"));
     }
     // A small batch (4 queries): the same split per query (the batch does not choose it).
     {
@@ -326,10 +400,11 @@ int main(int argc, char** argv) {
              flops / 1e12, "TFLOP/s", 0);
     }
   }
-  std::printf("\n%-28s %-28s %10s %12s %8s\n", "op", "shape", "time", "rate", "of limit");
+  std::printf("\n%-28s %-28s %10s %12s %8s  %s\n", "op", "shape", "time", "rate", "of limit",
+              "check");
   for (const Row& r : rows)
-    std::printf("%-28s %-28s %8.3fms %8.1f %-7s %7.1f%%\n", r.op.c_str(), r.shape.c_str(), r.ms,
-                r.rate, r.unit, 100 * r.frac);
+    std::printf("%-28s %-28s %8.3fms %8.1f %-7s %7.1f%%  %s\n", r.op.c_str(), r.shape.c_str(), r.ms,
+                r.rate, r.unit, 100 * r.frac, r.check.c_str());
   if (json) std::fclose(json);
   return 0;
 }

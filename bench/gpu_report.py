@@ -13,6 +13,7 @@ a case is skipped when it has a <skipped> element or result="skipped", failed wh
 """
 
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -95,7 +96,7 @@ def main():
     def torch_ms(row):
         if not row["shape"].startswith("B=64") and row["op"].startswith("sparse MLA"):
             return None  # the PyTorch version is timed at batch 64 only
-        op = row["op"].split(" (")[0]
+        op = re.sub(r" \([^)]*\)", "", row["op"])  # the kernel's variant: the same op
         if op == "prefill MLA":
             op = "prefill MLA (dense causal)"
         for r in torch_rows:
@@ -111,14 +112,14 @@ def main():
             if r["unit"] == "TFLOP/s":
                 r["frac"] = r["rate"] / gemm["tflops"]
     print()
-    print("| op | shape | time | rate | of limit | speed-up over PyTorch |")
-    print("|---|---|---|---|---|---|")
+    print("| op | shape | time | rate | of limit | speed-up over PyTorch | checked |")
+    print("|---|---|---|---|---|---|---|")
     for r in ours:
         t = torch_ms(r)
         sp = f"{t / r['ms']:.2f}x" if t else "-"
         frac = f"{100 * r['frac']:.1f}%" if r["frac"] >= 0 else "-"
         print(f"| {r['op']} | {r['shape']} | {r['ms']:.3f} ms | {r['rate']:.1f} {r['unit']} | "
-              f"{frac} | {sp} |")
+              f"{frac} | {sp} | {r.get('check') or '-'} |")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,26 @@ def test_measured_rows_make_the_table(tmp_path):
     row = {"op": "sparse MLA decode", "shape": "B=64 H=128 K=2048 ctx=8K", "ms": 0.5,
            "rate": 2000.0, "unit": "GB/s", "frac": 0.45}
     text = report(tmp_path, [row])
-    assert "| sparse MLA decode | B=64 H=128 K=2048 ctx=8K | 0.500 ms | 2000.0 GB/s | 45.0% | - |" \
-        in text
+    assert ("| sparse MLA decode | B=64 H=128 K=2048 ctx=8K | 0.500 ms | 2000.0 GB/s | 45.0% | - "
+            "| - |") in text
     assert "nothing measured" not in text
+
+
+def test_a_kernel_variant_is_compared_with_the_same_pytorch_op_and_shows_its_check(tmp_path):
+    rows = [{"op": "indexer (mma) + top-k", "shape": "B=64 ctx=64K K=2048", "ms": 0.5,
+             "rate": 2000.0, "unit": "GB/s", "frac": 0.45,
+             "check": "0.9990 of the SIMT scores' top-k"},
+            {"op": "sparse MLA decode (mma, split-K x4)", "shape": "B=64 H=128 K=2048 ctx=8K",
+             "ms": 0.25, "rate": 4000.0, "unit": "GB/s", "frac": 0.9,
+             "check": "150.0 TFLOP/s; rel L2 2.0e-03 vs SIMT"}]
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    torch = tmp_path / "torch.jsonl"
+    torch.write_text(json.dumps({"op": "indexer + top-k", "torch_ms": 2.0}) + "\n" +
+                     json.dumps({"op": "sparse MLA decode", "shape_ctx": 8192, "torch_ms": 1.0})
+                     + "\n")
+    out = subprocess.run([sys.executable, str(REPORT), str(bench), str(torch)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "| 4.00x | 0.9990 of the SIMT scores' top-k |" in out.stdout
+    assert "| 4.00x | 150.0 TFLOP/s; rel L2 2.0e-03 vs SIMT |" in out.stdout

@@ -88,13 +88,15 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
     ASSERT_TRUE(m.status.ok()) << m.status;
     std::vector<LayerCheck> checks;
     const auto ref = simt.Reference(steps[i], in, s.traces, &checks);
+    const std::vector<int> beyond_ties =
+        simt.SelectionsBeyondTies(steps[i], in, s.traces, m.traces);
     for (size_t l = 0; l < ref.size(); ++l) {
       const std::string at = "step " + std::to_string(i) + " layer " + std::to_string(l);
       ExpectClose(s.out[l], ref[l], 1e-2, "SIMT kernels vs reference, " + at);
       ExpectClose(m.out[l], ref[l], 1e-2, "tensor-core kernels vs reference, " + at);
       ExpectClose(m.out[l], s.out[l], 1e-2, "tensor-core vs SIMT kernels, " + at);
       EXPECT_EQ(checks[l].selection_mismatches, 0) << at;
-      EXPECT_EQ(s.traces[l].keys, m.traces[l].keys) << at;
+      EXPECT_EQ(beyond_ties[l], 0) << "top-k sets: SIMT vs tensor-core beyond score ties, " << at;
       EXPECT_EQ(s.traces[l].keys[0].size(), 2048u) << at;  // a top-2048 row over 2,601 keys
     }
   }

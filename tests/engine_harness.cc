@@ -257,6 +257,19 @@ std::vector<std::vector<double>> Harness::Reference(const std::vector<StepEntry>
                            lse);
 }
 
+std::vector<int> Harness::SelectionsBeyondTies(const std::vector<StepEntry>& batch,
+                                               const std::vector<LayerData>& layers,
+                                               const std::vector<LayerTrace>& a,
+                                               const std::vector<LayerTrace>& b) const {
+  std::vector<int> beyond(spec().num_layers(), 0);
+  for (const std::vector<LayerTrace>* traces : {&a, &b}) {
+    std::vector<LayerCheck> checks;
+    Reference(batch, layers, *traces, &checks);
+    for (int l = 0; l < spec().num_layers(); ++l) beyond[l] += checks[l].selection_mismatches;
+  }
+  return beyond;
+}
+
 std::vector<std::vector<double>> Harness::RunAndCheck(const std::vector<StepEntry>& batch,
                                                       DType dtype, uint64_t seed, double tol) {
   const auto layers = MakeInputs(batch, dtype, seed);

@@ -100,6 +100,15 @@ class Harness {
                                              std::vector<LayerCheck>* checks,
                                              std::vector<std::vector<double>>* lse = nullptr) const;
 
+  // For the step that has just run (as Reference): per layer, the queries whose selection in
+  // run `a` or run `b` differs from the float64 one beyond score ties (the oracle's rule). Two
+  // backends or kernels that sum scores in different orders may keep different keys among ties;
+  // 0 everywhere means their top-k sets agree under that rule.
+  std::vector<int> SelectionsBeyondTies(const std::vector<StepEntry>& batch,
+                                        const std::vector<LayerData>& layers,
+                                        const std::vector<LayerTrace>& a,
+                                        const std::vector<LayerTrace>& b) const;
+
   // Run + Reference + the checks as gtest expectations with `tol` relative L2 (and each query
   // head's log-sum-exp within tol x (1 + |lse|)). Returns outputs.
   std::vector<std::vector<double>> RunAndCheck(const std::vector<StepEntry>& batch, DType dtype,
