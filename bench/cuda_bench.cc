@@ -20,7 +20,6 @@
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/mla_split.h"
-#include "kernels/selection.h"
 
 namespace {
 
@@ -107,6 +106,21 @@ void Report(const std::string& op, const std::string& shape, double ms, double a
                  "\"unit\": \"%s\", \"frac\": %.3f, \"check\": \"%s\"}\n",
                  op.c_str(), shape.c_str(), ms, rate, unit, frac, check.c_str());
   if (json) std::fflush(json);  // a row survives a later timeout or fault
+}
+
+// The exact top-k of scores[0, n) by definition (kernels/selection.h's rule, written out here so
+// this file needs no library beyond the kernels): the k best (ties to the lower position),
+// ascending positions.
+int64_t ExactTopK(const float* scores, int64_t n, int64_t k, int32_t* out) {
+  std::vector<int32_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  k = std::min(k, n);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  });
+  std::sort(idx.begin(), idx.begin() + k);
+  std::copy(idx.begin(), idx.begin() + k, out);
+  return k;
 }
 
 template <typename T>
@@ -239,15 +253,16 @@ int main(int argc, char** argv) {
     const double ms_idx_mma = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip_mma, 0)); });
     CHECK(cudaDeviceSynchronize());
     const std::vector<float> mma_scores = Download(scores, size_t{B} * ctx);
-    // Top-k alone, over the tensor-core scores now in `scores`: every row against the host's
-    // exact top-k of the same scores (kernels/selection.h), which the GPU must equal bit for bit.
+    // Top-k alone, over the tensor-core scores now in `scores`: every row against the exact
+    // top-k of the same scores on the host, which the GPU must equal (no NaN, ties to the lower
+    // position; random scores).
     const double ms_topk = TimeMs([&] { CHECK(attnd::cuda::LaunchTopK(tk, 0)); });
     CHECK(cudaDeviceSynchronize());
     const std::vector<int32_t> got_sel = Download(sel, size_t{B} * K);
     int rows_equal = 0;
     std::vector<int32_t> want(K);
     for (int i = 0; i < B; ++i) {
-      const int64_t n = attnd::ExactTopK(mma_scores.data() + size_t(i) * ctx, ctx, K, want.data());
+      const int64_t n = ExactTopK(mma_scores.data() + size_t(i) * ctx, ctx, K, want.data());
       rows_equal += n == K && std::equal(want.begin(), want.end(), got_sel.begin() + size_t(i) * K);
     }
     const std::string topk_check =
@@ -260,7 +275,7 @@ int main(int argc, char** argv) {
     // in different orders and round the query to bf16, so keys near the cut may differ).
     size_t overlap = 0;
     for (int i = 0; i < B; ++i) {
-      attnd::ExactTopK(simt_scores.data() + size_t(i) * ctx, ctx, K, want.data());
+      ExactTopK(simt_scores.data() + size_t(i) * ctx, ctx, K, want.data());
       std::vector<int32_t> both;
       std::set_intersection(want.begin(), want.end(), got_sel.begin() + size_t(i) * K,
                             got_sel.begin() + size_t(i + 1) * K, std::back_inserter(both));

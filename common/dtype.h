@@ -27,7 +27,7 @@ const char* DTypeName(DType t);
 // Parses an OIP datatype string (upper case, as on the wire); nullopt for anything else.
 std::optional<DType> ParseDType(std::string_view name);
 
-inline float BF16ToF32(uint16_t h) {
+ATTND_HD inline float BF16ToF32(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
@@ -35,7 +35,7 @@ inline float BF16ToF32(uint16_t h) {
 }
 
 // Round to nearest even; NaN stays NaN (quiet).
-inline uint16_t F32ToBF16(float f) {
+ATTND_HD inline uint16_t F32ToBF16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);

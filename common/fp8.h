@@ -40,17 +40,23 @@ static_assert(LatentTokenBytes(kLatentValues, kRopeValues) == 656, "FlashMLA's V
 static_assert(IndexTokenBytes(kIndexValues) == 132, "DeepGEMM's indexer key");
 
 // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7f/0xff are NaN.
+// Built from bits (every e4m3 value is an fp32 one), so CUDA kernels share it.
 ATTND_HD inline float E4M3ToF32(uint8_t v) {
-  const int sign = v >> 7, exp = (v >> 3) & 0xf, man = v & 0x7;
-  float mag;
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80) << 24;
+  const uint32_t exp = (v >> 3) & 0xfu, man = v & 0x7u;
+  uint32_t bits;
   if (exp == 0xf && man == 0x7) {
-    mag = NAN;
+    bits = sign | 0x7fc00000u;  // NaN
   } else if (exp == 0) {
-    mag = std::ldexp(static_cast<float>(man), -9);  // subnormal: man / 8 * 2^-6
+    const float mag = static_cast<float>(man) * 0.001953125f;  // subnormal: man * 2^-9, exact
+    std::memcpy(&bits, &mag, 4);
+    bits |= sign;
   } else {
-    mag = std::ldexp(static_cast<float>(8 + man), exp - 10);  // (1 + man/8) * 2^(exp-7)
+    bits = sign | ((exp + 120) << 23) | (man << 20);  // (1 + man/8) * 2^(exp-7)
   }
-  return sign ? -mag : mag;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // Round to nearest even; beyond +-448 saturates to +-448; NaN stays NaN (0x7f with its sign).

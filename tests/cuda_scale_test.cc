@@ -1,7 +1,7 @@
 // The CUDA backend at real dimensions, the paths the tiny-preset parity tests cannot reach:
 // DeepSeek-V3.2 dims (16 and 128 heads, page_size 64, top-2048 over thousands of keys, dynamic
-// shared memory above 48 KB) with the SIMT and the tensor-core kernels (indexer and MLA)
-// against each other and the float64 oracle,
+// shared memory above 48 KB) with the SIMT and the tensor-core kernels (indexer and MLA; bf16
+// and fp8 caches, absorbed calls) against each other and the float64 oracle,
 // a sequence's bits alone and in a batch of 64, all-equal indexer scores, more than 65,535
 // queries in one step, a step too large for GPU
 // scratch, and NCCL page moves between two GPUs. Every test skips with its reason without a GPU
@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/absorption.h"
 #include "kernels/cuda/cuda_device.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
@@ -103,6 +105,98 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
 }
 
 INSTANTIATE_TEST_SUITE_P(Heads, DeepSeekDimsTest, ::testing::Values(16, 128));
+
+// An fp8 cache on tensor cores (rows decoded to bf16 as they load) at DeepSeek-V3.2 dims, 128
+// heads: bf16 requests on the tensor-core and SIMT kernels against float64 on the dequantised
+// keys, and their top-k sets under the tie rule; the two kernels' bits differ (two paths ran).
+TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
+  ATTND_SKIP_WITHOUT_GPU();
+  const ModelSpec spec = DeepSeekDims(128);
+  Harness simt(Options(spec, DType::kFP8E4M3, {"cuda:0"}));
+  Harness mma(Options(spec, DType::kFP8E4M3, {"cuda:0"}));
+  for (Harness* h : {&simt, &mma}) h->Open("a");
+  const std::vector<StepEntry> import = {{"a", 2600}};
+  const auto keys = simt.MakeInputs(import, DType::kBF16, 31);
+  for (Harness* h : {&simt, &mma})
+    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
+  const std::vector<StepEntry> step = {{"a", 2}};
+  const auto in = simt.MakeInputs(step, DType::kBF16, 32);
+  auto s = [&] {
+    cuda::ScopedKernelChoice simt_kernels(false, false);
+    return simt.Run(step, in);
+  }();
+  auto m = [&] {
+    cuda::ScopedKernelChoice tensor_core_kernels(true, true);
+    return mma.Run(step, in);
+  }();
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  ASSERT_TRUE(m.status.ok()) << m.status;
+  std::vector<LayerCheck> checks;
+  const auto ref = simt.Reference(step, in, s.traces, &checks);
+  const std::vector<int> beyond_ties = simt.SelectionsBeyondTies(step, in, s.traces, m.traces);
+  for (size_t l = 0; l < ref.size(); ++l) {
+    ExpectClose(s.out[l], ref[l], 1e-2, "SIMT, fp8 cache, layer " + std::to_string(l));
+    ExpectClose(m.out[l], ref[l], 1e-2, "tensor cores, fp8 cache, layer " + std::to_string(l));
+    EXPECT_NE(m.out[l], s.out[l]) << "layer " << l << ": the same bits from both kernels";
+    EXPECT_EQ(beyond_ties[l], 0) << "layer " << l;
+  }
+}
+
+// Absorbed calls (q_nope in, values out) on tensor cores at DeepSeek-V3.2 dims: the GPU's
+// tensor-core and SIMT kernels and the CPU backend agree within the bf16 tolerance, on bf16
+// and fp8 caches.
+TEST(CudaScale, AbsorbedCallsTakeTensorCoresOnBf16AndFp8Caches) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ModelSpec spec = DeepSeekDims(16);
+  const int H = spec.num_heads, dn = 128, v = 128;
+  std::mt19937_64 wrng(8);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  auto a = Absorption::Create(spec, dn, v, "test").value();
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    std::vector<float> w(static_cast<size_t>(H) * (dn + v) * spec.kv_lora_rank);
+    for (float& x : w) x = dist(wrng);
+    ASSERT_TRUE(a->SetLayer(l, {int64_t{H} * (dn + v), spec.kv_lora_rank}, w.data()).ok());
+  }
+  const std::shared_ptr<const Absorption> absorb(std::move(a));
+  for (DType cache : {DType::kBF16, DType::kFP8E4M3}) {
+    // Engines: GPU with tensor cores, GPU SIMT, CPU.
+    std::unique_ptr<Engine> e[3];
+    for (int i = 0; i < 3; ++i) {
+      EngineOptions o = Options(spec, cache, {i < 2 ? "cuda:0" : "cpu:0"});
+      o.absorption = absorb;
+      e[i] = Engine::Create(o).value();
+      ASSERT_TRUE(e[i]->OpenSequence("a").ok());
+    }
+    const int64_t T = 700;  // a prefill of 700: sparse, top-2048 of at most 700 = all
+    const auto layers = RandomLayers(spec, T, DType::kBF16, 50);
+    std::mt19937_64 rng(51);
+    uint64_t step[3];
+    for (int i = 0; i < 3; ++i) step[i] = e[i]->BeginStep({{"a", T}}).value();
+    for (int l = 0; l < spec.num_layers(); ++l) {
+      const HostTensor qn = RandomTensor(DType::kBF16, {T, H, dn}, rng);
+      LayerInputs in = layers[l].inputs();
+      in.q_latent = {};
+      in.q_nope = qn.view();
+      std::vector<double> out[3];
+      for (int i = 0; i < 3; ++i) {
+        cuda::ScopedKernelChoice kernels(i == 0, i == 0);
+        std::vector<uint8_t> bytes(static_cast<size_t>(T) * H * v * 2);
+        LayerRequest r;
+        r.layer = l;
+        r.tensors = in;
+        BufferSink sink(bytes.data(), bytes.size());
+        ASSERT_TRUE(e[i]->RunLayer(step[i], r, &sink).ok()) << i;
+        std::vector<float> x(bytes.size() / 2);
+        ConvertToF32(DType::kBF16, bytes.data(), x.data(), x.size());
+        out[i].assign(x.begin(), x.end());
+      }
+      const std::string at = std::string(DTypeName(cache)) + " layer " + std::to_string(l);
+      ExpectClose(out[0], out[2], 1e-2, "tensor cores vs CPU, " + at);
+      ExpectClose(out[1], out[2], 1e-2, "SIMT vs CPU, " + at);
+      EXPECT_NE(out[0], out[1]) << at << ": the same bits from both kernels";
+    }
+  }
+}
 
 // Rows [begin, begin + count) of a step's inputs (every tensor's first dimension is the token).
 std::vector<LayerData> Rows(const std::vector<LayerData>& layers, int64_t begin, int64_t count) {

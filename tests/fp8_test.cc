@@ -51,6 +51,7 @@ TEST(Fp8, EveryCodeDecodesToItsValue) {
       continue;
     }
     EXPECT_EQ(static_cast<double>(got), want) << c;
+    EXPECT_EQ(std::signbit(got), std::signbit(want)) << c;  // -0 stays -0
   }
   EXPECT_EQ(nans, 2);  // 0x7f and 0xff: e4m3fn has no infinities
   EXPECT_EQ(E4M3ToF32(0x7e), 448.0f);

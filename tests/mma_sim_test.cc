@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
+#include "common/fp8.h"
 #include "common/model_spec.h"
 #include "kernels/cuda/indexer_mma_sim.h"
 #include "kernels/cuda/mla_mma_sim.h"
@@ -159,6 +161,73 @@ INSTANTIATE_TEST_SUITE_P(
                       MlaShape{64, 16, 70, 0, 5, 16}, MlaShape{64, 16, 9000, 0, 16, 16},
                       MlaShape{512, 64, 700, 0, 2, 64}, MlaShape{512, 64, 130, 0, 3, 64},
                       MlaShape{128, 64, 65, 2.5f, 1, 64}));
+
+// An fp8 cache on tensor cores: the loader decodes each row's codes with their tile's scale into
+// the same bf16 bits the bf16 path would load for the dequantised keys (exact), so the block's
+// output is bit for bit the bf16 block's on those keys, and within the bf16 tolerance of
+// float64 on them. DeepSeek-V3.2's 656-byte rows; one, partial and four splits; 16 and 64 heads.
+TEST(MlaMmaSim, Fp8RowsDecodeToTheBf16PathsBitsAndMatchTheReference) {
+  const int L = 512, R = 64, D = L + R;
+  ASSERT_TRUE(Fp8LatentRowsTakeChunks(L, R));
+  const size_t row = fp8::LatentTokenBytes(L, R);
+  for (const auto& [n, splits, HB] :
+       {std::tuple<int64_t, int, int>{2048, 4, 16}, {100, 1, 16}, {1, 1, 16}, {700, 2, 64}}) {
+    std::mt19937_64 rng(n + HB);
+    std::normal_distribution<float> n01(0, 1);
+    std::vector<float> q(size_t(HB) * D);
+    for (auto& x : q) x = n01(rng);
+    std::vector<uint8_t> rows(size_t(n) * row);
+    std::vector<uint16_t> dequant(size_t(n) * D);
+    std::vector<float> kv(L), rope(R), back(D);
+    for (int64_t j = 0; j < n; ++j) {
+      // Tiles of very different magnitudes: each takes its own scale.
+      for (int i = 0; i < L; ++i) kv[i] = n01(rng) * std::ldexp(1.0f, (i / 128) * 5 - 8);
+      for (auto& x : rope) x = n01(rng);
+      fp8::PackLatentToken(L, R, kv.data(), rope.data(), rows.data() + j * row);
+      fp8::UnpackLatentToken(L, R, rows.data() + j * row, back.data());
+      for (int i = 0; i < D; ++i) {
+        dequant[size_t(j) * D + i] = F32ToBF16(back[i]);
+        ASSERT_EQ(BF16ToF32(dequant[size_t(j) * D + i]), back[i]) << "not exact in bf16";
+      }
+    }
+    const float scale = 0.05f;
+    std::vector<sim::MlaBlock> fp8_parts(splits), bf16_parts(splits);
+    for (int z = 0; z < splits; ++z) {
+      ASSERT_NO_THROW(fp8_parts[z] =
+                          sim::RunMlaMmaBlock(L, R, q, {}, n, scale, 0, splits, z, HB, &rows));
+      bf16_parts[z] = sim::RunMlaMmaBlock(L, R, q, dequant, n, scale, 0, splits, z, HB);
+    }
+    const std::vector<float> got = sim::CombineSplits(fp8_parts, L);
+    const std::vector<float> same = sim::CombineSplits(bf16_parts, L);
+    ASSERT_EQ(std::memcmp(got.data(), same.data(), got.size() * sizeof(float)), 0) << n;
+    ModelSpec spec;
+    spec.num_heads = HB;
+    spec.kv_lora_rank = L;
+    spec.qk_rope_head_dim = R;
+    spec.sm_scale = scale;
+    std::vector<double> qd(q.size()), kd(dequant.size());
+    for (size_t i = 0; i < q.size(); ++i) qd[i] = BF16ToF32(F32ToBF16(q[i]));
+    for (size_t i = 0; i < kd.size(); ++i) kd[i] = BF16ToF32(dequant[i]);
+    std::vector<int32_t> all(n);
+    for (int64_t j = 0; j < n; ++j) all[j] = static_cast<int32_t>(j);
+    std::vector<double> ref(size_t(HB) * L);
+    reference::Attend(spec, qd.data(), kd.data(), all, 0, ref.data());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      ASSERT_FALSE(std::isnan(got[i]));
+      num += (got[i] - ref[i]) * (got[i] - ref[i]);
+      den += ref[i] * ref[i];
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-2) << n;
+  }
+  // Rows whose rope would sit off a 16-byte boundary go to the SIMT kernel; the simulation
+  // refuses them as the launcher does not take them.
+  EXPECT_FALSE(Fp8LatentRowsTakeChunks(256, 64));
+  std::vector<float> q(16 * 320);
+  std::vector<uint8_t> rows(fp8::LatentTokenBytes(256, 64));
+  EXPECT_THROW(sim::RunMlaMmaBlock(256, 64, q, {}, 1, 1.0f, 0, 1, 0, 16, &rows),
+               std::runtime_error);
+}
 
 TEST(MlaMmaSim, AShapeOutsideTheContractIsRefused) {
   std::vector<float> q(16 * 48);

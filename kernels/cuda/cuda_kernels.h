@@ -190,7 +190,9 @@ struct MlaParams {
   float* out = nullptr;  // [n, H, L]
   float* lse = nullptr;  // optional [n, H]: m + ln(l) per query head, -inf where no key was seen
   // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q and the probabilities to
-  // bf16, so it is meant for bf16 requests; it needs a bf16 cache, heads % 16 == 0,
+  // bf16, so it is meant for bf16-precision requests (bf16 or fp8 queries, absorbed or not); it
+  // needs a bf16 cache or an fp8 one whose rows load in 16-byte chunks
+  // (Fp8LatentRowsTakeChunks: DeepSeek-V3.2's 656-byte rows do), heads % 16 == 0,
   // latent % 64 == 0 and <= 512, (latent + rope) % 16 == 0 and 16-byte aligned cache rows
   // (base and row bytes); otherwise the SIMT kernel runs.
   bool tensor_cores = false;

@@ -401,8 +401,12 @@ absl::Status CudaDevice::Call::Attend() {
   }
   mp.out = s.out_f32.as<float>();
   if (plan.lse.present()) mp.lse = reinterpret_cast<float*>(Out(plan.lse));  // [n, H] fp32
-  mp.tensor_cores = TensorCoreMla() && absorb == nullptr && plan.query.dtype == DType::kBF16 &&
-                    plan.q_rope.dtype == DType::kBF16;
+  // Tensor cores round the query and the probabilities to bf16: for calls whose queries are
+  // bf16 or coarser (BF16 or FP8_E4M3 q_latent / q_nope and q_rope), absorbed or not, on bf16
+  // and fp8 caches; FP32 and FP16 requests keep the fp32 SIMT kernel's precision.
+  auto bf16_precision = [](DType t) { return t == DType::kBF16 || t == DType::kFP8E4M3; };
+  mp.tensor_cores =
+      TensorCoreMla() && bf16_precision(plan.query.dtype) && bf16_precision(plan.q_rope.dtype);
   if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
     mp.max_keys = st.max_keys;
     const int splits = MlaQuerySplits(st.max_keys);

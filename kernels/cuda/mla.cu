@@ -1,10 +1,12 @@
 // MLA over paged caches: s = sm_scale (q . [c_kv | k_pe]) [soft-capped], online softmax,
 // out = sum p c_kv, per query and head, over a selection or a key range. A SIMT kernel (any cache
-// dtype) and a bf16 tensor-core one with split-K (flash-decoding) and its merge.
+// dtype) and a tensor-core one (bf16 mma, for bf16 and fp8 caches: fp8 rows are decoded to bf16
+// as they are loaded) with split-K (flash-decoding) and its merge.
 #include <algorithm>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/fp8_chunks.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mma_fragments.h"
 
@@ -143,13 +145,32 @@ __global__ void MlaKernel(MlaParams p) {
 // m, l, corr [16] f32. Row pads of 8 bf16 keep the 32-bit fragment loads off one bank.
 constexpr int kMmaKeys = 64;
 
+// Chunk c (8 values, 16 bytes of shared memory) of a cached key row as bf16: a bf16 row's own
+// bytes, or an fp8 row's codes decoded with their tile's scale (exact, fp8_chunks.h) or its bf16
+// rope values.
+template <bool kFp8>
+__device__ __forceinline__ uint4 KeyChunk(const uint8_t* row, int L, int c) {
+  if constexpr (kFp8) {
+    const Fp8LatentChunk at = LatentChunkAt(L, c);
+    if (at.rope) return *reinterpret_cast<const uint4*>(row + at.rope_bytes);
+    const uint2 codes = *reinterpret_cast<const uint2*>(row + at.codes);
+    const float scale = *reinterpret_cast<const float*>(row + at.scale);
+    uint32_t w[4];
+    DecodeE4M3x8(static_cast<uint64_t>(codes.x) | (static_cast<uint64_t>(codes.y) << 32), scale, w);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    return reinterpret_cast<const uint4*>(row)[c];
+  }
+}
+
 __device__ __forceinline__ uint32_t Pack(__nv_bfloat16 lo, __nv_bfloat16 hi) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
          (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
 }
 
-// HB heads per block (16, or 64 so that 128 heads read each selected key twice, not 8 times).
-template <int HB>
+// HB heads per block (16, or 64 so that 128 heads read each selected key twice, not 8 times);
+// kFp8: an fp8 cache, decoded to bf16 as its rows are loaded.
+template <int HB, bool kFp8>
 __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
   constexpr int MT = HB / 16;  // m-tiles of 16 heads
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -195,14 +216,12 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
   __syncthreads();
   for (int64_t t0 = first; t0 < last; t0 += kMmaKeys) {
     const int nk = static_cast<int>(min(static_cast<int64_t>(kMmaKeys), last - t0));
-    // 1. Key rows into shared memory, 16 bytes at a time (D % 8 == 0).
+    // 1. Key rows into shared memory as bf16, 16 bytes at a time (D % 8 == 0).
     const int chunks = D / 8;
     for (int i = threadIdx.x; i < kMmaKeys * chunks; i += blockDim.x) {
       const int j = i / chunks, c = i % chunks;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (j < nk) {
-        v = reinterpret_cast<const uint4*>(keys.Row(p, q, t0 + j))[c];
-      }
+      if (j < nk) v = KeyChunk<kFp8>(keys.Row(p, q, t0 + j), L, c);
       *reinterpret_cast<uint4*>(ks + j * DP + c * 8) = v;
     }
     __syncthreads();
@@ -360,8 +379,10 @@ cudaError_t ProbeKernels() {
 
 bool MlaUsesTensorCores(const MlaParams& p) {
   const int D = p.latent + p.rope;
-  return p.tensor_cores && p.kv.dtype == DType::kBF16 && p.heads % 16 == 0 && p.latent % 64 == 0 &&
-         p.latent <= 512 && D % 16 == 0 && p.kv.row_bytes % 16 == 0 &&
+  const bool rows = p.kv.dtype == DType::kBF16 ||
+                    (p.kv.dtype == DType::kFP8E4M3 && Fp8LatentRowsTakeChunks(p.latent, p.rope));
+  return p.tensor_cores && rows && p.heads % 16 == 0 && p.latent % 64 == 0 && p.latent <= 512 &&
+         D % 16 == 0 && p.kv.row_bytes % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.kv.base) % 16 == 0;  // uint4 rows
 }
 
@@ -388,7 +409,9 @@ cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   if (MlaUsesTensorCores(p)) {
     const int hb = MlaHeadsPerBlock(p);
     const size_t smem = MlaMmaSmem(hb, p.latent + p.rope);
-    auto kernel = hb == 64 ? MlaMmaKernel<64> : MlaMmaKernel<16>;
+    const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
+    auto kernel = hb == 64 ? (fp8 ? MlaMmaKernel<64, true> : MlaMmaKernel<64, false>)
+                           : (fp8 ? MlaMmaKernel<16, true> : MlaMmaKernel<16, false>);
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     if (e != cudaSuccess) return e;

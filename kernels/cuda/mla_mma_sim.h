@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cuda/fp8_chunks.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/mma_sim.h"
@@ -34,13 +35,45 @@ struct MlaBlock {
 // from n alone (mla_split.h). Throws on any shared-memory fault, a grid with fewer splits than
 // the query needs, or a shape outside the kernel's contract (L % 64 == 0, L <= 512,
 // (L+R) % 16 == 0, HB 16 or 64).
+//
+// `fp8_rows` set: the keys are an fp8 cache's rows instead (n x fp8::LatentTokenBytes(L, R)
+// bytes, `keys` unused), loaded as the kernel's KeyChunk<true> loads them: codes decoded with
+// their tile's scale (fp8_chunks.h), rope copied, every global access checked for alignment.
 inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
                                const std::vector<uint16_t>& keys, int64_t n, float sm_scale,
-                               float soft_cap, int splits = 1, int split = 0, int HB = 16) {
+                               float soft_cap, int splits = 1, int split = 0, int HB = 16,
+                               const std::vector<uint8_t>* fp8_rows = nullptr) {
   constexpr int kKeys = 64, kThreads = 256;
   const int D = L + R, DP = D + 8, PP = kKeys + 8, MT = HB / 16;
   if (L % 64 != 0 || L > 512 || D % 16 != 0 || (HB != 16 && HB != 64))
     throw std::runtime_error("shape outside contract");
+  if (fp8_rows != nullptr && !Fp8LatentRowsTakeChunks(L, R))
+    throw std::runtime_error("fp8 rows the chunk loader cannot read");
+  const size_t row_bytes = fp8::LatentTokenBytes(L, R);
+  // Chunk c of key j as the kernel's loader reads it (4 words of 2 bf16).
+  auto chunk = [&](int64_t j, int c, uint16_t out[8]) {
+    if (fp8_rows == nullptr) {
+      for (int e = 0; e < 8; ++e) out[e] = keys[size_t(j) * D + c * 8 + e];
+      return;
+    }
+    const uint8_t* row = fp8_rows->data() + size_t(j) * row_bytes;  // rows 16-byte aligned
+    const Fp8LatentChunk at = LatentChunkAt(L, c);
+    uint32_t w[4];
+    if (at.rope) {
+      if ((size_t(j) * row_bytes + at.rope_bytes) % 16 != 0)
+        throw std::runtime_error("misaligned 16-byte rope load");
+      std::memcpy(w, row + at.rope_bytes, 16);
+    } else {
+      if ((size_t(j) * row_bytes + at.codes) % 8 != 0 || (size_t(j) * row_bytes + at.scale) % 4)
+        throw std::runtime_error("misaligned fp8 code or scale load");
+      uint64_t codes;
+      float scale;
+      std::memcpy(&codes, row + at.codes, 8);
+      std::memcpy(&scale, row + at.scale, 4);
+      DecodeE4M3x8(codes, scale, w);
+    }
+    for (int e = 0; e < 4; ++e) out[2 * e] = w[e] & 0xffff, out[2 * e + 1] = w[e] >> 16;
+  };
   const int query_splits = MlaQuerySplits(n);
   if (splits < query_splits) throw std::runtime_error("grid has fewer splits than the query");
   if (split >= query_splits) {
@@ -83,8 +116,9 @@ inline MlaBlock RunMlaMmaBlock(int L, int R, const std::vector<float>& q,
         const int j = i / chunks, c = i % chunks;
         const size_t dst = ks + size_t(j) * DP + c * 8;
         if ((dst * 2) % 16 != 0) throw std::runtime_error("misaligned 16-byte store to ks");
-        for (int e = 0; e < 8; ++e)
-          smem.Write(dst + e, j < nk ? keys[size_t(t0 + j) * D + c * 8 + e] : 0, th);
+        uint16_t v[8] = {};
+        if (j < nk) chunk(t0 + j, c, v);
+        for (int e = 0; e < 8; ++e) smem.Write(dst + e, v[e], th);
       }
     smem.Barrier();
     for (int warp = 0; warp < 8; ++warp) {  // 2. scores: warp w takes keys [8w, 8w + 8)
