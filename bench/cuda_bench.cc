@@ -20,6 +20,7 @@
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/mla_split.h"
+#include "kernels/cuda/topk_block.h"
 
 namespace {
 
@@ -245,6 +246,13 @@ int main(int argc, char** argv) {
     tk.out = sel;
     tk.out_stride = K;
     tk.out_count = cnt;
+    tk.max_len = ctx;  // 64K keys, top-2048: slices of 16K and a merge (topk_block.h)
+    const attnd::cuda::TopKSlicePlan slices =
+        attnd::cuda::PlanTopKSlices(std::vector<int64_t>(B, ctx), K);
+    tk.slice_offset = Upload(slices.offset);
+    tk.cand_key = Alloc<uint32_t>(std::max<int64_t>(1, slices.total * K));
+    tk.cand_index = Alloc<int32_t>(std::max<int64_t>(1, slices.total * K));
+    tk.cand_count = Alloc<int32_t>(std::max<int64_t>(1, slices.total));
     const double ms_idx = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
     CHECK(cudaDeviceSynchronize());
     const std::vector<float> simt_scores = Download(scores, size_t{B} * ctx);

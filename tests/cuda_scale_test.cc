@@ -8,12 +8,16 @@
 // (fails with ATTND_REQUIRE_GPU=1); each can run alone (--gtest_filter) in its own process.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "common/absorption.h"
 #include "kernels/cuda/cuda_device.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/topk_block.h"
+#include "kernels/selection.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
 
@@ -322,6 +326,71 @@ TEST(CudaScale, AStepTooLargeForGpuScratchIsRefusedAtBeginStepAndChangesNothing)
   EXPECT_EQ(h.engine().num_open_steps(), 0);
   // Nothing is held: a normal step runs and matches the reference.
   h.RunAndCheck({{"a", 40}}, DType::kBF16, 6, 1e-2);
+}
+
+// The top-k kernels on rows long enough to run in slices and a merge (70,000 and 131,072 keys,
+// top-2048; 100,000 keys, top-24) next to one-slice rows, with ties across slice borders, NaN
+// and -0: every row equals the host's ExactTopK bit for bit (kernels/selection.h).
+TEST(CudaScale, TopKOfLongRowsInSlicesEqualsTheHost) {
+  ATTND_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(12);
+  std::normal_distribution<float> n01(0, 1);
+  for (const int64_t k : {int64_t{2048}, int64_t{24}}) {
+    const std::vector<int64_t> lens = {70000, 16384, 131072, 100000, 5};
+    std::vector<int64_t> offset;
+    std::vector<float> scores;
+    for (const int64_t n : lens) {
+      offset.push_back(static_cast<int64_t>(scores.size()));
+      for (int64_t i = 0; i < n; ++i)
+        scores.push_back(i % 5 == 0 ? std::round(n01(rng) * 3) : n01(rng));
+      scores[offset.back() + 1] = NAN;
+      if (n > 3) scores[offset.back() + 3] = -0.0f;
+    }
+    const cuda::TopKSlicePlan plan = cuda::PlanTopKSlices(lens, k);
+    const int nq = static_cast<int>(lens.size());
+    auto upload = [](const auto& v) {
+      void* d = nullptr;
+      EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(1, v.size() * sizeof(v[0]))), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(v[0]), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      return d;
+    };
+    cuda::TopKParams p;
+    p.scores = static_cast<const float*>(upload(scores));
+    p.row_offset = static_cast<const int64_t*>(upload(offset));
+    p.row_len = static_cast<const int64_t*>(upload(lens));
+    p.nq = nq;
+    p.k = k;
+    p.max_len = *std::max_element(lens.begin(), lens.end());
+    p.out_stride = k;
+    p.out = static_cast<int32_t*>(upload(std::vector<int32_t>(nq * k, -1)));
+    p.out_count = static_cast<int32_t*>(upload(std::vector<int32_t>(nq, -1)));
+    p.slice_offset = static_cast<const int64_t*>(upload(plan.offset));
+    p.cand_key = static_cast<uint32_t*>(upload(std::vector<uint32_t>(plan.total * k + 1)));
+    p.cand_index = static_cast<int32_t*>(upload(std::vector<int32_t>(plan.total * k + 1)));
+    p.cand_count = static_cast<int32_t*>(upload(std::vector<int32_t>(plan.total + 1)));
+    ASSERT_EQ(cuda::LaunchTopK(p, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<int32_t> out(nq * k), count(nq);
+    ASSERT_EQ(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(count.data(), p.out_count, count.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int q = 0; q < nq; ++q) {
+      std::vector<int32_t> want(std::min(lens[q], k));
+      want.resize(ExactTopK(scores.data() + offset[q], lens[q], k, want.data()));
+      ASSERT_EQ(count[q], static_cast<int32_t>(want.size())) << "k " << k << " row " << q;
+      EXPECT_TRUE(std::equal(want.begin(), want.end(), out.begin() + q * k))
+          << "k " << k << " row " << q << " of " << lens[q] << " keys ("
+          << cuda::TopKSlices(lens[q], k) << " slices)";
+    }
+    for (const void* d :
+         {static_cast<const void*>(p.scores), static_cast<const void*>(p.row_offset),
+          static_cast<const void*>(p.row_len), static_cast<const void*>(p.out),
+          static_cast<const void*>(p.out_count), static_cast<const void*>(p.slice_offset),
+          static_cast<const void*>(p.cand_key), static_cast<const void*>(p.cand_index),
+          static_cast<const void*>(p.cand_count)})
+      cudaFree(const_cast<void*>(d));
+  }
 }
 
 TEST(CudaScale, NcclMovesPagesBetweenTwoGpus) {

@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/layer_upload.h"
 #include "kernels/cuda/mla_split.h"
+#include "kernels/cuda/topk_block.h"
 
 namespace attnd::cuda {
 namespace {
@@ -169,7 +170,7 @@ UploadSlot& CudaDevice::State::AcquireSlot(std::unique_lock<std::mutex>* lock) {
   return slot;
 }
 
-absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
+absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Step& step) {
   const size_t n = std::max<size_t>(1, share.size());
   const size_t H = spec.num_heads, L = spec.kv_lora_rank, R = spec.qk_rope_head_dim;
   const size_t Hi = spec.index_n_heads, Di = spec.index_head_dim;
@@ -204,7 +205,10 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share) {
       {&page_list, n * keep * 4},
       {&page_count, n * 4},
       {&part_out, splits > 1 ? part_rows * L * 4 : 4},
-      {&part_ml, splits > 1 ? part_rows * 2 * 4 : 4}};
+      {&part_ml, splits > 1 ? part_rows * 2 * 4 : 4},
+      {&cand_key, std::max<size_t>(4, step.candidates * 4)},
+      {&cand_index, std::max<size_t>(4, step.candidates * 4)},
+      {&cand_count, std::max<size_t>(4, step.candidates * 4)}};
   // The step's own selection buffers (positions and slot ids) count too.
   size_t total = 2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4;
   for (const auto& [buf, bytes] : want) total += bytes;
@@ -241,7 +245,6 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   // Both upload slots (they may grow), then the layer lock: the order every call takes them in.
   std::scoped_lock lock(s.slots[0].mu, s.slots[1].mu, s.mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  RETURN_IF_ERROR(s.ReserveScratch(share));
   auto st = std::make_unique<Step>(ordinal_);
   st->n = share.size();
   st->sel_cap = std::max<int64_t>(1, share.max_selected);
@@ -257,6 +260,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   st->slot = plan.Add(share.slot);
   st->needs_index = plan.Add(share.needs_index);
   s.PlanWaves(share, st.get(), &plan);
+  RETURN_IF_ERROR(s.ReserveScratch(share, *st));
   const std::vector<uint8_t>& bytes = plan.bytes();
   RETURN_IF_ERROR(st->plan.Reserve(bytes.size()));
   CUDA_RETURN(cudaEventSynchronize(s.plan_uploaded.e));
@@ -300,6 +304,16 @@ void CudaDevice::State::PlanWaves(const StepShare& share, Step* step, PlanPacker
     w.len = plan->Add(len);
     w.page_offset = plan->Add(page_offset);
     w.pages = plan->Add(pages);
+    // Long rows' top-k runs in slices whose candidates need scratch: the token top-k (token and
+    // page_union modes) and the page top-k (page modes) of a wave run one after the other.
+    const int64_t k = spec.index_topk, keep = std::max<int64_t>(1, KeptPages());
+    const TopKSlicePlan by_token = PlanTopKSlices(len, k), by_page = PlanTopKSlices(pages, keep);
+    w.token_slices = plan->Add(by_token.offset);
+    w.page_slices = plan->Add(by_page.offset);
+    if (spec.selection != SelectionMode::kPageBudget)
+      step->candidates = std::max(step->candidates, by_token.total * k);
+    if (spec.selection != SelectionMode::kToken)
+      step->candidates = std::max(step->candidates, by_page.total * keep);
     w.host_rows = std::move(rows);
     w.host_offset = std::move(offset);
     w.host_len = std::move(len);

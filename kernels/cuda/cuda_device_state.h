@@ -168,10 +168,14 @@ struct CudaDevice::Step final : DeviceStep {
     int64_t total = 0, max_len = 0, pages_total = 0, max_pages = 0;
     // In `plan`: [nq] local token, score offset, visible keys; page-key offset, pages.
     size_t rows = 0, offset = 0, len = 0, page_offset = 0, pages = 0;
+    // Top-k in slices (topk_block.h): [nq] where each query's slices keep their candidates, for
+    // the top-k over its scores (k = index_topk) and over its page keys (k = the pages kept).
+    size_t token_slices = 0, page_slices = 0;
     std::vector<int32_t> host_rows;  // rows, offset and len on the host (candidates)
     std::vector<int64_t> host_offset, host_len;
   };
   std::vector<Wave> waves;
+  int64_t candidates = 0;  // the most top-k candidates a wave keeps (entries)
   QueryTables Tables() const {
     QueryTables t;
     t.table.indptr = At<int32_t>(indptr);
@@ -198,8 +202,9 @@ struct CudaDevice::State {
   // Per-layer fp32 scratch (converted inputs, intermediate results).
   DeviceBuffer q_lat, q_rope, idx_q, idx_w, scores, tmp_sel, tmp_count, page_keys, page_list,
       page_count, out_f32;
-  DeviceBuffer part_out, part_ml;  // split-K partials of the tensor-core MLA
-  DeviceBuffer q_nope, out_v;      // absorbed calls: q_nope and the values, fp32
+  DeviceBuffer part_out, part_ml;                 // split-K partials of the tensor-core MLA
+  DeviceBuffer cand_key, cand_index, cand_count;  // top-k candidates of long rows' slices
+  DeviceBuffer q_nope, out_v;                     // absorbed calls: q_nope and the values, fp32
   // Two calls' packed inputs and outputs: one call's upload and download overlap another's
   // kernels (kernels/cuda/layer_upload.h).
   std::array<UploadSlot, 2> slots;
@@ -220,12 +225,18 @@ struct CudaDevice::State {
   CacheRows Latent(int layer) const { return layout.Latent(cache, layer); }
   CacheRows Index(int slot) const { return layout.Index(cache, slot); }
 
-  // Plans the step's indexer waves from its share into `plan` (mu held).
+  // Plans the step's indexer waves from its share into `plan` (mu held), with their top-k
+  // slices (step->candidates).
   void PlanWaves(const StepShare& share, Step* step, PlanPacker* plan) const;
+  // The pages a page-mode selection keeps per query (its page top-k's k).
+  int64_t KeptPages() const {
+    return spec.selection == SelectionMode::kPageUnion ? spec.page_union_max_pages
+                                                       : spec.page_budget;
+  }
   // Grows the per-layer scratch and both upload slots to what a layer of `share` needs (mu and
   // both slots held): a step that cannot fit fails at BeginStep with RESOURCE_EXHAUSTED, never in
   // the middle of a layer.
-  absl::Status ReserveScratch(const StepShare& share);
+  absl::Status ReserveScratch(const StepShare& share, const Step& step);
   // A free upload slot, locked into *lock (waits for one when both are in use).
   UploadSlot& AcquireSlot(std::unique_lock<std::mutex>* lock);
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).

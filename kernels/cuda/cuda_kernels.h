@@ -102,7 +102,9 @@ cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s);
 // Whether LaunchIndexerScores would take the tensor-core kernel for `p`.
 bool IndexerUsesTensorCores(const IndexerParams& p);
 
-// Exact top-k per row, ties to the lower index, NaN lowest; output ascending indices.
+// Exact top-k per row, ties to the lower index, NaN lowest; output ascending indices. A row of
+// more than max(8k, 8192) keys runs on several blocks (kernels/cuda/topk_block.h): each slice's
+// own top-k into candidate scratch, then a merge.
 struct TopKParams {
   const float* scores = nullptr;        // row values, or
   const uint32_t* keys = nullptr;       // order-preserving keys (0 = excluded when drop_zero)
@@ -115,6 +117,14 @@ struct TopKParams {
   int64_t out_stride = 0;
   int32_t* out_count = nullptr;      // [rows]
   const int32_t* out_row = nullptr;  // [nq] output row of each query; null = the query index
+  int64_t max_len = 0;               // the longest row (the grid's slices)
+  // Rows of several slices (PlanTopKSlices over the row lengths): where their slices keep
+  // candidates, and the candidates ([total * k] keys and indices, [total] counts). May be null
+  // when no row has more than one slice.
+  const int64_t* slice_offset = nullptr;  // [nq]
+  uint32_t* cand_key = nullptr;
+  int32_t* cand_index = nullptr;
+  int32_t* cand_count = nullptr;
 };
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s);
 

@@ -253,6 +253,11 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   tk.row_offset = st.At<int64_t>(wave.offset);
   tk.row_len = st.At<int64_t>(wave.len);
   tk.nq = nq;
+  tk.max_len = wave.max_len;
+  tk.slice_offset = st.At<int64_t>(wave.token_slices);  // long rows: candidates (BeginStep)
+  tk.cand_key = s.cand_key.as<uint32_t>();
+  tk.cand_index = s.cand_index.as<int32_t>();
+  tk.cand_count = s.cand_count.as<int32_t>();
   if (s.spec.selection == SelectionMode::kToken) {
     tk.k = s.spec.index_topk;
     tk.out = st.sel.as<int32_t>();
@@ -265,9 +270,8 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   // Page modes: per-query page keys, the best pages, then their positions.
   RETURN_IF_ERROR(s.page_keys.Reserve(wave.pages_total * 4));
   CUDA_RETURN(cudaMemsetAsync(s.page_keys.ptr, 0, wave.pages_total * 4, s.stream));
-  int64_t keep = s.spec.page_budget;
+  const int64_t keep = s.KeptPages();
   if (s.spec.selection == SelectionMode::kPageUnion) {
-    keep = s.spec.page_union_max_pages;
     const int64_t k = s.spec.index_topk;
     RETURN_IF_ERROR(s.tmp_sel.Reserve(nq * k * 4));
     RETURN_IF_ERROR(s.tmp_count.Reserve(nq * 4));
@@ -307,6 +311,11 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   pk.row_offset = st.At<int64_t>(wave.page_offset);
   pk.row_len = st.At<int64_t>(wave.pages);
   pk.nq = nq;
+  pk.max_len = wave.max_pages;
+  pk.slice_offset = st.At<int64_t>(wave.page_slices);
+  pk.cand_key = s.cand_key.as<uint32_t>();
+  pk.cand_index = s.cand_index.as<int32_t>();
+  pk.cand_count = s.cand_count.as<int32_t>();
   pk.k = keep;
   pk.drop_zero = true;
   pk.out = s.page_list.as<int32_t>();

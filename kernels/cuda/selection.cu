@@ -2,104 +2,43 @@
 // ties to the lower index and NaN lowest, page keys (page maxima, pages hit by the top-k), page
 // lists expanded to positions, and positions to slot ids.
 #include <algorithm>
-#include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/topk_block.h"
 
 namespace attnd::cuda {
 namespace {
 
-// Order-preserving float -> uint32 (larger float, larger key), ranking like the CPU backend: NaN
-// ties with -inf (lowest) and -0 with +0. Never 0, the "excluded" page key.
-__device__ __forceinline__ uint32_t Key(float f) {
-  if (isnan(f)) f = -INFINITY;
-  if (f == 0.0f) return 0x80000000u;  // -0 == +0
-  const uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+// The block interface of kernels/cuda/topk_block.h on the GPU: each thread runs the body once,
+// shared memory is the block's own.
+struct DeviceBlock {
+  uint32_t* words;
+  __device__ int threads() const { return kTopKThreads; }
+  template <typename F>
+  __device__ void Each(F&& f) {
+    f(static_cast<int>(threadIdx.x));
+  }
+  __device__ void Sync() { __syncthreads(); }
+  __device__ uint32_t Ld(int w, int) const { return words[w]; }
+  __device__ void St(int w, uint32_t v, int) { words[w] = v; }
+  __device__ void Add(int w, uint32_t v, int) { atomicAdd(&words[w], v); }
+};
+
+__device__ __forceinline__ uint32_t Key(float f) { return TopKKey(f); }
+
+// grid (queries, slices of the longest row): TopKSliceBlock.
+__global__ void __launch_bounds__(kTopKThreads) TopKSliceKernel(TopKRows p) {
+  __shared__ uint32_t words[TopKWords::words];
+  DeviceBlock b{words};
+  TopKSliceBlock(b, p, blockIdx.x, static_cast<int>(blockIdx.y));
 }
 
-constexpr int kTopKThreads = 512;
-__global__ void TopKKernel(TopKParams p) {
-  using Scan = cub::BlockScan<int, kTopKThreads>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ unsigned int hist[256];
-  __shared__ uint32_t prefix_s, mask_s;
-  __shared__ int64_t want_s;
-  __shared__ int running_take, running_eq;
-  const int qi = blockIdx.x;
-  const int64_t n = p.row_len[qi], off = p.row_offset[qi];
-  const int64_t orow = p.out_row ? p.out_row[qi] : qi;
-  int32_t* out = p.out + orow * p.out_stride;
-  auto key_at = [&](int64_t i) -> uint32_t {
-    return p.keys ? p.keys[off + i] : Key(p.scores[off + i]);
-  };
-  uint32_t threshold = 0;
-  int64_t take_equal = 0;
-  const bool all = p.k >= n;
-  if (!all) {
-    if (threadIdx.x == 0) {
-      prefix_s = 0;
-      mask_s = 0;
-      want_s = p.k;
-    }
-    __syncthreads();
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-      __syncthreads();
-      const uint32_t prefix = prefix_s, mask = mask_s;
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const uint32_t k = key_at(i);
-        if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int64_t cum = 0;
-        for (int d = 255; d >= 0; --d) {
-          if (cum + hist[d] >= want_s) {
-            want_s -= cum;
-            prefix_s = prefix | (static_cast<uint32_t>(d) << shift);
-            mask_s = mask | (255u << shift);
-            break;
-          }
-          cum += hist[d];
-        }
-      }
-      __syncthreads();
-    }
-    threshold = prefix_s;
-    take_equal = want_s;
-  }
-  if (threadIdx.x == 0) {
-    running_take = 0;
-    running_eq = 0;
-  }
-  __syncthreads();
-  for (int64_t base = 0; base < n; base += blockDim.x) {
-    const int64_t i = base + threadIdx.x;
-    uint32_t k = 0;
-    int gt = 0, eq = 0;
-    if (i < n) {
-      k = key_at(i);
-      gt = all || k > threshold;
-      eq = !all && k == threshold;
-    }
-    int eq_rank, eq_total;
-    Scan(scan).ExclusiveSum(eq, eq_rank, eq_total);
-    __syncthreads();
-    int take = gt || (eq && running_eq + eq_rank < take_equal);
-    if (p.drop_zero && k == 0) take = 0;
-    int out_rank, take_total;
-    Scan(scan).ExclusiveSum(take, out_rank, take_total);
-    if (take) out[running_take + out_rank] = static_cast<int32_t>(i);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      running_take += take_total;
-      running_eq += eq_total;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) p.out_count[orow] = running_take;
+// grid (queries): TopKMergeBlock (rows of one slice return at once).
+__global__ void __launch_bounds__(kTopKThreads) TopKMergeKernel(TopKRows p) {
+  __shared__ uint32_t words[TopKWords::words];
+  DeviceBlock b{words};
+  TopKMergeBlock(b, p, blockIdx.x);
 }
 
 __global__ void PageMaxKernel(PageMaxParams p) {
@@ -157,12 +96,35 @@ __global__ void PositionsToSlotsKernel(SlotsParams p) {
 
 cudaError_t ProbeTopKKernel() {
   cudaFuncAttributes a;
-  return cudaFuncGetAttributes(&a, TopKKernel);
+  return cudaFuncGetAttributes(&a, TopKSliceKernel);
 }
 
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
   if (p.nq <= 0) return cudaSuccess;
-  TopKKernel<<<p.nq, kTopKThreads, 0, s>>>(p);
+  if (p.k < 1 || p.max_len < 0) return cudaErrorInvalidValue;
+  TopKRows r;
+  r.scores = p.scores;
+  r.keys = p.keys;
+  r.row_offset = p.row_offset;
+  r.row_len = p.row_len;
+  r.k = p.k;
+  r.drop_zero = p.drop_zero;
+  r.out = p.out;
+  r.out_stride = p.out_stride;
+  r.out_count = p.out_count;
+  r.out_row = p.out_row;
+  r.slice_offset = p.slice_offset;
+  r.cand_key = p.cand_key;
+  r.cand_index = p.cand_index;
+  r.cand_count = p.cand_count;
+  const int slices = TopKSlices(p.max_len, p.k);  // the most any row has
+  if (slices > 1 && (p.slice_offset == nullptr || p.cand_key == nullptr ||
+                     p.cand_index == nullptr || p.cand_count == nullptr))
+    return cudaErrorInvalidValue;
+  TopKSliceKernel<<<dim3(p.nq, slices), kTopKThreads, 0, s>>>(r);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || slices == 1) return e;
+  TopKMergeKernel<<<p.nq, kTopKThreads, 0, s>>>(r);
   return cudaGetLastError();
 }
 
