@@ -296,12 +296,77 @@ int main(int argc, char** argv) {
     const double score_bytes = double(B) * ctx * 4;  // top-k reads each score once at least
     Report("indexer scores", "B=64 ctx=64K Hi=64 Di=128", ms_idx, bytes / 1e9, "GB/s",
            copy_bw / 1e9);
-    Report("indexer scores (mma)", "B=64 ctx=64K Hi=64 Di=128", ms_idx_mma, bytes / 1e9, "GB/s",
-           copy_bw / 1e9, RelL2Text(mma_scores, simt_scores, "SIMT"));
+    const std::string kind = attnd::cuda::IndexerUsesStream(ip_mma) ? "stream" : "mma";
+    Report("indexer scores (" + kind + ")", "B=64 ctx=64K Hi=64 Di=128", ms_idx_mma, bytes / 1e9,
+           "GB/s", copy_bw / 1e9, RelL2Text(mma_scores, simt_scores, "SIMT"));
     Report("top-k", "B=64 ctx=64K K=2048", ms_topk, score_bytes / 1e9, "GB/s", copy_bw / 1e9,
            topk_check);
-    Report("indexer (mma) + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s",
+    Report("indexer (" + kind + ") + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s",
            copy_bw / 1e9, overlap_text);
+  }
+  // ---- the indexer on an fp8 cache's keys (Di e4m3 codes per row, a page's scales after its
+  // rows): the streaming tensor-core kernel against the SIMT one on the same keys ----
+  {
+    const int64_t ctx = 65536, ps = 64, pages_per_seq = ctx / ps, npages = B * pages_per_seq + 1;
+    const size_t page_bytes = size_t(ps) * (Di + 4);
+    std::vector<uint8_t> host(npages * page_bytes);
+    std::mt19937_64 fill(13);
+    for (int64_t pg = 0; pg < npages; ++pg) {
+      uint8_t* page = host.data() + pg * page_bytes;
+      for (int64_t i = 0; i < ps * Di; i += 8) {
+        const uint64_t r = fill();
+        for (int b = 0; b < 8; ++b) {
+          uint8_t c = static_cast<uint8_t>(r >> (8 * b));
+          if ((c & 0x7f) == 0x7f) c ^= 1;  // no NaN codes
+          page[i + b] = c;
+        }
+      }
+      for (int64_t r = 0; r < ps; ++r) {
+        const float scale = std::ldexp(1.0f, -8 + static_cast<int>(fill() % 4));
+        std::memcpy(page + ps * Di + 4 * r, &scale, 4);
+      }
+    }
+    uint8_t* cache = Upload(host);
+    std::vector<int32_t> tables(B * pages_per_seq), seq(B), queries(B), indptr(B + 1);
+    std::iota(tables.begin(), tables.end(), 1);
+    std::shuffle(tables.begin(), tables.end(), std::mt19937_64(14));
+    std::vector<int64_t> pos(B, ctx - 1), off(B);
+    for (int i = 0; i <= B; ++i) indptr[i] = static_cast<int32_t>(i * pages_per_seq);
+    for (int i = 0; i < B; ++i) seq[i] = queries[i] = i, off[i] = i * ctx;
+    float* q = Alloc<float>(size_t{B} * Hi * Di);
+    float* w = Alloc<float>(size_t{B} * Hi);
+    RandomF32(q, size_t{B} * Hi * Di, 15);
+    RandomF32(w, size_t{B} * Hi, 16);
+    float* scores = Alloc<float>(size_t{B} * ctx);
+    attnd::cuda::IndexerParams ip;
+    ip.q = q;
+    ip.w = w;
+    ip.heads = Hi;
+    ip.dim = Di;
+    ip.keys = {cache, size_t(Di) + 4, attnd::DType::kFP8E4M3, Di, Di, static_cast<int32_t>(ps)};
+    ip.tables = {PageTable{Upload(indptr), Upload(tables), static_cast<int32_t>(ps)}, Upload(seq),
+                 Upload(pos)};
+    ip.queries = Upload(queries);
+    ip.score_offset = Upload(off);
+    ip.nq = B;
+    ip.max_keys = ctx;
+    ip.scores = scores;
+    const double ms_simt = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
+    CHECK(cudaDeviceSynchronize());
+    const std::vector<float> simt = Download(scores, size_t{B} * ctx);
+    ip.tensor_cores = true;
+    const double ms_stream = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
+    CHECK(cudaDeviceSynchronize());
+    const std::vector<float> stream = Download(scores, size_t{B} * ctx);
+    const double bytes = double(B) * ctx * (Di + 4);  // codes and scales
+    Report("indexer scores, fp8 keys", "B=64 ctx=64K Hi=64 Di=128", ms_simt, bytes / 1e9, "GB/s",
+           copy_bw / 1e9);
+    Report(std::string("indexer scores, fp8 keys (") +
+               (attnd::cuda::IndexerUsesStream(ip) ? "stream" : "SIMT") + ")",
+           "B=64 ctx=64K Hi=64 Di=128", ms_stream, bytes / 1e9, "GB/s", copy_bw / 1e9,
+           RelL2Text(stream, simt, "SIMT"));
+    CHECK(cudaFree(cache));
+    CHECK(cudaFree(scores));
   }
   // ---- sparse MLA decode over a top-k selection ----
   for (int64_t ctx : {int64_t{8192}, int64_t{65536}}) {

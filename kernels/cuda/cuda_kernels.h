@@ -93,14 +93,18 @@ struct IndexerParams {
   int part_queries = 0;
   int first_query = 0;      // LaunchMla's: the wave's first query     // longest row (grid size)
   float* scores = nullptr;  // [sum of pos+1]
-  // Use the bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q to bf16, so it is meant for
-  // bf16 requests; it needs a bf16 cache, heads % 16 == 0, dim % 16 == 0 and 16-byte aligned
-  // rows; otherwise the SIMT kernel runs.
+  // Use a bf16 tensor-core kernel (mma.sync m16n8k16). It rounds q to bf16, so it is meant for
+  // bf16-precision requests (bf16 or fp8 index_q). The streaming kernel takes bf16 and fp8 keys
+  // at 32, 64 or 128 heads and dims up to 128 (IndexerUsesStream); the tile-per-block one bf16
+  // keys with heads % 16 == 0, dim % 16 == 0 and 16-byte aligned rows; otherwise the SIMT
+  // kernel runs.
   bool tensor_cores = false;
 };
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s);
-// Whether LaunchIndexerScores would take the tensor-core kernel for `p`.
+// Whether LaunchIndexerScores would take a tensor-core kernel for `p`, and whether the streaming
+// one (kernels/cuda/indexer_stream.h: 32, 64 or 128 heads, dims up to 128, bf16 or fp8 keys).
 bool IndexerUsesTensorCores(const IndexerParams& p);
+bool IndexerUsesStream(const IndexerParams& p);
 
 // Exact top-k per row, ties to the lower index, NaN lowest; output ascending indices. A row of
 // more than max(8k, 8192) keys runs on several blocks (kernels/cuda/topk_block.h): each slice's

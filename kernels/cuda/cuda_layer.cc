@@ -75,7 +75,10 @@ struct CudaDevice::Call final : LayerRun {
     CUDA_RETURN(cudaStreamWaitEvent(s.stream, landed.e, 0));
     return absl::OkStatus();
   }
-  bool IndexQueriesBf16() const { return plan.index_q.dtype == DType::kBF16; }
+  // The indexer's queries are bf16 or coarser (fp8): the tensor-core indexers' precision.
+  bool IndexQueriesBf16() const {
+    return plan.index_q.dtype == DType::kBF16 || plan.index_q.dtype == DType::kFP8E4M3;
+  }
   // out[t, h] = in[t, h] · w[h] ([k, cols] per head) for the share's tokens (absorption).
   cudaError_t Project(const DeviceBuffer& in, const DeviceBuffer& w, float* out, int heads, int k,
                       int cols) {

@@ -1,10 +1,14 @@
 // The DSA indexer's scores, I[s] = sum_h w[h] relu(q[h] . k[s]), over each query's visible keys:
-// a SIMT kernel (any cache dtype) and a bf16 tensor-core one. fp32 accumulation.
+// a SIMT kernel (any cache dtype), the streaming tensor-core one (bf16 and fp8 keys at the
+// models' shapes: kernels/cuda/indexer_stream.h) and the tile-per-block tensor-core one (bf16
+// keys, other shapes). fp32 accumulation.
 #include <algorithm>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/indexer_stream.h"
 #include "kernels/cuda/mma_fragments.h"
+#include "kernels/cuda/simt.cuh"
 
 namespace attnd::cuda {
 namespace {
@@ -126,12 +130,84 @@ __global__ void IndexerMmaKernel(IndexerParams p) {
   }
 }
 
+// ---- the streaming indexer (kernels/cuda/indexer_stream.h, the body the CPU simulation runs):
+// grid (key ranges, queries), 8 warps, the query in registers, key tiles through a cp.async
+// ring.
+template <int HG, bool kFp8>
+__global__ void __launch_bounds__(kStreamThreads) IndexerStreamKernel(IndexerStreamParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  GpuThread g{smem_raw};
+  IndexerStreamBlock<HG, kFp8>(g, p, blockIdx.x, static_cast<int>(blockIdx.y));
+}
+
+// The streaming kernel's rows: 16-byte aligned (cp.async), fp8 rows with their scales apart and
+// 4-byte aligned scales.
+bool StreamRowsFit(const IndexerParams& p) {
+  const CacheRows& k = p.keys;
+  if (reinterpret_cast<uintptr_t>(k.base) % 16 != 0) return false;
+  if (k.dtype == DType::kBF16) return k.row_bytes % 16 == 0;
+  return k.dtype == DType::kFP8E4M3 && k.scales_apart > 0 && k.fp8_dim == p.dim &&
+         (static_cast<size_t>(k.scales_apart) * k.row_bytes) % 16 == 0;
+}
+
 }  // namespace
 
+bool IndexerUsesStream(const IndexerParams& p) {
+  return p.tensor_cores && IndexerStreamTakes(p.heads, p.dim, p.keys.dtype) && StreamRowsFit(p);
+}
+
 bool IndexerUsesTensorCores(const IndexerParams& p) {
+  if (IndexerUsesStream(p)) return true;
   return p.tensor_cores && p.keys.dtype == DType::kBF16 && p.heads % 16 == 0 && p.heads > 0 &&
          p.dim % 16 == 0 && p.dim > 0 && p.keys.row_bytes % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.keys.base) % 16 == 0;  // uint4 rows
+}
+
+// Keys per block of the streaming kernel: enough blocks to fill the GPU about twice, 256 to 4096
+// keys each (a multiple of the tile). A key's score does not depend on it.
+int64_t StreamRange(int64_t max_keys, int nq, int sms) {
+  const int64_t want_blocks = 2 * static_cast<int64_t>(sms);
+  int64_t range = (max_keys * nq + want_blocks - 1) / want_blocks;
+  range = std::min<int64_t>(4096, std::max<int64_t>(256, range));
+  return (range + kStreamTile - 1) / kStreamTile * kStreamTile;
+}
+
+cudaError_t LaunchIndexerStream(const IndexerParams& p, cudaStream_t s) {
+  int device = 0, sms = 1;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return e;
+  IndexerStreamParams sp;
+  sp.q = p.q;
+  sp.w = p.w;
+  sp.heads = p.heads;
+  sp.dim = p.dim;
+  sp.keys = p.keys;
+  sp.table = p.tables.table;
+  sp.seq = p.tables.seq;
+  sp.pos = p.tables.pos;
+  sp.scores = p.scores;
+  sp.range = StreamRange(p.max_keys, p.nq, sms);
+  const bool fp8 = p.keys.dtype == DType::kFP8E4M3;
+  const size_t smem = StreamSmemBytes(p.heads, p.dim, fp8);
+  auto kernel = [&]() -> void (*)(IndexerStreamParams) {
+    const int hg = p.heads / 16;
+    if (hg == 2) return fp8 ? IndexerStreamKernel<2, true> : IndexerStreamKernel<2, false>;
+    if (hg == 4) return fp8 ? IndexerStreamKernel<4, true> : IndexerStreamKernel<4, false>;
+    return fp8 ? IndexerStreamKernel<8, true> : IndexerStreamKernel<8, false>;
+  }();
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
+    sp.queries = p.queries + q0;
+    sp.score_offset = p.score_offset + q0;
+    const int nq = std::min(kMaxGridY, p.nq - q0);
+    const dim3 grid(static_cast<unsigned>((p.max_keys + sp.range - 1) / sp.range), nq);
+    kernel<<<grid, kStreamThreads, smem, s>>>(sp);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 // Launches an indexer kernel over tiles of `tile` keys and the queries, splitting the query list
@@ -156,6 +232,7 @@ cudaError_t LaunchIndexerGrid(const IndexerParams& p, Kernel kernel, int tile, s
 
 cudaError_t LaunchIndexerScores(const IndexerParams& p, cudaStream_t s) {
   if (p.nq <= 0 || p.max_keys <= 0) return cudaSuccess;
+  if (IndexerUsesStream(p)) return LaunchIndexerStream(p, s);
   if (IndexerUsesTensorCores(p))
     return LaunchIndexerGrid(p, IndexerMmaKernel, kIdxMmaKeys,
                              2 * size_t(p.heads + kIdxMmaKeys) * (p.dim + 8) + 4 * size_t(p.heads),

@@ -1,0 +1,424 @@
+// A thread block run on the CPU as the GPU runs it, for kernel bodies written once against a
+// thread interface (kernels/cuda/simt.cuh has the GPU's; kernels/cuda/indexer_stream.h is such
+// a body): every thread is a fiber that runs the body's own code until it reaches a barrier or
+// a warp-wide instruction (mma.sync, a shuffle), which completes when every thread that must take
+// part has arrived. Used by tests only (tests/indexer_stream_sim_test.cc).
+//
+// What it checks, as errors (std::runtime_error naming the thread and address):
+//  - shared memory, byte by byte, between two barriers: a byte written by one thread and read or
+//    written by another; a byte read before it was ever written; an access out of bounds or not
+//    aligned to its size;
+//  - cp.async: a 16-byte copy not 16-byte aligned at either end; its bytes read or written
+//    before the issuing thread waited for its group (the copy lands only then);
+//  - global memory: a read or write outside the buffers the test registered, a write to an
+//    input, a misaligned access; each output byte's writes are counted (every output element
+//    written exactly once is the test's to assert);
+//  - warps: lanes that reach different warp-wide instructions, or a lane that exits while the
+//    others wait in one; barriers that some threads never reach (a deadlock).
+#pragma once
+
+#include <ucontext.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/mma_sim.h"
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ATTND_SIMT_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define ATTND_SIMT_ASAN 1
+#endif
+#ifdef ATTND_SIMT_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace attnd::cuda::sim {
+
+// Global memory a simulated grid may touch: buffers registered by the test, inputs read-only,
+// outputs with a write count per byte.
+class SimtMemory {
+ public:
+  void Input(const void* p, size_t bytes, std::string name) {
+    regions_.push_back({static_cast<const uint8_t*>(p), bytes, std::move(name), false, {}});
+  }
+  void Output(void* p, size_t bytes, std::string name) {
+    regions_.push_back(
+        {static_cast<const uint8_t*>(p), bytes, std::move(name), true, std::vector<int>(bytes)});
+  }
+  // How many times each byte of output `name` was written.
+  const std::vector<int>& Writes(const std::string& name) const {
+    for (const Region& r : regions_)
+      if (r.name == name) return r.writes;
+    throw std::runtime_error("no output " + name);
+  }
+  void CheckRead(const void* p, size_t bytes, int tid) const { Find(p, bytes, tid, "read"); }
+  void CheckWrite(const void* p, size_t bytes, int tid) {
+    Region& r = Find(p, bytes, tid, "write");
+    if (!r.output) throw std::runtime_error(At("write to input " + r.name, p, tid));
+    const size_t off = static_cast<const uint8_t*>(p) - r.base;
+    for (size_t i = 0; i < bytes; ++i) ++r.writes[off + i];
+  }
+
+ private:
+  struct Region {
+    const uint8_t* base;
+    size_t bytes;
+    std::string name;
+    bool output;
+    std::vector<int> writes;
+  };
+  static std::string At(const std::string& what, const void* p, int tid) {
+    return what + " at " + std::to_string(reinterpret_cast<uintptr_t>(p)) + " by thread " +
+           std::to_string(tid);
+  }
+  Region& Find(const void* p, size_t bytes, int tid, const char* what) const {
+    const uint8_t* a = static_cast<const uint8_t*>(p);
+    if (reinterpret_cast<uintptr_t>(p) % bytes != 0 && bytes <= 16)
+      throw std::runtime_error(At(std::string("misaligned global ") + what, p, tid));
+    for (const Region& r : regions_)
+      if (a >= r.base && a + bytes <= r.base + r.bytes) return const_cast<Region&>(r);
+    throw std::runtime_error(At(std::string("global ") + what + " outside every buffer", p, tid));
+  }
+  std::vector<Region> regions_;
+};
+
+class SimtBlock;
+
+// What a kernel body calls, on the CPU (the GPU's twin is GpuThread in kernels/cuda/simt.cuh):
+// the thread's place, barriers, shared memory, cp.async, warp-wide instructions, global memory.
+class SimtThread {
+ public:
+  int tid() const { return tid_; }
+  int lane() const { return tid_ & 31; }
+  int warp() const { return tid_ >> 5; }
+  inline void Sync();
+  template <typename T>
+  inline T Ld(uint32_t off);
+  template <typename T>
+  inline void St(uint32_t off, T v);
+  // 16 bytes from global `src` to shared `off`, landing at CpWait; !valid fills zeros and reads
+  // nothing.
+  inline void CpAsync16(uint32_t off, const void* src, bool valid);
+  inline void CpCommit();
+  // Waits until at most `pending` of this thread's committed groups are still in flight.
+  inline void CpWait(int pending);
+  inline float ShflXor(float v, int mask);
+  // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: d = a b + c, from every lane's registers.
+  inline void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]);
+  template <typename T>
+  T Gld(const T* p) const {
+    memory_->CheckRead(p, sizeof(T), tid_);
+    T v;
+    std::memcpy(&v, p, sizeof(T));
+    return v;
+  }
+  template <typename T>
+  void Gst(T* p, T v) {
+    memory_->CheckWrite(p, sizeof(T), tid_);
+    std::memcpy(p, &v, sizeof(T));
+  }
+
+ private:
+  friend class SimtBlock;
+  SimtBlock* block_ = nullptr;
+  SimtMemory* memory_ = nullptr;
+  int tid_ = 0;
+};
+
+// One block: `threads` fibers over `smem_bytes` of shared memory. Run(body) runs body(thread) on
+// every thread to its end and throws on the first fault.
+class SimtBlock {
+ public:
+  SimtBlock(SimtMemory& memory, int threads, size_t smem_bytes)
+      : memory_(memory), n_(threads), smem_(smem_bytes), meta_(smem_bytes), fibers_(threads) {
+    if (threads % 32 != 0) throw std::runtime_error("threads must be whole warps");
+    for (int t = 0; t < n_; ++t) {
+      fibers_[t].thread.block_ = this;
+      fibers_[t].thread.memory_ = &memory_;
+      fibers_[t].thread.tid_ = t;
+    }
+  }
+
+  template <typename Body>
+  void Run(Body body) {
+    body_ = [&](SimtThread& t) { body(t); };
+    for (Fiber& f : fibers_) {
+      f.stack.assign(kStackBytes, 0);
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = f.stack.data();
+      f.ctx.uc_stack.ss_size = f.stack.size();
+      f.ctx.uc_link = &main_;
+      makecontext(&f.ctx, reinterpret_cast<void (*)()>(&SimtBlock::Entry), 0);
+      f.state = kRunnable;
+    }
+    try {
+      while (true) {
+        bool ran = false;
+        for (int t = 0; t < n_; ++t) {
+          if (fibers_[t].state != kRunnable) continue;
+          ran = true;
+          SwitchTo(t);
+          if (!error_.empty()) throw std::runtime_error(error_);
+        }
+        if (ran) continue;
+        if (ReleaseWarps()) continue;
+        int done = 0, barrier = 0;
+        for (const Fiber& f : fibers_) done += f.state == kDone, barrier += f.state == kBarrier;
+        if (done == n_) break;
+        if (barrier + done == n_ && done == 0) {
+          ++phase_;
+          for (Fiber& f : fibers_) f.state = kRunnable;
+          continue;
+        }
+        throw std::runtime_error(Stuck(done, barrier));
+      }
+    } catch (...) {
+      // Every fiber still inside the body unwinds (its objects destroyed) before the error
+      // leaves: resumed with the error set, it throws from where it waits.
+      if (error_.empty()) error_ = "aborted";
+      for (int t = 0; t < n_; ++t)
+        if (fibers_[t].state != kDone) SwitchTo(t);
+      throw;
+    }
+  }
+  int barriers() const { return phase_; }
+
+ private:
+  friend class SimtThread;
+  static constexpr size_t kStackBytes = 256 << 10;
+  enum State { kRunnable, kBarrier, kWarpOp, kDone };
+  enum Op { kNone, kMma, kShfl };
+  struct Fiber {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    State state = kRunnable;
+    SimtThread thread;
+    // A warp-wide instruction's operands while the lane waits in it.
+    Op op = kNone;
+    float* c = nullptr;
+    const uint32_t* a = nullptr;
+    const uint32_t* b = nullptr;
+    float shfl_in = 0, shfl_out = 0;
+    int shfl_mask = 0;
+    // cp.async: copies issued and not yet landed, by group (the last is still open).
+    struct Copy {
+      uint32_t off;
+      uint8_t bytes[16];
+    };
+    std::vector<std::vector<Copy>> groups{1};
+  };
+  // Per shared-memory byte: who wrote and read it in which phase, whether a copy is in flight.
+  struct Meta {
+    int writer = -1, wphase = -1, reader = -1, rphase = -1;
+    bool written = false, in_flight = false;
+  };
+
+  static void Entry() {
+    SimtBlock* b = current_;
+#ifdef ATTND_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &b->main_bottom_, &b->main_size_);
+#endif
+    Fiber& f = b->fibers_[b->running_];
+    try {
+      b->body_(f.thread);
+    } catch (const std::exception& e) {
+      if (b->error_.empty()) b->error_ = e.what();
+    }
+    f.state = kDone;
+    // An exiting lane leaves its warp's waiting lanes stuck: Run reports it.
+#ifdef ATTND_SIMT_ASAN
+    __sanitizer_start_switch_fiber(nullptr, b->main_bottom_, b->main_size_);
+#endif
+  }
+  void SwitchTo(int t) {
+    running_ = t;
+    current_ = this;
+#ifdef ATTND_SIMT_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, fibers_[t].stack.data(), fibers_[t].stack.size());
+#endif
+    swapcontext(&main_, &fibers_[t].ctx);
+#ifdef ATTND_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  }
+  // Back to the scheduler from the running fiber (it waits in state `s`).
+  void Yield(State s) {
+    Fiber& f = fibers_[running_];
+    f.state = s;
+#ifdef ATTND_SIMT_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, main_bottom_, main_size_);
+#endif
+    swapcontext(&f.ctx, &main_);
+#ifdef ATTND_SIMT_ASAN
+    __sanitizer_finish_switch_fiber(fake, &main_bottom_, &main_size_);
+#endif
+    if (!error_.empty()) throw std::runtime_error("aborted");  // unwind the fiber
+  }
+  // Completes every warp whose 32 lanes all wait in the same warp-wide instruction.
+  bool ReleaseWarps() {
+    bool any = false;
+    for (int w = 0; w < n_ / 32; ++w) {
+      Fiber* lanes = &fibers_[w * 32];
+      int waiting = 0, done = 0;
+      for (int l = 0; l < 32; ++l)
+        waiting += lanes[l].state == kWarpOp, done += lanes[l].state == kDone;
+      if (waiting == 0) continue;
+      if (waiting + done == 32 && done > 0)
+        throw std::runtime_error("warp " + std::to_string(w) +
+                                 ": lanes exited while the others wait in a warp-wide instruction");
+      if (waiting != 32) continue;
+      const Op op = lanes[0].op;
+      for (int l = 1; l < 32; ++l)
+        if (lanes[l].op != op || (op == kShfl && lanes[l].shfl_mask != lanes[0].shfl_mask))
+          throw std::runtime_error("warp " + std::to_string(w) +
+                                   ": lanes reached different warp-wide instructions");
+      if (op == kShfl) {
+        for (int l = 0; l < 32; ++l) lanes[l].shfl_out = lanes[l ^ lanes[0].shfl_mask].shfl_in;
+      } else {
+        float a[32][8], b[32][4], c[32][4];
+        for (int l = 0; l < 32; ++l) {
+          for (int r = 0; r < 4; ++r) {
+            a[l][2 * r] = BF16ToF32(static_cast<uint16_t>(lanes[l].a[r] & 0xffff));
+            a[l][2 * r + 1] = BF16ToF32(static_cast<uint16_t>(lanes[l].a[r] >> 16));
+          }
+          for (int r = 0; r < 2; ++r) {
+            b[l][2 * r] = BF16ToF32(static_cast<uint16_t>(lanes[l].b[r] & 0xffff));
+            b[l][2 * r + 1] = BF16ToF32(static_cast<uint16_t>(lanes[l].b[r] >> 16));
+          }
+          std::memcpy(c[l], lanes[l].c, sizeof(c[l]));
+        }
+        MmaSync(a, b, c);
+        for (int l = 0; l < 32; ++l) std::memcpy(lanes[l].c, c[l], sizeof(c[l]));
+      }
+      for (int l = 0; l < 32; ++l) lanes[l].state = kRunnable, lanes[l].op = kNone;
+      any = true;
+    }
+    return any;
+  }
+  std::string Stuck(int done, int barrier) const {
+    return "block stuck: " + std::to_string(barrier) + " threads at a barrier, " +
+           std::to_string(done) + " exited (a barrier some threads never reach)";
+  }
+  [[noreturn]] void Fail(const std::string& what, uint32_t off, int tid) const {
+    throw std::runtime_error("shared memory: " + what + " at byte " + std::to_string(off) +
+                             " by thread " + std::to_string(tid));
+  }
+  void CheckRange(uint32_t off, size_t bytes, int tid) const {
+    if (off + bytes > smem_.size()) Fail("out of bounds", off, tid);
+    if (off % bytes != 0) Fail("misaligned " + std::to_string(bytes) + "-byte access", off, tid);
+  }
+  void Read(uint32_t off, void* out, size_t bytes, int tid) {
+    CheckRange(off, bytes, tid);
+    for (size_t i = 0; i < bytes; ++i) {
+      Meta& m = meta_[off + i];
+      if (m.in_flight) Fail("read of a cp.async copy not waited for", off + i, tid);
+      if (!m.written) Fail("read of a never-written byte", off + i, tid);
+      if (m.wphase == phase_ && m.writer != tid)
+        Fail("read of a byte thread " + std::to_string(m.writer) + " wrote in this phase", off + i,
+             tid);
+      m.reader = (m.rphase == phase_ && m.reader != tid) ? -2 : tid;
+      m.rphase = phase_;
+    }
+    std::memcpy(out, smem_.data() + off, bytes);
+  }
+  void Write(uint32_t off, const void* in, size_t bytes, int tid, bool landing = false) {
+    CheckRange(off, bytes, tid);
+    for (size_t i = 0; i < bytes; ++i) {
+      Meta& m = meta_[off + i];
+      if (m.in_flight && !landing) Fail("write over a cp.async copy in flight", off + i, tid);
+      if (m.wphase == phase_ && m.writer != tid) Fail("write-write race", off + i, tid);
+      if (m.rphase == phase_ && m.reader != tid)
+        Fail("write of a byte another thread read", off + i, tid);
+      m.writer = tid;
+      m.wphase = phase_;
+      m.written = true;
+      m.in_flight = false;
+    }
+    std::memcpy(smem_.data() + off, in, bytes);
+  }
+
+  static inline thread_local SimtBlock* current_ = nullptr;
+  SimtMemory& memory_;
+  int n_;
+  std::vector<uint8_t> smem_;
+  std::vector<Meta> meta_;
+  std::vector<Fiber> fibers_;
+  std::function<void(SimtThread&)> body_;
+  ucontext_t main_;
+  int running_ = 0;
+  int phase_ = 0;
+  std::string error_;
+  const void* main_bottom_ = nullptr;
+  size_t main_size_ = 0;
+};
+
+inline void SimtThread::Sync() { block_->Yield(SimtBlock::kBarrier); }
+
+template <typename T>
+T SimtThread::Ld(uint32_t off) {
+  T v;
+  block_->Read(off, &v, sizeof(T), tid_);
+  return v;
+}
+
+template <typename T>
+void SimtThread::St(uint32_t off, T v) {
+  block_->Write(off, &v, sizeof(T), tid_);
+}
+
+void SimtThread::CpAsync16(uint32_t off, const void* src, bool valid) {
+  block_->CheckRange(off, 16, tid_);
+  SimtBlock::Fiber::Copy c{off, {}};
+  if (valid) {
+    memory_->CheckRead(src, 16, tid_);
+    std::memcpy(c.bytes, src, 16);
+  }
+  for (int i = 0; i < 16; ++i) {
+    SimtBlock::Meta& m = block_->meta_[off + i];
+    if (m.in_flight) block_->Fail("cp.async over a copy in flight", off + i, tid_);
+    m.in_flight = true;
+  }
+  block_->fibers_[tid_].groups.back().push_back(c);
+}
+
+void SimtThread::CpCommit() { block_->fibers_[tid_].groups.emplace_back(); }
+
+void SimtThread::CpWait(int pending) {
+  auto& groups = block_->fibers_[tid_].groups;  // the last one is open (uncommitted)
+  while (static_cast<int>(groups.size()) - 1 > pending) {
+    for (const auto& c : groups.front()) block_->Write(c.off, c.bytes, 16, tid_, true);
+    groups.erase(groups.begin());
+  }
+}
+
+float SimtThread::ShflXor(float v, int mask) {
+  auto& f = block_->fibers_[tid_];
+  f.op = SimtBlock::kShfl;
+  f.shfl_in = v;
+  f.shfl_mask = mask;
+  block_->Yield(SimtBlock::kWarpOp);
+  return f.shfl_out;
+}
+
+void SimtThread::Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  auto& f = block_->fibers_[tid_];
+  f.op = SimtBlock::kMma;
+  f.a = a;
+  f.b = b;
+  f.c = c;
+  block_->Yield(SimtBlock::kWarpOp);
+}
+
+}  // namespace attnd::cuda::sim
