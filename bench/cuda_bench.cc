@@ -415,17 +415,24 @@ int main(int argc, char** argv) {
       return std::string(buf);
     };
     std::vector<float> simt_out;
-    for (bool tc : {false, true}) {
-      mp.tensor_cores = tc;
+    // SIMT; the pipelined tensor-core kernel (64 heads a block, cp.async ring); the
+    // tile-per-block tensor-core kernel it replaces (64 heads a block).
+    for (int variant : {0, 1, 2}) {
+      mp.tensor_cores = variant > 0;
+      mp.pipeline = variant == 1;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
       CHECK(cudaDeviceSynchronize());
       const std::vector<float> got = Download(out, size_t{B} * H * L);
-      if (!tc) simt_out = got;
-      Report(tc ? "sparse MLA decode (mma, split-K x" + std::to_string(splits) + ")"
-                : "sparse MLA decode",
+      if (variant == 0) simt_out = got;
+      const std::string kind = variant == 0                       ? ""
+                               : attnd::cuda::MlaUsesPipeline(mp) ? "pipe"
+                                                                  : "mma";
+      Report(variant ? "sparse MLA decode (" + kind + ", split-K x" + std::to_string(splits) + ")"
+                     : "sparse MLA decode",
              shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9,
-             tflops(ms) + (tc ? "; " + RelL2Text(got, simt_out, "SIMT") : ""));
+             tflops(ms) + (variant ? "; " + RelL2Text(got, simt_out, "SIMT") : ""));
     }
+    mp.pipeline = true;
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
       h16.tensor_cores = true;

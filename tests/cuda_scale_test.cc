@@ -110,6 +110,24 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
 
 INSTANTIATE_TEST_SUITE_P(Heads, DeepSeekDimsTest, ::testing::Values(16, 128));
 
+// One small step through every tensor-core kernel at DeepSeek-V3.2 dims (128 heads: the
+// pipelined MLA, the streaming indexer, the block top-k), bf16 and fp8 caches, against float64:
+// small enough for compute-sanitizer's racecheck and synccheck (scripts/gpu-check.sh).
+TEST(CudaScale, OneSmallStepThroughEveryTensorCoreKernel) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ModelSpec spec = DeepSeekDims(128);
+  spec.index_topk = 64;  // 300 keys: a real selection
+  cuda::ScopedKernelChoice tensor_core_kernels(true, true);
+  for (DType cache : {DType::kBF16, DType::kFP8E4M3}) {
+    Harness h(Options(spec, cache, {"cuda:0"}, 64));
+    h.Open("a");
+    const std::vector<StepEntry> import = {{"a", 300}};
+    ASSERT_TRUE(h.Run(import, h.MakeInputs(import, DType::kBF16, 41), StepOptions::WriteOnly())
+                    .status.ok());
+    h.RunAndCheck({{"a", 1}}, DType::kBF16, 42, 1e-2);
+  }
+}
+
 // An fp8 cache on tensor cores (rows decoded to bf16 as they load) at DeepSeek-V3.2 dims, 128
 // heads: bf16 requests on the tensor-core and SIMT kernels against float64 on the dequantised
 // keys, and their top-k sets under the tie rule; the two kernels' bits differ (two paths ran).

@@ -222,6 +222,9 @@ struct MlaParams {
   int first_query = 0;  // LaunchMla's: the wave's first query
   float* part_out = nullptr;
   float* part_ml = nullptr;
+  // Tensor-core kernel only: take the pipelined kernel where it can (MlaUsesPipeline); false
+  // keeps the tile-per-block one (the benchmark compares them).
+  bool pipeline = true;
   // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
   // reads them 4x less at 128 heads); 0 = 64 when heads % 64 == 0 and the GPU has the shared
   // memory (H100/H200: 172 KB at D = 576), else 16.
@@ -230,7 +233,10 @@ struct MlaParams {
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
 // The heads per block the tensor-core MLA takes for `p` on the current GPU (16 or 64).
 int MlaHeadsPerBlock(const MlaParams& p);
-// Whether LaunchMla would take the tensor-core kernel for `p`.
+// Whether LaunchMla would take a tensor-core kernel for `p`, and whether the pipelined one
+// (kernels/cuda/mla_pipe.h: 64 heads a block, key rows through a cp.async ring; heads % 64 == 0,
+// unless heads_per_block is 16, and its shared memory fits the GPU).
 bool MlaUsesTensorCores(const MlaParams& p);
+bool MlaUsesPipeline(const MlaParams& p);
 
 }  // namespace attnd::cuda

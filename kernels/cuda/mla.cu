@@ -7,8 +7,10 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/fp8_chunks.h"
+#include "kernels/cuda/mla_pipe.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mma_fragments.h"
+#include "kernels/cuda/simt.cuh"
 
 namespace attnd::cuda {
 namespace {
@@ -368,7 +370,37 @@ __global__ void MlaCombineKernel(MlaParams p) {
   }
 }
 
+// ---- the pipelined tensor-core MLA (kernels/cuda/mla_pipe.h, the body the CPU simulation
+// runs): grid (queries of the wave, heads / 64, splits), 8 warps.
+template <bool kFp8>
+__global__ void __launch_bounds__(kPipeThreads) MlaPipeKernel(MlaPipeParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  GpuThread g{smem_raw};
+  MlaPipeBlock<kFp8>(g, p, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// The stages the pipelined kernel can have on this GPU (3, 2), or 0 when it does not fit.
+int PipeStages(const MlaParams& p) {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
+  for (int stages : {3, 2})
+    if (MlaPipeSmem::Of(p.latent, p.rope, fp8, stages).bytes <= static_cast<uint32_t>(optin))
+      return stages;
+  return 0;
+}
+
 }  // namespace
+
+bool MlaUsesPipeline(const MlaParams& p) {
+  return MlaUsesTensorCores(p) && p.pipeline && p.heads_per_block != 16 &&
+         MlaPipeTakes(p.heads, p.latent, p.rope, p.kv.dtype) && PipeStages(p) > 0;
+}
 
 cudaError_t ProbeKernels() {
   cudaFuncAttributes a;
@@ -404,8 +436,61 @@ int MlaHeadsPerBlock(const MlaParams& p) {
   return MlaMmaSmem(64, p.latent + p.rope) <= static_cast<size_t>(optin) ? 64 : 16;
 }
 
+// The pipelined kernel over the waves of a step (same splits, partials and merge as the
+// tile-per-block kernel).
+cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
+  MlaPipeParams pp;
+  pp.q_latent = p.q_latent;
+  pp.q_rope = p.q_rope;
+  pp.heads = p.heads;
+  pp.latent = p.latent;
+  pp.rope = p.rope;
+  pp.sm_scale = p.sm_scale;
+  pp.soft_cap = p.soft_cap;
+  pp.kv = p.kv;
+  pp.table = p.tables.table;
+  pp.seq = p.tables.seq;
+  pp.pos = p.tables.pos;
+  pp.sel = p.sel;
+  pp.sel_count = p.sel_count;
+  pp.needs_index = p.needs_index;
+  pp.sel_stride = p.sel_stride;
+  pp.window = p.window;
+  pp.out = p.out;
+  pp.lse = p.lse;
+  pp.part_out = p.part_out;
+  pp.part_ml = p.part_ml;
+  pp.part_queries = p.part_queries;
+  pp.stages = PipeStages(p);
+  const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
+  const size_t smem = MlaPipeSmem::Of(p.latent, p.rope, fp8, pp.stages).bytes;
+  auto kernel = fp8 ? MlaPipeKernel<true> : MlaPipeKernel<false>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const int splits = MlaQuerySplits(p.max_keys);
+  const int wave = splits > 1 ? p.part_queries : p.n;
+  for (int first = 0; first < p.n; first += wave) {
+    pp.first_query = first;
+    MlaParams c = p;
+    c.first_query = first;
+    const int count = std::min(wave, p.n - first);
+    kernel<<<dim3(count, p.heads / kPipeHeads, splits), kPipeThreads, smem, s>>>(pp);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    if (splits == 1) continue;
+    MlaCombineKernel<<<dim3(count, p.heads), 128, 0, s>>>(c);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s) {
   if (p.n <= 0) return cudaSuccess;
+  if (MlaUsesTensorCores(p) && p.max_keys >= 1 &&
+      (MlaQuerySplits(p.max_keys) == 1 ||
+       (p.part_out != nullptr && p.part_ml != nullptr && p.part_queries >= 1)) &&
+      MlaUsesPipeline(p))
+    return LaunchMlaPipe(p, s);
   if (MlaUsesTensorCores(p)) {
     const int hb = MlaHeadsPerBlock(p);
     const size_t smem = MlaMmaSmem(hb, p.latent + p.rope);

@@ -1,0 +1,324 @@
+// Sparse (and range) MLA on tensor cores with the key rows pipelined: a block body over the
+// thread interface (GpuThread on the GPU in kernels/cuda/mla.cu; SimtThread in the CPU
+// simulation, tests/mla_pipe_sim_test.cc), the same code.
+//
+// A block takes one query's 64 heads (the query in shared memory as bf16) and one split of its
+// keys (mla_split.h: the split from the query's own key count, so its bits do not depend on the
+// batch). Key rows, gathered by their slots, stream in tiles of 32 through a ring of stages by
+// cp.async, up to stages - 1 tiles ahead of the tile being attended, so the gather of later
+// tiles overlaps this one's math (the tile-per-block kernel loaded each tile through registers
+// and waited). fp8 rows are copied as stored and decoded to bf16 in the block (exact). Per tile:
+// S = Q K^T (each warp 16 heads x 16 keys), an online softmax by 4 threads per head (shuffles),
+// P rounded to bf16, O += P V (each warp L / 8 output columns of all 64 heads).
+//
+// Shared memory (bytes): Q [64][D + 8] bf16 | stages | (fp8: one decoded tile) | S [64][32] f32 |
+// P [64][40] bf16 | m, l [2][64] f32 (a tile reads one copy, writes the other) | corr [64] f32.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "common/host_device.h"
+#include "kernels/cuda/fp8_chunks.h"
+#include "kernels/cuda/mla_split.h"
+#include "kernels/cuda/mma_fragments.h"
+#include "kv_store/page_table.h"
+
+namespace attnd::cuda {
+
+inline constexpr int kPipeThreads = 256, kPipeHeads = 64, kPipeKeys = 32;
+
+struct MlaPipeParams {
+  const float* q_latent = nullptr;  // [n, H, L] fp32 (rounded to bf16)
+  const float* q_rope = nullptr;    // [n, H, R]
+  int heads = 0, latent = 0, rope = 0;
+  float sm_scale = 1, soft_cap = 0;
+  CacheRows kv;  // bf16 rows, or fp8 [L e4m3 | scales | R bf16]
+  PageTable table;
+  const int32_t* seq = nullptr;  // [n]
+  const int64_t* pos = nullptr;  // [n]
+  // Selection: [n, sel_stride] slot ids and counts; null: each query attends its range.
+  const int32_t* sel = nullptr;
+  const int32_t* sel_count = nullptr;
+  const uint8_t* needs_index = nullptr;  // [n] 0: the range instead of sel
+  int64_t sel_stride = 0;
+  int window = 0;        // range mode: keys in (pos - window, pos]; 0 = all
+  float* out = nullptr;  // [n, H, L] (a query of one split)
+  float* lse = nullptr;  // optional [n, H]
+  // Split-K partials (queries of several splits): [splits, part_queries, H, L] and [.., 2].
+  float* part_out = nullptr;
+  float* part_ml = nullptr;
+  int part_queries = 0;
+  int first_query = 0;  // the wave's first query (block x is a query of the wave)
+  int stages = 3;       // 2 or 3 (what fits the GPU's shared memory)
+};
+
+// The shapes the kernel takes: L a multiple of 64 up to 512, (L + R) % 16 == 0, heads a multiple
+// of 64, bf16 rows or fp8 rows that load in 16-byte chunks.
+ATTND_HD inline bool MlaPipeTakes(int heads, int latent, int rope, DType kv) {
+  const bool rows =
+      kv == DType::kBF16 || (kv == DType::kFP8E4M3 && Fp8LatentRowsTakeChunks(latent, rope));
+  return rows && heads % kPipeHeads == 0 && heads > 0 && latent % 64 == 0 && latent <= 512 &&
+         (latent + rope) % 16 == 0;
+}
+
+// Shared-memory layout for rows of D = L + R values.
+struct MlaPipeSmem {
+  uint32_t q, stage_bytes, stages, decoded, s, p, m, l, corr, bytes;
+  ATTND_HD static MlaPipeSmem Of(int latent, int rope, bool fp8, int stages) {
+    MlaPipeSmem o;
+    const uint32_t D = static_cast<uint32_t>(latent + rope), row = (D + 8) * 2;
+    o.q = 0;
+    o.stages = kPipeHeads * row;
+    o.stage_bytes =
+        kPipeKeys * (fp8 ? static_cast<uint32_t>(fp8::LatentTokenBytes(latent, rope)) : row);
+    o.decoded = o.stages + static_cast<uint32_t>(stages) * o.stage_bytes;
+    o.s = o.decoded + (fp8 ? kPipeKeys * row : 0);
+    o.p = o.s + kPipeHeads * kPipeKeys * 4;
+    o.m = o.p + kPipeHeads * (kPipeKeys + 8) * 2;
+    o.l = o.m + 2 * kPipeHeads * 4;
+    o.corr = o.l + 2 * kPipeHeads * 4;
+    o.bytes = o.corr + kPipeHeads * 4;
+    return o;
+  }
+};
+
+// The keys query q attends: its selected slots, or its range [begin, begin + total) by the page
+// table.
+struct PipeKeys {
+  const int32_t* sel;  // null: range
+  int64_t begin, total;
+};
+template <typename G>
+ATTND_HD PipeKeys PipeKeysOf(G& g, const MlaPipeParams& p, int q) {
+  const int64_t pos = g.Gld(p.pos + q);
+  if (p.sel == nullptr || (p.needs_index && !g.Gld(p.needs_index + q))) {
+    const int64_t begin = p.window > 0 && pos + 1 - p.window > 0 ? pos + 1 - p.window : 0;
+    return {nullptr, begin, pos + 1 - begin};
+  }
+  return {p.sel + q * p.sel_stride, 0, g.Gld(p.sel_count + q)};
+}
+template <typename G>
+ATTND_HD int64_t PipeSlot(G& g, const MlaPipeParams& p, int q, const PipeKeys& k, int64_t i) {
+  if (k.sel) return g.Gld(k.sel + i);
+  const int64_t pos = k.begin + i;
+  const int32_t s = g.Gld(p.seq + q);
+  const int32_t page = g.Gld(p.table.pages + g.Gld(p.table.indptr + s) + pos / p.table.page_size);
+  return static_cast<int64_t>(page) * p.table.page_size + pos % p.table.page_size;
+}
+
+// One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
+template <bool kFp8, typename G>
+ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) {
+  const int L = p.latent, R = p.rope, D = L + R, H = p.heads;
+  const int q = p.first_query + qx, h0 = hy * kPipeHeads;
+  const int tid = g.tid(), warp = g.warp(), lane = g.lane();
+  const PipeKeys keys = PipeKeysOf(g, p, q);
+  const int splits = MlaQuerySplits(keys.total);
+  if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
+  const int64_t tiles64 = (keys.total + kMlaTileKeys - 1) / kMlaTileKeys;
+  const int64_t per = MlaTilesPerSplit(keys.total);
+  const int64_t first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
+  const int64_t last =
+      (z + 1) * per * kMlaTileKeys < keys.total ? (z + 1) * per * kMlaTileKeys : keys.total;
+  const int tiles = static_cast<int>((last - first + kPipeKeys - 1) / kPipeKeys);
+  const MlaPipeSmem sm = MlaPipeSmem::Of(L, R, kFp8, p.stages);
+  const uint32_t row = static_cast<uint32_t>(D + 8) * 2, prow = (kPipeKeys + 8) * 2;
+  const int S = p.stages;
+
+  // The query's heads as bf16, m = -inf and l = 0 (copy 0).
+  for (int i = tid; i < kPipeHeads * D; i += kPipeThreads) {
+    const int h = i / D, d = i % D;
+    const int64_t head = static_cast<int64_t>(q) * H + h0 + h;
+    const float v = d < L ? g.Gld(p.q_latent + head * L + d) : g.Gld(p.q_rope + head * R + d - L);
+    g.St(sm.q + h * row + d * 2, F32ToBF16(v));
+  }
+  if (tid < kPipeHeads) {
+    g.St(sm.m + tid * 4, -INFINITY);
+    g.St(sm.l + tid * 4, 0.0f);
+  }
+
+  // Tile t's rows into stage t % S, 16 bytes a copy (fp8 rows as stored); rows past the
+  // split's end are zero-filled.
+  const int chunks = kFp8 ? fp8::LatentTokenBytes(L, R) / 16 : D / 8;
+  const uint32_t srow = kFp8 ? static_cast<uint32_t>(fp8::LatentTokenBytes(L, R)) : row;
+  auto issue = [&](int t) {
+    const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
+    const int64_t tile_first = first + static_cast<int64_t>(t) * kPipeKeys;
+    for (int i = tid; i < kPipeKeys * chunks; i += kPipeThreads) {
+      const int j = i / chunks, c = i % chunks;
+      const bool valid = tile_first + j < last;
+      const uint8_t* src = p.kv.base;
+      if (valid) src = p.kv.Row(PipeSlot(g, p, q, keys, tile_first + j)) + c * 16;
+      g.CpAsync16(stage + j * srow + c * 16, src, valid);
+    }
+  };
+  for (int t = 0; t < S - 1; ++t) {
+    if (t < tiles) issue(t);
+    g.CpCommit();
+  }
+
+  // Output accumulators: this warp's L / 8 columns (n-tiles of 8) of the 4 m-tiles of heads.
+  const int cols = L / 8, ntiles = cols / 8;
+  float acc[4][8][4];
+  for (int mt = 0; mt < 4; ++mt)
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  int cur = 0;  // the copy of m and l this tile reads
+
+  for (int t = 0; t < tiles; ++t) {
+    g.CpWait(S - 2);  // this thread's copies of tile t landed...
+    g.Sync();         // ...everyone's; tile t - 1's stage, S, P and corr are free
+    if (t + S - 1 < tiles) issue(t + S - 1);
+    g.CpCommit();
+    const int64_t tile_first = first + static_cast<int64_t>(t) * kPipeKeys;
+    const int nk = static_cast<int>(last - tile_first < kPipeKeys ? last - tile_first : kPipeKeys);
+    uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
+    if (kFp8) {  // rows -> bf16 (codes x their tile's scale; rope copied)
+      for (int i = tid; i < kPipeKeys * (D / 8); i += kPipeThreads) {
+        const int j = i / (D / 8), c = i % (D / 8);
+        const uint32_t src = k + j * srow;
+        const Fp8LatentChunk at = LatentChunkAt(L, c);
+        uint32_t w[4];
+        if (at.rope) {
+          for (int e = 0; e < 4; ++e) w[e] = g.template Ld<uint32_t>(src + at.rope_bytes + 4 * e);
+        } else {
+          const uint64_t codes = g.template Ld<uint64_t>(src + at.codes);
+          DecodeE4M3x8(codes, g.template Ld<float>(src + at.scale), w);
+        }
+        for (int e = 0; e < 4; ++e) g.St(sm.decoded + j * row + c * 16 + 4 * e, w[e]);
+      }
+      g.Sync();
+      k = sm.decoded;
+    }
+    // 1. S = scale (Q K^T), masked past the split's end: warp w, heads [16 (w % 4), +16), keys
+    // [16 (w / 4), +16) (two n-tiles of 8).
+    {
+      const int mt = warp % 4, kb = (warp / 4) * 16;
+      float c[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a[4];
+        for (int r = 0; r < 4; ++r)
+          a[r] = g.template Ld<uint32_t>(sm.q + (mt * 16 + mma::RowA(lane, r)) * row +
+                                         (k0 + mma::ColA(lane, r, 0)) * 2);
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t krow = k + (kb + nt * 8 + mma::ColB(lane)) * row;
+          const uint32_t b[2] = {g.template Ld<uint32_t>(krow + (k0 + mma::RowB(lane, 0, 0)) * 2),
+                                 g.template Ld<uint32_t>(krow + (k0 + mma::RowB(lane, 1, 0)) * 2)};
+          g.Mma(c[nt], a, b);
+        }
+      }
+      for (int nt = 0; nt < 2; ++nt)
+        for (int i = 0; i < 4; ++i) {
+          const int h = mt * 16 + mma::RowC(lane, i), j = kb + nt * 8 + mma::ColC(lane, i);
+          float x = c[nt][i] * p.sm_scale;
+          if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
+          g.St(sm.s + (h * kPipeKeys + j) * 4, j < nk ? x : -INFINITY);
+        }
+    }
+    g.Sync();
+    // 2. Online softmax: head tid / 4, keys [8 (tid % 4), +8); the 4 threads of a head are
+    // neighbouring lanes and combine by shuffles. P as bf16; the denominator sums what P holds.
+    {
+      const int h = tid / 4, j0 = (tid % 4) * 8;
+      float s[8], mx = -INFINITY;
+      for (int j = 0; j < 8; ++j) {
+        s[j] = g.template Ld<float>(sm.s + (h * kPipeKeys + j0 + j) * 4);
+        mx = s[j] > mx ? s[j] : mx;
+      }
+      for (int off = 1; off < 4; off <<= 1) {
+        const float o = g.ShflXor(mx, off);
+        mx = o > mx ? o : mx;
+      }
+      const float m_old = g.template Ld<float>(sm.m + (cur * kPipeHeads + h) * 4);
+      const float l_old = g.template Ld<float>(sm.l + (cur * kPipeHeads + h) * 4);
+      if (m_old > mx) mx = m_old;
+      const float corr = m_old == -INFINITY ? 0.0f : expf(m_old - mx);
+      const bool none = mx == -INFINITY;  // nothing visible yet: probabilities stay 0
+      float sum = 0;
+      for (int j = 0; j < 8; j += 2) {
+        const uint16_t e0 = F32ToBF16(none ? 0.0f : expf(s[j] - mx));
+        const uint16_t e1 = F32ToBF16(none ? 0.0f : expf(s[j + 1] - mx));
+        sum += BF16ToF32(e0) + BF16ToF32(e1);
+        g.St(sm.p + h * prow + (j0 + j) * 2,
+             static_cast<uint32_t>(e0) | (static_cast<uint32_t>(e1) << 16));
+      }
+      for (int off = 1; off < 4; off <<= 1) sum += g.ShflXor(sum, off);
+      if (tid % 4 == 0) {
+        g.St(sm.m + ((cur ^ 1) * kPipeHeads + h) * 4, mx);
+        g.St(sm.l + ((cur ^ 1) * kPipeHeads + h) * 4, l_old * corr + sum);
+        g.St(sm.corr + h * 4, corr);
+      }
+    }
+    g.Sync();
+    cur ^= 1;
+    // 3. O = corr O + P V: warp w's columns [w cols, (w + 1) cols), every m-tile of heads.
+    for (int mt = 0; mt < 4; ++mt) {
+      const float c_lo = g.template Ld<float>(sm.corr + (mt * 16 + mma::RowC(lane, 0)) * 4);
+      const float c_hi = g.template Ld<float>(sm.corr + (mt * 16 + mma::RowC(lane, 2)) * 4);
+      for (int nt = 0; nt < ntiles; ++nt) {
+        acc[mt][nt][0] *= c_lo;
+        acc[mt][nt][1] *= c_lo;
+        acc[mt][nt][2] *= c_hi;
+        acc[mt][nt][3] *= c_hi;
+      }
+    }
+    for (int k0 = 0; k0 < kPipeKeys; k0 += 16) {
+      uint32_t a[4][4];
+      for (int mt = 0; mt < 4; ++mt)
+        for (int r = 0; r < 4; ++r)
+          a[mt][r] = g.template Ld<uint32_t>(sm.p + (mt * 16 + mma::RowA(lane, r)) * prow +
+                                             (k0 + mma::ColA(lane, r, 0)) * 2);
+      for (int nt = 0; nt < ntiles; ++nt) {
+        // B[key][col] = V: two keys' values of one column per register.
+        const uint32_t v = k + (warp * cols + nt * 8 + mma::ColB(lane)) * 2;
+        uint32_t b[2];
+        for (int r = 0; r < 2; ++r)
+          b[r] = static_cast<uint32_t>(
+                     g.template Ld<uint16_t>(v + (k0 + mma::RowB(lane, r, 0)) * row)) |
+                 (static_cast<uint32_t>(
+                      g.template Ld<uint16_t>(v + (k0 + mma::RowB(lane, r, 1)) * row))
+                  << 16);
+        for (int mt = 0; mt < 4; ++mt) g.Mma(acc[mt][nt], a[mt], b);
+      }
+    }
+  }
+  if (tiles == 0) g.Sync();  // m and l were written by other threads than their readers below
+  // A query of one split: the normalised output (and lse); of several: this split's sums and
+  // (m, l) for MlaCombineKernel.
+  const bool partial = splits > 1;
+  const int64_t wave = p.part_queries;
+  float* out = partial ? p.part_out + static_cast<int64_t>(z) * wave * H * L : p.out;
+  const int row_q = partial ? qx : q;
+  if (tid < kPipeHeads) {
+    const float m = g.template Ld<float>(sm.m + (cur * kPipeHeads + tid) * 4);
+    const float l = g.template Ld<float>(sm.l + (cur * kPipeHeads + tid) * 4);
+    if (partial) {
+      float* ml = p.part_ml + ((static_cast<int64_t>(z) * wave + qx) * H + h0 + tid) * 2;
+      g.Gst(ml, m);
+      g.Gst(ml + 1, l);
+    } else if (p.lse != nullptr) {
+      g.Gst(p.lse + static_cast<int64_t>(q) * H + h0 + tid, l == 0 ? -INFINITY : m + logf(l));
+    }
+  }
+  for (int mt = 0; mt < 4; ++mt) {
+    const int lo = mt * 16 + mma::RowC(lane, 0), hi = mt * 16 + mma::RowC(lane, 2);
+    const float l_lo = g.template Ld<float>(sm.l + (cur * kPipeHeads + lo) * 4);
+    const float l_hi = g.template Ld<float>(sm.l + (cur * kPipeHeads + hi) * 4);
+    const float inv_lo = partial ? 1.0f : l_lo > 0 ? 1.0f / l_lo : 0.0f;
+    const float inv_hi = partial ? 1.0f : l_hi > 0 ? 1.0f / l_hi : 0.0f;
+    for (int nt = 0; nt < ntiles; ++nt) {
+      const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
+      float* o_lo = out + (static_cast<int64_t>(row_q) * H + h0 + lo) * L + col;
+      float* o_hi = out + (static_cast<int64_t>(row_q) * H + h0 + hi) * L + col;
+      g.Gst(o_lo, acc[mt][nt][0] * inv_lo);
+      g.Gst(o_lo + 1, acc[mt][nt][1] * inv_lo);
+      g.Gst(o_hi, acc[mt][nt][2] * inv_hi);
+      g.Gst(o_hi + 1, acc[mt][nt][3] * inv_hi);
+    }
+  }
+}
+
+}  // namespace attnd::cuda

@@ -1,0 +1,351 @@
+// The pipelined tensor-core MLA (kernels/cuda/mla_pipe.h) run on the CPU by the fiber simulation
+// (kernels/cuda/simt_sim.h): the kernel's own code on every thread, cp.async landing only when
+// waited for, mma.sync and shuffles from the lanes' registers. Outputs and log-sum-exps against
+// float64 on what the kernel sees (queries rounded to bf16, fp8 rows dequantised), over
+// selections and ranges, one split and several (merged as MlaCombineKernel merges them), bf16
+// and fp8 rows, 2 and 3 stages, 64 and 128 heads; every output written exactly once; every
+// barrier the kernel passes is needed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/fp8.h"
+#include "common/model_spec.h"
+#include "kernels/cuda/mla_pipe.h"
+#include "kernels/cuda/simt_sim.h"
+#include "kernels/reference/reference.h"
+
+namespace attnd::cuda {
+namespace {
+
+struct Case {
+  int heads = 64, latent = 512, rope = 64;
+  bool fp8 = false;
+  int stages = 3;
+  std::vector<int64_t> counts;  // each query's selection size; 0: a range (its position + 1)
+  int64_t history = 3000;       // keys in the sequence
+  float soft_cap = 0;
+};
+
+struct Problem {
+  Case c;
+  int D = 0;
+  size_t row = 0;
+  std::vector<uint8_t> cache;
+  std::vector<int32_t> indptr, pages, seq, sel, sel_count;
+  std::vector<uint8_t> needs_index;
+  std::vector<int64_t> pos;
+  std::vector<float> q_latent, q_rope, out, lse, part_out, part_ml;
+  std::vector<double> kv;                  // [history, D] dequantised
+  std::vector<std::vector<int32_t>> keys;  // each query's attended positions
+  int64_t stride = 1;
+  int splits = 1, part_queries = 0;
+  MlaPipeParams p;
+
+  explicit Problem(Case cs, uint64_t seed) : c(std::move(cs)) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> n01(0, 1);
+    const int L = c.latent, R = c.rope, H = c.heads, ps = 64;
+    D = L + R;
+    row = c.fp8 ? fp8::LatentTokenBytes(L, R) : size_t(D) * 2;
+    const int64_t np = (c.history + ps - 1) / ps;
+    pages.resize(np);
+    std::iota(pages.begin(), pages.end(), 1);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    indptr = {0, static_cast<int32_t>(np)};
+    cache.assign((np + 1) * ps * row, 0);
+    kv.resize(c.history * D);
+    std::vector<float> x(D), back(D);
+    auto slot_of = [&](int64_t s) { return int64_t{pages[s / ps]} * ps + s % ps; };
+    for (int64_t s = 0; s < c.history; ++s) {
+      for (float& v : x) v = n01(rng);
+      uint8_t* r = cache.data() + slot_of(s) * row;
+      if (c.fp8) {
+        fp8::PackLatentToken(L, R, x.data(), x.data() + L, r);
+        fp8::UnpackLatentToken(L, R, r, back.data());
+        for (int d = 0; d < D; ++d) kv[s * D + d] = back[d];
+      } else {
+        for (int d = 0; d < D; ++d) {
+          const uint16_t b = F32ToBF16(x[d]);
+          std::memcpy(r + 2 * d, &b, 2);
+          kv[s * D + d] = BF16ToF32(b);
+        }
+      }
+    }
+    const int n = static_cast<int>(c.counts.size());
+    stride = std::max<int64_t>(1, *std::max_element(c.counts.begin(), c.counts.end()));
+    sel.assign(n * stride, 0);
+    sel_count.assign(n, 0);
+    needs_index.assign(n, 0);
+    seq.assign(n, 0);
+    pos.resize(n);
+    int64_t longest = 1;
+    for (int i = 0; i < n; ++i) {
+      pos[i] = c.history - 1 - i;
+      std::vector<int32_t> k;
+      if (c.counts[i] == 0) {
+        k.resize(pos[i] + 1);
+        std::iota(k.begin(), k.end(), 0);
+      } else {
+        std::vector<int32_t> all(pos[i] + 1);
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng);
+        k.assign(all.begin(), all.begin() + c.counts[i]);
+        std::sort(k.begin(), k.end());
+        needs_index[i] = 1;
+        sel_count[i] = static_cast<int32_t>(k.size());
+        for (size_t j = 0; j < k.size(); ++j)
+          sel[i * stride + j] = static_cast<int32_t>(slot_of(k[j]));
+      }
+      longest = std::max<int64_t>(longest, k.size());
+      keys.push_back(std::move(k));
+    }
+    q_latent.resize(size_t(n) * H * L);
+    q_rope.resize(size_t(n) * H * R);
+    for (float& v : q_latent) v = n01(rng);
+    for (float& v : q_rope) v = n01(rng);
+    out.assign(size_t(n) * H * L, NAN);
+    lse.assign(size_t(n) * H, NAN);
+    splits = MlaQuerySplits(longest);
+    part_queries = n;
+    part_out.assign(std::max<size_t>(1, size_t(splits) * n * H * L), NAN);
+    part_ml.assign(std::max<size_t>(1, size_t(splits) * n * H * 2), NAN);
+    p.q_latent = q_latent.data();
+    p.q_rope = q_rope.data();
+    p.heads = H;
+    p.latent = L;
+    p.rope = R;
+    p.sm_scale = 1.0f / std::sqrt(float(D));
+    p.soft_cap = c.soft_cap;
+    p.kv.base = cache.data();
+    p.kv.row_bytes = row;
+    p.kv.dtype = c.fp8 ? DType::kFP8E4M3 : DType::kBF16;
+    p.kv.dim = D;
+    p.kv.fp8_dim = c.fp8 ? L : 0;
+    p.table = {indptr.data(), pages.data(), ps};
+    p.seq = seq.data();
+    p.pos = pos.data();
+    p.sel = sel.data();
+    p.sel_count = sel_count.data();
+    p.needs_index = needs_index.data();
+    p.sel_stride = stride;
+    p.out = out.data();
+    p.lse = lse.data();
+    p.part_out = part_out.data();
+    p.part_ml = part_ml.data();
+    p.part_queries = part_queries;
+    p.stages = c.stages;
+  }
+
+  sim::SimtMemory Memory() {
+    sim::SimtMemory m;
+    m.Input(q_latent.data(), q_latent.size() * 4, "q_latent");
+    m.Input(q_rope.data(), q_rope.size() * 4, "q_rope");
+    m.Input(cache.data(), cache.size(), "cache");
+    m.Input(indptr.data(), indptr.size() * 4, "indptr");
+    m.Input(pages.data(), pages.size() * 4, "pages");
+    m.Input(seq.data(), seq.size() * 4, "seq");
+    m.Input(pos.data(), pos.size() * 8, "pos");
+    m.Input(sel.data(), sel.size() * 4, "sel");
+    m.Input(sel_count.data(), sel_count.size() * 4, "sel_count");
+    m.Input(needs_index.data(), needs_index.size(), "needs_index");
+    m.Output(out.data(), out.size() * 4, "out");
+    m.Output(lse.data(), lse.size() * 4, "lse");
+    m.Output(part_out.data(), part_out.size() * 4, "part_out");
+    m.Output(part_ml.data(), part_ml.size() * 4, "part_ml");
+    return m;
+  }
+
+  template <typename Wrap>
+  void Run(sim::SimtMemory& m) {
+    const int n = static_cast<int>(c.counts.size());
+    const uint32_t smem = MlaPipeSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes;
+    for (int qx = 0; qx < n; ++qx)
+      for (int hy = 0; hy < c.heads / kPipeHeads; ++hy)
+        for (int z = 0; z < splits; ++z) {
+          sim::SimtBlock b(m, kPipeThreads, smem);
+          b.Run([&](sim::SimtThread& t) {
+            Wrap g(t);
+            if (c.fp8) {
+              MlaPipeBlock<true>(g, p, qx, hy, z);
+            } else {
+              MlaPipeBlock<false>(g, p, qx, hy, z);
+            }
+          });
+        }
+  }
+
+  // The outputs as the kernels leave them: one split's own, or MlaCombineKernel's merge.
+  std::vector<float> Merged(int qi, std::vector<float>* lse_out) const {
+    const int H = c.heads, L = c.latent;
+    const int own = MlaQuerySplits(static_cast<int64_t>(keys[qi].size()));
+    std::vector<float> o(size_t(H) * L);
+    lse_out->assign(H, 0);
+    for (int h = 0; h < H; ++h) {
+      if (own == 1) {
+        std::copy_n(out.begin() + (size_t(qi) * H + h) * L, L, o.begin() + size_t(h) * L);
+        (*lse_out)[h] = lse[size_t(qi) * H + h];
+        continue;
+      }
+      auto ml = [&](int z, int e) {
+        return part_ml[((size_t(z) * part_queries + qi) * H + h) * 2 + e];
+      };
+      float M = -INFINITY, denom = 0;
+      for (int z = 0; z < own; ++z) M = std::max(M, ml(z, 0));
+      for (int z = 0; z < own; ++z)
+        if (ml(z, 0) != -INFINITY) denom += std::exp(ml(z, 0) - M) * ml(z, 1);
+      for (int d = 0; d < L; ++d) {
+        float v = 0;
+        for (int z = 0; z < own; ++z)
+          if (ml(z, 0) != -INFINITY)
+            v += std::exp(ml(z, 0) - M) *
+                 part_out[((size_t(z) * part_queries + qi) * H + h) * L + d];
+        o[size_t(h) * L + d] = v / denom;
+      }
+      (*lse_out)[h] = M + std::log(denom);
+    }
+    return o;
+  }
+
+  void Expect() const {
+    const int H = c.heads, L = c.latent;
+    ModelSpec spec;
+    spec.num_heads = H;
+    spec.kv_lora_rank = L;
+    spec.qk_rope_head_dim = c.rope;
+    spec.sm_scale = p.sm_scale;
+    for (size_t qi = 0; qi < keys.size(); ++qi) {
+      std::vector<double> qd(size_t(H) * D);
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d)
+          qd[h * D + d] = BF16ToF32(F32ToBF16(d < L ? q_latent[(qi * H + h) * L + d]
+                                                    : q_rope[(qi * H + h) * c.rope + d - L]));
+      std::vector<double> ref(size_t(H) * L), ref_lse(H);
+      reference::Attend(spec, qd.data(), kv.data(), keys[qi], c.soft_cap, ref.data(),
+                        ref_lse.data());
+      std::vector<float> got_lse;
+      const std::vector<float> got = Merged(static_cast<int>(qi), &got_lse);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_FALSE(std::isnan(got[i])) << "query " << qi << " element " << i;
+        num += (got[i] - ref[i]) * (got[i] - ref[i]);
+        den += ref[i] * ref[i];
+      }
+      EXPECT_LE(std::sqrt(num / den), 1e-2) << "query " << qi;  // bf16 P, as on the GPU
+      for (int h = 0; h < H; ++h)
+        EXPECT_NEAR(got_lse[h], ref_lse[h], 2e-3 * (1 + std::abs(ref_lse[h]))) << qi << " " << h;
+    }
+  }
+};
+
+class MlaPipeSim : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MlaPipeSim, OutputsMatchFloat64AndEachIsWrittenOnce) {
+  Problem pr(GetParam(), 11);
+  sim::SimtMemory m = pr.Memory();
+  ASSERT_NO_THROW(pr.Run<sim::SimtThread>(m));
+  pr.Expect();
+  // Each query's outputs come from exactly one place: its own block (one split) or its splits'
+  // partials, never both; nothing written twice.
+  const int H = pr.c.heads, L = pr.c.latent;
+  for (const char* name : {"out", "lse", "part_out", "part_ml"})
+    for (int w : m.Writes(name)) ASSERT_LE(w, 1) << name;
+  for (size_t qi = 0; qi < pr.keys.size(); ++qi) {
+    const bool split = MlaQuerySplits(static_cast<int64_t>(pr.keys[qi].size())) > 1;
+    const auto& out = m.Writes("out");
+    for (size_t b = qi * H * L * 4; b < (qi + 1) * H * L * 4; ++b)
+      ASSERT_EQ(out[b], split ? 0 : 1) << "query " << qi;
+  }
+}
+
+// DeepSeek-V3.2 rows (512 + 64) and heads: top-2048 selections (4 splits), a short selection (one
+// split of one partial tile), a range of 3000 keys (6 splits) and one of 70 keys; fp8 rows; two
+// stages; 128 heads (two head groups); a soft cap on a smaller latent.
+INSTANTIATE_TEST_SUITE_P(Shapes, MlaPipeSim,
+                         ::testing::Values(Case{64, 512, 64, false, 3, {2048, 13}},
+                                           Case{64, 512, 64, true, 3, {2048, 100}},
+                                           Case{64, 512, 64, false, 2, {0}, 3000},
+                                           Case{128, 512, 64, false, 3, {300}, 1000},
+                                           Case{64, 128, 64, false, 3, {0}, 70, 2.5f},
+                                           Case{64, 512, 64, true, 2, {0}, 33}));
+
+template <typename T>
+struct SkipOneBarrier {
+  static inline int skip = -1;
+  T& t;
+  int count = 0;
+  explicit SkipOneBarrier(T& inner) : t(inner) {}
+  int tid() const { return t.tid(); }
+  int lane() const { return t.lane(); }
+  int warp() const { return t.warp(); }
+  void Sync() {
+    if (count++ != skip) t.Sync();
+  }
+  template <typename V>
+  V Ld(uint32_t off) {
+    return t.template Ld<V>(off);
+  }
+  template <typename V>
+  void St(uint32_t off, V v) {
+    t.St(off, v);
+  }
+  void CpAsync16(uint32_t off, const void* src, bool valid) { t.CpAsync16(off, src, valid); }
+  void CpCommit() { t.CpCommit(); }
+  void CpWait(int n) { t.CpWait(n); }
+  float ShflXor(float v, int mask) { return t.ShflXor(v, mask); }
+  void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) { t.Mma(c, a, b); }
+  template <typename V>
+  V Gld(const V* p) const {
+    return t.Gld(p);
+  }
+  template <typename V>
+  void Gst(V* p, V v) {
+    t.Gst(p, v);
+  }
+};
+
+TEST(MlaPipeSim, EveryBarrierIsNeeded) {
+  for (bool fp8 : {false, true}) {
+    const Case c{64, 512, 64, fp8, 3, {100}};  // 4 tiles of 32 keys, one split
+    Problem pr(c, 5);
+    sim::SimtMemory m = pr.Memory();
+    SkipOneBarrier<sim::SimtThread>::skip = -1;
+    ASSERT_NO_THROW(pr.Run<SkipOneBarrier<sim::SimtThread>>(m));
+    const std::vector<float> want = pr.out;
+    const int barriers = (fp8 ? 4 : 3) * 4;  // per tile: copies, (decode), S, softmax
+    for (int skip = 0; skip < barriers; ++skip) {
+      Problem again(c, 5);
+      sim::SimtMemory m2 = again.Memory();
+      SkipOneBarrier<sim::SimtThread>::skip = skip;
+      bool caught = false;
+      try {
+        again.Run<SkipOneBarrier<sim::SimtThread>>(m2);
+        caught = std::memcmp(again.out.data(), want.data(), want.size() * 4) != 0;
+      } catch (const std::runtime_error&) {
+        caught = true;
+      }
+      EXPECT_TRUE(caught) << (fp8 ? "fp8" : "bf16") << ": barrier " << skip << " is not needed";
+    }
+    SkipOneBarrier<sim::SimtThread>::skip = -1;
+  }
+}
+
+TEST(MlaPipeSim, SharedMemoryFitsTheGpus) {
+  // DeepSeek-V3.2 rows: 3 stages fit an H100/H200 block (227 KB), 2 an A100's (163 KB).
+  EXPECT_LE(MlaPipeSmem::Of(512, 64, false, 3).bytes, 227u * 1024);
+  EXPECT_LE(MlaPipeSmem::Of(512, 64, true, 3).bytes, 227u * 1024);
+  EXPECT_LE(MlaPipeSmem::Of(512, 64, false, 2).bytes, 163u * 1024);
+  EXPECT_TRUE(MlaPipeTakes(128, 512, 64, DType::kFP8E4M3));
+  EXPECT_FALSE(MlaPipeTakes(16, 512, 64, DType::kBF16));  // 16 heads: the 16-head kernel
+  EXPECT_FALSE(MlaPipeTakes(64, 32, 16, DType::kBF16));   // the tiny model: SIMT
+}
+
+}  // namespace
+}  // namespace attnd::cuda
