@@ -14,7 +14,32 @@ SequenceTable::SequenceTable(std::vector<std::string> device_names,
       counts_(pages_per_device.size(), 0),
       limits_(limits),
       page_size_(page_size) {
-  for (int32_t n : pages_per_device) pools_.emplace_back(n);
+  for (int32_t n : pages_per_device) {
+    pools_.emplace_back(n);
+    owner_.emplace_back(pools_.back().num_pages(), -1);
+  }
+}
+
+int32_t SequenceTable::NewPage(int device, int32_t page) {
+  const int32_t id = dir_.Add(device, Tier::kDevice, page, Tier::kDevice);
+  owner_[device][page] = id;
+  return id;
+}
+
+void SequenceTable::Hold(int32_t id, Tier holder) {
+  PageDirectory::Entry& e = dir_.at(id);
+  ++e.holders[static_cast<int>(holder)];
+  if (e.tier == Tier::kDevice) pools_[e.device].Ref(e.slot);
+}
+
+void SequenceTable::Drop(int32_t id, Tier holder) {
+  PageDirectory::Entry& e = dir_.at(id);
+  --e.holders[static_cast<int>(holder)];
+  if (e.tier == Tier::kDevice) {
+    pools_[e.device].Unref(e.slot);
+    if (e.refs() == 0) owner_[e.device][e.slot] = -1;
+  }
+  if (e.refs() == 0) dir_.Remove(id);
 }
 
 std::vector<const Sequence*> SequenceTable::List(const std::string* tenant) const {
@@ -82,7 +107,7 @@ absl::Status SequenceTable::Open(const SequenceKey& key, int device) {
 }
 
 void SequenceTable::Erase(Sequence* seq) {
-  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
+  for (int32_t id : seq->logical) Drop(id, Tier::kDevice);
   --counts_[seq->device];
   tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->pages.size()));
   tenants_.AddSequences(seq->tenant, -1);
@@ -116,8 +141,16 @@ bool SequenceTable::PlanCopy(const std::vector<int32_t>& pages, int64_t length, 
   return true;
 }
 
+void SequenceTable::Pin(PageMove* move) {
+  for (const PageCopy& c : move->copies) {
+    const int32_t id = owner_[move->from][c.src];
+    Hold(id, Tier::kDevice);
+    move->pinned.push_back(id);
+  }
+}
+
 void SequenceTable::Unpin(const PageMove& move) {
-  for (const PageCopy& c : move.copies) pools_[move.from].Unref(c.src);
+  for (int32_t id : move.pinned) Drop(id, Tier::kDevice);
 }
 
 absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string& parent,
@@ -143,17 +176,20 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
   seq->length = prefix_len;
   seq->copying = true;
   seq->filling = true;
-  *move = PageMove{par->device, seq->device, {}, {}};
+  *move = PageMove{par->device, seq->device, {}, {}, {}};
   if (seq->device != par->device) {
     if (!PlanCopy(par->pages, prefix_len, seq->device, move))
       return absl::ResourceExhaustedError(absl::StrCat(
           "KV cache full on ", names_[seq->device], ": a fork across devices copies every page"));
     seq->pages = move->fresh;
+    for (int32_t p : move->fresh) seq->logical.push_back(NewPage(seq->device, p));
   } else {
     const int64_t full = prefix_len / page_size_;
     const int rem = static_cast<int>(prefix_len % page_size_);
     seq->pages.reserve(full + 1);
+    seq->logical.reserve(full + 1);
     seq->pages.assign(par->pages.begin(), par->pages.begin() + full);
+    seq->logical.assign(par->logical.begin(), par->logical.begin() + full);
     if (rem > 0) {
       if (!pools_[seq->device].Allocate(1, &move->fresh))
         return absl::ResourceExhaustedError(
@@ -162,9 +198,10 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
       move->copies.push_back({par->pages[full], move->fresh[0], rem});
       seq->pages.push_back(move->fresh[0]);
     }
-    for (int64_t i = 0; i < full; ++i) pools_[seq->device].Ref(seq->pages[i]);
+    for (int64_t i = 0; i < full; ++i) Hold(seq->logical[i], Tier::kDevice);  // shared
+    if (rem > 0) seq->logical.push_back(NewPage(seq->device, move->fresh[0]));
   }
-  for (const PageCopy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
+  Pin(move);
   ++counts_[seq->device];
   tenants_.AddSequences(key.tenant, 1);
   tenants_.AddPages(key.tenant, static_cast<int64_t>(seq->pages.size()));
@@ -193,12 +230,12 @@ absl::Status SequenceTable::BeginMigrate(const SequenceKey& key, int device, Pag
   if (seq->copying)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is being copied (fork or migration)"));
-  *move = PageMove{seq->device, device, {}, {}};
+  *move = PageMove{seq->device, device, {}, {}, {}};
   if (device == seq->device) return absl::OkStatus();
   if (!PlanCopy(seq->pages, seq->length, device, move))
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache full on ", names_[device], ": migration needs ", seq->pages.size(), " pages"));
-  for (const PageCopy& c : move->copies) pools_[move->from].Ref(c.src);  // pin
+  Pin(move);
   seq->copying = true;
   return absl::OkStatus();
 }
@@ -212,10 +249,12 @@ void SequenceTable::EndMigrate(const SequenceKey& key, const PageMove& move, boo
     for (int32_t p : move.fresh) pools_[move.to].Unref(p);
     return;
   }
-  for (int32_t p : seq->pages) pools_[seq->device].Unref(p);
+  for (int32_t id : seq->logical) Drop(id, Tier::kDevice);
   --counts_[seq->device];
   ++counts_[move.to];
   seq->pages = move.fresh;
+  seq->logical.clear();
+  for (int32_t p : move.fresh) seq->logical.push_back(NewPage(move.to, p));
   seq->device = move.to;
 }
 
@@ -239,6 +278,7 @@ void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages,
   seq->last_used = std::chrono::steady_clock::now();
   if (commit) {
     seq->pages.insert(seq->pages.end(), new_pages.begin(), new_pages.end());
+    for (int32_t p : new_pages) seq->logical.push_back(NewPage(seq->device, p));
     seq->length = new_len;
   } else {
     for (int32_t p : new_pages) pools_[seq->device].Unref(p);
@@ -262,12 +302,12 @@ absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64
   if (end > begin)
     pages->assign(seq->pages.begin() + begin / page_size_,
                   seq->pages.begin() + (end - 1) / page_size_ + 1);
-  for (int32_t p : *pages) pools_[*device].Ref(p);
+  for (int32_t p : *pages) Hold(owner_[*device][p], Tier::kDevice);
   return absl::OkStatus();
 }
 
 void SequenceTable::Unpin(int device, const std::vector<int32_t>& pages) {
-  for (int32_t p : pages) pools_[device].Unref(p);
+  for (int32_t p : pages) Drop(owner_[device][p], Tier::kDevice);
 }
 
 }  // namespace attnd

@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "kv_store/page_directory.h"
 #include "kv_store/page_pool.h"
 #include "kv_store/page_table.h"
 #include "kv_store/tenant_ledger.h"
@@ -22,9 +23,12 @@ struct Sequence {
   std::string tenant;
   std::string id;
   int device = 0;
-  std::vector<int32_t> pages;  // physical page ids, in order
-  int64_t length = 0;          // committed tokens
-  uint64_t step = 0;           // the open step holding it, 0 if none
+  // Its pages in order: their ids in the page directory (kv_store/page_directory.h), which stay
+  // the same wherever their bytes are, and their page ids on the device (the table steps read).
+  std::vector<int32_t> logical;
+  std::vector<int32_t> pages;
+  int64_t length = 0;  // committed tokens
+  uint64_t step = 0;   // the open step holding it, 0 if none
   // Its pages are being copied (a fork into it, or its migration): no step, close or other
   // migration until the copy ends.
   bool copying = false;
@@ -50,7 +54,8 @@ struct PageMove {
   int from = 0;
   int to = 0;
   std::vector<PageCopy> copies;
-  std::vector<int32_t> fresh;  // pages allocated on `to` for the copies, in sequence order
+  std::vector<int32_t> fresh;   // pages allocated on `to` for the copies, in sequence order
+  std::vector<int32_t> pinned;  // the copies' sources (directory ids), held until the End call
 };
 
 // Not thread safe: the owner (the engine) serialises every call under its lock.
@@ -62,8 +67,10 @@ class SequenceTable {
                 int32_t page_size, SequenceLimits limits);
 
   int num_devices() const { return static_cast<int>(pools_.size()); }
+  // A device's pool: a page's reference count is its directory entry's holders while the page is
+  // on the device.
   const PagePool& pool(int device) const { return pools_[device]; }
-  PagePool& pool(int device) { return pools_[device]; }
+  const PageDirectory& directory() const { return dir_; }
   int64_t sequences_on(int device) const { return counts_[device]; }
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
   const TenantLedger& tenants() const { return tenants_; }
@@ -127,13 +134,23 @@ class SequenceTable {
   // Appends the copies of the first `length` tokens of `pages` into fresh pages of `to`, or
   // returns false (nothing allocated) when `to` lacks pages.
   bool PlanCopy(const std::vector<int32_t>& pages, int64_t length, int to, PageMove* move);
+  // Holds the copies' sources for the copy (move->pinned).
+  void Pin(PageMove* move);
   void Unpin(const PageMove& move);
   // Removes a sequence, releasing its pages and its tenant's share.
   void Erase(Sequence* seq);
+  // A directory entry for device page `page` of `device` (one holder on the device).
+  int32_t NewPage(int device, int32_t page);
+  // One more or one fewer holder at `holder` (a device page's pool count follows); a page
+  // without holders leaves the directory and its pool.
+  void Hold(int32_t id, Tier holder);
+  void Drop(int32_t id, Tier holder);
 
   std::vector<std::string> names_;
   std::vector<PagePool> pools_;
-  std::vector<int64_t> counts_;  // sequences per device
+  PageDirectory dir_;
+  std::vector<std::vector<int32_t>> owner_;  // [device][page]: its directory id, -1 if free
+  std::vector<int64_t> counts_;              // sequences per device
   SequenceLimits limits_;
   int32_t page_size_ = 0;
   absl::flat_hash_map<SequenceKey, std::unique_ptr<Sequence>> seqs_;
