@@ -9,11 +9,13 @@ namespace attnd {
 
 SequenceTable::SequenceTable(std::vector<std::string> device_names,
                              const std::vector<int32_t>& pages_per_device, int32_t page_size,
-                             SequenceLimits limits)
+                             SequenceLimits limits, TierSlots tiers)
     : names_(std::move(device_names)),
       counts_(pages_per_device.size(), 0),
       limits_(limits),
-      page_size_(page_size) {
+      page_size_(page_size),
+      host_(tiers.host),
+      disk_(tiers.disk) {
   for (int32_t n : pages_per_device) {
     pools_.emplace_back(n);
     owner_.emplace_back(pools_.back().num_pages(), -1);
@@ -35,11 +37,48 @@ void SequenceTable::Hold(int32_t id, Tier holder) {
 void SequenceTable::Drop(int32_t id, Tier holder) {
   PageDirectory::Entry& e = dir_.at(id);
   --e.holders[static_cast<int>(holder)];
-  if (e.tier == Tier::kDevice) {
-    pools_[e.device].Unref(e.slot);
-    if (e.refs() == 0) owner_[e.device][e.slot] = -1;
+  if (e.tier == Tier::kDevice) pools_[e.device].Unref(e.slot);  // its last: the page is free
+  if (e.refs() > 0 || e.moving) return;  // a moving page without holders goes at EndTierMove
+  if (e.tier == Tier::kDevice) owner_[e.device][e.slot] = -1;
+  if (e.tier == Tier::kHost) host_.Free(e.slot);
+  if (e.tier == Tier::kDisk) disk_.Free(e.slot);
+  dir_.Remove(id);
+}
+
+bool SequenceTable::Reserve(Tier tier, int device, int32_t* slot) {
+  std::vector<int32_t> got;
+  const bool ok = tier == Tier::kDevice ? pools_[device].Allocate(1, &got)
+                  : tier == Tier::kHost ? host_.Allocate(1, &got)
+                                        : disk_.Allocate(1, &got);
+  if (ok) *slot = got[0];
+  return ok;
+}
+
+void SequenceTable::FreeSlot(Tier tier, int device, int32_t slot) {
+  if (tier == Tier::kDevice) {
+    pools_[device].Unref(slot);
+    owner_[device][slot] = -1;
+  } else if (tier == Tier::kHost) {
+    host_.Free(slot);
+  } else {
+    disk_.Free(slot);
   }
-  if (e.refs() == 0) dir_.Remove(id);
+}
+
+absl::Status SequenceTable::OnDevice(const Sequence& seq) const {
+  if (seq.lost)
+    return absl::DataLossError(absl::StrCat(
+        "sequence ", Quote(seq.id),
+        " lost its cached pages (a page of it could not be read back from the disk tier); close "
+        "it and prefill it again"));
+  if (seq.moving)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(seq.id), " is moving between tiers; retry"));
+  if (seq.tier != Tier::kDevice)
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(seq.id), " is at the ",
+                                                      TierName(seq.tier),
+                                                      " tier; restore it to the device first"));
+  return absl::OkStatus();
 }
 
 std::vector<const Sequence*> SequenceTable::List(const std::string* tenant) const {
@@ -101,15 +140,17 @@ absl::Status SequenceTable::Open(const SequenceKey& key, int device) {
   seq->id = key.id;
   seq->device = device < 0 ? Place() : device;
   ++counts_[seq->device];
+  ++at_tier_[static_cast<int>(Tier::kDevice)];
   tenants_.AddSequences(key.tenant, 1);
   seqs_.emplace(key, std::move(seq));
   return absl::OkStatus();
 }
 
 void SequenceTable::Erase(Sequence* seq) {
-  for (int32_t id : seq->logical) Drop(id, Tier::kDevice);
+  for (int32_t id : seq->logical) Drop(id, seq->tier);
   --counts_[seq->device];
-  tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->pages.size()));
+  if (!seq->lost) --at_tier_[static_cast<int>(seq->tier)];
+  tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->logical.size()));
   tenants_.AddSequences(seq->tenant, -1);
   seqs_.erase(SequenceKey(seq->tenant, seq->id));
 }
@@ -124,6 +165,9 @@ absl::Status SequenceTable::Close(const SequenceKey& key) {
   if (seq->copying)
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", Quote(id), " is being copied (fork or migration); close it afterwards"));
+  if (seq->moving)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is moving between tiers; close it afterwards"));
   Erase(seq);
   return absl::OkStatus();
 }
@@ -167,6 +211,7 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
   if (par->filling)
     return absl::FailedPreconditionError(absl::StrCat(
         "fork parent ", Quote(parent), " is still being forked itself; fork it afterwards"));
+  if (absl::Status s = OnDevice(*par); !s.ok()) return s;
   const int64_t child_pages = (prefix_len + page_size_ - 1) / page_size_;
   if (absl::Status s = tenants_.CheckPages(key.tenant, child_pages); !s.ok()) return s;
   auto seq = std::make_unique<Sequence>();
@@ -203,6 +248,7 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
   }
   Pin(move);
   ++counts_[seq->device];
+  ++at_tier_[static_cast<int>(Tier::kDevice)];
   tenants_.AddSequences(key.tenant, 1);
   tenants_.AddPages(key.tenant, static_cast<int64_t>(seq->pages.size()));
   seqs_.emplace(key, std::move(seq));
@@ -230,6 +276,7 @@ absl::Status SequenceTable::BeginMigrate(const SequenceKey& key, int device, Pag
   if (seq->copying)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is being copied (fork or migration)"));
+  if (absl::Status s = OnDevice(*seq); !s.ok()) return s;
   *move = PageMove{seq->device, device, {}, {}, {}};
   if (device == seq->device) return absl::OkStatus();
   if (!PlanCopy(seq->pages, seq->length, device, move))
@@ -260,7 +307,7 @@ void SequenceTable::EndMigrate(const SequenceKey& key, const PageMove& move, boo
 
 int32_t SequenceTable::PagesToGrow(const Sequence& seq, int64_t new_len) const {
   return static_cast<int32_t>((new_len + page_size_ - 1) / page_size_ -
-                              static_cast<int64_t>(seq.pages.size()));
+                              static_cast<int64_t>(seq.logical.size()));
 }
 
 void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
@@ -297,6 +344,7 @@ absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64
   if (seq->filling)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is still being forked; read it afterwards"));
+  if (absl::Status s = OnDevice(*seq); !s.ok()) return s;
   *device = seq->device;
   pages->clear();
   if (end > begin)
@@ -308,6 +356,198 @@ absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64
 
 void SequenceTable::Unpin(int device, const std::vector<int32_t>& pages) {
   for (int32_t p : pages) Drop(owner_[device][p], Tier::kDevice);
+}
+
+// ---- tiers ----
+
+absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierMove* move) {
+  Sequence* seq = Find(key);
+  if (seq == nullptr) return NotFound(key);
+  *move = TierMove();
+  move->key = key;
+  move->device = seq->device;
+  move->from = move->to = seq->tier;
+  if (seq->lost) return OnDevice(*seq);
+  const std::string& id = key.id;
+  if (seq->step != 0 || seq->copying || seq->filling || seq->moving)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is busy (in a step, a copy or a move); retry"));
+  const Tier from = seq->tier;
+  if (from == to) return absl::OkStatus();
+  if ((to == Tier::kHost && host_.slots() == 0) || (to == Tier::kDisk && disk_.slots() == 0))
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ", TierName(to), " tier is off on this server"));
+  for (int32_t p : seq->logical)
+    if (dir_.at(p).moving)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", Quote(id), " shares pages that are moving between tiers; retry"));
+  // Its holds move to `to`; then every page goes where its holders need it.
+  auto transfer = [&](Tier a, Tier b) {
+    for (int32_t p : seq->logical) {
+      PageDirectory::Entry& e = dir_.at(p);
+      --e.holders[static_cast<int>(a)];
+      ++e.holders[static_cast<int>(b)];
+    }
+  };
+  transfer(from, to);
+  int32_t need[kNumTiers] = {0, 0, 0};
+  for (int32_t p : seq->logical) {
+    const PageDirectory::Entry& e = dir_.at(p);
+    if (e.needed() != e.tier) ++need[static_cast<int>(e.needed())];
+  }
+  const int32_t have[kNumTiers] = {pools_[seq->device].free_pages(), host_.free_slots(),
+                                   disk_.free_slots()};
+  for (int t = 0; t < kNumTiers; ++t)
+    if (need[t] > have[t]) {
+      transfer(to, from);
+      return absl::ResourceExhaustedError(
+          absl::StrCat(TierName(static_cast<Tier>(t)), " tier full",
+                       t == 0 ? absl::StrCat(" on ", names_[seq->device]) : std::string(),
+                       ": moving ", Quote(id), " to the ", TierName(to), " tier needs ", need[t],
+                       " pages there, ", have[t], " free"));
+    }
+  for (int32_t p : seq->logical) {
+    PageDirectory::Entry& e = dir_.at(p);
+    if (e.needed() == e.tier) continue;
+    TierMove::Page m;
+    m.id = p;
+    m.from = e.tier;
+    m.src = e.slot;
+    m.to = e.needed();
+    Reserve(m.to, seq->device, &m.dst);                           // counted above: cannot fail
+    if (m.from == Tier::kDevice) pools_[seq->device].Ref(m.src);  // the copy's own hold
+    e.moving = true;
+    move->pages.push_back(m);
+  }
+  seq->tier = to;
+  seq->moving = true;
+  move->to = to;
+  return absl::OkStatus();
+}
+
+void SequenceTable::BeginOrphanMove(Tier tier, int device, int32_t max_pages, TierMove* move) {
+  *move = TierMove();
+  move->device = device;
+  move->from = move->to = tier;
+  dir_.ForEach([&](int32_t id, const PageDirectory::Entry& entry) {
+    if (static_cast<int32_t>(move->pages.size()) >= max_pages) return;
+    if (entry.tier != tier || entry.moving || (device >= 0 && entry.device != device)) return;
+    if (entry.needed() <= tier) return;  // a holder needs it here (or it is needed faster)
+    TierMove::Page m;
+    m.id = id;
+    m.from = tier;
+    m.src = entry.slot;
+    m.to = entry.needed();
+    if (!Reserve(m.to, entry.device, &m.dst)) return;
+    PageDirectory::Entry& e = dir_.at(id);
+    if (m.from == Tier::kDevice) pools_[e.device].Ref(m.src);
+    e.moving = true;
+    move->pages.push_back(m);
+  });
+}
+
+std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool ok,
+                                                    const std::vector<int32_t>& lost) {
+  for (const TierMove::Page& m : move.pages) {
+    PageDirectory::Entry& e = dir_.at(m.id);
+    e.moving = false;
+    const int d = e.device;
+    if (m.from == Tier::kDevice) pools_[d].Unref(m.src);  // the copy's own hold
+    if (!ok || e.refs() == 0) {  // stays where it was; a page without holders goes entirely
+      FreeSlot(m.to, d, m.dst);
+      if (e.refs() == 0) {
+        if (m.from != Tier::kDevice) FreeSlot(m.from, d, m.src);
+        if (m.from == Tier::kDevice) owner_[d][m.src] = -1;
+        dir_.Remove(m.id);
+      }
+      continue;
+    }
+    // The bytes are at the destination: leave the source, take the destination.
+    if (m.from == Tier::kDevice) {
+      for (int32_t r = 0; r < e.refs(); ++r) pools_[d].Unref(m.src);
+      owner_[d][m.src] = -1;
+    } else {
+      FreeSlot(m.from, d, m.src);
+    }
+    e.tier = m.to;
+    e.slot = m.dst;
+    if (m.to == Tier::kDevice) {
+      for (int32_t r = 1; r < e.refs(); ++r) pools_[d].Ref(m.dst);
+      owner_[d][m.dst] = m.id;
+    }
+  }
+  if (Sequence* seq = move.key.id.empty() ? nullptr : Find(move.key)) {
+    seq->moving = false;
+    if (!ok && move.from != move.to) {
+      for (int32_t p : seq->logical) {
+        PageDirectory::Entry& e = dir_.at(p);
+        --e.holders[static_cast<int>(move.to)];
+        ++e.holders[static_cast<int>(move.from)];
+      }
+      seq->tier = move.from;
+    } else if (move.from != move.to) {
+      --at_tier_[static_cast<int>(move.from)];
+      ++at_tier_[static_cast<int>(move.to)];
+    }
+    seq->pages.clear();
+    if (seq->tier == Tier::kDevice)
+      for (int32_t p : seq->logical) seq->pages.push_back(dir_.at(p).slot);
+  }
+  return LoseHolders(lost);
+}
+
+std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& ids) {
+  std::vector<SequenceKey> out;
+  if (ids.empty()) return out;
+  for (auto& [key, seq] : seqs_) {
+    if (seq->lost) continue;
+    bool holds = false;
+    for (int32_t p : seq->logical)
+      holds = holds || std::find(ids.begin(), ids.end(), p) != ids.end();
+    if (!holds) continue;
+    for (int32_t p : seq->logical) Drop(p, seq->tier);
+    tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->logical.size()));
+    --at_tier_[static_cast<int>(seq->tier)];
+    seq->logical.clear();
+    seq->pages.clear();
+    seq->lost = true;
+    out.push_back(key);
+  }
+  return out;
+}
+
+std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t need) const {
+  std::vector<const Sequence*> cands;
+  for (const auto& [key, seq] : seqs_)
+    if (seq->tier == tier && (device < 0 || seq->device == device) && seq->step == 0 &&
+        !seq->copying && !seq->filling && !seq->moving && !seq->lost)
+      cands.push_back(seq.get());
+  std::sort(cands.begin(), cands.end(), [](const Sequence* a, const Sequence* b) {
+    return std::tie(a->last_used, a->tenant, a->id) < std::tie(b->last_used, b->tenant, b->id);
+  });
+  std::vector<SequenceKey> out;
+  int32_t freed = 0;
+  for (const Sequence* seq : cands) {
+    if (freed >= need) break;
+    int32_t mine = 0;  // slots only it holds at this tier
+    for (int32_t p : seq->logical) {
+      const PageDirectory::Entry& e = dir_.at(p);
+      mine += e.tier == tier && !e.moving && e.holders[static_cast<int>(tier)] == 1 &&
+              (tier != Tier::kHost || e.holders[0] == 0);
+    }
+    if (mine == 0) continue;
+    freed += mine;
+    out.emplace_back(seq->tenant, seq->id);
+  }
+  return out;
+}
+
+int32_t SequenceTable::Orphans(Tier tier, int device) const {
+  int32_t n = 0;
+  dir_.ForEach([&](int32_t, const PageDirectory::Entry& e) {
+    n += e.tier == tier && !e.moving && (device < 0 || e.device == device) && e.needed() > tier;
+  });
+  return n;
 }
 
 }  // namespace attnd

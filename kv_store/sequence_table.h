@@ -15,6 +15,7 @@
 #include "kv_store/page_directory.h"
 #include "kv_store/page_pool.h"
 #include "kv_store/page_table.h"
+#include "kv_store/slot_pool.h"
 #include "kv_store/tenant_ledger.h"
 
 namespace attnd {
@@ -37,6 +38,14 @@ struct Sequence {
   bool filling = false;
   // A handoff target: ordinary steps wait until write-only steps brought it to this length.
   int64_t import_length = 0;
+  // Where it is (kv_store/page_directory.h): on the device every page of it is there and `pages`
+  // holds their device ids; at the host or disk tier each page is there or faster and `pages`
+  // is empty. A step, fork, migration or read needs it on the device.
+  Tier tier = Tier::kDevice;
+  bool moving = false;  // a tier move of it is in flight: no step, close, fork or read
+  // A page of it could not be read back from the disk tier: it holds no pages any more, and
+  // every use but close is DATA_LOSS.
+  bool lost = false;
   // When it was opened or a step last began or ended on it: its lease
   // (Engine::ExpireIdleSequences closes sequences idle for longer).
   std::chrono::steady_clock::time_point last_used = std::chrono::steady_clock::now();
@@ -45,6 +54,29 @@ struct Sequence {
 struct SequenceLimits {
   size_t max_id_bytes = 256;
   int64_t max_sequences = 65536;
+};
+
+// Pages the slower tiers hold (0: the tier is off): every device's sequences share them.
+struct TierSlots {
+  int32_t host = 0;
+  int32_t disk = 0;
+};
+
+// The bytes to copy for a sequence to change tier (or, without a sequence, for pages no holder
+// needs where they are to go down): between BeginTierMove and EndTierMove the pages are
+// `moving`, their destinations reserved, their sources still theirs.
+struct TierMove {
+  SequenceKey key = SequenceKey("");  // empty id: pages only
+  int device = 0;
+  Tier from = Tier::kDevice, to = Tier::kDevice;  // the sequence's tiers
+  struct Page {
+    int32_t id = 0;  // directory id
+    Tier from = Tier::kDevice;
+    int32_t src = 0;
+    Tier to = Tier::kDevice;
+    int32_t dst = 0;
+  };
+  std::vector<Page> pages;
 };
 
 // Page copies to run between BeginFork/BeginMigrate and EndFork/EndMigrate: from device `from`
@@ -64,13 +96,17 @@ class SequenceTable {
   // One pool per device (named for messages) of the given page count (page 0 included), pages
   // of page_size tokens.
   SequenceTable(std::vector<std::string> device_names, const std::vector<int32_t>& pages_per_device,
-                int32_t page_size, SequenceLimits limits);
+                int32_t page_size, SequenceLimits limits, TierSlots tiers = {});
 
   int num_devices() const { return static_cast<int>(pools_.size()); }
   // A device's pool: a page's reference count is its directory entry's holders while the page is
   // on the device.
   const PagePool& pool(int device) const { return pools_[device]; }
   const PageDirectory& directory() const { return dir_; }
+  const SlotPool& host_slots() const { return host_; }
+  const SlotPool& disk_slots() const { return disk_; }
+  // Sequences at each tier, of every device.
+  int64_t sequences_at(Tier tier) const { return at_tier_[static_cast<int>(tier)]; }
   int64_t sequences_on(int device) const { return counts_[device]; }
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
   const TenantLedger& tenants() const { return tenants_; }
@@ -130,6 +166,29 @@ class SequenceTable {
                        std::vector<int32_t>* pages);
   void Unpin(int device, const std::vector<int32_t>& pages);
 
+  // Tiers. Plans moving `key` to tier `to`: to the device, every page not there comes up; down,
+  // every page no other holder needs where it is goes to `to` (or to the fastest tier another
+  // holder is at). Reserves the destinations and marks the sequence and its pages moving; *move
+  // empty when nothing has to be copied. NOT_FOUND; DATA_LOSS (lost); FAILED_PRECONDITION (in a
+  // step, copying, filling, moving, being imported); RESOURCE_EXHAUSTED naming the tier that
+  // lacks room (nothing changed).
+  absl::Status BeginTierMove(const SequenceKey& key, Tier to, TierMove* move);
+  // Pages of `device` (any device: -1) at `tier` that no holder needs there, to the tier they are
+  // needed at, as many as fit (at most `max_pages`); *move empty when none.
+  void BeginOrphanMove(Tier tier, int device, int32_t max_pages, TierMove* move);
+  // ok: the pages live at their destinations (their sources freed) and the sequence at move.to;
+  // otherwise everything is as before the Begin call. `lost`: directory ids whose bytes could not
+  // be read: every sequence holding one is lost (DATA_LOSS from now on; its pages dropped).
+  // Returns the sequences lost.
+  std::vector<SequenceKey> EndTierMove(const TierMove& move, bool ok,
+                                       const std::vector<int32_t>& lost = {});
+  // The least recently used sequences at `tier` (on `device`; -1: any) that can move down (no
+  // step, copy or move), until moving them would free `need` slots of that tier; pages only they
+  // hold there count. Empty when nothing can.
+  std::vector<SequenceKey> Victims(Tier tier, int device, int32_t need) const;
+  // Slots of `tier` (pages on `device`, -1: any) held only by holders at slower tiers.
+  int32_t Orphans(Tier tier, int device) const;
+
  private:
   // Appends the copies of the first `length` tokens of `pages` into fresh pages of `to`, or
   // returns false (nothing allocated) when `to` lacks pages.
@@ -141,6 +200,15 @@ class SequenceTable {
   void Erase(Sequence* seq);
   // A directory entry for device page `page` of `device` (one holder on the device).
   int32_t NewPage(int device, int32_t page);
+  // Reserves a destination for a page at `tier` (of `device` for the device tier).
+  bool Reserve(Tier tier, int device, int32_t* slot);
+  // Frees a slot of `tier` that no entry occupies (a reservation, or a page's old place).
+  void FreeSlot(Tier tier, int device, int32_t slot);
+  // DATA_LOSS for a lost sequence, FAILED_PRECONDITION unless it is on the device and not moving:
+  // what a fork, migration or read of it needs.
+  absl::Status OnDevice(const Sequence& seq) const;
+  // Marks every sequence holding one of `ids` lost; returns them.
+  std::vector<SequenceKey> LoseHolders(const std::vector<int32_t>& ids);
   // One more or one fewer holder at `holder` (a device page's pool count follows); a page
   // without holders leaves the directory and its pool.
   void Hold(int32_t id, Tier holder);
@@ -150,9 +218,11 @@ class SequenceTable {
   std::vector<PagePool> pools_;
   PageDirectory dir_;
   std::vector<std::vector<int32_t>> owner_;  // [device][page]: its directory id, -1 if free
-  std::vector<int64_t> counts_;              // sequences per device
+  int64_t at_tier_[kNumTiers] = {0, 0, 0};
+  std::vector<int64_t> counts_;  // sequences per device
   SequenceLimits limits_;
   int32_t page_size_ = 0;
+  SlotPool host_, disk_;
   absl::flat_hash_map<SequenceKey, std::unique_ptr<Sequence>> seqs_;
   TenantLedger tenants_;
 };

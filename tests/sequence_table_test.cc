@@ -11,10 +11,10 @@ namespace {
 
 constexpr int32_t kPageSize = 4;
 
-SequenceTable Table(std::vector<int32_t> pages = {9, 9}) {
+SequenceTable Table(std::vector<int32_t> pages = {9, 9}, TierSlots tiers = {}) {
   std::vector<std::string> names;
   for (size_t i = 0; i < pages.size(); ++i) names.push_back("cpu:" + std::to_string(i));
-  return SequenceTable(names, pages, kPageSize, SequenceLimits{8, 4});
+  return SequenceTable(names, pages, kPageSize, SequenceLimits{8, 4}, tiers);
 }
 
 // Grows `id` by `tokens` as a committed step would.
@@ -203,6 +203,230 @@ TEST(SequenceTable, PinnedRowsOutliveAClose) {
   EXPECT_EQ(Used(t, 0), 3);  // pinned
   t.Unpin(device, pages);
   EXPECT_EQ(Used(t, 0), 0);
+}
+
+// Every page is in exactly one tier: a device page's pool count is its entry's holders and the
+// owner map points back at it; host and disk slots in use are exactly the entries there; each
+// sequence's holds are counted at its tier; sequences on the device hold their device pages.
+void Audit(const SequenceTable& t) {
+  std::vector<int32_t> holders_by_tier_sum(3, 0);
+  int32_t host = 0, disk = 0;
+  std::vector<int32_t> device_pages(t.num_devices(), 0);
+  t.directory().ForEach([&](int32_t id, const PageDirectory::Entry& e) {
+    ASSERT_GT(e.refs(), 0) << id;
+    ASSERT_FALSE(e.moving) << id;
+    if (e.tier == Tier::kDevice) {
+      EXPECT_EQ(t.pool(e.device).refcount(e.slot), e.refs()) << "page " << id;
+      ++device_pages[e.device];
+    }
+    if (e.tier == Tier::kHost) {
+      EXPECT_TRUE(t.host_slots().used(e.slot));
+      ++host;
+    }
+    if (e.tier == Tier::kDisk) {
+      EXPECT_TRUE(t.disk_slots().used(e.slot));
+      ++disk;
+    }
+    // A page lives at or faster than the fastest tier a holder is at.
+    EXPECT_LE(static_cast<int>(e.tier), static_cast<int>(e.needed())) << id;
+  });
+  for (int d = 0; d < t.num_devices(); ++d) EXPECT_EQ(t.pool(d).used_pages(), device_pages[d]);
+  EXPECT_EQ(t.host_slots().used_slots(), host);
+  EXPECT_EQ(t.disk_slots().used_slots(), disk);
+  for (const Sequence* s : t.List(nullptr)) {
+    if (s->tier == Tier::kDevice) {
+      ASSERT_EQ(s->pages.size(), s->logical.size()) << s->id;
+      for (size_t i = 0; i < s->pages.size(); ++i) {
+        EXPECT_EQ(t.directory().at(s->logical[i]).tier, Tier::kDevice) << s->id;
+        EXPECT_EQ(t.directory().at(s->logical[i]).slot, s->pages[i]) << s->id;
+      }
+    } else {
+      EXPECT_TRUE(s->pages.empty()) << s->id;
+    }
+  }
+}
+
+// Moves `id` to `to` as the engine does (the bytes copied in between) and checks the result.
+void MoveTo(SequenceTable& t, const std::string& id, Tier to, TierMove* move = nullptr) {
+  TierMove m;
+  ASSERT_TRUE(t.BeginTierMove(id, to, &m).ok());
+  EXPECT_TRUE(t.Find(id)->moving || m.pages.empty());
+  t.EndTierMove(m, true);
+  EXPECT_EQ(t.Find(id)->tier, to);
+  EXPECT_FALSE(t.Find(id)->moving);
+  if (move) *move = m;
+  Audit(t);
+}
+
+TEST(SequenceTableTiers, ASpilledSequenceGivesItsDevicePagesBackAndComesBackWhole) {
+  SequenceTable t = Table({9, 9}, {6, 6});
+  ASSERT_TRUE(t.Open("a", 0).ok());
+  Grow(t, "a", 10);  // 3 pages
+  TierMove m;
+  MoveTo(t, "a", Tier::kHost, &m);
+  ASSERT_EQ(m.pages.size(), 3u);
+  for (const TierMove::Page& p : m.pages) {
+    EXPECT_EQ(p.from, Tier::kDevice);
+    EXPECT_EQ(p.to, Tier::kHost);
+  }
+  EXPECT_EQ(Used(t, 0), 0);
+  EXPECT_EQ(t.host_slots().used_slots(), 3);
+  EXPECT_EQ(t.sequences_at(Tier::kHost), 1);
+  EXPECT_EQ(t.PagesToGrow(*t.Find("a"), 12), 0);  // its length and pages are its own still
+  // Not usable until back: forks, migrations and reads say so.
+  PageMove pm;
+  EXPECT_EQ(t.BeginFork("c", "a", 4, -1, &pm).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.BeginMigrate("a", 1, &pm).code(), absl::StatusCode::kFailedPrecondition);
+  MoveTo(t, "a", Tier::kDisk, &m);  // host -> disk
+  EXPECT_EQ(t.host_slots().used_slots(), 0);
+  EXPECT_EQ(t.disk_slots().used_slots(), 3);
+  MoveTo(t, "a", Tier::kDevice, &m);  // disk -> device
+  ASSERT_EQ(m.pages.size(), 3u);
+  EXPECT_EQ(m.pages[0].from, Tier::kDisk);
+  EXPECT_EQ(Used(t, 0), 3);
+  EXPECT_EQ(t.Find("a")->pages.size(), 3u);
+  EXPECT_EQ(t.disk_slots().used_slots(), 0);
+  ASSERT_TRUE(t.Close("a").ok());
+  Audit(t);
+  EXPECT_EQ(t.directory().size(), 0);
+}
+
+TEST(SequenceTableTiers, SharedPagesMoveOnceWhenTheirLastHolderOnTheDeviceLeaves) {
+  SequenceTable t = Table({12, 9}, {8, 8});
+  ASSERT_TRUE(t.Open("p", 0).ok());
+  Grow(t, "p", 10);  // full, full, partial
+  PageMove fork;
+  ASSERT_TRUE(t.BeginFork("c", "p", 9, -1, &fork).ok());  // shares 2 full pages, copies 1
+  t.EndFork("c", fork, true);
+  TierMove m;
+  MoveTo(t, "c", Tier::kHost, &m);  // p still on the device: only c's own page moves
+  EXPECT_EQ(m.pages.size(), 1u);
+  EXPECT_EQ(t.pool(0).refcount(t.Find("p")->pages[0]), 2);  // shared, held from two tiers
+  MoveTo(t, "p", Tier::kHost, &m);  // now the shared pages go too, once each
+  EXPECT_EQ(m.pages.size(), 3u);    // 2 shared + p's partial page
+  EXPECT_EQ(Used(t, 0), 0);
+  EXPECT_EQ(t.host_slots().used_slots(), 4);
+  MoveTo(t, "c", Tier::kDevice, &m);  // c back: the shared pages come up for c
+  EXPECT_EQ(m.pages.size(), 3u);
+  EXPECT_EQ(t.host_slots().used_slots(), 1);  // p's partial page only
+  MoveTo(t, "p", Tier::kDevice, &m);          // the shared pages are there already
+  EXPECT_EQ(m.pages.size(), 1u);
+  EXPECT_EQ(t.Find("p")->pages[0], t.Find("c")->pages[0]);
+  EXPECT_EQ(t.pool(0).refcount(t.Find("p")->pages[0]), 2);
+  ASSERT_TRUE(t.Close("p").ok());
+  ASSERT_TRUE(t.Close("c").ok());
+  Audit(t);
+  EXPECT_EQ(Used(t, 0), 0);
+}
+
+TEST(SequenceTableTiers, AMoveThatFailsOrDoesNotFitChangesNothing) {
+  SequenceTable t = Table({9, 9}, {2, 4});
+  ASSERT_TRUE(t.Open("a", 0).ok());
+  Grow(t, "a", 12);  // 3 pages; the host tier holds 2
+  TierMove m;
+  const absl::Status full = t.BeginTierMove("a", Tier::kHost, &m);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("host tier full"), std::string::npos) << full;
+  EXPECT_EQ(t.Find("a")->tier, Tier::kDevice);
+  EXPECT_FALSE(t.Find("a")->moving);
+  Audit(t);
+  ASSERT_TRUE(t.BeginTierMove("a", Tier::kDisk, &m).ok());
+  EXPECT_EQ(t.disk_slots().used_slots(), 3);                              // reserved
+  EXPECT_EQ(t.Close("a").code(), absl::StatusCode::kFailedPrecondition);  // moving
+  TierMove again;
+  EXPECT_EQ(t.BeginTierMove("a", Tier::kHost, &again).code(),
+            absl::StatusCode::kFailedPrecondition);
+  t.EndTierMove(m, false);  // a write failed: everything as before
+  EXPECT_EQ(t.Find("a")->tier, Tier::kDevice);
+  EXPECT_EQ(t.Find("a")->pages.size(), 3u);
+  EXPECT_EQ(t.disk_slots().used_slots(), 0);
+  EXPECT_EQ(Used(t, 0), 3);
+  Audit(t);
+  // A tier that is off.
+  SequenceTable none = Table();
+  ASSERT_TRUE(none.Open("a", 0).ok());
+  EXPECT_EQ(none.BeginTierMove("a", Tier::kHost, &m).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SequenceTableTiers, APageLostOnTheDiskLosesEverySequenceHoldingItAndNothingElse) {
+  SequenceTable t = Table({12, 9}, {0, 8});
+  ASSERT_TRUE(t.Open("p", 0).ok());
+  Grow(t, "p", 8);  // 2 full pages
+  PageMove fork;
+  ASSERT_TRUE(t.BeginFork("c", "p", 8, -1, &fork).ok());
+  t.EndFork("c", fork, true);
+  ASSERT_TRUE(t.Open("x", 0).ok());
+  Grow(t, "x", 4);
+  MoveTo(t, "c", Tier::kDisk);
+  MoveTo(t, "p", Tier::kDisk);
+  MoveTo(t, "x", Tier::kDisk);
+  TierMove m;
+  ASSERT_TRUE(t.BeginTierMove("c", Tier::kDevice, &m).ok());
+  ASSERT_EQ(m.pages.size(), 2u);
+  // The first page's checksum failed: c and p (which shares it) are lost, x is not.
+  const std::vector<SequenceKey> lost = t.EndTierMove(m, false, {m.pages[0].id});
+  EXPECT_EQ(lost.size(), 2u);
+  for (const char* id : {"c", "p"}) {
+    const Sequence* s = t.Find(id);
+    ASSERT_NE(s, nullptr);
+    EXPECT_TRUE(s->lost);
+    EXPECT_TRUE(s->logical.empty());
+    TierMove none;
+    EXPECT_EQ(t.BeginTierMove(id, Tier::kDevice, &none).code(), absl::StatusCode::kDataLoss);
+  }
+  EXPECT_FALSE(t.Find("x")->lost);
+  EXPECT_EQ(t.disk_slots().used_slots(), 1);  // x's page only
+  EXPECT_EQ(t.tenants().UsageOf("").pages, 1);
+  Audit(t);
+  MoveTo(t, "x", Tier::kDevice);
+  ASSERT_TRUE(t.Close("c").ok());
+  ASSERT_TRUE(t.Close("p").ok());
+  Audit(t);
+}
+
+TEST(SequenceTableTiers, PagesNoHolderNeedsOnTheDeviceAreOrphansThatGoDown) {
+  SequenceTable t = Table({12, 9}, {8, 0});
+  ASSERT_TRUE(t.Open("p", 0).ok());
+  Grow(t, "p", 8);
+  PageMove fork;
+  ASSERT_TRUE(t.BeginFork("c", "p", 8, -1, &fork).ok());
+  t.EndFork("c", fork, true);
+  MoveTo(t, "c", Tier::kHost);  // shares both pages with p: nothing moves
+  EXPECT_EQ(t.host_slots().used_slots(), 0);
+  ASSERT_TRUE(t.Close("p").ok());  // the pages stay on the device, needed only at the host
+  EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 2);
+  EXPECT_EQ(Used(t, 0), 2);
+  TierMove m;
+  t.BeginOrphanMove(Tier::kDevice, 0, 8, &m);
+  ASSERT_EQ(m.pages.size(), 2u);
+  t.EndTierMove(m, true);
+  EXPECT_EQ(Used(t, 0), 0);
+  EXPECT_EQ(t.host_slots().used_slots(), 2);
+  EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 0);
+  Audit(t);
+}
+
+TEST(SequenceTableTiers, VictimsAreTheLeastRecentlyUsedThatCanMove) {
+  SequenceTable t = Table({20, 9}, {8, 8});
+  for (const char* id : {"a", "b", "c", "d"}) {
+    ASSERT_TRUE(t.Open(id, 0).ok());
+    Grow(t, id, 8);  // 2 pages each; used in this order
+  }
+  t.Find("b")->step = 99;  // in a step: never a victim
+  EXPECT_EQ(t.Victims(Tier::kDevice, 0, 3), (std::vector<SequenceKey>{"a", "c"}));
+  EXPECT_EQ(t.Victims(Tier::kDevice, 0, 100).size(), 3u);
+  EXPECT_TRUE(t.Victims(Tier::kDevice, 1, 1).empty());  // nothing on device 1
+  t.Find("b")->step = 0;
+  // A pinned page stays (its holders on the device are two): a pinned sequence frees less.
+  int device = -1;
+  std::vector<int32_t> pinned;
+  ASSERT_TRUE(t.PinRows("a", 0, 8, &device, &pinned).ok());
+  EXPECT_EQ(t.Victims(Tier::kDevice, 0, 2), (std::vector<SequenceKey>{"b"}));
+  TierMove m;
+  MoveTo(t, "a", Tier::kHost, &m);
+  EXPECT_TRUE(m.pages.empty());  // both pages pinned on the device
+  t.Unpin(device, pinned);
+  EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 2);
 }
 
 }  // namespace
