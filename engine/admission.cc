@@ -96,7 +96,7 @@ absl::Status Engine::Impl::ContextParallelServed() const {
 
 absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<StepEntry>& batch,
                                                              const StepOptions& options,
-                                                             bool* retry) {
+                                                             bool* retry, Shortfall* need_out) {
   const ModelSpec& spec = this->spec();
   auto step = std::make_unique<Step>();
   step->options = options;
@@ -139,6 +139,17 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id), " is already in open step ", seq->step));
     }
+    // Tiers: a lost sequence is DATA_LOSS; one moving is waited for (its restore is done once,
+    // however many steps wait); one below its device is restored first (BeginStep).
+    if (seq->lost) return table->OnDevice(*seq);
+    if (seq->moving) {
+      *retry = true;
+      return table->OnDevice(*seq);
+    }
+    if (seq->tier != Tier::kDevice) {
+      if (need_out != nullptr) need_out->restore.emplace_back(seq->tenant, seq->id);
+      continue;
+    }
     step->tokens += e.q_len;
     const AttendedKeys keys = EntryKeys(spec, options.attend_only, seq->length, e.q_len);
     step->visible_keys += keys.visible;
@@ -153,16 +164,26 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     need[seq->device] += table->PagesToGrow(*seq, s.new_len);
     step->seqs.push_back(std::move(s));
   }
+  if (need_out != nullptr && !need_out->restore.empty())
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(need_out->restore[0].id),
+                                                      " is below its device; restoring it"));
   int64_t need_total = 0;
   for (int32_t n : need) need_total += n;
   RETURN_IF_ERROR(tenants.CheckPages(options.tenant, need_total));
+  absl::Status full = absl::OkStatus();
   for (size_t d = 0; d < devices.size(); ++d) {
     const PagePool& pool = table->pool(d);
-    if (need[d] > pool.free_pages())
-      return absl::ResourceExhaustedError(
+    if (need[d] <= pool.free_pages()) continue;
+    if (need_out != nullptr) {
+      need_out->pages.resize(devices.size(), 0);
+      need_out->pages[d] = need[d];
+    }
+    if (full.ok())
+      full = absl::ResourceExhaustedError(
           absl::StrCat("KV cache full on ", devices[d]->name(), ": step needs ", need[d],
                        " new pages, ", pool.free_pages(), " of ", pool.usable_pages(), " free"));
   }
+  RETURN_IF_ERROR(full);
   // The tables' memory before any state changes (an allocation failure changes nothing).
   for (StepSeq& s : step->seqs) {
     s.new_pages.reserve(table->PagesToGrow(*s.seq, s.new_len));

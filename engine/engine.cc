@@ -91,7 +91,15 @@ absl::Status Engine::Impl::Copy(const PageMove& move) {
 }
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Engine::~Engine() = default;
+Engine::~Engine() {
+  if (!impl_->prefetcher.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->prefetch_wake.notify_all();
+  impl_->prefetcher.join();
+}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   RETURN_IF_ERROR(ValidateModelSpec(options.spec));
@@ -121,14 +129,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   ASSIGN_OR_RETURN(impl->cpu_isa, ResolveCpuIsa(options.device.cpu_isa));
   ASSIGN_OR_RETURN(impl->devices, CreateDevices(names, options.spec, layout,
                                                 DeviceOptions{impl->pool.get(), options.device}));
+  RETURN_IF_ERROR(impl->CreateTiers(layout));
+  const TierSlots tiers{impl->host ? impl->host->slots() : 0, impl->disk ? impl->disk->slots() : 0};
   impl->table = std::make_unique<SequenceTable>(
       names, std::vector<int32_t>(names.size(), layout.num_pages), options.spec.page_size,
-      SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences});
+      SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences}, tiers);
   impl->table->tenants().SetQuotas(options.limits.tenant_quota, {});
   impl->compute_ns = std::make_unique<std::atomic<int64_t>[]>(impl->devices.size());
   if (options.absorption != nullptr)
     RETURN_IF_ERROR(impl->absorption.Set(options.absorption, options.spec, impl->devices));
-  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  Impl* raw = impl.get();
+  std::unique_ptr<Engine> engine(new Engine(std::move(impl)));
+  if (raw->tiers_on()) raw->prefetcher = std::thread([raw] { raw->PrefetchLoop(); });
+  return engine;
 }
 
 absl::Status Engine::SetAbsorption(std::shared_ptr<const Absorption> weights) {
@@ -170,7 +183,20 @@ absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& par
                                   int64_t prefix_len, int device) {
   PageMove move;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    const SequenceKey par(seq.tenant, parent);
+    if (impl_->tiers_on() && impl_->table->Find(par) != nullptr) {
+      RETURN_IF_ERROR(impl_->RestoreLocked(lock, par, TierEvent::Reason::kUse));
+      const Sequence* p = impl_->table->Find(par);  // (the lock was released: look again)
+      if (p == nullptr) return impl_->table->NotFound(par);
+      // Room for the pages the fork copies: the partial last page, or every page across devices.
+      const int to = device < 0 ? p->device : device;
+      const int64_t ps = impl_->spec().page_size;
+      const int32_t copies = static_cast<int32_t>(to == p->device ? (prefix_len % ps != 0)
+                                                                  : (prefix_len + ps - 1) / ps);
+      if (to >= 0 && to < num_devices() && prefix_len >= 0 && prefix_len <= p->length)
+        RETURN_IF_ERROR(impl_->MakeRoom(lock, to, copies, {p}));
+    }
     RETURN_IF_ERROR(impl_->table->BeginFork(seq, parent, prefix_len, device, &move));
   }
   const absl::Status copied = impl_->Copy(move);  // off the lock: the child is `copying`
@@ -183,7 +209,15 @@ absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& par
 absl::Status Engine::MigrateSequence(const SequenceKey& seq, int device) {
   PageMove move;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    if (impl_->tiers_on() && impl_->table->Find(seq) != nullptr) {
+      RETURN_IF_ERROR(impl_->RestoreLocked(lock, seq, TierEvent::Reason::kUse));
+      const Sequence* s = impl_->table->Find(seq);  // (the lock was released: look again)
+      if (s == nullptr) return impl_->table->NotFound(seq);
+      if (device >= 0 && device < num_devices() && device != s->device)
+        RETURN_IF_ERROR(
+            impl_->MakeRoom(lock, device, static_cast<int32_t>(s->logical.size()), {s}));
+    }
     RETURN_IF_ERROR(impl_->table->BeginMigrate(seq, device, &move));
   }
   const absl::Status copied = impl_->Copy(move);
@@ -194,14 +228,16 @@ absl::Status Engine::MigrateSequence(const SequenceKey& seq, int device) {
 }
 
 absl::Status Engine::CloseSequence(const SequenceKey& seq) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->AwaitSettled(lock, seq);  // a move of it in flight ends first
   return impl_->table->Close(seq);
 }
 
 namespace {
 SequenceInfo InfoOf(const Sequence& s) {
   return SequenceInfo{
-      s.tenant, s.id, s.length, s.device, s.pages, s.step != 0, s.length < s.import_length};
+      s.tenant, s.id,     s.length, s.device, s.pages, s.step != 0, s.length < s.import_length,
+      s.tier,   s.moving, s.lost};
 }
 }  // namespace
 
@@ -249,7 +285,9 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int l
     return absl::OutOfRangeError(
         absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    if (impl_->tiers_on() && impl_->table->Find(seq) != nullptr)
+      RETURN_IF_ERROR(impl_->RestoreLocked(lock, seq, TierEvent::Reason::kUse));
     RETURN_IF_ERROR(impl_->table->PinRows(seq, begin, end, &device, &pages));
   }
   LayerRows out;
@@ -295,15 +333,31 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
   {
     std::unique_lock<std::mutex> lock(impl_->mu);
     const auto deadline = Clock::now() + lim.abort_wait;
-    for (;;) {
+    for (int rounds = 0;; ++rounds) {
       bool retry = false;
-      auto r = impl_->TryBegin(batch, options, &retry);
+      Shortfall need;
+      auto r = impl_->TryBegin(batch, options, &retry, impl_->tiers_on() ? &need : nullptr);
       if (r.ok()) {
         step = std::move(r).value();
         break;
       }
+      // Tiers: bring the batch's spilled sequences to their devices and make the room its new
+      // pages need by spilling others (the lock is released while bytes move), then validate
+      // again: the batch is checked as a whole against what the tiers left.
+      if (need.any() && rounds < 64) {
+        std::vector<const Sequence*> keep;
+        for (const StepEntry& e : batch)
+          if (const Sequence* s = impl_->table->Find(SequenceKey(options.tenant, e.sequence_id)))
+            keep.push_back(s);
+        for (const SequenceKey& k : need.restore)
+          RETURN_IF_ERROR(impl_->RestoreLocked(lock, k, TierEvent::Reason::kStep, keep));
+        for (size_t d = 0; d < need.pages.size(); ++d)
+          if (need.pages[d] > 0) RETURN_IF_ERROR(impl_->MakeRoom(lock, d, need.pages[d], keep));
+        continue;
+      }
       // A sequence is held by a step running a layer (it may be aborting: a client that
-      // cancelled may retry at once) or is being copied: wait for a change, then validate again.
+      // cancelled may retry at once), is being copied or is moving between tiers: wait for a
+      // change, then validate again.
       if (!retry || impl_->step_ended.wait_until(lock, deadline) == std::cv_status::timeout)
         return r.status();
     }
@@ -378,7 +432,7 @@ int Engine::ExpireIdleSequences(std::chrono::steady_clock::duration idle) {
   const auto now = Clock::now();
   std::vector<SequenceKey> expired;
   for (const Sequence* s : impl_->table->List(nullptr))
-    if (s->step == 0 && !s->copying && !s->filling && now - s->last_used > idle)
+    if (s->step == 0 && !s->copying && !s->filling && !s->moving && now - s->last_used > idle)
       expired.emplace_back(s->tenant, s->id);
   int closed = 0;
   for (const SequenceKey& key : expired) closed += impl_->table->Close(key).ok() ? 1 : 0;

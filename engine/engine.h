@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,8 @@
 #include "engine/layer_request.h"
 #include "engine/row_reader.h"
 #include "kernels/device_factory.h"
+#include "kv_store/disk_tier.h"
+#include "kv_store/page_directory.h"
 #include "kv_store/tenant_ledger.h"
 
 namespace attnd {
@@ -49,6 +52,32 @@ struct EngineLimits {
   // Every tenant's quota unless Engine::SetTenantQuotas overrides it (0 = no limit).
   TenantQuota tenant_quota;
 };
+
+// The tiers below the devices (docs/architecture.md#tiers): when a device's pages run out, the
+// least recently stepped sequences spill to host memory and, below it, to a local disk, and
+// come back when a step needs them, bit for bit. A tier of 0 bytes is off.
+struct TierOptions {
+  size_t host_bytes = 0;  // --host-cache-bytes
+  std::string disk_dir;   // --disk-cache-dir ("" = no disk tier)
+  size_t disk_bytes = 0;  // --disk-cache-bytes
+  // The page file's name in disk_dir: unique per process sharing the directory (the server uses
+  // its replica name). A previous process's file of this name is removed at start.
+  std::string disk_file = "attnd-pages.bin";
+  std::shared_ptr<DiskTier::Io> disk_io;  // tests: replaceable system calls (faults)
+};
+
+// One tier move, for metrics and logs (EngineOptions::on_tier_event).
+struct TierEvent {
+  enum class Kind { kSpill, kRestore, kDataLoss };
+  enum class Reason { kStep, kPrefetch, kOffload, kIdle, kRoom, kUse };
+  Kind kind = Kind::kSpill;
+  Reason reason = Reason::kRoom;
+  Tier from = Tier::kDevice, to = Tier::kHost;
+  std::string tenant, sequence;  // empty for pages no sequence needed where they were
+  int64_t pages = 0, bytes = 0;
+  double seconds = 0;
+};
+const char* TierReasonName(TierEvent::Reason reason);
 
 struct EngineOptions {
   ModelSpec spec;
@@ -69,6 +98,9 @@ struct EngineOptions {
   // Server-side absorption's weights (--absorb-from): calls may then give q_nope instead of
   // q_latent and get [T, H, V] back. Null: none (SetAbsorption may add them later).
   std::shared_ptr<const Absorption> absorption;
+  TierOptions tiers;
+  // Called after every tier move and data loss, off the engine's lock (metrics, logs).
+  std::function<void(const TierEvent&)> on_tier_event;
 };
 
 // One batch entry of a step: `q_len` new tokens for the sequence.
@@ -126,9 +158,12 @@ struct SequenceInfo {
   std::string id;
   int64_t length = 0;  // committed tokens
   int device = 0;
-  std::vector<int32_t> pages;  // physical page ids, in order
+  std::vector<int32_t> pages;  // physical page ids on the device, in order (empty elsewhere)
   bool in_step = false;
-  bool importing = false;  // a handoff target not yet at its import length
+  bool importing = false;     // a handoff target not yet at its import length
+  Tier tier = Tier::kDevice;  // where it is (docs/architecture.md#tiers)
+  bool moving = false;        // between tiers now
+  bool lost = false;          // its pages could not be read back: DATA_LOSS on use
 };
 
 // Why a step was aborted (metrics count aborts by reason).
@@ -151,6 +186,22 @@ struct EngineCounters {
   int64_t tokens_prefill = 0, tokens_decode = 0, tokens_import = 0;
   int64_t sequences_expired = 0;  // closed by ExpireIdleSequences (their lease ran out)
   std::vector<double> device_compute_seconds;  // per device: time spent computing layers
+  // Tiers: bytes moved [from][to] (index by Tier), sequences spilled and restored (by reason),
+  // sequences lost to unreadable pages.
+  int64_t tier_bytes[kNumTiers][kNumTiers] = {};
+  int64_t spills = 0;
+  int64_t restores_step = 0, restores_prefetch = 0, restores_other = 0;
+  int64_t data_loss = 0;
+};
+
+// A tier's size and use: its pages (slots) in all and in use, bytes per page, sequences at it.
+struct TierCapacity {
+  Tier tier = Tier::kHost;
+  bool enabled = false;
+  int64_t pages_total = 0, pages_used = 0;
+  size_t bytes_per_page = 0;
+  int64_t sequences = 0;
+  std::string where;  // the disk tier's file
 };
 
 struct DeviceCapacity {
@@ -219,6 +270,20 @@ class Engine {
   TenantUsage TenantUsageOf(const std::string& tenant) const;
   TenantQuota TenantQuotaOf(const std::string& tenant) const;
   std::vector<DeviceCapacity> Capacity() const;
+  // The host and disk tiers (enabled or not), in that order.
+  std::vector<TierCapacity> Tiers() const;
+  // Restores these sequences to their devices in the background (a worker about to step them)
+  // and returns at once; a step on one waits for its restore instead of starting another.
+  // Unknown, lost and busy ones are skipped (a step reports them).
+  void PrefetchSequences(const std::vector<SequenceKey>& seqs);
+  // Spills these sequences down a tier now (to the host, or the disk when the host tier is full
+  // or off) and returns when they are there. NOT_FOUND, FAILED_PRECONDITION (in a step, no tier
+  // below the device), RESOURCE_EXHAUSTED (every tier below full), DATA_LOSS (lost); the ones
+  // before the failure were moved.
+  absl::Status OffloadSequences(const std::vector<SequenceKey>& seqs);
+  // Spills every sequence on a device that no step began or ended on for longer than `idle`
+  // (--spill-idle-ms). Returns how many moved.
+  int SpillIdleSequences(std::chrono::steady_clock::duration idle);
   // Server-side absorption (docs/numerics.md): sets the weights once (checked against the model,
   // copied to every device). The same weights again: OK, nothing changes; different ones once
   // some are set: ALREADY_EXISTS (a running step never sees its weights change).

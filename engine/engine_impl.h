@@ -6,9 +6,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -18,6 +20,8 @@
 #include "engine/step_fates.h"
 #include "engine/step_plan.h"
 #include "kernels/device.h"
+#include "kv_store/disk_tier.h"
+#include "kv_store/host_tier.h"
 #include "kv_store/sequence_table.h"
 
 namespace attnd {
@@ -54,6 +58,19 @@ struct Step {
   EngineClock::time_point last_used;
   StepPlan plan;
   std::vector<std::unique_ptr<DeviceStep>> on_device;  // [plan.shares]
+};
+
+// What a batch lacks before its step can be admitted (TryBegin): sequences to bring to their
+// devices, and pages beyond each device's free ones.
+struct Shortfall {
+  std::vector<SequenceKey> restore;
+  std::vector<int32_t> pages;  // [device]
+  bool any() const {
+    if (!restore.empty()) return true;
+    for (int32_t p : pages)
+      if (p > 0) return true;
+    return false;
+  }
 };
 
 struct Engine::Impl {
@@ -95,7 +112,8 @@ struct Engine::Impl {
   // Validates a batch, reserves its pages and binds its sequences (mu held), or changes nothing.
   // *retry: a sequence is held by a step running a layer, or is being copied.
   absl::StatusOr<std::unique_ptr<Step>> TryBegin(const std::vector<StepEntry>& batch,
-                                                 const StepOptions& options, bool* retry);
+                                                 const StepOptions& options, bool* retry,
+                                                 Shortfall* need = nullptr);
   // Builds the plan and each device's step state for a bound step (mu not held).
   absl::Status Prepare(Step& st);
   // OK when every device serves context parallelism and the model has no sliding window.
@@ -114,6 +132,50 @@ struct Engine::Impl {
 
   // Runs a PageMove's copies (mu not held).
   absl::Status Copy(const PageMove& move);
+
+  // --- tiers (tiering.cc): host and disk below the devices; mu held on entry and exit of the
+  // *Locked methods, released while bytes are copied ---
+  std::unique_ptr<HostTier> host;
+  std::unique_ptr<DiskTier> disk;
+  bool tiers_on() const { return host != nullptr || disk != nullptr; }
+  // The prefetch worker: restores queued sequences in the background.
+  std::thread prefetcher;
+  std::deque<SequenceKey> prefetch_queue;
+  std::condition_variable prefetch_wake;
+  bool stopping = false;
+  void PrefetchLoop();
+  // Creates the tiers the options ask for (Engine::Create).
+  absl::Status CreateTiers(const CacheLayout& layout);
+  // Copies a tier move's bytes (mu not held); pages whose bytes could not be read go to *lost.
+  absl::Status CopyTierBytes(const TierMove& move, std::vector<int32_t>* lost);
+  // Runs a planned move: copies, then ends it (ok, or as before, or with lost sequences).
+  absl::Status RunTierMove(std::unique_lock<std::mutex>& lock, const TierMove& move,
+                           TierEvent::Reason reason);
+  // Moves `key` to `to`.
+  absl::Status MoveLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key, Tier to,
+                          TierEvent::Reason reason);
+  // Spills `key` down: to the host (demoting the host's least recently used to disk for room),
+  // or to the disk when the host tier is full or off.
+  absl::Status SpillLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+                           TierEvent::Reason reason);
+  // Brings `key` to its device (waiting for a move of it in flight; making room), keeping the
+  // sequences in `keep` where they are.
+  absl::Status RestoreLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+                             TierEvent::Reason reason,
+                             const std::vector<const Sequence*>& keep = {});
+  // Frees `need` pages of `device` (orphans first, then its least recently used sequences),
+  // never moving those in `keep`. RESOURCE_EXHAUSTED naming every tier when nothing can go.
+  absl::Status MakeRoom(std::unique_lock<std::mutex>& lock, int device, int32_t need,
+                        const std::vector<const Sequence*>& keep);
+  // Frees `need` host slots (host orphans, then the host's least recently used, to disk).
+  absl::Status MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need);
+  // What every tier holds, for a RESOURCE_EXHAUSTED message.
+  std::string TierUse() const;
+  // Waits (mu held) while `key` is moving, up to the begin-wait; false on timeout.
+  bool AwaitSettled(std::unique_lock<std::mutex>& lock, const SequenceKey& key);
+  void Emit(const TierEvent& e) const {
+    if (options.on_tier_event) options.on_tier_event(e);
+  }
 };
 
 }  // namespace attnd

@@ -44,6 +44,20 @@ absl::Status Device::RunLayer(const StepShare& share, DeviceStep& step, const La
   return run->Finish();
 }
 
+absl::Status Device::ReadPages(const std::vector<int32_t>& pages,
+                               const std::vector<uint8_t*>& staged) {
+  for (size_t i = 0; i < pages.size(); ++i)
+    RETURN_IF_ERROR(ReadPage(pages[i], layout_.page_size, staged[i]));
+  return absl::OkStatus();
+}
+
+absl::Status Device::WritePages(const std::vector<int32_t>& pages,
+                                const std::vector<const uint8_t*>& staged) {
+  for (size_t i = 0; i < pages.size(); ++i)
+    RETURN_IF_ERROR(WritePage(pages[i], layout_.page_size, staged[i]));
+  return absl::OkStatus();
+}
+
 absl::Status Device::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
   std::vector<uint8_t> staged;
   for (const PageCopy& c : copies) {

@@ -155,6 +155,12 @@ class Device {
   // A page's first `rows` rows in every layer and slot, staged as CacheLayout::StagedBytes says.
   virtual absl::Status ReadPage(int32_t page, int rows, uint8_t* staged) = 0;
   virtual absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) = 0;
+  // Whole pages (page_size rows) to and from staged[i] at once: a tier move's spill and restore.
+  // The default stages them one by one; a GPU issues every copy and waits once.
+  virtual absl::Status ReadPages(const std::vector<int32_t>& pages,
+                                 const std::vector<uint8_t*>& staged);
+  virtual absl::Status WritePages(const std::vector<int32_t>& pages,
+                                  const std::vector<const uint8_t*>& staged);
   // Copies page prefixes to `dst` (this device or another with the same layout). The default
   // stages each page through host memory; backends override it for their own kind.
   virtual absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies);

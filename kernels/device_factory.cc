@@ -107,6 +107,14 @@ absl::StatusOr<std::string> ResolveCpuIsa(absl::string_view cpu_isa) {
   return std::string(cpu_isa);
 }
 
+HostAllocator HostTierAllocator(const std::vector<std::unique_ptr<Device>>& devices) {
+#ifdef ATTND_HAVE_CUDA
+  for (const auto& d : devices)
+    if (d->backend() == "cuda") return cuda::PinnedHostMemory();
+#endif
+  return AnonymousHostMemory();
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
     const std::vector<std::string>& names, const ModelSpec& spec, const CacheLayout& layout,
     const DeviceOptions& options) {

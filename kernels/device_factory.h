@@ -11,6 +11,7 @@
 #include "common/model_spec.h"
 #include "common/thread_pool.h"
 #include "kernels/device.h"
+#include "kv_store/host_tier.h"
 
 namespace attnd {
 
@@ -63,6 +64,11 @@ struct CacheBudget {
 };
 absl::StatusOr<CacheBudget> CacheBytesForFraction(const std::vector<std::string>& names,
                                                   double fraction, size_t gpu_scratch_bytes);
+
+// The host tier's memory (kv_store/host_tier.h) for these devices: pinned and portable when one
+// is a GPU, so its spills and restores are DMA on the GPU's copy stream; otherwise anonymous
+// memory mapped lazily.
+HostAllocator HostTierAllocator(const std::vector<std::unique_ptr<Device>>& devices);
 
 // Whether this build can drive CUDA devices (nvcc was found at build time).
 bool CudaBackendBuilt();

@@ -425,6 +425,19 @@ absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierM
   return absl::OkStatus();
 }
 
+std::array<int32_t, kNumTiers> SequenceTable::MoveNeeds(const SequenceKey& key, Tier to) const {
+  std::array<int32_t, kNumTiers> need = {0, 0, 0};
+  const Sequence* seq = Find(key);
+  if (seq == nullptr || seq->tier == to) return need;
+  for (int32_t p : seq->logical) {
+    PageDirectory::Entry e = dir_.at(p);  // a copy: the holds as they would be
+    --e.holders[static_cast<int>(seq->tier)];
+    ++e.holders[static_cast<int>(to)];
+    if (e.needed() != e.tier) ++need[static_cast<int>(e.needed())];
+  }
+  return need;
+}
+
 void SequenceTable::BeginOrphanMove(Tier tier, int device, int32_t max_pages, TierMove* move) {
   *move = TierMove();
   move->device = device;
@@ -516,11 +529,13 @@ std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& 
   return out;
 }
 
-std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t need) const {
+std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t need,
+                                                const std::vector<const Sequence*>& keep) const {
   std::vector<const Sequence*> cands;
   for (const auto& [key, seq] : seqs_)
     if (seq->tier == tier && (device < 0 || seq->device == device) && seq->step == 0 &&
-        !seq->copying && !seq->filling && !seq->moving && !seq->lost)
+        !seq->copying && !seq->filling && !seq->moving && !seq->lost &&
+        std::find(keep.begin(), keep.end(), seq.get()) == keep.end())
       cands.push_back(seq.get());
   std::sort(cands.begin(), cands.end(), [](const Sequence* a, const Sequence* b) {
     return std::tie(a->last_used, a->tenant, a->id) < std::tie(b->last_used, b->tenant, b->id);

@@ -4,6 +4,7 @@
 // tenant's share of them (quotas).
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -173,6 +174,12 @@ class SequenceTable {
   // step, copying, filling, moving, being imported); RESOURCE_EXHAUSTED naming the tier that
   // lacks room (nothing changed).
   absl::Status BeginTierMove(const SequenceKey& key, Tier to, TierMove* move);
+  // DATA_LOSS for a lost sequence, FAILED_PRECONDITION unless it is on the device and not moving:
+  // what a step, fork, migration or read of it needs.
+  absl::Status OnDevice(const Sequence& seq) const;
+  // The pages a move of `key` to `to` would copy into each tier (nothing reserved); zeros for an
+  // unknown sequence or one already there.
+  std::array<int32_t, kNumTiers> MoveNeeds(const SequenceKey& key, Tier to) const;
   // Pages of `device` (any device: -1) at `tier` that no holder needs there, to the tier they are
   // needed at, as many as fit (at most `max_pages`); *move empty when none.
   void BeginOrphanMove(Tier tier, int device, int32_t max_pages, TierMove* move);
@@ -185,7 +192,8 @@ class SequenceTable {
   // The least recently used sequences at `tier` (on `device`; -1: any) that can move down (no
   // step, copy or move), until moving them would free `need` slots of that tier; pages only they
   // hold there count. Empty when nothing can.
-  std::vector<SequenceKey> Victims(Tier tier, int device, int32_t need) const;
+  std::vector<SequenceKey> Victims(Tier tier, int device, int32_t need,
+                                   const std::vector<const Sequence*>& keep = {}) const;
   // Slots of `tier` (pages on `device`, -1: any) held only by holders at slower tiers.
   int32_t Orphans(Tier tier, int device) const;
 
@@ -204,9 +212,6 @@ class SequenceTable {
   bool Reserve(Tier tier, int device, int32_t* slot);
   // Frees a slot of `tier` that no entry occupies (a reservation, or a page's old place).
   void FreeSlot(Tier tier, int device, int32_t slot);
-  // DATA_LOSS for a lost sequence, FAILED_PRECONDITION unless it is on the device and not moving:
-  // what a fork, migration or read of it needs.
-  absl::Status OnDevice(const Sequence& seq) const;
   // Marks every sequence holding one of `ids` lost; returns them.
   std::vector<SequenceKey> LoseHolders(const std::vector<int32_t>& ids);
   // One more or one fewer holder at `holder` (a device page's pool count follows); a page

@@ -27,15 +27,16 @@ if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
 fi
 if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # The engine's concurrency (layers of different steps at once, aborts racing running layers,
-  # BeginStep waiting for an abort, several devices) and the service's, in-process (steps from
+  # BeginStep waiting for an abort, several devices, tier moves racing steps) and the service's, in-process (steps from
   # many threads, sharded steps gathered across threads, shared-memory regions changing under
   # running layers). The tests through a gRPC server are not run under TSan: Debian's gRPC and
   # Abseil are uninstrumented, so every reactor handed between gRPC's threads and ours reads as
   # a race (false reports); an instrumented gRPC is not packaged.
   configure build-tsan thread
   cmake --build build-tsan -j "$(nproc)" --target engine_state_test engine_hardening_test \
-    engine_devices_test engine_concurrency_test service_concurrency_test thread_pool_test
+    engine_devices_test engine_concurrency_test service_concurrency_test thread_pool_test \
+    engine_tiers_test
   echo "sanitize: TSan: the engine's and the service's concurrency tests"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp" \
-    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool'
+    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers'
 fi

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/device.h"
+#include "kv_store/host_tier.h"
 
 namespace attnd::cuda {
 
@@ -85,6 +86,10 @@ class CudaDevice final : public Device {
   std::shared_ptr<NcclPeers> nccl_;
   int nccl_rank_ = -1;
 };
+
+// Pinned, portable host memory (cudaHostAlloc) for the host tier: every GPU's copy engine reads
+// and writes it directly.
+HostAllocator PinnedHostMemory();
 
 // Lets the GPUs of one server move pages to each other with NCCL. Without NCCL (it is loaded at
 // run time) they use peer copies, and a line on stderr says why.

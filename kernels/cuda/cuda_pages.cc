@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_device_state.h"
@@ -170,6 +171,19 @@ absl::StatusOr<bool> CudaDevice::ReservedPageUntouched() {
   std::vector<uint8_t> host(layout().StagedBytes(layout().page_size));
   RETURN_IF_ERROR(ReadPage(0, layout().page_size, host.data()));
   return std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0; });
+}
+
+HostAllocator PinnedHostMemory() {
+  return [](size_t bytes) -> absl::StatusOr<HostBlock> {
+    void* p = nullptr;
+    const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("host tier: cannot pin ", bytes, " bytes: ", cudaGetErrorString(e)));
+    }
+    return HostBlock{p, bytes, [](void* q, size_t) { cudaFreeHost(q); }};
+  };
 }
 
 void ConnectPeers(const std::vector<CudaDevice*>& gpus) {

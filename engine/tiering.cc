@@ -1,0 +1,410 @@
+// The tiers below the devices (docs/architecture.md#tiers): spills and restores of sequences,
+// room made on a device or the host tier, prefetch and offload, idle spills. The bookkeeping is
+// the sequence table's (BeginTierMove / EndTierMove, under mu); the bytes move here with mu
+// released, page by page as CacheLayout stages them, so a restored sequence holds the same
+// bytes it had.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "common/client_text.h"
+#include "common/guarded.h"
+#include "common/status_macros.h"
+#include "engine/engine_impl.h"
+
+namespace attnd {
+namespace {
+
+using Clock = EngineClock;
+
+// Pages staged at once by a move through host buffers (device <-> disk): bounds its memory.
+constexpr size_t kStagedPages = 8;
+
+// Aligned host buffers of whole pages (the disk tier writes them with O_DIRECT).
+struct Staging {
+  explicit Staging(size_t page_bytes, size_t pages)
+      : stride(TierStride(page_bytes)),
+        p(static_cast<uint8_t*>(std::aligned_alloc(kTierAlign, stride * pages))) {}
+  ~Staging() { std::free(p); }
+  uint8_t* at(size_t i) const { return p + i * stride; }
+  size_t stride;
+  uint8_t* p;
+};
+
+}  // namespace
+
+const char* TierReasonName(TierEvent::Reason reason) {
+  switch (reason) {
+    case TierEvent::Reason::kStep:
+      return "step";
+    case TierEvent::Reason::kPrefetch:
+      return "prefetch";
+    case TierEvent::Reason::kOffload:
+      return "offload";
+    case TierEvent::Reason::kIdle:
+      return "idle";
+    case TierEvent::Reason::kRoom:
+      return "room";
+    case TierEvent::Reason::kUse:
+      return "use";
+  }
+  return "?";
+}
+
+absl::Status Engine::Impl::CreateTiers(const CacheLayout& layout) {
+  const TierOptions& t = options.tiers;
+  const size_t page_bytes = layout.BytesPerPage();
+  const int32_t host_slots =
+      static_cast<int32_t>(std::min<size_t>(t.host_bytes / TierStride(page_bytes), INT32_MAX));
+  const int32_t disk_slots = t.disk_dir.empty()
+                                 ? 0
+                                 : static_cast<int32_t>(std::min<size_t>(
+                                       t.disk_bytes / TierStride(page_bytes), INT32_MAX));
+  if (t.host_bytes > 0 && host_slots == 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--host-cache-bytes ", t.host_bytes, ": less than one page (", page_bytes, " bytes)"));
+  if (!t.disk_dir.empty() && disk_slots == 0)
+    return absl::InvalidArgumentError(absl::StrCat("--disk-cache-bytes ", t.disk_bytes,
+                                                   ": less than one page (", page_bytes,
+                                                   " bytes); give the disk tier a size"));
+  if (host_slots > 0) {
+    ASSIGN_OR_RETURN(host, HostTier::Create(page_bytes, host_slots, HostTierAllocator(devices)));
+  }
+  if (disk_slots > 0) {
+    ASSIGN_OR_RETURN(disk,
+                     DiskTier::Create(t.disk_dir, t.disk_file, page_bytes, disk_slots, t.disk_io));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::CopyTierBytes(const TierMove& move, std::vector<int32_t>* lost) {
+  if (move.pages.empty()) return absl::OkStatus();
+  const CacheLayout& layout = devices[0]->layout();
+  const size_t page_bytes = layout.BytesPerPage();
+  Device* dev = move.device >= 0 ? devices[move.device].get() : nullptr;
+  // Device <-> host: the device stages straight into or out of the host tier's slots.
+  std::vector<int32_t> pages;
+  std::vector<uint8_t*> to_host;
+  std::vector<const uint8_t*> from_host;
+  for (const TierMove::Page& p : move.pages) {
+    if (p.from == Tier::kDevice && p.to == Tier::kHost) {
+      pages.push_back(p.src);
+      to_host.push_back(host->Slot(p.dst));
+    }
+  }
+  if (!pages.empty()) RETURN_IF_ERROR(dev->ReadPages(pages, to_host));
+  pages.clear();
+  for (const TierMove::Page& p : move.pages) {
+    if (p.from == Tier::kHost && p.to == Tier::kDevice) {
+      pages.push_back(p.dst);
+      from_host.push_back(host->Slot(p.src));
+    }
+  }
+  if (!pages.empty()) RETURN_IF_ERROR(dev->WritePages(pages, from_host));
+  // Host -> disk and disk -> host: one slot at a time.
+  for (const TierMove::Page& p : move.pages) {
+    if (p.from == Tier::kHost && p.to == Tier::kDisk)
+      RETURN_IF_ERROR(disk->Write(p.dst, host->Slot(p.src)));
+    if (p.from == Tier::kDisk && p.to == Tier::kHost) {
+      const absl::Status r = disk->Read(p.src, host->Slot(p.dst));
+      if (r.code() == absl::StatusCode::kDataLoss) lost->push_back(p.id);
+      if (!r.ok()) return r;
+    }
+  }
+  // Device <-> disk: through aligned staging, kStagedPages at a time.
+  std::vector<const TierMove::Page*> down, up;
+  for (const TierMove::Page& p : move.pages) {
+    if (p.from == Tier::kDevice && p.to == Tier::kDisk) down.push_back(&p);
+    if (p.from == Tier::kDisk && p.to == Tier::kDevice) up.push_back(&p);
+  }
+  if (down.empty() && up.empty()) return absl::OkStatus();
+  Staging staging(page_bytes, kStagedPages);
+  if (staging.p == nullptr) return absl::ResourceExhaustedError("tier move: no staging memory");
+  for (size_t i = 0; i < down.size(); i += kStagedPages) {
+    const size_t n = std::min(kStagedPages, down.size() - i);
+    std::vector<int32_t> src(n);
+    std::vector<uint8_t*> buf(n);
+    for (size_t j = 0; j < n; ++j) src[j] = down[i + j]->src, buf[j] = staging.at(j);
+    RETURN_IF_ERROR(dev->ReadPages(src, buf));
+    for (size_t j = 0; j < n; ++j) RETURN_IF_ERROR(disk->Write(down[i + j]->dst, buf[j]));
+  }
+  absl::Status first_loss = absl::OkStatus();
+  for (size_t i = 0; i < up.size(); i += kStagedPages) {
+    const size_t n = std::min(kStagedPages, up.size() - i);
+    std::vector<int32_t> dst;
+    std::vector<const uint8_t*> buf;
+    for (size_t j = 0; j < n; ++j) {
+      const absl::Status r = disk->Read(up[i + j]->src, staging.at(j));
+      if (r.ok()) {
+        dst.push_back(up[i + j]->dst);
+        buf.push_back(staging.at(j));
+        continue;
+      }
+      if (r.code() != absl::StatusCode::kDataLoss) return r;
+      lost->push_back(up[i + j]->id);  // read on: every lost page is named at once
+      if (first_loss.ok()) first_loss = r;
+    }
+    if (!dst.empty()) RETURN_IF_ERROR(dev->WritePages(dst, buf));
+  }
+  return first_loss;
+}
+
+absl::Status Engine::Impl::RunTierMove(std::unique_lock<std::mutex>& lock, const TierMove& move,
+                                       TierEvent::Reason reason) {
+  std::vector<int32_t> lost;
+  absl::Status copied = absl::OkStatus();
+  TierEvent ev;
+  ev.kind = move.to == Tier::kDevice ? TierEvent::Kind::kRestore : TierEvent::Kind::kSpill;
+  ev.reason = reason;
+  ev.from = move.from;
+  ev.to = move.to;
+  ev.tenant = move.key.tenant;
+  ev.sequence = move.key.id;
+  ev.pages = static_cast<int64_t>(move.pages.size());
+  ev.bytes = ev.pages * static_cast<int64_t>(devices[0]->layout().BytesPerPage());
+  if (!move.pages.empty()) {
+    lock.unlock();
+    const auto t0 = Clock::now();
+    copied = Guarded([&] { return CopyTierBytes(move, &lost); });
+    ev.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (copied.ok()) Emit(ev);
+    lock.lock();
+  }
+  const std::vector<SequenceKey> lost_seqs = table->EndTierMove(move, copied.ok(), lost);
+  step_ended.notify_all();
+  if (copied.ok()) {
+    for (const TierMove::Page& p : move.pages)
+      counters.tier_bytes[static_cast<int>(p.from)][static_cast<int>(p.to)] +=
+          static_cast<int64_t>(devices[0]->layout().BytesPerPage());
+    if (!move.key.id.empty() && move.from != move.to) {
+      if (ev.kind == TierEvent::Kind::kSpill) {
+        ++counters.spills;
+      } else if (reason == TierEvent::Reason::kStep) {
+        ++counters.restores_step;
+      } else if (reason == TierEvent::Reason::kPrefetch) {
+        ++counters.restores_prefetch;
+      } else {
+        ++counters.restores_other;
+      }
+    }
+  }
+  if (!lost_seqs.empty()) {
+    counters.data_loss += static_cast<int64_t>(lost_seqs.size());
+    lock.unlock();
+    for (const SequenceKey& k : lost_seqs) {
+      TierEvent loss;
+      loss.kind = TierEvent::Kind::kDataLoss;
+      loss.reason = reason;
+      loss.from = Tier::kDisk;
+      loss.tenant = k.tenant;
+      loss.sequence = k.id;
+      Emit(loss);
+    }
+    lock.lock();
+  }
+  return copied;
+}
+
+absl::Status Engine::Impl::MoveLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+                                      Tier to, TierEvent::Reason reason) {
+  TierMove move;
+  RETURN_IF_ERROR(table->BeginTierMove(key, to, &move));
+  return RunTierMove(lock, move, reason);
+}
+
+std::string Engine::Impl::TierUse() const {
+  std::string out;
+  for (int d = 0; d < static_cast<int>(devices.size()); ++d)
+    absl::StrAppend(&out, d ? ", " : "", devices[d]->name(), " ", table->pool(d).used_pages(), "/",
+                    table->pool(d).usable_pages());
+  absl::StrAppend(
+      &out, "; host tier ",
+      host ? absl::StrCat(table->host_slots().used_slots(), "/", table->host_slots().slots())
+           : std::string("off"),
+      "; disk tier ",
+      disk ? absl::StrCat(table->disk_slots().used_slots(), "/", table->disk_slots().slots())
+           : std::string("off"),
+      " pages used");
+  return out;
+}
+
+bool Engine::Impl::AwaitSettled(std::unique_lock<std::mutex>& lock, const SequenceKey& key) {
+  const auto deadline = Clock::now() + options.limits.abort_wait;
+  for (;;) {
+    const Sequence* s = table->Find(key);
+    if (s == nullptr || !s->moving) return true;
+    if (step_ended.wait_until(lock, deadline) == std::cv_status::timeout) return false;
+  }
+}
+
+absl::Status Engine::Impl::MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need) {
+  for (int round = 0; round < 256; ++round) {
+    const int32_t free = table->host_slots().free_slots();
+    if (free >= need) return absl::OkStatus();
+    if (disk == nullptr) break;
+    if (table->Orphans(Tier::kHost, -1) > 0) {
+      TierMove m;
+      table->BeginOrphanMove(Tier::kHost, -1, need - free, &m);
+      if (!m.pages.empty()) {
+        RETURN_IF_ERROR(RunTierMove(lock, m, TierEvent::Reason::kRoom));
+        continue;
+      }
+    }
+    const std::vector<SequenceKey> victims = table->Victims(Tier::kHost, -1, need - free);
+    if (victims.empty()) break;
+    RETURN_IF_ERROR(MoveLocked(lock, victims[0], Tier::kDisk, TierEvent::Reason::kRoom));
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("host tier full: ", need, " pages needed, ", table->host_slots().free_slots(),
+                   " free, nothing left to move to disk (", TierUse(), ")"));
+}
+
+absl::Status Engine::Impl::SpillLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+                                       TierEvent::Reason reason) {
+  if (!tiers_on())
+    return absl::FailedPreconditionError(
+        "no tier below the device (--host-cache-bytes, --disk-cache-dir)");
+  if (host != nullptr) {
+    const int32_t want = table->MoveNeeds(key, Tier::kHost)[static_cast<int>(Tier::kHost)];
+    const absl::Status room = MakeHostRoom(lock, want);
+    if (room.ok()) {
+      const absl::Status moved = MoveLocked(lock, key, Tier::kHost, reason);
+      if (moved.code() != absl::StatusCode::kResourceExhausted || disk == nullptr) return moved;
+    } else if (disk == nullptr) {
+      return room;
+    }
+  }
+  return MoveLocked(lock, key, Tier::kDisk, reason);
+}
+
+absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int device, int32_t need,
+                                    const std::vector<const Sequence*>& keep) {
+  absl::Status last = absl::OkStatus();
+  for (int round = 0; round < 256; ++round) {
+    const int32_t free = table->pool(device).free_pages();
+    if (free >= need) return absl::OkStatus();
+    if (table->Orphans(Tier::kDevice, device) > 0) {
+      if (host != nullptr) (void)MakeHostRoom(lock, need - free);
+      TierMove m;
+      table->BeginOrphanMove(Tier::kDevice, device, need - free, &m);
+      if (!m.pages.empty()) {
+        RETURN_IF_ERROR(RunTierMove(lock, m, TierEvent::Reason::kRoom));
+        continue;
+      }
+    }
+    const std::vector<SequenceKey> victims =
+        table->Victims(Tier::kDevice, device, need - free, keep);
+    if (victims.empty()) break;
+    last = SpillLocked(lock, victims[0], TierEvent::Reason::kRoom);
+    if (!last.ok()) break;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "KV cache full on ", devices[device]->name(), ": ", need, " pages needed, ",
+      table->pool(device).free_pages(), " free, and no sequence can spill",
+      last.ok() ? std::string() : absl::StrCat(" (", last.message(), ")"), " (", TierUse(), ")"));
+}
+
+absl::Status Engine::Impl::RestoreLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+                                         TierEvent::Reason reason,
+                                         const std::vector<const Sequence*>& keep) {
+  for (int round = 0; round < 8; ++round) {
+    if (!AwaitSettled(lock, key))
+      return absl::DeadlineExceededError(absl::StrCat(
+          "sequence ", Quote(key.id), " is still moving between tiers after --begin-wait-ms"));
+    Sequence* seq = table->Find(key);
+    if (seq == nullptr) return table->NotFound(key);
+    if (seq->lost) return table->OnDevice(*seq);  // DATA_LOSS, said once for every use
+    if (seq->tier == Tier::kDevice) return absl::OkStatus();
+    std::vector<const Sequence*> stay = keep;
+    stay.push_back(seq);
+    const int32_t need = table->MoveNeeds(key, Tier::kDevice)[0];
+    RETURN_IF_ERROR(MakeRoom(lock, seq->device, need, stay));
+    const absl::Status moved = MoveLocked(lock, key, Tier::kDevice, reason);
+    if (moved.code() == absl::StatusCode::kResourceExhausted) continue;  // room taken meanwhile
+    RETURN_IF_ERROR(moved);
+    if (Sequence* s = table->Find(key)) s->last_used = Clock::now();
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat("sequence ", Quote(key.id),
+                                                   ": no room could be kept for it on its device (",
+                                                   TierUse(), ")"));
+}
+
+void Engine::Impl::PrefetchLoop() {
+  std::unique_lock<std::mutex> lock(mu);
+  for (;;) {
+    prefetch_wake.wait(lock, [&] { return stopping || !prefetch_queue.empty(); });
+    if (stopping) return;
+    const SequenceKey key = prefetch_queue.front();
+    prefetch_queue.pop_front();
+    const Sequence* s = table->Find(key);
+    if (s == nullptr || s->lost || s->tier == Tier::kDevice || s->step != 0) continue;
+    (void)RestoreLocked(lock, key, TierEvent::Reason::kPrefetch);
+  }
+}
+
+// ---- the API ----
+
+std::vector<TierCapacity> Engine::Tiers() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const size_t page = impl_->devices[0]->layout().BytesPerPage();
+  TierCapacity h, d;
+  h.tier = Tier::kHost;
+  h.enabled = impl_->host != nullptr;
+  h.pages_total = impl_->table->host_slots().slots();
+  h.pages_used = impl_->table->host_slots().used_slots();
+  h.bytes_per_page = page;
+  h.sequences = impl_->table->sequences_at(Tier::kHost);
+  d.tier = Tier::kDisk;
+  d.enabled = impl_->disk != nullptr;
+  d.pages_total = impl_->table->disk_slots().slots();
+  d.pages_used = impl_->table->disk_slots().used_slots();
+  d.bytes_per_page = page;
+  d.sequences = impl_->table->sequences_at(Tier::kDisk);
+  if (impl_->disk) d.where = impl_->disk->path();
+  return {h, d};
+}
+
+void Engine::PrefetchSequences(const std::vector<SequenceKey>& seqs) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (!impl_->tiers_on()) return;
+  for (const SequenceKey& k : seqs) impl_->prefetch_queue.push_back(k);
+  impl_->prefetch_wake.notify_one();
+}
+
+absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  for (const SequenceKey& k : seqs) {
+    if (!impl_->AwaitSettled(lock, k))
+      return absl::DeadlineExceededError(
+          absl::StrCat("sequence ", Quote(k.id), " is still moving between tiers"));
+    const Sequence* s = impl_->table->Find(k);
+    if (s == nullptr) return impl_->table->NotFound(k);
+    if (s->tier != Tier::kDevice && !s->lost) continue;  // down already
+    RETURN_IF_ERROR(impl_->SpillLocked(lock, k, TierEvent::Reason::kOffload));
+  }
+  return absl::OkStatus();
+}
+
+int Engine::SpillIdleSequences(std::chrono::steady_clock::duration idle) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  if (!impl_->tiers_on()) return 0;
+  const auto now = Clock::now();
+  std::vector<SequenceKey> idle_ones;
+  for (const Sequence* s : impl_->table->List(nullptr))
+    if (s->tier == Tier::kDevice && s->step == 0 && !s->copying && !s->filling && !s->moving &&
+        !s->lost && !s->logical.empty() && now - s->last_used > idle)
+      idle_ones.emplace_back(s->tenant, s->id);
+  int moved = 0;
+  for (const SequenceKey& k : idle_ones) {
+    const Sequence* s = impl_->table->Find(k);
+    if (s == nullptr || s->tier != Tier::kDevice || s->step != 0 || s->moving) continue;
+    moved += impl_->SpillLocked(lock, k, TierEvent::Reason::kIdle).ok() ? 1 : 0;
+  }
+  return moved;
+}
+
+}  // namespace attnd
