@@ -72,7 +72,9 @@ ShmAccess AttentionService::ShmFor(const Caller& caller) const {
 grpc::ServerUnaryReactor* AttentionService::OpenSequence(grpc::CallbackServerContext* ctx,
                                                          const v1::OpenSequenceRequest* req,
                                                          v1::SequenceInfo* resp) {
-  return Unary(ctx, "OpenSequence", [&](const Caller& c) { return DoOpenSequence(c, *req, resp); });
+  // A fork may bring its parent back from a tier below the device: off gRPC's threads.
+  return Posted(ctx, "OpenSequence",
+                [this, req, resp](const Caller& c) { return DoOpenSequence(c, *req, resp); });
 }
 
 absl::Status AttentionService::DoOpenSequence(const Caller& caller,
@@ -98,7 +100,9 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
 grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerContext* ctx,
                                                           const v1::CloseSequenceRequest* req,
                                                           v1::CloseSequenceResponse*) {
-  return Unary(ctx, "CloseSequence", [&](const Caller& c) { return DoCloseSequence(c, *req); });
+  // Waits for a tier move of the sequence in flight: off gRPC's threads.
+  return Posted(ctx, "CloseSequence",
+                [this, req](const Caller& c) { return DoCloseSequence(c, *req); });
 }
 
 absl::Status AttentionService::DoCloseSequence(const Caller& caller,
@@ -138,6 +142,56 @@ absl::Status AttentionService::DoListSequences(const Caller& caller,
   for (const SequenceInfo& info : list)
     FillSequence(info, *engine_, resp->add_sequences(), req.all_tenants());
   return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionService::PrefetchSequences(
+    grpc::CallbackServerContext* ctx, const v1::PrefetchSequencesRequest* req,
+    v1::PrefetchSequencesResponse*) {
+  return Unary(ctx, "PrefetchSequences",
+               [&](const Caller& c) { return DoPrefetchSequences(c, *req); });
+}
+
+grpc::ServerUnaryReactor* AttentionService::OffloadSequences(grpc::CallbackServerContext* ctx,
+                                                             const v1::OffloadSequencesRequest* req,
+                                                             v1::OffloadSequencesResponse*) {
+  return Posted(ctx, "OffloadSequences",
+                [this, req](const Caller& c) { return DoOffloadSequences(c, *req); });
+}
+
+namespace {
+// The ids of a prefetch or offload request, checked and in the caller's tenant.
+absl::StatusOr<std::vector<SequenceKey>> Keys(
+    const Caller& caller, const google::protobuf::RepeatedPtrField<std::string>& ids,
+    const EngineLimits& lim) {
+  if (ids.size() > lim.max_batch_entries)
+    return absl::InvalidArgumentError(absl::StrCat("sequence_ids: ", ids.size(), ", at most ",
+                                                   lim.max_batch_entries,
+                                                   " (--max-batch-entries)"));
+  std::vector<SequenceKey> keys;
+  keys.reserve(ids.size());
+  for (int i = 0; i < ids.size(); ++i) {
+    RETURN_IF_ERROR(
+        CheckIdLength(absl::StrCat("sequence_ids[", i, "]").c_str(), ids[i], lim.max_id_bytes));
+    keys.push_back(KeyOf(caller, ids[i]));
+  }
+  return keys;
+}
+}  // namespace
+
+absl::Status AttentionService::DoPrefetchSequences(const Caller& caller,
+                                                   const v1::PrefetchSequencesRequest& req) {
+  ASSIGN_OR_RETURN(std::vector<SequenceKey> keys,
+                   Keys(caller, req.sequence_ids(), engine_->options().limits));
+  engine_->PrefetchSequences(keys);
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::DoOffloadSequences(const Caller& caller,
+                                                  const v1::OffloadSequencesRequest& req) {
+  if (draining_) return Draining();
+  ASSIGN_OR_RETURN(std::vector<SequenceKey> keys,
+                   Keys(caller, req.sequence_ids(), engine_->options().limits));
+  return engine_->OffloadSequences(keys);
 }
 
 absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,

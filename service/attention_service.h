@@ -67,6 +67,12 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* ctx,
                                           const v1::ListSequencesRequest* req,
                                           v1::ListSequencesResponse* resp) override;
+  grpc::ServerUnaryReactor* PrefetchSequences(grpc::CallbackServerContext* ctx,
+                                              const v1::PrefetchSequencesRequest* req,
+                                              v1::PrefetchSequencesResponse* resp) override;
+  grpc::ServerUnaryReactor* OffloadSequences(grpc::CallbackServerContext* ctx,
+                                             const v1::OffloadSequencesRequest* req,
+                                             v1::OffloadSequencesResponse* resp) override;
   grpc::ServerUnaryReactor* BeginStep(grpc::CallbackServerContext* ctx,
                                       const v1::BeginStepRequest* req,
                                       v1::BeginStepResponse* resp) override;
@@ -114,6 +120,10 @@ class AttentionService final : public v1::Attention::CallbackService {
                                   v1::SequenceInfo* resp);
   absl::Status DoListSequences(const Caller& caller, const v1::ListSequencesRequest& req,
                                v1::ListSequencesResponse* resp);
+  // The tiers (docs/architecture.md#tiers): prefetch answers at once; offload blocks while the
+  // sequences spill (the executor runs it).
+  absl::Status DoPrefetchSequences(const Caller& caller, const v1::PrefetchSequencesRequest& req);
+  absl::Status DoOffloadSequences(const Caller& caller, const v1::OffloadSequencesRequest& req);
   absl::Status DoRegisterSharedMemory(const Caller& caller,
                                       const v1::RegisterSharedMemoryRequest& req);
   absl::Status DoUnregisterSharedMemory(const Caller& caller,
@@ -168,6 +178,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   // Runs `fn(caller)` for an authenticated caller and finishes the call with its status.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn fn);
+  // The same on the executor, for calls that may block (tier moves): `fn` must own what it uses.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Posted(grpc::CallbackServerContext* ctx, const char* method, Fn fn);
   ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;

@@ -138,8 +138,8 @@ std::vector<Flag> Table(ServerFlags* f) {
        "cache pages per device, incl. reserved page 0 (overrides bytes and\nfraction)",
        Int(&f->kv_pages)},
       {"gpu-scratch-bytes", "N",
-       "per GPU, beside its cache: a step's working memory (about 1.1 MiB per\nnew token at 128 "
-       "heads, 0.2 MiB at 16); a step that needs more is\nrefused at BeginStep (default "
+       "per GPU, beside its cache: a step's working memory (about 1.8 MiB per\nnew token at 128 "
+       "heads, 0.35 MiB at 16); a step that needs more is\nrefused at BeginStep (default "
        "8589934592)",
        Int(&f->gpu_scratch_bytes)},
       {"cache-dtype", "bf16|fp8|fp32 (or BF16|FP8_E4M3|FP32)",
@@ -196,6 +196,21 @@ std::vector<Flag> Table(ServerFlags* f) {
        "close sequences no step began or ended on for this long (their\nlease; every step "
        "renews it; default 0 = never)",
        Int(&f->sequence_idle_timeout_s)},
+      {"host-cache-bytes", "N",
+       "a host-memory tier below the devices: when a device's pages run out,\nits least "
+       "recently stepped sequences spill here and a step brings\nthem back (pinned for GPUs; "
+       "default 0 = off)",
+       Int(&f->host_cache_bytes)},
+      {"disk-cache-dir", "DIR",
+       "a local directory for the disk tier below the host tier (a page file,\nchecksummed; "
+       "scratch: emptied at every start; default off)",
+       Str(&f->disk_cache_dir)},
+      {"disk-cache-bytes", "N", "the disk tier's size (with --disk-cache-dir)",
+       Int(&f->disk_cache_bytes)},
+      {"spill-idle-ms", "N",
+       "spill sequences no step touched for this long down a tier (default 0:\nonly when a "
+       "device needs room)",
+       Int(&f->spill_idle_ms)},
       {"shutdown-grace-ms", "N", "after the drain, let RPCs finish this long (default 10000)",
        Int(&f->shutdown_grace_ms)},
       {"log-level", "info|warning|error",
@@ -386,6 +401,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.sequence_idle_timeout_s > int64_t{10} * 365 * 86400)
     return bad("--sequence-idle-timeout-s: at most ten years (0 = never)");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
+  if (f.disk_cache_dir.empty() != (f.disk_cache_bytes == 0))
+    return bad("--disk-cache-dir and --disk-cache-bytes go together");
+  if (f.spill_idle_ms > 0 && f.host_cache_bytes == 0 && f.disk_cache_dir.empty())
+    return bad("--spill-idle-ms needs a tier to spill to (--host-cache-bytes, --disk-cache-dir)");
   if (!f.admin_tenant.empty() && f.auth == "none")
     return bad("--admin-tenant needs --auth=token or --auth=mtls");
   return f;

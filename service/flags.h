@@ -39,6 +39,11 @@ struct ServerFlags {
   int max_connection_age_grace_ms = 0;  // 0: calls in flight finish however long they take
   int64_t step_idle_timeout_ms = 30000;
   int64_t sequence_idle_timeout_s = 0;  // a sequence's lease; 0 = never expires
+  // Tiers below the devices (docs/architecture.md#tiers); 0 / "" = off.
+  int64_t host_cache_bytes = 0;
+  std::string disk_cache_dir;
+  int64_t disk_cache_bytes = 0;
+  int64_t spill_idle_ms = 0;  // spill sequences idle this long; 0: only when room is needed
   int64_t shutdown_grace_ms = 10000;
   // Per-request bounds (docs/trust.md); defaults a production server can ship with.
   int64_t max_step_tokens = 65536;

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -68,7 +69,20 @@ void ApplyQuotas(const ServerFlags& f, const Authenticator& auth, Engine* engine
   engine->SetTenantQuotas(fallback, auth.QuotaOverrides(fallback));
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
+// The disk tier's page file: one per replica sharing the directory, named for it (--replica-name,
+// else the port), so a restarted replica removes its predecessor's file; with an ephemeral port
+// (tests), the process id.
+std::string DiskFileName(const ServerFlags& f) {
+  std::string name = !f.replica_name.empty() ? f.replica_name
+                     : f.grpc_port > 0       ? absl::StrCat("port", f.grpc_port)
+                                             : absl::StrCat("pid", getpid());
+  for (char& c : name)
+    if (c == ':' || c == '/') c = '_';
+  return absl::StrCat("attnd-", name, ".pages");
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(
+    const ServerFlags& f, std::function<void(const TierEvent&)> on_tier_event) {
   EngineOptions o;
   ASSIGN_OR_RETURN(o.spec, LoadSpec(f));
   o.devices = f.devices;  // "cpu:N" / "cuda:N", validated by the engine
@@ -89,6 +103,11 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const ServerFlags& f) {
   o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
   o.limits.tenant_quota = FlagQuota(f);
   o.device.cpu_isa = f.cpu_isa;
+  o.tiers.host_bytes = static_cast<size_t>(f.host_cache_bytes);
+  o.tiers.disk_dir = f.disk_cache_dir;
+  o.tiers.disk_bytes = static_cast<size_t>(f.disk_cache_bytes);
+  o.tiers.disk_file = DiskFileName(f);
+  o.on_tier_event = std::move(on_tier_event);
   if (!f.absorb_from.empty()) {
     auto absorb = LoadAbsorption(f.absorb_from, o.spec);
     if (!absorb.ok())
@@ -167,15 +186,22 @@ class Server {
   explicit Server(const ServerFlags& flags) : flags_(flags) {}
   ~Server() {
     if (grpc_server_) grpc_server_->Shutdown();
+    std::lock_guard<std::mutex> lock(tier_mu_);
+    tier_metrics_ = nullptr;
   }
 
   // The engine, authentication and the metrics listener; then the gRPC server and the local
   // (shared-memory) listener, serving.
   absl::Status Start() {
-    ASSIGN_OR_RETURN(engine_, MakeEngine(flags_));
+    // Tier moves reach the metrics and the log (the metrics exist once the engine does).
+    ASSIGN_OR_RETURN(engine_, MakeEngine(flags_, [this](const TierEvent& e) { TierMoved(e); }));
     RETURN_IF_ERROR(StartAuth());
     executor_ = std::make_unique<Executor>(flags_.executor_threads);
     service_metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get(), executor_.get());
+    {
+      std::lock_guard<std::mutex> lock(tier_mu_);
+      tier_metrics_ = service_metrics_.get();
+    }
     if (absl::Status st = StartMetrics(); !st.ok())
       return absl::Status(st.code(), absl::StrCat("metrics: ", st.message()));
     RETURN_IF_ERROR(BuildServer());
@@ -383,6 +409,12 @@ class Server {
         flags_.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags_.admin_tenant),
         ", shared memory ", flags_.shm ? absl::StrCat("on ", flags_.shm_socket) : "off",
         ", reflection ", flags_.grpc_reflection ? "on" : "off"));
+    std::string tiers;
+    for (const TierCapacity& t : engine_->Tiers())
+      if (t.enabled)
+        absl::StrAppend(&tiers, tiers.empty() ? "" : ", ", TierName(t.tier), " ", t.pages_total,
+                        " pages", t.where.empty() ? "" : absl::StrCat(" in ", t.where));
+    if (!tiers.empty()) Say(absl::StrCat("tiers below the devices: ", tiers));
     if (const auto a = engine_->absorption())
       Say(absl::StrCat("absorption on (", a->source(), "): q_nope [T, H, ", a->qk_nope_head_dim(),
                        "] in, [T, H, ", a->v_head_dim(), "] out, ", a->bytes() >> 20, " MB"));
@@ -401,6 +433,24 @@ class Server {
               << ", shm regions " << f.quota_shm_regions << "; drain peers "
               << (f.drain_peers.empty() ? "none" : absl::StrJoin(f.drain_peers, ","))
               << " (timeout " << f.drain_timeout_ms << " ms, " << f.drain_parallel << " at once)";
+  }
+
+  void TierMoved(const TierEvent& e) {
+    {
+      std::lock_guard<std::mutex> lock(tier_mu_);
+      if (tier_metrics_ != nullptr) tier_metrics_->TierMoved(e);
+    }
+    if (e.kind == TierEvent::Kind::kDataLoss) {
+      LOG(ERROR) << "data loss: sequence '" << e.sequence << "'"
+                 << (e.tenant.empty() ? "" : " of tenant '" + e.tenant + "'")
+                 << " lost its cached pages (a disk tier read failed or its checksum did not "
+                    "match); its next use is DATA_LOSS";
+    } else {
+      VLOG(1) << (e.kind == TierEvent::Kind::kSpill ? "spilled " : "restored ")
+              << (e.sequence.empty() ? "pages" : "'" + e.sequence + "'") << " " << TierName(e.from)
+              << " -> " << TierName(e.to) << " (" << e.pages << " pages, "
+              << TierReasonName(e.reason) << ") in " << e.seconds * 1e3 << " ms";
+    }
   }
 
   void Housekeeping() {
@@ -431,6 +481,11 @@ class Server {
             n > 0)
           LOG(WARNING) << n << " sequence(s) closed: no step for longer than "
                        << flags_.sequence_idle_timeout_s << " s (--sequence-idle-timeout-s)";
+      if (flags_.spill_idle_ms > 0)
+        if (const int n =
+                engine_->SpillIdleSequences(std::chrono::milliseconds(flags_.spill_idle_ms));
+            n > 0)
+          VLOG(1) << n << " idle sequence(s) spilled (--spill-idle-ms)";
       if (idle_ms <= 0) continue;
       if (const int n = engine_->ExpireIdleSteps(idle); n > 0)
         LOG(WARNING) << n << " idle step(s) expired after " << idle_ms
@@ -461,6 +516,10 @@ class Server {
   std::unique_ptr<Executor> executor_;
   metrics::Registry registry_;
   std::unique_ptr<ServiceMetrics> service_metrics_;
+  // Where tier moves are counted: set once service_metrics_ exists, cleared before it goes (the
+  // engine's prefetch worker may report a move until the engine is gone).
+  std::mutex tier_mu_;
+  ServiceMetrics* tier_metrics_ = nullptr;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_;
   std::unique_ptr<metrics::MetricsHttpsServer> metrics_https_;
   std::string metrics_host_;

@@ -66,6 +66,14 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     out->set_bytes_per_page(static_cast<int64_t>(d.bytes_per_page));
     out->set_sequences(d.sequences);
   }
+  for (const TierCapacity& t : engine_->Tiers()) {
+    v1::TierInfo* out = resp->add_tiers();
+    out->set_name(TierName(t.tier));
+    out->set_pages_total(t.pages_total);
+    out->set_pages_used(t.pages_used);
+    out->set_bytes_per_page(static_cast<int64_t>(t.bytes_per_page));
+    out->set_sequences(t.sequences);
+  }
   for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
   resp->add_datatypes("FP8_E4M3");  // queries with scales anywhere; keys into an fp8 cache
   resp->set_max_message_bytes(options_.max_message_bytes);

@@ -22,6 +22,9 @@ inline void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInf
   out->set_num_pages(static_cast<int32_t>(s.pages.size()));
   out->set_in_step(s.in_step);
   out->set_importing(s.importing);
+  out->set_tier(TierName(s.tier));
+  out->set_moving(s.moving);
+  out->set_lost(s.lost);
 }
 
 inline absl::Status Draining() {
@@ -79,6 +82,25 @@ grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* c
   const absl::Status s = caller.ok() ? Guarded([&] { return fn(*caller); }) : caller.status();
   Report(method, s, started);
   return Done(ctx, s);
+}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* AttentionService::Posted(grpc::CallbackServerContext* ctx,
+                                                   const char* method, Fn fn) {
+  const auto started = std::chrono::steady_clock::now();
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) {
+    Report(method, caller.status(), started);
+    return Done(ctx, caller.status());
+  }
+  auto* reactor = ctx->DefaultReactor();
+  executor_->Post(
+      [this, caller = *std::move(caller), fn = std::move(fn), reactor, method, started] {
+        const absl::Status s = Guarded([&] { return fn(caller); });
+        Report(method, s, started);
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  return reactor;
 }
 
 }  // namespace attnd

@@ -172,6 +172,35 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                                "KV cache pages per device by state (used, free); page 0 excluded.");
   utilization_ = &registry->AddGauge("attnd_cache_utilization",
                                      "Fraction of each device's cache pages in use (0 to 1).");
+  tier_pages_ = &registry->AddGauge(
+      "attnd_tier_pages",
+      "Pages of the tiers below the devices (host, disk) by state (used, free); every device's "
+      "sequences share them.");
+  tier_sequences_ = &registry->AddGauge(
+      "attnd_tier_sequences", "Sequences by the tier their pages are at (device, host, disk).");
+  tier_bytes_ = &registry->AddCounter("attnd_tier_bytes_total",
+                                      "Cache bytes moved between tiers, by direction (from, to).");
+  tier_moves_ = &registry->AddCounter(
+      "attnd_tier_moves_total",
+      "Sequences spilled down a tier, and restored to their device by reason (step, prefetch, "
+      "other: a fork, migration or export).");
+  auto& move_seconds = registry->AddHistogram(
+      "attnd_tier_move_seconds", "Time to copy one move's pages between tiers, by kind.",
+      metrics::DefaultLatencyBuckets());
+  move_seconds_[0] = &move_seconds.Add({{"kind", "spill"}});
+  move_seconds_[1] = &move_seconds.Add({{"kind", "restore"}});
+  data_loss_ = &registry
+                    ->AddCounter("attnd_data_loss_total",
+                                 "Sequences lost because a page could not be read back from the "
+                                 "disk tier (a read error or a checksum mismatch).")
+                    .Add({});
+  for (const char* t : {"host", "disk"})
+    for (const char* state : {"used", "free"}) tier_pages_->Add({{"tier", t}, {"state", state}});
+  for (int t = 0; t < kNumTiers; ++t)
+    tier_sequences_->Add({{"tier", TierName(static_cast<Tier>(t))}});
+  tier_moves_->Add({{"kind", "spill"}, {"reason", "room_or_idle_or_offload"}});
+  for (const char* reason : {"step", "prefetch", "other"})
+    tier_moves_->Add({{"kind", "restore"}, {"reason", reason}});
   rss_ = &registry->AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.")
               .Add({});
   vsize_ =
@@ -219,8 +248,39 @@ void ServiceMetrics::RpcDone(const char* method, const absl::Status& status, dou
       rejections_->Add({{"reason", reason}}).Increment();
 }
 
+void ServiceMetrics::TierMoved(const TierEvent& e) {
+  if (e.kind == TierEvent::Kind::kSpill) move_seconds_[0]->Observe(e.seconds);
+  if (e.kind == TierEvent::Kind::kRestore) move_seconds_[1]->Observe(e.seconds);
+}
+
 void ServiceMetrics::Refresh() {
   const EngineCounters c = engine_->Counters();
+  for (int a = 0; a < kNumTiers; ++a)
+    for (int b = 0; b < kNumTiers; ++b)
+      if (c.tier_bytes[a][b] > 0)
+        CatchUp(&tier_bytes_->Add({{"from", TierName(static_cast<Tier>(a))},
+                                   {"to", TierName(static_cast<Tier>(b))}}),
+                static_cast<double>(c.tier_bytes[a][b]));
+  CatchUp(&tier_moves_->Add({{"kind", "spill"}, {"reason", "room_or_idle_or_offload"}}),
+          static_cast<double>(c.spills));
+  CatchUp(&tier_moves_->Add({{"kind", "restore"}, {"reason", "step"}}),
+          static_cast<double>(c.restores_step));
+  CatchUp(&tier_moves_->Add({{"kind", "restore"}, {"reason", "prefetch"}}),
+          static_cast<double>(c.restores_prefetch));
+  CatchUp(&tier_moves_->Add({{"kind", "restore"}, {"reason", "other"}}),
+          static_cast<double>(c.restores_other));
+  CatchUp(data_loss_, static_cast<double>(c.data_loss));
+  int64_t below = 0;
+  for (const TierCapacity& t : engine_->Tiers()) {
+    const char* name = TierName(t.tier);
+    tier_pages_->Add({{"tier", name}, {"state", "used"}}).Set(static_cast<double>(t.pages_used));
+    tier_pages_->Add({{"tier", name}, {"state", "free"}})
+        .Set(static_cast<double>(t.pages_total - t.pages_used));
+    tier_sequences_->Add({{"tier", name}}).Set(static_cast<double>(t.sequences));
+    below += t.sequences;
+  }
+  tier_sequences_->Add({{"tier", "device"}})
+      .Set(static_cast<double>(engine_->num_sequences() - below));
   CatchUp(steps_committed_, static_cast<double>(c.steps_committed));
   int64_t aborted = 0;
   for (int r = 0; r < kNumAbortReasons; ++r) {

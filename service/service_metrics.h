@@ -2,8 +2,10 @@
 // build info; errors by RPC method and status code; steps by outcome and aborted steps by reason;
 // rejections by reason; tokens once per committed step by phase; layer and step latency by phase
 // (and layer kind); payload bytes; the executor's queue; compute seconds and cache use per device;
-// and the standard process_* metrics. Engine-owned values are read by a collect hook at scrape
-// time, so the hot path records only what it alone knows (timings, bytes, errors).
+// the tiers below the devices (pages and sequences per tier, bytes moved, spills and restores by
+// reason with their latency, data loss); and the standard process_* metrics. Engine-owned values
+// are read by a collect hook at scrape time, so the hot path records only what it alone knows
+// (timings, bytes, errors).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,8 @@ class ServiceMetrics {
   // BeginStep also counts as a rejection by reason (cache full, quota, max_context, draining).
   // `seconds`: from the call's start to its status (a stream: its lifetime).
   void RpcDone(const char* method, const absl::Status& status, double seconds);
+  // A tier move or a data loss (EngineOptions::on_tier_event): its latency by kind.
+  void TierMoved(const TierEvent& event);
 
  private:
   void Refresh();
@@ -67,6 +71,14 @@ class ServiceMetrics {
   metrics::Gauge* queue_depth_;
   metrics::Family<metrics::Gauge>* pages_;
   metrics::Family<metrics::Gauge>* utilization_;
+  // Tiers: pages and sequences by tier, bytes moved, moves by kind and reason, their latency,
+  // sequences lost.
+  metrics::Family<metrics::Gauge>* tier_pages_;
+  metrics::Family<metrics::Gauge>* tier_sequences_;
+  metrics::Family<metrics::Counter>* tier_bytes_;
+  metrics::Family<metrics::Counter>* tier_moves_;
+  metrics::Histogram* move_seconds_[2];  // [spill, restore]
+  metrics::Counter* data_loss_;
   // process_*
   metrics::Gauge* rss_;
   metrics::Gauge* vsize_;
