@@ -144,6 +144,12 @@ int Info(Client& c, bool json) {
     std::printf("device %s: %d/%d pages free (%lld bytes each), %lld sequences\n", d.name().c_str(),
                 d.pages_free(), d.pages_total(), static_cast<long long>(d.bytes_per_page()),
                 static_cast<long long>(d.sequences()));
+  for (const auto& t : info->tiers())
+    if (t.pages_total() > 0)
+      std::printf(
+          "tier %s: %lld/%lld pages used (%lld bytes each), %lld sequences\n", t.name().c_str(),
+          static_cast<long long>(t.pages_used()), static_cast<long long>(t.pages_total()),
+          static_cast<long long>(t.bytes_per_page()), static_cast<long long>(t.sequences()));
   return 0;
 }
 
@@ -161,6 +167,15 @@ int Drain(Client& c, const Args& a) {
   return 0;
 }
 
+// Where a sequence's pages are: its device, or the tier it spilled to ("host", "disk"), and
+// whether it is moving or lost.
+std::string Where(const v1::SequenceInfo& s) {
+  std::string w = s.tier().empty() || s.tier() == "device" ? s.device() : s.tier();
+  if (s.moving()) w += " (moving)";
+  if (s.lost()) w += " (lost)";
+  return w;
+}
+
 int List(Client& c, const Args& a, bool json) {
   const bool all = a.flags.count("all-tenants") > 0;
   auto list = c.ListSequences(all);
@@ -169,7 +184,7 @@ int List(Client& c, const Args& a, bool json) {
   for (const auto& s : list->sequences()) {
     if (all) std::printf("%s\t", s.tenant().empty() ? "(anonymous)" : s.tenant().c_str());
     std::printf("%s\t%lld tokens\t%d pages\t%s%s\n", s.sequence_id().c_str(),
-                static_cast<long long>(s.length()), s.num_pages(), s.device().c_str(),
+                static_cast<long long>(s.length()), s.num_pages(), Where(s).c_str(),
                 s.in_step() ? "\tin step" : "");
   }
   std::printf("%d sequence(s)\n", list->sequences_size());
@@ -181,7 +196,7 @@ int Describe(Client& c, const std::string& id, bool json) {
   if (!s.ok()) return Fail(s.status(), "describe");
   if (json) return PrintJson(*s);
   std::printf("%s\t%lld tokens\t%d pages\t%s%s%s\n", s->sequence_id().c_str(),
-              static_cast<long long>(s->length()), s->num_pages(), s->device().c_str(),
+              static_cast<long long>(s->length()), s->num_pages(), Where(*s).c_str(),
               s->in_step() ? "\tin step" : "", s->importing() ? "\timporting" : "");
   return 0;
 }
@@ -189,6 +204,18 @@ int Describe(Client& c, const std::string& id, bool json) {
 int Close(Client& c, const std::string& id) {
   if (auto s = c.CloseSequence(id); !s.ok()) return Fail(s, "close");
   std::printf("closed %s\n", id.c_str());
+  return 0;
+}
+
+int Offload(Client& c, const std::vector<std::string>& ids) {
+  if (auto s = c.OffloadSequences(ids); !s.ok()) return Fail(s, "offload");
+  std::printf("offloaded %zu sequence(s)\n", ids.size());
+  return 0;
+}
+
+int Prefetch(Client& c, const std::vector<std::string>& ids) {
+  if (auto s = c.PrefetchSequences(ids); !s.ok()) return Fail(s, "prefetch");
+  std::printf("prefetching %zu sequence(s)\n", ids.size());
   return 0;
 }
 
@@ -826,6 +853,14 @@ int main(int argc, char** argv) {
   CLI::App* close = app.add_subcommand("close", "close a sequence: its pages go back to the cache");
   std::string close_id;
   close->add_option("sequence", close_id, "the sequence id")->required();
+  CLI::App* offload =
+      app.add_subcommand("offload", "spill sequences down a tier now (host, then disk)");
+  std::vector<std::string> offload_ids;
+  offload->add_option("sequences", offload_ids, "sequence ids")->required();
+  CLI::App* prefetch =
+      app.add_subcommand("prefetch", "bring spilled sequences back to their devices");
+  std::vector<std::string> prefetch_ids;
+  prefetch->add_option("sequences", prefetch_ids, "sequence ids")->required();
   CLI::App* drain = app.add_subcommand("drain", "the admin: hand every sequence off, then exit");
   str(drain, "to", "HOST:PORT,... instead of the server's --drain-peers");
   CLI::App* demo = app.add_subcommand("demo", "prefill, forks and decode, checked against float64");
@@ -904,6 +939,8 @@ int main(int argc, char** argv) {
   if (list->parsed()) return List(*client, a, json);
   if (describe->parsed()) return Describe(*client, describe_id, json);
   if (close->parsed()) return Close(*client, close_id);
+  if (offload->parsed()) return Offload(*client, offload_ids);
+  if (prefetch->parsed()) return Prefetch(*client, prefetch_ids);
   if (drain->parsed()) return Drain(*client, a);
   if (demo->parsed()) return Demo(*client, a);
   if (handoff->parsed()) return Handoff(*client, a, *options);

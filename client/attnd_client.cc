@@ -235,6 +235,24 @@ absl::Status Client::CloseSequence(const std::string& id) {
   return FromGrpcNotCancelled(stub_->CloseSequence(&ctx, req, &resp));
 }
 
+absl::Status Client::PrefetchSequences(const std::vector<std::string>& ids) {
+  grpc::ClientContext ctx;
+  PrepareUnary(&ctx);
+  v1::PrefetchSequencesRequest req;
+  for (const std::string& id : ids) req.add_sequence_ids(id);
+  v1::PrefetchSequencesResponse resp;
+  return FromGrpcNotCancelled(stub_->PrefetchSequences(&ctx, req, &resp));
+}
+
+absl::Status Client::OffloadSequences(const std::vector<std::string>& ids) {
+  grpc::ClientContext ctx;
+  PrepareUnary(&ctx);
+  v1::OffloadSequencesRequest req;
+  for (const std::string& id : ids) req.add_sequence_ids(id);
+  v1::OffloadSequencesResponse resp;
+  return FromGrpcNotCancelled(stub_->OffloadSequences(&ctx, req, &resp));
+}
+
 absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants) {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);

@@ -116,6 +116,11 @@ class Client {
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
   // This tenant's sequences, or (the admin only) every tenant's.
   absl::StatusOr<v1::ListSequencesResponse> ListSequences(bool all_tenants = false);
+  // The tiers below the devices (docs/architecture.md#tiers). Prefetch: restore these spilled
+  // sequences in the background (answers at once). Offload: spill them down a tier now
+  // (answers once they are there).
+  absl::Status PrefetchSequences(const std::vector<std::string>& ids);
+  absl::Status OffloadSequences(const std::vector<std::string>& ids);
 
   // Unary steps.
   // num_shards > 1 opens a sharded step (this caller is shard 0; see attention.proto).

@@ -76,6 +76,7 @@ struct TierEvent {
   std::string tenant, sequence;  // empty for pages no sequence needed where they were
   int64_t pages = 0, bytes = 0;
   double seconds = 0;
+  std::string detail;  // data loss: what failed (the disk tier's file, slot and error)
 };
 const char* TierReasonName(TierEvent::Reason reason);
 

@@ -201,9 +201,14 @@ absl::Status Engine::Impl::RunTierMove(std::unique_lock<std::mutex>& lock, const
       loss.from = Tier::kDisk;
       loss.tenant = k.tenant;
       loss.sequence = k.id;
+      loss.detail = std::string(copied.message());
       Emit(loss);
     }
     lock.lock();
+    // The client hears which sequence was lost, not the server's file and slot (logged).
+    if (copied.code() == absl::StatusCode::kDataLoss && !move.key.id.empty())
+      if (const Sequence* seq = table->Find(move.key); seq != nullptr && seq->lost)
+        return table->OnDevice(*seq);
   }
   return copied;
 }

@@ -444,7 +444,8 @@ class Server {
       LOG(ERROR) << "data loss: sequence '" << e.sequence << "'"
                  << (e.tenant.empty() ? "" : " of tenant '" + e.tenant + "'")
                  << " lost its cached pages (a disk tier read failed or its checksum did not "
-                    "match); its next use is DATA_LOSS";
+                    "match); its next use is DATA_LOSS: "
+                 << e.detail;
     } else {
       VLOG(1) << (e.kind == TierEvent::Kind::kSpill ? "spilled " : "restored ")
               << (e.sequence.empty() ? "pages" : "'" + e.sequence + "'") << " " << TierName(e.from)

@@ -242,7 +242,14 @@ TEST(Tiers, AnUnreadablePageLosesItsSequencesAloneAndIsDataLossOnTheirNextUse) {
 
 TEST(Tiers, ACorruptedPageIsDetectedByItsChecksum) {
   TempDir dir;
-  Harness h(Options(DType::kF32, 8, 0, 16, dir.path));
+  EngineOptions o = Options(DType::kF32, 8, 0, 16, dir.path);
+  std::string detail;
+  std::mutex detail_mu;
+  o.on_tier_event = [&](const TierEvent& ev) {
+    std::lock_guard<std::mutex> lock(detail_mu);
+    if (ev.kind == TierEvent::Kind::kDataLoss) detail = ev.detail;
+  };
+  Harness h(std::move(o));
   h.Open("a", 0);
   h.RunAndCheck({{"a", 20}}, DType::kF32, 3, 1e-5);
   Engine& e = h.engine();
@@ -259,7 +266,13 @@ TEST(Tiers, ACorruptedPageIsDetectedByItsChecksum) {
   }
   auto step = e.BeginStep({{"a", 1}});
   EXPECT_EQ(step.status().code(), absl::StatusCode::kDataLoss) << step.status();
-  EXPECT_NE(step.status().message().find("checksum"), std::string::npos) << step.status();
+  // The client hears which sequence was lost; the file, slot and cause go to the server's log.
+  EXPECT_NE(step.status().message().find("'a' lost its cached pages"), std::string::npos)
+      << step.status();
+  EXPECT_EQ(step.status().message().find(file), std::string::npos) << step.status();
+  std::lock_guard<std::mutex> lock(detail_mu);
+  EXPECT_NE(detail.find("checksum mismatch"), std::string::npos) << detail;
+  EXPECT_NE(detail.find(file), std::string::npos) << detail;
 }
 
 TEST(Tiers, AMissingDiskDirectoryIsAClearStartupError) {

@@ -78,6 +78,7 @@ from .types import (
     SequenceInfo,
     ServerInfo,
     StepInfo,
+    TierInfo,
     _plain,
     _server_info,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "StepInfo",
     "StepStream",
     "TensorArg",
+    "TierInfo",
     "as_numpy",
     "from_tensor",
     "merge_attention",
@@ -230,6 +232,20 @@ class _Api:
         """This tenant's sequences; the admin identity may ask for every tenant's."""
         return self._unary("ListSequences", pb.ListSequencesRequest(all_tenants=all_tenants),
                            lambda r: [_plain(SequenceInfo, s) for s in r.sequences])
+
+    def prefetch_sequences(self, sequence_ids: Sequence[str]) -> None:
+        """Restores spilled sequences to their devices in the background, ahead of their steps
+        (answers at once; unknown ids are skipped). A step on one waits for that restore rather
+        than starting its own. Does nothing on a server without tiers."""
+        return self._unary("PrefetchSequences",
+                           pb.PrefetchSequencesRequest(sequence_ids=list(sequence_ids)))
+
+    def offload_sequences(self, sequence_ids: Sequence[str]) -> None:
+        """Spills sequences down a tier now (a paused conversation) and answers once they are
+        there: NotFound, FailedPrecondition (in a step; no tier below the device),
+        ResourceExhausted (every tier below is full), DataLoss."""
+        return self._unary("OffloadSequences",
+                           pb.OffloadSequencesRequest(sequence_ids=list(sequence_ids)))
 
     def echo(self, payload: bytes = b"", response_bytes: int = 0) -> bytes:
         """The transport floor: the server returns ``response_bytes`` bytes for ``payload`` and

@@ -75,6 +75,19 @@ class ServerInfo:
     context_parallel: bool = False
     # the name clients and drains hash sequences over (attnd --replica-name; "" from older ones)
     replica_name: str = ""
+    # the tiers below the devices, host then disk (pages_total 0: off; empty from older servers)
+    tiers: Tuple["TierInfo", ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TierInfo:
+    """A tier below the devices (``ServerInfo.tiers``; docs/architecture.md#tiers)."""
+
+    name: str  # "host" (--host-cache-bytes) or "disk" (--disk-cache-dir)
+    pages_total: int  # 0: the tier is off
+    pages_used: int
+    bytes_per_page: int
+    sequences: int  # sequences spilled to this tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +110,11 @@ class SequenceInfo:
     in_step: bool
     tenant: str  # set in the admin's every-tenant listing
     importing: bool  # a handoff target not yet holding every token
+    # where its pages are: "device", or spilled to "host" or "disk" (a step restores it first);
+    # "" from servers without tiers
+    tier: str = ""
+    moving: bool = False  # between tiers now
+    lost: bool = False  # a page could not be read back from disk: every use but close fails
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +138,7 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         datatypes=tuple(msg.datatypes),
         max_attended_positions=msg.limits.max_attended_positions,
         absorption=_plain(AbsorptionInfo, msg.absorption) if msg.HasField("absorption") else None,
+        tiers=tuple(_plain(TierInfo, t) for t in msg.tiers),
     )
 
 

@@ -1,0 +1,192 @@
+"""The tiered store through a real attnd (docs/architecture.md#tiers): a server whose device holds
+N sequences serves 4N round-robin with its host and disk tiers, every output and log-sum-exp bit
+for bit those of a server holding all of them; OffloadSequences and PrefetchSequences; a page
+corrupted on disk loses its sequence alone (DATA_LOSS); the tiers in ServerInfo, DescribeSequence,
+ListSequences, attnctl and the metrics (checked by promtool); startup errors."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from attnd import AttndClient, LayerInputs
+from attnd_process import ATTND_BIN, free_port
+from attnd_testlib import expect, random_layer
+
+PROMPT = 40  # tokens: three pages of the tiny model's 16
+DEVICE_SEQUENCES = 3  # N: the small server's device holds this many prompts
+
+
+def _scrape(mport: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _value(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{series} not in metrics:\n{text}")
+
+
+def _inputs(spec, T, rng):
+    return [LayerInputs(layer, return_lse=True, **random_layer(spec, kind, T, rng))
+            for layer, kind in enumerate(spec.layers)]
+
+
+def _step(client, batch, inputs):
+    step = client.begin_step(batch)
+    return [client.attend_layer_details(step.step_id, x) for x in inputs]
+
+
+def _same_bits(got, want, what):
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert not np.isnan(g.out).any(), f"{what}, layer {layer}: NaN"
+        assert g.out.dtype == w.out.dtype and g.out.shape == w.out.shape
+        assert np.array_equal(g.out.view(np.uint32), w.out.view(np.uint32)), f"{what}, {layer}"
+        assert np.array_equal(g.lse.view(np.uint32), w.lse.view(np.uint32)), f"{what}, {layer}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
+def test_a_device_holding_n_serves_4n_round_robin_bit_for_bit(attnd_server, tmp_path, dtype):
+    big, _ = attnd_server([f"--cache-dtype={dtype}"], kv_pages=256)
+    with AttndClient(big) as b:
+        info = b.info()
+    spec, page_bytes = info.model, info.devices[0].bytes_per_page
+    pages = -(-PROMPT // spec.page_size)
+    # The host tier holds 4 sequences' pages; the disk the rest (and room to spare).
+    small, mport = attnd_server(
+        [f"--cache-dtype={dtype}", f"--host-cache-bytes={4 * pages * page_bytes}",
+         f"--disk-cache-dir={tmp_path}", f"--disk-cache-bytes={64 * pages * page_bytes}"],
+        kv_pages=1 + DEVICE_SEQUENCES * pages + 1)
+    rng = np.random.default_rng(31)
+    ids = [f"s{i}" for i in range(4 * DEVICE_SEQUENCES)]
+    seen_tiers, max_used = set(), {"host": 0, "disk": 0}
+
+    def watch(client):
+        for t in client.info().tiers:
+            max_used[t.name] = max(max_used[t.name], t.pages_used)
+        seen_tiers.update(s.tier for s in client.list_sequences())
+
+    with AttndClient(small) as s, AttndClient(big) as b:
+        assert [(t.name, t.pages_total > 0) for t in s.info().tiers] == [("host", True),
+                                                                         ("disk", True)]
+        for sid in ids:  # prefill, each step on one sequence: the device fills, then spills
+            for c in (s, b):
+                c.open_sequence(sid)
+            x = _inputs(spec, PROMPT, rng)
+            _same_bits(_step(s, [(sid, PROMPT)], x), _step(b, [(sid, PROMPT)], x), f"{sid} prefill")
+            watch(s)
+        # Forks of spilled parents (a partial page copied, whole pages shared across tiers).
+        for child, parent in (("f0", "s0"), ("f1", "s5")):
+            for c in (s, b):
+                c.open_sequence(child, parent, prefix_len=PROMPT - 11)
+            ids.append(child)
+        for rnd in range(3):  # round-robin decode, two sequences a step
+            for i in range(0, len(ids), 2):
+                batch = [(sid, 1) for sid in ids[i:i + 2]]
+                x = _inputs(spec, len(batch), rng)
+                _same_bits(_step(s, batch, x), _step(b, batch, x), f"round {rnd}, {batch}")
+                watch(s)
+        assert {"device", "host", "disk"} <= seen_tiers, seen_tiers
+        assert max_used["host"] > 0 and max_used["disk"] > 0, max_used
+        assert all(s.describe_sequence(sid).length == b.describe_sequence(sid).length
+                   for sid in ids)
+        text = _scrape(mport)
+        assert _value(text, 'attnd_tier_bytes_total{from="device",to="host"}') > 0
+        assert _value(text, 'attnd_tier_bytes_total{from="host",to="disk"}') > 0
+        assert _value(text, 'attnd_tier_moves_total{kind="restore",reason="step"}') > 0
+        assert _value(text, 'attnd_tier_move_seconds_count{kind="spill"}') > 0
+        assert _value(text, "attnd_data_loss_total") == 0
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool (Debian package prometheus): scripts/install-deps.sh"
+        r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for sid in ids:
+            s.close_sequence(sid)
+        assert [t.pages_used for t in s.info().tiers] == [0, 0]
+        dev = s.info().devices[0]
+        assert dev.pages_free == dev.pages_total and dev.sequences == 0
+
+
+def _wait_for(predicate, what, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_server, tmp_path):
+    target, mport = attnd_server([f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"],
+                                 kv_pages=64)
+    twin, _ = attnd_server([], kv_pages=64)
+    rng = np.random.default_rng(7)
+    with AttndClient(target) as c, AttndClient(twin) as t:
+        spec = c.info().model
+        for sid in ("a", "b"):
+            for x in (c, t):
+                x.open_sequence(sid)
+            inputs = _inputs(spec, PROMPT, rng)
+            _same_bits(_step(c, [(sid, PROMPT)], inputs), _step(t, [(sid, PROMPT)], inputs), sid)
+        c.offload_sequences(["a", "b"])
+        assert [(x.tier, x.num_pages) for x in c.list_sequences()] == [("disk", 0), ("disk", 0)]
+        (disk,) = [x for x in c.info().tiers if x.name == "disk"]
+        assert disk.sequences == 2 and disk.pages_used == 2 * -(-PROMPT // spec.page_size)
+        c.prefetch_sequences(["a", "nobody"])  # unknown ids are skipped
+        _wait_for(lambda: c.describe_sequence("a").tier == "device", "prefetch of a")
+        x = _inputs(spec, 1, rng)
+        _same_bits(_step(c, [("a", 1)], x), _step(t, [("a", 1)], x), "a after a prefetch")
+        assert _value(_scrape(mport), 'attnd_tier_moves_total{kind="restore",reason="prefetch"}') \
+            == 1
+        # b's pages on disk are overwritten behind attnd's back: its next use is DATA_LOSS, a's
+        # steps go on, b can only be closed.
+        (page_file,) = Path(tmp_path).glob("attnd-*.pages")
+        size = page_file.stat().st_size
+        assert size > 0
+        page_file.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        e = expect(grpc.StatusCode.DATA_LOSS, c.begin_step, [("b", 1)])
+        assert "sequence 'b' lost its cached pages" in str(e) and str(tmp_path) not in str(e), str(e)
+        assert c.describe_sequence("b").lost
+        expect(grpc.StatusCode.DATA_LOSS, c.begin_step, [("b", 1)])
+        x = _inputs(spec, 1, rng)
+        _same_bits(_step(c, [("a", 1)], x), _step(t, [("a", 1)], x), "a beside a lost b")
+        assert _value(_scrape(mport), "attnd_data_loss_total") == 1
+        c.close_sequence("b")
+        expect(grpc.StatusCode.NOT_FOUND, c.offload_sequences, ["b"])
+        expect(grpc.StatusCode.INVALID_ARGUMENT, c.offload_sequences, ["x" * 10000])
+        # attnctl shows where sequences are.
+        c.offload_sequences(["a"])
+        out = subprocess.run([str(ATTND_BIN.parent.parent / "client" / "attnctl"),
+                              f"--target={target}", "list"], capture_output=True, text=True,
+                             check=True).stdout
+        assert "a\t42 tokens\t0 pages\tdisk" in out, out
+        out = subprocess.run([str(ATTND_BIN.parent.parent / "client" / "attnctl"),
+                              f"--target={target}", "info"], capture_output=True, text=True,
+                             check=True).stdout
+        assert "tier disk: 3/" in out, out
+        # A server without tiers has nowhere to offload to.
+        t.open_sequence("z")
+        expect(grpc.StatusCode.FAILED_PRECONDITION, t.offload_sequences, ["z"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--disk-cache-dir={missing}", "--disk-cache-bytes=1048576"], "--disk-cache-dir"),
+    (["--disk-cache-dir={tmp}"], "--disk-cache-dir and --disk-cache-bytes go together"),
+    (["--spill-idle-ms=100"], "--spill-idle-ms needs a tier"),
+])
+def test_unusable_tier_flags_stop_the_start_with_a_clear_message(tmp_path, flags, message):
+    args = [f.format(missing=tmp_path / "absent", tmp=tmp_path) for f in flags]
+    r = subprocess.run([str(ATTND_BIN), "--model=tiny", "--kv-pages=64",
+                        f"--grpc-port={free_port()}", "--grpc-address=127.0.0.1",
+                        f"--metrics-port={free_port()}", *args],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert message in r.stdout + r.stderr, r.stdout + r.stderr
