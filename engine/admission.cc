@@ -146,10 +146,6 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
       *retry = true;
       return table->OnDevice(*seq);
     }
-    if (seq->tier != Tier::kDevice) {
-      if (need_out != nullptr) need_out->restore.emplace_back(seq->tenant, seq->id);
-      continue;
-    }
     step->tokens += e.q_len;
     const AttendedKeys keys = EntryKeys(spec, options.attend_only, seq->length, e.q_len);
     step->visible_keys += keys.visible;
@@ -162,14 +158,21 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     s.offset = e.position_offset;
     s.query_pos = e.query_position;
     need[seq->device] += table->PagesToGrow(*seq, s.new_len);
+    // One below its device is checked like the others (its length and pages are its own
+    // wherever they are), then restored first (BeginStep) once the whole batch passed.
+    if (seq->tier != Tier::kDevice) {
+      if (need_out != nullptr) need_out->restore.emplace_back(seq->tenant, seq->id);
+      continue;
+    }
     step->seqs.push_back(std::move(s));
   }
-  if (need_out != nullptr && !need_out->restore.empty())
-    return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(need_out->restore[0].id),
-                                                      " is below its device; restoring it"));
   int64_t need_total = 0;
   for (int32_t n : need) need_total += n;
   RETURN_IF_ERROR(tenants.CheckPages(options.tenant, need_total));
+  if (need_out != nullptr) need_out->checked = true;  // tier work may fix what follows
+  if (need_out != nullptr && !need_out->restore.empty())
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(need_out->restore[0].id),
+                                                      " is below its device; restoring it"));
   absl::Status full = absl::OkStatus();
   for (size_t d = 0; d < devices.size(); ++d) {
     const PagePool& pool = table->pool(d);

@@ -484,6 +484,11 @@ std::vector<int32_t> Engine::PageRefcounts(int device) const {
   return out;
 }
 
+absl::Status Engine::CheckInvariants() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->CheckInvariants();
+}
+
 bool Engine::ReservedPageUntouched(int device) const {
   auto r = impl_->devices.at(device)->ReservedPageUntouched();
   return r.ok() && *r;

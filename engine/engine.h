@@ -353,6 +353,12 @@ class Engine {
   // Introspection for tests and debugging: the reference count of every page of a device
   // (index = page id; page 0 is reserved and always 1).
   std::vector<int32_t> PageRefcounts(int device) const;
+  // Waits until no prefetch is queued or running (tests and the fuzzer: what follows then does
+  // not race the background restores).
+  void WaitForPrefetches();
+  // The sequence table's and tiers' bookkeeping agrees with itself (SequenceTable::
+  // CheckInvariants; call it with no step, move or read in flight).
+  absl::Status CheckInvariants() const;
   // True while no byte of the reserved page 0 was ever written, in any layer or indexer slot.
   bool ReservedPageUntouched(int device) const;
 

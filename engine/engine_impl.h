@@ -65,7 +65,11 @@ struct Step {
 struct Shortfall {
   std::vector<SequenceKey> restore;
   std::vector<int32_t> pages;  // [device]
+  // Set only when the whole batch passed every other check: a batch refused for what it is
+  // (an unknown sequence after a spilled one, say) moves nothing.
+  bool checked = false;
   bool any() const {
+    if (!checked) return false;
     if (!restore.empty()) return true;
     for (int32_t p : pages)
       if (p > 0) return true;
@@ -142,6 +146,7 @@ struct Engine::Impl {
   std::thread prefetcher;
   std::deque<SequenceKey> prefetch_queue;
   std::condition_variable prefetch_wake;
+  bool prefetching = false;  // the worker is restoring one (step_ended is notified after)
   bool stopping = false;
   void PrefetchLoop();
   // Creates the tiers the options ask for (Engine::Create).

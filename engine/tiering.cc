@@ -346,9 +346,20 @@ void Engine::Impl::PrefetchLoop() {
     const SequenceKey key = prefetch_queue.front();
     prefetch_queue.pop_front();
     const Sequence* s = table->Find(key);
-    if (s == nullptr || s->lost || s->tier == Tier::kDevice || s->step != 0) continue;
-    (void)RestoreLocked(lock, key, TierEvent::Reason::kPrefetch);
+    if (s != nullptr && !s->lost && s->tier != Tier::kDevice && s->step == 0) {
+      prefetching = true;
+      (void)RestoreLocked(lock, key, TierEvent::Reason::kPrefetch);
+      prefetching = false;
+    }
+    step_ended.notify_all();  // WaitForPrefetches
   }
+}
+
+void Engine::WaitForPrefetches() {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->step_ended.wait(lock, [&] {
+    return impl_->stopping || (impl_->prefetch_queue.empty() && !impl_->prefetching);
+  });
 }
 
 // ---- the API ----

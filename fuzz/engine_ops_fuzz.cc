@@ -1,13 +1,18 @@
 // libFuzzer target: random sequences of engine operations (open, fork, close, migrate, begin,
 // layers with random or broken inputs, context-parallel steps with random offsets and tampered
-// selections, abort, expire) on two CPU devices, checked after every
+// selections, abort, expire, and the tiers': offload, prefetch, idle spills, and the spills and
+// restores steps, forks and migrations make) on two CPU devices over a small host tier and a
+// disk tier, checked after every
 // operation against a model of the expected state, the way database stress tools check
 // themselves: every sequence's length and step membership, every page's reference count, free
-// pages per device, page 0 untouched, and the outputs of every committed step against the
-// float64 oracle. Any mismatch aborts (a crash for libFuzzer).
+// pages per device, page 0 untouched, the tiers' bookkeeping (every page in exactly one tier,
+// holders and pool counts, slots; Engine::CheckInvariants), and the outputs of every committed
+// step against the float64 oracle (so a page that came back from a tier changed would show). Any
+// mismatch aborts (a crash for libFuzzer).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <random>
@@ -37,6 +42,20 @@ using testing::RunLayerInto;
 
 constexpr int kPages = 24;  // per device, incl. page 0: small, so exhaustion is common
 constexpr int kIds = 6;
+constexpr int kHostPages = 10, kDiskPages = 20;  // below the devices: full now and then too
+
+// This process's disk tier directory (libFuzzer's jobs are processes; each has its own).
+const std::string& DiskDir() {
+  // Leaked: the exit handler that removes it runs after static destructors.
+  static const std::string* dir = [] {
+    auto* d =
+        new std::string((std::filesystem::temp_directory_path() / "attnd-fuzz-XXXXXX").string());
+    if (mkdtemp(d->data()) == nullptr) std::abort();
+    std::atexit([] { std::filesystem::remove_all(DiskDir()); });
+    return d;
+  }();
+  return *dir;
+}
 
 ModelSpec Spec() {
   ModelSpec s = PresetModelSpec("tiny").value();
@@ -92,12 +111,17 @@ class Run {
     o.limits.max_step_tokens = 48;
     o.limits.max_batch_entries = 4;
     o.limits.abort_wait = std::chrono::milliseconds(0);
+    const size_t page =
+        TierStride(CacheLayout::ForModel(o.spec, o.cache_dtype, kPages).BytesPerPage());
+    o.tiers.host_bytes = page * kHostPages;
+    o.tiers.disk_dir = DiskDir();
+    o.tiers.disk_bytes = page * kDiskPages;
     engine_ = Engine::Create(o).value();
   }
 
   void Op(FuzzInput& in) {
     const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
-    switch (in.Int(0, 8)) {
+    switch (in.Int(0, 11)) {
       case 0: {                            // open
         const int device = in.Int(-1, 2);  // 2 is out of range
         const absl::Status s = engine_->OpenSequence(id, device);
@@ -123,6 +147,7 @@ class Run {
         if (s.ok()) {
           model_.seqs[id] = {prefix, engine_->DescribeSequence(id)->device};
           oracle_.Fork(id, parent, prefix);
+          FUZZ_CHECK(engine_->DescribeSequence(id)->tier == Tier::kDevice, id, " forked below");
         }
         break;
       }
@@ -142,6 +167,7 @@ class Run {
           FUZZ_CHECK(s.code() == absl::StatusCode::kNotFound, s.ToString());
         } else if (s.ok()) {
           model_.seqs[id].device = device;
+          FUZZ_CHECK(engine_->DescribeSequence(id)->tier == Tier::kDevice, id, " migrated below");
         } else {
           FUZZ_CHECK(s.code() == absl::StatusCode::kResourceExhausted, s.ToString());
         }
@@ -158,6 +184,32 @@ class Run {
       case 8:
         CpStepOp(in, id);
         break;
+      case 9: {  // offload one or two (down a tier now)
+        std::vector<SequenceKey> ids = {id};
+        if (in.Bool(0.3)) ids.push_back(SequenceKey(absl::StrCat("s", in.Int(0, kIds - 1))));
+        const absl::Status s = engine_->OffloadSequences(ids);
+        bool known = true;
+        for (const SequenceKey& x : ids) known = known && model_.seqs.contains(x.id);
+        if (!known) {
+          FUZZ_CHECK(s.code() == absl::StatusCode::kNotFound, s.ToString());
+        } else if (s.ok()) {
+          for (const SequenceKey& x : ids)
+            FUZZ_CHECK(engine_->DescribeSequence(x.id)->tier != Tier::kDevice, x.id,
+                       " not offloaded");
+        } else {
+          FUZZ_CHECK(s.code() == absl::StatusCode::kResourceExhausted ||
+                         s.code() == absl::StatusCode::kFailedPrecondition,
+                     s.ToString());
+        }
+        break;
+      }
+      case 10:  // prefetch (a background restore), waited for so what follows does not race it
+        engine_->PrefetchSequences({id, absl::StrCat("s", in.Int(0, kIds - 1))});
+        engine_->WaitForPrefetches();
+        break;
+      case 11:  // every sequence idle: each one a tier has room for goes down
+        engine_->SpillIdleSequences(std::chrono::milliseconds(0));
+        break;
     }
     Audit();
   }
@@ -167,6 +219,9 @@ class Run {
     for (const auto& [id, s] : model_.seqs) FUZZ_CHECK(engine_->CloseSequence(id).ok(), id);
     for (const DeviceCapacity& d : engine_->Capacity())
       FUZZ_CHECK(d.pages_free == d.pages_total, d.name, " leaked ", d.pages_total - d.pages_free);
+    for (const TierCapacity& t : engine_->Tiers())
+      FUZZ_CHECK(t.pages_used == 0 && t.sequences == 0, TierName(t.tier), " leaked ", t.pages_used);
+    FUZZ_CHECK(engine_->CheckInvariants().ok(), engine_->CheckInvariants().ToString());
   }
 
  private:
@@ -179,11 +234,23 @@ class Run {
     }
     const Model before = model_;
     const std::vector<int32_t> free_before = FreePages();
+    const std::vector<Tier> tiers_before = Tiers();
     auto step = engine_->BeginStep(batch);
     if (!step.ok()) {
-      FUZZ_CHECK(FreePages() == free_before, "a refused step changed the pool");
+      // A batch refused for what it is moves nothing; one refused for room may have spilled
+      // and restored sequences trying (their contents as they were: the audit and the oracle).
+      if (step.status().code() != absl::StatusCode::kResourceExhausted) {
+        FUZZ_CHECK(FreePages() == free_before,
+                   "a refused step changed the pool: ", step.status().ToString());
+        FUZZ_CHECK(Tiers() == tiers_before,
+                   "a refused step moved sequences: ", step.status().ToString());
+      }
       return;
     }
+    const std::vector<int32_t> free_begun = FreePages();
+    for (const auto& e : batch)
+      FUZZ_CHECK(engine_->DescribeSequence(e.sequence_id)->tier == Tier::kDevice, e.sequence_id,
+                 " in a step below its device");
     // Accepted: the batch must have been valid.
     std::set<std::string> seen;
     int64_t T = 0;
@@ -258,7 +325,10 @@ class Run {
     if (failed || stop < spec_.num_layers()) {
       if (!failed) FUZZ_CHECK(engine_->AbortStep(*step).ok(), "abort");
       model_ = before;
-      FUZZ_CHECK(FreePages() == free_before, "an aborted step changed the pool");
+      // The restores and spills BeginStep made stay; what the step itself took goes back.
+      const std::vector<int32_t> now = FreePages();
+      for (size_t d = 0; d < now.size(); ++d)
+        FUZZ_CHECK(now[d] >= free_begun[d], "an aborted step kept pages");
       return;
     }
     // Committed: lengths advance and every layer matches the float64 oracle.
@@ -296,6 +366,7 @@ class Run {
     o.context_parallel = true;
     o.attend_only = attend;
     const std::vector<int32_t> free_before = FreePages();
+    const std::vector<Tier> tiers_before = Tiers();
     auto step = engine_->BeginStep({e}, o);
     const bool aligned = e.position_offset >= 0 && e.position_offset % ps == 0 &&
                          e.position_offset <= spec_.max_context;
@@ -308,9 +379,15 @@ class Run {
       FUZZ_CHECK(step.status().code() == absl::StatusCode::kResourceExhausted,
                  step.status().ToString());
     if (!step.ok()) {
-      FUZZ_CHECK(FreePages() == free_before, "a refused step changed the pool");
+      if (step.status().code() != absl::StatusCode::kResourceExhausted) {
+        FUZZ_CHECK(FreePages() == free_before,
+                   "a refused step changed the pool: ", step.status().ToString());
+        FUZZ_CHECK(Tiers() == tiers_before,
+                   "a refused step moved sequences: ", step.status().ToString());
+      }
       return;
     }
+    const std::vector<int32_t> free_begun = FreePages();
     const int64_t T = e.q_len;
     const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, H = spec_.num_heads;
     const int Hi = spec_.index_n_heads, Di = spec_.index_head_dim;
@@ -370,7 +447,7 @@ class Run {
                                           nullptr, nullptr, full ? &c : nullptr);
       if (!s.ok()) {
         FUZZ_CHECK(tampered, "a good context-parallel layer failed: ", s.ToString());
-        FUZZ_CHECK(FreePages() == free_before, "an aborted step changed the pool");
+        FUZZ_CHECK(FreePages() >= free_begun, "an aborted step kept pages");
         return;
       }
       for (float f : out) FUZZ_CHECK(!std::isnan(f) || tampered, "NaN output");
@@ -378,7 +455,7 @@ class Run {
       layers.push_back(std::move(x));
     }
     if (attend) {  // nothing written
-      FUZZ_CHECK(FreePages() == free_before, "an attend-only step took pages");
+      FUZZ_CHECK(FreePages() == free_begun, "an attend-only step took pages");
       return;
     }
     model_.seqs[id].length += T;
@@ -395,24 +472,41 @@ class Run {
     }
   }
 
+  // Each sequence's tier, in the model's order.
+  std::vector<Tier> Tiers() const {
+    std::vector<Tier> t;
+    for (const auto& [id, m] : model_.seqs) t.push_back(engine_->DescribeSequence(id)->tier);
+    return t;
+  }
+
   std::vector<int32_t> FreePages() const {
     std::vector<int32_t> f;
     for (const DeviceCapacity& d : engine_->Capacity()) f.push_back(d.pages_free);
     return f;
   }
 
-  // The engine agrees with the model; page refcounts equal the references the sequences hold.
+  // The engine agrees with the model; the tiers' bookkeeping with itself; a device page's count
+  // is at least the references of the sequences on the device (holders below add to it).
   void Audit() {
     FUZZ_CHECK(engine_->num_sequences() == static_cast<int64_t>(model_.seqs.size()), "count");
     FUZZ_CHECK(engine_->num_open_steps() == 0, "open steps");
+    const absl::Status invariants = engine_->CheckInvariants();
+    FUZZ_CHECK(invariants.ok(), invariants.ToString());
     std::vector<std::vector<int32_t>> refs(2, std::vector<int32_t>(kPages, 0));
     for (int d = 0; d < 2; ++d) refs[d][0] = 1;
+    bool all_on_device = true;
     for (const auto& [id, m] : model_.seqs) {
       auto info = engine_->DescribeSequence(id);
       FUZZ_CHECK(info.ok(), id);
       FUZZ_CHECK(info->length == m.length, id, " length ", info->length, " want ", m.length);
       FUZZ_CHECK(info->device == m.device, id, " device");
       FUZZ_CHECK(!info->in_step, id, " in_step");
+      FUZZ_CHECK(!info->moving && !info->lost, id, " moving or lost");
+      if (info->tier != Tier::kDevice) {
+        FUZZ_CHECK(info->pages.empty(), id, " below its device with device pages");
+        all_on_device = false;
+        continue;
+      }
       const int64_t pages = (m.length + spec_.page_size - 1) / spec_.page_size;
       FUZZ_CHECK(static_cast<int64_t>(info->pages.size()) == pages, id, " pages");
       for (int32_t p : info->pages) {
@@ -421,9 +515,13 @@ class Run {
       }
     }
     for (int d = 0; d < 2; ++d) {
-      FUZZ_CHECK(engine_->PageRefcounts(d) == refs[d], "refcounts of device ", d);
+      const std::vector<int32_t> counts = engine_->PageRefcounts(d);
       int32_t free = 0;
-      for (int p = 1; p < kPages; ++p) free += refs[d][p] == 0;
+      for (int p = 0; p < kPages; ++p) {
+        FUZZ_CHECK(all_on_device ? counts[p] == refs[d][p] : counts[p] >= refs[d][p], "device ", d,
+                   " page ", p, ": count ", counts[p], ", ", refs[d][p], " references");
+        free += p > 0 && counts[p] == 0;
+      }
       FUZZ_CHECK(engine_->Capacity()[d].pages_free == free, "free pages of device ", d);
       FUZZ_CHECK(engine_->ReservedPageUntouched(d), "page 0 written on device ", d);
     }

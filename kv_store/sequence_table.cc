@@ -1,9 +1,12 @@
 #include "kv_store/sequence_table.h"
 
 #include <algorithm>
+#include <array>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
+#include "common/status_macros.h"
 
 namespace attnd {
 
@@ -63,6 +66,87 @@ void SequenceTable::FreeSlot(Tier tier, int device, int32_t slot) {
   } else {
     disk_.Free(slot);
   }
+}
+
+absl::Status SequenceTable::CheckInvariants() const {
+  auto bad = [](auto&&... what) { return absl::InternalError(absl::StrCat(what...)); };
+  // Holders as the sequences say.
+  std::map<int32_t, std::array<int32_t, kNumTiers>> holders;
+  int64_t at_tier[kNumTiers] = {0, 0, 0};
+  for (const auto& [key, ptr] : seqs_) {
+    const Sequence& seq = *ptr;
+    if (!seq.lost) ++at_tier[static_cast<int>(seq.tier)];
+    if (seq.moving || seq.copying || seq.filling || seq.step != 0)
+      return bad("sequence '", seq.id, "' is busy");
+    for (int32_t id : seq.logical) {
+      if (!dir_.live(id)) return bad("sequence '", seq.id, "' holds a dead page ", id);
+      ++holders[id][static_cast<int>(seq.tier)];
+    }
+    if (seq.tier == Tier::kDevice) {
+      if (seq.pages.size() != seq.logical.size())
+        return bad("sequence '", seq.id, "': ", seq.pages.size(), " device pages for ",
+                   seq.logical.size());
+      for (size_t i = 0; i < seq.pages.size(); ++i) {
+        const PageDirectory::Entry& e = dir_.at(seq.logical[i]);
+        if (e.tier != Tier::kDevice || e.device != seq.device || e.slot != seq.pages[i])
+          return bad("sequence '", seq.id, "' page ", i, " is not its device page");
+      }
+    } else if (!seq.pages.empty()) {
+      return bad("sequence '", seq.id, "' below its device holds device pages");
+    }
+  }
+  for (int t = 0; t < kNumTiers; ++t)
+    if (at_tier[t] != at_tier_[t])
+      return bad(TierName(static_cast<Tier>(t)), ": ", at_tier_[t], " sequences counted, ",
+                 at_tier[t], " there");
+  std::vector<int32_t> device_pages(pools_.size(), 0);
+  int32_t host = 0, disk = 0;
+  absl::Status status = absl::OkStatus();
+  dir_.ForEach([&](int32_t id, const PageDirectory::Entry& e) {
+    if (!status.ok()) return;
+    const auto h = holders.find(id);
+    const std::array<int32_t, kNumTiers> want =
+        h == holders.end() ? std::array<int32_t, kNumTiers>{0, 0, 0} : h->second;
+    for (int t = 0; t < kNumTiers; ++t)  // pins (PinRows: a read) add holders on the device
+      if (t == 0 ? e.holders[t] < want[t] : e.holders[t] != want[t])
+        status = bad("page ", id, ": ", e.holders[t], " holders at ",
+                     TierName(static_cast<Tier>(t)), ", the sequences say ", want[t]);
+    if (!status.ok()) return;
+    if (e.refs() == 0) status = bad("page ", id, " has no holder");
+    if (e.moving) status = bad("page ", id, " is moving");
+    if (static_cast<int>(e.tier) > static_cast<int>(e.needed()))
+      status =
+          bad("page ", id, " is at ", TierName(e.tier), ", a holder at ", TierName(e.needed()));
+    switch (e.tier) {
+      case Tier::kDevice:
+        if (pools_[e.device].refcount(e.slot) != e.refs())
+          status = bad("page ", id, ": device count ", pools_[e.device].refcount(e.slot),
+                       ", holders ", e.refs());
+        if (owner_[e.device][e.slot] != id)
+          status = bad("page ", id, ": ", names_[e.device], " page ", e.slot, " owned by ",
+                       owner_[e.device][e.slot]);
+        ++device_pages[e.device];
+        break;
+      case Tier::kHost:
+        if (!host_.used(e.slot)) status = bad("page ", id, " in a free host slot");
+        ++host;
+        break;
+      case Tier::kDisk:
+        if (!disk_.used(e.slot)) status = bad("page ", id, " in a free disk slot");
+        ++disk;
+        break;
+    }
+  });
+  RETURN_IF_ERROR(status);
+  for (size_t d = 0; d < pools_.size(); ++d)
+    if (pools_[d].used_pages() != device_pages[d])
+      return bad(names_[d], ": ", pools_[d].used_pages(), " pages used, ", device_pages[d],
+                 " in the directory");
+  if (host_.used_slots() != host)
+    return bad("host: ", host_.used_slots(), " slots, ", host, " pages");
+  if (disk_.used_slots() != disk)
+    return bad("disk: ", disk_.used_slots(), " slots, ", disk, " pages");
+  return absl::OkStatus();
 }
 
 absl::Status SequenceTable::OnDevice(const Sequence& seq) const {

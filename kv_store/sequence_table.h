@@ -112,6 +112,13 @@ class SequenceTable {
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
   const TenantLedger& tenants() const { return tenants_; }
   TenantLedger& tenants() { return tenants_; }
+  // The tiers' bookkeeping agrees with itself (for tests and the fuzzers; call it with no step
+  // or move in flight): every page in exactly one tier and slot, its holders counted from the
+  // sequences that hold it (pins for reads add device holders), a device page's pool count equal to its holders, no page below
+  // the fastest tier a holder is at, each tier's used slots and sequence count its entries', a
+  // sequence on its device reading its own pages there and one below holding no device pages.
+  // INTERNAL naming the first disagreement.
+  absl::Status CheckInvariants() const;
   // Every sequence, or with `tenant` set only that tenant's, in no particular order.
   std::vector<const Sequence*> List(const std::string* tenant) const;
 

@@ -95,6 +95,8 @@ struct Twins {
     auto b = big.Run(batch, in);
     ASSERT_TRUE(a.status.ok()) << a.status;
     ASSERT_TRUE(b.status.ok()) << b.status;
+    const absl::Status invariants = small.engine().CheckInvariants();
+    ASSERT_TRUE(invariants.ok()) << invariants;
     for (size_t l = 0; l < a.out.size(); ++l) {
       ASSERT_EQ(a.out[l], b.out[l]) << "layer " << l << ": the bits changed with the tiers";
       ASSERT_EQ(a.lse[l], b.lse[l]) << "layer " << l;
@@ -148,6 +150,30 @@ TEST_P(TiersRoundRobin, FourTimesWhatTheDevicesHoldDecodeBitForBitAsIfAllFit) {
 INSTANTIATE_TEST_SUITE_P(Caches, TiersRoundRobin,
                          ::testing::Values(DType::kF32, DType::kBF16, DType::kFP8E4M3),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+// Found by the engine-ops fuzzer: a batch refused for what it is (an unknown sequence, too many
+// tokens) after a spilled sequence used to restore that one first.
+TEST(Tiers, ABatchRefusedForWhatItIsMovesNothing) {
+  TempDir dir;
+  EngineOptions o = Options(DType::kF32, 16, 8, 16, dir.path);
+  o.limits.max_step_tokens = 24;
+  Harness h(std::move(o));
+  h.Open("a", 0);
+  h.Open("b", 0);
+  h.RunAndCheck({{"a", 20}}, DType::kF32, 3, 1e-5);
+  Engine& e = h.engine();
+  ASSERT_TRUE(e.OffloadSequences({"a"}).ok());
+  const int32_t free = e.Capacity()[0].pages_free;
+  EXPECT_EQ(e.BeginStep({{"a", 1}, {"nobody", 1}}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(e.BeginStep({{"a", 10}, {"b", 20}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.BeginStep({{"a", 1}, {"a", 1}}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.DescribeSequence("a")->tier, Tier::kHost);
+  EXPECT_EQ(e.Capacity()[0].pages_free, free);
+  EXPECT_EQ(e.Counters().restores_step, 0);
+  h.RunAndCheck({{"a", 1}, {"b", 2}}, DType::kF32, 4, 1e-5);  // a good one restores it
+  EXPECT_EQ(e.Counters().restores_step, 1);
+}
 
 TEST(Tiers, OffloadPrefetchAndIdleSpillsMoveSequencesAndStepsBringThemBack) {
   TempDir dir;

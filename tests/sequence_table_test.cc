@@ -209,6 +209,8 @@ TEST(SequenceTable, PinnedRowsOutliveAClose) {
 // owner map points back at it; host and disk slots in use are exactly the entries there; each
 // sequence's holds are counted at its tier; sequences on the device hold their device pages.
 void Audit(const SequenceTable& t) {
+  const absl::Status invariants = t.CheckInvariants();
+  EXPECT_TRUE(invariants.ok()) << invariants;
   std::vector<int32_t> holders_by_tier_sum(3, 0);
   int32_t host = 0, disk = 0;
   std::vector<int32_t> device_pages(t.num_devices(), 0);
