@@ -202,7 +202,8 @@ struct TierCapacity {
   int64_t pages_total = 0, pages_used = 0;
   size_t bytes_per_page = 0;
   int64_t sequences = 0;
-  std::string where;  // the disk tier's file
+  std::string where;    // the disk tier's file
+  bool direct = false;  // the disk tier's file bypasses the page cache (O_DIRECT)
 };
 
 struct DeviceCapacity {

@@ -140,6 +140,9 @@ struct Engine::Impl {
   // --- tiers (tiering.cc): host and disk below the devices; mu held on entry and exit of the
   // *Locked methods, released while bytes are copied ---
   std::unique_ptr<HostTier> host;
+  // The disk tier's transfers: several pages in flight (a deeper queue, and one page's checksum
+  // computed while another's bytes travel).
+  std::unique_ptr<ThreadPool> disk_io;
   std::unique_ptr<DiskTier> disk;
   bool tiers_on() const { return host != nullptr || disk != nullptr; }
   // The prefetch worker: restores queued sequences in the background.

@@ -22,6 +22,8 @@ using Clock = EngineClock;
 
 // Pages staged at once by a move through host buffers (device <-> disk): bounds its memory.
 constexpr size_t kStagedPages = 8;
+// Disk transfers in flight at once (the caller and three workers).
+constexpr int kDiskInFlight = 4;
 
 // Aligned host buffers of whole pages (the disk tier writes them with O_DIRECT).
 struct Staging {
@@ -76,6 +78,7 @@ absl::Status Engine::Impl::CreateTiers(const CacheLayout& layout) {
   if (disk_slots > 0) {
     ASSIGN_OR_RETURN(disk,
                      DiskTier::Create(t.disk_dir, t.disk_file, page_bytes, disk_slots, t.disk_io));
+    disk_io = std::make_unique<ThreadPool>(kDiskInFlight);
   }
   return absl::OkStatus();
 }
@@ -104,17 +107,29 @@ absl::Status Engine::Impl::CopyTierBytes(const TierMove& move, std::vector<int32
     }
   }
   if (!pages.empty()) RETURN_IF_ERROR(dev->WritePages(pages, from_host));
-  // Host -> disk and disk -> host: one slot at a time.
-  for (const TierMove::Page& p : move.pages) {
-    if (p.from == Tier::kHost && p.to == Tier::kDisk)
-      RETURN_IF_ERROR(disk->Write(p.dst, host->Slot(p.src)));
-    if (p.from == Tier::kDisk && p.to == Tier::kHost) {
-      const absl::Status r = disk->Read(p.src, host->Slot(p.dst));
-      if (r.code() == absl::StatusCode::kDataLoss) lost->push_back(p.id);
-      if (!r.ok()) return r;
-    }
+  // Host <-> disk: kDiskInFlight slots at a time.
+  std::vector<const TierMove::Page*> host_disk;
+  for (const TierMove::Page& p : move.pages)
+    if ((p.from == Tier::kHost && p.to == Tier::kDisk) ||
+        (p.from == Tier::kDisk && p.to == Tier::kHost))
+      host_disk.push_back(&p);
+  std::vector<absl::Status> done(host_disk.size());
+  if (!host_disk.empty())
+    disk_io->ParallelFor(static_cast<int64_t>(host_disk.size()), [&](int64_t i) {
+      const TierMove::Page& p = *host_disk[i];
+      done[i] = p.to == Tier::kDisk ? disk->Write(p.dst, host->Slot(p.src), host->stride())
+                                    : disk->Read(p.src, host->Slot(p.dst), host->stride());
+    });
+  absl::Status first_loss = absl::OkStatus();
+  for (size_t i = 0; i < host_disk.size(); ++i) {
+    if (done[i].ok()) continue;
+    if (done[i].code() != absl::StatusCode::kDataLoss) return done[i];
+    lost->push_back(host_disk[i]->id);  // read on: every lost page is named at once
+    if (first_loss.ok()) first_loss = done[i];
   }
-  // Device <-> disk: through aligned staging, kStagedPages at a time.
+  if (!first_loss.ok()) return first_loss;
+  // Device <-> disk: through aligned staging, kStagedPages at a time, their disk transfers in
+  // parallel.
   std::vector<const TierMove::Page*> down, up;
   for (const TierMove::Page& p : move.pages) {
     if (p.from == Tier::kDevice && p.to == Tier::kDisk) down.push_back(&p);
@@ -123,29 +138,34 @@ absl::Status Engine::Impl::CopyTierBytes(const TierMove& move, std::vector<int32
   if (down.empty() && up.empty()) return absl::OkStatus();
   Staging staging(page_bytes, kStagedPages);
   if (staging.p == nullptr) return absl::ResourceExhaustedError("tier move: no staging memory");
+  std::vector<absl::Status> io(kStagedPages);
   for (size_t i = 0; i < down.size(); i += kStagedPages) {
     const size_t n = std::min(kStagedPages, down.size() - i);
     std::vector<int32_t> src(n);
     std::vector<uint8_t*> buf(n);
     for (size_t j = 0; j < n; ++j) src[j] = down[i + j]->src, buf[j] = staging.at(j);
     RETURN_IF_ERROR(dev->ReadPages(src, buf));
-    for (size_t j = 0; j < n; ++j) RETURN_IF_ERROR(disk->Write(down[i + j]->dst, buf[j]));
+    disk_io->ParallelFor(static_cast<int64_t>(n), [&](int64_t j) {
+      io[j] = disk->Write(down[i + j]->dst, buf[j], staging.stride);
+    });
+    for (size_t j = 0; j < n; ++j) RETURN_IF_ERROR(io[j]);
   }
-  absl::Status first_loss = absl::OkStatus();
   for (size_t i = 0; i < up.size(); i += kStagedPages) {
     const size_t n = std::min(kStagedPages, up.size() - i);
+    disk_io->ParallelFor(static_cast<int64_t>(n), [&](int64_t j) {
+      io[j] = disk->Read(up[i + j]->src, staging.at(j), staging.stride);
+    });
     std::vector<int32_t> dst;
     std::vector<const uint8_t*> buf;
     for (size_t j = 0; j < n; ++j) {
-      const absl::Status r = disk->Read(up[i + j]->src, staging.at(j));
-      if (r.ok()) {
+      if (io[j].ok()) {
         dst.push_back(up[i + j]->dst);
         buf.push_back(staging.at(j));
         continue;
       }
-      if (r.code() != absl::StatusCode::kDataLoss) return r;
+      if (io[j].code() != absl::StatusCode::kDataLoss) return io[j];
       lost->push_back(up[i + j]->id);  // read on: every lost page is named at once
-      if (first_loss.ok()) first_loss = r;
+      if (first_loss.ok()) first_loss = io[j];
     }
     if (!dst.empty()) RETURN_IF_ERROR(dev->WritePages(dst, buf));
   }
@@ -380,7 +400,10 @@ std::vector<TierCapacity> Engine::Tiers() const {
   d.pages_used = impl_->table->disk_slots().used_slots();
   d.bytes_per_page = page;
   d.sequences = impl_->table->sequences_at(Tier::kDisk);
-  if (impl_->disk) d.where = impl_->disk->path();
+  if (impl_->disk) {
+    d.where = impl_->disk->path();
+    d.direct = impl_->disk->direct();
+  }
   return {h, d};
 }
 

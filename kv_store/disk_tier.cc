@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -89,10 +90,11 @@ DiskTier::~DiskTier() {
   close(fd_);
 }
 
-absl::Status DiskTier::Write(int32_t slot, const uint8_t* data) {
+absl::Status DiskTier::Write(int32_t slot, const uint8_t* data, size_t room) {
   const uint8_t* src = data;
   // O_DIRECT moves whole aligned blocks: bounce what is not aligned or not a whole block.
-  if (direct_ && (reinterpret_cast<uintptr_t>(data) % kTierAlign != 0 || slot_bytes_ != stride_)) {
+  if (direct_ && (reinterpret_cast<uintptr_t>(data) % kTierAlign != 0 ||
+                  std::max(room, slot_bytes_) < stride_)) {
     uint8_t* b = bounce.Get(stride_);
     if (b == nullptr) return absl::ResourceExhaustedError("disk tier: no memory for a write");
     std::memcpy(b, data, slot_bytes_);
@@ -119,10 +121,10 @@ absl::Status DiskTier::Write(int32_t slot, const uint8_t* data) {
   return absl::OkStatus();
 }
 
-absl::Status DiskTier::Read(int32_t slot, uint8_t* out) {
+absl::Status DiskTier::Read(int32_t slot, uint8_t* out, size_t room) {
   uint8_t* dst = out;
-  const bool bounced =
-      direct_ && (reinterpret_cast<uintptr_t>(out) % kTierAlign != 0 || slot_bytes_ != stride_);
+  const bool bounced = direct_ && (reinterpret_cast<uintptr_t>(out) % kTierAlign != 0 ||
+                                   std::max(room, slot_bytes_) < stride_);
   if (bounced) {
     dst = bounce.Get(stride_);
     if (dst == nullptr) return absl::ResourceExhaustedError("disk tier: no memory for a read");

@@ -47,10 +47,13 @@ class DiskTier {
 
   // slot_bytes from `data` into `slot`. RESOURCE_EXHAUSTED when the disk is full (ENOSPC, EDQUOT),
   // UNAVAILABLE for another write error; the slot's old bytes are then not to be trusted.
-  absl::Status Write(int32_t slot, const uint8_t* data);
-  // `slot` into `out` (slot_bytes). DATA_LOSS on a read error, a short read or a checksum
-  // mismatch.
-  absl::Status Read(int32_t slot, uint8_t* out);
+  // `room`: bytes the caller's buffer holds (>= slot_bytes); a buffer aligned to kTierAlign with
+  // room for a whole TierStride(slot_bytes) block goes to the disk as it is (O_DIRECT without a
+  // bounce copy; the padding's bytes are not part of the page). Thread safe for distinct slots.
+  absl::Status Write(int32_t slot, const uint8_t* data, size_t room = 0);
+  // `slot` into `out` (slot_bytes; with `room` as for Write, the padding after them may be
+  // overwritten). DATA_LOSS on a read error, a short read or a checksum mismatch.
+  absl::Status Read(int32_t slot, uint8_t* out, size_t room = 0);
   // Bytes written and read so far (metrics).
   int64_t bytes_written() const { return written_.load(); }
   int64_t bytes_read() const { return read_.load(); }

@@ -43,6 +43,7 @@ class HostTier {
   int32_t slots() const { return slots_; }
   size_t slot_bytes() const { return slot_bytes_; }
   size_t capacity_bytes() const { return static_cast<size_t>(slots_) * slot_bytes_; }
+  size_t stride() const { return stride_; }  // bytes from one slot to the next (the room of each)
   uint8_t* Slot(int32_t slot) const {
     return static_cast<uint8_t*>(block_.ptr) + static_cast<size_t>(slot) * stride_;
   }

@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_device.h"
+#include "kv_store/host_tier.h"
 #include "tests/context_parallel_split.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
@@ -287,6 +290,53 @@ TEST(Cuda, PagesMoveBetweenHostAndGpuWithOutputsUnchanged) {
   ASSERT_TRUE(h.engine().MigrateSequence("q", 0).ok());                   // GPU -> host
   ASSERT_TRUE(h.engine().MigrateSequence("p", 1).ok());                   // host -> GPU
   h.RunAndCheck({{"q", 1}, {"p", 1}, {"g", 1}}, DType::kBF16, 3, 1e-2);
+}
+
+// The tiered store on a GPU: 8 sequences on a GPU holding 4 (pinned host tier, disk below),
+// spilled and restored through CudaDevice::ReadPages/WritePages while steps run, every output,
+// lse and selection bit for bit those of a GPU holding them all.
+TEST(Cuda, SpilledAndRestoredSequencesDecodeBitForBitAsIfTheyNeverMoved) {
+  SKIP_WITHOUT_GPU();
+  char dir[] = "/tmp/attnd-cuda-tiers-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const ModelSpec spec = Spec(SelectionMode::kToken, 4);
+  for (DType cache : {DType::kBF16, DType::kFP8E4M3}) {
+    EngineOptions small_o = Options(spec, cache, {"cuda:0"});
+    small_o.pages_per_device = 9;  // 8 usable: 4 sequences of 2 pages
+    const size_t page =
+        TierStride(CacheLayout::ForModel(spec, cache, small_o.pages_per_device).BytesPerPage());
+    small_o.tiers.host_bytes = 4 * page;
+    small_o.tiers.disk_dir = dir;
+    small_o.tiers.disk_bytes = 32 * page;
+    Harness small(small_o), big(Options(spec, cache, {"cuda:0"}));
+    std::vector<std::string> ids;
+    for (int i = 0; i < 8; ++i) {
+      ids.push_back(absl::StrCat("s", i));
+      small.Open(ids.back(), 0);
+      big.Open(ids.back(), 0);
+    }
+    uint64_t seed = 1;
+    auto step = [&](const std::vector<StepEntry>& batch) {
+      const auto in = small.MakeInputs(batch, DType::kBF16, ++seed);
+      auto a = small.Run(batch, in);
+      auto b = big.Run(batch, in);
+      ASSERT_TRUE(a.status.ok()) << a.status;
+      ASSERT_TRUE(b.status.ok()) << b.status;
+      for (size_t l = 0; l < a.out.size(); ++l) {
+        ASSERT_EQ(a.out[l], b.out[l]) << "layer " << l;
+        ASSERT_EQ(a.lse[l], b.lse[l]) << "layer " << l;
+        ASSERT_EQ(a.traces[l].keys, b.traces[l].keys) << "layer " << l;
+      }
+    };
+    for (const std::string& id : ids) step({{id, 20}});
+    for (int round = 0; round < 3; ++round)
+      for (size_t i = 0; i < ids.size(); i += 2) step({{ids[i], 1}, {ids[i + 1], 1}});
+    const EngineCounters c = small.engine().Counters();
+    EXPECT_GT(c.spills, 8);
+    EXPECT_GT(c.tier_bytes[static_cast<int>(Tier::kDisk)][static_cast<int>(Tier::kDevice)], 0);
+    EXPECT_TRUE(small.engine().CheckInvariants().ok());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // This process's mapped and resident host memory, bytes (/proc/self/statm).

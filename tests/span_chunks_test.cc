@@ -10,6 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "common/model_spec.h"
+
 namespace attnd::cuda {
 namespace {
 
@@ -111,6 +113,120 @@ TEST(SpanChunks, EmptySpansAndEmptyListsMakeNoChunks) {
   const SpanChunks p = PlanSpanChunks({{x, x, 0}, {x, x, 0}}, 1024);
   EXPECT_TRUE(p.chunks.empty());
   EXPECT_TRUE(p.pieces.empty());
+}
+
+// A page's staged form as CacheLayout documents it: every layer's rows, then every full layer's
+// indexer ranges back to back.
+std::vector<uint8_t> StagedPage(const CacheLayout& layout, const std::vector<uint8_t>& cache,
+                                int32_t page) {
+  std::vector<uint8_t> out;
+  const int rows = layout.page_size;
+  for (int l = 0; l < layout.num_layers; ++l) {
+    const size_t at =
+        layout.LatentOffset(l) + static_cast<size_t>(page) * rows * layout.latent_row_bytes();
+    out.insert(out.end(), cache.begin() + at,
+               cache.begin() + at + rows * layout.latent_row_bytes());
+  }
+  for (int k = 0; k < layout.num_full_layers; ++k)
+    for (const CacheLayout::ByteRange& r : layout.IndexRanges(0, rows)) {
+      const size_t at = layout.IndexPageOffset(k, page) + r.offset;
+      out.insert(out.end(), cache.begin() + at, cache.begin() + at + r.bytes);
+    }
+  return out;
+}
+
+// The GPU's ReadPages and WritePages (kernels/cuda/cuda_pages.cc) on host memory, in their order:
+// per chunk the span kernel, then the copies out (a spill); the copies in, then the span kernel
+// (a restore). The staging holds only the chunk's pages, so a chunk overwrites the last one's.
+void RunPages(const PageStaging& plan, std::vector<uint8_t>& staging, size_t n,
+              const std::vector<uint8_t*>& host, bool spill) {
+  for (size_t a = 0; a < n; a += plan.per_chunk) {
+    const size_t b = std::min(n, a + plan.per_chunk);
+    std::fill(staging.begin(), staging.end(), 0xee);  // nothing of the last chunk may leak
+    if (!spill)
+      for (size_t i = a; i < b; ++i)
+        std::memcpy(staging.data() + (i - a) * plan.stride, host[i], plan.page_bytes);
+    for (size_t j = plan.first[a]; j < plan.first[b]; ++j)
+      std::memcpy(plan.spans[j].dst, plan.spans[j].src, plan.spans[j].bytes);
+    if (spill)
+      for (size_t i = a; i < b; ++i)
+        std::memcpy(host[i], staging.data() + (i - a) * plan.stride, plan.page_bytes);
+  }
+}
+
+TEST(PageStaging, SpilledPagesAreTheirStagedFormsAndComeBackIntoOtherPagesExactly) {
+  const ModelSpec spec = PresetModelSpec("tiny").value();
+  for (DType dtype : {DType::kFP8E4M3, DType::kBF16, DType::kF32}) {
+    const CacheLayout layout = CacheLayout::ForModel(spec, dtype, 12);
+    std::mt19937 rng(5);
+    std::vector<uint8_t> cache(layout.TotalBytes());
+    for (uint8_t& b : cache) b = static_cast<uint8_t>(rng());
+    const std::vector<int32_t> pages = {7, 3, 9, 1, 10};
+    const size_t page_bytes = layout.StagedBytes(layout.page_size);
+    // Room for two pages and a bit: three chunks (2, 2, 1).
+    const size_t max_staging = 2 * ((page_bytes + 15) / 16 * 16) + 5;
+    std::vector<uint8_t> staging(max_staging);
+    PageStaging out =
+        PlanPageStaging(layout, cache.data(), pages, staging.data(), max_staging, true);
+    ASSERT_EQ(out.per_chunk, 2u);
+    ASSERT_EQ(out.chunks(), 3u);
+    ASSERT_EQ(out.page_bytes, page_bytes);
+    ASSERT_LE(out.staging_bytes(), max_staging);
+    std::vector<std::vector<uint8_t>> host(pages.size(), std::vector<uint8_t>(page_bytes, 0x11));
+    std::vector<uint8_t*> host_ptrs;
+    for (auto& h : host) host_ptrs.push_back(h.data());
+    RunPages(out, staging, pages.size(), host_ptrs, true);
+    for (size_t i = 0; i < pages.size(); ++i)
+      EXPECT_EQ(host[i], StagedPage(layout, cache, pages[i])) << DTypeName(dtype) << " page " << i;
+    // Restored into other pages of a blank cache: those pages' bytes, nothing else written.
+    std::vector<uint8_t> blank(layout.TotalBytes(), 0xcc);
+    const std::vector<int32_t> into = {2, 11, 4, 5, 8};
+    PageStaging in =
+        PlanPageStaging(layout, blank.data(), into, staging.data(), max_staging, false);
+    RunPages(in, staging, into.size(), host_ptrs, false);
+    std::vector<uint8_t> expect(layout.TotalBytes(), 0xcc);
+    for (size_t i = 0; i < into.size(); ++i) {
+      const std::vector<uint8_t> staged = StagedPage(layout, cache, pages[i]);
+      EXPECT_EQ(StagedPage(layout, blank, into[i]), staged) << DTypeName(dtype) << " page " << i;
+    }
+    size_t untouched = 0, outside = 0;
+    std::vector<bool> inside(blank.size(), false);
+    for (int32_t p : into) {
+      const int rows = layout.page_size;
+      for (int l = 0; l < layout.num_layers; ++l) {
+        const size_t at =
+            layout.LatentOffset(l) + static_cast<size_t>(p) * rows * layout.latent_row_bytes();
+        std::fill(inside.begin() + at, inside.begin() + at + rows * layout.latent_row_bytes(),
+                  true);
+      }
+      for (int k = 0; k < layout.num_full_layers; ++k)
+        for (const CacheLayout::ByteRange& r : layout.IndexRanges(0, rows))
+          std::fill(inside.begin() + layout.IndexPageOffset(k, p) + r.offset,
+                    inside.begin() + layout.IndexPageOffset(k, p) + r.offset + r.bytes, true);
+    }
+    for (size_t i = 0; i < blank.size(); ++i)
+      if (!inside[i]) {
+        ++outside;
+        untouched += blank[i] == 0xcc;
+      }
+    EXPECT_GT(outside, 0u);
+    EXPECT_EQ(untouched, outside) << DTypeName(dtype) << ": bytes written outside the pages";
+  }
+}
+
+TEST(PageStaging, A32KTokenDeepSeekSequenceIsTwentyFiveKernelsAndOneCopyAPage) {
+  const ModelSpec spec = PresetModelSpec("deepseek-v3.2").value();
+  const CacheLayout layout = CacheLayout::ForModel(spec, DType::kFP8E4M3, 520);
+  std::vector<int32_t> pages(512);
+  for (int i = 0; i < 512; ++i) pages[i] = i + 1;
+  // Addresses only: no byte is touched.
+  auto* cache = reinterpret_cast<uint8_t*>(uintptr_t{1} << 40);
+  auto* staging = reinterpret_cast<uint8_t*>(uintptr_t{1} << 44);
+  const PageStaging p = PlanPageStaging(layout, cache, pages, staging, size_t{64} << 20, true);
+  EXPECT_EQ(p.page_bytes, size_t{64} * 61 * (656 + 132));  // 3,076,352 bytes
+  EXPECT_EQ(p.per_chunk, 21u);
+  EXPECT_EQ(p.chunks(), 25u);
+  EXPECT_EQ(p.spans.size(), 512u * (61 + 61 * 2));  // latent rows, indexer values and scales
 }
 
 }  // namespace

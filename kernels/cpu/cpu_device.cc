@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include "common/stream_copy.h"
 #include "kernels/cpu/attention_cpu.h"
 #include "kernels/fp8_rows.h"
 #include "kernels/selection.h"
@@ -417,6 +418,46 @@ absl::Status CpuDevice::WritePage(int32_t page, int rows, const uint8_t* staged)
                 rows * c.latent_row_bytes());
   for (int k = 0; k < c.num_full_layers; ++k)
     WriteIndexRows(cache_.IndexPage(k, page), rows, staged + c.StagedIndex(k, rows));
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::ReadPages(const std::vector<int32_t>& pages,
+                                  const std::vector<uint8_t*>& staged) {
+  const CacheLayout& c = layout();
+  const int rows = c.page_size;
+  pool_->ParallelFor(static_cast<int64_t>(pages.size()), [&](int64_t i) {
+    uint8_t* to = staged[i];
+    for (int l = 0; l < c.num_layers; ++l)
+      StreamCopy(to + c.StagedLatent(l, rows), cache_.LatentRow(l, pages[i], 0),
+                 rows * c.latent_row_bytes());
+    for (int k = 0; k < c.num_full_layers; ++k) {
+      uint8_t* at = to + c.StagedIndex(k, rows);
+      for (const auto& r : c.IndexRanges(0, rows)) {
+        StreamCopy(at, cache_.IndexPage(k, pages[i]) + r.offset, r.bytes);
+        at += r.bytes;
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuDevice::WritePages(const std::vector<int32_t>& pages,
+                                   const std::vector<const uint8_t*>& staged) {
+  const CacheLayout& c = layout();
+  const int rows = c.page_size;
+  pool_->ParallelFor(static_cast<int64_t>(pages.size()), [&](int64_t i) {
+    const uint8_t* from = staged[i];
+    for (int l = 0; l < c.num_layers; ++l)
+      StreamCopy(cache_.LatentRow(l, pages[i], 0), from + c.StagedLatent(l, rows),
+                 rows * c.latent_row_bytes());
+    for (int k = 0; k < c.num_full_layers; ++k) {
+      const uint8_t* at = from + c.StagedIndex(k, rows);
+      for (const auto& r : c.IndexRanges(0, rows)) {
+        StreamCopy(cache_.IndexPage(k, pages[i]) + r.offset, at, r.bytes);
+        at += r.bytes;
+      }
+    }
+  });
   return absl::OkStatus();
 }
 

@@ -29,6 +29,12 @@ class CpuDevice final : public Device {
                         uint8_t* index) override;
   absl::Status ReadPage(int32_t page, int rows, uint8_t* staged) override;
   absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) override;
+  // A tier move's pages: across the device's threads, with stores that bypass the cache (the
+  // bytes are not read again soon; common/stream_copy.h).
+  absl::Status ReadPages(const std::vector<int32_t>& pages,
+                         const std::vector<uint8_t*>& staged) override;
+  absl::Status WritePages(const std::vector<int32_t>& pages,
+                          const std::vector<const uint8_t*>& staged) override;
   absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies) override;
   absl::StatusOr<bool> ReservedPageUntouched() override;
   bool SupportsContextParallel() const override { return true; }

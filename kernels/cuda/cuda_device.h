@@ -62,6 +62,13 @@ class CudaDevice final : public Device {
                         uint8_t* index) override;
   absl::Status ReadPage(int32_t page, int rows, uint8_t* staged) override;
   absl::Status WritePage(int32_t page, int rows, const uint8_t* staged) override;
+  // A tier move's whole pages to and from host buffers (pinned slots of the host tier, or the
+  // disk tier's staging): per staging chunk one span kernel and one copy per page, on the copy
+  // stream (the compute streams' kernels go on meanwhile), waited for once (PlanPageStaging).
+  absl::Status ReadPages(const std::vector<int32_t>& pages,
+                         const std::vector<uint8_t*>& staged) override;
+  absl::Status WritePages(const std::vector<int32_t>& pages,
+                          const std::vector<const uint8_t*>& staged) override;
   // To another GPU: NCCL when connected (ConnectPeers), else peer copies; to a CPU device
   // through host staging.
   absl::Status CopyPages(Device& dst, const std::vector<PageCopy>& copies) override;

@@ -90,10 +90,59 @@ absl::Status CudaDevice::WritePage(int32_t page, int rows, const uint8_t* staged
 
 namespace {
 
-// A page move between GPUs goes in staged chunks of this many bytes (one transfer each).
+// A page move between GPUs goes in staged chunks of this many bytes (one transfer each); a tier
+// move's pages are staged on the GPU in chunks of at most this many bytes too.
 constexpr size_t kMoveChunkBytes = size_t{64} << 20;
 
 }  // namespace
+
+absl::Status CudaDevice::ReadPages(const std::vector<int32_t>& pages,
+                                   const std::vector<uint8_t*>& staged) {
+  if (pages.empty()) return absl::OkStatus();
+  State& s = *s_;
+  std::lock_guard<std::mutex> lock(s.copy_mu);
+  CUDA_RETURN(cudaSetDevice(ordinal_));
+  RETURN_IF_ERROR(s.move_staging.Reserve(kMoveChunkBytes));
+  const PageStaging plan = PlanPageStaging(s.layout, s.cache, pages, s.move_staging.as<uint8_t>(),
+                                           kMoveChunkBytes, /*to_staging=*/true);
+  RETURN_IF_ERROR(Upload(s.move_table, plan.spans, s.copy_stream));
+  // One stream keeps the order: a chunk's gather runs after the previous chunk's copies out.
+  for (size_t c = 0; c * plan.per_chunk < pages.size(); ++c) {
+    const size_t a = c * plan.per_chunk, b = std::min(pages.size(), a + plan.per_chunk);
+    CUDA_RETURN(LaunchCopySpans(s.move_table.as<SpanCopy>() + plan.first[a],
+                                static_cast<int64_t>(plan.first[b] - plan.first[a]),
+                                s.copy_stream));
+    for (size_t i = a; i < b; ++i)
+      CUDA_RETURN(cudaMemcpyAsync(staged[i], s.move_staging.as<uint8_t>() + (i - a) * plan.stride,
+                                  plan.page_bytes, cudaMemcpyDeviceToHost, s.copy_stream));
+  }
+  CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::WritePages(const std::vector<int32_t>& pages,
+                                    const std::vector<const uint8_t*>& staged) {
+  if (pages.empty()) return absl::OkStatus();
+  State& s = *s_;
+  std::lock_guard<std::mutex> lock(s.copy_mu);
+  CUDA_RETURN(cudaSetDevice(ordinal_));
+  RETURN_IF_ERROR(s.move_staging.Reserve(kMoveChunkBytes));
+  const PageStaging plan = PlanPageStaging(s.layout, s.cache, pages, s.move_staging.as<uint8_t>(),
+                                           kMoveChunkBytes, /*to_staging=*/false);
+  RETURN_IF_ERROR(Upload(s.move_table, plan.spans, s.copy_stream));
+  // A chunk's copies in run after the previous chunk's scatter (the same stream).
+  for (size_t c = 0; c * plan.per_chunk < pages.size(); ++c) {
+    const size_t a = c * plan.per_chunk, b = std::min(pages.size(), a + plan.per_chunk);
+    for (size_t i = a; i < b; ++i)
+      CUDA_RETURN(cudaMemcpyAsync(s.move_staging.as<uint8_t>() + (i - a) * plan.stride, staged[i],
+                                  plan.page_bytes, cudaMemcpyHostToDevice, s.copy_stream));
+    CUDA_RETURN(LaunchCopySpans(s.move_table.as<SpanCopy>() + plan.first[a],
+                                static_cast<int64_t>(plan.first[b] - plan.first[a]),
+                                s.copy_stream));
+  }
+  CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
+  return absl::OkStatus();
+}
 
 absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
   auto* to = dynamic_cast<CudaDevice*>(&dst);

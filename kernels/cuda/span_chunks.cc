@@ -45,4 +45,37 @@ std::vector<SpanCopy> SpanChunks::ScatterTable(const uint8_t* dst_staging) const
   return t;
 }
 
+PageStaging PlanPageStaging(const CacheLayout& layout, uint8_t* cache,
+                            const std::vector<int32_t>& pages, uint8_t* staging,
+                            size_t max_staging_bytes, bool to_staging) {
+  PageStaging plan;
+  const int rows = layout.page_size;
+  plan.page_bytes = layout.StagedBytes(rows);
+  plan.stride = (plan.page_bytes + kSpanAlign - 1) / kSpanAlign * kSpanAlign;
+  plan.per_chunk = std::max<size_t>(1, max_staging_bytes / plan.stride);
+  plan.first.reserve(pages.size() + 1);
+  auto add = [&](uint8_t* in_cache, uint8_t* staged, size_t bytes) {
+    if (bytes == 0) return;
+    plan.spans.push_back(to_staging ? SpanCopy{in_cache, staged, bytes}
+                                    : SpanCopy{staged, in_cache, bytes});
+  };
+  for (size_t i = 0; i < pages.size(); ++i) {
+    plan.first.push_back(plan.spans.size());
+    uint8_t* at = staging + (i % plan.per_chunk) * plan.stride;
+    const int64_t row = int64_t{pages[i]} * rows;
+    for (int l = 0; l < layout.num_layers; ++l)
+      add(layout.Latent(cache, l).MutableRow(row), at + layout.StagedLatent(l, rows),
+          rows * layout.latent_row_bytes());
+    for (int k = 0; k < layout.num_full_layers; ++k) {
+      uint8_t* staged = at + layout.StagedIndex(k, rows);
+      for (const CacheLayout::ByteRange& r : layout.IndexRanges(0, rows)) {
+        add(cache + layout.IndexPageOffset(k, pages[i]) + r.offset, staged, r.bytes);
+        staged += r.bytes;
+      }
+    }
+  }
+  plan.first.push_back(plan.spans.size());
+  return plan;
+}
+
 }  // namespace attnd::cuda

@@ -1,0 +1,455 @@
+// The tiered store (docs/architecture.md#tiers) against this machine's own limits, each figure a
+// ratio of two numbers measured in the same run, printed as the markdown of
+// bench/results/tiers.md:
+//   1. spill and restore of one 32K-token sequence at DeepSeek-V3.2 dims (61 layers, fp8 cache)
+//      to and from the host tier, against memcpy of the same bytes (the faster of one thread
+//      and every core's, as the tier's copy runs on the device's threads), and to and from the disk
+//      tier, against the disk's own sequential write and read of the same bytes (the same
+//      directory, the same O_DIRECT-or-not mode, 16 MiB blocks);
+//   2. a decode step of batch 8 with one sequence to restore (from the host, from the disk)
+//      against the same step with none;
+//   3. a multi-turn workload (conversations idle between turns, three times what the devices
+//      hold): the context tokens workers did not have to prefill again, attnd's restore time
+//      against its time to take those tokens again as prefills (a twin engine without tiers
+//      that re-prefills them), and the new tokens' outputs compared bit for bit between the two.
+//
+//   build/bench/tier_bench [--dir DIR] [--context 32768] [--reps 3] [--parts 123] [--quick]
+// DIR is where the disk tier and the reference file go (default: the working directory; a real
+// disk, not tmpfs). --quick: small sizes (a smoke run of every part, ~15 s).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "engine/engine.h"
+#include "kv_store/cache_layout.h"
+#include "kv_store/host_tier.h"
+#include "tests/run_layer.h"
+
+namespace attnd {
+namespace {
+using Clock = std::chrono::steady_clock;
+using testing::RunLayerInto;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+[[noreturn]] void Die(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "tier_bench: %s: %s\n", what.c_str(), s.ToString().c_str());
+  std::exit(1);
+}
+void Check(const absl::Status& s, const std::string& what) {
+  if (!s.ok()) Die(what, s);
+}
+
+struct Args {
+  std::string dir = ".";
+  int64_t context = 32768;
+  int reps = 3;
+  bool quick = false;
+  std::string parts = "123";  // --parts: which of the three to run
+};
+
+// bf16 tensors of random values, kept alive with the inputs that view them.
+struct Tensors {
+  std::vector<std::vector<uint16_t>> bufs;
+  TensorView Add(std::mt19937& rng, std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::normal_distribution<float> dist(0, 1);
+    std::vector<uint16_t> b(n);
+    for (auto& x : b) x = F32ToBF16(dist(rng));
+    bufs.push_back(std::move(b));
+    return TensorView::Of(DType::kBF16, shape, bufs.back().data(), n * 2);
+  }
+};
+
+LayerInputs Inputs(const ModelSpec& s, int64_t T, LayerKind kind, bool write_only, Tensors& tb,
+                   std::mt19937& rng) {
+  LayerInputs in;
+  in.kv_latent = tb.Add(rng, {T, s.kv_lora_rank});
+  in.k_rope = tb.Add(rng, {T, s.qk_rope_head_dim});
+  const bool full = kind == LayerKind::kFull;
+  if (full) in.index_k = tb.Add(rng, {T, s.index_head_dim});
+  if (write_only) return in;
+  in.q_latent = tb.Add(rng, {T, s.num_heads, s.kv_lora_rank});
+  in.q_rope = tb.Add(rng, {T, s.num_heads, s.qk_rope_head_dim});
+  if (full) {
+    in.index_q = tb.Add(rng, {T, s.index_n_heads, s.index_head_dim});
+    in.index_w = tb.Add(rng, {T, s.index_n_heads});
+  }
+  return in;
+}
+
+// One step's inputs, every layer: made once, replayed (the keys of a conversation's turn are
+// the same on both engines of the workload).
+struct StepInputs {
+  Tensors tb;
+  std::vector<LayerInputs> layers;
+};
+std::unique_ptr<StepInputs> MakeStep(const ModelSpec& s, int64_t T, bool write_only,
+                                     uint32_t seed) {
+  auto x = std::make_unique<StepInputs>();
+  std::mt19937 rng(seed);
+  for (LayerKind kind : s.layers) x->layers.push_back(Inputs(s, T, kind, write_only, x->tb, rng));
+  return x;
+}
+
+// Runs a whole step; the outputs of every layer appended to *out (bf16 bits) when asked.
+absl::Status Run(Engine& e, const std::vector<StepEntry>& batch, const StepInputs& in,
+                 bool write_only, std::vector<uint16_t>* out = nullptr) {
+  StepOptions o;
+  if (write_only) o = StepOptions::WriteOnly();
+  auto step = e.BeginStep(batch, o);
+  if (!step.ok()) return step.status();
+  const ModelSpec& s = e.options().spec;
+  int64_t T = 0;
+  for (const StepEntry& b : batch) T += b.q_len;
+  std::vector<uint16_t> buf(write_only ? 0 : T * s.num_heads * s.kv_lora_rank);
+  for (size_t l = 0; l < in.layers.size(); ++l) {
+    absl::Status r = RunLayerInto(e, *step, static_cast<int>(l), in.layers[l],
+                                  buf.empty() ? nullptr : buf.data(), buf.size() * 2);
+    if (!r.ok()) return r;
+    if (out != nullptr) out->insert(out->end(), buf.begin(), buf.end());
+  }
+  return absl::OkStatus();
+}
+
+// Imports `tokens` keys into a new sequence with write-only steps of 4096 (the same random
+// chunk each time: the bytes' values do not matter to a copy).
+void Import(Engine& e, const std::string& id, int64_t tokens, const StepInputs& chunk,
+            int64_t chunk_tokens) {
+  Check(e.OpenSequence(id), "open " + id);
+  for (int64_t done = 0; done < tokens; done += chunk_tokens)
+    Check(Run(e, {{id, chunk_tokens}}, chunk, true), "import " + id);
+}
+
+EngineOptions Options(const ModelSpec& spec, int32_t device_pages, int64_t host_pages,
+                      int64_t disk_pages, const std::string& dir) {
+  EngineOptions o;
+  o.spec = spec;
+  o.cache_dtype = DType::kFP8E4M3;
+  o.pages_per_device = device_pages + 1;
+  const size_t stride =
+      TierStride(CacheLayout::ForModel(spec, o.cache_dtype, o.pages_per_device).BytesPerPage());
+  o.tiers.host_bytes = stride * host_pages;
+  if (disk_pages > 0) {
+    o.tiers.disk_dir = dir;
+    o.tiers.disk_bytes = stride * disk_pages;
+    o.tiers.disk_file = absl::StrCat("tier_bench-", getpid(), ".pages");
+  }
+  return o;
+}
+
+double Best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// memcpy of `bytes` between two warm buffers, best of `reps` with one thread and with every
+// core's thread each copying its share (the tier's copy uses the device's threads): seconds of
+// the faster, and which it was.
+std::pair<double, int> MemcpySeconds(size_t bytes, int reps) {
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  double best = 1e30;
+  int best_threads = 1;
+  for (int threads : {1, cores}) {
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = Clock::now();
+      std::vector<std::thread> pool;
+      const size_t share = (bytes / threads + 63) / 64 * 64;
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+          const size_t at = std::min(bytes, t * share), n = std::min(share, bytes - at);
+          std::memcpy(b.data() + at, a.data() + at, n);
+        });
+      for (std::thread& t : pool) t.join();
+      const double s = Since(t0);
+      if (s < best) best = s, best_threads = threads;
+      if (b[bytes / 2] != 1) std::abort();
+    }
+  }
+  return {best, best_threads};
+}
+
+// The disk's own sequential write and read of `bytes` in 16 MiB blocks, in `dir`, with O_DIRECT
+// when `direct` (as the tier's file is), best of `reps`: {write seconds, read seconds}.
+std::pair<double, double> DiskSeconds(const std::string& dir, size_t bytes, bool direct, int reps) {
+  const std::string path = absl::StrCat(dir, "/tier_bench-ref-", getpid(), ".bin");
+  constexpr size_t kBlock = size_t{16} << 20;
+  void* raw = nullptr;
+  if (posix_memalign(&raw, 4096, kBlock) != 0) std::abort();
+  std::unique_ptr<void, decltype(&free)> block(raw, &free);
+  std::memset(raw, 0x5a, kBlock);
+  std::vector<double> w, r;
+  for (int rep = 0; rep < reps; ++rep) {
+    int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | (direct ? O_DIRECT : 0), 0600);
+    if (fd < 0) Die("reference file", absl::ErrnoToStatus(errno, path));
+    auto t0 = Clock::now();
+    for (size_t off = 0; off < bytes; off += kBlock)
+      if (pwrite(fd, raw, kBlock, static_cast<off_t>(off)) != static_cast<ssize_t>(kBlock))
+        Die("reference write", absl::ErrnoToStatus(errno, path));
+    w.push_back(Since(t0));
+    if (!direct) posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    t0 = Clock::now();
+    for (size_t off = 0; off < bytes; off += kBlock)
+      if (pread(fd, raw, kBlock, static_cast<off_t>(off)) != static_cast<ssize_t>(kBlock))
+        Die("reference read", absl::ErrnoToStatus(errno, path));
+    r.push_back(Since(t0));
+    close(fd);
+    unlink(path.c_str());
+  }
+  return {Best(w), Best(r)};
+}
+
+// Spill, then restore (a prefetch waited for), `reps` times: best seconds of each.
+std::pair<double, double> SpillRestoreSeconds(Engine& e, const std::string& id, int reps) {
+  std::vector<double> spill, restore;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    Check(e.OffloadSequences({id}), "offload");
+    spill.push_back(Since(t0));
+    t0 = Clock::now();
+    e.PrefetchSequences({id});
+    e.WaitForPrefetches();
+    restore.push_back(Since(t0));
+    if (e.DescribeSequence(id)->tier != Tier::kDevice) Die("restore", absl::InternalError("below"));
+  }
+  return {Best(spill), Best(restore)};
+}
+
+void SpillAndRestore(const Args& a) {
+  const ModelSpec spec = PresetModelSpec("deepseek-v3.2").value();
+  const int64_t tokens = a.quick ? 1024 : a.context;
+  const int32_t pages = static_cast<int32_t>(tokens / spec.page_size);
+  const int64_t chunk = std::min<int64_t>(4096, tokens);
+  auto keys = MakeStep(spec, chunk, true, 1);
+  std::printf("## 1. Spill and restore of one %lld-token sequence (%s, %d layers, fp8 cache)\n\n",
+              static_cast<long long>(tokens), spec.name.c_str(), spec.num_layers());
+  std::printf("| move | bytes | seconds | GB/s | reference | reference GB/s | ratio |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  {
+    auto e = Engine::Create(Options(spec, pages, pages, 0, a.dir)).value();
+    Import(*e, "s", tokens, *keys, chunk);
+    const size_t bytes = static_cast<size_t>(pages) * e->Tiers()[0].bytes_per_page;
+    auto [spill, restore] = SpillRestoreSeconds(*e, "s", a.reps);
+    const auto [copy, threads] = MemcpySeconds(bytes, a.reps);
+    const double ref = bytes / copy / 1e9;
+    const std::string what =
+        absl::StrCat("memcpy, ", threads, threads > 1 ? " threads" : " thread");
+    std::printf("| spill device -> host | %zu | %.4f | %.2f | %s | %.2f | %.2f |\n", bytes, spill,
+                bytes / spill / 1e9, what.c_str(), ref, copy / spill);
+    std::printf("| restore host -> device | %zu | %.4f | %.2f | %s | %.2f | %.2f |\n", bytes,
+                restore, bytes / restore / 1e9, what.c_str(), ref, copy / restore);
+  }
+  {
+    auto e = Engine::Create(Options(spec, pages, 0, pages, a.dir)).value();
+    Import(*e, "s", tokens, *keys, chunk);
+    const TierCapacity disk = e->Tiers()[1];
+    const size_t bytes = static_cast<size_t>(pages) * disk.bytes_per_page;
+    auto [spill, restore] = SpillRestoreSeconds(*e, "s", a.reps);
+    auto [w, r] = DiskSeconds(a.dir, bytes, disk.direct, a.reps);
+    const char* mode = disk.direct ? "O_DIRECT" : "buffered";
+    std::printf(
+        "| spill device -> disk | %zu | %.4f | %.2f | sequential write, %s | %.2f | %.2f |\n",
+        bytes, spill, bytes / spill / 1e9, mode, bytes / w / 1e9, w / spill);
+    std::printf(
+        "| restore disk -> device | %zu | %.4f | %.2f | sequential read, %s | %.2f | %.2f |\n",
+        bytes, restore, bytes / restore / 1e9, mode, bytes / r / 1e9, r / restore);
+  }
+  std::printf(
+      "\nratio: the reference's seconds over the tier's (1.0 = as fast as the machine's own "
+      "copy or disk; best of %d each)\n\n",
+      a.reps);
+}
+
+// Batch 8 of `context`-token sequences on a device holding 9: one decode step, and the same step
+// with one sequence spilled first (an engine whose tier below is the host; one whose tier is
+// the disk).
+void DecodeWithARestore(const Args& a) {
+  const ModelSpec spec = PresetModelSpec("demo").value();
+  const int64_t context = a.quick ? 512 : 8192;
+  const int32_t per_seq = static_cast<int32_t>(context / spec.page_size + 2);
+  const int64_t chunk = std::min<int64_t>(4096, context);
+  auto keys = MakeStep(spec, chunk, true, 2);
+  auto decode = MakeStep(spec, 8, false, 3);
+  const int reps = a.quick ? 2 : 2 * a.reps + 1;
+  std::printf(
+      "## 2. A decode step of batch 8 with one sequence to restore (%s: %d layers, %d "
+      "heads, %lld-token contexts, fp8 cache)\n\n",
+      spec.name.c_str(), spec.num_layers(), spec.num_heads, static_cast<long long>(context));
+  std::printf(
+      "| tier below | none to restore: median s (best) | one to restore: median s (best) "
+      "| ratio of medians |\n|---|---|---|---|\n");
+  for (const bool disk : {false, true}) {
+    auto e = Engine::Create(
+                 Options(spec, 9 * per_seq, disk ? 0 : 2 * per_seq, disk ? 2 * per_seq : 0, a.dir))
+                 .value();
+    std::vector<StepEntry> batch;
+    for (int i = 0; i < 8; ++i) {
+      const std::string id = absl::StrCat("d", i);
+      Import(*e, id, context, *keys, chunk);
+      batch.push_back({id, 1});
+    }
+    std::vector<double> none, one;
+    for (int r = 0; r < reps; ++r) {
+      auto t0 = Clock::now();
+      Check(Run(*e, batch, *decode, false), "decode");
+      none.push_back(Since(t0));
+      Check(e->OffloadSequences({"d3"}), "offload");
+      if (e->DescribeSequence("d3")->tier != (disk ? Tier::kDisk : Tier::kHost))
+        Die("offload", absl::InternalError("not where it should be"));
+      t0 = Clock::now();
+      Check(Run(*e, batch, *decode, false), "decode with a restore");
+      one.push_back(Since(t0));
+    }
+    std::printf("| %s | %.4f (%.4f) | %.4f (%.4f) | %.2f |\n", disk ? "disk" : "host", Median(none),
+                Best(none), Median(one), Best(one), Median(one) / Median(none));
+  }
+  std::printf("\n");
+}
+
+// Conversations of several turns, idle between them, three times what the devices hold. On the
+// tiered engine a turn prefills its new tokens and decodes; on the twin without tiers (as a
+// worker must when its conversation's pages were freed) the turn first prefills the whole
+// context again. The new tokens' outputs must be the same bits on both.
+void MultiTurn(const Args& a) {
+  const ModelSpec spec = PresetModelSpec("demo").value();
+  const int convs = 12, turns = 3, device_convs = 4;
+  const int64_t turn_tokens = a.quick ? 128 : 1024, decode = 4;
+  const int64_t max_len = turns * (turn_tokens + decode);
+  const int32_t per_conv = static_cast<int32_t>(max_len / spec.page_size + 2);
+  EngineOptions tiered_o =
+      Options(spec, device_convs * per_conv, 4 * per_conv, convs * per_conv, a.dir);
+  std::mutex events_mu;
+  double restore_s = 0, spill_s = 0;  // the copies' own seconds, from the engine's events
+  tiered_o.on_tier_event = [&](const TierEvent& ev) {
+    std::lock_guard<std::mutex> lock(events_mu);
+    (ev.kind == TierEvent::Kind::kRestore ? restore_s : spill_s) += ev.seconds;
+  };
+  auto tiered = Engine::Create(tiered_o).value();
+  EngineOptions plain_o = Options(spec, per_conv + 4, 0, 0, a.dir);
+  auto plain = Engine::Create(plain_o).value();
+  // Each conversation's turns: the prompt's keys and queries, and its decode steps.
+  std::vector<std::vector<std::unique_ptr<StepInputs>>> prompt(convs), dec(convs);
+  for (int c = 0; c < convs; ++c)
+    for (int t = 0; t < turns; ++t) {
+      prompt[c].push_back(MakeStep(spec, turn_tokens, false, 1000 + c * 10 + t));
+      for (int d = 0; d < decode; ++d)
+        dec[c].push_back(MakeStep(spec, 1, false, 5000 + c * 100 + t * 10 + d));
+    }
+  double tiered_s = 0, plain_s = 0, reprefill_s = 0;
+  int64_t reused_tokens = 0;
+  bool same = true;
+  for (int c = 0; c < convs; ++c) Check(tiered->OpenSequence(absl::StrCat("c", c)), "open");
+  for (int t = 0; t < turns; ++t) {
+    for (int c = 0; c < convs; ++c) {
+      const std::string id = absl::StrCat("c", c);
+      std::vector<uint16_t> got, want;
+      // Tiered: the new tokens, then decode (a restore first when it spilled meanwhile).
+      auto t0 = Clock::now();
+      Check(Run(*tiered, {{id, turn_tokens}}, *prompt[c][t], false, &got), "tiered prompt");
+      for (int d = 0; d < decode; ++d)
+        Check(Run(*tiered, {{id, 1}}, *dec[c][t * decode + d], false, &got), "tiered decode");
+      tiered_s += Since(t0);
+      // Without tiers: the context again (every earlier turn's prompt and decode steps, timed
+      // apart), then the same new tokens.
+      Check(plain->OpenSequence(id), "open plain");
+      t0 = Clock::now();
+      for (int u = 0; u < t; ++u) {
+        Check(Run(*plain, {{id, turn_tokens}}, *prompt[c][u], false), "re-prefill");
+        for (int d = 0; d < decode; ++d)
+          Check(Run(*plain, {{id, 1}}, *dec[c][u * decode + d], false), "re-prefill decode");
+        reused_tokens += turn_tokens + decode;
+      }
+      reprefill_s += Since(t0);
+      t0 = Clock::now();
+      Check(Run(*plain, {{id, turn_tokens}}, *prompt[c][t], false, &want), "plain prompt");
+      for (int d = 0; d < decode; ++d)
+        Check(Run(*plain, {{id, 1}}, *dec[c][t * decode + d], false, &want), "plain decode");
+      plain_s += Since(t0);
+      Check(plain->CloseSequence(id), "close plain");
+      same = same && got == want;
+    }
+  }
+  const EngineCounters k = tiered->Counters();
+  std::printf(
+      "## 3. Multi-turn: %d conversations x %d turns of %lld prompt + %lld decode "
+      "tokens, devices holding %d (%s, %d layers, fp8)\n\n",
+      convs, turns, static_cast<long long>(turn_tokens), static_cast<long long>(decode),
+      device_convs, spec.name.c_str(), spec.num_layers());
+  std::printf("| figure | value |\n|---|---|\n");
+  std::printf("| context tokens workers did not prefill again | %lld |\n",
+              static_cast<long long>(reused_tokens));
+  std::printf("| spills, restores (by a step) | %lld, %lld |\n", static_cast<long long>(k.spills),
+              static_cast<long long>(k.restores_step));
+  std::printf("| attnd seconds, tiered: new tokens incl. restores | %.3f |\n", tiered_s);
+  std::printf("| attnd seconds, without tiers: new tokens | %.3f |\n", plain_s);
+  std::printf("| attnd seconds, without tiers: those context tokens again | %.3f |\n", reprefill_s);
+  std::printf("| attnd seconds, tiered: restores' copies (spills' copies) | %.3f (%.3f) |\n",
+              restore_s, spill_s);
+  std::printf("| restore time / re-prefill time | %.3f |\n", restore_s / reprefill_s);
+  std::printf("| (tiered - without tiers) new-token time / re-prefill time | %.3f |\n",
+              (tiered_s - plain_s) / reprefill_s);
+  std::printf("| new tokens' outputs bit for bit the same | %s |\n\n", same ? "yes" : "NO");
+  if (!same) std::exit(1);
+}
+
+}  // namespace
+}  // namespace attnd
+
+int main(int argc, char** argv) {
+  attnd::Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "tier_bench: %s needs a value\n", arg.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (arg == "--dir") {
+      a.dir = value();
+    } else if (arg == "--context") {
+      a.context = std::atoll(value().c_str());
+    } else if (arg == "--reps") {
+      a.reps = std::max(1, std::atoi(value().c_str()));
+    } else if (arg == "--parts") {
+      a.parts = value();
+    } else if (arg == "--quick") {
+      a.quick = true;
+      a.reps = 1;
+    } else {
+      std::fprintf(stderr,
+                   "usage: tier_bench [--dir DIR] [--context TOKENS] [--reps N] [--parts 123] "
+                   "[--quick]\n");
+      return 2;
+    }
+  }
+  if (a.context < 64 || a.context % 4096 != 0) {
+    std::fprintf(stderr, "tier_bench: --context must be a multiple of 4096\n");
+    return 2;
+  }
+  std::printf("# tier_bench (--dir %s)\n\n", a.dir.c_str());
+  if (a.parts.find('1') != std::string::npos) attnd::SpillAndRestore(a);
+  if (a.parts.find('2') != std::string::npos) attnd::DecodeWithARestore(a);
+  if (a.parts.find('3') != std::string::npos) attnd::MultiTurn(a);
+  return 0;
+}
