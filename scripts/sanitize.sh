@@ -35,8 +35,8 @@ if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   configure build-tsan thread
   cmake --build build-tsan -j "$(nproc)" --target engine_state_test engine_hardening_test \
     engine_devices_test engine_concurrency_test service_concurrency_test thread_pool_test \
-    engine_tiers_test
+    engine_tiers_test tier_store_test
   echo "sanitize: TSan: the engine's and the service's concurrency tests"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp" \
-    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers'
+    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers|DiskTier'
 fi
