@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "common/thread_pool.h"
 #include "engine/absorption_holder.h"
 #include "engine/engine.h"
@@ -148,6 +149,7 @@ struct Engine::Impl {
   // The prefetch worker: restores queued sequences in the background.
   std::thread prefetcher;
   std::deque<SequenceKey> prefetch_queue;
+  absl::flat_hash_set<SequenceKey> prefetch_queued;  // what prefetch_queue holds
   std::condition_variable prefetch_wake;
   bool prefetching = false;  // the worker is restoring one (step_ended is notified after)
   bool stopping = false;

@@ -365,6 +365,7 @@ void Engine::Impl::PrefetchLoop() {
     if (stopping) return;
     const SequenceKey key = prefetch_queue.front();
     prefetch_queue.pop_front();
+    prefetch_queued.erase(key);
     const Sequence* s = table->Find(key);
     if (s != nullptr && !s->lost && s->tier != Tier::kDevice && s->step == 0) {
       prefetching = true;
@@ -410,7 +411,13 @@ std::vector<TierCapacity> Engine::Tiers() const {
 void Engine::PrefetchSequences(const std::vector<SequenceKey>& seqs) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->tiers_on()) return;
-  for (const SequenceKey& k : seqs) impl_->prefetch_queue.push_back(k);
+  // Only sequences that are below their devices, once each: the queue never holds more than the
+  // table does, whatever clients send.
+  for (const SequenceKey& k : seqs) {
+    const Sequence* s = impl_->table->Find(k);
+    if (s == nullptr || s->lost || s->tier == Tier::kDevice) continue;
+    if (impl_->prefetch_queued.insert(k).second) impl_->prefetch_queue.push_back(k);
+  }
   impl_->prefetch_wake.notify_one();
 }
 

@@ -175,6 +175,28 @@ TEST(Tiers, ABatchRefusedForWhatItIsMovesNothing) {
   EXPECT_EQ(e.Counters().restores_step, 1);
 }
 
+// A client that floods PrefetchSequences with unknown ids and the same id again and again queues
+// at most one restore per spilled sequence (the queue never outgrows the table).
+TEST(Tiers, PrefetchFloodsQueueEachSpilledSequenceOnce) {
+  TempDir dir;
+  Harness h(Options(DType::kF32, 16, 8, 16, dir.path));
+  h.Open("a", 0);
+  h.RunAndCheck({{"a", 20}}, DType::kF32, 3, 1e-5);
+  Engine& e = h.engine();
+  ASSERT_TRUE(e.OffloadSequences({"a"}).ok());
+  std::vector<SequenceKey> flood;
+  for (int i = 0; i < 20000; ++i)
+    flood.push_back(i % 2 ? SequenceKey("a") : SequenceKey(absl::StrCat("x", i)));
+  for (int round = 0; round < 10; ++round) e.PrefetchSequences(flood);
+  e.WaitForPrefetches();
+  EXPECT_EQ(e.DescribeSequence("a")->tier, Tier::kDevice);
+  EXPECT_EQ(e.Counters().restores_prefetch, 1);
+  e.PrefetchSequences(flood);  // on its device now: nothing queued, nothing moves
+  e.WaitForPrefetches();
+  EXPECT_EQ(e.Counters().restores_prefetch, 1);
+  h.RunAndCheck({{"a", 1}}, DType::kF32, 4, 1e-5);
+}
+
 TEST(Tiers, OffloadPrefetchAndIdleSpillsMoveSequencesAndStepsBringThemBack) {
   TempDir dir;
   Twins t(Options(DType::kF32, 16, 8, 16, dir.path), Options(DType::kF32, 64, 0, 0, ""),

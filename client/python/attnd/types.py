@@ -76,7 +76,7 @@ class ServerInfo:
     # the name clients and drains hash sequences over (attnd --replica-name; "" from older ones)
     replica_name: str = ""
     # the tiers below the devices, host then disk (pages_total 0: off; empty from older servers)
-    tiers: Tuple["TierInfo", ...] = ()
+    tiers: Tuple[TierInfo, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
