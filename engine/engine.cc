@@ -295,6 +295,7 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int l
       [&] { return ReadLayerRows(*impl_->devices[device], s, layer, pages, begin, end, &out); });
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->table->Unpin(device, pages);
+  impl_->step_ended.notify_all();  // its pages may spill now (MakeRoom waits for that)
   if (!read.ok()) return read;
   return out;
 }

@@ -151,7 +151,9 @@ struct Engine::Impl {
   std::deque<SequenceKey> prefetch_queue;
   absl::flat_hash_set<SequenceKey> prefetch_queued;  // what prefetch_queue holds
   std::condition_variable prefetch_wake;
-  bool prefetching = false;  // the worker is restoring one (step_ended is notified after)
+  bool prefetching = false;
+  int64_t moves_in_flight = 0;  // tier moves copying with the lock released  // the worker is
+                                // restoring one (step_ended is notified after)
   bool stopping = false;
   void PrefetchLoop();
   // Creates the tiers the options ask for (Engine::Create).

@@ -186,12 +186,14 @@ absl::Status Engine::Impl::RunTierMove(std::unique_lock<std::mutex>& lock, const
   ev.pages = static_cast<int64_t>(move.pages.size());
   ev.bytes = ev.pages * static_cast<int64_t>(devices[0]->layout().BytesPerPage());
   if (!move.pages.empty()) {
+    ++moves_in_flight;
     lock.unlock();
     const auto t0 = Clock::now();
     copied = Guarded([&] { return CopyTierBytes(move, &lost); });
     ev.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (copied.ok()) Emit(ev);
     lock.lock();
+    --moves_in_flight;
   }
   const std::vector<SequenceKey> lost_seqs = table->EndTierMove(move, copied.ok(), lost);
   step_ended.notify_all();
@@ -308,6 +310,9 @@ absl::Status Engine::Impl::SpillLocked(std::unique_lock<std::mutex>& lock, const
 absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int device, int32_t need,
                                     const std::vector<const Sequence*>& keep) {
   absl::Status last = absl::OkStatus();
+  // What holds the device's pages may be busy for a moment (in a step, read by an export, moving):
+  // wait for a change, within --begin-wait-ms, before saying nothing can spill.
+  const auto deadline = Clock::now() + options.limits.abort_wait;
   for (int round = 0; round < 256; ++round) {
     const int32_t free = table->pool(device).free_pages();
     if (free >= need) return absl::OkStatus();
@@ -322,9 +327,21 @@ absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int devi
     }
     const std::vector<SequenceKey> victims =
         table->Victims(Tier::kDevice, device, need - free, keep);
-    if (victims.empty()) break;
+    if (victims.empty()) {
+      // Only when something busy may let go of pages: a step, a read, a copy or a move.
+      const bool busy = !steps.empty() || table->pins() > 0 || moves_in_flight > 0;
+      if (need > table->pool(device).usable_pages() || !busy ||
+          step_ended.wait_until(lock, deadline) == std::cv_status::timeout)
+        break;
+      continue;
+    }
     last = SpillLocked(lock, victims[0], TierEvent::Reason::kRoom);
-    if (!last.ok()) break;
+    if (last.ok()) continue;
+    // Another request took that victim first (it is moving now): look again once it moved.
+    if (last.code() == absl::StatusCode::kFailedPrecondition &&
+        step_ended.wait_until(lock, deadline) == std::cv_status::no_timeout)
+      continue;
+    break;
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "KV cache full on ", devices[device]->name(), ": ", need, " pages needed, ",

@@ -275,10 +275,12 @@ void SequenceTable::Pin(PageMove* move) {
     Hold(id, Tier::kDevice);
     move->pinned.push_back(id);
   }
+  pins_ += static_cast<int64_t>(move->pinned.size());
 }
 
 void SequenceTable::Unpin(const PageMove& move) {
   for (int32_t id : move.pinned) Drop(id, Tier::kDevice);
+  pins_ -= static_cast<int64_t>(move.pinned.size());
 }
 
 absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string& parent,
@@ -435,11 +437,13 @@ absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64
     pages->assign(seq->pages.begin() + begin / page_size_,
                   seq->pages.begin() + (end - 1) / page_size_ + 1);
   for (int32_t p : *pages) Hold(owner_[*device][p], Tier::kDevice);
+  pins_ += static_cast<int64_t>(pages->size());
   return absl::OkStatus();
 }
 
 void SequenceTable::Unpin(int device, const std::vector<int32_t>& pages) {
   for (int32_t p : pages) Drop(owner_[device][p], Tier::kDevice);
+  pins_ -= static_cast<int64_t>(pages.size());
 }
 
 // ---- tiers ----

@@ -109,15 +109,17 @@ class SequenceTable {
   // Sequences at each tier, of every device.
   int64_t sequences_at(Tier tier) const { return at_tier_[static_cast<int>(tier)]; }
   int64_t sequences_on(int device) const { return counts_[device]; }
+  // Device pages pinned by reads and copies now (PinRows, a fork's or migration's sources).
+  int64_t pins() const { return pins_; }
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
   const TenantLedger& tenants() const { return tenants_; }
   TenantLedger& tenants() { return tenants_; }
   // The tiers' bookkeeping agrees with itself (for tests and the fuzzers; call it with no step
   // or move in flight): every page in exactly one tier and slot, its holders counted from the
-  // sequences that hold it (pins for reads add device holders), a device page's pool count equal to its holders, no page below
-  // the fastest tier a holder is at, each tier's used slots and sequence count its entries', a
-  // sequence on its device reading its own pages there and one below holding no device pages.
-  // INTERNAL naming the first disagreement.
+  // sequences that hold it (pins for reads add device holders), a device page's pool count equal to
+  // its holders, no page below the fastest tier a holder is at, each tier's used slots and sequence
+  // count its entries', a sequence on its device reading its own pages there and one below holding
+  // no device pages. INTERNAL naming the first disagreement.
   absl::Status CheckInvariants() const;
   // Every sequence, or with `tenant` set only that tenant's, in no particular order.
   std::vector<const Sequence*> List(const std::string* tenant) const;
@@ -231,6 +233,7 @@ class SequenceTable {
   PageDirectory dir_;
   std::vector<std::vector<int32_t>> owner_;  // [device][page]: its directory id, -1 if free
   int64_t at_tier_[kNumTiers] = {0, 0, 0};
+  int64_t pins_ = 0;
   std::vector<int64_t> counts_;  // sequences per device
   SequenceLimits limits_;
   int32_t page_size_ = 0;

@@ -7,6 +7,7 @@ ListSequences, attnctl and the metrics (checked by promtool); startup errors."""
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -18,7 +19,7 @@ import pytest
 
 from attnd import AttndClient, LayerInputs
 
-from attnd_process import ATTND_BIN, free_port
+from attnd_process import ATTND_BIN, free_port, start, stop
 from attnd_testlib import expect, random_layer
 
 PROMPT = 40  # tokens: three pages of the tiny model's 16
@@ -177,6 +178,48 @@ def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_s
         # A server without tiers has nowhere to offload to.
         t.open_sequence("z")
         expect(grpc.StatusCode.FAILED_PRECONDITION, t.offload_sequences, ["z"])
+
+
+def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path):
+    # A replica holding 2 prompts on its device, 2 in its host tier and the rest on disk hands
+    # one sequence off by hand and the others by its SIGTERM drain: exports read them from
+    # whatever tier they are in, and on the receiver they decode as a twin that never moved.
+    receiver, _ = attnd_server([], kv_pages=256)
+    twin, _ = attnd_server([], kv_pages=256)
+    with AttndClient(receiver) as r:
+        page_bytes = r.info().devices[0].bytes_per_page
+    pages = -(-PROMPT // 16)
+    src, target, _ = start([f"--host-cache-bytes={2 * pages * page_bytes}",
+                            f"--disk-cache-dir={tmp_path}",
+                            f"--disk-cache-bytes={32 * pages * page_bytes}",
+                            f"--drain-peers={receiver}", "--drain-timeout-ms=20000"],
+                           kv_pages=1 + 2 * pages + 1)
+    rng = np.random.default_rng(11)
+    ids = [f"h{i}" for i in range(7)]
+    try:
+        with AttndClient(target) as s, AttndClient(twin) as t, AttndClient(receiver) as r:
+            spec = s.info().model
+            for sid in ids:
+                for c in (s, t):
+                    c.open_sequence(sid)
+                x = _inputs(spec, PROMPT, rng)
+                _same_bits(_step(s, [(sid, PROMPT)], x), _step(t, [(sid, PROMPT)], x), sid)
+            where = {x.sequence_id: x.tier for x in s.list_sequences()}
+            assert {"device", "host", "disk"} <= set(where.values()), where
+            by_hand = next(sid for sid in ids if where[sid] == "disk")
+            s.handoff(by_hand, r, close_source=True)
+            src.send_signal(signal.SIGTERM)
+            assert src.wait(timeout=60) == 0
+            log = src.stdout.read()
+            assert sorted(x.sequence_id for x in r.list_sequences()) == sorted(ids), log
+            for rnd in range(2):
+                for sid in ids:
+                    x = _inputs(spec, 1, rng)
+                    _same_bits(_step(r, [(sid, 1)], x), _step(t, [(sid, 1)], x),
+                               f"{sid} ({where[sid]} before) on the receiver, round {rnd}")
+    finally:
+        if src.poll() is None:
+            stop(src)
 
 
 @pytest.mark.parametrize("flags, message", [
