@@ -336,13 +336,16 @@ absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int devi
       continue;
     }
     last = SpillLocked(lock, victims[0], TierEvent::Reason::kRoom);
-    if (last.ok()) continue;
+    // Spilled, or the victim was closed while the host made room (a drain hands sequences off
+    // and closes them): look again.
+    if (last.ok() || last.code() == absl::StatusCode::kNotFound) continue;
     // Another request took that victim first (it is moving now): look again once it moved.
     if (last.code() == absl::StatusCode::kFailedPrecondition &&
         step_ended.wait_until(lock, deadline) == std::cv_status::no_timeout)
       continue;
     break;
   }
+  if (table->pool(device).free_pages() >= need) return absl::OkStatus();  // freed meanwhile
   return absl::ResourceExhaustedError(absl::StrCat(
       "KV cache full on ", devices[device]->name(), ": ", need, " pages needed, ",
       table->pool(device).free_pages(), " free, and no sequence can spill",
@@ -352,7 +355,7 @@ absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int devi
 absl::Status Engine::Impl::RestoreLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
                                          TierEvent::Reason reason,
                                          const std::vector<const Sequence*>& keep) {
-  for (int round = 0; round < 8; ++round) {
+  for (int round = 0; round < 64; ++round) {
     if (!AwaitSettled(lock, key))
       return absl::DeadlineExceededError(absl::StrCat(
           "sequence ", Quote(key.id), " is still moving between tiers after --begin-wait-ms"));
@@ -365,7 +368,11 @@ absl::Status Engine::Impl::RestoreLocked(std::unique_lock<std::mutex>& lock, con
     const int32_t need = table->MoveNeeds(key, Tier::kDevice)[0];
     RETURN_IF_ERROR(MakeRoom(lock, seq->device, need, stay));
     const absl::Status moved = MoveLocked(lock, key, Tier::kDevice, reason);
-    if (moved.code() == absl::StatusCode::kResourceExhausted) continue;  // room taken meanwhile
+    // Room taken meanwhile, or the sequence itself moved on (another request's spill made room
+    // on the host by sending it to disk): look again (AwaitSettled waits for that move).
+    if (moved.code() == absl::StatusCode::kResourceExhausted ||
+        moved.code() == absl::StatusCode::kFailedPrecondition)
+      continue;
     RETURN_IF_ERROR(moved);
     if (Sequence* s = table->Find(key)) s->last_used = Clock::now();
     return absl::OkStatus();
