@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "bench/bench_inputs.h"
 #include "common/fp8.h"
 #include "common/thread_pool.h"
 #include "engine/engine.h"
@@ -233,34 +234,8 @@ ModelSpec BenchSpec(int heads = 16) {
   return s;
 }
 
-struct Tensors {
-  std::vector<std::vector<uint16_t>> bufs;
-  TensorView Add(std::mt19937& rng, std::initializer_list<int64_t> shape) {
-    int64_t n = 1;
-    for (auto d : shape) n *= d;
-    std::normal_distribution<float> dist(0, 1);
-    std::vector<uint16_t> b(n);
-    for (auto& x : b) x = F32ToBF16(dist(rng));
-    bufs.push_back(std::move(b));
-    return TensorView::Of(DType::kBF16, shape, bufs.back().data(), n * 2);
-  }
-};
-
-LayerInputs MakeInputs(const ModelSpec& s, int64_t T, bool full, bool write_only, Tensors& tb,
-                       std::mt19937& rng) {
-  LayerInputs in;
-  in.kv_latent = tb.Add(rng, {T, s.kv_lora_rank});
-  in.k_rope = tb.Add(rng, {T, s.qk_rope_head_dim});
-  if (full) in.index_k = tb.Add(rng, {T, s.index_head_dim});
-  if (write_only) return in;
-  in.q_latent = tb.Add(rng, {T, s.num_heads, s.kv_lora_rank});
-  in.q_rope = tb.Add(rng, {T, s.num_heads, s.qk_rope_head_dim});
-  if (full) {
-    in.index_q = tb.Add(rng, {T, s.index_n_heads, s.index_head_dim});
-    in.index_w = tb.Add(rng, {T, s.index_n_heads});
-  }
-  return in;
-}
+using bench::MakeInputs;
+using bench::Tensors;
 
 // Bytes per cached token: a latent row, an indexer key (fp8: with its scales).
 double LatentBytes(const ModelSpec& s, DType cache) {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/bench_inputs.h"
 #include "common/dtype.h"
 #include "engine/engine.h"
 #include "kv_store/cache_layout.h"
@@ -64,36 +65,8 @@ struct Args {
   std::string parts = "123";  // --parts: which of the three to run
 };
 
-// bf16 tensors of random values, kept alive with the inputs that view them.
-struct Tensors {
-  std::vector<std::vector<uint16_t>> bufs;
-  TensorView Add(std::mt19937& rng, std::initializer_list<int64_t> shape) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    std::normal_distribution<float> dist(0, 1);
-    std::vector<uint16_t> b(n);
-    for (auto& x : b) x = F32ToBF16(dist(rng));
-    bufs.push_back(std::move(b));
-    return TensorView::Of(DType::kBF16, shape, bufs.back().data(), n * 2);
-  }
-};
-
-LayerInputs Inputs(const ModelSpec& s, int64_t T, LayerKind kind, bool write_only, Tensors& tb,
-                   std::mt19937& rng) {
-  LayerInputs in;
-  in.kv_latent = tb.Add(rng, {T, s.kv_lora_rank});
-  in.k_rope = tb.Add(rng, {T, s.qk_rope_head_dim});
-  const bool full = kind == LayerKind::kFull;
-  if (full) in.index_k = tb.Add(rng, {T, s.index_head_dim});
-  if (write_only) return in;
-  in.q_latent = tb.Add(rng, {T, s.num_heads, s.kv_lora_rank});
-  in.q_rope = tb.Add(rng, {T, s.num_heads, s.qk_rope_head_dim});
-  if (full) {
-    in.index_q = tb.Add(rng, {T, s.index_n_heads, s.index_head_dim});
-    in.index_w = tb.Add(rng, {T, s.index_n_heads});
-  }
-  return in;
-}
+using bench::MakeInputs;
+using bench::Tensors;
 
 // One step's inputs, every layer: made once, replayed (the keys of a conversation's turn are
 // the same on both engines of the workload).
@@ -105,7 +78,8 @@ std::unique_ptr<StepInputs> MakeStep(const ModelSpec& s, int64_t T, bool write_o
                                      uint32_t seed) {
   auto x = std::make_unique<StepInputs>();
   std::mt19937 rng(seed);
-  for (LayerKind kind : s.layers) x->layers.push_back(Inputs(s, T, kind, write_only, x->tb, rng));
+  for (LayerKind kind : s.layers)
+    x->layers.push_back(MakeInputs(s, T, kind == LayerKind::kFull, write_only, x->tb, rng));
   return x;
 }
 

@@ -394,69 +394,54 @@ void CpuDevice::CopyIndexRows(const uint8_t* page, int first, int rows, uint8_t*
   }
 }
 
-void CpuDevice::WriteIndexRows(uint8_t* page, int rows, const uint8_t* from) const {
-  for (const auto& r : layout().IndexRanges(0, rows)) {
-    std::memcpy(page + r.offset, from, r.bytes);
-    from += r.bytes;
+namespace {
+void PlainCopy(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
+}  // namespace
+
+void CpuDevice::StagePage(int32_t page, int rows, uint8_t* staged, bool to_staged,
+                          void (*copy)(void*, const void*, size_t)) {
+  const CacheLayout& c = layout();
+  auto move = [&](uint8_t* cache, uint8_t* stage, size_t bytes) {
+    if (to_staged) {
+      copy(stage, cache, bytes);
+    } else {
+      copy(cache, stage, bytes);
+    }
+  };
+  for (int l = 0; l < c.num_layers; ++l)
+    move(cache_.LatentRow(l, page, 0), staged + c.StagedLatent(l, rows),
+         rows * c.latent_row_bytes());
+  for (int k = 0; k < c.num_full_layers; ++k) {
+    uint8_t* at = staged + c.StagedIndex(k, rows);
+    for (const auto& r : c.IndexRanges(0, rows)) {
+      move(cache_.IndexPage(k, page) + r.offset, at, r.bytes);
+      at += r.bytes;
+    }
   }
 }
 
 absl::Status CpuDevice::ReadPage(int32_t page, int rows, uint8_t* staged) {
-  const CacheLayout& c = layout();
-  for (int l = 0; l < c.num_layers; ++l)
-    std::memcpy(staged + c.StagedLatent(l, rows), cache_.LatentRow(l, page, 0),
-                rows * c.latent_row_bytes());
-  for (int k = 0; k < c.num_full_layers; ++k)
-    CopyIndexRows(cache_.IndexPage(k, page), 0, rows, staged + c.StagedIndex(k, rows));
+  StagePage(page, rows, staged, true, PlainCopy);
   return absl::OkStatus();
 }
 
 absl::Status CpuDevice::WritePage(int32_t page, int rows, const uint8_t* staged) {
-  const CacheLayout& c = layout();
-  for (int l = 0; l < c.num_layers; ++l)
-    std::memcpy(cache_.LatentRow(l, page, 0), staged + c.StagedLatent(l, rows),
-                rows * c.latent_row_bytes());
-  for (int k = 0; k < c.num_full_layers; ++k)
-    WriteIndexRows(cache_.IndexPage(k, page), rows, staged + c.StagedIndex(k, rows));
+  StagePage(page, rows, const_cast<uint8_t*>(staged), false, PlainCopy);
   return absl::OkStatus();
 }
 
 absl::Status CpuDevice::ReadPages(const std::vector<int32_t>& pages,
                                   const std::vector<uint8_t*>& staged) {
-  const CacheLayout& c = layout();
-  const int rows = c.page_size;
   pool_->ParallelFor(static_cast<int64_t>(pages.size()), [&](int64_t i) {
-    uint8_t* to = staged[i];
-    for (int l = 0; l < c.num_layers; ++l)
-      StreamCopy(to + c.StagedLatent(l, rows), cache_.LatentRow(l, pages[i], 0),
-                 rows * c.latent_row_bytes());
-    for (int k = 0; k < c.num_full_layers; ++k) {
-      uint8_t* at = to + c.StagedIndex(k, rows);
-      for (const auto& r : c.IndexRanges(0, rows)) {
-        StreamCopy(at, cache_.IndexPage(k, pages[i]) + r.offset, r.bytes);
-        at += r.bytes;
-      }
-    }
+    StagePage(pages[i], layout().page_size, staged[i], true, StreamCopy);
   });
   return absl::OkStatus();
 }
 
 absl::Status CpuDevice::WritePages(const std::vector<int32_t>& pages,
                                    const std::vector<const uint8_t*>& staged) {
-  const CacheLayout& c = layout();
-  const int rows = c.page_size;
   pool_->ParallelFor(static_cast<int64_t>(pages.size()), [&](int64_t i) {
-    const uint8_t* from = staged[i];
-    for (int l = 0; l < c.num_layers; ++l)
-      StreamCopy(cache_.LatentRow(l, pages[i], 0), from + c.StagedLatent(l, rows),
-                 rows * c.latent_row_bytes());
-    for (int k = 0; k < c.num_full_layers; ++k) {
-      const uint8_t* at = from + c.StagedIndex(k, rows);
-      for (const auto& r : c.IndexRanges(0, rows)) {
-        StreamCopy(cache_.IndexPage(k, pages[i]) + r.offset, at, r.bytes);
-        at += r.bytes;
-      }
-    }
+    StagePage(pages[i], layout().page_size, const_cast<uint8_t*>(staged[i]), false, StreamCopy);
   });
   return absl::OkStatus();
 }

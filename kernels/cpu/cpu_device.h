@@ -63,7 +63,10 @@ class CpuDevice final : public Device {
   // Rows [first, first + rows) of a page of indexer rows to `to` as CacheLayout::IndexRanges
   // stages them, and a page's first `rows` rows back from there.
   void CopyIndexRows(const uint8_t* page, int first, int rows, uint8_t* to) const;
-  void WriteIndexRows(uint8_t* page, int rows, const uint8_t* from) const;
+  // A page's first `rows` rows between the cache and its staged form (CacheLayout::StagedBytes),
+  // to the staged form or from it, with `copy` (memcpy, or StreamCopy for a tier move's pages).
+  void StagePage(int32_t page, int rows, uint8_t* staged, bool to_staged,
+                 void (*copy)(void*, const void*, size_t));
 
   KvCache cache_;
   ThreadPool* pool_;

@@ -242,6 +242,10 @@ struct CudaDevice::State {
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).
   absl::Status PageToHost(int32_t page, int rows, uint8_t* staged);
   absl::Status HostToPage(int32_t page, int rows, const uint8_t* staged);
+  // A tier move's whole pages to (to_host) or from the host buffers `host[i]` through
+  // move_staging (PlanPageStaging), on the copy stream, waited for once. copy_mu held.
+  absl::Status PagesThroughStaging(const std::vector<int32_t>& pages,
+                                   const std::vector<uint8_t*>& host, bool to_host);
 };
 
 }  // namespace attnd::cuda

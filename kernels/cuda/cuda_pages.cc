@@ -96,52 +96,51 @@ constexpr size_t kMoveChunkBytes = size_t{64} << 20;
 
 }  // namespace
 
+absl::Status CudaDevice::State::PagesThroughStaging(const std::vector<int32_t>& pages,
+                                                    const std::vector<uint8_t*>& host,
+                                                    bool to_host) {
+  RETURN_IF_ERROR(move_staging.Reserve(kMoveChunkBytes));
+  uint8_t* staging = move_staging.as<uint8_t>();
+  const PageStaging plan =
+      PlanPageStaging(layout, cache, pages, staging, kMoveChunkBytes, /*to_staging=*/to_host);
+  RETURN_IF_ERROR(Upload(move_table, plan.spans, copy_stream));
+  // One stream keeps the order: a chunk's staging is reused only after the previous chunk's
+  // copies out (a spill) or its scatter (a restore) ran.
+  for (size_t a = 0; a < pages.size(); a += plan.per_chunk) {
+    const size_t b = std::min(pages.size(), a + plan.per_chunk);
+    auto kernel = [&] {
+      return LaunchCopySpans(move_table.as<SpanCopy>() + plan.first[a],
+                             static_cast<int64_t>(plan.first[b] - plan.first[a]), copy_stream);
+    };
+    if (to_host) CUDA_RETURN(kernel());
+    for (size_t i = a; i < b; ++i) {
+      uint8_t* staged = staging + (i - a) * plan.stride;
+      CUDA_RETURN(
+          cudaMemcpyAsync(to_host ? host[i] : staged, to_host ? staged : host[i], plan.page_bytes,
+                          to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, copy_stream));
+    }
+    if (!to_host) CUDA_RETURN(kernel());
+  }
+  CUDA_RETURN(cudaStreamSynchronize(copy_stream));
+  return absl::OkStatus();
+}
+
 absl::Status CudaDevice::ReadPages(const std::vector<int32_t>& pages,
                                    const std::vector<uint8_t*>& staged) {
   if (pages.empty()) return absl::OkStatus();
-  State& s = *s_;
-  std::lock_guard<std::mutex> lock(s.copy_mu);
+  std::lock_guard<std::mutex> lock(s_->copy_mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  RETURN_IF_ERROR(s.move_staging.Reserve(kMoveChunkBytes));
-  const PageStaging plan = PlanPageStaging(s.layout, s.cache, pages, s.move_staging.as<uint8_t>(),
-                                           kMoveChunkBytes, /*to_staging=*/true);
-  RETURN_IF_ERROR(Upload(s.move_table, plan.spans, s.copy_stream));
-  // One stream keeps the order: a chunk's gather runs after the previous chunk's copies out.
-  for (size_t c = 0; c * plan.per_chunk < pages.size(); ++c) {
-    const size_t a = c * plan.per_chunk, b = std::min(pages.size(), a + plan.per_chunk);
-    CUDA_RETURN(LaunchCopySpans(s.move_table.as<SpanCopy>() + plan.first[a],
-                                static_cast<int64_t>(plan.first[b] - plan.first[a]),
-                                s.copy_stream));
-    for (size_t i = a; i < b; ++i)
-      CUDA_RETURN(cudaMemcpyAsync(staged[i], s.move_staging.as<uint8_t>() + (i - a) * plan.stride,
-                                  plan.page_bytes, cudaMemcpyDeviceToHost, s.copy_stream));
-  }
-  CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
-  return absl::OkStatus();
+  return s_->PagesThroughStaging(pages, staged, /*to_host=*/true);
 }
 
 absl::Status CudaDevice::WritePages(const std::vector<int32_t>& pages,
                                     const std::vector<const uint8_t*>& staged) {
   if (pages.empty()) return absl::OkStatus();
-  State& s = *s_;
-  std::lock_guard<std::mutex> lock(s.copy_mu);
+  std::lock_guard<std::mutex> lock(s_->copy_mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
-  RETURN_IF_ERROR(s.move_staging.Reserve(kMoveChunkBytes));
-  const PageStaging plan = PlanPageStaging(s.layout, s.cache, pages, s.move_staging.as<uint8_t>(),
-                                           kMoveChunkBytes, /*to_staging=*/false);
-  RETURN_IF_ERROR(Upload(s.move_table, plan.spans, s.copy_stream));
-  // A chunk's copies in run after the previous chunk's scatter (the same stream).
-  for (size_t c = 0; c * plan.per_chunk < pages.size(); ++c) {
-    const size_t a = c * plan.per_chunk, b = std::min(pages.size(), a + plan.per_chunk);
-    for (size_t i = a; i < b; ++i)
-      CUDA_RETURN(cudaMemcpyAsync(s.move_staging.as<uint8_t>() + (i - a) * plan.stride, staged[i],
-                                  plan.page_bytes, cudaMemcpyHostToDevice, s.copy_stream));
-    CUDA_RETURN(LaunchCopySpans(s.move_table.as<SpanCopy>() + plan.first[a],
-                                static_cast<int64_t>(plan.first[b] - plan.first[a]),
-                                s.copy_stream));
-  }
-  CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
-  return absl::OkStatus();
+  std::vector<uint8_t*> from(staged.size());  // only read from: the copies go host -> device
+  for (size_t i = 0; i < staged.size(); ++i) from[i] = const_cast<uint8_t*>(staged[i]);
+  return s_->PagesThroughStaging(pages, from, /*to_host=*/false);
 }
 
 absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& copies) {
