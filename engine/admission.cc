@@ -216,7 +216,7 @@ absl::Status Engine::Impl::Prepare(Step& st) {
     e.query_pos = s.query_pos;
     entries.push_back(e);
   }
-  st.plan = StepPlan::Build(spec(), entries);
+  st.plan = StepPlan::Build(spec(), entries, st.options.write_only);
   for (const StepPlan::Share& sh : st.plan.shares) {
     ASSIGN_OR_RETURN(auto on_device, devices[sh.device]->BeginStep(sh.share));
     st.on_device.push_back(std::move(on_device));

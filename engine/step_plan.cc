@@ -33,7 +33,8 @@ void AppendBlocks(int32_t first, int32_t end, Take take, std::vector<QueryBlock>
 
 }  // namespace
 
-StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch) {
+StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch,
+                         bool write_only) {
   StepPlan plan;
   std::vector<int64_t> first_row(batch.size());
   int max_device = -1;
@@ -45,6 +46,7 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
   for (int d = 0; d <= max_device; ++d) {
     StepShare s;
     s.page_size = spec.page_size;
+    s.write_only = write_only;
     s.indptr.push_back(0);
     int64_t max_visible = 1;
     for (size_t e = 0; e < batch.size(); ++e) {
@@ -67,7 +69,8 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
         s.seq.push_back(seq);
         s.slot.push_back(b.attend_only ? 0 : static_cast<int32_t>(s.table().Slot(seq, pos)));
         // Whether the indexer runs is the whole sequence's question: its absolute position.
-        s.needs_index.push_back(!dense_prefill && !SelectsEveryVisibleKey(spec, abs + 1));
+        s.needs_index.push_back(!write_only && !dense_prefill &&
+                                !SelectsEveryVisibleKey(spec, abs + 1));
         if (b.context_parallel) {
           s.query_pos.push_back(abs);
           s.offset.push_back(b.offset);
@@ -75,6 +78,7 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
         max_visible = std::max(max_visible, pos + 1);
       }
       const int32_t end = static_cast<int32_t>(s.rows.size());
+      if (write_only) continue;  // no queries: nothing attends, no query blocks
       if (b.attend_only) {  // every query at the same local position: no shared causal ranges
         for (int32_t i = first; i < end; ++i) {
           s.dense_blocks.push_back({i, 1});
@@ -88,7 +92,7 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
       }
     }
     if (s.rows.empty()) continue;
-    s.max_selected = MaxSelected(spec, max_visible);
+    s.max_selected = write_only ? 0 : MaxSelected(spec, max_visible);
     plan.shares.push_back({d, std::move(s)});
   }
   return plan;

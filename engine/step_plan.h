@@ -34,8 +34,10 @@ struct StepPlan {
   };
   std::vector<Share> shares;  // one per device holding tokens, ascending device
 
-  // Builds the plan. May throw std::bad_alloc (the caller rolls back).
-  static StepPlan Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch);
+  // Builds the plan; a write_only step's shares only write keys (StepShare::write_only). May
+  // throw std::bad_alloc (the caller rolls back).
+  static StepPlan Build(const ModelSpec& spec, const std::vector<PlanEntry>& batch,
+                        bool write_only = false);
 };
 
 // Sets keys[share.rows[i]] to what share token i attended on a layer of `kind`: its visible key

@@ -44,6 +44,9 @@ struct StepShare {
   std::vector<QueryBlock> dense_blocks, sparse_blocks;
   // Longest selection a query can have: the selected-slot buffer's row length.
   int64_t max_selected = 0;
+  // An import (write_only step): the share writes key rows and attends nothing, so it needs no
+  // query, score, selection or output scratch; needs_index is 0 and there are no query blocks.
+  bool write_only = false;
   // Context parallelism (docs/numerics.md): the sequence's other positions live on other servers.
   // Positions above stay local (key 0 is the slice's first); [n] each query's absolute position
   // and its sequence's absolute position of local key 0. Empty on ordinary steps.

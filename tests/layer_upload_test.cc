@@ -357,5 +357,22 @@ TEST(LayerUpload, BeginStepsBoundCoversEveryCall) {
             }
 }
 
+// An import's calls (write-only: the keys alone) fit the smaller bound BeginStep reserves for a
+// write-only share, which has no room for a single query.
+TEST(LayerUpload, AnImportsBoundCoversItsCallsAndNoQueries) {
+  for (DType cache : {DType::kBF16, DType::kF32, DType::kFP8E4M3})
+    for (DType wire : {DType::kBF16, DType::kF32, DType::kF16})
+      for (int layer = 0; layer < 2; ++layer) {
+        Fixture f(wire, wire, 0);
+        const ModelSpec& s = f.spec;
+        const CacheLayout layout = CacheLayout::ForModel(s, cache, 16);
+        const LayerCall call = f.Call(layer, nullptr);
+        const LayerUpload p = PlanLayerUpload(s, layout, f.share.size(), call, NeedsOf(call));
+        const size_t bound = MaxImportUploadBytes(s, layout, f.share.size());
+        EXPECT_LE(p.total_bytes, bound) << DTypeName(cache) << " " << DTypeName(wire);
+        EXPECT_LT(bound, MaxLayerUploadBytes(s, layout, f.share.size(), 0, 0) / 2);
+      }
+}
+
 }  // namespace
 }  // namespace attnd::cuda

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 namespace attnd {
 namespace {
 
@@ -60,6 +62,28 @@ TEST(StepPlan, OnlyQueriesWhoseSelectionCouldMissAKeyNeedTheIndexer) {
   const StepShare& dd = dense.shares[0].share;
   for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(dd.needs_index[i], 0);
   EXPECT_EQ(dd.needs_index[10], 1);
+}
+
+TEST(StepPlan, AnImportPlansKeysAloneNoIndexerNoBlocksNoSelection) {
+  const ModelSpec s = Spec();
+  std::vector<int32_t> pages = {1, 2, 3, 4, 5};
+  const StepPlan plan = StepPlan::Build(s, {{0, 15, 60, &pages}}, /*write_only=*/true);
+  ASSERT_EQ(plan.shares.size(), 1u);
+  const StepShare& sh = plan.shares[0].share;
+  EXPECT_TRUE(sh.write_only);
+  EXPECT_EQ(sh.size(), 60);
+  EXPECT_EQ(sh.pos.front(), 15);
+  EXPECT_EQ(sh.pos.back(), 74);
+  EXPECT_TRUE(std::all_of(sh.needs_index.begin(), sh.needs_index.end(),
+                          [](uint8_t x) { return x == 0; }));
+  EXPECT_TRUE(sh.dense_blocks.empty());
+  EXPECT_TRUE(sh.sparse_blocks.empty());
+  EXPECT_EQ(sh.max_selected, 0);
+  // The same batch as a step that attends: long histories need the indexer.
+  const StepShare& attends = StepPlan::Build(s, {{0, 15, 60, &pages}}).shares[0].share;
+  EXPECT_FALSE(attends.write_only);
+  EXPECT_GT(std::count(attends.needs_index.begin(), attends.needs_index.end(), 1), 0);
+  EXPECT_GT(attends.max_selected, 0);
 }
 
 TEST(StepPlan, QueryBlocksCoverRangeQueriesOfOneSequenceInOrder) {

@@ -13,9 +13,11 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device.h"
@@ -237,6 +239,11 @@ struct CudaDevice::State {
   // both slots held): a step that cannot fit fails at BeginStep with RESOURCE_EXHAUSTED, never in
   // the middle of a layer.
   absl::Status ReserveScratch(const StepShare& share, const Step& step);
+  // Grows each buffer of `want` to its size when `total` (what the share needs in all) fits the
+  // budget; a failure puts every buffer back as it was (other open steps' layers use them).
+  absl::Status ReserveScratchBuffers(const StepShare& share,
+                                     absl::Span<const std::pair<DeviceBuffer*, size_t>> want,
+                                     size_t total);
   // A free upload slot, locked into *lock (waits for one when both are in use).
   UploadSlot& AcquireSlot(std::unique_lock<std::mutex>* lock);
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).

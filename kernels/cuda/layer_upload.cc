@@ -150,18 +150,30 @@ void UnpackLayerOutput(const LayerUpload& plan, const StepShare& share, const ui
             reinterpret_cast<uint8_t*>(call.lse));
 }
 
+namespace {
+// A token's key rows at the widest wire dtype (4 bytes), fp8 keys packed no wider than that.
+size_t KeyUploadBytes(const ModelSpec& spec, const CacheLayout& layout) {
+  const size_t L = spec.kv_lora_rank, R = spec.qk_rope_head_dim, Di = spec.index_head_dim;
+  return std::max(4 * (L + R + Di), layout.latent_row_bytes() + Di + 4);
+}
+}  // namespace
+
 size_t MaxLayerUploadBytes(const ModelSpec& spec, const CacheLayout& layout, int64_t n,
                            int absorb_dn, int absorb_v) {
   const size_t H = spec.num_heads, L = spec.kv_lora_rank, R = spec.qk_rope_head_dim;
   const size_t Hi = spec.index_n_heads, Di = spec.index_head_dim;
   const size_t dn = std::max<size_t>(L, absorb_dn), w = std::max<size_t>(L, absorb_v);
   const size_t rows = static_cast<size_t>(std::max<int64_t>(n, 1));
-  // Widest wire dtype (4 bytes) for every tensor, fp8 keys packed no wider than that, fp8
-  // queries' scales, the fp32 output and its lse, and a pad per section (at most 12 sections).
-  const size_t keys = std::max(4 * (L + R + Di), layout.latent_row_bytes() + Di + 4);
-  const size_t per_token =
-      keys + 4 * (Hi * Di + Hi) + 4 * Hi + 4 * H * (dn + R) + 8 * H + 4 * H * w + 4 * H;
+  // The keys, every query tensor at 4 bytes, fp8 queries' scales, the fp32 output and its lse,
+  // and a pad per section (at most 12 sections).
+  const size_t per_token = KeyUploadBytes(spec, layout) + 4 * (Hi * Di + Hi) + 4 * Hi +
+                           4 * H * (dn + R) + 8 * H + 4 * H * w + 4 * H;
   return rows * per_token + 13 * kUploadAlign;
+}
+
+size_t MaxImportUploadBytes(const ModelSpec& spec, const CacheLayout& layout, int64_t n) {
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(n, 1));
+  return rows * KeyUploadBytes(spec, layout) + 13 * kUploadAlign;
 }
 
 }  // namespace attnd::cuda

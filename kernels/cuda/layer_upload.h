@@ -81,4 +81,7 @@ void UnpackLayerOutput(const LayerUpload& plan, const StepShare& share, const ui
 size_t MaxLayerUploadBytes(const ModelSpec& spec, const CacheLayout& layout, int64_t n,
                            int absorb_dn, int absorb_v);
 
+// The same bound for a write-only share (an import): its calls carry key rows alone.
+size_t MaxImportUploadBytes(const ModelSpec& spec, const CacheLayout& layout, int64_t n);
+
 }  // namespace attnd::cuda
