@@ -184,7 +184,7 @@ elif fits "sanitizer probe" 30; then
   else
     record "sanitizer probe" 30 passed $((SECONDS - t0)) "$PROBE_FILTER"
     sanitize "memcheck, DeepSeek dims" memcheck 90 "$BUNDLE/cuda_scale_test" \
-      'Heads/DeepSeekDimsTest.SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsOfKeys/16'
+      'Heads/DeepSeekDimsTest.SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsOfKeys/0'
     # The tiny-model parity cases run the SIMT kernels (their shapes are below the tensor-core
     # ones'): the races and barriers to check are in one DeepSeek-dims step through the
     # pipelined MLA, the streaming indexer and the block top-k.

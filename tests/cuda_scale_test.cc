@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -75,7 +76,7 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
   }
   // Histories of 2,600 and 700 keys, imported (write-only: no reference attention to compute).
   const std::vector<StepEntry> import = {{"a", 2600}, {"b", 700}};
-  const auto keys = simt.MakeInputs(import, DType::kBF16, 1);
+  const auto keys = simt.MakeKeys(import, DType::kBF16, 1);
   for (Harness* h : {&simt, &mma})
     ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
   const std::vector<std::vector<StepEntry>> steps = {
@@ -103,7 +104,9 @@ TEST_P(DeepSeekDimsTest, SimtAndTensorCoreKernelsMatchTheReferenceOverThousandsO
       ExpectClose(m.out[l], s.out[l], 1e-2, "tensor-core vs SIMT kernels, " + at);
       EXPECT_EQ(checks[l].selection_mismatches, 0) << at;
       EXPECT_EQ(beyond_ties[l], 0) << "top-k sets: SIMT vs tensor-core beyond score ties, " << at;
-      EXPECT_EQ(s.traces[l].keys[0].size(), 2048u) << at;  // a top-2048 row over 2,601 keys
+      // a's first query: a top-2048 row over 2,601 keys (b's has all of its 701)
+      const size_t a_row = steps[i][0].sequence_id == "a" ? 0 : steps[i][0].q_len;
+      EXPECT_EQ(s.traces[l].keys[a_row].size(), 2048u) << at;
     }
   }
 }
@@ -122,7 +125,7 @@ TEST(CudaScale, OneSmallStepThroughEveryTensorCoreKernel) {
     Harness h(Options(spec, cache, {"cuda:0"}, 64));
     h.Open("a");
     const std::vector<StepEntry> import = {{"a", 300}};
-    ASSERT_TRUE(h.Run(import, h.MakeInputs(import, DType::kBF16, 41), StepOptions::WriteOnly())
+    ASSERT_TRUE(h.Run(import, h.MakeKeys(import, DType::kBF16, 41), StepOptions::WriteOnly())
                     .status.ok());
     h.RunAndCheck({{"a", 1}}, DType::kBF16, 42, 1e-2);
   }
@@ -138,7 +141,7 @@ TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
   Harness mma(Options(spec, DType::kFP8E4M3, {"cuda:0"}));
   for (Harness* h : {&simt, &mma}) h->Open("a");
   const std::vector<StepEntry> import = {{"a", 2600}};
-  const auto keys = simt.MakeInputs(import, DType::kBF16, 31);
+  const auto keys = simt.MakeKeys(import, DType::kBF16, 31);
   for (Harness* h : {&simt, &mma})
     ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
   const std::vector<StepEntry> step = {{"a", 2}};
@@ -246,8 +249,8 @@ TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
   const ModelSpec spec = DeepSeekDims(128);
   for (const bool tensor_cores : {true, false}) {
     cuda::ScopedKernelChoice kernels(tensor_cores, tensor_cores);
-    Harness alone(Options(spec, DType::kBF16, {"cuda:0"}, 1024));
-    Harness batch(Options(spec, DType::kBF16, {"cuda:0"}, 1024));
+    Harness alone(Options(spec, DType::kBF16, {"cuda:0"}, 2560));
+    Harness batch(Options(spec, DType::kBF16, {"cuda:0"}, 2560));
     std::vector<StepEntry> import = {{"a", 3000}}, decode = {{"a", 1}};
     for (int i = 0; i < 63; ++i) {  // 100 to 4,000 keys: splits from 1 to 8
       import.push_back({absl::StrCat("b", i), 100 + 62 * i});
@@ -255,9 +258,12 @@ TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
     }
     alone.Open("a");
     for (const auto& e : import) batch.Open(e.sequence_id);
-    const auto keys = batch.MakeInputs(import, DType::kBF16, 21);
-    ASSERT_TRUE(batch.Run(import, keys, StepOptions::WriteOnly()).status.ok());
-    ASSERT_TRUE(alone.Run({import[0]}, Rows(keys, 0, 3000), StepOptions::WriteOnly()).status.ok());
+    const auto keys = batch.MakeKeys(import, DType::kBF16, 21);
+    const absl::Status imported = batch.Run(import, keys, StepOptions::WriteOnly()).status;
+    ASSERT_TRUE(imported.ok()) << imported;
+    const absl::Status imported_alone =
+        alone.Run({import[0]}, Rows(keys, 0, 3000), StepOptions::WriteOnly()).status;
+    ASSERT_TRUE(imported_alone.ok()) << imported_alone;
     const auto in = batch.MakeInputs(decode, DType::kBF16, 22);
     auto many = batch.Run(decode, in);
     auto one = alone.Run({decode[0]}, Rows(in, 0, 1));
@@ -286,7 +292,7 @@ TEST(CudaScale, AllEqualScoresSelectTheLowestPositionsLikeTheCpu) {
   const auto pos = [](double x) { return std::abs(x) + 0.5; };
   for (Harness* h : {&gpu, &cpu}) h->Open("a");
   const std::vector<StepEntry> import = {{"a", 3000}};
-  auto keys = gpu.MakeInputs(import, DType::kBF16, 3);
+  auto keys = gpu.MakeKeys(import, DType::kBF16, 3);
   MapValues(&keys[0].index_k, pos);
   for (Harness* h : {&gpu, &cpu})
     ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
@@ -322,8 +328,28 @@ TEST(CudaScale, MoreThan65535QueriesInOneStepMatchTheCpuBackend) {
   auto c = cpu.Run(step, in);
   ASSERT_TRUE(g.status.ok()) << g.status;
   ASSERT_TRUE(c.status.ok()) << c.status;
-  for (size_t l = 0; l < g.out.size(); ++l)
-    ExpectClose(g.out[l], c.out[l], 1e-4, "GPU vs CPU layer " + std::to_string(l));
+  // fp32 scores summed in another order may rank two near-equal keys the other way: rows whose
+  // selections differ are counted (a handful of 70,000), the rest must agree to fp32 rounding.
+  const size_t row = static_cast<size_t>(spec.num_heads) * spec.kv_lora_rank;
+  for (size_t l = 0; l < g.out.size(); ++l) {
+    std::vector<double> same_g, same_c;
+    int64_t differ = 0;
+    for (int64_t q = 0; q < n; ++q) {
+      auto a = g.traces[l].keys[q], b = c.traces[l].keys[q];
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      if (a != b) {
+        ++differ;
+        continue;
+      }
+      same_g.insert(same_g.end(), g.out[l].begin() + q * row, g.out[l].begin() + (q + 1) * row);
+      same_c.insert(same_c.end(), c.out[l].begin() + q * row, c.out[l].begin() + (q + 1) * row);
+    }
+    std::printf("layer %zu: %lld of %lld queries selected other keys on the GPU\n", l,
+                static_cast<long long>(differ), static_cast<long long>(n));
+    EXPECT_LE(differ, n / 1000) << "layer " << l;
+    ExpectClose(same_g, same_c, 1e-4, "GPU vs CPU, same selections, layer " + std::to_string(l));
+  }
   // The last queries (past 65,535) attended keys, and the same ones on both backends.
   EXPECT_EQ(g.traces[0].keys[n - 1], c.traces[0].keys[n - 1]);
   EXPECT_EQ(g.traces[0].keys[n - 1].size(), 24u);

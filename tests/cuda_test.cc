@@ -366,9 +366,10 @@ TEST(Cuda, AGpuDevicesHostMemoryDoesNotGrowWithItsCache) {
       "host memory with a 256 MiB GPU cache: %zu MiB mapped, %zu MiB resident; with 8 GiB: "
       "%zu MiB mapped, %zu MiB resident\n",
       small.first >> 20, small.second >> 20, big.first >> 20, big.second >> 20);
-  // A host mirror of the cache would map (and could touch) the 7.75 GiB difference.
+  // A host mirror of the cache would touch the 7.75 GiB difference. Mapped bytes cannot tell:
+  // unified addressing maps every device allocation into the process (on an H200, 8 GiB of
+  // cache mapped 7.9 GiB more than 256 MiB did, with 14 MiB more resident).
   EXPECT_LT(big.second, small.second + (size_t{64} << 20));
-  EXPECT_LT(big.first, small.first + (size_t{4} << 30));
 }
 
 TEST(Cuda, MissingGpuIsAClearStartupError) {

@@ -164,7 +164,8 @@ void Harness::Close(const std::string& id) {
 
 int64_t Harness::Length(const std::string& id) const { return oracle_->Length(id); }
 
-std::vector<LayerData> RandomLayers(const ModelSpec& s, int64_t T, DType dtype, uint64_t seed) {
+std::vector<LayerData> RandomLayers(const ModelSpec& s, int64_t T, DType dtype, uint64_t seed,
+                                    bool queries) {
   std::mt19937_64 rng(seed);
   std::vector<LayerData> out(s.num_layers());
   for (int l = 0; l < s.num_layers(); ++l) {
@@ -175,12 +176,14 @@ std::vector<LayerData> RandomLayers(const ModelSpec& s, int64_t T, DType dtype, 
       return fp8 ? RandomFp8Query(std::move(shape), rng)
                  : RandomTensor(dtype, std::move(shape), rng);
     };
-    d.q_latent = query({T, s.num_heads, s.kv_lora_rank});
-    d.q_rope = query({T, s.num_heads, s.qk_rope_head_dim});
+    if (queries) {
+      d.q_latent = query({T, s.num_heads, s.kv_lora_rank});
+      d.q_rope = query({T, s.num_heads, s.qk_rope_head_dim});
+    }
     d.kv_latent = RandomTensor(rest, {T, s.kv_lora_rank}, rng);
     d.k_rope = RandomTensor(rest, {T, s.qk_rope_head_dim}, rng);
     if (s.layers[l] == LayerKind::kFull) {
-      d.index_q = query({T, s.index_n_heads, s.index_head_dim});
+      if (queries) d.index_q = query({T, s.index_n_heads, s.index_head_dim});
       d.index_k = RandomTensor(rest, {T, s.index_head_dim}, rng);
       d.index_w = RandomTensor(rest, {T, s.index_n_heads}, rng);
     }
@@ -205,6 +208,13 @@ std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, 
   int64_t T = 0;
   for (const auto& e : batch) T += e.q_len;
   return RandomLayers(spec(), T, dtype, seed);
+}
+
+std::vector<LayerData> Harness::MakeKeys(const std::vector<StepEntry>& batch, DType dtype,
+                                         uint64_t seed) {
+  int64_t T = 0;
+  for (const auto& e : batch) T += e.q_len;
+  return RandomLayers(spec(), T, dtype, seed, /*queries=*/false);
 }
 
 Harness::Result Harness::Run(const std::vector<StepEntry>& batch,

@@ -41,7 +41,10 @@ HostTensor RandomFp8Query(std::vector<int64_t> shape, std::mt19937_64& rng);
 // Random inputs of every layer of a step of T tokens, in `dtype` (indexer tensors on full layers).
 // kFP8E4M3: the queries (q_latent, q_rope, index_q) in fp8 with per-token-head scales, the rest
 // in BF16.
-std::vector<LayerData> RandomLayers(const ModelSpec& spec, int64_t T, DType dtype, uint64_t seed);
+// queries=false: the keys alone (a write-only step's inputs; the queries are T x H x 576 values,
+// tens of GB for an import of 100K tokens at 128 heads).
+std::vector<LayerData> RandomLayers(const ModelSpec& spec, int64_t T, DType dtype, uint64_t seed,
+                                    bool queries = true);
 
 // The tiny preset with one layer of each kind (full, shared, full, dense: IndexShare, a sliding
 // window and a soft cap) under `mode`, top-24, at most 3 union pages, a budget of 2 pages.
@@ -79,6 +82,8 @@ class Harness {
   // Random inputs for every layer of a step over `batch`, in `dtype`.
   std::vector<LayerData> MakeInputs(const std::vector<StepEntry>& batch, DType dtype,
                                     uint64_t seed);
+  // The keys alone, for a write-only step (StepOptions::WriteOnly()).
+  std::vector<LayerData> MakeKeys(const std::vector<StepEntry>& batch, DType dtype, uint64_t seed);
 
   // Runs the step on the engine. On success records the new keys in the histories and returns
   // per-layer outputs (as doubles) and traces.
