@@ -237,8 +237,10 @@ def test_a_drain_without_peers_lets_open_steps_finish_with_the_listener_open():
         with AttndClient(target, timeout=10) as c:
             spec = c.info().model
             c.open_sequence("finishing")
+            c.open_sequence("holder")  # its open step keeps the drain waiting until the checks
             layers = bf16_layers(spec, 3, np.random.default_rng(7))
             step = c.begin_step([("finishing", 3)])
+            held = c.begin_step([("holder", 1)])
             out0 = c.attend_layer(step.step_id, LayerInputs(0, **layers[0]))
             proc.send_signal(signal.SIGTERM)
             for _ in range(400):  # the open channel answers NOT_SERVING (never UNAVAILABLE)
@@ -254,8 +256,11 @@ def test_a_drain_without_peers_lets_open_steps_finish_with_the_listener_open():
             assert all(o.shape == (3, spec.num_heads, spec.kv_lora_rank) for o in outs)
             assert all(np.isfinite(o.astype(np.float32)).all() for o in outs)
             assert c.describe_sequence("finishing").length == 3  # the step committed
+            one = bf16_layers(spec, 1, np.random.default_rng(8))
+            for i, x in enumerate(one):  # the last open step ends: the drain is over
+                c.attend_layer(held.step_id, LayerInputs(i, **x))
         assert proc.wait(timeout=60) == 0
-        assert "1 sequence(s) are dropped at exit" in proc.stdout.read()
+        assert "2 sequence(s) are dropped at exit" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             stop(proc)
