@@ -60,7 +60,9 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
                  const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (double x : got) ASSERT_FALSE(std::isnan(x)) << what;
-  EXPECT_LE(RelL2(got, want), tol) << what;
+  const double e = RelL2(got, want);
+  std::printf("parity: %s: rel L2 %.2e (tolerance %.0e)\n", what.c_str(), e, tol);
+  EXPECT_LE(e, tol) << what;
 }
 
 class DeepSeekDimsTest : public ::testing::TestWithParam<int> {};
