@@ -80,7 +80,8 @@ TEST(StepPlan, AnImportPlansKeysAloneNoIndexerNoBlocksNoSelection) {
   EXPECT_TRUE(sh.sparse_blocks.empty());
   EXPECT_EQ(sh.max_selected, 0);
   // The same batch as a step that attends: long histories need the indexer.
-  const StepShare& attends = StepPlan::Build(s, {{0, 15, 60, &pages}}).shares[0].share;
+  const StepPlan attending = StepPlan::Build(s, {{0, 15, 60, &pages}});
+  const StepShare& attends = attending.shares[0].share;
   EXPECT_FALSE(attends.write_only);
   EXPECT_GT(std::count(attends.needs_index.begin(), attends.needs_index.end(), 1), 0);
   EXPECT_GT(attends.max_selected, 0);
