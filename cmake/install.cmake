@@ -4,19 +4,21 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(TARGETS attnd attnctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(TARGETS attnd_client attnd_proto attnd_dtype EXPORT attndTargets
+install(TARGETS attnd_client attnd_proto attnd_dtype attnd_block_hash EXPORT attndTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
 set(ATTND_INCLUDE ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
 install(FILES client/attention_merge.h client/attnd_client.h client/context_parallel.h client/router.h DESTINATION ${ATTND_INCLUDE}/client)
-install(FILES common/dtype.h common/host_device.h DESTINATION ${ATTND_INCLUDE}/common)
+install(FILES common/block_hash.h common/dtype.h common/host_device.h
+  DESTINATION ${ATTND_INCLUDE}/common)
 install(FILES ${ATTND_GEN}/attnd/v1/attention.pb.h ${ATTND_GEN}/attnd/v1/attention.grpc.pb.h
   DESTINATION ${ATTND_INCLUDE}/attnd/v1)
 install(FILES proto/attnd/v1/attention.proto DESTINATION ${CMAKE_INSTALL_DATADIR}/attnd/proto/attnd/v1)
 
 set_target_properties(attnd_proto PROPERTIES EXPORT_NAME proto)
 set_target_properties(attnd_dtype PROPERTIES EXPORT_NAME dtype)
+set_target_properties(attnd_block_hash PROPERTIES EXPORT_NAME block_hash)
 install(EXPORT attndTargets NAMESPACE attnd:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/attnd)
 configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/attndConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/attndConfig.cmake INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/attnd)

@@ -15,6 +15,7 @@ echo "test_python_package: fresh venv + pip install in $(( $(date +%s) - start )
 rm -rf client/python/build client/python/attnd.egg-info  # setuptools' in-tree build leftovers
 ATTND_TEST_INSTALLED=1 ATTND_BIN="$PWD/$BUILD_DIR/service/attnd" "$venv/bin/python" -m pytest -q \
   -p no:cacheprovider client/python/tests/test_package.py client/python/tests/test_client.py \
+  client/python/tests/test_block_hash.py \
   client/python/tests/test_router.py
 # An sdist (as a package index would serve it) builds and installs away from the checkout.
 py="$(cd "$venv/bin" && pwd)/python"
