@@ -145,3 +145,35 @@ def test_sanitizer_checks_run_after_a_good_probe_and_their_errors_count(fake):
     assert "racecheck reported errors" in stages["racecheck, tensor-core step"]["note"]
     assert stages["synccheck, tensor-core step"]["verdict"] == "passed"
     assert "compute-sanitizer: errors or not finished" in text
+
+
+# cuda_bench that measured one row, and ncu: the profile stage runs each kernel's profile.
+FAKE_BENCH = textwrap.dedent("""\
+    #!/usr/bin/env bash
+    for a in "$@"; do
+      case $a in --json=*) echo '{"op": "copy D2D (limit)", "ms": 1.0}' > "${a#--json=}" ;; esac
+    done
+    echo "fake bench"
+    """)
+FAKE_NCU = textwrap.dedent("""\
+    #!/usr/bin/env bash
+    echo "ncu $*"
+    echo "    Achieved Occupancy    %    12.5"
+    """)
+
+
+def test_the_profile_runs_where_something_was_measured_and_every_file_is_packed(fake):
+    text, stages, out = run(fake)
+    assert stages["profile"]["verdict"] == "unavailable"  # the dry run measured nothing
+    assert "nothing measured" in stages["profile"]["note"]
+    (fake / "bundle" / "cuda_bench").write_text(FAKE_BENCH)
+    (fake / "bin" / "ncu").write_text(FAKE_NCU)
+    (fake / "bin" / "ncu").chmod(0o755)
+    text, stages, out = run(fake)
+    assert stages["profile"]["verdict"] == "passed", stages["profile"]
+    for k in ("MlaMmaKernel", "IndexerStreamKernel", "TopKSliceKernel"):
+        log = (out / f"ncu-{k}.txt").read_text()
+        assert f"regex:{k}" in log and "Achieved Occupancy" in log
+    listed = subprocess.run(["tar", "tzf", str(out / "gpu-check-logs.tgz")], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert {"./stages.jsonl", "./table.md", "./ncu-MlaMmaKernel.txt"} <= set(listed)

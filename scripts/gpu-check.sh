@@ -15,8 +15,10 @@
 #      DeepSeek-dims case, racecheck and synccheck on one tensor-core step.
 #   5. Kernel benchmark with this GPU's copy bandwidth measured in the run; PyTorch versions of
 #      the same ops on the same shapes.
-#   6. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
-#      fraction of the limit, speed-up over PyTorch.
+#   6. Nsight Compute (ncu, where installed) on one launch each of the sparse MLA, the streaming
+#      indexer and the top-k kernels: occupancy, issue rate, stalls, memory throughput.
+#   7. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
+#      fraction of the limit, speed-up over PyTorch. Every file also in gpu-check-logs.tgz.
 # A stage starts only when its time limit fits what is left of the budget; every command runs
 # under `timeout -k`, so a hung kernel cannot hold the window. Everything goes under
 # ${OUT:-gpu-check-out} (stages.jsonl: one line per stage); logs are written to files before
@@ -230,10 +232,32 @@ elif fits "PyTorch versions" 90; then
   [ $rc -ne 0 ] && echo "gpu-check: PyTorch timing failed (see $OUT/torch.log)"
   record "PyTorch versions" 90 "$(verdict_of $rc)" $((SECONDS - t0)) "torch.log"
 fi
+echo "== Nsight Compute on the kernels furthest from their limits"
+# One launch each of the sparse MLA, the streaming indexer and the top-k slice kernel, as the
+# benchmark runs them: occupancy, issue rate, stall reasons, memory throughput (ncu-KERNEL.txt).
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+if [ ! -s "$OUT/cuda_bench.jsonl" ]; then
+  record "profile" 0 unavailable 0 "nothing measured on a GPU"
+elif [ ! -x "$NCU" ]; then
+  record "profile" 0 unavailable 0 "ncu not installed"
+elif fits "profile" 100; then
+  t0=$SECONDS
+  rc=0
+  for k in MlaMmaKernel IndexerStreamKernel TopKSliceKernel; do
+    bounded 30 "$NCU" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis "$BENCH" > "$OUT/ncu-$k.txt" 2>&1 || rc=$?
+    grep -E "Duration|Achieved Occupancy|Executed Ipc Active|DRAM Throughput" "$OUT/ncu-$k.txt" |
+      sed "s/^/  $k: /"
+  done
+  record "profile" 100 "$(verdict_of $rc)" $((SECONDS - t0)) "ncu-*.txt"
+fi
 echo "== table"
 python3 bench/gpu_report.py --stages="$STAGES" "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" \
   "$OUT/cuda_test.xml" "$OUT/cuda_scale_test.xml" "$OUT/device_test.xml" \
   "$OUT/cuda_test_simt.xml" | tee "$OUT/table.md"
 echo "gpu-check: ${SECONDS}s of the ${BUDGET}s budget"
+# Everything in one file too: a device run may bring back only a few files.
+tar czf "$OUT/gpu-check-logs.tgz" --exclude=gpu-check-logs.tgz -C "$OUT" . 2>/dev/null
 [ $DRY = 1 ] && exit 0
 exit $status
