@@ -59,7 +59,8 @@ def stage_table(stages):
     sanitizer = [s for s in stages if s["stage"].startswith(("sanitizer", "memcheck",
                                                              "racecheck", "synccheck"))]
     verdicts = {s["verdict"] for s in sanitizer}
-    word = ("not run" if not sanitizer else "unavailable" if verdicts == {"unavailable"}
+    word = ("not run" if not sanitizer or verdicts == {"skipped"}
+            else "unavailable" if verdicts == {"unavailable"}
             else "clean" if verdicts == {"passed"} else "errors or not finished")
     print(f"\ncompute-sanitizer: {word}"
           + "".join(f"; {s['stage']}: {s['verdict']}" for s in sanitizer))

@@ -35,6 +35,7 @@ FAKE_GTEST = textwrap.dedent("""\
       [[ " $fails " == *" $filter "* ]] && { echo "[  FAILED  ] $filter"; exit 1; }
       echo "[  PASSED  ] 1 test."; exit 0
     fi
+    echo "filter=$filter"
     {
       echo '<?xml version="1.0"?><testsuites>'
       echo '<testsuite name="Fake"><testcase name="Passes" status="run" result="completed"/>'
@@ -177,3 +178,20 @@ def test_the_profile_runs_where_something_was_measured_and_every_file_is_packed(
     listed = subprocess.run(["tar", "tzf", str(out / "gpu-check-logs.tgz")], capture_output=True,
                             text=True, check=True).stdout.split()
     assert {"./stages.jsonl", "./table.md", "./ncu-MlaMmaKernel.txt"} <= set(listed)
+
+
+def test_a_kernel_iteration_runs_only_the_groups_it_names(fake):
+    (fake / "bundle" / "cuda_bench").write_text(FAKE_BENCH)
+    (fake / "bin" / "ncu").write_text(FAKE_NCU)
+    (fake / "bin" / "ncu").chmod(0o755)
+    text, stages, out = run(fake, GPU_CHECK_ONLY="tests,bench,profile", GPU_CHECK_FILTER="Fake.*")
+    assert stages["GPU tests"]["verdict"] == "passed"
+    for name in ("cuda_test", "cuda_scale_test"):
+        assert "filter=Fake.*" in (out / f"{name}.log").read_text()
+    assert "device interface on cuda:0" not in stages  # only unfiltered
+    for skipped in ("SIMT kernels, bf16 cases", "sanitizer probe", "PyTorch versions"):
+        assert stages[skipped]["verdict"] == "skipped", stages[skipped]
+    assert stages["kernel benchmark"]["verdict"] == "passed"
+    assert stages["profile"]["verdict"] == "passed"
+    table = (out / "table.md").read_text()
+    assert "compute-sanitizer: not run" in table and "cuda_test_simt" not in table

@@ -32,6 +32,11 @@ DRY=0
 OUT=${OUT:-gpu-check-out}
 BUDGET=${GPU_CHECK_BUDGET_S:-420}
 MAX_RERUNS=${GPU_CHECK_RERUNS:-4}
+# GPU_CHECK_ONLY: the groups to run (a kernel iteration: tests,bench,profile); GPU_CHECK_FILTER: a
+# gtest filter for the GPU test binaries (e.g. '*DeepSeekDims*:*CudaParity*'); the device
+# interface tests run only unfiltered.
+ONLY=${GPU_CHECK_ONLY:-tests,simt,sanitizer,bench,torch,profile}
+FILTER=${GPU_CHECK_FILTER:-*}
 RERUN_BUDGET=${GPU_CHECK_RERUN_S:-90}
 KILL_AFTER=5  # seconds between timeout's TERM and its KILL
 mkdir -p "$OUT"
@@ -85,6 +90,12 @@ verdict_of() {  # verdict_of RC: the word for an exit code under `bounded`
     *) echo failed ;;
   esac
 }
+# wanted GROUP STAGE: whether GPU_CHECK_ONLY names GROUP; if not, STAGE is recorded as skipped.
+wanted() {
+  [[ ",$ONLY," == *",$1,"* ]] && return 0
+  record "$2" 0 skipped 0 "not in GPU_CHECK_ONLY"
+  return 1
+}
 # run_tests STAGE NAME BINARY LIMIT [gtest args...]: the full log to a file first, then a
 # summary; a binary that leaves no XML (it timed out or crashed) is said so, by name.
 run_tests() {
@@ -106,13 +117,18 @@ run_tests() {
 }
 
 echo "== GPU tests"
-run_tests "GPU tests" cuda_test "$BUNDLE/cuda_test" 120
-run_tests "GPU tests at real dimensions" cuda_scale_test "$BUNDLE/cuda_scale_test" 120
-run_tests "device interface on cuda:0" device_test "$BUNDLE/device_test" 45 --gtest_filter='*cuda*'
+if wanted tests "GPU tests"; then
+  run_tests "GPU tests" cuda_test "$BUNDLE/cuda_test" 120 --gtest_filter="$FILTER"
+  run_tests "GPU tests at real dimensions" cuda_scale_test "$BUNDLE/cuda_scale_test" 120 \
+    --gtest_filter="$FILTER"
+  [ "$FILTER" = "*" ] &&
+    run_tests "device interface on cuda:0" device_test "$BUNDLE/device_test" 45 --gtest_filter='*cuda*'
+fi
 
 echo "== failing tests one by one with CUDA_LAUNCH_BLOCKING=1 (a faulting kernel poisons its process)"
 reruns=0 rerun_t0=$SECONDS rerun_failed=0 rerun_note=""
 for name in cuda_test cuda_scale_test device_test; do
+  [[ ",$ONLY," == *",tests,"* ]] || break  # no stale results of an earlier run into this OUT
   [ -s "$OUT/$name.xml" ] || continue
   python3 - "$OUT/$name.xml" > "$OUT/$name.failed" <<'PY'
 import sys, xml.etree.ElementTree as ET
@@ -144,7 +160,7 @@ record "reruns" "$RERUN_BUDGET" "$([ $reruns = 0 ] && echo none || echo "$reruns
   $((SECONDS - rerun_t0)) "$rerun_failed still failing alone${rerun_note:+; $rerun_note}"
 
 echo "== the SIMT kernels on the bf16 cases (stage 1 ran them on tensor cores)"
-ATTND_CUDA_MLA=simt ATTND_CUDA_INDEXER=simt \
+wanted simt "SIMT kernels, bf16 cases" && ATTND_CUDA_MLA=simt ATTND_CUDA_INDEXER=simt \
   run_tests "SIMT kernels, bf16 cases" cuda_test_simt "$BUNDLE/cuda_test" 60 --gtest_filter='*BF16*'
 
 echo "== compute-sanitizer"
@@ -166,7 +182,9 @@ sanitize() {  # sanitize STAGE TOOL LIMIT BINARY FILTER
 # The probe launches a real kernel (a small parity case), so a sanitizer that cannot attach to
 # this GPU shows here, not as a failure of the checks below.
 PROBE_FILTER='Modes/CudaParity.MatchesReferenceAndCpuBackend/token_FP32'
-if [ ! -x "$SANITIZER" ]; then
+if ! wanted sanitizer "sanitizer probe"; then
+  :
+elif [ ! -x "$SANITIZER" ]; then
   echo "gpu-check: compute-sanitizer not installed: unavailable"
   record "sanitizer probe" 0 unavailable 0 "compute-sanitizer not installed"
 elif fits "sanitizer probe" 30; then
@@ -207,7 +225,7 @@ if ! "$BUNDLE/cuda_test" --gtest_list_tests >/dev/null 2>&1 && command -v nvcc >
     -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
 fi
 : > "$OUT/cuda_bench.jsonl"
-if fits "kernel benchmark" 90; then
+if wanted bench "kernel benchmark" && fits "kernel benchmark" 90; then
   t0=$SECONDS
   bounded 90 "$BENCH" --json="$OUT/cuda_bench.jsonl" > "$OUT/cuda_bench.log" 2>&1
   rc=$?
@@ -222,7 +240,9 @@ if fits "kernel benchmark" 90; then
 fi
 echo "== PyTorch versions"
 : > "$OUT/torch.jsonl"
-if [ ! -s "$OUT/cuda_bench.jsonl" ]; then
+if ! wanted torch "PyTorch versions"; then
+  :
+elif [ ! -s "$OUT/cuda_bench.jsonl" ]; then
   echo "gpu-check: nothing measured on a GPU: PyTorch versions skipped"
   record "PyTorch versions" 0 unavailable 0 "nothing measured to compare with"
 elif fits "PyTorch versions" 90; then
@@ -236,7 +256,9 @@ echo "== Nsight Compute on the kernels furthest from their limits"
 # One launch each of the sparse MLA, the streaming indexer and the top-k slice kernel, as the
 # benchmark runs them: occupancy, issue rate, stall reasons, memory throughput (ncu-KERNEL.txt).
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-if [ ! -s "$OUT/cuda_bench.jsonl" ]; then
+if ! wanted profile "profile"; then
+  :
+elif [ ! -s "$OUT/cuda_bench.jsonl" ]; then
   record "profile" 0 unavailable 0 "nothing measured on a GPU"
 elif [ ! -x "$NCU" ]; then
   record "profile" 0 unavailable 0 "ncu not installed"
@@ -253,9 +275,14 @@ elif fits "profile" 100; then
   record "profile" 100 "$(verdict_of $rc)" $((SECONDS - t0)) "ncu-*.txt"
 fi
 echo "== table"
+xml=()  # the test results of the groups that ran
+if [[ ",$ONLY," == *",tests,"* ]]; then
+  xml+=("$OUT/cuda_test.xml" "$OUT/cuda_scale_test.xml")
+  [ "$FILTER" = "*" ] && xml+=("$OUT/device_test.xml")
+fi
+[[ ",$ONLY," == *",simt,"* ]] && xml+=("$OUT/cuda_test_simt.xml")
 python3 bench/gpu_report.py --stages="$STAGES" "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" \
-  "$OUT/cuda_test.xml" "$OUT/cuda_scale_test.xml" "$OUT/device_test.xml" \
-  "$OUT/cuda_test_simt.xml" | tee "$OUT/table.md"
+  "${xml[@]}" | tee "$OUT/table.md"
 echo "gpu-check: ${SECONDS}s of the ${BUDGET}s budget"
 # Everything in one file too: a device run may bring back only a few files.
 tar czf "$OUT/gpu-check-logs.tgz" --exclude=gpu-check-logs.tgz -C "$OUT" . 2>/dev/null
