@@ -268,7 +268,8 @@ elif fits "profile" 100; then
   for k in MlaMmaKernel IndexerStreamKernel TopKSliceKernel; do
     bounded 30 "$NCU" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis "$BENCH" > "$OUT/ncu-$k.txt" 2>&1 || rc=$?
+      --section MemoryWorkloadAnalysis --section SourceCounters "$BENCH" > "$OUT/ncu-$k.txt" \
+      2>&1 || rc=$?
     grep -E "Duration|Achieved Occupancy|Executed Ipc Active|DRAM Throughput" "$OUT/ncu-$k.txt" |
       sed "s/^/  $k: /"
   done
