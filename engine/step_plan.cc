@@ -78,7 +78,8 @@ StepPlan StepPlan::Build(const ModelSpec& spec, const std::vector<PlanEntry>& ba
         max_visible = std::max(max_visible, pos + 1);
       }
       const int32_t end = static_cast<int32_t>(s.rows.size());
-      if (write_only) continue;  // no queries: nothing attends, no query blocks
+      // An import has no queries: nothing attends, no query blocks.
+      if (write_only) continue;
       if (b.attend_only) {  // every query at the same local position: no shared causal ranges
         for (int32_t i = first; i < end; ++i) {
           s.dense_blocks.push_back({i, 1});

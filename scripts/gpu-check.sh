@@ -91,8 +91,9 @@ verdict_of() {  # verdict_of RC: the word for an exit code under `bounded`
   esac
 }
 # wanted GROUP STAGE: whether GPU_CHECK_ONLY names GROUP; if not, STAGE is recorded as skipped.
+in_only() { [[ ",$ONLY," == *",$1,"* ]]; }  # in_only GROUP: whether GPU_CHECK_ONLY names it
 wanted() {
-  [[ ",$ONLY," == *",$1,"* ]] && return 0
+  in_only "$1" && return 0
   record "$2" 0 skipped 0 "not in GPU_CHECK_ONLY"
   return 1
 }
@@ -128,7 +129,7 @@ fi
 echo "== failing tests one by one with CUDA_LAUNCH_BLOCKING=1 (a faulting kernel poisons its process)"
 reruns=0 rerun_t0=$SECONDS rerun_failed=0 rerun_note=""
 for name in cuda_test cuda_scale_test device_test; do
-  [[ ",$ONLY," == *",tests,"* ]] || break  # no stale results of an earlier run into this OUT
+  in_only tests || break  # no stale results of an earlier run into this OUT
   [ -s "$OUT/$name.xml" ] || continue
   python3 - "$OUT/$name.xml" > "$OUT/$name.failed" <<'PY'
 import sys, xml.etree.ElementTree as ET
@@ -277,11 +278,11 @@ elif fits "profile" 100; then
 fi
 echo "== table"
 xml=()  # the test results of the groups that ran
-if [[ ",$ONLY," == *",tests,"* ]]; then
+if in_only tests; then
   xml+=("$OUT/cuda_test.xml" "$OUT/cuda_scale_test.xml")
   [ "$FILTER" = "*" ] && xml+=("$OUT/device_test.xml")
 fi
-[[ ",$ONLY," == *",simt,"* ]] && xml+=("$OUT/cuda_test_simt.xml")
+in_only simt && xml+=("$OUT/cuda_test_simt.xml")
 python3 bench/gpu_report.py --stages="$STAGES" "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" \
   "${xml[@]}" | tee "$OUT/table.md"
 echo "gpu-check: ${SECONDS}s of the ${BUDGET}s budget"

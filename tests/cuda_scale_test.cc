@@ -127,8 +127,8 @@ TEST(CudaScale, OneSmallStepThroughEveryTensorCoreKernel) {
     Harness h(Options(spec, cache, {"cuda:0"}, 64));
     h.Open("a");
     const std::vector<StepEntry> import = {{"a", 300}};
-    ASSERT_TRUE(h.Run(import, h.MakeKeys(import, DType::kBF16, 41), StepOptions::WriteOnly())
-                    .status.ok());
+    ASSERT_TRUE(
+        h.Run(import, h.MakeKeys(import, DType::kBF16, 41), StepOptions::WriteOnly()).status.ok());
     h.RunAndCheck({{"a", 1}}, DType::kBF16, 42, 1e-2);
   }
 }

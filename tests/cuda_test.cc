@@ -85,14 +85,15 @@ TEST_P(CudaParity, MatchesReferenceAndCpuBackend) {
         EXPECT_NEAR(g.lse[l][j], ref_lse[l][j], lse_tol * (1 + std::abs(ref_lse[l][j])))
             << "step " << i << " layer " << l << " row " << j;
         EXPECT_NEAR(g.lse[l][j], c.lse[l][j], lse_tol * (1 + std::abs(c.lse[l][j])));
-        worst_lse = std::max(worst_lse, std::abs(g.lse[l][j] - ref_lse[l][j]) /
-                                            (1 + std::abs(ref_lse[l][j])));
+        worst_lse = std::max(worst_lse,
+                             std::abs(g.lse[l][j] - ref_lse[l][j]) / (1 + std::abs(ref_lse[l][j])));
       }
     }
   }
-  std::printf("parity: worst rel L2 vs float64 %.2e, vs the CPU backend %.2e (tolerance %.0e); "
-              "worst lse error %.2e\n",
-              worst_ref, worst_cpu, tol, worst_lse);
+  std::printf(
+      "parity: worst rel L2 vs float64 %.2e, vs the CPU backend %.2e (tolerance %.0e); "
+      "worst lse error %.2e\n",
+      worst_ref, worst_cpu, tol, worst_lse);
   EXPECT_TRUE(gpu.engine().ReservedPageUntouched(0));
 }
 

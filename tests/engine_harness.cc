@@ -86,6 +86,11 @@ std::vector<std::pair<std::string, int64_t>> Pairs(const std::vector<StepEntry>&
   for (const auto& e : batch) out.emplace_back(e.sequence_id, e.q_len);
   return out;
 }
+int64_t Tokens(const std::vector<StepEntry>& batch) {
+  int64_t T = 0;
+  for (const auto& e : batch) T += e.q_len;
+  return T;
+}
 std::vector<reference::LayerValues> Values(const std::vector<LayerData>& layers) {
   std::vector<reference::LayerValues> out;
   for (const auto& l : layers) out.push_back(l.values());
@@ -205,16 +210,12 @@ ModelSpec MixedLayerSpec(SelectionMode mode) {
 
 std::vector<LayerData> Harness::MakeInputs(const std::vector<StepEntry>& batch, DType dtype,
                                            uint64_t seed) {
-  int64_t T = 0;
-  for (const auto& e : batch) T += e.q_len;
-  return RandomLayers(spec(), T, dtype, seed);
+  return RandomLayers(spec(), Tokens(batch), dtype, seed);
 }
 
 std::vector<LayerData> Harness::MakeKeys(const std::vector<StepEntry>& batch, DType dtype,
                                          uint64_t seed) {
-  int64_t T = 0;
-  for (const auto& e : batch) T += e.q_len;
-  return RandomLayers(spec(), T, dtype, seed, /*queries=*/false);
+  return RandomLayers(spec(), Tokens(batch), dtype, seed, /*queries=*/false);
 }
 
 Harness::Result Harness::Run(const std::vector<StepEntry>& batch,

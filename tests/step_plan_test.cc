@@ -74,8 +74,8 @@ TEST(StepPlan, AnImportPlansKeysAloneNoIndexerNoBlocksNoSelection) {
   EXPECT_EQ(sh.size(), 60);
   EXPECT_EQ(sh.pos.front(), 15);
   EXPECT_EQ(sh.pos.back(), 74);
-  EXPECT_TRUE(std::all_of(sh.needs_index.begin(), sh.needs_index.end(),
-                          [](uint8_t x) { return x == 0; }));
+  EXPECT_TRUE(
+      std::all_of(sh.needs_index.begin(), sh.needs_index.end(), [](uint8_t x) { return x == 0; }));
   EXPECT_TRUE(sh.dense_blocks.empty());
   EXPECT_TRUE(sh.sparse_blocks.empty());
   EXPECT_EQ(sh.max_selected, 0);

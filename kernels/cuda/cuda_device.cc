@@ -176,7 +176,7 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
     const size_t slot_bytes = MaxImportUploadBytes(spec, layout, share.size());
     const std::pair<DeviceBuffer*, size_t> want[] = {{&slots[0].dev, slot_bytes},
                                                      {&slots[1].dev, slot_bytes}};
-    return ReserveScratchBuffers(share, want, 2 * slot_bytes + 8 * n);
+    return ReserveScratchBuffers(share, want);
   }
   const size_t H = spec.num_heads, L = spec.kv_lora_rank, R = spec.qk_rope_head_dim;
   const size_t Hi = spec.index_n_heads, Di = spec.index_head_dim;
@@ -215,15 +215,15 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
       {&cand_key, std::max<size_t>(4, step.candidates * 4)},
       {&cand_index, std::max<size_t>(4, step.candidates * 4)},
       {&cand_count, std::max<size_t>(4, step.candidates * 4)}};
-  // The step's own selection buffers (positions and slot ids) count too.
-  size_t total = 2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4;
-  for (const auto& [buf, bytes] : want) total += bytes;
-  return ReserveScratchBuffers(share, want, total);
+  return ReserveScratchBuffers(share, want);
 }
 
 absl::Status CudaDevice::State::ReserveScratchBuffers(
-    const StepShare& share, absl::Span<const std::pair<DeviceBuffer*, size_t>> want,
-    size_t total) {
+    const StepShare& share, absl::Span<const std::pair<DeviceBuffer*, size_t>> want) {
+  // The step's own selection buffers (positions and slot ids) count too.
+  const size_t n = std::max<size_t>(1, share.size());
+  size_t total = 2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4;
+  for (const auto& [buf, bytes] : want) total += bytes;
   if (total > scratch_budget)
     return absl::ResourceExhaustedError(
         absl::StrCat("a step of ", share.size(), " tokens needs about ", total >> 20,

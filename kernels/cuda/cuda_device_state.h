@@ -239,11 +239,10 @@ struct CudaDevice::State {
   // both slots held): a step that cannot fit fails at BeginStep with RESOURCE_EXHAUSTED, never in
   // the middle of a layer.
   absl::Status ReserveScratch(const StepShare& share, const Step& step);
-  // Grows each buffer of `want` to its size when `total` (what the share needs in all) fits the
+  // Grows each buffer of `want` to its size when they and the share's selection buffers fit the
   // budget; a failure puts every buffer back as it was (other open steps' layers use them).
   absl::Status ReserveScratchBuffers(const StepShare& share,
-                                     absl::Span<const std::pair<DeviceBuffer*, size_t>> want,
-                                     size_t total);
+                                     absl::Span<const std::pair<DeviceBuffer*, size_t>> want);
   // A free upload slot, locked into *lock (waits for one when both are in use).
   UploadSlot& AcquireSlot(std::unique_lock<std::mutex>* lock);
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).
