@@ -157,6 +157,15 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     s.new_len = options.attend_only ? seq->length : seq->length + e.q_len;
     s.offset = e.position_offset;
     s.query_pos = e.query_position;
+    if (!e.block_hashes.empty()) {
+      if (options.context_parallel)
+        return absl::InvalidArgumentError(
+            absl::StrCat("step batch[", i,
+                         "]: block hashes on a context-parallel step (a server holds a "
+                         "slice of the sequence, not its blocks from the first)"));
+      RETURN_IF_ERROR(table->CheckBlockHashes(*seq, s.new_len, e.block_hashes));
+      s.block_hashes = e.block_hashes;
+    }
     need[seq->device] += table->PagesToGrow(*seq, s.new_len);
     // One below its device is checked like the others (its length and pages are its own
     // wherever they are), then restored first (BeginStep) once the whole batch passed.
@@ -176,7 +185,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   absl::Status full = absl::OkStatus();
   for (size_t d = 0; d < devices.size(); ++d) {
     const PagePool& pool = table->pool(d);
-    if (need[d] <= pool.free_pages()) continue;
+    if (need[d] <= table->Room(Tier::kDevice, static_cast<int>(d))) continue;
     if (need_out != nullptr) {
       need_out->pages.resize(devices.size(), 0);
       need_out->pages[d] = need[d];
@@ -192,6 +201,10 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     s.new_pages.reserve(table->PagesToGrow(*s.seq, s.new_len));
     s.table.reserve(s.seq->pages.size() + s.new_pages.capacity());
   }
+  // Pages only the prefix cache holds make way (Room counted them).
+  for (size_t d = 0; d < devices.size(); ++d)
+    if (need[d] > 0 && !table->MakeFree(Tier::kDevice, static_cast<int>(d), need[d]))
+      return absl::InternalError("the prefix cache could not give back the pages it counted");
   // Everything checked and allocated: reserve pages (cannot fail now) and bind the sequences.
   if (options.write_only) step->phase = StepPhase::kImport;
   step->id = NewStepId();

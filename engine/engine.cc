@@ -54,7 +54,7 @@ std::unique_ptr<Step> Engine::Impl::AbortLocked(Step* step, absl::Status why, Ab
 }
 
 std::unique_ptr<Step> Engine::Impl::CommitLocked(Step* step) {
-  for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true);
+  for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true, s.block_hashes);
   ++counters.steps_committed;
   for (const StepSeq& s : step->seqs) {
     int64_t& n = step->options.write_only ? counters.tokens_import
@@ -135,6 +135,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
       names, std::vector<int32_t>(names.size(), layout.num_pages), options.spec.page_size,
       SequenceLimits{options.limits.max_id_bytes, options.limits.max_sequences}, tiers);
   impl->table->tenants().SetQuotas(options.limits.tenant_quota, {});
+  impl->table->SetPrefixCache(
+      options.prefix_cache_bytes < 0
+          ? -1
+          : options.prefix_cache_bytes / static_cast<int64_t>(layout.BytesPerPage()),
+      options.on_prefix_event);
   impl->compute_ns = std::make_unique<std::atomic<int64_t>[]>(impl->devices.size());
   if (options.absorption != nullptr)
     RETURN_IF_ERROR(impl->absorption.Set(options.absorption, options.spec, impl->devices));
@@ -177,6 +182,36 @@ absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t im
   RETURN_IF_ERROR(impl_->table->Open(seq, device));
   impl_->table->Find(seq)->import_length = import_length;
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Engine::OpenSequence(const SequenceKey& seq, int device,
+                                             PrefixQuery prefix) {
+  const ModelSpec& s = impl_->spec();
+  const int64_t max_blocks = s.max_context / s.page_size;
+  if (static_cast<int64_t>(prefix.hashes.size()) > max_blocks)
+    return absl::InvalidArgumentError(absl::StrCat(prefix.hashes.size(), " block hashes: at most ",
+                                                   max_blocks, " (max_context ", s.max_context,
+                                                   " / page_size ", s.page_size, ")"));
+  if (!prefix.tokens.empty() && static_cast<int64_t>(prefix.tokens.size()) !=
+                                    static_cast<int64_t>(prefix.hashes.size()) * s.page_size)
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix.tokens.size(), " token ids for ", prefix.hashes.size(), " blocks of ", s.page_size));
+  int64_t cached = 0;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  RETURN_IF_ERROR(impl_->table->OpenCached(seq, device, std::move(prefix.hashes),
+                                           std::move(prefix.tokens), prefix.max_blocks, &cached));
+  return cached;
+}
+
+PrefixLookup Engine::LookupPrefix(const std::string& tenant,
+                                  const std::vector<BlockHash>& hashes) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->LookupPrefix(tenant, hashes);
+}
+
+PrefixStats Engine::PrefixCacheStats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->prefix_stats();
 }
 
 absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& parent,
@@ -307,6 +342,7 @@ std::vector<DeviceCapacity> Engine::Capacity() const {
     const PagePool& pool = impl_->table->pool(d);
     out.push_back({impl_->devices[d]->name(), std::string(impl_->devices[d]->backend()),
                    pool.usable_pages(), pool.free_pages(),
+                   impl_->table->CachedOnly(Tier::kDevice, d),
                    impl_->devices[d]->layout().BytesPerPage(), impl_->table->sequences_on(d)});
   }
   return out;

@@ -35,6 +35,7 @@
 #include "kernels/device_factory.h"
 #include "kv_store/disk_tier.h"
 #include "kv_store/page_directory.h"
+#include "kv_store/sequence_table.h"
 #include "kv_store/tenant_ledger.h"
 
 namespace attnd {
@@ -102,6 +103,24 @@ struct EngineOptions {
   TierOptions tiers;
   // Called after every tier move and data loss, off the engine's lock (metrics, logs).
   std::function<void(const TierEvent&)> on_tier_event;
+  // The prefix cache (docs/prefix_cache.md): bytes of pages only the cache may hold (blocks of
+  // closed sequences, least recently used out first; in whole pages); < 0: as many as the tiers
+  // hold (they leave when a request needs their room); 0: blocks stay findable only while a
+  // sequence holds them.
+  int64_t prefix_cache_bytes = -1;
+  // Hears every block indexed or removed (KV events), under the engine's lock: it must be quick
+  // and must not call the engine.
+  std::function<void(const PrefixEvent&)> on_prefix_event;
+};
+
+// What a new sequence asks of the prefix cache (Engine::OpenSequence): its prompt's block
+// hashes (common/block_hash.h), the token ids of those blocks when the caller has them (for KV
+// events; empty otherwise), and how many blocks it may take at most (a worker that sent its
+// whole prompt's tokens needs the last token prefilled, so the service caps it below them).
+struct PrefixQuery {
+  std::vector<BlockHash> hashes;
+  std::vector<uint32_t> tokens;
+  int64_t max_blocks = INT64_MAX;
 };
 
 // One batch entry of a step: `q_len` new tokens for the sequence.
@@ -113,6 +132,10 @@ struct StepEntry {
   // absolute position of the entry's first query (at least position_offset + length).
   int64_t position_offset = 0;
   int64_t query_position = 0;
+  // The prefix cache: the hashes of the blocks (pages) this entry's tokens complete, in order,
+  // or none. When the step commits, they are indexed (with the blocks before them whose hashes
+  // the sequence knows) so later sequences find them. Not on context-parallel steps.
+  std::vector<BlockHash> block_hashes = {};
 };
 
 // How a step runs.
@@ -211,6 +234,9 @@ struct DeviceCapacity {
   std::string backend;      // "cpu", "cuda"
   int32_t pages_total = 0;  // usable pages (page 0 excluded)
   int32_t pages_free = 0;
+  // Of the pages in use, those only the prefix cache holds (blocks of closed sequences that a
+  // request needing room takes back).
+  int32_t pages_cached = 0;
   size_t bytes_per_page = 0;
   int64_t sequences = 0;
 };
@@ -236,6 +262,17 @@ class Engine {
   // many tokens, ordinary steps are FAILED_PRECONDITION ("being imported"), so a worker never
   // decodes on a half-copied sequence.
   absl::Status OpenSequence(const SequenceKey& seq, int device = -1, int64_t import_length = 0);
+  // Opens a sequence on the longest run of `prefix`'s blocks cached in its tenant's prefix cache
+  // (docs/prefix_cache.md), on `device` or (< 0) wherever they are: those pages are shared, not
+  // copied, and the sequence starts that many tokens long (a step restores it first if some are
+  // below the device). Returns the tokens cached (0: a new empty sequence). The sequence keeps
+  // the hashes: blocks its steps commit are indexed. INVALID_ARGUMENT (more hashes than
+  // max_context holds, tokens that are not the hashes' blocks), and OpenSequence's errors.
+  absl::StatusOr<int64_t> OpenSequence(const SequenceKey& seq, int device, PrefixQuery prefix);
+  // The leading blocks of `hashes` cached in `tenant`'s prefix cache (what an open would map),
+  // touching nothing.
+  PrefixLookup LookupPrefix(const std::string& tenant, const std::vector<BlockHash>& hashes) const;
+  PrefixStats PrefixCacheStats() const;
   // A new sequence holding the first `prefix_len` tokens of `parent` (a sequence of the same
   // tenant). On the parent's device
   // (device < 0 or equal) full pages are shared by reference and the partial last page is

@@ -34,10 +34,11 @@ using EngineClock = std::chrono::steady_clock;
 struct StepSeq {
   Sequence* seq = nullptr;
   int64_t q_len = 0;
-  int64_t new_len = 0;                // the sequence's length once the step commits
-  int64_t offset = 0, query_pos = 0;  // context parallelism (StepEntry)
-  std::vector<int32_t> new_pages;     // reserved by the step, owned by it until commit
-  std::vector<int32_t> table;         // seq->pages + new_pages
+  int64_t new_len = 0;                  // the sequence's length once the step commits
+  int64_t offset = 0, query_pos = 0;    // context parallelism (StepEntry)
+  std::vector<int32_t> new_pages;       // reserved by the step, owned by it until commit
+  std::vector<BlockHash> block_hashes;  // of the blocks it completes (StepEntry), indexed at commit
+  std::vector<int32_t> table;           // seq->pages + new_pages
 };
 
 struct Step {

@@ -269,8 +269,10 @@ bool Engine::Impl::AwaitSettled(std::unique_lock<std::mutex>& lock, const Sequen
 
 absl::Status Engine::Impl::MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need) {
   for (int round = 0; round < 256; ++round) {
+    // Without a disk tier the prefix cache's host pages make way (MakeFree frees them at the
+    // cache's own tier only).
+    if (table->MakeFree(Tier::kHost, -1, need)) return absl::OkStatus();
     const int32_t free = table->host_slots().free_slots();
-    if (free >= need) return absl::OkStatus();
     if (disk == nullptr) break;
     if (table->Orphans(Tier::kHost, -1) > 0) {
       TierMove m;
@@ -327,6 +329,10 @@ absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int devi
     }
     const std::vector<SequenceKey> victims =
         table->Victims(Tier::kDevice, device, need - free, keep);
+    // Nothing to spill and the prefix cache's pages here cannot go down: they make way.
+    if (victims.empty() &&
+        table->EvictCached(static_cast<int>(Tier::kDevice), device, need - free) > 0)
+      continue;
     if (victims.empty()) {
       // Only when something busy may let go of pages: a step, a read, a copy or a move.
       const bool busy = !steps.empty() || table->pins() > 0 || moves_in_flight > 0;

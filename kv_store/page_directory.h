@@ -27,6 +27,9 @@ class PageDirectory {
     int32_t holders[kNumTiers] = {0, 0, 0};
     bool moving = false;  // its bytes are being copied to another tier
     bool live = false;
+    // A prefix-cache block (kv_store/prefix_index.h) names it: the cache is one of its holders,
+    // counted at the slowest tier on, so a page only the cache holds goes down the tiers first.
+    bool cached = false;
     int32_t refs() const { return holders[0] + holders[1] + holders[2]; }
     // The tier it must be in: the fastest any holder is at.
     Tier needed() const {

@@ -18,7 +18,10 @@ SequenceTable::SequenceTable(std::vector<std::string> device_names,
       limits_(limits),
       page_size_(page_size),
       host_(tiers.host),
-      disk_(tiers.disk) {
+      disk_(tiers.disk),
+      cache_tier_(tiers.disk > 0   ? Tier::kDisk
+                  : tiers.host > 0 ? Tier::kHost
+                                   : Tier::kDevice) {
   for (int32_t n : pages_per_device) {
     pools_.emplace_back(n);
     owner_.emplace_back(pools_.back().num_pages(), -1);
@@ -33,14 +36,18 @@ int32_t SequenceTable::NewPage(int device, int32_t page) {
 
 void SequenceTable::Hold(int32_t id, Tier holder) {
   PageDirectory::Entry& e = dir_.at(id);
+  const bool was = CacheOnly(e);
   ++e.holders[static_cast<int>(holder)];
   if (e.tier == Tier::kDevice) pools_[e.device].Ref(e.slot);
+  cache_only_ += int{CacheOnly(e)} - int{was};
 }
 
 void SequenceTable::Drop(int32_t id, Tier holder) {
   PageDirectory::Entry& e = dir_.at(id);
+  const bool was = CacheOnly(e);
   --e.holders[static_cast<int>(holder)];
   if (e.tier == Tier::kDevice) pools_[e.device].Unref(e.slot);  // its last: the page is free
+  cache_only_ += int{CacheOnly(e)} - int{was};
   if (e.refs() > 0 || e.moving) return;  // a moving page without holders goes at EndTierMove
   if (e.tier == Tier::kDevice) owner_[e.device][e.slot] = -1;
   if (e.tier == Tier::kHost) host_.Free(e.slot);
@@ -49,6 +56,7 @@ void SequenceTable::Drop(int32_t id, Tier holder) {
 }
 
 bool SequenceTable::Reserve(Tier tier, int device, int32_t* slot) {
+  if (FreeSlots(tier, device) == 0) MakeFree(tier, device, 1);
   std::vector<int32_t> got;
   const bool ok = tier == Tier::kDevice ? pools_[device].Allocate(1, &got)
                   : tier == Tier::kHost ? host_.Allocate(1, &got)
@@ -95,6 +103,26 @@ absl::Status SequenceTable::CheckInvariants() const {
       return bad("sequence '", seq.id, "' below its device holds device pages");
     }
   }
+  // The prefix cache: one holder of each indexed block's page, at its tier; its chains whole.
+  int64_t indexed = 0, cache_only = 0;
+  absl::Status index_ok = absl::OkStatus();
+  prefix_.ForEach([&](int32_t b, const PrefixIndex::Block& blk) {
+    ++indexed;
+    if (!index_ok.ok()) return;
+    if (!dir_.live(blk.page) || !dir_.at(blk.page).cached)
+      index_ok = bad("block ", b, ": page ", blk.page, " is not a cached page");
+    else if (dir_.at(blk.page).device != blk.device)
+      index_ok =
+          bad("block ", b, ": device ", blk.device, ", its page's ", dir_.at(blk.page).device);
+    else if (blk.parent >= 0 &&
+             (!prefix_.at(blk.parent).live || prefix_.at(blk.parent).tenant != blk.tenant))
+      index_ok = bad("block ", b, ": its parent ", blk.parent, " is not in its tenant's index");
+    else if (prefix_.Find(blk.tenant, blk.hash) != b)
+      index_ok = bad("block ", b, " is not found by its hash");
+    if (!index_ok.ok()) return;
+    ++holders[blk.page][static_cast<int>(cache_tier_)];
+  });
+  RETURN_IF_ERROR(index_ok);
   for (int t = 0; t < kNumTiers; ++t)
     if (at_tier[t] != at_tier_[t])
       return bad(TierName(static_cast<Tier>(t)), ": ", at_tier_[t], " sequences counted, ",
@@ -113,6 +141,8 @@ absl::Status SequenceTable::CheckInvariants() const {
                      TierName(static_cast<Tier>(t)), ", the sequences say ", want[t]);
     if (!status.ok()) return;
     if (e.refs() == 0) status = bad("page ", id, " has no holder");
+    indexed -= e.cached;
+    cache_only += CacheOnly(e);
     if (e.moving) status = bad("page ", id, " is moving");
     if (static_cast<int>(e.tier) > static_cast<int>(e.needed()))
       status =
@@ -146,6 +176,9 @@ absl::Status SequenceTable::CheckInvariants() const {
     return bad("host: ", host_.used_slots(), " slots, ", host, " pages");
   if (disk_.used_slots() != disk)
     return bad("disk: ", disk_.used_slots(), " slots, ", disk, " pages");
+  if (indexed != 0) return bad("prefix cache: ", indexed, " more blocks than cached pages");
+  if (cache_only != cache_only_)
+    return bad("prefix cache: ", cache_only_, " cache-only pages counted, ", cache_only, " there");
   return absl::OkStatus();
 }
 
@@ -237,6 +270,7 @@ void SequenceTable::Erase(Sequence* seq) {
   tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->logical.size()));
   tenants_.AddSequences(seq->tenant, -1);
   seqs_.erase(SequenceKey(seq->tenant, seq->id));
+  TrimCache();
 }
 
 absl::Status SequenceTable::Close(const SequenceKey& key) {
@@ -260,7 +294,7 @@ bool SequenceTable::PlanCopy(const std::vector<int32_t>& pages, int64_t length, 
                              PageMove* move) {
   const int32_t n = static_cast<int32_t>((length + page_size_ - 1) / page_size_);
   const size_t first = move->fresh.size();
-  if (!pools_[to].Allocate(n, &move->fresh)) return false;
+  if (!MakeFree(Tier::kDevice, to, n) || !pools_[to].Allocate(n, &move->fresh)) return false;
   for (int32_t i = 0; i < n; ++i) {
     const int rows =
         static_cast<int>(std::min<int64_t>(page_size_, length - int64_t{i} * page_size_));
@@ -307,6 +341,10 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
   seq->length = prefix_len;
   seq->copying = true;
   seq->filling = true;
+  seq->hashes.assign(
+      par->hashes.begin(),
+      par->hashes.begin() +
+          std::min<int64_t>(static_cast<int64_t>(par->hashes.size()), prefix_len / page_size_));
   *move = PageMove{par->device, seq->device, {}, {}, {}};
   if (seq->device != par->device) {
     if (!PlanCopy(par->pages, prefix_len, seq->device, move))
@@ -322,7 +360,8 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
     seq->pages.assign(par->pages.begin(), par->pages.begin() + full);
     seq->logical.assign(par->logical.begin(), par->logical.begin() + full);
     if (rem > 0) {
-      if (!pools_[seq->device].Allocate(1, &move->fresh))
+      if (!MakeFree(Tier::kDevice, seq->device, 1) ||
+          !pools_[seq->device].Allocate(1, &move->fresh))
         return absl::ResourceExhaustedError(
             absl::StrCat("KV cache full on ", names_[seq->device],
                          ": fork needs 1 page for the partial last page, 0 free"));
@@ -406,13 +445,18 @@ void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
 }
 
 void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len,
-                           bool commit) {
+                           bool commit, absl::Span<const BlockHash> completed) {
   seq->step = 0;
   seq->last_used = std::chrono::steady_clock::now();
   if (commit) {
     seq->pages.insert(seq->pages.end(), new_pages.begin(), new_pages.end());
     for (int32_t p : new_pages) seq->logical.push_back(NewPage(seq->device, p));
+    const int64_t old_len = seq->length;
     seq->length = new_len;
+    const size_t first = static_cast<size_t>(old_len / page_size_);
+    for (size_t k = 0; k < completed.size(); ++k)  // checked: equal to any it knew
+      if (first + k >= seq->hashes.size()) seq->hashes.push_back(completed[k]);
+    IndexBlocks(seq, old_len);
   } else {
     for (int32_t p : new_pages) pools_[seq->device].Unref(p);
     tenants_.AddPages(seq->tenant, -static_cast<int64_t>(new_pages.size()));
@@ -483,8 +527,8 @@ absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierM
     const PageDirectory::Entry& e = dir_.at(p);
     if (e.needed() != e.tier) ++need[static_cast<int>(e.needed())];
   }
-  const int32_t have[kNumTiers] = {pools_[seq->device].free_pages(), host_.free_slots(),
-                                   disk_.free_slots()};
+  const int32_t have[kNumTiers] = {Room(Tier::kDevice, seq->device), Room(Tier::kHost, -1),
+                                   Room(Tier::kDisk, -1)};
   for (int t = 0; t < kNumTiers; ++t)
     if (need[t] > have[t]) {
       transfer(to, from);
@@ -600,6 +644,13 @@ std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool o
 std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& ids) {
   std::vector<SequenceKey> out;
   if (ids.empty()) return out;
+  // Blocks whose bytes are gone leave the index (with the blocks after them).
+  std::vector<std::pair<int32_t, BlockHash>> gone;
+  prefix_.ForEach([&](int32_t b, const PrefixIndex::Block& blk) {
+    if (std::find(ids.begin(), ids.end(), blk.page) != ids.end()) gone.emplace_back(b, blk.hash);
+  });
+  for (const auto& [b, hash] : gone)
+    if (prefix_.at(b).live && prefix_.at(b).hash == hash) RemoveBlock(b, -1, -1);
   for (auto& [key, seq] : seqs_) {
     if (seq->lost) continue;
     bool holds = false;
@@ -651,6 +702,246 @@ int32_t SequenceTable::Orphans(Tier tier, int device) const {
     n += e.tier == tier && !e.moving && (device < 0 || e.device == device) && e.needed() > tier;
   });
   return n;
+}
+
+// ---- the prefix cache ----
+
+void SequenceTable::SetPrefixCache(int64_t max_cached_pages,
+                                   std::function<void(const PrefixEvent&)> on_event) {
+  max_cached_ = max_cached_pages;
+  on_prefix_event_ = std::move(on_event);
+  TrimCache();
+}
+
+void SequenceTable::CacheHold(int32_t id) {
+  PageDirectory::Entry& e = dir_.at(id);
+  e.cached = true;
+  ++e.holders[static_cast<int>(cache_tier_)];
+  if (e.tier == Tier::kDevice) pools_[e.device].Ref(e.slot);
+  cache_only_ += CacheOnly(e);
+}
+
+void SequenceTable::CacheDrop(int32_t id) {
+  PageDirectory::Entry& e = dir_.at(id);
+  cache_only_ -= CacheOnly(e);
+  e.cached = false;
+  Drop(id, cache_tier_);
+}
+
+int32_t SequenceTable::FreeSlots(Tier tier, int device) const {
+  return tier == Tier::kDevice ? pools_[device].free_pages()
+         : tier == Tier::kHost ? host_.free_slots()
+                               : disk_.free_slots();
+}
+
+int32_t SequenceTable::CachedOnly(Tier tier, int device) const {
+  if (cache_only_ == 0) return 0;
+  int32_t n = 0;
+  prefix_.ForEach([&](int32_t, const PrefixIndex::Block& blk) {
+    const PageDirectory::Entry& e = dir_.at(blk.page);
+    n += CacheOnly(e) && !e.moving && e.tier == tier &&
+         (tier != Tier::kDevice || device < 0 || e.device == device);
+  });
+  return n;
+}
+
+int32_t SequenceTable::Room(Tier tier, int device) const {
+  return FreeSlots(tier, device) + (tier == cache_tier_ ? CachedOnly(tier, device) : 0);
+}
+
+bool SequenceTable::MakeFree(Tier tier, int device, int32_t n) {
+  const int32_t free = FreeSlots(tier, device);
+  if (free < n && tier == cache_tier_ && cache_only_ > 0)
+    EvictCached(static_cast<int>(tier), device, n - free);
+  return FreeSlots(tier, device) >= n;
+}
+
+int32_t SequenceTable::RemoveBlock(int32_t block, int tier, int device) {
+  int32_t freed = 0;
+  std::vector<PrefixEvent> events;  // one per device the blocks are on
+  prefix_.Remove(block, [&](const PrefixIndex::Block& blk) {
+    const PageDirectory::Entry& e = dir_.at(blk.page);
+    freed += CacheOnly(e) && (tier < 0 || static_cast<int>(e.tier) == tier) &&
+             (device < 0 || e.device == device);
+    if (on_prefix_event_) {
+      if (events.empty() || events.back().device != blk.device) {
+        events.emplace_back();
+        events.back().kind = PrefixEvent::Kind::kRemoved;
+        events.back().tenant = blk.tenant;
+        events.back().device = blk.device;
+        events.back().tier = e.tier;
+      }
+      events.back().hashes.push_back(blk.hash);
+    }
+    ++prefix_stats_.removed_blocks;
+    CacheDrop(blk.page);
+  });
+  for (const PrefixEvent& ev : events) on_prefix_event_(ev);
+  return freed;
+}
+
+int32_t SequenceTable::EvictCached(int tier, int device, int32_t need) {
+  int32_t freed = 0;
+  for (int round = 0; round < 64 && freed < need && cache_only_ > 0; ++round) {
+    // The oldest blocks whose pages only the cache holds, as many as are needed, then removed
+    // (a block removed with an older one's chain is passed over).
+    std::vector<std::pair<int32_t, BlockHash>> victims;
+    prefix_.Oldest([&](int32_t b) {
+      const PrefixIndex::Block& blk = prefix_.at(b);
+      const PageDirectory::Entry& e = dir_.at(blk.page);
+      if (CacheOnly(e) && !e.moving && (tier < 0 || static_cast<int>(e.tier) == tier) &&
+          (device < 0 || e.device == device))
+        victims.emplace_back(b, blk.hash);
+      return static_cast<int32_t>(victims.size()) < need - freed;
+    });
+    if (victims.empty()) break;
+    for (const auto& [b, hash] : victims)
+      if (freed < need && prefix_.at(b).live && prefix_.at(b).hash == hash)
+        freed += RemoveBlock(b, tier, device);
+  }
+  return freed;
+}
+
+void SequenceTable::TrimCache() {
+  if (max_cached_ >= 0 && cache_only_ > max_cached_)
+    EvictCached(-1, -1, static_cast<int32_t>(cache_only_ - max_cached_));
+}
+
+absl::Status SequenceTable::CheckBlockHashes(const Sequence& seq, int64_t new_len,
+                                             absl::Span<const BlockHash> completed) const {
+  if (completed.empty()) return absl::OkStatus();
+  const int64_t first = seq.length / page_size_;
+  const int64_t n = new_len / page_size_ - first;
+  if (static_cast<int64_t>(completed.size()) != n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", Quote(seq.id), ": ", completed.size(), " block hashes for the ",
+                     n, " blocks this step completes (blocks of ", page_size_, " tokens)"));
+  if (static_cast<int64_t>(seq.hashes.size()) < first)
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence ", Quote(seq.id), ": block hashes for blocks ", first, "..",
+                     first + n - 1, ", but only ", seq.hashes.size(), " of the ", first,
+                     " before them have hashes (open it with its prompt's token ids or hashes)"));
+  for (int64_t k = 0; k < n; ++k)
+    if (first + k < static_cast<int64_t>(seq.hashes.size()) &&
+        seq.hashes[first + k] != completed[k])
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", Quote(seq.id), ": block ", first + k, "'s hash differs from its prompt's"));
+  return absl::OkStatus();
+}
+
+void SequenceTable::IndexBlocks(Sequence* seq, int64_t old_len) {
+  const int64_t after =
+      std::min<int64_t>(seq->length / page_size_, static_cast<int64_t>(seq->hashes.size()));
+  if (after <= old_len / page_size_) return;
+  std::vector<int32_t> chain;  // the block indexed for each of its blocks, in order
+  PrefixEvent ev;
+  auto flush = [&] {
+    if (!ev.hashes.empty() && on_prefix_event_) on_prefix_event_(ev);
+    ev = PrefixEvent();
+  };
+  const bool have_tokens = static_cast<int64_t>(seq->tokens.size()) >= after * page_size_;
+  for (int64_t i = 0; i < after; ++i) {
+    const int32_t parent = chain.empty() ? -1 : chain.back();
+    int32_t b = prefix_.Find(seq->tenant, seq->hashes[i]);
+    if (b < 0) {
+      const int32_t page = seq->logical[i];
+      if (dir_.at(page).cached) break;  // its page is another block's (hashes that disagree)
+      b = prefix_.Insert(seq->tenant, seq->hashes[i], parent, page, seq->device);
+      CacheHold(page);
+      ++prefix_stats_.stored_blocks;
+      if (ev.hashes.empty()) {
+        ev.kind = PrefixEvent::Kind::kStored;
+        ev.tenant = seq->tenant;
+        ev.device = seq->device;
+        ev.tier = dir_.at(page).tier;
+        ev.has_parent = parent >= 0;
+        if (parent >= 0) ev.parent = prefix_.at(parent).hash;
+      }
+      ev.hashes.push_back(seq->hashes[i]);
+      if (have_tokens)
+        ev.tokens.insert(ev.tokens.end(), seq->tokens.begin() + i * page_size_,
+                         seq->tokens.begin() + (i + 1) * page_size_);
+    } else {
+      flush();
+      if (prefix_.at(b).parent != parent) break;  // (equal hashes have equal parents)
+    }
+    chain.push_back(b);
+  }
+  flush();
+  for (size_t i = chain.size(); i-- > 0;) prefix_.Touch(chain[i]);  // parents the newest
+  if (static_cast<int64_t>(seq->tokens.size()) <= seq->length) seq->tokens.clear();
+  TrimCache();
+}
+
+absl::Status SequenceTable::OpenCached(const SequenceKey& key, int device,
+                                       std::vector<BlockHash> hashes, std::vector<uint32_t> tokens,
+                                       int64_t max_blocks, int64_t* cached_tokens) {
+  RETURN_IF_ERROR(CheckNewId(key));
+  RETURN_IF_ERROR(CheckDevice(device));
+  const int64_t asked = std::min<int64_t>(max_blocks, static_cast<int64_t>(hashes.size()));
+  std::vector<int32_t> run;
+  int dev = -1;
+  Tier slowest = Tier::kDevice;
+  for (int64_t i = 0; i < asked; ++i) {
+    const int32_t b = prefix_.Find(key.tenant, hashes[i]);
+    if (b < 0) break;
+    const PrefixIndex::Block& blk = prefix_.at(b);
+    const PageDirectory::Entry& e = dir_.at(blk.page);
+    if (blk.parent != (run.empty() ? -1 : run.back()) || e.moving) break;
+    if (dev < 0 && device >= 0 && blk.device != device) break;
+    if (dev >= 0 && blk.device != dev) break;
+    dev = blk.device;
+    run.push_back(b);
+  }
+  const TenantQuota& quota = tenants_.QuotaOf(key.tenant);
+  if (quota.pages > 0)
+    run.resize(
+        std::min<int64_t>(static_cast<int64_t>(run.size()),
+                          std::max<int64_t>(0, quota.pages - tenants_.UsageOf(key.tenant).pages)));
+  for (int32_t b : run) slowest = std::max(slowest, dir_.at(prefix_.at(b).page).tier);
+  ++prefix_stats_.lookups;
+  prefix_stats_.hit_blocks += static_cast<int64_t>(run.size());
+  prefix_stats_.miss_blocks += asked - static_cast<int64_t>(run.size());
+  auto seq = std::make_unique<Sequence>();
+  seq->tenant = key.tenant;
+  seq->id = key.id;
+  seq->device = !run.empty() ? dev : device < 0 ? Place() : device;
+  seq->tier = run.empty() ? Tier::kDevice : slowest;
+  for (int32_t b : run) {
+    const int32_t page = prefix_.at(b).page;
+    Hold(page, seq->tier);
+    seq->logical.push_back(page);
+    if (seq->tier == Tier::kDevice) seq->pages.push_back(dir_.at(page).slot);
+  }
+  for (size_t i = run.size(); i-- > 0;) prefix_.Touch(run[i]);
+  seq->length = static_cast<int64_t>(run.size()) * page_size_;
+  seq->hashes = std::move(hashes);
+  seq->tokens = std::move(tokens);
+  if (static_cast<int64_t>(seq->tokens.size()) <= seq->length) seq->tokens.clear();
+  *cached_tokens = seq->length;
+  ++counts_[seq->device];
+  ++at_tier_[static_cast<int>(seq->tier)];
+  tenants_.AddSequences(key.tenant, 1);
+  tenants_.AddPages(key.tenant, static_cast<int64_t>(run.size()));
+  seqs_.emplace(key, std::move(seq));
+  return absl::OkStatus();
+}
+
+PrefixLookup SequenceTable::LookupPrefix(const std::string& tenant,
+                                         absl::Span<const BlockHash> hashes) const {
+  PrefixLookup out;
+  int32_t parent = -1;
+  for (const BlockHash& h : hashes) {
+    const int32_t b = prefix_.Find(tenant, h);
+    if (b < 0) break;
+    const PrefixIndex::Block& blk = prefix_.at(b);
+    if (blk.parent != parent || (out.device >= 0 && blk.device != out.device)) break;
+    out.device = blk.device;
+    ++out.blocks;
+    out.on_device += dir_.at(blk.page).tier == Tier::kDevice;
+    parent = b;
+  }
+  return out;
 }
 
 }  // namespace attnd

@@ -7,15 +7,19 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/block_hash.h"
 #include "kv_store/page_directory.h"
 #include "kv_store/page_pool.h"
 #include "kv_store/page_table.h"
+#include "kv_store/prefix_index.h"
 #include "kv_store/slot_pool.h"
 #include "kv_store/tenant_ledger.h"
 
@@ -47,6 +51,11 @@ struct Sequence {
   // A page of it could not be read back from the disk tier: it holds no pages any more, and
   // every use but close is DATA_LOSS.
   bool lost = false;
+  // The prefix cache (docs/prefix_cache.md): the hashes of its blocks known so far, in order
+  // (from its prompt or from its steps' entries), and its prompt's token ids of those blocks
+  // until they are committed (for KV events). A block is indexed when a step commits it.
+  std::vector<BlockHash> hashes;
+  std::vector<uint32_t> tokens;
   // When it was opened or a step last began or ended on it: its lease
   // (Engine::ExpireIdleSequences closes sequences idle for longer).
   std::chrono::steady_clock::time_point last_used = std::chrono::steady_clock::now();
@@ -89,6 +98,37 @@ struct PageMove {
   std::vector<PageCopy> copies;
   std::vector<int32_t> fresh;   // pages allocated on `to` for the copies, in sequence order
   std::vector<int32_t> pinned;  // the copies' sources (directory ids), held until the End call
+};
+
+// A change of the prefix cache, for KV events (docs/prefix_cache.md): blocks indexed (stored)
+// or leaving the index (removed), in one tenant's cache on one device.
+struct PrefixEvent {
+  enum class Kind { kStored, kRemoved };
+  Kind kind = Kind::kStored;
+  std::string tenant;
+  int device = 0;
+  Tier tier = Tier::kDevice;  // where the first block's page is
+  std::vector<BlockHash> hashes;
+  bool has_parent = false;  // stored: the block before the first (absent for a prompt's first)
+  BlockHash parent{};
+  std::vector<uint32_t> tokens;  // stored: the blocks' token ids when known (else empty)
+};
+
+// The prefix cache's totals (metrics).
+struct PrefixStats {
+  int64_t lookups = 0;                      // opens that asked for cached blocks
+  int64_t hit_blocks = 0, miss_blocks = 0;  // of the blocks they asked for
+  int64_t stored_blocks = 0, removed_blocks = 0;
+  int64_t blocks = 0;       // indexed now
+  int64_t cached_only = 0;  // pages only the cache holds now (what retention costs)
+};
+
+// What LookupPrefix finds: the leading blocks of a hash list cached on one device (what an open
+// would map) and where.
+struct PrefixLookup {
+  int64_t blocks = 0;
+  int device = -1;
+  int64_t on_device = 0;  // of those, pages on the device tier (the rest on the host or disk)
 };
 
 // Not thread safe: the owner (the engine) serialises every call under its lock.
@@ -139,6 +179,46 @@ class SequenceTable {
 
   // Opens an empty sequence on `device` (< 0: Place()).
   absl::Status Open(const SequenceKey& key, int device);
+
+  // The prefix cache (docs/prefix_cache.md). `max_cached_pages`: pages only the cache may hold
+  // (blocks of closed sequences), least recently used out first; < 0: as many as the tiers
+  // hold (they leave when a request needs their room). `on_event` (may be empty) hears every
+  // block indexed or removed, under the caller's lock.
+  void SetPrefixCache(int64_t max_cached_pages, std::function<void(const PrefixEvent&)> on_event);
+  // Opens `key` holding the longest run of `hashes` cached in its tenant's index, at most
+  // `max_blocks`, on one device (`device`, or any with device < 0; a new sequence without cached
+  // blocks is placed as Open places it). Cached pages are shared as a fork's full pages are;
+  // pages below the device leave the sequence below it (a step restores it). The sequence keeps
+  // `hashes` (and `tokens`, the token ids of their blocks or empty) for the blocks its steps
+  // complete. At most what the tenant's page quota allows is taken. *cached_tokens: its length.
+  absl::Status OpenCached(const SequenceKey& key, int device, std::vector<BlockHash> hashes,
+                          std::vector<uint32_t> tokens, int64_t max_blocks, int64_t* cached_tokens);
+  // The leading blocks of `hashes` an open of `tenant` would find (nothing touched).
+  PrefixLookup LookupPrefix(const std::string& tenant, absl::Span<const BlockHash> hashes) const;
+  // INVALID_ARGUMENT unless `completed` can be the hashes of the blocks a step taking `seq` to
+  // new_len completes: one per block, after blocks whose hashes it knows, equal to those it
+  // knows. Empty is always fine (the step indexes the hashes it knows).
+  absl::Status CheckBlockHashes(const Sequence& seq, int64_t new_len,
+                                absl::Span<const BlockHash> completed) const;
+  PrefixStats prefix_stats() const {
+    PrefixStats s = prefix_stats_;
+    s.blocks = prefix_.size();
+    s.cached_only = cache_only_;
+    return s;
+  }
+  const PrefixIndex& prefix_index() const { return prefix_; }
+  Tier cache_tier() const { return cache_tier_; }
+  // Pages only the cache holds on `device`'s tier (free for any request that needs them).
+  int32_t CachedOnly(Tier tier, int device) const;
+  // Free slots of `tier` (pages of `device` for the device tier), counting the cache's own
+  // pages there (at the cache's tier: they leave for a request that needs the room).
+  int32_t Room(Tier tier, int device) const;
+  // Makes `n` slots of `tier` free, removing the least recently used cached blocks there if
+  // that tier is the cache's; false when it cannot.
+  bool MakeFree(Tier tier, int device, int32_t n);
+  // Removes least recently used blocks whose pages only the cache holds, at `tier` on `device`
+  // (-1: any), until `need` pages are free; returns how many were.
+  int32_t EvictCached(int tier, int device, int32_t need);
   // FAILED_PRECONDITION while in a step or copying; releases its pages.
   absl::Status Close(const SequenceKey& key);
 
@@ -167,7 +247,10 @@ class SequenceTable {
   void Bind(Sequence* seq, uint64_t step, int64_t new_len, std::vector<int32_t>* new_pages);
   // Ends the step's hold: commit appends the new pages and sets the length; otherwise the
   // pages are released and the sequence is as before Bind.
-  void Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len, bool commit);
+  // `completed`: the hashes of the blocks the step completes (CheckBlockHashes), kept and
+  // indexed on commit.
+  void Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len, bool commit,
+              absl::Span<const BlockHash> completed = {});
 
   // Checks that rows [begin, end) are committed rows of `key` and pins the pages holding them
   // (*pages, on *device) so they outlive a close while they are read. NOT_FOUND, OUT_OF_RANGE,
@@ -227,6 +310,19 @@ class SequenceTable {
   // without holders leaves the directory and its pool.
   void Hold(int32_t id, Tier holder);
   void Drop(int32_t id, Tier holder);
+  // The prefix cache's hold of a page (at cache_tier_).
+  void CacheHold(int32_t id);
+  void CacheDrop(int32_t id);
+  static bool CacheOnly(const PageDirectory::Entry& e) { return e.cached && e.refs() == 1; }
+  int32_t FreeSlots(Tier tier, int device) const;
+  // Indexes the blocks of `seq` committed since old_len whose hashes it knows (and any earlier
+  // one that left the index meanwhile, so that the chain stays whole).
+  void IndexBlocks(Sequence* seq, int64_t old_len);
+  // Removes a block and the blocks after it; returns the pages that became free at `tier` on
+  // `device` (-1: any).
+  int32_t RemoveBlock(int32_t block, int tier, int device);
+  // Within max_cached_: removes the least recently used cache-only blocks beyond it.
+  void TrimCache();
 
   std::vector<std::string> names_;
   std::vector<PagePool> pools_;
@@ -240,6 +336,12 @@ class SequenceTable {
   SlotPool host_, disk_;
   absl::flat_hash_map<SequenceKey, std::unique_ptr<Sequence>> seqs_;
   TenantLedger tenants_;
+  PrefixIndex prefix_;
+  Tier cache_tier_ = Tier::kDevice;  // the slowest tier on
+  int64_t max_cached_ = -1;
+  int64_t cache_only_ = 0;
+  PrefixStats prefix_stats_;
+  std::function<void(const PrefixEvent&)> on_prefix_event_;
 };
 
 }  // namespace attnd

@@ -13,6 +13,7 @@ apt_pkgs=(
   prometheus
   clang-14 llvm-14 libclang-rt-14-dev libfuzzer-14-dev
   libssl-dev openssl libgoogle-glog-dev libcli11-dev nlohmann-json3-dev
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   python3-pip curl
 )
 missing=()
@@ -29,11 +30,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
-if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate, ruff" >/dev/null 2>&1; then
-  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate ruff"
+if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate, ruff, zmq, msgpack" >/dev/null 2>&1; then
+  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate ruff pyzmq msgpack"
   "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
-    kubernetes-validate ruff ||
+    kubernetes-validate ruff pyzmq msgpack ||
     "$py" -m pip install -q --disable-pip-version-check --break-system-packages \
       grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
-      kubernetes-validate ruff
+      kubernetes-validate ruff pyzmq msgpack
 fi

@@ -19,6 +19,7 @@
 #include "kv_store/cache_layout.h"
 #include "service/export_chunk.h"
 #include "service/layer_codec.h"
+#include "service/prefix_query.h"
 #include "service/service_internal.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
@@ -86,14 +87,51 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
   if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
     return absl::InvalidArgumentError(
         absl::StrCat("fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
-  absl::Status s =
-      req.fork_parent_id().empty()
-          ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1, req.import_length())
-          : engine_->ForkSequence(KeyOf(caller, req.sequence_id()), req.fork_parent_id(),
-                                  req.fork_prefix_len());
-  RETURN_IF_ERROR(s);
+  const bool prompt = !req.prompt_token_ids().empty() || !req.prompt_block_hashes().empty() ||
+                      !req.prefix_salt().empty();
+  if (prompt && (!req.fork_parent_id().empty() || req.import_length() != 0))
+    return absl::InvalidArgumentError(
+        "prompt_token_ids / prompt_block_hashes: not with a fork or an import (a fork shares its "
+        "parent's pages already; an import brings its own keys)");
+  int64_t cached = 0;
+  if (prompt) {
+    ASSIGN_OR_RETURN(PrefixQuery q, ParsePrompt(req.prompt_token_ids(), req.prompt_block_hashes(),
+                                                req.prefix_salt(), engine_->spec()));
+    ASSIGN_OR_RETURN(cached,
+                     engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1, std::move(q)));
+  } else {
+    RETURN_IF_ERROR(
+        req.fork_parent_id().empty()
+            ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1, req.import_length())
+            : engine_->ForkSequence(KeyOf(caller, req.sequence_id()), req.fork_parent_id(),
+                                    req.fork_prefix_len()));
+  }
   ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(KeyOf(caller, req.sequence_id())));
   FillSequence(info, *engine_, resp);
+  resp->set_cached_tokens(cached);
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionService::LookupPrefix(grpc::CallbackServerContext* ctx,
+                                                         const v1::LookupPrefixRequest* req,
+                                                         v1::LookupPrefixResponse* resp) {
+  // Hashing a long prompt's tokens is work: off gRPC's threads.
+  return Posted(ctx, "LookupPrefix",
+                [this, req, resp](const Caller& c) { return DoLookupPrefix(c, *req, resp); });
+}
+
+absl::Status AttentionService::DoLookupPrefix(const Caller& caller,
+                                              const v1::LookupPrefixRequest& req,
+                                              v1::LookupPrefixResponse* resp) const {
+  const ModelSpec& spec = engine_->spec();
+  ASSIGN_OR_RETURN(PrefixQuery q,
+                   ParsePrompt(req.token_ids(), req.block_hashes(), req.prefix_salt(), spec));
+  const PrefixLookup found = engine_->LookupPrefix(caller.tenant, q.hashes);
+  resp->set_cached_blocks(found.blocks);
+  resp->set_cached_tokens(found.blocks * spec.page_size);
+  if (found.device >= 0) resp->set_device(engine_->Capacity()[found.device].name);
+  resp->set_device_blocks(found.on_device);
+  resp->set_block_size(spec.page_size);
   return absl::OkStatus();
 }
 
@@ -222,6 +260,13 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
       return absl::InvalidArgumentError(absl::StrCat(
           "batch[", i, "]: position_offset and query_position belong to context-parallel steps"));
     batch.push_back({e.sequence_id(), e.q_len(), e.position_offset(), e.query_position()});
+    if (!e.block_hashes().empty()) {
+      // At most the blocks a step of max_step_tokens can complete (the engine checks the count).
+      const ModelSpec& spec = engine_->spec();
+      ASSIGN_OR_RETURN(batch.back().block_hashes,
+                       ParseBlockHashes(e.block_hashes(), lim.max_step_tokens / spec.page_size + 1,
+                                        absl::StrCat("batch[", i, "].block_hashes")));
+    }
   }
   StepOptions opts;
   opts.write_only = req.write_only();

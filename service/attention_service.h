@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "service/auth.h"
 #include "service/executor.h"
+#include "service/kv_events.h"
 #include "service/layer_codec.h"
 #include "service/service_metrics.h"
 #include "service/shard_gather.h"
@@ -51,6 +52,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   bool draining() const { return draining_; }
   // ServerInfo.replica_name (set once the port is bound, before readiness).
   void SetReplicaName(std::string name);
+  // The KV-event publisher (ServerInfo names its endpoint); set once, before readiness.
+  void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
 
   grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
                                        const v1::ServerInfoRequest* req,
@@ -58,6 +61,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* OpenSequence(grpc::CallbackServerContext* ctx,
                                          const v1::OpenSequenceRequest* req,
                                          v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* LookupPrefix(grpc::CallbackServerContext* ctx,
+                                         const v1::LookupPrefixRequest* req,
+                                         v1::LookupPrefixResponse* resp) override;
   grpc::ServerUnaryReactor* CloseSequence(grpc::CallbackServerContext* ctx,
                                           const v1::CloseSequenceRequest* req,
                                           v1::CloseSequenceResponse* resp) override;
@@ -116,6 +122,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status DoOpenSequence(const Caller& caller, const v1::OpenSequenceRequest& req,
                               v1::SequenceInfo* resp);
   absl::Status DoCloseSequence(const Caller& caller, const v1::CloseSequenceRequest& req);
+  absl::Status DoLookupPrefix(const Caller& caller, const v1::LookupPrefixRequest& req,
+                              v1::LookupPrefixResponse* resp) const;
   absl::Status DoDescribeSequence(const Caller& caller, const v1::DescribeSequenceRequest& req,
                                   v1::SequenceInfo* resp);
   absl::Status DoListSequences(const Caller& caller, const v1::ListSequencesRequest& req,
@@ -192,6 +200,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   Executor* executor_;
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
+  std::atomic<const KvEventPublisher*> kv_events_{nullptr};
   mutable std::mutex name_mu_;
   std::string replica_name_;               // guarded by name_mu_
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels

@@ -211,6 +211,23 @@ std::vector<Flag> Table(ServerFlags* f) {
        "spill sequences no step touched for this long down a tier (default 0:\nonly when a "
        "device needs room)",
        Int(&f->spill_idle_ms)},
+      {"prefix-cache-bytes", "N|all",
+       "blocks of closed sequences kept for later prompts that start the same\n(found by "
+       "their token ids or block hashes; least recently used out\nfirst; default all: as much "
+       "as the cache and tiers hold, given back\nto any request that needs the room; 0 = only "
+       "while a sequence holds\nthem)",
+       [f](const std::string& v) {
+         if (v == "all") {
+           f->prefix_cache_bytes = -1;
+           return true;
+         }
+         return Int(&f->prefix_cache_bytes)(v);
+       }},
+      {"kv-events", "ENDPOINT",
+       "publish every prefix-cache block stored and removed as vLLM KV events\n(msgpack over "
+       "ZeroMQ PUB) on this bind endpoint, e.g. tcp://*:5557\n(default off; "
+       "docs/prefix_cache.md)",
+       Str(&f->kv_events)},
       {"shutdown-grace-ms", "N", "after the drain, let RPCs finish this long (default 10000)",
        Int(&f->shutdown_grace_ms)},
       {"log-level", "info|warning|error",

@@ -44,6 +44,10 @@ struct ServerFlags {
   std::string disk_cache_dir;
   int64_t disk_cache_bytes = 0;
   int64_t spill_idle_ms = 0;  // spill sequences idle this long; 0: only when room is needed
+  // The prefix cache (docs/prefix_cache.md): bytes of closed sequences' blocks kept (-1: "all",
+  // as much as the tiers hold); the KV-event endpoint ("" = off).
+  int64_t prefix_cache_bytes = -1;
+  std::string kv_events;
   int64_t shutdown_grace_ms = 10000;
   // Per-request bounds (docs/trust.md); defaults a production server can ship with.
   int64_t max_step_tokens = 65536;

@@ -33,6 +33,7 @@
 #include "metrics/metrics_https.h"
 #include "service/attention_service.h"
 #include "service/drain.h"
+#include "service/kv_events.h"
 #include "service/logging.h"
 #include "service/service_metrics.h"
 #include "service/tls.h"
@@ -82,7 +83,8 @@ std::string DiskFileName(const ServerFlags& f) {
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(
-    const ServerFlags& f, std::function<void(const TierEvent&)> on_tier_event) {
+    const ServerFlags& f, std::function<void(const TierEvent&)> on_tier_event,
+    std::function<void(const PrefixEvent&)> on_prefix_event) {
   EngineOptions o;
   ASSIGN_OR_RETURN(o.spec, LoadSpec(f));
   o.devices = f.devices;  // "cpu:N" / "cuda:N", validated by the engine
@@ -108,6 +110,8 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(
   o.tiers.disk_bytes = static_cast<size_t>(f.disk_cache_bytes);
   o.tiers.disk_file = DiskFileName(f);
   o.on_tier_event = std::move(on_tier_event);
+  o.prefix_cache_bytes = f.prefix_cache_bytes;
+  o.on_prefix_event = std::move(on_prefix_event);
   if (!f.absorb_from.empty()) {
     auto absorb = LoadAbsorption(f.absorb_from, o.spec);
     if (!absorb.ok())
@@ -194,7 +198,14 @@ class Server {
   // (shared-memory) listener, serving.
   absl::Status Start() {
     // Tier moves reach the metrics and the log (the metrics exist once the engine does).
-    ASSIGN_OR_RETURN(engine_, MakeEngine(flags_, [this](const TierEvent& e) { TierMoved(e); }));
+    // Prefix-cache blocks reach the KV-event publisher once it exists (BuildServer: it names the
+    // replica in every message).
+    ASSIGN_OR_RETURN(engine_, MakeEngine(
+                                  flags_, [this](const TierEvent& e) { TierMoved(e); },
+                                  [this](const PrefixEvent& e) {
+                                    std::lock_guard<std::mutex> lock(events_mu_);
+                                    if (events_ != nullptr) events_->Publish(e);
+                                  }));
     RETURN_IF_ERROR(StartAuth());
     executor_ = std::make_unique<Executor>(flags_.executor_threads);
     service_metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get(), executor_.get());
@@ -378,6 +389,19 @@ class Server {
     }
     replica_name_ = flags_.replica_name.empty() ? DefaultReplicaName(port_) : flags_.replica_name;
     service_->SetReplicaName(replica_name_);
+    if (!flags_.kv_events.empty()) {
+      KvEventsOptions ko;
+      ko.endpoint = flags_.kv_events;
+      ko.replica = replica_name_;
+      ko.block_size = engine_->spec().page_size;
+      for (const DeviceCapacity& d : engine_->Capacity())
+        ko.device_medium.push_back(d.backend == "cuda" ? "GPU" : "CPU");
+      ASSIGN_OR_RETURN(auto events, KvEventPublisher::Create(ko));
+      service_->SetKvEvents(events.get());
+      service_metrics_->SetKvEvents(events.get());
+      std::lock_guard<std::mutex> lock(events_mu_);
+      events_ = std::move(events);
+    }
     grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
     health->SetServingStatus("", true);
     health->SetServingStatus(kServiceName, true);
@@ -415,6 +439,10 @@ class Server {
         absl::StrAppend(&tiers, tiers.empty() ? "" : ", ", TierName(t.tier), " ", t.pages_total,
                         " pages", t.where.empty() ? "" : absl::StrCat(" in ", t.where));
     if (!tiers.empty()) Say(absl::StrCat("tiers below the devices: ", tiers));
+    Say(absl::StrCat("prefix cache ",
+                     flags_.prefix_cache_bytes < 0 ? std::string("all")
+                                                   : absl::StrCat(flags_.prefix_cache_bytes, " B"),
+                     ", kv events ", events_ != nullptr ? events_->endpoint() : "off"));
     if (const auto a = engine_->absorption())
       Say(absl::StrCat("absorption on (", a->source(), "): q_nope [T, H, ", a->qk_nope_head_dim(),
                        "] in, [T, H, ", a->v_head_dim(), "] out, ", a->bytes() >> 20, " MB"));
@@ -512,6 +540,9 @@ class Server {
   }
 
   const ServerFlags& flags_;
+  // The KV-event publisher (--kv-events), outliving the engine that feeds it.
+  std::mutex events_mu_;
+  std::unique_ptr<KvEventPublisher> events_;
   std::unique_ptr<Engine> engine_;
   std::shared_ptr<Authenticator> auth_;
   std::unique_ptr<Executor> executor_;

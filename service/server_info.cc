@@ -63,6 +63,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     out->set_name(d.name);
     out->set_pages_total(d.pages_total);
     out->set_pages_free(d.pages_free);
+    out->set_pages_cached(d.pages_cached);
     out->set_bytes_per_page(static_cast<int64_t>(d.bytes_per_page));
     out->set_sequences(d.sequences);
   }
@@ -74,6 +75,12 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     out->set_bytes_per_page(static_cast<int64_t>(t.bytes_per_page));
     out->set_sequences(t.sequences);
   }
+  const PrefixStats prefix = engine_->PrefixCacheStats();
+  v1::PrefixCacheInfo* pc = resp->mutable_prefix_cache();
+  pc->set_max_cached_bytes(engine_->options().prefix_cache_bytes);
+  pc->set_blocks(prefix.blocks);
+  pc->set_cached_only_pages(prefix.cached_only);
+  if (const KvEventPublisher* ev = kv_events_.load()) pc->set_kv_events(ev->endpoint());
   for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
   resp->add_datatypes("FP8_E4M3");  // queries with scales anywhere; keys into an fp8 cache
   resp->set_max_message_bytes(options_.max_message_bytes);

@@ -11,6 +11,7 @@
 #include "attnd/v1/attention.grpc.pb.h"
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
+#include "service/kv_events.h"
 
 #ifndef ATTND_VERSION
 #define ATTND_VERSION "0.0.0"
@@ -194,6 +195,44 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                                  "Sequences lost because a page could not be read back from the "
                                  "disk tier (a read error or a checksum mismatch).")
                     .Add({});
+  prefix_blocks_ = &registry
+                        ->AddGauge("attnd_prefix_cache_blocks",
+                                   "Blocks in the prefix cache's index, every tenant.")
+                        .Add({});
+  prefix_retained_ = &registry
+                          ->AddGauge("attnd_prefix_cache_retained_pages",
+                                     "Pages only the prefix cache holds (closed sequences' "
+                                     "blocks), every tier: given back to any request needing "
+                                     "room.")
+                          .Add({});
+  prefix_lookups_ = &registry
+                         ->AddCounter("attnd_prefix_cache_lookups_total",
+                                      "Sequences opened with a prompt (token ids or block hashes).")
+                         .Add({});
+  auto& looked = registry->AddCounter(
+      "attnd_prefix_cache_lookup_blocks_total",
+      "Blocks those opens asked for, by result: hit (mapped from the cache) or miss.");
+  prefix_hit_ = &looked.Add({{"result", "hit"}});
+  prefix_miss_ = &looked.Add({{"result", "miss"}});
+  prefix_tokens_ = &registry
+                        ->AddCounter("attnd_prefix_cache_tokens_total",
+                                     "Tokens served from the prefix cache (not prefilled again).")
+                        .Add({});
+  prefix_stored_ = &registry
+                        ->AddCounter("attnd_prefix_cache_stored_blocks_total",
+                                     "Blocks indexed when the steps completing them committed.")
+                        .Add({});
+  prefix_removed_ = &registry
+                         ->AddCounter("attnd_prefix_cache_removed_blocks_total",
+                                      "Blocks that left the index: evicted (room, "
+                                      "--prefix-cache-bytes) or lost.")
+                         .Add({});
+  auto& events = registry->AddCounter(
+      "attnd_kv_events_total",
+      "Blocks announced as KV events (--kv-events), by result: published, or dropped (the "
+      "queue was full; subscribers see a gap in the sequence numbers).");
+  events_published_ = &events.Add({{"result", "published"}});
+  events_dropped_ = &events.Add({{"result", "dropped"}});
   for (const char* t : {"host", "disk"})
     for (const char* state : {"used", "free"}) tier_pages_->Add({{"tier", t}, {"state", state}});
   for (int t = 0; t < kNumTiers; ++t)
@@ -270,6 +309,19 @@ void ServiceMetrics::Refresh() {
   CatchUp(&tier_moves_->Add({{"kind", "restore"}, {"reason", "other"}}),
           static_cast<double>(c.restores_other));
   CatchUp(data_loss_, static_cast<double>(c.data_loss));
+  const PrefixStats p = engine_->PrefixCacheStats();
+  prefix_blocks_->Set(static_cast<double>(p.blocks));
+  prefix_retained_->Set(static_cast<double>(p.cached_only));
+  CatchUp(prefix_lookups_, static_cast<double>(p.lookups));
+  CatchUp(prefix_hit_, static_cast<double>(p.hit_blocks));
+  CatchUp(prefix_miss_, static_cast<double>(p.miss_blocks));
+  CatchUp(prefix_tokens_, static_cast<double>(p.hit_blocks * engine_->spec().page_size));
+  CatchUp(prefix_stored_, static_cast<double>(p.stored_blocks));
+  CatchUp(prefix_removed_, static_cast<double>(p.removed_blocks));
+  if (const KvEventPublisher* ev = kv_events_.load()) {
+    CatchUp(events_published_, static_cast<double>(ev->events_published()));
+    CatchUp(events_dropped_, static_cast<double>(ev->events_dropped()));
+  }
   int64_t below = 0;
   for (const TierCapacity& t : engine_->Tiers()) {
     const char* name = TierName(t.tier);

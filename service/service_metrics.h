@@ -8,6 +8,7 @@
 // (timings, bytes, errors).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -21,6 +22,7 @@ namespace attnd {
 enum class Transport { kStream, kUnary };
 
 class Executor;
+class KvEventPublisher;
 
 class ServiceMetrics {
  public:
@@ -40,6 +42,8 @@ class ServiceMetrics {
   void RpcDone(const char* method, const absl::Status& status, double seconds);
   // A tier move or a data loss (EngineOptions::on_tier_event): its latency by kind.
   void TierMoved(const TierEvent& event);
+  // The KV-event publisher whose counts to export (set once, before serving).
+  void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
 
  private:
   void Refresh();
@@ -79,6 +83,18 @@ class ServiceMetrics {
   metrics::Family<metrics::Counter>* tier_moves_;
   metrics::Histogram* move_seconds_[2];  // [spill, restore]
   metrics::Counter* data_loss_;
+  // The prefix cache and its KV events.
+  metrics::Gauge* prefix_blocks_;
+  metrics::Gauge* prefix_retained_;
+  metrics::Counter* prefix_lookups_;
+  metrics::Counter* prefix_hit_;
+  metrics::Counter* prefix_miss_;
+  metrics::Counter* prefix_tokens_;
+  metrics::Counter* prefix_stored_;
+  metrics::Counter* prefix_removed_;
+  metrics::Counter* events_published_;
+  metrics::Counter* events_dropped_;
+  std::atomic<const KvEventPublisher*> kv_events_{nullptr};
   // process_*
   metrics::Gauge* rss_;
   metrics::Gauge* vsize_;

@@ -162,6 +162,18 @@ void Harness::Fork(const std::string& id, const std::string& parent, int64_t pre
   oracle_->Fork(id, parent, prefix_len);
 }
 
+int64_t Harness::OpenCached(const std::string& id, PrefixQuery prefix, const std::string& donor,
+                            int device) {
+  auto cached = engine_->OpenSequence(id, device, std::move(prefix));
+  EXPECT_TRUE(cached.ok()) << cached.status();
+  if (!cached.ok()) return -1;
+  if (*cached > 0)
+    oracle_->Fork(id, donor, *cached);
+  else
+    oracle_->Open(id);
+  return *cached;
+}
+
 void Harness::Close(const std::string& id) {
   ASSERT_TRUE(engine_->CloseSequence(id).ok());
   oracle_->Close(id);

@@ -77,6 +77,11 @@ class Harness {
   void Open(const std::string& id, int device = -1, int64_t import_length = 0);
   void Fork(const std::string& id, const std::string& parent, int64_t prefix_len, int device = -1);
   void Close(const std::string& id);
+  // Opens `id` on the prefix cache's blocks of `prefix` (Engine::OpenSequence); the reference
+  // takes its cached tokens from `donor`, a sequence (open in the reference, closed or not in
+  // the engine) whose first tokens those blocks hold. Returns the cached tokens.
+  int64_t OpenCached(const std::string& id, PrefixQuery prefix, const std::string& donor,
+                     int device = -1);
   int64_t Length(const std::string& id) const;
 
   // Random inputs for every layer of a step over `batch`, in `dtype`.
