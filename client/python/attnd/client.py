@@ -75,6 +75,8 @@ from .types import (
     DeviceInfo,
     LayerResult,
     ModelSpec,
+    PrefixCacheInfo,
+    PrefixLookup,
     SequenceInfo,
     ServerInfo,
     StepInfo,
@@ -111,6 +113,8 @@ __all__ = [
     "LayerOutput",
     "LayerResult",
     "ModelSpec",
+    "PrefixCacheInfo",
+    "PrefixLookup",
     "SequenceInfo",
     "ServerInfo",
     "ShmArena",
@@ -208,16 +212,37 @@ class _Api:
 
     def open_sequence(
         self, sequence_id: str, fork_parent: Optional[str] = None, prefix_len: int = 0,
-        import_length: int = 0,
+        import_length: int = 0, *, prompt_token_ids: Optional[Sequence[int]] = None,
+        prompt_block_hashes: Optional[Sequence[bytes]] = None, prefix_salt: bytes = b"",
     ) -> SequenceInfo:
         """Creates a sequence: empty, or the first ``prefix_len`` tokens of ``fork_parent``.
         ``import_length`` > 0 opens a handoff target that serves ordinary steps only once
-        write-only steps have brought it to that length."""
+        write-only steps have brought it to that length.
+
+        The prefix cache (docs/prefix_cache.md): with the prompt's ``prompt_token_ids`` (hashed
+        with ``prefix_salt``) or its ``prompt_block_hashes`` (:func:`attnd.hash_blocks`), the
+        sequence opens on the longest run of those blocks the server holds for this tenant;
+        ``cached_tokens`` of the reply says how many tokens it starts with (prefill the rest;
+        with token ids it stops before the last token, whose logits the worker needs)."""
         request = pb.OpenSequenceRequest(
             sequence_id=sequence_id, fork_parent_id=fork_parent or "", fork_prefix_len=prefix_len,
             import_length=import_length,
+            prompt_token_ids=[int(t) for t in (prompt_token_ids if prompt_token_ids is not None
+                                               else [])],
+            prompt_block_hashes=[bytes(h) for h in (prompt_block_hashes or [])],
+            prefix_salt=bytes(prefix_salt),
         )
         return self._unary("OpenSequence", request, lambda r: _plain(SequenceInfo, r))
+
+    def lookup_prefix(self, token_ids: Optional[Sequence[int]] = None,
+                      block_hashes: Optional[Sequence[bytes]] = None,
+                      prefix_salt: bytes = b"") -> PrefixLookup:
+        """How many leading blocks of a prompt this server's prefix cache holds for this tenant
+        (on one device, any tier), touching nothing: what a router that polls asks."""
+        request = pb.LookupPrefixRequest(
+            token_ids=[int(t) for t in (token_ids if token_ids is not None else [])],
+            block_hashes=[bytes(h) for h in (block_hashes or [])], prefix_salt=bytes(prefix_salt))
+        return self._unary("LookupPrefix", request, lambda r: _plain(PrefixLookup, r))
 
     def close_sequence(self, sequence_id: str) -> None:
         """Frees a sequence's pages (FAILED_PRECONDITION while it is in an open step)."""
@@ -263,7 +288,8 @@ class _Api:
 
     def begin_step(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
                    position_offsets: Optional[Sequence[int]] = None,
-                   query_positions: Optional[Sequence[int]] = None) -> StepInfo:
+                   query_positions: Optional[Sequence[int]] = None,
+                   block_hashes: Optional[Sequence[Sequence[bytes]]] = None) -> StepInfo:
         """Opens a step over ``batch`` (reserving its pages); then attend_layer 0..N-1 in order.
 
         ``write_only`` imports keys only (kv_latent, k_rope, index_k; no queries, no output).
@@ -275,9 +301,13 @@ class _Api:
         ``position_offsets`` (per entry, page-aligned) opens a context-parallel step over this
         server's slice of each sequence; with ``query_positions`` (per entry) an attend-only one,
         whose queries follow every key held here and write nothing.
+
+        ``block_hashes`` (per entry, a list): the hashes of the blocks each entry's tokens
+        complete, indexed in the prefix cache when the step commits (docs/prefix_cache.md).
         """
         return self._unary("BeginStep",
-                           _batch(batch, write_only, num_shards, position_offsets, query_positions),
+                           _batch(batch, write_only, num_shards, position_offsets, query_positions,
+                                  block_hashes),
                            lambda r: StepInfo(step_id=r.step_id, num_tokens=r.num_tokens))
 
     def attend_layer(self, step_id: int, inputs: Optional[LayerInputs] = None,

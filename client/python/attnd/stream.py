@@ -154,12 +154,14 @@ class StepStream(_StepBookkeeping):
 
     def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
               position_offsets: Optional[Sequence[int]] = None,
-              query_positions: Optional[Sequence[int]] = None) -> StepInfo:
+              query_positions: Optional[Sequence[int]] = None,
+              block_hashes: Optional[Sequence[Sequence[bytes]]] = None) -> StepInfo:
         """Opens a step over ``batch`` (none may be open on this stream); ``num_shards`` > 1 opens a
         sharded step as its shard 0; ``position_offsets`` / ``query_positions`` a context-parallel
         one (see :meth:`AttndClient.begin_step`)."""
         response = self._roundtrip(pb.StepRequest(begin=_batch(
-            batch, write_only, num_shards, position_offsets, query_positions)), "begun")
+            batch, write_only, num_shards, position_offsets, query_positions, block_hashes)),
+            "begun")
         return self._opened(response.begun, batch, 0)
 
     def join(self, step_id: int, shard: int) -> StepInfo:
@@ -288,9 +290,11 @@ class AsyncStepStream(_StepBookkeeping):
 
     async def begin(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
                     position_offsets: Optional[Sequence[int]] = None,
-                    query_positions: Optional[Sequence[int]] = None) -> StepInfo:
+                    query_positions: Optional[Sequence[int]] = None,
+                    block_hashes: Optional[Sequence[Sequence[bytes]]] = None) -> StepInfo:
         response = await self._roundtrip(pb.StepRequest(begin=_batch(
-            batch, write_only, num_shards, position_offsets, query_positions)), "begun")
+            batch, write_only, num_shards, position_offsets, query_positions, block_hashes)),
+            "begun")
         return self._opened(response.begun, batch, 0)
 
     async def join(self, step_id: int, shard: int) -> StepInfo:

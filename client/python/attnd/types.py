@@ -51,6 +51,25 @@ class DeviceInfo:
     pages_free: int
     bytes_per_page: int
     sequences: int
+    # of the pages in use, those only the prefix cache holds (a request needing room takes them)
+    pages_cached: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheInfo:
+    max_cached_bytes: int  # --prefix-cache-bytes; -1: as much as the tiers hold
+    blocks: int  # indexed now, every tenant
+    cached_only_pages: int  # pages only the cache holds
+    kv_events: str  # the KV-event endpoint ("" = off)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLookup:
+    cached_blocks: int  # leading blocks held on one device, any tier
+    cached_tokens: int
+    device: str  # "" when none
+    device_blocks: int  # of them, on the device tier
+    block_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +96,8 @@ class ServerInfo:
     replica_name: str = ""
     # the tiers below the devices, host then disk (pages_total 0: off; empty from older servers)
     tiers: Tuple[TierInfo, ...] = ()
+    # the prefix cache (None from servers without one)
+    prefix_cache: Optional[PrefixCacheInfo] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +136,8 @@ class SequenceInfo:
     tier: str = ""
     moving: bool = False  # between tiers now
     lost: bool = False  # a page could not be read back from disk: every use but close fails
+    # open_sequence with a prompt: the tokens found in the prefix cache (prefill from there)
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +162,8 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         max_attended_positions=msg.limits.max_attended_positions,
         absorption=_plain(AbsorptionInfo, msg.absorption) if msg.HasField("absorption") else None,
         tiers=tuple(_plain(TierInfo, t) for t in msg.tiers),
+        prefix_cache=(_plain(PrefixCacheInfo, msg.prefix_cache) if msg.HasField("prefix_cache")
+                      else None),
     )
 
 

@@ -150,10 +150,11 @@ def _dtype_of(x: Optional[TensorArg]) -> Optional[np.dtype]:
 
 def _batch(batch: Batch, write_only: bool, num_shards: int = 0,
            position_offsets: Optional[Sequence[int]] = None,
-           query_positions: Optional[Sequence[int]] = None) -> pb.BeginStepRequest:
+           query_positions: Optional[Sequence[int]] = None,
+           block_hashes: Optional[Sequence[Sequence[bytes]]] = None) -> pb.BeginStepRequest:
     entries = [pb.BatchEntry(sequence_id=sid, q_len=int(q_len)) for sid, q_len in batch]
     for name, values in (("position_offsets", position_offsets),
-                         ("query_positions", query_positions)):
+                         ("query_positions", query_positions), ("block_hashes", block_hashes)):
         if values is not None and len(values) != len(entries):
             raise ValueError(f"{name}: {len(values)} values for {len(entries)} batch entries")
     if query_positions is not None and position_offsets is None:
@@ -163,6 +164,8 @@ def _batch(batch: Batch, write_only: bool, num_shards: int = 0,
             e.position_offset = int(position_offsets[i])
         if query_positions is not None:
             e.query_position = int(query_positions[i])
+        if block_hashes is not None:
+            e.block_hashes.extend(bytes(h) for h in block_hashes[i])
     return pb.BeginStepRequest(batch=entries, write_only=write_only, num_shards=int(num_shards),
                                context_parallel=position_offsets is not None,
                                attend_only=query_positions is not None)

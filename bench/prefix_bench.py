@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Prefix-aware routing against round robin, the rendezvous hash and an oracle, in one run
+(docs/prefix_cache.md): four attnd replicas on loopback, a multi-turn chat workload with shared
+system prompts and more conversations than one replica's cache holds. Every turn is a new sequence
+(a new request id) whose prompt is its conversation so far: the system prompt, every earlier user
+message and answer, and the new user message. The worker opens it with the prompt's token ids,
+prefills only what the chosen replica did not have cached (write-only steps: the routing is
+measured, not the attention), generates the answer (a write-only step whose entry carries the
+hashes of the blocks it completes) and closes it; its blocks stay in that replica's prefix cache.
+
+Policies (each on four fresh replicas, the same workload): round robin; the rendezvous hash of the
+sequence id (attnd.Router's rule); the prefix-aware router (attnd.PrefixRouter following the
+replicas' KV events); and an oracle that asks every replica what it holds (LookupPrefix) before
+each choice. Reported: prompt tokens, tokens served from cache (prefill avoided), hit rate.
+
+    python3 bench/prefix_bench.py --out bench/results/prefix.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python" / "tests"))
+from attnd import AttndClient, LayerInputs, PrefixRouter, hash_blocks, route  # noqa: E402
+
+from attnd_process import free_port, start, stop  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+REPLICAS = 4
+
+
+class Keys:
+    """Random keys per layer, sliced to each write (the bench routes; it does not attend)."""
+
+    def __init__(self, spec, rows, rng):
+        self.layers = []
+        for kind in spec.layers:
+            x = {"kv_latent": rng.standard_normal((rows, spec.kv_lora_rank)).astype(BF16),
+                 "k_rope": rng.standard_normal((rows, spec.qk_rope_head_dim)).astype(BF16)}
+            if kind == "full":
+                x["index_k"] = rng.standard_normal((rows, spec.index_head_dim)).astype(BF16)
+            self.layers.append(x)
+
+    def write(self, client, sid, n, block_hashes=None):
+        step = client.begin_step([(sid, n)], write_only=True,
+                                 block_hashes=None if block_hashes is None else [block_hashes])
+        for i, layer in enumerate(self.layers):
+            client.attend_layer(step.step_id, LayerInputs(i, **{k: v[:n] for k, v in
+                                                               layer.items()}))
+
+
+def workload(a, rng):
+    """[(conversation, turn, system prompt index, user tokens, answer tokens)] in arrival order:
+    turn by turn, conversations shuffled within each turn."""
+    systems = [list(rng.integers(0, 150000, a.system_tokens)) for _ in range(a.system_prompts)]
+    convs = []
+    for c in range(a.conversations):
+        turns = [(list(rng.integers(0, 150000, a.user_tokens)),
+                  list(rng.integers(0, 150000, a.answer_tokens))) for _ in range(a.turns)]
+        convs.append((c % a.system_prompts, turns))
+    order = []
+    for t in range(a.turns):
+        for c in rng.permutation(a.conversations):
+            order.append((int(c), t))
+    return systems, convs, order
+
+
+def run_policy(policy, a, systems, convs, order):
+    ports = [free_port() for _ in range(REPLICAS)]
+    procs, targets = [], {}
+    for i, port in enumerate(ports):
+        proc, target, _ = start([f"--replica-name=r{i}", f"--kv-events=tcp://127.0.0.1:{port}",
+                                 "--metrics-port=0"], kv_pages=a.kv_pages, threads=1)
+        procs.append(proc)
+        targets[f"r{i}"] = target
+    names = sorted(targets)
+    events = {f"r{i}": f"tcp://127.0.0.1:{p}" for i, p in enumerate(ports)}
+    clients = {n: AttndClient(t, timeout=120) for n, t in targets.items()}
+    spec = clients["r0"].info().model
+    P = spec.page_size
+    keys = Keys(spec, a.system_tokens + a.turns * (a.user_tokens + a.answer_tokens) + P,
+                np.random.default_rng(5))
+    router = None
+    if policy == "prefix-aware":
+        router = PrefixRouter(targets, events, block_size=P, timeout=120)
+    elif policy == "oracle":
+        router = PrefixRouter(targets, None, block_size=P, timeout=120)  # asks every replica
+    time.sleep(0.3)  # the subscriptions land before the first event
+    rr = itertools.cycle(names)
+    prompt_tokens = cached_tokens = 0
+    t0 = time.perf_counter()
+    try:
+        for i, (c, turn) in enumerate(order):
+            sys_idx, turns = convs[c]
+            prompt = list(systems[sys_idx])
+            for user, answer in turns[:turn]:
+                prompt += user + answer
+            prompt += turns[turn][0]
+            sid = f"c{c}-t{turn}-{i}"
+            if policy == "round-robin":
+                name = next(rr)
+            elif policy == "rendezvous":
+                name = route(names, sid)
+            else:
+                name, _ = router.choose(sid, prompt)
+            client = clients[name]
+            opened = client.open_sequence(sid, prompt_token_ids=prompt)
+            prompt_tokens += len(prompt)
+            cached_tokens += opened.cached_tokens
+            keys.write(client, sid, len(prompt) - opened.cached_tokens)
+            full = hash_blocks(prompt + turns[turn][1], P)
+            keys.write(client, sid, a.answer_tokens, full[len(prompt) // P:])
+            client.close_sequence(sid)
+            if router is not None:
+                router.forget(sid)
+    finally:
+        seconds = time.perf_counter() - t0
+        if router is not None:
+            router.close()
+        for cl in clients.values():
+            cl.close()
+        for proc in procs:
+            stop(proc)
+    return {"policy": policy, "requests": len(order), "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens, "hit_rate": cached_tokens / prompt_tokens,
+            "seconds": seconds}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--system-prompts", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--user-tokens", type=int, default=32)
+    ap.add_argument("--answer-tokens", type=int, default=96)
+    ap.add_argument("--kv-pages", type=int, default=1101, help="per replica (page 0 included)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    systems, convs, order = workload(a, np.random.default_rng(a.seed))
+    rows = [run_policy(p, a, systems, convs, order)
+            for p in ("round-robin", "rendezvous", "prefix-aware", "oracle")]
+    by = {r["policy"]: r for r in rows}
+    P = 16  # the tiny model's page
+    last = a.system_tokens + a.turns * (a.user_tokens + a.answer_tokens)
+    lines = [
+        "| policy | requests | prompt tokens | from cache (prefill avoided) | hit rate | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['requests']} | {r['prompt_tokens']} | "
+                     f"{r['cached_tokens']} | {r['hit_rate']:.3f} | {r['seconds']:.1f} |")
+    pa, orc, rdv = by["prefix-aware"], by["oracle"], by["rendezvous"]
+    lines += [
+        "",
+        f"prefix-aware / oracle, tokens avoided: {pa['cached_tokens'] / orc['cached_tokens']:.3f}",
+        f"prefix-aware / rendezvous, tokens avoided: "
+        f"{pa['cached_tokens'] / max(1, rdv['cached_tokens']):.2f}x",
+        "",
+        f"workload: {a.conversations} conversations x {a.turns} turns over {a.system_prompts} "
+        f"system prompts of {a.system_tokens} tokens; {a.user_tokens} user + {a.answer_tokens} "
+        f"answer tokens a turn (a conversation ends {last} tokens long); {REPLICAS} replicas x "
+        f"{a.kv_pages - 1} usable pages of the tiny model's {P} tokens (the conversations end "
+        f"holding {a.conversations * -(-last // P)} pages); seed {a.seed}",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if a.out is not None:
+        a.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

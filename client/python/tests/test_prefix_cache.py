@@ -1,0 +1,257 @@
+"""The prefix cache through a real attnd (docs/prefix_cache.md): a sequence opened with its prompt's
+token ids (or block hashes) on blocks a closed sequence left decodes bit for bit as the same
+sequence prefilled cold on another server; malformed or mismatched prompts are refused with
+nothing changed; a real ZeroMQ subscriber decodes the KV events with vLLM's schema and replays them
+to the replica's exact block set; the metrics count hits; the prefix-aware router sends a prompt
+to the replica holding its prefix, from the events or (a gap, no events) by asking; a restarted
+replica's view starts empty."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from attnd import (
+    AttndClient,
+    BlockIndex,
+    LayerInputs,
+    PrefixRouter,
+    decode_batch,
+    hash_blocks,
+)
+from attnd.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+from attnd_process import free_port
+from attnd_testlib import expect, random_layer
+
+
+def _inputs(spec, T, rng):
+    return [LayerInputs(layer, return_lse=True, **random_layer(spec, kind, T, rng))
+            for layer, kind in enumerate(spec.layers)]
+
+
+def _step(client, batch, inputs, block_hashes=None):
+    step = client.begin_step(batch, block_hashes=block_hashes)
+    return [client.attend_layer_details(step.step_id, x) for x in inputs]
+
+
+def _same_bits(got, want, what):
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert not np.isnan(g.out).any(), f"{what}, layer {layer}: NaN"
+        assert np.array_equal(g.out.view(np.uint32), w.out.view(np.uint32)), f"{what}, {layer}"
+        assert np.array_equal(g.lse.view(np.uint32), w.lse.view(np.uint32)), f"{what}, {layer}"
+
+
+def _tokens(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 150000, n)]
+
+
+def _wait(pred, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
+def test_a_prompt_opened_on_cached_blocks_decodes_bit_for_bit_as_cold(attnd_server, dtype):
+    warm, mport = attnd_server([f"--cache-dtype={dtype}"], kv_pages=64)
+    cold, _ = attnd_server([f"--cache-dtype={dtype}"], kv_pages=64)
+    rng = np.random.default_rng(7)
+    with AttndClient(warm) as w, AttndClient(cold) as c:
+        spec = w.info().model
+        P = spec.page_size
+        shared = _tokens(2 * P, 1)
+        a_prompt, b_prompt = shared + _tokens(5, 2), shared + _tokens(P + 3, 3)
+        assert w.open_sequence("A", prompt_token_ids=a_prompt).cached_tokens == 0
+        prefix = _inputs(spec, 2 * P, rng)
+        _step(w, [("A", 2 * P)], prefix)
+        _step(w, [("A", 5)], _inputs(spec, 5, rng))
+        w.close_sequence("A")
+        assert w.info().prefix_cache.cached_only_pages == 2
+        # B's first two blocks are A's: it opens 32 tokens long and prefills the rest.
+        b = w.open_sequence("B", prompt_token_ids=b_prompt)
+        assert (b.cached_tokens, b.length) == (2 * P, 2 * P)
+        c.open_sequence("B")
+        _step(c, [("B", 2 * P)], prefix)
+        for q in (len(b_prompt) - 2 * P, 1, 1):
+            x = _inputs(spec, q, rng)
+            _same_bits(_step(w, [("B", q)], x), _step(c, [("B", q)], x), f"q_len {q}")
+        # By hashes alone (a worker that keeps its tokens): the same blocks.
+        hashes = hash_blocks(b_prompt, P)
+        assert w.lookup_prefix(block_hashes=hashes).cached_blocks == 3  # B's third block too
+        assert w.open_sequence("C", prompt_block_hashes=hashes[:2]).cached_tokens == 2 * P
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert f"attnd_prefix_cache_tokens_total {4 * P}" in text
+        assert 'attnd_prefix_cache_lookup_blocks_total{result="hit"} 4' in text
+
+
+def test_malformed_or_mismatched_prompts_are_refused_with_nothing_changed(attnd_server):
+    target, _ = attnd_server([], kv_pages=32)
+    with AttndClient(target) as c:
+        P = c.info().model.page_size
+        prompt = _tokens(2 * P + 1, 4)
+        hashes = hash_blocks(prompt, P)
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        e = expect(bad, c.open_sequence, "x", prompt_block_hashes=[hashes[0][:31]])
+        assert "31 bytes; a block hash is 32" in str(e)
+        expect(bad, c.open_sequence, "x", prompt_block_hashes=hashes, prefix_salt=b"s")
+        e = expect(bad, c.open_sequence, "x", prompt_token_ids=prompt,
+                   prompt_block_hashes=hashes[::-1])
+        assert "not those of the 2 full blocks" in str(e)
+        expect(bad, c.open_sequence, "x", prompt_token_ids=prompt, prefix_salt=b"s" * 257)
+        c.open_sequence("parent")
+        expect(bad, c.open_sequence, "x", "parent", 0, prompt_token_ids=prompt)
+        expect(bad, c.open_sequence, "x", import_length=16, prompt_token_ids=prompt)
+        expect(bad, c.lookup_prefix, block_hashes=[b"\0" * 33])
+        # A step's hashes: one per block it completes, matching what the prompt says.
+        c.open_sequence("y", prompt_token_ids=prompt)
+        spec = c.info().model
+        x = _inputs(spec, 2 * P, np.random.default_rng(5))
+        e = expect(bad, _step, c, [("y", 2 * P)], x, [[hashes[0]]])
+        assert "1 block hashes for the 2 blocks" in str(e)
+        e = expect(bad, _step, c, [("y", 2 * P)], x, [[hashes[1], hashes[0]]])
+        assert "differs from its prompt's" in str(e)
+        assert sorted(s.sequence_id for s in c.list_sequences()) == ["parent", "y"]
+        assert c.describe_sequence("y").length == 0
+        assert c.info().prefix_cache.blocks == 0
+
+
+def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_server):
+    port = free_port()
+    target, mport = attnd_server([f"--kv-events=tcp://127.0.0.1:{port}", "--replica-name=r0"],
+                                 kv_pages=9)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    index = BlockIndex()
+    raw = []
+    try:
+        with AttndClient(target) as c:
+            info = c.info()
+            assert info.prefix_cache.kv_events == f"tcp://127.0.0.1:{port}"
+            spec, P = info.model, info.model.page_size
+            time.sleep(0.3)  # a PUB socket drops what it sends before the subscription lands
+            rng = np.random.default_rng(9)
+            prompts = [_tokens(3 * P + 1, 10 + i) for i in range(4)]
+            for i, prompt in enumerate(prompts):  # 3 blocks each on 8 pages: older ones go
+                sid = f"s{i}"
+                c.open_sequence(sid, prompt_token_ids=prompt)
+                _step(c, [(sid, 3 * P)], _inputs(spec, 3 * P, rng))
+                c.close_sequence(sid)
+            blocks = c.info().prefix_cache.blocks
+            stored = removed = 0
+            # Every prompt's 3 blocks were stored once; the removals came before the last stores.
+            while stored < 3 * len(prompts) or stored - removed != blocks:
+                topic, seq, payload = sub.recv_multipart()
+                raw.append(msgpack.unpackb(payload, raw=False))
+                batch = decode_batch(payload)
+                assert topic == b"kv@r0@"
+                index.apply("r0", "", int.from_bytes(seq, "big"), batch)
+                for ev in batch.events:
+                    if isinstance(ev, BlockStored):
+                        stored += len(ev.block_hashes)
+                        assert ev.block_size == P and ev.medium == "CPU" and ev.lora_id is None
+                        assert all(len(h) == 32 for h in ev.block_hashes)
+                        owner = next(p for p in prompts
+                                     if ev.block_hashes[0] in hash_blocks(p, P))
+                        first = hash_blocks(owner, P).index(ev.block_hashes[0])
+                        assert list(ev.token_ids) == owner[first * P:
+                                                           (first + len(ev.block_hashes)) * P]
+                    elif isinstance(ev, BlockRemoved):
+                        removed += len(ev.block_hashes)
+                assert batch.data_parallel_rank == 0
+            assert removed > 0 and index.gaps == 0 and not index.stale
+            # The replay is the replica's exact block set.
+            want = set()
+            for prompt in prompts:
+                hashes = hash_blocks(prompt, P)
+                n = c.lookup_prefix(token_ids=prompt).cached_blocks
+                assert index.cached_blocks("r0", "", hashes) == n
+                want.update(hashes[:n])
+            assert set(index.blocks("r0")) == want and len(want) == blocks > 0
+            with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            assert f'attnd_kv_events_total{{result="published"}} {stored + removed}' in text
+    finally:
+        sub.close()
+        ctx.term()
+    # The wire form itself: vLLM's tagged arrays.
+    first = next(e for batch in raw for e in batch[1] if e[0] == "BlockStored")
+    assert len(first) == 7 and first[2] is None  # a prompt's first block: no parent
+    assert isinstance(first[1][0], bytes) and isinstance(raw[0][0], float) and raw[0][2] == 0
+
+
+def test_the_block_index_sees_gaps_restarts_and_cleared_caches():
+    h = [bytes([i]) * 32 for i in range(4)]
+
+    def stored(*hashes):
+        return KVEventBatch(0.0, (BlockStored(tuple(hashes), None, (), 16, None, "GPU"),), 0)
+
+    ix = BlockIndex()
+    ix.apply("a", "", 0, stored(h[0], h[1]))
+    ix.apply("a", "", 1, stored(h[2]))
+    assert ix.cached_blocks("a", "", h) == 3 and ix.cached_blocks("a", "t", h) == 0
+    ix.apply("a", "", 2, KVEventBatch(0.0, (BlockRemoved((h[1],), "GPU"),), 0))
+    assert ix.cached_blocks("a", "", h) == 1
+    ix.apply("a", "", 4, stored(h[1]))  # 3 never came: a gap
+    assert ix.stale == {"a"} and ix.gaps == 1
+    ix.apply("a", "", 0, stored(h[3]))  # counting from 0 again: a restarted replica
+    assert ix.stale == set() and ix.restarts == 1
+    assert ix.cached_blocks("a", "", h) == 0 and set(ix.blocks("a")) == {h[3]}
+    ix.apply("a", "", 1, KVEventBatch(0.0, (AllBlocksCleared(),), None))
+    assert ix.blocks("a") == {}
+    # Blocks on two devices: a run counts on one device.
+    ix.apply("b", "", 0, stored(h[0], h[1]))
+    ix.apply("b", "", 1, KVEventBatch(0.0, (BlockStored((h[2],), None, (), 16, None, "GPU"),), 1))
+    assert ix.cached_blocks("b", "", h) == 2
+    with pytest.raises(ValueError):
+        decode_batch(b"\xc1")
+
+
+def test_the_prefix_router_sends_a_prompt_to_the_replica_holding_its_prefix(attnd_server):
+    ports = [free_port(), free_port()]
+    targets = [attnd_server([f"--kv-events=tcp://127.0.0.1:{p}", f"--replica-name=r{i}"],
+                            kv_pages=64)[0] for i, p in enumerate(ports)]
+    replicas = {"r0": targets[0], "r1": targets[1]}
+    events = {f"r{i}": f"tcp://127.0.0.1:{p}" for i, p in enumerate(ports)}
+    router = PrefixRouter(replicas, events, block_size=16, load=lambda name: (0, 0))
+    try:
+        time.sleep(0.3)
+        spec = router.client("r0").info().model
+        P = spec.page_size
+        rng = np.random.default_rng(3)
+        prompts = [_tokens(2 * P + 4, 20 + i) for i in range(6)]
+        homes = {}
+        for i, prompt in enumerate(prompts):  # nothing cached: the rendezvous hash decides
+            name, expected = router.choose(f"first{i}", prompt)
+            assert expected == 0
+            client = router.client_for(f"first{i}")
+            assert client.open_sequence(f"first{i}", prompt_token_ids=prompt).cached_tokens == 0
+            _step(client, [(f"first{i}", 2 * P)], _inputs(spec, 2 * P, rng))
+            client.close_sequence(f"first{i}")
+            homes[i] = name
+        assert set(homes.values()) == {"r0", "r1"}, "the rendezvous hash spreads new prompts"
+        _wait(lambda: all(router.index.cached_blocks(homes[i], "", hash_blocks(p, P)) == 2
+                          for i, p in enumerate(prompts)), "the events arrive")
+        for i, prompt in enumerate(prompts):  # the next turn: its home, whatever its id hashes to
+            name, expected = router.choose(f"next{i}", prompt + _tokens(P, 40 + i))
+            assert (name, expected) == (homes[i], 2)
+            opened = router.client_for(f"next{i}").open_sequence(
+                f"next{i}", prompt_token_ids=prompt + _tokens(P, 40 + i))
+            assert opened.cached_tokens == 2 * P
+        # A gap in r0's events: it is asked directly (LookupPrefix), and still found.
+        router.index.stale.add("r0")
+        r0_prompt = next(p for i, p in enumerate(prompts) if homes[i] == "r0")
+        assert router.choose("asked", r0_prompt) == ("r0", 2)
+    finally:
+        router.close()
