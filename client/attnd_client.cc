@@ -235,6 +235,25 @@ absl::Status Client::CloseSequence(const std::string& id) {
   return FromGrpcNotCancelled(stub_->CloseSequence(&ctx, req, &resp));
 }
 
+absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const v1::OpenSequenceRequest& request) {
+  grpc::ClientContext ctx;
+  PrepareUnary(&ctx);
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpcNotCancelled(stub_->OpenSequence(&ctx, request, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> Client::LookupPrefix(
+    const v1::LookupPrefixRequest& request) {
+  grpc::ClientContext ctx;
+  PrepareUnary(&ctx);
+  v1::LookupPrefixResponse resp;
+  absl::Status s = FromGrpcNotCancelled(stub_->LookupPrefix(&ctx, request, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
 absl::Status Client::PrefetchSequences(const std::vector<std::string>& ids) {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);

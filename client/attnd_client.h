@@ -112,6 +112,11 @@ class Client {
   absl::StatusOr<v1::SequenceInfo> OpenSequence(const std::string& id,
                                                 const std::string& parent = "",
                                                 int64_t prefix_len = 0, int64_t import_length = 0);
+  // Any open, as the request says (a prompt for the prefix cache: prompt_token_ids or
+  // prompt_block_hashes; SequenceInfo.cached_tokens in the reply).
+  absl::StatusOr<v1::SequenceInfo> OpenSequence(const v1::OpenSequenceRequest& request);
+  // How many leading blocks of a prompt this server's prefix cache holds for this tenant.
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::LookupPrefixRequest& request);
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
   // This tenant's sequences, or (the admin only) every tenant's.

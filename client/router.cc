@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 
@@ -151,9 +152,68 @@ std::vector<std::string> Router::endpoints() const {
   return out;
 }
 
+std::string ChoosePrefixReplica(const std::vector<PrefixCandidate>& candidates,
+                                const std::string& sequence_id) {
+  const PrefixCandidate* best = nullptr;
+  for (const PrefixCandidate& c : candidates) {
+    if (best == nullptr) {
+      best = &c;
+      continue;
+    }
+    const uint64_t wc = RendezvousWeight(c.name, sequence_id);
+    const uint64_t wb = RendezvousWeight(best->name, sequence_id);
+    if (std::tie(c.cached_blocks, c.room, wc) > std::tie(best->cached_blocks, best->room, wb) ||
+        (c.cached_blocks == best->cached_blocks && c.room == best->room && wc == wb &&
+         c.name < best->name))
+      best = &c;
+  }
+  return best == nullptr ? std::string() : best->name;
+}
+
 std::string Router::Pick(const std::string& sequence_id) const {
   std::lock_guard<std::mutex> lock(mu_);
+  auto chosen = chosen_.find(sequence_id);
+  if (chosen != chosen_.end() && address_of_.contains(chosen->second)) return chosen->second;
   return Route(names_, sequence_id);
+}
+
+absl::StatusOr<std::string> Router::ChooseByPrefix(const std::string& sequence_id,
+                                                   const v1::LookupPrefixRequest& request,
+                                                   int64_t* cached_blocks) {
+  std::vector<std::pair<std::string, Client*>> replicas;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& n : names_) replicas.emplace_back(n, ClientLocked(n));
+  }
+  if (replicas.empty()) return absl::UnavailableError("no replicas to route to");
+  std::vector<PrefixCandidate> candidates;
+  for (const auto& [name, client] : replicas) {
+    PrefixCandidate c{name, 0, -1};
+    if (client != nullptr) {
+      if (auto found = client->LookupPrefix(request); found.ok()) {
+        c.cached_blocks = found->cached_blocks();
+      } else if (found.status().code() == absl::StatusCode::kInvalidArgument) {
+        return found.status();  // the request itself is wrong: every replica would say so
+      }
+      if (auto info = client->Info(); info.ok()) {
+        c.room = 0;
+        for (const v1::DeviceInfo& d : info->devices()) c.room += d.pages_free() + d.pages_cached();
+      }
+    }
+    candidates.push_back(c);
+  }
+  const std::string best = ChoosePrefixReplica(candidates, sequence_id);
+  if (cached_blocks != nullptr)
+    for (const PrefixCandidate& c : candidates)
+      if (c.name == best) *cached_blocks = c.cached_blocks;
+  std::lock_guard<std::mutex> lock(mu_);
+  chosen_[sequence_id] = best;
+  return best;
+}
+
+void Router::Forget(const std::string& sequence_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  chosen_.erase(sequence_id);
 }
 
 Client* Router::ClientLocked(const std::string& name) {
@@ -169,7 +229,10 @@ Client* Router::ClientLocked(const std::string& name) {
 
 Client* Router::ClientFor(const std::string& sequence_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  const std::string owner = Route(names_, sequence_id);
+  auto chosen = chosen_.find(sequence_id);
+  const std::string owner = chosen != chosen_.end() && address_of_.contains(chosen->second)
+                                ? chosen->second
+                                : Route(names_, sequence_id);
   return owner.empty() ? nullptr : ClientLocked(owner);
 }
 

@@ -35,6 +35,18 @@ std::vector<std::string> Ranked(std::vector<std::string> names, const std::strin
 // per ready pod). UNAVAILABLE when it resolves to nothing.
 absl::StatusOr<std::vector<std::string>> ResolveEndpoints(const std::string& host, int port);
 
+// Prefix-aware routing (docs/prefix_cache.md#routing): what a replica holds of a new sequence's
+// prompt and how much room it has.
+struct PrefixCandidate {
+  std::string name;
+  int64_t cached_blocks = 0;  // leading blocks of the prompt in its prefix cache
+  int64_t room = 0;           // free + cache-only pages (-1: unreachable)
+};
+// The replica for a new sequence: the longest cached run, equal runs to the most room, then the
+// rendezvous owner of `sequence_id` among those. Empty without candidates.
+std::string ChoosePrefixReplica(const std::vector<PrefixCandidate>& candidates,
+                                const std::string& sequence_id);
+
 // A replica: the name sequences hash over, and where it is now.
 struct Replica {
   std::string name;
@@ -63,8 +75,19 @@ class Router {
   std::vector<Replica> replicas() const;                  // by name
   std::vector<std::string> endpoints() const;             // their addresses, by name
 
-  // The name of the replica that owns `sequence_id` (empty without replicas).
+  // The name of the replica that owns `sequence_id` (empty without replicas): the one
+  // ChooseByPrefix chose for it, else its rendezvous owner.
   std::string Pick(const std::string& sequence_id) const;
+  // Prefix-aware placement of a new sequence (docs/prefix_cache.md#routing): asks every replica
+  // how many leading blocks of `request` (a LookupPrefixRequest: the prompt's token ids or block
+  // hashes) it holds, and how much room it has (ServerInfo), and chooses by
+  // ChoosePrefixReplica; the sequence is then that replica's for Pick and ClientFor until Forget.
+  // *cached_blocks: what the chosen replica said it holds. This router polls; the Python
+  // client's PrefixRouter can follow the replicas' KV events instead.
+  absl::StatusOr<std::string> ChooseByPrefix(const std::string& sequence_id,
+                                             const v1::LookupPrefixRequest& request,
+                                             int64_t* cached_blocks = nullptr);
+  void Forget(const std::string& sequence_id);
   // The client of the replica that owns `sequence_id`; nullptr without replicas.
   Client* ClientFor(const std::string& sequence_id);
 
@@ -85,6 +108,7 @@ class Router {
   mutable std::mutex mu_;
   std::map<std::string, std::string> address_of_;  // name -> address
   std::vector<std::string> names_;                 // address_of_'s keys, for Route
+  std::map<std::string, std::string> chosen_;      // ChooseByPrefix: sequence -> replica name
   std::map<std::string, Client*> clients_;         // name -> its client (owned by all_clients_)
   std::vector<std::unique_ptr<Client>> all_clients_;
   std::mutex move_mu_;  // one pull at a time (two threads missing on one sequence)

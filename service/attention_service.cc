@@ -125,7 +125,8 @@ absl::Status AttentionService::DoLookupPrefix(const Caller& caller,
                                               v1::LookupPrefixResponse* resp) const {
   const ModelSpec& spec = engine_->spec();
   ASSIGN_OR_RETURN(PrefixQuery q,
-                   ParsePrompt(req.token_ids(), req.block_hashes(), req.prefix_salt(), spec));
+                   ParsePrompt(req.token_ids(), req.block_hashes(), req.prefix_salt(), spec,
+                               "token_ids", "block_hashes"));
   const PrefixLookup found = engine_->LookupPrefix(caller.tenant, q.hashes);
   resp->set_cached_blocks(found.blocks);
   resp->set_cached_tokens(found.blocks * spec.page_size);

@@ -26,28 +26,27 @@ absl::StatusOr<std::vector<BlockHash>> ParseBlockHashes(
 absl::StatusOr<PrefixQuery> ParsePrompt(
     const google::protobuf::RepeatedField<uint32_t>& token_ids,
     const google::protobuf::RepeatedPtrField<std::string>& block_hashes, const std::string& salt,
-    const ModelSpec& spec) {
+    const ModelSpec& spec, const std::string& tokens_field, const std::string& hashes_field) {
   const int64_t P = spec.page_size;
   if (token_ids.size() > spec.max_context)
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_token_ids: ", token_ids.size(), " tokens, at most max_context ", spec.max_context));
+        tokens_field, ": ", token_ids.size(), " tokens, at most max_context ", spec.max_context));
   if (salt.size() > kMaxPrefixSaltBytes)
     return absl::InvalidArgumentError(
         absl::StrCat("prefix_salt: ", salt.size(), " bytes, at most ", kMaxPrefixSaltBytes));
   if (!salt.empty() && token_ids.empty())
-    return absl::InvalidArgumentError(
-        "prefix_salt: only with prompt_token_ids (block hashes already hold their salt)");
+    return absl::InvalidArgumentError(absl::StrCat("prefix_salt: only with ", tokens_field,
+                                                   " (block hashes already hold their salt)"));
   PrefixQuery q;
-  ASSIGN_OR_RETURN(q.hashes,
-                   ParseBlockHashes(block_hashes, spec.max_context / P, "prompt_block_hashes"));
+  ASSIGN_OR_RETURN(q.hashes, ParseBlockHashes(block_hashes, spec.max_context / P, hashes_field));
   if (token_ids.empty()) return q;
   const int64_t full = token_ids.size() / P * P;
   q.tokens.assign(token_ids.begin(), token_ids.begin() + full);
   std::vector<BlockHash> computed = HashBlocks(q.tokens, static_cast<int32_t>(P), salt);
   if (!q.hashes.empty() && q.hashes != computed)
     return absl::InvalidArgumentError(
-        absl::StrCat("prompt_block_hashes: ", q.hashes.size(), " hashes that are not those of the ",
-                     computed.size(), " full blocks of prompt_token_ids (page size ", P, ")"));
+        absl::StrCat(hashes_field, ": ", q.hashes.size(), " hashes that are not those of the ",
+                     computed.size(), " full blocks of ", tokens_field, " (page size ", P, ")"));
   q.hashes = std::move(computed);
   q.max_blocks = (token_ids.size() - 1) / P;
   return q;

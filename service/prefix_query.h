@@ -20,10 +20,12 @@ inline constexpr size_t kMaxPrefixSaltBytes = 256;
 // before the last token when token ids are given (the worker prefills that one for its logits).
 // INVALID_ARGUMENT naming the field for more tokens or hashes than max_context holds, a hash
 // that is not 32 bytes, a salt over 256 bytes or without token ids, and hashes that disagree.
+// `tokens_field` and `hashes_field` name the request's fields in errors.
 absl::StatusOr<PrefixQuery> ParsePrompt(
     const google::protobuf::RepeatedField<uint32_t>& token_ids,
     const google::protobuf::RepeatedPtrField<std::string>& block_hashes, const std::string& salt,
-    const ModelSpec& spec);
+    const ModelSpec& spec, const std::string& tokens_field = "prompt_token_ids",
+    const std::string& hashes_field = "prompt_block_hashes");
 
 // Block hashes as given (each 32 bytes), at most `max` of them; `field` names them in errors.
 absl::StatusOr<std::vector<BlockHash>> ParseBlockHashes(

@@ -169,10 +169,14 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                       ->AddGauge("attnd_executor_queue_depth",
                                  "Layer and step tasks waiting for an executor thread.")
                       .Add({});
-  pages_ = &registry->AddGauge("attnd_cache_pages",
-                               "KV cache pages per device by state (used, free); page 0 excluded.");
-  utilization_ = &registry->AddGauge("attnd_cache_utilization",
-                                     "Fraction of each device's cache pages in use (0 to 1).");
+  pages_ = &registry->AddGauge(
+      "attnd_cache_pages",
+      "KV cache pages per device by state (used by sequences and steps; cached: held only by the "
+      "prefix cache, given back on demand; free); page 0 excluded.");
+  utilization_ = &registry->AddGauge(
+      "attnd_cache_utilization",
+      "Fraction of each device's cache pages used by sequences and steps (0 to 1; the prefix "
+      "cache's own pages are not counted).");
   tier_pages_ = &registry->AddGauge(
       "attnd_tier_pages",
       "Pages of the tiers below the devices (host, disk) by state (used, free); every device's "
@@ -351,12 +355,14 @@ void ServiceMetrics::Refresh() {
   const auto caps = engine_->Capacity();
   for (size_t d = 0; d < caps.size(); ++d) {
     const DeviceCapacity& cap = caps[d];
-    pages_->Add({{"device", cap.name}, {"state", "used"}}).Set(cap.pages_total - cap.pages_free);
+    // Pages only the prefix cache holds are given back to any request that needs them: they
+    // count as "cached", not "used", so a full prefix cache does not read as a full cache.
+    const int32_t used = cap.pages_total - cap.pages_free - cap.pages_cached;
+    pages_->Add({{"device", cap.name}, {"state", "used"}}).Set(used);
+    pages_->Add({{"device", cap.name}, {"state", "cached"}}).Set(cap.pages_cached);
     pages_->Add({{"device", cap.name}, {"state", "free"}}).Set(cap.pages_free);
     utilization_->Add({{"device", cap.name}})
-        .Set(cap.pages_total > 0
-                 ? static_cast<double>(cap.pages_total - cap.pages_free) / cap.pages_total
-                 : 0.0);
+        .Set(cap.pages_total > 0 ? static_cast<double>(used) / cap.pages_total : 0.0);
     if (d < c.device_compute_seconds.size())
       CatchUp(&compute_seconds_->Add({{"device", cap.name}}), c.device_compute_seconds[d]);
   }

@@ -227,5 +227,74 @@ TEST(Routing, LocateWithoutAnOwnerToMoveTo) {
   EXPECT_EQ(other->DescribeSequence(id2).status().code(), absl::StatusCode::kNotFound);
 }
 
+// The rule: the longest cached run, then the most room, then the rendezvous owner.
+TEST(Routing, ChoosePrefixReplicaPrefersTheLongestRunThenRoomThenTheHash) {
+  using client::ChoosePrefixReplica;
+  EXPECT_EQ(ChoosePrefixReplica({}, "s"), "");
+  EXPECT_EQ(ChoosePrefixReplica({{"a", 2, 0}, {"b", 3, -1}, {"c", 1, 900}}, "s"), "b");
+  EXPECT_EQ(ChoosePrefixReplica({{"a", 2, 10}, {"b", 2, 30}, {"c", 2, 20}}, "s"), "b");
+  // Equal everything: the rendezvous owner, for every id.
+  for (int i = 0; i < 32; ++i) {
+    const std::string id = absl::StrCat("s", i);
+    EXPECT_EQ(ChoosePrefixReplica({{"a", 0, 5}, {"b", 0, 5}, {"c", 0, 5}}, id),
+              client::Route({"a", "b", "c"}, id));
+  }
+}
+
+// Through two real replicas: a prompt whose blocks one of them holds goes there, whatever its id
+// hashes to, and stays there for Pick and ClientFor; nothing cached: the rendezvous owner.
+TEST(Routing, ChooseByPrefixSendsAPromptToTheReplicaHoldingItsBlocks) {
+  auto a = StartReplica("p-a");
+  auto b = StartReplica("p-b");
+  Router router({{"p-a", a->target()}, {"p-b", b->target()}}, {});
+  auto holder = Client::Connect(b->target());
+  auto info = holder->Info();
+  ASSERT_TRUE(info.ok());
+  const ModelSpec spec = ModelSpecFromProto(info->model()).value();
+  const int64_t P = spec.page_size;
+  std::mt19937_64 rng(3);
+  v1::OpenSequenceRequest open;
+  open.set_sequence_id("first");
+  for (int64_t t = 0; t < 3 * P + 2; ++t) open.add_prompt_token_ids(static_cast<uint32_t>(rng()));
+  auto opened = holder->OpenSequence(open);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ(opened->cached_tokens(), 0);
+  ASSERT_TRUE(Step(*holder, spec, "first", 3 * P, rng).ok());
+  ASSERT_TRUE(holder->CloseSequence("first").ok());
+  v1::LookupPrefixRequest lookup;
+  *lookup.mutable_token_ids() = open.prompt_token_ids();
+  int placed_by_hash_on_a = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string id = absl::StrCat("next", i);
+    placed_by_hash_on_a += client::Route({"p-a", "p-b"}, id) == "p-a";
+    int64_t cached = -1;
+    auto chosen = router.ChooseByPrefix(id, lookup, &cached);
+    ASSERT_TRUE(chosen.ok()) << chosen.status();
+    EXPECT_EQ(*chosen, "p-b");
+    EXPECT_EQ(cached, 3);
+    EXPECT_EQ(router.Pick(id), "p-b");
+    EXPECT_EQ(router.ClientFor(id)->Info()->replica_name(), "p-b");
+    open.set_sequence_id(id);
+    auto again = router.ClientFor(id)->OpenSequence(open);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->cached_tokens(), 3 * P);
+    ASSERT_TRUE(router.ClientFor(id)->CloseSequence(id).ok());
+    router.Forget(id);
+    EXPECT_EQ(router.Pick(id), client::Route({"p-a", "p-b"}, id));
+  }
+  EXPECT_GT(placed_by_hash_on_a, 0) << "the ids should not all hash to p-b";
+  // Nothing cached anywhere: the most room, then the hash (both replicas are alike here).
+  v1::LookupPrefixRequest fresh;
+  for (int t = 0; t < 40; ++t) fresh.add_token_ids(static_cast<uint32_t>(rng()));
+  int64_t cached = -1;
+  auto chosen = router.ChooseByPrefix("fresh", fresh, &cached);
+  ASSERT_TRUE(chosen.ok());
+  EXPECT_EQ(cached, 0);
+  // A malformed request is refused as the replicas refuse it.
+  v1::LookupPrefixRequest bad;
+  bad.add_block_hashes("short");
+  EXPECT_EQ(router.ChooseByPrefix("bad", bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace attnd::testing

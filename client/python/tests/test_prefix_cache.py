@@ -48,6 +48,11 @@ def _same_bits(got, want, what):
         assert np.array_equal(g.lse.view(np.uint32), w.lse.view(np.uint32)), f"{what}, {layer}"
 
 
+def _scrape(mport):
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
 def _tokens(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 150000, n)]
 
@@ -74,7 +79,13 @@ def test_a_prompt_opened_on_cached_blocks_decodes_bit_for_bit_as_cold(attnd_serv
         _step(w, [("A", 2 * P)], prefix)
         _step(w, [("A", 5)], _inputs(spec, 5, rng))
         w.close_sequence("A")
-        assert w.info().prefix_cache.cached_only_pages == 2
+        info = w.info()
+        assert info.prefix_cache.cached_only_pages == 2 and info.devices[0].pages_cached == 2
+        # Pages only the cache holds are "cached", not "used": a full prefix cache is no alert.
+        text = _scrape(mport)
+        assert 'attnd_cache_pages{device="cpu:0",state="cached"} 2' in text
+        assert 'attnd_cache_pages{device="cpu:0",state="used"} 0' in text
+        assert 'attnd_cache_utilization{device="cpu:0"} 0' in text
         # B's first two blocks are A's: it opens 32 tokens long and prefills the rest.
         b = w.open_sequence("B", prompt_token_ids=b_prompt)
         assert (b.cached_tokens, b.length) == (2 * P, 2 * P)
@@ -87,8 +98,7 @@ def test_a_prompt_opened_on_cached_blocks_decodes_bit_for_bit_as_cold(attnd_serv
         hashes = hash_blocks(b_prompt, P)
         assert w.lookup_prefix(block_hashes=hashes).cached_blocks == 3  # B's third block too
         assert w.open_sequence("C", prompt_block_hashes=hashes[:2]).cached_tokens == 2 * P
-        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        text = _scrape(mport)
         assert f"attnd_prefix_cache_tokens_total {4 * P}" in text
         assert 'attnd_prefix_cache_lookup_blocks_total{result="hit"} 4' in text
 
@@ -179,8 +189,7 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
                 assert index.cached_blocks("r0", "", hashes) == n
                 want.update(hashes[:n])
             assert set(index.blocks("r0")) == want and len(want) == blocks > 0
-            with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
-                text = r.read().decode()
+            text = _scrape(mport)
             assert f'attnd_kv_events_total{{result="published"}} {stored + removed}' in text
     finally:
         sub.close()
