@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 #include <tuple>
 
@@ -181,24 +182,55 @@ absl::StatusOr<std::string> Router::ChooseByPrefix(const std::string& sequence_i
                                                    const v1::LookupPrefixRequest& request,
                                                    int64_t* cached_blocks) {
   std::vector<std::pair<std::string, Client*>> replicas;
+  std::shared_ptr<const PrefixView> view;
+  std::string tenant;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const std::string& n : names_) replicas.emplace_back(n, ClientLocked(n));
+    view = view_;
+    tenant = view_tenant_;
   }
   if (replicas.empty()) return absl::UnavailableError("no replicas to route to");
   std::vector<PrefixCandidate> candidates;
+  std::vector<BlockHash> hashes;  // for the view: the request's, or its tokens' (page size known)
+  bool hashed = false;
+  int64_t lookups = 0;
   for (const auto& [name, client] : replicas) {
     PrefixCandidate c{name, 0, -1};
-    if (client != nullptr) {
-      if (auto found = client->LookupPrefix(request); found.ok()) {
-        c.cached_blocks = found->cached_blocks();
-      } else if (found.status().code() == absl::StatusCode::kInvalidArgument) {
-        return found.status();  // the request itself is wrong: every replica would say so
+    if (client == nullptr) {
+      candidates.push_back(c);
+      continue;
+    }
+    auto info = client->Info();
+    if (info.ok()) {
+      c.room = 0;
+      for (const v1::DeviceInfo& d : info->devices()) c.room += d.pages_free() + d.pages_cached();
+      if (!hashed && view != nullptr) {
+        hashed = true;
+        if (request.block_hashes_size() > 0) {
+          for (const std::string& h : request.block_hashes()) {
+            if (h.size() != sizeof(BlockHash))
+              return absl::InvalidArgumentError(
+                  absl::StrCat("block_hashes: ", h.size(), " bytes; a block hash is 32"));
+            BlockHash b;
+            std::memcpy(b.data(), h.data(), b.size());
+            hashes.push_back(b);
+          }
+        } else {
+          std::vector<uint32_t> tokens(request.token_ids().begin(), request.token_ids().end());
+          hashes = HashBlocks(tokens, info->model().page_size(), request.prefix_salt());
+        }
       }
-      if (auto info = client->Info(); info.ok()) {
-        c.room = 0;
-        for (const v1::DeviceInfo& d : info->devices()) c.room += d.pages_free() + d.pages_cached();
-      }
+    }
+    const std::optional<int64_t> known =
+        view != nullptr && hashed ? view->CachedBlocks(name, tenant, hashes) : std::nullopt;
+    if (known.has_value()) {
+      c.cached_blocks = *known;
+    } else if (auto found = client->LookupPrefix(request); found.ok()) {
+      ++lookups;
+      c.cached_blocks = found->cached_blocks();
+    } else if (found.status().code() == absl::StatusCode::kInvalidArgument) {
+      return found.status();  // the request itself is wrong: every replica would say so
     }
     candidates.push_back(c);
   }
@@ -208,7 +240,19 @@ absl::StatusOr<std::string> Router::ChooseByPrefix(const std::string& sequence_i
       if (c.name == best) *cached_blocks = c.cached_blocks;
   std::lock_guard<std::mutex> lock(mu_);
   chosen_[sequence_id] = best;
+  prefix_lookups_ += lookups;
   return best;
+}
+
+void Router::SetPrefixView(std::shared_ptr<const PrefixView> view, std::string tenant) {
+  std::lock_guard<std::mutex> lock(mu_);
+  view_ = std::move(view);
+  view_tenant_ = std::move(tenant);
+}
+
+int64_t Router::prefix_lookups() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return prefix_lookups_;
 }
 
 void Router::Forget(const std::string& sequence_id) {
@@ -246,6 +290,7 @@ absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
   std::vector<std::pair<std::string, Client*>> ranked;  // (name, client or nullptr)
   {
     std::lock_guard<std::mutex> lock(mu_);
+    chosen_.erase(sequence_id);  // placed by prefix and missed there: the rendezvous rules now
     for (std::string& n : Ranked(names_, sequence_id)) {
       Client* c = ClientLocked(n);
       ranked.emplace_back(std::move(n), c);

@@ -11,11 +11,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/attnd_client.h"
+#include "common/block_hash.h"
 
 namespace attnd::client {
 
@@ -46,6 +48,17 @@ struct PrefixCandidate {
 // rendezvous owner of `sequence_id` among those. Empty without candidates.
 std::string ChoosePrefixReplica(const std::vector<PrefixCandidate>& candidates,
                                 const std::string& sequence_id);
+
+// What a router knows of the replicas' prefix caches without asking them: client/kv_events.h's
+// KvBlockIndex follows their KV events.
+class PrefixView {
+ public:
+  virtual ~PrefixView() = default;
+  // The leading blocks of `hashes` replica `name` holds for `tenant`; nullopt when this view
+  // cannot say (no events from it yet, or a gap in them): the router asks the replica.
+  virtual std::optional<int64_t> CachedBlocks(const std::string& name, const std::string& tenant,
+                                              const std::vector<BlockHash>& hashes) const = 0;
+};
 
 // A replica: the name sequences hash over, and where it is now.
 struct Replica {
@@ -81,13 +94,19 @@ class Router {
   // Prefix-aware placement of a new sequence (docs/prefix_cache.md#routing): asks every replica
   // how many leading blocks of `request` (a LookupPrefixRequest: the prompt's token ids or block
   // hashes) it holds, and how much room it has (ServerInfo), and chooses by
-  // ChoosePrefixReplica; the sequence is then that replica's for Pick and ClientFor until Forget.
+  // ChoosePrefixReplica; the sequence is then that replica's for Pick and ClientFor until Forget
+  // (or a Locate after a miss: its rendezvous owner is then its home, as for any other).
   // *cached_blocks: what the chosen replica said it holds. This router polls; the Python
   // client's PrefixRouter can follow the replicas' KV events instead.
   absl::StatusOr<std::string> ChooseByPrefix(const std::string& sequence_id,
                                              const v1::LookupPrefixRequest& request,
                                              int64_t* cached_blocks = nullptr);
   void Forget(const std::string& sequence_id);
+  // Follow `view` (the replicas' KV events, client/kv_events.h) for ChooseByPrefix instead of
+  // asking each replica, for this client's `tenant`; a replica the view cannot speak for is
+  // asked. nullptr: ask every replica.
+  void SetPrefixView(std::shared_ptr<const PrefixView> view, std::string tenant = "");
+  int64_t prefix_lookups() const;  // LookupPrefix calls ChooseByPrefix made
   // The client of the replica that owns `sequence_id`; nullptr without replicas.
   Client* ClientFor(const std::string& sequence_id);
 
@@ -109,7 +128,10 @@ class Router {
   std::map<std::string, std::string> address_of_;  // name -> address
   std::vector<std::string> names_;                 // address_of_'s keys, for Route
   std::map<std::string, std::string> chosen_;      // ChooseByPrefix: sequence -> replica name
-  std::map<std::string, Client*> clients_;         // name -> its client (owned by all_clients_)
+  std::shared_ptr<const PrefixView> view_;
+  std::string view_tenant_;
+  int64_t prefix_lookups_ = 0;
+  std::map<std::string, Client*> clients_;  // name -> its client (owned by all_clients_)
   std::vector<std::unique_ptr<Client>> all_clients_;
   std::mutex move_mu_;  // one pull at a time (two threads missing on one sequence)
   int64_t pulls_ = 0;

@@ -54,7 +54,9 @@ std::unique_ptr<Step> Engine::Impl::AbortLocked(Step* step, absl::Status why, Ab
 }
 
 std::unique_ptr<Step> Engine::Impl::CommitLocked(Step* step) {
-  for (StepSeq& s : step->seqs) table->Unbind(s.seq, s.new_pages, s.new_len, true, s.block_hashes);
+  for (StepSeq& s : step->seqs)
+    table->Unbind(s.seq, s.new_pages, s.new_len, true, s.block_hashes,
+                  /*index=*/!step->options.context_parallel);
   ++counters.steps_committed;
   for (const StepSeq& s : step->seqs) {
     int64_t& n = step->options.write_only ? counters.tokens_import
@@ -207,6 +209,11 @@ PrefixLookup Engine::LookupPrefix(const std::string& tenant,
                                   const std::vector<BlockHash>& hashes) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->table->LookupPrefix(tenant, hashes);
+}
+
+int64_t Engine::ClearPrefixCache() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->ClearPrefixCache();
 }
 
 PrefixStats Engine::PrefixCacheStats() const {

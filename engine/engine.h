@@ -273,6 +273,9 @@ class Engine {
   // touching nothing.
   PrefixLookup LookupPrefix(const std::string& tenant, const std::vector<BlockHash>& hashes) const;
   PrefixStats PrefixCacheStats() const;
+  // Empties the prefix cache of every tenant (each block announced removed; pages only the
+  // cache held come back); sequences keep their pages. Returns the blocks removed.
+  int64_t ClearPrefixCache();
   // A new sequence holding the first `prefix_len` tokens of `parent` (a sequence of the same
   // tenant). On the parent's device
   // (device < 0 or equal) full pages are shared by reference and the partial last page is

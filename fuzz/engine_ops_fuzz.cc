@@ -1,8 +1,9 @@
 // libFuzzer target: random sequences of engine operations (open, fork, close, migrate, begin,
 // layers with random or broken inputs, context-parallel steps with random offsets and tampered
 // selections, abort, expire, and the tiers': offload, prefetch, idle spills, and the spills and
-// restores steps, forks and migrations make) on two CPU devices over a small host tier and a
-// disk tier, checked after every
+// restores steps, forks and migrations make) and the prefix cache's (opens on a prompt's cached
+// blocks, by token ids or hashes; the blocks indexed, kept, sent down the tiers and evicted as the
+// rest goes on) on two CPU devices over a small host tier and a disk tier, checked after every
 // operation against a model of the expected state, the way database stress tools check
 // themselves: every sequence's length and step membership, every page's reference count, free
 // pages per device, page 0 untouched, the tiers' bookkeeping (every page in exactly one tier,
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/block_hash.h"
 #include "engine/engine.h"
 #include "fuzz/fuzz_input.h"
 #include "kernels/reference/step_oracle.h"
@@ -43,6 +45,10 @@ using testing::RunLayerInto;
 constexpr int kPages = 24;  // per device, incl. page 0: small, so exhaustion is common
 constexpr int kIds = 6;
 constexpr int kHostPages = 10, kDiskPages = 20;  // below the devices: full now and then too
+// The prefix cache: a few prompts of 3 full blocks and a token. Every sequence opened on prompt p
+// writes the same keys at its prompt's positions (PromptKeys), as a model's would for the same
+// tokens, so a block cached by one holds what any other would have written there.
+constexpr int kPrompts = 3, kPromptBlocks = 3;
 
 // This process's disk tier directory (libFuzzer's jobs are processes; each has its own).
 const std::string& DiskDir() {
@@ -91,10 +97,39 @@ struct Layer {
   Tensor ql, qr, kv, kr, iq, ik, iw;
 };
 
+std::vector<uint32_t> PromptTokens(int p, int32_t page_size) {
+  std::vector<uint32_t> t;
+  for (int i = 0; i < kPromptBlocks * page_size + 1; ++i) t.push_back(1000u * p + i);
+  return t;
+}
+
+// The keys of prompt p at position pos of layer l (index_k only on full layers).
+struct PromptRow {
+  std::vector<float> kv, kr, ik;
+};
+PromptRow PromptKeys(const ModelSpec& s, int p, int l, int64_t pos) {
+  std::mt19937_64 rng((uint64_t(p) << 40) ^ (uint64_t(l) << 20) ^ uint64_t(pos) ^ 0x5eedULL);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  PromptRow r;
+  for (int i = 0; i < s.kv_lora_rank; ++i) r.kv.push_back(d(rng));
+  for (int i = 0; i < s.qk_rope_head_dim; ++i) r.kr.push_back(d(rng));
+  if (s.layers[l] == LayerKind::kFull)
+    for (int i = 0; i < s.index_head_dim; ++i) r.ik.push_back(d(rng));
+  return r;
+}
+
+void SetRow(Tensor& t, int64_t row, const std::vector<float>& v) {
+  if (v.empty()) return;
+  std::memcpy(t.bytes.data() + row * v.size() * 4, v.data(), v.size() * 4);
+  for (size_t i = 0; i < v.size(); ++i) t.values[row * v.size() + i] = v[i];
+}
+
 struct Model {
   struct Seq {
     int64_t length = 0;
     int device = 0;
+    int prompt = -1;    // opened on PromptTokens(prompt)
+    int64_t known = 0;  // its blocks whose hashes the engine knows (PromptKeys there)
   };
   std::map<std::string, Seq> seqs;
 };
@@ -121,7 +156,7 @@ class Run {
 
   void Op(FuzzInput& in) {
     const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
-    switch (in.Int(0, 11)) {
+    switch (in.Int(0, 12)) {
       case 0: {                            // open
         const int device = in.Int(-1, 2);  // 2 is out of range
         const absl::Status s = engine_->OpenSequence(id, device);
@@ -146,6 +181,8 @@ class Run {
           FUZZ_CHECK(s.ok() || s.code() == absl::StatusCode::kResourceExhausted, s.ToString());
         if (s.ok()) {
           model_.seqs[id] = {prefix, engine_->DescribeSequence(id)->device};
+          model_.seqs[id].prompt = p->second.prompt;  // the hashes of the blocks it shares
+          model_.seqs[id].known = std::min<int64_t>(p->second.known, prefix / spec_.page_size);
           oracle_.Fork(id, parent, prefix);
           FUZZ_CHECK(engine_->DescribeSequence(id)->tier == Tier::kDevice, id, " forked below");
         }
@@ -210,13 +247,18 @@ class Run {
       case 11:  // every sequence idle: each one a tier has room for goes down
         engine_->SpillIdleSequences(std::chrono::milliseconds(0));
         break;
+      case 12:
+        OpenCachedOp(in, id);
+        break;
     }
     Audit();
   }
 
-  // Closes everything: every page must come back.
+  // Closes everything and empties the prefix cache: every page must come back.
   void Finish() {
     for (const auto& [id, s] : model_.seqs) FUZZ_CHECK(engine_->CloseSequence(id).ok(), id);
+    FUZZ_CHECK(engine_->ClearPrefixCache() >= 0 && engine_->PrefixCacheStats().blocks == 0,
+               "the prefix cache kept blocks");
     for (const DeviceCapacity& d : engine_->Capacity())
       FUZZ_CHECK(d.pages_free == d.pages_total, d.name, " leaked ", d.pages_total - d.pages_free);
     for (const TierCapacity& t : engine_->Tiers())
@@ -279,6 +321,19 @@ class Run {
         x.iq = Random(T * Hi * Di, rng);
         x.ik = Random(T * Di, rng);
         x.iw = Random(T * Hi, rng);
+      }
+      // A prompt's positions get the prompt's keys (the blocks it may index).
+      int64_t row = 0;
+      for (const auto& e : batch) {
+        const Model::Seq& m = model_.seqs[e.sequence_id];
+        for (int64_t j = 0; j < e.q_len; ++j)
+          if (m.prompt >= 0 && m.length + j < m.known * spec_.page_size) {
+            const PromptRow k = PromptKeys(spec_, m.prompt, l, m.length + j);
+            SetRow(x.kv, row + j, k.kv);
+            SetRow(x.kr, row + j, k.kr);
+            SetRow(x.ik, row + j, k.ik);
+          }
+        row += e.q_len;
       }
       LayerInputs v;
       v.q_latent = x.ql.View({T, H, L});
@@ -459,6 +514,7 @@ class Run {
       return;
     }
     model_.seqs[id].length += T;
+    model_.seqs[id].known = 0;  // a context-parallel commit: the engine forgets its hashes
     std::vector<reference::LayerValues> values;
     for (const Layer& x : layers)
       values.push_back({x.ql.values, x.qr.values, x.kv.values, x.kr.values, x.iq.values,
@@ -473,6 +529,45 @@ class Run {
   }
 
   // Each sequence's tier, in the model's order.
+  // Opens `id` on the prefix cache's blocks of a prompt (token ids or hashes): what it maps is
+  // what LookupPrefix said, and the oracle takes those rows as the prompt's keys, so every later
+  // step on it checks that the cached pages hold them.
+  void OpenCachedOp(FuzzInput& in, const std::string& id) {
+    const int p = in.Int(0, kPrompts - 1);
+    const int device = in.Int(-1, 1);
+    const int32_t P = spec_.page_size;
+    const std::vector<uint32_t> tokens = PromptTokens(p, P);
+    PrefixQuery q;
+    q.tokens.assign(tokens.begin(), tokens.begin() + kPromptBlocks * P);
+    q.hashes = HashBlocks(q.tokens, P);
+    q.max_blocks = (static_cast<int64_t>(tokens.size()) - 1) / P;
+    if (in.Bool(0.3)) q.tokens.clear();  // hashes alone
+    const PrefixLookup found = engine_->LookupPrefix("", q.hashes);
+    auto cached = engine_->OpenSequence(id, device, q);
+    FUZZ_CHECK(cached.ok() == !model_.seqs.contains(id), id,
+               " open on a prompt: ", cached.status().ToString());
+    if (!cached.ok()) return;
+    FUZZ_CHECK(*cached % P == 0 && *cached <= kPromptBlocks * P, "cached ", *cached);
+    FUZZ_CHECK(device >= 0 ? *cached <= found.blocks * P : *cached == found.blocks * P,
+               "open mapped ", *cached, " tokens, LookupPrefix found ", found.blocks, " blocks");
+    const auto info = engine_->DescribeSequence(id);
+    FUZZ_CHECK(info.ok() && info->length == *cached, id, " length");
+    model_.seqs[id] = {*cached, info->device};
+    model_.seqs[id].prompt = p;
+    model_.seqs[id].known = kPromptBlocks;
+    oracle_.Open(id);
+    if (*cached == 0) return;
+    std::vector<reference::LayerValues> values(spec_.num_layers());
+    for (int l = 0; l < spec_.num_layers(); ++l)
+      for (int64_t pos = 0; pos < *cached; ++pos) {
+        const PromptRow k = PromptKeys(spec_, p, l, pos);
+        values[l].kv_latent.insert(values[l].kv_latent.end(), k.kv.begin(), k.kv.end());
+        values[l].k_rope.insert(values[l].k_rope.end(), k.kr.begin(), k.kr.end());
+        values[l].index_k.insert(values[l].index_k.end(), k.ik.begin(), k.ik.end());
+      }
+    oracle_.Commit({{id, *cached}}, values);
+  }
+
   std::vector<Tier> Tiers() const {
     std::vector<Tier> t;
     for (const auto& [id, m] : model_.seqs) t.push_back(engine_->DescribeSequence(id)->tier);
@@ -493,6 +588,7 @@ class Run {
     const absl::Status invariants = engine_->CheckInvariants();
     FUZZ_CHECK(invariants.ok(), invariants.ToString());
     std::vector<std::vector<int32_t>> refs(2, std::vector<int32_t>(kPages, 0));
+    const bool cache_empty = engine_->PrefixCacheStats().blocks == 0;
     for (int d = 0; d < 2; ++d) refs[d][0] = 1;
     bool all_on_device = true;
     for (const auto& [id, m] : model_.seqs) {
@@ -518,8 +614,10 @@ class Run {
       const std::vector<int32_t> counts = engine_->PageRefcounts(d);
       int32_t free = 0;
       for (int p = 0; p < kPages; ++p) {
-        FUZZ_CHECK(all_on_device ? counts[p] == refs[d][p] : counts[p] >= refs[d][p], "device ", d,
-                   " page ", p, ": count ", counts[p], ", ", refs[d][p], " references");
+        // Holders below the device and the prefix cache add to a page's count.
+        FUZZ_CHECK(all_on_device && cache_empty ? counts[p] == refs[d][p] : counts[p] >= refs[d][p],
+                   "device ", d, " page ", p, ": count ", counts[p], ", ", refs[d][p],
+                   " references");
         free += p > 0 && counts[p] == 0;
       }
       FUZZ_CHECK(engine_->Capacity()[d].pages_free == free, "free pages of device ", d);

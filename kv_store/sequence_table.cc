@@ -445,7 +445,7 @@ void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
 }
 
 void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len,
-                           bool commit, absl::Span<const BlockHash> completed) {
+                           bool commit, absl::Span<const BlockHash> completed, bool index) {
   seq->step = 0;
   seq->last_used = std::chrono::steady_clock::now();
   if (commit) {
@@ -456,7 +456,12 @@ void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages,
     const size_t first = static_cast<size_t>(old_len / page_size_);
     for (size_t k = 0; k < completed.size(); ++k)  // checked: equal to any it knew
       if (first + k >= seq->hashes.size()) seq->hashes.push_back(completed[k]);
-    IndexBlocks(seq, old_len);
+    if (index) {
+      IndexBlocks(seq, old_len);
+    } else {
+      seq->hashes.clear();
+      seq->tokens.clear();
+    }
   } else {
     for (int32_t p : new_pages) pools_[seq->device].Unref(p);
     tenants_.AddPages(seq->tenant, -static_cast<int64_t>(new_pages.size()));
@@ -800,6 +805,16 @@ int32_t SequenceTable::EvictCached(int tier, int device, int32_t need) {
         freed += RemoveBlock(b, tier, device);
   }
   return freed;
+}
+
+int64_t SequenceTable::ClearPrefixCache() {
+  const int64_t before = prefix_.size();
+  std::vector<int32_t> roots;
+  prefix_.ForEach([&](int32_t b, const PrefixIndex::Block& blk) {
+    if (blk.parent < 0) roots.push_back(b);
+  });
+  for (int32_t b : roots) RemoveBlock(b, -1, -1);  // a root's chains go with it
+  return before - prefix_.size();
 }
 
 void SequenceTable::TrimCache() {

@@ -219,6 +219,9 @@ class SequenceTable {
   // Removes least recently used blocks whose pages only the cache holds, at `tier` on `device`
   // (-1: any), until `need` pages are free; returns how many were.
   int32_t EvictCached(int tier, int device, int32_t need);
+  // Empties every tenant's index (each block announced removed); returns how many blocks went.
+  // Pages only the cache held are freed; sequences keep theirs.
+  int64_t ClearPrefixCache();
   // FAILED_PRECONDITION while in a step or copying; releases its pages.
   absl::Status Close(const SequenceKey& key);
 
@@ -248,9 +251,10 @@ class SequenceTable {
   // Ends the step's hold: commit appends the new pages and sets the length; otherwise the
   // pages are released and the sequence is as before Bind.
   // `completed`: the hashes of the blocks the step completes (CheckBlockHashes), kept and
-  // indexed on commit.
+  // indexed on commit. `index` false (a context-parallel step: the sequence holds a slice, not
+  // its blocks from the first): nothing is indexed and the sequence forgets its hashes.
   void Unbind(Sequence* seq, const std::vector<int32_t>& new_pages, int64_t new_len, bool commit,
-              absl::Span<const BlockHash> completed = {});
+              absl::Span<const BlockHash> completed = {}, bool index = true);
 
   // Checks that rows [begin, end) are committed rows of `key` and pins the pages holding them
   // (*pages, on *device) so they outlive a close while they are read. NOT_FOUND, OUT_OF_RANGE,

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/kv_events.h"
 #include "client/router.h"
 #include "client/workload.h"
 #include "tests/server_process.h"
@@ -294,6 +295,76 @@ TEST(Routing, ChooseByPrefixSendsAPromptToTheReplicaHoldingItsBlocks) {
   v1::LookupPrefixRequest bad;
   bad.add_block_hashes("short");
   EXPECT_EQ(router.ChooseByPrefix("bad", bad).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Stores a prompt of `blocks` full blocks (and 2 tokens) on `c` under `id` and closes it: its
+// blocks stay in the prefix cache. Returns the lookup for that prompt.
+v1::LookupPrefixRequest CachePrompt(Client& c, const ModelSpec& spec, const std::string& id,
+                                    int64_t blocks, std::mt19937_64& rng) {
+  v1::OpenSequenceRequest open;
+  open.set_sequence_id(id);
+  for (int64_t t = 0; t < blocks * spec.page_size + 2; ++t)
+    open.add_prompt_token_ids(static_cast<uint32_t>(rng()));
+  EXPECT_TRUE(c.OpenSequence(open).ok());
+  EXPECT_TRUE(Step(c, spec, id, blocks * spec.page_size, rng).ok());
+  EXPECT_TRUE(c.CloseSequence(id).ok());
+  v1::LookupPrefixRequest lookup;
+  *lookup.mutable_token_ids() = open.prompt_token_ids();
+  return lookup;
+}
+
+// Two real replicas' KV events, decoded and replayed in C++: the index says what each replica
+// says it holds (LookupPrefix), a router following it chooses by prefix without asking, and a
+// gap in a replica's events makes the router ask that one again.
+TEST(Routing, ChooseByPrefixFollowsTheReplicasKvEvents) {
+  auto a = StartReplica("e-a", {"--kv-events=tcp://127.0.0.1:0"});
+  auto b = StartReplica("e-b", {"--kv-events=tcp://127.0.0.1:0"});
+  auto ca = Client::Connect(a->target());
+  auto cb = Client::Connect(b->target());
+  auto ia = ca->Info();
+  auto ib = cb->Info();
+  ASSERT_TRUE(ia.ok() && ib.ok());
+  const std::string ea = ia->prefix_cache().kv_events(), eb = ib->prefix_cache().kv_events();
+  ASSERT_EQ(ea.rfind("tcp://127.0.0.1:", 0), 0u) << ea;
+  auto sub = client::KvEventSubscriber::Start({{"e-a", ea}, {"e-b", eb}});
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the subscription lands
+  const ModelSpec spec = ModelSpecFromProto(ib->model()).value();
+  std::mt19937_64 rng(5);
+  const v1::LookupPrefixRequest on_a = CachePrompt(*ca, spec, "pa", 2, rng);
+  const v1::LookupPrefixRequest on_b = CachePrompt(*cb, spec, "pb", 3, rng);
+  std::vector<uint32_t> tokens(on_b.token_ids().begin(), on_b.token_ids().end());
+  const std::vector<BlockHash> hashes = HashBlocks(tokens, spec.page_size);
+  std::shared_ptr<client::KvBlockIndex> index = (*sub)->index();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while ((index->CachedBlocks("e-b", "", hashes) != 3 || index->blocks("e-a", "") != 2) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(index->CachedBlocks("e-b", "", hashes), cb->LookupPrefix(on_b)->cached_blocks());
+  EXPECT_EQ(index->CachedBlocks("e-a", "", hashes), 0);
+  EXPECT_EQ((*sub)->errors(), 0);
+  Router router({{"e-a", a->target()}, {"e-b", b->target()}}, {});
+  router.SetPrefixView(index);
+  int64_t cached = -1;
+  auto chosen = router.ChooseByPrefix("next", on_b, &cached);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  EXPECT_EQ(*chosen, "e-b");
+  EXPECT_EQ(cached, 3);
+  EXPECT_EQ(router.prefix_lookups(), 0) << "the events answered for both replicas";
+  chosen = router.ChooseByPrefix("other", on_a, &cached);
+  EXPECT_EQ(*chosen, "e-a");
+  EXPECT_EQ(cached, 2);
+  // A gap in e-a's events: the router asks e-a (and e-a only).
+  index->Apply("e-a", "", 1u << 20, client::KvEventBatch{});
+  EXPECT_TRUE(index->stale("e-a"));
+  EXPECT_EQ(*router.ChooseByPrefix("third", on_a), "e-a");
+  EXPECT_EQ(router.prefix_lookups(), 1);
+  // A restart (numbers from 0 again) empties a replica's view.
+  index->Apply("e-b", "", 0, client::KvEventBatch{});
+  EXPECT_EQ(index->restarts(), 1);
+  EXPECT_EQ(index->CachedBlocks("e-b", "", hashes), 0);
+  EXPECT_EQ(client::DecodeKvEventBatch("\xc1").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(client::ParseKvTopic("metrics").ok());
 }
 
 }  // namespace

@@ -134,6 +134,39 @@ def test_malformed_or_mismatched_prompts_are_refused_with_nothing_changed(attnd_
         assert c.info().prefix_cache.blocks == 0
 
 
+def test_tenants_never_see_each_others_blocks(attnd_server, tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("pc-token-a-0123456789 a\npc-token-b-0123456789 b\n")
+    port = free_port()
+    target, _ = attnd_server(["--auth=token", f"--auth-tokens={tokens}", "--replica-name=t0",
+                              f"--kv-events=tcp://127.0.0.1:{port}"], kv_pages=64)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@t0@")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        with AttndClient(target, token="pc-token-a-0123456789") as a, \
+                AttndClient(target, token="pc-token-b-0123456789") as b:
+            spec = a.info().model
+            P = spec.page_size
+            time.sleep(0.3)
+            prompt = _tokens(2 * P + 1, 50)
+            a.open_sequence("s", prompt_token_ids=prompt)
+            _step(a, [("s", 2 * P)], _inputs(spec, 2 * P, np.random.default_rng(1)))
+            a.close_sequence("s")
+            assert a.lookup_prefix(token_ids=prompt).cached_blocks == 2
+            assert b.lookup_prefix(token_ids=prompt).cached_blocks == 0
+            assert b.open_sequence("s", prompt_token_ids=prompt).cached_tokens == 0
+            assert a.open_sequence("t", prompt_token_ids=prompt).cached_tokens == 2 * P
+            topic, _, payload = sub.recv_multipart()
+            assert topic == b"kv@t0@a"  # the tenant's own topic: a router keeps them apart
+            assert isinstance(decode_batch(payload).events[0], BlockStored)
+    finally:
+        sub.close()
+        ctx.term()
+
+
 def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_server):
     port = free_port()
     target, mport = attnd_server([f"--kv-events=tcp://127.0.0.1:{port}", "--replica-name=r0"],

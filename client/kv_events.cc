@@ -1,0 +1,280 @@
+#include "client/kv_events.h"
+
+#include <cstring>
+#include <msgpack.hpp>
+#include <zmq.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnd::client {
+
+namespace {
+
+absl::Status Bad(const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("KV event batch: ", what));
+}
+
+bool IsArray(const msgpack::object& o) { return o.type == msgpack::type::ARRAY; }
+
+absl::StatusOr<std::string> Str(const msgpack::object& o) {
+  if (o.type != msgpack::type::STR) return Bad("expected a string");
+  return std::string(o.via.str.ptr, o.via.str.size);
+}
+
+absl::StatusOr<int64_t> Int(const msgpack::object& o) {
+  if (o.type == msgpack::type::POSITIVE_INTEGER) return static_cast<int64_t>(o.via.u64);
+  if (o.type == msgpack::type::NEGATIVE_INTEGER) return o.via.i64;
+  return Bad("expected an integer");
+}
+
+absl::StatusOr<BlockHash> Hash(const msgpack::object& o) {
+  BlockHash h{};
+  if (o.type == msgpack::type::BIN && o.via.bin.size == h.size()) {
+    std::memcpy(h.data(), o.via.bin.ptr, h.size());
+    return h;
+  }
+  return Bad("a block hash is 32 raw bytes");
+}
+
+absl::StatusOr<std::vector<BlockHash>> Hashes(const msgpack::object& o) {
+  if (!IsArray(o)) return Bad("block_hashes: expected an array");
+  std::vector<BlockHash> out;
+  for (uint32_t i = 0; i < o.via.array.size; ++i) {
+    auto h = Hash(o.via.array.ptr[i]);
+    if (!h.ok()) return h.status();
+    out.push_back(*h);
+  }
+  return out;
+}
+
+absl::StatusOr<KvEvent> Event(const msgpack::object& o) {
+  if (!IsArray(o) || o.via.array.size == 0) return Bad("an event is a tagged array");
+  const msgpack::object* f = o.via.array.ptr;
+  const uint32_t n = o.via.array.size;
+  auto tag = Str(f[0]);
+  if (!tag.ok()) return tag.status();
+  KvEvent e;
+  auto opt_str = [&](uint32_t i) -> std::string {
+    return i < n && f[i].type == msgpack::type::STR
+               ? std::string(f[i].via.str.ptr, f[i].via.str.size)
+               : std::string();
+  };
+  if (*tag == "BlockStored") {
+    if (n < 5) return Bad("BlockStored: too few fields");
+    e.kind = KvEvent::Kind::kStored;
+    auto hashes = Hashes(f[1]);
+    if (!hashes.ok()) return hashes.status();
+    e.hashes = *std::move(hashes);
+    if (f[2].type != msgpack::type::NIL) {
+      auto parent = Hash(f[2]);
+      if (!parent.ok()) return parent.status();
+      e.parent = *parent;
+    }
+    if (!IsArray(f[3])) return Bad("token_ids: expected an array");
+    for (uint32_t i = 0; i < f[3].via.array.size; ++i) {
+      auto t = Int(f[3].via.array.ptr[i]);
+      if (!t.ok()) return t.status();
+      e.tokens.push_back(static_cast<uint32_t>(*t));
+    }
+    auto bs = Int(f[4]);
+    if (!bs.ok()) return bs.status();
+    e.block_size = *bs;
+    e.medium = opt_str(6);
+    return e;
+  }
+  if (*tag == "BlockRemoved") {
+    if (n < 2) return Bad("BlockRemoved: too few fields");
+    e.kind = KvEvent::Kind::kRemoved;
+    auto hashes = Hashes(f[1]);
+    if (!hashes.ok()) return hashes.status();
+    e.hashes = *std::move(hashes);
+    e.medium = opt_str(2);
+    return e;
+  }
+  if (*tag == "AllBlocksCleared") {
+    e.kind = KvEvent::Kind::kCleared;
+    return e;
+  }
+  return Bad(absl::StrCat("unknown event '", *tag, "'"));
+}
+
+}  // namespace
+
+absl::StatusOr<KvEventBatch> DecodeKvEventBatch(const std::string& payload) {
+  msgpack::object_handle oh;
+  try {
+    oh = msgpack::unpack(payload.data(), payload.size());
+  } catch (const std::exception& e) {
+    return Bad(absl::StrCat("not msgpack (", e.what(), ")"));
+  }
+  const msgpack::object& o = oh.get();
+  if (!IsArray(o) || o.via.array.size < 2) return Bad("expected [ts, events, rank]");
+  const msgpack::object* f = o.via.array.ptr;
+  KvEventBatch b;
+  if (f[0].type == msgpack::type::FLOAT64 || f[0].type == msgpack::type::FLOAT32)
+    b.ts = f[0].via.f64;
+  else
+    return Bad("ts: expected a float");
+  if (!IsArray(f[1])) return Bad("events: expected an array");
+  for (uint32_t i = 0; i < f[1].via.array.size; ++i) {
+    auto e = Event(f[1].via.array.ptr[i]);
+    if (!e.ok()) return e.status();
+    b.events.push_back(*std::move(e));
+  }
+  if (o.via.array.size > 2 && f[2].type != msgpack::type::NIL) {
+    auto r = Int(f[2]);
+    if (!r.ok()) return r.status();
+    b.rank = *r;
+  }
+  return b;
+}
+
+absl::StatusOr<std::pair<std::string, std::string>> ParseKvTopic(const std::string& topic) {
+  if (topic.rfind("kv@", 0) != 0) return Bad(absl::StrCat("not an attnd topic: ", topic));
+  const size_t at = topic.find('@', 3);
+  if (at == std::string::npos) return Bad(absl::StrCat("not an attnd topic: ", topic));
+  return std::make_pair(topic.substr(3, at - 3), topic.substr(at + 1));
+}
+
+void KvBlockIndex::ClearLocked(const std::string& replica) {
+  for (auto it = blocks_.begin(); it != blocks_.end();)
+    it = it->first.first == replica ? blocks_.erase(it) : std::next(it);
+  stale_.erase(replica);
+}
+
+void KvBlockIndex::Apply(const std::string& replica, const std::string& tenant, uint64_t seq,
+                         const KvEventBatch& batch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto last = last_seq_.find(replica);
+  if (last != last_seq_.end() && seq <= last->second) {  // counting from 0 again: a restart
+    ClearLocked(replica);
+    ++restarts_;
+  } else if (last != last_seq_.end() && seq != last->second + 1) {
+    ++gaps_;
+    stale_.insert(replica);
+  }
+  last_seq_[replica] = seq;
+  const int64_t device = batch.rank.value_or(-1);
+  for (const KvEvent& e : batch.events) {
+    if (e.kind == KvEvent::Kind::kCleared) {
+      ClearLocked(replica);
+      continue;
+    }
+    auto& held = blocks_[{replica, tenant}];
+    for (const BlockHash& h : e.hashes) {
+      if (e.kind == KvEvent::Kind::kStored) {
+        held[h].insert(device);
+      } else if (auto it = held.find(h); it != held.end()) {
+        it->second.erase(device);
+        if (it->second.empty()) held.erase(it);
+      }
+    }
+  }
+}
+
+std::optional<int64_t> KvBlockIndex::CachedBlocks(const std::string& replica,
+                                                  const std::string& tenant,
+                                                  const std::vector<BlockHash>& hashes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!last_seq_.contains(replica) || stale_.contains(replica)) return std::nullopt;
+  auto it = blocks_.find({replica, tenant});
+  if (it == blocks_.end()) return 0;
+  std::set<int64_t> devices;
+  int64_t n = 0;
+  for (const BlockHash& h : hashes) {
+    auto held = it->second.find(h);
+    if (held == it->second.end()) break;
+    if (n == 0) {
+      devices = held->second;
+    } else {
+      std::set<int64_t> both;
+      for (int64_t d : devices)
+        if (held->second.contains(d)) both.insert(d);
+      devices.swap(both);
+    }
+    if (devices.empty()) break;
+    ++n;
+  }
+  return n;
+}
+
+bool KvBlockIndex::stale(const std::string& replica) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stale_.contains(replica);
+}
+int64_t KvBlockIndex::gaps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gaps_;
+}
+int64_t KvBlockIndex::restarts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return restarts_;
+}
+size_t KvBlockIndex::blocks(const std::string& replica, const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blocks_.find({replica, tenant});
+  return it == blocks_.end() ? 0 : it->second.size();
+}
+
+struct KvEventSubscriber::Impl {
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::sub};
+};
+
+KvEventSubscriber::KvEventSubscriber()
+    : impl_(std::make_unique<Impl>()), index_(std::make_shared<KvBlockIndex>()) {}
+
+absl::StatusOr<std::unique_ptr<KvEventSubscriber>> KvEventSubscriber::Start(
+    const std::map<std::string, std::string>& endpoints) {
+  std::unique_ptr<KvEventSubscriber> s(new KvEventSubscriber());
+  try {
+    s->impl_->socket.set(zmq::sockopt::subscribe, "kv@");
+    s->impl_->socket.set(zmq::sockopt::rcvtimeo, 100);
+    s->impl_->socket.set(zmq::sockopt::linger, 0);
+    for (const auto& [name, endpoint] : endpoints) s->impl_->socket.connect(endpoint);
+  } catch (const zmq::error_t& e) {
+    return absl::InvalidArgumentError(absl::StrCat("KV events: ", e.what()));
+  }
+  s->thread_ = std::thread([raw = s.get()] { raw->Loop(); });
+  return s;
+}
+
+KvEventSubscriber::~KvEventSubscriber() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void KvEventSubscriber::Loop() {
+  while (!stop_) {
+    std::vector<zmq::message_t> frames;
+    try {
+      zmq::message_t m;
+      if (!impl_->socket.recv(m)) continue;  // timed out: look at stop_
+      frames.push_back(std::move(m));
+      while (frames.back().more()) {
+        zmq::message_t next;
+        if (!impl_->socket.recv(next)) break;
+        frames.push_back(std::move(next));
+      }
+    } catch (const zmq::error_t&) {
+      return;
+    }
+    if (frames.size() != 3 || frames[1].size() != 8) {
+      ++errors_;
+      continue;
+    }
+    auto topic = ParseKvTopic(frames[0].to_string());
+    auto batch = DecodeKvEventBatch(frames[2].to_string());
+    if (!topic.ok() || !batch.ok()) {
+      ++errors_;
+      continue;
+    }
+    uint64_t seq = 0;
+    const auto* b = static_cast<const unsigned char*>(frames[1].data());
+    for (int i = 0; i < 8; ++i) seq = (seq << 8) | b[i];
+    index_->Apply(topic->first, topic->second, seq, *batch);
+    ++messages_;
+  }
+}
+
+}  // namespace attnd::client
