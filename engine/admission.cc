@@ -185,7 +185,9 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   absl::Status full = absl::OkStatus();
   for (size_t d = 0; d < devices.size(); ++d) {
     const PagePool& pool = table->pool(d);
-    if (need[d] <= table->Room(Tier::kDevice, static_cast<int>(d))) continue;
+    // (Room counts the prefix cache's own pages, a scan: only when the free ones fall short.)
+    if (need[d] <= pool.free_pages() || need[d] <= table->Room(Tier::kDevice, static_cast<int>(d)))
+      continue;
     if (need_out != nullptr) {
       need_out->pages.resize(devices.size(), 0);
       need_out->pages[d] = need[d];
