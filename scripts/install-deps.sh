@@ -30,11 +30,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 py=${PYTHON:-python3}
-if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate, ruff, zmq, msgpack" >/dev/null 2>&1; then
-  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate ruff pyzmq msgpack"
+if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pytest, ml_dtypes, yaml, kubernetes_validate, ruff, zmq, msgpack, msgspec" >/dev/null 2>&1; then
+  echo "install-deps: pip installing grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml kubernetes-validate ruff pyzmq msgpack msgspec"
   "$py" -m pip install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
-    kubernetes-validate ruff pyzmq msgpack ||
+    kubernetes-validate ruff pyzmq msgpack msgspec ||
     "$py" -m pip install -q --disable-pip-version-check --break-system-packages \
       grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
-      kubernetes-validate ruff pyzmq msgpack
+      kubernetes-validate ruff pyzmq msgpack msgspec
 fi

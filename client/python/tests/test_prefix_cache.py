@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from typing import Any, List, Optional, Union
 
 import grpc
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -29,6 +31,44 @@ from attnd.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 from attnd_process import free_port
 from attnd_testlib import expect, random_layer
+
+
+# vLLM's KV-event schema as vLLM declares it (vllm/distributed/kv_events.py: msgspec structs,
+# array_like, tagged events), so the events are decoded here by the same rules a vLLM-based
+# router decodes them with.
+class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStoredV(VllmKVCacheEvent, tag="BlockStored"):
+    block_hashes: List[Union[bytes, int]]
+    parent_block_hash: Optional[Union[bytes, int]]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+
+
+class BlockRemovedV(VllmKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: List[Union[bytes, int]]
+    medium: Optional[str]
+
+
+class AllBlocksClearedV(VllmKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: List[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class VllmKVEventBatch(VllmEventBatch):
+    events: List[Union[BlockStoredV, BlockRemovedV, AllBlocksClearedV]]
+
+
+VLLM_DECODER = msgspec.msgpack.Decoder(type=VllmKVEventBatch)
 
 
 def _inputs(spec, T, rng):
@@ -198,6 +238,12 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
                 topic, seq, payload = sub.recv_multipart()
                 raw.append(msgpack.unpackb(payload, raw=False))
                 batch = decode_batch(payload)
+                vllm = VLLM_DECODER.decode(payload)  # vLLM's own rules agree
+                assert vllm.data_parallel_rank == batch.data_parallel_rank
+                assert [type(e).__name__[:-1] for e in vllm.events] == \
+                    [type(e).__name__ for e in batch.events]
+                assert [list(e.block_hashes) for e in vllm.events] == \
+                    [list(e.block_hashes) for e in batch.events]
                 assert topic == b"kv@r0@"
                 index.apply("r0", "", int.from_bytes(seq, "big"), batch)
                 for ev in batch.events:
