@@ -206,8 +206,6 @@ class SequenceTable {
     s.cached_only = cache_only_;
     return s;
   }
-  const PrefixIndex& prefix_index() const { return prefix_; }
-  Tier cache_tier() const { return cache_tier_; }
   // Pages only the cache holds on `device`'s tier (free for any request that needs them).
   int32_t CachedOnly(Tier tier, int device) const;
   // Free slots of `tier` (pages of `device` for the device tier), counting the cache's own

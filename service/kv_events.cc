@@ -149,7 +149,6 @@ void KvEventPublisher::Send(const std::string& tenant, int device,
   } catch (const zmq::error_t&) {
     // A PUB socket does not fail a send for want of subscribers; anything else drops this batch.
   }
-  ++sent_;
   for (const PrefixEvent& e : events) published_ += static_cast<int64_t>(e.hashes.size());
 }
 

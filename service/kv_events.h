@@ -55,7 +55,6 @@ class KvEventPublisher {
   const std::string& endpoint() const { return bound_; }
   int64_t events_published() const { return published_.load(); }
   int64_t events_dropped() const { return dropped_.load(); }
-  int64_t messages_sent() const { return sent_.load(); }
 
  private:
   struct Impl;
@@ -73,7 +72,7 @@ class KvEventPublisher {
   bool stopping_ = false;
   bool gap_ = false;  // events dropped since the last message
   uint64_t seq_ = 0;
-  std::atomic<int64_t> published_{0}, dropped_{0}, sent_{0};
+  std::atomic<int64_t> published_{0}, dropped_{0};
   std::thread thread_;
 };
 

@@ -357,6 +357,7 @@ TEST(Routing, ChooseByPrefixFollowsTheReplicasKvEvents) {
   // A gap in e-a's events: the router asks e-a (and e-a only).
   index->Apply("e-a", "", 1u << 20, client::KvEventBatch{});
   EXPECT_TRUE(index->stale("e-a"));
+  EXPECT_EQ(index->gaps(), 1);
   EXPECT_EQ(*router.ChooseByPrefix("third", on_a), "e-a");
   EXPECT_EQ(router.prefix_lookups(), 1);
   // A restart (numbers from 0 again) empties a replica's view.
