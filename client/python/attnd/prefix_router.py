@@ -1,9 +1,9 @@
 """Prefix-aware routing (docs/prefix_cache.md#routing): a new sequence goes to the replica whose
 prefix cache holds the longest run of its prompt's blocks, as the replicas' KV events say
 (:mod:`attnd.kv_events`), so the worker prefills only what no replica holds. Nothing cached
-anywhere (or nothing known yet), or equal runs: the replica with the most room (free and
-cache-only pages, fewest open steps) wins, then the rendezvous hash of the sequence id (the
-:class:`attnd.Router` rule). A replica whose events had a gap is asked directly (LookupPrefix)
+anywhere (or nothing known yet), or equal runs: the replica with the most room (free and cache-only
+pages; a ``load`` callable may add open steps) wins, then the rendezvous hash of the sequence id
+(the :class:`attnd.Router` rule). A replica whose events had a gap is asked directly (LookupPrefix)
 until it restarts; one that restarted starts from an empty view. The choice is remembered: every
 later step of the sequence goes to the same replica (:meth:`PrefixRouter.client_for`)."""
 
@@ -19,7 +19,8 @@ from .errors import AttndError
 from .kv_events import BlockIndex, KvEventSubscriber
 from .router import rendezvous_weight
 
-# (room, open steps): more room first, then fewer open steps.
+# (room, open steps): more room first, then fewer open steps (the default, from ServerInfo, knows
+# no open steps: 0).
 Load = Tuple[int, int]
 
 
