@@ -24,30 +24,24 @@ import sys
 import time
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python" / "tests"))
 from attnd import AttndClient, LayerInputs, PrefixRouter, hash_blocks, route  # noqa: E402
+from drain_bench import CHUNK, chunk_keys  # noqa: E402
 
 from attnd_process import free_port, start, stop  # noqa: E402
 
-BF16 = ml_dtypes.bfloat16
 REPLICAS = 4
 
 
 class Keys:
-    """Random keys per layer, sliced to each write (the bench routes; it does not attend)."""
+    """Random keys per layer (drain_bench's), sliced to each write (the bench routes; it does not
+    attend)."""
 
-    def __init__(self, spec, rows, rng):
-        self.layers = []
-        for kind in spec.layers:
-            x = {"kv_latent": rng.standard_normal((rows, spec.kv_lora_rank)).astype(BF16),
-                 "k_rope": rng.standard_normal((rows, spec.qk_rope_head_dim)).astype(BF16)}
-            if kind == "full":
-                x["index_k"] = rng.standard_normal((rows, spec.index_head_dim)).astype(BF16)
-            self.layers.append(x)
+    def __init__(self, spec, rng):
+        self.layers = chunk_keys(spec, rng)
 
     def write(self, client, sid, n, block_hashes=None):
         step = client.begin_step([(sid, n)], write_only=True,
@@ -86,8 +80,8 @@ def run_policy(policy, a, systems, convs, order):
     clients = {n: AttndClient(t, timeout=120) for n, t in targets.items()}
     spec = clients["r0"].info().model
     P = spec.page_size
-    keys = Keys(spec, a.system_tokens + a.turns * (a.user_tokens + a.answer_tokens) + P,
-                np.random.default_rng(5))
+    assert a.system_tokens + a.turns * (a.user_tokens + a.answer_tokens) <= CHUNK
+    keys = Keys(spec, np.random.default_rng(5))
     router = None
     if policy == "prefix-aware":
         router = PrefixRouter(targets, events, block_size=P, timeout=120)

@@ -59,43 +59,38 @@ absl::StatusOr<KvEvent> Event(const msgpack::object& o) {
                ? std::string(f[i].via.str.ptr, f[i].via.str.size)
                : std::string();
   };
-  if (*tag == "BlockStored") {
-    if (n < 5) return Bad("BlockStored: too few fields");
-    e.kind = KvEvent::Kind::kStored;
-    auto hashes = Hashes(f[1]);
-    if (!hashes.ok()) return hashes.status();
-    e.hashes = *std::move(hashes);
-    if (f[2].type != msgpack::type::NIL) {
-      auto parent = Hash(f[2]);
-      if (!parent.ok()) return parent.status();
-      e.parent = *parent;
-    }
-    if (!IsArray(f[3])) return Bad("token_ids: expected an array");
-    for (uint32_t i = 0; i < f[3].via.array.size; ++i) {
-      auto t = Int(f[3].via.array.ptr[i]);
-      if (!t.ok()) return t.status();
-      e.tokens.push_back(static_cast<uint32_t>(*t));
-    }
-    auto bs = Int(f[4]);
-    if (!bs.ok()) return bs.status();
-    e.block_size = *bs;
-    e.medium = opt_str(6);
-    return e;
-  }
-  if (*tag == "BlockRemoved") {
-    if (n < 2) return Bad("BlockRemoved: too few fields");
-    e.kind = KvEvent::Kind::kRemoved;
-    auto hashes = Hashes(f[1]);
-    if (!hashes.ok()) return hashes.status();
-    e.hashes = *std::move(hashes);
-    e.medium = opt_str(2);
-    return e;
-  }
   if (*tag == "AllBlocksCleared") {
     e.kind = KvEvent::Kind::kCleared;
     return e;
   }
-  return Bad(absl::StrCat("unknown event '", *tag, "'"));
+  const bool stored = *tag == "BlockStored";
+  if (!stored && *tag != "BlockRemoved") return Bad(absl::StrCat("unknown event '", *tag, "'"));
+  if (n < (stored ? 5u : 2u)) return Bad(absl::StrCat(*tag, ": too few fields"));
+  auto hashes = Hashes(f[1]);
+  if (!hashes.ok()) return hashes.status();
+  e.hashes = *std::move(hashes);
+  if (!stored) {
+    e.kind = KvEvent::Kind::kRemoved;
+    e.medium = opt_str(2);
+    return e;
+  }
+  e.kind = KvEvent::Kind::kStored;
+  if (f[2].type != msgpack::type::NIL) {
+    auto parent = Hash(f[2]);
+    if (!parent.ok()) return parent.status();
+    e.parent = *parent;
+  }
+  if (!IsArray(f[3])) return Bad("token_ids: expected an array");
+  for (uint32_t i = 0; i < f[3].via.array.size; ++i) {
+    auto t = Int(f[3].via.array.ptr[i]);
+    if (!t.ok()) return t.status();
+    e.tokens.push_back(static_cast<uint32_t>(*t));
+  }
+  auto bs = Int(f[4]);
+  if (!bs.ok()) return bs.status();
+  e.block_size = *bs;
+  e.medium = opt_str(6);
+  return e;
 }
 
 }  // namespace

@@ -173,6 +173,9 @@ std::string Engine::backend() const {
   return absl::StrJoin(kinds, "+");
 }
 int Engine::num_devices() const { return static_cast<int>(impl_->devices.size()); }
+const std::string& Engine::device_name(int device) const {
+  return impl_->devices[device]->name();  // fixed after Create: no lock
+}
 absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }
 

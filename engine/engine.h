@@ -288,6 +288,8 @@ class Engine {
   // the target lacks pages (nothing changes then).
   absl::Status MigrateSequence(const SequenceKey& seq, int device);
   int num_devices() const;
+  // A device's name ("cpu:0", "cuda:1"), for device < num_devices().
+  const std::string& device_name(int device) const;
   // Copies the committed cache rows [begin, end) of one layer of a sequence, as the cache stores
   // them (dtype = cache dtype): kv_latent [n, L], k_rope [n, R] and, on full layers, index_k
   // [n, Di] (empty otherwise). For handing a sequence to another server (export). NOT_FOUND,

@@ -256,11 +256,17 @@ absl::Status SequenceTable::Open(const SequenceKey& key, int device) {
   seq->tenant = key.tenant;
   seq->id = key.id;
   seq->device = device < 0 ? Place() : device;
-  ++counts_[seq->device];
-  ++at_tier_[static_cast<int>(Tier::kDevice)];
-  tenants_.AddSequences(key.tenant, 1);
-  seqs_.emplace(key, std::move(seq));
+  Insert(std::move(seq));
   return absl::OkStatus();
+}
+
+void SequenceTable::Insert(std::unique_ptr<Sequence> seq) {
+  ++counts_[seq->device];
+  ++at_tier_[static_cast<int>(seq->tier)];
+  tenants_.AddSequences(seq->tenant, 1);
+  tenants_.AddPages(seq->tenant, static_cast<int64_t>(seq->logical.size()));
+  SequenceKey key(seq->tenant, seq->id);
+  seqs_.emplace(std::move(key), std::move(seq));
 }
 
 void SequenceTable::Erase(Sequence* seq) {
@@ -372,11 +378,7 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
     if (rem > 0) seq->logical.push_back(NewPage(seq->device, move->fresh[0]));
   }
   Pin(move);
-  ++counts_[seq->device];
-  ++at_tier_[static_cast<int>(Tier::kDevice)];
-  tenants_.AddSequences(key.tenant, 1);
-  tenants_.AddPages(key.tenant, static_cast<int64_t>(seq->pages.size()));
-  seqs_.emplace(key, std::move(seq));
+  Insert(std::move(seq));
   return absl::OkStatus();
 }
 
@@ -934,11 +936,7 @@ absl::Status SequenceTable::OpenCached(const SequenceKey& key, int device,
   seq->tokens = std::move(tokens);
   if (static_cast<int64_t>(seq->tokens.size()) <= seq->length) seq->tokens.clear();
   *cached_tokens = seq->length;
-  ++counts_[seq->device];
-  ++at_tier_[static_cast<int>(seq->tier)];
-  tenants_.AddSequences(key.tenant, 1);
-  tenants_.AddPages(key.tenant, static_cast<int64_t>(run.size()));
-  seqs_.emplace(key, std::move(seq));
+  Insert(std::move(seq));
   return absl::OkStatus();
 }
 

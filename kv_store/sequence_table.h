@@ -298,6 +298,9 @@ class SequenceTable {
   // Holds the copies' sources for the copy (move->pinned).
   void Pin(PageMove* move);
   void Unpin(const PageMove& move);
+  // Adds a new sequence (its tier's and device's counts, its tenant's share of sequences and of
+  // the pages it holds already); Erase undoes it.
+  void Insert(std::unique_ptr<Sequence> seq);
   // Removes a sequence, releasing its pages and its tenant's share.
   void Erase(Sequence* seq);
   // A directory entry for device page `page` of `device` (one holder on the device).

@@ -130,7 +130,7 @@ absl::Status AttentionService::DoLookupPrefix(const Caller& caller,
   const PrefixLookup found = engine_->LookupPrefix(caller.tenant, q.hashes);
   resp->set_cached_blocks(found.blocks);
   resp->set_cached_tokens(found.blocks * spec.page_size);
-  if (found.device >= 0) resp->set_device(engine_->Capacity()[found.device].name);
+  if (found.device >= 0) resp->set_device(engine_->device_name(found.device));
   resp->set_device_blocks(found.on_device);
   resp->set_block_size(spec.page_size);
   return absl::OkStatus();

@@ -18,7 +18,7 @@ inline void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInf
   out->set_sequence_id(s.id);
   if (with_tenant) out->set_tenant(s.tenant);
   out->set_length(s.length);
-  out->set_device(e.Capacity()[s.device].name);
+  out->set_device(e.device_name(s.device));
   out->set_num_pages(static_cast<int32_t>(s.pages.size()));
   out->set_in_step(s.in_step);
   out->set_importing(s.importing);

@@ -46,6 +46,11 @@ EngineOptions Options(DType cache, int32_t usable, int64_t prefix_bytes = -1) {
 
 DType RequestDType(DType cache) { return cache == DType::kF32 ? DType::kF32 : DType::kBF16; }
 
+// Whether a step of q new tokens on `id`, with random `dtype` inputs from `seed`, commits.
+bool Commits(Harness& h, const std::string& id, int64_t q, DType dtype, uint64_t seed) {
+  return h.Run({{id, q}}, h.MakeInputs({{id, q}}, dtype, seed)).status.ok();
+}
+
 void ExpectAudited(Engine& e) {
   const absl::Status s = e.CheckInvariants();
   EXPECT_TRUE(s.ok()) << s;
@@ -79,7 +84,7 @@ TEST_P(PrefixCacheExact, ASequenceOpenedOnCachedBlocksDecodesBitForBitAsOnePrefi
   ASSERT_EQ(warm.OpenCached("A", Prompt(a_prompt, P), ""), 0);  // nothing cached yet
   const auto prefix = warm.MakeInputs({{"A", 2 * P}}, dt, 11);
   ASSERT_TRUE(warm.Run({{"A", 2 * P}}, prefix).status.ok());
-  ASSERT_TRUE(warm.Run({{"A", P / 2}}, warm.MakeInputs({{"A", P / 2}}, dt, 12)).status.ok());
+  ASSERT_TRUE(Commits(warm, "A", P / 2, dt, 12));
   ASSERT_TRUE(warm.engine().CloseSequence("A").ok());  // the reference keeps A's history
   EXPECT_EQ(warm.engine().PrefixCacheStats().cached_only, 2);
   ExpectAudited(warm.engine());
@@ -115,8 +120,7 @@ TEST(PrefixCache, SharedBlocksSurviveTheCloseOfEverySequenceThatUsedThem) {
   const int32_t P = h.spec().page_size;
   const std::vector<uint32_t> prompt = Tokens(2 * P + 3, 5);
   h.OpenCached("A", Prompt(prompt, P), "");
-  ASSERT_TRUE(
-      h.Run({{"A", 2 * P + 3}}, h.MakeInputs({{"A", 2 * P + 3}}, DType::kF32, 1)).status.ok());
+  ASSERT_TRUE(Commits(h, "A", 2 * P + 3, DType::kF32, 1));
   EXPECT_EQ(e.LookupPrefix("", HashBlocks(prompt, P)).blocks, 2);
   ASSERT_EQ(h.OpenCached("B", Prompt(prompt, P), "A"), 2 * P);  // while A is open
   const auto a = *e.DescribeSequence("A");
@@ -153,17 +157,17 @@ TEST(PrefixCache, EvictionUnderPressureNeverTakesABlockAnOpenSequenceUses) {
   const int32_t P = h.spec().page_size;
   const std::vector<uint32_t> kept = Tokens(2 * P + 1, 8), gone = Tokens(2 * P + 1, 9);
   h.OpenCached("A", Prompt(kept, P), "");
-  ASSERT_TRUE(h.Run({{"A", 2 * P}}, h.MakeInputs({{"A", 2 * P}}, DType::kF32, 1)).status.ok());
+  ASSERT_TRUE(Commits(h, "A", 2 * P, DType::kF32, 1));
   ASSERT_EQ(h.OpenCached("B", Prompt(kept, P), "A"), 2 * P);
   ASSERT_TRUE(e.CloseSequence("A").ok());  // B holds the blocks now
   h.OpenCached("C", Prompt(gone, P), "");
-  ASSERT_TRUE(h.Run({{"C", 2 * P}}, h.MakeInputs({{"C", 2 * P}}, DType::kF32, 2)).status.ok());
+  ASSERT_TRUE(Commits(h, "C", 2 * P, DType::kF32, 2));
   ASSERT_TRUE(e.CloseSequence("C").ok());
   EXPECT_EQ(e.PrefixCacheStats().cached_only, 2);  // C's blocks; A's are B's too
   EXPECT_EQ(e.Capacity()[0].pages_free, 4);
   // 6 pages: the 4 free and C's 2 cached ones.
   h.Open("D");
-  ASSERT_TRUE(h.Run({{"D", 6 * P}}, h.MakeInputs({{"D", 6 * P}}, DType::kF32, 3)).status.ok());
+  ASSERT_TRUE(Commits(h, "D", 6 * P, DType::kF32, 3));
   ExpectAudited(e);
   EXPECT_EQ(e.LookupPrefix("", HashBlocks(gone, P)).blocks, 0);
   EXPECT_EQ(e.LookupPrefix("", HashBlocks(kept, P)).blocks, 2);
@@ -224,7 +228,7 @@ TEST(PrefixCache, MalformedOrMismatchedHashesAreRefusedWithNothingChanged) {
   const std::vector<uint32_t> prompt = Tokens(2 * P + 1, 11);
   h.OpenCached("A", Prompt(prompt, P), "");
   h.Open("plain");
-  ASSERT_TRUE(h.Run({{"plain", P}}, h.MakeInputs({{"plain", P}}, DType::kF32, 1)).status.ok());
+  ASSERT_TRUE(Commits(h, "plain", P, DType::kF32, 1));
   const EngineSnapshot before = TakeSnapshot(e, {"A", "plain"});
   auto refused = [&](std::vector<StepEntry> batch, const char* why) {
     const auto r = h.Run(batch, h.MakeInputs(batch, DType::kF32, 2));
@@ -266,7 +270,7 @@ TEST(PrefixCache, PrefixCacheBytesBoundsWhatClosedSequencesLeave) {
   const std::vector<uint32_t> p1 = Tokens(2 * P + 1, 12), p2 = Tokens(2 * P + 1, 13);
   for (const auto& [id, prompt] : {std::pair{"A", p1}, std::pair{"B", p2}}) {
     h.OpenCached(id, Prompt(prompt, P), "");
-    ASSERT_TRUE(h.Run({{id, 2 * P}}, h.MakeInputs({{id, 2 * P}}, DType::kF32, 1)).status.ok());
+    ASSERT_TRUE(Commits(h, id, 2 * P, DType::kF32, 1));
   }
   h.Close("A");
   EXPECT_EQ(e.PrefixCacheStats().cached_only, 2);
@@ -300,7 +304,7 @@ TEST(PrefixCache, EventsReplayToTheExactBlockSet) {
   for (int i = 0; i < 4; ++i) {
     const std::string id = absl::StrCat("s", i);
     h.OpenCached(id, Prompt(Tokens(3 * P + 1, 20 + i), P), "");
-    ASSERT_TRUE(h.Run({{id, 3 * P}}, h.MakeInputs({{id, 3 * P}}, DType::kF32, i)).status.ok());
+    ASSERT_TRUE(Commits(h, id, 3 * P, DType::kF32, i));
     h.Close(id);  // 3 blocks each on 8 pages: older ones make way
   }
   EXPECT_GT(removed, 0);
@@ -331,8 +335,7 @@ TEST(PrefixCache, CachedBlocksGoDownATierAndComeBackBitForBit) {
   ASSERT_TRUE(warm.Run({{"A", 2 * P}}, prefix).status.ok());
   ASSERT_TRUE(e.CloseSequence("A").ok());
   warm.Open("big");  // needs the whole device: A's blocks go to the host
-  ASSERT_TRUE(
-      warm.Run({{"big", 6 * P}}, warm.MakeInputs({{"big", 6 * P}}, DType::kBF16, 2)).status.ok());
+  ASSERT_TRUE(Commits(warm, "big", 6 * P, DType::kBF16, 2));
   ExpectAudited(e);
   const PrefixLookup below = e.LookupPrefix("", HashBlocks(prompt, P));
   EXPECT_EQ(below.blocks, 2);

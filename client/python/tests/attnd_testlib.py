@@ -11,6 +11,8 @@ nothing from each other, only from here, attnd_process and their conftest fixtur
 from __future__ import annotations
 
 import queue
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -467,3 +469,29 @@ def key_rows(keys, new_key, layer):
 
 def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def scrape(mport: int) -> str:
+    """attnd's /metrics text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def layer_inputs(spec, T, rng):
+    """Random inputs of every layer of a step of T tokens, each asking for its lse."""
+    return [LayerInputs(layer, return_lse=True, **random_layer(spec, kind, T, rng))
+            for layer, kind in enumerate(spec.layers)]
+
+
+def step_details(client, batch, inputs, block_hashes=None):
+    """A whole unary step; every layer's LayerResult."""
+    step = client.begin_step(batch, block_hashes=block_hashes)
+    return [client.attend_layer_details(step.step_id, x) for x in inputs]
+
+
+def wait_for(predicate, what, timeout_s=10.0):
+    """Polls ``predicate`` until it holds; fails with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)

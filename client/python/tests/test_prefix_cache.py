@@ -9,7 +9,6 @@ replica's view starts empty."""
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any, List, Optional, Union
 
 import grpc
@@ -22,7 +21,6 @@ import zmq
 from attnd import (
     AttndClient,
     BlockIndex,
-    LayerInputs,
     PrefixRouter,
     decode_batch,
     hash_blocks,
@@ -30,7 +28,7 @@ from attnd import (
 from attnd.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from attnd_process import free_port
-from attnd_testlib import expect, random_layer
+from attnd_testlib import expect, layer_inputs, scrape, step_details, wait_for
 
 
 # vLLM's KV-event schema as vLLM declares it (vllm/distributed/kv_events.py: msgspec structs,
@@ -71,14 +69,6 @@ class VllmKVEventBatch(VllmEventBatch):
 VLLM_DECODER = msgspec.msgpack.Decoder(type=VllmKVEventBatch)
 
 
-def _inputs(spec, T, rng):
-    return [LayerInputs(layer, return_lse=True, **random_layer(spec, kind, T, rng))
-            for layer, kind in enumerate(spec.layers)]
-
-
-def _step(client, batch, inputs, block_hashes=None):
-    step = client.begin_step(batch, block_hashes=block_hashes)
-    return [client.attend_layer_details(step.step_id, x) for x in inputs]
 
 
 def _same_bits(got, want, what):
@@ -88,20 +78,10 @@ def _same_bits(got, want, what):
         assert np.array_equal(g.lse.view(np.uint32), w.lse.view(np.uint32)), f"{what}, {layer}"
 
 
-def _scrape(mport):
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
-        return r.read().decode()
-
 
 def _tokens(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 150000, n)]
 
-
-def _wait(pred, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
@@ -115,14 +95,14 @@ def test_a_prompt_opened_on_cached_blocks_decodes_bit_for_bit_as_cold(attnd_serv
         shared = _tokens(2 * P, 1)
         a_prompt, b_prompt = shared + _tokens(5, 2), shared + _tokens(P + 3, 3)
         assert w.open_sequence("A", prompt_token_ids=a_prompt).cached_tokens == 0
-        prefix = _inputs(spec, 2 * P, rng)
-        _step(w, [("A", 2 * P)], prefix)
-        _step(w, [("A", 5)], _inputs(spec, 5, rng))
+        prefix = layer_inputs(spec, 2 * P, rng)
+        step_details(w, [("A", 2 * P)], prefix)
+        step_details(w, [("A", 5)], layer_inputs(spec, 5, rng))
         w.close_sequence("A")
         info = w.info()
         assert info.prefix_cache.cached_only_pages == 2 and info.devices[0].pages_cached == 2
         # Pages only the cache holds are "cached", not "used": a full prefix cache is no alert.
-        text = _scrape(mport)
+        text = scrape(mport)
         assert 'attnd_cache_pages{device="cpu:0",state="cached"} 2' in text
         assert 'attnd_cache_pages{device="cpu:0",state="used"} 0' in text
         assert 'attnd_cache_utilization{device="cpu:0"} 0' in text
@@ -130,15 +110,15 @@ def test_a_prompt_opened_on_cached_blocks_decodes_bit_for_bit_as_cold(attnd_serv
         b = w.open_sequence("B", prompt_token_ids=b_prompt)
         assert (b.cached_tokens, b.length) == (2 * P, 2 * P)
         c.open_sequence("B")
-        _step(c, [("B", 2 * P)], prefix)
+        step_details(c, [("B", 2 * P)], prefix)
         for q in (len(b_prompt) - 2 * P, 1, 1):
-            x = _inputs(spec, q, rng)
-            _same_bits(_step(w, [("B", q)], x), _step(c, [("B", q)], x), f"q_len {q}")
+            x = layer_inputs(spec, q, rng)
+            _same_bits(step_details(w, [("B", q)], x), step_details(c, [("B", q)], x), f"q_len {q}")
         # By hashes alone (a worker that keeps its tokens): the same blocks.
         hashes = hash_blocks(b_prompt, P)
         assert w.lookup_prefix(block_hashes=hashes).cached_blocks == 3  # B's third block too
         assert w.open_sequence("C", prompt_block_hashes=hashes[:2]).cached_tokens == 2 * P
-        text = _scrape(mport)
+        text = scrape(mport)
         assert f"attnd_prefix_cache_tokens_total {4 * P}" in text
         assert 'attnd_prefix_cache_lookup_blocks_total{result="hit"} 4' in text
 
@@ -164,10 +144,10 @@ def test_malformed_or_mismatched_prompts_are_refused_with_nothing_changed(attnd_
         # A step's hashes: one per block it completes, matching what the prompt says.
         c.open_sequence("y", prompt_token_ids=prompt)
         spec = c.info().model
-        x = _inputs(spec, 2 * P, np.random.default_rng(5))
-        e = expect(bad, _step, c, [("y", 2 * P)], x, [[hashes[0]]])
+        x = layer_inputs(spec, 2 * P, np.random.default_rng(5))
+        e = expect(bad, step_details, c, [("y", 2 * P)], x, [[hashes[0]]])
         assert "1 block hashes for the 2 blocks" in str(e)
-        e = expect(bad, _step, c, [("y", 2 * P)], x, [[hashes[1], hashes[0]]])
+        e = expect(bad, step_details, c, [("y", 2 * P)], x, [[hashes[1], hashes[0]]])
         assert "differs from its prompt's" in str(e)
         assert sorted(s.sequence_id for s in c.list_sequences()) == ["parent", "y"]
         assert c.describe_sequence("y").length == 0
@@ -193,7 +173,7 @@ def test_tenants_never_see_each_others_blocks(attnd_server, tmp_path):
             time.sleep(0.3)
             prompt = _tokens(2 * P + 1, 50)
             a.open_sequence("s", prompt_token_ids=prompt)
-            _step(a, [("s", 2 * P)], _inputs(spec, 2 * P, np.random.default_rng(1)))
+            step_details(a, [("s", 2 * P)], layer_inputs(spec, 2 * P, np.random.default_rng(1)))
             a.close_sequence("s")
             assert a.lookup_prefix(token_ids=prompt).cached_blocks == 2
             assert b.lookup_prefix(token_ids=prompt).cached_blocks == 0
@@ -229,7 +209,7 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
             for i, prompt in enumerate(prompts):  # 3 blocks each on 8 pages: older ones go
                 sid = f"s{i}"
                 c.open_sequence(sid, prompt_token_ids=prompt)
-                _step(c, [(sid, 3 * P)], _inputs(spec, 3 * P, rng))
+                step_details(c, [(sid, 3 * P)], layer_inputs(spec, 3 * P, rng))
                 c.close_sequence(sid)
             blocks = c.info().prefix_cache.blocks
             stored = removed = 0
@@ -268,7 +248,7 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
                 assert index.cached_blocks("r0", "", hashes) == n
                 want.update(hashes[:n])
             assert set(index.blocks("r0")) == want and len(want) == blocks > 0
-            text = _scrape(mport)
+            text = scrape(mport)
             assert f'attnd_kv_events_total{{result="published"}} {stored + removed}' in text
     finally:
         sub.close()
@@ -325,11 +305,11 @@ def test_the_prefix_router_sends_a_prompt_to_the_replica_holding_its_prefix(attn
             assert expected == 0
             client = router.client_for(f"first{i}")
             assert client.open_sequence(f"first{i}", prompt_token_ids=prompt).cached_tokens == 0
-            _step(client, [(f"first{i}", 2 * P)], _inputs(spec, 2 * P, rng))
+            step_details(client, [(f"first{i}", 2 * P)], layer_inputs(spec, 2 * P, rng))
             client.close_sequence(f"first{i}")
             homes[i] = name
         assert set(homes.values()) == {"r0", "r1"}, "the rendezvous hash spreads new prompts"
-        _wait(lambda: all(router.index.cached_blocks(homes[i], "", hash_blocks(p, P)) == 2
+        wait_for(lambda: all(router.index.cached_blocks(homes[i], "", hash_blocks(p, P)) == 2
                           for i, p in enumerate(prompts)), "the events arrive")
         for i, prompt in enumerate(prompts):  # the next turn: its home, whatever its id hashes to
             name, expected = router.choose(f"next{i}", prompt + _tokens(P, 40 + i))

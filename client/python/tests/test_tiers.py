@@ -9,26 +9,20 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, LayerInputs
+from attnd import AttndClient
 
 from attnd_process import ATTND_BIN, free_port, start, stop
-from attnd_testlib import expect, random_layer
+from attnd_testlib import expect, layer_inputs, scrape, step_details, wait_for
 
 PROMPT = 40  # tokens: three pages of the tiny model's 16
 DEVICE_SEQUENCES = 3  # N: the small server's device holds this many prompts
 
-
-def _scrape(mport: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def _value(text: str, series: str) -> float:
@@ -38,14 +32,6 @@ def _value(text: str, series: str) -> float:
     raise AssertionError(f"{series} not in metrics:\n{text}")
 
 
-def _inputs(spec, T, rng):
-    return [LayerInputs(layer, return_lse=True, **random_layer(spec, kind, T, rng))
-            for layer, kind in enumerate(spec.layers)]
-
-
-def _step(client, batch, inputs):
-    step = client.begin_step(batch)
-    return [client.attend_layer_details(step.step_id, x) for x in inputs]
 
 
 def _same_bits(got, want, what):
@@ -83,8 +69,9 @@ def test_a_device_holding_n_serves_4n_round_robin_bit_for_bit(attnd_server, tmp_
         for sid in ids:  # prefill, each step on one sequence: the device fills, then spills
             for c in (s, b):
                 c.open_sequence(sid)
-            x = _inputs(spec, PROMPT, rng)
-            _same_bits(_step(s, [(sid, PROMPT)], x), _step(b, [(sid, PROMPT)], x), f"{sid} prefill")
+            x = layer_inputs(spec, PROMPT, rng)
+            _same_bits(step_details(s, [(sid, PROMPT)], x),
+                       step_details(b, [(sid, PROMPT)], x), f"{sid} prefill")
             watch(s)
         # Forks of spilled parents (a partial page copied, whole pages shared across tiers).
         for child, parent in (("f0", "s0"), ("f1", "s5")):
@@ -94,14 +81,15 @@ def test_a_device_holding_n_serves_4n_round_robin_bit_for_bit(attnd_server, tmp_
         for rnd in range(3):  # round-robin decode, two sequences a step
             for i in range(0, len(ids), 2):
                 batch = [(sid, 1) for sid in ids[i:i + 2]]
-                x = _inputs(spec, len(batch), rng)
-                _same_bits(_step(s, batch, x), _step(b, batch, x), f"round {rnd}, {batch}")
+                x = layer_inputs(spec, len(batch), rng)
+                _same_bits(step_details(s, batch, x),
+                           step_details(b, batch, x), f"round {rnd}, {batch}")
                 watch(s)
         assert {"device", "host", "disk"} <= seen_tiers, seen_tiers
         assert max_used["host"] > 0 and max_used["disk"] > 0, max_used
         assert all(s.describe_sequence(sid).length == b.describe_sequence(sid).length
                    for sid in ids)
-        text = _scrape(mport)
+        text = scrape(mport)
         assert _value(text, 'attnd_tier_bytes_total{from="device",to="host"}') > 0
         assert _value(text, 'attnd_tier_bytes_total{from="host",to="disk"}') > 0
         assert _value(text, 'attnd_tier_moves_total{kind="restore",reason="step"}') > 0
@@ -119,12 +107,6 @@ def test_a_device_holding_n_serves_4n_round_robin_bit_for_bit(attnd_server, tmp_
         assert dev.pages_free == dev.pages_total and dev.sequences == 0
 
 
-def _wait_for(predicate, what, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
 
 def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_server, tmp_path):
     target, mport = attnd_server([f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"],
@@ -136,17 +118,19 @@ def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_s
         for sid in ("a", "b"):
             for x in (c, t):
                 x.open_sequence(sid)
-            inputs = _inputs(spec, PROMPT, rng)
-            _same_bits(_step(c, [(sid, PROMPT)], inputs), _step(t, [(sid, PROMPT)], inputs), sid)
+            inputs = layer_inputs(spec, PROMPT, rng)
+            _same_bits(step_details(c, [(sid, PROMPT)], inputs),
+                       step_details(t, [(sid, PROMPT)], inputs), sid)
         c.offload_sequences(["a", "b"])
         assert [(x.tier, x.num_pages) for x in c.list_sequences()] == [("disk", 0), ("disk", 0)]
         (disk,) = [x for x in c.info().tiers if x.name == "disk"]
         assert disk.sequences == 2 and disk.pages_used == 2 * -(-PROMPT // spec.page_size)
         c.prefetch_sequences(["a", "nobody"])  # unknown ids are skipped
-        _wait_for(lambda: c.describe_sequence("a").tier == "device", "prefetch of a")
-        x = _inputs(spec, 1, rng)
-        _same_bits(_step(c, [("a", 1)], x), _step(t, [("a", 1)], x), "a after a prefetch")
-        assert _value(_scrape(mport), 'attnd_tier_moves_total{kind="restore",reason="prefetch"}') \
+        wait_for(lambda: c.describe_sequence("a").tier == "device", "prefetch of a")
+        x = layer_inputs(spec, 1, rng)
+        _same_bits(step_details(c, [("a", 1)], x),
+                   step_details(t, [("a", 1)], x), "a after a prefetch")
+        assert _value(scrape(mport), 'attnd_tier_moves_total{kind="restore",reason="prefetch"}') \
             == 1
         # b's pages on disk are overwritten behind attnd's back: its next use is DATA_LOSS, a's
         # steps go on, b can only be closed.
@@ -159,9 +143,10 @@ def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_s
         assert str(tmp_path) not in str(e), str(e)  # the file is for the server's log
         assert c.describe_sequence("b").lost
         expect(grpc.StatusCode.DATA_LOSS, c.begin_step, [("b", 1)])
-        x = _inputs(spec, 1, rng)
-        _same_bits(_step(c, [("a", 1)], x), _step(t, [("a", 1)], x), "a beside a lost b")
-        assert _value(_scrape(mport), "attnd_data_loss_total") == 1
+        x = layer_inputs(spec, 1, rng)
+        _same_bits(step_details(c, [("a", 1)], x),
+                   step_details(t, [("a", 1)], x), "a beside a lost b")
+        assert _value(scrape(mport), "attnd_data_loss_total") == 1
         c.close_sequence("b")
         expect(grpc.StatusCode.NOT_FOUND, c.offload_sequences, ["b"])
         expect(grpc.StatusCode.INVALID_ARGUMENT, c.offload_sequences, ["x" * 10000])
@@ -202,8 +187,9 @@ def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path
             for sid in ids:
                 for c in (s, t):
                     c.open_sequence(sid)
-                x = _inputs(spec, PROMPT, rng)
-                _same_bits(_step(s, [(sid, PROMPT)], x), _step(t, [(sid, PROMPT)], x), sid)
+                x = layer_inputs(spec, PROMPT, rng)
+                _same_bits(step_details(s, [(sid, PROMPT)], x),
+                           step_details(t, [(sid, PROMPT)], x), sid)
             where = {x.sequence_id: x.tier for x in s.list_sequences()}
             assert {"device", "host", "disk"} <= set(where.values()), where
             by_hand = next(sid for sid in ids if where[sid] == "disk")
@@ -214,8 +200,8 @@ def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path
             assert sorted(x.sequence_id for x in r.list_sequences()) == sorted(ids), log
             for rnd in range(2):
                 for sid in ids:
-                    x = _inputs(spec, 1, rng)
-                    _same_bits(_step(r, [(sid, 1)], x), _step(t, [(sid, 1)], x),
+                    x = layer_inputs(spec, 1, rng)
+                    _same_bits(step_details(r, [(sid, 1)], x), step_details(t, [(sid, 1)], x),
                                f"{sid} ({where[sid]} before) on the receiver, round {rnd}")
     finally:
         if src.poll() is None:
