@@ -294,6 +294,22 @@ absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id)
   return resp;
 }
 
+absl::StatusOr<v1::SequenceInfo> Client::PromoteSequence(const std::string& id, uint64_t generation,
+                                                         int64_t length,
+                                                         const std::string& failed_replica) {
+  grpc::ClientContext ctx;
+  PrepareUnary(&ctx);
+  v1::PromoteSequenceRequest req;
+  req.set_sequence_id(id);
+  req.set_generation(generation);
+  req.set_length(length);
+  req.set_failed_replica(failed_replica);
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpcNotCancelled(stub_->PromoteSequence(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
 v1::BeginStepRequest MakeBeginRequest(const Batch& batch, bool write_only, int num_shards) {
   v1::BeginStepRequest req;
   for (const auto& [id, q] : batch) {

@@ -119,6 +119,12 @@ class Client {
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::LookupPrefixRequest& request);
   absl::Status CloseSequence(const std::string& id);
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
+  // Failover (docs/replication.md): promotes this server's standby copy of `id` at `generation`
+  // (the one its failed primary reported) to the sequence, cut back to `length` tokens when it
+  // holds more; `failed_replica` is not chosen as its next standby.
+  absl::StatusOr<v1::SequenceInfo> PromoteSequence(const std::string& id, uint64_t generation,
+                                                   int64_t length,
+                                                   const std::string& failed_replica = "");
   // This tenant's sequences, or (the admin only) every tenant's.
   absl::StatusOr<v1::ListSequencesResponse> ListSequences(bool all_tenants = false);
   // The tiers below the devices (docs/architecture.md#tiers). Prefetch: restore these spilled

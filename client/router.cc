@@ -314,6 +314,7 @@ absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
         absl::StrAppend(&errors, "; ", ranked[i].first, ": ", there.status().message());
       continue;
     }
+    if (there->standby()) continue;  // another's standby copy: FailOver promotes those
     if (!owner_reachable || there->in_step() || there->importing()) return holder;
     absl::Status moved = HandOffSequence(*holder, *owner, sequence_id);
     if (moved.ok()) {
@@ -337,6 +338,45 @@ absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
   return absl::NotFoundError(absl::StrCat("sequence '", sequence_id.substr(0, 64),
                                           "' is on none of the ", ranked.size(), " replicas",
                                           errors));
+}
+
+absl::StatusOr<Router::FailedOver> Router::FailOver(const std::string& sequence_id,
+                                                    uint64_t generation, int64_t length,
+                                                    std::string failed,
+                                                    const std::string& standby) {
+  std::vector<std::pair<std::string, Client*>> order;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed.empty()) {
+      auto chosen = chosen_.find(sequence_id);
+      failed = chosen != chosen_.end() ? chosen->second : Route(names_, sequence_id);
+    }
+    std::vector<std::string> names = Ranked(names_, sequence_id);
+    auto it = std::find(names.begin(), names.end(), standby);
+    if (it != names.end()) std::rotate(names.begin(), it, it + 1);  // the known standby first
+    for (std::string& n : names)
+      if (n != failed) {
+        Client* c = ClientLocked(n);
+        if (c != nullptr) order.emplace_back(std::move(n), c);
+      }
+  }
+  std::string errors;
+  for (auto& [name, c] : order) {
+    auto info = c->PromoteSequence(sequence_id, generation, length, failed);
+    if (info.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      chosen_[sequence_id] = name;
+      return FailedOver{c, name, *std::move(info)};
+    }
+    const absl::StatusCode code = info.status().code();
+    if (code != absl::StatusCode::kNotFound && code != absl::StatusCode::kUnavailable &&
+        code != absl::StatusCode::kDeadlineExceeded)
+      return info.status();
+    absl::StrAppend(&errors, "; ", name, ": ", info.status().message());
+  }
+  return absl::NotFoundError(absl::StrCat("no standby copy of '", sequence_id.substr(0, 64),
+                                          "' at generation ", generation, " on the ", order.size(),
+                                          " other replicas", errors));
 }
 
 }  // namespace attnd::client

@@ -120,6 +120,23 @@ class Router {
   absl::StatusOr<Client*> Locate(const std::string& sequence_id);
   int64_t pulls() const;  // sequences Locate has moved to their owner
 
+  // Failover (docs/replication.md): `sequence_id`'s primary (`failed`, default: where this
+  // router routes it now) does not answer. Promotes its standby copy at `generation` (the one
+  // the primary last reported) with the `length` the worker knows — on `standby` first when
+  // given (SequenceInfo.standby_replica), then on the replicas in the order its rendezvous hash
+  // ranks them without `failed` — and routes the sequence there from now on (until Forget).
+  // Returns the new primary's client and the promoted sequence: its generation for the next
+  // steps, its length where to resume (shorter than `length` after an async standby's lag:
+  // resend the steps after it). NOT_FOUND when no replica holds a copy.
+  struct FailedOver {
+    Client* client = nullptr;
+    std::string name;
+    v1::SequenceInfo info;
+  };
+  absl::StatusOr<FailedOver> FailOver(const std::string& sequence_id, uint64_t generation,
+                                      int64_t length, std::string failed = "",
+                                      const std::string& standby = "");
+
  private:
   Client* ClientLocked(const std::string& name);  // mu_ held
 

@@ -109,6 +109,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   std::vector<int32_t> need(devices.size(), 0);
   absl::flat_hash_set<const Sequence*> seen;
   seen.reserve(batch.size());
+  bool standby_batch = false;  // the entries so far are standby copies
   step->seqs.reserve(batch.size());
   // Every check before any state changes; every sum is bounded before it is formed.
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -122,6 +123,20 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     if (!seen.insert(seq).second)
       return absl::InvalidArgumentError(
           absl::StrCat("step batch: sequence ", Quote(seq->id), " appears twice"));
+    // Standby replicas (docs/replication.md): fencing, and copies that take their primary's
+    // commits only.
+    if (e.generation != 0 && e.generation != seq->generation)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step batch[", i, "]: sequence ", Quote(seq->id), " is at generation ", seq->generation,
+          ", the step names ", e.generation, " (fenced: it failed over)"));
+    if (seq->standby && !options.write_only)
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", Quote(seq->id),
+                       " is a standby copy; PromoteSequence it first (its primary failed)"));
+    if (i > 0 && seq->standby != standby_batch)
+      return absl::InvalidArgumentError(
+          "step batch: a write-only step mixes standby copies and other sequences");
+    standby_batch = seq->standby;
     if (!options.write_only && seq->length < seq->import_length)
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id), " is being imported (", seq->length, " of ",
@@ -177,7 +192,8 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   }
   int64_t need_total = 0;
   for (int32_t n : need) need_total += n;
-  RETURN_IF_ERROR(tenants.CheckPages(options.tenant, need_total));
+  RETURN_IF_ERROR(standby_batch ? table->CheckStandbyPages(need_total)
+                                : tenants.CheckPages(options.tenant, need_total));
   if (need_out != nullptr) need_out->checked = true;  // tier work may fix what follows
   if (need_out != nullptr && !need_out->restore.empty())
     return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(need_out->restore[0].id),

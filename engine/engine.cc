@@ -31,6 +31,11 @@ uint64_t RandomId() {
   return v;
 }
 
+SequenceInfo InfoOf(const Sequence& s) {
+  return SequenceInfo{
+      s.tenant, s.id,     s.length, s.device,     s.pages,  s.step != 0, s.length < s.import_length,
+      s.tier,   s.moving, s.lost,   s.generation, s.standby};
+}
 }  // namespace
 
 void Engine::Impl::Release(Step* step) {
@@ -142,6 +147,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
           ? -1
           : options.prefix_cache_bytes / static_cast<int64_t>(layout.BytesPerPage()),
       options.on_prefix_event);
+  if (options.standby_cache_bytes >= 0)
+    impl->table->SetStandbyBudget(options.standby_cache_bytes /
+                                  static_cast<int64_t>(layout.BytesPerPage()));
   impl->compute_ns = std::make_unique<std::atomic<int64_t>[]>(impl->devices.size());
   if (options.absorption != nullptr)
     RETURN_IF_ERROR(impl->absorption.Set(options.absorption, options.spec, impl->devices));
@@ -187,6 +195,45 @@ absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t im
   RETURN_IF_ERROR(impl_->table->Open(seq, device));
   impl_->table->Find(seq)->import_length = import_length;
   return absl::OkStatus();
+}
+
+absl::Status Engine::OpenStandby(const SequenceKey& seq, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->table->OpenStandby(seq, generation);
+}
+
+absl::StatusOr<SequenceInfo> Engine::PromoteSequence(const SequenceKey& seq, uint64_t generation,
+                                                     int64_t length) {
+  for (int attempt = 0;; ++attempt) {
+    StepRef holder(0);
+    {
+      std::unique_lock<std::mutex> lock(impl_->mu);
+      impl_->AwaitSettled(lock, seq);  // a tier move of it ends first
+      const Sequence* s = impl_->table->Find(seq);
+      if (s == nullptr) return impl_->table->NotFound(seq);
+      if (!s->standby && s->generation == generation + 1) return InfoOf(*s);  // promoted already
+      auto it = s->step != 0 ? impl_->steps.find(s->step) : impl_->steps.end();
+      if (it == impl_->steps.end() || !s->standby || s->generation != generation ||
+          !it->second->options.write_only || attempt > 0) {
+        RETURN_IF_ERROR(impl_->table->Promote(seq, generation, length));
+        return InfoOf(*impl_->table->Find(seq));
+      }
+      holder = StepRef(it->second->tenant, it->first, it->second->channel);
+    }
+    // Its old primary's replication step, half sent: abort it (a running layer ends first).
+    (void)AbortStep(holder, AbortReason::kAbort);
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->step_ended.wait_for(lock, impl_->options.limits.abort_wait, [&] {
+      const Sequence* s = impl_->table->Find(seq);
+      return s == nullptr || s->step == 0;
+    });
+  }
+}
+
+StandbyUsage Engine::Standby() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return {impl_->table->standby_sequences(), impl_->table->standby_pages(),
+          impl_->table->standby_budget()};
 }
 
 absl::StatusOr<int64_t> Engine::OpenSequence(const SequenceKey& seq, int device,
@@ -277,14 +324,6 @@ absl::Status Engine::CloseSequence(const SequenceKey& seq) {
   impl_->AwaitSettled(lock, seq);  // a move of it in flight ends first
   return impl_->table->Close(seq);
 }
-
-namespace {
-SequenceInfo InfoOf(const Sequence& s) {
-  return SequenceInfo{
-      s.tenant, s.id,     s.length, s.device, s.pages, s.step != 0, s.length < s.import_length,
-      s.tier,   s.moving, s.lost};
-}
-}  // namespace
 
 absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const SequenceKey& seq) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -428,6 +467,9 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
+  std::vector<std::string> ids;
+  ids.reserve(st->seqs.size());
+  for (const StepSeq& s : st->seqs) ids.push_back(s.seq->id);
   return StepInfo{st->tokens,
                   st->options.write_only,
                   st->next_layer,
@@ -436,7 +478,8 @@ absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const
                   st->visible_keys,
                   st->topk_keys,
                   st->options.context_parallel,
-                  st->options.attend_only};
+                  st->options.attend_only,
+                  std::move(ids)};
 }
 
 absl::Status Engine::AbortStep(const StepRef& ref, AbortReason reason) {

@@ -108,6 +108,9 @@ struct EngineOptions {
   // hold (they leave when a request needs their room); 0: blocks stay findable only while a
   // sequence holds them.
   int64_t prefix_cache_bytes = -1;
+  // Standby replicas (docs/replication.md): bytes of pages standby copies may hold (in whole
+  // pages; < 0: no limit beyond the cache's). Standby copies do not count against tenants.
+  int64_t standby_cache_bytes = -1;
   // Hears every block indexed or removed (KV events), under the engine's lock: it must be quick
   // and must not call the engine.
   std::function<void(const PrefixEvent&)> on_prefix_event;
@@ -136,6 +139,9 @@ struct StepEntry {
   // or none. When the step commits, they are indexed (with the blocks before them whose hashes
   // the sequence knows) so later sequences find them. Not on context-parallel steps.
   std::vector<BlockHash> block_hashes = {};
+  // Nonzero: the sequence's generation as the caller knows it (docs/replication.md); a step
+  // naming another one is FAILED_PRECONDITION (the sequence failed over elsewhere: fenced).
+  uint64_t generation = 0;
 };
 
 // How a step runs.
@@ -188,6 +194,15 @@ struct SequenceInfo {
   Tier tier = Tier::kDevice;  // where it is (docs/architecture.md#tiers)
   bool moving = false;        // between tiers now
   bool lost = false;          // its pages could not be read back: DATA_LOSS on use
+  uint64_t generation = 1;    // promotions so far + 1 (docs/replication.md)
+  bool standby = false;       // a standby copy: write-only steps only until promoted
+};
+
+// Standby copies' share of the cache (docs/replication.md).
+struct StandbyUsage {
+  int64_t sequences = 0;
+  int64_t pages = 0;
+  int64_t budget_pages = -1;  // < 0: no limit
 };
 
 // Why a step was aborted (metrics count aborts by reason).
@@ -269,6 +284,20 @@ class Engine {
   // the hashes: blocks its steps commit are indexed. INVALID_ARGUMENT (more hashes than
   // max_context holds, tokens that are not the hashes' blocks), and OpenSequence's errors.
   absl::StatusOr<int64_t> OpenSequence(const SequenceKey& seq, int device, PrefixQuery prefix);
+  // Standby replicas (docs/replication.md). Opens an empty standby copy at `generation`: it
+  // takes write-only steps (its primary's commits, entries naming that generation) and refuses
+  // every other step and forks until PromoteSequence. Charged to the standby budget
+  // (RESOURCE_EXHAUSTED beyond it), not to its tenant. OpenSequence's errors.
+  absl::Status OpenStandby(const SequenceKey& seq, uint64_t generation);
+  // Failover: the standby copy at `generation` becomes the sequence, at generation + 1, cut back
+  // to `length` when it holds more (a step its primary committed but the client never saw
+  // confirmed; a shorter copy stays as it is: the client resends what it lacks). A write-only
+  // step holding it (its old primary's, half sent) is aborted first. Promoting again at the
+  // same generation (a retried call) returns the sequence as it is. NOT_FOUND,
+  // FAILED_PRECONDITION (not a standby at that generation), DATA_LOSS.
+  absl::StatusOr<SequenceInfo> PromoteSequence(const SequenceKey& seq, uint64_t generation,
+                                               int64_t length);
+  StandbyUsage Standby() const;
   // The leading blocks of `hashes` cached in `tenant`'s prefix cache (what an open would map),
   // touching nothing.
   PrefixLookup LookupPrefix(const std::string& tenant, const std::vector<BlockHash>& hashes) const;
@@ -362,6 +391,7 @@ class Engine {
     int64_t topk_keys = 0;
     bool context_parallel = false;
     bool attend_only = false;
+    std::vector<std::string> sequence_ids;  // the batch's, in order
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <map>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
@@ -260,11 +262,83 @@ absl::Status SequenceTable::Open(const SequenceKey& key, int device) {
   return absl::OkStatus();
 }
 
+void SequenceTable::Charge(const Sequence& seq, int64_t pages) {
+  if (seq.standby) {
+    standby_pages_ += pages;
+  } else {
+    tenants_.AddPages(seq.tenant, pages);
+  }
+}
+
+void SequenceTable::ChargeSequences(const Sequence& seq, int64_t n) {
+  if (seq.standby) {
+    standby_seqs_ += n;
+  } else {
+    tenants_.AddSequences(seq.tenant, n);
+  }
+}
+
+absl::Status SequenceTable::OpenStandby(const SequenceKey& key, uint64_t generation) {
+  if (generation == 0) return absl::InvalidArgumentError("standby generation: 0 (they start at 1)");
+  absl::Status s = CheckNewId(key);
+  // The tenant's sequence quota does not count standby copies.
+  if (!s.ok() && !(absl::IsResourceExhausted(s) && size() < limits_.max_sequences)) return s;
+  auto seq = std::make_unique<Sequence>();
+  seq->tenant = key.tenant;
+  seq->id = key.id;
+  seq->device = Place();
+  seq->generation = generation;
+  seq->standby = true;
+  Insert(std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::Status SequenceTable::CheckStandbyPages(int64_t pages) const {
+  if (standby_budget_ < 0 || standby_pages_ + pages <= standby_budget_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat("standby budget: copies hold ", standby_pages_,
+                                                   " of ", standby_budget_, " pages, ", pages,
+                                                   " more do not fit (--standby-cache-bytes)"));
+}
+
+absl::Status SequenceTable::Promote(const SequenceKey& key, uint64_t generation, int64_t length) {
+  Sequence* seq = Find(key);
+  if (seq == nullptr) return NotFound(key);
+  const std::string& id = key.id;
+  if (!seq->standby || seq->generation != generation)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", Quote(id), " is ", seq->standby ? "a standby copy" : "a primary",
+        " at generation ", seq->generation, ", not a standby at generation ", generation));
+  if (seq->step != 0 || seq->copying || seq->moving)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is busy (a step, copy or tier move); retry"));
+  if (seq->lost) return OnDevice(*seq);
+  if (length < 0) return absl::OutOfRangeError(absl::StrCat("length ", length, " < 0"));
+  if (length < seq->length) {  // cut back: the pages past `length` go
+    const size_t keep = static_cast<size_t>((length + page_size_ - 1) / page_size_);
+    if (length % page_size_ != 0 && dir_.at(seq->logical[keep - 1]).refs() > 1)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", Quote(id), ": the page holding token ", length, " is shared; retry"));
+    for (size_t k = keep; k < seq->logical.size(); ++k) Drop(seq->logical[k], seq->tier);
+    standby_pages_ -= static_cast<int64_t>(seq->logical.size() - keep);
+    seq->logical.resize(keep);
+    if (!seq->pages.empty()) seq->pages.resize(keep);
+    seq->length = length;
+  }
+  standby_pages_ -= static_cast<int64_t>(seq->logical.size());
+  --standby_seqs_;
+  seq->standby = false;
+  seq->generation = generation + 1;
+  ChargeSequences(*seq, 1);
+  Charge(*seq, static_cast<int64_t>(seq->logical.size()));
+  seq->last_used = std::chrono::steady_clock::now();
+  return absl::OkStatus();
+}
+
 void SequenceTable::Insert(std::unique_ptr<Sequence> seq) {
   ++counts_[seq->device];
   ++at_tier_[static_cast<int>(seq->tier)];
-  tenants_.AddSequences(seq->tenant, 1);
-  tenants_.AddPages(seq->tenant, static_cast<int64_t>(seq->logical.size()));
+  ChargeSequences(*seq, 1);
+  Charge(*seq, static_cast<int64_t>(seq->logical.size()));
   SequenceKey key(seq->tenant, seq->id);
   seqs_.emplace(std::move(key), std::move(seq));
 }
@@ -273,8 +347,8 @@ void SequenceTable::Erase(Sequence* seq) {
   for (int32_t id : seq->logical) Drop(id, seq->tier);
   --counts_[seq->device];
   if (!seq->lost) --at_tier_[static_cast<int>(seq->tier)];
-  tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->logical.size()));
-  tenants_.AddSequences(seq->tenant, -1);
+  Charge(*seq, -static_cast<int64_t>(seq->logical.size()));
+  ChargeSequences(*seq, -1);
   seqs_.erase(SequenceKey(seq->tenant, seq->id));
   TrimCache();
 }
@@ -337,6 +411,9 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
   if (par->filling)
     return absl::FailedPreconditionError(absl::StrCat(
         "fork parent ", Quote(parent), " is still being forked itself; fork it afterwards"));
+  if (par->standby)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fork parent ", Quote(parent), " is a standby copy; promote it first (failover)"));
   if (absl::Status s = OnDevice(*par); !s.ok()) return s;
   const int64_t child_pages = (prefix_len + page_size_ - 1) / page_size_;
   if (absl::Status s = tenants_.CheckPages(key.tenant, child_pages); !s.ok()) return s;
@@ -441,7 +518,7 @@ void SequenceTable::Bind(Sequence* seq, uint64_t step, int64_t new_len,
                          std::vector<int32_t>* new_pages) {
   const int32_t grow = PagesToGrow(*seq, new_len);
   pools_[seq->device].Allocate(grow, new_pages);
-  tenants_.AddPages(seq->tenant, grow);
+  Charge(*seq, grow);
   seq->step = step;
   seq->last_used = std::chrono::steady_clock::now();
 }
@@ -466,7 +543,7 @@ void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages,
     }
   } else {
     for (int32_t p : new_pages) pools_[seq->device].Unref(p);
-    tenants_.AddPages(seq->tenant, -static_cast<int64_t>(new_pages.size()));
+    Charge(*seq, -static_cast<int64_t>(new_pages.size()));
   }
 }
 
@@ -665,7 +742,7 @@ std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& 
       holds = holds || std::find(ids.begin(), ids.end(), p) != ids.end();
     if (!holds) continue;
     for (int32_t p : seq->logical) Drop(p, seq->tier);
-    tenants_.AddPages(seq->tenant, -static_cast<int64_t>(seq->logical.size()));
+    Charge(*seq, -static_cast<int64_t>(seq->logical.size()));
     --at_tier_[static_cast<int>(seq->tier)];
     seq->logical.clear();
     seq->pages.clear();
@@ -683,8 +760,10 @@ std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t n
         !seq->copying && !seq->filling && !seq->moving && !seq->lost &&
         std::find(keep.begin(), keep.end(), seq.get()) == keep.end())
       cands.push_back(seq.get());
+  // Standby copies first (a copy is read only if its primary fails), then least recently used.
   std::sort(cands.begin(), cands.end(), [](const Sequence* a, const Sequence* b) {
-    return std::tie(a->last_used, a->tenant, a->id) < std::tie(b->last_used, b->tenant, b->id);
+    return std::make_tuple(!a->standby, a->last_used, std::cref(a->tenant), std::cref(a->id)) <
+           std::make_tuple(!b->standby, b->last_used, std::cref(b->tenant), std::cref(b->id));
   });
   std::vector<SequenceKey> out;
   int32_t freed = 0;

@@ -56,6 +56,12 @@ struct Sequence {
   // until they are committed (for KV events). A block is indexed when a step commits it.
   std::vector<BlockHash> hashes;
   std::vector<uint32_t> tokens;
+  // Standby replicas (docs/replication.md): promotion increments the generation, and a step
+  // naming another generation is refused (fencing). A standby copy takes only write-only steps
+  // (its primary's commits) until it is promoted, and is charged to the standby budget, not to
+  // its tenant.
+  uint64_t generation = 1;
+  bool standby = false;
   // When it was opened or a step last began or ended on it: its lease
   // (Engine::ExpireIdleSequences closes sequences idle for longer).
   std::chrono::steady_clock::time_point last_used = std::chrono::steady_clock::now();
@@ -180,6 +186,24 @@ class SequenceTable {
   // Opens an empty sequence on `device` (< 0: Place()).
   absl::Status Open(const SequenceKey& key, int device);
 
+  // Standby replicas (docs/replication.md). Opens an empty standby copy of `key` at
+  // `generation` (placed as Open places it), charged to the standby budget: the tenant's quota
+  // neither limits nor counts it.
+  absl::Status OpenStandby(const SequenceKey& key, uint64_t generation);
+  // Pages standby copies may hold (< 0: no limit) and what they hold.
+  void SetStandbyBudget(int64_t pages) { standby_budget_ = pages; }
+  int64_t standby_pages() const { return standby_pages_; }
+  int64_t standby_sequences() const { return standby_seqs_; }
+  int64_t standby_budget() const { return standby_budget_; }
+  // RESOURCE_EXHAUSTED unless `pages` more fit the standby budget.
+  absl::Status CheckStandbyPages(int64_t pages) const;
+  // Makes the standby copy `key` at `generation` a sequence: cut back to `length` when it is
+  // longer (rows its primary committed but no client saw confirmed), at generation + 1, charged
+  // to its tenant from now on (beyond its quota if need be, as kept pages are). NOT_FOUND,
+  // FAILED_PRECONDITION (not a standby at that generation; in a step, copying or moving; the
+  // page it would keep writing into is shared), DATA_LOSS (lost).
+  absl::Status Promote(const SequenceKey& key, uint64_t generation, int64_t length);
+
   // The prefix cache (docs/prefix_cache.md). `max_cached_pages`: pages only the cache may hold
   // (blocks of closed sequences), least recently used out first; < 0: as many as the tiers
   // hold (they leave when a request needs their room). `on_event` (may be empty) hears every
@@ -298,6 +322,10 @@ class SequenceTable {
   // Holds the copies' sources for the copy (move->pinned).
   void Pin(PageMove* move);
   void Unpin(const PageMove& move);
+  // Charges `pages` (negative: gives back) to the sequence's tenant, or to the standby budget
+  // for a standby copy; ChargeSequences the same for sequence counts.
+  void Charge(const Sequence& seq, int64_t pages);
+  void ChargeSequences(const Sequence& seq, int64_t n);
   // Adds a new sequence (its tier's and device's counts, its tenant's share of sequences and of
   // the pages it holds already); Erase undoes it.
   void Insert(std::unique_ptr<Sequence> seq);
@@ -345,6 +373,7 @@ class SequenceTable {
   Tier cache_tier_ = Tier::kDevice;  // the slowest tier on
   int64_t max_cached_ = -1;
   int64_t cache_only_ = 0;
+  int64_t standby_budget_ = -1, standby_pages_ = 0, standby_seqs_ = 0;
   PrefixStats prefix_stats_;
   std::function<void(const PrefixEvent&)> on_prefix_event_;
 };

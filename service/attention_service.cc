@@ -3,11 +3,13 @@
 // and the absorption upload live in files of their own (service_internal.h lists them).
 #include "service/attention_service.h"
 
+#include <glog/logging.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <vector>
 
@@ -20,6 +22,7 @@
 #include "service/export_chunk.h"
 #include "service/layer_codec.h"
 #include "service/prefix_query.h"
+#include "service/replication.h"
 #include "service/service_internal.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
@@ -82,6 +85,7 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
                                               const v1::OpenSequenceRequest& req,
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
+  if (req.standby_generation() != 0) return OpenStandby(caller, req, resp);
   if (!req.fork_parent_id().empty() && req.import_length() != 0)
     return absl::InvalidArgumentError("import_length: a fork is not a handoff target");
   if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
@@ -106,9 +110,80 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
             : engine_->ForkSequence(KeyOf(caller, req.sequence_id()), req.fork_parent_id(),
                                     req.fork_prefix_len()));
   }
-  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(KeyOf(caller, req.sequence_id())));
+  const SequenceKey key = KeyOf(caller, req.sequence_id());
+  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(key));
+  if (replicator_ != nullptr) {
+    replicator_->Track(key, info.generation);
+    if (info.length > 0) {  // a fork or cached blocks: sync answers once the copy holds them
+      std::promise<absl::Status> copied;
+      std::future<absl::Status> done = copied.get_future();
+      replicator_->Committed({key}, [&copied](absl::Status s) { copied.set_value(s); });
+      RETURN_IF_ERROR(done.get());
+    }
+  }
   FillSequence(info, *engine_, resp);
+  if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
   resp->set_cached_tokens(cached);
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::OpenStandby(const Caller& caller, const v1::OpenSequenceRequest& req,
+                                           v1::SequenceInfo* resp) {
+  // Another replica's copy: on a server with tenants, only the admin identity (the replicas'
+  // peer credentials) may place one; it is charged to the standby budget, not the tenant.
+  const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
+  if (!open && !caller.admin)
+    return absl::PermissionDeniedError(
+        "standby_generation: only the admin identity (--admin-tenant) opens standby copies");
+  if (!req.fork_parent_id().empty() || req.fork_prefix_len() != 0 || req.import_length() != 0 ||
+      !req.prompt_token_ids().empty() || !req.prompt_block_hashes().empty() ||
+      !req.prefix_salt().empty())
+    return absl::InvalidArgumentError(
+        "standby_generation: a standby copy opens empty (no fork, import or prompt)");
+  const SequenceKey key = KeyOf(caller, req.sequence_id());
+  RETURN_IF_ERROR(engine_->OpenStandby(key, req.standby_generation()));
+  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(key));
+  FillSequence(info, *engine_, resp);
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionService::PromoteSequence(grpc::CallbackServerContext* ctx,
+                                                            const v1::PromoteSequenceRequest* req,
+                                                            v1::SequenceInfo* resp) {
+  // May wait for its old primary's replication step to abort: off gRPC's threads.
+  return Posted(ctx, "PromoteSequence",
+                [this, req, resp](const Caller& c) { return DoPromoteSequence(c, *req, resp); });
+}
+
+absl::Status AttentionService::DoPromoteSequence(const Caller& caller,
+                                                 const v1::PromoteSequenceRequest& req,
+                                                 v1::SequenceInfo* resp) {
+  if (draining_) return Draining();
+  const EngineLimits& lim = engine_->options().limits;
+  RETURN_IF_ERROR(CheckIdLength("sequence_id", req.sequence_id(), lim.max_id_bytes));
+  RETURN_IF_ERROR(CheckIdLength("failed_replica", req.failed_replica(), lim.max_id_bytes));
+  if (req.generation() == 0)
+    return absl::InvalidArgumentError("generation: 0 (SequenceInfo.generation starts at 1)");
+  if (req.length() < 0 || req.length() > engine_->spec().max_context)
+    return absl::OutOfRangeError(absl::StrCat("length ", req.length(), " outside [0, ",
+                                              engine_->spec().max_context, "] (max_context)"));
+  const SequenceKey key = KeyOf(caller, req.sequence_id());
+  const auto before = engine_->DescribeSequence(key);
+  ASSIGN_OR_RETURN(SequenceInfo info,
+                   engine_->PromoteSequence(key, req.generation(), req.length()));
+  const bool promoted = before.ok() && before->standby;
+  if (promoted) {
+    if (metrics_ != nullptr) metrics_->Promoted();
+    LOG(WARNING) << "promoted sequence " << Quote(key.id) << " (tenant " << Quote(key.tenant)
+                 << ") to primary at generation " << info.generation << ", " << info.length
+                 << " tokens (" << before->length << " held; the client knew " << req.length()
+                 << "), failed over from "
+                 << (req.failed_replica().empty() ? std::string("an unnamed replica")
+                                                  : Quote(req.failed_replica()));
+  }
+  if (replicator_ != nullptr) replicator_->Track(key, info.generation, req.failed_replica());
+  FillSequence(info, *engine_, resp);
+  if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
   return absl::OkStatus();
 }
 
@@ -146,7 +221,10 @@ grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerCo
 
 absl::Status AttentionService::DoCloseSequence(const Caller& caller,
                                                const v1::CloseSequenceRequest& req) {
-  return engine_->CloseSequence(KeyOf(caller, req.sequence_id()));
+  const SequenceKey key = KeyOf(caller, req.sequence_id());
+  RETURN_IF_ERROR(engine_->CloseSequence(key));
+  if (replicator_ != nullptr) replicator_->Closed(key);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServerContext* ctx,
@@ -159,9 +237,21 @@ grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServe
 absl::Status AttentionService::DoDescribeSequence(const Caller& caller,
                                                   const v1::DescribeSequenceRequest& req,
                                                   v1::SequenceInfo* resp) {
-  ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(KeyOf(caller, req.sequence_id())));
-  FillSequence(info, *engine_, resp);
+  const SequenceKey key = KeyOf(caller, req.sequence_id());
+  absl::StatusOr<SequenceInfo> info = engine_->DescribeSequence(key);
+  if (absl::IsNotFound(info.status())) RETURN_IF_ERROR(FencedHere(key));
+  RETURN_IF_ERROR(info.status());
+  FillSequence(*info, *engine_, resp);
+  if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
   return absl::OkStatus();
+}
+
+absl::Status AttentionService::FencedHere(const SequenceKey& key) const {
+  const uint64_t g = replicator_ != nullptr ? replicator_->FencedAt(key) : 0;
+  if (g == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(key.id),
+                                                    " failed over to another replica (generation ",
+                                                    g, "); this replica's copy was dropped"));
 }
 
 grpc::ServerUnaryReactor* AttentionService::ListSequences(grpc::CallbackServerContext* ctx,
@@ -261,6 +351,8 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
       return absl::InvalidArgumentError(absl::StrCat(
           "batch[", i, "]: position_offset and query_position belong to context-parallel steps"));
     batch.push_back({e.sequence_id(), e.q_len(), e.position_offset(), e.query_position()});
+    batch.back().generation = e.generation();
+    RETURN_IF_ERROR(FencedHere(KeyOf(caller, e.sequence_id())));
     if (!e.block_hashes().empty()) {
       // At most the blocks a step of max_step_tokens can complete (the engine checks the count).
       const ModelSpec& spec = engine_->spec();

@@ -24,6 +24,8 @@
 
 namespace attnd {
 
+class Replicator;
+
 struct ServiceOptions {
   int64_t max_message_bytes = 0;
   int64_t step_idle_timeout_ms = 0;
@@ -54,6 +56,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   void SetReplicaName(std::string name);
   // The KV-event publisher (ServerInfo names its endpoint); set once, before readiness.
   void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
+  // Standby replicas (docs/replication.md): commits wait for it as its mode says, opens and
+  // closes reach it. Set once, before readiness; null: no replication.
+  void SetReplicator(Replicator* replicator) { replicator_ = replicator; }
 
   grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
                                        const v1::ServerInfoRequest* req,
@@ -70,6 +75,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* DescribeSequence(grpc::CallbackServerContext* ctx,
                                              const v1::DescribeSequenceRequest* req,
                                              v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* PromoteSequence(grpc::CallbackServerContext* ctx,
+                                            const v1::PromoteSequenceRequest* req,
+                                            v1::SequenceInfo* resp) override;
   grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* ctx,
                                           const v1::ListSequencesRequest* req,
                                           v1::ListSequencesResponse* resp) override;
@@ -126,6 +134,8 @@ class AttentionService final : public v1::Attention::CallbackService {
                               v1::LookupPrefixResponse* resp) const;
   absl::Status DoDescribeSequence(const Caller& caller, const v1::DescribeSequenceRequest& req,
                                   v1::SequenceInfo* resp);
+  absl::Status DoPromoteSequence(const Caller& caller, const v1::PromoteSequenceRequest& req,
+                                 v1::SequenceInfo* resp);
   absl::Status DoListSequences(const Caller& caller, const v1::ListSequencesRequest& req,
                                v1::ListSequencesResponse* resp);
   // The tiers (docs/architecture.md#tiers): prefetch answers at once; offload blocks while the
@@ -180,6 +190,11 @@ class AttentionService final : public v1::Attention::CallbackService {
 
  private:
   class StepStream;
+  // A standby copy for another replica (OpenSequenceRequest.standby_generation).
+  absl::Status OpenStandby(const Caller& caller, const v1::OpenSequenceRequest& req,
+                           v1::SequenceInfo* resp);
+  // FAILED_PRECONDITION when this replica's copy of `key` was fenced (it failed over).
+  absl::Status FencedHere(const SequenceKey& key) const;
   // One layer of a sharded step from every shard's message (blocking).
   absl::Status LayerSharded(const Caller& caller, const StepRef& step,
                             const std::vector<ShardGather::Part>& parts, Transport transport);
@@ -201,6 +216,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<const KvEventPublisher*> kv_events_{nullptr};
+  Replicator* replicator_ = nullptr;
   mutable std::mutex name_mu_;
   std::string replica_name_;               // guarded by name_mu_
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels

@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <set>
@@ -15,6 +16,7 @@
 #include "client/router.h"
 #include "common/status_macros.h"
 #include "service/export_chunk.h"
+#include "service/replication.h"
 
 namespace attnd {
 namespace {
@@ -83,6 +85,26 @@ absl::Status MoveOne(Engine& engine, const SequenceInfo& seq, const std::string&
   return engine.CloseSequence(key);
 }
 
+// The peer named `peer_name` holds seq's standby copy: catch it up and promote it there.
+absl::Status PromoteThere(Engine& engine, const SequenceInfo& seq, const std::string& peer,
+                          const std::string& peer_name, const DrainOptions& o,
+                          Clock::time_point deadline) {
+  const SequenceKey key(seq.tenant, seq.id);
+  if (o.replicator == nullptr || o.replicator->StandbyOf(key) != peer_name)
+    return absl::NotFoundError("no standby copy there");
+  RETURN_IF_ERROR(o.replicator->Flush(key, deadline));
+  client::ConnectOptions c = o.credentials;
+  c.act_as_tenant = seq.tenant;
+  ASSIGN_OR_RETURN(std::unique_ptr<client::Client> to, client::Client::Connect(peer, c));
+  ASSIGN_OR_RETURN(const v1::SequenceInfo there,
+                   to->PromoteSequence(seq.id, seq.generation, seq.length, o.self_name));
+  if (there.length() != seq.length)
+    return absl::InternalError(
+        absl::StrCat("peer's promoted copy holds ", there.length(), " tokens, not ", seq.length));
+  o.replicator->Forget(key);
+  return engine.CloseSequence(key);
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<std::string>> DrainPeers(const std::vector<std::string>& peers) {
@@ -144,7 +166,10 @@ DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
     names.push_back(r.name);
     report.peers.push_back(absl::StrCat(r.name, " (", r.address, ")"));
   }
-  const std::vector<SequenceInfo> all = engine.ListSequences(nullptr);
+  std::vector<SequenceInfo> all = engine.ListSequences(nullptr);
+  // Standby copies stay: they are other replicas' sequences (which choose new standbys).
+  all.erase(std::remove_if(all.begin(), all.end(), [](const SequenceInfo& s) { return s.standby; }),
+            all.end());
   std::mutex mu;  // guards `next` and `report`
   size_t next = 0;
   auto worker = [&] {
@@ -159,8 +184,14 @@ DrainReport DrainSequences(Engine& engine, const DrainOptions& o) {
       absl::Status s = absl::DeadlineExceededError("drain timeout");
       std::string peer;
       if (Clock::now() < deadline) {
-        peer = address_of.at(client::Route(names, seq.id));
-        s = MoveOne(engine, seq, peer, o);
+        const std::string name = client::Route(names, seq.id);
+        peer = address_of.at(name);
+        s = PromoteThere(engine, seq, peer, name, o, deadline);
+        if (absl::IsNotFound(s)) {
+          s = MoveOne(engine, seq, peer, o);
+          if (s.ok() && o.replicator != nullptr)
+            o.replicator->Closed(SequenceKey(seq.tenant, seq.id));
+        }
       }
       std::lock_guard<std::mutex> lock(mu);
       if (s.ok()) {

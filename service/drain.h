@@ -15,6 +15,8 @@
 
 namespace attnd {
 
+class Replicator;
+
 struct DrainOptions {
   // The remaining replicas: "host:port" each, or "dns:NAME:PORT" for every address NAME resolves
   // to (a headless Service) except this host's own.
@@ -30,6 +32,10 @@ struct DrainOptions {
   // Sequences moved at once, each on its own connection: one move is a chain of per-layer round
   // trips that leaves both hosts mostly idle, so several overlap.
   int parallel = 4;
+  // Standby replicas (docs/replication.md), or null: a sequence whose standby copy is on the
+  // peer it goes to is caught up there and promoted instead of copied; another's copy is closed
+  // once it moved. Standby copies held here stay (their primaries choose new ones).
+  Replicator* replicator = nullptr;
 };
 
 struct DrainReport {

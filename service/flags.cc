@@ -323,6 +323,36 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"drain-tls-cert", "PEM", "mTLS to the peers: this server's client certificate",
        Str(&f->drain_tls_cert)},
       {"drain-tls-key", "PEM", "its key", Str(&f->drain_tls_key)},
+      {"", "",
+       "Standby replicas (docs/replication.md: every sequence's commits copied to the replica\n"
+       "its rendezvous hash ranks next; a client fails over there with PromoteSequence; the\n"
+       "peers are reached with the drain's credentials):",
+       nullptr},
+      {"standby-peers", "LIST",
+       "host:port,... or dns:NAME:PORT, this replica may be among them\n(default none: no "
+       "standby copies)",
+       List(&f->standby_peers, false)},
+      {"replication", "async|sync",
+       "async (default): a commit answers at once, the standby lags by at\nmost "
+       "--replication-max-lag-steps commits; sync: a commit answers\nonce its standby has it",
+       OneOf(&f->replication, {"async", "sync"})},
+      {"replication-max-lag-steps", "N",
+       "async: commits wait beyond this many unacknowledged per sequence\n(default 4)",
+       Int(&f->replication_max_lag_steps)},
+      {"replication-ack-timeout-ms", "N",
+       "a standby silent this long no longer holds commits back: they\nanswer unprotected, "
+       "the log and metrics say so (default 1000)",
+       Int(&f->replication_ack_timeout_ms)},
+      {"standby-cache-bytes", "N|all",
+       "cache bytes standby copies may hold here (default all: as the\ncache has room; they "
+       "spill down the tiers before primaries do)",
+       [f](const std::string& v) {
+         if (v == "all") {
+           f->standby_cache_bytes = -1;
+           return true;
+         }
+         return Int(&f->standby_cache_bytes)(v);
+       }},
   };
 }
 
@@ -409,6 +439,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (!f.model_file.empty() && !f.hf_config.empty())
     return bad("--model-file and --hf-config: give one");
   if (f.drain_parallel > 64) return bad("--drain-parallel: at most 64");
+  if (f.replication_ack_timeout_ms < 1) return bad("--replication-ack-timeout-ms: at least 1");
   if (f.replica_name.size() > 253 ||  // empty: HOST:PORT, once the port is bound
       !std::all_of(f.replica_name.begin(), f.replica_name.end(), [](char c) {
         return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' ||

@@ -16,6 +16,7 @@
 #include "service/attention_service.h"
 #include "service/export_chunk.h"
 #include "service/layer_codec.h"
+#include "service/replication.h"
 #include "service/service_internal.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
@@ -25,6 +26,19 @@ namespace attnd {
 void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
                                   const v1::LayerInputs* in, v1::LayerOutput* out,
                                   Transport transport, std::function<void(absl::Status)> done) {
+  // Standby replicas: a committing layer's reply waits as the replication mode says (sync: for
+  // the standby's acknowledgement; async: while the lag is beyond its bound).
+  if (replicator_ != nullptr) {
+    auto info = engine_->DescribeStep(step);
+    if (info.ok() && info->next_layer == engine_->spec().num_layers() - 1) {
+      std::vector<SequenceKey> keys;
+      for (const std::string& id : info->sequence_ids) keys.emplace_back(step.tenant, id);
+      done = [this, out, keys = std::move(keys), done = std::move(done)](absl::Status s) {
+        if (!s.ok() || out == nullptr || !out->committed()) return done(s);
+        replicator_->Committed(keys, done);
+      };
+    }
+  }
   if (shards_.NumShards(step) == 0) {
     executor_->Post([this, caller, step, in, out, transport, done = std::move(done)] {
       done(Guarded([&] { return Layer(caller, step, *in, out, transport); }));

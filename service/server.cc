@@ -35,6 +35,7 @@
 #include "service/drain.h"
 #include "service/kv_events.h"
 #include "service/logging.h"
+#include "service/replication.h"
 #include "service/service_metrics.h"
 #include "service/tls.h"
 #include "service/unix_listener.h"
@@ -111,6 +112,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(
   o.tiers.disk_file = DiskFileName(f);
   o.on_tier_event = std::move(on_tier_event);
   o.prefix_cache_bytes = f.prefix_cache_bytes;
+  o.standby_cache_bytes = f.standby_cache_bytes;
   o.on_prefix_event = std::move(on_prefix_event);
   if (!f.absorb_from.empty()) {
     auto absorb = LoadAbsorption(f.absorb_from, o.spec);
@@ -234,7 +236,9 @@ class Server {
     Say(absl::StrCat(sig == SIGTERM ? "SIGTERM" : "SIGINT", " received, draining"));
     service_->SetDraining();
     grpc_server_->GetHealthCheckService()->SetServingStatus(kServiceName, false);
-    std::vector<std::string> peers = flags_.drain_peers;
+    // Without --drain-peers a drain goes to the standby peers (where the copies are).
+    std::vector<std::string> peers =
+        flags_.drain_peers.empty() ? flags_.standby_peers : flags_.drain_peers;
     {
       std::lock_guard<std::mutex> lock(drain_mu_);
       if (!requested_peers_.empty()) peers = requested_peers_;
@@ -275,6 +279,7 @@ class Server {
                            std::chrono::milliseconds(flags_.shutdown_grace_ms));
     grpc_server_->Wait();
     grpc_server_.reset();
+    replicator_.reset();  // no call waits on it any more
     {
       std::lock_guard<std::mutex> lock(grace_mu);
       shut = true;
@@ -402,6 +407,26 @@ class Server {
       std::lock_guard<std::mutex> lock(events_mu_);
       events_ = std::move(events);
     }
+    if (!flags_.standby_peers.empty()) {
+      ASSIGN_OR_RETURN(DrainOptions peers, MakeDrainOptions(flags_, {}));
+      ReplicationOptions ro;
+      ro.mode = flags_.replication == "sync" ? ReplicationOptions::Mode::kSync
+                                             : ReplicationOptions::Mode::kAsync;
+      ro.peers = flags_.standby_peers;
+      ro.self_name = replica_name_;
+      ro.credentials = peers.credentials;
+      ro.max_lag_steps = flags_.replication_max_lag_steps;
+      ro.ack_timeout = std::chrono::milliseconds(flags_.replication_ack_timeout_ms);
+      ro.chunk_tokens = std::min<int64_t>(4096, service_->max_export_chunk_tokens());
+      ro.max_batch_entries = std::min<int64_t>(64, flags_.max_batch_entries);
+      auto r = Replicator::Create(engine_.get(), std::move(ro));
+      if (!r.ok())
+        return absl::Status(r.status().code(),
+                            absl::StrCat("--standby-peers: ", r.status().message()));
+      replicator_ = *std::move(r);
+      service_->SetReplicator(replicator_.get());
+      service_metrics_->SetReplicator(replicator_.get());
+    }
     grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
     health->SetServingStatus("", true);
     health->SetServingStatus(kServiceName, true);
@@ -460,7 +485,17 @@ class Server {
               << f.quota_pages << ", sequences " << f.quota_sequences << ", steps " << f.quota_steps
               << ", shm regions " << f.quota_shm_regions << "; drain peers "
               << (f.drain_peers.empty() ? "none" : absl::StrJoin(f.drain_peers, ","))
-              << " (timeout " << f.drain_timeout_ms << " ms, " << f.drain_parallel << " at once)";
+              << " (timeout " << f.drain_timeout_ms << " ms, " << f.drain_parallel << " at once)"
+              << "; standby peers "
+              << (f.standby_peers.empty()
+                      ? std::string("none")
+                      : absl::StrCat(
+                            absl::StrJoin(f.standby_peers, ","), " (", f.replication, ", max lag ",
+                            f.replication_max_lag_steps, " steps, ack timeout ",
+                            f.replication_ack_timeout_ms, " ms, standby budget ",
+                            f.standby_cache_bytes < 0 ? std::string("all")
+                                                      : absl::StrCat(f.standby_cache_bytes, " B"),
+                            ")"));
   }
 
   void TierMoved(const TierEvent& e) {
@@ -530,6 +565,7 @@ class Server {
       return;
     }
     d->self_name = replica_name_;
+    d->replicator = replicator_.get();
     const auto t0 = std::chrono::steady_clock::now();
     const DrainReport r = DrainSequences(*engine_, *d);
     const double ms =
@@ -560,6 +596,7 @@ class Server {
   std::unique_ptr<grpc::Server> grpc_server_;
   int port_ = 0;
   std::unique_ptr<UnixListener> local_;
+  std::unique_ptr<Replicator> replicator_;  // --standby-peers
 
   std::mutex drain_mu_;
   std::vector<std::string> requested_peers_;  // from the Drain RPC

@@ -16,6 +16,7 @@
 #include "service/attention_service.h"
 #include "service/export_chunk.h"
 #include "service/layer_codec.h"
+#include "service/replication.h"
 #include "service/service_internal.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
@@ -81,6 +82,18 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   pc->set_blocks(prefix.blocks);
   pc->set_cached_only_pages(prefix.cached_only);
   if (const KvEventPublisher* ev = kv_events_.load()) pc->set_kv_events(ev->endpoint());
+  v1::ReplicationInfo* ri = resp->mutable_replication();
+  const StandbyUsage standby = engine_->Standby();
+  ri->set_standby_sequences(standby.sequences);
+  ri->set_standby_pages(standby.pages);
+  ri->set_standby_budget_pages(standby.budget_pages);
+  ri->set_mode("off");
+  if (replicator_ != nullptr) {
+    const ReplicationOptions& ro = replicator_->options();
+    ri->set_mode(ro.mode == ReplicationOptions::Mode::kSync ? "sync" : "async");
+    ri->set_max_lag_steps(ro.max_lag_steps);
+    for (std::string& p : replicator_->Stats().peers) ri->add_peers(std::move(p));
+  }
   for (const char* t : {"BF16", "FP16", "FP32"}) resp->add_datatypes(t);
   resp->add_datatypes("FP8_E4M3");  // queries with scales anywhere; keys into an fp8 cache
   resp->set_max_message_bytes(options_.max_message_bytes);

@@ -25,6 +25,8 @@ inline void FillSequence(const SequenceInfo& s, const Engine& e, v1::SequenceInf
   out->set_tier(TierName(s.tier));
   out->set_moving(s.moving);
   out->set_lost(s.lost);
+  out->set_generation(s.generation);
+  out->set_standby(s.standby);
 }
 
 inline absl::Status Draining() {

@@ -12,6 +12,7 @@
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
+#include "service/replication.h"
 
 #ifndef ATTND_VERSION
 #define ATTND_VERSION "0.0.0"
@@ -237,6 +238,38 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
       "queue was full; subscribers see a gap in the sequence numbers).");
   events_published_ = &events.Add({{"result", "published"}});
   events_dropped_ = &events.Add({{"result", "dropped"}});
+  auto gauge = [&](const char* name, const char* help) {
+    return &registry->AddGauge(name, help).Add({});
+  };
+  auto counter = [&](const char* name, const char* help) {
+    return &registry->AddCounter(name, help).Add({});
+  };
+  repl_lag_steps_ = gauge("attnd_replication_lag_steps",
+                          "The most commits one sequence's standby copy has not acknowledged.");
+  repl_lag_bytes_ = gauge("attnd_replication_lag_bytes",
+                          "Cache bytes committed here that no standby has acknowledged yet.");
+  repl_bytes_ = counter("attnd_replication_bytes_total",
+                        "Key bytes shipped to standby replicas (as cached).");
+  repl_steps_ = counter("attnd_replication_steps_total",
+                        "Write-only steps standby replicas committed for this replica.");
+  repl_sequences_ = &registry->AddGauge(
+      "attnd_replication_sequences",
+      "Primaries here by state: protected (a standby copy on a peer that answers) or "
+      "unprotected (no peer up, or the copy not made yet).");
+  repl_sequences_->Add({{"state", "protected"}});
+  repl_sequences_->Add({{"state", "unprotected"}});
+  standby_sequences_ =
+      gauge("attnd_standby_sequences", "Standby copies held here for other replicas' sequences.");
+  standby_pages_ = gauge("attnd_standby_pages", "Pages standby copies hold here, every tier.");
+  promotions_ =
+      counter("attnd_promotions_total", "Standby copies here promoted to primaries (failovers).");
+  fenced_ = counter("attnd_fenced_total",
+                    "Copies here dropped because the sequence was promoted on another replica.");
+  repl_errors_ =
+      counter("attnd_replication_errors_total", "Failed rounds of calls to standby peers.");
+  repl_degraded_ = counter("attnd_replication_degraded_total",
+                           "Commits answered without their standby's acknowledgement (it did not "
+                           "answer within --replication-ack-timeout-ms).");
   for (const char* t : {"host", "disk"})
     for (const char* state : {"used", "free"}) tier_pages_->Add({{"tier", t}, {"state", state}});
   for (int t = 0; t < kNumTiers; ++t)
@@ -325,6 +358,21 @@ void ServiceMetrics::Refresh() {
   if (const KvEventPublisher* ev = kv_events_.load()) {
     CatchUp(events_published_, static_cast<double>(ev->events_published()));
     CatchUp(events_dropped_, static_cast<double>(ev->events_dropped()));
+  }
+  const StandbyUsage standby = engine_->Standby();
+  standby_sequences_->Set(static_cast<double>(standby.sequences));
+  standby_pages_->Set(static_cast<double>(standby.pages));
+  if (const Replicator* r = replicator_.load()) {
+    const ReplicationStats st = r->Stats();
+    repl_lag_steps_->Set(static_cast<double>(st.lag_steps));
+    repl_lag_bytes_->Set(static_cast<double>(st.lag_bytes));
+    CatchUp(repl_bytes_, static_cast<double>(st.bytes_shipped));
+    CatchUp(repl_steps_, static_cast<double>(st.steps_shipped));
+    repl_sequences_->Add({{"state", "protected"}}).Set(static_cast<double>(st.sequences));
+    repl_sequences_->Add({{"state", "unprotected"}}).Set(static_cast<double>(st.unprotected));
+    CatchUp(fenced_, static_cast<double>(st.fenced));
+    CatchUp(repl_errors_, static_cast<double>(st.errors));
+    CatchUp(repl_degraded_, static_cast<double>(st.degraded));
   }
   int64_t below = 0;
   for (const TierCapacity& t : engine_->Tiers()) {

@@ -24,6 +24,8 @@ enum class Transport { kStream, kUnary };
 class Executor;
 class KvEventPublisher;
 
+class Replicator;
+
 class ServiceMetrics {
  public:
   // Registers every family in `registry`; registry, engine and executor (may be null) outlive
@@ -44,6 +46,10 @@ class ServiceMetrics {
   void TierMoved(const TierEvent& event);
   // The KV-event publisher whose counts to export (set once, before serving).
   void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
+  // The standby replicas' replicator whose state to export (set once, before serving).
+  void SetReplicator(const Replicator* replicator) { replicator_ = replicator; }
+  // A standby copy here was promoted (failover).
+  void Promoted() { promotions_->Increment(); }
 
  private:
   void Refresh();
@@ -95,6 +101,19 @@ class ServiceMetrics {
   metrics::Counter* events_published_;
   metrics::Counter* events_dropped_;
   std::atomic<const KvEventPublisher*> kv_events_{nullptr};
+  // Standby replicas (docs/replication.md).
+  std::atomic<const Replicator*> replicator_{nullptr};
+  metrics::Gauge* repl_lag_steps_;
+  metrics::Gauge* repl_lag_bytes_;
+  metrics::Counter* repl_bytes_;
+  metrics::Counter* repl_steps_;
+  metrics::Family<metrics::Gauge>* repl_sequences_;
+  metrics::Gauge* standby_sequences_;
+  metrics::Gauge* standby_pages_;
+  metrics::Counter* promotions_;
+  metrics::Counter* fenced_;
+  metrics::Counter* repl_errors_;
+  metrics::Counter* repl_degraded_;
   // process_*
   metrics::Gauge* rss_;
   metrics::Gauge* vsize_;

@@ -156,6 +156,11 @@ void Harness::Open(const std::string& id, int device, int64_t import_length) {
   oracle_->Open(id);
 }
 
+void Harness::OpenStandby(const std::string& id, uint64_t generation) {
+  ASSERT_TRUE(engine_->OpenStandby(id, generation).ok());
+  oracle_->Open(id);
+}
+
 void Harness::Fork(const std::string& id, const std::string& parent, int64_t prefix_len,
                    int device) {
   ASSERT_TRUE(engine_->ForkSequence(id, parent, prefix_len, device).ok());

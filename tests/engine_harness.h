@@ -76,6 +76,8 @@ class Harness {
 
   void Open(const std::string& id, int device = -1, int64_t import_length = 0);
   void Fork(const std::string& id, const std::string& parent, int64_t prefix_len, int device = -1);
+  // A standby copy (Engine::OpenStandby); the reference follows its write-only steps.
+  void OpenStandby(const std::string& id, uint64_t generation);
   void Close(const std::string& id);
   // Opens `id` on the prefix cache's blocks of `prefix` (Engine::OpenSequence); the reference
   // takes its cached tokens from `donor`, a sequence (open in the reference, closed or not in

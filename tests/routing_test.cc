@@ -4,6 +4,10 @@
 // (NOT_FOUND or UNAVAILABLE on the replica the hash names) is answered by Router::Locate, which
 // finds the sequence on the next-ranked replicas and pulls it to its owner.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -226,6 +230,115 @@ TEST(Routing, LocateWithoutAnOwnerToMoveTo) {
   EXPECT_EQ(router.pulls(), 1);
   EXPECT_TRUE(holder->DescribeSequence(id2).ok());
   EXPECT_EQ(other->DescribeSequence(id2).status().code(), absl::StatusCode::kNotFound);
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Standby replicas (docs/replication.md) through the C++ router: three replicas copying each
+// other's commits (sync), one killed with SIGKILL; Router::FailOver promotes each of its
+// sequences on the standby the hash ranks next, routes it there, and the next steps answer bit
+// for bit as a twin that never failed.
+TEST(Routing, FailOverPromotesTheStandbyAndTheSequenceDecodesOn) {
+  const std::vector<int> ports = {FreePort(), FreePort(), FreePort()};
+  std::string peers;
+  for (int p : ports) absl::StrAppend(&peers, peers.empty() ? "" : ",", "127.0.0.1:", p);
+  std::vector<std::unique_ptr<ServerProcess>> r;
+  std::vector<Replica> replicas;
+  for (int i = 0; i < 3; ++i) {
+    const std::string name = absl::StrCat("f", i);
+    r.push_back(
+        StartReplica(name, {absl::StrCat("--grpc-port=", ports[i]), "--standby-peers=" + peers,
+                            "--replication=sync", "--replication-ack-timeout-ms=500"}));
+    replicas.push_back({name, r.back()->target()});
+  }
+  auto twin_server = StartReplica("twin");
+  auto twin = Client::Connect(twin_server->target());
+  for (auto& p : r) {  // every replica resolved its peers
+    auto c = Client::Connect(p->target());
+    for (int t = 0; t < 500 && c->Info()->replication().peers_size() < 2; ++t)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ASSERT_EQ(c->Info()->replication().peers_size(), 2);
+  }
+  client::ConnectOptions o;
+  o.call_timeout_ms = 2000;
+  Router router(replicas, o);
+  const ModelSpec spec = PresetModelSpec("tiny").value();
+  std::mt19937_64 rng(5);
+  std::map<std::string, int64_t> length;
+  std::map<std::string, uint64_t> generation;
+  // A step on the sequence's replica and on the twin: the same outputs, bit for bit.
+  auto step = [&](const std::string& id, int64_t tokens) -> absl::Status {
+    auto g = client::GenerateStep(spec, tokens, DType::kBF16, false, rng);
+    Client* c = router.ClientFor(id);
+    v1::BeginStepRequest req;
+    auto* e = req.add_batch();
+    e->set_sequence_id(id);
+    e->set_q_len(tokens);
+    e->set_generation(generation[id]);
+    auto b = c->BeginStep(req);
+    if (!b.ok()) return b.status();
+    auto tb = twin->BeginStep({{id, tokens}});
+    EXPECT_TRUE(tb.ok()) << tb.status();
+    for (const auto& l : g) {
+      auto got = c->AttendLayer(b->step_id(), l.wire);
+      if (!got.ok()) {
+        (void)twin->AbortStep(tb->step_id());
+        return got.status();
+      }
+      auto want = twin->AttendLayer(tb->step_id(), l.wire);
+      EXPECT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(got->out().data(), want->out().data()) << id << " layer " << l.wire.layer();
+    }
+    length[id] += tokens;
+    return absl::OkStatus();
+  };
+  std::vector<std::string> ids;
+  for (int i = 0; i < 9; ++i) ids.push_back(absl::StrCat("fo", i));
+  for (const std::string& id : ids) {
+    auto info = router.ClientFor(id)->OpenSequence(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->standby_replica(), client::Ranked({"f0", "f1", "f2"}, id)[1]);
+    generation[id] = info->generation();
+    ASSERT_TRUE(twin->OpenSequence(id).ok());
+    ASSERT_TRUE(step(id, kPrompt).ok());
+    ASSERT_TRUE(step(id, 1).ok());
+  }
+  const std::string victim = router.Pick(ids[0]);
+  const int v = victim[1] - '0';
+  kill(r[v]->pid(), SIGKILL);
+  int failed_over = 0;
+  for (const std::string& id : ids) {
+    absl::Status s = step(id, 1);
+    if (s.ok()) continue;
+    ASSERT_EQ(router.Pick(id), victim) << s;
+    auto moved = router.FailOver(id, generation[id], length[id], victim);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(moved->info.length(), length[id]);  // sync: nothing committed lost
+    EXPECT_EQ(moved->info.generation(), generation[id] + 1);
+    EXPECT_NE(moved->name, victim);
+    EXPECT_EQ(router.Pick(id), moved->name);
+    generation[id] = moved->info.generation();
+    ++failed_over;
+    ASSERT_TRUE(step(id, 1).ok());
+  }
+  EXPECT_GE(failed_over, 1);
+  for (const std::string& id : ids) ASSERT_TRUE(step(id, 1).ok()) << id;
+  // A second promotion of a promoted sequence at its old generation is refused.
+  for (const std::string& id : ids)
+    if (generation[id] == 2) {
+      auto again = router.ClientFor(id)->PromoteSequence(id, 2, length[id]);
+      EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+    }
 }
 
 // The rule: the longest cached run, then the most room, then the rendezvous owner.

@@ -77,6 +77,7 @@ from .types import (
     ModelSpec,
     PrefixCacheInfo,
     PrefixLookup,
+    ReplicationInfo,
     SequenceInfo,
     ServerInfo,
     StepInfo,
@@ -115,6 +116,7 @@ __all__ = [
     "ModelSpec",
     "PrefixCacheInfo",
     "PrefixLookup",
+    "ReplicationInfo",
     "SequenceInfo",
     "ServerInfo",
     "ShmArena",
@@ -253,6 +255,17 @@ class _Api:
         request = pb.DescribeSequenceRequest(sequence_id=sequence_id)
         return self._unary("DescribeSequence", request, lambda r: _plain(SequenceInfo, r))
 
+    def promote_sequence(self, sequence_id: str, generation: int, length: int,
+                         failed_replica: str = "") -> SequenceInfo:
+        """Failover (docs/replication.md): makes this server's standby copy of ``sequence_id`` at
+        ``generation`` the sequence (at generation + 1), cut back to ``length`` tokens when it
+        holds more. The reply's ``length`` is where the worker resumes (shorter after an async
+        replica's lag: resend the steps after it). ``failed_replica`` (the failed primary's
+        name) is not chosen as the next standby. :meth:`Router.failover` does it for you."""
+        request = pb.PromoteSequenceRequest(sequence_id=sequence_id, generation=int(generation),
+                                            length=int(length), failed_replica=failed_replica)
+        return self._unary("PromoteSequence", request, lambda r: _plain(SequenceInfo, r))
+
     def list_sequences(self, all_tenants: bool = False) -> List[SequenceInfo]:
         """This tenant's sequences; the admin identity may ask for every tenant's."""
         return self._unary("ListSequences", pb.ListSequencesRequest(all_tenants=all_tenants),
@@ -289,7 +302,8 @@ class _Api:
     def begin_step(self, batch: Batch, *, write_only: bool = False, num_shards: int = 0,
                    position_offsets: Optional[Sequence[int]] = None,
                    query_positions: Optional[Sequence[int]] = None,
-                   block_hashes: Optional[Sequence[Sequence[bytes]]] = None) -> StepInfo:
+                   block_hashes: Optional[Sequence[Sequence[bytes]]] = None,
+                   generations: Optional[Sequence[int]] = None) -> StepInfo:
         """Opens a step over ``batch`` (reserving its pages); then attend_layer 0..N-1 in order.
 
         ``write_only`` imports keys only (kv_latent, k_rope, index_k; no queries, no output).
@@ -304,10 +318,14 @@ class _Api:
 
         ``block_hashes`` (per entry, a list): the hashes of the blocks each entry's tokens
         complete, indexed in the prefix cache when the step commits (docs/prefix_cache.md).
+
+        ``generations`` (per entry): each sequence's generation as the worker knows it
+        (:attr:`SequenceInfo.generation`); a sequence that failed over since is refused with
+        FAILED_PRECONDITION (docs/replication.md).
         """
         return self._unary("BeginStep",
                            _batch(batch, write_only, num_shards, position_offsets, query_positions,
-                                  block_hashes),
+                                  block_hashes, generations),
                            lambda r: StepInfo(step_id=r.step_id, num_tokens=r.num_tokens))
 
     def attend_layer(self, step_id: int, inputs: Optional[LayerInputs] = None,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import grpc
 
 from .client import AttndClient
 from .errors import AttndError
+from .types import SequenceInfo
 
 _MASK = (1 << 64) - 1
 
@@ -100,7 +101,9 @@ class Router:
         self._address: Dict[str, str] = {}
         self._clients: Dict[str, AttndClient] = {}
         self._retired: List[AttndClient] = []
+        self._pinned: Dict[str, str] = {}  # failover(): sequence -> its new primary
         self.pulls = 0  # sequences locate() moved to their owner
+        self.failovers = 0  # sequences failover() promoted
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
@@ -116,9 +119,19 @@ class Router:
             return dict(self._address)
 
     def pick(self, sequence_id: str) -> Optional[str]:
-        """The name of the replica that owns ``sequence_id`` (None without replicas)."""
+        """The name of the replica that owns ``sequence_id`` (None without replicas): where
+        :meth:`failover` moved it, else its rendezvous owner."""
         with self._mu:
-            return route(self._address, sequence_id)
+            return self._owner(sequence_id)
+
+    def _owner(self, sequence_id: str) -> Optional[str]:  # self._mu held
+        pinned = self._pinned.get(sequence_id)
+        return pinned if pinned in self._address else route(self._address, sequence_id)
+
+    def forget(self, sequence_id: str) -> None:
+        """Routes ``sequence_id`` by the hash again (after it was closed)."""
+        with self._mu:
+            self._pinned.pop(sequence_id, None)
 
     def _client(self, name: str) -> AttndClient:  # self._mu held
         c = self._clients.get(name)
@@ -129,7 +142,7 @@ class Router:
     def client_for(self, sequence_id: str) -> AttndClient:
         """The client of the replica that owns ``sequence_id``."""
         with self._mu:
-            owner = route(self._address, sequence_id)
+            owner = self._owner(sequence_id)
             if owner is None:
                 raise AttndError(grpc.StatusCode.UNAVAILABLE, "no replicas to route to")
             return self._client(owner)
@@ -157,6 +170,8 @@ class Router:
                     there = holder.describe_sequence(sequence_id)
                 except AttndError:
                     continue
+                if there.standby:
+                    continue  # another's standby copy: failover() promotes those
                 if not owner_reachable or there.in_step or there.importing:
                     return holder
                 try:
@@ -168,6 +183,48 @@ class Router:
             raise AttndError(grpc.StatusCode.NOT_FOUND,
                              f"sequence {sequence_id[:64]!r} is on none of the {len(order)} "
                              "replicas")
+
+    def failover(self, sequence_id: str, *, generation: int, length: int,
+                 failed: Optional[str] = None, standby: str = ""
+                 ) -> Tuple[AttndClient, SequenceInfo]:
+        """Failover (docs/replication.md): ``sequence_id``'s primary (``failed``, default: where
+        this router routes it now) does not answer. Promotes its standby copy at ``generation``
+        (the one the primary last reported) with the ``length`` the worker knows — on ``standby``
+        first when given (:attr:`SequenceInfo.standby_replica`), then on the replicas in the order
+        its rendezvous hash ranks them without ``failed`` — and routes the sequence there from
+        now on. Returns the new primary's client and the promoted sequence: its ``generation``
+        for the next steps, its ``length`` where to resume (shorter than ``length`` after an
+        async standby's lag: resend the steps after it). NOT_FOUND when no replica holds a copy.
+
+        When to call it: a call to the primary failed with UNAVAILABLE or DEADLINE_EXCEEDED (it
+        is gone or unreachable), or NOT_FOUND for a sequence the worker opened there (it came
+        back empty after a crash)."""
+        with self._mu:
+            names = ranked(self._address, sequence_id)
+            if failed is None:
+                failed = self._owner(sequence_id)
+            if standby in names:
+                names.remove(standby)
+                names.insert(0, standby)
+            order = [(n, self._client(n)) for n in names if n != failed]
+        errors = []
+        for name, c in order:
+            try:
+                info = c.promote_sequence(sequence_id, generation, length,
+                                          failed_replica=failed or "")
+            except AttndError as e:
+                if e.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                errors.append(f"{name}: {e.details}")
+                continue
+            with self._mu:
+                self._pinned[sequence_id] = name
+                self.failovers += 1
+            return c, info
+        raise AttndError(grpc.StatusCode.NOT_FOUND,
+                         f"no standby copy of {sequence_id[:64]!r} at generation {generation} on "
+                         f"the {len(order)} other replicas: " + "; ".join(errors))
 
     def close(self) -> None:
         with self._mu:

@@ -64,6 +64,17 @@ class PrefixCacheInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicationInfo:
+    """Standby replicas (docs/replication.md)."""
+    mode: str  # "off", "async" or "sync"
+    peers: Tuple[str, ...]  # the standby peers by replica name, as resolved so far
+    max_lag_steps: int  # async: commits wait beyond this lag
+    standby_sequences: int  # standby copies held here
+    standby_pages: int
+    standby_budget_pages: int  # -1: no limit
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefixLookup:
     cached_blocks: int  # leading blocks held on one device, any tier
     cached_tokens: int
@@ -98,6 +109,8 @@ class ServerInfo:
     tiers: Tuple[TierInfo, ...] = ()
     # the prefix cache (None from servers without one)
     prefix_cache: Optional[PrefixCacheInfo] = None
+    # standby replicas (None from servers without them)
+    replication: Optional[ReplicationInfo] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +151,11 @@ class SequenceInfo:
     lost: bool = False  # a page could not be read back from disk: every use but close fails
     # open_sequence with a prompt: the tokens found in the prefix cache (prefill from there)
     cached_tokens: int = 0
+    # standby replicas (docs/replication.md): promotions + 1 (steps may name it), whether this
+    # is a standby copy, and on a primary the replica holding its standby ("" when none)
+    generation: int = 0
+    standby: bool = False
+    standby_replica: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +182,8 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         tiers=tuple(_plain(TierInfo, t) for t in msg.tiers),
         prefix_cache=(_plain(PrefixCacheInfo, msg.prefix_cache) if msg.HasField("prefix_cache")
                       else None),
+        replication=(_plain(ReplicationInfo, msg.replication, peers=tuple(msg.replication.peers))
+                     if msg.HasField("replication") else None),
     )
 
 

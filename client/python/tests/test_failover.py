@@ -1,0 +1,377 @@
+"""Standby replicas (docs/replication.md) against three real attnd on loopback, each with
+--standby-peers naming all three: a decode workload across them, the primary of some sequences
+killed with SIGKILL at a random point (between steps, in the middle of a step, while the last
+layer's reply is in flight, during a fork), every sequence failed over by attnd.Router to its
+standby and its outputs from then on bit-identical to a twin on a replica that never failed.
+`sync`: nothing committed is lost. `async`: what is lost is at most the lag the replica reported
+(a standby held back with SIGSTOP builds one). A primary that was only paused cannot make its
+late steps count: they are fenced."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnd import AttndClient, AttndError, LayerInputs, Router, name_replicas, ranked
+
+from attnd_process import free_port, start
+from attnd_testlib import bf16_layers, scrape, wait_for
+
+BF16 = ml_dtypes.bfloat16
+FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+
+
+def bits(outs) -> List[np.ndarray]:
+    return [np.asarray(o).view(np.uint16).copy() for o in outs]
+
+
+@dataclass
+class Seq:
+    """A sequence of the workload as its worker knows it."""
+    sid: str
+    generation: int = 1
+    length: int = 0  # confirmed committed tokens
+    history: List[tuple] = field(default_factory=list)  # (start, inputs, twin output bits)
+
+
+class Cluster:
+    def __init__(self, tmp_path, mode: str, extra=()):
+        self.ports = [free_port() for _ in range(3)]
+        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+        flags = [f"--standby-peers={','.join(self.addresses)}", f"--replication={mode}",
+                 "--replication-ack-timeout-ms=500", "--step-idle-timeout-ms=5000", *extra]
+        self.procs, self.mports = {}, {}
+        for port in self.ports:
+            proc, target, mport = start(flags, port=port, kv_pages=400, threads=1,
+                                        log=tmp_path / f"{mode}-{port}.log")
+            self.procs[target], self.mports[target] = proc, mport
+        self.twin_proc, self.twin_target, _ = start([], kv_pages=800, threads=1,
+                                                    log=tmp_path / f"{mode}-twin.log")
+        self.twin = AttndClient(self.twin_target, timeout=30.0)
+        self.names = name_replicas(self.addresses)
+        assert len(self.names) == 3, self.names
+        self.address_of = dict(self.names)
+        self.name_of = {a: n for n, a in self.names.items()}
+        for a in self.addresses:  # every replica resolved its two peers
+            with AttndClient(a, timeout=10.0) as c:
+                wait_for(lambda: len(c.info().replication.peers) == 2, f"{a} resolves its peers")
+        self.router = Router(self.names, timeout=1.5)
+        self.spec = self.twin.info().model
+        self.rng = np.random.default_rng(11)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[self.address_of[name]]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self.router.close()
+        self.twin.close()
+        for p in [*self.procs.values(), self.twin_proc]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(timeout=10)
+
+    # -- the workload --
+
+    def open(self, sid: str) -> Seq:
+        info = self.router.client_for(sid).open_sequence(sid)
+        assert (info.generation, info.standby) == (1, False)
+        assert info.standby_replica == ranked(self.names, sid)[1], "the hash's second replica"
+        self.twin.open_sequence(sid)
+        return Seq(sid)
+
+    def _run(self, client, s: Seq, x) -> list:
+        T = x[0]["kv_latent"].shape[0]
+        step = client.begin_step([(s.sid, T)], generations=[s.generation])
+        return [client.attend_layer(step.step_id, LayerInputs(i, **xi)) for i, xi in enumerate(x)]
+
+    def step(self, s: Seq, T: int = 1, x=None) -> None:
+        """One step of `s` with the twin's output as the answer it must give; fails over when
+        its primary does not answer."""
+        x = x if x is not None else bf16_layers(self.spec, T, self.rng)
+        T = x[0]["kv_latent"].shape[0]
+        want = bits(self._run(self.twin, Seq(s.sid), x))
+        for _ in range(3):
+            try:
+                got = bits(self._run(self.router.client_for(s.sid), s, x))
+                break
+            except AttndError as e:
+                assert e.code in FAILED, (s.sid, e)
+                self.fail_over(s)
+        else:
+            raise AssertionError(f"{s.sid}: no replica took the step")
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert np.array_equal(g, w), (s.sid, s.length, layer)
+        s.history.append((s.length, x, want))
+        s.length += T
+
+    def fail_over(self, s: Seq, failed=None) -> int:
+        """Promotes s's standby; resends what it lacks (checked against the twin's answers);
+        returns the steps lost."""
+        _, info = self.router.failover(s.sid, generation=s.generation, length=s.length,
+                                       failed=failed)
+        assert info.generation == s.generation + 1 and not info.standby, info
+        assert info.length <= s.length, (s.sid, info.length, s.length)
+        s.generation = info.generation
+        lost = [h for h in s.history if h[0] >= info.length]
+        assert all(h[0] + h[1][0]["kv_latent"].shape[0] <= info.length
+                   for h in s.history if h[0] < info.length), "the copy ends on a step boundary"
+        client = self.router.client_for(s.sid)
+        for start_len, x, want in lost:  # the async lag: resent, answered as before
+            got = bits(self._run(client, s, x))
+            for layer, (g, w) in enumerate(zip(got, want)):
+                assert np.array_equal(g, w), (s.sid, "resent", start_len, layer)
+        return len(lost)
+
+
+def _lag(mport: int) -> int:
+    m = re.search(r"^attnd_replication_lag_steps (\S+)$", scrape(mport), re.M)
+    return int(float(m.group(1)))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("when", ["between-steps", "mid-step", "mid-reply", "mid-fork"])
+def test_a_killed_primary_loses_no_committed_step(tmp_path, mode, when):
+    c = Cluster(tmp_path, mode)
+    try:
+        rng = np.random.default_rng(hash((mode, when)) % 2**32)
+        seqs = [c.open(f"{mode}-{when}-{i}") for i in range(9)]
+        for s in seqs:
+            c.step(s, T=37)
+        victim = c.router.pick(seqs[0].sid)
+        on_victim = [s for s in seqs if c.router.pick(s.sid) == victim]
+        kill_at = int(rng.integers(1, 4))
+        lag = 0
+        for k in range(6):
+            if k == kill_at:
+                s0 = on_victim[0]
+                client = c.router.client_for(s0.sid)
+                if when == "between-steps":
+                    lag = _lag(c.mports[c.address_of[victim]])
+                    c.kill(victim)
+                elif when in ("mid-step", "mid-reply"):
+                    x = bf16_layers(c.spec, 1, rng)
+                    step = client.begin_step([(s0.sid, 1)], generations=[s0.generation])
+                    cut = int(rng.integers(0, len(x) - 1)) if when == "mid-step" else len(x) - 1
+                    for i in range(cut):
+                        client.attend_layer(step.step_id, LayerInputs(i, **x[i]))
+                    lag = _lag(c.mports[c.address_of[victim]])
+                    if when == "mid-reply":  # the last layer on its way: committed or not
+                        t, _ = _in_thread(client.attend_layer, step.step_id,
+                                          LayerInputs(cut, **x[cut]))
+                        time.sleep(float(rng.uniform(0, 0.004)))
+                        c.kill(victim)
+                        t.join()
+                    else:
+                        c.kill(victim)
+                    # The worker never saw the step confirmed: it runs it again after failover
+                    # (the standby is cut back to what the worker knows when it got further).
+                    c.step(s0, x=x)
+                else:  # mid-fork
+                    child = Seq(f"{s0.sid}-child", length=s0.length, history=list(s0.history))
+                    lag = _lag(c.mports[c.address_of[victim]])
+                    t, result = _in_thread(client.open_sequence, child.sid, s0.sid, s0.length)
+                    time.sleep(float(rng.uniform(0, 0.004)))
+                    c.kill(victim)
+                    t.join()
+                    if not isinstance(result.get("r"), AttndError):  # the fork answered
+                        c.twin.open_sequence(child.sid, s0.sid, s0.length)
+                        try:
+                            c.fail_over(child, failed=victim)
+                            seqs.append(child)
+                        except AttndError as e:  # async: the copy may not be made yet
+                            assert mode == "async" and e.code == grpc.StatusCode.NOT_FOUND, e
+                            assert lag >= 0
+            for s in seqs:
+                if k == kill_at and c.router.pick(s.sid) == victim:
+                    before = s.length
+                    lost = c.fail_over(s, failed=victim)
+                    if mode == "sync":
+                        assert lost == 0, f"{s.sid}: sync lost {lost} committed step(s)"
+                    else:
+                        assert lost <= max(lag, 0), (s.sid, lost, lag)
+                    assert s.length == before
+                c.step(s)
+        for s in seqs:  # every sequence where the router says, as long as the worker knows
+            d = c.router.client_for(s.sid).describe_sequence(s.sid)
+            assert (d.length, d.standby) == (s.length, False), (s.sid, d)
+            assert d.generation == s.generation
+        assert c.router.failovers >= len(on_victim)
+    finally:
+        c.close()
+
+
+def _swallow(fn, *args):
+    try:
+        return fn(*args)
+    except AttndError as e:
+        return e
+
+
+def _in_thread(fn, *args):
+    """Starts fn(*args) on a thread; its result (or AttndError) lands in result["r"]."""
+    result = {}
+
+    def run():
+        result["r"] = _swallow(fn, *args)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
+def test_an_async_standby_loses_at_most_the_lag_it_reported(tmp_path):
+    c = Cluster(tmp_path, "async", ["--replication-max-lag-steps=4"])
+    try:
+        s = c.open("lagging")
+        c.step(s, T=37)
+        primary, standby = ranked(c.names, s.sid)[:2]
+        mport = c.mports[c.address_of[primary]]
+        wait_for(lambda: _lag(mport) == 0, "the standby catches up")
+        standby_proc = c.procs[c.address_of[standby]]
+        standby_proc.send_signal(signal.SIGSTOP)  # the standby stops acknowledging
+        try:
+            for _ in range(3):
+                c.step(s)
+            wait_for(lambda: _lag(mport) == 3, "three commits unacknowledged")
+            c.kill(primary)
+        finally:
+            standby_proc.send_signal(signal.SIGCONT)
+        lost = c.fail_over(s, failed=primary)
+        assert lost == 3, "the three steps it lagged by, and only those"
+        for _ in range(2):
+            c.step(s)
+        assert c.router.client_for(s.sid).describe_sequence(s.sid).length == 37 + 3 + 2
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_paused_primarys_late_steps_are_fenced(tmp_path, mode):
+    c = Cluster(tmp_path, mode)
+    try:
+        s = c.open(f"fenced-{mode}")
+        c.step(s, T=37)
+        c.step(s)
+        primary, standby, third = ranked(c.names, s.sid)
+        old = AttndClient(c.address_of[primary], timeout=10.0)  # a worker's stale connection
+        proc = c.procs[c.address_of[primary]]
+        proc.send_signal(signal.SIGSTOP)  # partitioned, not dead
+        try:
+            with pytest.raises(AttndError) as e:  # the worker's call times out
+                c._run(c.router.client_for(s.sid), s, bf16_layers(c.spec, 1, c.rng))
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            old_generation = s.generation
+            c.fail_over(s, failed=primary)
+            assert c.router.pick(s.sid) == standby and s.generation == old_generation + 1
+            c.step(s)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        # The standby's new primary copies it to a new standby in the background: the third.
+        with AttndClient(c.address_of[third], timeout=10.0) as t:
+            wait_for(lambda: _standby_copy(t, s.sid, s.generation, s.length),
+                     "a new standby copy on the third replica", timeout_s=20)
+        d = c.router.client_for(s.sid).describe_sequence(s.sid)
+        assert d.standby_replica == third
+        # Late steps at the old primary: refused there once its copy is fenced; a sync one is
+        # refused at once (its standby will not take it); none reaches the sequence.
+        stale = Seq(s.sid, generation=old_generation)
+        x = bf16_layers(c.spec, 1, c.rng)
+        if mode == "sync":
+            with pytest.raises(AttndError) as e:
+                c._run(old, stale, x)
+            assert e.value.code in (grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.CANCELLED), e.value
+        else:
+            _swallow(c._run, old, stale, x)  # may count there until it hears it moved
+        wait_for(lambda: _fenced(old, s.sid), "the old primary drops its copy", timeout_s=20)
+        with pytest.raises(AttndError) as e:
+            c._run(old, stale, x)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "failed over" in e.value.details
+        # A step naming the old generation on the new primary is refused too.
+        with pytest.raises(AttndError) as e:
+            c._run(c.router.client_for(s.sid), stale, x)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "generation" in e.value.details
+        # The sequence is as the worker knows it, and decodes as its twin does.
+        assert c.router.client_for(s.sid).describe_sequence(s.sid).length == s.length
+        c.step(s)
+        m = scrape(c.mports[c.address_of[primary]])
+        assert re.search(r"^attnd_fenced_total [1-9]", m, re.M), m[-2000:]
+        m = scrape(c.mports[c.address_of[standby]])
+        assert re.search(r"^attnd_promotions_total 1$", m, re.M)
+        old.close()
+    finally:
+        c.close()
+
+
+def _standby_copy(client, sid, generation, length) -> bool:
+    try:
+        d = client.describe_sequence(sid)
+    except AttndError:
+        return False
+    return d.standby and d.generation == generation and d.length == length
+
+
+def _fenced(client, sid) -> bool:
+    try:
+        client.describe_sequence(sid)
+    except AttndError as e:
+        return e.code == grpc.StatusCode.FAILED_PRECONDITION
+    return False
+
+
+def test_standby_copies_refuse_ordinary_steps_and_bad_promotions(tmp_path):
+    c = Cluster(tmp_path, "sync")
+    try:
+        s = c.open("copy")
+        c.step(s, T=37)
+        primary, standby, _ = ranked(c.names, s.sid)
+        with AttndClient(c.address_of[standby], timeout=10.0) as there:
+            d = there.describe_sequence(s.sid)
+            assert (d.standby, d.generation, d.length) == (True, 1, 37)
+            x = bf16_layers(c.spec, 1, c.rng)
+            with pytest.raises(AttndError) as e:
+                c._run(there, s, x)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "standby copy" in e.value.details
+            with pytest.raises(AttndError) as e:  # forks of a copy: no
+                there.open_sequence("copy-child", s.sid, 10)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            for generation, length, code in ((2, 37, grpc.StatusCode.FAILED_PRECONDITION),
+                                             (0, 37, grpc.StatusCode.INVALID_ARGUMENT),
+                                             (1, -1, grpc.StatusCode.OUT_OF_RANGE)):
+                with pytest.raises(AttndError) as e:
+                    there.promote_sequence(s.sid, generation, length)
+                assert e.value.code == code, (generation, length, e.value)
+            assert there.describe_sequence(s.sid) == d, "refusals change nothing"
+            with pytest.raises(AttndError) as e:  # the primary is no standby
+                c.router.client_for(s.sid).promote_sequence(s.sid, 1, 37)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        # Closing the primary closes its copy.
+        c.router.client_for(s.sid).close_sequence(s.sid)
+        with AttndClient(c.address_of[standby], timeout=10.0) as there:
+            wait_for(lambda: _gone(there, s.sid), "the copy closes with its primary")
+        assert primary != standby
+    finally:
+        c.close()
+
+
+def _gone(client, sid) -> bool:
+    try:
+        client.describe_sequence(sid)
+    except AttndError as e:
+        return e.code == grpc.StatusCode.NOT_FOUND
+    return False

@@ -1,0 +1,645 @@
+#include "service/replication.h"
+
+#include <glog/logging.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "client/router.h"
+#include "common/client_text.h"
+#include "common/status_macros.h"
+#include "kv_store/cache_layout.h"
+#include "service/drain.h"
+#include "service/export_chunk.h"
+
+namespace attnd {
+namespace {
+
+constexpr size_t kMaxFenced = 65536;  // tombstones kept (oldest forgotten first)
+
+// Appends one sequence's rows (an export chunk's tensors) to a layer message of a batched
+// write-only step: the tensors' rows follow each other in batch order.
+void AppendRows(const v1::LayerInputs& from, v1::LayerInputs* to) {
+  auto append = [](const v1::Tensor& a, v1::Tensor* b) {
+    if (b->shape_size() == 0) {
+      *b = a;
+      return;
+    }
+    b->set_shape(0, b->shape(0) + a.shape(0));
+    b->mutable_data()->append(a.data());
+    if (a.has_scales()) {
+      b->mutable_scales()->set_shape(0, b->scales().shape(0) + a.scales().shape(0));
+      b->mutable_scales()->mutable_data()->append(a.scales().data());
+    }
+  };
+  to->set_layer(from.layer());
+  append(from.kv_latent(), to->mutable_kv_latent());
+  append(from.k_rope(), to->mutable_k_rope());
+  if (from.has_index_k()) append(from.index_k(), to->mutable_index_k());
+}
+
+int64_t TensorBytes(const v1::LayerInputs& in) {
+  auto bytes = [](const v1::Tensor& t) {
+    return static_cast<int64_t>(t.data().size() + t.scales().data().size());
+  };
+  return bytes(in.kv_latent()) + bytes(in.k_rope()) + bytes(in.index_k());
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Replicator>> Replicator::Create(Engine* engine,
+                                                               ReplicationOptions options) {
+  if (options.peers.empty()) return absl::InvalidArgumentError("--standby-peers: no peer given");
+  if (options.max_lag_steps < 0)
+    return absl::InvalidArgumentError("--replication-max-lag-steps: negative");
+  ASSIGN_OR_RETURN(std::vector<std::string> addresses, DrainPeers(options.peers));
+  std::unique_ptr<Replicator> r(new Replicator(engine, std::move(options)));
+  for (std::string& a : addresses) {
+    auto p = std::make_unique<Peer>();
+    p->address = std::move(a);
+    r->peers_.push_back(std::move(p));
+  }
+  for (auto& p : r->peers_) {
+    Peer* raw = p.get();
+    p->thread = std::thread([r = r.get(), raw] { r->PeerLoop(raw); });
+  }
+  r->housekeeping_ = std::thread([r = r.get()] { r->Housekeeping(); });
+  return r;
+}
+
+Replicator::Replicator(Engine* engine, ReplicationOptions options)
+    : engine_(engine), options_(std::move(options)) {
+  const CacheLayout c = CacheLayout::ForModel(engine->spec(), engine->options().cache_dtype, 0);
+  bytes_per_token_ = static_cast<int64_t>(c.BytesPerPage()) / engine->spec().page_size;
+}
+
+Replicator::~Replicator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    for (auto& p : peers_) p->cv.notify_all();
+    cv_.notify_all();
+  }
+  for (auto& p : peers_)
+    if (p->thread.joinable()) p->thread.join();
+  if (housekeeping_.joinable()) housekeeping_.join();
+  // Replies still waiting go now (their steps committed here).
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, s] : seqs_) Settle(s, &run, /*all=*/true);
+  }
+  for (auto& f : run) f();
+}
+
+int Replicator::ChoosePeer(const SequenceKey& key, const std::string& avoid) const {
+  std::vector<std::string> names{options_.self_name};
+  for (const auto& p : peers_)
+    if (!p->self && !p->name.empty() && !p->failed && p->name != avoid) names.push_back(p->name);
+  for (const std::string& n : client::Ranked(names, key.id)) {
+    if (n == options_.self_name) continue;
+    for (size_t i = 0; i < peers_.size(); ++i)
+      if (peers_[i]->name == n) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void Replicator::Wake(const SequenceKey& key, Seq& s) {
+  if (s.peer < 0 || s.queued) return;
+  s.queued = true;
+  peers_[s.peer]->queue.push_back(key);
+  peers_[s.peer]->cv.notify_all();
+}
+
+void Replicator::Release(const std::shared_ptr<Pending>& p,
+                         std::vector<std::function<void()>>* run) {
+  if (--p->left == 0) run->push_back([p] { p->then(p->status); });
+}
+
+void Replicator::Settle(Seq& s, std::vector<std::function<void()>>* run, bool all,
+                        const absl::Status& why) {
+  while (!s.commits.empty() && (all || s.commits.front() <= s.shipped)) s.commits.pop_front();
+  auto keep = s.waiters.begin();
+  for (auto it = s.waiters.begin(); it != s.waiters.end(); ++it) {
+    if (all || it->target <= s.shipped) {
+      if (!why.ok() && it->pending->status.ok()) it->pending->status = why;
+      Release(it->pending, run);
+    } else {
+      *keep++ = std::move(*it);
+    }
+  }
+  s.waiters.erase(keep, s.waiters.end());
+}
+
+void Replicator::Track(const SequenceKey& key, uint64_t generation, const std::string& avoid) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fenced_.erase(key) > 0)
+    fenced_order_.erase(std::find(fenced_order_.begin(), fenced_order_.end(), key));
+  auto [it, fresh] = seqs_.try_emplace(key);
+  if (!fresh) return;
+  Seq& s = it->second;
+  s.generation = generation;
+  s.avoid = avoid;
+  s.peer = ChoosePeer(key, avoid);
+  Wake(key, s);  // opens the copy and sends what it holds already (a fork's, a promotion's)
+}
+
+void Replicator::Closed(const SequenceKey& key) {
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) return;
+    Seq& s = it->second;
+    Settle(s, &run, /*all=*/true);
+    if (s.busy) {
+      s.closed = true;  // the peer's thread closes the copy after its send
+    } else {
+      if (s.peer >= 0 && s.opened) {
+        peers_[s.peer]->closes.push_back(key);
+        peers_[s.peer]->cv.notify_all();
+      }
+      if (s.queued) {
+        auto& q = peers_[s.peer]->queue;
+        q.erase(std::find(q.begin(), q.end(), key));
+      }
+      seqs_.erase(it);
+    }
+  }
+  for (auto& f : run) f();
+}
+
+void Replicator::Forget(const SequenceKey& key) {
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = seqs_.find(key);
+    if (it == seqs_.end()) return;
+    Settle(it->second, &run, /*all=*/true);
+    if (it->second.queued) {
+      auto& q = peers_[it->second.peer]->queue;
+      q.erase(std::find(q.begin(), q.end(), key));
+    }
+    if (it->second.busy) {
+      it->second.closed = true;
+      it->second.opened = false;  // nothing to close there
+    } else {
+      seqs_.erase(it);
+    }
+  }
+  for (auto& f : run) f();
+}
+
+void Replicator::Committed(const std::vector<SequenceKey>& keys,
+                           std::function<void(absl::Status)> then) {
+  // Lengths first: the engine's lock is never taken under mu_ by a caller of this.
+  std::vector<int64_t> lengths(keys.size(), -1);
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (auto info = engine_->DescribeSequence(keys[i]); info.ok()) lengths[i] = info->length;
+  auto p = std::make_shared<Pending>();
+  p->then = std::move(then);
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = Clock::now();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = seqs_.find(keys[i]);
+      if (it == seqs_.end() || lengths[i] < 0) continue;  // a standby copy, or closed meanwhile
+      Seq& s = it->second;
+      if (s.peer < 0) continue;  // unprotected: nothing to wait for
+      if (lengths[i] <= s.shipped) continue;
+      s.commits.push_back(lengths[i]);
+      Wake(keys[i], s);
+      const int64_t lag = static_cast<int64_t>(s.commits.size());
+      int64_t target = -1;
+      if (options_.mode == ReplicationOptions::Mode::kSync) {
+        target = lengths[i];
+      } else if (lag > options_.max_lag_steps) {
+        target = s.commits[static_cast<size_t>(lag - 1 - options_.max_lag_steps)];
+      }
+      if (target < 0) continue;
+      ++p->left;
+      s.waiters.push_back({target, p, now});
+    }
+    Release(p, &run);
+  }
+  for (auto& f : run) f();
+}
+
+std::string Replicator::StandbyOf(const SequenceKey& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seqs_.find(key);
+  if (it == seqs_.end() || it->second.peer < 0) return "";
+  return peers_[it->second.peer]->name;
+}
+
+uint64_t Replicator::FencedAt(const SequenceKey& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = fenced_.find(key);
+  return it == fenced_.end() ? 0 : it->second;
+}
+
+absl::Status Replicator::Flush(const SequenceKey& key,
+                               std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    auto info = engine_->DescribeSequence(key);
+    if (!info.ok()) return info.status();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = seqs_.find(key);
+      if (it == seqs_.end()) return absl::NotFoundError("not replicated");
+      const Seq& s = it->second;
+      if (s.peer < 0) return absl::UnavailableError("no standby");
+      if (s.opened && !s.busy && s.shipped >= info->length) return absl::OkStatus();
+      Wake(key, it->second);
+    }
+    if (Clock::now() >= deadline) return absl::DeadlineExceededError("standby still behind");
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+ReplicationStats Replicator::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ReplicationStats r = totals_;
+  for (const auto& p : peers_)
+    if (!p->self && !p->name.empty()) r.peers.push_back(p->name);
+  for (const auto& [key, s] : seqs_) {
+    const bool covered = s.peer >= 0 && s.opened && peers_[s.peer]->up;
+    ++(covered ? r.sequences : r.unprotected);
+    r.lag_steps = std::max<int64_t>(r.lag_steps, static_cast<int64_t>(s.commits.size()));
+    if (!s.commits.empty()) r.lag_bytes += (s.commits.back() - s.shipped) * bytes_per_token_;
+  }
+  return r;
+}
+
+void Replicator::Fence(const SequenceKey& key, uint64_t generation) {
+  std::vector<std::function<void()>> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = seqs_.find(key);
+    if (it != seqs_.end()) {
+      Settle(it->second, &run, /*all=*/true,
+             absl::FailedPreconditionError(absl::StrCat(
+                 "sequence ", Quote(key.id), " failed over to another replica (generation ",
+                 generation, "); this replica's copy is dropped and the step does not count")));
+      if (it->second.queued) {
+        auto& q = peers_[it->second.peer]->queue;
+        q.erase(std::find(q.begin(), q.end(), key));
+      }
+      seqs_.erase(it);
+    }
+    if (fenced_.insert_or_assign(key, generation).second) fenced_order_.push_back(key);
+    while (fenced_order_.size() > kMaxFenced) {
+      fenced_.erase(fenced_order_.front());
+      fenced_order_.pop_front();
+    }
+    ++totals_.fenced;
+  }
+  for (auto& f : run) f();
+  LOG(WARNING) << "sequence " << Quote(key.id) << " (tenant " << Quote(key.tenant)
+               << ") was promoted on another replica (generation " << generation
+               << "): this replica's copy is fenced and dropped";
+  if (!engine_->CloseSequence(key).ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    to_close_.push_back(key);  // in a step now: closed by housekeeping
+  }
+}
+
+bool Replicator::Resolve(Peer* peer) {
+  client::ConnectOptions c = options_.credentials;
+  c.call_timeout_ms = options_.ack_timeout.count();
+  auto cl = client::Client::Connect(peer->address, c);
+  if (!cl.ok()) return false;
+  auto info = (*cl)->Info();
+  if (!info.ok()) return false;
+  const std::string name = info->replica_name().empty() ? peer->address : info->replica_name();
+  std::lock_guard<std::mutex> lock(mu_);
+  peer->name = name;
+  peer->self = name == options_.self_name;
+  peer->up = !peer->self;
+  if (!peer->self) LOG(INFO) << "standby peer " << name << " (" << peer->address << ") answers";
+  // Sequences without a standby may have one now.
+  for (auto& [key, s] : seqs_)
+    if (s.peer < 0) {
+      s.peer = ChoosePeer(key, s.avoid);
+      Wake(key, s);
+    }
+  return true;
+}
+
+absl::StatusOr<client::Client*> Replicator::ClientFor(Peer* peer, const std::string& tenant) {
+  auto it = peer->clients.find(tenant);
+  if (it != peer->clients.end()) return it->second.get();
+  client::ConnectOptions c = options_.credentials;
+  c.act_as_tenant = tenant;
+  c.call_timeout_ms = options_.ack_timeout.count();
+  ASSIGN_OR_RETURN(std::unique_ptr<client::Client> cl, client::Client::Connect(peer->address, c));
+  return (peer->clients[tenant] = std::move(cl)).get();
+}
+
+void Replicator::PeerLoop(Peer* peer) {
+  auto backoff = std::chrono::milliseconds(20);
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      peer->cv.wait_for(lock, std::chrono::milliseconds(200), [&] {
+        return stop_ || (!peer->name.empty() && (!peer->queue.empty() || !peer->closes.empty()));
+      });
+      if (stop_) return;
+    }
+    bool ok;
+    if (peer->name.empty()) {
+      ok = Resolve(peer);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peer->self) return;
+    } else {
+      ok = Ship(peer);
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    if (ok) {
+      if (!peer->up && !peer->name.empty())
+        LOG(INFO) << "standby peer " << peer->name << " answers again";
+      peer->up = !peer->name.empty();
+      peer->failed = false;
+      backoff = std::chrono::milliseconds(20);
+      continue;
+    }
+    ++totals_.errors;
+    if (peer->up) peer->down_since = Clock::now();
+    peer->up = false;
+    peer->failed = true;
+    peer->clients.clear();  // reconnect
+    // A peer that refused or failed a call holds no commit back (one that does not answer at
+    // all does for at most ack_timeout, its calls' deadline).
+    std::vector<std::function<void()>> run;
+    const int index = static_cast<int>(
+        std::find_if(peers_.begin(), peers_.end(), [&](const auto& p) { return p.get() == peer; }) -
+        peers_.begin());
+    for (auto& [key, s] : seqs_) {
+      if (s.peer != index || s.waiters.empty()) continue;
+      totals_.degraded += static_cast<int64_t>(s.waiters.size());
+      for (Waiter& w : s.waiters) Release(w.pending, &run);
+      s.waiters.clear();
+    }
+    if (!run.empty()) {
+      LOG_EVERY_N(WARNING, 20) << run.size() << " commit(s) answered without their standby's "
+                               << "acknowledgement: " << peer->name << " does not answer";
+      lock.unlock();
+      for (auto& f : run) f();
+      lock.lock();
+    }
+    peer->cv.wait_for(lock, backoff, [&] { return stop_; });
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
+}
+
+bool Replicator::Ship(Peer* peer) {
+  // Closes first (a close and a reopen of one id go in that order).
+  std::vector<SequenceKey> closes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closes.swap(peer->closes);
+  }
+  for (size_t i = 0; i < closes.size(); ++i) {
+    auto cl = ClientFor(peer, closes[i].tenant);
+    absl::Status s = cl.ok() ? (*cl)->CloseSequence(closes[i].id) : cl.status();
+    if (!s.ok() && !absl::IsNotFound(s)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      peer->closes.insert(peer->closes.end(), closes.begin() + i, closes.end());
+      return false;
+    }
+  }
+  // Then one batch of one tenant's sequences.
+  struct Item {
+    SequenceKey key;
+    uint64_t generation = 0;
+    bool opened = false;
+    int64_t shipped = 0;
+    int64_t length = 0;
+    int64_t n = 0;  // rows in this step
+  };
+  std::vector<Item> items;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::deque<SequenceKey> rest;
+    while (!peer->queue.empty()) {
+      SequenceKey k = std::move(peer->queue.front());
+      peer->queue.pop_front();
+      auto it = seqs_.find(k);
+      if (it == seqs_.end()) continue;
+      if (static_cast<int64_t>(items.size()) >= options_.max_batch_entries ||
+          (!items.empty() && k.tenant != items[0].key.tenant)) {
+        rest.push_back(std::move(k));
+        continue;
+      }
+      Seq& s = it->second;
+      s.queued = false;
+      s.busy = true;
+      items.push_back({k, s.generation, s.opened, s.shipped, 0, 0});
+    }
+    peer->queue.swap(rest);
+  }
+  if (items.empty()) return true;
+  auto cl = ClientFor(peer, items[0].key.tenant);
+  // Ends the round: records what the standby acknowledged, requeues what is left.
+  auto finish = [&](bool ok) {
+    std::vector<std::function<void()>> run;
+    std::vector<SequenceKey> gone;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Item& item : items) {
+        auto it = seqs_.find(item.key);
+        if (it == seqs_.end()) continue;
+        Seq& s = it->second;
+        s.busy = false;
+        s.opened = item.opened;
+        s.shipped = item.shipped;
+        Settle(s, &run);
+        if (s.closed) {
+          if (s.opened) peer->closes.push_back(item.key);
+          seqs_.erase(it);
+          continue;
+        }
+        if (!ok || item.length < 0 || s.shipped < item.length || !s.opened ||
+            (!s.commits.empty() && s.commits.back() > s.shipped))
+          Wake(item.key, s);
+      }
+      if (!peer->queue.empty() || !peer->closes.empty()) peer->cv.notify_all();
+    }
+    for (auto& f : run) f();
+    return ok;
+  };
+  if (!cl.ok()) return finish(false);
+  client::Client& to = **cl;
+  int64_t budget = std::max<int64_t>(1, options_.chunk_tokens);
+  std::vector<Item*> sending;
+  for (Item& item : items) {
+    auto info = engine_->DescribeSequence(item.key);
+    if (!info.ok()) {  // closed here meanwhile (an expiry): close the copy
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = seqs_.find(item.key); it != seqs_.end()) it->second.closed = true;
+      continue;
+    }
+    item.length = info->length;
+    if (info->tier != Tier::kDevice || info->moving) {  // rows are read on the device
+      engine_->PrefetchSequences({item.key});
+      item.length = -1;  // sent next round
+      continue;
+    }
+    if (!item.opened) {
+      v1::OpenSequenceRequest req;
+      req.set_sequence_id(item.key.id);
+      req.set_standby_generation(item.generation);
+      absl::Status s = to.OpenSequence(req).status();
+      if (absl::IsAlreadyExists(s)) {  // left from before (a lost reply, a reconnect)
+        auto there = to.DescribeSequence(item.key.id);
+        if (!there.ok()) return finish(false);
+        if (there->standby() && there->generation() == item.generation &&
+            there->length() <= item.length) {
+          item.shipped = there->length();
+          s = absl::OkStatus();
+        } else if (!there->standby() || there->generation() > item.generation) {
+          Fence(item.key, there->generation());
+          continue;
+        } else {
+          (void)to.CloseSequence(item.key.id);
+          s = to.OpenSequence(req).status();
+        }
+      }
+      if (!s.ok()) {
+        LOG_EVERY_N(WARNING, 100) << "standby copy of " << Quote(item.key.id) << " on "
+                                  << peer->name << " not opened: " << s.message();
+        return finish(false);
+      }
+      item.opened = true;
+    }
+    item.n = std::min(item.length - item.shipped, budget);
+    if (item.n <= 0) continue;
+    budget -= item.n;
+    sending.push_back(&item);
+    if (budget == 0) break;
+  }
+  if (sending.empty()) return finish(true);
+  v1::BeginStepRequest begin;
+  begin.set_write_only(true);
+  for (const Item* item : sending) {
+    v1::BatchEntry* e = begin.add_batch();
+    e->set_sequence_id(item->key.id);
+    e->set_q_len(item->n);
+    e->set_generation(item->generation);
+  }
+  auto step = to.BeginStep(begin);
+  absl::Status failed = step.status();
+  int64_t bytes = 0;
+  const int layers = engine_->spec().num_layers();
+  v1::ExportChunk chunk;
+  for (int layer = 0; failed.ok() && layer < layers; ++layer) {
+    v1::LayerInputs in;
+    for (const Item* item : sending) {
+      if (absl::Status s = ReadExportChunk(*engine_, item->key, layer, item->shipped, item->n,
+                                           item->length, &chunk);
+          !s.ok()) {
+        failed = s;
+        (void)to.AbortStep(step->step_id());
+        break;
+      }
+      AppendRows(chunk.keys(), &in);
+    }
+    if (!failed.ok()) break;
+    bytes += TensorBytes(in);
+    failed = to.AttendLayer(step->step_id(), in).status();
+  }
+  if (failed.ok()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Item* item : sending) {
+        item->shipped += item->n;
+        totals_.rows_shipped += item->n;
+      }
+      totals_.bytes_shipped += bytes;
+      ++totals_.steps_shipped;
+    }
+    return finish(true);
+  }
+  if (absl::IsFailedPrecondition(failed) || absl::IsNotFound(failed)) {
+    // Which copy refused: one promoted elsewhere is fenced; a missing one is opened again.
+    for (Item* item : sending) {
+      auto there = to.DescribeSequence(item->key.id);
+      if (absl::IsNotFound(there.status())) {
+        item->opened = false;
+        item->shipped = 0;
+      } else if (there.ok() && (!there->standby() || there->generation() != item->generation)) {
+        Fence(item->key, there->generation());
+      } else if (there.ok()) {
+        item->shipped = there->length();  // a step of ours it committed before a lost reply
+      }
+    }
+    return finish(true);
+  }
+  LOG_EVERY_N(WARNING, 100) << "replication to " << peer->name << ": " << failed.message();
+  return finish(false);
+}
+
+void Replicator::Housekeeping() {
+  auto last_reconcile = Clock::now();
+  for (;;) {
+    std::vector<std::function<void()>> run;
+    std::vector<SequenceKey> check, closing;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return stop_; });
+      if (stop_) return;
+      const auto now = Clock::now();
+      // Replies waiting longer than ack_timeout go unprotected (a standby that does not answer
+      // must not stop the primary).
+      int64_t degraded = 0;
+      for (auto& [key, s] : seqs_) {
+        if (s.waiters.empty() || now - s.waiters.front().since < options_.ack_timeout) continue;
+        for (Waiter& w : s.waiters) Release(w.pending, &run);
+        degraded += static_cast<int64_t>(s.waiters.size());
+        s.waiters.clear();
+      }
+      if (degraded > 0) {
+        totals_.degraded += degraded;
+        LOG_EVERY_N(WARNING, 20) << degraded << " commit(s) answered without their standby's "
+                                 << "acknowledgement (no answer within "
+                                 << options_.ack_timeout.count() << " ms)";
+      }
+      // A copy on a peer down for long moves to the next one.
+      for (auto& [key, s] : seqs_) {
+        if (s.busy) continue;
+        const bool down = s.peer >= 0 && !peers_[s.peer]->up &&
+                          now - peers_[s.peer]->down_since > 5 * options_.ack_timeout;
+        if (s.peer >= 0 && !down) continue;
+        const int next = ChoosePeer(key, s.avoid);
+        if (next < 0 || next == s.peer) continue;
+        if (s.peer >= 0 && s.opened) peers_[s.peer]->closes.push_back(key);
+        if (s.queued) {
+          auto& q = peers_[s.peer]->queue;
+          q.erase(std::find(q.begin(), q.end(), key));
+          s.queued = false;
+        }
+        s.peer = next;
+        s.opened = false;
+        s.shipped = 0;
+        Wake(key, s);
+      }
+      closing.swap(to_close_);
+      if (now - last_reconcile > std::chrono::seconds(1)) {
+        last_reconcile = now;
+        for (const auto& [key, s] : seqs_) check.push_back(key);
+      }
+    }
+    for (auto& f : run) f();
+    for (const SequenceKey& k : closing)
+      if (!engine_->CloseSequence(k).ok() && engine_->DescribeSequence(k).ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        to_close_.push_back(k);
+      }
+    // Sequences closed here without the service (idle expiry): their copies close too.
+    for (const SequenceKey& k : check)
+      if (absl::IsNotFound(engine_->DescribeSequence(k).status())) Closed(k);
+  }
+}
+
+}  // namespace attnd

@@ -1,0 +1,172 @@
+// Standby replicas (docs/replication.md): every sequence this replica holds as primary has a
+// standby copy on the peer its rendezvous hash ranks next (client::Ranked over the replicas'
+// names, this one left out), and every committed step's new key rows follow it there, exactly
+// as cached (ExportSequence's chunks, imported by write-only steps that name the sequence's
+// generation). Forks, imports and promotions start a copy; closes end it.
+//
+// A thread per peer ships what its sequences committed since its last acknowledgement, reading
+// the rows out of the cache when it sends them (memory is bounded by the batch it sends, never
+// by the lag). `async`: a commit's reply goes at once unless the sequence would lag by more
+// than max_lag_steps commits, then it waits. `sync`: the reply waits until the standby has
+// every row the step committed; a standby that does not answer within ack_timeout leaves the
+// sequence unprotected (the reply goes, the log and metrics say so) until it answers again.
+//
+// Fencing: a standby promoted elsewhere refuses this replica's rows (their generation is old);
+// the copy here is then dropped, and its steps are refused as failed over (FencedAt).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "client/attnd_client.h"
+#include "engine/engine.h"
+
+namespace attnd {
+
+struct ReplicationOptions {
+  enum class Mode { kAsync, kSync };
+  Mode mode = Mode::kAsync;
+  // --standby-peers: "host:port" each, or "dns:NAME:PORT" (DrainPeers' forms); this replica may
+  // be among them (left out by its name).
+  std::vector<std::string> peers;
+  std::string self_name;
+  // How to reach them (TLS, the admin's token: copies are opened as their tenant).
+  client::ConnectOptions credentials;
+  int64_t max_lag_steps = 4;
+  std::chrono::milliseconds ack_timeout{1000};
+  // Rows per write-only step sent to a standby (a step's entries together), at most what fits
+  // in a message (AttentionService::max_export_chunk_tokens).
+  int64_t chunk_tokens = 4096;
+  int64_t max_batch_entries = 64;
+};
+
+// What the metrics and ServerInfo show.
+struct ReplicationStats {
+  int64_t sequences = 0;    // primaries here with a standby copy on a peer
+  int64_t unprotected = 0;  // primaries here without one now (no peer up, or not yet copied)
+  int64_t lag_steps = 0;    // the most commits a sequence's standby has not acknowledged
+  int64_t lag_bytes = 0;    // cache bytes committed here and not acknowledged, all sequences
+  int64_t bytes_shipped = 0;
+  int64_t rows_shipped = 0;
+  int64_t steps_shipped = 0;       // write-only steps the standbys committed
+  int64_t fenced = 0;              // copies dropped here because a standby was promoted elsewhere
+  int64_t errors = 0;              // failed calls to peers
+  int64_t degraded = 0;            // sync commits answered without their standby's acknowledgement
+  std::vector<std::string> peers;  // the peers' names, as resolved so far
+};
+
+class Replicator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Replicator>> Create(Engine* engine,
+                                                            ReplicationOptions options);
+  ~Replicator();  // stops the threads (copies in flight stay where they are)
+  Replicator(const Replicator&) = delete;
+  Replicator& operator=(const Replicator&) = delete;
+
+  const ReplicationOptions& options() const { return options_; }
+  // A primary was opened, forked, imported or promoted here: it gets a standby copy (never on
+  // the replica named `avoid`, the one a promotion failed over from). Known ones: nothing.
+  void Track(const SequenceKey& key, uint64_t generation, const std::string& avoid = "");
+  // It was closed here: its standby copy is closed too.
+  void Closed(const SequenceKey& key);
+  // It left this replica another way (a drain promoted its standby): forget it, keep the copy.
+  void Forget(const SequenceKey& key);
+  // A step committed `keys`: `then` runs (on some thread, possibly this one) when its reply may
+  // go: OK, or FAILED_PRECONDITION when a key was fenced meanwhile.
+  void Committed(const std::vector<SequenceKey>& keys, std::function<void(absl::Status)> then);
+  // The replica holding key's standby copy ("" when none).
+  std::string StandbyOf(const SequenceKey& key) const;
+  // Nonzero: this replica's copy was dropped because the sequence failed over to another replica
+  // (at this generation or later).
+  uint64_t FencedAt(const SequenceKey& key) const;
+  // Waits until key's standby holds every committed row (a drain, before it promotes it there);
+  // DEADLINE_EXCEEDED, NOT_FOUND (untracked), UNAVAILABLE (no standby).
+  absl::Status Flush(const SequenceKey& key, std::chrono::steady_clock::time_point deadline);
+  ReplicationStats Stats() const;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  // A commit's reply, waiting for `left` sequences' acknowledgements.
+  struct Pending {
+    int left = 1;  // one more while Committed is still adding waiters
+    absl::Status status;
+    std::function<void(absl::Status)> then;
+  };
+  struct Waiter {
+    int64_t target = 0;  // acknowledged rows that release it
+    std::shared_ptr<Pending> pending;
+    Clock::time_point since;
+  };
+  // A primary here and its standby copy.
+  struct Seq {
+    uint64_t generation = 1;
+    int peer = -1;                // peers_ index; -1: none chosen (none up)
+    std::string avoid;            // never this replica (a promotion failed over from it)
+    bool opened = false;          // the copy exists on the peer
+    bool queued = false;          // in its peer's queue
+    bool busy = false;            // its peer's thread is sending it now
+    bool closed = false;          // closed here while busy: its copy is closed after the send
+    int64_t shipped = 0;          // rows the copy holds (acknowledged)
+    std::deque<int64_t> commits;  // lengths of commits not acknowledged yet, oldest first
+    std::vector<Waiter> waiters;
+  };
+  struct Peer {
+    std::string address;
+    std::string name;   // "" until it answered ServerInfo
+    bool self = false;  // this replica (left out)
+    bool up = false;
+    bool failed = false;  // its last call failed (chosen for no new copy until it answers)
+    Clock::time_point down_since;
+    std::deque<SequenceKey> queue;    // sequences with rows or an open to send
+    std::vector<SequenceKey> closes;  // copies to close there
+    std::condition_variable cv;
+    std::thread thread;
+    // The peer's thread alone: a connection per tenant (copies are opened as their tenant).
+    absl::flat_hash_map<std::string, std::unique_ptr<client::Client>> clients;
+  };
+  Replicator(Engine* engine, ReplicationOptions options);
+  void PeerLoop(Peer* peer);
+  void Housekeeping();
+  // Under mu_: the peer for a sequence (-1: none up).
+  int ChoosePeer(const SequenceKey& key, const std::string& avoid) const;
+  // Under mu_: marks key dirty on its peer.
+  void Wake(const SequenceKey& key, Seq& s);
+  // Under mu_: releases the waiters the acknowledgements satisfy (and, with `all`, every one,
+  // with `why`), adding their replies to *run (called once mu_ is released).
+  void Settle(Seq& s, std::vector<std::function<void()>>* run, bool all = false,
+              const absl::Status& why = absl::OkStatus());
+  static void Release(const std::shared_ptr<Pending>& p, std::vector<std::function<void()>>* run);
+  // Drops this replica's copy: the standby was promoted elsewhere (at `generation`).
+  void Fence(const SequenceKey& key, uint64_t generation);
+  // One round of a peer's work; false when the peer failed (back off).
+  bool Ship(Peer* peer);
+  // Resolves a peer's name; false when it does not answer.
+  bool Resolve(Peer* peer);
+  absl::StatusOr<client::Client*> ClientFor(Peer* peer, const std::string& tenant);
+
+  Engine* engine_;
+  ReplicationOptions options_;
+  int64_t bytes_per_token_ = 0;  // every layer's cached row
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // housekeeping's wake-up
+  bool stop_ = false;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  absl::flat_hash_map<SequenceKey, Seq> seqs_;
+  absl::flat_hash_map<SequenceKey, uint64_t> fenced_;
+  std::deque<SequenceKey> fenced_order_;  // oldest first, bounded
+  std::vector<SequenceKey> to_close_;     // fenced copies still to close here (were busy)
+  ReplicationStats totals_;
+  std::thread housekeeping_;
+};
+
+}  // namespace attnd
