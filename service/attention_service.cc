@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <future>
 #include <mutex>
 #include <vector>
 
@@ -112,15 +111,7 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
   }
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(key));
-  if (replicator_ != nullptr) {
-    replicator_->Track(key, info.generation);
-    if (info.length > 0) {  // a fork or cached blocks: sync answers once the copy holds them
-      std::promise<absl::Status> copied;
-      std::future<absl::Status> done = copied.get_future();
-      replicator_->Committed({key}, [&copied](absl::Status s) { copied.set_value(s); });
-      RETURN_IF_ERROR(done.get());
-    }
-  }
+  if (replicator_ != nullptr) replicator_->Track(key, info.generation, info.length);
   FillSequence(info, *engine_, resp);
   if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
   resp->set_cached_tokens(cached);
@@ -181,7 +172,8 @@ absl::Status AttentionService::DoPromoteSequence(const Caller& caller,
                  << (req.failed_replica().empty() ? std::string("an unnamed replica")
                                                   : Quote(req.failed_replica()));
   }
-  if (replicator_ != nullptr) replicator_->Track(key, info.generation, req.failed_replica());
+  if (replicator_ != nullptr)
+    replicator_->Track(key, info.generation, info.length, req.failed_replica());
   FillSequence(info, *engine_, resp);
   if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
   return absl::OkStatus();

@@ -131,7 +131,8 @@ void Replicator::Settle(Seq& s, std::vector<std::function<void()>>* run, bool al
   s.waiters.erase(keep, s.waiters.end());
 }
 
-void Replicator::Track(const SequenceKey& key, uint64_t generation, const std::string& avoid) {
+void Replicator::Track(const SequenceKey& key, uint64_t generation, int64_t length,
+                       const std::string& avoid) {
   std::lock_guard<std::mutex> lock(mu_);
   if (fenced_.erase(key) > 0)
     fenced_order_.erase(std::find(fenced_order_.begin(), fenced_order_.end(), key));
@@ -140,6 +141,7 @@ void Replicator::Track(const SequenceKey& key, uint64_t generation, const std::s
   Seq& s = it->second;
   s.generation = generation;
   s.avoid = avoid;
+  s.caught_up = length == 0;
   s.peer = ChoosePeer(key, avoid);
   Wake(key, s);  // opens the copy and sends what it holds already (a fork's, a promotion's)
 }
@@ -210,6 +212,7 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       if (lengths[i] <= s.shipped) continue;
       s.commits.push_back(lengths[i]);
       Wake(keys[i], s);
+      if (!s.caught_up) continue;  // its copy is being made: unprotected until it catches up
       const int64_t lag = static_cast<int64_t>(s.commits.size());
       int64_t target = -1;
       if (options_.mode == ReplicationOptions::Mode::kSync) {
@@ -264,7 +267,7 @@ ReplicationStats Replicator::Stats() const {
   for (const auto& p : peers_)
     if (!p->self && !p->name.empty()) r.peers.push_back(p->name);
   for (const auto& [key, s] : seqs_) {
-    const bool covered = s.peer >= 0 && s.opened && peers_[s.peer]->up;
+    const bool covered = s.peer >= 0 && s.opened && s.caught_up && peers_[s.peer]->up;
     ++(covered ? r.sequences : r.unprotected);
     r.lag_steps = std::max<int64_t>(r.lag_steps, static_cast<int64_t>(s.commits.size()));
     if (!s.commits.empty()) r.lag_bytes += (s.commits.back() - s.shipped) * bytes_per_token_;
@@ -454,6 +457,8 @@ bool Replicator::Ship(Peer* peer) {
         s.busy = false;
         s.opened = item.opened;
         s.shipped = item.shipped;
+        if (ok && s.opened && item.length >= 0 && s.shipped >= item.length) s.caught_up = true;
+        if (!s.opened) s.caught_up = false;
         Settle(s, &run);
         if (s.closed) {
           if (s.opened) peer->closes.push_back(item.key);
@@ -622,6 +627,7 @@ void Replicator::Housekeeping() {
         s.peer = next;
         s.opened = false;
         s.shipped = 0;
+        s.caught_up = false;
         Wake(key, s);
       }
       closing.swap(to_close_);

@@ -74,9 +74,12 @@ class Replicator {
   Replicator& operator=(const Replicator&) = delete;
 
   const ReplicationOptions& options() const { return options_; }
-  // A primary was opened, forked, imported or promoted here: it gets a standby copy (never on
-  // the replica named `avoid`, the one a promotion failed over from). Known ones: nothing.
-  void Track(const SequenceKey& key, uint64_t generation, const std::string& avoid = "");
+  // A primary was opened, forked, imported or promoted here, holding `length` tokens: it gets a
+  // standby copy (never on the replica named `avoid`, the one a promotion failed over from).
+  // Until the copy has caught up with what the sequence held (at once for an empty one), the
+  // sequence is unprotected and its commits answer without waiting. Known ones: nothing.
+  void Track(const SequenceKey& key, uint64_t generation, int64_t length,
+             const std::string& avoid = "");
   // It was closed here: its standby copy is closed too.
   void Closed(const SequenceKey& key);
   // It left this replica another way (a drain promoted its standby): forget it, keep the copy.
@@ -116,6 +119,9 @@ class Replicator {
     bool queued = false;          // in its peer's queue
     bool busy = false;            // its peer's thread is sending it now
     bool closed = false;          // closed here while busy: its copy is closed after the send
+    // The copy held every row the sequence had when a round began: commits wait on it from then
+    // on (before, while a whole copy is made, they would wait for all of it).
+    bool caught_up = false;
     int64_t shipped = 0;          // rows the copy holds (acknowledged)
     std::deque<int64_t> commits;  // lengths of commits not acknowledged yet, oldest first
     std::vector<Waiter> waiters;
