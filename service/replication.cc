@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/router.h"
 #include "common/client_text.h"
@@ -52,19 +53,39 @@ absl::StatusOr<std::unique_ptr<Replicator>> Replicator::Create(Engine* engine,
   if (options.peers.empty()) return absl::InvalidArgumentError("--standby-peers: no peer given");
   if (options.max_lag_steps < 0)
     return absl::InvalidArgumentError("--replication-max-lag-steps: negative");
-  ASSIGN_OR_RETURN(std::vector<std::string> addresses, DrainPeers(options.peers));
+  for (const std::string& p : options.peers) {  // the form now; the names resolve later
+    const size_t colon = p.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 || p.size() - colon > 6 ||
+        !absl::SimpleAtoi(p.substr(colon + 1), &port) || port <= 0 || port > 65535 ||
+        (p.rfind("dns:", 0) == 0 && colon <= 4))
+      return absl::InvalidArgumentError(absl::StrCat("--standby-peers: '", p.substr(0, 100),
+                                                     "' is neither HOST:PORT nor dns:NAME:PORT"));
+  }
   std::unique_ptr<Replicator> r(new Replicator(engine, std::move(options)));
-  for (std::string& a : addresses) {
-    auto p = std::make_unique<Peer>();
-    p->address = std::move(a);
-    r->peers_.push_back(std::move(p));
-  }
-  for (auto& p : r->peers_) {
-    Peer* raw = p.get();
-    p->thread = std::thread([r = r.get(), raw] { r->PeerLoop(raw); });
-  }
+  r->AddPeers();  // what resolves now; housekeeping looks again every few seconds
   r->housekeeping_ = std::thread([r = r.get()] { r->Housekeeping(); });
   return r;
+}
+
+void Replicator::AddPeers() {
+  // A headless Service resolves to the pods that are ready: peers come (and go) after start.
+  auto addresses = DrainPeers(options_.peers);
+  if (!addresses.ok()) {
+    LOG_EVERY_N(WARNING, 30) << "standby peers: " << addresses.status().message();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) return;
+  for (std::string& a : *addresses) {
+    if (std::any_of(peers_.begin(), peers_.end(), [&](const auto& p) { return p->address == a; }))
+      continue;
+    auto p = std::make_unique<Peer>();
+    p->address = std::move(a);
+    Peer* raw = p.get();
+    peers_.push_back(std::move(p));
+    raw->thread = std::thread([this, raw] { PeerLoop(raw); });
+  }
 }
 
 Replicator::Replicator(Engine* engine, ReplicationOptions options)
@@ -80,9 +101,9 @@ Replicator::~Replicator() {
     for (auto& p : peers_) p->cv.notify_all();
     cv_.notify_all();
   }
+  if (housekeeping_.joinable()) housekeeping_.join();  // (it adds peers: first)
   for (auto& p : peers_)
     if (p->thread.joinable()) p->thread.join();
-  if (housekeeping_.joinable()) housekeeping_.join();
   // Replies still waiting go now (their steps committed here).
   std::vector<std::function<void()>> run;
   {
@@ -586,8 +607,12 @@ bool Replicator::Ship(Peer* peer) {
 }
 
 void Replicator::Housekeeping() {
-  auto last_reconcile = Clock::now();
+  auto last_reconcile = Clock::now(), last_resolve = Clock::now();
   for (;;) {
+    if (Clock::now() - last_resolve > std::chrono::seconds(2)) {
+      last_resolve = Clock::now();
+      AddPeers();
+    }
     std::vector<std::function<void()>> run;
     std::vector<SequenceKey> check, closing;
     {

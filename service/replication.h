@@ -113,12 +113,12 @@ class Replicator {
   // A primary here and its standby copy.
   struct Seq {
     uint64_t generation = 1;
-    int peer = -1;                // peers_ index; -1: none chosen (none up)
-    std::string avoid;            // never this replica (a promotion failed over from it)
-    bool opened = false;          // the copy exists on the peer
-    bool queued = false;          // in its peer's queue
-    bool busy = false;            // its peer's thread is sending it now
-    bool closed = false;          // closed here while busy: its copy is closed after the send
+    int peer = -1;        // peers_ index; -1: none chosen (none up)
+    std::string avoid;    // never this replica (a promotion failed over from it)
+    bool opened = false;  // the copy exists on the peer
+    bool queued = false;  // in its peer's queue
+    bool busy = false;    // its peer's thread is sending it now
+    bool closed = false;  // closed here while busy: its copy is closed after the send
     // The copy held every row the sequence had when a round began: commits wait on it from then
     // on (before, while a whole copy is made, they would wait for all of it).
     bool caught_up = false;
@@ -156,6 +156,8 @@ class Replicator {
   void Fence(const SequenceKey& key, uint64_t generation);
   // One round of a peer's work; false when the peer failed (back off).
   bool Ship(Peer* peer);
+  // Resolves the peer list (dns: names) and starts a thread for each new address.
+  void AddPeers();
   // Resolves a peer's name; false when it does not answer.
   bool Resolve(Peer* peer);
   absl::StatusOr<client::Client*> ClientFor(Peer* peer, const std::string& tenant);

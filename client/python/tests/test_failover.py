@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import pytest
 
 from attnd import AttndClient, AttndError, LayerInputs, Router, name_replicas, ranked
 
-from attnd_process import free_port, start
+from attnd_process import ATTND_BIN, free_port, start
 from attnd_testlib import bf16_layers, scrape, wait_for
 
 BF16 = ml_dtypes.bfloat16
@@ -374,3 +375,24 @@ def _gone(client, sid) -> bool:
     except AttndError as e:
         return e.code == grpc.StatusCode.NOT_FOUND
     return False
+
+
+def test_peers_resolve_after_start_and_a_malformed_peer_is_refused(tmp_path):
+    """A headless Service resolves only to ready pods: a replica starts before its peers resolve
+    (and finds them later); a peer that is no HOST:PORT or dns:NAME:PORT stops the start."""
+    proc, target, _ = start(["--standby-peers=dns:not-yet.invalid:50051"], kv_pages=64,
+                            threads=1, log=tmp_path / "unresolved.log")
+    try:
+        with AttndClient(target, timeout=10.0) as c:
+            r = c.info().replication
+            assert (r.mode, r.peers, r.max_lag_steps) == ("async", (), 4)
+            info = c.open_sequence("alone")  # served, unprotected
+            assert (info.generation, info.standby_replica) == (1, "")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    r = subprocess.run([str(ATTND_BIN), "--model=tiny", "--kv-pages=64", "--grpc-port=0",
+                        "--metrics-port=0", "--standby-peers=no-port-here"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "neither HOST:PORT nor dns:NAME:PORT" in r.stdout + r.stderr

@@ -34,7 +34,8 @@ VARIANTS = {
              "quotas": {"pages": 200000}, "antiAffinity": "hard",
              "extraArgs": ["--grpc-reflection=false"]},
     "token": {"tls": {"enabled": True}, "auth": {"mode": "token", "adminTenant": "ops"},
-              "replicas": 3, "image": {"tag": "0.3.0-rc1"}},
+              "replicas": 3, "image": {"tag": "0.3.0-rc1"},
+              "replication": {"enabled": True, "mode": "sync"}},
     "bare": {"podDisruptionBudget": {"enabled": False}, "serviceMonitor": {"enabled": False},
              "dashboard": {"enabled": False}, "antiAffinity": "none",
              "topologySpread": {"enabled": True}, "cache": {"dtype": "fp8"},
@@ -223,7 +224,8 @@ def test_the_rendered_command_line_starts_attnd_and_its_probes_pass(variant, pod
     docs = _render(VARIANTS[variant])
     c = _container(docs)
     args = [a.replace("/etc/attnd", str(pod_files)) for a in c["args"]]
-    proc, target, _ = start(["--devices=cpu:0", "--drain-peers=", "--shutdown-grace-ms=0"],
+    proc, target, _ = start(["--devices=cpu:0", "--drain-peers=", "--standby-peers=",
+                             "--shutdown-grace-ms=0"],
                             kv_pages=64, threads=1, first=args)
     try:
         port = target.rsplit(":", 1)[1]
