@@ -176,6 +176,16 @@ std::string Where(const v1::SequenceInfo& s) {
   return w;
 }
 
+// Standby replicas (docs/replication.md): a standby copy, or a primary's generation after a
+// failover and where its standby is.
+std::string Role(const v1::SequenceInfo& s) {
+  if (s.standby()) return absl::StrCat("\tstandby copy (generation ", s.generation(), ")");
+  std::string out;
+  if (s.generation() > 1) absl::StrAppend(&out, "\tgeneration ", s.generation());
+  if (!s.standby_replica().empty()) absl::StrAppend(&out, "\tstandby on ", s.standby_replica());
+  return out;
+}
+
 int List(Client& c, const Args& a, bool json) {
   const bool all = a.flags.count("all-tenants") > 0;
   auto list = c.ListSequences(all);
@@ -183,9 +193,9 @@ int List(Client& c, const Args& a, bool json) {
   if (json) return PrintJson(*list);
   for (const auto& s : list->sequences()) {
     if (all) std::printf("%s\t", s.tenant().empty() ? "(anonymous)" : s.tenant().c_str());
-    std::printf("%s\t%lld tokens\t%d pages\t%s%s\n", s.sequence_id().c_str(),
+    std::printf("%s\t%lld tokens\t%d pages\t%s%s%s\n", s.sequence_id().c_str(),
                 static_cast<long long>(s.length()), s.num_pages(), Where(s).c_str(),
-                s.in_step() ? "\tin step" : "");
+                s.in_step() ? "\tin step" : "", Role(s).c_str());
   }
   std::printf("%d sequence(s)\n", list->sequences_size());
   return 0;
@@ -195,9 +205,10 @@ int Describe(Client& c, const std::string& id, bool json) {
   auto s = c.DescribeSequence(id);
   if (!s.ok()) return Fail(s.status(), "describe");
   if (json) return PrintJson(*s);
-  std::printf("%s\t%lld tokens\t%d pages\t%s%s%s\n", s->sequence_id().c_str(),
+  std::printf("%s\t%lld tokens\t%d pages\t%s%s%s%s\n", s->sequence_id().c_str(),
               static_cast<long long>(s->length()), s->num_pages(), Where(*s).c_str(),
-              s->in_step() ? "\tin step" : "", s->importing() ? "\timporting" : "");
+              s->in_step() ? "\tin step" : "", s->importing() ? "\timporting" : "",
+              Role(*s).c_str());
   return 0;
 }
 

@@ -1,15 +1,17 @@
 // libFuzzer target: random sequences of engine operations (open, fork, close, migrate, begin,
 // layers with random or broken inputs, context-parallel steps with random offsets and tampered
 // selections, abort, expire, and the tiers': offload, prefetch, idle spills, and the spills and
-// restores steps, forks and migrations make) and the prefix cache's (opens on a prompt's cached
+// restores steps, forks and migrations make), the prefix cache's (opens on a prompt's cached
 // blocks, by token ids or hashes; the blocks indexed, kept, sent down the tiers and evicted as the
-// rest goes on) on two CPU devices over a small host tier and a disk tier, checked after every
-// operation against a model of the expected state, the way database stress tools check
-// themselves: every sequence's length and step membership, every page's reference count, free
-// pages per device, page 0 untouched, the tiers' bookkeeping (every page in exactly one tier,
-// holders and pool counts, slots; Engine::CheckInvariants), and the outputs of every committed
-// step against the float64 oracle (so a page that came back from a tier changed would show). Any
-// mismatch aborts (a crash for libFuzzer).
+// rest goes on) and the standby replicas' (standby copies fed by write-only imports naming
+// generations, promoted at random generations and lengths, cut back) on two CPU devices over a
+// small host tier and a disk tier, checked after every operation against a model of the expected
+// state, the way database stress tools check themselves: every sequence's length and step
+// membership, every page's reference count, free pages per device, page 0 untouched, the tiers'
+// bookkeeping (every page in exactly one tier, holders and pool counts, slots;
+// Engine::CheckInvariants), and the outputs of every committed step against the float64 oracle (so
+// a page that came back from a tier changed would show). Any mismatch aborts (a crash for
+// libFuzzer).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -128,8 +130,10 @@ struct Model {
   struct Seq {
     int64_t length = 0;
     int device = 0;
-    int prompt = -1;    // opened on PromptTokens(prompt)
-    int64_t known = 0;  // its blocks whose hashes the engine knows (PromptKeys there)
+    int prompt = -1;          // opened on PromptTokens(prompt)
+    int64_t known = 0;        // its blocks whose hashes the engine knows (PromptKeys there)
+    bool standby = false;     // a standby copy (docs/replication.md)
+    uint64_t generation = 1;  // promotions so far + 1
   };
   std::map<std::string, Seq> seqs;
 };
@@ -156,7 +160,7 @@ class Run {
 
   void Op(FuzzInput& in) {
     const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
-    switch (in.Int(0, 12)) {
+    switch (in.Int(0, 15)) {
       case 0: {                            // open
         const int device = in.Int(-1, 2);  // 2 is out of range
         const absl::Status s = engine_->OpenSequence(id, device);
@@ -175,7 +179,7 @@ class Run {
         const absl::Status s = engine_->ForkSequence(id, parent, prefix, device);
         auto p = model_.seqs.find(parent);
         const bool valid = !model_.seqs.contains(id) && p != model_.seqs.end() && prefix >= 0 &&
-                           prefix <= p->second.length;
+                           prefix <= p->second.length && !p->second.standby;
         FUZZ_CHECK(valid || !s.ok(), "fork accepted: ", s.ToString());
         if (valid)
           FUZZ_CHECK(s.ok() || s.code() == absl::StatusCode::kResourceExhausted, s.ToString());
@@ -250,6 +254,26 @@ class Run {
       case 12:
         OpenCachedOp(in, id);
         break;
+      case 13: {  // a standby copy (replication's receiving end)
+        const uint64_t g = in.Int(0, 3);
+        const absl::Status s = engine_->OpenStandby(id, g);
+        FUZZ_CHECK(s.ok() == (!model_.seqs.contains(id) && g > 0), id, " standby: ", s.ToString());
+        if (s.ok()) {
+          Model::Seq m;
+          m.device = engine_->DescribeSequence(id)->device;
+          m.standby = true;
+          m.generation = g;
+          model_.seqs[id] = m;
+          oracle_.Open(id);
+        }
+        break;
+      }
+      case 14:
+        PromoteOp(in, id);
+        break;
+      case 15:
+        ImportOp(in);
+        break;
     }
     Audit();
   }
@@ -298,6 +322,7 @@ class Run {
     int64_t T = 0;
     for (const auto& e : batch) {
       FUZZ_CHECK(model_.seqs.contains(e.sequence_id), "unknown sequence accepted");
+      FUZZ_CHECK(!model_.seqs[e.sequence_id].standby, "an ordinary step on a standby copy");
       FUZZ_CHECK(seen.insert(e.sequence_id).second, "duplicate accepted");
       FUZZ_CHECK(e.q_len >= 1 && model_.seqs[e.sequence_id].length + e.q_len <= spec_.max_context,
                  "bad q_len accepted");
@@ -404,6 +429,119 @@ class Run {
     }
   }
 
+  // Failover: a copy promoted at a random generation and length. At its own generation it
+  // becomes the sequence (cut back to the length when shorter: the oracle's history too); a
+  // retry at the old generation answers it as it is; anything else is refused, nothing changed.
+  void PromoteOp(FuzzInput& in, const std::string& id) {
+    auto m = model_.seqs.find(id);
+    const bool known = m != model_.seqs.end();
+    // Mostly the worker's view (its generation, at most what the copy holds), sometimes any.
+    const uint64_t g = known && in.Bool(0.7) ? m->second.generation : in.Int(0, 4);
+    const int64_t len = known && in.Bool(0.6) ? in.Int(0, m->second.length)
+                        : in.Bool(0.1)        ? in.Int(-3, 70)
+                                              : in.Int(0, 64);
+    const std::vector<int32_t> free_before = FreePages();
+    auto r = engine_->PromoteSequence(id, g, len);
+    if (m == model_.seqs.end()) {
+      FUZZ_CHECK(r.status().code() == absl::StatusCode::kNotFound, r.status().ToString());
+      return;
+    }
+    Model::Seq& seq = m->second;
+    if (!seq.standby && seq.generation == g + 1) {  // promoted already: a retry
+      FUZZ_CHECK(r.ok() && r->length == seq.length && r->generation == seq.generation,
+                 r.status().ToString());
+      return;
+    }
+    if (!seq.standby || seq.generation != g || len < 0) {
+      FUZZ_CHECK(!r.ok() && FreePages() == free_before, id, " promote: ", r.status().ToString());
+      return;
+    }
+    FUZZ_CHECK(r.ok(), id, " promote: ", r.status().ToString());
+    FUZZ_CHECK(!r->standby && r->generation == g + 1 && r->length == std::min(len, seq.length), id,
+               " promoted to ", r->length, " at ", r->generation);
+    if (r->length < seq.length) {  // the oracle cut back as well
+      oracle_.Fork("cut", id, r->length);
+      oracle_.Close(id);
+      oracle_.Fork(id, "cut", r->length);
+      oracle_.Close("cut");
+    }
+    seq.standby = false;
+    seq.generation = g + 1;
+    seq.length = r->length;
+  }
+
+  // Replication's write-only step: random entries naming random generations. Accepted only over
+  // standby copies alone or primaries alone, each at its generation (0: not named); the keys
+  // commit to the oracle, so later steps on a promoted copy check them against float64.
+  void ImportOp(FuzzInput& in) {
+    std::vector<StepEntry> batch;
+    const int n = in.Int(1, 3);
+    for (int i = 0; i < n; ++i) {
+      StepEntry e{absl::StrCat("s", in.Int(0, kIds - 1)), in.Int(1, 12)};
+      auto m = model_.seqs.find(e.sequence_id);
+      e.generation = in.Bool(0.8) && m != model_.seqs.end() ? m->second.generation : in.Int(0, 3);
+      batch.push_back(std::move(e));
+    }
+    const std::vector<int32_t> free_before = FreePages();
+    auto step = engine_->BeginStep(batch, StepOptions::WriteOnly());
+    if (!step.ok()) {
+      if (step.status().code() != absl::StatusCode::kResourceExhausted)
+        FUZZ_CHECK(FreePages() == free_before, "a refused import changed the pool");
+      return;
+    }
+    std::set<std::string> seen;
+    int64_t T = 0;
+    const bool standby = model_.seqs[batch[0].sequence_id].standby;
+    for (const auto& e : batch) {
+      auto m = model_.seqs.find(e.sequence_id);
+      FUZZ_CHECK(m != model_.seqs.end() && seen.insert(e.sequence_id).second, "bad batch");
+      FUZZ_CHECK(m->second.standby == standby, "copies and primaries in one import");
+      FUZZ_CHECK(e.generation == 0 || e.generation == m->second.generation, e.sequence_id,
+                 " imported at generation ", e.generation);
+      FUZZ_CHECK(m->second.length + e.q_len <= spec_.max_context, "beyond max_context");
+      T += e.q_len;
+    }
+    std::mt19937_64 rng(in.Int(0, 1 << 30));
+    std::vector<reference::LayerValues> values;
+    std::vector<Layer> keep;
+    for (int l = 0; l < spec_.num_layers(); ++l) {
+      const bool full = spec_.layers[l] == LayerKind::kFull;
+      Layer x{Random(0, rng),
+              Random(0, rng),
+              Random(T * spec_.kv_lora_rank, rng),
+              Random(T * spec_.qk_rope_head_dim, rng),
+              Random(0, rng),
+              Random(full ? T * spec_.index_head_dim : 0, rng),
+              Random(0, rng)};
+      int64_t row = 0;  // a prompt's positions get the prompt's keys (as in StepOp)
+      for (const auto& e : batch) {
+        const Model::Seq& m = model_.seqs[e.sequence_id];
+        for (int64_t j = 0; j < e.q_len; ++j)
+          if (m.prompt >= 0 && m.length + j < m.known * spec_.page_size) {
+            const PromptRow k = PromptKeys(spec_, m.prompt, l, m.length + j);
+            SetRow(x.kv, row + j, k.kv);
+            SetRow(x.kr, row + j, k.kr);
+            SetRow(x.ik, row + j, k.ik);
+          }
+        row += e.q_len;
+      }
+      LayerInputs v;
+      v.kv_latent = x.kv.View({T, spec_.kv_lora_rank});
+      v.k_rope = x.kr.View({T, spec_.qk_rope_head_dim});
+      if (full) v.index_k = x.ik.View({T, spec_.index_head_dim});
+      const absl::Status s = RunLayerInto(*engine_, *step, l, v, nullptr, 0);
+      FUZZ_CHECK(s.ok(), "import layer ", l, ": ", s.ToString());
+      values.push_back({{}, {}, x.kv.values, x.kr.values, {}, x.ik.values, {}});
+      keep.push_back(std::move(x));
+    }
+    std::vector<std::pair<std::string, int64_t>> pairs;
+    for (const auto& e : batch) {
+      pairs.emplace_back(e.sequence_id, e.q_len);
+      model_.seqs[e.sequence_id].length += e.q_len;
+    }
+    oracle_.Commit(pairs, values);
+  }
+
   // A context-parallel step on this engine alone (it holds a slice starting at a random offset):
   // random offsets and query positions, and selections sometimes tampered with. Whatever is
   // refused changes nothing; a tail step with its own candidates untouched equals an ordinary
@@ -425,7 +563,8 @@ class Run {
     auto step = engine_->BeginStep({e}, o);
     const bool aligned = e.position_offset >= 0 && e.position_offset % ps == 0 &&
                          e.position_offset <= spec_.max_context;
-    const bool valid = m != model_.seqs.end() && e.q_len >= 1 && e.q_len <= 48 && aligned &&
+    const bool valid = m != model_.seqs.end() && !m->second.standby && e.q_len >= 1 &&
+                       e.q_len <= 48 && aligned &&
                        (attend ? len > 0 && e.query_position >= e.position_offset + len &&
                                      e.query_position <= spec_.max_context - e.q_len
                                : e.q_len <= spec_.max_context - len - e.position_offset);
