@@ -279,7 +279,9 @@ void SequenceTable::ChargeSequences(const Sequence& seq, int64_t n) {
 }
 
 absl::Status SequenceTable::OpenStandby(const SequenceKey& key, uint64_t generation) {
-  if (generation == 0) return absl::InvalidArgumentError("standby generation: 0 (they start at 1)");
+  if (generation == 0 || generation > kMaxGeneration)
+    return absl::InvalidArgumentError(
+        absl::StrCat("standby generation: ", generation, " outside [1, 2^62]"));
   absl::Status s = CheckNewId(key);
   // The tenant's sequence quota does not count standby copies.
   if (!s.ok() && !(absl::IsResourceExhausted(s) && size() < limits_.max_sequences)) return s;

@@ -67,6 +67,9 @@ struct Sequence {
   std::chrono::steady_clock::time_point last_used = std::chrono::steady_clock::now();
 };
 
+// Generations stay below this (a promotion adds one; 0 means "not named" in a step).
+inline constexpr uint64_t kMaxGeneration = uint64_t{1} << 62;
+
 struct SequenceLimits {
   size_t max_id_bytes = 256;
   int64_t max_sequences = 65536;

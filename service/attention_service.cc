@@ -153,8 +153,9 @@ absl::Status AttentionService::DoPromoteSequence(const Caller& caller,
   const EngineLimits& lim = engine_->options().limits;
   RETURN_IF_ERROR(CheckIdLength("sequence_id", req.sequence_id(), lim.max_id_bytes));
   RETURN_IF_ERROR(CheckIdLength("failed_replica", req.failed_replica(), lim.max_id_bytes));
-  if (req.generation() == 0)
-    return absl::InvalidArgumentError("generation: 0 (SequenceInfo.generation starts at 1)");
+  if (req.generation() == 0 || req.generation() >= kMaxGeneration)
+    return absl::InvalidArgumentError(absl::StrCat("generation: ", req.generation(),
+                                                   " outside [1, 2^62) (SequenceInfo.generation)"));
   if (req.length() < 0 || req.length() > engine_->spec().max_context)
     return absl::OutOfRangeError(absl::StrCat("length ", req.length(), " outside [0, ",
                                               engine_->spec().max_context, "] (max_context)"));

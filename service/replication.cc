@@ -215,10 +215,17 @@ void Replicator::Forget(const SequenceKey& key) {
 
 void Replicator::Committed(const std::vector<SequenceKey>& keys,
                            std::function<void(absl::Status)> then) {
-  // Lengths first: the engine's lock is never taken under mu_ by a caller of this.
+  // Lengths first, of the sequences replicated from here (a standby's imports are not): the
+  // engine's lock is never taken under mu_.
+  std::vector<bool> tracked(keys.size(), false);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) tracked[i] = seqs_.contains(keys[i]);
+  }
   std::vector<int64_t> lengths(keys.size(), -1);
   for (size_t i = 0; i < keys.size(); ++i)
-    if (auto info = engine_->DescribeSequence(keys[i]); info.ok()) lengths[i] = info->length;
+    if (tracked[i])
+      if (auto info = engine_->DescribeSequence(keys[i]); info.ok()) lengths[i] = info->length;
   auto p = std::make_shared<Pending>();
   p->then = std::move(then);
   std::vector<std::function<void()>> run;
@@ -231,8 +238,11 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       Seq& s = it->second;
       if (s.peer < 0) continue;  // unprotected: nothing to wait for
       if (lengths[i] <= s.shipped) continue;
-      s.commits.push_back(lengths[i]);
       Wake(keys[i], s);
+      // A standby that failed holds nothing back (and no commit is counted against it: the
+      // lag would grow without bound while it is down); it catches up when it answers.
+      if (!peers_[s.peer]->up) continue;
+      s.commits.push_back(lengths[i]);
       if (!s.caught_up) continue;  // its copy is being made: unprotected until it catches up
       const int64_t lag = static_cast<int64_t>(s.commits.size());
       int64_t target = -1;

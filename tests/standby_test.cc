@@ -100,6 +100,8 @@ TEST(Standby, CopiesRefuseOrdinaryStepsForksOtherGenerationsAndMixedBatches) {
   refused({Entry("p", 1, 2)}, {}, absl::StatusCode::kFailedPrecondition, "a stale generation");
   EXPECT_EQ(e.ForkSequence("child", "c", 4).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(e.OpenStandby("z", 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.OpenStandby("z", (uint64_t{1} << 62) + 1).code(),
+            absl::StatusCode::kInvalidArgument);  // promotions must not wrap to 0 ("not named")
   EXPECT_EQ(e.OpenStandby("c", 1).code(), absl::StatusCode::kAlreadyExists);
   // Promotion: only a copy, only at its generation; a retry answers as it is.
   EXPECT_EQ(e.PromoteSequence("p", 1, 7).status().code(), absl::StatusCode::kFailedPrecondition);

@@ -352,6 +352,7 @@ def test_standby_copies_refuse_ordinary_steps_and_bad_promotions(tmp_path):
             assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
             for generation, length, code in ((2, 37, grpc.StatusCode.FAILED_PRECONDITION),
                                              (0, 37, grpc.StatusCode.INVALID_ARGUMENT),
+                                             (2**62, 37, grpc.StatusCode.INVALID_ARGUMENT),
                                              (1, -1, grpc.StatusCode.OUT_OF_RANGE)):
                 with pytest.raises(AttndError) as e:
                     there.promote_sequence(s.sid, generation, length)
