@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -161,6 +162,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(o.max_message_bytes);
   args.SetMaxSendMessageSize(o.max_message_bytes);
+  if (o.reconnect_backoff_ms > 0) {
+    const int b = static_cast<int>(std::min<int64_t>(o.reconnect_backoff_ms, 60000));
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, b);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, b);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 20 * b);
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!o.tls_ca_file.empty() || !o.tls_cert_file.empty()) {
     grpc::SslCredentialsOptions ssl;

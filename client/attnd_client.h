@@ -88,6 +88,9 @@ struct ConnectOptions {
   std::string token;                // sent as `authorization: Bearer <token>` on every call
   std::string act_as_tenant;        // the admin only: act inside this tenant's namespace
   int64_t call_timeout_ms = 0;      // each unary call's deadline (0 = none; streams have none)
+  // > 0: the channel reconnects after a failure this soon, backing off to 20x (gRPC's default
+  // starts at 1 s and grows to 120 s: long for replicas that come back at once).
+  int64_t reconnect_backoff_ms = 0;
 };
 
 // Copies sequence `id` from `from` to `to` (ExportSequence there, write-only steps here), in

@@ -231,8 +231,8 @@ absl::Status AttentionService::DoDescribeSequence(const Caller& caller,
                                                   const v1::DescribeSequenceRequest& req,
                                                   v1::SequenceInfo* resp) {
   const SequenceKey key = KeyOf(caller, req.sequence_id());
+  RETURN_IF_ERROR(FencedHere(key));  // (its copy here may still be closing)
   absl::StatusOr<SequenceInfo> info = engine_->DescribeSequence(key);
-  if (absl::IsNotFound(info.status())) RETURN_IF_ERROR(FencedHere(key));
   RETURN_IF_ERROR(info.status());
   FillSequence(*info, *engine_, resp);
   if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
@@ -360,6 +360,13 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   opts.attend_only = req.attend_only();
   opts.tenant = caller.tenant;
   opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
+  if (replicator_ != nullptr && !req.write_only()) {
+    // A sequence its standby has not acknowledged for a while may have failed over elsewhere
+    // while this replica was paused or cut off: ask before serving it (docs/replication.md).
+    std::vector<SequenceKey> keys;
+    for (const StepEntry& e : batch) keys.push_back(KeyOf(caller, e.sequence_id));
+    RETURN_IF_ERROR(replicator_->Confirm(keys));
+  }
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
   if (shards > 1) shards_.Register(RefOf(caller, step), shards);
   int64_t tokens = 0;  // the engine bounded the sum

@@ -239,9 +239,10 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       if (s.peer < 0) continue;  // unprotected: nothing to wait for
       if (lengths[i] <= s.shipped) continue;
       Wake(keys[i], s);
-      // A standby that failed holds nothing back (and no commit is counted against it: the
-      // lag would grow without bound while it is down); it catches up when it answers.
-      if (!peers_[s.peer]->up) continue;
+      // A standby that left commits unacknowledged for ack_timeout holds nothing back (and no
+      // commit is counted against it: the lag would grow while it is away); it catches up
+      // when it answers. One whose last call merely failed still does, for ack_timeout.
+      if (peers_[s.peer]->degraded) continue;
       s.commits.push_back(lengths[i]);
       if (!s.caught_up) continue;  // its copy is being made: unprotected until it catches up
       const int64_t lag = static_cast<int64_t>(s.commits.size());
@@ -258,6 +259,55 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
     Release(p, &run);
   }
   for (auto& f : run) f();
+}
+
+absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
+  struct Ask {
+    SequenceKey key;
+    uint64_t generation;
+    std::string address;
+    std::shared_ptr<client::Client> client;
+  };
+  std::vector<Ask> asks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = Clock::now();
+    for (const SequenceKey& k : keys) {
+      auto it = seqs_.find(k);
+      if (it == seqs_.end() || it->second.peer < 0 || !it->second.opened) continue;
+      if (now - it->second.heard < options_.ack_timeout) continue;
+      // A standby down for a while is not asked (each step would wait for it); one that failed
+      // just now is: its call may have failed because this replica was the one paused.
+      Peer& p = *peers_[it->second.peer];
+      if (p.degraded || (!p.up && now - p.down_since > 2 * options_.ack_timeout)) continue;
+      asks.push_back({k, it->second.generation, p.address, p.confirm_clients[k.tenant]});
+    }
+  }
+  for (Ask& a : asks) {
+    if (a.client == nullptr) {
+      client::ConnectOptions c = options_.credentials;
+      c.act_as_tenant = a.key.tenant;
+      c.call_timeout_ms = options_.ack_timeout.count();
+      c.reconnect_backoff_ms = 50;
+      auto made = client::Client::Connect(a.address, c);
+      if (!made.ok()) continue;
+      a.client = std::shared_ptr<client::Client>(std::move(*made));
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& p : peers_)
+        if (p->address == a.address) p->confirm_clients[a.key.tenant] = a.client;
+    }
+    auto there = a.client->DescribeSequence(a.key.id);
+    if (!there.ok()) continue;  // not answering, or no copy yet: nothing to refuse
+    if (!there->standby() && there->generation() > a.generation) {
+      Fence(a.key, there->generation());
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", Quote(a.key.id), " failed over to another replica (generation ",
+                       there->generation(), "); this replica's copy was dropped"));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = seqs_.find(a.key); it != seqs_.end()) it->second.heard = Clock::now();
+  }
+  return absl::OkStatus();
 }
 
 std::string Replicator::StandbyOf(const SequenceKey& key) const {
@@ -298,7 +348,8 @@ ReplicationStats Replicator::Stats() const {
   for (const auto& p : peers_)
     if (!p->self && !p->name.empty()) r.peers.push_back(p->name);
   for (const auto& [key, s] : seqs_) {
-    const bool covered = s.peer >= 0 && s.opened && s.caught_up && peers_[s.peer]->up;
+    const bool covered =
+        s.peer >= 0 && s.opened && s.caught_up && peers_[s.peer]->up && !peers_[s.peer]->degraded;
     ++(covered ? r.sequences : r.unprotected);
     r.lag_steps = std::max<int64_t>(r.lag_steps, static_cast<int64_t>(s.commits.size()));
     if (!s.commits.empty()) r.lag_bytes += (s.commits.back() - s.shipped) * bytes_per_token_;
@@ -342,6 +393,7 @@ void Replicator::Fence(const SequenceKey& key, uint64_t generation) {
 bool Replicator::Resolve(Peer* peer) {
   client::ConnectOptions c = options_.credentials;
   c.call_timeout_ms = options_.ack_timeout.count();
+  c.reconnect_backoff_ms = 50;
   auto cl = client::Client::Connect(peer->address, c);
   if (!cl.ok()) return false;
   auto info = (*cl)->Info();
@@ -367,6 +419,7 @@ absl::StatusOr<client::Client*> Replicator::ClientFor(Peer* peer, const std::str
   client::ConnectOptions c = options_.credentials;
   c.act_as_tenant = tenant;
   c.call_timeout_ms = options_.ack_timeout.count();
+  c.reconnect_backoff_ms = 50;
   ASSIGN_OR_RETURN(std::unique_ptr<client::Client> cl, client::Client::Connect(peer->address, c));
   return (peer->clients[tenant] = std::move(cl)).get();
 }
@@ -395,6 +448,10 @@ void Replicator::PeerLoop(Peer* peer) {
         LOG(INFO) << "standby peer " << peer->name << " answers again";
       peer->up = !peer->name.empty();
       peer->failed = false;
+      if (peer->degraded && !peer->name.empty()) {
+        peer->degraded = false;
+        LOG(INFO) << "standby peer " << peer->name << " acknowledges again: commits wait for it";
+      }
       backoff = std::chrono::milliseconds(20);
       continue;
     }
@@ -403,25 +460,6 @@ void Replicator::PeerLoop(Peer* peer) {
     peer->up = false;
     peer->failed = true;
     peer->clients.clear();  // reconnect
-    // A peer that refused or failed a call holds no commit back (one that does not answer at
-    // all does for at most ack_timeout, its calls' deadline).
-    std::vector<std::function<void()>> run;
-    const int index = static_cast<int>(
-        std::find_if(peers_.begin(), peers_.end(), [&](const auto& p) { return p.get() == peer; }) -
-        peers_.begin());
-    for (auto& [key, s] : seqs_) {
-      if (s.peer != index || s.waiters.empty()) continue;
-      totals_.degraded += static_cast<int64_t>(s.waiters.size());
-      for (Waiter& w : s.waiters) Release(w.pending, &run);
-      s.waiters.clear();
-    }
-    if (!run.empty()) {
-      LOG_EVERY_N(WARNING, 20) << run.size() << " commit(s) answered without their standby's "
-                               << "acknowledgement: " << peer->name << " does not answer";
-      lock.unlock();
-      for (auto& f : run) f();
-      lock.lock();
-    }
     peer->cv.wait_for(lock, backoff, [&] { return stop_; });
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
@@ -450,7 +488,8 @@ bool Replicator::Ship(Peer* peer) {
     bool opened = false;
     int64_t shipped = 0;
     int64_t length = 0;
-    int64_t n = 0;  // rows in this step
+    int64_t n = 0;       // rows in this step
+    bool heard = false;  // the standby confirmed its copy at our generation this round
   };
   std::vector<Item> items;
   {
@@ -489,6 +528,7 @@ bool Replicator::Ship(Peer* peer) {
         s.opened = item.opened;
         s.shipped = item.shipped;
         if (ok && s.opened && item.length >= 0 && s.shipped >= item.length) s.caught_up = true;
+        if (item.heard) s.heard = Clock::now();
         if (!s.opened) s.caught_up = false;
         Settle(s, &run);
         if (s.closed) {
@@ -548,6 +588,7 @@ bool Replicator::Ship(Peer* peer) {
         return finish(false);
       }
       item.opened = true;
+      item.heard = true;
     }
     item.n = std::min(item.length - item.shipped, budget);
     if (item.n <= 0) continue;
@@ -590,6 +631,7 @@ bool Replicator::Ship(Peer* peer) {
       std::lock_guard<std::mutex> lock(mu_);
       for (Item* item : sending) {
         item->shipped += item->n;
+        item->heard = true;
         totals_.rows_shipped += item->n;
       }
       totals_.bytes_shipped += bytes;
@@ -597,8 +639,9 @@ bool Replicator::Ship(Peer* peer) {
     }
     return finish(true);
   }
-  if (absl::IsFailedPrecondition(failed) || absl::IsNotFound(failed)) {
-    // Which copy refused: one promoted elsewhere is fenced; a missing one is opened again.
+  if (absl::IsFailedPrecondition(failed) || absl::IsNotFound(failed) || absl::IsCancelled(failed)) {
+    // Which copy refused (or whose promotion aborted this step there): one promoted elsewhere
+    // is fenced; a missing one is opened again. The peer itself answered.
     for (Item* item : sending) {
       auto there = to.DescribeSequence(item->key.id);
       if (absl::IsNotFound(there.status())) {
@@ -638,6 +681,13 @@ void Replicator::Housekeeping() {
         for (Waiter& w : s.waiters) Release(w.pending, &run);
         degraded += static_cast<int64_t>(s.waiters.size());
         s.waiters.clear();
+        s.commits.clear();  // unprotected now: its lag is no longer counted
+        if (s.peer >= 0 && !peers_[s.peer]->degraded) {
+          peers_[s.peer]->degraded = true;
+          LOG(WARNING) << "standby peer " << peers_[s.peer]->name << " acknowledged nothing for "
+                       << options_.ack_timeout.count()
+                       << " ms: commits answer without waiting for it until it does";
+        }
       }
       if (degraded > 0) {
         totals_.degraded += degraded;

@@ -87,6 +87,11 @@ class Replicator {
   // A step committed `keys`: `then` runs (on some thread, possibly this one) when its reply may
   // go: OK, or FAILED_PRECONDITION when a key was fenced meanwhile.
   void Committed(const std::vector<SequenceKey>& keys, std::function<void(absl::Status)> then);
+  // Before a step: each key whose standby has acknowledged nothing for longer than ack_timeout
+  // (a replica that was paused or cut off) is looked up on its standby; one promoted there is
+  // fenced here (FAILED_PRECONDITION). A standby that does not answer confirms nothing and
+  // refuses nothing (the step goes on, as commits do when it is down).
+  absl::Status Confirm(const std::vector<SequenceKey>& keys);
   // The replica holding key's standby copy ("" when none).
   std::string StandbyOf(const SequenceKey& key) const;
   // Nonzero: this replica's copy was dropped because the sequence failed over to another replica
@@ -122,7 +127,8 @@ class Replicator {
     // The copy held every row the sequence had when a round began: commits wait on it from then
     // on (before, while a whole copy is made, they would wait for all of it).
     bool caught_up = false;
-    int64_t shipped = 0;          // rows the copy holds (acknowledged)
+    Clock::time_point heard = Clock::now();  // its standby's last acknowledgement
+    int64_t shipped = 0;                     // rows the copy holds (acknowledged)
     std::deque<int64_t> commits;  // lengths of commits not acknowledged yet, oldest first
     std::vector<Waiter> waiters;
   };
@@ -132,6 +138,9 @@ class Replicator {
     bool self = false;  // this replica (left out)
     bool up = false;
     bool failed = false;  // its last call failed (chosen for no new copy until it answers)
+    // It left commits unacknowledged for ack_timeout: commits answer without waiting for it
+    // (and are not counted against it) until it acknowledges again.
+    bool degraded = false;
     Clock::time_point down_since;
     std::deque<SequenceKey> queue;    // sequences with rows or an open to send
     std::vector<SequenceKey> closes;  // copies to close there
@@ -139,6 +148,8 @@ class Replicator {
     std::thread thread;
     // The peer's thread alone: a connection per tenant (copies are opened as their tenant).
     absl::flat_hash_map<std::string, std::unique_ptr<client::Client>> clients;
+    // Confirm's (any thread, under mu_; a Client's calls are thread safe).
+    absl::flat_hash_map<std::string, std::shared_ptr<client::Client>> confirm_clients;
   };
   Replicator(Engine* engine, ReplicationOptions options);
   void PeerLoop(Peer* peer);
