@@ -12,15 +12,18 @@ and how long a worker stalls when its primary dies.
    stall runs from the start of the call that fails to the reply of the same step committed on
    the promoted standby: detection, PromoteSequence, the step again.
 
-    python3 bench/failover_bench.py --model=demo --context=1024 --batch=8 --steps=150 --trials=8
+    python3 bench/failover_bench.py --model=demo --context=1024 --batch=8 --steps=150 --rounds=3 \
+        --trials=5
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -94,10 +97,20 @@ def stop(procs):
 def steady_state(a, common, log_dir, rng):
     """Per-step times with no standby, an async one and a sync one."""
     results = {}
+    cores = os.sched_getaffinity(0)
     for mode in ("none", "async", "sync"):
         extra = None if mode == "none" else [f"--replication={mode}",
                                              "--replication-max-lag-steps=4"]
         procs = cluster(1 if mode == "none" else 2, extra, common, log_dir, mode)
+        # The primary alone on core 0; the standby and this client on the others.
+        if a.pin and len(cores) >= 2:
+            others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != 0)
+            subprocess.run(["taskset", "-a", "-p", "-c", "0", str(procs[0][0].pid)],
+                           check=True, capture_output=True)
+            for p, _, _ in procs[1:]:
+                subprocess.run(["taskset", "-a", "-p", "-c", others, str(p.pid)], check=True,
+                               capture_output=True)
+            os.sched_setaffinity(0, {int(c) for c in others.split(",")})
         try:
             target, mport = procs[0][1], procs[0][2]
             with AttndClient(target, timeout=600) as c:
@@ -121,12 +134,14 @@ def steady_state(a, common, log_dir, rng):
                     for k in range(a.warmup + a.steps):
                         if k == a.warmup:
                             bytes0 = metric(mport, "attnd_replication_bytes_total")
+                            cpu0 = metric(mport, "process_cpu_seconds_total")
                         t0 = time.perf_counter()
                         s.begin(batch)
                         for i, xi in enumerate(x):
                             s.layer(LayerInputs(i, **xi))
                         if k >= a.warmup:
                             times.append(time.perf_counter() - t0)
+                cpu = metric(mport, "process_cpu_seconds_total") - cpu0
                 if mode != "none":
                     deadline = time.monotonic() + 60
                     while metric(mport, "attnd_replication_lag_steps") > 0:
@@ -136,9 +151,11 @@ def steady_state(a, common, log_dir, rng):
                     bytes0 if mode != "none" else 0)
             results[mode] = {"median": statistics.median(times),
                              "p90": sorted(times)[int(0.9 * len(times))],
-                             "shipped_per_step": shipped / a.steps, "spec": spec}
+                             "shipped_per_step": shipped / a.steps, "spec": spec,
+                             "cpu_per_step": cpu / a.steps}
         finally:
             stop(procs)
+            os.sched_setaffinity(0, cores)
     return results
 
 
@@ -203,30 +220,41 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--trials", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="steady state: rounds of the three modes")
     ap.add_argument("--stall-context", type=int, default=256)
     ap.add_argument("--deadline-s", type=float, default=0.05,
                     help="the worker's per-call deadline (finds a paused primary)")
     ap.add_argument("--log-dir", default="/tmp")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="steady state: the primary alone on core 0 (the standby, on another "
+                    "host in production, and the client on the rest)")
     a = ap.parse_args()
     log_dir = Path(a.log_dir)
     common = [f"--model={a.model}", "--kv-cache-bytes=1073741824"]
     rng = np.random.default_rng(7)
-    steady = steady_state(a, common, log_dir, rng)
-    spec = steady["none"]["spec"]
+    rounds = [steady_state(a, common, log_dir, rng) for _ in range(a.rounds)]
+    spec = rounds[0]["none"]["spec"]
     # The keys a decode step commits, as a bf16 cache holds them.
     key_bytes = a.batch * sum(2 * (spec.kv_lora_rank + spec.qk_rope_head_dim
                                    + (spec.index_head_dim if kind == "full" else 0))
                               for kind in spec.layers)
     print(f"model {spec.name} ({len(spec.layers)} layers), batch {a.batch}, context {a.context},"
           f" {a.steps} steps after {a.warmup}; a step's keys: {key_bytes} B")
-    print("| replication | step median (ms) | p90 (ms) | / none | bytes shipped per step | "
-          "/ key bytes |")
-    print("|---|---|---|---|---|---|")
+    print(f"{a.rounds} rounds of none, async, sync (each its own fresh replicas); per mode the "
+          "median over rounds of the step median, and of the ratio to that round's none")
+    print("| replication | step median (ms) | p90 (ms) | / none (median) | / none (min-max) | "
+          "primary CPU per step (ms) | / none | bytes shipped per step | / key bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in ("none", "async", "sync"):
-        r = steady[mode]
-        print(f"| {mode} | {r['median'] * 1e3:.2f} | {r['p90'] * 1e3:.2f} | "
-              f"{r['median'] / steady['none']['median']:.3f} | "
-              f"{r['shipped_per_step']:.0f} | {r['shipped_per_step'] / key_bytes:.3f} |")
+        med = statistics.median(r[mode]["median"] for r in rounds)
+        p90 = statistics.median(r[mode]["p90"] for r in rounds)
+        ratios = [r[mode]["median"] / r["none"]["median"] for r in rounds]
+        shipped = statistics.median(r[mode]["shipped_per_step"] for r in rounds)
+        cpu = statistics.median(r[mode]["cpu_per_step"] for r in rounds)
+        cpu_none = statistics.median(r["none"]["cpu_per_step"] for r in rounds)
+        print(f"| {mode} | {med * 1e3:.2f} | {p90 * 1e3:.2f} | {statistics.median(ratios):.3f} | "
+              f"{min(ratios):.3f}-{max(ratios):.3f} | {cpu * 1e3:.2f} | {cpu / cpu_none:.3f} | "
+              f"{shipped:.0f} | {shipped / key_bytes:.3f} |")
     print()
     print("| mode | primary | stall median (ms) | max (ms) | detect | promote | step again |")
     print("|---|---|---|---|---|---|---|")

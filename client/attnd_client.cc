@@ -396,13 +396,15 @@ absl::Status Client::Echo(const std::string& payload, int64_t response_bytes) {
   return FromGrpcNotCancelled(stub_->Echo(&ctx, req, &resp));
 }
 
-std::unique_ptr<StepStream> Client::OpenStream() {
-  return std::unique_ptr<StepStream>(new StepStream(*this, stub_.get()));
+std::unique_ptr<StepStream> Client::OpenStream(int64_t deadline_ms) {
+  return std::unique_ptr<StepStream>(new StepStream(*this, stub_.get(), deadline_ms));
 }
 
-StepStream::StepStream(const Client& client, v1::Attention::Stub* stub)
+StepStream::StepStream(const Client& client, v1::Attention::Stub* stub, int64_t deadline_ms)
     : client_(client), stub_(stub) {
   client_.Authorize(&ctx_);
+  if (deadline_ms > 0)
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
   rw_ = stub->Step(&ctx_);
 }
 
@@ -428,12 +430,16 @@ absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& re
 
 absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool write_only,
                                                         int num_shards) {
+  return Begin(MakeBeginRequest(batch, write_only, num_shards));
+}
+
+absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const v1::BeginStepRequest& request) {
   v1::StepRequest req;
-  *req.mutable_begin() = MakeBeginRequest(batch, write_only, num_shards);
+  *req.mutable_begin() = request;
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
   open_ids_.clear();
-  for (const auto& e : batch) open_ids_.push_back(e.first);
+  for (const auto& e : request.batch()) open_ids_.push_back(e.sequence_id());
   return std::move(*resp->mutable_begun());
 }
 

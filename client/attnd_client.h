@@ -151,8 +151,9 @@ class Client {
   // Diagnostics: a round trip of `payload` out and `response_bytes` back.
   absl::Status Echo(const std::string& payload, int64_t response_bytes);
 
-  // A bidirectional step stream; many steps may follow on it.
-  std::unique_ptr<StepStream> OpenStream();
+  // A bidirectional step stream; many steps may follow on it. deadline_ms > 0 bounds the whole
+  // stream (its calls then fail DEADLINE_EXCEEDED).
+  std::unique_ptr<StepStream> OpenStream(int64_t deadline_ms = 0);
 
   v1::Attention::Stub* stub() { return stub_.get(); }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
@@ -177,6 +178,8 @@ class StepStream {
   ~StepStream();
   absl::StatusOr<v1::BeginStepResponse> Begin(const Batch& batch, bool write_only = false,
                                               int num_shards = 0);
+  // Any step, as the request says (generations, write-only imports of several sequences).
+  absl::StatusOr<v1::BeginStepResponse> Begin(const v1::BeginStepRequest& request);
   // Attaches this stream as shard `shard` of another stream's sharded step.
   absl::StatusOr<v1::BeginStepResponse> Join(uint64_t step_id, int shard);
   // Sends the next layer and waits for its output; committed is set on the last layer.
@@ -191,7 +194,7 @@ class StepStream {
 
  private:
   friend class Client;
-  explicit StepStream(const Client& client, v1::Attention::Stub* stub);
+  StepStream(const Client& client, v1::Attention::Stub* stub, int64_t deadline_ms);
   absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
 
   const Client& client_;

@@ -205,7 +205,7 @@ void Replicator::Forget(const SequenceKey& key) {
     }
     if (it->second.busy) {
       it->second.closed = true;
-      it->second.opened = false;  // nothing to close there
+      it->second.forgotten = true;  // nothing to close there
     } else {
       seqs_.erase(it);
     }
@@ -532,7 +532,7 @@ bool Replicator::Ship(Peer* peer) {
         if (!s.opened) s.caught_up = false;
         Settle(s, &run);
         if (s.closed) {
-          if (s.opened) peer->closes.push_back(item.key);
+          if (s.opened && !s.forgotten) peer->closes.push_back(item.key);
           seqs_.erase(it);
           continue;
         }
@@ -605,8 +605,9 @@ bool Replicator::Ship(Peer* peer) {
     e->set_q_len(item->n);
     e->set_generation(item->generation);
   }
-  auto step = to.BeginStep(begin);
-  absl::Status failed = step.status();
+  // The begin and every layer on one Step call, bounded by the ack timeout.
+  std::unique_ptr<client::StepStream> stream = to.OpenStream(options_.ack_timeout.count());
+  absl::Status failed = stream->Begin(begin).status();
   int64_t bytes = 0;
   const int layers = engine_->spec().num_layers();
   v1::ExportChunk chunk;
@@ -617,14 +618,14 @@ bool Replicator::Ship(Peer* peer) {
                                            item->length, &chunk);
           !s.ok()) {
         failed = s;
-        (void)to.AbortStep(step->step_id());
+        (void)stream->Abort();
         break;
       }
       AppendRows(chunk.keys(), &in);
     }
     if (!failed.ok()) break;
     bytes += TensorBytes(in);
-    failed = to.AttendLayer(step->step_id(), in).status();
+    failed = stream->Layer(in).status();
   }
   if (failed.ok()) {
     {
@@ -637,7 +638,9 @@ bool Replicator::Ship(Peer* peer) {
       totals_.bytes_shipped += bytes;
       ++totals_.steps_shipped;
     }
-    return finish(true);
+    const bool ok = finish(true);  // the commit's waiters go before the call is closed
+    (void)stream->Close();
+    return ok;
   }
   if (absl::IsFailedPrecondition(failed) || absl::IsNotFound(failed) || absl::IsCancelled(failed)) {
     // Which copy refused (or whose promotion aborted this step there): one promoted elsewhere

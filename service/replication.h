@@ -126,6 +126,7 @@ class Replicator {
     bool closed = false;  // closed here while busy: its copy is closed after the send
     // The copy held every row the sequence had when a round began: commits wait on it from then
     // on (before, while a whole copy is made, they would wait for all of it).
+    bool forgotten = false;  // Forget while busy: its copy stays (it is a primary there now)
     bool caught_up = false;
     Clock::time_point heard = Clock::now();  // its standby's last acknowledgement
     int64_t shipped = 0;                     // rows the copy holds (acknowledged)
