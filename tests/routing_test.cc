@@ -61,6 +61,7 @@ bool IsMiss(const absl::Status& s) {
 struct Workload {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> steps{0}, misses{0}, failures{0};
+  std::atomic<int64_t> rounds{0};         // passes over every sequence
   std::map<std::string, int64_t> length;  // the decode thread's alone until it is joined
   std::string first_failure;
 };
@@ -90,6 +91,7 @@ void Decode(Router& router, const ModelSpec& spec, Workload& w) {
         w.first_failure = absl::StrCat(id, ": ", s.ToString());
       }
     }
+    ++w.rounds;
   }
 }
 
@@ -134,9 +136,14 @@ TEST(Routing, DecodeSurvivesADrainARejoinUnderANewAddressAndAScaleUp) {
   ASSERT_GE(on_d, 3) << "too few sequences for the replica that joins";
 
   std::thread decode(Decode, std::ref(router), std::cref(spec), std::ref(w));
+  // At least `ms`, and two whole passes over every sequence (a loaded machine's CI runs tests
+  // side by side: a pass may take longer than `ms` there).
   auto run_for = [&](int ms) {
-    const int64_t before = w.steps;
+    const int64_t before = w.steps, rounds = w.rounds;
     std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (w.rounds < rounds + 2 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     EXPECT_GT(w.steps, before) << "the workload made progress";
   };
   run_for(300);
