@@ -4,6 +4,7 @@ checked by promtool, and a clean SIGTERM shutdown with a step still open."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -367,7 +368,10 @@ def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
         dash = json.loads((ROOT / "deploy" / "grafana" / "attnd-dashboard.json").read_text())
         expr = next(p for p in dash["panels"] if "error ratio" in p["title"])["targets"][0]["expr"]
         ratios, deadline, want = {}, time.monotonic() + 20, {"DescribeSequence", "BeginStep"}
-        while time.monotonic() < deadline and not want <= ratios.keys():
+        # (Until both are numbers: a rate needs two scrapes of the window; on a loaded machine
+        # Prometheus may have scraped the load only once when it ended.)
+        while time.monotonic() < deadline and not (
+                want <= ratios.keys() and all(math.isfinite(ratios[m]) for m in want)):
             q = urllib.parse.quote(expr)
             with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/query?query={q}",
                                         timeout=5) as r:
