@@ -4,15 +4,19 @@
 // as cached (ExportSequence's chunks, imported by write-only steps that name the sequence's
 // generation). Forks, imports and promotions start a copy; closes end it.
 //
-// A thread per peer ships what its sequences committed since its last acknowledgement, reading
-// the rows out of the cache when it sends them (memory is bounded by the batch it sends, never
-// by the lag). `async`: a commit's reply goes at once unless the sequence would lag by more
-// than max_lag_steps commits, then it waits. `sync`: the reply waits until the standby has
-// every row the step committed; a standby that does not answer within ack_timeout leaves the
-// sequence unprotected (the reply goes, the log and metrics say so) until it answers again.
+// A thread per peer ships what its sequences committed since its last acknowledgement, one Step
+// call per round (a write-only step for several sequences of one tenant, bounded by the ack
+// timeout), reading the rows out of the cache when it sends them (memory is bounded by the batch
+// it sends, never by the lag). `async`: a commit's reply goes at once unless the sequence would
+// lag by more than max_lag_steps commits, then it waits. `sync`: the reply waits until the
+// standby has every row the step committed. A standby that acknowledges nothing within
+// ack_timeout degrades: replies go without waiting for it (the log and metrics say so) until it
+// acknowledges again. A sequence whose copy is made from scratch is unprotected until it caught
+// up (its commits do not wait for the whole copy).
 //
-// Fencing: a standby promoted elsewhere refuses this replica's rows (their generation is old);
-// the copy here is then dropped, and its steps are refused as failed over (FencedAt).
+// Fencing: a standby promoted elsewhere refuses this replica's rows (their generation is old),
+// or says so when asked before a step on a sequence it has not acknowledged for ack_timeout
+// (Confirm); the copy here is then dropped, and its calls are refused as failed over (FencedAt).
 #pragma once
 
 #include <chrono>
@@ -61,7 +65,7 @@ struct ReplicationStats {
   int64_t steps_shipped = 0;       // write-only steps the standbys committed
   int64_t fenced = 0;              // copies dropped here because a standby was promoted elsewhere
   int64_t errors = 0;              // failed calls to peers
-  int64_t degraded = 0;            // sync commits answered without their standby's acknowledgement
+  int64_t degraded = 0;            // commits answered without the wait they were due
   std::vector<std::string> peers;  // the peers' names, as resolved so far
 };
 
