@@ -291,6 +291,23 @@ class Run {
   }
 
  private:
+  // Layer l of a step over `batch`: positions of a sequence's prompt get the prompt's keys, as a
+  // model's would for the same tokens (the blocks they complete may be indexed).
+  void SetPromptKeys(const std::vector<StepEntry>& batch, int l, Layer* x) {
+    int64_t row = 0;
+    for (const auto& e : batch) {
+      const Model::Seq& m = model_.seqs[e.sequence_id];
+      for (int64_t j = 0; j < e.q_len; ++j)
+        if (m.prompt >= 0 && m.length + j < m.known * spec_.page_size) {
+          const PromptRow k = PromptKeys(spec_, m.prompt, l, m.length + j);
+          SetRow(x->kv, row + j, k.kv);
+          SetRow(x->kr, row + j, k.kr);
+          SetRow(x->ik, row + j, k.ik);
+        }
+      row += e.q_len;
+    }
+  }
+
   void StepOp(FuzzInput& in) {
     std::vector<StepEntry> batch;
     const int n = in.Int(1, 5);  // 5 is beyond max_batch_entries
@@ -347,19 +364,7 @@ class Run {
         x.ik = Random(T * Di, rng);
         x.iw = Random(T * Hi, rng);
       }
-      // A prompt's positions get the prompt's keys (the blocks it may index).
-      int64_t row = 0;
-      for (const auto& e : batch) {
-        const Model::Seq& m = model_.seqs[e.sequence_id];
-        for (int64_t j = 0; j < e.q_len; ++j)
-          if (m.prompt >= 0 && m.length + j < m.known * spec_.page_size) {
-            const PromptRow k = PromptKeys(spec_, m.prompt, l, m.length + j);
-            SetRow(x.kv, row + j, k.kv);
-            SetRow(x.kr, row + j, k.kr);
-            SetRow(x.ik, row + j, k.ik);
-          }
-        row += e.q_len;
-      }
+      SetPromptKeys(batch, l, &x);  // the blocks it may index
       LayerInputs v;
       v.q_latent = x.ql.View({T, H, L});
       v.q_rope = x.qr.View({T, H, R});
@@ -513,18 +518,7 @@ class Run {
               Random(0, rng),
               Random(full ? T * spec_.index_head_dim : 0, rng),
               Random(0, rng)};
-      int64_t row = 0;  // a prompt's positions get the prompt's keys (as in StepOp)
-      for (const auto& e : batch) {
-        const Model::Seq& m = model_.seqs[e.sequence_id];
-        for (int64_t j = 0; j < e.q_len; ++j)
-          if (m.prompt >= 0 && m.length + j < m.known * spec_.page_size) {
-            const PromptRow k = PromptKeys(spec_, m.prompt, l, m.length + j);
-            SetRow(x.kv, row + j, k.kv);
-            SetRow(x.kr, row + j, k.kr);
-            SetRow(x.ik, row + j, k.ik);
-          }
-        row += e.q_len;
-      }
+      SetPromptKeys(batch, l, &x);  // as StepOp does
       LayerInputs v;
       v.kv_latent = x.kv.View({T, spec_.kv_lora_rank});
       v.k_rope = x.kr.View({T, spec_.qk_rope_head_dim});

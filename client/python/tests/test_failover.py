@@ -322,12 +322,17 @@ def _standby_copy(client, sid, generation, length) -> bool:
     return d.standby and d.generation == generation and d.length == length
 
 
-def _fenced(client, sid) -> bool:
+def _describe_code(client, sid):
+    """The status DescribeSequence answers for ``sid`` (OK when it is there)."""
     try:
         client.describe_sequence(sid)
     except AttndError as e:
-        return e.code == grpc.StatusCode.FAILED_PRECONDITION
-    return False
+        return e.code
+    return grpc.StatusCode.OK
+
+
+def _fenced(client, sid) -> bool:
+    return _describe_code(client, sid) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_standby_copies_refuse_ordinary_steps_and_bad_promotions(tmp_path):
@@ -368,11 +373,7 @@ def test_standby_copies_refuse_ordinary_steps_and_bad_promotions(tmp_path):
 
 
 def _gone(client, sid) -> bool:
-    try:
-        client.describe_sequence(sid)
-    except AttndError as e:
-        return e.code == grpc.StatusCode.NOT_FOUND
-    return False
+    return _describe_code(client, sid) == grpc.StatusCode.NOT_FOUND
 
 
 def test_peers_resolve_after_start_and_a_malformed_peer_is_refused(tmp_path):
