@@ -187,13 +187,16 @@ TEST_P(IndexerStreamSim, ScoresMatchFloat64AndEachIsWrittenOnce) {
 }
 
 // DeepSeek-V3.2 (64 x 128), GLM-5 (32 x 128), 128 heads; bf16 and fp8 keys; ranges of one and
-// many tiles, partial last tiles, a key range past one query's end, a one-key query.
+// many tiles, partial last tiles, a key range past one query's end, a one-key query; head dims
+// below 128 (k-steps of the unrolled loops skipped) down to one 16-byte chunk of a key (fewer
+// chunks than the threads that copy a key).
 INSTANTIATE_TEST_SUITE_P(
     Shapes, IndexerStreamSim,
     ::testing::Values(Shape{64, 128, false, {700, 99}, 256}, Shape{64, 128, true, {700, 99}, 256},
                       Shape{32, 128, false, {300}, 128}, Shape{32, 128, true, {300, 0}, 64},
                       Shape{128, 128, false, {130}, 128}, Shape{64, 64, true, {200}, 192},
-                      Shape{64, 128, false, {63, 64, 65}, 64}));
+                      Shape{64, 128, false, {63, 64, 65}, 64}, Shape{32, 64, false, {150}, 128},
+                      Shape{64, 16, true, {70}, 64}, Shape{32, 16, false, {90}, 64}));
 
 // A thread type that skips the body's barrier number `skip` (every thread the same one), to show
 // each barrier is needed: the simulation then reports a race, a read of a copy in flight, or

@@ -132,9 +132,10 @@ __global__ void IndexerMmaKernel(IndexerParams p) {
 
 // ---- the streaming indexer (kernels/cuda/indexer_stream.h, the body the CPU simulation runs):
 // grid (key ranges, queries), 8 warps, the query in registers, key tiles through a cp.async
-// ring.
+// ring. At least 3 blocks an SM (<= 85 registers): without the bound ptxas aimed at 64 on sm_80
+// and spilled (the build refuses local memory); shared memory allows 4 at DeepSeek dims.
 template <int HG, bool kFp8>
-__global__ void __launch_bounds__(kStreamThreads) IndexerStreamKernel(IndexerStreamParams p) {
+__global__ void __launch_bounds__(kStreamThreads, 3) IndexerStreamKernel(IndexerStreamParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GpuThread g{smem_raw};
   IndexerStreamBlock<HG, kFp8>(g, p, blockIdx.x, static_cast<int>(blockIdx.y));

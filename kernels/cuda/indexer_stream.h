@@ -6,10 +6,12 @@
 // A block takes one query and a range of its keys (grid: key ranges x queries), so its query is
 // read once for `range` keys (the tile-per-block kernel read and converted it for every 64).
 // The query's bf16 fragments (the mma's B operand, dims x heads) and head weights stay in
-// registers; key tiles of 64 stream through a ring of kStreamStages shared-memory stages by
-// cp.async, up to two tiles ahead of the tile being scored. fp8 keys (an fp8 cache's indexer
-// rows) are copied as codes and decoded to bf16 with their scale in the block (exact,
-// fp8_chunks.h), so they take tensor cores too.
+// registers (every loop that indexes them is unrolled); key tiles of 64 stream through a ring of
+// kStreamStages shared-memory stages by cp.async, up to two tiles ahead of the tile being
+// scored, each key's row copied by kStreamPerKey neighbouring threads that look its page slot
+// up once per tile (not once per 16-byte chunk). fp8 keys (an fp8 cache's indexer rows) are
+// copied as codes and decoded to bf16 with their scale in the block (exact, fp8_chunks.h), so
+// they take tensor cores too.
 //
 // Warps: HG head groups of 16 heads x (8 / HG) key groups; each warp scores its keys (A operand,
 // from shared memory) against its 16 heads (m16n8k16, fp32 accumulation), applies relu and the
@@ -31,6 +33,8 @@ namespace attnd::cuda {
 
 inline constexpr int kStreamThreads = 256, kStreamWarps = 8, kStreamTile = 64;
 inline constexpr int kStreamStages = 3;
+inline constexpr int kStreamPerKey = kStreamThreads / kStreamTile;  // threads copying one key
+static_assert(kStreamThreads % kStreamTile == 0, "whole threads per key");
 
 struct IndexerStreamParams {
   const float* q = nullptr;  // [n, heads, dim] fp32 (rounded to bf16)
@@ -101,35 +105,39 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
   // weights of the heads this lane's accumulators hold, for every tile of the block.
   uint32_t bq[2][kMaxSteps][2];
   float wt[2][2];
+  ATTND_UNROLL
   for (int nt = 0; nt < 2; ++nt) {
     const int head = hg * 16 + nt * 8 + mma::ColB(lane);
     const float* qh = p.q + (static_cast<int64_t>(q) * p.heads + head) * D;
-    for (int ks = 0; ks < kMaxSteps; ++ks)
+    ATTND_UNROLL
+    for (int ks = 0; ks < kMaxSteps; ++ks) {
+      ATTND_UNROLL
       for (int r = 0; r < 2; ++r) {
         if (ks >= steps) continue;
         const int d = ks * 16 + mma::RowB(lane, r, 0);
         bq[nt][ks][r] = static_cast<uint32_t>(F32ToBF16(g.Gld(qh + d))) |
                         (static_cast<uint32_t>(F32ToBF16(g.Gld(qh + d + 1))) << 16);
       }
+    }
     for (int e = 0; e < 2; ++e)
       wt[nt][e] =
           g.Gld(p.w + static_cast<int64_t>(q) * p.heads + hg * 16 + nt * 8 + mma::ColC(lane, e));
   }
 
   // Tile t's key rows into stage t % kStreamStages, 16 bytes per copy; rows past the last key
-  // are zero-filled (their scores are computed and never written).
+  // are zero-filled (their scores are computed and never written). Each key is copied by
+  // kStreamPerKey neighbouring threads (chunks c0, c0 + kStreamPerKey, ...), so a thread looks
+  // its key's slot up once per tile, not once per chunk.
   const int chunks = kFp8 ? D / 16 : D / 8;  // 16-byte pieces of a key row as stored
+  const int my_key = tid / kStreamPerKey, c0 = tid % kStreamPerKey;
   auto issue = [&](int t) {
     const uint32_t stage = static_cast<uint32_t>(t % kStreamStages) * stage_bytes;
-    const int64_t tile_first = first + static_cast<int64_t>(t) * kStreamTile;
-    for (int i = tid; i < kStreamTile * chunks; i += kStreamThreads) {
-      const int j = i / chunks, c = i % chunks;
-      const int64_t key = tile_first + j;
-      const bool valid = key < last;
-      const uint8_t* src = p.keys.base;
-      if (valid) src = p.keys.Row(StreamSlot(g, p.table, seq, key)) + c * 16;
-      g.CpAsync16(stage + j * (kFp8 ? static_cast<uint32_t>(D) : row) + c * 16, src, valid);
-    }
+    const int64_t key = first + static_cast<int64_t>(t) * kStreamTile + my_key;
+    const bool valid = key < last;
+    const uint8_t* src = valid ? p.keys.Row(StreamSlot(g, p.table, seq, key)) : p.keys.base;
+    const uint32_t dst = stage + my_key * (kFp8 ? static_cast<uint32_t>(D) : row);
+    for (int c = c0; c < chunks; c += kStreamPerKey)
+      g.CpAsync16(dst + c * 16, valid ? src + c * 16 : src, valid);
   };
   for (int t = 0; t < kStreamStages - 1; ++t) {
     if (t < tiles) issue(t);
@@ -138,8 +146,8 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
   for (int t = 0; t < tiles; ++t) {
     g.CpWait(kStreamStages - 2);  // this thread's copies of tile t landed
     // bf16: everyone's (the warps read each other's copies), and tile t - 1's stage is free.
-    // fp8: each thread decodes exactly the chunks it copied, and tile t - 1's readers of the
-    // decoded tile and the partials are behind the partials' barrier: no barrier here.
+    // fp8: each thread decodes exactly the chunks it copied (its key's), and tile t - 1's readers
+    // of the decoded tile and the partials are behind the partials' barrier: no barrier here.
     if (!kFp8) g.Sync();
     if (t + kStreamStages - 1 < tiles) issue(t + kStreamStages - 1);
     g.CpCommit();
@@ -147,19 +155,18 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
     uint32_t keys = static_cast<uint32_t>(t % kStreamStages) * stage_bytes;
     if (kFp8) {  // codes x scale -> bf16 rows of the decoded tile
       const uint32_t decoded = StreamDecodedOffset(D, true);
-      for (int i = tid; i < kStreamTile * (D / 16); i += kStreamThreads) {
-        const int j = i / (D / 16), c = i % (D / 16);
-        const int64_t key = tile_first + j;
+      const int64_t key = tile_first + my_key;  // the key this thread copied, once per tile
+      const float scale = key < last ? g.Gld(reinterpret_cast<const float*>(
+                                           p.keys.Scales(StreamSlot(g, p.table, seq, key))))
+                                     : 0.0f;
+      for (int c = c0; c < D / 16; c += kStreamPerKey) {
         uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
         if (key < last) {
-          const float scale = g.Gld(
-              reinterpret_cast<const float*>(p.keys.Scales(StreamSlot(g, p.table, seq, key))));
-          const uint32_t src = keys + j * static_cast<uint32_t>(D) + c * 16;
-          const uint64_t c0 = g.template Ld<uint64_t>(src), c1 = g.template Ld<uint64_t>(src + 8);
-          DecodeE4M3x8(c0, scale, lo);
-          DecodeE4M3x8(c1, scale, hi);
+          const uint32_t src = keys + my_key * static_cast<uint32_t>(D) + c * 16;
+          DecodeE4M3x8(g.template Ld<uint64_t>(src), scale, lo);
+          DecodeE4M3x8(g.template Ld<uint64_t>(src + 8), scale, hi);
         }
-        const uint32_t dst = decoded + j * row + c * 32;
+        const uint32_t dst = decoded + my_key * row + c * 32;
         for (int e = 0; e < 4; ++e) g.St(dst + 4 * e, lo[e]);
         for (int e = 0; e < 4; ++e) g.St(dst + 16 + 4 * e, hi[e]);
       }
@@ -170,7 +177,11 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
     for (int mt = 0; mt < MT; ++mt) {
       const int key0 = (kg * MT + mt) * 16;  // the m-tile's first key in the tile
       float c[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-      for (int ks = 0; ks < steps; ++ks) {
+      // Every k-step unrolled (those past the head dim skipped), so bq keeps constant indices
+      // and stays in registers.
+      ATTND_UNROLL
+      for (int ks = 0; ks < kMaxSteps; ++ks) {
+        if (ks >= steps) continue;
         uint32_t a[4];
         for (int r = 0; r < 4; ++r)
           a[r] = g.template Ld<uint32_t>(keys + (key0 + mma::RowA(lane, r)) * row +
