@@ -19,6 +19,7 @@
 #include "common/fp8.h"
 #include "common/model_spec.h"
 #include "kernels/cuda/mla_pipe.h"
+#include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt_sim.h"
 #include "kernels/reference/reference.h"
 
@@ -267,14 +268,16 @@ TEST_P(MlaPipeSim, OutputsMatchFloat64AndEachIsWrittenOnce) {
 
 // DeepSeek-V3.2 rows (512 + 64) and heads: top-2048 selections (4 splits), a short selection (one
 // split of one partial tile), a range of 3000 keys (6 splits) and one of 70 keys; fp8 rows; two
-// stages; 128 heads (two head groups); a soft cap on a smaller latent.
+// stages; 128 heads (two head groups); a soft cap on a smaller latent; latents of 2 and 3
+// n-tiles a warp (the unrolled accumulator loops skip the rest).
 INSTANTIATE_TEST_SUITE_P(Shapes, MlaPipeSim,
                          ::testing::Values(Case{64, 512, 64, false, 3, {2048, 13}},
                                            Case{64, 512, 64, true, 3, {2048, 100}},
                                            Case{64, 512, 64, false, 2, {0}, 3000},
                                            Case{128, 512, 64, false, 3, {300}, 1000},
                                            Case{64, 128, 64, false, 3, {0}, 70, 2.5f},
-                                           Case{64, 512, 64, true, 2, {0}, 33}));
+                                           Case{64, 512, 64, true, 2, {0}, 33},
+                                           Case{64, 192, 64, false, 3, {150, 40}, 400}));
 
 template <typename T>
 struct SkipOneBarrier {
@@ -301,6 +304,7 @@ struct SkipOneBarrier {
   void CpWait(int n) { t.CpWait(n); }
   float ShflXor(float v, int mask) { return t.ShflXor(v, mask); }
   void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) { t.Mma(c, a, b); }
+  void LdMatrixX4(uint32_t r[4], uint32_t off, bool trans) { t.LdMatrixX4(r, off, trans); }
   template <typename V>
   V Gld(const V* p) const {
     return t.Gld(p);
@@ -335,6 +339,62 @@ TEST(MlaPipeSim, EveryBarrierIsNeeded) {
     }
     SkipOneBarrier<sim::SimtThread>::skip = -1;
   }
+}
+
+// The simulation's ldmatrix against the mma.sync fragment layout (mma_fragments.h, which the
+// H200 parity runs confirmed): x4 of a row-major 16 x 16 tile gives A's registers; x4.trans of a
+// [k][n] tile (two k-steps of 16 keys x 8 columns, as V is stored) gives B's for both k-steps.
+// A row address off its 16-byte grain, or a row nobody wrote, is an error.
+TEST(MlaPipeSim, LdMatrixGivesTheMmaFragments) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> bits(0, 0xffff);
+  constexpr uint32_t kRow = 48;  // 24 values: 16 used, 8 of padding
+  uint16_t tile[32][24];
+  for (auto& r : tile)
+    for (uint16_t& v : r) v = static_cast<uint16_t>(bits(rng));
+  sim::SimtMemory mem;
+  for (const bool bad_align : {false, true}) {
+    sim::SimtBlock b(mem, 32, 32 * kRow);
+    auto run = [&] {
+      b.Run([&](sim::SimtThread& t) {
+        const int l = t.lane();
+        if (l == 0)
+          for (int r = 0; r < 32; ++r)
+            for (int c = 0; c < 24; c += 2)
+              t.St(r * kRow + c * 2, uint32_t{tile[r][c]} | (uint32_t{tile[r][c + 1]} << 16));
+        t.Sync();
+        auto pack = [](uint16_t lo, uint16_t hi) { return uint32_t{lo} | (uint32_t{hi} << 16); };
+        uint32_t a[4], v[4];
+        t.LdMatrixX4(a, (l % 16) * kRow + (l / 16) * 16 + (bad_align ? 4 : 0), false);
+        for (int r = 0; r < 4; ++r) {
+          const int row = mma::RowA(l, r);
+          if (a[r] != pack(tile[row][mma::ColA(l, r, 0)], tile[row][mma::ColA(l, r, 1)]))
+            throw std::runtime_error("A register " + std::to_string(r) + " of lane " +
+                                     std::to_string(l));
+        }
+        t.LdMatrixX4(v, l * kRow, true);  // keys 0-31 (two k-steps), columns 0-7
+        for (int ks = 0; ks < 2; ++ks)
+          for (int r = 0; r < 2; ++r) {
+            const int col = mma::ColB(l), k0 = ks * 16;
+            if (v[ks * 2 + r] !=
+                pack(tile[k0 + mma::RowB(l, r, 0)][col], tile[k0 + mma::RowB(l, r, 1)][col]))
+              throw std::runtime_error("B register " + std::to_string(ks * 2 + r) + " of lane " +
+                                       std::to_string(l));
+          }
+      });
+    };
+    if (bad_align) {
+      EXPECT_THROW(run(), std::runtime_error);
+    } else {
+      EXPECT_NO_THROW(run());
+    }
+  }
+  sim::SimtBlock unwritten(mem, 32, 32 * kRow);
+  EXPECT_THROW(unwritten.Run([&](sim::SimtThread& t) {
+    uint32_t a[4];
+    t.LdMatrixX4(a, t.lane() % 8 * kRow, false);
+  }),
+               std::runtime_error);
 }
 
 TEST(MlaPipeSim, SharedMemoryFitsTheGpus) {

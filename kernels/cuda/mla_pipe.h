@@ -9,7 +9,11 @@
 // tiles overlaps this one's math (the tile-per-block kernel loaded each tile through registers
 // and waited). fp8 rows are copied as stored and decoded to bf16 in the block (exact). Per tile:
 // S = Q K^T (each warp 16 heads x 16 keys), an online softmax by 4 threads per head (shuffles),
-// P rounded to bf16, O += P V (each warp L / 8 output columns of all 64 heads).
+// P rounded to bf16, O += P V (each warp L / 8 output columns of all 64 heads). Operands come
+// out of shared memory by ldmatrix (V's by ldmatrix.trans), four 8 x 8 quarters an instruction
+// (88 shared loads a warp per tile at DeepSeek dims, from 384 32- and 16-bit loads); each
+// thread looks up one key's row per tile; the 128 output accumulators stay in registers (no
+// kernel may use local memory: the build refuses one that does).
 //
 // Shared memory (bytes): Q [64][D + 8] bf16 | stages | (fp8: one decoded tile) | S [64][32] f32 |
 // P [64][40] bf16 | m, l [2][64] f32 (a tile reads one copy, writes the other) | corr [64] f32.
@@ -29,6 +33,10 @@
 namespace attnd::cuda {
 
 inline constexpr int kPipeThreads = 256, kPipeHeads = 64, kPipeKeys = 32;
+inline constexpr int kPipePerKey = kPipeThreads / kPipeKeys;  // threads copying one key row
+inline constexpr int kPipeMaxNtiles = 8;  // n-tiles of 8 output columns per warp (L <= 512)
+static_assert(kPipeThreads % kPipeKeys == 0, "whole threads per key");
+static_assert(kPipeKeys == 32, "P V takes a tile's keys as two k-steps, one per lane of a warp");
 
 struct MlaPipeParams {
   const float* q_latent = nullptr;  // [n, H, L] fp32 (rounded to bf16)
@@ -141,19 +149,19 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   }
 
   // Tile t's rows into stage t % S, 16 bytes a copy (fp8 rows as stored); rows past the
-  // split's end are zero-filled.
+  // split's end are zero-filled. Each key is copied by kPipePerKey neighbouring threads (chunks
+  // c0, c0 + kPipePerKey, ...), so a thread looks its key's slot up once per tile, not once per
+  // chunk.
   const int chunks = kFp8 ? fp8::LatentTokenBytes(L, R) / 16 : D / 8;
   const uint32_t srow = kFp8 ? static_cast<uint32_t>(fp8::LatentTokenBytes(L, R)) : row;
+  const int my_key = tid / kPipePerKey, c0 = tid % kPipePerKey;
   auto issue = [&](int t) {
     const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
-    const int64_t tile_first = first + static_cast<int64_t>(t) * kPipeKeys;
-    for (int i = tid; i < kPipeKeys * chunks; i += kPipeThreads) {
-      const int j = i / chunks, c = i % chunks;
-      const bool valid = tile_first + j < last;
-      const uint8_t* src = p.kv.base;
-      if (valid) src = p.kv.Row(PipeSlot(g, p, q, keys, tile_first + j)) + c * 16;
-      g.CpAsync16(stage + j * srow + c * 16, src, valid);
-    }
+    const int64_t key = first + static_cast<int64_t>(t) * kPipeKeys + my_key;
+    const bool valid = key < last;
+    const uint8_t* src = valid ? p.kv.Row(PipeSlot(g, p, q, keys, key)) : p.kv.base;
+    for (int c = c0; c < chunks; c += kPipePerKey)
+      g.CpAsync16(stage + my_key * srow + c * 16, valid ? src + c * 16 : src, valid);
   };
   for (int t = 0; t < S - 1; ++t) {
     if (t < tiles) issue(t);
@@ -161,11 +169,19 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   }
 
   // Output accumulators: this warp's L / 8 columns (n-tiles of 8) of the 4 m-tiles of heads.
+  // Every loop over them is unrolled to kPipeMaxNtiles (the n-tiles past L / 64 skipped), so
+  // their indices are constants and the 128 accumulators stay in registers: a loop with a
+  // run-time trip count over them put them in local memory (512 bytes a thread).
   const int cols = L / 8, ntiles = cols / 8;
-  float acc[4][8][4];
-  for (int mt = 0; mt < 4; ++mt)
-    for (int nt = 0; nt < 8; ++nt)
+  float acc[4][kPipeMaxNtiles][4];
+  ATTND_UNROLL
+  for (int mt = 0; mt < 4; ++mt) {
+    ATTND_UNROLL
+    for (int nt = 0; nt < kPipeMaxNtiles; ++nt) {
+      ATTND_UNROLL
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+    }
+  }
   int cur = 0;  // the copy of m and l this tile reads
 
   for (int t = 0; t < tiles; ++t) {
@@ -195,20 +211,20 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
     }
     // 1. S = scale (Q K^T), masked past the split's end: warp w, heads [16 (w % 4), +16), keys
     // [16 (w / 4), +16) (two n-tiles of 8).
+    // Fragments by ldmatrix.x4: Q's four 8 x 8 quarters of the warp's 16 heads x 16 dims (lane
+    // l names head l % 16, dims + 8 (l / 16)), and K's rows of the two n-tiles' keys (lane l
+    // names key 8 (l / 16) + l % 8, dims + 8 ((l / 8) % 2)), which are B's columns as stored.
     {
       const int mt = warp % 4, kb = (warp / 4) * 16;
+      const uint32_t qrow = sm.q + (mt * 16 + lane % 16) * row + (lane / 16) * 16;
+      const uint32_t krow = k + (kb + (lane / 16) * 8 + lane % 8) * row + ((lane / 8) % 2) * 16;
       float c[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
       for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a[4];
-        for (int r = 0; r < 4; ++r)
-          a[r] = g.template Ld<uint32_t>(sm.q + (mt * 16 + mma::RowA(lane, r)) * row +
-                                         (k0 + mma::ColA(lane, r, 0)) * 2);
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t krow = k + (kb + nt * 8 + mma::ColB(lane)) * row;
-          const uint32_t b[2] = {g.template Ld<uint32_t>(krow + (k0 + mma::RowB(lane, 0, 0)) * 2),
-                                 g.template Ld<uint32_t>(krow + (k0 + mma::RowB(lane, 1, 0)) * 2)};
-          g.Mma(c[nt], a, b);
-        }
+        uint32_t a[4], b[4];
+        g.LdMatrixX4(a, qrow + k0 * 2, false);
+        g.LdMatrixX4(b, krow + k0 * 2, false);  // n-tile 0: b[0], b[1]; n-tile 1: b[2], b[3]
+        g.Mma(c[0], a, b);
+        g.Mma(c[1], a, b + 2);
       }
       for (int nt = 0; nt < 2; ++nt)
         for (int i = 0; i < 4; ++i) {
@@ -255,33 +271,39 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
     g.Sync();
     cur ^= 1;
     // 3. O = corr O + P V: warp w's columns [w cols, (w + 1) cols), every m-tile of heads.
+    ATTND_UNROLL
     for (int mt = 0; mt < 4; ++mt) {
       const float c_lo = g.template Ld<float>(sm.corr + (mt * 16 + mma::RowC(lane, 0)) * 4);
       const float c_hi = g.template Ld<float>(sm.corr + (mt * 16 + mma::RowC(lane, 2)) * 4);
-      for (int nt = 0; nt < ntiles; ++nt) {
+      ATTND_UNROLL
+      for (int nt = 0; nt < kPipeMaxNtiles; ++nt) {
+        if (nt >= ntiles) continue;
         acc[mt][nt][0] *= c_lo;
         acc[mt][nt][1] *= c_lo;
         acc[mt][nt][2] *= c_hi;
         acc[mt][nt][3] *= c_hi;
       }
     }
-    for (int k0 = 0; k0 < kPipeKeys; k0 += 16) {
-      uint32_t a[4][4];
+    // P's fragments of both 16-key k-steps (ldmatrix.x4 as Q's), then per n-tile V's by one
+    // ldmatrix.x4.trans: lane l names key l (k-step l / 16, half (l / 8) % 2) at the n-tile's 8
+    // columns, and each register comes back as two keys of one column, B's layout.
+    uint32_t pa[2][4][4];
+    ATTND_UNROLL
+    for (int ks = 0; ks < 2; ++ks) {
+      ATTND_UNROLL
       for (int mt = 0; mt < 4; ++mt)
-        for (int r = 0; r < 4; ++r)
-          a[mt][r] = g.template Ld<uint32_t>(sm.p + (mt * 16 + mma::RowA(lane, r)) * prow +
-                                             (k0 + mma::ColA(lane, r, 0)) * 2);
-      for (int nt = 0; nt < ntiles; ++nt) {
-        // B[key][col] = V: two keys' values of one column per register.
-        const uint32_t v = k + (warp * cols + nt * 8 + mma::ColB(lane)) * 2;
-        uint32_t b[2];
-        for (int r = 0; r < 2; ++r)
-          b[r] = static_cast<uint32_t>(
-                     g.template Ld<uint16_t>(v + (k0 + mma::RowB(lane, r, 0)) * row)) |
-                 (static_cast<uint32_t>(
-                      g.template Ld<uint16_t>(v + (k0 + mma::RowB(lane, r, 1)) * row))
-                  << 16);
-        for (int mt = 0; mt < 4; ++mt) g.Mma(acc[mt][nt], a[mt], b);
+        g.LdMatrixX4(pa[ks][mt],
+                     sm.p + (mt * 16 + lane % 16) * prow + (ks * 16 + (lane / 16) * 8) * 2, false);
+    }
+    ATTND_UNROLL
+    for (int nt = 0; nt < kPipeMaxNtiles; ++nt) {
+      if (nt >= ntiles) continue;
+      uint32_t vb[4];  // k-step 0: vb[0], vb[1]; k-step 1: vb[2], vb[3]
+      g.LdMatrixX4(vb, k + lane * row + (warp * cols + nt * 8) * 2, true);
+      ATTND_UNROLL
+      for (int mt = 0; mt < 4; ++mt) {
+        g.Mma(acc[mt][nt], pa[0][mt], vb);
+        g.Mma(acc[mt][nt], pa[1][mt], vb + 2);
       }
     }
   }
@@ -303,13 +325,16 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
       g.Gst(p.lse + static_cast<int64_t>(q) * H + h0 + tid, l == 0 ? -INFINITY : m + logf(l));
     }
   }
+  ATTND_UNROLL
   for (int mt = 0; mt < 4; ++mt) {
     const int lo = mt * 16 + mma::RowC(lane, 0), hi = mt * 16 + mma::RowC(lane, 2);
     const float l_lo = g.template Ld<float>(sm.l + (cur * kPipeHeads + lo) * 4);
     const float l_hi = g.template Ld<float>(sm.l + (cur * kPipeHeads + hi) * 4);
     const float inv_lo = partial ? 1.0f : l_lo > 0 ? 1.0f / l_lo : 0.0f;
     const float inv_hi = partial ? 1.0f : l_hi > 0 ? 1.0f / l_hi : 0.0f;
-    for (int nt = 0; nt < ntiles; ++nt) {
+    ATTND_UNROLL
+    for (int nt = 0; nt < kPipeMaxNtiles; ++nt) {
+      if (nt >= ntiles) continue;
       const int col = warp * cols + nt * 8 + mma::ColC(lane, 0);
       float* o_lo = out + (static_cast<int64_t>(row_q) * H + h0 + lo) * L + col;
       float* o_hi = out + (static_cast<int64_t>(row_q) * H + h0 + hi) * L + col;

@@ -53,6 +53,20 @@ struct GpuThread {
   __device__ void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
     Mma16816(c, a[0], a[1], a[2], a[3], b[0], b[1]);
   }
+  // ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: this lane names row lane % 8 of matrix
+  // lane / 8 (simt_sim.h has the layout).
+  __device__ void LdMatrixX4(uint32_t r[4], uint32_t row_off, bool trans) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem + row_off));
+    if (trans) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "r"(a));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "r"(a));
+    }
+  }
   template <typename T>
   __device__ T Gld(const T* p) const {
     return *p;

@@ -14,7 +14,9 @@
 //    input, a misaligned access; each output byte's writes are counted (every output element
 //    written exactly once is the test's to assert);
 //  - warps: lanes that reach different warp-wide instructions, or a lane that exits while the
-//    others wait in one; barriers that some threads never reach (a deadlock).
+//    others wait in one; barriers that some threads never reach (a deadlock);
+//  - ldmatrix: a row address not 16-byte aligned; its rows are read (and race-checked) as the
+//    lanes that name them reading 16 bytes.
 #pragma once
 
 #include <ucontext.h>
@@ -115,6 +117,11 @@ class SimtThread {
   inline float ShflXor(float v, int mask);
   // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: d = a b + c, from every lane's registers.
   inline void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]);
+  // ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: four 8 x 8 matrices of 16-bit values;
+  // lane l gives the shared address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned);
+  // r[m] of lane l holds matrix m's row l / 4, values 2 (l % 4) and 2 (l % 4) + 1 (low half
+  // first), or with trans its column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
+  inline void LdMatrixX4(uint32_t r[4], uint32_t row_off, bool trans);
   template <typename T>
   T Gld(const T* p) const {
     memory_->CheckRead(p, sizeof(T), tid_);
@@ -197,7 +204,7 @@ class SimtBlock {
   friend class SimtThread;
   static constexpr size_t kStackBytes = 256 << 10;
   enum State { kRunnable, kBarrier, kWarpOp, kDone };
-  enum Op { kNone, kMma, kShfl };
+  enum Op { kNone, kMma, kShfl, kLdMatrix };
   struct Fiber {
     ucontext_t ctx;
     std::vector<char> stack;
@@ -210,6 +217,9 @@ class SimtBlock {
     const uint32_t* b = nullptr;
     float shfl_in = 0, shfl_out = 0;
     int shfl_mask = 0;
+    uint32_t* ldm_out = nullptr;  // ldmatrix: the lane's 4 registers, its row's address
+    uint32_t ldm_row = 0;
+    bool ldm_trans = false;
     // cp.async: copies issued and not yet landed, by group (the last is still open).
     struct Copy {
       uint32_t off;
@@ -281,11 +291,26 @@ class SimtBlock {
       if (waiting != 32) continue;
       const Op op = lanes[0].op;
       for (int l = 1; l < 32; ++l)
-        if (lanes[l].op != op || (op == kShfl && lanes[l].shfl_mask != lanes[0].shfl_mask))
+        if (lanes[l].op != op || (op == kShfl && lanes[l].shfl_mask != lanes[0].shfl_mask) ||
+            (op == kLdMatrix && lanes[l].ldm_trans != lanes[0].ldm_trans))
           throw std::runtime_error("warp " + std::to_string(w) +
                                    ": lanes reached different warp-wide instructions");
       if (op == kShfl) {
         for (int l = 0; l < 32; ++l) lanes[l].shfl_out = lanes[l ^ lanes[0].shfl_mask].shfl_in;
+      } else if (op == kLdMatrix) {
+        uint16_t m[4][8][8];  // [matrix][row][value], each row read by the lane that named it
+        for (int l = 0; l < 32; ++l) {
+          if (lanes[l].ldm_row % 16 != 0)
+            Fail("ldmatrix row not 16-byte aligned", lanes[l].ldm_row, w * 32 + l);
+          Read(lanes[l].ldm_row, m[l / 8][l % 8], 16, w * 32 + l);
+        }
+        for (int l = 0; l < 32; ++l)
+          for (int i = 0; i < 4; ++i) {
+            const int a = l / 4, b = 2 * (l % 4);
+            const uint16_t lo = lanes[0].ldm_trans ? m[i][b][a] : m[i][a][b];
+            const uint16_t hi = lanes[0].ldm_trans ? m[i][b + 1][a] : m[i][a][b + 1];
+            lanes[l].ldm_out[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+          }
       } else {
         float a[32][8], b[32][4], c[32][4];
         for (int l = 0; l < 32; ++l) {
@@ -410,6 +435,15 @@ float SimtThread::ShflXor(float v, int mask) {
   f.shfl_mask = mask;
   block_->Yield(SimtBlock::kWarpOp);
   return f.shfl_out;
+}
+
+void SimtThread::LdMatrixX4(uint32_t r[4], uint32_t row_off, bool trans) {
+  auto& f = block_->fibers_[tid_];
+  f.op = SimtBlock::kLdMatrix;
+  f.ldm_out = r;
+  f.ldm_row = row_off;
+  f.ldm_trans = trans;
+  block_->Yield(SimtBlock::kWarpOp);
 }
 
 void SimtThread::Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
