@@ -467,9 +467,6 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
-  std::vector<std::string> ids;
-  ids.reserve(st->seqs.size());
-  for (const StepSeq& s : st->seqs) ids.push_back(s.seq->id);
   return StepInfo{st->tokens,
                   st->options.write_only,
                   st->next_layer,
@@ -478,8 +475,16 @@ absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const
                   st->visible_keys,
                   st->topk_keys,
                   st->options.context_parallel,
-                  st->options.attend_only,
-                  std::move(ids)};
+                  st->options.attend_only};
+}
+
+absl::StatusOr<std::vector<std::string>> Engine::StepSequenceIds(const StepRef& step) const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
+  std::vector<std::string> ids;
+  ids.reserve(st->seqs.size());
+  for (const StepSeq& s : st->seqs) ids.push_back(s.seq->id);
+  return ids;
 }
 
 absl::Status Engine::AbortStep(const StepRef& ref, AbortReason reason) {

@@ -391,11 +391,14 @@ class Engine {
     int64_t topk_keys = 0;
     bool context_parallel = false;
     bool attend_only = false;
-    std::vector<std::string> sequence_ids;  // the batch's, in order
   };
   // NOT_FOUND for a step never opened; for a step that ended, the status a layer of it gets:
   // CANCELLED (aborted), DEADLINE_EXCEEDED (expired), FAILED_PRECONDITION (committed).
+  // Called on every layer: it copies nothing of the batch's size.
   absl::StatusOr<StepInfo> DescribeStep(const StepRef& step) const;
+  // The ids of an open step's sequences, in batch order (replication's commit hook reads them at
+  // a step's last layer); the same errors as DescribeStep.
+  absl::StatusOr<std::vector<std::string>> StepSequenceIds(const StepRef& step) const;
   // Runs one call of layer request.layer (the step's next layer), the one entry point of the
   // layer path (engine/layer_request.h): every rule is checked against the step, then
   // sink->Prepare gets the call's LayerShape and returns where the output goes ([T, H, L] in the

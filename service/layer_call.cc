@@ -30,9 +30,12 @@ void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
   // the standby's acknowledgement; async: while the lag is beyond its bound).
   if (replicator_ != nullptr) {
     auto info = engine_->DescribeStep(step);
-    if (info.ok() && info->next_layer == engine_->spec().num_layers() - 1) {
+    absl::StatusOr<std::vector<std::string>> ids = absl::NotFoundError("not its last layer");
+    if (info.ok() && info->next_layer == engine_->spec().num_layers() - 1)
+      ids = engine_->StepSequenceIds(step);  // the ids only where they are used
+    if (ids.ok()) {
       std::vector<SequenceKey> keys;
-      for (const std::string& id : info->sequence_ids) keys.emplace_back(step.tenant, id);
+      for (const std::string& id : *ids) keys.emplace_back(step.tenant, id);
       done = [this, out, keys = std::move(keys), done = std::move(done)](absl::Status s) {
         if (!s.ok() || out == nullptr || !out->committed()) return done(s);
         replicator_->Committed(keys, done);
