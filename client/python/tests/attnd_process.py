@@ -22,16 +22,17 @@ def free_port() -> int:
 
 
 def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
-          port: Optional[int] = None, log: Optional[Path] = None, first: Sequence[str] = ()
-          ) -> Tuple[subprocess.Popen, str, int]:
+          port: Optional[int] = None, log: Optional[Path] = None, first: Sequence[str] = (),
+          wrap: Sequence[str] = ()) -> Tuple[subprocess.Popen, str, int]:
     """attnd on 127.0.0.1 with `extra` flags (later flags win; kv_pages None: no --kv-pages) on
     ``port`` (default: a free one); returns (process, target, metrics port) once it printed its
     serving line (``first``: flags before the test's own, which override them, e.g. a deployment's
-    command line). Its stdout and stderr stay readable from the process, or with ``log`` go to that
-    file (for a server that lives long and logs much)."""
+    command line; ``wrap``: a command it runs under, e.g. ``ip netns exec NAME``). Its stdout and
+    stderr stay readable from the process, or with ``log`` go to that file (for a server that
+    lives long and logs much)."""
     port, mport = port or free_port(), free_port()
     pages = [] if kv_pages is None else [f"--kv-pages={kv_pages}"]
-    cmd = [str(ATTND_BIN), *first, f"--grpc-port={port}", "--grpc-address=127.0.0.1",
+    cmd = [*wrap, str(ATTND_BIN), *first, f"--grpc-port={port}", "--grpc-address=127.0.0.1",
            "--model=tiny", *pages, f"--threads={threads}", f"--metrics-port={mport}", *extra]
     if log is None:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

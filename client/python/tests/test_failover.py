@@ -45,17 +45,25 @@ class Seq:
     history: List[tuple] = field(default_factory=list)  # (start, inputs, twin output bits)
 
 
+def replication_flags(addresses, mode: str, extra=()) -> List[str]:
+    return [f"--standby-peers={','.join(addresses)}", f"--replication={mode}",
+            "--replication-ack-timeout-ms=500", "--step-idle-timeout-ms=5000", *extra]
+
+
 class Cluster:
     def __init__(self, tmp_path, mode: str, extra=()):
         self.ports = [free_port() for _ in range(3)]
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
-        flags = [f"--standby-peers={','.join(self.addresses)}", f"--replication={mode}",
-                 "--replication-ack-timeout-ms=500", "--step-idle-timeout-ms=5000", *extra]
+        flags = replication_flags(self.addresses, mode, extra)
         self.procs, self.mports = {}, {}
         for port in self.ports:
             proc, target, mport = start(flags, port=port, kv_pages=400, threads=1,
                                         log=tmp_path / f"{mode}-{port}.log")
             self.procs[target], self.mports[target] = proc, mport
+        self.join(tmp_path, mode)
+
+    def join(self, tmp_path, mode: str) -> None:
+        """The twin, the replicas' names, each resolving its two peers, the router."""
         self.twin_proc, self.twin_target, _ = start([], kv_pages=800, threads=1,
                                                     log=tmp_path / f"{mode}-twin.log")
         self.twin = AttndClient(self.twin_target, timeout=30.0)
