@@ -14,6 +14,7 @@ apt_pkgs=(
   clang-14 llvm-14 libclang-rt-14-dev libfuzzer-14-dev
   libssl-dev openssl libgoogle-glog-dev libcli11-dev nlohmann-json3-dev
   libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
+  iproute2  # ip netns: test_partition cuts a replica off the network
   python3-pip curl
 )
 missing=()
