@@ -39,13 +39,19 @@ def _ip(*args: str) -> None:
 
 
 def _netns_available() -> bool:
+    """Whether this process may make a network namespace and a veth pair (root, iproute2, a
+    kernel and container that allow both)."""
     if shutil.which("ip") is None or os.geteuid() != 0:
         return False
-    probe = f"attnd-probe-{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
-        return False
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return True
+    ns, dev = f"attnd-probe-{os.getpid()}", f"apr{os.getpid() % 100000}"
+    try:
+        ok = subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode == 0
+        ok = ok and subprocess.run(["ip", "link", "add", dev, "type", "veth", "peer", "name",
+                                    dev + "p", "netns", ns], capture_output=True).returncode == 0
+        return ok
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", dev], capture_output=True)
 
 
 pytestmark = pytest.mark.skipif(not _netns_available(),
