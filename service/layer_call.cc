@@ -38,7 +38,11 @@ void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
       for (const std::string& id : *ids) keys.emplace_back(step.tenant, id);
       done = [this, out, keys = std::move(keys), done = std::move(done)](absl::Status s) {
         if (!s.ok() || out == nullptr || !out->committed()) return done(s);
-        replicator_->Committed(keys, done);
+        replicator_->Committed(keys, [out, done](absl::Status st, Replicator::Protections p) {
+          if (st.ok())
+            for (std::string& word : p) out->add_protection(std::move(word));
+          done(st);
+        });
       };
     }
   }

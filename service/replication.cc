@@ -17,6 +17,9 @@ namespace attnd {
 namespace {
 
 constexpr size_t kMaxFenced = 65536;  // tombstones kept (oldest forgotten first)
+// LayerOutput.protection's words.
+constexpr char kReplicated[] = "replicated", kShipping[] = "shipping",
+               kUnprotected[] = "unprotected";
 
 // Appends one sequence's rows (an export chunk's tensors) to a layer message of a batched
 // write-only step: the tensors' rows follow each other in batch order.
@@ -134,7 +137,7 @@ void Replicator::Wake(const SequenceKey& key, Seq& s) {
 
 void Replicator::Release(const std::shared_ptr<Pending>& p,
                          std::vector<std::function<void()>>* run) {
-  if (--p->left == 0) run->push_back([p] { p->then(p->status); });
+  if (--p->left == 0) run->push_back([p] { p->then(p->status, std::move(p->protection)); });
 }
 
 void Replicator::Settle(Seq& s, std::vector<std::function<void()>>* run, bool all,
@@ -144,6 +147,8 @@ void Replicator::Settle(Seq& s, std::vector<std::function<void()>>* run, bool al
   for (auto it = s.waiters.begin(); it != s.waiters.end(); ++it) {
     if (all || it->target <= s.shipped) {
       if (!why.ok() && it->pending->status.ok()) it->pending->status = why;
+      // Let go before its standby acknowledged (shutdown, a close): nothing protects it.
+      if (it->target > s.shipped) it->pending->protection[it->index] = kUnprotected;
       Release(it->pending, run);
     } else {
       *keep++ = std::move(*it);
@@ -214,7 +219,7 @@ void Replicator::Forget(const SequenceKey& key) {
 }
 
 void Replicator::Committed(const std::vector<SequenceKey>& keys,
-                           std::function<void(absl::Status)> then) {
+                           std::function<void(absl::Status, Protections)> then) {
   // Lengths first, of the sequences replicated from here (a standby's imports are not): the
   // engine's lock is never taken under mu_.
   std::vector<bool> tracked(keys.size(), false);
@@ -228,6 +233,8 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       if (auto info = engine_->DescribeSequence(keys[i]); info.ok()) lengths[i] = info->length;
   auto p = std::make_shared<Pending>();
   p->then = std::move(then);
+  p->protection.assign(keys.size(), "");
+  const bool sync = options_.mode == ReplicationOptions::Mode::kSync;
   std::vector<std::function<void()>> run;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -236,8 +243,13 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       auto it = seqs_.find(keys[i]);
       if (it == seqs_.end() || lengths[i] < 0) continue;  // a standby copy, or closed meanwhile
       Seq& s = it->second;
-      if (s.peer < 0) continue;  // unprotected: nothing to wait for
-      if (lengths[i] <= s.shipped) continue;
+      std::string& protection = p->protection[i];
+      protection = kUnprotected;
+      if (s.peer < 0) continue;  // no standby: nothing to wait for
+      if (lengths[i] <= s.shipped) {
+        protection = kReplicated;
+        continue;
+      }
       Wake(keys[i], s);
       // A standby that left commits unacknowledged for ack_timeout holds nothing back (and no
       // commit is counted against it: the lag would grow while it is away); it catches up
@@ -245,16 +257,19 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       if (peers_[s.peer]->degraded) continue;
       s.commits.push_back(lengths[i]);
       if (!s.caught_up) continue;  // its copy is being made: unprotected until it catches up
+      // Sync: replicated once the reply goes (a wait that times out makes it unprotected).
+      // Async: on its way while the standby answers.
+      protection = sync ? kReplicated : peers_[s.peer]->up ? kShipping : kUnprotected;
       const int64_t lag = static_cast<int64_t>(s.commits.size());
       int64_t target = -1;
-      if (options_.mode == ReplicationOptions::Mode::kSync) {
+      if (sync) {
         target = lengths[i];
       } else if (lag > options_.max_lag_steps) {
         target = s.commits[static_cast<size_t>(lag - 1 - options_.max_lag_steps)];
       }
       if (target < 0) continue;
       ++p->left;
-      s.waiters.push_back({target, p, now});
+      s.waiters.push_back({target, p, now, i});
     }
     Release(p, &run);
   }
@@ -297,7 +312,20 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
         if (p->address == a.address) p->confirm_clients[a.key.tenant] = a.client;
     }
     auto there = a.client->DescribeSequence(a.key.id);
-    if (!there.ok()) continue;  // not answering, or no copy yet: nothing to refuse
+    if (absl::IsUnavailable(there.status()) || absl::IsDeadlineExceeded(there.status())) {
+      // Not answering: down, as a failed send would find it (its commits answer unprotected
+      // until it answers again; the peer's thread asks it).
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& p : peers_)
+        if (p->address == a.address && !p->self) {
+          if (p->up) p->down_since = Clock::now();
+          p->up = false;
+          p->failed = true;
+          p->cv.notify_all();
+        }
+      continue;
+    }
+    if (!there.ok()) continue;  // no copy yet: nothing to refuse
     if (!there->standby() && there->generation() > a.generation) {
       Fence(a.key, there->generation());
       return absl::FailedPreconditionError(
@@ -440,7 +468,21 @@ void Replicator::PeerLoop(Peer* peer) {
       std::lock_guard<std::mutex> lock(mu_);
       if (peer->self) return;
     } else {
-      ok = Ship(peer);
+      const Round r = Ship(peer);
+      if (r == Round::kIdle) {
+        // Nothing to send: a peer that is up stays up; one found down (by a send, or by
+        // Confirm) is asked for its ServerInfo until it answers.
+        bool down;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          down = !peer->up;
+        }
+        if (!down) continue;
+        auto cl = ClientFor(peer, "");
+        ok = cl.ok() && (*cl)->Info().ok();
+      } else {
+        ok = r == Round::kOk;
+      }
     }
     std::unique_lock<std::mutex> lock(mu_);
     if (ok) {
@@ -465,7 +507,7 @@ void Replicator::PeerLoop(Peer* peer) {
   }
 }
 
-bool Replicator::Ship(Peer* peer) {
+Replicator::Round Replicator::Ship(Peer* peer) {
   // Closes first (a close and a reopen of one id go in that order).
   std::vector<SequenceKey> closes;
   {
@@ -478,7 +520,7 @@ bool Replicator::Ship(Peer* peer) {
     if (!s.ok() && !absl::IsNotFound(s)) {
       std::lock_guard<std::mutex> lock(mu_);
       peer->closes.insert(peer->closes.end(), closes.begin() + i, closes.end());
-      return false;
+      return Round::kFailed;
     }
   }
   // Then one batch of one tenant's sequences.
@@ -512,10 +554,11 @@ bool Replicator::Ship(Peer* peer) {
     }
     peer->queue.swap(rest);
   }
-  if (items.empty()) return true;
+  if (items.empty() && closes.empty()) return Round::kIdle;
+  if (items.empty()) return Round::kOk;
   auto cl = ClientFor(peer, items[0].key.tenant);
   // Ends the round: records what the standby acknowledged, requeues what is left.
-  auto finish = [&](bool ok) {
+  auto finish = [&](bool ok) -> Round {
     std::vector<std::function<void()>> run;
     std::vector<SequenceKey> gone;
     {
@@ -543,7 +586,7 @@ bool Replicator::Ship(Peer* peer) {
       if (!peer->queue.empty() || !peer->closes.empty()) peer->cv.notify_all();
     }
     for (auto& f : run) f();
-    return ok;
+    return ok ? Round::kOk : Round::kFailed;
   };
   if (!cl.ok()) return finish(false);
   client::Client& to = **cl;
@@ -638,9 +681,9 @@ bool Replicator::Ship(Peer* peer) {
       totals_.bytes_shipped += bytes;
       ++totals_.steps_shipped;
     }
-    const bool ok = finish(true);  // the commit's waiters go before the call is closed
+    const Round r = finish(true);  // the commit's waiters go before the call is closed
     (void)stream->Close();
-    return ok;
+    return r;
   }
   if (absl::IsFailedPrecondition(failed) || absl::IsNotFound(failed) || absl::IsCancelled(failed)) {
     // Which copy refused (or whose promotion aborted this step there): one promoted elsewhere
@@ -681,7 +724,10 @@ void Replicator::Housekeeping() {
       int64_t degraded = 0;
       for (auto& [key, s] : seqs_) {
         if (s.waiters.empty() || now - s.waiters.front().since < options_.ack_timeout) continue;
-        for (Waiter& w : s.waiters) Release(w.pending, &run);
+        for (Waiter& w : s.waiters) {
+          w.pending->protection[w.index] = kUnprotected;
+          Release(w.pending, &run);
+        }
         degraded += static_cast<int64_t>(s.waiters.size());
         s.waiters.clear();
         s.commits.clear();  // unprotected now: its lag is no longer counted

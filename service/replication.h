@@ -88,13 +88,19 @@ class Replicator {
   void Closed(const SequenceKey& key);
   // It left this replica another way (a drain promoted its standby): forget it, keep the copy.
   void Forget(const SequenceKey& key);
+  // Where each key's committed rows stand when a reply goes (LayerOutput.protection):
+  // "replicated", "shipping" (async, within the lag bound), "unprotected"; "" for a key not
+  // replicated from here (closed meanwhile).
+  using Protections = std::vector<std::string>;
   // A step committed `keys`: `then` runs (on some thread, possibly this one) when its reply may
-  // go: OK, or FAILED_PRECONDITION when a key was fenced meanwhile.
-  void Committed(const std::vector<SequenceKey>& keys, std::function<void(absl::Status)> then);
+  // go: OK with each key's protection, or FAILED_PRECONDITION when a key was fenced meanwhile.
+  void Committed(const std::vector<SequenceKey>& keys,
+                 std::function<void(absl::Status, Protections)> then);
   // Before a step: each key whose standby has acknowledged nothing for longer than ack_timeout
   // (a replica that was paused or cut off) is looked up on its standby; one promoted there is
   // fenced here (FAILED_PRECONDITION). A standby that does not answer confirms nothing and
-  // refuses nothing (the step goes on, as commits do when it is down).
+  // refuses nothing (the step goes on, as commits do when it is down); it is marked down, so
+  // the step's commit answers unprotected.
   absl::Status Confirm(const std::vector<SequenceKey>& keys);
   // The replica holding key's standby copy ("" when none).
   std::string StandbyOf(const SequenceKey& key) const;
@@ -112,12 +118,14 @@ class Replicator {
   struct Pending {
     int left = 1;  // one more while Committed is still adding waiters
     absl::Status status;
-    std::function<void(absl::Status)> then;
+    Protections protection;  // by key, in the step's order
+    std::function<void(absl::Status, Protections)> then;
   };
   struct Waiter {
     int64_t target = 0;  // acknowledged rows that release it
     std::shared_ptr<Pending> pending;
     Clock::time_point since;
+    size_t index = 0;  // the key's place in pending->protection
   };
   // A primary here and its standby copy.
   struct Seq {
@@ -170,8 +178,10 @@ class Replicator {
   static void Release(const std::shared_ptr<Pending>& p, std::vector<std::function<void()>>* run);
   // Drops this replica's copy: the standby was promoted elsewhere (at `generation`).
   void Fence(const SequenceKey& key, uint64_t generation);
-  // One round of a peer's work; false when the peer failed (back off).
-  bool Ship(Peer* peer);
+  // One round of a peer's work: kIdle when there was none (the peer was not called), else
+  // whether the peer answered (kFailed: back off).
+  enum class Round { kIdle, kOk, kFailed };
+  Round Ship(Peer* peer);
   // Resolves the peer list (dns: names) and starts a thread for each new address.
   void AddPeers();
   // Resolves a peer's name; false when it does not answer.

@@ -223,3 +223,8 @@ class LayerResult:
     # [T, H] float32 natural-log log-sum-exp of each query head's scores, when asked (lse=True):
     # partial attentions over disjoint key sets merge by it (:func:`merge_attention`)
     lse: Optional[np.ndarray] = None
+    # A committing reply from a replica with standby replicas (docs/replication.md): for each
+    # batch entry, in order, where its committed rows stand: "replicated" (its standby holds
+    # them), "shipping" (async: on their way, within the lag bound) or "unprotected" (no standby
+    # holds them yet: a crash of this replica would lose them). Empty otherwise.
+    protection: Tuple[str, ...] = ()

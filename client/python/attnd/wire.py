@@ -252,7 +252,7 @@ def _result(reply: pb.LayerOutput, raw: bool, slot: Optional[ShmTensor], details
     attended = [np.array(a.positions, dtype=np.int32) for a in reply.attended] or None
     lse = from_tensor(reply.lse) if reply.HasField("lse") and reply.lse.datatype else None
     return LayerResult(out=out, server_seconds=reply.server_seconds, attended=attended,
-                       committed=reply.committed, lse=lse)
+                       committed=reply.committed, lse=lse, protection=tuple(reply.protection))
 
 
 def _query(q_latent: Optional[TensorArg], q_nope: Optional[TensorArg]) -> Optional[TensorArg]:

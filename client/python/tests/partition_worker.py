@@ -1,6 +1,7 @@
 """A stale worker for test_partition.py, run inside the cut-off primary's network namespace
 (``ip netns exec``): one decode step of a sequence at one attnd, naming the generation it knows.
-Prints ``<status code name> <seconds>`` and exits 0 whatever the step's status."""
+Prints ``<status code name> <seconds> <its commit's protection, or ->`` and exits 0 whatever
+the step's status."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ def main() -> None:
         started = time.monotonic()
         try:
             step = c.begin_step([(sid, 1)], generations=[generation])
-            for i, xi in enumerate(x):
+            for i, xi in enumerate(x[:-1]):
                 c.attend_layer(step.step_id, LayerInputs(i, **xi))
-            code = "OK"
+            last = c.attend_layer_details(step.step_id, LayerInputs(len(x) - 1, **x[-1]))
+            code, protection = "OK", ",".join(last.protection) or "-"
         except AttndError as e:
-            code = e.code.name
-        print(code, round(time.monotonic() - started, 3), flush=True)
+            code, protection = e.code.name, "-"
+        print(code, round(time.monotonic() - started, 3), protection, flush=True)
 
 
 if __name__ == "__main__":

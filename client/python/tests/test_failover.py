@@ -239,6 +239,72 @@ def _in_thread(fn, *args):
     return t, result
 
 
+def _protection(client, batch, x) -> tuple:
+    """A step of ``batch`` ([(Seq, T)]) whose last layer's reply says where its commits stand."""
+    step = client.begin_step([(s.sid, T) for s, T in batch],
+                             generations=[s.generation for s, _ in batch])
+    for i, xi in enumerate(x[:-1]):
+        client.attend_layer(step.step_id, LayerInputs(i, **xi))
+    last = client.attend_layer_details(step.step_id, LayerInputs(len(x) - 1, **x[-1]))
+    assert last.committed
+    for s, T in batch:
+        s.length += T
+    return last.protection
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_commit_replies_say_where_their_rows_stand(tmp_path, mode):
+    """LayerOutput.protection: per batch entry, in order; "replicated" (sync) or "shipping"
+    (async) once a sequence's copy has caught up, "unprotected" while its standby does not
+    acknowledge; nothing on a replica without standbys."""
+    c = Cluster(tmp_path, mode)
+    try:
+        # Two sequences with one primary (a batch steps on one replica), different standbys or not.
+        first = ranked(c.names, "prot-0")[0]
+        sids = [f"prot-{i}" for i in range(200) if ranked(c.names, f"prot-{i}")[0] == first][:2]
+        seqs = [c.open(sid) for sid in sids]
+        client = c.router.client_for(sids[0])
+        for s in seqs:
+            c.step(s, T=9)
+        for s in seqs:
+            with AttndClient(c.address_of[ranked(c.names, s.sid)[1]], timeout=10.0) as sb:
+                wait_for(lambda sb=sb, s=s: _standby_copy(sb, s.sid, 1, s.length),
+                         "the copy caught up")
+        want = "replicated" if mode == "sync" else "shipping"
+        x = bf16_layers(c.spec, 3, c.rng)
+        assert _protection(client, [(seqs[0], 1), (seqs[1], 2)], x) == (want, want)
+        # The first sequence's standby stops acknowledging: its commits go unprotected (sync:
+        # the first, after the ack timeout; async: once the lag passes its bound of 4 and the
+        # wait for the standby times out); the other's are as before when its standby is
+        # another replica.
+        standby = ranked(c.names, seqs[0].sid)[1]
+        other = ranked(c.names, seqs[1].sid)[1]
+        proc = c.procs[c.address_of[standby]]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            got = []
+            for _ in range(8):
+                got.append(_protection(client, [(seqs[0], 1), (seqs[1], 1)],
+                                       bf16_layers(c.spec, 2, c.rng)))
+                if got[-1][0] == "unprotected":
+                    break
+            assert got[-1][0] == "unprotected", got
+            if mode == "sync":
+                assert len(got) == 1, got
+            else:  # within the lag bound, the commits were on their way
+                assert [g[0] for g in got[:-1]] == ["shipping"] * (len(got) - 1), got
+            if other != standby:
+                assert got[-1][1] in ("replicated", "shipping"), got
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        # A replica without standbys says nothing.
+        twin = Seq("prot-twin")
+        c.twin.open_sequence(twin.sid)
+        assert _protection(c.twin, [(twin, 1)], bf16_layers(c.spec, 1, c.rng)) == ()
+    finally:
+        c.close()
+
+
 def test_an_async_standby_loses_at_most_the_lag_it_reported(tmp_path):
     c = Cluster(tmp_path, "async", ["--replication-max-lag-steps=4"])
     try:

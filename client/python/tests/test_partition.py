@@ -6,10 +6,11 @@ network. test_failover.py pauses a primary with SIGSTOP instead, which stops the
 
 The worker fails the sequence over to its standby and goes on there. A stale worker beside the
 cut-off primary (in its namespace) steps the sequence there meanwhile: the primary cannot reach
-its standby to ask, and answers (the gap docs/replication.md names; in `sync` mode the commit is
-unprotected once the ack timeout passes). When the link comes back, what it took never reaches
-the sequence: its copy of that commit is refused by the new primary, it drops the sequence, and
-refuses every later call for it; the sequence is the worker's, bit for bit.
+its standby to ask, and answers (the gap docs/replication.md names), its reply saying the
+commit is unprotected (LayerOutput.protection; in `sync` mode once the ack timeout passed). When
+the link comes back, what it took never reaches the sequence: its copy of that commit is refused
+by the new primary, it drops the sequence, and refuses every later call for it; the sequence is
+the worker's, bit for bit.
 
 Needs root and `ip netns` (iproute2); skipped where either is missing."""
 
@@ -150,8 +151,9 @@ def test_a_cut_off_primary_is_fenced_when_the_partition_heals(tmp_path, mode):
                               f"127.0.0.1:{c.ports[0]}", sid, str(stale_generation), "5"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-        code, seconds = out.stdout.split()
+        code, seconds, protection = out.stdout.split()
         assert code == "OK", out.stdout
+        assert protection == "unprotected", out.stdout  # and the reply says so
         if mode == "sync":
             assert float(seconds) >= 0.45, out.stdout  # it waited for the standby first
 
