@@ -182,7 +182,8 @@ class StepStream {
   absl::StatusOr<v1::BeginStepResponse> Begin(const v1::BeginStepRequest& request);
   // Attaches this stream as shard `shard` of another stream's sharded step.
   absl::StatusOr<v1::BeginStepResponse> Join(uint64_t step_id, int shard);
-  // Sends the next layer and waits for its output; committed is set on the last layer.
+  // Sends the next layer and waits for its output; committed is set on the last layer (and, on a
+  // replica with standbys, protection: where each batch entry's committed rows stand).
   absl::StatusOr<v1::LayerOutput> Layer(const v1::LayerInputs& in);
   absl::Status Abort();
   // Half-closes and returns the call's final status.
