@@ -255,7 +255,8 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       // commit is counted against it: the lag would grow while it is away); it catches up
       // when it answers. One whose last call merely failed still does, for ack_timeout.
       if (peers_[s.peer]->degraded) continue;
-      s.commits.push_back(lengths[i]);
+      // A sharded step's commit comes once per shard's reply: it is one commit.
+      if (s.commits.empty() || s.commits.back() < lengths[i]) s.commits.push_back(lengths[i]);
       if (!s.caught_up) continue;  // its copy is being made: unprotected until it catches up
       // Sync: replicated once the reply goes (a wait that times out makes it unprotected).
       // Async: on its way while the standby answers.

@@ -25,7 +25,7 @@ import pytest
 from attnd import AttndClient, AttndError, LayerInputs, Router, name_replicas, ranked
 
 from attnd_process import ATTND_BIN, free_port, start
-from attnd_testlib import bf16_layers, scrape, wait_for
+from attnd_testlib import bf16_layers, run_sharded, scrape, wait_for
 
 BF16 = ml_dtypes.bfloat16
 FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -301,6 +301,32 @@ def test_commit_replies_say_where_their_rows_stand(tmp_path, mode):
         twin = Seq("prot-twin")
         c.twin.open_sequence(twin.sid)
         assert _protection(c.twin, [(twin, 1)], bf16_layers(c.spec, 1, c.rng)) == ()
+    finally:
+        c.close()
+
+
+def test_a_sharded_commit_counts_once_against_the_lag(tmp_path):
+    """A sharded step commits once, though each shard's reply passes the commit hook: its
+    sequence lags its standby by one commit, not one per shard."""
+    c = Cluster(tmp_path, "async", ["--replication-max-lag-steps=4"])
+    try:
+        s = c.open("sharded")
+        c.step(s, T=9)
+        primary, standby = ranked(c.names, s.sid)[:2]
+        mport = c.mports[c.address_of[primary]]
+        wait_for(lambda: _lag(mport) == 0, "the standby catches up")
+        standby_proc = c.procs[c.address_of[standby]]
+        standby_proc.send_signal(signal.SIGSTOP)  # nothing is acknowledged from here on
+        vias = [AttndClient(c.address_of[primary], timeout=10.0) for _ in range(2)]
+        try:
+            for n in (1, 2):
+                run_sharded(vias, [(s.sid, 1)], bf16_layers(c.spec, 1, c.rng), 2)
+                assert _lag(mport) == n, (n, _lag(mport))
+        finally:
+            standby_proc.send_signal(signal.SIGCONT)
+            for v in vias:
+                v.close()
+        wait_for(lambda: _lag(mport) == 0, "the standby catches up again")
     finally:
         c.close()
 
