@@ -356,10 +356,12 @@ class _Api:
 
     def attend_layer_details(self, step_id: int, inputs: LayerInputs) -> LayerResult:
         """:meth:`attend_layer`, returning a :class:`LayerResult`: the output, the server's
-        seconds on the call, whether it committed the step, with ``return_attended`` each query's
-        attended key positions (bounded by ServerInfo.limits.max_attended_positions; not on sharded
-        steps) and with ``return_lse`` each query head's log-sum-exp [T, H] float32, by which
-        outputs over disjoint key sets merge (:func:`merge_attention`; not on write-only steps)."""
+        seconds on the call, whether it committed the step (and, on a replica with standbys,
+        where each batch entry's committed rows stand: ``protection``), with
+        ``return_attended`` each query's attended key positions (bounded by
+        ServerInfo.limits.max_attended_positions; not on sharded steps) and with ``return_lse``
+        each query head's log-sum-exp [T, H] float32, by which outputs over disjoint key sets
+        merge (:func:`merge_attention`; not on write-only steps)."""
         return self._attend(step_id, inputs, "details")
 
     def attend_layer_candidates(self, step_id: int, inputs: LayerInputs) -> Candidates:
