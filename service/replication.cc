@@ -137,7 +137,14 @@ void Replicator::Wake(const SequenceKey& key, Seq& s) {
 
 void Replicator::Release(const std::shared_ptr<Pending>& p,
                          std::vector<std::function<void()>>* run) {
-  if (--p->left == 0) run->push_back([p] { p->then(p->status, std::move(p->protection)); });
+  if (--p->left != 0) return;
+  if (p->status.ok())
+    for (const std::string& word : p->protection) {
+      if (word == kReplicated) ++totals_.replicated;
+      if (word == kShipping) ++totals_.shipping;
+      if (word == kUnprotected) ++totals_.unprotected_commits;
+    }
+  run->push_back([p] { p->then(p->status, std::move(p->protection)); });
 }
 
 void Replicator::Settle(Seq& s, std::vector<std::function<void()>>* run, bool all,

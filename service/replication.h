@@ -62,10 +62,12 @@ struct ReplicationStats {
   int64_t lag_bytes = 0;    // cache bytes committed here and not acknowledged, all sequences
   int64_t bytes_shipped = 0;
   int64_t rows_shipped = 0;
-  int64_t steps_shipped = 0;       // write-only steps the standbys committed
-  int64_t fenced = 0;              // copies dropped here because a standby was promoted elsewhere
-  int64_t errors = 0;              // failed calls to peers
-  int64_t degraded = 0;            // commits answered without the wait they were due
+  int64_t steps_shipped = 0;  // write-only steps the standbys committed
+  int64_t fenced = 0;         // copies dropped here because a standby was promoted elsewhere
+  int64_t errors = 0;         // failed calls to peers
+  int64_t degraded = 0;       // commits answered without the wait they were due
+  // Committing replies' entries by protection (LayerOutput.protection).
+  int64_t replicated = 0, shipping = 0, unprotected_commits = 0;
   std::vector<std::string> peers;  // the peers' names, as resolved so far
 };
 
@@ -175,7 +177,8 @@ class Replicator {
   // with `why`), adding their replies to *run (called once mu_ is released).
   void Settle(Seq& s, std::vector<std::function<void()>>* run, bool all = false,
               const absl::Status& why = absl::OkStatus());
-  static void Release(const std::shared_ptr<Pending>& p, std::vector<std::function<void()>>* run);
+  // Under mu_: one fewer wait for p; the last one counts its protections and adds its reply.
+  void Release(const std::shared_ptr<Pending>& p, std::vector<std::function<void()>>* run);
   // Drops this replica's copy: the standby was promoted elsewhere (at `generation`).
   void Fence(const SequenceKey& key, uint64_t generation);
   // One round of a peer's work: kIdle when there was none (the peer was not called), else

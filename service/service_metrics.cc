@@ -270,6 +270,12 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
   repl_degraded_ = counter("attnd_replication_degraded_total",
                            "Commits answered without their standby's acknowledgement (it did not "
                            "answer within --replication-ack-timeout-ms).");
+  repl_commits_ = &registry->AddCounter(
+      "attnd_replication_commits_total",
+      "Batch entries of committing replies by where their rows stood (LayerOutput.protection): "
+      "replicated, shipping (async) or unprotected.");
+  for (const char* p : {"replicated", "shipping", "unprotected"})
+    repl_commits_->Add({{"protection", p}});
   for (const char* t : {"host", "disk"})
     for (const char* state : {"used", "free"}) tier_pages_->Add({{"tier", t}, {"state", state}});
   for (int t = 0; t < kNumTiers; ++t)
@@ -373,6 +379,11 @@ void ServiceMetrics::Refresh() {
     CatchUp(fenced_, static_cast<double>(st.fenced));
     CatchUp(repl_errors_, static_cast<double>(st.errors));
     CatchUp(repl_degraded_, static_cast<double>(st.degraded));
+    CatchUp(&repl_commits_->Add({{"protection", "replicated"}}),
+            static_cast<double>(st.replicated));
+    CatchUp(&repl_commits_->Add({{"protection", "shipping"}}), static_cast<double>(st.shipping));
+    CatchUp(&repl_commits_->Add({{"protection", "unprotected"}}),
+            static_cast<double>(st.unprotected_commits));
   }
   int64_t below = 0;
   for (const TierCapacity& t : engine_->Tiers()) {

@@ -108,6 +108,7 @@ class ServiceMetrics {
   metrics::Counter* repl_bytes_;
   metrics::Counter* repl_steps_;
   metrics::Family<metrics::Gauge>* repl_sequences_;
+  metrics::Family<metrics::Counter>* repl_commits_;
   metrics::Gauge* standby_sequences_;
   metrics::Gauge* standby_pages_;
   metrics::Counter* promotions_;

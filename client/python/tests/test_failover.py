@@ -297,6 +297,12 @@ def test_commit_replies_say_where_their_rows_stand(tmp_path, mode):
                 assert got[-1][1] in ("replicated", "shipping"), got
         finally:
             proc.send_signal(signal.SIGCONT)
+        # The primary counts its replies' entries by protection.
+        m = scrape(c.mports[c.address_of[first]])
+        count = {p: float(re.search(rf'^attnd_replication_commits_total{{protection="{p}"}} (\S+)$',
+                                    m, re.M).group(1))
+                 for p in ("replicated", "shipping", "unprotected")}
+        assert count[want] >= 2 + len(got) - 1 and count["unprotected"] >= 1, count
         # A replica without standbys says nothing.
         twin = Seq("prot-twin")
         c.twin.open_sequence(twin.sid)
