@@ -283,6 +283,7 @@ TEST(Routing, FailOverPromotesTheStandbyAndTheSequenceDecodesOn) {
   std::mt19937_64 rng(5);
   std::map<std::string, int64_t> length;
   std::map<std::string, uint64_t> generation;
+  std::map<std::string, std::string> protection;  // the last commit's LayerOutput.protection
   // A step on the sequence's replica and on the twin: the same outputs, bit for bit.
   auto step = [&](const std::string& id, int64_t tokens) -> absl::Status {
     auto g = client::GenerateStep(spec, tokens, DType::kBF16, false, rng);
@@ -305,6 +306,8 @@ TEST(Routing, FailOverPromotesTheStandbyAndTheSequenceDecodesOn) {
       auto want = twin->AttendLayer(tb->step_id(), l.wire);
       EXPECT_TRUE(want.ok()) << want.status();
       EXPECT_EQ(got->out().data(), want->out().data()) << id << " layer " << l.wire.layer();
+      if (got->committed())
+        protection[id] = got->protection_size() == 1 ? got->protection(0) : "(not one word)";
     }
     length[id] += tokens;
     return absl::OkStatus();
@@ -319,6 +322,7 @@ TEST(Routing, FailOverPromotesTheStandbyAndTheSequenceDecodesOn) {
     ASSERT_TRUE(twin->OpenSequence(id).ok());
     ASSERT_TRUE(step(id, kPrompt).ok());
     ASSERT_TRUE(step(id, 1).ok());
+    EXPECT_EQ(protection[id], "replicated") << id;  // sync, every replica up
   }
   const std::string victim = router.Pick(ids[0]);
   const int v = victim[1] - '0';
