@@ -128,6 +128,12 @@ int Replicator::ChoosePeer(const SequenceKey& key, const std::string& avoid) con
   return -1;
 }
 
+void Replicator::MarkDown(Peer& p) {
+  if (p.up) p.down_since = Clock::now();
+  p.up = false;
+  p.failed = true;
+}
+
 void Replicator::Wake(const SequenceKey& key, Seq& s) {
   if (s.peer < 0 || s.queued) return;
   s.queued = true;
@@ -326,9 +332,7 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& p : peers_)
         if (p->address == a.address && !p->self) {
-          if (p->up) p->down_since = Clock::now();
-          p->up = false;
-          p->failed = true;
+          MarkDown(*p);
           p->cv.notify_all();
         }
       continue;
@@ -506,9 +510,7 @@ void Replicator::PeerLoop(Peer* peer) {
       continue;
     }
     ++totals_.errors;
-    if (peer->up) peer->down_since = Clock::now();
-    peer->up = false;
-    peer->failed = true;
+    MarkDown(*peer);
     peer->clients.clear();  // reconnect
     peer->cv.wait_for(lock, backoff, [&] { return stop_; });
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));

@@ -171,6 +171,9 @@ class Replicator {
   void Housekeeping();
   // Under mu_: the peer for a sequence (-1: none up).
   int ChoosePeer(const SequenceKey& key, const std::string& avoid) const;
+  // Under mu_: the peer did not answer (a send, or Confirm's question): down since now, and
+  // chosen for no new copy until it answers.
+  void MarkDown(Peer& p);
   // Under mu_: marks key dirty on its peer.
   void Wake(const SequenceKey& key, Seq& s);
   // Under mu_: releases the waiters the acknowledgements satisfy (and, with `all`, every one,

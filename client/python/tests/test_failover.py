@@ -311,6 +311,18 @@ def test_commit_replies_say_where_their_rows_stand(tmp_path, mode):
         c.close()
 
 
+def _pause_caught_up_standby(c: Cluster, s: Seq):
+    """Waits until s's standby has every commit, then stops it (SIGSTOP: it acknowledges
+    nothing from here on; the caller sends SIGCONT). Returns (primary, its metrics port, the
+    standby's process)."""
+    primary, standby = ranked(c.names, s.sid)[:2]
+    mport = c.mports[c.address_of[primary]]
+    wait_for(lambda: _lag(mport) == 0, "the standby catches up")
+    standby_proc = c.procs[c.address_of[standby]]
+    standby_proc.send_signal(signal.SIGSTOP)
+    return primary, mport, standby_proc
+
+
 def test_a_sharded_commit_counts_once_against_the_lag(tmp_path):
     """A sharded step commits once, though each shard's reply passes the commit hook: its
     sequence lags its standby by one commit, not one per shard."""
@@ -318,11 +330,7 @@ def test_a_sharded_commit_counts_once_against_the_lag(tmp_path):
     try:
         s = c.open("sharded")
         c.step(s, T=9)
-        primary, standby = ranked(c.names, s.sid)[:2]
-        mport = c.mports[c.address_of[primary]]
-        wait_for(lambda: _lag(mport) == 0, "the standby catches up")
-        standby_proc = c.procs[c.address_of[standby]]
-        standby_proc.send_signal(signal.SIGSTOP)  # nothing is acknowledged from here on
+        primary, mport, standby_proc = _pause_caught_up_standby(c, s)
         vias = [AttndClient(c.address_of[primary], timeout=10.0) for _ in range(2)]
         try:
             for n in (1, 2):
@@ -342,11 +350,7 @@ def test_an_async_standby_loses_at_most_the_lag_it_reported(tmp_path):
     try:
         s = c.open("lagging")
         c.step(s, T=37)
-        primary, standby = ranked(c.names, s.sid)[:2]
-        mport = c.mports[c.address_of[primary]]
-        wait_for(lambda: _lag(mport) == 0, "the standby catches up")
-        standby_proc = c.procs[c.address_of[standby]]
-        standby_proc.send_signal(signal.SIGSTOP)  # the standby stops acknowledging
+        primary, mport, standby_proc = _pause_caught_up_standby(c, s)
         try:
             for _ in range(3):
                 c.step(s)
