@@ -210,9 +210,11 @@ TEST(Tiers, OffloadPrefetchAndIdleSpillsMoveSequencesAndStepsBringThemBack) {
   EXPECT_EQ(e.DescribeSequence("a")->tier, Tier::kHost);
   EXPECT_TRUE(e.DescribeSequence("a")->pages.empty());
   e.PrefetchSequences({"a"});
-  for (int i = 0; i < 500 && e.DescribeSequence("a")->tier != Tier::kDevice; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  // A sequence names its destination tier from the move's start (SequenceInfo::moving says it
+  // is still on its way); the counters and the spill below need the move ended.
+  e.WaitForPrefetches();
   EXPECT_EQ(e.DescribeSequence("a")->tier, Tier::kDevice);
+  EXPECT_FALSE(e.DescribeSequence("a")->moving);
   EXPECT_EQ(e.Counters().restores_prefetch, 1);
   EXPECT_EQ(e.SpillIdleSequences(std::chrono::milliseconds(0)), 3);
   for (const char* id : {"a", "b", "c"}) EXPECT_NE(e.DescribeSequence(id)->tier, Tier::kDevice);
