@@ -18,6 +18,7 @@
 #include "common/thread_pool.h"
 #include "engine/absorption_holder.h"
 #include "engine/engine.h"
+#include "engine/row_reader.h"
 #include "engine/step_fates.h"
 #include "engine/step_plan.h"
 #include "kernels/device.h"
@@ -184,7 +185,15 @@ struct Engine::Impl {
   absl::Status MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need);
   // What every tier holds, for a RESOURCE_EXHAUSTED message.
   std::string TierUse() const;
-  // Waits (mu held) while `key` is moving, up to the begin-wait; false on timeout.
+  // Readies `key` to be read where it is (Engine::ReadRows): a sequence on the device or the host
+  // stays; one on the disk comes up to the host (its pages are read whole, once, not once per
+  // layer), or to its device without a host tier. DATA_LOSS for a lost sequence.
+  absl::Status LiftForRead(std::unique_lock<std::mutex>& lock, const SequenceKey& key);
+  // Rows [begin, end) of `layer` from pages pinned by PinTierRows (mu not held).
+  absl::Status ReadTierRows(int device, int layer, const std::vector<TierPin>& pins, int64_t begin,
+                            int64_t end, LayerRowBytes* out) const;
+  // Waits (mu held) while `key` or a page it holds is moving or being read where it is, up to the
+  // begin-wait; false on timeout.
   bool AwaitSettled(std::unique_lock<std::mutex>& lock, const SequenceKey& key);
   void Emit(const TierEvent& e) const {
     if (options.on_tier_event) options.on_tier_event(e);

@@ -7,10 +7,8 @@
 
 namespace attnd {
 
-absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
-                           const std::vector<int32_t>& pages, int64_t begin, int64_t end,
-                           LayerRowBytes* out) {
-  const CacheLayout& c = device.layout();
+absl::Status ReadLayerRows(const CacheLayout& c, const ModelSpec& spec, int layer, int64_t begin,
+                           int64_t end, const PageRowReader& read, LayerRowBytes* out) {
   const int ps = c.page_size;
   const int slot = spec.FullSlot(layer);
   // Bytes of a latent row's parts: values, (fp8) scales, rope.
@@ -26,8 +24,8 @@ absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
   for (int64_t pos = begin; pos < end;) {
     const int off = static_cast<int>(pos % ps);
     const int rows = static_cast<int>(std::min<int64_t>(ps - off, end - pos));
-    RETURN_IF_ERROR(device.ReadRows(layer, slot, pages[pos / ps - begin / ps], off, rows,
-                                    lat.data(), idx.data()));
+    RETURN_IF_ERROR(
+        read(static_cast<size_t>(pos / ps - begin / ps), off, rows, lat.data(), idx.data()));
     for (int r = 0; r < rows; ++r) {
       const char* row = reinterpret_cast<const char*>(lat.data()) + r * (L + S + R);
       out->kv_latent.append(row, L);
@@ -43,6 +41,18 @@ absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
     pos += rows;
   }
   return absl::OkStatus();
+}
+
+absl::Status ReadLayerRows(Device& device, const ModelSpec& spec, int layer,
+                           const std::vector<int32_t>& pages, int64_t begin, int64_t end,
+                           LayerRowBytes* out) {
+  const int slot = spec.FullSlot(layer);
+  return ReadLayerRows(
+      device.layout(), spec, layer, begin, end,
+      [&](size_t i, int first, int rows, uint8_t* latent, uint8_t* index) {
+        return device.ReadRows(layer, slot, pages[i], first, rows, latent, index);
+      },
+      out);
 }
 
 }  // namespace attnd

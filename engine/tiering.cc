@@ -177,7 +177,8 @@ absl::Status Engine::Impl::RunTierMove(std::unique_lock<std::mutex>& lock, const
   std::vector<int32_t> lost;
   absl::Status copied = absl::OkStatus();
   TierEvent ev;
-  ev.kind = move.to == Tier::kDevice ? TierEvent::Kind::kRestore : TierEvent::Kind::kSpill;
+  // Up (to a faster tier) is a restore; pages-only moves go down.
+  ev.kind = move.to < move.from ? TierEvent::Kind::kRestore : TierEvent::Kind::kSpill;
   ev.reason = reason;
   ev.from = move.from;
   ev.to = move.to;
@@ -260,11 +261,51 @@ std::string Engine::Impl::TierUse() const {
 
 bool Engine::Impl::AwaitSettled(std::unique_lock<std::mutex>& lock, const SequenceKey& key) {
   const auto deadline = Clock::now() + options.limits.abort_wait;
-  for (;;) {
-    const Sequence* s = table->Find(key);
-    if (s == nullptr || !s->moving) return true;
+  while (!table->Settled(key))
     if (step_ended.wait_until(lock, deadline) == std::cv_status::timeout) return false;
+  return true;
+}
+
+absl::Status Engine::Impl::LiftForRead(std::unique_lock<std::mutex>& lock, const SequenceKey& key) {
+  for (int round = 0; round < 64; ++round) {
+    if (!AwaitSettled(lock, key))
+      return absl::DeadlineExceededError(absl::StrCat(
+          "sequence ", Quote(key.id), " is still moving between tiers after --begin-wait-ms"));
+    const Sequence* seq = table->Find(key);
+    if (seq == nullptr) return table->NotFound(key);
+    if (seq->lost) return table->OnDevice(*seq);  // DATA_LOSS
+    if (seq->tier != Tier::kDisk) return absl::OkStatus();
+    if (host == nullptr) return RestoreLocked(lock, key, TierEvent::Reason::kUse);
+    const int32_t need = table->MoveNeeds(key, Tier::kHost)[static_cast<int>(Tier::kHost)];
+    if (!MakeHostRoom(lock, need).ok()) return RestoreLocked(lock, key, TierEvent::Reason::kUse);
+    const absl::Status moved = MoveLocked(lock, key, Tier::kHost, TierEvent::Reason::kUse);
+    // Room taken meanwhile, or the sequence busy again: look again.
+    if (moved.code() == absl::StatusCode::kResourceExhausted ||
+        moved.code() == absl::StatusCode::kFailedPrecondition)
+      continue;
+    return moved;
   }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("sequence ", Quote(key.id), ": no room could be kept for it on the host tier (",
+                   TierUse(), ")"));
+}
+
+absl::Status Engine::Impl::ReadTierRows(int device, int layer, const std::vector<TierPin>& pins,
+                                        int64_t begin, int64_t end, LayerRowBytes* out) const {
+  Device& dev = *devices[device];
+  const int slot = spec().FullSlot(layer);
+  return ReadLayerRows(
+      dev.layout(), spec(), layer, begin, end,
+      [&](size_t i, int first, int rows, uint8_t* latent, uint8_t* index) -> absl::Status {
+        const TierPin& pin = pins[i];
+        if (pin.tier == Tier::kDevice)  // shared with a sequence on the device
+          return dev.ReadRows(layer, slot, pin.slot, first, rows, latent, index);
+        if (pin.tier != Tier::kHost || host == nullptr)  // LiftForRead brought it up
+          return absl::InternalError("an exported page is on the disk tier");
+        dev.layout().StagedPageRows(host->Slot(pin.slot), layer, slot, first, rows, latent, index);
+        return absl::OkStatus();
+      },
+      out);
 }
 
 absl::Status Engine::Impl::MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need) {

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -160,7 +161,7 @@ class Run {
 
   void Op(FuzzInput& in) {
     const std::string id = absl::StrCat("s", in.Int(0, kIds - 1));
-    switch (in.Int(0, 15)) {
+    switch (in.Int(0, 16)) {
       case 0: {                            // open
         const int device = in.Int(-1, 2);  // 2 is out of range
         const absl::Status s = engine_->OpenSequence(id, device);
@@ -273,6 +274,9 @@ class Run {
         break;
       case 15:
         ImportOp(in);
+        break;
+      case 16:
+        ReadOp(in, id);
         break;
     }
     Audit();
@@ -478,6 +482,51 @@ class Run {
   // Replication's write-only step: random entries naming random generations. Accepted only over
   // standby copies alone or primaries alone, each at its generation (0: not named); the keys
   // commit to the oracle, so later steps on a promoted copy check them against float64.
+  // An export's read of one layer's rows, wherever the sequence is: its committed rows bit for
+  // bit (an fp32 cache); one on the device or the host stays there, one on the disk comes up
+  // (docs/architecture.md#tiers).
+  void ReadOp(FuzzInput& in, const std::string& id) {
+    const int layer = in.Int(0, spec_.num_layers() - 1);
+    auto m = model_.seqs.find(id);
+    const int64_t len = m == model_.seqs.end() ? 0 : m->second.length;
+    const int64_t begin = in.Int(0, static_cast<int>(len));
+    const int64_t end = in.Int(static_cast<int>(begin), static_cast<int>(len) + 1);
+    const Tier before =
+        m == model_.seqs.end() ? Tier::kDevice : engine_->DescribeSequence(id)->tier;
+    const auto rows = engine_->ReadRows(id, layer, begin, end);
+    const absl::StatusCode code = rows.status().code();
+    if (m == model_.seqs.end()) {
+      FUZZ_CHECK(code == absl::StatusCode::kNotFound, id, " read: ", rows.status().ToString());
+      return;
+    }
+    const Tier after = engine_->DescribeSequence(id)->tier;
+    if (end > len) {
+      FUZZ_CHECK(code == absl::StatusCode::kOutOfRange, id, " read: ", rows.status().ToString());
+      return;
+    }
+    // Without room for it on the host or its device, a sequence on the disk stays there.
+    FUZZ_CHECK(rows.ok() || (before == Tier::kDisk && code == absl::StatusCode::kResourceExhausted),
+               id, " read: ", rows.status().ToString());
+    if (!rows.ok()) return;
+    FUZZ_CHECK(before == Tier::kDisk ? after != Tier::kDisk : after == before, id,
+               " read moved it from ", TierName(before), " to ", TierName(after));
+    const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim;
+    const std::vector<double> want = oracle_.Rows(id, layer, begin, end);
+    FUZZ_CHECK(rows->kv_latent.size() == static_cast<size_t>((end - begin) * L) * 4 &&
+                   rows->k_rope.size() == static_cast<size_t>((end - begin) * R) * 4,
+               id, " read sizes");
+    for (int64_t r = 0; r < end - begin; ++r)
+      for (int j = 0; j < L + R; ++j) {
+        float got;
+        std::memcpy(&got,
+                    j < L ? rows->kv_latent.data() + (r * L + j) * 4
+                          : rows->k_rope.data() + (r * R + j - L) * 4,
+                    4);
+        FUZZ_CHECK(static_cast<double>(got) == want[r * (L + R) + j], id, " layer ", layer, " row ",
+                   begin + r, " value ", j, ": ", got, " want ", want[r * (L + R) + j]);
+      }
+  }
+
   void ImportOp(FuzzInput& in) {
     std::vector<StepEntry> batch;
     const int n = in.Int(1, 3);

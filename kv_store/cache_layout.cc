@@ -1,5 +1,7 @@
 #include "kv_store/cache_layout.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "common/fp8.h"
 #include "common/model_spec.h"
@@ -65,6 +67,19 @@ std::array<CacheLayout::ByteRange, 2> CacheLayout::IndexRanges(int first, int ro
   const size_t values = static_cast<size_t>(page_size) * index_dim;
   return {{{static_cast<size_t>(first) * index_dim, static_cast<size_t>(rows) * index_dim},
            {values + 4 * static_cast<size_t>(first), 4 * static_cast<size_t>(rows)}}};
+}
+
+void CacheLayout::StagedPageRows(const uint8_t* staged, int layer, int slot, int first, int rows,
+                                 uint8_t* latent, uint8_t* index) const {
+  const size_t row = latent_row_bytes();
+  std::memcpy(latent, staged + StagedLatent(layer, page_size) + first * row, rows * row);
+  if (slot < 0) return;
+  // A whole page's indexer rows are staged as the device holds the page (IndexRanges(0, ps)).
+  const uint8_t* page = staged + StagedIndex(slot, page_size);
+  for (const ByteRange& r : IndexRanges(first, rows)) {
+    std::memcpy(index, page + r.offset, r.bytes);
+    index += r.bytes;
+  }
 }
 
 size_t CacheLayout::BytesPerPage() const {

@@ -83,6 +83,11 @@ struct CacheLayout {
     return static_cast<size_t>(rows) * num_layers * latent_row_bytes() +
            static_cast<size_t>(slot) * rows * index_row_bytes();
   }
+  // Rows [first, first + rows) of `layer` and, when slot >= 0, of that full layer's indexer rows,
+  // from a whole page staged as above (page_size rows: how the host and disk tiers hold it), to
+  // `latent` and `index` as Device::ReadRows gives them from the device.
+  void StagedPageRows(const uint8_t* staged, int layer, int slot, int first, int rows,
+                      uint8_t* latent, uint8_t* index) const;
 };
 
 }  // namespace attnd

@@ -26,11 +26,16 @@ class PageDirectory {
     // Holders by the tier each is at (sequences; a pin counts as one on the device).
     int32_t holders[kNumTiers] = {0, 0, 0};
     bool moving = false;  // its bytes are being copied to another tier
+    // Reads of its bytes where they are, on the host or disk tier (SequenceTable::PinTierRows):
+    // it neither moves nor leaves the directory until they end.
+    int32_t reads = 0;
     bool live = false;
     // A prefix-cache block (kv_store/prefix_index.h) names it: the cache is one of its holders,
     // counted at the slowest tier on, so a page only the cache holds goes down the tiers first.
     bool cached = false;
     int32_t refs() const { return holders[0] + holders[1] + holders[2]; }
+    // Moving, or read where it is: its place may not change.
+    bool busy() const { return moving || reads > 0; }
     // The tier it must be in: the fastest any holder is at.
     Tier needed() const {
       return holders[0] > 0 ? Tier::kDevice : holders[1] > 0 ? Tier::kHost : Tier::kDisk;

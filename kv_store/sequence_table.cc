@@ -50,7 +50,13 @@ void SequenceTable::Drop(int32_t id, Tier holder) {
   --e.holders[static_cast<int>(holder)];
   if (e.tier == Tier::kDevice) pools_[e.device].Unref(e.slot);  // its last: the page is free
   cache_only_ += int{CacheOnly(e)} - int{was};
-  if (e.refs() > 0 || e.moving) return;  // a moving page without holders goes at EndTierMove
+  RemoveIfUnheld(id);
+}
+
+void SequenceTable::RemoveIfUnheld(int32_t id) {
+  const PageDirectory::Entry& e = dir_.at(id);
+  // A moving page without holders goes at EndTierMove, a page being read at UnpinTierRows.
+  if (e.refs() > 0 || e.busy()) return;
   if (e.tier == Tier::kDevice) owner_[e.device][e.slot] = -1;
   if (e.tier == Tier::kHost) host_.Free(e.slot);
   if (e.tier == Tier::kDisk) disk_.Free(e.slot);
@@ -142,7 +148,7 @@ absl::Status SequenceTable::CheckInvariants() const {
         status = bad("page ", id, ": ", e.holders[t], " holders at ",
                      TierName(static_cast<Tier>(t)), ", the sequences say ", want[t]);
     if (!status.ok()) return;
-    if (e.refs() == 0) status = bad("page ", id, " has no holder");
+    if (e.refs() == 0 && e.reads == 0) status = bad("page ", id, " has no holder");
     indexed -= e.cached;
     cache_only += CacheOnly(e);
     if (e.moving) status = bad("page ", id, " is moving");
@@ -576,6 +582,61 @@ void SequenceTable::Unpin(int device, const std::vector<int32_t>& pages) {
   pins_ -= static_cast<int64_t>(pages.size());
 }
 
+absl::Status SequenceTable::PinTierRows(const SequenceKey& key, int64_t begin, int64_t end,
+                                        int* device, std::vector<TierPin>* pins) {
+  const Sequence* seq = Find(key);
+  const std::string& id = key.id;
+  if (seq == nullptr) return NotFound(key);
+  if (begin < 0 || end < begin || end > seq->length)
+    return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
+                                              seq->length, " committed tokens of ", Quote(id)));
+  if (seq->lost || seq->moving) return OnDevice(*seq);
+  if (seq->tier == Tier::kDevice)
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(id), " is on the device; read it there"));
+  pins->clear();
+  if (end == begin) return absl::OkStatus();
+  const int64_t first = begin / page_size_, last = (end - 1) / page_size_;
+  for (int64_t i = first; i <= last; ++i)
+    if (dir_.at(seq->logical[i]).moving)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", Quote(id), " shares pages that are moving between tiers; retry"));
+  *device = seq->device;
+  for (int64_t i = first; i <= last; ++i) {
+    const int32_t p = seq->logical[i];
+    PageDirectory::Entry& e = dir_.at(p);
+    pins->push_back({p, e.tier, e.slot});
+    if (e.tier == Tier::kDevice) {
+      Hold(p, Tier::kDevice);  // as PinRows: a holder on the device keeps it there
+    } else {
+      ++e.reads;
+    }
+  }
+  pins_ += static_cast<int64_t>(pins->size());
+  return absl::OkStatus();
+}
+
+void SequenceTable::UnpinTierRows(const std::vector<TierPin>& pins) {
+  for (const TierPin& pin : pins) {
+    if (pin.tier == Tier::kDevice) {
+      Drop(pin.id, Tier::kDevice);
+      continue;
+    }
+    --dir_.at(pin.id).reads;
+    RemoveIfUnheld(pin.id);  // its sequence closed while it was read
+  }
+  pins_ -= static_cast<int64_t>(pins.size());
+}
+
+bool SequenceTable::Settled(const SequenceKey& key) const {
+  const Sequence* seq = Find(key);
+  if (seq == nullptr) return true;
+  if (seq->moving) return false;
+  for (int32_t p : seq->logical)
+    if (dir_.at(p).busy()) return false;
+  return true;
+}
+
 // ---- tiers ----
 
 absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierMove* move) {
@@ -596,9 +657,10 @@ absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierM
     return absl::FailedPreconditionError(
         absl::StrCat("the ", TierName(to), " tier is off on this server"));
   for (int32_t p : seq->logical)
-    if (dir_.at(p).moving)
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence ", Quote(id), " shares pages that are moving between tiers; retry"));
+    if (dir_.at(p).busy())
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", Quote(id),
+                       " shares pages that are moving between tiers or being read; retry"));
   // Its holds move to `to`; then every page goes where its holders need it.
   auto transfer = [&](Tier a, Tier b) {
     for (int32_t p : seq->logical) {
@@ -662,7 +724,7 @@ void SequenceTable::BeginOrphanMove(Tier tier, int device, int32_t max_pages, Ti
   move->from = move->to = tier;
   dir_.ForEach([&](int32_t id, const PageDirectory::Entry& entry) {
     if (static_cast<int32_t>(move->pages.size()) >= max_pages) return;
-    if (entry.tier != tier || entry.moving || (device >= 0 && entry.device != device)) return;
+    if (entry.tier != tier || entry.busy() || (device >= 0 && entry.device != device)) return;
     if (entry.needed() <= tier) return;  // a holder needs it here (or it is needed faster)
     TierMove::Page m;
     m.id = id;
@@ -774,7 +836,7 @@ std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t n
     int32_t mine = 0;  // slots only it holds at this tier
     for (int32_t p : seq->logical) {
       const PageDirectory::Entry& e = dir_.at(p);
-      mine += e.tier == tier && !e.moving && e.holders[static_cast<int>(tier)] == 1 &&
+      mine += e.tier == tier && !e.busy() && e.holders[static_cast<int>(tier)] == 1 &&
               (tier != Tier::kHost || e.holders[0] == 0);
     }
     if (mine == 0) continue;
@@ -787,7 +849,7 @@ std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t n
 int32_t SequenceTable::Orphans(Tier tier, int device) const {
   int32_t n = 0;
   dir_.ForEach([&](int32_t, const PageDirectory::Entry& e) {
-    n += e.tier == tier && !e.moving && (device < 0 || e.device == device) && e.needed() > tier;
+    n += e.tier == tier && !e.busy() && (device < 0 || e.device == device) && e.needed() > tier;
   });
   return n;
 }
@@ -827,7 +889,7 @@ int32_t SequenceTable::CachedOnly(Tier tier, int device) const {
   int32_t n = 0;
   prefix_.ForEach([&](int32_t, const PrefixIndex::Block& blk) {
     const PageDirectory::Entry& e = dir_.at(blk.page);
-    n += CacheOnly(e) && !e.moving && e.tier == tier &&
+    n += CacheOnly(e) && !e.busy() && e.tier == tier &&
          (tier != Tier::kDevice || device < 0 || e.device == device);
   });
   return n;
@@ -877,7 +939,7 @@ int32_t SequenceTable::EvictCached(int tier, int device, int32_t need) {
     prefix_.Oldest([&](int32_t b) {
       const PrefixIndex::Block& blk = prefix_.at(b);
       const PageDirectory::Entry& e = dir_.at(blk.page);
-      if (CacheOnly(e) && !e.moving && (tier < 0 || static_cast<int>(e.tier) == tier) &&
+      if (CacheOnly(e) && !e.busy() && (tier < 0 || static_cast<int>(e.tier) == tier) &&
           (device < 0 || e.device == device))
         victims.emplace_back(b, blk.hash);
       return static_cast<int32_t>(victims.size()) < need - freed;

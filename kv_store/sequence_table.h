@@ -98,6 +98,14 @@ struct TierMove {
   std::vector<Page> pages;
 };
 
+// A page read where it is (SequenceTable::PinTierRows): its directory id, its tier and its slot
+// there (on the device, the page id in the device's pool).
+struct TierPin {
+  int32_t id = 0;
+  Tier tier = Tier::kDevice;
+  int32_t slot = 0;
+};
+
 // Page copies to run between BeginFork/BeginMigrate and EndFork/EndMigrate: from device `from`
 // to device `to` (the same for a fork's partial page). The source pages stay referenced (pinned)
 // until the End call, so they outlive a concurrent close of their sequence.
@@ -158,7 +166,8 @@ class SequenceTable {
   // Sequences at each tier, of every device.
   int64_t sequences_at(Tier tier) const { return at_tier_[static_cast<int>(tier)]; }
   int64_t sequences_on(int device) const { return counts_[device]; }
-  // Device pages pinned by reads and copies now (PinRows, a fork's or migration's sources).
+  // Pages pinned by reads and copies now (PinRows, PinTierRows, a fork's or migration's
+  // sources).
   int64_t pins() const { return pins_; }
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
   const TenantLedger& tenants() const { return tenants_; }
@@ -287,6 +296,16 @@ class SequenceTable {
   absl::Status PinRows(const SequenceKey& key, int64_t begin, int64_t end, int* device,
                        std::vector<int32_t>* pages);
   void Unpin(int device, const std::vector<int32_t>& pages);
+  // PinRows for a sequence off the device: the pages holding rows [begin, end) where each is
+  // (*pins, in order; of *device), kept there until UnpinTierRows: no move takes them and a
+  // close frees them only then. NOT_FOUND, OUT_OF_RANGE, DATA_LOSS (lost), FAILED_PRECONDITION
+  // (on the device, moving, or a page moving with another holder).
+  absl::Status PinTierRows(const SequenceKey& key, int64_t begin, int64_t end, int* device,
+                           std::vector<TierPin>* pins);
+  void UnpinTierRows(const std::vector<TierPin>& pins);
+  // Whether neither `key` nor any page it holds is moving or being read where it is: a move of
+  // it can begin (an unknown sequence is settled).
+  bool Settled(const SequenceKey& key) const;
 
   // Tiers. Plans moving `key` to tier `to`: to the device, every page not there comes up; down,
   // every page no other holder needs where it is goes to `to` (or to the fastest tier another
@@ -346,6 +365,8 @@ class SequenceTable {
   // without holders leaves the directory and its pool.
   void Hold(int32_t id, Tier holder);
   void Drop(int32_t id, Tier holder);
+  // Removes a page no holder, move or read has left (its slot freed).
+  void RemoveIfUnheld(int32_t id);
   // The prefix cache's hold of a page (at cache_tier_).
   void CacheHold(int32_t id);
   void CacheDrop(int32_t id);

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -229,6 +230,113 @@ TEST(Tiers, OffloadPrefetchAndIdleSpillsMoveSequencesAndStepsBringThemBack) {
   EXPECT_EQ(plain.engine().SpillIdleSequences(std::chrono::milliseconds(0)), 0);
 }
 
+// Rows [begin, end) of every layer as an export reads them (Engine::ReadRows), each layer's
+// parts joined.
+std::vector<std::string> ExportRows(Engine& e, const std::string& id, int64_t begin, int64_t end) {
+  std::vector<std::string> out;
+  for (int layer = 0; layer < e.spec().num_layers(); ++layer) {
+    auto r = e.ReadRows(id, layer, begin, end);
+    EXPECT_TRUE(r.ok()) << id << " layer " << layer << ": " << r.status();
+    if (!r.ok()) return out;
+    out.push_back(absl::StrCat(r->kv_latent, "|", r->kv_latent_scales, "|", r->k_rope, "|",
+                               r->index_k, "|", r->index_k_scales));
+  }
+  return out;
+}
+
+class TiersExport : public ::testing::TestWithParam<DType> {};
+
+// An export, a drain or a standby's copy reads a spilled sequence where it is: the bytes it
+// had on the device, with no restore to the device and nothing spilled there for room; pages it
+// shares with a sequence on the device are read there. A sequence on the disk comes up to the
+// host (its pages read once, not once per layer), or to its device without a host tier.
+TEST_P(TiersExport, ASpilledSequenceIsReadWhereItIsBitForBit) {
+  const DType cache = GetParam();
+  const DType request = RequestDType(cache);
+  TempDir dir;
+  Harness h(Options(cache, 16, 4, 16, dir.path));
+  Engine& e = h.engine();
+  const int64_t ps = e.spec().page_size;
+  h.Open("a", 0);
+  h.Open("b", 0);
+  ASSERT_TRUE(h.Run({{"a", ps + 5}, {"b", 2 * ps}},
+                    h.MakeInputs({{"a", ps + 5}, {"b", 2 * ps}}, request, 5))
+                  .status.ok());
+  h.Fork("c", "a", ps + 3, 0);  // shares a's first page, copies the partial one
+  ASSERT_TRUE(h.Run({{"c", 4}}, h.MakeInputs({{"c", 4}}, request, 6)).status.ok());
+  std::map<std::string, std::vector<std::string>> whole, part;
+  for (const char* id : {"a", "b", "c"}) {
+    whole[id] = ExportRows(e, id, 0, e.DescribeSequence(id)->length);
+    part[id] = ExportRows(e, id, 3, ps + 2);  // across a page boundary, from mid-page
+  }
+  ASSERT_TRUE(e.OffloadSequences({"b", "c"}).ok());  // the host holds 4 pages: b's 2, c's own 1
+  EXPECT_EQ(e.DescribeSequence("b")->tier, Tier::kHost);
+  EXPECT_EQ(e.DescribeSequence("c")->tier, Tier::kHost);
+  const int32_t free = e.Capacity()[0].pages_free;
+  const EngineCounters before = e.Counters();
+  for (const char* id : {"b", "c"}) {
+    EXPECT_EQ(ExportRows(e, id, 0, e.DescribeSequence(id)->length), whole[id]) << id;
+    EXPECT_EQ(ExportRows(e, id, 3, ps + 2), part[id]) << id;
+    EXPECT_EQ(e.DescribeSequence(id)->tier, Tier::kHost) << id;
+  }
+  EXPECT_EQ(e.Capacity()[0].pages_free, free);
+  EXPECT_EQ(e.Counters().restores_other, before.restores_other);
+  EXPECT_EQ(e.Counters().spills, before.spills);
+  ASSERT_TRUE(e.CheckInvariants().ok());
+  // a to the host makes room there by sending the least recently used (b) to the disk; reading b
+  // brings it back up to the host (sending the least recently used down for room), never to the
+  // device; so does reading a or c when a page of theirs went down.
+  ASSERT_TRUE(e.OffloadSequences({"a"}).ok());
+  ASSERT_EQ(e.DescribeSequence("b")->tier, Tier::kDisk);
+  const int32_t free_a = e.Capacity()[0].pages_free;
+  EXPECT_EQ(ExportRows(e, "b", 0, 2 * ps), whole["b"]);
+  EXPECT_EQ(e.DescribeSequence("b")->tier, Tier::kHost);
+  EXPECT_EQ(e.Capacity()[0].pages_free, free_a);
+  EXPECT_EQ(e.Counters().restores_other, before.restores_other + 1);
+  for (const char* id : {"a", "c"}) EXPECT_EQ(ExportRows(e, id, 3, ps + 2), part[id]) << id;
+  ASSERT_TRUE(e.CheckInvariants().ok());
+  // The sequences decode on where they are, as the float64 reference says.
+  h.RunAndCheck({{"a", 1}, {"b", 1}, {"c", 2}}, request, 7, cache == DType::kF32 ? 1e-5 : 1e-2);
+  // Without a host tier a sequence on the disk comes up to its device to be read.
+  TempDir dir2;
+  Harness d(Options(cache, 16, 0, 16, dir2.path));
+  d.Open("x", 1);
+  ASSERT_TRUE(d.Run({{"x", ps + 7}}, d.MakeInputs({{"x", ps + 7}}, request, 8)).status.ok());
+  const std::vector<std::string> x = ExportRows(d.engine(), "x", 0, ps + 7);
+  ASSERT_TRUE(d.engine().OffloadSequences({"x"}).ok());
+  ASSERT_EQ(d.engine().DescribeSequence("x")->tier, Tier::kDisk);
+  EXPECT_EQ(ExportRows(d.engine(), "x", 0, ps + 7), x);
+  EXPECT_EQ(d.engine().DescribeSequence("x")->tier, Tier::kDevice);
+}
+
+// A page of a sequence on the disk that cannot be read back loses that sequence: the export
+// says DATA_LOSS, naming the sequence, not the server's file.
+TEST(Tiers, AnExportOfASequenceWhosePageIsUnreadableIsDataLoss) {
+  TempDir dir;
+  auto io = std::make_shared<FaultyIo>();
+  Harness h(Options(DType::kF32, 16, 2, 16, dir.path, io));
+  h.Open("a", 0);
+  h.Open("b", 0);
+  h.RunAndCheck({{"a", 20}, {"b", 20}}, DType::kF32, 3, 1e-5);
+  Engine& e = h.engine();
+  ASSERT_TRUE(e.OffloadSequences({"a", "b"}).ok());  // a on to the disk, b on the host
+  ASSERT_EQ(e.DescribeSequence("a")->tier, Tier::kDisk);
+  io->read_errno = EIO;
+  const auto r = e.ReadRows("a", 0, 0, 20);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("'a'"), std::string::npos) << r.status();
+  EXPECT_EQ(r.status().message().find(dir.path), std::string::npos) << r.status();
+  io->read_errno = 0;
+  EXPECT_TRUE(e.DescribeSequence("a")->lost);
+  EXPECT_EQ(e.ReadRows("a", 1, 0, 20).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(e.ReadRows("b", 1, 0, 20).ok());  // the other reads on
+  ASSERT_TRUE(e.CheckInvariants().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Caches, TiersExport,
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kFP8E4M3),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
 TEST(Tiers, AFullDiskRefusesTheRequestThatNeededRoomAndLosesNothing) {
   TempDir dir;
   auto io = std::make_shared<FaultyIo>();
@@ -374,8 +482,26 @@ TEST(Tiers, ConcurrentStepsAbortsAndMovesLeaveNothingBehind) {
         ok_steps += good;
       }
     });
+  // An exporter reading them wherever they are meanwhile (pins on the host, lifts from disk).
+  std::atomic<int> reads{0};
+  threads.emplace_back([&] {
+    std::mt19937 rng(99);
+    for (int k = 0; k < 80; ++k) {
+      const std::string& id = ids[rng() % ids.size()];
+      const auto info = e.DescribeSequence(id);
+      if (!info.ok() || info->length == 0) continue;
+      const auto rows =
+          e.ReadRows(id, static_cast<int>(rng() % e.spec().num_layers()), 0, info->length);
+      const absl::StatusCode code = rows.status().code();
+      EXPECT_TRUE(rows.ok() || code == absl::StatusCode::kResourceExhausted ||
+                  code == absl::StatusCode::kDeadlineExceeded)
+          << rows.status();
+      reads += rows.ok();
+    }
+  });
   for (auto& th : threads) th.join();
   EXPECT_GT(ok_steps.load(), 20);
+  EXPECT_GT(reads.load(), 0);
   for (const std::string& id : ids) ASSERT_TRUE(e.CloseSequence(id).ok()) << id;
   EXPECT_EQ(e.num_open_steps(), 0);
   for (const DeviceCapacity& d : e.Capacity()) EXPECT_EQ(d.pages_free, d.pages_total);

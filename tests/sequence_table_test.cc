@@ -321,6 +321,65 @@ TEST(SequenceTableTiers, SharedPagesMoveOnceWhenTheirLastHolderOnTheDeviceLeaves
   EXPECT_EQ(Used(t, 0), 0);
 }
 
+// An export reads a spilled sequence where its pages are (PinTierRows): the pages on the host
+// neither move nor leave while read, those shared with a sequence on the device stay there,
+// and a close during the read frees its pages when the read ends.
+TEST(SequenceTableTiers, PagesReadWhereTheyAreNeitherMoveNorLeaveUntilTheReadEnds) {
+  SequenceTable t = Table({12, 9}, {8, 8});
+  ASSERT_TRUE(t.Open("p", 0).ok());
+  Grow(t, "p", 10);  // full, full, partial
+  PageMove fork;
+  ASSERT_TRUE(t.BeginFork("c", "p", 9, -1, &fork).ok());  // shares 2 full pages, copies 1
+  t.EndFork("c", fork, true);
+  MoveTo(t, "c", Tier::kHost);  // its own page to the host; the shared ones stay with p
+  int device = -1;
+  std::vector<TierPin> pins;
+  EXPECT_EQ(t.PinTierRows("p", 0, 4, &device, &pins).code(), absl::StatusCode::kFailedPrecondition)
+      << "on the device: PinRows reads it";
+  EXPECT_EQ(t.PinTierRows("c", 2, 10, &device, &pins).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(t.PinTierRows("nobody", 0, 1, &device, &pins).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(t.PinTierRows("c", 2, 9, &device, &pins).ok());
+  EXPECT_EQ(device, 0);
+  ASSERT_EQ(pins.size(), 3u);  // rows 2..8 span its 3 pages
+  EXPECT_EQ(pins[0].tier, Tier::kDevice);
+  EXPECT_EQ(pins[0].slot, t.Find("p")->pages[0]);
+  EXPECT_EQ(pins[1].tier, Tier::kDevice);
+  EXPECT_EQ(pins[2].tier, Tier::kHost);
+  EXPECT_EQ(pins[2].slot, t.directory().at(t.Find("c")->logical[2]).slot);
+  EXPECT_EQ(t.pins(), 3);
+  EXPECT_FALSE(t.Settled("c"));
+  EXPECT_TRUE(t.Settled("p"));
+  TierMove m;
+  EXPECT_EQ(t.BeginTierMove("c", Tier::kDevice, &m).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.BeginTierMove("c", Tier::kDisk, &m).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(t.Find("c")->moving);
+  EXPECT_EQ(t.host_slots().used_slots(), 1);
+  // p goes down; the shared pages, held on the device by the read, stay there.
+  ASSERT_TRUE(t.BeginTierMove("p", Tier::kHost, &m).ok());
+  EXPECT_EQ(m.pages.size(), 1u);
+  t.EndTierMove(m, true);
+  EXPECT_EQ(Used(t, 0), 2);
+  EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 0);  // the read holds them there
+  // Room on the host counts no page being read: c is no victim.
+  const std::vector<SequenceKey> victims = t.Victims(Tier::kHost, -1, 8);
+  ASSERT_EQ(victims.size(), 1u);
+  EXPECT_EQ(victims[0].id, "p");
+  ASSERT_TRUE(t.Close("c").ok());
+  EXPECT_TRUE(t.host_slots().used(pins[2].slot));  // outlives the close while read
+  EXPECT_EQ(t.host_slots().used_slots(), 2);       // p's partial page and c's
+  t.UnpinTierRows(pins);
+  EXPECT_EQ(t.pins(), 0);
+  EXPECT_EQ(t.host_slots().used_slots(), 1);  // c's page went with its read
+  EXPECT_EQ(Used(t, 0), 2);                   // orphans now: only p, on the host, holds them
+  EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 2);
+  Audit(t);
+  ASSERT_TRUE(t.Close("p").ok());
+  Audit(t);
+  EXPECT_EQ(t.directory().size(), 0);
+  EXPECT_EQ(Used(t, 0), 0);
+  EXPECT_EQ(t.host_slots().used_slots(), 0);
+}
+
 TEST(SequenceTableTiers, AMoveThatFailsOrDoesNotFitChangesNothing) {
   SequenceTable t = Table({9, 9}, {2, 4});
   ASSERT_TRUE(t.Open("a", 0).ok());

@@ -45,6 +45,13 @@ void StepOracle::Close(const std::string& id) { hist_.erase(id); }
 
 int64_t StepOracle::Length(const std::string& id) const { return hist_.at(id).length; }
 
+std::vector<double> StepOracle::Rows(const std::string& id, int layer, int64_t begin,
+                                     int64_t end) const {
+  const std::vector<double>& kv = hist_.at(id).kv[layer];
+  const int64_t D = spec_.kv_lora_rank + spec_.qk_rope_head_dim;
+  return std::vector<double>(kv.begin() + begin * D, kv.begin() + end * D);
+}
+
 void StepOracle::Commit(const std::vector<std::pair<std::string, int64_t>>& batch,
                         const std::vector<LayerValues>& layers) {
   const ModelSpec& s = spec_;

@@ -41,6 +41,8 @@ class StepOracle {
   void Fork(const std::string& id, const std::string& parent, int64_t prefix_len);
   void Close(const std::string& id);
   int64_t Length(const std::string& id) const;
+  // Rows [begin, end) of `layer` of `id`'s keys as cached: L + R values each (latent, rope).
+  std::vector<double> Rows(const std::string& id, int layer, int64_t begin, int64_t end) const;
 
   // Appends a committed step's keys to the histories. batch: (sequence id, q_len) in order.
   void Commit(const std::vector<std::pair<std::string, int64_t>>& batch,

@@ -168,7 +168,8 @@ def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_s
 def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path):
     # A replica holding 2 prompts on its device, 2 in its host tier and the rest on disk hands
     # one sequence off by hand and the others by its SIGTERM drain: exports read them from
-    # whatever tier they are in, and on the receiver they decode as a twin that never moved.
+    # whatever tier they are in (never evicting the device's), and on the receiver they decode as
+    # a twin that never moved.
     receiver, _ = attnd_server([], kv_pages=256)
     twin, _ = attnd_server([], kv_pages=256)
     with AttndClient(receiver) as r:
@@ -194,6 +195,9 @@ def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path
             assert {"device", "host", "disk"} <= set(where.values()), where
             by_hand = next(sid for sid in ids if where[sid] == "disk")
             s.handoff(by_hand, r, close_source=True)
+            # Read where it was (up to the host tier): the sequences in use keep the device.
+            after = {x.sequence_id: x.tier for x in s.list_sequences()}
+            assert all(after[sid] == "device" for sid in ids if where[sid] == "device"), after
             src.send_signal(signal.SIGTERM)
             assert src.wait(timeout=60) == 0
             log = src.stdout.read()
