@@ -11,9 +11,12 @@
 //   3. a multi-turn workload (conversations idle between turns, three times what the devices
 //      hold): the context tokens workers did not have to prefill again, attnd's restore time
 //      against its time to take those tokens again as prefills (a twin engine without tiers
-//      that re-prefills them), and the new tokens' outputs compared bit for bit between the two.
+//      that re-prefills them), and the new tokens' outputs compared bit for bit between the two;
+//   4. exports of spilled sequences (a drain, a standby's copy) beside 8 in use filling the
+//      device: each against an export of a sequence on the device, the pages moved to and from
+//      the device meanwhile, and the next decode step against the one before.
 //
-//   build/bench/tier_bench [--dir DIR] [--context 32768] [--reps 3] [--parts 123] [--quick]
+//   build/bench/tier_bench [--dir DIR] [--context 32768] [--reps 3] [--parts 1234] [--quick]
 // DIR is where the disk tier and the reference file go (default: the working directory; a real
 // disk, not tmpfs). --quick: small sizes (a smoke run of every part, ~15 s).
 #include <fcntl.h>
@@ -62,7 +65,7 @@ struct Args {
   int64_t context = 32768;
   int reps = 3;
   bool quick = false;
-  std::string parts = "123";  // --parts: which of the three to run
+  std::string parts = "1234";  // --parts: which of the four to run
 };
 
 using bench::MakeInputs;
@@ -385,6 +388,84 @@ void MultiTurn(const Args& a) {
   if (!same) std::exit(1);
 }
 
+// Every row of every layer of `id`, as an export reads it (chunks of 4096 tokens, each layer of
+// a chunk in turn: ExportSequence's and a drain's order): seconds.
+double ExportSeconds(Engine& e, const std::string& id) {
+  const int64_t n = e.DescribeSequence(id)->length;
+  const auto t0 = Clock::now();
+  for (int64_t begin = 0; begin < n; begin += 4096)
+    for (int layer = 0; layer < e.spec().num_layers(); ++layer)
+      Check(e.ReadRows(id, layer, begin, std::min<int64_t>(n, begin + 4096)).status(), "export");
+  return Since(t0);
+}
+
+// A replica with 8 sequences in use filling its device and 8 spilled (4 on the host, 4 on the
+// disk) exports the spilled ones (a drain, a standby's copy): they are read where they are, so
+// the 8 in use keep the device and the next decode step restores nothing.
+void ExportSpilled(const Args& a) {
+  const ModelSpec spec = PresetModelSpec("demo").value();
+  const int64_t context = a.quick ? 512 : 8192;
+  const int32_t per_seq = static_cast<int32_t>(context / spec.page_size + 2);
+  const int64_t chunk = std::min<int64_t>(4096, context);
+  auto keys = MakeStep(spec, chunk, true, 4);
+  auto decode = MakeStep(spec, 8, false, 5);
+  auto e = Engine::Create(Options(spec, 8 * per_seq, 4 * per_seq, 8 * per_seq, a.dir)).value();
+  std::vector<StepEntry> batch;
+  for (int i = 0; i < 8; ++i) {
+    Import(*e, absl::StrCat("s", i), context, *keys, chunk);
+    Check(e->OffloadSequences({absl::StrCat("s", i)}), "offload");  // the 4 first go on to disk
+  }
+  for (int i = 0; i < 8; ++i) {
+    Import(*e, absl::StrCat("d", i), context, *keys, chunk);
+    batch.push_back({absl::StrCat("d", i), 1});
+  }
+  Check(Run(*e, batch, *decode, false), "decode");
+  std::vector<double> before, host, disk, device;
+  for (int r = 0; r < std::max(3, a.reps); ++r) {
+    auto t0 = Clock::now();
+    Check(Run(*e, batch, *decode, false), "decode");
+    before.push_back(Since(t0));
+  }
+  for (int r = 0; r < a.reps; ++r) device.push_back(ExportSeconds(*e, "d0"));
+  const EngineCounters c0 = e->Counters();
+  for (int i = 0; i < 8; ++i) {
+    const std::string id = absl::StrCat("s", i);
+    const Tier was = e->DescribeSequence(id)->tier;
+    (was == Tier::kDisk ? disk : host).push_back(ExportSeconds(*e, id));
+  }
+  const EngineCounters c1 = e->Counters();
+  if (host.empty() || disk.empty()) Die("export", absl::InternalError("no export from a tier"));
+  int on_device = 0;  // right after the exports
+  for (int i = 0; i < 8; ++i)
+    on_device += e->DescribeSequence(absl::StrCat("d", i))->tier == Tier::kDevice;
+  auto t0 = Clock::now();
+  Check(Run(*e, batch, *decode, false), "decode");
+  const double first_after = Since(t0);
+  std::printf(
+      "## 4. Exporting spilled sequences beside 8 in use (%s: %d layers, %lld-token "
+      "contexts, fp8 cache; 4 on the host, 4 on the disk)\n\n",
+      spec.name.c_str(), spec.num_layers(), static_cast<long long>(context));
+  std::printf("| figure | value |\n|---|---|\n");
+  std::printf("| export of a sequence on the device: s (best of %d) | %.4f |\n", a.reps,
+              Best(device));
+  std::printf("| export of a sequence on the host: median s, / device | %.4f, %.2f |\n",
+              Median(host), Median(host) / Best(device));
+  std::printf(
+      "| export of a sequence on the disk (up to the host): median s, / device | %.4f, %.2f |\n",
+      Median(disk), Median(disk) / Best(device));
+  // Pages copied onto and off the devices during the exports.
+  const int64_t page = static_cast<int64_t>(e->Tiers()[0].bytes_per_page);
+  auto moved = [&](int from, int to) {
+    return (c1.tier_bytes[from][to] - c0.tier_bytes[from][to]) / page;
+  };
+  std::printf("| pages copied onto the device, off it, during the exports | %lld, %lld |\n",
+              static_cast<long long>(moved(1, 0) + moved(2, 0)),
+              static_cast<long long>(moved(0, 1) + moved(0, 2)));
+  std::printf("| sequences in use still on the device after them | %d of 8 |\n", on_device);
+  std::printf("| the first decode step of the 8 after them / one before (median) | %.2f |\n\n",
+              first_after / Median(before));
+}
+
 }  // namespace
 }  // namespace attnd
 
@@ -412,7 +493,7 @@ int main(int argc, char** argv) {
       a.reps = 1;
     } else {
       std::fprintf(stderr,
-                   "usage: tier_bench [--dir DIR] [--context TOKENS] [--reps N] [--parts 123] "
+                   "usage: tier_bench [--dir DIR] [--context TOKENS] [--reps N] [--parts 1234] "
                    "[--quick]\n");
       return 2;
     }
@@ -425,5 +506,6 @@ int main(int argc, char** argv) {
   if (a.parts.find('1') != std::string::npos) attnd::SpillAndRestore(a);
   if (a.parts.find('2') != std::string::npos) attnd::DecodeWithARestore(a);
   if (a.parts.find('3') != std::string::npos) attnd::MultiTurn(a);
+  if (a.parts.find('4') != std::string::npos) attnd::ExportSpilled(a);
   return 0;
 }
