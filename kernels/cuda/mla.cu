@@ -371,12 +371,18 @@ __global__ void MlaCombineKernel(MlaParams p) {
 }
 
 // ---- the pipelined tensor-core MLA (kernels/cuda/mla_pipe.h, the body the CPU simulation
-// runs): grid (queries of the wave, heads / 64, splits), 8 warps.
+// runs): one block per (query of the wave, 64 heads, split), 8 warps. Block x names its head
+// block fastest, then its split, then its query, so a query's blocks are launched side by side:
+// at 128 heads the second head block reads the key tiles the first just brought into L2 (at
+// large batches the two were a wave apart), and every block of a query reads its Q from L2.
 template <bool kFp8>
-__global__ void __launch_bounds__(kPipeThreads) MlaPipeKernel(MlaPipeParams p) {
+__global__ void __launch_bounds__(kPipeThreads)
+    MlaPipeKernel(MlaPipeParams p, int head_blocks, int splits) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GpuThread g{smem_raw};
-  MlaPipeBlock<kFp8>(g, p, blockIdx.x, blockIdx.y, blockIdx.z);
+  const int x = static_cast<int>(blockIdx.x);
+  MlaPipeBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks,
+                     (x / head_blocks) % splits);
 }
 
 // The stages the pipelined kernel can have on this GPU (3, 2), or 0 when it does not fit.
@@ -399,7 +405,9 @@ int PipeStages(const MlaParams& p) {
 
 bool MlaUsesPipeline(const MlaParams& p) {
   return MlaUsesTensorCores(p) && p.pipeline && p.heads_per_block != 16 &&
-         MlaPipeTakes(p.heads, p.latent, p.rope, p.kv.dtype) && PipeStages(p) > 0;
+         MlaPipeTakes(p.heads, p.latent, p.rope, p.kv.dtype) &&
+         reinterpret_cast<uintptr_t>(p.q_latent) % 16 == 0 &&  // its 16-byte query loads
+         reinterpret_cast<uintptr_t>(p.q_rope) % 16 == 0 && PipeStages(p) > 0;
 }
 
 cudaError_t ProbeKernels() {
@@ -475,7 +483,8 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
     MlaParams c = p;
     c.first_query = first;
     const int count = std::min(wave, p.n - first);
-    kernel<<<dim3(count, p.heads / kPipeHeads, splits), kPipeThreads, smem, s>>>(pp);
+    const int head_blocks = p.heads / kPipeHeads;
+    kernel<<<count * head_blocks * splits, kPipeThreads, smem, s>>>(pp, head_blocks, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     if (splits == 1) continue;
     MlaCombineKernel<<<dim3(count, p.heads), 128, 0, s>>>(c);

@@ -38,6 +38,11 @@ inline constexpr int kPipeMaxNtiles = 8;  // n-tiles of 8 output columns per war
 static_assert(kPipeThreads % kPipeKeys == 0, "whole threads per key");
 static_assert(kPipeKeys == 32, "P V takes a tile's keys as two k-steps, one per lane of a warp");
 
+// Four fp32 values loaded at once (a 16-byte global load).
+struct alignas(16) F32x4 {
+  float v[4];
+};
+
 struct MlaPipeParams {
   const float* q_latent = nullptr;  // [n, H, L] fp32 (rounded to bf16)
   const float* q_rope = nullptr;    // [n, H, R]
@@ -136,18 +141,6 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   const uint32_t row = static_cast<uint32_t>(D + 8) * 2, prow = (kPipeKeys + 8) * 2;
   const int S = p.stages;
 
-  // The query's heads as bf16, m = -inf and l = 0 (copy 0).
-  for (int i = tid; i < kPipeHeads * D; i += kPipeThreads) {
-    const int h = i / D, d = i % D;
-    const int64_t head = static_cast<int64_t>(q) * H + h0 + h;
-    const float v = d < L ? g.Gld(p.q_latent + head * L + d) : g.Gld(p.q_rope + head * R + d - L);
-    g.St(sm.q + h * row + d * 2, F32ToBF16(v));
-  }
-  if (tid < kPipeHeads) {
-    g.St(sm.m + tid * 4, -INFINITY);
-    g.St(sm.l + tid * 4, 0.0f);
-  }
-
   // Tile t's rows into stage t % S, 16 bytes a copy (fp8 rows as stored); rows past the
   // split's end are zero-filled. Each key is copied by kPipePerKey neighbouring threads (chunks
   // c0, c0 + kPipePerKey, ...), so a thread looks its key's slot up once per tile, not once per
@@ -166,6 +159,23 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   for (int t = 0; t < S - 1; ++t) {
     if (t < tiles) issue(t);
     g.CpCommit();
+  }
+
+  // While those gathers fly: the query's heads as bf16, 4 values a 16-byte load and an 8-byte
+  // store (L and R are multiples of 16, the query rows 16-byte aligned: MlaUsesPipeline), and
+  // m = -inf, l = 0 (copy 0).
+  for (int i = tid; i < kPipeHeads * (D / 4); i += kPipeThreads) {
+    const int h = i / (D / 4), d = i % (D / 4) * 4;
+    const int64_t head = static_cast<int64_t>(q) * H + h0 + h;
+    const F32x4 v = g.Gld(reinterpret_cast<const F32x4*>(d < L ? p.q_latent + head * L + d
+                                                               : p.q_rope + head * R + d - L));
+    uint64_t packed = 0;
+    for (int e = 0; e < 4; ++e) packed |= uint64_t{F32ToBF16(v.v[e])} << (16 * e);
+    g.St(sm.q + h * row + d * 2, packed);
+  }
+  if (tid < kPipeHeads) {
+    g.St(sm.m + tid * 4, -INFINITY);
+    g.St(sm.l + tid * 4, 0.0f);
   }
 
   // Output accumulators: this warp's L / 8 columns (n-tiles of 8) of the 4 m-tiles of heads.
