@@ -381,8 +381,7 @@ __global__ void __launch_bounds__(kPipeThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GpuThread g{smem_raw};
   const int x = static_cast<int>(blockIdx.x);
-  MlaPipeBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks,
-                     (x / head_blocks) % splits);
+  MlaPipeBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks, (x / head_blocks) % splits);
 }
 
 // The stages the pipelined kernel can have on this GPU (3, 2), or 0 when it does not fit.
