@@ -482,14 +482,17 @@ void Replicator::PeerLoop(Peer* peer) {
     } else {
       const Round r = Ship(peer);
       if (r == Round::kIdle) {
-        // Nothing to send: a peer that is up stays up; one found down (by a send, or by
-        // Confirm) is asked for its ServerInfo until it answers.
+        // Nothing to send: a peer is asked for its ServerInfo when it last answered an ack
+        // timeout ago (so one that died between commits is found down before a commit waits
+        // for it, and its copies move on), and one found down until it answers.
         bool down;
+        Clock::time_point heard;
         {
           std::lock_guard<std::mutex> lock(mu_);
           down = !peer->up;
+          heard = peer->heard;
         }
-        if (!down) continue;
+        if (!down && Clock::now() - heard < options_.ack_timeout) continue;
         auto cl = ClientFor(peer, "");
         ok = cl.ok() && (*cl)->Info().ok();
       } else {
@@ -498,6 +501,7 @@ void Replicator::PeerLoop(Peer* peer) {
     }
     std::unique_lock<std::mutex> lock(mu_);
     if (ok) {
+      peer->heard = Clock::now();
       if (!peer->up && !peer->name.empty())
         LOG(INFO) << "standby peer " << peer->name << " answers again";
       peer->up = !peer->name.empty();
@@ -539,9 +543,9 @@ Replicator::Round Replicator::Ship(Peer* peer) {
     uint64_t generation = 0;
     bool opened = false;
     int64_t shipped = 0;
-    int64_t length = 0;
-    int64_t n = 0;       // rows in this step
-    bool heard = false;  // the standby confirmed its copy at our generation this round
+    int64_t length = -1;  // its committed tokens; -1: not looked at this round (left for the next)
+    int64_t n = 0;        // rows in this step
+    bool heard = false;   // the standby confirmed its copy at our generation this round
   };
   std::vector<Item> items;
   {
@@ -560,7 +564,7 @@ Replicator::Round Replicator::Ship(Peer* peer) {
       Seq& s = it->second;
       s.queued = false;
       s.busy = true;
-      items.push_back({k, s.generation, s.opened, s.shipped, 0, 0});
+      items.push_back({k, s.generation, s.opened, s.shipped});
     }
     peer->queue.swap(rest);
   }
@@ -600,7 +604,8 @@ Replicator::Round Replicator::Ship(Peer* peer) {
   };
   if (!cl.ok()) return finish(false);
   client::Client& to = **cl;
-  int64_t budget = std::max<int64_t>(1, options_.chunk_tokens);
+  const int64_t chunk = std::max<int64_t>(1, options_.chunk_tokens);
+  int64_t budget = peer->batch_tokens > 0 ? peer->batch_tokens : chunk;
   std::vector<Item*> sending;
   for (Item& item : items) {
     auto info = engine_->DescribeSequence(item.key);
@@ -610,9 +615,12 @@ Replicator::Round Replicator::Ship(Peer* peer) {
       continue;
     }
     item.length = info->length;
-    if (info->tier != Tier::kDevice || info->moving) {  // rows are read on the device
-      engine_->PrefetchSequences({item.key});
-      item.length = -1;  // sent next round
+    // A spilled sequence's rows are read where they are (Engine::ReadRows), never brought back
+    // to the device for its copy. A lost one has none to read (every use of it says DATA_LOSS
+    // until the worker closes it and prefills again): its copy is closed.
+    if (info->lost) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = seqs_.find(item.key); it != seqs_.end()) it->second.closed = true;
       continue;
     }
     if (!item.opened) {
@@ -661,20 +669,23 @@ Replicator::Round Replicator::Ship(Peer* peer) {
   // The begin and every layer on one Step call, bounded by the ack timeout.
   std::unique_ptr<client::StepStream> stream = to.OpenStream(options_.ack_timeout.count());
   absl::Status failed = stream->Begin(begin).status();
-  int64_t bytes = 0;
+  bool read_failed = false;  // here, not there
+  int64_t bytes = 0, tokens = 0;
+  for (const Item* item : sending) tokens += item->n;
   const int layers = engine_->spec().num_layers();
-  v1::ExportChunk chunk;
+  v1::ExportChunk rows;
   for (int layer = 0; failed.ok() && layer < layers; ++layer) {
     v1::LayerInputs in;
     for (const Item* item : sending) {
       if (absl::Status s = ReadExportChunk(*engine_, item->key, layer, item->shipped, item->n,
-                                           item->length, &chunk);
+                                           item->length, &rows);
           !s.ok()) {
         failed = s;
+        read_failed = true;
         (void)stream->Abort();
         break;
       }
-      AppendRows(chunk.keys(), &in);
+      AppendRows(rows.keys(), &in);
     }
     if (!failed.ok()) break;
     bytes += TensorBytes(in);
@@ -691,6 +702,7 @@ Replicator::Round Replicator::Ship(Peer* peer) {
       totals_.bytes_shipped += bytes;
       ++totals_.steps_shipped;
     }
+    if (peer->batch_tokens > 0) peer->batch_tokens = std::min(chunk, 2 * peer->batch_tokens);
     const Round r = finish(true);  // the commit's waiters go before the call is closed
     (void)stream->Close();
     return r;
@@ -709,6 +721,15 @@ Replicator::Round Replicator::Ship(Peer* peer) {
         item->shipped = there->length();  // a step of ours it committed before a lost reply
       }
     }
+    return finish(true);
+  }
+  if (absl::IsResourceExhausted(failed) && !read_failed && tokens > 1) {
+    // The peer's cache cannot take a step this large now (a new copy of many sequences at
+    // once, a standby with little room): fewer tokens a step, at once. One token it cannot take
+    // is a full peer, as below.
+    peer->batch_tokens = tokens / 2;
+    LOG_EVERY_N(INFO, 100) << "replication to " << peer->name << ": " << failed.message()
+                           << "; steps of at most " << peer->batch_tokens << " tokens now";
     return finish(true);
   }
   LOG_EVERY_N(WARNING, 100) << "replication to " << peer->name << ": " << failed.message();

@@ -157,12 +157,16 @@ class Replicator {
     // (and are not counted against it) until it acknowledges again.
     bool degraded = false;
     Clock::time_point down_since;
+    Clock::time_point heard;          // its last answer
     std::deque<SequenceKey> queue;    // sequences with rows or an open to send
     std::vector<SequenceKey> closes;  // copies to close there
     std::condition_variable cv;
     std::thread thread;
     // The peer's thread alone: a connection per tenant (copies are opened as their tenant).
     absl::flat_hash_map<std::string, std::unique_ptr<client::Client>> clients;
+    // The peer's thread alone: tokens one write-only step may carry there (0: chunk_tokens),
+    // halved while its cache refuses a step that large, doubled back after each one it takes.
+    int64_t batch_tokens = 0;
     // Confirm's (any thread, under mu_; a Client's calls are thread safe).
     absl::flat_hash_map<std::string, std::shared_ptr<client::Client>> confirm_clients;
   };

@@ -51,13 +51,13 @@ def replication_flags(addresses, mode: str, extra=()) -> List[str]:
 
 
 class Cluster:
-    def __init__(self, tmp_path, mode: str, extra=()):
+    def __init__(self, tmp_path, mode: str, extra=(), kv_pages: int = 400):
         self.ports = [free_port() for _ in range(3)]
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         flags = replication_flags(self.addresses, mode, extra)
         self.procs, self.mports = {}, {}
         for port in self.ports:
-            proc, target, mport = start(flags, port=port, kv_pages=400, threads=1,
+            proc, target, mport = start(flags, port=port, kv_pages=kv_pages, threads=1,
                                         log=tmp_path / f"{mode}-{port}.log")
             self.procs[target], self.mports[target] = proc, mport
         self.join(tmp_path, mode)
@@ -216,6 +216,65 @@ def test_a_killed_primary_loses_no_committed_step(tmp_path, mode, when):
             assert (d.length, d.standby) == (s.length, False), (s.sid, d)
             assert d.generation == s.generation
         assert c.router.failovers >= len(on_victim)
+    finally:
+        c.close()
+
+
+def _tier_bytes(mport: int, to: str) -> float:
+    """Bytes attnd copied into tier ``to`` so far (attnd_tier_bytes_total, every source)."""
+    return sum(float(v) for v in re.findall(
+        rf'^attnd_tier_bytes_total{{from="\w+",to="{to}"}} (\S+)$', scrape(mport), re.M))
+
+
+def test_spilled_sequences_are_copied_from_where_they_are_and_fail_over(tmp_path):
+    # Replicas whose devices hold a few sequences, the rest on their host and disk tiers. A
+    # standby dies: its sequences' primaries copy them whole to the next replica, reading the
+    # spilled ones where they are (nothing comes back to a device for it), in steps the new
+    # standby's small device can take; a copy counts as protected only once it holds every row
+    # (a copy left out of a round for the step's token budget was counted caught up, and sync
+    # failover lost its steps). Then a primary dies and its sequences, spilled ones among them,
+    # fail over bit for bit with nothing lost (sync).
+    probe, target, _ = start([], kv_pages=64)
+    with AttndClient(target) as p:
+        page_bytes = p.info().devices[0].bytes_per_page
+    probe.kill()
+    probe.wait(timeout=10)
+    tiers = [f"--host-cache-bytes={8 * page_bytes}", f"--disk-cache-dir={tmp_path}",
+             f"--disk-cache-bytes={400 * page_bytes}"]
+    c = Cluster(tmp_path, "sync", extra=tiers, kv_pages=1 + 12)
+    try:
+        seqs = [c.open(f"tiered-{i}") for i in range(30)]
+        for s in seqs:
+            c.step(s, T=37)  # 3 pages each: a device holds 4
+        for s in seqs:
+            c.step(s)
+        # The primary and standby pair most sequences have.
+        pairs = {}
+        for s in seqs:
+            pairs.setdefault(tuple(ranked(c.names, s.sid)[:2]), []).append(s.sid)
+        (victim, dead_standby), recopied = max(pairs.items(), key=lambda kv: len(kv[1]))
+        survivor = next(n for n in c.names if n not in (victim, dead_standby))
+        with AttndClient(c.address_of[victim]) as v:
+            where = {x.sequence_id: x.tier for x in v.list_sequences() if not x.standby}
+            assert any(where[sid] != "device" for sid in recopied), where
+            mport = c.mports[c.address_of[victim]]
+            onto_device = _tier_bytes(mport, "device")
+            c.kill(dead_standby)
+            # Every sequence the victim leads gets its copy on the survivor, whole again.
+            wait_for(lambda: all(v.describe_sequence(sid).standby_replica == survivor
+                                 for sid in recopied), "copies go to the next replica", 30)
+            wait_for(lambda: re.search(r'^attnd_replication_sequences{state="unprotected"} 0$',
+                                       scrape(mport), re.M), "the new copies caught up", 30)
+            assert _tier_bytes(mport, "device") == onto_device, "a copy restored a sequence"
+            with AttndClient(c.address_of[survivor]) as sv:  # protected: every row is there
+                for sid in recopied:
+                    assert sv.describe_sequence(sid).length == v.describe_sequence(sid).length, sid
+        c.kill(victim)
+        for s in seqs:
+            if s.sid in recopied:
+                assert c.fail_over(s, failed=victim) == 0, f"{s.sid}: sync lost a step"
+                c.step(s)  # on the survivor, as the twin answers
+                c.step(s, T=5)
     finally:
         c.close()
 
