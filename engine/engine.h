@@ -350,9 +350,9 @@ class Engine {
   // Unknown, lost and busy ones are skipped (a step reports them).
   void PrefetchSequences(const std::vector<SequenceKey>& seqs);
   // Spills these sequences down a tier now (to the host, or the disk when the host tier is full
-  // or off) and returns when they are there. NOT_FOUND, FAILED_PRECONDITION (in a step, no tier
-  // below the device), RESOURCE_EXHAUSTED (every tier below full), DATA_LOSS (lost); the ones
-  // before the failure were moved.
+  // or off) and returns when they are there. NOT_FOUND (an unknown id: nothing moved),
+  // FAILED_PRECONDITION (in a step, no tier below the device), RESOURCE_EXHAUSTED (every tier
+  // below full), DATA_LOSS (lost); on those three the ones before the failure were moved.
   absl::Status OffloadSequences(const std::vector<SequenceKey>& seqs);
   // Spills every sequence on a device that no step began or ended on for longer than `idle`
   // (--spill-idle-ms). Returns how many moved.

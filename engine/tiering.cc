@@ -494,6 +494,9 @@ void Engine::PrefetchSequences(const std::vector<SequenceKey>& seqs) {
 
 absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
   std::unique_lock<std::mutex> lock(impl_->mu);
+  // An unknown id refuses the request before anything moves.
+  for (const SequenceKey& k : seqs)
+    if (impl_->table->Find(k) == nullptr) return impl_->table->NotFound(k);
   for (const SequenceKey& k : seqs) {
     if (!impl_->AwaitSettled(lock, k))
       return absl::DeadlineExceededError(

@@ -169,6 +169,9 @@ TEST(Tiers, ABatchRefusedForWhatItIsMovesNothing) {
   EXPECT_EQ(e.BeginStep({{"a", 10}, {"b", 20}}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(e.BeginStep({{"a", 1}, {"a", 1}}).status().code(), absl::StatusCode::kInvalidArgument);
+  // Found by the fuzzer too: an offload naming an unknown id moved the ones before it.
+  EXPECT_EQ(e.OffloadSequences({"b", "nobody"}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(e.DescribeSequence("b")->tier, Tier::kDevice);
   EXPECT_EQ(e.DescribeSequence("a")->tier, Tier::kHost);
   EXPECT_EQ(e.Capacity()[0].pages_free, free);
   EXPECT_EQ(e.Counters().restores_step, 0);
