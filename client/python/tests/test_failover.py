@@ -279,6 +279,44 @@ def test_spilled_sequences_are_copied_from_where_they_are_and_fail_over(tmp_path
         c.close()
 
 
+def test_a_sequence_opened_on_cached_blocks_is_copied_whole_and_fails_over(tmp_path):
+    # The prefix cache and standbys: a sequence opened on the blocks a closed one left holds rows
+    # no step of its own wrote; its standby copy is made whole from the cache, its commits wait
+    # for it (sync), and with its primary killed it fails over bit for bit, nothing lost.
+    c = Cluster(tmp_path, "sync")
+    try:
+        P = c.spec.page_size
+        rng = np.random.default_rng(5)
+        shared = [int(t) for t in rng.integers(0, 150000, 2 * P)]
+        a, b = "donor", next(f"cached-{i}" for i in range(100)
+                             if c.router.pick(f"cached-{i}") == c.router.pick("donor"))
+        primary = c.router.pick(a)
+        client = c.router.client_for(a)
+        client.open_sequence(a, prompt_token_ids=shared + [1, 2, 3])
+        prefix = bf16_layers(c.spec, 2 * P, rng)
+        c._run(client, Seq(a), prefix)
+        c._run(client, Seq(a, length=2 * P), bf16_layers(c.spec, 3, rng))
+        client.close_sequence(a)
+        info = client.open_sequence(b, prompt_token_ids=shared + [4, 5])
+        assert (info.cached_tokens, info.length) == (2 * P, 2 * P), info
+        c.twin.open_sequence(b)
+        c._run(c.twin, Seq(b), prefix)  # the twin prefills those rows cold
+        s = Seq(b, length=2 * P)
+        mport = c.mports[c.address_of[primary]]
+        wait_for(lambda: re.search(r'^attnd_replication_sequences{state="unprotected"} 0$',
+                                   scrape(mport), re.M), "the cached rows' copy is made", 30)
+        with AttndClient(c.address_of[ranked(c.names, b)[1]]) as standby:
+            assert standby.describe_sequence(b).length == 2 * P
+        c.step(s, T=2)
+        c.step(s)
+        c.kill(primary)
+        assert c.fail_over(s, failed=primary) == 0, "sync lost a step"
+        for T in (1, 1, 4):
+            c.step(s, T=T)
+    finally:
+        c.close()
+
+
 def _swallow(fn, *args):
     try:
         return fn(*args)
