@@ -233,11 +233,12 @@ absl::StatusOr<v1::SequenceInfo> Client::OpenSequence(const std::string& id,
   return resp;
 }
 
-absl::Status Client::CloseSequence(const std::string& id) {
+absl::Status Client::CloseSequence(const std::string& id, uint64_t standby_generation) {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
   v1::CloseSequenceRequest req;
   req.set_sequence_id(id);
+  req.set_standby_generation(standby_generation);
   v1::CloseSequenceResponse resp;
   return FromGrpcNotCancelled(stub_->CloseSequence(&ctx, req, &resp));
 }

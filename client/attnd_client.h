@@ -120,7 +120,9 @@ class Client {
   absl::StatusOr<v1::SequenceInfo> OpenSequence(const v1::OpenSequenceRequest& request);
   // How many leading blocks of a prompt this server's prefix cache holds for this tenant.
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::LookupPrefixRequest& request);
-  absl::Status CloseSequence(const std::string& id);
+  // standby_generation nonzero: only if it is a standby copy at that generation (replication;
+  // FAILED_PRECONDITION otherwise, nothing closed).
+  absl::Status CloseSequence(const std::string& id, uint64_t standby_generation = 0);
   absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
   // Failover (docs/replication.md): promotes this server's standby copy of `id` at `generation`
   // (the one its failed primary reported) to the sequence, cut back to `length` tokens when it

@@ -129,6 +129,10 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
       return absl::FailedPreconditionError(absl::StrCat(
           "step batch[", i, "]: sequence ", Quote(seq->id), " is at generation ", seq->generation,
           ", the step names ", e.generation, " (fenced: it failed over)"));
+    if (e.start >= 0 && e.start != seq->length)
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step batch[", i, "]: sequence ", Quote(seq->id), " holds ", seq->length,
+          " tokens, the step starts at ", e.start, " (sent again after it was taken?)"));
     if (seq->standby && !options.write_only)
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id),

@@ -319,9 +319,16 @@ absl::Status Engine::MigrateSequence(const SequenceKey& seq, int device) {
   return copied;
 }
 
-absl::Status Engine::CloseSequence(const SequenceKey& seq) {
+absl::Status Engine::CloseSequence(const SequenceKey& seq, uint64_t standby_generation) {
   std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->AwaitSettled(lock, seq);  // a move of it in flight ends first
+  const Sequence* s = impl_->table->Find(seq);
+  if (standby_generation != 0 && s != nullptr &&
+      (!s->standby || s->generation != standby_generation))
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", Quote(seq.id), " is ",
+                     s->standby ? "a standby copy" : "a primary", " at generation ", s->generation,
+                     ", not a standby copy at generation ", standby_generation, ": not closed"));
   return impl_->table->Close(seq);
 }
 

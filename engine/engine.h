@@ -142,6 +142,9 @@ struct StepEntry {
   // Nonzero: the sequence's generation as the caller knows it (docs/replication.md); a step
   // naming another one is FAILED_PRECONDITION (the sequence failed over elsewhere: fenced).
   uint64_t generation = 0;
+  // >= 0: the tokens the sequence must hold before the step (another length is
+  // FAILED_PRECONDITION): a resent step that was taken already is refused.
+  int64_t start = -1;
 };
 
 // How a step runs.
@@ -331,8 +334,9 @@ class Engine {
   // Every usable GPU ("cuda:0", ...) in a CUDA build with GPUs, else {"cpu:0"}; UNAVAILABLE
   // when a GPU stack is present but broken (never a silent fallback to the CPU).
   static absl::StatusOr<std::vector<std::string>> DefaultDevices();
-  // FAILED_PRECONDITION while the sequence is in an open step.
-  absl::Status CloseSequence(const SequenceKey& seq);
+  // FAILED_PRECONDITION while the sequence is in an open step. standby_generation nonzero:
+  // only a standby copy at that generation (else FAILED_PRECONDITION, nothing closed).
+  absl::Status CloseSequence(const SequenceKey& seq, uint64_t standby_generation = 0);
   absl::StatusOr<SequenceInfo> DescribeSequence(const SequenceKey& seq) const;
   // Every sequence of `tenant`, or of every tenant when `tenant` is null, sorted by (tenant, id).
   std::vector<SequenceInfo> ListSequences(const std::string* tenant) const;

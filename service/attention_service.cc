@@ -215,7 +215,7 @@ grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerCo
 absl::Status AttentionService::DoCloseSequence(const Caller& caller,
                                                const v1::CloseSequenceRequest& req) {
   const SequenceKey key = KeyOf(caller, req.sequence_id());
-  RETURN_IF_ERROR(engine_->CloseSequence(key));
+  RETURN_IF_ERROR(engine_->CloseSequence(key, req.standby_generation()));
   if (replicator_ != nullptr) replicator_->Closed(key);
   return absl::OkStatus();
 }
@@ -345,6 +345,12 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
           "batch[", i, "]: position_offset and query_position belong to context-parallel steps"));
     batch.push_back({e.sequence_id(), e.q_len(), e.position_offset(), e.query_position()});
     batch.back().generation = e.generation();
+    if (e.has_start()) {
+      if (e.start() < 0)
+        return absl::InvalidArgumentError(
+            absl::StrCat("batch[", i, "].start: ", e.start(), " (a length, at least 0)"));
+      batch.back().start = e.start();
+    }
     RETURN_IF_ERROR(FencedHere(KeyOf(caller, e.sequence_id())));
     if (!e.block_hashes().empty()) {
       // At most the blocks a step of max_step_tokens can complete (the engine checks the count).

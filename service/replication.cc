@@ -176,7 +176,16 @@ void Replicator::Track(const SequenceKey& key, uint64_t generation, int64_t leng
   if (fenced_.erase(key) > 0)
     fenced_order_.erase(std::find(fenced_order_.begin(), fenced_order_.end(), key));
   auto [it, fresh] = seqs_.try_emplace(key);
-  if (!fresh) return;
+  if (!fresh) {
+    Seq& old = it->second;
+    if (old.closed) {  // closed while its round runs; opened again: a new copy after it
+      old.reopened = true;
+      old.generation = generation;
+      old.reopened_length = length;
+      old.reopened_avoid = avoid;
+    }
+    return;
+  }
   Seq& s = it->second;
   s.generation = generation;
   s.avoid = avoid;
@@ -195,9 +204,10 @@ void Replicator::Closed(const SequenceKey& key) {
     Settle(s, &run, /*all=*/true);
     if (s.busy) {
       s.closed = true;  // the peer's thread closes the copy after its send
+      s.reopened = false;
     } else {
       if (s.peer >= 0 && s.opened) {
-        peers_[s.peer]->closes.push_back(key);
+        peers_[s.peer]->closes.emplace_back(key, s.generation);
         peers_[s.peer]->cv.notify_all();
       }
       if (s.queued) {
@@ -220,9 +230,11 @@ void Replicator::Forget(const SequenceKey& key) {
     if (it->second.queued) {
       auto& q = peers_[it->second.peer]->queue;
       q.erase(std::find(q.begin(), q.end(), key));
+      it->second.queued = false;
     }
     if (it->second.busy) {
       it->second.closed = true;
+      it->second.reopened = false;
       it->second.forgotten = true;  // nothing to close there
     } else {
       seqs_.erase(it);
@@ -481,6 +493,11 @@ void Replicator::PeerLoop(Peer* peer) {
       if (peer->self) return;
     } else {
       const Round r = Ship(peer);
+      if (r == Round::kRetry) {
+        std::unique_lock<std::mutex> lock(mu_);
+        peer->cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return stop_; });
+        continue;
+      }
       if (r == Round::kIdle) {
         // Nothing to send: a peer is asked for its ServerInfo when it last answered an ack
         // timeout ago (so one that died between commits is found down before a commit waits
@@ -523,14 +540,23 @@ void Replicator::PeerLoop(Peer* peer) {
 
 Replicator::Round Replicator::Ship(Peer* peer) {
   // Closes first (a close and a reopen of one id go in that order).
-  std::vector<SequenceKey> closes;
+  std::vector<std::pair<SequenceKey, uint64_t>> closes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     closes.swap(peer->closes);
   }
   for (size_t i = 0; i < closes.size(); ++i) {
-    auto cl = ClientFor(peer, closes[i].tenant);
-    absl::Status s = cl.ok() ? (*cl)->CloseSequence(closes[i].id) : cl.status();
+    const auto& [key, generation] = closes[i];
+    auto cl = ClientFor(peer, key.tenant);
+    // Only the standby copy at its generation: a copy promoted there since (this replica was
+    // cut off while it failed over) is the sequence now, and stays.
+    absl::Status s = cl.ok() ? (*cl)->CloseSequence(key.id, generation) : cl.status();
+    if (absl::IsFailedPrecondition(s)) {
+      auto there = (*cl)->DescribeSequence(key.id);
+      if (absl::IsNotFound(there.status()) ||
+          (there.ok() && (!there->standby() || there->generation() != generation)))
+        s = absl::OkStatus();  // not our copy (any more)
+    }
     if (!s.ok() && !absl::IsNotFound(s)) {
       std::lock_guard<std::mutex> lock(mu_);
       peer->closes.insert(peer->closes.end(), closes.begin() + i, closes.end());
@@ -589,7 +615,22 @@ Replicator::Round Replicator::Ship(Peer* peer) {
         if (!s.opened) s.caught_up = false;
         Settle(s, &run);
         if (s.closed) {
-          if (s.opened && !s.forgotten) peer->closes.push_back(item.key);
+          Settle(s, &run, /*all=*/true);  // a commit waiting on it answers (unprotected)
+          if (s.opened && !s.forgotten) peer->closes.emplace_back(item.key, item.generation);
+          if (s.queued) {  // woken during the round
+            auto& q = peers_[s.peer]->queue;
+            if (auto at = std::find(q.begin(), q.end(), item.key); at != q.end()) q.erase(at);
+          }
+          if (s.reopened) {  // opened again meanwhile: a new copy, after the close above
+            Seq fresh;
+            fresh.generation = s.generation;
+            fresh.avoid = s.reopened_avoid;
+            fresh.caught_up = s.reopened_length == 0;
+            fresh.peer = ChoosePeer(item.key, fresh.avoid);
+            s = std::move(fresh);
+            Wake(item.key, s);
+            continue;
+          }
           seqs_.erase(it);
           continue;
         }
@@ -665,6 +706,9 @@ Replicator::Round Replicator::Ship(Peer* peer) {
     e->set_sequence_id(item->key.id);
     e->set_q_len(item->n);
     e->set_generation(item->generation);
+    // Rows after what the copy holds: a step it took whose reply was lost (a deadline, a
+    // dropped connection) is refused when sent again, and the length read back below.
+    e->set_start(item->shipped);
   }
   // The begin and every layer on one Step call, bounded by the ack timeout.
   std::unique_ptr<client::StepStream> stream = to.OpenStream(options_.ack_timeout.count());
@@ -723,7 +767,15 @@ Replicator::Round Replicator::Ship(Peer* peer) {
     }
     return finish(true);
   }
-  if (absl::IsResourceExhausted(failed) && !read_failed && tokens > 1) {
+  if (read_failed) {
+    // This replica could not read the rows (a tier full, a move that did not end in time): the
+    // peer is fine. Nothing was committed there (the step was aborted); again shortly.
+    LOG_EVERY_N(WARNING, 100) << "replication to " << peer->name
+                              << ": reading the rows to send: " << failed.message();
+    finish(true);
+    return Round::kRetry;
+  }
+  if (absl::IsResourceExhausted(failed) && tokens > 1) {
     // The peer's cache cannot take a step this large now (a new copy of many sequences at
     // once, a standby with little room): fewer tokens a step, at once. One token it cannot take
     // is a full peer, as below.
@@ -783,7 +835,7 @@ void Replicator::Housekeeping() {
         if (s.peer >= 0 && !down) continue;
         const int next = ChoosePeer(key, s.avoid);
         if (next < 0 || next == s.peer) continue;
-        if (s.peer >= 0 && s.opened) peers_[s.peer]->closes.push_back(key);
+        if (s.peer >= 0 && s.opened) peers_[s.peer]->closes.emplace_back(key, s.generation);
         if (s.queued) {
           auto& q = peers_[s.peer]->queue;
           q.erase(std::find(q.begin(), q.end(), key));

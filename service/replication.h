@@ -141,6 +141,10 @@ class Replicator {
     // The copy held every row the sequence had when a round began: commits wait on it from then
     // on (before, while a whole copy is made, they would wait for all of it).
     bool forgotten = false;  // Forget while busy: its copy stays (it is a primary there now)
+    // Opened again (Track) while closed and busy: once the round ends, a fresh copy starts.
+    bool reopened = false;
+    int64_t reopened_length = 0;
+    std::string reopened_avoid;
     bool caught_up = false;
     Clock::time_point heard = Clock::now();  // its standby's last acknowledgement
     int64_t shipped = 0;                     // rows the copy holds (acknowledged)
@@ -157,9 +161,10 @@ class Replicator {
     // (and are not counted against it) until it acknowledges again.
     bool degraded = false;
     Clock::time_point down_since;
-    Clock::time_point heard;          // its last answer
-    std::deque<SequenceKey> queue;    // sequences with rows or an open to send
-    std::vector<SequenceKey> closes;  // copies to close there
+    Clock::time_point heard;        // its last answer
+    std::deque<SequenceKey> queue;  // sequences with rows or an open to send
+    // Copies to close there, each at its generation (a copy promoted there since is left alone).
+    std::vector<std::pair<SequenceKey, uint64_t>> closes;
     std::condition_variable cv;
     std::thread thread;
     // The peer's thread alone: a connection per tenant (copies are opened as their tenant).
@@ -190,7 +195,9 @@ class Replicator {
   void Fence(const SequenceKey& key, uint64_t generation);
   // One round of a peer's work: kIdle when there was none (the peer was not called), else
   // whether the peer answered (kFailed: back off).
-  enum class Round { kIdle, kOk, kFailed };
+  // kRetry: this replica could not read a sequence's rows (a tier full, a move that does not
+  // end): the peer is fine; the round is tried again shortly.
+  enum class Round { kIdle, kOk, kFailed, kRetry };
   Round Ship(Peer* peer);
   // Resolves the peer list (dns: names) and starts a thread for each new address.
   void AddPeers();

@@ -98,6 +98,17 @@ TEST(Standby, CopiesRefuseOrdinaryStepsForksOtherGenerationsAndMixedBatches) {
   refused({Entry("c", 1, 3), {"p", 1}}, StepOptions::WriteOnly(),
           absl::StatusCode::kInvalidArgument, "copies and primaries in one step");
   refused({Entry("p", 1, 2)}, {}, absl::StatusCode::kFailedPrecondition, "a stale generation");
+  StepEntry resent = Entry("c", 4, 3);
+  resent.start = 5;  // the copy holds 9: a replication step it took already, sent again
+  refused({resent}, StepOptions::WriteOnly(), absl::StatusCode::kFailedPrecondition,
+          "a step starting before the copy's end");
+  StepEntry ahead = Entry("p", 1, 0);
+  ahead.start = 8;  // p holds 7
+  refused({ahead}, {}, absl::StatusCode::kFailedPrecondition, "a step starting past the end");
+  // Replication closes only the copy at its generation.
+  EXPECT_EQ(e.CloseSequence("c", 2).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(e.CloseSequence("p", 1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(TakeSnapshot(e, {"p", "c"}) == before);
   EXPECT_EQ(e.ForkSequence("child", "c", 4).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(e.OpenStandby("z", 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(e.OpenStandby("z", (uint64_t{1} << 62) + 1).code(),
@@ -116,8 +127,10 @@ TEST(Standby, CopiesRefuseOrdinaryStepsForksOtherGenerationsAndMixedBatches) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->generation, 4u);
   EXPECT_EQ(again->length, 9);
-  // Now a sequence: ordinary steps at its generation (or none named), forks.
-  EXPECT_TRUE(h.Run({Entry("c", 1, 4)}, h.MakeInputs({{"c", 1}}, DType::kF32, 3)).status.ok());
+  // Now a sequence: ordinary steps at its generation (or none named, or where it ends), forks.
+  StepEntry at_end = Entry("c", 1, 4);
+  at_end.start = 9;
+  EXPECT_TRUE(h.Run({at_end}, h.MakeInputs({{"c", 1}}, DType::kF32, 3)).status.ok());
   EXPECT_TRUE(h.Run({{"c", 1}}, h.MakeInputs({{"c", 1}}, DType::kF32, 4)).status.ok());
   EXPECT_EQ(e.BeginStep({Entry("c", 1, 3)}).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(e.ForkSequence("child", "c", 4).ok());

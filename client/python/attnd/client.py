@@ -246,9 +246,12 @@ class _Api:
             block_hashes=[bytes(h) for h in (block_hashes or [])], prefix_salt=bytes(prefix_salt))
         return self._unary("LookupPrefix", request, lambda r: _plain(PrefixLookup, r))
 
-    def close_sequence(self, sequence_id: str) -> None:
-        """Frees a sequence's pages (FAILED_PRECONDITION while it is in an open step)."""
-        return self._unary("CloseSequence", pb.CloseSequenceRequest(sequence_id=sequence_id))
+    def close_sequence(self, sequence_id: str, *, standby_generation: int = 0) -> None:
+        """Frees a sequence's pages (FAILED_PRECONDITION while it is in an open step).
+        ``standby_generation`` nonzero: only if it is a standby copy at that generation
+        (FAILED_PRECONDITION otherwise, nothing closed; docs/replication.md)."""
+        return self._unary("CloseSequence", pb.CloseSequenceRequest(
+            sequence_id=sequence_id, standby_generation=int(standby_generation)))
 
     def describe_sequence(self, sequence_id: str) -> SequenceInfo:
         """A sequence's committed length, device, pages and whether it is in an open step."""
@@ -303,7 +306,8 @@ class _Api:
                    position_offsets: Optional[Sequence[int]] = None,
                    query_positions: Optional[Sequence[int]] = None,
                    block_hashes: Optional[Sequence[Sequence[bytes]]] = None,
-                   generations: Optional[Sequence[int]] = None) -> StepInfo:
+                   generations: Optional[Sequence[int]] = None,
+                   starts: Optional[Sequence[Optional[int]]] = None) -> StepInfo:
         """Opens a step over ``batch`` (reserving its pages); then attend_layer 0..N-1 in order.
 
         ``write_only`` imports keys only (kv_latent, k_rope, index_k; no queries, no output).
@@ -322,10 +326,14 @@ class _Api:
         ``generations`` (per entry): each sequence's generation as the worker knows it
         (:attr:`SequenceInfo.generation`); a sequence that failed over since is refused with
         FAILED_PRECONDITION (docs/replication.md).
+
+        ``starts`` (per entry, or None for an entry): the tokens each sequence must hold before
+        the step; another length is FAILED_PRECONDITION with nothing changed (a step sent again
+        after its reply was lost is refused if it was taken).
         """
         return self._unary("BeginStep",
                            _batch(batch, write_only, num_shards, position_offsets, query_positions,
-                                  block_hashes, generations),
+                                  block_hashes, generations, starts),
                            lambda r: StepInfo(step_id=r.step_id, num_tokens=r.num_tokens))
 
     def attend_layer(self, step_id: int, inputs: Optional[LayerInputs] = None,

@@ -156,13 +156,14 @@ class StepStream(_StepBookkeeping):
               position_offsets: Optional[Sequence[int]] = None,
               query_positions: Optional[Sequence[int]] = None,
               block_hashes: Optional[Sequence[Sequence[bytes]]] = None,
-              generations: Optional[Sequence[int]] = None) -> StepInfo:
+              generations: Optional[Sequence[int]] = None,
+              starts: Optional[Sequence[Optional[int]]] = None) -> StepInfo:
         """Opens a step over ``batch`` (none may be open on this stream); ``num_shards`` > 1 opens a
         sharded step as its shard 0; ``position_offsets`` / ``query_positions`` a context-parallel
         one (see :meth:`AttndClient.begin_step`)."""
         response = self._roundtrip(pb.StepRequest(begin=_batch(
             batch, write_only, num_shards, position_offsets, query_positions, block_hashes,
-            generations)),
+            generations, starts)),
             "begun")
         return self._opened(response.begun, batch, 0)
 
@@ -294,10 +295,11 @@ class AsyncStepStream(_StepBookkeeping):
                     position_offsets: Optional[Sequence[int]] = None,
                     query_positions: Optional[Sequence[int]] = None,
                     block_hashes: Optional[Sequence[Sequence[bytes]]] = None,
-                    generations: Optional[Sequence[int]] = None) -> StepInfo:
+                    generations: Optional[Sequence[int]] = None,
+                    starts: Optional[Sequence[Optional[int]]] = None) -> StepInfo:
         response = await self._roundtrip(pb.StepRequest(begin=_batch(
             batch, write_only, num_shards, position_offsets, query_positions, block_hashes,
-            generations)),
+            generations, starts)),
             "begun")
         return self._opened(response.begun, batch, 0)
 

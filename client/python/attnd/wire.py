@@ -152,11 +152,12 @@ def _batch(batch: Batch, write_only: bool, num_shards: int = 0,
            position_offsets: Optional[Sequence[int]] = None,
            query_positions: Optional[Sequence[int]] = None,
            block_hashes: Optional[Sequence[Sequence[bytes]]] = None,
-           generations: Optional[Sequence[int]] = None) -> pb.BeginStepRequest:
+           generations: Optional[Sequence[int]] = None,
+           starts: Optional[Sequence[int]] = None) -> pb.BeginStepRequest:
     entries = [pb.BatchEntry(sequence_id=sid, q_len=int(q_len)) for sid, q_len in batch]
     for name, values in (("position_offsets", position_offsets),
                          ("query_positions", query_positions), ("block_hashes", block_hashes),
-                         ("generations", generations)):
+                         ("generations", generations), ("starts", starts)):
         if values is not None and len(values) != len(entries):
             raise ValueError(f"{name}: {len(values)} values for {len(entries)} batch entries")
     if query_positions is not None and position_offsets is None:
@@ -170,6 +171,8 @@ def _batch(batch: Batch, write_only: bool, num_shards: int = 0,
             e.block_hashes.extend(bytes(h) for h in block_hashes[i])
         if generations is not None:
             e.generation = int(generations[i])
+        if starts is not None and starts[i] is not None:
+            e.start = int(starts[i])
     return pb.BeginStepRequest(batch=entries, write_only=write_only, num_shards=int(num_shards),
                                context_parallel=position_offsets is not None,
                                attend_only=query_positions is not None)

@@ -566,10 +566,27 @@ def test_standby_copies_refuse_ordinary_steps_and_bad_promotions(tmp_path):
                 with pytest.raises(AttndError) as e:
                     there.promote_sequence(s.sid, generation, length)
                 assert e.value.code == code, (generation, length, e.value)
+            # A replication step sent again after its reply was lost names where it starts:
+            # refused when the copy took it already (37 tokens, not 30).
+            with pytest.raises(AttndError) as e:
+                there.begin_step([(s.sid, 7)], write_only=True, generations=[1], starts=[30])
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "holds 37 tokens, the step starts at 30" in e.value.details, e.value
+            with pytest.raises(AttndError) as e:
+                there.begin_step([(s.sid, 7)], write_only=True, starts=[-1])
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            # Replication closes a copy only at its generation; never a primary.
+            with pytest.raises(AttndError) as e:
+                there.close_sequence(s.sid, standby_generation=2)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert there.describe_sequence(s.sid) == d, "refusals change nothing"
             with pytest.raises(AttndError) as e:  # the primary is no standby
                 c.router.client_for(s.sid).promote_sequence(s.sid, 1, 37)
             assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(AttndError) as e:
+                c.router.client_for(s.sid).close_sequence(s.sid, standby_generation=1)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "a primary at generation 1" in e.value.details, e.value
         # Closing the primary closes its copy.
         c.router.client_for(s.sid).close_sequence(s.sid)
         with AttndClient(c.address_of[standby], timeout=10.0) as there:
