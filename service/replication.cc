@@ -751,6 +751,15 @@ Replicator::Round Replicator::Ship(Peer* peer) {
     (void)stream->Close();
     return r;
   }
+  if (read_failed) {
+    // This replica could not read the rows (a tier full, a move that did not end in time): the
+    // peer is fine. Nothing was committed there (the step was aborted); again shortly
+    // (a sequence lost or closed here meanwhile is seen then).
+    LOG_EVERY_N(WARNING, 100) << "replication to " << peer->name
+                              << ": reading the rows to send: " << failed.message();
+    finish(true);
+    return Round::kRetry;
+  }
   if (absl::IsFailedPrecondition(failed) || absl::IsNotFound(failed) || absl::IsCancelled(failed)) {
     // Which copy refused (or whose promotion aborted this step there): one promoted elsewhere
     // is fenced; a missing one is opened again. The peer itself answered.
@@ -766,14 +775,6 @@ Replicator::Round Replicator::Ship(Peer* peer) {
       }
     }
     return finish(true);
-  }
-  if (read_failed) {
-    // This replica could not read the rows (a tier full, a move that did not end in time): the
-    // peer is fine. Nothing was committed there (the step was aborted); again shortly.
-    LOG_EVERY_N(WARNING, 100) << "replication to " << peer->name
-                              << ": reading the rows to send: " << failed.message();
-    finish(true);
-    return Round::kRetry;
   }
   if (absl::IsResourceExhausted(failed) && tokens > 1) {
     // The peer's cache cannot take a step this large now (a new copy of many sequences at

@@ -455,7 +455,7 @@ TEST(Tiers, ConcurrentStepsAbortsAndMovesLeaveNothingBehind) {
     ASSERT_TRUE(e.OpenSequence(ids.back(), i % 2).ok());
   }
   const auto in = RandomLayers(e.spec(), 3, DType::kF32, 5);
-  std::atomic<int> ok_steps{0};
+  std::atomic<int> ok_steps{0}, workers_done{0};
   std::vector<std::thread> threads;
   for (int w = 0; w < 4; ++w)
     threads.emplace_back([&, w] {
@@ -484,15 +484,16 @@ TEST(Tiers, ConcurrentStepsAbortsAndMovesLeaveNothingBehind) {
         }
         ok_steps += good;
       }
+      ++workers_done;
     });
-  // An exporter reading them wherever they are meanwhile (pins on the host, lifts from disk).
+  // An exporter reading them wherever they are while the workers run (pins on the host, lifts
+  // from disk), then each once more (so some read has rows whatever the timing).
   std::atomic<int> reads{0};
   threads.emplace_back([&] {
     std::mt19937 rng(99);
-    for (int k = 0; k < 80; ++k) {
-      const std::string& id = ids[rng() % ids.size()];
+    auto read = [&](const std::string& id) {
       const auto info = e.DescribeSequence(id);
-      if (!info.ok() || info->length == 0) continue;
+      if (!info.ok() || info->length == 0) return;
       const auto rows =
           e.ReadRows(id, static_cast<int>(rng() % e.spec().num_layers()), 0, info->length);
       const absl::StatusCode code = rows.status().code();
@@ -500,7 +501,12 @@ TEST(Tiers, ConcurrentStepsAbortsAndMovesLeaveNothingBehind) {
                   code == absl::StatusCode::kDeadlineExceeded)
           << rows.status();
       reads += rows.ok();
+    };
+    while (workers_done.load() < 4) {
+      read(ids[rng() % ids.size()]);
+      std::this_thread::yield();
     }
+    for (const std::string& id : ids) read(id);
   });
   for (auto& th : threads) th.join();
   EXPECT_GT(ok_steps.load(), 20);
