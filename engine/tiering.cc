@@ -278,9 +278,14 @@ absl::Status Engine::Impl::LiftForRead(std::unique_lock<std::mutex>& lock, const
     if (host == nullptr) return RestoreLocked(lock, key, TierEvent::Reason::kUse);
     const int32_t need = table->MoveNeeds(key, Tier::kHost)[static_cast<int>(Tier::kHost)];
     if (!MakeHostRoom(lock, need).ok()) return RestoreLocked(lock, key, TierEvent::Reason::kUse);
+    // Making room let go of the lock: a step or a prefetch may have brought it up meanwhile
+    // (a sequence in use is never sent down for a read), or it may be busy: look again.
+    seq = table->Find(key);
+    if (seq == nullptr || seq->tier != Tier::kDisk || !table->Settled(key)) continue;
     const absl::Status moved = MoveLocked(lock, key, Tier::kHost, TierEvent::Reason::kUse);
-    // Room taken meanwhile, or the sequence busy again: look again.
-    if (moved.code() == absl::StatusCode::kResourceExhausted ||
+    // Up, or room taken meanwhile, or busy again: look again (a page it shares may have begun
+    // moving while its bytes were copied; the next round waits for that).
+    if (moved.ok() || moved.code() == absl::StatusCode::kResourceExhausted ||
         moved.code() == absl::StatusCode::kFailedPrecondition)
       continue;
     return moved;

@@ -608,11 +608,11 @@ absl::Status SequenceTable::PinTierRows(const SequenceKey& key, int64_t begin, i
     pins->push_back({p, e.tier, e.slot});
     if (e.tier == Tier::kDevice) {
       Hold(p, Tier::kDevice);  // as PinRows: a holder on the device keeps it there
+      ++pins_;
     } else {
       ++e.reads;
     }
   }
-  pins_ += static_cast<int64_t>(pins->size());
   return absl::OkStatus();
 }
 
@@ -620,12 +620,12 @@ void SequenceTable::UnpinTierRows(const std::vector<TierPin>& pins) {
   for (const TierPin& pin : pins) {
     if (pin.tier == Tier::kDevice) {
       Drop(pin.id, Tier::kDevice);
+      --pins_;
       continue;
     }
     --dir_.at(pin.id).reads;
     RemoveIfUnheld(pin.id);  // its sequence closed while it was read
   }
-  pins_ -= static_cast<int64_t>(pins.size());
 }
 
 bool SequenceTable::Settled(const SequenceKey& key) const {
@@ -833,13 +833,15 @@ std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t n
   int32_t freed = 0;
   for (const Sequence* seq : cands) {
     if (freed >= need) break;
-    int32_t mine = 0;  // slots only it holds at this tier
+    int32_t mine = 0;   // slots only it holds at this tier
+    bool busy = false;  // a page of it moving or read: it cannot move now
     for (int32_t p : seq->logical) {
       const PageDirectory::Entry& e = dir_.at(p);
-      mine += e.tier == tier && !e.busy() && e.holders[static_cast<int>(tier)] == 1 &&
+      busy = busy || e.busy();
+      mine += e.tier == tier && e.holders[static_cast<int>(tier)] == 1 &&
               (tier != Tier::kHost || e.holders[0] == 0);
     }
-    if (mine == 0) continue;
+    if (busy || mine == 0) continue;
     freed += mine;
     out.emplace_back(seq->tenant, seq->id);
   }

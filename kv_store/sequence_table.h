@@ -166,8 +166,8 @@ class SequenceTable {
   // Sequences at each tier, of every device.
   int64_t sequences_at(Tier tier) const { return at_tier_[static_cast<int>(tier)]; }
   int64_t sequences_on(int device) const { return counts_[device]; }
-  // Pages pinned by reads and copies now (PinRows, PinTierRows, a fork's or migration's
-  // sources).
+  // Device pages pinned by reads and copies now (PinRows, PinTierRows, a fork's or migration's
+  // sources): what may let go of device pages soon.
   int64_t pins() const { return pins_; }
   int64_t size() const { return static_cast<int64_t>(seqs_.size()); }
   const TenantLedger& tenants() const { return tenants_; }

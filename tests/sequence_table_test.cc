@@ -346,7 +346,7 @@ TEST(SequenceTableTiers, PagesReadWhereTheyAreNeitherMoveNorLeaveUntilTheReadEnd
   EXPECT_EQ(pins[1].tier, Tier::kDevice);
   EXPECT_EQ(pins[2].tier, Tier::kHost);
   EXPECT_EQ(pins[2].slot, t.directory().at(t.Find("c")->logical[2]).slot);
-  EXPECT_EQ(t.pins(), 3);
+  EXPECT_EQ(t.pins(), 2);  // the device pages (what may free device room)
   EXPECT_FALSE(t.Settled("c"));
   EXPECT_TRUE(t.Settled("p"));
   TierMove m;
@@ -360,10 +360,20 @@ TEST(SequenceTableTiers, PagesReadWhereTheyAreNeitherMoveNorLeaveUntilTheReadEnd
   t.EndTierMove(m, true);
   EXPECT_EQ(Used(t, 0), 2);
   EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 0);  // the read holds them there
-  // Room on the host counts no page being read: c is no victim.
+  // Room on the host counts no page being read: c is no victim, nor d, one of whose pages is
+  // read (it could not move: making room would stop at it).
+  ASSERT_TRUE(t.Open("d", 0).ok());
+  Grow(t, "d", 8);  // 2 pages of its own
+  MoveTo(t, "d", Tier::kHost);
+  std::vector<TierPin> d_pins;
+  ASSERT_TRUE(t.PinTierRows("d", 0, 3, &device, &d_pins).ok());
+  ASSERT_EQ(d_pins.size(), 1u);
   const std::vector<SequenceKey> victims = t.Victims(Tier::kHost, -1, 8);
   ASSERT_EQ(victims.size(), 1u);
   EXPECT_EQ(victims[0].id, "p");
+  t.UnpinTierRows(d_pins);
+  EXPECT_EQ(t.Victims(Tier::kHost, -1, 8).size(), 2u);
+  ASSERT_TRUE(t.Close("d").ok());
   ASSERT_TRUE(t.Close("c").ok());
   EXPECT_TRUE(t.host_slots().used(pins[2].slot));  // outlives the close while read
   EXPECT_EQ(t.host_slots().used_slots(), 2);       // p's partial page and c's
