@@ -58,8 +58,12 @@ def test_sigterm_hands_every_sequence_to_the_peer_the_hash_picks():
         # Sequences routed over all three; each has a twin on a replica that stays, fed the same
         # inputs, so its outputs say what the moved sequence must answer.
         seqs = [f"drain-{i}" for i in range(24)]
+        # At least 3 on the drained replica, whatever names (ports) the replicas got this run
+        # (24 ids left 2 or fewer there about once in 200 runs).
+        more = (f"drain-a{i}" for i in range(100000))
+        while sum(route(everyone, s) == ta for s in seqs) < 3:
+            seqs.append(next(s for s in more if route(everyone, s) == ta))
         on_a = [s for s in seqs if route(everyone, s) == ta]
-        assert len(on_a) >= 3, "the hash put too few sequences on the drained replica"
         home = {s: route(everyone, s) for s in seqs}
         twin_home = {s: route([tb, tc], s + "-twin") for s in seqs}
         for s in seqs:
