@@ -256,14 +256,28 @@ void SpillAndRestore(const Args& a) {
       a.reps);
 }
 
+// The demo model's sizes parts 2 and 4 share: `context`-token sequences (512 with --quick), the
+// pages each takes (with room to grow), imported in chunks of at most 4096 tokens.
+struct DemoSizes {
+  explicit DemoSizes(const Args& a)
+      : spec(PresetModelSpec("demo").value()),
+        context(a.quick ? 512 : 8192),
+        per_seq(static_cast<int32_t>(context / spec.page_size + 2)),
+        chunk(std::min<int64_t>(4096, context)) {}
+  ModelSpec spec;
+  int64_t context;
+  int32_t per_seq;
+  int64_t chunk;
+};
+
 // Batch 8 of `context`-token sequences on a device holding 9: one decode step, and the same step
 // with one sequence spilled first (an engine whose tier below is the host; one whose tier is
 // the disk).
 void DecodeWithARestore(const Args& a) {
-  const ModelSpec spec = PresetModelSpec("demo").value();
-  const int64_t context = a.quick ? 512 : 8192;
-  const int32_t per_seq = static_cast<int32_t>(context / spec.page_size + 2);
-  const int64_t chunk = std::min<int64_t>(4096, context);
+  const DemoSizes d(a);
+  const ModelSpec& spec = d.spec;
+  const int64_t context = d.context, chunk = d.chunk;
+  const int32_t per_seq = d.per_seq;
   auto keys = MakeStep(spec, chunk, true, 2);
   auto decode = MakeStep(spec, 8, false, 3);
   const int reps = a.quick ? 2 : 2 * a.reps + 1;
@@ -403,10 +417,10 @@ double ExportSeconds(Engine& e, const std::string& id) {
 // disk) exports the spilled ones (a drain, a standby's copy): they are read where they are, so
 // the 8 in use keep the device and the next decode step restores nothing.
 void ExportSpilled(const Args& a) {
-  const ModelSpec spec = PresetModelSpec("demo").value();
-  const int64_t context = a.quick ? 512 : 8192;
-  const int32_t per_seq = static_cast<int32_t>(context / spec.page_size + 2);
-  const int64_t chunk = std::min<int64_t>(4096, context);
+  const DemoSizes d(a);
+  const ModelSpec& spec = d.spec;
+  const int64_t context = d.context, chunk = d.chunk;
+  const int32_t per_seq = d.per_seq;
   auto keys = MakeStep(spec, chunk, true, 4);
   auto decode = MakeStep(spec, 8, false, 5);
   auto e = Engine::Create(Options(spec, 8 * per_seq, 4 * per_seq, 8 * per_seq, a.dir)).value();

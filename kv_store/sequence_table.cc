@@ -555,14 +555,20 @@ void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages,
   }
 }
 
-absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64_t end, int* device,
-                                    std::vector<int32_t>* pages) {
+absl::StatusOr<const Sequence*> SequenceTable::WithRows(const SequenceKey& key, int64_t begin,
+                                                        int64_t end) const {
   const Sequence* seq = Find(key);
-  const std::string& id = key.id;
   if (seq == nullptr) return NotFound(key);
   if (begin < 0 || end < begin || end > seq->length)
     return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
-                                              seq->length, " committed tokens of ", Quote(id)));
+                                              seq->length, " committed tokens of ", Quote(key.id)));
+  return seq;
+}
+
+absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64_t end, int* device,
+                                    std::vector<int32_t>* pages) {
+  ASSIGN_OR_RETURN(const Sequence* seq, WithRows(key, begin, end));
+  const std::string& id = key.id;
   if (seq->filling)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is still being forked; read it afterwards"));
@@ -584,12 +590,8 @@ void SequenceTable::Unpin(int device, const std::vector<int32_t>& pages) {
 
 absl::Status SequenceTable::PinTierRows(const SequenceKey& key, int64_t begin, int64_t end,
                                         int* device, std::vector<TierPin>* pins) {
-  const Sequence* seq = Find(key);
+  ASSIGN_OR_RETURN(const Sequence* seq, WithRows(key, begin, end));
   const std::string& id = key.id;
-  if (seq == nullptr) return NotFound(key);
-  if (begin < 0 || end < begin || end > seq->length)
-    return absl::OutOfRangeError(absl::StrCat("rows [", begin, ", ", end, ") outside the ",
-                                              seq->length, " committed tokens of ", Quote(id)));
   if (seq->lost || seq->moving) return OnDevice(*seq);
   if (seq->tier == Tier::kDevice)
     return absl::FailedPreconditionError(

@@ -14,6 +14,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/block_hash.h"
 #include "kv_store/page_directory.h"
@@ -365,6 +366,9 @@ class SequenceTable {
   // without holders leaves the directory and its pool.
   void Hold(int32_t id, Tier holder);
   void Drop(int32_t id, Tier holder);
+  // `key` when rows [begin, end) are committed rows of it: NOT_FOUND, OUT_OF_RANGE.
+  absl::StatusOr<const Sequence*> WithRows(const SequenceKey& key, int64_t begin,
+                                           int64_t end) const;
   // Removes a page no holder, move or read has left (its slot freed).
   void RemoveIfUnheld(int32_t id);
   // The prefix cache's hold of a page (at cache_tier_).

@@ -293,13 +293,19 @@ TEST(SequenceTableTiers, ASpilledSequenceGivesItsDevicePagesBackAndComesBackWhol
   EXPECT_EQ(t.directory().size(), 0);
 }
 
+// p of 10 tokens on device 0 (full, full, partial pages) and c, its fork at 9: the two full
+// pages shared, the partial one copied.
+void ParentAndFork(SequenceTable& t) {
+  ASSERT_TRUE(t.Open("p", 0).ok());
+  Grow(t, "p", 10);
+  PageMove fork;
+  ASSERT_TRUE(t.BeginFork("c", "p", 9, -1, &fork).ok());
+  t.EndFork("c", fork, true);
+}
+
 TEST(SequenceTableTiers, SharedPagesMoveOnceWhenTheirLastHolderOnTheDeviceLeaves) {
   SequenceTable t = Table({12, 9}, {8, 8});
-  ASSERT_TRUE(t.Open("p", 0).ok());
-  Grow(t, "p", 10);  // full, full, partial
-  PageMove fork;
-  ASSERT_TRUE(t.BeginFork("c", "p", 9, -1, &fork).ok());  // shares 2 full pages, copies 1
-  t.EndFork("c", fork, true);
+  ParentAndFork(t);
   TierMove m;
   MoveTo(t, "c", Tier::kHost, &m);  // p still on the device: only c's own page moves
   EXPECT_EQ(m.pages.size(), 1u);
@@ -326,11 +332,7 @@ TEST(SequenceTableTiers, SharedPagesMoveOnceWhenTheirLastHolderOnTheDeviceLeaves
 // and a close during the read frees its pages when the read ends.
 TEST(SequenceTableTiers, PagesReadWhereTheyAreNeitherMoveNorLeaveUntilTheReadEnds) {
   SequenceTable t = Table({12, 9}, {8, 8});
-  ASSERT_TRUE(t.Open("p", 0).ok());
-  Grow(t, "p", 10);  // full, full, partial
-  PageMove fork;
-  ASSERT_TRUE(t.BeginFork("c", "p", 9, -1, &fork).ok());  // shares 2 full pages, copies 1
-  t.EndFork("c", fork, true);
+  ParentAndFork(t);
   MoveTo(t, "c", Tier::kHost);  // its own page to the host; the shared ones stay with p
   int device = -1;
   std::vector<TierPin> pins;
