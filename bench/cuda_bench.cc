@@ -416,15 +416,18 @@ int main(int argc, char** argv) {
     };
     std::vector<float> simt_out;
     // SIMT; the pipelined tensor-core kernel (64 heads a block, cp.async ring); the
-    // tile-per-block tensor-core kernel it replaces (64 heads a block).
-    for (int variant : {0, 1, 2}) {
+    // tile-per-block tensor-core kernel it replaces (64 heads a block); the pipelined kernel's
+    // wgmma form (sm_90a; on other GPUs this row repeats the pipelined one, labelled so).
+    for (int variant : {0, 1, 2, 3}) {
       mp.tensor_cores = variant > 0;
-      mp.pipeline = variant == 1;
+      mp.pipeline = variant == 1 || variant == 3;
+      mp.wgmma = variant == 3;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
       CHECK(cudaDeviceSynchronize());
       const std::vector<float> got = Download(out, size_t{B} * H * L);
       if (variant == 0) simt_out = got;
       const std::string kind = variant == 0                       ? ""
+                               : attnd::cuda::MlaUsesWgmma(mp)    ? "wgmma"
                                : attnd::cuda::MlaUsesPipeline(mp) ? "pipe"
                                                                   : "mma";
       Report(variant ? "sparse MLA decode (" + kind + ", split-K x" + std::to_string(splits) + ")"
@@ -433,6 +436,7 @@ int main(int argc, char** argv) {
              tflops(ms) + (variant ? "; " + RelL2Text(got, simt_out, "SIMT") : ""));
     }
     mp.pipeline = true;
+    mp.wgmma = false;
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
       h16.tensor_cores = true;

@@ -1,7 +1,7 @@
 // The CUDA backend at real dimensions, the paths the tiny-preset parity tests cannot reach:
 // DeepSeek-V3.2 dims (16 and 128 heads, page_size 64, top-2048 over thousands of keys, dynamic
 // shared memory above 48 KB) with the SIMT and the tensor-core kernels (indexer and MLA; bf16
-// and fp8 caches, absorbed calls) against each other and the float64 oracle,
+// and fp8 caches, absorbed calls; the MLA's wgmma form) against each other and the float64 oracle,
 // a sequence's bits alone and in a batch of 64, all-equal indexer scores, more than 65,535
 // queries in one step, a step too large for GPU
 // scratch, and NCCL page moves between two GPUs. Every test skips with its reason without a GPU
@@ -166,6 +166,52 @@ TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
     ExpectClose(m.out[l], ref[l], 1e-2, "tensor cores, fp8 cache, layer " + std::to_string(l));
     EXPECT_NE(m.out[l], s.out[l]) << "layer " << l << ": the same bits from both kernels";
     EXPECT_EQ(beyond_ties[l], 0) << "layer " << l;
+  }
+}
+
+// The pipelined MLA's wgmma form (sm_90a: compute capability 9.0 only) at DeepSeek-V3.2 dims,
+// 128 heads, bf16 and fp8 caches: a top-2048 selection over 2,600 keys (4 splits, merged) and a
+// 3-query step, against float64 and against the mma.sync pipelined kernel; the wgmma kernel ran
+// (its launch count grew).
+TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
+  ATTND_SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  if (major != 9 || minor != 0)
+    GTEST_SKIP() << "wgmma needs compute capability 9.0 (this GPU: " << major << "." << minor
+                 << ")";
+  const ModelSpec spec = DeepSeekDims(128);
+  for (DType cache : {DType::kBF16, DType::kFP8E4M3}) {
+    const std::string c = cache == DType::kBF16 ? "bf16 cache" : "fp8 cache";
+    Harness pipe(Options(spec, cache, {"cuda:0"}));
+    Harness wg(Options(spec, cache, {"cuda:0"}));
+    for (Harness* h : {&pipe, &wg}) h->Open("a");
+    const std::vector<StepEntry> import = {{"a", 2600}};
+    const auto keys = pipe.MakeKeys(import, DType::kBF16, 51);
+    for (Harness* h : {&pipe, &wg})
+      ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
+    const std::vector<StepEntry> step = {{"a", 3}};
+    const auto in = pipe.MakeInputs(step, DType::kBF16, 52);
+    auto p = [&] {
+      cuda::ScopedKernelChoice pipelined(true, true, false);
+      return pipe.Run(step, in);
+    }();
+    const int64_t before = cuda::MlaWgmmaLaunches();
+    auto w = [&] {
+      cuda::ScopedKernelChoice wgmma(true, true, true);
+      return wg.Run(step, in);
+    }();
+    ASSERT_TRUE(p.status.ok()) << p.status;
+    ASSERT_TRUE(w.status.ok()) << w.status;
+    EXPECT_GT(cuda::MlaWgmmaLaunches(), before) << c << ": the wgmma kernel did not run";
+    std::vector<LayerCheck> checks;
+    const auto ref = pipe.Reference(step, in, p.traces, &checks);
+    for (size_t l = 0; l < ref.size(); ++l) {
+      const std::string at = c + ", layer " + std::to_string(l);
+      ExpectClose(w.out[l], ref[l], 1e-2, "wgmma MLA vs reference, " + at);
+      ExpectClose(w.out[l], p.out[l], 1e-2, "wgmma vs mma.sync pipelined MLA, " + at);
+    }
   }
 }
 

@@ -1,6 +1,7 @@
-// The pipelined tensor-core MLA (kernels/cuda/mla_pipe.h) run on the CPU by the fiber simulation
-// (kernels/cuda/simt_sim.h): the kernel's own code on every thread, cp.async landing only when
-// waited for, mma.sync and shuffles from the lanes' registers. Outputs and log-sum-exps against
+// The pipelined tensor-core MLA (kernels/cuda/mla_pipe.h) and its wgmma twin (mla_wgmma.h) run on
+// the CPU by the fiber simulation (kernels/cuda/simt_sim.h): the kernel's own code on every
+// thread, cp.async landing only when waited for, mma.sync, wgmma and shuffles from the lanes'
+// registers and shared memory. Outputs and log-sum-exps against
 // float64 on what the kernel sees (queries rounded to bf16, fp8 rows dequantised), over
 // selections and ranges, one split and several (merged as MlaCombineKernel merges them), bf16
 // and fp8 rows, 2 and 3 stages, 64 and 128 heads; every output written exactly once; every
@@ -13,12 +14,14 @@
 #include <numeric>
 #include <random>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "common/dtype.h"
 #include "common/fp8.h"
 #include "common/model_spec.h"
 #include "kernels/cuda/mla_pipe.h"
+#include "kernels/cuda/mla_wgmma.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt_sim.h"
 #include "kernels/reference/reference.h"
@@ -48,9 +51,10 @@ struct Problem {
   std::vector<std::vector<int32_t>> keys;  // each query's attended positions
   int64_t stride = 1;
   int splits = 1, part_queries = 0;
+  bool wgmma = false;  // the wgmma kernel (mla_wgmma.h) instead of mla_pipe.h's
   MlaPipeParams p;
 
-  explicit Problem(Case cs, uint64_t seed) : c(std::move(cs)) {
+  explicit Problem(Case cs, uint64_t seed, bool wg = false) : c(std::move(cs)), wgmma(wg) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> n01(0, 1);
     const int L = c.latent, R = c.rope, H = c.heads, ps = 64;
@@ -167,14 +171,21 @@ struct Problem {
   template <typename Wrap>
   void Run(sim::SimtMemory& m) {
     const int n = static_cast<int>(c.counts.size());
-    const uint32_t smem = MlaPipeSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes;
+    const uint32_t smem = wgmma ? MlaWgmmaSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes
+                                : MlaPipeSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes;
     for (int qx = 0; qx < n; ++qx)
       for (int hy = 0; hy < c.heads / kPipeHeads; ++hy)
         for (int z = 0; z < splits; ++z) {
-          sim::SimtBlock b(m, kPipeThreads, smem);
+          sim::SimtBlock b(m, wgmma ? kWgThreads : kPipeThreads, smem);
           b.Run([&](sim::SimtThread& t) {
             Wrap g(t);
-            if (c.fp8) {
+            if (wgmma) {
+              if (c.fp8) {
+                MlaWgmmaBlock<true>(g, p, qx, hy, z);
+              } else {
+                MlaWgmmaBlock<false>(g, p, qx, hy, z);
+              }
+            } else if (c.fp8) {
               MlaPipeBlock<true>(g, p, qx, hy, z);
             } else {
               MlaPipeBlock<false>(g, p, qx, hy, z);
@@ -246,10 +257,11 @@ struct Problem {
   }
 };
 
-class MlaPipeSim : public ::testing::TestWithParam<Case> {};
+// The parameter: a shape, and whether the wgmma kernel runs it.
+class MlaPipeSim : public ::testing::TestWithParam<std::tuple<Case, bool>> {};
 
 TEST_P(MlaPipeSim, OutputsMatchFloat64AndEachIsWrittenOnce) {
-  Problem pr(GetParam(), 11);
+  Problem pr(std::get<0>(GetParam()), 11, std::get<1>(GetParam()));
   sim::SimtMemory m = pr.Memory();
   ASSERT_NO_THROW(pr.Run<sim::SimtThread>(m));
   pr.Expect();
@@ -270,26 +282,31 @@ TEST_P(MlaPipeSim, OutputsMatchFloat64AndEachIsWrittenOnce) {
 // split of one partial tile), a range of 3000 keys (6 splits) and one of 70 keys; fp8 rows; two
 // stages; 128 heads (two head groups); a soft cap on a smaller latent; latents of 2 and 3
 // n-tiles a warp (the unrolled accumulator loops skip the rest).
-INSTANTIATE_TEST_SUITE_P(Shapes, MlaPipeSim,
-                         ::testing::Values(Case{64, 512, 64, false, 3, {2048, 13}},
-                                           Case{64, 512, 64, true, 3, {2048, 100}},
-                                           Case{64, 512, 64, false, 2, {0}, 3000},
-                                           Case{128, 512, 64, false, 3, {300}, 1000},
-                                           Case{64, 128, 64, false, 3, {0}, 70, 2.5f},
-                                           Case{64, 512, 64, true, 2, {0}, 33},
-                                           Case{64, 192, 64, false, 3, {150, 40}, 400}));
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, MlaPipeSim,
+    ::testing::Combine(::testing::Values(Case{64, 512, 64, false, 3, {2048, 13}},
+                                         Case{64, 512, 64, true, 3, {2048, 100}},
+                                         Case{64, 512, 64, false, 2, {0}, 3000},
+                                         Case{128, 512, 64, false, 3, {300}, 1000},
+                                         Case{64, 128, 64, false, 3, {0}, 70, 2.5f},
+                                         Case{64, 512, 64, true, 2, {0}, 33},
+                                         Case{64, 192, 64, false, 3, {150, 40}, 400}),
+                       ::testing::Bool()));
 
+// Skips one barrier (or, with count_fences, one fence: wgmma.fence or fence.proxy.async) by its
+// index in the thread's order.
 template <typename T>
 struct SkipOneBarrier {
   static inline int skip = -1;
+  static inline bool count_fences = false;
   T& t;
-  int count = 0;
+  int count = 0, fences = 0;
   explicit SkipOneBarrier(T& inner) : t(inner) {}
   int tid() const { return t.tid(); }
   int lane() const { return t.lane(); }
   int warp() const { return t.warp(); }
   void Sync() {
-    if (count++ != skip) t.Sync();
+    if (count_fences || count++ != skip) t.Sync();
   }
   template <typename V>
   V Ld(uint32_t off) {
@@ -305,6 +322,22 @@ struct SkipOneBarrier {
   float ShflXor(float v, int mask) { return t.ShflXor(v, mask); }
   void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) { t.Mma(c, a, b); }
   void LdMatrixX4(uint32_t r[4], uint32_t off, bool trans) { t.LdMatrixX4(r, off, trans); }
+  uint32_t SmemAddr(uint32_t off) const { return t.SmemAddr(off); }
+  void WgmmaFence() {
+    if (count_fences && fences++ == skip) return;
+    t.WgmmaFence();
+  }
+  void Wgmma(float d[16], uint64_t a, uint64_t b, bool tr) { t.Wgmma(d, a, b, tr); }
+  void WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool tr) {
+    t.WgmmaRegA(d, a, b, tr);
+  }
+  void WgmmaCommit() { t.WgmmaCommit(); }
+  void WgmmaWait(int n) { t.WgmmaWait(n); }
+  void FenceProxyAsync() {
+    if (count_fences && fences++ == skip) return;
+    t.FenceProxyAsync();
+  }
+  void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
   template <typename V>
   V Gld(const V* p) const {
     return t.Gld(p);
@@ -338,6 +371,116 @@ TEST(MlaPipeSim, EveryBarrierIsNeeded) {
       EXPECT_TRUE(caught) << (fp8 ? "fp8" : "bf16") << ": barrier " << skip << " is not needed";
     }
     SkipOneBarrier<sim::SimtThread>::skip = -1;
+  }
+}
+
+// The wgmma kernel: removing any one barrier, wgmma.fence or fence.proxy.async is caught (an
+// error of the simulation, or other outputs).
+TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
+  using Skip = SkipOneBarrier<sim::SimtThread>;
+  for (bool fp8 : {false, true}) {
+    const Case c{64, 512, 64, fp8, 3, {100}};  // 4 tiles of 32 keys, one split
+    Problem pr(c, 5, true);
+    sim::SimtMemory m = pr.Memory();
+    Skip::skip = -1;
+    ASSERT_NO_THROW(pr.Run<Skip>(m));
+    const std::vector<float> want = pr.out;
+    // Per tile: barriers: copies (and decode); fences: proxy (after the copies land, or fp8:
+    // after the decode), wgmma.fence before S and before P V.
+    for (const bool fences : {false, true}) {
+      const int count = fences ? 3 * 4 : (fp8 ? 2 : 1) * 4;
+      Skip::count_fences = fences;
+      for (int skip = 0; skip < count; ++skip) {
+        Problem again(c, 5, true);
+        sim::SimtMemory m2 = again.Memory();
+        Skip::skip = skip;
+        bool caught = false;
+        try {
+          again.Run<Skip>(m2);
+          caught = std::memcmp(again.out.data(), want.data(), want.size() * 4) != 0;
+        } catch (const std::runtime_error&) {
+          caught = true;
+        }
+        EXPECT_TRUE(caught) << (fp8 ? "fp8" : "bf16") << ": " << (fences ? "fence " : "barrier ")
+                            << skip << " is not needed";
+      }
+    }
+    Skip::skip = -1;
+    Skip::count_fences = false;
+  }
+}
+
+// The simulation's wgmma against a float64 product over the layouts of wgmma_layout.h: A (64 x
+// 16) from shared memory K-major and B (16 x 32) K-major; then A from registers (m16n8k16's A
+// layout per warp) and B MN-major; chained into the same accumulators in one group. And the
+// misuses it must refuse.
+TEST(MlaWgmmaSim, WgmmaComputesFromTheLayoutsAndRefusesMisuse) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> n01(0, 1);
+  float A[64][16], B[16][32], B2[16][32];
+  for (auto& r : A)
+    for (float& v : r) v = BF16ToF32(F32ToBF16(n01(rng)));
+  for (auto* b : {&B, &B2})
+    for (auto& r : *b)
+      for (float& v : r) v = BF16ToF32(F32ToBF16(n01(rng)));
+  // Shared memory: A as a [64][16] tile (TileAt, dim 16), B as a [32 n][16 k] tile, B2 as a
+  // [16 k][32 n] tile (rows of values along N: MN-major).
+  constexpr uint32_t kA = 0, kB = 64 * 16 * 2, kB2 = kB + 32 * 16 * 2, kBytes = kB2 + 16 * 32 * 2;
+  enum Misuse { kNone, kNoFence, kNoProxyFence, kNoBarrier, kWriteInFlight, kNoWait };
+  for (const Misuse misuse :
+       {kNone, kNoFence, kNoProxyFence, kNoBarrier, kWriteInFlight, kNoWait}) {
+    sim::SimtMemory mem;
+    sim::SimtBlock b(mem, 128, kBytes);
+    std::vector<float> got(64 * 32, NAN);
+    auto run = [&] {
+      b.Run([&](sim::SimtThread& t) {
+        const int tid = t.tid();
+        auto put = [&](uint32_t off, float v) {  // one bf16 as half of a 4-byte word pair
+          t.St(off, F32ToBF16(v));
+        };
+        for (int m = tid / 2; m < 64; m += 64)  // two threads a row of A, 8 values each
+          for (int k = (tid % 2) * 8; k < (tid % 2) * 8 + 8; ++k)
+            put(kA + wgmma::TileAt(16, m, k / 8) + (k % 8) * 2, A[m][k]);
+        if (tid < 32)
+          for (int k = 0; k < 16; ++k)
+            put(kB + wgmma::TileAt(16, tid, k / 8) + (k % 8) * 2, B[k][tid]);
+        if (tid >= 32 && tid < 48)
+          for (int n = 0; n < 32; ++n)
+            put(kB2 + wgmma::TileAt(32, tid - 32, n / 8) + (n % 8) * 2, B2[tid - 32][n]);
+        if (misuse != kNoProxyFence || tid != 5) t.FenceProxyAsync();
+        if (misuse != kNoBarrier) t.Sync();
+        float d[16];
+        for (float& v : d) v = 0;
+        if (misuse != kNoFence) t.WgmmaFence();
+        t.Wgmma(d, wgmma::Desc(t.SmemAddr(kA), 128, 16 * 16),
+                wgmma::Desc(t.SmemAddr(kB), 128, 16 * 16), false);
+        // A of the second product: this thread's registers of A (rows 16 w + RowA) as bf16.
+        uint32_t a[4];
+        const int w = t.warp(), l = t.lane();
+        for (int r = 0; r < 4; ++r)
+          a[r] = uint32_t{F32ToBF16(A[16 * w + mma::RowA(l, r)][mma::ColA(l, r, 0)])} |
+                 (uint32_t{F32ToBF16(A[16 * w + mma::RowA(l, r)][mma::ColA(l, r, 1)])} << 16);
+        t.WgmmaRegA(d, a, wgmma::Desc(t.SmemAddr(kB2), 32 * 16, 128), true);
+        t.WgmmaCommit();
+        if (misuse == kWriteInFlight && tid == 0) t.St(kB2, uint16_t{0});
+        if (misuse == kNoWait) return;
+        t.WgmmaWait(0);
+        for (int i = 0; i < 16; ++i)
+          got[(16 * w + wgmma::RowD(l, i)) * 32 + wgmma::ColD(l, i)] = d[i];
+      });
+    };
+    if (misuse != kNone) {
+      EXPECT_THROW(run(), std::runtime_error) << "misuse " << misuse;
+      continue;
+    }
+    ASSERT_NO_THROW(run());
+    for (int m = 0; m < 64; ++m)
+      for (int n = 0; n < 32; ++n) {
+        double want = 0;
+        for (int k = 0; k < 16; ++k) want += double(A[m][k]) * B[k][n] + double(A[m][k]) * B2[k][n];
+        ASSERT_FALSE(std::isnan(got[m * 32 + n])) << m << " " << n;
+        EXPECT_NEAR(got[m * 32 + n], want, 1e-4 * (1 + std::abs(want))) << m << " " << n;
+      }
   }
 }
 
@@ -405,6 +548,9 @@ TEST(MlaPipeSim, SharedMemoryFitsTheGpus) {
   EXPECT_TRUE(MlaPipeTakes(128, 512, 64, DType::kFP8E4M3));
   EXPECT_FALSE(MlaPipeTakes(16, 512, 64, DType::kBF16));  // 16 heads: the 16-head kernel
   EXPECT_FALSE(MlaPipeTakes(64, 32, 16, DType::kBF16));   // the tiny model: SIMT
+  // The wgmma kernel: 3 stages at DeepSeek dims on an H100/H200 (bf16 and fp8 rows).
+  EXPECT_LE(MlaWgmmaSmem::Of(512, 64, false, 3).bytes, 227u * 1024);
+  EXPECT_LE(MlaWgmmaSmem::Of(512, 64, true, 3).bytes, 227u * 1024);
 }
 
 }  // namespace

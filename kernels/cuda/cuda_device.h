@@ -31,15 +31,17 @@ absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal);
 // tensor-core indexer or the SIMT one (`indexer`), over ATTND_CUDA_MLA / ATTND_CUDA_INDEXER; it
 // then restores the choice before it (the environment's included), so a test comparing the two
 // cannot leave its choice to the tests after it.
+// `wgmma_mla`: the tensor-core MLA takes its wgmma form where it can (ATTND_CUDA_MLA=wgmma
+// outside a scope; WgmmaMla()).
 class ScopedKernelChoice {
  public:
-  ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer);
+  ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer, bool wgmma_mla = false);
   ~ScopedKernelChoice();
   ScopedKernelChoice(const ScopedKernelChoice&) = delete;
   ScopedKernelChoice& operator=(const ScopedKernelChoice&) = delete;
 
  private:
-  int mla_before_, indexer_before_;  // -1: the environment's choice
+  int mla_before_, indexer_before_, wgmma_before_;  // -1: the environment's choice
 };
 
 class CudaDevice final : public Device {

@@ -37,6 +37,9 @@ namespace attnd::cuda {
 // ATTND_CUDA_INDEXER=simt or a ScopedKernelChoice says otherwise.
 bool TensorCoreMla();
 bool TensorCoreIndexer();
+// The tensor-core MLA takes its wgmma form where it can (MlaUsesWgmma): ATTND_CUDA_MLA=wgmma or
+// a ScopedKernelChoice.
+bool WgmmaMla();
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {

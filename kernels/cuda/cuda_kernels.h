@@ -225,6 +225,10 @@ struct MlaParams {
   // Tensor-core kernel only: take the pipelined kernel where it can (MlaUsesPipeline); false
   // keeps the tile-per-block one (the benchmark compares them).
   bool pipeline = true;
+  // Pipelined kernel only: take its wgmma form (kernels/cuda/mla_wgmma.h) where MlaUsesWgmma
+  // says it can (compute capability 9.0, the sm_90a image). Off unless asked for
+  // (ATTND_CUDA_MLA=wgmma, WgmmaMla()) until a GPU run has checked and timed it.
+  bool wgmma = false;
   // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
   // reads them 4x less at 128 heads); 0 = 64 when heads % 64 == 0 and the GPU has the shared
   // memory (H100/H200: 172 KB at D = 576), else 16.
@@ -238,5 +242,9 @@ int MlaHeadsPerBlock(const MlaParams& p);
 // unless heads_per_block is 16, and its shared memory fits the GPU).
 bool MlaUsesTensorCores(const MlaParams& p);
 bool MlaUsesPipeline(const MlaParams& p);
+// Whether the pipelined kernel would take its wgmma form (p.wgmma, a compute capability 9.0 GPU,
+// its shared memory fits), and how many times LaunchMla has launched it in this process.
+bool MlaUsesWgmma(const MlaParams& p);
+int64_t MlaWgmmaLaunches();
 
 }  // namespace attnd::cuda

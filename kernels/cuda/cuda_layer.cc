@@ -419,6 +419,7 @@ absl::Status CudaDevice::Call::Attend() {
   auto bf16_precision = [](DType t) { return t == DType::kBF16 || t == DType::kFP8E4M3; };
   mp.tensor_cores =
       TensorCoreMla() && bf16_precision(plan.query.dtype) && bf16_precision(plan.q_rope.dtype);
+  mp.wgmma = WgmmaMla();
   if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
     mp.max_keys = st.max_keys;
     const int splits = MlaQuerySplits(st.max_keys);

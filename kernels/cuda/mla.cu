@@ -3,12 +3,14 @@
 // dtype) and a tensor-core one (bf16 mma, for bf16 and fp8 caches: fp8 rows are decoded to bf16
 // as they are loaded) with split-K (flash-decoding) and its merge.
 #include <algorithm>
+#include <atomic>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/fp8_chunks.h"
 #include "kernels/cuda/mla_pipe.h"
 #include "kernels/cuda/mla_split.h"
+#include "kernels/cuda/mla_wgmma.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt.cuh"
 
@@ -384,8 +386,24 @@ __global__ void __launch_bounds__(kPipeThreads)
   MlaPipeBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks, (x / head_blocks) % splits);
 }
 
-// The stages the pipelined kernel can have on this GPU (3, 2), or 0 when it does not fit.
-int PipeStages(const MlaParams& p) {
+// Its wgmma form (kernels/cuda/mla_wgmma.h), the same grid: two warpgroups a block. The body is
+// wgmma only in the sm_90a image (elsewhere GpuThread's wgmma traps; MlaUsesWgmma launches it
+// only on compute capability 9.0).
+template <bool kFp8>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    MlaWgmmaKernel(MlaPipeParams p, int head_blocks, int splits) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  GpuThread g{smem_raw};
+  const int x = static_cast<int>(blockIdx.x);
+  MlaWgmmaBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks,
+                      (x / head_blocks) % splits);
+}
+
+std::atomic<int64_t> g_wgmma_launches{0};
+
+// The stages the pipelined kernel (or its wgmma form) can have on this GPU (3, 2), or 0 when
+// it does not fit.
+int PipeStages(const MlaParams& p, bool wgmma) {
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
@@ -394,9 +412,11 @@ int PipeStages(const MlaParams& p) {
     return 0;
   }
   const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
-  for (int stages : {3, 2})
-    if (MlaPipeSmem::Of(p.latent, p.rope, fp8, stages).bytes <= static_cast<uint32_t>(optin))
-      return stages;
+  for (int stages : {3, 2}) {
+    const uint32_t bytes = wgmma ? MlaWgmmaSmem::Of(p.latent, p.rope, fp8, stages).bytes
+                                 : MlaPipeSmem::Of(p.latent, p.rope, fp8, stages).bytes;
+    if (bytes <= static_cast<uint32_t>(optin)) return stages;
+  }
   return 0;
 }
 
@@ -406,8 +426,23 @@ bool MlaUsesPipeline(const MlaParams& p) {
   return MlaUsesTensorCores(p) && p.pipeline && p.heads_per_block != 16 &&
          MlaPipeTakes(p.heads, p.latent, p.rope, p.kv.dtype) &&
          reinterpret_cast<uintptr_t>(p.q_latent) % 16 == 0 &&  // its 16-byte query loads
-         reinterpret_cast<uintptr_t>(p.q_rope) % 16 == 0 && PipeStages(p) > 0;
+         reinterpret_cast<uintptr_t>(p.q_rope) % 16 == 0 && PipeStages(p, false) > 0;
 }
+
+bool MlaUsesWgmma(const MlaParams& p) {
+  if (!p.wgmma || !MlaUsesPipeline(p) || !MlaWgmmaTakes(p.heads, p.latent, p.rope, p.kv.dtype))
+    return false;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0 && PipeStages(p, true) > 0;
+}
+
+int64_t MlaWgmmaLaunches() { return g_wgmma_launches.load(); }
 
 cudaError_t ProbeKernels() {
   cudaFuncAttributes a;
@@ -443,9 +478,10 @@ int MlaHeadsPerBlock(const MlaParams& p) {
   return MlaMmaSmem(64, p.latent + p.rope) <= static_cast<size_t>(optin) ? 64 : 16;
 }
 
-// The pipelined kernel over the waves of a step (same splits, partials and merge as the
-// tile-per-block kernel).
+// The pipelined kernel (or its wgmma form) over the waves of a step (same splits, partials and
+// merge as the tile-per-block kernel).
 cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
+  const bool wg = MlaUsesWgmma(p);
   MlaPipeParams pp;
   pp.q_latent = p.q_latent;
   pp.q_rope = p.q_rope;
@@ -468,10 +504,13 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
   pp.part_out = p.part_out;
   pp.part_ml = p.part_ml;
   pp.part_queries = p.part_queries;
-  pp.stages = PipeStages(p);
+  pp.stages = PipeStages(p, wg);
   const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
-  const size_t smem = MlaPipeSmem::Of(p.latent, p.rope, fp8, pp.stages).bytes;
-  auto kernel = fp8 ? MlaPipeKernel<true> : MlaPipeKernel<false>;
+  const size_t smem = wg ? MlaWgmmaSmem::Of(p.latent, p.rope, fp8, pp.stages).bytes
+                         : MlaPipeSmem::Of(p.latent, p.rope, fp8, pp.stages).bytes;
+  auto kernel = wg ? (fp8 ? MlaWgmmaKernel<true> : MlaWgmmaKernel<false>)
+                   : (fp8 ? MlaPipeKernel<true> : MlaPipeKernel<false>);
+  const int threads = wg ? kWgThreads : kPipeThreads;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
@@ -483,8 +522,9 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
     c.first_query = first;
     const int count = std::min(wave, p.n - first);
     const int head_blocks = p.heads / kPipeHeads;
-    kernel<<<count * head_blocks * splits, kPipeThreads, smem, s>>>(pp, head_blocks, splits);
+    kernel<<<count * head_blocks * splits, threads, smem, s>>>(pp, head_blocks, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    if (wg) g_wgmma_launches.fetch_add(1);
     if (splits == 1) continue;
     MlaCombineKernel<<<dim3(count, p.heads), 128, 0, s>>>(c);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;

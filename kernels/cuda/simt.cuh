@@ -1,7 +1,8 @@
 // The thread interface of kernel bodies written once for the GPU and for the CPU simulation
 // (kernels/cuda/simt_sim.h's SimtThread is the CPU's): GpuThread is the GPU's, a thin layer over
-// threadIdx, __syncthreads, shared memory, cp.async, shuffles and mma.sync. A body is a template
-// over the thread type, called by every thread of the block (kernels/cuda/indexer_stream.h).
+// threadIdx, __syncthreads, shared memory, cp.async, shuffles, mma.sync and (sm_90a) wgmma. A body
+// is a template over the thread type, called by every thread of the block
+// (kernels/cuda/indexer_stream.h).
 #pragma once
 
 #include <cstdint>
@@ -67,6 +68,83 @@ struct GpuThread {
                    : "r"(a));
     }
   }
+  // wgmma (sm_90a; kernels/cuda/wgmma_layout.h): m64n32k16, bf16 in, fp32 accumulators, the
+  // accumulators always added to. Compiled only into the sm_90a image; elsewhere a trap (the
+  // host launches a wgmma kernel only on compute capability 9.0, where that image runs).
+  __device__ uint32_t SmemAddr(uint32_t off) const {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(smem + off));
+  }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __device__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+  __device__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+  __device__ void WgmmaWait(int pending) {
+    if (pending == 0) {
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    } else {
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    }
+  }
+  __device__ void FenceProxyAsync() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  // Keeps the compiler from moving accesses to the accumulators across a wgmma issue or wait.
+  __device__ void WgmmaHold(float* d, int n) {
+    for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  }
+#define ATTND_WGMMA_D                                                                             \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15])
+#define ATTND_WGMMA_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+  __device__ void Wgmma(float d[16], uint64_t a, uint64_t b, bool trans_b) {
+    if (trans_b) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " ATTND_WGMMA_REGS
+          ", %16, %17, p, 1, 1, 0, 1;\n}\n"
+          : ATTND_WGMMA_D
+          : "l"(a), "l"(b), "r"(1)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " ATTND_WGMMA_REGS
+          ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+          : ATTND_WGMMA_D
+          : "l"(a), "l"(b), "r"(1)
+          : "memory");
+    }
+  }
+  __device__ void WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool trans_b) {
+    if (trans_b) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " ATTND_WGMMA_REGS
+          ", {%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+          : ATTND_WGMMA_D
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
+          : "memory");
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " ATTND_WGMMA_REGS
+          ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+          : ATTND_WGMMA_D
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
+          : "memory");
+    }
+  }
+#undef ATTND_WGMMA_D
+#undef ATTND_WGMMA_REGS
+#else
+  __device__ void WgmmaFence() { __trap(); }
+  __device__ void WgmmaCommit() { __trap(); }
+  __device__ void WgmmaWait(int) { __trap(); }
+  __device__ void FenceProxyAsync() { __trap(); }
+  __device__ void WgmmaHold(float*, int) {}
+  __device__ void Wgmma(float*, uint64_t, uint64_t, bool) { __trap(); }
+  __device__ void WgmmaRegA(float*, const uint32_t*, uint64_t, bool) { __trap(); }
+#endif
   template <typename T>
   __device__ T Gld(const T* p) const {
     return *p;

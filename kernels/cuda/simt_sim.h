@@ -16,11 +16,22 @@
 //  - warps: lanes that reach different warp-wide instructions, or a lane that exits while the
 //    others wait in one; barriers that some threads never reach (a deadlock);
 //  - ldmatrix: a row address not 16-byte aligned; its rows are read (and race-checked) as the
-//    lanes that name them reading 16 bytes.
+//    lanes that name them reading 16 bytes;
+//  - wgmma (sm_90a, m64n32k16 bf16 -> fp32; kernels/cuda/wgmma_layout.h has the layouts): the 128
+//    threads of a warpgroup reaching different instructions or operands; an issue without
+//    wgmma.fence since the thread's last wait; a descriptor with swizzle, base offset or reserved
+//    bits set; an operand byte out of bounds, never written, in a cp.async copy, written in the
+//    current phase (no barrier between the write and the wgmma), or written by a thread that has
+//    not executed fence.proxy.async since; any write to an operand byte before every thread of the
+//    warpgroup waited for the wgmma; accumulators changed between the issue and the wait that
+//    lands them; a thread exiting with wgmma not waited for. A wgmma's result is computed from the
+//    operands as they are at its issue and lands at the wait (a body that reads its accumulators
+//    earlier reads the old values, and the outputs show it).
 #pragma once
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -30,7 +41,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/mma_sim.h"
+#include "kernels/cuda/wgmma_layout.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -122,6 +135,17 @@ class SimtThread {
   // r[m] of lane l holds matrix m's row l / 4, values 2 (l % 4) and 2 (l % 4) + 1 (low half
   // first), or with trans its column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
   inline void LdMatrixX4(uint32_t r[4], uint32_t row_off, bool trans);
+  // wgmma: the address a descriptor names (the GPU's shared window; here the offset), the fences,
+  // wgmma.mma_async m64n32k16 with A from shared memory (descriptor a) or from registers (a[4],
+  // m16n8k16's A layout), B by descriptor (trans_b: MN-major), groups and waits.
+  uint32_t SmemAddr(uint32_t off) const { return off; }
+  inline void WgmmaFence();
+  inline void Wgmma(float d[16], uint64_t a, uint64_t b, bool trans_b);
+  inline void WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool trans_b);
+  inline void WgmmaCommit();
+  inline void WgmmaWait(int pending);
+  inline void FenceProxyAsync();
+  void WgmmaHold(float*, int) {}  // the GPU's compiler barrier on accumulators
   template <typename T>
   T Gld(const T* p) const {
     memory_->CheckRead(p, sizeof(T), tid_);
@@ -204,7 +228,18 @@ class SimtBlock {
   friend class SimtThread;
   static constexpr size_t kStackBytes = 256 << 10;
   enum State { kRunnable, kBarrier, kWarpOp, kDone };
-  enum Op { kNone, kMma, kShfl, kLdMatrix };
+  enum Op { kNone, kMma, kShfl, kLdMatrix, kWgmma };
+  // A wgmma in flight: the 16-byte operand ranges it reads, and the threads yet to land it.
+  struct WgOp {
+    std::vector<uint32_t> ranges;
+    int waiting = wgmma::kGroupThreads;
+  };
+  struct Pending {
+    float* d;
+    float val[16], at_issue[16];
+    bool chained;  // another wgmma of this thread in flight accumulates into d before it
+    std::shared_ptr<WgOp> op;
+  };
   struct Fiber {
     ucontext_t ctx;
     std::vector<char> stack;
@@ -220,6 +255,14 @@ class SimtBlock {
     uint32_t* ldm_out = nullptr;  // ldmatrix: the lane's 4 registers, its row's address
     uint32_t ldm_row = 0;
     bool ldm_trans = false;
+    // wgmma: the operands while the thread waits in the issue; fenced since its last wait; its
+    // wgmma in flight, by group (the last is still open); its last fence.proxy.async.
+    float* wg_d = nullptr;
+    const uint32_t* wg_a = nullptr;
+    uint64_t wg_desc_a = 0, wg_desc_b = 0;
+    bool wg_trans = false, wg_fenced = false;
+    std::vector<std::vector<Pending>> wg_groups{1};
+    uint64_t fence_tick = 0;
     // cp.async: copies issued and not yet landed, by group (the last is still open).
     struct Copy {
       uint32_t off;
@@ -231,6 +274,8 @@ class SimtBlock {
   struct Meta {
     int writer = -1, wphase = -1, reader = -1, rphase = -1;
     bool written = false, in_flight = false;
+    uint64_t wtick = 0;   // when it was last written
+    int async_reads = 0;  // wgmma in flight reading it
   };
 
   static void Entry() {
@@ -244,6 +289,9 @@ class SimtBlock {
     } catch (const std::exception& e) {
       if (b->error_.empty()) b->error_ = e.what();
     }
+    for (const auto& g : f.wg_groups)
+      if (!g.empty() && b->error_.empty())
+        b->error_ = "thread " + std::to_string(f.thread.tid_) + " exited with wgmma not waited for";
     f.state = kDone;
     // An exiting lane leaves its warp's waiting lanes stuck: Run reports it.
 #ifdef ATTND_SIMT_ASAN
@@ -288,7 +336,7 @@ class SimtBlock {
       if (waiting + done == 32 && done > 0)
         throw std::runtime_error("warp " + std::to_string(w) +
                                  ": lanes exited while the others wait in a warp-wide instruction");
-      if (waiting != 32) continue;
+      if (waiting != 32 || lanes[0].op == kWgmma) continue;  // wgmma: ReleaseWarpgroups
       const Op op = lanes[0].op;
       for (int l = 1; l < 32; ++l)
         if (lanes[l].op != op || (op == kShfl && lanes[l].shfl_mask != lanes[0].shfl_mask) ||
@@ -330,7 +378,141 @@ class SimtBlock {
       for (int l = 0; l < 32; ++l) lanes[l].state = kRunnable, lanes[l].op = kNone;
       any = true;
     }
+    return ReleaseWarpgroups() || any;
+  }
+  // Issues the wgmma every thread of a warpgroup waits in.
+  bool ReleaseWarpgroups() {
+    constexpr int kG = wgmma::kGroupThreads;
+    bool any = false;
+    for (int g = 0; g * kG < n_; ++g) {
+      Fiber* f = &fibers_[g * kG];
+      int waiting = 0;
+      for (int l = 0; l < kG && g * kG + l < n_; ++l)
+        waiting += f[l].state == kWarpOp && f[l].op == kWgmma;
+      if (waiting == 0) continue;
+      if ((g + 1) * kG > n_) throw std::runtime_error("wgmma in a block of partial warpgroups");
+      if (waiting != kG) continue;
+      IssueWgmma(g, f);
+      for (int l = 0; l < kG; ++l) f[l].state = kRunnable, f[l].op = kNone;
+      any = true;
+    }
     return any;
+  }
+  // A wgmma operand's 16 bytes at `off`, as the async proxy reads them (see the header).
+  void ReadOperand(uint32_t off, uint16_t out[8], WgOp& op, int tid) {
+    if (off + 16 > smem_.size() || off % 16 != 0)
+      Fail("wgmma operand out of bounds or misaligned", off, tid);
+    for (uint32_t i = off; i < off + 16; ++i) {
+      const Meta& m = meta_[i];
+      if (m.in_flight) Fail("wgmma operand in a cp.async copy not waited for", i, tid);
+      if (!m.written) Fail("wgmma operand never written", i, tid);
+      if (m.wphase == phase_)
+        Fail("wgmma operand written by thread " + std::to_string(m.writer) +
+                 " with no barrier before the wgmma",
+             i, tid);
+      if (fibers_[m.writer].fence_tick < m.wtick)
+        Fail("wgmma operand written by thread " + std::to_string(m.writer) +
+                 " without fence.proxy.async after",
+             i, tid);
+    }
+    for (uint32_t i = off; i < off + 16; ++i) ++meta_[i].async_reads;
+    op.ranges.push_back(off);
+    std::memcpy(out, smem_.data() + off, 16);
+  }
+  void IssueWgmma(int g, Fiber* f) {
+    constexpr int kG = wgmma::kGroupThreads;
+    const int tid0 = g * kG;
+    const bool reg_a = f[0].wg_a != nullptr;
+    for (int l = 0; l < kG; ++l) {
+      if (!f[l].wg_fenced)
+        throw std::runtime_error("thread " + std::to_string(tid0 + l) +
+                                 ": wgmma without wgmma.fence since its last wait");
+      if ((f[l].wg_a != nullptr) != reg_a || f[l].wg_desc_b != f[0].wg_desc_b ||
+          f[l].wg_trans != f[0].wg_trans || (!reg_a && f[l].wg_desc_a != f[0].wg_desc_a))
+        throw std::runtime_error("warpgroup " + std::to_string(g) +
+                                 ": threads reached different wgmma instructions or operands");
+    }
+    const uint64_t da = f[0].wg_desc_a, db = f[0].wg_desc_b;
+    if ((!reg_a && !wgmma::DescPlain(da)) || !wgmma::DescPlain(db))
+      throw std::runtime_error("wgmma descriptor with swizzle, base offset or reserved bits");
+    auto op = std::make_shared<WgOp>();
+    float A[64][16], B[16][32];  // A [m][k], B [k][n]
+    uint16_t v[8];
+    if (reg_a) {
+      for (int l = 0; l < kG; ++l)
+        for (int r = 0; r < 4; ++r)
+          for (int h = 0; h < 2; ++h)
+            A[16 * (l / 32) + mma::RowA(l % 32, r)][mma::ColA(l % 32, r, h)] =
+                BF16ToF32(static_cast<uint16_t>(f[l].wg_a[r] >> (16 * h)));
+    } else {
+      for (int m = 0; m < 64; ++m)
+        for (int k = 0; k < 16; k += 8) {
+          ReadOperand(wgmma::DescAddr(da) + wgmma::KMajorAt(da, m, k), v, *op, tid0);
+          for (int e = 0; e < 8; ++e) A[m][k + e] = BF16ToF32(v[e]);
+        }
+    }
+    if (f[0].wg_trans) {
+      for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < 32; n += 8) {
+          ReadOperand(wgmma::DescAddr(db) + wgmma::MnMajorAt(db, k, n), v, *op, tid0);
+          for (int e = 0; e < 8; ++e) B[k][n + e] = BF16ToF32(v[e]);
+        }
+    } else {
+      for (int n = 0; n < 32; ++n)
+        for (int k = 0; k < 16; k += 8) {
+          ReadOperand(wgmma::DescAddr(db) + wgmma::KMajorAt(db, n, k), v, *op, tid0);
+          for (int e = 0; e < 8; ++e) B[k + e][n] = BF16ToF32(v[e]);
+        }
+    }
+    // Each thread's accumulators going in: the last wgmma in flight into the same registers, or
+    // the registers.
+    std::vector<Pending> next(kG);
+    for (int l = 0; l < kG; ++l) {
+      Pending& p = next[l];
+      p.d = f[l].wg_d;
+      p.op = op;
+      p.chained = false;
+      std::memcpy(p.at_issue, p.d, sizeof(p.at_issue));
+      std::memcpy(p.val, p.d, sizeof(p.val));
+      for (const auto& grp : f[l].wg_groups)
+        for (const Pending& q : grp)
+          if (q.d == p.d) {
+            p.chained = true;
+            std::memcpy(p.val, q.val, sizeof(p.val));
+          }
+    }
+    // D = A B + D per warp (its 16 rows) and n-tile of 8 columns, by the m16n8k16 model.
+    for (int w = 0; w < 4; ++w)
+      for (int nt = 0; nt < 4; ++nt) {
+        float a[32][8], b[32][4], c[32][4];
+        for (int l = 0; l < 32; ++l) {
+          for (int r = 0; r < 4; ++r)
+            for (int h = 0; h < 2; ++h)
+              a[l][2 * r + h] = A[16 * w + mma::RowA(l, r)][mma::ColA(l, r, h)];
+          for (int r = 0; r < 2; ++r)
+            for (int h = 0; h < 2; ++h)
+              b[l][2 * r + h] = B[mma::RowB(l, r, h)][8 * nt + mma::ColB(l)];
+          for (int i = 0; i < 4; ++i) c[l][i] = next[32 * w + l].val[4 * nt + i];
+        }
+        MmaSync(a, b, c);
+        for (int l = 0; l < 32; ++l)
+          for (int i = 0; i < 4; ++i) next[32 * w + l].val[4 * nt + i] = c[l][i];
+      }
+    for (int l = 0; l < kG; ++l) f[l].wg_groups.back().push_back(next[l]);
+  }
+  // Thread tid's oldest group of wgmma lands.
+  void LandWgmmaGroup(int tid) {
+    auto& groups = fibers_[tid].wg_groups;
+    for (Pending& p : groups.front()) {
+      if (!p.chained && std::memcmp(p.d, p.at_issue, sizeof(p.at_issue)) != 0)
+        throw std::runtime_error("thread " + std::to_string(tid) +
+                                 ": accumulators changed while their wgmma was in flight");
+      std::memcpy(p.d, p.val, sizeof(p.val));
+      if (--p.op->waiting == 0)
+        for (uint32_t off : p.op->ranges)
+          for (uint32_t i = off; i < off + 16; ++i) --meta_[i].async_reads;
+    }
+    groups.erase(groups.begin());
   }
   std::string Stuck(int done, int barrier) const {
     return "block stuck: " + std::to_string(barrier) + " threads at a barrier, " +
@@ -363,6 +545,7 @@ class SimtBlock {
     for (size_t i = 0; i < bytes; ++i) {
       Meta& m = meta_[off + i];
       if (m.in_flight && !landing) Fail("write over a cp.async copy in flight", off + i, tid);
+      if (m.async_reads > 0) Fail("write over an operand of a wgmma in flight", off + i, tid);
       if (m.wphase == phase_ && m.writer != tid) Fail("write-write race", off + i, tid);
       if (m.rphase == phase_ && m.reader != tid)
         Fail("write of a byte another thread read", off + i, tid);
@@ -370,6 +553,7 @@ class SimtBlock {
       m.wphase = phase_;
       m.written = true;
       m.in_flight = false;
+      m.wtick = ++tick_;
     }
     std::memcpy(smem_.data() + off, in, bytes);
   }
@@ -384,6 +568,7 @@ class SimtBlock {
   ucontext_t main_;
   int running_ = 0;
   int phase_ = 0;
+  uint64_t tick_ = 0;  // orders shared-memory writes and proxy fences
   std::string error_;
   const void* main_bottom_ = nullptr;
   size_t main_size_ = 0;
@@ -454,5 +639,39 @@ void SimtThread::Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   f.c = c;
   block_->Yield(SimtBlock::kWarpOp);
 }
+
+void SimtThread::WgmmaFence() { block_->fibers_[tid_].wg_fenced = true; }
+
+void SimtThread::Wgmma(float d[16], uint64_t a, uint64_t b, bool trans_b) {
+  auto& f = block_->fibers_[tid_];
+  f.op = SimtBlock::kWgmma;
+  f.wg_d = d;
+  f.wg_a = nullptr;
+  f.wg_desc_a = a;
+  f.wg_desc_b = b;
+  f.wg_trans = trans_b;
+  block_->Yield(SimtBlock::kWarpOp);
+}
+
+void SimtThread::WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool trans_b) {
+  auto& f = block_->fibers_[tid_];
+  f.op = SimtBlock::kWgmma;
+  f.wg_d = d;
+  f.wg_a = a;
+  f.wg_desc_a = 0;
+  f.wg_desc_b = b;
+  f.wg_trans = trans_b;
+  block_->Yield(SimtBlock::kWarpOp);
+}
+
+void SimtThread::WgmmaCommit() { block_->fibers_[tid_].wg_groups.emplace_back(); }
+
+void SimtThread::WgmmaWait(int pending) {
+  auto& f = block_->fibers_[tid_];
+  while (static_cast<int>(f.wg_groups.size()) - 1 > pending) block_->LandWgmmaGroup(tid_);
+  f.wg_fenced = false;
+}
+
+void SimtThread::FenceProxyAsync() { block_->fibers_[tid_].fence_tick = ++block_->tick_; }
 
 }  // namespace attnd::cuda::sim

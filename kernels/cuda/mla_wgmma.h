@@ -1,0 +1,277 @@
+// Sparse (and range) MLA on sm_90a's warpgroup tensor cores (wgmma): a block body over the
+// thread interface (GpuThread on the GPU in kernels/cuda/mla.cu; SimtThread in the CPU
+// simulation, tests/mla_pipe_sim_test.cc), the same code.
+//
+// The pipelined kernel's block (mla_pipe.h: one query's 64 heads, one split of its keys, tiles
+// of 32 key rows gathered by cp.async through a ring of stages, fp8 rows decoded in the block)
+// with its math on wgmma: two warpgroups, each computing S = Q K^T for all 64 heads x 32 keys
+// (36 wgmma m64n32k16 at DeepSeek dims, both operands read by the tensor cores from shared
+// memory, no ldmatrix), the online softmax on S's accumulators in registers (m and l per row
+// held by the row's 4 threads, no shared memory and no barrier), P rounded to bf16 into the
+// registers of the next product's A operand, and O += P V for its half of the L output columns
+// (V read from the same tile, MN-major). Each warpgroup computes S itself: sharing it would cost
+// a shared-memory round trip and two barriers a tile, S is under half the products, and the
+// kernel is bound by the key rows' bytes, not by tensor-core time. The two warpgroups' S, m and l
+// are bit-identical (same operands, same instructions).
+//
+// Shared memory holds tiles as wgmma's core matrices (wgmma_layout.h, TileAt): Q [64][D] bf16 |
+// stages (bf16: key tiles [32][D] as core matrices; fp8: rows as stored) | (fp8: one decoded
+// tile). Every generic write a wgmma will read (the query, the landed copies, the decoded tile)
+// is followed by fence.proxy.async before the barrier that publishes it.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "common/host_device.h"
+#include "kernels/cuda/fp8_chunks.h"
+#include "kernels/cuda/mla_pipe.h"
+#include "kernels/cuda/mla_split.h"
+#include "kernels/cuda/wgmma_layout.h"
+
+namespace attnd::cuda {
+
+inline constexpr int kWgThreads = 2 * wgmma::kGroupThreads;
+inline constexpr int kWgMaxChunks = 8;  // 32-column chunks of O a warpgroup holds (L <= 512)
+static_assert(kPipeKeys == 32, "S is one m64n32 tile; P V two k-steps of 16 keys");
+static_assert(kWgThreads / kPipeKeys == kPipePerKey, "the gather of mla_pipe.h, 8 threads a key");
+
+// The shapes it takes: those of the pipelined kernel (L a multiple of 64 up to 512, so each
+// warpgroup's L / 2 columns are whole 32-column chunks).
+ATTND_HD inline bool MlaWgmmaTakes(int heads, int latent, int rope, DType kv) {
+  return MlaPipeTakes(heads, latent, rope, kv);
+}
+
+struct MlaWgmmaSmem {
+  uint32_t q, stage_bytes, stages, decoded, bytes;
+  ATTND_HD static MlaWgmmaSmem Of(int latent, int rope, bool fp8, int stages) {
+    MlaWgmmaSmem o;
+    const uint32_t D = static_cast<uint32_t>(latent + rope), tile = kPipeKeys * D * 2;
+    o.q = 0;
+    o.stages = kPipeHeads * D * 2;
+    o.stage_bytes =
+        fp8 ? kPipeKeys * static_cast<uint32_t>(fp8::LatentTokenBytes(latent, rope)) : tile;
+    o.decoded = o.stages + static_cast<uint32_t>(stages) * o.stage_bytes;
+    o.bytes = o.decoded + (fp8 ? tile : 0);
+    return o;
+  }
+};
+
+// One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
+template <bool kFp8, typename G>
+ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) {
+  const int L = p.latent, R = p.rope, D = L + R, H = p.heads;
+  const int q = p.first_query + qx, h0 = hy * kPipeHeads;
+  const int tid = g.tid(), lane = g.lane();
+  const int wg = tid / wgmma::kGroupThreads, wwarp = g.warp() % 4;  // warp within the group
+  const PipeKeys keys = PipeKeysOf(g, p, q);
+  const int splits = MlaQuerySplits(keys.total);
+  if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
+  const int64_t tiles64 = (keys.total + kMlaTileKeys - 1) / kMlaTileKeys;
+  const int64_t per = MlaTilesPerSplit(keys.total);
+  const int64_t first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
+  const int64_t last =
+      (z + 1) * per * kMlaTileKeys < keys.total ? (z + 1) * per * kMlaTileKeys : keys.total;
+  const int tiles = static_cast<int>((last - first + kPipeKeys - 1) / kPipeKeys);
+  const MlaWgmmaSmem sm = MlaWgmmaSmem::Of(L, R, kFp8, p.stages);
+  const int S = p.stages;
+  const uint32_t sbo = static_cast<uint32_t>(D) * 16;  // rows of 8 apart in a tile
+
+  // Tile t's rows into stage t % S, 16 bytes a copy: bf16 chunk c of key j at TileAt(j, c);
+  // fp8 rows as stored. Rows past the split's end are zero-filled. kPipePerKey neighbouring
+  // threads copy a key (one slot lookup each per tile).
+  const int chunks = kFp8 ? fp8::LatentTokenBytes(L, R) / 16 : D / 8;
+  const uint32_t srow = static_cast<uint32_t>(fp8::LatentTokenBytes(L, R));
+  const int my_key = tid / kPipePerKey, c0 = tid % kPipePerKey;
+  auto issue = [&](int t) {
+    const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
+    const int64_t key = first + static_cast<int64_t>(t) * kPipeKeys + my_key;
+    const bool valid = key < last;
+    const uint8_t* src = valid ? p.kv.Row(PipeSlot(g, p, q, keys, key)) : p.kv.base;
+    for (int c = c0; c < chunks; c += kPipePerKey) {
+      const uint32_t dst = kFp8 ? my_key * srow + c * 16 : wgmma::TileAt(D, my_key, c);
+      g.CpAsync16(stage + dst, valid ? src + c * 16 : src, valid);
+    }
+  };
+  for (int t = 0; t < S - 1; ++t) {
+    if (t < tiles) issue(t);
+    g.CpCommit();
+  }
+
+  // While those gathers fly: the query's heads as bf16 core matrices, 4 values a 16-byte load
+  // and an 8-byte store (the query rows 16-byte aligned: MlaUsesWgmma).
+  for (int i = tid; i < kPipeHeads * (D / 4); i += kWgThreads) {
+    const int h = i / (D / 4), d = i % (D / 4) * 4;
+    const int64_t head = static_cast<int64_t>(q) * H + h0 + h;
+    const F32x4 v = g.Gld(reinterpret_cast<const F32x4*>(d < L ? p.q_latent + head * L + d
+                                                               : p.q_rope + head * R + d - L));
+    uint64_t packed = 0;
+    for (int e = 0; e < 4; ++e) packed |= uint64_t{F32ToBF16(v.v[e])} << (16 * e);
+    g.St(sm.q + wgmma::TileAt(D, h, d / 8) + (d % 8) * 2, packed);
+  }
+
+  // This thread's rows of the 64 heads: 16 wwarp + RowD (two of them, r = 0, 1); their running
+  // max and denominator (the same in the row's 4 threads and in both warpgroups).
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  // O: this warpgroup's columns [wg L / 2, (wg + 1) L / 2) in chunks of 32; every loop over them
+  // unrolled to kWgMaxChunks (the chunks past L / 64 skipped) so they stay in registers.
+  const int nchunks = L / 64;
+  const int col0 = wg * (L / 2);
+  float o[kWgMaxChunks][16];
+  ATTND_UNROLL
+  for (int n = 0; n < kWgMaxChunks; ++n) {
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) o[n][i] = 0.0f;
+  }
+
+  for (int t = 0; t < tiles; ++t) {
+    g.CpWait(S - 2);  // this thread's copies of tile t landed...
+    // ...visible to the tensor cores, with its query stores (fp8 rows are read by the decode's
+    // generic loads, and the fence after the decode covers the query stores)...
+    if (!kFp8) g.FenceProxyAsync();
+    g.Sync();  // ...everyone's; tile t - 1's stage (and decoded tile) are free
+    if (t + S - 1 < tiles) issue(t + S - 1);
+    g.CpCommit();
+    const int64_t tile_first = first + static_cast<int64_t>(t) * kPipeKeys;
+    const int nk = static_cast<int>(last - tile_first < kPipeKeys ? last - tile_first : kPipeKeys);
+    uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
+    if (kFp8) {  // rows -> bf16 core matrices (codes x their tile's scale; rope copied)
+      for (int i = tid; i < kPipeKeys * (D / 8); i += kWgThreads) {
+        const int j = i / (D / 8), c = i % (D / 8);
+        const uint32_t src = k + j * srow;
+        const Fp8LatentChunk at = LatentChunkAt(L, c);
+        uint32_t w[4];
+        if (at.rope) {
+          for (int e = 0; e < 4; ++e) w[e] = g.template Ld<uint32_t>(src + at.rope_bytes + 4 * e);
+        } else {
+          const uint64_t codes = g.template Ld<uint64_t>(src + at.codes);
+          DecodeE4M3x8(codes, g.template Ld<float>(src + at.scale), w);
+        }
+        for (int e = 0; e < 4; ++e) g.St(sm.decoded + wgmma::TileAt(D, j, c) + 4 * e, w[e]);
+      }
+      g.FenceProxyAsync();
+      g.Sync();
+      k = sm.decoded;
+    }
+    // 1. S = Q K^T, 64 heads x 32 keys: D / 16 k-steps, both operands K-major from shared
+    // memory (core matrices 128 bytes apart along K, rows of 8 sbo apart).
+    float s[16];
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+    g.WgmmaHold(s, 16);
+    g.WgmmaFence();
+    for (int ks = 0; ks < D / 16; ++ks)
+      g.Wgmma(s, wgmma::Desc(g.SmemAddr(sm.q + ks * 256), 128, sbo),
+              wgmma::Desc(g.SmemAddr(k + ks * 256), 128, sbo), false);
+    g.WgmmaCommit();
+    g.WgmmaWait(0);
+    g.WgmmaHold(s, 16);
+    // 2. Online softmax on the accumulators: value i is row RowD(lane, i) (r = (i >> 1) & 1),
+    // key ColD(lane, i); a row's 32 keys are in its 4 neighbouring lanes (shuffles 1, 2).
+    float mx[2] = {-INFINITY, -INFINITY};
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      float x = s[i] * p.sm_scale;
+      if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
+      s[i] = wgmma::ColD(lane, i) < nk ? x : -INFINITY;
+      const int r = (i >> 1) & 1;
+      mx[r] = s[i] > mx[r] ? s[i] : mx[r];
+    }
+    float corr[2], sum[2] = {0.0f, 0.0f};
+    bool none[2];
+    ATTND_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      for (int off = 1; off < 4; off <<= 1) {
+        const float other = g.ShflXor(mx[r], off);
+        mx[r] = other > mx[r] ? other : mx[r];
+      }
+      if (m_run[r] > mx[r]) mx[r] = m_run[r];
+      corr[r] = m_run[r] == -INFINITY ? 0.0f : expf(m_run[r] - mx[r]);
+      none[r] = mx[r] == -INFINITY;  // nothing visible yet: probabilities stay 0
+    }
+    uint16_t pb[16];
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      const int r = (i >> 1) & 1;
+      pb[i] = F32ToBF16(none[r] ? 0.0f : expf(s[i] - mx[r]));
+      sum[r] += BF16ToF32(pb[i]);  // the denominator sums what P holds
+    }
+    ATTND_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      for (int off = 1; off < 4; off <<= 1) sum[r] += g.ShflXor(sum[r], off);
+      l_run[r] = l_run[r] * corr[r] + sum[r];
+      m_run[r] = mx[r];
+    }
+    uint32_t pa[2][4];  // P as A of the two 16-key k-steps
+    ATTND_UNROLL
+    for (int ks = 0; ks < 2; ++ks) {
+      ATTND_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        const int i = wgmma::AFromD(ks, r);
+        pa[ks][r] = static_cast<uint32_t>(pb[i]) | (static_cast<uint32_t>(pb[i + 1]) << 16);
+      }
+    }
+    // 3. O = corr O + P V: per 32-column chunk, two k-steps of 16 keys; V is the tile read
+    // MN-major (keys along K: rows of 8 sbo apart; columns along N: chunks of 8 128 bytes apart).
+    ATTND_UNROLL
+    for (int n = 0; n < kWgMaxChunks; ++n) {
+      if (n >= nchunks) continue;
+      ATTND_UNROLL
+      for (int i = 0; i < 16; ++i) o[n][i] *= corr[(i >> 1) & 1];
+      g.WgmmaHold(o[n], 16);
+    }
+    g.WgmmaFence();
+    ATTND_UNROLL
+    for (int n = 0; n < kWgMaxChunks; ++n) {
+      if (n >= nchunks) continue;
+      ATTND_UNROLL
+      for (int ks = 0; ks < 2; ++ks)
+        g.WgmmaRegA(
+            o[n], pa[ks],
+            wgmma::Desc(g.SmemAddr(k + 2 * ks * sbo + ((col0 + 32 * n) / 8) * 128), sbo, 128),
+            true);
+    }
+    g.WgmmaCommit();
+    g.WgmmaWait(0);
+    ATTND_UNROLL
+    for (int n = 0; n < kWgMaxChunks; ++n) {
+      if (n >= nchunks) continue;
+      g.WgmmaHold(o[n], 16);
+    }
+  }
+  // A query of one split: the normalised output (and lse); of several: this split's sums and
+  // (m, l) for MlaCombineKernel. m and l: written once, by warpgroup 0's first thread of a row.
+  const bool partial = splits > 1;
+  const int64_t wave = p.part_queries;
+  float* out = partial ? p.part_out + static_cast<int64_t>(z) * wave * H * L : p.out;
+  const int row_q = partial ? qx : q;
+  ATTND_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int h = 16 * wwarp + wgmma::RowD(lane, 2 * r);
+    if (wg == 0 && mma::InGroup(lane) == 0) {
+      if (partial) {
+        float* ml = p.part_ml + ((static_cast<int64_t>(z) * wave + qx) * H + h0 + h) * 2;
+        g.Gst(ml, m_run[r]);
+        g.Gst(ml + 1, l_run[r]);
+      } else if (p.lse != nullptr) {
+        g.Gst(p.lse + static_cast<int64_t>(q) * H + h0 + h,
+              l_run[r] == 0 ? -INFINITY : m_run[r] + logf(l_run[r]));
+      }
+    }
+  }
+  ATTND_UNROLL
+  for (int n = 0; n < kWgMaxChunks; ++n) {
+    if (n >= nchunks) continue;
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      const int r = (i >> 1) & 1, h = 16 * wwarp + wgmma::RowD(lane, i);
+      const float inv = partial ? 1.0f : l_run[r] > 0 ? 1.0f / l_run[r] : 0.0f;
+      const int col = col0 + 32 * n + wgmma::ColD(lane, i);
+      g.Gst(out + (static_cast<int64_t>(row_q) * H + h0 + h) * L + col, o[n][i] * inv);
+    }
+  }
+}
+
+}  // namespace attnd::cuda
