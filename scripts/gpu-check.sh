@@ -222,7 +222,7 @@ if ! "$BUNDLE/cuda_test" --gtest_list_tests >/dev/null 2>&1 && command -v nvcc >
   # The carried binaries do not load here (e.g. an older glibc): the benchmark needs only nvcc.
   echo "gpu-check: carried binaries do not load; building cuda_bench with nvcc"
   bounded 120 nvcc -O3 -std=c++17 -gencode arch=compute_80,code=sm_80 \
-    -gencode arch=compute_90a,code=sm_90a -I. bench/cuda_bench.cc kernels/cuda/*.cu \
+    -gencode arch=compute_90a,code=sm_90a -DATTND_CUDA_SM90A -I. bench/cuda_bench.cc kernels/cuda/*.cu \
     -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
 fi
 : > "$OUT/cuda_bench.jsonl"

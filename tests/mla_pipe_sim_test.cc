@@ -291,7 +291,17 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{64, 128, 64, false, 3, {0}, 70, 2.5f},
                                          Case{64, 512, 64, true, 2, {0}, 33},
                                          Case{64, 192, 64, false, 3, {150, 40}, 400}),
-                       ::testing::Bool()));
+                       ::testing::Values(false)));
+// The wgmma kernel takes L 512, R 64 only: the DeepSeek shapes above, and a soft cap.
+INSTANTIATE_TEST_SUITE_P(
+    Wgmma, MlaPipeSim,
+    ::testing::Combine(::testing::Values(Case{64, 512, 64, false, 3, {2048, 13}},
+                                         Case{64, 512, 64, true, 3, {2048, 100}},
+                                         Case{64, 512, 64, false, 2, {0}, 3000},
+                                         Case{128, 512, 64, false, 3, {300}, 1000},
+                                         Case{64, 512, 64, false, 3, {0}, 70, 2.5f},
+                                         Case{64, 512, 64, true, 2, {0}, 33}),
+                       ::testing::Values(true)));
 
 // Skips one barrier (or, with count_fences, one fence: wgmma.fence or fence.proxy.async) by its
 // index in the thread's order.
@@ -338,6 +348,7 @@ struct SkipOneBarrier {
     t.FenceProxyAsync();
   }
   void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
+  void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
   template <typename V>
   V Gld(const V* p) const {
     return t.Gld(p);
@@ -412,7 +423,7 @@ TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
 
 // The simulation's wgmma against a float64 product over the layouts of wgmma_layout.h: A (64 x
 // 16) from shared memory K-major and B (16 x 32) K-major; then A from registers (m16n8k16's A
-// layout per warp) and B MN-major; chained into the same accumulators in one group. And the
+// layout per warp) and B MN-major; chained into the same accumulators in one group. And the six
 // misuses it must refuse.
 TEST(MlaWgmmaSim, WgmmaComputesFromTheLayoutsAndRefusesMisuse) {
   std::mt19937 rng(9);
@@ -426,9 +437,17 @@ TEST(MlaWgmmaSim, WgmmaComputesFromTheLayoutsAndRefusesMisuse) {
   // Shared memory: A as a [64][16] tile (TileAt, dim 16), B as a [32 n][16 k] tile, B2 as a
   // [16 k][32 n] tile (rows of values along N: MN-major).
   constexpr uint32_t kA = 0, kB = 64 * 16 * 2, kB2 = kB + 32 * 16 * 2, kBytes = kB2 + 16 * 32 * 2;
-  enum Misuse { kNone, kNoFence, kNoProxyFence, kNoBarrier, kWriteInFlight, kNoWait };
+  enum Misuse {
+    kNone,
+    kNoFence,
+    kNoProxyFence,
+    kNoBarrier,
+    kWriteInFlight,
+    kARegsInFlight,
+    kNoWait
+  };
   for (const Misuse misuse :
-       {kNone, kNoFence, kNoProxyFence, kNoBarrier, kWriteInFlight, kNoWait}) {
+       {kNone, kNoFence, kNoProxyFence, kNoBarrier, kWriteInFlight, kARegsInFlight, kNoWait}) {
     sim::SimtMemory mem;
     sim::SimtBlock b(mem, 128, kBytes);
     std::vector<float> got(64 * 32, NAN);
@@ -463,6 +482,7 @@ TEST(MlaWgmmaSim, WgmmaComputesFromTheLayoutsAndRefusesMisuse) {
         t.WgmmaRegA(d, a, wgmma::Desc(t.SmemAddr(kB2), 32 * 16, 128), true);
         t.WgmmaCommit();
         if (misuse == kWriteInFlight && tid == 0) t.St(kB2, uint16_t{0});
+        if (misuse == kARegsInFlight && tid == 7) a[2] ^= 1;
         if (misuse == kNoWait) return;
         t.WgmmaWait(0);
         for (int i = 0; i < 16; ++i)
@@ -548,9 +568,13 @@ TEST(MlaPipeSim, SharedMemoryFitsTheGpus) {
   EXPECT_TRUE(MlaPipeTakes(128, 512, 64, DType::kFP8E4M3));
   EXPECT_FALSE(MlaPipeTakes(16, 512, 64, DType::kBF16));  // 16 heads: the 16-head kernel
   EXPECT_FALSE(MlaPipeTakes(64, 32, 16, DType::kBF16));   // the tiny model: SIMT
-  // The wgmma kernel: 3 stages at DeepSeek dims on an H100/H200 (bf16 and fp8 rows).
+  // The wgmma kernel: 3 stages at DeepSeek dims on an H100/H200 (bf16 and fp8 rows); that shape
+  // only.
   EXPECT_LE(MlaWgmmaSmem::Of(512, 64, false, 3).bytes, 227u * 1024);
   EXPECT_LE(MlaWgmmaSmem::Of(512, 64, true, 3).bytes, 227u * 1024);
+  EXPECT_TRUE(MlaWgmmaTakes(128, 512, 64, DType::kFP8E4M3));
+  EXPECT_FALSE(MlaWgmmaTakes(64, 128, 64, DType::kBF16));
+  EXPECT_FALSE(MlaWgmmaTakes(64, 512, 32, DType::kBF16));
 }
 
 }  // namespace

@@ -430,6 +430,7 @@ bool MlaUsesPipeline(const MlaParams& p) {
 }
 
 bool MlaUsesWgmma(const MlaParams& p) {
+#ifdef ATTND_CUDA_SM90A
   if (!p.wgmma || !MlaUsesPipeline(p) || !MlaWgmmaTakes(p.heads, p.latent, p.rope, p.kv.dtype))
     return false;
   int device = 0, major = 0, minor = 0;
@@ -440,6 +441,10 @@ bool MlaUsesWgmma(const MlaParams& p) {
     return false;
   }
   return major == 9 && minor == 0 && PipeStages(p, true) > 0;
+#else
+  (void)p;
+  return false;  // no sm_90a image was built (CMakeLists.txt): the kernel would trap
+#endif
 }
 
 int64_t MlaWgmmaLaunches() { return g_wgmma_launches.load(); }

@@ -34,14 +34,23 @@
 namespace attnd::cuda {
 
 inline constexpr int kWgThreads = 2 * wgmma::kGroupThreads;
-inline constexpr int kWgMaxChunks = 8;  // 32-column chunks of O a warpgroup holds (L <= 512)
+// Four 32-bit values stored at once (a 16-byte shared store).
+struct alignas(16) U32x4 {
+  uint32_t v[4];
+};
+// The one shape it takes, DeepSeek-V3.2's and GLM-5's (L 512, R 64): every loop over wgmma has a
+// compile-time trip count, so ptxas sees the accumulators untouched between wgmma.fence and the
+// wgmma (a branch or a loop-carried accumulator between them makes it insert warpgroup.arrive
+// before each, serialising them). Other latents take the mma.sync pipelined kernel.
+inline constexpr int kWgLatent = 512, kWgRope = 64;
+inline constexpr int kWgChunks = kWgLatent / 64;  // 32-column chunks of O a warpgroup holds
 static_assert(kPipeKeys == 32, "S is one m64n32 tile; P V two k-steps of 16 keys");
 static_assert(kWgThreads / kPipeKeys == kPipePerKey, "the gather of mla_pipe.h, 8 threads a key");
 
-// The shapes it takes: those of the pipelined kernel (L a multiple of 64 up to 512, so each
-// warpgroup's L / 2 columns are whole 32-column chunks).
+// The shapes it takes: L 512, R 64, heads a multiple of 64, bf16 rows or fp8 rows that load in
+// 16-byte chunks.
 ATTND_HD inline bool MlaWgmmaTakes(int heads, int latent, int rope, DType kv) {
-  return MlaPipeTakes(heads, latent, rope, kv);
+  return latent == kWgLatent && rope == kWgRope && MlaPipeTakes(heads, latent, rope, kv);
 }
 
 struct MlaWgmmaSmem {
@@ -62,7 +71,8 @@ struct MlaWgmmaSmem {
 // One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
 template <bool kFp8, typename G>
 ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) {
-  const int L = p.latent, R = p.rope, D = L + R, H = p.heads;
+  constexpr int L = kWgLatent, R = kWgRope, D = L + R;  // p.latent, p.rope (MlaWgmmaTakes)
+  const int H = p.heads;
   const int q = p.first_query + qx, h0 = hy * kPipeHeads;
   const int tid = g.tid(), lane = g.lane();
   const int wg = tid / wgmma::kGroupThreads, wwarp = g.warp() % 4;  // warp within the group
@@ -80,11 +90,13 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   const uint32_t sbo = static_cast<uint32_t>(D) * 16;  // rows of 8 apart in a tile
 
   // Tile t's rows into stage t % S, 16 bytes a copy: bf16 chunk c of key j at TileAt(j, c);
-  // fp8 rows as stored. Rows past the split's end are zero-filled. kPipePerKey neighbouring
-  // threads copy a key (one slot lookup each per tile).
+  // fp8 rows as stored. Rows past the split's end are zero-filled. kPipePerKey threads copy a
+  // key (one slot lookup each per tile), chunks c0, c0 + 8, ...; the 8 neighbouring threads of a
+  // quarter-warp take the 8 rows of one core matrix at the same chunk, 128 contiguous bytes (no
+  // bank conflict; neighbouring chunks of a row are 128 bytes apart).
   const int chunks = kFp8 ? fp8::LatentTokenBytes(L, R) / 16 : D / 8;
   const uint32_t srow = static_cast<uint32_t>(fp8::LatentTokenBytes(L, R));
-  const int my_key = tid / kPipePerKey, c0 = tid % kPipePerKey;
+  const int my_key = 8 * (tid / 64) + tid % 8, c0 = (tid / 8) % 8;
   auto issue = [&](int t) {
     const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
     const int64_t key = first + static_cast<int64_t>(t) * kPipeKeys + my_key;
@@ -115,13 +127,11 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   // This thread's rows of the 64 heads: 16 wwarp + RowD (two of them, r = 0, 1); their running
   // max and denominator (the same in the row's 4 threads and in both warpgroups).
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-  // O: this warpgroup's columns [wg L / 2, (wg + 1) L / 2) in chunks of 32; every loop over them
-  // unrolled to kWgMaxChunks (the chunks past L / 64 skipped) so they stay in registers.
-  const int nchunks = L / 64;
+  // O: this warpgroup's columns [wg L / 2, (wg + 1) L / 2) in chunks of 32, in registers.
   const int col0 = wg * (L / 2);
-  float o[kWgMaxChunks][16];
+  float o[kWgChunks][16];
   ATTND_UNROLL
-  for (int n = 0; n < kWgMaxChunks; ++n) {
+  for (int n = 0; n < kWgChunks; ++n) {
     ATTND_UNROLL
     for (int i = 0; i < 16; ++i) o[n][i] = 0.0f;
   }
@@ -138,18 +148,19 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     const int nk = static_cast<int>(last - tile_first < kPipeKeys ? last - tile_first : kPipeKeys);
     uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
     if (kFp8) {  // rows -> bf16 core matrices (codes x their tile's scale; rope copied)
+      // Key fastest: a quarter-warp's 16-byte stores fill one core matrix (128 bytes).
       for (int i = tid; i < kPipeKeys * (D / 8); i += kWgThreads) {
-        const int j = i / (D / 8), c = i % (D / 8);
+        const int j = i % kPipeKeys, c = i / kPipeKeys;
         const uint32_t src = k + j * srow;
         const Fp8LatentChunk at = LatentChunkAt(L, c);
-        uint32_t w[4];
+        U32x4 w;
         if (at.rope) {
-          for (int e = 0; e < 4; ++e) w[e] = g.template Ld<uint32_t>(src + at.rope_bytes + 4 * e);
+          for (int e = 0; e < 4; ++e) w.v[e] = g.template Ld<uint32_t>(src + at.rope_bytes + 4 * e);
         } else {
           const uint64_t codes = g.template Ld<uint64_t>(src + at.codes);
-          DecodeE4M3x8(codes, g.template Ld<float>(src + at.scale), w);
+          DecodeE4M3x8(codes, g.template Ld<float>(src + at.scale), w.v);
         }
-        for (int e = 0; e < 4; ++e) g.St(sm.decoded + wgmma::TileAt(D, j, c) + 4 * e, w[e]);
+        g.St(sm.decoded + wgmma::TileAt(D, j, c), w);
       }
       g.FenceProxyAsync();
       g.Sync();
@@ -162,6 +173,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     for (int i = 0; i < 16; ++i) s[i] = 0.0f;
     g.WgmmaHold(s, 16);
     g.WgmmaFence();
+    ATTND_UNROLL
     for (int ks = 0; ks < D / 16; ++ks)
       g.Wgmma(s, wgmma::Desc(g.SmemAddr(sm.q + ks * 256), 128, sbo),
               wgmma::Desc(g.SmemAddr(k + ks * 256), 128, sbo), false);
@@ -216,16 +228,16 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     // 3. O = corr O + P V: per 32-column chunk, two k-steps of 16 keys; V is the tile read
     // MN-major (keys along K: rows of 8 sbo apart; columns along N: chunks of 8 128 bytes apart).
     ATTND_UNROLL
-    for (int n = 0; n < kWgMaxChunks; ++n) {
-      if (n >= nchunks) continue;
+    for (int n = 0; n < kWgChunks; ++n) {
       ATTND_UNROLL
       for (int i = 0; i < 16; ++i) o[n][i] *= corr[(i >> 1) & 1];
       g.WgmmaHold(o[n], 16);
     }
+    g.WgmmaHoldA(pa[0], 4);
+    g.WgmmaHoldA(pa[1], 4);
     g.WgmmaFence();
     ATTND_UNROLL
-    for (int n = 0; n < kWgMaxChunks; ++n) {
-      if (n >= nchunks) continue;
+    for (int n = 0; n < kWgChunks; ++n) {
       ATTND_UNROLL
       for (int ks = 0; ks < 2; ++ks)
         g.WgmmaRegA(
@@ -235,9 +247,10 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     }
     g.WgmmaCommit();
     g.WgmmaWait(0);
+    g.WgmmaHoldA(pa[0], 4);
+    g.WgmmaHoldA(pa[1], 4);
     ATTND_UNROLL
-    for (int n = 0; n < kWgMaxChunks; ++n) {
-      if (n >= nchunks) continue;
+    for (int n = 0; n < kWgChunks; ++n) {
       g.WgmmaHold(o[n], 16);
     }
   }
@@ -262,8 +275,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     }
   }
   ATTND_UNROLL
-  for (int n = 0; n < kWgMaxChunks; ++n) {
-    if (n >= nchunks) continue;
+  for (int n = 0; n < kWgChunks; ++n) {
     ATTND_UNROLL
     for (int i = 0; i < 16; ++i) {
       const int r = (i >> 1) & 1, h = 16 * wwarp + wgmma::RowD(lane, i);

@@ -91,6 +91,10 @@ struct GpuThread {
   __device__ void WgmmaHold(float* d, int n) {
     for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
   }
+  // The same for A's registers (their packing stays before wgmma.fence).
+  __device__ void WgmmaHoldA(uint32_t* a, int n) {
+    for (int i = 0; i < n; ++i) asm volatile("" : "+r"(a[i])::"memory");
+  }
 #define ATTND_WGMMA_D                                                                             \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
@@ -142,6 +146,7 @@ struct GpuThread {
   __device__ void WgmmaWait(int) { __trap(); }
   __device__ void FenceProxyAsync() { __trap(); }
   __device__ void WgmmaHold(float*, int) {}
+  __device__ void WgmmaHoldA(uint32_t*, int) {}
   __device__ void Wgmma(float*, uint64_t, uint64_t, bool) { __trap(); }
   __device__ void WgmmaRegA(float*, const uint32_t*, uint64_t, bool) { __trap(); }
 #endif

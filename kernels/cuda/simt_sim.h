@@ -23,10 +23,10 @@
 //    bits set; an operand byte out of bounds, never written, in a cp.async copy, written in the
 //    current phase (no barrier between the write and the wgmma), or written by a thread that has
 //    not executed fence.proxy.async since; any write to an operand byte before every thread of the
-//    warpgroup waited for the wgmma; accumulators changed between the issue and the wait that
-//    lands them; a thread exiting with wgmma not waited for. A wgmma's result is computed from the
-//    operands as they are at its issue and lands at the wait (a body that reads its accumulators
-//    earlier reads the old values, and the outputs show it).
+//    warpgroup waited for the wgmma; accumulators or A's registers changed between the issue and
+//    the wait that lands them; a thread exiting with wgmma not waited for. A wgmma's result is
+//    computed from the operands as they are at its issue and lands at the wait (a body that reads
+//    its accumulators earlier reads the old values, and the outputs show it).
 #pragma once
 
 #include <ucontext.h>
@@ -145,7 +145,8 @@ class SimtThread {
   inline void WgmmaCommit();
   inline void WgmmaWait(int pending);
   inline void FenceProxyAsync();
-  void WgmmaHold(float*, int) {}  // the GPU's compiler barrier on accumulators
+  void WgmmaHold(float*, int) {}  // the GPU's compiler barriers on accumulators, A's registers
+  void WgmmaHoldA(uint32_t*, int) {}
   template <typename T>
   T Gld(const T* p) const {
     memory_->CheckRead(p, sizeof(T), tid_);
@@ -237,7 +238,9 @@ class SimtBlock {
   struct Pending {
     float* d;
     float val[16], at_issue[16];
-    bool chained;  // another wgmma of this thread in flight accumulates into d before it
+    bool chained;       // another wgmma of this thread in flight accumulates into d before it
+    const uint32_t* a;  // A's registers (null: A from shared memory), as they were issued
+    uint32_t a_at_issue[4];
     std::shared_ptr<WgOp> op;
   };
   struct Fiber {
@@ -472,6 +475,8 @@ class SimtBlock {
       p.d = f[l].wg_d;
       p.op = op;
       p.chained = false;
+      p.a = f[l].wg_a;
+      if (p.a != nullptr) std::memcpy(p.a_at_issue, p.a, sizeof(p.a_at_issue));
       std::memcpy(p.at_issue, p.d, sizeof(p.at_issue));
       std::memcpy(p.val, p.d, sizeof(p.val));
       for (const auto& grp : f[l].wg_groups)
@@ -507,6 +512,9 @@ class SimtBlock {
       if (!p.chained && std::memcmp(p.d, p.at_issue, sizeof(p.at_issue)) != 0)
         throw std::runtime_error("thread " + std::to_string(tid) +
                                  ": accumulators changed while their wgmma was in flight");
+      if (p.a != nullptr && std::memcmp(p.a, p.a_at_issue, sizeof(p.a_at_issue)) != 0)
+        throw std::runtime_error("thread " + std::to_string(tid) +
+                                 ": A's registers changed while their wgmma was in flight");
       std::memcpy(p.d, p.val, sizeof(p.val));
       if (--p.op->waiting == 0)
         for (uint32_t off : p.op->ranges)
