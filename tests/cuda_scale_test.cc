@@ -169,6 +169,22 @@ TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
   }
 }
 
+// wgmma on this GPU computes what the CPU simulation computes (wgmma_probe.h: the descriptor
+// forms and fragment layouts the wgmma MLA uses, against float64); compute capability 9.0 only.
+TEST(CudaScale, TheWgmmaSelfCheckPasses) {
+  ATTND_SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  if (major != 9 || minor != 0) {
+    EXPECT_FALSE(cuda::MlaWgmmaSelfCheck());  // refused, not trapped
+    GTEST_SKIP() << "wgmma needs compute capability 9.0 (this GPU: " << major << "." << minor
+                 << ")";
+  }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_TRUE(cuda::MlaWgmmaSelfCheck());
+}
+
 // The pipelined MLA's wgmma form (sm_90a: compute capability 9.0 only) at DeepSeek-V3.2 dims,
 // 128 heads, bf16 and fp8 caches: a top-2048 selection over 2,600 keys (4 splits, merged) and a
 // 3-query step, against float64 and against the mma.sync pipelined kernel; the wgmma kernel ran

@@ -24,6 +24,7 @@
 #include "kernels/cuda/mla_wgmma.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt_sim.h"
+#include "kernels/cuda/wgmma_probe.h"
 #include "kernels/reference/reference.h"
 
 namespace attnd::cuda {
@@ -421,87 +422,108 @@ TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
   }
 }
 
-// The simulation's wgmma against a float64 product over the layouts of wgmma_layout.h: A (64 x
-// 16) from shared memory K-major and B (16 x 32) K-major; then A from registers (m16n8k16's A
-// layout per warp) and B MN-major; chained into the same accumulators in one group. And the six
-// misuses it must refuse.
+// One misuse of wgmma injected into a body: the thread interface with one rule broken.
+enum class Misuse {
+  kNone,
+  kNoFence,
+  kNoProxyFence,
+  kNoBarrier,
+  kWriteInFlight,
+  kARegsInFlight,
+  kNoWait
+};
+template <typename T>
+struct Misusing {
+  static inline Misuse misuse = Misuse::kNone;
+  T& t;
+  uint32_t* a_regs = nullptr;  // the last register-A wgmma's A
+  explicit Misusing(T& inner) : t(inner) {}
+  int tid() const { return t.tid(); }
+  int lane() const { return t.lane(); }
+  int warp() const { return t.warp(); }
+  void Sync() {
+    if (misuse != Misuse::kNoBarrier) t.Sync();
+  }
+  template <typename V>
+  void St(uint32_t off, V v) {
+    t.St(off, v);
+  }
+  uint32_t SmemAddr(uint32_t off) const { return t.SmemAddr(off); }
+  void WgmmaFence() {
+    if (misuse != Misuse::kNoFence) t.WgmmaFence();
+  }
+  void Wgmma(float d[16], uint64_t a, uint64_t b, bool tr) { t.Wgmma(d, a, b, tr); }
+  void WgmmaRegA(float d[16], uint32_t a[4], uint64_t b, bool tr) {
+    a_regs = a;
+    t.WgmmaRegA(d, a, b, tr);
+  }
+  void WgmmaCommit() {
+    t.WgmmaCommit();
+    if (misuse == Misuse::kWriteInFlight && tid() == 0) t.St(WgmmaProbeSmem::kB2, uint16_t{0});
+    if (misuse == Misuse::kARegsInFlight && tid() == 7) a_regs[2] ^= 1;
+  }
+  void WgmmaWait(int n) {
+    if (misuse != Misuse::kNoWait) t.WgmmaWait(n);
+  }
+  void FenceProxyAsync() {
+    if (misuse != Misuse::kNoProxyFence || tid() != 5) t.FenceProxyAsync();
+  }
+  void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
+  void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
+  template <typename V>
+  V Gld(const V* p) const {
+    return t.Gld(p);
+  }
+  template <typename V>
+  void Gst(V* p, V v) {
+    t.Gst(p, v);
+  }
+};
+
+// The simulation's wgmma against a float64 product over the layouts of wgmma_layout.h, by the
+// body the GPU also runs before it first uses the wgmma MLA (wgmma_probe.h): A (64 x 16) and B
+// (16 x 32) K-major from shared memory, then A from registers and B2 MN-major, chained into the
+// same accumulators; every output written once. And the six misuses it must refuse.
 TEST(MlaWgmmaSim, WgmmaComputesFromTheLayoutsAndRefusesMisuse) {
   std::mt19937 rng(9);
   std::normal_distribution<float> n01(0, 1);
-  float A[64][16], B[16][32], B2[16][32];
-  for (auto& r : A)
-    for (float& v : r) v = BF16ToF32(F32ToBF16(n01(rng)));
-  for (auto* b : {&B, &B2})
-    for (auto& r : *b)
-      for (float& v : r) v = BF16ToF32(F32ToBF16(n01(rng)));
-  // Shared memory: A as a [64][16] tile (TileAt, dim 16), B as a [32 n][16 k] tile, B2 as a
-  // [16 k][32 n] tile (rows of values along N: MN-major).
-  constexpr uint32_t kA = 0, kB = 64 * 16 * 2, kB2 = kB + 32 * 16 * 2, kBytes = kB2 + 16 * 32 * 2;
-  enum Misuse {
-    kNone,
-    kNoFence,
-    kNoProxyFence,
-    kNoBarrier,
-    kWriteInFlight,
-    kARegsInFlight,
-    kNoWait
-  };
-  for (const Misuse misuse :
-       {kNone, kNoFence, kNoProxyFence, kNoBarrier, kWriteInFlight, kARegsInFlight, kNoWait}) {
+  std::vector<uint16_t> a(64 * 16), b(16 * 32), b2(16 * 32);
+  for (auto* v : {&a, &b, &b2})
+    for (uint16_t& x : *v) x = F32ToBF16(n01(rng));
+  using M = Misuse;
+  for (const M misuse : {M::kNone, M::kNoFence, M::kNoProxyFence, M::kNoBarrier, M::kWriteInFlight,
+                         M::kARegsInFlight, M::kNoWait}) {
+    std::vector<float> out(64 * 32, NAN);
     sim::SimtMemory mem;
-    sim::SimtBlock b(mem, 128, kBytes);
-    std::vector<float> got(64 * 32, NAN);
+    mem.Input(a.data(), a.size() * 2, "a");
+    mem.Input(b.data(), b.size() * 2, "b");
+    mem.Input(b2.data(), b2.size() * 2, "b2");
+    mem.Output(out.data(), out.size() * 4, "out");
+    sim::SimtBlock blk(mem, wgmma::kGroupThreads, WgmmaProbeSmem::kBytes);
+    Misusing<sim::SimtThread>::misuse = misuse;
     auto run = [&] {
-      b.Run([&](sim::SimtThread& t) {
-        const int tid = t.tid();
-        auto put = [&](uint32_t off, float v) {  // one bf16 as half of a 4-byte word pair
-          t.St(off, F32ToBF16(v));
-        };
-        for (int m = tid / 2; m < 64; m += 64)  // two threads a row of A, 8 values each
-          for (int k = (tid % 2) * 8; k < (tid % 2) * 8 + 8; ++k)
-            put(kA + wgmma::TileAt(16, m, k / 8) + (k % 8) * 2, A[m][k]);
-        if (tid < 32)
-          for (int k = 0; k < 16; ++k)
-            put(kB + wgmma::TileAt(16, tid, k / 8) + (k % 8) * 2, B[k][tid]);
-        if (tid >= 32 && tid < 48)
-          for (int n = 0; n < 32; ++n)
-            put(kB2 + wgmma::TileAt(32, tid - 32, n / 8) + (n % 8) * 2, B2[tid - 32][n]);
-        if (misuse != kNoProxyFence || tid != 5) t.FenceProxyAsync();
-        if (misuse != kNoBarrier) t.Sync();
-        float d[16];
-        for (float& v : d) v = 0;
-        if (misuse != kNoFence) t.WgmmaFence();
-        t.Wgmma(d, wgmma::Desc(t.SmemAddr(kA), 128, 16 * 16),
-                wgmma::Desc(t.SmemAddr(kB), 128, 16 * 16), false);
-        // A of the second product: this thread's registers of A (rows 16 w + RowA) as bf16.
-        uint32_t a[4];
-        const int w = t.warp(), l = t.lane();
-        for (int r = 0; r < 4; ++r)
-          a[r] = uint32_t{F32ToBF16(A[16 * w + mma::RowA(l, r)][mma::ColA(l, r, 0)])} |
-                 (uint32_t{F32ToBF16(A[16 * w + mma::RowA(l, r)][mma::ColA(l, r, 1)])} << 16);
-        t.WgmmaRegA(d, a, wgmma::Desc(t.SmemAddr(kB2), 32 * 16, 128), true);
-        t.WgmmaCommit();
-        if (misuse == kWriteInFlight && tid == 0) t.St(kB2, uint16_t{0});
-        if (misuse == kARegsInFlight && tid == 7) a[2] ^= 1;
-        if (misuse == kNoWait) return;
-        t.WgmmaWait(0);
-        for (int i = 0; i < 16; ++i)
-          got[(16 * w + wgmma::RowD(l, i)) * 32 + wgmma::ColD(l, i)] = d[i];
+      blk.Run([&](sim::SimtThread& t) {
+        Misusing<sim::SimtThread> g(t);
+        WgmmaProbeBlock(g, a.data(), b.data(), b2.data(), out.data());
       });
     };
-    if (misuse != kNone) {
-      EXPECT_THROW(run(), std::runtime_error) << "misuse " << misuse;
+    if (misuse != M::kNone) {
+      EXPECT_THROW(run(), std::runtime_error) << "misuse " << static_cast<int>(misuse);
       continue;
     }
     ASSERT_NO_THROW(run());
+    for (int w : mem.Writes("out")) ASSERT_EQ(w, 1);
     for (int m = 0; m < 64; ++m)
       for (int n = 0; n < 32; ++n) {
         double want = 0;
-        for (int k = 0; k < 16; ++k) want += double(A[m][k]) * B[k][n] + double(A[m][k]) * B2[k][n];
-        ASSERT_FALSE(std::isnan(got[m * 32 + n])) << m << " " << n;
-        EXPECT_NEAR(got[m * 32 + n], want, 1e-4 * (1 + std::abs(want))) << m << " " << n;
+        for (int k = 0; k < 16; ++k)
+          want += double(BF16ToF32(a[m * 16 + k])) *
+                  (double(BF16ToF32(b[k * 32 + n])) + double(BF16ToF32(b2[k * 32 + n])));
+        ASSERT_FALSE(std::isnan(out[m * 32 + n])) << m << " " << n;
+        EXPECT_NEAR(out[m * 32 + n], want, 1e-4 * (1 + std::abs(want))) << m << " " << n;
       }
   }
+  Misusing<sim::SimtThread>::misuse = M::kNone;
 }
 
 // The simulation's ldmatrix against the mma.sync fragment layout (mma_fragments.h, which the

@@ -125,7 +125,7 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
         d->name(), ": a KV cache of ", layout.TotalBytes() >> 20, " MiB and ", scratch_bytes >> 20,
         " MiB of step scratch (--gpu-scratch-bytes) do not fit in the GPU's ", free_bytes >> 20,
         " MiB free of ", total_bytes >> 20, " MiB; lower --kv-cache-bytes or the scratch"));
-  // The kernels must have code for this GPU (a fat binary for sm_80 and sm_90, PTX for newer).
+  // The kernels must have code for this GPU (a fat binary for sm_80 and sm_90a, PTX for newer).
   if (const cudaError_t k = ProbeKernels(); k != cudaSuccess) {
     cudaGetLastError();
     cudaDeviceProp prop{};
@@ -136,6 +136,9 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
                      "; rebuild with CMAKE_CUDA_ARCHITECTURES including ", prop.major, prop.minor));
   }
   CUDA_RETURN(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, ordinal));
+  // ATTND_CUDA_MLA=wgmma: check wgmma on this GPU now, not inside the first step (it prints its
+  // verdict; the mma.sync kernel runs if it fails).
+  if (WgmmaMla()) MlaWgmmaSelfCheck();
   for (cudaStream_t* st : {&s.stream, &s.upload_stream, &s.download_stream, &s.copy_stream})
     CUDA_RETURN(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
   for (UploadSlot& slot : s.slots)

@@ -246,5 +246,10 @@ bool MlaUsesPipeline(const MlaParams& p);
 // its shared memory fits), and how many times LaunchMla has launched it in this process.
 bool MlaUsesWgmma(const MlaParams& p);
 int64_t MlaWgmmaLaunches();
+// Once per process, on the current GPU: one warpgroup runs wgmma_probe.h (wgmma as the wgmma MLA
+// issues it, the body the CPU simulation checks) against float64; false (and the wgmma MLA never
+// launched) when it disagrees, when the GPU is not compute capability 9.0, or without an sm_90a
+// image. Prints its verdict to stderr the first time.
+bool MlaWgmmaSelfCheck();
 
 }  // namespace attnd::cuda

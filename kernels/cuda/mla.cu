@@ -4,6 +4,9 @@
 // as they are loaded) with split-K (flash-decoding) and its merge.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -13,6 +16,7 @@
 #include "kernels/cuda/mla_wgmma.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt.cuh"
+#include "kernels/cuda/wgmma_probe.h"
 
 namespace attnd::cuda {
 namespace {
@@ -401,6 +405,57 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 std::atomic<int64_t> g_wgmma_launches{0};
 
+#ifdef ATTND_CUDA_SM90A
+// wgmma_probe.h on one warpgroup (sm_90a image only, as the MLA).
+__global__ void __launch_bounds__(wgmma::kGroupThreads)
+    WgmmaProbeKernel(const uint16_t* a, const uint16_t* b, const uint16_t* b2, float* out) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  GpuThread g{smem_raw};
+  WgmmaProbeBlock(g, a, b, b2, out);
+}
+
+// The probe on the current GPU against float64: whether wgmma computes what the simulation does
+// (descriptors, core-matrix layouts, fragments, both operand forms). Any CUDA error is a failure.
+bool RunWgmmaProbe() {
+  std::vector<uint16_t> a(64 * 16), b(16 * 32), b2(16 * 32);
+  uint32_t x = 12345;
+  for (auto* v : {&a, &b, &b2})
+    for (uint16_t& e : *v) {
+      x = x * 1664525u + 1013904223u;
+      e = F32ToBF16(static_cast<float>(static_cast<int>(x >> 8) % 4001 - 2000) / 997.0f);
+    }
+  uint16_t *da = nullptr, *db = nullptr, *db2 = nullptr;
+  float* dout = nullptr;
+  std::vector<float> out(64 * 32, NAN);
+  bool ok = cudaMalloc(&da, a.size() * 2) == cudaSuccess &&
+            cudaMalloc(&db, b.size() * 2) == cudaSuccess &&
+            cudaMalloc(&db2, b2.size() * 2) == cudaSuccess &&
+            cudaMalloc(&dout, out.size() * 4) == cudaSuccess &&
+            cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
+            cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
+            cudaMemcpy(db2, b2.data(), b2.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+  if (ok) {
+    WgmmaProbeKernel<<<1, wgmma::kGroupThreads, WgmmaProbeSmem::kBytes>>>(da, db, db2, dout);
+    ok = cudaGetLastError() == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess &&
+         cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+  cudaGetLastError();
+  for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(db2),
+                  static_cast<void*>(dout)})
+    if (p != nullptr) cudaFree(p);
+  for (int m = 0; ok && m < 64; ++m)
+    for (int n = 0; ok && n < 32; ++n) {
+      double want = 0;
+      for (int k = 0; k < 16; ++k)
+        want += double(BF16ToF32(a[m * 16 + k])) *
+                (double(BF16ToF32(b[k * 32 + n])) + double(BF16ToF32(b2[k * 32 + n])));
+      const double got = out[m * 32 + n];
+      ok = !std::isnan(got) && std::fabs(got - want) <= 1e-3 * (1 + std::fabs(want));
+    }
+  return ok;
+}
+#endif  // ATTND_CUDA_SM90A
+
 // The stages the pipelined kernel (or its wgmma form) can have on this GPU (3, 2), or 0 when
 // it does not fit.
 int PipeStages(const MlaParams& p, bool wgmma) {
@@ -440,7 +495,7 @@ bool MlaUsesWgmma(const MlaParams& p) {
     cudaGetLastError();
     return false;
   }
-  return major == 9 && minor == 0 && PipeStages(p, true) > 0;
+  return major == 9 && minor == 0 && PipeStages(p, true) > 0 && MlaWgmmaSelfCheck();
 #else
   (void)p;
   return false;  // no sm_90a image was built (CMakeLists.txt): the kernel would trap
@@ -448,6 +503,31 @@ bool MlaUsesWgmma(const MlaParams& p) {
 }
 
 int64_t MlaWgmmaLaunches() { return g_wgmma_launches.load(); }
+
+bool MlaWgmmaSelfCheck() {
+#ifdef ATTND_CUDA_SM90A
+  static const bool ok = [] {
+    int device = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+        major != 9 || minor != 0) {
+      cudaGetLastError();
+      return false;
+    }
+    const bool passed = RunWgmmaProbe();
+    std::fprintf(stderr,
+                 passed ? "attnd: wgmma self-check passed on cuda:%d\n"
+                        : "attnd: wgmma self-check FAILED on cuda:%d: the MLA keeps its mma.sync "
+                          "kernel\n",
+                 device);
+    return passed;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 cudaError_t ProbeKernels() {
   cudaFuncAttributes a;
