@@ -172,12 +172,12 @@ def test_the_profile_runs_where_something_was_measured_and_every_file_is_packed(
     (fake / "bin" / "ncu").chmod(0o755)
     text, stages, out = run(fake)
     assert stages["profile"]["verdict"] == "passed", stages["profile"]
-    for k in ("MlaMmaKernel", "IndexerStreamKernel", "TopKSliceKernel"):
+    for k in ("MlaWgmmaKernel", "IndexerStreamKernel", "TopKSliceKernel"):
         log = (out / f"ncu-{k}.txt").read_text()
         assert f"regex:{k}" in log and "Achieved Occupancy" in log
     listed = subprocess.run(["tar", "tzf", str(out / "gpu-check-logs.tgz")], capture_output=True,
                             text=True, check=True).stdout.split()
-    assert {"./stages.jsonl", "./table.md", "./ncu-MlaMmaKernel.txt"} <= set(listed)
+    assert {"./stages.jsonl", "./table.md", "./ncu-MlaWgmmaKernel.txt"} <= set(listed)
 
 
 def test_a_kernel_iteration_runs_only_the_groups_it_names(fake):

@@ -15,8 +15,9 @@
 #      DeepSeek-dims case, racecheck and synccheck on one tensor-core step.
 #   5. Kernel benchmark with this GPU's copy bandwidth measured in the run; PyTorch versions of
 #      the same ops on the same shapes.
-#   6. Nsight Compute (ncu, where installed) on one launch each of the sparse MLA, the streaming
-#      indexer and the top-k kernels: occupancy, issue rate, stalls, memory throughput.
+#   6. Nsight Compute (ncu, where installed) on one launch each of the sparse MLA (its wgmma
+#      form), the streaming indexer and the top-k kernels: occupancy, issue rate, stalls, memory
+#      throughput.
 #   7. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
 #      fraction of the limit, speed-up over PyTorch. Every file also in gpu-check-logs.tgz.
 # A stage starts only when its time limit fits what is left of the budget; every command runs
@@ -266,7 +267,9 @@ elif [ ! -x "$NCU" ]; then
 elif fits "profile" 100; then
   t0=$SECONDS
   rc=0
-  for k in MlaMmaKernel IndexerStreamKernel TopKSliceKernel; do
+  # The MLA's wgmma form (sm_90a; the mma.sync kernels were profiled in the first H200 run,
+  # bench/results/h200.md): on other GPUs, or if its self-check failed, ncu finds no launch.
+  for k in MlaWgmmaKernel IndexerStreamKernel TopKSliceKernel; do
     bounded 30 "$NCU" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section SourceCounters "$BENCH" > "$OUT/ncu-$k.txt" \
