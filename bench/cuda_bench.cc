@@ -418,6 +418,7 @@ int main(int argc, char** argv) {
     // SIMT; the pipelined tensor-core kernel (64 heads a block, cp.async ring); the
     // tile-per-block tensor-core kernel it replaces (64 heads a block); the pipelined kernel's
     // wgmma form (sm_90a; on other GPUs this row repeats the pipelined one, labelled so).
+    attnd::cuda::MlaWgmmaSelfCheck();  // the wgmma row needs it passed (prints its verdict)
     for (int variant : {0, 1, 2, 3}) {
       mp.tensor_cores = variant > 0;
       mp.pipeline = variant == 1 || variant == 3;

@@ -173,6 +173,7 @@ TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
 // forms and fragment layouts the wgmma MLA uses, against float64); compute capability 9.0 only.
 TEST(CudaScale, TheWgmmaSelfCheckPasses) {
   ATTND_SKIP_WITHOUT_GPU();
+  if (!cuda::MlaWgmmaBuilt()) GTEST_SKIP() << "this build has no sm_90a image";
   int major = 0, minor = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
@@ -191,12 +192,15 @@ TEST(CudaScale, TheWgmmaSelfCheckPasses) {
 // (its launch count grew).
 TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
   ATTND_SKIP_WITHOUT_GPU();
+  if (!cuda::MlaWgmmaBuilt()) GTEST_SKIP() << "this build has no sm_90a image";
   int major = 0, minor = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
   if (major != 9 || minor != 0)
     GTEST_SKIP() << "wgmma needs compute capability 9.0 (this GPU: " << major << "." << minor
                  << ")";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_TRUE(cuda::MlaWgmmaSelfCheck()) << "the wgmma layouts disagree with the simulation's";
   const ModelSpec spec = DeepSeekDims(128);
   for (DType cache : {DType::kBF16, DType::kFP8E4M3}) {
     const std::string c = cache == DType::kBF16 ? "bf16 cache" : "fp8 cache";
@@ -226,7 +230,8 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
     for (size_t l = 0; l < ref.size(); ++l) {
       const std::string at = c + ", layer " + std::to_string(l);
       ExpectClose(w.out[l], ref[l], 1e-2, "wgmma MLA vs reference, " + at);
-      ExpectClose(w.out[l], p.out[l], 1e-2, "wgmma vs mma.sync pipelined MLA, " + at);
+      // The same bf16 P from the same S, fp32 sums in another order.
+      ExpectClose(w.out[l], p.out[l], 2e-3, "wgmma vs mma.sync pipelined MLA, " + at);
     }
   }
 }

@@ -136,9 +136,14 @@ absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name,
                      "; rebuild with CMAKE_CUDA_ARCHITECTURES including ", prop.major, prop.minor));
   }
   CUDA_RETURN(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, ordinal));
-  // ATTND_CUDA_MLA=wgmma: check wgmma on this GPU now, not inside the first step (it prints its
-  // verdict; the mma.sync kernel runs if it fails).
-  if (WgmmaMla()) MlaWgmmaSelfCheck();
+  // ATTND_CUDA_MLA=wgmma: check wgmma on this GPU now, not inside a step (it prints its verdict;
+  // the mma.sync kernel runs if it fails). A probe that faulted leaves the context unusable.
+  if (WgmmaMla() && !MlaWgmmaSelfCheck()) {
+    if (const cudaError_t k = cudaDeviceSynchronize(); k != cudaSuccess)
+      return absl::FailedPreconditionError(
+          absl::StrCat(d->name(), ": the wgmma self-check (ATTND_CUDA_MLA=wgmma) left the GPU ",
+                       "unusable: ", cudaGetErrorString(k), "; run without ATTND_CUDA_MLA=wgmma"));
+  }
   for (cudaStream_t* st : {&s.stream, &s.upload_stream, &s.download_stream, &s.copy_stream})
     CUDA_RETURN(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking));
   for (UploadSlot& slot : s.slots)

@@ -243,13 +243,18 @@ int MlaHeadsPerBlock(const MlaParams& p);
 bool MlaUsesTensorCores(const MlaParams& p);
 bool MlaUsesPipeline(const MlaParams& p);
 // Whether the pipelined kernel would take its wgmma form (p.wgmma, a compute capability 9.0 GPU,
-// its shared memory fits), and how many times LaunchMla has launched it in this process.
+// its shared memory fits, MlaWgmmaSelfCheck has passed), and how many times LaunchMla has
+// launched it in this process.
 bool MlaUsesWgmma(const MlaParams& p);
 int64_t MlaWgmmaLaunches();
-// Once per process, on the current GPU: one warpgroup runs wgmma_probe.h (wgmma as the wgmma MLA
-// issues it, the body the CPU simulation checks) against float64; false (and the wgmma MLA never
-// launched) when it disagrees, when the GPU is not compute capability 9.0, or without an sm_90a
-// image. Prints its verdict to stderr the first time.
+// Whether this build has the sm_90a image the wgmma MLA needs (CMakeLists.txt).
+bool MlaWgmmaBuilt();
+// On the current GPU, if it is compute capability 9.0 and the build has sm_90a: one warpgroup
+// runs wgmma_probe.h (wgmma as the wgmma MLA issues it, the body the CPU simulation checks)
+// against float64, once per process (then the verdict is remembered), and prints its verdict to
+// stderr. Until it has passed the wgmma MLA never launches. Run it outside steps (a CUDA device
+// does at creation under ATTND_CUDA_MLA=wgmma): it allocates and synchronises. A probe that
+// faults leaves the context unusable; the caller's next CUDA call reports it.
 bool MlaWgmmaSelfCheck();
 
 }  // namespace attnd::cuda

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <mutex>
 #include <vector>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -404,6 +405,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 }
 
 std::atomic<int64_t> g_wgmma_launches{0};
+// MlaWgmmaSelfCheck's verdict: -1 not run, 0 failed, 1 passed. Only a passed check lets
+// MlaUsesWgmma say yes; it never runs the check itself (that would happen inside a step).
+std::mutex g_probe_mu;
+std::atomic<int> g_probe{-1};
 
 #ifdef ATTND_CUDA_SM90A
 // wgmma_probe.h on one warpgroup (sm_90a image only, as the MLA).
@@ -426,23 +431,29 @@ bool RunWgmmaProbe() {
     }
   uint16_t *da = nullptr, *db = nullptr, *db2 = nullptr;
   float* dout = nullptr;
-  std::vector<float> out(64 * 32, NAN);
-  bool ok = cudaMalloc(&da, a.size() * 2) == cudaSuccess &&
-            cudaMalloc(&db, b.size() * 2) == cudaSuccess &&
-            cudaMalloc(&db2, b2.size() * 2) == cudaSuccess &&
-            cudaMalloc(&dout, out.size() * 4) == cudaSuccess &&
-            cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
-            cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
-            cudaMemcpy(db2, b2.data(), b2.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+  cudaStream_t st = nullptr;
+  std::vector<float> out(64 * 32, 0.0f);
+  const size_t bytes = out.size() * 4;
+  bool ok =
+      cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess &&
+      cudaMalloc(&da, a.size() * 2) == cudaSuccess &&
+      cudaMalloc(&db, b.size() * 2) == cudaSuccess &&
+      cudaMalloc(&db2, b2.size() * 2) == cudaSuccess && cudaMalloc(&dout, bytes) == cudaSuccess &&
+      cudaMemcpyAsync(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice, st) == cudaSuccess &&
+      cudaMemcpyAsync(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice, st) == cudaSuccess &&
+      cudaMemcpyAsync(db2, b2.data(), b2.size() * 2, cudaMemcpyHostToDevice, st) == cudaSuccess &&
+      cudaMemsetAsync(dout, 0xff, bytes, st) == cudaSuccess;  // NaN: unwritten shows
   if (ok) {
-    WgmmaProbeKernel<<<1, wgmma::kGroupThreads, WgmmaProbeSmem::kBytes>>>(da, db, db2, dout);
-    ok = cudaGetLastError() == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess &&
-         cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess;
+    WgmmaProbeKernel<<<1, wgmma::kGroupThreads, WgmmaProbeSmem::kBytes, st>>>(da, db, db2, dout);
+    ok = cudaGetLastError() == cudaSuccess &&
+         cudaMemcpyAsync(out.data(), dout, bytes, cudaMemcpyDeviceToHost, st) == cudaSuccess &&
+         cudaStreamSynchronize(st) == cudaSuccess;
   }
-  cudaGetLastError();
+  if (!ok) cudaGetLastError();  // this probe's own error (a sticky one stays: the caller checks)
   for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(db2),
                   static_cast<void*>(dout)})
     if (p != nullptr) cudaFree(p);
+  if (st != nullptr) cudaStreamDestroy(st);
   for (int m = 0; ok && m < 64; ++m)
     for (int n = 0; ok && n < 32; ++n) {
       double want = 0;
@@ -495,7 +506,7 @@ bool MlaUsesWgmma(const MlaParams& p) {
     cudaGetLastError();
     return false;
   }
-  return major == 9 && minor == 0 && PipeStages(p, true) > 0 && MlaWgmmaSelfCheck();
+  return major == 9 && minor == 0 && PipeStages(p, true) > 0 && g_probe.load() == 1;
 #else
   (void)p;
   return false;  // no sm_90a image was built (CMakeLists.txt): the kernel would trap
@@ -504,26 +515,35 @@ bool MlaUsesWgmma(const MlaParams& p) {
 
 int64_t MlaWgmmaLaunches() { return g_wgmma_launches.load(); }
 
+bool MlaWgmmaBuilt() {
+#ifdef ATTND_CUDA_SM90A
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool MlaWgmmaSelfCheck() {
 #ifdef ATTND_CUDA_SM90A
-  static const bool ok = [] {
-    int device = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-        major != 9 || minor != 0) {
-      cudaGetLastError();
-      return false;
-    }
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (major != 9 || minor != 0) return false;  // not latched: another GPU may be 9.0
+  std::lock_guard<std::mutex> lock(g_probe_mu);
+  if (g_probe.load() < 0) {
     const bool passed = RunWgmmaProbe();
     std::fprintf(stderr,
                  passed ? "attnd: wgmma self-check passed on cuda:%d\n"
                         : "attnd: wgmma self-check FAILED on cuda:%d: the MLA keeps its mma.sync "
                           "kernel\n",
                  device);
-    return passed;
-  }();
-  return ok;
+    g_probe = passed ? 1 : 0;
+  }
+  return g_probe.load() == 1;
 #else
   return false;
 #endif

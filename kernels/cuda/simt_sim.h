@@ -19,14 +19,16 @@
 //    lanes that name them reading 16 bytes;
 //  - wgmma (sm_90a, m64n32k16 bf16 -> fp32; kernels/cuda/wgmma_layout.h has the layouts): the 128
 //    threads of a warpgroup reaching different instructions or operands; an issue without
-//    wgmma.fence since the thread's last wait; a descriptor with swizzle, base offset or reserved
+//    wgmma.fence since the thread's last wait; registers (accumulators, A) not held (WgmmaHold)
+//    before that fence or written after it; a descriptor with swizzle, base offset or reserved
 //    bits set; an operand byte out of bounds, never written, in a cp.async copy, written in the
-//    current phase (no barrier between the write and the wgmma), or written by a thread that has
-//    not executed fence.proxy.async since; any write to an operand byte before every thread of the
-//    warpgroup waited for the wgmma; accumulators or A's registers changed between the issue and
-//    the wait that lands them; a thread exiting with wgmma not waited for. A wgmma's result is
-//    computed from the operands as they are at its issue and lands at the wait (a body that reads
-//    its accumulators earlier reads the old values, and the outputs show it).
+//    current phase (no barrier between the write and the wgmma), or written by a thread that did
+//    not execute fence.proxy.async between the write and a barrier before the wgmma; any
+//    write to an operand byte before every thread of the warpgroup waited for the wgmma;
+//    accumulators or A's registers changed between the issue and the wait that lands them; a thread
+//    exiting with wgmma not waited for. A wgmma's result is computed from the operands as they are
+//    at its issue and lands at the wait (a body that reads its accumulators earlier reads the old
+//    values, and the outputs show it).
 #pragma once
 
 #include <ucontext.h>
@@ -145,8 +147,11 @@ class SimtThread {
   inline void WgmmaCommit();
   inline void WgmmaWait(int pending);
   inline void FenceProxyAsync();
-  void WgmmaHold(float*, int) {}  // the GPU's compiler barriers on accumulators, A's registers
-  void WgmmaHoldA(uint32_t*, int) {}
+  // The GPU's compiler barriers on accumulators and A's registers; here they name the registers
+  // wgmma.fence vouches for (a wgmma on registers not held, or written after the fence, is an
+  // error).
+  inline void WgmmaHold(float* d, int n);
+  inline void WgmmaHoldA(uint32_t* a, int n);
   template <typename T>
   T Gld(const T* p) const {
     memory_->CheckRead(p, sizeof(T), tid_);
@@ -209,6 +214,7 @@ class SimtBlock {
         if (done == n_) break;
         if (barrier + done == n_ && done == 0) {
           ++phase_;
+          for (Fiber& f : fibers_) f.fence_at_barrier.push_back(f.fence_tick);
           for (Fiber& f : fibers_) f.state = kRunnable;
           continue;
         }
@@ -266,6 +272,14 @@ class SimtBlock {
     bool wg_trans = false, wg_fenced = false;
     std::vector<std::vector<Pending>> wg_groups{1};
     uint64_t fence_tick = 0;
+    std::vector<uint64_t> fence_at_barrier;  // fence_tick when each barrier phase ended
+    // Registers held (WgmmaHold) since the last wait, and their contents at the last fence.
+    struct Held {
+      const void* p;
+      size_t bytes;
+      std::vector<uint8_t> at_fence;
+    };
+    std::vector<Held> held;
     // cp.async: copies issued and not yet landed, by group (the last is still open).
     struct Copy {
       uint32_t off;
@@ -413,9 +427,13 @@ class SimtBlock {
         Fail("wgmma operand written by thread " + std::to_string(m.writer) +
                  " with no barrier before the wgmma",
              i, tid);
-      if (fibers_[m.writer].fence_tick < m.wtick)
+      // The writer must have executed fence.proxy.async after the write and before a barrier
+      // this wgmma comes after: its fence as of the last barrier (m.wphase < phase_ here, so
+      // there was one), not one it executes later.
+      const auto& fences = fibers_[m.writer].fence_at_barrier;
+      if (fences.empty() || fences.back() < m.wtick)
         Fail("wgmma operand written by thread " + std::to_string(m.writer) +
-                 " without fence.proxy.async after",
+                 " without fence.proxy.async between the write and a barrier before the wgmma",
              i, tid);
     }
     for (uint32_t i = off; i < off + 16; ++i) ++meta_[i].async_reads;
@@ -434,6 +452,10 @@ class SimtBlock {
           f[l].wg_trans != f[0].wg_trans || (!reg_a && f[l].wg_desc_a != f[0].wg_desc_a))
         throw std::runtime_error("warpgroup " + std::to_string(g) +
                                  ": threads reached different wgmma instructions or operands");
+    }
+    for (int l = 0; l < kG; ++l) {
+      CheckHeld(f[l], f[l].wg_d, 16 * sizeof(float), tid0 + l);
+      if (reg_a) CheckHeld(f[l], f[l].wg_a, 4 * sizeof(uint32_t), tid0 + l);
     }
     const uint64_t da = f[0].wg_desc_a, db = f[0].wg_desc_b;
     if ((!reg_a && !wgmma::DescPlain(da)) || !wgmma::DescPlain(db))
@@ -505,10 +527,23 @@ class SimtBlock {
       }
     for (int l = 0; l < kG; ++l) f[l].wg_groups.back().push_back(next[l]);
   }
+  // Registers a wgmma takes must be held and unchanged since the thread's wgmma.fence.
+  static void CheckHeld(const Fiber& f, const void* p, size_t bytes, int tid) {
+    for (const Fiber::Held& h : f.held)
+      if (h.p == p && h.bytes >= bytes) {
+        if (h.at_fence.size() != h.bytes || std::memcmp(h.at_fence.data(), p, bytes) != 0)
+          throw std::runtime_error("thread " + std::to_string(tid) +
+                                   ": wgmma registers written after wgmma.fence");
+        return;
+      }
+    throw std::runtime_error("thread " + std::to_string(tid) +
+                             ": wgmma registers not held (WgmmaHold) before wgmma.fence");
+  }
   // Thread tid's oldest group of wgmma lands.
   void LandWgmmaGroup(int tid) {
     auto& groups = fibers_[tid].wg_groups;
-    for (Pending& p : groups.front()) {
+    for (size_t k = 0; k < groups.front().size(); ++k) {
+      Pending& p = groups.front()[k];
       if (!p.chained && std::memcmp(p.d, p.at_issue, sizeof(p.at_issue)) != 0)
         throw std::runtime_error("thread " + std::to_string(tid) +
                                  ": accumulators changed while their wgmma was in flight");
@@ -516,6 +551,15 @@ class SimtBlock {
         throw std::runtime_error("thread " + std::to_string(tid) +
                                  ": A's registers changed while their wgmma was in flight");
       std::memcpy(p.d, p.val, sizeof(p.val));
+      // The next wgmma in flight into d now expects d as this one left it.
+      bool next = false;
+      for (size_t g = 0; g < groups.size() && !next; ++g)
+        for (size_t j = g == 0 ? k + 1 : 0; j < groups[g].size() && !next; ++j)
+          if (groups[g][j].d == p.d && groups[g][j].chained) {
+            std::memcpy(groups[g][j].at_issue, p.val, sizeof(p.val));
+            groups[g][j].chained = false;
+            next = true;
+          }
       if (--p.op->waiting == 0)
         for (uint32_t off : p.op->ranges)
           for (uint32_t i = off; i < off + 16; ++i) --meta_[i].async_reads;
@@ -648,7 +692,22 @@ void SimtThread::Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
   block_->Yield(SimtBlock::kWarpOp);
 }
 
-void SimtThread::WgmmaFence() { block_->fibers_[tid_].wg_fenced = true; }
+void SimtThread::WgmmaFence() {
+  auto& f = block_->fibers_[tid_];
+  f.wg_fenced = true;
+  for (auto& h : f.held) {
+    const uint8_t* b = static_cast<const uint8_t*>(h.p);
+    h.at_fence.assign(b, b + h.bytes);
+  }
+}
+
+void SimtThread::WgmmaHold(float* d, int n) {
+  block_->fibers_[tid_].held.push_back({d, n * sizeof(float), {}});
+}
+
+void SimtThread::WgmmaHoldA(uint32_t* a, int n) {
+  block_->fibers_[tid_].held.push_back({a, n * sizeof(uint32_t), {}});
+}
 
 void SimtThread::Wgmma(float d[16], uint64_t a, uint64_t b, bool trans_b) {
   auto& f = block_->fibers_[tid_];
@@ -678,6 +737,7 @@ void SimtThread::WgmmaWait(int pending) {
   auto& f = block_->fibers_[tid_];
   while (static_cast<int>(f.wg_groups.size()) - 1 > pending) block_->LandWgmmaGroup(tid_);
   f.wg_fenced = false;
+  f.held.clear();
 }
 
 void SimtThread::FenceProxyAsync() { block_->fibers_[tid_].fence_tick = ++block_->tick_; }
