@@ -382,6 +382,8 @@ struct SkipOneBarrier {
   }
   void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
   void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
+  void WgmmaLanded(float* d, int n) { t.WgmmaLanded(d, n); }
+  void WgmmaLandedA(uint32_t* a, int n) { t.WgmmaLandedA(a, n); }
   template <typename V>
   V Gld(const V* p) const {
     return t.Gld(p);
@@ -557,6 +559,8 @@ struct Misusing {
   }
   void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
   void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
+  void WgmmaLanded(float* d, int n) { t.WgmmaLanded(d, n); }
+  void WgmmaLandedA(uint32_t* a, int n) { t.WgmmaLandedA(a, n); }
   template <typename V>
   V Gld(const V* p) const {
     return t.Gld(p);

@@ -179,7 +179,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
               wgmma::Desc(g.SmemAddr(k + ks * 256), 128, sbo), false);
     g.WgmmaCommit();
     g.WgmmaWait(0);
-    g.WgmmaHold(s, 16);
+    g.WgmmaLanded(s, 16);
     // 2. Online softmax on the accumulators: value i is row RowD(lane, i) (r = (i >> 1) & 1),
     // key ColD(lane, i); a row's 32 keys are in its 4 neighbouring lanes (shuffles 1, 2).
     float mx[2] = {-INFINITY, -INFINITY};
@@ -247,11 +247,11 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     }
     g.WgmmaCommit();
     g.WgmmaWait(0);
-    g.WgmmaHoldA(pa[0], 4);
-    g.WgmmaHoldA(pa[1], 4);
+    g.WgmmaLandedA(pa[0], 4);
+    g.WgmmaLandedA(pa[1], 4);
     ATTND_UNROLL
     for (int n = 0; n < kWgChunks; ++n) {
-      g.WgmmaHold(o[n], 16);
+      g.WgmmaLanded(o[n], 16);
     }
   }
   // A query of one split: the normalised output (and lse); of several: this split's sums and

@@ -95,6 +95,10 @@ struct GpuThread {
   __device__ void WgmmaHoldA(uint32_t* a, int n) {
     for (int i = 0; i < n; ++i) asm volatile("" : "+r"(a[i])::"memory");
   }
+  // After wgmma.wait_group: no access to the registers moves above the wait (the same barrier;
+  // the simulation tells the two apart).
+  __device__ void WgmmaLanded(float* d, int n) { WgmmaHold(d, n); }
+  __device__ void WgmmaLandedA(uint32_t* a, int n) { WgmmaHoldA(a, n); }
 #define ATTND_WGMMA_D                                                                             \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
@@ -147,6 +151,8 @@ struct GpuThread {
   __device__ void FenceProxyAsync() { __trap(); }
   __device__ void WgmmaHold(float*, int) {}
   __device__ void WgmmaHoldA(uint32_t*, int) {}
+  __device__ void WgmmaLanded(float*, int) {}
+  __device__ void WgmmaLandedA(uint32_t*, int) {}
   __device__ void Wgmma(float*, uint64_t, uint64_t, bool) { __trap(); }
   __device__ void WgmmaRegA(float*, const uint32_t*, uint64_t, bool) { __trap(); }
 #endif

@@ -152,6 +152,10 @@ class SimtThread {
   // error).
   inline void WgmmaHold(float* d, int n);
   inline void WgmmaHoldA(uint32_t* a, int n);
+  // After the wait, the GPU's same compiler barrier; here nothing (the registers may leave scope
+  // before the next fence, so they are not held).
+  void WgmmaLanded(float*, int) {}
+  void WgmmaLandedA(uint32_t*, int) {}
   template <typename T>
   T Gld(const T* p) const {
     memory_->CheckRead(p, sizeof(T), tid_);

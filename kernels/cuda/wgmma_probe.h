@@ -55,8 +55,8 @@ ATTND_HD void WgmmaProbeBlock(G& g, const uint16_t* a, const uint16_t* b, const 
   g.WgmmaRegA(d, ar, wgmma::Desc(g.SmemAddr(S::kB2), 32 * 16, 128), true);
   g.WgmmaCommit();
   g.WgmmaWait(0);
-  g.WgmmaHold(d, 16);
-  g.WgmmaHoldA(ar, 4);
+  g.WgmmaLanded(d, 16);
+  g.WgmmaLandedA(ar, 4);
   for (int i = 0; i < 16; ++i)
     g.Gst(out + (16 * w + wgmma::RowD(l, i)) * 32 + wgmma::ColD(l, i), d[i]);
 }
