@@ -202,37 +202,12 @@ INSTANTIATE_TEST_SUITE_P(
 // each barrier is needed: the simulation then reports a race, a read of a copy in flight, or
 // wrong scores.
 template <typename T>
-struct SkipOneBarrier {
+struct SkipOneBarrier : sim::ForwardingThread<T> {
   static inline int skip = -1;
-  T& t;
   int count = 0;
-  explicit SkipOneBarrier(T& inner) : t(inner) {}
-  int tid() const { return t.tid(); }
-  int lane() const { return t.lane(); }
-  int warp() const { return t.warp(); }
+  explicit SkipOneBarrier(T& inner) : sim::ForwardingThread<T>(inner) {}
   void Sync() {
-    if (count++ != skip) t.Sync();
-  }
-  template <typename V>
-  V Ld(uint32_t off) {
-    return t.template Ld<V>(off);
-  }
-  template <typename V>
-  void St(uint32_t off, V v) {
-    t.St(off, v);
-  }
-  void CpAsync16(uint32_t off, const void* src, bool valid) { t.CpAsync16(off, src, valid); }
-  void CpCommit() { t.CpCommit(); }
-  void CpWait(int n) { t.CpWait(n); }
-  float ShflXor(float v, int mask) { return t.ShflXor(v, mask); }
-  void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) { t.Mma(c, a, b); }
-  template <typename V>
-  V Gld(const V* p) const {
-    return t.Gld(p);
-  }
-  template <typename V>
-  void Gst(V* p, V v) {
-    t.Gst(p, v);
+    if (count++ != skip) this->t.Sync();
   }
 };
 

@@ -328,20 +328,16 @@ INSTANTIATE_TEST_SUITE_P(
 // Skips one barrier (or, with count_fences, one fence: wgmma.fence or fence.proxy.async) by its
 // index in the thread's order.
 template <typename T>
-struct SkipOneBarrier {
+struct SkipOneBarrier : sim::ForwardingThread<T> {
   static inline int skip = -1;
   static inline bool count_fences = false;
   static inline int seen_barriers = 0, seen_fences = 0;  // the most any thread passed
-  T& t;
   int count = 0, fences = 0;
-  explicit SkipOneBarrier(T& inner) : t(inner) {}
+  explicit SkipOneBarrier(T& inner) : sim::ForwardingThread<T>(inner) {}
   ~SkipOneBarrier() {
     seen_barriers = std::max(seen_barriers, count);
     seen_fences = std::max(seen_fences, fences);
   }
-  int tid() const { return t.tid(); }
-  int lane() const { return t.lane(); }
-  int warp() const { return t.warp(); }
   // Whether to drop this barrier (or fence), counting it.
   bool Drop(bool fence) {
     int& n = fence ? fences : count;
@@ -349,48 +345,13 @@ struct SkipOneBarrier {
     return count_fences == fence && at_skip;
   }
   void Sync() {
-    if (!Drop(false)) t.Sync();
+    if (!Drop(false)) this->t.Sync();
   }
-  template <typename V>
-  V Ld(uint32_t off) {
-    return t.template Ld<V>(off);
-  }
-  template <typename V>
-  void St(uint32_t off, V v) {
-    t.St(off, v);
-  }
-  void CpAsync16(uint32_t off, const void* src, bool valid) { t.CpAsync16(off, src, valid); }
-  void CpCommit() { t.CpCommit(); }
-  void CpWait(int n) { t.CpWait(n); }
-  float ShflXor(float v, int mask) { return t.ShflXor(v, mask); }
-  void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) { t.Mma(c, a, b); }
-  void LdMatrixX4(uint32_t r[4], uint32_t off, bool trans) { t.LdMatrixX4(r, off, trans); }
-  uint32_t SmemAddr(uint32_t off) const { return t.SmemAddr(off); }
   void WgmmaFence() {
-    if (Drop(true)) return;
-    t.WgmmaFence();
+    if (!Drop(true)) this->t.WgmmaFence();
   }
-  void Wgmma(float d[16], uint64_t a, uint64_t b, bool tr) { t.Wgmma(d, a, b, tr); }
-  void WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool tr) {
-    t.WgmmaRegA(d, a, b, tr);
-  }
-  void WgmmaCommit() { t.WgmmaCommit(); }
-  void WgmmaWait(int n) { t.WgmmaWait(n); }
   void FenceProxyAsync() {
-    if (Drop(true)) return;
-    t.FenceProxyAsync();
-  }
-  void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
-  void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
-  void WgmmaLanded(float* d, int n) { t.WgmmaLanded(d, n); }
-  void WgmmaLandedA(uint32_t* a, int n) { t.WgmmaLandedA(a, n); }
-  template <typename V>
-  V Gld(const V* p) const {
-    return t.Gld(p);
-  }
-  template <typename V>
-  void Gst(V* p, V v) {
-    t.Gst(p, v);
+    if (!Drop(true)) this->t.FenceProxyAsync();
   }
 };
 
@@ -506,68 +467,48 @@ const char* MisuseError(Misuse m) {
   return "";
 }
 template <typename T>
-struct Misusing {
+struct Misusing : sim::ForwardingThread<T> {
   static inline Misuse misuse = Misuse::kNone;
-  T& t;
   uint32_t* a_regs = nullptr;  // the last register-A wgmma's A
   float* acc = nullptr;        // the last wgmma's accumulators
   bool fence_owed = false;     // kProxyFenceLate: the fence to run after the barrier
-  explicit Misusing(T& inner) : t(inner) {}
-  int tid() const { return t.tid(); }
-  int lane() const { return t.lane(); }
-  int warp() const { return t.warp(); }
+  explicit Misusing(T& inner) : sim::ForwardingThread<T>(inner) {}
   void Sync() {
-    if (misuse != Misuse::kNoBarrier) t.Sync();
-    if (fence_owed) t.FenceProxyAsync(), fence_owed = false;
+    if (misuse != Misuse::kNoBarrier) this->t.Sync();
+    if (fence_owed) this->t.FenceProxyAsync(), fence_owed = false;
   }
-  template <typename V>
-  void St(uint32_t off, V v) {
-    t.St(off, v);
-  }
-  uint32_t SmemAddr(uint32_t off) const { return t.SmemAddr(off); }
   void WgmmaFence() {
-    if (misuse != Misuse::kNoFence) t.WgmmaFence();
+    if (misuse != Misuse::kNoFence) this->t.WgmmaFence();
   }
   void Wgmma(float d[16], uint64_t a, uint64_t b, bool tr) {
     acc = d;
-    if (misuse == Misuse::kRegsAfterFence && tid() == 4) d[1] += 1;
+    if (misuse == Misuse::kRegsAfterFence && this->tid() == 4) d[1] += 1;
     if (misuse == Misuse::kSwizzle) b |= uint64_t{1} << 62;
-    if (misuse == Misuse::kDivergentOperands && tid() == 9) a += 1;  // 16 bytes on
-    t.Wgmma(d, a, b, tr);
+    if (misuse == Misuse::kDivergentOperands && this->tid() == 9) a += 1;  // 16 bytes on
+    this->t.Wgmma(d, a, b, tr);
   }
   void WgmmaRegA(float d[16], uint32_t a[4], uint64_t b, bool tr) {
     a_regs = a;
     acc = d;
-    t.WgmmaRegA(d, a, b, tr);
+    this->t.WgmmaRegA(d, a, b, tr);
   }
   void WgmmaCommit() {
-    t.WgmmaCommit();
-    if (misuse == Misuse::kWriteInFlight && tid() == 0) t.St(WgmmaProbeSmem::kB2, uint16_t{0});
-    if (misuse == Misuse::kARegsInFlight && tid() == 7) a_regs[2] ^= 1;
-    if (misuse == Misuse::kAccInFlight && tid() == 3) acc[0] += 1;
+    this->t.WgmmaCommit();
+    const int tid = this->tid();
+    if (misuse == Misuse::kWriteInFlight && tid == 0) this->t.St(WgmmaProbeSmem::kB2, uint16_t{0});
+    if (misuse == Misuse::kARegsInFlight && tid == 7) a_regs[2] ^= 1;
+    if (misuse == Misuse::kAccInFlight && tid == 3) acc[0] += 1;
   }
   void WgmmaWait(int n) {
-    if (misuse != Misuse::kNoWait) t.WgmmaWait(n);
+    if (misuse != Misuse::kNoWait) this->t.WgmmaWait(n);
   }
   void FenceProxyAsync() {
-    if (tid() == 5 && misuse == Misuse::kNoProxyFence) return;
-    if (tid() == 5 && misuse == Misuse::kProxyFenceLate) {
+    if (this->tid() == 5 && misuse == Misuse::kNoProxyFence) return;
+    if (this->tid() == 5 && misuse == Misuse::kProxyFenceLate) {
       fence_owed = true;
       return;
     }
-    t.FenceProxyAsync();
-  }
-  void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
-  void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
-  void WgmmaLanded(float* d, int n) { t.WgmmaLanded(d, n); }
-  void WgmmaLandedA(uint32_t* a, int n) { t.WgmmaLandedA(a, n); }
-  template <typename V>
-  V Gld(const V* p) const {
-    return t.Gld(p);
-  }
-  template <typename V>
-  void Gst(V* p, V v) {
-    t.Gst(p, v);
+    this->t.FenceProxyAsync();
   }
 };
 

@@ -419,6 +419,19 @@ __global__ void __launch_bounds__(wgmma::kGroupThreads)
   WgmmaProbeBlock(g, a, b, b2, out);
 }
 
+// Whether the current GPU (its ordinal in *device) is compute capability 9.0, where the sm_90a
+// image runs.
+bool CurrentGpuIsCc90(int* device) {
+  int major = 0, minor = 0;
+  if (cudaGetDevice(device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
 // The probe on the current GPU against float64: whether wgmma computes what the simulation does
 // (descriptors, core-matrix layouts, fragments, both operand forms). Any CUDA error is a failure.
 bool RunWgmmaProbe() {
@@ -497,16 +510,11 @@ bool MlaUsesPipeline(const MlaParams& p) {
 
 bool MlaUsesWgmma(const MlaParams& p) {
 #ifdef ATTND_CUDA_SM90A
-  if (!p.wgmma || !MlaUsesPipeline(p) || !MlaWgmmaTakes(p.heads, p.latent, p.rope, p.kv.dtype))
+  // The cheap tests first: this runs for every MLA launch with p.wgmma set.
+  if (!p.wgmma || g_probe.load() != 1 || !MlaWgmmaTakes(p.heads, p.latent, p.rope, p.kv.dtype))
     return false;
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0 && PipeStages(p, true) > 0 && g_probe.load() == 1;
+  int device = 0;
+  return CurrentGpuIsCc90(&device) && MlaUsesPipeline(p) && PipeStages(p, true) > 0;
 #else
   (void)p;
   return false;  // no sm_90a image was built (CMakeLists.txt): the kernel would trap
@@ -525,14 +533,8 @@ bool MlaWgmmaBuilt() {
 
 bool MlaWgmmaSelfCheck() {
 #ifdef ATTND_CUDA_SM90A
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  if (major != 9 || minor != 0) return false;  // not latched: another GPU may be 9.0
+  int device = 0;
+  if (!CurrentGpuIsCc90(&device)) return false;  // not latched: another GPU may be 9.0
   std::lock_guard<std::mutex> lock(g_probe_mu);
   if (g_probe.load() < 0) {
     const bool passed = RunWgmmaProbe();

@@ -122,6 +122,32 @@ ATTND_HD int64_t PipeSlot(G& g, const MlaPipeParams& p, int q, const PipeKeys& k
   return static_cast<int64_t>(page) * p.table.page_size + pos % p.table.page_size;
 }
 
+// Values [d, d + 4) of query q's head h0 + h as packed bf16, by one 16-byte load (L and R are
+// multiples of 16 and the query rows 16-byte aligned: MlaUsesPipeline).
+template <typename G>
+ATTND_HD uint64_t PipeQueryBf16x4(G& g, const MlaPipeParams& p, int q, int h0, int h, int d) {
+  const int L = p.latent, R = p.rope;
+  const int64_t head = static_cast<int64_t>(q) * p.heads + h0 + h;
+  const F32x4 v = g.Gld(reinterpret_cast<const F32x4*>(d < L ? p.q_latent + head * L + d
+                                                             : p.q_rope + head * R + d - L));
+  uint64_t packed = 0;
+  for (int e = 0; e < 4; ++e) packed |= uint64_t{F32ToBF16(v.v[e])} << (16 * e);
+  return packed;
+}
+
+// Chunk c (8 values) of the fp8 row at shared offset `row`, as 4 words of bf16 pairs: codes x
+// their tile's scale, or the rope copied.
+template <typename G>
+ATTND_HD void PipeDecodeChunk(G& g, uint32_t row, int L, int c, uint32_t w[4]) {
+  const Fp8LatentChunk at = LatentChunkAt(L, c);
+  if (at.rope) {
+    for (int e = 0; e < 4; ++e) w[e] = g.template Ld<uint32_t>(row + at.rope_bytes + 4 * e);
+  } else {
+    const uint64_t codes = g.template Ld<uint64_t>(row + at.codes);
+    DecodeE4M3x8(codes, g.template Ld<float>(row + at.scale), w);
+  }
+}
+
 // One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
 template <bool kFp8, typename G>
 ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) {
@@ -166,12 +192,7 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   // m = -inf, l = 0 (copy 0).
   for (int i = tid; i < kPipeHeads * (D / 4); i += kPipeThreads) {
     const int h = i / (D / 4), d = i % (D / 4) * 4;
-    const int64_t head = static_cast<int64_t>(q) * H + h0 + h;
-    const F32x4 v = g.Gld(reinterpret_cast<const F32x4*>(d < L ? p.q_latent + head * L + d
-                                                               : p.q_rope + head * R + d - L));
-    uint64_t packed = 0;
-    for (int e = 0; e < 4; ++e) packed |= uint64_t{F32ToBF16(v.v[e])} << (16 * e);
-    g.St(sm.q + h * row + d * 2, packed);
+    g.St(sm.q + h * row + d * 2, PipeQueryBf16x4(g, p, q, h0, h, d));
   }
   if (tid < kPipeHeads) {
     g.St(sm.m + tid * 4, -INFINITY);
@@ -205,15 +226,8 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
     if (kFp8) {  // rows -> bf16 (codes x their tile's scale; rope copied)
       for (int i = tid; i < kPipeKeys * (D / 8); i += kPipeThreads) {
         const int j = i / (D / 8), c = i % (D / 8);
-        const uint32_t src = k + j * srow;
-        const Fp8LatentChunk at = LatentChunkAt(L, c);
         uint32_t w[4];
-        if (at.rope) {
-          for (int e = 0; e < 4; ++e) w[e] = g.template Ld<uint32_t>(src + at.rope_bytes + 4 * e);
-        } else {
-          const uint64_t codes = g.template Ld<uint64_t>(src + at.codes);
-          DecodeE4M3x8(codes, g.template Ld<float>(src + at.scale), w);
-        }
+        PipeDecodeChunk(g, k + j * srow, L, c, w);
         for (int e = 0; e < 4; ++e) g.St(sm.decoded + j * row + c * 16 + 4 * e, w[e]);
       }
       g.Sync();

@@ -116,12 +116,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   // and an 8-byte store (the query rows 16-byte aligned: MlaUsesWgmma).
   for (int i = tid; i < kPipeHeads * (D / 4); i += kWgThreads) {
     const int h = i / (D / 4), d = i % (D / 4) * 4;
-    const int64_t head = static_cast<int64_t>(q) * H + h0 + h;
-    const F32x4 v = g.Gld(reinterpret_cast<const F32x4*>(d < L ? p.q_latent + head * L + d
-                                                               : p.q_rope + head * R + d - L));
-    uint64_t packed = 0;
-    for (int e = 0; e < 4; ++e) packed |= uint64_t{F32ToBF16(v.v[e])} << (16 * e);
-    g.St(sm.q + wgmma::TileAt(D, h, d / 8) + (d % 8) * 2, packed);
+    g.St(sm.q + wgmma::TileAt(D, h, d / 8) + (d % 8) * 2, PipeQueryBf16x4(g, p, q, h0, h, d));
   }
 
   // This thread's rows of the 64 heads: 16 wwarp + RowD (two of them, r = 0, 1); their running
@@ -151,15 +146,8 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
       // Key fastest: a quarter-warp's 16-byte stores fill one core matrix (128 bytes).
       for (int i = tid; i < kPipeKeys * (D / 8); i += kWgThreads) {
         const int j = i % kPipeKeys, c = i / kPipeKeys;
-        const uint32_t src = k + j * srow;
-        const Fp8LatentChunk at = LatentChunkAt(L, c);
         U32x4 w;
-        if (at.rope) {
-          for (int e = 0; e < 4; ++e) w.v[e] = g.template Ld<uint32_t>(src + at.rope_bytes + 4 * e);
-        } else {
-          const uint64_t codes = g.template Ld<uint64_t>(src + at.codes);
-          DecodeE4M3x8(codes, g.template Ld<float>(src + at.scale), w.v);
-        }
+        PipeDecodeChunk(g, k + j * srow, L, c, w.v);
         g.St(sm.decoded + wgmma::TileAt(D, j, c), w);
       }
       g.FenceProxyAsync();

@@ -746,4 +746,52 @@ void SimtThread::WgmmaWait(int pending) {
 
 void SimtThread::FenceProxyAsync() { block_->fibers_[tid_].fence_tick = ++block_->tick_; }
 
+// A thread interface that passes every call on to another (`t`): tests derive their fault
+// injectors from it (a barrier skipped, a fence dropped, an operand changed in flight) and hide
+// only the calls they change.
+template <typename T>
+struct ForwardingThread {
+  T& t;
+  explicit ForwardingThread(T& inner) : t(inner) {}
+  int tid() const { return t.tid(); }
+  int lane() const { return t.lane(); }
+  int warp() const { return t.warp(); }
+  void Sync() { t.Sync(); }
+  template <typename V>
+  V Ld(uint32_t off) {
+    return t.template Ld<V>(off);
+  }
+  template <typename V>
+  void St(uint32_t off, V v) {
+    t.St(off, v);
+  }
+  void CpAsync16(uint32_t off, const void* src, bool valid) { t.CpAsync16(off, src, valid); }
+  void CpCommit() { t.CpCommit(); }
+  void CpWait(int n) { t.CpWait(n); }
+  float ShflXor(float v, int mask) { return t.ShflXor(v, mask); }
+  void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) { t.Mma(c, a, b); }
+  void LdMatrixX4(uint32_t r[4], uint32_t off, bool trans) { t.LdMatrixX4(r, off, trans); }
+  uint32_t SmemAddr(uint32_t off) const { return t.SmemAddr(off); }
+  void WgmmaFence() { t.WgmmaFence(); }
+  void Wgmma(float d[16], uint64_t a, uint64_t b, bool tr) { t.Wgmma(d, a, b, tr); }
+  void WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool tr) {
+    t.WgmmaRegA(d, a, b, tr);
+  }
+  void WgmmaCommit() { t.WgmmaCommit(); }
+  void WgmmaWait(int n) { t.WgmmaWait(n); }
+  void FenceProxyAsync() { t.FenceProxyAsync(); }
+  void WgmmaHold(float* d, int n) { t.WgmmaHold(d, n); }
+  void WgmmaHoldA(uint32_t* a, int n) { t.WgmmaHoldA(a, n); }
+  void WgmmaLanded(float* d, int n) { t.WgmmaLanded(d, n); }
+  void WgmmaLandedA(uint32_t* a, int n) { t.WgmmaLandedA(a, n); }
+  template <typename V>
+  V Gld(const V* p) const {
+    return t.Gld(p);
+  }
+  template <typename V>
+  void Gst(V* p, V v) {
+    t.Gst(p, v);
+  }
+};
+
 }  // namespace attnd::cuda::sim
