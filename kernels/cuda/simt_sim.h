@@ -4,12 +4,21 @@
 // a warp-wide instruction (mma.sync, a shuffle), which completes when every thread that must take
 // part has arrived. Used by tests only (tests/indexer_stream_sim_test.cc).
 //
+// Ordering is happens-before, by vector clocks: a thread's accesses are ordered after another's
+// by a barrier both passed (__syncthreads, or a named barrier bar.sync id, count both took part
+// in), or by an mbarrier (an arrive releases what the arriving thread did before it; a wait that
+// sees that phase complete acquires it).
+//
 // What it checks, as errors (std::runtime_error naming the thread and address):
-//  - shared memory, byte by byte, between two barriers: a byte written by one thread and read or
-//    written by another; a byte read before it was ever written; an access out of bounds or not
-//    aligned to its size;
+//  - shared memory, byte by byte: a byte written by one thread and read or written by another
+//    with no ordering between the two; a byte read before it was ever written; an access out of
+//    bounds or not aligned to its size; a generic access to an mbarrier's 8 bytes;
 //  - cp.async: a 16-byte copy not 16-byte aligned at either end; its bytes read or written
-//    before the issuing thread waited for its group (the copy lands only then);
+//    before the issuing thread waited for its group (the copy lands only then); a copy issued
+//    over bytes another thread read or wrote with no ordering before the issue;
+//  - barriers and mbarriers: named barriers taken with different counts; an mbarrier used before
+//    its mbarrier.init is ordered before the use, or initialised twice; threads left waiting
+//    (a deadlock, named with what each waits in);
 //  - global memory: a read or write outside the buffers the test registered, a write to an
 //    input, a misaligned access; each output byte's writes are counted (every output element
 //    written exactly once is the test's to assert);
@@ -21,10 +30,11 @@
 //    threads of a warpgroup reaching different instructions or operands; an issue without
 //    wgmma.fence since the thread's last wait; registers (accumulators, A) not held (WgmmaHold)
 //    before that fence or written after it; a descriptor with swizzle, base offset or reserved
-//    bits set; an operand byte out of bounds, never written, in a cp.async copy, written in the
-//    current phase (no barrier between the write and the wgmma), or written by a thread that did
-//    not execute fence.proxy.async between the write and a barrier before the wgmma; any
-//    write to an operand byte before every thread of the warpgroup waited for the wgmma;
+//    bits set; an operand byte out of bounds, never written, in a cp.async copy, written with no
+//    ordering before the wgmma (in every thread of the warpgroup), or written by a thread that
+//    did not execute fence.proxy.async between the write and the barrier or mbarrier arrive that
+//    orders it before the wgmma; any write to an operand byte before every thread of the
+//    warpgroup waited for the wgmma, or after, with no ordering after every thread's wait;
 //    accumulators or A's registers changed between the issue and the wait that lands them; a thread
 //    exiting with wgmma not waited for. A wgmma's result is computed from the operands as they are
 //    at its issue and lands at the wait (a body that reads its accumulators earlier reads the old
@@ -38,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -119,6 +130,15 @@ class SimtThread {
   int lane() const { return tid_ & 31; }
   int warp() const { return tid_ >> 5; }
   inline void Sync();
+  // bar.sync id, count: waits until `count` threads (whole warps) reached named barrier `id`
+  // (1-15; 0 is Sync's).
+  inline void NamedSync(int id, int count);
+  // mbarrier (sm_90) at shared offset `off` (8 bytes, 8-aligned): init for `count` arrivals a
+  // phase; arrive (release); wait until the phase of parity `parity` has completed (acquire:
+  // try_wait.parity in a loop — the phase after the last completed one has the other parity).
+  inline void MbarInit(uint32_t off, int count);
+  inline void MbarArrive(uint32_t off);
+  inline void MbarWait(uint32_t off, int parity);
   template <typename T>
   inline T Ld(uint32_t off);
   template <typename T>
@@ -183,10 +203,14 @@ class SimtBlock {
   SimtBlock(SimtMemory& memory, int threads, size_t smem_bytes)
       : memory_(memory), n_(threads), smem_(smem_bytes), meta_(smem_bytes), fibers_(threads) {
     if (threads % 32 != 0) throw std::runtime_error("threads must be whole warps");
+    if (threads > kMaxGroups * wgmma::kGroupThreads)
+      throw std::runtime_error("at most " + std::to_string(kMaxGroups) + " warpgroups");
     for (int t = 0; t < n_; ++t) {
       fibers_[t].thread.block_ = this;
       fibers_[t].thread.memory_ = &memory_;
       fibers_[t].thread.tid_ = t;
+      fibers_[t].vc.assign(n_, 0);
+      fibers_[t].vc[t] = 1;
     }
   }
 
@@ -212,17 +236,20 @@ class SimtBlock {
           if (!error_.empty()) throw std::runtime_error(error_);
         }
         if (ran) continue;
-        if (ReleaseWarps()) continue;
+        if (ReleaseWarps() || ReleaseNamed()) continue;
         int done = 0, barrier = 0;
         for (const Fiber& f : fibers_) done += f.state == kDone, barrier += f.state == kBarrier;
         if (done == n_) break;
-        if (barrier + done == n_ && done == 0) {
+        if (barrier == n_) {
+          // Everything before the barrier is ordered before everything after it.
+          std::vector<Fiber*> all;
+          for (Fiber& f : fibers_) all.push_back(&f);
+          Join(all);
           ++phase_;
-          for (Fiber& f : fibers_) f.fence_at_barrier.push_back(f.fence_tick);
-          for (Fiber& f : fibers_) f.state = kRunnable;
+          read_sets_.clear();
           continue;
         }
-        throw std::runtime_error(Stuck(done, barrier));
+        throw std::runtime_error(Stuck());
       }
     } catch (...) {
       // Every fiber still inside the body unwinds (its objects destroyed) before the error
@@ -238,12 +265,20 @@ class SimtBlock {
  private:
   friend class SimtThread;
   static constexpr size_t kStackBytes = 256 << 10;
-  enum State { kRunnable, kBarrier, kWarpOp, kDone };
+  static constexpr int kMaxGroups = 4;  // warpgroups a block (a byte's landed wgmma reads)
+  enum State { kRunnable, kBarrier, kNamed, kMbar, kWarpOp, kDone };
   enum Op { kNone, kMma, kShfl, kLdMatrix, kWgmma };
   // A wgmma in flight: the 16-byte operand ranges it reads, and the threads yet to land it.
+  // When every thread has waited, its reads are complete as of each thread's clock at its wait
+  // (`landed`): a later write to those bytes must be ordered after all of them.
   struct WgOp {
     std::vector<uint32_t> ranges;
     int waiting = wgmma::kGroupThreads;
+    int group = 0;
+    int phase = 0;  // the barrier phase its last thread waited in
+    uint32_t landed[wgmma::kGroupThreads] = {};
+    int ok_tid = -1;  // the last writer found ordered after every wait, and its clock's version
+    uint64_t ok_version = 0;
   };
   struct Pending {
     float* d;
@@ -275,8 +310,17 @@ class SimtBlock {
     uint64_t wg_desc_a = 0, wg_desc_b = 0;
     bool wg_trans = false, wg_fenced = false;
     std::vector<std::vector<Pending>> wg_groups{1};
-    uint64_t fence_tick = 0;
-    std::vector<uint64_t> fence_at_barrier;  // fence_tick when each barrier phase ended
+    // Happens-before: vc[u] is the last clock of thread u ordered before this thread's next
+    // action (vc[tid] its own clock, advanced by each release: a barrier, an mbarrier arrive);
+    // version counts its changes. fence_upto[c]: the tick of its last fence.proxy.async at its
+    // own clock c or earlier.
+    std::vector<uint32_t> vc;
+    uint64_t version = 0;
+    std::vector<uint64_t> fence_upto{0, 0};
+    // What it waits in: named barrier (id, count), mbarrier (offset, parity).
+    int bar_id = 0, bar_count = 0;
+    uint32_t mbar_off = 0;
+    int mbar_parity = 0;
     // Registers held (WgmmaHold) since the last wait, and their contents at the last fence.
     struct Held {
       const void* p;
@@ -291,12 +335,25 @@ class SimtBlock {
     };
     std::vector<std::vector<Copy>> groups{1};
   };
-  // Per shared-memory byte: who wrote and read it in which phase, whether a copy is in flight.
+  // Per shared-memory byte: its last write (thread, its clock, the barrier phase), its reads
+  // since (one thread's, or several in read_sets_[rset]; reads of an earlier phase are ordered
+  // by the barrier and forgotten), whether a copy is in flight or it is an mbarrier's, the wgmma
+  // reading it in flight, and per warpgroup the last landed wgmma that read it.
   struct Meta {
-    int writer = -1, wphase = -1, reader = -1, rphase = -1;
-    bool written = false, in_flight = false;
+    int writer = -1, wphase = -1, reader = -1, rphase = -1, rset = -1;
+    uint32_t wclk = 0, rclk = 0;
+    bool written = false, in_flight = false, mbar = false;
     uint64_t wtick = 0;   // when it was last written
     int async_reads = 0;  // wgmma in flight reading it
+    int landed[kMaxGroups] = {-1, -1, -1, -1};
+  };
+  struct Mbar {
+    int count = 0, pending = 0;
+    uint32_t completed = 0;      // phases completed
+    std::vector<uint32_t> acc;   // the arrivals of the open phase, joined
+    std::vector<uint32_t> done;  // ...of the last completed phase
+    int init_tid = 0;
+    uint32_t init_clk = 0;
   };
 
   static void Entry() {
@@ -420,22 +477,26 @@ class SimtBlock {
     return any;
   }
   // A wgmma operand's 16 bytes at `off`, as the async proxy reads them (see the header).
-  void ReadOperand(uint32_t off, uint16_t out[8], WgOp& op, int tid) {
+  // `meet`: the clocks every thread of the issuing warpgroup is ordered after (Meet).
+  void ReadOperand(uint32_t off, uint16_t out[8], WgOp& op, int tid,
+                   const std::vector<uint32_t>& meet) {
     if (off + 16 > smem_.size() || off % 16 != 0)
       Fail("wgmma operand out of bounds or misaligned", off, tid);
     for (uint32_t i = off; i < off + 16; ++i) {
       const Meta& m = meta_[i];
+      if (m.mbar) Fail("wgmma operand in an mbarrier", i, tid);
       if (m.in_flight) Fail("wgmma operand in a cp.async copy not waited for", i, tid);
       if (!m.written) Fail("wgmma operand never written", i, tid);
-      if (m.wphase == phase_)
+      const uint32_t seen = meet[m.writer];  // the writer's last clock every issuer is after
+      if (m.wclk > seen)
         Fail("wgmma operand written by thread " + std::to_string(m.writer) +
                  " with no barrier before the wgmma",
              i, tid);
-      // The writer must have executed fence.proxy.async after the write and before a barrier
-      // this wgmma comes after: its fence as of the last barrier (m.wphase < phase_ here, so
-      // there was one), not one it executes later.
-      const auto& fences = fibers_[m.writer].fence_at_barrier;
-      if (fences.empty() || fences.back() < m.wtick)
+      // The writer must have executed fence.proxy.async after the write and before the release
+      // (barrier, mbarrier arrive) that orders it before the wgmma: its last fence at clock
+      // `seen` or earlier, not one it executes later.
+      const auto& fu = fibers_[m.writer].fence_upto;
+      if (fu[std::min<size_t>(seen, fu.size() - 1)] < m.wtick)
         Fail("wgmma operand written by thread " + std::to_string(m.writer) +
                  " without fence.proxy.async between the write and a barrier before the wgmma",
              i, tid);
@@ -465,6 +526,8 @@ class SimtBlock {
     if ((!reg_a && !wgmma::DescPlain(da)) || !wgmma::DescPlain(db))
       throw std::runtime_error("wgmma descriptor with swizzle, base offset or reserved bits");
     auto op = std::make_shared<WgOp>();
+    op->group = g;
+    const std::vector<uint32_t>& meet = Meet(g);
     float A[64][16], B[16][32];  // A [m][k], B [k][n]
     uint16_t v[8];
     if (reg_a) {
@@ -476,20 +539,20 @@ class SimtBlock {
     } else {
       for (int m = 0; m < 64; ++m)
         for (int k = 0; k < 16; k += 8) {
-          ReadOperand(wgmma::DescAddr(da) + wgmma::KMajorAt(da, m, k), v, *op, tid0);
+          ReadOperand(wgmma::DescAddr(da) + wgmma::KMajorAt(da, m, k), v, *op, tid0, meet);
           for (int e = 0; e < 8; ++e) A[m][k + e] = BF16ToF32(v[e]);
         }
     }
     if (f[0].wg_trans) {
       for (int k = 0; k < 16; ++k)
         for (int n = 0; n < 32; n += 8) {
-          ReadOperand(wgmma::DescAddr(db) + wgmma::MnMajorAt(db, k, n), v, *op, tid0);
+          ReadOperand(wgmma::DescAddr(db) + wgmma::MnMajorAt(db, k, n), v, *op, tid0, meet);
           for (int e = 0; e < 8; ++e) B[k][n + e] = BF16ToF32(v[e]);
         }
     } else {
       for (int n = 0; n < 32; ++n)
         for (int k = 0; k < 16; k += 8) {
-          ReadOperand(wgmma::DescAddr(db) + wgmma::KMajorAt(db, n, k), v, *op, tid0);
+          ReadOperand(wgmma::DescAddr(db) + wgmma::KMajorAt(db, n, k), v, *op, tid0, meet);
           for (int e = 0; e < 8; ++e) B[k + e][n] = BF16ToF32(v[e]);
         }
     }
@@ -564,15 +627,93 @@ class SimtBlock {
             groups[g][j].chained = false;
             next = true;
           }
-      if (--p.op->waiting == 0)
+      p.op->landed[tid % wgmma::kGroupThreads] = fibers_[tid].vc[tid];
+      if (--p.op->waiting == 0) {
+        const int id = static_cast<int>(landed_.size());
+        p.op->phase = phase_;
         for (uint32_t off : p.op->ranges)
-          for (uint32_t i = off; i < off + 16; ++i) --meta_[i].async_reads;
+          for (uint32_t i = off; i < off + 16; ++i) {
+            --meta_[i].async_reads;
+            meta_[i].landed[p.op->group] = id;
+          }
+        p.op->ranges = {};
+        landed_.push_back(p.op);
+      }
     }
     groups.erase(groups.begin());
   }
-  std::string Stuck(int done, int barrier) const {
-    return "block stuck: " + std::to_string(barrier) + " threads at a barrier, " +
-           std::to_string(done) + " exited (a barrier some threads never reach)";
+  std::string Stuck() const {
+    int count[kDone + 1] = {};
+    for (const Fiber& f : fibers_) ++count[f.state];
+    return "block stuck: " + std::to_string(count[kBarrier]) + " threads at a barrier, " +
+           std::to_string(count[kNamed]) + " at a named barrier, " + std::to_string(count[kMbar]) +
+           " waiting on an mbarrier, " + std::to_string(count[kWarpOp]) +
+           " in a warp-wide instruction, " + std::to_string(count[kDone]) +
+           " exited (a barrier some threads never reach)";
+  }
+  // Happens-before. A release advances the thread's clock (what it does next is not ordered by
+  // it); a join orders each thread after all of them (a barrier).
+  void Release(Fiber& f) {
+    const int t = f.thread.tid_;
+    ++f.vc[t];
+    f.fence_upto.push_back(f.fence_upto.back());
+    ++f.version;
+  }
+  void Acquire(Fiber& f, const std::vector<uint32_t>& clocks) {
+    for (int u = 0; u < n_; ++u) f.vc[u] = std::max(f.vc[u], clocks[u]);
+    ++f.version;
+  }
+  void Join(const std::vector<Fiber*>& fs) {
+    std::vector<uint32_t> j(n_, 0);
+    for (const Fiber* f : fs)
+      for (int u = 0; u < n_; ++u) j[u] = std::max(j[u], f->vc[u]);
+    for (Fiber* f : fs) {
+      Acquire(*f, j);
+      Release(*f);
+      f->state = kRunnable;
+    }
+  }
+  // Whether thread u's action at clock `clk` is ordered before thread t's next one.
+  bool Before(int u, uint32_t clk, int t) const { return u == t || clk <= fibers_[t].vc[u]; }
+  // The clocks every thread of warpgroup g is ordered after (the least of each), cached until
+  // one of them changes.
+  const std::vector<uint32_t>& Meet(int g) {
+    constexpr int kG = wgmma::kGroupThreads;
+    uint64_t sig = 0;
+    for (int l = 0; l < kG; ++l) sig += fibers_[g * kG + l].version;
+    MeetCache& c = meet_[g];
+    if (c.sig != sig || c.clocks.empty()) {
+      c.clocks = fibers_[g * kG].vc;
+      for (int l = 1; l < kG; ++l)
+        for (int u = 0; u < n_; ++u) c.clocks[u] = std::min(c.clocks[u], fibers_[g * kG + l].vc[u]);
+      c.sig = sig;
+    }
+    return c.clocks;
+  }
+  // Releases each named barrier `count` threads wait at.
+  bool ReleaseNamed() {
+    bool any = false;
+    for (int id = 1; id < 16; ++id) {
+      std::vector<Fiber*> at;
+      for (Fiber& f : fibers_)
+        if (f.state == kNamed && f.bar_id == id) {
+          if (!at.empty() && f.bar_count != at[0]->bar_count)
+            throw std::runtime_error("named barrier " + std::to_string(id) +
+                                     " taken with different thread counts");
+          at.push_back(&f);
+        }
+      if (at.empty() || static_cast<int>(at.size()) < at[0]->bar_count) continue;
+      Join(at);
+      any = true;
+    }
+    return any;
+  }
+  Mbar& MbarAt(uint32_t off, int tid) {
+    auto it = mbars_.find(off);
+    if (it == mbars_.end()) Fail("not an initialised mbarrier", off, tid);
+    if (!Before(it->second.init_tid, it->second.init_clk, tid))
+      Fail("mbarrier used with no barrier after its mbarrier.init", off, tid);
+    return it->second;
   }
   [[noreturn]] void Fail(const std::string& what, uint32_t off, int tid) const {
     throw std::runtime_error("shared memory: " + what + " at byte " + std::to_string(off) +
@@ -584,32 +725,80 @@ class SimtBlock {
   }
   void Read(uint32_t off, void* out, size_t bytes, int tid) {
     CheckRange(off, bytes, tid);
+    const uint32_t clk = fibers_[tid].vc[tid];
     for (size_t i = 0; i < bytes; ++i) {
       Meta& m = meta_[off + i];
+      if (m.mbar) Fail("generic access to an mbarrier", off + i, tid);
       if (m.in_flight) Fail("read of a cp.async copy not waited for", off + i, tid);
       if (!m.written) Fail("read of a never-written byte", off + i, tid);
-      if (m.wphase == phase_ && m.writer != tid)
-        Fail("read of a byte thread " + std::to_string(m.writer) + " wrote in this phase", off + i,
-             tid);
-      m.reader = (m.rphase == phase_ && m.reader != tid) ? -2 : tid;
-      m.rphase = phase_;
+      if (m.wphase == phase_ && !Before(m.writer, m.wclk, tid))
+        Fail("read of a byte thread " + std::to_string(m.writer) + " wrote with no barrier between",
+             off + i, tid);
+      // The reads a later write must be ordered after: one thread's, or a set.
+      if (m.rphase != phase_ || (m.reader >= 0 && Before(m.reader, m.rclk, tid))) {
+        m.reader = tid, m.rclk = clk, m.rphase = phase_;
+      } else if (m.reader >= 0) {
+        m.rset = static_cast<int>(read_sets_.size());
+        read_sets_.push_back({{m.reader, m.rclk}, {tid, clk}});
+        m.reader = -2;
+      } else {
+        auto& set = read_sets_[m.rset];
+        auto e =
+            std::find_if(set.begin(), set.end(), [&](const auto& r) { return r.first == tid; });
+        if (e != set.end()) {
+          e->second = clk;
+        } else {
+          set.push_back({tid, clk});
+        }
+      }
     }
     std::memcpy(out, smem_.data() + off, bytes);
   }
+  // A write (or a copy's issue) by tid over byte i: every earlier access ordered before it.
+  void CheckWrite(uint32_t i, int tid, const char* in_flight) {
+    Meta& m = meta_[i];
+    if (m.mbar) Fail("generic access to an mbarrier", i, tid);
+    if (m.in_flight) Fail(in_flight, i, tid);
+    if (m.async_reads > 0) Fail("write over an operand of a wgmma in flight", i, tid);
+    if (m.wphase == phase_ && !Before(m.writer, m.wclk, tid)) Fail("write-write race", i, tid);
+    if (m.rphase == phase_) {
+      bool ordered = m.reader >= 0 && Before(m.reader, m.rclk, tid);
+      if (m.reader == -2) {
+        ordered = true;
+        for (const auto& r : read_sets_[m.rset])
+          ordered = ordered && Before(r.first, r.second, tid);
+      }
+      if (!ordered) Fail("write of a byte another thread read", i, tid);
+    }
+    for (int g = 0; g < kMaxGroups; ++g) {
+      if (m.landed[g] < 0) continue;
+      WgOp& op = *landed_[m.landed[g]];
+      const Fiber& f = fibers_[tid];
+      if (op.phase != phase_) continue;  // a barrier since every wait
+      if (op.ok_tid == tid && op.ok_version == f.version) continue;
+      for (int l = 0; l < wgmma::kGroupThreads; ++l)
+        if (!Before(g * wgmma::kGroupThreads + l, op.landed[l], tid))
+          Fail("write of a byte a wgmma of thread " + std::to_string(g * wgmma::kGroupThreads + l) +
+                   " read, with no barrier after its wait",
+               i, tid);
+      op.ok_tid = tid, op.ok_version = f.version;
+    }
+  }
   void Write(uint32_t off, const void* in, size_t bytes, int tid, bool landing = false) {
     CheckRange(off, bytes, tid);
+    const uint32_t clk = fibers_[tid].vc[tid];
     for (size_t i = 0; i < bytes; ++i) {
+      // A copy landing was checked at its issue (its bytes were in flight since).
+      if (!landing) CheckWrite(off + i, tid, "write over a cp.async copy in flight");
       Meta& m = meta_[off + i];
-      if (m.in_flight && !landing) Fail("write over a cp.async copy in flight", off + i, tid);
-      if (m.async_reads > 0) Fail("write over an operand of a wgmma in flight", off + i, tid);
-      if (m.wphase == phase_ && m.writer != tid) Fail("write-write race", off + i, tid);
-      if (m.rphase == phase_ && m.reader != tid)
-        Fail("write of a byte another thread read", off + i, tid);
       m.writer = tid;
+      m.wclk = clk;
       m.wphase = phase_;
       m.written = true;
       m.in_flight = false;
       m.wtick = ++tick_;
+      m.rphase = -1;
+      for (int& l : m.landed) l = -1;
     }
     std::memcpy(smem_.data() + off, in, bytes);
   }
@@ -623,14 +812,80 @@ class SimtBlock {
   std::function<void(SimtThread&)> body_;
   ucontext_t main_;
   int running_ = 0;
-  int phase_ = 0;
+  int phase_ = 0;      // full barriers passed
   uint64_t tick_ = 0;  // orders shared-memory writes and proxy fences
+  std::vector<std::vector<std::pair<int, uint32_t>>> read_sets_;  // this phase's (Meta::rset)
+  std::vector<std::shared_ptr<WgOp>> landed_;                     // landed wgmma (Meta::landed)
+  std::map<uint32_t, Mbar> mbars_;
+  struct MeetCache {
+    uint64_t sig = 0;
+    std::vector<uint32_t> clocks;
+  };
+  MeetCache meet_[kMaxGroups];
   std::string error_;
   const void* main_bottom_ = nullptr;
   size_t main_size_ = 0;
 };
 
 inline void SimtThread::Sync() { block_->Yield(SimtBlock::kBarrier); }
+
+void SimtThread::NamedSync(int id, int count) {
+  if (id < 1 || id > 15 || count <= 0 || count % 32 != 0 || count > block_->n_)
+    throw std::runtime_error("thread " + std::to_string(tid_) + ": named barrier " +
+                             std::to_string(id) + " of " + std::to_string(count) + " threads");
+  auto& f = block_->fibers_[tid_];
+  f.bar_id = id;
+  f.bar_count = count;
+  block_->Yield(SimtBlock::kNamed);
+}
+
+void SimtThread::MbarInit(uint32_t off, int count) {
+  block_->CheckRange(off, 8, tid_);
+  if (count < 1) block_->Fail("mbarrier.init with no arrivals", off, tid_);
+  if (block_->mbars_.count(off) != 0) block_->Fail("mbarrier initialised twice", off, tid_);
+  for (uint32_t i = off; i < off + 8; ++i) {
+    block_->CheckWrite(i, tid_, "mbarrier.init over a cp.async copy in flight");
+    block_->meta_[i].mbar = true;
+  }
+  SimtBlock::Mbar m;
+  m.count = m.pending = count;
+  m.acc.assign(block_->n_, 0);
+  m.done.assign(block_->n_, 0);
+  m.init_tid = tid_;
+  m.init_clk = block_->fibers_[tid_].vc[tid_];
+  block_->mbars_[off] = std::move(m);
+}
+
+void SimtThread::MbarArrive(uint32_t off) {
+  SimtBlock::Mbar& m = block_->MbarAt(off, tid_);
+  auto& f = block_->fibers_[tid_];
+  for (int u = 0; u < block_->n_; ++u) m.acc[u] = std::max(m.acc[u], f.vc[u]);
+  block_->Release(f);
+  if (--m.pending > 0) return;
+  // The phase completes: its waiters see everything its arrivals did before arriving.
+  m.done.swap(m.acc);
+  m.acc.assign(block_->n_, 0);
+  m.pending = m.count;
+  ++m.completed;
+  for (auto& w : block_->fibers_)
+    if (w.state == SimtBlock::kMbar && w.mbar_off == off &&
+        static_cast<int>(m.completed & 1) != w.mbar_parity) {
+      block_->Acquire(w, m.done);
+      w.state = SimtBlock::kRunnable;
+    }
+}
+
+void SimtThread::MbarWait(uint32_t off, int parity) {
+  SimtBlock::Mbar& m = block_->MbarAt(off, tid_);
+  auto& f = block_->fibers_[tid_];
+  if (static_cast<int>(m.completed & 1) != (parity & 1)) {  // that phase has completed
+    block_->Acquire(f, m.done);
+    return;
+  }
+  f.mbar_off = off;
+  f.mbar_parity = parity & 1;
+  block_->Yield(SimtBlock::kMbar);  // MbarArrive wakes it, ordered after the phase's arrivals
+}
 
 template <typename T>
 T SimtThread::Ld(uint32_t off) {
@@ -652,9 +907,9 @@ void SimtThread::CpAsync16(uint32_t off, const void* src, bool valid) {
     std::memcpy(c.bytes, src, 16);
   }
   for (int i = 0; i < 16; ++i) {
-    SimtBlock::Meta& m = block_->meta_[off + i];
-    if (m.in_flight) block_->Fail("cp.async over a copy in flight", off + i, tid_);
-    m.in_flight = true;
+    // The copy may land any time from now: everything before it must be ordered before now.
+    block_->CheckWrite(off + i, tid_, "cp.async over a copy in flight");
+    block_->meta_[off + i].in_flight = true;
   }
   block_->fibers_[tid_].groups.back().push_back(c);
 }
@@ -744,7 +999,10 @@ void SimtThread::WgmmaWait(int pending) {
   f.held.clear();
 }
 
-void SimtThread::FenceProxyAsync() { block_->fibers_[tid_].fence_tick = ++block_->tick_; }
+void SimtThread::FenceProxyAsync() {
+  auto& f = block_->fibers_[tid_];
+  f.fence_upto[f.vc[tid_]] = ++block_->tick_;
+}
 
 // A thread interface that passes every call on to another (`t`): tests derive their fault
 // injectors from it (a barrier skipped, a fence dropped, an operand changed in flight) and hide
@@ -757,6 +1015,10 @@ struct ForwardingThread {
   int lane() const { return t.lane(); }
   int warp() const { return t.warp(); }
   void Sync() { t.Sync(); }
+  void NamedSync(int id, int count) { t.NamedSync(id, count); }
+  void MbarInit(uint32_t off, int count) { t.MbarInit(off, count); }
+  void MbarArrive(uint32_t off) { t.MbarArrive(off); }
+  void MbarWait(uint32_t off, int parity) { t.MbarWait(off, parity); }
   template <typename V>
   V Ld(uint32_t off) {
     return t.template Ld<V>(off);
