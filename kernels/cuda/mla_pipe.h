@@ -148,6 +148,22 @@ ATTND_HD void PipeDecodeChunk(G& g, uint32_t row, int L, int c, uint32_t w[4]) {
   }
 }
 
+// Split z's keys [first, last) of a query's `total` (the fixed partition of mla_split.h), in
+// tiles of kPipeKeys.
+struct PipeSplit {
+  int64_t first, last;
+  int tiles;
+};
+ATTND_HD inline PipeSplit PipeSplitOf(int64_t total, int z) {
+  const int64_t tiles64 = (total + kMlaTileKeys - 1) / kMlaTileKeys;
+  const int64_t per = MlaTilesPerSplit(total);
+  PipeSplit s;
+  s.first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
+  s.last = (z + 1) * per * kMlaTileKeys < total ? (z + 1) * per * kMlaTileKeys : total;
+  s.tiles = static_cast<int>((s.last - s.first + kPipeKeys - 1) / kPipeKeys);
+  return s;
+}
+
 // One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
 template <bool kFp8, typename G>
 ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) {
@@ -157,12 +173,9 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   const PipeKeys keys = PipeKeysOf(g, p, q);
   const int splits = MlaQuerySplits(keys.total);
   if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
-  const int64_t tiles64 = (keys.total + kMlaTileKeys - 1) / kMlaTileKeys;
-  const int64_t per = MlaTilesPerSplit(keys.total);
-  const int64_t first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
-  const int64_t last =
-      (z + 1) * per * kMlaTileKeys < keys.total ? (z + 1) * per * kMlaTileKeys : keys.total;
-  const int tiles = static_cast<int>((last - first + kPipeKeys - 1) / kPipeKeys);
+  const PipeSplit sp = PipeSplitOf(keys.total, z);
+  const int64_t first = sp.first, last = sp.last;
+  const int tiles = sp.tiles;
   const MlaPipeSmem sm = MlaPipeSmem::Of(L, R, kFp8, p.stages);
   const uint32_t row = static_cast<uint32_t>(D + 8) * 2, prow = (kPipeKeys + 8) * 2;
   const int S = p.stages;

@@ -68,26 +68,177 @@ struct MlaWgmmaSmem {
   }
 };
 
+// This warpgroup's rows of the 64 heads: 16 wwarp + RowD (two of them, r = 0, 1), their
+// running max and denominator (the same in the row's 4 threads and in both warpgroups), and O's
+// columns [wg L / 2, (wg + 1) L / 2) in chunks of 32, in registers.
+struct WgmmaRows {
+  float m[2], l[2];
+  float o[kWgChunks][16];
+};
+
+// The query's heads [h0, h0 + 64) into shared memory at q_off as bf16 core matrices, 4 values a
+// 16-byte load and an 8-byte store (the query rows 16-byte aligned: MlaUsesWgmma), by the
+// kWgThreads threads of the two warpgroups (tid).
+template <typename G>
+ATTND_HD void WgmmaStoreQuery(G& g, const MlaPipeParams& p, int q, int h0, uint32_t q_off,
+                              int tid) {
+  constexpr int D = kWgLatent + kWgRope;
+  for (int i = tid; i < kPipeHeads * (D / 4); i += kWgThreads) {
+    const int h = i / (D / 4), d = i % (D / 4) * 4;
+    g.St(q_off + wgmma::TileAt(D, h, d / 8) + (d % 8) * 2, PipeQueryBf16x4(g, p, q, h0, h, d));
+  }
+}
+
+// One tile of 32 keys (nk of them real) at k, in core matrices, through a warpgroup: S = Q K^T,
+// the online softmax on its accumulators, O = corr O + P V for the warpgroup's columns from
+// col0. Every operand it reads is published to the warpgroup before the call; every wgmma has
+// landed when it returns.
+template <typename G>
+ATTND_HD void WgmmaTile(G& g, const MlaPipeParams& p, WgmmaRows& a, uint32_t q_off, uint32_t k,
+                        int nk, int col0) {
+  constexpr int D = kWgLatent + kWgRope;
+  constexpr uint32_t sbo = static_cast<uint32_t>(D) * 16;  // rows of 8 apart in a tile
+  const int lane = g.lane();
+  // 1. S = Q K^T, 64 heads x 32 keys: D / 16 k-steps, both operands K-major from shared
+  // memory (core matrices 128 bytes apart along K, rows of 8 sbo apart).
+  float s[16];
+  ATTND_UNROLL
+  for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+  g.WgmmaHold(s, 16);
+  g.WgmmaFence();
+  ATTND_UNROLL
+  for (int ks = 0; ks < D / 16; ++ks)
+    g.Wgmma(s, wgmma::Desc(g.SmemAddr(q_off + ks * 256), 128, sbo),
+            wgmma::Desc(g.SmemAddr(k + ks * 256), 128, sbo), false);
+  g.WgmmaCommit();
+  g.WgmmaWait(0);
+  g.WgmmaLanded(s, 16);
+  // 2. Online softmax on the accumulators: value i is row RowD(lane, i) (r = (i >> 1) & 1),
+  // key ColD(lane, i); a row's 32 keys are in its 4 neighbouring lanes (shuffles 1, 2).
+  float mx[2] = {-INFINITY, -INFINITY};
+  ATTND_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    float x = s[i] * p.sm_scale;
+    if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
+    s[i] = wgmma::ColD(lane, i) < nk ? x : -INFINITY;
+    const int r = (i >> 1) & 1;
+    mx[r] = s[i] > mx[r] ? s[i] : mx[r];
+  }
+  float corr[2], sum[2] = {0.0f, 0.0f};
+  bool none[2];
+  ATTND_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    for (int off = 1; off < 4; off <<= 1) {
+      const float other = g.ShflXor(mx[r], off);
+      mx[r] = other > mx[r] ? other : mx[r];
+    }
+    if (a.m[r] > mx[r]) mx[r] = a.m[r];
+    corr[r] = a.m[r] == -INFINITY ? 0.0f : expf(a.m[r] - mx[r]);
+    none[r] = mx[r] == -INFINITY;  // nothing visible yet: probabilities stay 0
+  }
+  uint16_t pb[16];
+  ATTND_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    const int r = (i >> 1) & 1;
+    pb[i] = F32ToBF16(none[r] ? 0.0f : expf(s[i] - mx[r]));
+    sum[r] += BF16ToF32(pb[i]);  // the denominator sums what P holds
+  }
+  ATTND_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    for (int off = 1; off < 4; off <<= 1) sum[r] += g.ShflXor(sum[r], off);
+    a.l[r] = a.l[r] * corr[r] + sum[r];
+    a.m[r] = mx[r];
+  }
+  uint32_t pa[2][4];  // P as A of the two 16-key k-steps
+  ATTND_UNROLL
+  for (int ks = 0; ks < 2; ++ks) {
+    ATTND_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int i = wgmma::AFromD(ks, r);
+      pa[ks][r] = static_cast<uint32_t>(pb[i]) | (static_cast<uint32_t>(pb[i + 1]) << 16);
+    }
+  }
+  // 3. O = corr O + P V: per 32-column chunk, two k-steps of 16 keys; V is the tile read
+  // MN-major (keys along K: rows of 8 sbo apart; columns along N: chunks of 8 128 bytes apart).
+  ATTND_UNROLL
+  for (int n = 0; n < kWgChunks; ++n) {
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) a.o[n][i] *= corr[(i >> 1) & 1];
+    g.WgmmaHold(a.o[n], 16);
+  }
+  g.WgmmaHoldA(pa[0], 4);
+  g.WgmmaHoldA(pa[1], 4);
+  g.WgmmaFence();
+  ATTND_UNROLL
+  for (int n = 0; n < kWgChunks; ++n) {
+    ATTND_UNROLL
+    for (int ks = 0; ks < 2; ++ks)
+      g.WgmmaRegA(a.o[n], pa[ks],
+                  wgmma::Desc(g.SmemAddr(k + 2 * ks * sbo + ((col0 + 32 * n) / 8) * 128), sbo, 128),
+                  true);
+  }
+  g.WgmmaCommit();
+  g.WgmmaWait(0);
+  g.WgmmaLandedA(pa[0], 4);
+  g.WgmmaLandedA(pa[1], 4);
+  ATTND_UNROLL
+  for (int n = 0; n < kWgChunks; ++n) {
+    g.WgmmaLanded(a.o[n], 16);
+  }
+}
+
+// The block's result for query first_query + qx (q), heads from h0, split z of `splits`: of
+// one split the normalised output (and lse); of several this split's sums and (m, l) for
+// MlaCombineKernel. m and l: written once, by warpgroup 0's first thread of a row.
+template <typename G>
+ATTND_HD void WgmmaStore(G& g, const MlaPipeParams& p, const WgmmaRows& a, int qx, int q, int h0,
+                         int z, int splits, int wg, int col0) {
+  constexpr int L = kWgLatent;
+  const int H = p.heads, lane = g.lane(), wwarp = g.warp() % 4;
+  const bool partial = splits > 1;
+  const int64_t wave = p.part_queries;
+  float* out = partial ? p.part_out + static_cast<int64_t>(z) * wave * H * L : p.out;
+  const int row_q = partial ? qx : q;
+  ATTND_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int h = 16 * wwarp + wgmma::RowD(lane, 2 * r);
+    if (wg == 0 && mma::InGroup(lane) == 0) {
+      if (partial) {
+        float* ml = p.part_ml + ((static_cast<int64_t>(z) * wave + qx) * H + h0 + h) * 2;
+        g.Gst(ml, a.m[r]);
+        g.Gst(ml + 1, a.l[r]);
+      } else if (p.lse != nullptr) {
+        g.Gst(p.lse + static_cast<int64_t>(q) * H + h0 + h,
+              a.l[r] == 0 ? -INFINITY : a.m[r] + logf(a.l[r]));
+      }
+    }
+  }
+  ATTND_UNROLL
+  for (int n = 0; n < kWgChunks; ++n) {
+    ATTND_UNROLL
+    for (int i = 0; i < 16; ++i) {
+      const int r = (i >> 1) & 1, h = 16 * wwarp + wgmma::RowD(lane, i);
+      const float inv = partial ? 1.0f : a.l[r] > 0 ? 1.0f / a.l[r] : 0.0f;
+      const int col = col0 + 32 * n + wgmma::ColD(lane, i);
+      g.Gst(out + (static_cast<int64_t>(row_q) * H + h0 + h) * L + col, a.o[n][i] * inv);
+    }
+  }
+}
+
 // One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
 template <bool kFp8, typename G>
 ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) {
   constexpr int L = kWgLatent, R = kWgRope, D = L + R;  // p.latent, p.rope (MlaWgmmaTakes)
-  const int H = p.heads;
   const int q = p.first_query + qx, h0 = hy * kPipeHeads;
-  const int tid = g.tid(), lane = g.lane();
-  const int wg = tid / wgmma::kGroupThreads, wwarp = g.warp() % 4;  // warp within the group
+  const int tid = g.tid(), wg = tid / wgmma::kGroupThreads;
   const PipeKeys keys = PipeKeysOf(g, p, q);
   const int splits = MlaQuerySplits(keys.total);
   if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
-  const int64_t tiles64 = (keys.total + kMlaTileKeys - 1) / kMlaTileKeys;
-  const int64_t per = MlaTilesPerSplit(keys.total);
-  const int64_t first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
-  const int64_t last =
-      (z + 1) * per * kMlaTileKeys < keys.total ? (z + 1) * per * kMlaTileKeys : keys.total;
-  const int tiles = static_cast<int>((last - first + kPipeKeys - 1) / kPipeKeys);
+  const PipeSplit sp = PipeSplitOf(keys.total, z);
+  const int64_t first = sp.first, last = sp.last;
+  const int tiles = sp.tiles;
   const MlaWgmmaSmem sm = MlaWgmmaSmem::Of(L, R, kFp8, p.stages);
   const int S = p.stages;
-  const uint32_t sbo = static_cast<uint32_t>(D) * 16;  // rows of 8 apart in a tile
 
   // Tile t's rows into stage t % S, 16 bytes a copy: bf16 chunk c of key j at TileAt(j, c);
   // fp8 rows as stored. Rows past the split's end are zero-filled. kPipePerKey threads copy a
@@ -112,24 +263,18 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     g.CpCommit();
   }
 
-  // While those gathers fly: the query's heads as bf16 core matrices, 4 values a 16-byte load
-  // and an 8-byte store (the query rows 16-byte aligned: MlaUsesWgmma).
-  for (int i = tid; i < kPipeHeads * (D / 4); i += kWgThreads) {
-    const int h = i / (D / 4), d = i % (D / 4) * 4;
-    g.St(sm.q + wgmma::TileAt(D, h, d / 8) + (d % 8) * 2, PipeQueryBf16x4(g, p, q, h0, h, d));
-  }
+  // While those gathers fly: the query's heads as bf16 core matrices.
+  WgmmaStoreQuery(g, p, q, h0, sm.q, tid);
 
-  // This thread's rows of the 64 heads: 16 wwarp + RowD (two of them, r = 0, 1); their running
-  // max and denominator (the same in the row's 4 threads and in both warpgroups).
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-  // O: this warpgroup's columns [wg L / 2, (wg + 1) L / 2) in chunks of 32, in registers.
-  const int col0 = wg * (L / 2);
-  float o[kWgChunks][16];
+  WgmmaRows a;
+  ATTND_UNROLL
+  for (int r = 0; r < 2; ++r) a.m[r] = -INFINITY, a.l[r] = 0.0f;
   ATTND_UNROLL
   for (int n = 0; n < kWgChunks; ++n) {
     ATTND_UNROLL
-    for (int i = 0; i < 16; ++i) o[n][i] = 0.0f;
+    for (int i = 0; i < 16; ++i) a.o[n][i] = 0.0f;
   }
+  const int col0 = wg * (L / 2);
 
   for (int t = 0; t < tiles; ++t) {
     g.CpWait(S - 2);  // this thread's copies of tile t landed...
@@ -154,124 +299,9 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
       g.Sync();
       k = sm.decoded;
     }
-    // 1. S = Q K^T, 64 heads x 32 keys: D / 16 k-steps, both operands K-major from shared
-    // memory (core matrices 128 bytes apart along K, rows of 8 sbo apart).
-    float s[16];
-    ATTND_UNROLL
-    for (int i = 0; i < 16; ++i) s[i] = 0.0f;
-    g.WgmmaHold(s, 16);
-    g.WgmmaFence();
-    ATTND_UNROLL
-    for (int ks = 0; ks < D / 16; ++ks)
-      g.Wgmma(s, wgmma::Desc(g.SmemAddr(sm.q + ks * 256), 128, sbo),
-              wgmma::Desc(g.SmemAddr(k + ks * 256), 128, sbo), false);
-    g.WgmmaCommit();
-    g.WgmmaWait(0);
-    g.WgmmaLanded(s, 16);
-    // 2. Online softmax on the accumulators: value i is row RowD(lane, i) (r = (i >> 1) & 1),
-    // key ColD(lane, i); a row's 32 keys are in its 4 neighbouring lanes (shuffles 1, 2).
-    float mx[2] = {-INFINITY, -INFINITY};
-    ATTND_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      float x = s[i] * p.sm_scale;
-      if (p.soft_cap > 0) x = p.soft_cap * tanhf(x / p.soft_cap);
-      s[i] = wgmma::ColD(lane, i) < nk ? x : -INFINITY;
-      const int r = (i >> 1) & 1;
-      mx[r] = s[i] > mx[r] ? s[i] : mx[r];
-    }
-    float corr[2], sum[2] = {0.0f, 0.0f};
-    bool none[2];
-    ATTND_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      for (int off = 1; off < 4; off <<= 1) {
-        const float other = g.ShflXor(mx[r], off);
-        mx[r] = other > mx[r] ? other : mx[r];
-      }
-      if (m_run[r] > mx[r]) mx[r] = m_run[r];
-      corr[r] = m_run[r] == -INFINITY ? 0.0f : expf(m_run[r] - mx[r]);
-      none[r] = mx[r] == -INFINITY;  // nothing visible yet: probabilities stay 0
-    }
-    uint16_t pb[16];
-    ATTND_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      const int r = (i >> 1) & 1;
-      pb[i] = F32ToBF16(none[r] ? 0.0f : expf(s[i] - mx[r]));
-      sum[r] += BF16ToF32(pb[i]);  // the denominator sums what P holds
-    }
-    ATTND_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      for (int off = 1; off < 4; off <<= 1) sum[r] += g.ShflXor(sum[r], off);
-      l_run[r] = l_run[r] * corr[r] + sum[r];
-      m_run[r] = mx[r];
-    }
-    uint32_t pa[2][4];  // P as A of the two 16-key k-steps
-    ATTND_UNROLL
-    for (int ks = 0; ks < 2; ++ks) {
-      ATTND_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        const int i = wgmma::AFromD(ks, r);
-        pa[ks][r] = static_cast<uint32_t>(pb[i]) | (static_cast<uint32_t>(pb[i + 1]) << 16);
-      }
-    }
-    // 3. O = corr O + P V: per 32-column chunk, two k-steps of 16 keys; V is the tile read
-    // MN-major (keys along K: rows of 8 sbo apart; columns along N: chunks of 8 128 bytes apart).
-    ATTND_UNROLL
-    for (int n = 0; n < kWgChunks; ++n) {
-      ATTND_UNROLL
-      for (int i = 0; i < 16; ++i) o[n][i] *= corr[(i >> 1) & 1];
-      g.WgmmaHold(o[n], 16);
-    }
-    g.WgmmaHoldA(pa[0], 4);
-    g.WgmmaHoldA(pa[1], 4);
-    g.WgmmaFence();
-    ATTND_UNROLL
-    for (int n = 0; n < kWgChunks; ++n) {
-      ATTND_UNROLL
-      for (int ks = 0; ks < 2; ++ks)
-        g.WgmmaRegA(
-            o[n], pa[ks],
-            wgmma::Desc(g.SmemAddr(k + 2 * ks * sbo + ((col0 + 32 * n) / 8) * 128), sbo, 128),
-            true);
-    }
-    g.WgmmaCommit();
-    g.WgmmaWait(0);
-    g.WgmmaLandedA(pa[0], 4);
-    g.WgmmaLandedA(pa[1], 4);
-    ATTND_UNROLL
-    for (int n = 0; n < kWgChunks; ++n) {
-      g.WgmmaLanded(o[n], 16);
-    }
+    WgmmaTile(g, p, a, sm.q, k, nk, col0);
   }
-  // A query of one split: the normalised output (and lse); of several: this split's sums and
-  // (m, l) for MlaCombineKernel. m and l: written once, by warpgroup 0's first thread of a row.
-  const bool partial = splits > 1;
-  const int64_t wave = p.part_queries;
-  float* out = partial ? p.part_out + static_cast<int64_t>(z) * wave * H * L : p.out;
-  const int row_q = partial ? qx : q;
-  ATTND_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const int h = 16 * wwarp + wgmma::RowD(lane, 2 * r);
-    if (wg == 0 && mma::InGroup(lane) == 0) {
-      if (partial) {
-        float* ml = p.part_ml + ((static_cast<int64_t>(z) * wave + qx) * H + h0 + h) * 2;
-        g.Gst(ml, m_run[r]);
-        g.Gst(ml + 1, l_run[r]);
-      } else if (p.lse != nullptr) {
-        g.Gst(p.lse + static_cast<int64_t>(q) * H + h0 + h,
-              l_run[r] == 0 ? -INFINITY : m_run[r] + logf(l_run[r]));
-      }
-    }
-  }
-  ATTND_UNROLL
-  for (int n = 0; n < kWgChunks; ++n) {
-    ATTND_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      const int r = (i >> 1) & 1, h = 16 * wwarp + wgmma::RowD(lane, i);
-      const float inv = partial ? 1.0f : l_run[r] > 0 ? 1.0f / l_run[r] : 0.0f;
-      const int col = col0 + 32 * n + wgmma::ColD(lane, i);
-      g.Gst(out + (static_cast<int64_t>(row_q) * H + h0 + h) * L + col, o[n][i] * inv);
-    }
-  }
+  WgmmaStore(g, p, a, qx, q, h0, z, splits, wg, col0);
 }
 
 }  // namespace attnd::cuda
