@@ -417,18 +417,22 @@ int main(int argc, char** argv) {
     std::vector<float> simt_out;
     // SIMT; the pipelined tensor-core kernel (64 heads a block, cp.async ring); the
     // tile-per-block tensor-core kernel it replaces (64 heads a block); the pipelined kernel's
-    // wgmma form (sm_90a; on other GPUs this row repeats the pipelined one, labelled so).
-    attnd::cuda::MlaWgmmaSelfCheck();  // the wgmma row needs it passed (prints its verdict)
-    for (int variant : {0, 1, 2, 3}) {
+    // wgmma form and that form's warp-specialised variant (sm_90a; on other GPUs these rows
+    // repeat the pipelined one, labelled so).
+    attnd::cuda::MlaWgmmaSelfCheck();  // the wgmma rows need it passed (prints its verdict)
+    for (int variant : {0, 1, 2, 3, 4}) {
       mp.tensor_cores = variant > 0;
-      mp.pipeline = variant == 1 || variant == 3;
-      mp.wgmma = variant == 3;
+      mp.pipeline = variant == 1 || variant >= 3;
+      mp.wgmma = variant >= 3;
+      mp.wgmma_ws = variant == 4;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); });
       CHECK(cudaDeviceSynchronize());
       const std::vector<float> got = Download(out, size_t{B} * H * L);
       if (variant == 0) simt_out = got;
+      const bool wg = attnd::cuda::MlaUsesWgmma(mp);
       const std::string kind = variant == 0                       ? ""
-                               : attnd::cuda::MlaUsesWgmma(mp)    ? "wgmma"
+                               : wg && mp.wgmma_ws                ? "wgmma-ws"
+                               : wg                               ? "wgmma"
                                : attnd::cuda::MlaUsesPipeline(mp) ? "pipe"
                                                                   : "mma";
       Report(variant ? "sparse MLA decode (" + kind + ", split-K x" + std::to_string(splits) + ")"
@@ -437,7 +441,7 @@ int main(int argc, char** argv) {
              tflops(ms) + (variant ? "; " + RelL2Text(got, simt_out, "SIMT") : ""));
     }
     mp.pipeline = true;
-    mp.wgmma = false;
+    mp.wgmma = mp.wgmma_ws = false;
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
       h16.tensor_cores = true;

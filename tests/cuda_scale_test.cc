@@ -189,7 +189,7 @@ TEST(CudaScale, TheWgmmaSelfCheckPasses) {
 // The pipelined MLA's wgmma form (sm_90a: compute capability 9.0 only) at DeepSeek-V3.2 dims,
 // 128 heads, bf16 and fp8 caches: a top-2048 selection over 2,600 keys (4 splits, merged) and a
 // 3-query step, against float64 and against the mma.sync pipelined kernel; the wgmma kernel ran
-// (its launch count grew).
+// (its launch count grew). The same for its warp-specialised variant (mla_wgmma_ws.h).
 TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
   ATTND_SKIP_WITHOUT_GPU();
   if (!cuda::MlaWgmmaBuilt()) GTEST_SKIP() << "this build has no sm_90a image";
@@ -206,10 +206,11 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
     const std::string c = cache == DType::kBF16 ? "bf16 cache" : "fp8 cache";
     Harness pipe(Options(spec, cache, {"cuda:0"}));
     Harness wg(Options(spec, cache, {"cuda:0"}));
-    for (Harness* h : {&pipe, &wg}) h->Open("a");
+    Harness ws(Options(spec, cache, {"cuda:0"}));
+    for (Harness* h : {&pipe, &wg, &ws}) h->Open("a");
     const std::vector<StepEntry> import = {{"a", 2600}};
     const auto keys = pipe.MakeKeys(import, DType::kBF16, 51);
-    for (Harness* h : {&pipe, &wg})
+    for (Harness* h : {&pipe, &wg, &ws})
       ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
     const std::vector<StepEntry> step = {{"a", 3}};
     const auto in = pipe.MakeInputs(step, DType::kBF16, 52);
@@ -222,9 +223,17 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
       cuda::ScopedKernelChoice wgmma(true, true, true);
       return wg.Run(step, in);
     }();
+    const int64_t ws_before = cuda::MlaWgmmaWsLaunches();
+    auto v = [&] {
+      cuda::ScopedKernelChoice warp_specialised(true, true, true, true);
+      return ws.Run(step, in);
+    }();
     ASSERT_TRUE(p.status.ok()) << p.status;
     ASSERT_TRUE(w.status.ok()) << w.status;
+    ASSERT_TRUE(v.status.ok()) << v.status;
     EXPECT_GT(cuda::MlaWgmmaLaunches(), before) << c << ": the wgmma kernel did not run";
+    EXPECT_GT(cuda::MlaWgmmaWsLaunches(), ws_before)
+        << c << ": the warp-specialised wgmma kernel did not run";
     std::vector<LayerCheck> checks;
     const auto ref = pipe.Reference(step, in, p.traces, &checks);
     for (size_t l = 0; l < ref.size(); ++l) {
@@ -232,6 +241,12 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
       ExpectClose(w.out[l], ref[l], 1e-2, "wgmma MLA vs reference, " + at);
       // The same bf16 P from the same S, fp32 sums in another order.
       ExpectClose(w.out[l], p.out[l], 2e-3, "wgmma vs mma.sync pipelined MLA, " + at);
+      ExpectClose(v.out[l], ref[l], 1e-2, "warp-specialised wgmma MLA vs reference, " + at);
+      // The same tiles, products and sums as the wgmma kernel: the same bits.
+      size_t differ = v.out[l].size() == w.out[l].size() ? 0 : v.out[l].size() + 1;
+      for (size_t i = 0; differ == 0 && i < v.out[l].size(); ++i)
+        differ += v.out[l][i] != w.out[l][i];
+      EXPECT_EQ(differ, 0u) << "warp-specialised vs wgmma MLA, " << at;
     }
   }
 }

@@ -1,11 +1,11 @@
-// The pipelined tensor-core MLA (kernels/cuda/mla_pipe.h) and its wgmma twin (mla_wgmma.h) run on
-// the CPU by the fiber simulation (kernels/cuda/simt_sim.h): the kernel's own code on every
-// thread, cp.async landing only when waited for, mma.sync, wgmma and shuffles from the lanes'
-// registers and shared memory. Outputs and log-sum-exps against
-// float64 on what the kernel sees (queries rounded to bf16, fp8 rows dequantised), over
-// selections and ranges, one split and several (merged as MlaCombineKernel merges them), bf16
-// and fp8 rows, 2 and 3 stages, 64 and 128 heads; every output written exactly once; every
-// barrier the kernel passes is needed.
+// The pipelined tensor-core MLA (kernels/cuda/mla_pipe.h), its wgmma twin (mla_wgmma.h) and that
+// one's warp-specialised form (mla_wgmma_ws.h) run on the CPU by the fiber simulation
+// (kernels/cuda/simt_sim.h): the kernel's own code on every thread, cp.async landing only when
+// waited for, mma.sync, wgmma and shuffles from the lanes' registers and shared memory. Outputs and
+// log-sum-exps against float64 on what the kernel sees (queries rounded to bf16, fp8 rows
+// dequantised), over selections and ranges, one split and several (merged as MlaCombineKernel
+// merges them), bf16 and fp8 rows, 2 to 4 stages, 64 and 128 heads; every output written exactly
+// once; every barrier (and mbarrier wait and arrive) the kernel passes is needed.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +23,7 @@
 #include "common/model_spec.h"
 #include "kernels/cuda/mla_pipe.h"
 #include "kernels/cuda/mla_wgmma.h"
+#include "kernels/cuda/mla_wgmma_ws.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt_sim.h"
 #include "kernels/cuda/wgmma_probe.h"
@@ -30,6 +31,9 @@
 
 namespace attnd::cuda {
 namespace {
+
+// Which kernel a Problem runs.
+enum class Kernel { kPipe, kWgmma, kWgmmaWs };
 
 struct Case {
   int heads = 64, latent = 512, rope = 64;
@@ -53,10 +57,10 @@ struct Problem {
   std::vector<std::vector<int32_t>> keys;  // each query's attended positions
   int64_t stride = 1;
   int splits = 1, part_queries = 0;
-  bool wgmma = false;  // the wgmma kernel (mla_wgmma.h) instead of mla_pipe.h's
+  Kernel kernel = Kernel::kPipe;
   MlaPipeParams p;
 
-  explicit Problem(Case cs, uint64_t seed, bool wg = false) : c(std::move(cs)), wgmma(wg) {
+  explicit Problem(Case cs, uint64_t seed, Kernel k = Kernel::kPipe) : c(std::move(cs)), kernel(k) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> n01(0, 1);
     const int L = c.latent, R = c.rope, H = c.heads, ps = 64;
@@ -173,15 +177,26 @@ struct Problem {
   template <typename Wrap>
   void Run(sim::SimtMemory& m) {
     const int n = static_cast<int>(c.counts.size());
-    const uint32_t smem = wgmma ? MlaWgmmaSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes
-                                : MlaPipeSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes;
+    const uint32_t smem =
+        kernel == Kernel::kWgmmaWs ? MlaWgmmaWsSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes
+        : kernel == Kernel::kWgmma ? MlaWgmmaSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes
+                                   : MlaPipeSmem::Of(c.latent, c.rope, c.fp8, c.stages).bytes;
+    const int threads = kernel == Kernel::kWgmmaWs ? kWsThreads
+                        : kernel == Kernel::kWgmma ? kWgThreads
+                                                   : kPipeThreads;
     for (int qx = 0; qx < n; ++qx)
       for (int hy = 0; hy < c.heads / kPipeHeads; ++hy)
         for (int z = 0; z < splits; ++z) {
-          sim::SimtBlock b(m, wgmma ? kWgThreads : kPipeThreads, smem);
+          sim::SimtBlock b(m, threads, smem);
           b.Run([&](sim::SimtThread& t) {
             Wrap g(t);
-            if (wgmma) {
+            if (kernel == Kernel::kWgmmaWs) {
+              if (c.fp8) {
+                MlaWgmmaWsBlock<true>(g, p, qx, hy, z);
+              } else {
+                MlaWgmmaWsBlock<false>(g, p, qx, hy, z);
+              }
+            } else if (kernel == Kernel::kWgmma) {
               if (c.fp8) {
                 MlaWgmmaBlock<true>(g, p, qx, hy, z);
               } else {
@@ -259,21 +274,21 @@ struct Problem {
   }
 };
 
-// The wgmma and mma.sync kernels round the same S to the same bf16 P; the simulation executes
-// wgmma by the m16n8k16 model in the same k order, so here they agree to the bit (on the GPU the
-// order of fp32 sums may differ: cuda_scale_test allows 2e-3).
+// The wgmma kernels and the mma.sync one round the same S to the same bf16 P; the simulation
+// executes wgmma by the m16n8k16 model in the same k order, so here they agree to the bit (on the
+// GPU the order of fp32 sums may differ: cuda_scale_test allows 2e-3).
 constexpr double kWgmmaVsMma = 1e-6;
 
-// The parameter: a shape, and whether the wgmma kernel runs it.
-class MlaPipeSim : public ::testing::TestWithParam<std::tuple<Case, bool>> {};
+// The parameter: a shape, and the kernel that runs it.
+class MlaPipeSim : public ::testing::TestWithParam<std::tuple<Case, Kernel>> {};
 
 TEST_P(MlaPipeSim, OutputsMatchFloat64AndEachIsWrittenOnce) {
   Problem pr(std::get<0>(GetParam()), 11, std::get<1>(GetParam()));
   sim::SimtMemory m = pr.Memory();
   ASSERT_NO_THROW(pr.Run<sim::SimtThread>(m));
   pr.Expect();
-  if (pr.wgmma) {  // and the mma.sync kernel's outputs on the same problem, much closer
-    Problem mma(std::get<0>(GetParam()), 11, false);
+  if (pr.kernel != Kernel::kPipe) {  // and the mma.sync kernel's outputs, much closer
+    Problem mma(std::get<0>(GetParam()), 11, Kernel::kPipe);
     sim::SimtMemory m2 = mma.Memory();
     ASSERT_NO_THROW(mma.Run<sim::SimtThread>(m2));
     for (size_t qi = 0; qi < pr.keys.size(); ++qi) {
@@ -313,7 +328,7 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{64, 128, 64, false, 3, {0}, 70, 2.5f},
                                          Case{64, 512, 64, true, 2, {0}, 33},
                                          Case{64, 192, 64, false, 3, {150, 40}, 400}),
-                       ::testing::Values(false)));
+                       ::testing::Values(Kernel::kPipe)));
 // The wgmma kernel takes L 512, R 64 only: the DeepSeek shapes above, and a soft cap.
 INSTANTIATE_TEST_SUITE_P(
     Wgmma, MlaPipeSim,
@@ -323,7 +338,20 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{128, 512, 64, false, 3, {300}, 1000},
                                          Case{64, 512, 64, false, 3, {0}, 70, 2.5f},
                                          Case{64, 512, 64, true, 2, {0}, 33}),
-                       ::testing::Values(true)));
+                       ::testing::Values(Kernel::kWgmma)));
+// Its warp-specialised form: the same shapes, and four stages (bf16 and fp8 rows, the deepest
+// ring that fits), and fewer tiles than stages.
+INSTANTIATE_TEST_SUITE_P(
+    WgmmaWs, MlaPipeSim,
+    ::testing::Combine(::testing::Values(Case{64, 512, 64, false, 3, {2048, 13}},
+                                         Case{64, 512, 64, true, 3, {2048, 100}},
+                                         Case{64, 512, 64, false, 2, {0}, 3000},
+                                         Case{128, 512, 64, false, 3, {300}, 1000},
+                                         Case{64, 512, 64, false, 3, {0}, 70, 2.5f},
+                                         Case{64, 512, 64, true, 2, {0}, 33},
+                                         Case{64, 512, 64, false, 4, {700}, 900},
+                                         Case{64, 512, 64, true, 4, {0}, 300}),
+                       ::testing::Values(Kernel::kWgmmaWs)));
 
 // Skips one barrier (or, with count_fences, one fence: wgmma.fence or fence.proxy.async) by its
 // index in the thread's order.
@@ -389,7 +417,7 @@ TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
   using Skip = SkipOneBarrier<sim::SimtThread>;
   for (bool fp8 : {false, true}) {
     const Case c{64, 512, 64, fp8, 3, {100}};  // 4 tiles of 32 keys, one split
-    Problem pr(c, 5, true);
+    Problem pr(c, 5, Kernel::kWgmma);
     sim::SimtMemory m = pr.Memory();
     Skip::skip = -1;
     Skip::seen_barriers = Skip::seen_fences = 0;
@@ -403,7 +431,7 @@ TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
       const int count = fences ? 3 * 4 : (fp8 ? 2 : 1) * 4;
       Skip::count_fences = fences;
       for (int skip = 0; skip < count; ++skip) {
-        Problem again(c, 5, true);
+        Problem again(c, 5, Kernel::kWgmma);
         sim::SimtMemory m2 = again.Memory();
         Skip::skip = skip;
         bool caught = false;
@@ -419,6 +447,79 @@ TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
     }
     Skip::skip = -1;
     Skip::count_fences = false;
+  }
+}
+
+// Skips one mbarrier wait, mbarrier arrive, named barrier or fence.proxy.async (`kind`) of the
+// producer's or the consumers' (`producer`), by its index in the thread's order.
+template <typename T>
+struct SkipOneHandOff : sim::ForwardingThread<T> {
+  enum Kind { kWait, kArrive, kNamed, kProxyFence, kKinds };
+  static inline int kind = kWait, skip = -1;
+  static inline bool producer = false;
+  static inline int seen[2][kKinds] =
+      {};  // [producer][kind], counted by thread 0 and the producer's 0
+  int count[kKinds] = {};
+  explicit SkipOneHandOff(T& inner) : sim::ForwardingThread<T>(inner) {}
+  bool Skip(int k) {
+    const bool prod = this->tid() >= kWgThreads;
+    if (this->tid() == 0 || this->tid() == kWgThreads) ++seen[prod][k];
+    return prod == producer && k == kind && count[k]++ == skip;
+  }
+  void MbarWait(uint32_t off, int parity) {
+    if (!Skip(kWait)) this->t.MbarWait(off, parity);
+  }
+  void MbarArrive(uint32_t off) {
+    if (!Skip(kArrive)) this->t.MbarArrive(off);
+  }
+  void NamedSync(int id, int n) {
+    if (!Skip(kNamed)) this->t.NamedSync(id, n);
+  }
+  void FenceProxyAsync() {
+    if (!Skip(kProxyFence)) this->t.FenceProxyAsync();
+  }
+};
+
+// The warp-specialised wgmma kernel: every mbarrier wait and arrive, named barrier and proxy
+// fence of the producer and of the consumers is needed: each removed in turn is caught (an error
+// of the simulation — a race, an unfenced operand, a deadlock — or other outputs).
+TEST(MlaWgmmaWsSim, EveryWaitArriveAndFenceIsNeeded) {
+  using Skip = SkipOneHandOff<sim::SimtThread>;
+  for (bool fp8 : {false, true}) {
+    const Case c{64, 512, 64, fp8, 2, {150}};  // 5 tiles of 32 keys through 2 stages
+    Problem pr(c, 5, Kernel::kWgmmaWs);
+    sim::SimtMemory m = pr.Memory();
+    Skip::skip = -1;
+    std::memset(Skip::seen, 0, sizeof(Skip::seen));
+    ASSERT_NO_THROW(pr.Run<Skip>(m));
+    const std::vector<float> want = pr.out;
+    // Consumers: a full wait a tile, an empty arrive for each stage the producer refills; the
+    // query's fence and named barrier (bf16) or the decode's a tile (fp8). Producer: an empty
+    // wait for each tile past the ring, a full arrive a tile, and (bf16) a fence a tile.
+    const int tiles = 5;
+    const int per[2][Skip::kKinds] = {{tiles, tiles - 2, fp8 ? tiles : 1, fp8 ? tiles : 1},
+                                      {tiles - 2, tiles, 0, fp8 ? 0 : tiles}};
+    for (int who = 0; who < 2; ++who)
+      for (int k = 0; k < Skip::kKinds; ++k) ASSERT_EQ(Skip::seen[who][k], per[who][k]) << who << k;
+    for (int who = 0; who < 2; ++who)
+      for (int k = 0; k < Skip::kKinds; ++k)
+        for (int skip = 0; skip < per[who][k]; ++skip) {
+          Problem again(c, 5, Kernel::kWgmmaWs);
+          sim::SimtMemory m2 = again.Memory();
+          Skip::producer = who == 1;
+          Skip::kind = k;
+          Skip::skip = skip;
+          bool caught = false;
+          try {
+            again.Run<Skip>(m2);
+            caught = std::memcmp(again.out.data(), want.data(), want.size() * 4) != 0;
+          } catch (const std::runtime_error&) {
+            caught = true;
+          }
+          EXPECT_TRUE(caught) << (fp8 ? "fp8" : "bf16") << (who ? " producer" : " consumer")
+                              << " kind " << k << " #" << skip << " is not needed";
+        }
+    Skip::skip = -1;
   }
 }
 
@@ -633,6 +734,9 @@ TEST(MlaPipeSim, SharedMemoryFitsTheGpus) {
   EXPECT_LE(MlaWgmmaSmem::Of(512, 64, false, 3).bytes, 227u * 1024);
   EXPECT_LE(MlaWgmmaSmem::Of(512, 64, true, 3).bytes, 227u * 1024);
   EXPECT_TRUE(MlaWgmmaTakes(128, 512, 64, DType::kFP8E4M3));
+  // Its warp-specialised form: 4 stages on an H100/H200, bf16 and fp8 rows (two decoded tiles).
+  EXPECT_LE(MlaWgmmaWsSmem::Of(512, 64, false, kWsMaxStages).bytes, 227u * 1024);
+  EXPECT_LE(MlaWgmmaWsSmem::Of(512, 64, true, kWsMaxStages).bytes, 227u * 1024);
   EXPECT_FALSE(MlaWgmmaTakes(64, 128, 64, DType::kBF16));
   EXPECT_FALSE(MlaWgmmaTakes(64, 512, 32, DType::kBF16));
 }

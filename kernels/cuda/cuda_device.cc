@@ -31,15 +31,24 @@ int64_t MaxKeys(const StepShare& share) {
 constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 
 // ATTND_CUDA_MLA=simt and ATTND_CUDA_INDEXER=simt select the SIMT kernels (gpu-check runs both;
-// any other value keeps the default); ATTND_CUDA_MLA=wgmma the MLA's wgmma form. ScopedKernelChoice
-// overrides them in tests.
+// any other value keeps the default); ATTND_CUDA_MLA=wgmma the MLA's wgmma form, =wgmma-ws its
+// warp-specialised variant. ScopedKernelChoice overrides them in tests.
 bool FromEnv(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr || std::string(v) != "simt";
 }
 std::atomic<int> g_tensor_core_mla{-1};  // -1: from the environment
 std::atomic<int> g_tensor_core_indexer{-1};
-std::atomic<int> g_wgmma_mla{-1};
+std::atomic<int> g_wgmma_mla{-1};  // 0 off, 1 the wgmma form, 2 warp-specialised
+// ATTND_CUDA_MLA's wgmma choice, as g_wgmma_mla counts.
+int WgmmaFromEnv() {
+  static const int from_env = [] {
+    const char* v = std::getenv("ATTND_CUDA_MLA");
+    const std::string s = v == nullptr ? "" : v;
+    return s == "wgmma-ws" ? 2 : s == "wgmma" ? 1 : 0;
+  }();
+  return from_env;
+}
 
 }  // namespace
 
@@ -49,12 +58,12 @@ bool TensorCoreMla() {
   return set < 0 ? from_env : set == 1;
 }
 bool WgmmaMla() {
-  static const bool from_env = [] {
-    const char* v = std::getenv("ATTND_CUDA_MLA");
-    return v != nullptr && std::string(v) == "wgmma";
-  }();
   const int set = g_wgmma_mla.load();
-  return set < 0 ? from_env : set == 1;
+  return (set < 0 ? WgmmaFromEnv() : set) >= 1;
+}
+bool WgmmaWsMla() {
+  const int set = g_wgmma_mla.load();
+  return (set < 0 ? WgmmaFromEnv() : set) == 2;
 }
 bool TensorCoreIndexer() {
   static const bool from_env = FromEnv("ATTND_CUDA_INDEXER");
@@ -90,10 +99,10 @@ absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal) {
 }
 
 ScopedKernelChoice::ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer,
-                                       bool wgmma_mla)
+                                       bool wgmma_mla, bool warp_specialised)
     : mla_before_(g_tensor_core_mla.exchange(tensor_core_mla ? 1 : 0)),
       indexer_before_(g_tensor_core_indexer.exchange(tensor_core_indexer ? 1 : 0)),
-      wgmma_before_(g_wgmma_mla.exchange(wgmma_mla ? 1 : 0)) {}
+      wgmma_before_(g_wgmma_mla.exchange(wgmma_mla ? (warp_specialised ? 2 : 1) : 0)) {}
 ScopedKernelChoice::~ScopedKernelChoice() {
   g_tensor_core_mla = mla_before_;
   g_tensor_core_indexer = indexer_before_;

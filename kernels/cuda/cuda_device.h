@@ -32,10 +32,12 @@ absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal);
 // then restores the choice before it (the environment's included), so a test comparing the two
 // cannot leave its choice to the tests after it.
 // `wgmma_mla`: the tensor-core MLA takes its wgmma form where it can (ATTND_CUDA_MLA=wgmma
-// outside a scope; WgmmaMla()).
+// outside a scope; WgmmaMla()); with `warp_specialised`, that form's producer/consumer variant
+// (ATTND_CUDA_MLA=wgmma-ws; WgmmaWsMla()).
 class ScopedKernelChoice {
  public:
-  ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer, bool wgmma_mla = false);
+  ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer, bool wgmma_mla = false,
+                     bool warp_specialised = false);
   ~ScopedKernelChoice();
   ScopedKernelChoice(const ScopedKernelChoice&) = delete;
   ScopedKernelChoice& operator=(const ScopedKernelChoice&) = delete;

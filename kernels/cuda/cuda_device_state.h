@@ -37,9 +37,11 @@ namespace attnd::cuda {
 // ATTND_CUDA_INDEXER=simt or a ScopedKernelChoice says otherwise.
 bool TensorCoreMla();
 bool TensorCoreIndexer();
-// The tensor-core MLA takes its wgmma form where it can (MlaUsesWgmma): ATTND_CUDA_MLA=wgmma or
-// a ScopedKernelChoice.
+// The tensor-core MLA takes its wgmma form where it can (MlaUsesWgmma): ATTND_CUDA_MLA=wgmma
+// (or wgmma-ws) or a ScopedKernelChoice; WgmmaWsMla: that form's warp-specialised variant
+// (ATTND_CUDA_MLA=wgmma-ws).
 bool WgmmaMla();
+bool WgmmaWsMla();
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {

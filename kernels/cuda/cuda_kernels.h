@@ -229,6 +229,10 @@ struct MlaParams {
   // says it can (compute capability 9.0, the sm_90a image). Off unless asked for
   // (ATTND_CUDA_MLA=wgmma, WgmmaMla()) until a GPU run has checked and timed it.
   bool wgmma = false;
+  // wgmma form only: its warp-specialised variant (kernels/cuda/mla_wgmma_ws.h: a producer warp
+  // gathers, handing tiles over by mbarriers). Off unless asked for (ATTND_CUDA_MLA=wgmma-ws,
+  // WgmmaWsMla()) until a GPU run has checked and timed it.
+  bool wgmma_ws = false;
   // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
   // reads them 4x less at 128 heads); 0 = 64 when heads % 64 == 0 and the GPU has the shared
   // memory (H100/H200: 172 KB at D = 576), else 16.
@@ -247,6 +251,9 @@ bool MlaUsesPipeline(const MlaParams& p);
 // launched it in this process.
 bool MlaUsesWgmma(const MlaParams& p);
 int64_t MlaWgmmaLaunches();
+// How many times LaunchMla has launched the wgmma form's warp-specialised variant (p.wgmma_ws
+// where MlaUsesWgmma holds).
+int64_t MlaWgmmaWsLaunches();
 // Whether this build has the sm_90a image the wgmma MLA needs (CMakeLists.txt).
 bool MlaWgmmaBuilt();
 // On the current GPU, if it is compute capability 9.0 and the build has sm_90a: one warpgroup

@@ -420,6 +420,7 @@ absl::Status CudaDevice::Call::Attend() {
   mp.tensor_cores =
       TensorCoreMla() && bf16_precision(plan.query.dtype) && bf16_precision(plan.q_rope.dtype);
   mp.wgmma = WgmmaMla();
+  mp.wgmma_ws = WgmmaWsMla();
   if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
     mp.max_keys = st.max_keys;
     const int splits = MlaQuerySplits(st.max_keys);

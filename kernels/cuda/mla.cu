@@ -15,6 +15,7 @@
 #include "kernels/cuda/mla_pipe.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mla_wgmma.h"
+#include "kernels/cuda/mla_wgmma_ws.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt.cuh"
 #include "kernels/cuda/wgmma_probe.h"
@@ -404,7 +405,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                       (x / head_blocks) % splits);
 }
 
-std::atomic<int64_t> g_wgmma_launches{0};
+// Its warp-specialised form (kernels/cuda/mla_wgmma_ws.h): the same grid, a producer warp more.
+template <bool kFp8>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    MlaWgmmaWsKernel(MlaPipeParams p, int head_blocks, int splits) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  GpuThread g{smem_raw};
+  const int x = static_cast<int>(blockIdx.x);
+  MlaWgmmaWsBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks,
+                        (x / head_blocks) % splits);
+}
+
+std::atomic<int64_t> g_wgmma_launches{0}, g_wgmma_ws_launches{0};
 // MlaWgmmaSelfCheck's verdict: -1 not run, 0 failed, 1 passed. Only a passed check lets
 // MlaUsesWgmma say yes; it never runs the check itself (that would happen inside a step).
 std::mutex g_probe_mu;
@@ -480,9 +492,26 @@ bool RunWgmmaProbe() {
 }
 #endif  // ATTND_CUDA_SM90A
 
-// The stages the pipelined kernel (or its wgmma form) can have on this GPU (3, 2), or 0 when
-// it does not fit.
-int PipeStages(const MlaParams& p, bool wgmma) {
+// Which of the pipelined kernel's forms a launch takes.
+enum class PipeForm { kMma, kWgmma, kWgmmaWs };
+
+// The dynamic shared memory of a form at `stages`.
+uint32_t PipeSmemBytes(const MlaParams& p, PipeForm form, int stages) {
+  const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
+  switch (form) {
+    case PipeForm::kWgmmaWs:
+      return MlaWgmmaWsSmem::Of(p.latent, p.rope, fp8, stages).bytes;
+    case PipeForm::kWgmma:
+      return MlaWgmmaSmem::Of(p.latent, p.rope, fp8, stages).bytes;
+    case PipeForm::kMma:
+      break;
+  }
+  return MlaPipeSmem::Of(p.latent, p.rope, fp8, stages).bytes;
+}
+
+// The stages the pipelined kernel (or its wgmma forms) can have on this GPU (4 for the
+// warp-specialised one, 3, 2), or 0 when it does not fit.
+int PipeStages(const MlaParams& p, PipeForm form) {
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
@@ -490,11 +519,9 @@ int PipeStages(const MlaParams& p, bool wgmma) {
     cudaGetLastError();
     return 0;
   }
-  const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
-  for (int stages : {3, 2}) {
-    const uint32_t bytes = wgmma ? MlaWgmmaSmem::Of(p.latent, p.rope, fp8, stages).bytes
-                                 : MlaPipeSmem::Of(p.latent, p.rope, fp8, stages).bytes;
-    if (bytes <= static_cast<uint32_t>(optin)) return stages;
+  for (int stages : {kWsMaxStages, 3, 2}) {
+    if (stages > 3 && form != PipeForm::kWgmmaWs) continue;
+    if (PipeSmemBytes(p, form, stages) <= static_cast<uint32_t>(optin)) return stages;
   }
   return 0;
 }
@@ -505,7 +532,7 @@ bool MlaUsesPipeline(const MlaParams& p) {
   return MlaUsesTensorCores(p) && p.pipeline && p.heads_per_block != 16 &&
          MlaPipeTakes(p.heads, p.latent, p.rope, p.kv.dtype) &&
          reinterpret_cast<uintptr_t>(p.q_latent) % 16 == 0 &&  // its 16-byte query loads
-         reinterpret_cast<uintptr_t>(p.q_rope) % 16 == 0 && PipeStages(p, false) > 0;
+         reinterpret_cast<uintptr_t>(p.q_rope) % 16 == 0 && PipeStages(p, PipeForm::kMma) > 0;
 }
 
 bool MlaUsesWgmma(const MlaParams& p) {
@@ -514,7 +541,8 @@ bool MlaUsesWgmma(const MlaParams& p) {
   if (!p.wgmma || g_probe.load() != 1 || !MlaWgmmaTakes(p.heads, p.latent, p.rope, p.kv.dtype))
     return false;
   int device = 0;
-  return CurrentGpuIsCc90(&device) && MlaUsesPipeline(p) && PipeStages(p, true) > 0;
+  return CurrentGpuIsCc90(&device) && MlaUsesPipeline(p) &&
+         PipeStages(p, p.wgmma_ws ? PipeForm::kWgmmaWs : PipeForm::kWgmma) > 0;
 #else
   (void)p;
   return false;  // no sm_90a image was built (CMakeLists.txt): the kernel would trap
@@ -522,6 +550,7 @@ bool MlaUsesWgmma(const MlaParams& p) {
 }
 
 int64_t MlaWgmmaLaunches() { return g_wgmma_launches.load(); }
+int64_t MlaWgmmaWsLaunches() { return g_wgmma_ws_launches.load(); }
 
 bool MlaWgmmaBuilt() {
 #ifdef ATTND_CUDA_SM90A
@@ -588,7 +617,8 @@ int MlaHeadsPerBlock(const MlaParams& p) {
 // The pipelined kernel (or its wgmma form) over the waves of a step (same splits, partials and
 // merge as the tile-per-block kernel).
 cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
-  const bool wg = MlaUsesWgmma(p);
+  const bool wg = MlaUsesWgmma(p), ws = wg && p.wgmma_ws;
+  const PipeForm form = ws ? PipeForm::kWgmmaWs : wg ? PipeForm::kWgmma : PipeForm::kMma;
   MlaPipeParams pp;
   pp.q_latent = p.q_latent;
   pp.q_rope = p.q_rope;
@@ -611,13 +641,13 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
   pp.part_out = p.part_out;
   pp.part_ml = p.part_ml;
   pp.part_queries = p.part_queries;
-  pp.stages = PipeStages(p, wg);
+  pp.stages = PipeStages(p, form);
   const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
-  const size_t smem = wg ? MlaWgmmaSmem::Of(p.latent, p.rope, fp8, pp.stages).bytes
-                         : MlaPipeSmem::Of(p.latent, p.rope, fp8, pp.stages).bytes;
-  auto kernel = wg ? (fp8 ? MlaWgmmaKernel<true> : MlaWgmmaKernel<false>)
-                   : (fp8 ? MlaPipeKernel<true> : MlaPipeKernel<false>);
-  const int threads = wg ? kWgThreads : kPipeThreads;
+  const size_t smem = PipeSmemBytes(p, form, pp.stages);
+  auto kernel = ws   ? (fp8 ? MlaWgmmaWsKernel<true> : MlaWgmmaWsKernel<false>)
+                : wg ? (fp8 ? MlaWgmmaKernel<true> : MlaWgmmaKernel<false>)
+                     : (fp8 ? MlaPipeKernel<true> : MlaPipeKernel<false>);
+  const int threads = ws ? kWsThreads : wg ? kWgThreads : kPipeThreads;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
@@ -631,7 +661,7 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
     const int head_blocks = p.heads / kPipeHeads;
     kernel<<<count * head_blocks * splits, threads, smem, s>>>(pp, head_blocks, splits);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    if (wg) g_wgmma_launches.fetch_add(1);
+    if (wg) (ws ? g_wgmma_ws_launches : g_wgmma_launches).fetch_add(1);
     if (splits == 1) continue;
     MlaCombineKernel<<<dim3(count, p.heads), 128, 0, s>>>(c);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;

@@ -74,6 +74,15 @@ struct MlaWgmmaSmem {
 struct WgmmaRows {
   float m[2], l[2];
   float o[kWgChunks][16];
+  ATTND_HD void Start() {
+    ATTND_UNROLL
+    for (int r = 0; r < 2; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    ATTND_UNROLL
+    for (int n = 0; n < kWgChunks; ++n) {
+      ATTND_UNROLL
+      for (int i = 0; i < 16; ++i) o[n][i] = 0.0f;
+    }
+  }
 };
 
 // The query's heads [h0, h0 + 64) into shared memory at q_off as bf16 core matrices, 4 values a
@@ -267,13 +276,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   WgmmaStoreQuery(g, p, q, h0, sm.q, tid);
 
   WgmmaRows a;
-  ATTND_UNROLL
-  for (int r = 0; r < 2; ++r) a.m[r] = -INFINITY, a.l[r] = 0.0f;
-  ATTND_UNROLL
-  for (int n = 0; n < kWgChunks; ++n) {
-    ATTND_UNROLL
-    for (int i = 0; i < 16; ++i) a.o[n][i] = 0.0f;
-  }
+  a.Start();
   const int col0 = wg * (L / 2);
 
   for (int t = 0; t < tiles; ++t) {

@@ -1,8 +1,8 @@
 // The thread interface of kernel bodies written once for the GPU and for the CPU simulation
 // (kernels/cuda/simt_sim.h's SimtThread is the CPU's): GpuThread is the GPU's, a thin layer over
-// threadIdx, __syncthreads, shared memory, cp.async, shuffles, mma.sync and (sm_90a) wgmma. A body
-// is a template over the thread type, called by every thread of the block
-// (kernels/cuda/indexer_stream.h).
+// threadIdx, __syncthreads and named barriers, shared memory, cp.async, shuffles, mma.sync and
+// (sm_90a) wgmma and mbarriers. A body is a template over the thread type, called by every
+// thread of the block (kernels/cuda/indexer_stream.h).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,10 @@ struct GpuThread {
   __device__ int lane() const { return static_cast<int>(threadIdx.x & 31); }
   __device__ int warp() const { return static_cast<int>(threadIdx.x >> 5); }
   __device__ void Sync() { __syncthreads(); }
+  // bar.sync id, count: the named barrier of `count` threads (whole warps; 0 is Sync's).
+  __device__ void NamedSync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  }
   template <typename T>
   __device__ T Ld(uint32_t off) const {
     return *reinterpret_cast<const T*>(smem + off);
@@ -87,6 +91,36 @@ struct GpuThread {
   __device__ void FenceProxyAsync() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
+  // setmaxnreg (warpgroup-wide): this warpgroup's registers a thread, down (a producer's) or up
+  // (consumers'), within the block's register file.
+  template <int kRegs>
+  __device__ void RegsDown() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  }
+  template <int kRegs>
+  __device__ void RegsUp() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  }
+  // mbarrier (simt_sim.h has the semantics the kernels rely on): init by one thread before a
+  // Sync, arrive (release.cta), wait for the phase of `parity` (acquire.cta; try_wait suspends
+  // the thread for a while in hardware before it reports, so the loop does not spin hot).
+  __device__ void MbarInit(uint32_t off, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(off)), "r"(count)
+                 : "memory");
+  }
+  __device__ void MbarArrive(uint32_t off) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                     SmemAddr(off))
+                 : "memory");
+  }
+  __device__ void MbarWait(uint32_t off, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nTRY_AGAIN:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra TRY_AGAIN;\n}\n" ::"r"(SmemAddr(off)),
+        "r"(parity)
+        : "memory");
+  }
   // Keeps the compiler from moving accesses to the accumulators across a wgmma issue or wait.
   __device__ void WgmmaHold(float* d, int n) {
     for (int i = 0; i < n; ++i) asm volatile("" : "+f"(d[i])::"memory");
@@ -149,6 +183,13 @@ struct GpuThread {
   __device__ void WgmmaCommit() { __trap(); }
   __device__ void WgmmaWait(int) { __trap(); }
   __device__ void FenceProxyAsync() { __trap(); }
+  template <int kRegs>
+  __device__ void RegsDown() {}
+  template <int kRegs>
+  __device__ void RegsUp() {}
+  __device__ void MbarInit(uint32_t, int) { __trap(); }
+  __device__ void MbarArrive(uint32_t) { __trap(); }
+  __device__ void MbarWait(uint32_t, int) { __trap(); }
   __device__ void WgmmaHold(float*, int) {}
   __device__ void WgmmaHoldA(uint32_t*, int) {}
   __device__ void WgmmaLanded(float*, int) {}

@@ -137,6 +137,16 @@ class SimtThread {
   // phase; arrive (release); wait until the phase of parity `parity` has completed (acquire:
   // try_wait.parity in a loop — the phase after the last completed one has the other parity).
   inline void MbarInit(uint32_t off, int count);
+  // setmaxnreg: registers are not modelled; the count must be one the GPU takes (24-256, a
+  // multiple of 8).
+  template <int kRegs>
+  void RegsDown() {
+    static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg count");
+  }
+  template <int kRegs>
+  void RegsUp() {
+    static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg count");
+  }
   inline void MbarArrive(uint32_t off);
   inline void MbarWait(uint32_t off, int parity);
   template <typename T>
@@ -1019,6 +1029,14 @@ struct ForwardingThread {
   void MbarInit(uint32_t off, int count) { t.MbarInit(off, count); }
   void MbarArrive(uint32_t off) { t.MbarArrive(off); }
   void MbarWait(uint32_t off, int parity) { t.MbarWait(off, parity); }
+  template <int kRegs>
+  void RegsDown() {
+    t.template RegsDown<kRegs>();
+  }
+  template <int kRegs>
+  void RegsUp() {
+    t.template RegsUp<kRegs>();
+  }
   template <typename V>
   V Ld(uint32_t off) {
     return t.template Ld<V>(off);
