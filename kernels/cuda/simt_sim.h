@@ -70,7 +70,77 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+#if defined(__x86_64__)
+// The fibers' context switch: saves the callee-saved registers, MXCSR and the x87 control word on
+// the current stack, stores its stack pointer in *from and resumes the context saved (or made by
+// FiberContext::Prepare) at `to`. swapcontext does the same plus a signal-mask system call per
+// switch, which was most of the simulation's time. Weak: every test that includes this defines it.
+extern "C" void attnd_simt_switch(void** from, void* to);
+asm(R"(
+  .text
+  .weak attnd_simt_switch
+  .type attnd_simt_switch, @function
+attnd_simt_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size attnd_simt_switch, .-attnd_simt_switch
+)");
+#endif
+
 namespace attnd::cuda::sim {
+
+// A fiber's saved context: Prepare makes one that starts `entry` (which must never return) on a
+// stack; Switch saves the running context in `from` and resumes `to`.
+#if defined(__x86_64__)
+struct FiberContext {
+  void* sp = nullptr;
+  void Prepare(char* stack, size_t bytes, void (*entry)()) {
+    auto* s =
+        reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t{15});
+    uint32_t csr = 0;
+    uint16_t cw = 0;
+    asm volatile("stmxcsr %0" : "=m"(csr));
+    asm volatile("fnstcw %0" : "=m"(cw));
+    *--s = 0;                                  // entry's return address (it never returns)
+    *--s = reinterpret_cast<uint64_t>(entry);  // where the first switch's ret goes
+    for (int r = 0; r < 6; ++r) *--s = 0;      // rbp, rbx, r12-r15
+    *--s = csr | (uint64_t{cw} << 32);
+    sp = s;
+  }
+  static void Switch(FiberContext& from, FiberContext& to) { attnd_simt_switch(&from.sp, to.sp); }
+};
+#else
+struct FiberContext {
+  ucontext_t ctx;
+  void Prepare(char* stack, size_t bytes, void (*entry)()) {
+    getcontext(&ctx);
+    ctx.uc_stack.ss_sp = stack;
+    ctx.uc_stack.ss_size = bytes;
+    ctx.uc_link = nullptr;
+    makecontext(&ctx, entry, 0);
+  }
+  static void Switch(FiberContext& from, FiberContext& to) { swapcontext(&from.ctx, &to.ctx); }
+};
+#endif
 
 // Global memory a simulated grid may touch: buffers registered by the test, inputs read-only,
 // outputs with a write count per byte.
@@ -228,12 +298,8 @@ class SimtBlock {
   void Run(Body body) {
     body_ = [&](SimtThread& t) { body(t); };
     for (Fiber& f : fibers_) {
-      f.stack.assign(kStackBytes, 0);
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack.data();
-      f.ctx.uc_stack.ss_size = f.stack.size();
-      f.ctx.uc_link = &main_;
-      makecontext(&f.ctx, reinterpret_cast<void (*)()>(&SimtBlock::Entry), 0);
+      if (!f.stack) f.stack.reset(new char[kStackBytes]);  // not zeroed: pages as touched
+      f.ctx.Prepare(f.stack.get(), kStackBytes, &SimtBlock::Entry);
       f.state = kRunnable;
     }
     try {
@@ -299,8 +365,8 @@ class SimtBlock {
     std::shared_ptr<WgOp> op;
   };
   struct Fiber {
-    ucontext_t ctx;
-    std::vector<char> stack;
+    FiberContext ctx;
+    std::unique_ptr<char[]> stack;
     State state = kRunnable;
     SimtThread thread;
     // A warp-wide instruction's operands while the lane waits in it.
@@ -385,15 +451,17 @@ class SimtBlock {
 #ifdef ATTND_SIMT_ASAN
     __sanitizer_start_switch_fiber(nullptr, b->main_bottom_, b->main_size_);
 #endif
+    FiberContext::Switch(f.ctx, b->main_);  // never resumed
+    __builtin_unreachable();
   }
   void SwitchTo(int t) {
     running_ = t;
     current_ = this;
 #ifdef ATTND_SIMT_ASAN
     void* fake = nullptr;
-    __sanitizer_start_switch_fiber(&fake, fibers_[t].stack.data(), fibers_[t].stack.size());
+    __sanitizer_start_switch_fiber(&fake, fibers_[t].stack.get(), kStackBytes);
 #endif
-    swapcontext(&main_, &fibers_[t].ctx);
+    FiberContext::Switch(main_, fibers_[t].ctx);
 #ifdef ATTND_SIMT_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -406,7 +474,7 @@ class SimtBlock {
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, main_bottom_, main_size_);
 #endif
-    swapcontext(&f.ctx, &main_);
+    FiberContext::Switch(f.ctx, main_);
 #ifdef ATTND_SIMT_ASAN
     __sanitizer_finish_switch_fiber(fake, &main_bottom_, &main_size_);
 #endif
@@ -820,7 +888,7 @@ class SimtBlock {
   std::vector<Meta> meta_;
   std::vector<Fiber> fibers_;
   std::function<void(SimtThread&)> body_;
-  ucontext_t main_;
+  FiberContext main_;
   int running_ = 0;
   int phase_ = 0;      // full barriers passed
   uint64_t tick_ = 0;  // orders shared-memory writes and proxy fences
