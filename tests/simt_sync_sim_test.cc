@@ -122,6 +122,12 @@ TEST(SimtSyncSim, NamedBarriersOrderOnlyTheirThreads) {
       std::string::npos);
 }
 
+TEST(SimtSyncSim, NamedBarrierTakenByMoreThanItsCountIsRefused) {
+  sim::SimtMemory mem;
+  const std::string e = RunBlock(mem, 96, 128, [](sim::SimtThread& t) { t.NamedSync(1, 64); });
+  EXPECT_NE(e.find("96 threads wait at a barrier of 64"), std::string::npos) << e;
+}
+
 TEST(SimtSyncSim, NamedBarrierNeverFilledIsADeadlock) {
   sim::SimtMemory mem;
   const std::string e = RunBlock(mem, 96, 128, [](sim::SimtThread& t) {
@@ -163,6 +169,17 @@ TEST(SimtSyncSim, MbarrierMisuseIsRefused) {
     if (t.warp() == 1) t.MbarWait(0, 0);
   });
   EXPECT_NE(e.find("32 waiting on an mbarrier"), std::string::npos) << e;
+  // Three phases complete before a thread waits for the first by its parity (0): the wait
+  // passes on phase 2 — a phase gone by unwaited for.
+  const std::string aliasing = RunBlock(mem, 64, 64, [](sim::SimtThread& t) {
+    if (t.tid() == 0) t.MbarInit(0, 32);
+    t.Sync();
+    if (t.warp() == 1)
+      for (int i = 0; i < 3; ++i) t.MbarArrive(0);
+    t.Sync();
+    if (t.warp() == 0) t.MbarWait(0, 0);
+  });
+  EXPECT_NE(aliasing.find("parity aliasing"), std::string::npos) << aliasing;
   // Waiting on the parity of a phase before the first: it passes at once (as on the GPU, where
   // producers start on empty barriers that way).
   EXPECT_EQ(RunBlock(mem, 32, 64,

@@ -19,8 +19,9 @@
 // named barrier among the 256 (bar.sync 1, 256) a tile: two tiles, so the decode of tile t + 1
 // never waits for tile t's products.
 //
-// The producer lands its tiles oldest first before it blocks on an empty stage, so each tile's
-// full arrival follows its own copies only. 384 threads at one block an SM get 168 registers a
+// Before it blocks on an empty stage the producer lands (and hands over) every tile but the
+// newest S - 2, oldest first: those stay in flight, and each tile's full arrival follows its own
+// copies only. 384 threads at one block an SM get 168 registers a
 // thread, under the consumers' ~200: setmaxnreg moves them, the producer down to 40 and the
 // consumers up to 232 (ptxas allocates the code after each at its count: no spills).
 #pragma once
@@ -93,34 +94,35 @@ ATTND_HD void MlaWgmmaWsBlock(G& g, const MlaPipeParams& p, int qx, int hy, int 
     g.template RegsDown<kWsProducerRegs>();
     const int pl = tid - kWgThreads, j = 8 * (pl / 32) + pl % 8, cg = (pl / 8) % 4;
     const int chunks = kFp8 ? static_cast<int>(srow / 16) : D / 8;
-    auto issue = [&](int t) {
-      const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
-      const int64_t key = sp.first + static_cast<int64_t>(t) * kPipeKeys + j;
-      const bool valid = key < sp.last;
-      const uint8_t* src = valid ? p.kv.Row(PipeSlot(g, p, q, keys, key)) : p.kv.base;
-      for (int c = cg; c < chunks; c += 4) {
-        const uint32_t dst = kFp8 ? j * srow + c * 16 : wgmma::TileAt(D, j, c);
-        g.CpAsync16(stage + dst, valid ? src + c * 16 : src, valid);
-      }
-    };
-    int landed = 0;
-    // Tiles issued so far (`issued` of them) landed and handed over, oldest first.
-    auto land = [&](int issued) {
-      for (; landed < issued; ++landed) {
+    int landed = 0, issued = 0;
+    // Tiles [landed, upto) landed and handed over, oldest first.
+    auto land = [&](int upto) {
+      for (; landed < upto; ++landed) {
         g.CpWait(issued - landed - 1);
         if (!kFp8) g.FenceProxyAsync();  // the tensor cores read them (fp8: the decode's loads)
         g.MbarArrive(sm.full + 8 * (landed % S));
       }
     };
     for (int t = 0; t < sp.tiles; ++t) {
-      if (t >= S) {  // the stage's last tile (t - S) must be done with
-        land(t);
+      // The key's row first: its slot lookup (dependent global loads) overlaps the wait.
+      const int64_t key = sp.first + static_cast<int64_t>(t) * kPipeKeys + j;
+      const bool valid = key < sp.last;
+      const uint8_t* src = valid ? p.kv.Row(PipeSlot(g, p, q, keys, key)) : p.kv.base;
+      if (t >= S) {
+        // The stage's last tile (t - S) must be done with. The consumers need every tile up to
+        // it, and get one more of slack; the newest S - 2 stay in flight meanwhile.
+        land(t - S + 2);
         g.MbarWait(sm.empty + 8 * (t % S), (t / S - 1) & 1);
       }
-      issue(t);
+      const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
+      for (int c = cg; c < chunks; c += 4) {
+        const uint32_t dst = kFp8 ? j * srow + c * 16 : wgmma::TileAt(D, j, c);
+        g.CpAsync16(stage + dst, valid ? src + c * 16 : src, valid);
+      }
       g.CpCommit();
+      ++issued;
     }
-    land(sp.tiles);
+    land(issued);
     return;
   }
 

@@ -16,9 +16,10 @@
 //  - cp.async: a 16-byte copy not 16-byte aligned at either end; its bytes read or written
 //    before the issuing thread waited for its group (the copy lands only then); a copy issued
 //    over bytes another thread read or wrote with no ordering before the issue;
-//  - barriers and mbarriers: named barriers taken with different counts; an mbarrier used before
-//    its mbarrier.init is ordered before the use, or initialised twice; threads left waiting
-//    (a deadlock, named with what each waits in);
+//  - barriers and mbarriers: named barriers taken with different counts, or by more threads than
+//    their count; an mbarrier used before its mbarrier.init is ordered before the use, or
+//    initialised twice; a wait that acquires a phase other than the one after the last it
+//    acquired (parity aliasing); threads left waiting (a deadlock, named with what each waits in);
 //  - global memory: a read or write outside the buffers the test registered, a write to an
 //    input, a misaligned access; each output byte's writes are counted (every output element
 //    written exactly once is the test's to assert);
@@ -34,7 +35,9 @@
 //    ordering before the wgmma (in every thread of the warpgroup), or written by a thread that
 //    did not execute fence.proxy.async between the write and the barrier or mbarrier arrive that
 //    orders it before the wgmma; any write to an operand byte before every thread of the
-//    warpgroup waited for the wgmma, or after, with no ordering after every thread's wait;
+//    warpgroup waited for the wgmma, or after, with no ordering after every thread's wait (the
+//    conservative rule: a kernel where one elected lane a warp arrives after the wait would be
+//    reported; attnd's kernels have every thread arrive);
 //    accumulators or A's registers changed between the issue and the wait that lands them; a thread
 //    exiting with wgmma not waited for. A wgmma's result is computed from the operands as they are
 //    at its issue and lands at the wait (a body that reads its accumulators earlier reads the old
@@ -397,6 +400,9 @@ class SimtBlock {
     int bar_id = 0, bar_count = 0;
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
+    int64_t mbar_woke = 0;  // the phase a wake-up acquired
+    // Per mbarrier: the last phase this thread's waits acquired (-1: the one before the first).
+    std::map<uint32_t, int64_t> mbar_phase;
     // Registers held (WgmmaHold) since the last wait, and their contents at the last fence.
     struct Held {
       const void* p;
@@ -781,10 +787,26 @@ class SimtBlock {
           at.push_back(&f);
         }
       if (at.empty() || static_cast<int>(at.size()) < at[0]->bar_count) continue;
+      if (static_cast<int>(at.size()) > at[0]->bar_count)
+        throw std::runtime_error("named barrier " + std::to_string(id) + ": " +
+                                 std::to_string(at.size()) + " threads wait at a barrier of " +
+                                 std::to_string(at[0]->bar_count));
       Join(at);
       any = true;
     }
     return any;
+  }
+  // A wait of thread tid that acquired `phase` of mbarrier off: the phase after the last one it
+  // acquired there. A later one means a phase went by unwaited for, whose parity the wait then
+  // confused with the one it meant (on the GPU, a wait two phases behind passes on the wrong
+  // phase or blocks for a later one).
+  void CheckPhase(uint32_t off, int64_t phase, int tid) {
+    auto [it, fresh] = fibers_[tid].mbar_phase.try_emplace(off, -1);
+    if (phase > it->second + 1)
+      Fail("mbarrier wait acquired phase " + std::to_string(phase) + " after phase " +
+               std::to_string(it->second) + " (a phase gone by unwaited for: parity aliasing)",
+           off, tid);
+    it->second = phase;
   }
   Mbar& MbarAt(uint32_t off, int tid) {
     auto it = mbars_.find(off);
@@ -949,6 +971,7 @@ void SimtThread::MbarArrive(uint32_t off) {
     if (w.state == SimtBlock::kMbar && w.mbar_off == off &&
         static_cast<int>(m.completed & 1) != w.mbar_parity) {
       block_->Acquire(w, m.done);
+      w.mbar_woke = static_cast<int64_t>(m.completed) - 1;
       w.state = SimtBlock::kRunnable;
     }
 }
@@ -958,11 +981,13 @@ void SimtThread::MbarWait(uint32_t off, int parity) {
   auto& f = block_->fibers_[tid_];
   if (static_cast<int>(m.completed & 1) != (parity & 1)) {  // that phase has completed
     block_->Acquire(f, m.done);
+    block_->CheckPhase(off, static_cast<int64_t>(m.completed) - 1, tid_);
     return;
   }
   f.mbar_off = off;
   f.mbar_parity = parity & 1;
   block_->Yield(SimtBlock::kMbar);  // MbarArrive wakes it, ordered after the phase's arrivals
+  block_->CheckPhase(off, f.mbar_woke, tid_);
 }
 
 template <typename T>
