@@ -191,6 +191,37 @@ TEST(SimtSyncSim, MbarrierMisuseIsRefused) {
             "");
 }
 
+// setmaxnreg is warpgroup-wide: all 128 threads, the same count.
+TEST(SimtSyncSim, SetmaxnregIsTakenByWholeWarpgroups) {
+  sim::SimtMemory mem;
+  EXPECT_EQ(RunBlock(mem, 256, 64,
+                     [](sim::SimtThread& t) {
+                       if (t.tid() < 128) {
+                         t.RegsDown<40>();
+                       } else {
+                         t.RegsUp<232>();
+                       }
+                     }),
+            "");
+  EXPECT_NE(RunBlock(mem, 128, 64,
+                     [](sim::SimtThread& t) {
+                       if (t.warp() == 0) {
+                         t.RegsDown<40>();
+                       } else {
+                         t.RegsDown<48>();
+                       }
+                     })
+                .find("different warpgroup-wide instructions"),
+            std::string::npos);
+  // One warp of the warpgroup takes it: the others never come.
+  EXPECT_NE(RunBlock(mem, 128, 64,
+                     [](sim::SimtThread& t) {
+                       if (t.warp() == 0) t.RegsDown<40>();
+                     })
+                .find("32 in a warp-wide instruction"),
+            std::string::npos);
+}
+
 TEST(SimtSyncSim, ACopyIsOrderedFromItsIssue) {
   std::vector<uint8_t> src(16, 3);
   sim::SimtMemory mem;

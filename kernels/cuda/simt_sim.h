@@ -210,15 +210,18 @@ class SimtThread {
   // phase; arrive (release); wait until the phase of parity `parity` has completed (acquire:
   // try_wait.parity in a loop — the phase after the last completed one has the other parity).
   inline void MbarInit(uint32_t off, int count);
-  // setmaxnreg: registers are not modelled; the count must be one the GPU takes (24-256, a
+  // setmaxnreg: a warpgroup-wide instruction (all 128 threads, the same count: else an error);
+  // the registers themselves are not modelled. The count must be one the GPU takes (24-256, a
   // multiple of 8).
   template <int kRegs>
   void RegsDown() {
     static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg count");
+    SetMaxNreg(-kRegs);
   }
   template <int kRegs>
   void RegsUp() {
     static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg count");
+    SetMaxNreg(kRegs);
   }
   inline void MbarArrive(uint32_t off);
   inline void MbarWait(uint32_t off, int parity);
@@ -232,6 +235,7 @@ class SimtThread {
   inline void CpCommit();
   // Waits until at most `pending` of this thread's committed groups are still in flight.
   inline void CpWait(int pending);
+  inline void SetMaxNreg(int regs);  // > 0: .inc to regs; < 0: .dec to -regs
   inline float ShflXor(float v, int mask);
   // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: d = a b + c, from every lane's registers.
   inline void Mma(float c[4], const uint32_t a[4], const uint32_t b[2]);
@@ -346,7 +350,7 @@ class SimtBlock {
   static constexpr size_t kStackBytes = 256 << 10;
   static constexpr int kMaxGroups = 4;  // warpgroups a block (a byte's landed wgmma reads)
   enum State { kRunnable, kBarrier, kNamed, kMbar, kWarpOp, kDone };
-  enum Op { kNone, kMma, kShfl, kLdMatrix, kWgmma };
+  enum Op { kNone, kMma, kShfl, kLdMatrix, kWgmma, kRegs };
   // A wgmma in flight: the 16-byte operand ranges it reads, and the threads yet to land it.
   // When every thread has waited, its reads are complete as of each thread's clock at its wait
   // (`landed`): a later write to those bytes must be ordered after all of them.
@@ -398,6 +402,7 @@ class SimtBlock {
     std::vector<uint64_t> fence_upto{0, 0};
     // What it waits in: named barrier (id, count), mbarrier (offset, parity).
     int bar_id = 0, bar_count = 0;
+    int regs = 0;  // setmaxnreg's count (negative: .dec)
     uint32_t mbar_off = 0;
     int mbar_parity = 0;
     int64_t mbar_woke = 0;  // the phase a wake-up acquired
@@ -498,7 +503,8 @@ class SimtBlock {
       if (waiting + done == 32 && done > 0)
         throw std::runtime_error("warp " + std::to_string(w) +
                                  ": lanes exited while the others wait in a warp-wide instruction");
-      if (waiting != 32 || lanes[0].op == kWgmma) continue;  // wgmma: ReleaseWarpgroups
+      // wgmma, setmaxnreg: ReleaseWarpgroups
+      if (waiting != 32 || lanes[0].op == kWgmma || lanes[0].op == kRegs) continue;
       const Op op = lanes[0].op;
       for (int l = 1; l < 32; ++l)
         if (lanes[l].op != op || (op == kShfl && lanes[l].shfl_mask != lanes[0].shfl_mask) ||
@@ -542,7 +548,7 @@ class SimtBlock {
     }
     return ReleaseWarpgroups() || any;
   }
-  // Issues the wgmma every thread of a warpgroup waits in.
+  // Issues the wgmma (or completes the setmaxnreg) every thread of a warpgroup waits in.
   bool ReleaseWarpgroups() {
     constexpr int kG = wgmma::kGroupThreads;
     bool any = false;
@@ -550,11 +556,16 @@ class SimtBlock {
       Fiber* f = &fibers_[g * kG];
       int waiting = 0;
       for (int l = 0; l < kG && g * kG + l < n_; ++l)
-        waiting += f[l].state == kWarpOp && f[l].op == kWgmma;
+        waiting += f[l].state == kWarpOp && (f[l].op == kWgmma || f[l].op == kRegs);
       if (waiting == 0) continue;
-      if ((g + 1) * kG > n_) throw std::runtime_error("wgmma in a block of partial warpgroups");
+      if ((g + 1) * kG > n_)
+        throw std::runtime_error("wgmma or setmaxnreg in a block of partial warpgroups");
       if (waiting != kG) continue;
-      IssueWgmma(g, f);
+      for (int l = 1; l < kG; ++l)
+        if (f[l].op != f[0].op || (f[0].op == kRegs && f[l].regs != f[0].regs))
+          throw std::runtime_error("warpgroup " + std::to_string(g) +
+                                   ": threads reached different warpgroup-wide instructions");
+      if (f[0].op == kWgmma) IssueWgmma(g, f);
       for (int l = 0; l < kG; ++l) f[l].state = kRunnable, f[l].op = kNone;
       any = true;
     }
@@ -1015,6 +1026,13 @@ void SimtThread::CpAsync16(uint32_t off, const void* src, bool valid) {
     block_->meta_[off + i].in_flight = true;
   }
   block_->fibers_[tid_].groups.back().push_back(c);
+}
+
+void SimtThread::SetMaxNreg(int regs) {
+  auto& f = block_->fibers_[tid_];
+  f.op = SimtBlock::kRegs;
+  f.regs = regs;
+  block_->Yield(SimtBlock::kWarpOp);
 }
 
 void SimtThread::CpCommit() { block_->fibers_[tid_].groups.emplace_back(); }
