@@ -451,14 +451,19 @@ TEST(MlaWgmmaSim, EveryBarrierAndFenceIsNeeded) {
 }
 
 // Skips one mbarrier wait, mbarrier arrive, named barrier or fence.proxy.async (`kind`) of the
-// producer's or the consumers' (`producer`), by its index in the thread's order.
+// producer's or the consumers' (`producer`), by its index in the thread's order; or makes one
+// cp.async wait of the producer's wait for one group fewer (kCpWait).
 template <typename T>
 struct SkipOneHandOff : sim::ForwardingThread<T> {
-  enum Kind { kWait, kArrive, kNamed, kProxyFence, kKinds };
+  enum Kind { kWait, kArrive, kNamed, kProxyFence, kCpWait, kKinds };
   static inline int kind = kWait, skip = -1;
   static inline bool producer = false;
-  static inline int seen[2][kKinds] =
-      {};  // [producer][kind], counted by thread 0 and the producer's 0
+  static inline int seen[2][kKinds] = {};  // [producer][kind]: thread 0's and the producer's 0's
+  // Clears the choice (and the counts) when made and when it goes, a failed test included.
+  struct Choice {
+    Choice(bool p, int k, int s) { producer = p, kind = k, skip = s; }
+    ~Choice() { producer = false, kind = kWait, skip = -1; }
+  };
   int count[kKinds] = {};
   explicit SkipOneHandOff(T& inner) : sim::ForwardingThread<T>(inner) {}
   bool Skip(int k) {
@@ -478,48 +483,70 @@ struct SkipOneHandOff : sim::ForwardingThread<T> {
   void FenceProxyAsync() {
     if (!Skip(kProxyFence)) this->t.FenceProxyAsync();
   }
+  void CpWait(int n) { this->t.CpWait(Skip(kCpWait) ? n + 1 : n); }
 };
 
-// The warp-specialised wgmma kernel: every mbarrier wait and arrive, named barrier and proxy
-// fence of the producer and of the consumers is needed: each removed in turn is caught (an error
-// of the simulation — a race, an unfenced operand, a deadlock — or other outputs).
+// The errors a missing hand-over may cause: a race, an operand not ordered or not fenced, a copy
+// read before it landed (or a stage before its first copy), a deadlock, a phase confused by
+// parity.
+bool IsSyncError(const std::string& e) {
+  for (const char* what : {"no barrier", "race", "another thread read", "not waited for",
+                           "block stuck", "parity aliasing", "without fence.proxy.async",
+                           "in flight", "a wgmma of thread", "never written", "never-written"})
+    if (e.find(what) != std::string::npos) return true;
+  return false;
+}
+
+// The warp-specialised wgmma kernel: every mbarrier wait and arrive, named barrier, proxy fence
+// and cp.async wait of the producer and of the consumers is needed: each removed (or, a wait,
+// made one group short) in turn is caught — by one of the simulation's sync errors, or by other
+// outputs or log-sum-exps. Two stages (the producer lands everything before it waits) and four
+// (it keeps two tiles in flight).
 TEST(MlaWgmmaWsSim, EveryWaitArriveAndFenceIsNeeded) {
   using Skip = SkipOneHandOff<sim::SimtThread>;
-  for (bool fp8 : {false, true}) {
-    const Case c{64, 512, 64, fp8, 2, {150}};  // 5 tiles of 32 keys through 2 stages
+  struct Ring {
+    bool fp8;
+    int stages, tiles;
+  };
+  for (const Ring r : {Ring{false, 2, 5}, Ring{true, 2, 5}, Ring{false, 4, 7}}) {
+    const Case c{64, 512, 64, r.fp8, r.stages, {32 * r.tiles - 10}};  // one split
+    const std::string at =
+        std::string(r.fp8 ? "fp8" : "bf16") + ", " + std::to_string(r.stages) + " stages: ";
     Problem pr(c, 5, Kernel::kWgmmaWs);
     sim::SimtMemory m = pr.Memory();
-    Skip::skip = -1;
     std::memset(Skip::seen, 0, sizeof(Skip::seen));
     ASSERT_NO_THROW(pr.Run<Skip>(m));
-    const std::vector<float> want = pr.out;
+    pr.Expect();  // the run the mutations are compared with is right
+    const std::vector<float> want = pr.out, want_lse = pr.lse;
     // Consumers: a full wait a tile, an empty arrive for each stage the producer refills; the
     // query's fence and named barrier (bf16) or the decode's a tile (fp8). Producer: an empty
-    // wait for each tile past the ring, a full arrive a tile, and (bf16) a fence a tile.
-    const int tiles = 5;
-    const int per[2][Skip::kKinds] = {{tiles, tiles - 2, fp8 ? tiles : 1, fp8 ? tiles : 1},
-                                      {tiles - 2, tiles, 0, fp8 ? 0 : tiles}};
+    // wait for each tile past the ring, a full arrive, a cp.async wait and (bf16) a fence a tile.
+    const int t = r.tiles, refills = r.tiles - r.stages;
+    const int per[2][Skip::kKinds] = {{t, refills, r.fp8 ? t : 1, r.fp8 ? t : 1, 0},
+                                      {refills, t, 0, r.fp8 ? 0 : t, t}};
     for (int who = 0; who < 2; ++who)
-      for (int k = 0; k < Skip::kKinds; ++k) ASSERT_EQ(Skip::seen[who][k], per[who][k]) << who << k;
+      for (int k = 0; k < Skip::kKinds; ++k)
+        ASSERT_EQ(Skip::seen[who][k], per[who][k]) << at << who << " " << k;
     for (int who = 0; who < 2; ++who)
       for (int k = 0; k < Skip::kKinds; ++k)
         for (int skip = 0; skip < per[who][k]; ++skip) {
           Problem again(c, 5, Kernel::kWgmmaWs);
           sim::SimtMemory m2 = again.Memory();
-          Skip::producer = who == 1;
-          Skip::kind = k;
-          Skip::skip = skip;
-          bool caught = false;
+          const typename Skip::Choice choice(who == 1, k, skip);
+          std::string error;
           try {
             again.Run<Skip>(m2);
-            caught = std::memcmp(again.out.data(), want.data(), want.size() * 4) != 0;
-          } catch (const std::runtime_error&) {
-            caught = true;
+          } catch (const std::runtime_error& e) {
+            error = e.what();
           }
-          EXPECT_TRUE(caught) << (fp8 ? "fp8" : "bf16") << (who ? " producer" : " consumer")
-                              << " kind " << k << " #" << skip << " is not needed";
+          const bool caught =
+              error.empty()
+                  ? std::memcmp(again.out.data(), want.data(), want.size() * 4) != 0 ||
+                        std::memcmp(again.lse.data(), want_lse.data(), want_lse.size() * 4) != 0
+                  : IsSyncError(error);
+          EXPECT_TRUE(caught) << at << (who ? "producer" : "consumers") << " kind " << k << " #"
+                              << skip << (error.empty() ? ": not needed" : ": " + error);
         }
-    Skip::skip = -1;
   }
 }
 
