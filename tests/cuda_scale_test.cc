@@ -169,14 +169,19 @@ TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
   }
 }
 
+// cuda:0's compute capability.
+void ComputeCapability(int* major, int* minor) {
+  ASSERT_EQ(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+}
+
 // wgmma on this GPU computes what the CPU simulation computes (wgmma_probe.h: the descriptor
 // forms and fragment layouts the wgmma MLA uses, against float64); compute capability 9.0 only.
 TEST(CudaScale, TheWgmmaSelfCheckPasses) {
   ATTND_SKIP_WITHOUT_GPU();
   if (!cuda::MlaWgmmaBuilt()) GTEST_SKIP() << "this build has no sm_90a image";
   int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(ComputeCapability(&major, &minor));
   if (major != 9 || minor != 0) {
     EXPECT_FALSE(cuda::MlaWgmmaSelfCheck());  // refused, not trapped
     GTEST_SKIP() << "wgmma needs compute capability 9.0 (this GPU: " << major << "." << minor
@@ -194,8 +199,7 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
   ATTND_SKIP_WITHOUT_GPU();
   if (!cuda::MlaWgmmaBuilt()) GTEST_SKIP() << "this build has no sm_90a image";
   int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(ComputeCapability(&major, &minor));
   if (major != 9 || minor != 0)
     GTEST_SKIP() << "wgmma needs compute capability 9.0 (this GPU: " << major << "." << minor
                  << ")";

@@ -229,9 +229,9 @@ struct MlaParams {
   // says it can (compute capability 9.0, the sm_90a image). Off unless asked for
   // (ATTND_CUDA_MLA=wgmma, WgmmaMla()) until a GPU run has checked and timed it.
   bool wgmma = false;
-  // wgmma form only: its warp-specialised variant (kernels/cuda/mla_wgmma_ws.h: a producer warp
-  // gathers, handing tiles over by mbarriers). Off unless asked for (ATTND_CUDA_MLA=wgmma-ws,
-  // WgmmaWsMla()) until a GPU run has checked and timed it.
+  // wgmma form only: its warp-specialised variant (kernels/cuda/mla_wgmma_ws.h: a producer
+  // warpgroup gathers, handing tiles over by mbarriers). Off unless asked for
+  // (ATTND_CUDA_MLA=wgmma-ws, WgmmaWsMla()) until a GPU run has checked and timed it.
   bool wgmma_ws = false;
   // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
   // reads them 4x less at 128 heads); 0 = 64 when heads % 64 == 0 and the GPU has the shared

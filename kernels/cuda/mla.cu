@@ -383,13 +383,21 @@ __global__ void MlaCombineKernel(MlaParams p) {
 // block fastest, then its split, then its query, so a query's blocks are launched side by side:
 // at 128 heads the second head block reads the key tiles the first just brought into L2 (at
 // large batches the two were a wave apart), and every block of a query reads its Q from L2.
+struct PipeBlockId {
+  int qx, hy, z;  // query of the wave, head block, split
+};
+__device__ PipeBlockId PipeBlockOf(int head_blocks, int splits) {
+  const int x = static_cast<int>(blockIdx.x);
+  return {x / (head_blocks * splits), x % head_blocks, (x / head_blocks) % splits};
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kPipeThreads)
     MlaPipeKernel(MlaPipeParams p, int head_blocks, int splits) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   GpuThread g{smem_raw};
-  const int x = static_cast<int>(blockIdx.x);
-  MlaPipeBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks, (x / head_blocks) % splits);
+  const PipeBlockId b = PipeBlockOf(head_blocks, splits);
+  MlaPipeBlock<kFp8>(g, p, b.qx, b.hy, b.z);
 }
 
 // Its wgmma form (kernels/cuda/mla_wgmma.h), the same grid: two warpgroups a block. The body is
@@ -400,20 +408,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     MlaWgmmaKernel(MlaPipeParams p, int head_blocks, int splits) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   GpuThread g{smem_raw};
-  const int x = static_cast<int>(blockIdx.x);
-  MlaWgmmaBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks,
-                      (x / head_blocks) % splits);
+  const PipeBlockId b = PipeBlockOf(head_blocks, splits);
+  MlaWgmmaBlock<kFp8>(g, p, b.qx, b.hy, b.z);
 }
 
-// Its warp-specialised form (kernels/cuda/mla_wgmma_ws.h): the same grid, a producer warp more.
+// Its warp-specialised form (kernels/cuda/mla_wgmma_ws.h): the same grid, a producer warpgroup
+// more.
 template <bool kFp8>
 __global__ void __launch_bounds__(kWsThreads, 1)
     MlaWgmmaWsKernel(MlaPipeParams p, int head_blocks, int splits) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   GpuThread g{smem_raw};
-  const int x = static_cast<int>(blockIdx.x);
-  MlaWgmmaWsBlock<kFp8>(g, p, x / (head_blocks * splits), x % head_blocks,
-                        (x / head_blocks) % splits);
+  const PipeBlockId b = PipeBlockOf(head_blocks, splits);
+  MlaWgmmaWsBlock<kFp8>(g, p, b.qx, b.hy, b.z);
 }
 
 std::atomic<int64_t> g_wgmma_launches{0}, g_wgmma_ws_launches{0};

@@ -1,4 +1,4 @@
-// The wgmma MLA (mla_wgmma.h) with its gather in a producer warp of its own: warp
+// The wgmma MLA (mla_wgmma.h) with its gather in a producer warpgroup of its own: warp
 // specialisation. A block body over the thread interface (GpuThread on the GPU in
 // kernels/cuda/mla.cu; SimtThread in the CPU simulation, tests/mla_pipe_sim_test.cc).
 //
