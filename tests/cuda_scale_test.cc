@@ -17,6 +17,7 @@
 #include "common/absorption.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/topk_block.h"
 #include "kernels/selection.h"
 #include "tests/engine_harness.h"
@@ -167,6 +168,39 @@ TEST(CudaScale, AnFp8CacheTakesTensorCoresAndMatchesTheReference) {
     EXPECT_NE(m.out[l], s.out[l]) << "layer " << l << ": the same bits from both kernels";
     EXPECT_EQ(beyond_ties[l], 0) << "layer " << l;
   }
+}
+
+// What the launchers read once per device (gpu_facts.h) is the driver's answer for every device,
+// and stays each device's own across switches; with no device it is an error, *f untouched.
+TEST(CudaScale, TheGpuFactsAreTheDriversPerDevice) {
+  cuda::GpuFacts f;
+  f.sms = -7;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    EXPECT_NE(cuda::CurrentGpuFacts(&f), cudaSuccess);
+    EXPECT_EQ(f.sms, -7);
+    ATTND_SKIP_WITHOUT_GPU();  // fails here under ATTND_REQUIRE_GPU=1
+    return;
+  }
+  for (int round = 0; round < 2; ++round)
+    for (int d = 0; d < count; ++d) {
+      ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
+      ASSERT_EQ(cuda::CurrentGpuFacts(&f), cudaSuccess);
+      int major = 0, minor = 0, sms = 0, optin = 0;
+      ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), cudaSuccess);
+      ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), cudaSuccess);
+      ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), cudaSuccess);
+      ASSERT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d),
+                cudaSuccess);
+      EXPECT_EQ(f.ordinal, d);
+      EXPECT_EQ(f.cc_major, major);
+      EXPECT_EQ(f.cc_minor, minor);
+      EXPECT_EQ(f.sms, sms);
+      EXPECT_EQ(f.smem_optin, optin);
+      EXPECT_GT(sms, 0);
+    }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 // cuda:0's compute capability.

@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/indexer_stream.h"
 #include "kernels/cuda/mma_fragments.h"
 #include "kernels/cuda/simt.cuh"
@@ -174,10 +175,10 @@ int64_t StreamRange(int64_t max_keys, int nq, int sms) {
 }
 
 cudaError_t LaunchIndexerStream(const IndexerParams& p, cudaStream_t s) {
-  int device = 0, sms = 1;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  GpuFacts g;
+  cudaError_t e = CurrentGpuFacts(&g);
   if (e != cudaSuccess) return e;
+  const int sms = g.sms;
   IndexerStreamParams sp;
   sp.q = p.q;
   sp.w = p.w;

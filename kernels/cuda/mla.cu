@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/fp8_chunks.h"
+#include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/mla_pipe.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mla_wgmma.h"
@@ -441,14 +442,10 @@ __global__ void __launch_bounds__(wgmma::kGroupThreads)
 // Whether the current GPU (its ordinal in *device) is compute capability 9.0, where the sm_90a
 // image runs.
 bool CurrentGpuIsCc90(int* device) {
-  int major = 0, minor = 0;
-  if (cudaGetDevice(device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, *device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, *device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0;
+  GpuFacts g;
+  if (CurrentGpuFacts(&g) != cudaSuccess) return false;
+  *device = g.ordinal;
+  return g.cc_major == 9 && g.cc_minor == 0;
 }
 
 // The probe on the current GPU against float64: whether wgmma computes what the simulation does
@@ -519,16 +516,11 @@ uint32_t PipeSmemBytes(const MlaParams& p, PipeForm form, int stages) {
 // The stages the pipelined kernel (or its wgmma forms) can have on this GPU (4 for the
 // warp-specialised one, 3, 2), or 0 when it does not fit.
 int PipeStages(const MlaParams& p, PipeForm form) {
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
+  GpuFacts g;
+  if (CurrentGpuFacts(&g) != cudaSuccess) return 0;
   for (int stages : {kWsMaxStages, 3, 2}) {
     if (stages > 3 && form != PipeForm::kWgmmaWs) continue;
-    if (PipeSmemBytes(p, form, stages) <= static_cast<uint32_t>(optin)) return stages;
+    if (PipeSmemBytes(p, form, stages) <= static_cast<uint32_t>(g.smem_optin)) return stages;
   }
   return 0;
 }
@@ -611,14 +603,9 @@ size_t MlaMmaSmem(int hb, int d) {
 
 int MlaHeadsPerBlock(const MlaParams& p) {
   if (p.heads_per_block == 16 || p.heads % 64 != 0) return 16;
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess) {
-    cudaGetLastError();
-    return 16;
-  }
-  return MlaMmaSmem(64, p.latent + p.rope) <= static_cast<size_t>(optin) ? 64 : 16;
+  GpuFacts g;
+  if (CurrentGpuFacts(&g) != cudaSuccess) return 16;
+  return MlaMmaSmem(64, p.latent + p.rope) <= static_cast<size_t>(g.smem_optin) ? 64 : 16;
 }
 
 // The pipelined kernel (or its wgmma form) over the waves of a step (same splits, partials and
