@@ -7,6 +7,12 @@ With --stages (gpu-check's record of each stage: limit, seconds, verdict, note) 
 with the stage table, the sanitizer's verdict and the reruns. A test XML file that is missing or
 unreadable is named ("no XML": the binary timed out or crashed before writing it).
 
+After the table, the sparse MLA's kernel forms at batch 64 (pipe, mma, wgmma, wgmma-ws) are
+ranked per context: the fastest whose output is within 1e-2 relative L2 of the SIMT kernel's,
+against the form attnd takes by default (pipe), and what to change to make it the default.
+`gpu_report.py --fastest-mla BENCH.jsonl` prints only the fastest checked form's kernel name
+(gpu-check profiles it), or nothing.
+
 Test results are counted per test case (GoogleTest writes no skip count on the root element):
 a case is skipped when it has a <skipped> element or result="skipped", failed when it has a
 <failure>. With no benchmark rows the report says "no GPU: nothing measured" instead of a table.
@@ -49,6 +55,68 @@ def count_tests(paths, missing=None):
     return passed, failed, skipped, read
 
 
+# The sparse MLA's forms as cuda_bench labels them, their kernels, and how each becomes the
+# default (kernels/cuda/cuda_kernels.h: MlaParams; kernels/cuda/cuda_device.cc).
+MLA_FORMS = {
+    "pipe": ("MlaPipeKernel", "the default now (MlaParams::pipeline = true, wgmma off)"),
+    "mma": ("MlaMmaKernel", "set MlaParams::pipeline's default to false"),
+    "wgmma": ("MlaWgmmaKernel", "make WgmmaMla() default to true on compute capability 9.0"),
+    "wgmma-ws": ("MlaWgmmaWsKernel",
+                 "make WgmmaMla() and WgmmaWsMla() default to true on compute capability 9.0"),
+}
+MLA_DEFAULT = "pipe"
+MLA_TOLERANCE = 1e-2  # relative L2 against the SIMT kernel, as the GPU tests' bf16 tolerance
+
+
+def mla_forms(rows):
+    """{context: {form: (ms, checked)}} over cuda_bench's batch-64 sparse MLA rows; checked is
+    whether its output is within MLA_TOLERANCE of the SIMT kernel's (NaN or no check: not)."""
+    forms = {}
+    for r in rows:
+        m = re.fullmatch(r"sparse MLA decode \(([a-z-]+), split-K x\d+\)", r.get("op", ""))
+        ctx = re.search(r"ctx=(\d+K)", r.get("shape", ""))
+        if not m or m.group(1) not in MLA_FORMS or not ctx or not r["shape"].startswith("B=64 "):
+            continue
+        err = re.search(r"rel L2 ([0-9.e+-]+) vs SIMT", r.get("check") or "")
+        checked = err is not None and float(err.group(1)) <= MLA_TOLERANCE
+        forms.setdefault(ctx.group(1), {})[m.group(1)] = (r["ms"], checked)
+    return forms
+
+
+def fastest_mla(rows):
+    """The form fastest over every context among those checked in all of them, or None."""
+    forms = mla_forms(rows)
+    if not forms:
+        return None
+    names = set.intersection(*({f for f, (_, ok) in by.items() if ok} for by in forms.values()))
+    if not names:
+        return None
+    return min(names, key=lambda f: sum(by[f][0] for by in forms.values()))
+
+
+def mla_choice(rows):
+    forms = mla_forms(rows)
+    if not forms:
+        return
+    print("\nsparse MLA forms at batch 64 (checked: within "
+          f"{MLA_TOLERANCE:g} relative L2 of SIMT):")
+    for ctx, by in forms.items():
+        ranked = sorted(by.items(), key=lambda kv: kv[1][0])
+        print(f"  ctx={ctx}: " + ", ".join(
+            f"{f} {ms:.3f} ms{'' if ok else ' (NOT checked)'}" for f, (ms, ok) in ranked))
+    best = fastest_mla(rows)
+    if best is None:
+        print("MLA choice: no form passed its check in every context: keep the default")
+        return
+    total = {f: sum(by[f][0] for by in forms.values() if f in by) for f in MLA_FORMS}
+    if best == MLA_DEFAULT or MLA_DEFAULT not in {f for by in forms.values() for f in by}:
+        print(f"MLA choice: {best} ({MLA_FORMS[best][1]})")
+        return
+    gain = total[MLA_DEFAULT] / total[best]
+    print(f"MLA choice: {best}, {gain:.2f}x the default ({MLA_DEFAULT}) over these contexts: "
+          f"{MLA_FORMS[best][1]}")
+
+
 def stage_table(stages):
     """The stages as gpu-check ran them, then the sanitizer's verdict and the reruns."""
     print("| stage | limit | took | verdict | note |")
@@ -72,6 +140,13 @@ def stage_table(stages):
 
 def main():
     args = sys.argv[1:]
+    if args and args[0] == "--fastest-mla":
+        if len(args) != 2:
+            sys.exit(__doc__)
+        best = fastest_mla(lines(args[1]))
+        if best:
+            print(MLA_FORMS[best][0])
+        return
     stages = None
     if args and args[0].startswith("--stages="):
         stages = lines(args.pop(0).split("=", 1)[1])
@@ -121,6 +196,7 @@ def main():
         frac = f"{100 * r['frac']:.1f}%" if r["frac"] >= 0 else "-"
         print(f"| {r['op']} | {r['shape']} | {r['ms']:.3f} ms | {r['rate']:.1f} {r['unit']} | "
               f"{frac} | {sp} | {r.get('check') or '-'} |")
+    mla_choice(ours)
 
 
 if __name__ == "__main__":

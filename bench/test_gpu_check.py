@@ -180,6 +180,33 @@ def test_the_profile_runs_where_something_was_measured_and_every_file_is_packed(
     assert {"./stages.jsonl", "./table.md", "./ncu-MlaWgmmaKernel.txt"} <= set(listed)
 
 
+# cuda_bench whose MLA rows make the warp-specialised wgmma form the fastest that matched SIMT
+# (the mma one is faster still, but its output did not match).
+FAKE_BENCH_MLA = textwrap.dedent("""\
+    #!/usr/bin/env bash
+    f='{"op": "sparse MLA decode (%s, split-K x4)", "shape": "B=64 H=128 K=2048 ctx=8K",'
+    f="$f"' "ms": %s, "rate": 1.0, "unit": "GB/s", "frac": 0.1, "check": "rel L2 %s vs SIMT"}\\n'
+    for a in "$@"; do
+      case $a in --json=*) printf "$f" pipe 1.4 2.0e-03 mma 0.5 3.0e-01 wgmma 0.9 2.0e-03 \\
+                             wgmma-ws 0.7 2.0e-03 > "${a#--json=}" ;; esac
+    done
+    """)
+
+
+def test_the_profile_takes_the_fastest_mla_form_that_matched(fake):
+    (fake / "bundle" / "cuda_bench").write_text(FAKE_BENCH_MLA)
+    (fake / "bin" / "ncu").write_text(FAKE_NCU)
+    (fake / "bin" / "ncu").chmod(0o755)
+    text, stages, out = run(fake, GPU_CHECK_ONLY="bench,profile")
+    assert stages["profile"]["verdict"] == "passed", stages["profile"]
+    assert "regex:MlaWgmmaWsKernel" in (out / "ncu-MlaWgmmaWsKernel.txt").read_text()
+    assert not (out / "ncu-MlaWgmmaKernel.txt").exists()
+    assert not (out / "ncu-MlaMmaKernel.txt").exists()
+    table = (out / "table.md").read_text()
+    assert "mma 0.500 ms (NOT checked)" in table
+    assert "MLA choice: wgmma-ws, 2.00x the default (pipe)" in table
+
+
 def test_a_kernel_iteration_runs_only_the_groups_it_names(fake):
     (fake / "bundle" / "cuda_bench").write_text(FAKE_BENCH)
     (fake / "bin" / "ncu").write_text(FAKE_NCU)

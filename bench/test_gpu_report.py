@@ -83,3 +83,48 @@ def test_a_kernel_variant_is_compared_with_the_same_pytorch_op_and_shows_its_che
     assert out.returncode == 0, out.stderr
     assert "| 4.00x | 0.9990 of the SIMT scores' top-k |" in out.stdout
     assert "| 4.00x | 150.0 TFLOP/s; rel L2 2.0e-03 vs SIMT |" in out.stdout
+
+
+def mla_row(form, ctx, ms, check):
+    return {"op": f"sparse MLA decode ({form}, split-K x4)",
+            "shape": f"B=64 H=128 K=2048 ctx={ctx}", "ms": ms, "rate": 1.0, "unit": "GB/s",
+            "frac": 0.1, "check": check}
+
+
+def fastest(tmp_path, rows):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(REPORT), "--fastest-mla", str(bench)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_mla_choice_is_the_fastest_form_that_matched_simt_in_every_context(tmp_path):
+    ok, nan = "1.0 TFLOP/s; rel L2 2.0e-03 vs SIMT", "1.0 TFLOP/s; NaN vs SIMT"
+    rows = [mla_row("pipe", "8K", 1.0, ok), mla_row("pipe", "64K", 1.0, ok),
+            mla_row("wgmma", "8K", 0.6, ok), mla_row("wgmma", "64K", 0.6, ok),
+            # faster, but NaN at 64K: not a candidate anywhere
+            mla_row("wgmma-ws", "8K", 0.4, ok), mla_row("wgmma-ws", "64K", 0.4, nan),
+            # the small batch and the 16-heads row are not forms at batch 64
+            dict(mla_row("mma", "8K", 0.1, ok), shape="B=4 H=128 K=2048 ctx=8K"),
+            dict(mla_row("mma", "8K", 0.1, ok), op="sparse MLA decode (mma, 16 heads/block)")]
+    assert fastest(tmp_path, rows) == "MlaWgmmaKernel"
+    text = report(tmp_path, rows)
+    assert "ctx=64K: wgmma-ws 0.400 ms (NOT checked), wgmma 0.600 ms, pipe 1.000 ms" in text
+    assert ("MLA choice: wgmma, 1.67x the default (pipe) over these contexts: make WgmmaMla() "
+            "default to true") in text
+    assert "mma 0.100" not in text
+
+
+def test_no_mla_choice_without_a_checked_form_or_without_rows(tmp_path):
+    bad = [mla_row("pipe", "8K", 1.0, "rel L2 5.0e-02 vs SIMT"), mla_row("mma", "8K", 0.5, None)]
+    assert fastest(tmp_path, bad) == ""
+    assert "MLA choice: no form passed its check in every context: keep the default" in \
+        report(tmp_path, bad)
+    assert fastest(tmp_path, []) == ""
+    topk = {"op": "top-k", "shape": "B=64", "ms": 1.0, "rate": 1.0, "unit": "GB/s", "frac": 0.1}
+    assert "MLA choice" not in report(tmp_path, [topk])
+    good = [mla_row("pipe", "8K", 1.0, "rel L2 1.0e-03 vs SIMT")]
+    assert fastest(tmp_path, good) == "MlaPipeKernel"
+    assert "MLA choice: pipe (the default now" in report(tmp_path, good)

@@ -15,11 +15,12 @@
 #      DeepSeek-dims case, racecheck and synccheck on one tensor-core step.
 #   5. Kernel benchmark with this GPU's copy bandwidth measured in the run; PyTorch versions of
 #      the same ops on the same shapes.
-#   6. Nsight Compute (ncu, where installed) on one launch each of the sparse MLA (its wgmma
-#      form), the streaming indexer and the top-k kernels: occupancy, issue rate, stalls, memory
-#      throughput.
+#   6. Nsight Compute (ncu, where installed) on one launch each of the sparse MLA (the form the
+#      benchmark found fastest among those matching SIMT; else its wgmma form), the streaming
+#      indexer and the top-k kernels: occupancy, issue rate, stalls, memory throughput.
 #   7. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
-#      fraction of the limit, speed-up over PyTorch. Every file also in gpu-check-logs.tgz.
+#      fraction of the limit, speed-up over PyTorch; then the sparse MLA's forms ranked and which
+#      to make the default ("MLA choice"). Every file also in gpu-check-logs.tgz.
 # A stage starts only when its time limit fits what is left of the budget; every command runs
 # under `timeout -k`, so a hung kernel cannot hold the window. Everything goes under
 # ${OUT:-gpu-check-out} (stages.jsonl: one line per stage); logs are written to files before
@@ -267,9 +268,11 @@ elif [ ! -x "$NCU" ]; then
 elif fits "profile" 100; then
   t0=$SECONDS
   rc=0
-  # The MLA's wgmma form (sm_90a; the mma.sync kernels were profiled in the first H200 run,
-  # bench/results/h200.md): on other GPUs, or if its self-check failed, ncu finds no launch.
-  for k in MlaWgmmaKernel IndexerStreamKernel TopKSliceKernel; do
+  # The MLA form the benchmark found fastest among those that matched SIMT (gpu_report.py
+  # --fastest-mla), else the wgmma form (sm_90a; on other GPUs, or if its self-check failed, ncu
+  # finds no launch of it).
+  mla=$(python3 bench/gpu_report.py --fastest-mla "$OUT/cuda_bench.jsonl")
+  for k in "${mla:-MlaWgmmaKernel}" IndexerStreamKernel TopKSliceKernel; do
     bounded 30 "$NCU" -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section SourceCounters "$BENCH" > "$OUT/ncu-$k.txt" \
