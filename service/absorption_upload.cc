@@ -54,7 +54,7 @@ absl::Status AttentionService::DoUploadAbsorption(const Caller& caller,
     const std::optional<DType> dt = ParseDType(t.datatype());
     if (!dt || *dt == DType::kFP8E4M3)
       return absl::InvalidArgumentError(
-          absl::StrCat(name, ": datatype '", t.datatype(), "'; send FP32, BF16 or FP16"));
+          absl::StrCat(name, ": datatype ", Quote(t.datatype()), "; send FP32, BF16 or FP16"));
     if (t.has_shm() || t.has_scales())
       return absl::InvalidArgumentError(absl::StrCat(name, ": give the bytes inline"));
     const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());

@@ -1,5 +1,7 @@
 #include "service/tensor_codec.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
 #include "common/fp8.h"
@@ -70,8 +72,17 @@ absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
     return absl::InvalidArgumentError(
         absl::StrCat(sname, ": shape must be ", name,
                      "'s leading dims and a last dim dividing its last (", v.ShapeString(), ")"));
+  // The scales' element count, refused before count * 4 could overflow.
+  constexpr int64_t kMaxCount = std::numeric_limits<int64_t>::max() / 4;
+  bool fits = per_row <= kMaxCount;
   int64_t count = per_row;
-  for (int i = 0; i + 1 < v.rank; ++i) count *= v.dims[i];
+  for (int i = 0; fits && i + 1 < v.rank; ++i) {
+    fits = v.dims[i] == 0 || count <= kMaxCount / v.dims[i];
+    if (fits) count *= v.dims[i];
+  }
+  if (!fits)
+    return absl::InvalidArgumentError(
+        absl::StrCat(sname, ": too many elements for ", name, "'s shape ", v.ShapeString()));
   if (sc.has_scales()) return absl::InvalidArgumentError(absl::StrCat(sname, ": nested scales"));
   RETURN_IF_ERROR(BytesOf(sname.c_str(), sc, shm, transfers, &v.scales, &v.scales_nbytes));
   if (v.scales_nbytes != static_cast<size_t>(count) * 4)

@@ -268,6 +268,21 @@ TEST_F(HardeningTest, FieldsThatDoNotApplyAndNonFiniteValuesAreRefused) {
     ASSERT_TRUE(b.ok());
     expect(client_->AttendLayer(b->step_id(), in).status(), "out_shm");
   }
+  {  // fp8 scales whose element count would overflow int64: refused before the arithmetic
+    v1::LayerInputs in = g[0].wire;
+    v1::Tensor* t = in.mutable_kv_latent();
+    t->set_datatype("FP8_E4M3");
+    t->clear_shape();
+    t->add_shape(int64_t{1} << 62);
+    t->add_shape(4);
+    v1::Tensor* sc = t->mutable_scales();
+    sc->set_datatype("FP32");
+    sc->add_shape(int64_t{1} << 62);
+    sc->add_shape(4);
+    auto b = client_->BeginStep({{"sa", 2}});
+    ASSERT_TRUE(b.ok());
+    expect(client_->AttendLayer(b->step_id(), in).status(), "kv_latent.scales: too many elements");
+  }
   const std::string key = absl::StrCat("/attnd-nul-", getpid());
   auto mem = client::SharedMemory::Create(key, 4096);
   ASSERT_TRUE(mem.ok());
