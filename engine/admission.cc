@@ -103,7 +103,6 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   step->tenant = options.tenant;
   step->channel = options.channel;
   TenantLedger& tenants = table->tenants();
-  RETURN_IF_ERROR(tenants.CheckOpenSteps(options.tenant, 1));
   RETURN_IF_ERROR(CheckStepOptions(options));
   if (options.context_parallel) RETURN_IF_ERROR(ContextParallelServed());
   std::vector<int32_t> need(devices.size(), 0);
@@ -137,6 +136,10 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id),
                        " is a standby copy; PromoteSequence it first (its primary failed)"));
+    if (seq->standby && !options.standby_writer)
+      return absl::PermissionDeniedError(
+          absl::StrCat("sequence ", Quote(seq->id),
+                       " is a standby copy: only its primary's replication writes it"));
     if (i > 0 && seq->standby != standby_batch)
       return absl::InvalidArgumentError(
           "step batch: a write-only step mixes standby copies and other sequences");
@@ -194,6 +197,9 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     }
     step->seqs.push_back(std::move(s));
   }
+  // A step of standby copies is the replicas' work, paid for by the standby budget.
+  step->counted = !standby_batch;
+  if (step->counted) RETURN_IF_ERROR(tenants.CheckOpenSteps(options.tenant, 1));
   int64_t need_total = 0;
   for (int32_t n : need) need_total += n;
   RETURN_IF_ERROR(standby_batch ? table->CheckStandbyPages(need_total)
@@ -230,7 +236,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   // Everything checked and allocated: reserve pages (cannot fail now) and bind the sequences.
   if (options.write_only) step->phase = StepPhase::kImport;
   step->id = NewStepId();
-  tenants.AddOpenSteps(options.tenant, 1);
+  if (step->counted) tenants.AddOpenSteps(options.tenant, 1);
   for (StepSeq& s : step->seqs) {
     table->Bind(s.seq, step->id, s.new_len, &s.new_pages);
     s.table = s.seq->pages;

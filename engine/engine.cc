@@ -43,7 +43,7 @@ void Engine::Impl::Release(Step* step) {
 }
 
 std::unique_ptr<Step> Engine::Impl::Retire(Step* step) {
-  table->tenants().AddOpenSteps(step->tenant, -1);
+  if (step->counted) table->tenants().AddOpenSteps(step->tenant, -1);
   auto it = steps.find(step->id);
   std::unique_ptr<Step> out = std::move(it->second);
   steps.erase(it);
@@ -473,7 +473,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!prepared.ok()) {
     impl_->Release(step.get());
-    impl_->table->tenants().AddOpenSteps(step->tenant, -1);
+    if (step->counted) impl_->table->tenants().AddOpenSteps(step->tenant, -1);
     impl_->step_ended.notify_all();
     return prepared;
   }

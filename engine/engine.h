@@ -168,6 +168,11 @@ struct StepOptions {
   // With context_parallel: the entries' queries come after every key this server holds (another
   // server holds their tokens), at their query_position; nothing is written.
   bool attend_only = false;
+  // Whether the step may write standby copies (docs/replication.md). The service sets it only
+  // for the admin identity (the replicas' peer credentials) or a server without tenants: a
+  // tenant's own steps never write its copies, whose pages the standby budget pays for, not its
+  // quota. A step of copies does not count against the tenant's open steps either.
+  bool standby_writer = true;
 
   static StepOptions WriteOnly() {
     StepOptions o;

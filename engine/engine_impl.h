@@ -51,6 +51,7 @@ struct Step {
   int64_t visible_keys = 0;  // sum over the queries of the keys each sees (position + 1)
   int64_t topk_keys = 0;     // the same with each capped at K
   StepOptions options;
+  bool counted = true;  // against its tenant's open steps (a step of standby copies is not)
   int next_layer = 0;
   bool candidates_given = false;  // context parallelism: next_layer's kCandidates call ran
   bool busy = false;

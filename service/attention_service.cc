@@ -365,6 +365,8 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   opts.context_parallel = req.context_parallel();
   opts.attend_only = req.attend_only();
   opts.tenant = caller.tenant;
+  opts.standby_writer =
+      caller.admin || options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
   opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
   if (replicator_ != nullptr && !req.write_only()) {
     // A sequence its standby has not acknowledged for a while may have failed over elsewhere

@@ -395,6 +395,41 @@ TEST_F(TokenTest, QuotasRefuseWithTheQuotaNamedAndLeaveOthersAlone) {
   EXPECT_TRUE(q->CloseSequence("q2").ok());
 }
 
+// A standby copy in a tenant's namespace (placed by the replicas' admin identity, paid for by
+// the standby budget) is written only by that identity: the tenant's own write-only step would
+// take pages past its quota. The replicas' steps on copies count against neither the tenant's
+// pages nor its open steps (a tenant at its step quota cannot stall its own replication).
+TEST_F(TokenTest, AStandbyCopyIsWrittenOnlyByTheReplicasNotItsTenant) {
+  auto q = As(kTokenQ), as_q = As(kTokenAdmin, false, "q");
+  const int page = spec().page_size;
+  v1::OpenSequenceRequest open;
+  open.set_sequence_id("sb");
+  open.set_standby_generation(1);
+  ASSERT_TRUE(as_q->OpenSequence(open).ok());
+  EXPECT_EQ(q->OpenSequence(open).status().code(), Code::kPermissionDenied);
+  auto denied = q->BeginStep({{"sb", 4 * page}}, /*write_only=*/true);
+  EXPECT_EQ(denied.status().code(), Code::kPermissionDenied) << denied.status();
+  EXPECT_NE(denied.status().message().find("standby copy"), std::string::npos) << denied.status();
+  EXPECT_EQ(q->BeginStep({{"sb", 1}}).status().code(), Code::kFailedPrecondition);
+  EXPECT_EQ(q->DescribeSequence("sb")->num_pages(), 0);
+  // q holds its one open step (steps=1); the replicas still write its copy, 4 pages past pages=3.
+  ASSERT_TRUE(q->OpenSequence("q1").ok());
+  auto held = q->BeginStep({{"q1", 1}});
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto copy = as_q->BeginStep({{"sb", 4 * page}}, /*write_only=*/true);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  ASSERT_TRUE(q->OpenSequence("q2").ok());
+  EXPECT_EQ(q->BeginStep({{"q2", 1}}).status().code(), Code::kResourceExhausted) << "steps=1";
+  ASSERT_TRUE(as_q->AbortStep(copy->step_id()).ok());
+  ASSERT_TRUE(q->AbortStep(held->step_id()).ok());
+  auto next = q->BeginStep({{"q2", 1}});  // the copy's step returned nothing of q's
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(q->AbortStep(next->step_id()).ok());
+  EXPECT_TRUE(as_q->CloseSequence("sb", 1).ok());
+  EXPECT_TRUE(q->CloseSequence("q1").ok());
+  EXPECT_TRUE(q->CloseSequence("q2").ok());
+}
+
 TEST_F(TokenTest, TheAdminListsEveryTenantAndMayActAsOne) {
   auto a = As(kTokenA), b = As(kTokenB), admin = As(kTokenAdmin);
   ASSERT_TRUE(a->OpenSequence("adm-a").ok());
