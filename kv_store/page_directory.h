@@ -29,13 +29,16 @@ class PageDirectory {
     // Reads of its bytes where they are, on the host or disk tier (SequenceTable::PinTierRows):
     // it neither moves nor leaves the directory until they end.
     int32_t reads = 0;
+    // Sequences moving between tiers that hold it and leave it where it is (their holds count
+    // at the move's tier; a failed move takes them back, so the page must still be here).
+    int32_t move_pins = 0;
     bool live = false;
     // A prefix-cache block (kv_store/prefix_index.h) names it: the cache is one of its holders,
     // counted at the slowest tier on, so a page only the cache holds goes down the tiers first.
     bool cached = false;
     int32_t refs() const { return holders[0] + holders[1] + holders[2]; }
-    // Moving, or read where it is: its place may not change.
-    bool busy() const { return moving || reads > 0; }
+    // Moving, read where it is, or pinned by a holder's move: its place may not change.
+    bool busy() const { return moving || reads > 0 || move_pins > 0; }
     // The tier it must be in: the fastest any holder is at.
     Tier needed() const {
       return holders[0] > 0 ? Tier::kDevice : holders[1] > 0 ? Tier::kHost : Tier::kDisk;

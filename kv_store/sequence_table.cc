@@ -696,10 +696,28 @@ absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierM
     m.from = e.tier;
     m.src = e.slot;
     m.to = e.needed();
-    Reserve(m.to, seq->device, &m.dst);                           // counted above: cannot fail
+    if (!Reserve(m.to, seq->device, &m.dst)) {  // counted above: a bug, undone
+      for (const TierMove::Page& r : move->pages) {
+        FreeSlot(r.to, seq->device, r.dst);
+        if (r.from == Tier::kDevice) pools_[seq->device].Unref(r.src);
+        dir_.at(r.id).moving = false;
+      }
+      move->pages.clear();
+      transfer(to, from);
+      return absl::InternalError(absl::StrCat("moving ", Quote(id), " to the ", TierName(to),
+                                              " tier: a slot counted free could not be taken"));
+    }
     if (m.from == Tier::kDevice) pools_[seq->device].Ref(m.src);  // the copy's own hold
     e.moving = true;
     move->pages.push_back(m);
+  }
+  // The pages it shares and leaves where they are stay there until the move ends: a failed move
+  // takes its holds back to them (another sequence's move would otherwise carry them off).
+  for (int32_t p : seq->logical) {
+    PageDirectory::Entry& e = dir_.at(p);
+    if (e.moving) continue;
+    ++e.move_pins;
+    move->pinned.push_back(p);
   }
   seq->tier = to;
   seq->moving = true;
@@ -733,8 +751,16 @@ void SequenceTable::BeginOrphanMove(Tier tier, int device, int32_t max_pages, Ti
     m.from = tier;
     m.src = entry.slot;
     m.to = entry.needed();
-    if (!Reserve(m.to, entry.device, &m.dst)) return;
+    const int on = entry.device;
+    if (!Reserve(m.to, on, &m.dst)) return;
+    // Making room there may have evicted a cached block whose chain held this page (removing
+    // it), or changed who needs it: then it stays, and so does the slot.
     PageDirectory::Entry& e = dir_.at(id);
+    if (!e.live || e.tier != tier || e.slot != m.src || e.device != on || e.busy() ||
+        e.needed() != m.to) {
+      FreeSlot(m.to, on, m.dst);
+      return;
+    }
     if (m.from == Tier::kDevice) pools_[e.device].Ref(m.src);
     e.moving = true;
     move->pages.push_back(m);
@@ -743,6 +769,7 @@ void SequenceTable::BeginOrphanMove(Tier tier, int device, int32_t max_pages, Ti
 
 std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool ok,
                                                     const std::vector<int32_t>& lost) {
+  for (int32_t p : move.pinned) --dir_.at(p).move_pins;
   for (const TierMove::Page& m : move.pages) {
     PageDirectory::Entry& e = dir_.at(m.id);
     e.moving = false;
@@ -905,8 +932,9 @@ int32_t SequenceTable::Room(Tier tier, int device) const {
 
 bool SequenceTable::MakeFree(Tier tier, int device, int32_t n) {
   const int32_t free = FreeSlots(tier, device);
+  // Host and disk slots serve every device: any device's cached blocks there make room.
   if (free < n && tier == cache_tier_ && cache_only_ > 0)
-    EvictCached(static_cast<int>(tier), device, n - free);
+    EvictCached(static_cast<int>(tier), tier == Tier::kDevice ? device : -1, n - free);
   return FreeSlots(tier, device) >= n;
 }
 

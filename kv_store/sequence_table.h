@@ -97,6 +97,8 @@ struct TierMove {
     int32_t dst = 0;
   };
   std::vector<Page> pages;
+  // The sequence's other pages, pinned where they are until the move ends (move_pins).
+  std::vector<int32_t> pinned;
 };
 
 // A page read where it is (SequenceTable::PinTierRows): its directory id, its tier and its slot

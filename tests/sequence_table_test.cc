@@ -502,5 +502,100 @@ TEST(SequenceTableTiers, VictimsAreTheLeastRecentlyUsedThatCanMove) {
   EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 2);
 }
 
+// A sequence opened with the prompt blocks `hashes` on `device`, its blocks committed (indexed)
+// and closed: its pages stay, held by the prefix cache only.
+void CachedAndClosed(SequenceTable& t, const std::string& id, int device,
+                     std::vector<BlockHash> hashes) {
+  const int64_t n = static_cast<int64_t>(hashes.size());
+  int64_t cached = -1;
+  ASSERT_TRUE(t.OpenCached(id, device, hashes, {}, n, &cached).ok());
+  ASSERT_EQ(cached, 0);
+  Grow(t, id, n * kPageSize);
+  ASSERT_TRUE(t.Close(id).ok());
+  ASSERT_EQ(t.LookupPrefix("", hashes).blocks, n);
+}
+
+BlockHash Hash(uint8_t v) {
+  BlockHash h{};
+  h[0] = v;
+  h[31] = 0x5a;
+  return h;
+}
+
+// Host and disk slots serve every device: a sequence of device 0 spilling to a disk full of
+// device 1's cached blocks takes a slot one of them gives back (it was given slot 0, still
+// another page's: two pages on one slot, and a prefix hit returning the other's rows).
+TEST(SequenceTableTiers, ASpillTakesRoomCachedBlocksOfAnotherDeviceGiveBack) {
+  SequenceTable t = Table({9, 9}, {0, 1});
+  t.SetPrefixCache(-1, {});
+  CachedAndClosed(t, "x", 1, {Hash(1)});
+  TierMove o;
+  t.BeginOrphanMove(Tier::kDevice, 1, 1, &o);  // x's page goes to the cache's tier, the disk
+  ASSERT_EQ(o.pages.size(), 1u);
+  t.EndTierMove(o, true);
+  EXPECT_EQ(t.disk_slots().used_slots(), 1);
+  ASSERT_TRUE(t.Open("y", 0).ok());
+  Grow(t, "y", kPageSize);
+  TierMove m;
+  ASSERT_TRUE(t.BeginTierMove("y", Tier::kDisk, &m).ok());
+  ASSERT_EQ(m.pages.size(), 1u);
+  EXPECT_EQ(t.LookupPrefix("", std::vector<BlockHash>{Hash(1)}).blocks, 0) << "evicted";
+  t.EndTierMove(m, true);
+  EXPECT_EQ(t.disk_slots().used_slots(), 1);
+  Audit(t);
+  MoveTo(t, "y", Tier::kDevice);
+  ASSERT_TRUE(t.Close("y").ok());
+  Audit(t);
+}
+
+// An orphan page whose room on the disk is made by evicting its own parent block (removing
+// the chain, and so the page itself) is left alone, and the slot is given back.
+TEST(SequenceTableTiers, AnOrphanWhoseRoomEvictsItsOwnChainStaysAlone) {
+  SequenceTable t = Table({9, 9}, {0, 1});
+  t.SetPrefixCache(-1, {});
+  CachedAndClosed(t, "x", 0, {Hash(1), Hash(2)});  // blocks A -> B
+  TierMove m;
+  t.BeginOrphanMove(Tier::kDevice, 0, 1, &m);  // A to the disk, which is then full
+  ASSERT_EQ(m.pages.size(), 1u);
+  t.EndTierMove(m, true);
+  EXPECT_EQ(Used(t, 0), 1);
+  t.BeginOrphanMove(Tier::kDevice, 0, 1, &m);  // B: room by evicting A, and with it B
+  EXPECT_TRUE(m.pages.empty());
+  t.EndTierMove(m, true);
+  EXPECT_EQ(Used(t, 0), 0);
+  EXPECT_EQ(t.disk_slots().used_slots(), 0);
+  EXPECT_EQ(t.directory().size(), 0);
+  EXPECT_EQ(t.LookupPrefix("", std::vector<BlockHash>{Hash(1), Hash(2)}).blocks, 0);
+  Audit(t);
+}
+
+// While a sequence moves between tiers, the pages it shares and leaves where they are stay
+// there: a failed move takes its holds back to them. (Another sequence's move carried them to
+// the host meanwhile, and the failed one came back "on the device" with host slot numbers.)
+TEST(SequenceTableTiers, PagesAMovingSequenceSharesStayUntilItsMoveEnds) {
+  SequenceTable t = Table({12, 9}, {8, 8});
+  ParentAndFork(t);
+  TierMove mc, mp;
+  ASSERT_TRUE(t.BeginTierMove("c", Tier::kHost, &mc).ok());
+  EXPECT_EQ(mc.pages.size(), 1u);  // its own partial page; the 2 shared ones pinned
+  EXPECT_EQ(mc.pinned.size(), 2u);
+  EXPECT_FALSE(t.Settled("p"));
+  const absl::Status busy = t.BeginTierMove("p", Tier::kHost, &mp);
+  EXPECT_EQ(busy.code(), absl::StatusCode::kFailedPrecondition) << busy;
+  EXPECT_TRUE(t.Victims(Tier::kDevice, 0, 8).empty()) << "p cannot move now";
+  t.EndTierMove(mc, false);  // c's copy failed: c is on the device again, whole
+  EXPECT_EQ(t.Find("c")->tier, Tier::kDevice);
+  Audit(t);
+  EXPECT_TRUE(t.Settled("p"));
+  MoveTo(t, "p", Tier::kHost);  // now p moves: its partial page only (c holds the shared ones)
+  MoveTo(t, "c", Tier::kHost);
+  EXPECT_EQ(Used(t, 0), 0);
+  MoveTo(t, "c", Tier::kDevice);
+  ASSERT_TRUE(t.Close("p").ok());
+  ASSERT_TRUE(t.Close("c").ok());
+  Audit(t);
+  EXPECT_EQ(t.directory().size(), 0);
+}
+
 }  // namespace
 }  // namespace attnd
