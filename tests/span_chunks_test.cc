@@ -229,5 +229,37 @@ TEST(PageStaging, A32KTokenDeepSeekSequenceIsTwentyFiveKernelsAndOneCopyAPage) {
   EXPECT_EQ(p.spans.size(), 512u * (61 + 61 * 2));  // latent rows, indexer values and scales
 }
 
+// A page larger than the 64 MiB chunk (DeepSeek-V3.2 at page_size 1024, bf16: 61 layers of
+// 1,152 + 256 bytes a row) is a chunk of its own, and the staging reserved for it
+// (PageStagingBytes, what CudaDevice reserves) holds it: the plan never addresses past it.
+TEST(PageStaging, APageLargerThanTheChunkGetsStagingOfItsSize) {
+  ModelSpec spec = PresetModelSpec("deepseek-v3.2").value();
+  auto* cache = reinterpret_cast<uint8_t*>(uintptr_t{1} << 40);
+  auto* staging = reinterpret_cast<uint8_t*>(uintptr_t{1} << 44);
+  const size_t chunk = size_t{64} << 20;
+  for (int page_size : {64, 1024, 4096}) {
+    spec.page_size = page_size;
+    for (DType dtype : {DType::kFP8E4M3, DType::kBF16, DType::kF32}) {
+      const CacheLayout layout = CacheLayout::ForModel(spec, dtype, 4);
+      const PageStaging p = PlanPageStaging(layout, cache, {1, 2, 3}, staging, chunk, true);
+      const size_t reserved = PageStagingBytes(layout, chunk);
+      EXPECT_EQ(p.staging_bytes(), reserved) << page_size << " " << DTypeName(dtype);
+      EXPECT_LE(reserved, std::max(chunk, p.stride));
+      EXPECT_GE(p.per_chunk, 1u);
+      for (size_t i = 0; i < 3; ++i)  // every span within the staging reserved
+        for (size_t j = p.first[i]; j < p.first[i + 1]; ++j) {
+          const uint8_t* at = p.spans[j].dst;
+          ASSERT_GE(at, staging);
+          ASSERT_LE(static_cast<size_t>(at - staging) + p.spans[j].bytes, reserved)
+              << page_size << " " << DTypeName(dtype) << " page " << i;
+        }
+    }
+  }
+  spec.page_size = 1024;
+  const CacheLayout big = CacheLayout::ForModel(spec, DType::kBF16, 4);
+  EXPECT_EQ(big.StagedBytes(1024), size_t{1024} * 61 * (1152 + 256));  // 87.9 MB
+  EXPECT_GT(PageStagingBytes(big, chunk), chunk);
+}
+
 }  // namespace
 }  // namespace attnd::cuda

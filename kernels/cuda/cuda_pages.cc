@@ -99,7 +99,8 @@ constexpr size_t kMoveChunkBytes = size_t{64} << 20;
 absl::Status CudaDevice::State::PagesThroughStaging(const std::vector<int32_t>& pages,
                                                     const std::vector<uint8_t*>& host,
                                                     bool to_host) {
-  RETURN_IF_ERROR(move_staging.Reserve(kMoveChunkBytes));
+  // 64 MiB, or one page where a page is larger.
+  RETURN_IF_ERROR(move_staging.Reserve(PageStagingBytes(layout, kMoveChunkBytes)));
   uint8_t* staging = move_staging.as<uint8_t>();
   const PageStaging plan =
       PlanPageStaging(layout, cache, pages, staging, kMoveChunkBytes, /*to_staging=*/to_host);

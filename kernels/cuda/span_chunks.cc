@@ -45,13 +45,26 @@ std::vector<SpanCopy> SpanChunks::ScatterTable(const uint8_t* dst_staging) const
   return t;
 }
 
+namespace {
+
+size_t StagedStride(const CacheLayout& layout) {
+  return (layout.StagedBytes(layout.page_size) + kSpanAlign - 1) / kSpanAlign * kSpanAlign;
+}
+
+}  // namespace
+
+size_t PageStagingBytes(const CacheLayout& layout, size_t max_staging_bytes) {
+  const size_t stride = StagedStride(layout);
+  return std::max<size_t>(1, max_staging_bytes / stride) * stride;
+}
+
 PageStaging PlanPageStaging(const CacheLayout& layout, uint8_t* cache,
                             const std::vector<int32_t>& pages, uint8_t* staging,
                             size_t max_staging_bytes, bool to_staging) {
   PageStaging plan;
   const int rows = layout.page_size;
   plan.page_bytes = layout.StagedBytes(rows);
-  plan.stride = (plan.page_bytes + kSpanAlign - 1) / kSpanAlign * kSpanAlign;
+  plan.stride = StagedStride(layout);
   plan.per_chunk = std::max<size_t>(1, max_staging_bytes / plan.stride);
   plan.first.reserve(pages.size() + 1);
   auto add = [&](uint8_t* in_cache, uint8_t* staged, size_t bytes) {

@@ -67,8 +67,13 @@ struct PageStaging {
   size_t staging_bytes() const { return per_chunk * stride; }
 };
 
+// The staging a plan of `layout`'s pages with chunks of at most `max_staging_bytes` uses
+// (its staging_bytes()): what fits of them, or one page's staged form where that is larger
+// (DeepSeek-V3.2 at page_size 1024, bf16: 88 MB a page).
+size_t PageStagingBytes(const CacheLayout& layout, size_t max_staging_bytes);
+
 // `cache` is the GPU's allocation (laid out by `layout`), `staging` a device buffer of at least
-// the plan's staging_bytes(), at most `max_staging_bytes` (per_chunk is what fits, at least one).
+// PageStagingBytes(layout, max_staging_bytes) (per_chunk is what fits, at least one page).
 PageStaging PlanPageStaging(const CacheLayout& layout, uint8_t* cache,
                             const std::vector<int32_t>& pages, uint8_t* staging,
                             size_t max_staging_bytes, bool to_staging);
