@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/absorption.h"
 #include "kernels/cuda/cuda_device.h"
+#include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/topk_block.h"
@@ -201,6 +202,43 @@ TEST(CudaScale, TheGpuFactsAreTheDriversPerDevice) {
       EXPECT_GT(sms, 0);
     }
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
+// An allocation the GPU or the host cannot give is RESOURCE_EXHAUSTED (a pod's memory limit,
+// not a CUDA fault), and leaves no error behind for the thread's next CUDA call to report.
+TEST(CudaScale, AnAllocationThatCannotBeMadeIsResourceExhaustedAndLeavesNoError) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  const size_t absurd = size_t{1} << 50;  // 1 PiB
+  cuda::HostBuffer host;
+  const absl::Status h = host.Reserve(absurd);
+  EXPECT_EQ(h.code(), absl::StatusCode::kResourceExhausted) << h;
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  cuda::DeviceBuffer dev;
+  const absl::Status d = dev.Reserve(absurd);
+  EXPECT_EQ(d.code(), absl::StatusCode::kResourceExhausted) << d;
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  EXPECT_TRUE(host.Reserve(4096).ok() && dev.Reserve(4096).ok());  // and usable after
+}
+
+// A failed page move or layer upload leaves nothing queued behind it (DrainOnError): what was
+// queued on the stream has ended when the guard goes out of scope undismissed.
+TEST(CudaScale, AnUndismissedDrainWaitsForWhatWasQueued) {
+  ATTND_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda::DeviceBuffer a, b;
+  const size_t bytes = size_t{256} << 20;
+  ASSERT_TRUE(a.Reserve(bytes).ok() && b.Reserve(bytes).ok());
+  {
+    cuda::DrainOnError drain(stream);
+    for (int i = 0; i < 8; ++i)  // 2 GiB of copies: long past the scope's end if not waited
+      ASSERT_EQ(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice, stream),
+                cudaSuccess);
+  }
+  EXPECT_EQ(cudaStreamQuery(stream), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 // cuda:0's compute capability.

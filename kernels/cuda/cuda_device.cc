@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -267,11 +268,19 @@ absl::Status CudaDevice::State::ReserveScratchBuffers(
   for (const auto& [buf, bytes] : want) {
     total += bytes;
     if (absl::Status r = buf->Reserve(bytes); !r.ok()) {
+      // Page moves allocate their staging under copy_mu (never held while taking mu): held
+      // here, none takes the memory freed below before it is allocated again.
+      std::lock_guard<std::mutex> moves(copy_mu);
       size_t i = 0;
       for (const auto& w : want)  // first free what this attempt grew (or lost)...
         if (w.first->bytes != before[i++]) w.first->Release();
       i = 0;
-      for (const auto& w : want) (void)w.first->Reserve(before[i++]);  // ...then restore
+      for (const auto& w : want)  // ...then restore
+        if (absl::Status back = w.first->Reserve(before[i++]); !back.ok())
+          std::fprintf(stderr,
+                       "attnd: GPU scratch could not be restored after a failed reserve (%s): "
+                       "open steps' layers may allocate it again or fail\n",
+                       std::string(back.message()).c_str());
       return absl::ResourceExhaustedError(absl::StrCat(
           "a step of ", share.size(), " tokens needs about ", total >> 20,
           " MiB of GPU scratch beyond the KV cache: ", r.message(), "; send smaller steps"));

@@ -26,9 +26,11 @@
 #define CUDA_RETURN(expr)                                                            \
   do {                                                                               \
     const cudaError_t attnd_cuda_err_ = (expr);                                      \
-    if (attnd_cuda_err_ != cudaSuccess)                                              \
+    if (attnd_cuda_err_ != cudaSuccess) {                                            \
+      cudaGetLastError(); /* not left for this thread's next call to report */       \
       return absl::InternalError(                                                    \
           absl::StrCat("CUDA: ", #expr, ": ", cudaGetErrorString(attnd_cuda_err_))); \
+    }                                                                                \
   } while (0)
 
 namespace attnd::cuda {
@@ -86,7 +88,14 @@ struct HostBuffer {
     if (ptr) cudaFreeHost(ptr);
     ptr = nullptr;
     bytes = 0;
-    CUDA_RETURN(cudaMallocHost(&ptr, n));
+    const cudaError_t e = cudaMallocHost(&ptr, n);
+    if (e == cudaErrorMemoryAllocation) {  // a pod's memory limit, say: not a CUDA fault
+      cudaGetLastError();                  // or the thread's next launch would report it
+      ptr = nullptr;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pinned host memory: cannot allocate ", n, " bytes of staging"));
+    }
+    CUDA_RETURN(e);
     bytes = n;
     return absl::OkStatus();
   }
@@ -94,6 +103,36 @@ struct HostBuffer {
   ~HostBuffer() {
     if (ptr) cudaFreeHost(ptr);
   }
+};
+
+// On an early (error) return, waits for what was queued on `stream` of GPU `device` (-1: the
+// current one) before the caller frees the pages, slots or buffers that work reads or writes (a
+// stale copy landing on pages handed to another sequence, or a DMA reading a slot reused); the
+// normal path synchronises itself and calls Dismiss().
+class DrainOnError {
+ public:
+  explicit DrainOnError(cudaStream_t stream, int device = -1) : device_(device), stream_(stream) {
+    if (device_ < 0 && cudaGetDevice(&device_) != cudaSuccess) {
+      cudaGetLastError();
+      device_ = 0;
+    }
+  }
+  DrainOnError(const DrainOnError&) = delete;
+  DrainOnError& operator=(const DrainOnError&) = delete;
+  ~DrainOnError() {
+    if (stream_ == nullptr) return;
+    int was = -1;
+    const bool had = cudaGetDevice(&was) == cudaSuccess;
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    if (had) cudaSetDevice(was);
+    cudaGetLastError();
+  }
+  void Dismiss() { stream_ = nullptr; }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
 };
 
 // An event for ordering and waiting (no timing).

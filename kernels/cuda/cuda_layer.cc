@@ -152,6 +152,9 @@ absl::StatusOr<std::unique_ptr<LayerRun>> CudaDevice::StartLayer(const StepShare
   RETURN_IF_ERROR(slot.host.Reserve(std::max<size_t>(1, plan.total_bytes)));
   // The one host copy of the inputs (the slot's previous holder waited for its copies).
   PackLayerUpload(plan, share, call, s.spec, s.layout, slot.host.data());
+  // Until the Call owns the slot (its destructor drains), a failure waits for the copies queued
+  // from the slot's pinned buffer before the slot is released for another call to refill.
+  DrainOnError drain(s.upload_stream, ordinal_);
   if (plan.keys_bytes > 0)
     CUDA_RETURN(cudaMemcpyAsync(slot.dev.ptr, slot.host.ptr, plan.keys_bytes,
                                 cudaMemcpyHostToDevice, s.upload_stream));
@@ -161,6 +164,7 @@ absl::StatusOr<std::unique_ptr<LayerRun>> CudaDevice::StartLayer(const StepShare
         slot.dev.as<uint8_t>() + plan.keys_bytes, slot.host.data() + plan.keys_bytes,
         plan.input_bytes - plan.keys_bytes, cudaMemcpyHostToDevice, s.upload_stream));
   CUDA_RETURN(cudaEventRecord(slot.queries_in.e, s.upload_stream));
+  drain.Dismiss();
   return std::unique_ptr<LayerRun>(std::make_unique<Call>(  // takes the layer lock
       s, std::move(slot_lock), slot, std::move(plan), share, static_cast<Step&>(step), call));
 }

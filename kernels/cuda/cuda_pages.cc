@@ -99,6 +99,7 @@ constexpr size_t kMoveChunkBytes = size_t{64} << 20;
 absl::Status CudaDevice::State::PagesThroughStaging(const std::vector<int32_t>& pages,
                                                     const std::vector<uint8_t*>& host,
                                                     bool to_host) {
+  DrainOnError drain(copy_stream);  // the caller made this GPU current
   // 64 MiB, or one page where a page is larger.
   RETURN_IF_ERROR(move_staging.Reserve(PageStagingBytes(layout, kMoveChunkBytes)));
   uint8_t* staging = move_staging.as<uint8_t>();
@@ -123,6 +124,7 @@ absl::Status CudaDevice::State::PagesThroughStaging(const std::vector<int32_t>& 
     if (!to_host) CUDA_RETURN(kernel());
   }
   CUDA_RETURN(cudaStreamSynchronize(copy_stream));
+  drain.Dismiss();
   return absl::OkStatus();
 }
 
@@ -168,16 +170,21 @@ absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& cop
   if (to == this) {  // on this GPU (a fork's partial page): one kernel over the span table
     std::lock_guard<std::mutex> lock(a.copy_mu);
     CUDA_RETURN(cudaSetDevice(ordinal_));
+    DrainOnError drain(a.copy_stream, ordinal_);
     RETURN_IF_ERROR(Upload(a.move_table, spans, a.copy_stream));
     CUDA_RETURN(LaunchCopySpans(a.move_table.as<SpanCopy>(), static_cast<int64_t>(spans.size()),
                                 a.copy_stream));
     CUDA_RETURN(cudaStreamSynchronize(a.copy_stream));
+    drain.Dismiss();
     return absl::OkStatus();
   }
   // Between GPUs: per chunk, the source gathers its pieces into its staging, one transfer (NCCL
   // when connected, else a peer copy) lands them in the destination's staging, and the
   // destination scatters them; a chunk's transfer waits until the previous chunk was scattered.
   std::scoped_lock lock(a.copy_mu, b.copy_mu);
+  // An error part way leaves earlier chunks queued on both streams: they end before the caller
+  // frees the destination pages (b's drained first, as its scatters wait on a's transfers).
+  DrainOnError drain_a(a.copy_stream, ordinal_), drain_b(b.copy_stream, to->ordinal_);
   const SpanChunks plan = PlanSpanChunks(spans, kMoveChunkBytes);
   CUDA_RETURN(cudaSetDevice(ordinal_));
   RETURN_IF_ERROR(a.move_staging.Reserve(kMoveChunkBytes));
@@ -213,6 +220,8 @@ absl::Status CudaDevice::CopyPages(Device& dst, const std::vector<PageCopy>& cop
   CUDA_RETURN(cudaStreamSynchronize(b.copy_stream));
   CUDA_RETURN(cudaSetDevice(ordinal_));
   CUDA_RETURN(cudaStreamSynchronize(a.copy_stream));
+  drain_a.Dismiss();
+  drain_b.Dismiss();
   return absl::OkStatus();
 }
 
