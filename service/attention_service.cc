@@ -394,8 +394,24 @@ grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContex
     return Done(ctx, caller.status());
   }
   auto* reactor = ctx->DefaultReactor();
-  executor_->Post([this, caller = *std::move(caller), req, resp, reactor, started] {
-    const absl::Status s = Guarded([&] { return Begin(caller, *req, resp).status(); });
+  executor_->Post([this, ctx, caller = *std::move(caller), req, resp, reactor, started] {
+    // A client that gave up (cancelled, or its deadline passed while the step waited for its
+    // sequences) never learns the step's id: the step would hold its sequences, pages and an
+    // open-step slot until --step-idle-timeout-ms. It is not opened, or aborted at once.
+    const absl::Status gone = absl::CancelledError(
+        "BeginStep: the client cancelled or its deadline passed; no step was opened");
+    absl::Status s = ctx->IsCancelled() ? gone : absl::OkStatus();
+    if (s.ok()) {
+      const absl::StatusOr<uint64_t> step =
+          Guarded([&]() -> absl::StatusOr<uint64_t> { return Begin(caller, *req, resp); });
+      s = step.status();
+      if (s.ok() && ctx->IsCancelled()) {
+        const StepRef ref = RefOf(caller, *step);
+        (void)engine_->AbortStep(ref);
+        shards_.Fail(ref, gone);
+        s = gone;
+      }
+    }
     Report("BeginStep", s, started);
     reactor->Finish(ToGrpcStatus(s));
   });

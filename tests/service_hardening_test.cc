@@ -411,5 +411,65 @@ TEST_F(WideTest, ACancelWhileALayerRunsReleasesTheSequenceAtOnce) {
   EXPECT_TRUE(c->CloseSequence("cw").ok());
 }
 
+// A unary BeginStep whose client gives up before it is served (here, queued on the server's
+// one executor thread behind another BeginStep waiting for a running layer) opens no step: the
+// step's id would reach no one, and it would hold its sequence until --step-idle-timeout-ms (the
+// client's retry: "already in open step").
+TEST_F(WideTest, ABeginStepWhoseClientGaveUpOpensNothing) {
+  ServerProcess one(ATTND_BINARY, {absl::StrCat("--model-file=", model_), "--kv-pages=300",
+                                   "--threads=1", "--executor-threads=1", "--metrics-port=0"});
+  auto c = Client::Connect(one.target());
+  auto info = c->Info();
+  ASSERT_TRUE(info.ok());
+  const ModelSpec spec = ModelSpecFromProto(info->model()).value();
+  std::mt19937_64 rng(4);
+  ASSERT_TRUE(c->OpenSequence("long").ok());
+  ASSERT_TRUE(c->OpenSequence("gw").ok());
+  auto g = client::GenerateStep(spec, 512, DType::kBF16, false, rng);
+  // A 512-token layer of "long": the time to carry it (sent for a layer that does not exist,
+  // refused once received) and the time it then runs.
+  auto timed = [&](int layer) {
+    auto b = c->BeginStep({{"long", 512}});
+    EXPECT_TRUE(b.ok()) << b.status();
+    v1::LayerInputs in = g[0].wire;
+    in.set_layer(layer);
+    const auto sent = std::chrono::steady_clock::now();
+    (void)c->AttendLayer(b->step_id(), in);
+    (void)c->AbortStep(b->step_id());
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                 sent);
+  };
+  const std::chrono::milliseconds carry = timed(7), run = timed(0) - carry;
+  std::fprintf(stderr, "layer: %lld ms to carry, %lld ms to run\n",
+               static_cast<long long>(carry.count()), static_cast<long long>(run.count()));
+  ASSERT_GE(run.count(), 40) << "a layer too quick to queue behind";
+  std::thread busy([&] { (void)timed(0); });
+  std::this_thread::sleep_for(carry + run / 8);  // the layer runs
+  std::thread waiting([&] {  // waits, on the executor thread, for that layer to end
+    auto w = Client::Connect(one.target());
+    EXPECT_EQ(w->BeginStep({{"long", 1}}).status().code(), absl::StatusCode::kFailedPrecondition);
+  });
+  std::this_thread::sleep_for(run / 4);  // (the layer ends run / 2 from here at the earliest)
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + run / 8);
+  v1::BeginStepRequest req;
+  auto* e = req.add_batch();
+  e->set_sequence_id("gw");
+  e->set_q_len(1);
+  v1::BeginStepResponse resp;
+  const grpc::Status gave_up = c->stub()->BeginStep(&ctx, req, &resp);
+  EXPECT_EQ(gave_up.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << gave_up.error_message();
+  busy.join();  // the layer ended; the BeginSteps behind it ran
+  waiting.join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto d = c->DescribeSequence("gw");
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->in_step()) << "a step nobody knows of holds the sequence";
+  auto b = c->BeginStep({{"gw", 1}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(c->AbortStep(b->step_id()).ok());
+  EXPECT_EQ(one.Stop(), 0);
+}
+
 }  // namespace
 }  // namespace attnd::testing
