@@ -52,7 +52,7 @@ void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
     });
     return;
   }
-  auto parts = shards_.Add(step, {in, out, done});
+  auto parts = shards_.Add(step, {in, out, done, ShmFor(caller)});
   if (!parts.ok()) {
     AbortEverywhere(step, parts.status(), AbortReason::kError);
     done(parts.status());

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "attnd/v1/attention.pb.h"
 #include "engine/engine.h"
+#include "service/shm_registry.h"
 
 namespace attnd {
 
@@ -25,6 +26,9 @@ class ShardGather {
     const v1::LayerInputs* in = nullptr;
     v1::LayerOutput* out = nullptr;
     std::function<void(absl::Status)> done;
+    // The shared memory this shard's own caller may name (its transport and tenant decide, not
+    // the last shard to arrive's).
+    ShmAccess shm;
   };
 
   // Steps are named by StepRef: another tenant's sharded step reads as one that is not there.

@@ -58,7 +58,6 @@ void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
 absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef& step,
                                             const std::vector<ShardGather::Part>& parts,
                                             Transport transport) {
-  const ShmAccess shm_access = ShmFor(caller);
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(Engine::StepInfo info, engine_->DescribeStep(step));
   const ModelSpec& s = engine_->spec();
@@ -78,7 +77,7 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
       return absl::InvalidArgumentError(absl::StrCat(
           "shard ", k,
           ": out_datatype is not served on sharded steps (the reply is in q_latent's)"));
-    RETURN_IF_ERROR(ViewOf(*parts[k].in, shm_access, &shm, &v[k]));
+    RETURN_IF_ERROR(ViewOf(*parts[k].in, parts[k].shm, &shm, &v[k]));
     if (v[k].q_nope.present)
       return absl::InvalidArgumentError(absl::StrCat(
           "shard ", k,
@@ -139,7 +138,7 @@ absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef&
     for (int k = 0; k < S; ++k) {
       ASSIGN_OR_RETURN(void* out_k,
                        PrepareOutput(*parts[k].in, parts[k].out->mutable_out(), dt, T, Hs, L,
-                                     options_.max_message_bytes, shm_access, &shm));
+                                     options_.max_message_bytes, parts[k].shm, &shm));
       dst[k] = static_cast<char*>(out_k);
     }
     RETURN_IF_ERROR(shm.ReadInputs());

@@ -562,6 +562,68 @@ TEST_F(ServiceTest, ShardedStepFailingOnItsLastLayerLeavesTheSequenceAsBefore) {
   EXPECT_TRUE(client_->CloseSequence("sh-last").ok());
 }
 
+// Each shard's shared-memory references are judged by its own caller's transport, not by the
+// caller whose message completed the layer: a TCP shard's reference into a region is refused
+// even when a local shard arrives last, and a local shard's is served when a TCP one does.
+TEST_F(ServiceTest, EachShardsSharedMemoryIsJudgedByItsOwnTransport) {
+  const int S = 2;
+  const std::string key = absl::StrCat("/attnd-shard-", getpid());
+  auto mem = client::SharedMemory::Create(key, 1 << 20);
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  std::memset((*mem)->data(), 0xab, 1 << 20);
+  auto local = Client::Connect("unix:" + SocketPath("service"));
+  auto tcp = Client::Connect(server_->target());
+  ASSERT_TRUE(local->RegisterSharedMemory("shards", key, 0, 1 << 20).ok());
+  Open("sh-mem");
+  const int64_t T = 3, out_bytes = T * (spec_.num_heads / S) * spec_.kv_lora_rank * 2;
+  auto g = client::GenerateStep(spec_, T, DType::kBF16, false, rng_);
+  auto to_region = [&](v1::LayerInputs in) {
+    in.mutable_out_shm()->set_region("shards");
+    in.mutable_out_shm()->set_byte_size(out_bytes);
+    return in;
+  };
+  // Shard 1 over TCP names the region and waits; shard 0 over the socket completes the layer.
+  {
+    auto b = local->BeginStep({{"sh-mem", T}}, false, S);
+    ASSERT_TRUE(b.ok()) << b.status();
+    absl::Status first;
+    std::thread shard1([&] {
+      first = tcp->AttendLayer(b->step_id(), to_region(ShardOf(g[0].wire, S, 1))).status();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // parked
+    const absl::Status last = local->AttendLayer(b->step_id(), ShardOf(g[0].wire, S, 0)).status();
+    shard1.join();
+    EXPECT_EQ(first.code(), absl::StatusCode::kPermissionDenied) << first;
+    EXPECT_FALSE(last.ok());  // the step is aborted for both
+    for (int64_t i = 0; i < out_bytes; ++i)
+      ASSERT_EQ(static_cast<uint8_t>((*mem)->data()[i]), 0xab) << "byte " << i << " written";
+    EXPECT_EQ(Length("sh-mem"), 0);
+    EXPECT_FALSE(client_->DescribeSequence("sh-mem")->in_step());
+  }
+  // Shard 0 over the socket names the region and waits; shard 1 over TCP completes each layer.
+  {
+    auto b = local->BeginStep({{"sh-mem", T}}, false, S);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (size_t l = 0; l < g.size(); ++l) {
+      absl::Status first;
+      std::thread shard0([&] {
+        first = local->AttendLayer(b->step_id(), to_region(ShardOf(g[l].wire, S, 0))).status();
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const absl::Status last = tcp->AttendLayer(b->step_id(), ShardOf(g[l].wire, S, 1)).status();
+      shard0.join();
+      ASSERT_TRUE(first.ok() && last.ok()) << "layer " << l << ": " << first << " / " << last;
+    }
+    EXPECT_EQ(Length("sh-mem"), T);
+    int64_t written = 0;  // shard 0's heads went there
+    for (int64_t i = 0; i < out_bytes; ++i)
+      written += static_cast<uint8_t>((*mem)->data()[i]) != 0xab;
+    EXPECT_GT(written, out_bytes / 2);
+  }
+  EXPECT_TRUE(local->UnregisterSharedMemory("shards").ok());
+  EXPECT_TRUE(client_->CloseSequence("sh-mem").ok());
+}
+
 // Moves every tensor of a layer message into `mem` (from *offset on) and points the message at
 // it, with the output into the region too.
 v1::LayerInputs ToShm(const v1::LayerInputs& in, client::SharedMemory& mem,
