@@ -513,7 +513,11 @@ absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
   auto source = from.DescribeSequence(id);
   if (!source.ok()) return source.status();
   // Ordinary steps on the copy wait until it holds every token (no half-copied decode).
-  if (auto s = to.OpenSequence(id, "", 0, source->length()); !s.ok()) return s.status();
+  v1::OpenSequenceRequest open;  // at its generation: its workers' fencing holds there too
+  open.set_sequence_id(id);
+  open.set_import_length(source->length());
+  open.set_import_generation(source->generation());
+  if (auto s = to.OpenSequence(open); !s.ok()) return s.status();
   auto fail = [&](absl::Status s) {
     (void)to.CloseSequence(id);
     return s;

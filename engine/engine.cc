@@ -187,13 +187,19 @@ const std::string& Engine::device_name(int device) const {
 absl::StatusOr<std::vector<std::string>> Engine::DefaultDevices() { return DefaultDeviceNames(); }
 bool Engine::CudaBuilt() { return CudaBackendBuilt(); }
 
-absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t import_length) {
+absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t import_length,
+                                  uint64_t generation) {
   if (import_length < 0 || import_length > impl_->spec().max_context)
     return absl::OutOfRangeError(absl::StrCat("import_length ", import_length, " outside [0, ",
                                               impl_->spec().max_context, "] (max_context)"));
+  if (generation == 0 || generation > kMaxGeneration)
+    return absl::InvalidArgumentError(
+        absl::StrCat("import_generation: ", generation, " outside [1, 2^62]"));
   std::lock_guard<std::mutex> lock(impl_->mu);
   RETURN_IF_ERROR(impl_->table->Open(seq, device));
-  impl_->table->Find(seq)->import_length = import_length;
+  Sequence* s = impl_->table->Find(seq);
+  s->import_length = import_length;
+  s->generation = generation;
   return absl::OkStatus();
 }
 

@@ -284,7 +284,10 @@ class Engine {
   // import_length > 0 opens a handoff target: until write-only steps have brought it to that
   // many tokens, ordinary steps are FAILED_PRECONDITION ("being imported"), so a worker never
   // decodes on a half-copied sequence.
-  absl::Status OpenSequence(const SequenceKey& seq, int device = -1, int64_t import_length = 0);
+  // `generation`: an import's generation where it comes from (a drain keeps a failed-over
+  // sequence's fencing, docs/replication.md); 1 for a new sequence, at most 2^62.
+  absl::Status OpenSequence(const SequenceKey& seq, int device = -1, int64_t import_length = 0,
+                            uint64_t generation = 1);
   // Opens a sequence on the longest run of `prefix`'s blocks cached in its tenant's prefix cache
   // (docs/prefix_cache.md), on `device` or (< 0) wherever they are: those pages are shared, not
   // copied, and the sequence starts that many tokens long (a step restores it first if some are

@@ -85,8 +85,9 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
   if (req.standby_generation() != 0) return OpenStandby(caller, req, resp);
-  if (!req.fork_parent_id().empty() && req.import_length() != 0)
-    return absl::InvalidArgumentError("import_length: a fork is not a handoff target");
+  if (!req.fork_parent_id().empty() && (req.import_length() != 0 || req.import_generation() != 0))
+    return absl::InvalidArgumentError(
+        "import_length / import_generation: a fork is not a handoff target");
   if (req.fork_parent_id().empty() && req.fork_prefix_len() != 0)
     return absl::InvalidArgumentError(
         absl::StrCat("fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
@@ -103,11 +104,12 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
     ASSIGN_OR_RETURN(cached,
                      engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1, std::move(q)));
   } else {
-    RETURN_IF_ERROR(
-        req.fork_parent_id().empty()
-            ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1, req.import_length())
-            : engine_->ForkSequence(KeyOf(caller, req.sequence_id()), req.fork_parent_id(),
-                                    req.fork_prefix_len()));
+    RETURN_IF_ERROR(req.fork_parent_id().empty()
+                        ? engine_->OpenSequence(KeyOf(caller, req.sequence_id()), -1,
+                                                req.import_length(),
+                                                std::max<uint64_t>(1, req.import_generation()))
+                        : engine_->ForkSequence(KeyOf(caller, req.sequence_id()),
+                                                req.fork_parent_id(), req.fork_prefix_len()));
   }
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(key));
@@ -127,8 +129,8 @@ absl::Status AttentionService::OpenStandby(const Caller& caller, const v1::OpenS
     return absl::PermissionDeniedError(
         "standby_generation: only the admin identity (--admin-tenant) opens standby copies");
   if (!req.fork_parent_id().empty() || req.fork_prefix_len() != 0 || req.import_length() != 0 ||
-      !req.prompt_token_ids().empty() || !req.prompt_block_hashes().empty() ||
-      !req.prefix_salt().empty())
+      req.import_generation() != 0 || !req.prompt_token_ids().empty() ||
+      !req.prompt_block_hashes().empty() || !req.prefix_salt().empty())
     return absl::InvalidArgumentError(
         "standby_generation: a standby copy opens empty (no fork, import or prompt)");
   const SequenceKey key = KeyOf(caller, req.sequence_id());

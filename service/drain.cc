@@ -57,7 +57,11 @@ absl::Status MoveOne(Engine& engine, const SequenceInfo& seq, const std::string&
           absl::StrCat("peer ", peer, " caches ", info.cache_datatype(),
                        ": this server's fp8 keys move only to an fp8 cache (--cache-dtype=fp8)"));
   }
-  RETURN_IF_ERROR(to->OpenSequence(seq.id, "", 0, seq.length).status());
+  v1::OpenSequenceRequest open;  // at its generation: its workers' fencing holds there too
+  open.set_sequence_id(seq.id);
+  open.set_import_length(seq.length);
+  open.set_import_generation(seq.generation);
+  RETURN_IF_ERROR(to->OpenSequence(open).status());
   auto fail = [&](absl::Status s) {
     (void)to->CloseSequence(seq.id);
     return s;

@@ -216,10 +216,12 @@ class _Api:
         self, sequence_id: str, fork_parent: Optional[str] = None, prefix_len: int = 0,
         import_length: int = 0, *, prompt_token_ids: Optional[Sequence[int]] = None,
         prompt_block_hashes: Optional[Sequence[bytes]] = None, prefix_salt: bytes = b"",
+        import_generation: int = 0,
     ) -> SequenceInfo:
         """Creates a sequence: empty, or the first ``prefix_len`` tokens of ``fork_parent``.
         ``import_length`` > 0 opens a handoff target that serves ordinary steps only once
-        write-only steps have brought it to that length.
+        write-only steps have brought it to that length, at ``import_generation`` (the
+        generation it has where it comes from; 0 = 1).
 
         The prefix cache (docs/prefix_cache.md): with the prompt's ``prompt_token_ids`` (hashed
         with ``prefix_salt``) or its ``prompt_block_hashes`` (:func:`attnd.hash_blocks`), the
@@ -228,7 +230,7 @@ class _Api:
         with token ids it stops before the last token, whose logits the worker needs)."""
         request = pb.OpenSequenceRequest(
             sequence_id=sequence_id, fork_parent_id=fork_parent or "", fork_prefix_len=prefix_len,
-            import_length=import_length,
+            import_length=import_length, import_generation=int(import_generation),
             prompt_token_ids=[int(t) for t in (prompt_token_ids if prompt_token_ids is not None
                                                else [])],
             prompt_block_hashes=[bytes(h) for h in (prompt_block_hashes or [])],
@@ -512,8 +514,9 @@ class AttndClient(_Api):
         handoff target (refusing ordinary steps until complete), filled with write-only steps
         from :meth:`export_sequence`, and its length checked; on failure the partial copy is
         closed. ``close_source`` closes it here once the copy is confirmed."""
-        length = self.describe_sequence(sequence_id).length
-        to.open_sequence(sequence_id, import_length=length)
+        source = self.describe_sequence(sequence_id)
+        length = source.length
+        to.open_sequence(sequence_id, import_length=length, import_generation=source.generation)
         step = None
         try:
             for chunk in self.export_sequence(sequence_id, chunk_tokens):
@@ -618,8 +621,10 @@ class AsyncAttndClient(_Api):
     async def handoff(self, sequence_id: str, to: AsyncAttndClient, *, chunk_tokens: int = 0,
                       close_source: bool = False) -> SequenceInfo:
         """See :meth:`AttndClient.handoff`."""
-        length = (await self.describe_sequence(sequence_id)).length
-        await to.open_sequence(sequence_id, import_length=length)
+        source = await self.describe_sequence(sequence_id)
+        length = source.length
+        await to.open_sequence(sequence_id, import_length=length,
+                               import_generation=source.generation)
         step = None
         try:
             async for chunk in self.export_sequence(sequence_id, chunk_tokens):

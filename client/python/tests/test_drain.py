@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnd import AttndClient, AttndError, LayerInputs
 from attnd import route as route_names
+from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import start
 from attnd_testlib import bf16_layers as _inputs
@@ -181,6 +182,47 @@ def test_a_drain_keeps_each_sequence_in_its_tenant(tmp_path):
             c.close()
     finally:
         for p in (a, b):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+
+
+def test_a_drained_or_handed_off_sequence_keeps_its_generation():
+    """A sequence that failed over (generation 2) moves on at generation 2, so its workers'
+    fencing holds on the peer: a step naming 2 is served there, one naming 1 is refused."""
+    b, tb = _start([])
+    c, tc = _start([])
+    a, ta = _start([f"--drain-peers={tb}"])
+    try:
+        with AttndClient(ta, timeout=30.0) as ca, AttndClient(tb, timeout=30.0) as cb, \
+                AttndClient(tc, timeout=30.0) as cc:
+            spec = ca.info().model
+            rng = np.random.default_rng(6)
+            ca._unary("OpenSequence", pb.OpenSequenceRequest(sequence_id="failed-over",
+                                                             standby_generation=1), lambda r: r)
+            assert ca.promote_sequence("failed-over", 1, 0).generation == 2
+            _step(ca, "failed-over", _inputs(spec, 9, rng))
+            ca.drain([tb])
+            assert a.wait(timeout=60) == 0
+            d = cb.describe_sequence("failed-over")
+            assert (d.length, d.generation, d.importing) == (9, 2, False)
+            with pytest.raises(AttndError) as e:
+                cb.begin_step([("failed-over", 1)], generations=[1])
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "fenced" in e.value.details
+            step = cb.begin_step([("failed-over", 1)], generations=[2])
+            cb.abort_step(step.step_id)
+            # A handoff by the client keeps it too.
+            assert cb.handoff("failed-over", cc).generation == 2
+            assert cc.describe_sequence("failed-over").generation == 2
+            # A generation past 2^62, or on a fork, is refused.
+            for bad in ({"import_generation": (1 << 62) + 1},
+                        {"fork_parent": "failed-over", "prefix_len": 4, "import_generation": 2}):
+                with pytest.raises(AttndError) as e:
+                    cc.open_sequence("bad", **bad)
+                assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, bad
+    finally:
+        for p in (a, b, c):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=60)
