@@ -108,11 +108,12 @@ def mla_choice(rows):
     if best is None:
         print("MLA choice: no form passed its check in every context: keep the default")
         return
-    total = {f: sum(by[f][0] for by in forms.values() if f in by) for f in MLA_FORMS}
-    if best == MLA_DEFAULT or MLA_DEFAULT not in {f for by in forms.values() for f in by}:
+    if best == MLA_DEFAULT or any(MLA_DEFAULT not in by for by in forms.values()):
         print(f"MLA choice: {best} ({MLA_FORMS[best][1]})")
         return
-    gain = total[MLA_DEFAULT] / total[best]
+    # Both sums over the same contexts (every form chosen is in all of them).
+    gain = (sum(by[MLA_DEFAULT][0] for by in forms.values()) /
+            sum(by[best][0] for by in forms.values()))
     print(f"MLA choice: {best}, {gain:.2f}x the default ({MLA_DEFAULT}) over these contexts: "
           f"{MLA_FORMS[best][1]}")
 

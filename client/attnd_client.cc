@@ -548,6 +548,12 @@ absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
     }
   }
   if (auto s = FromGrpcNotCancelled(reader->Finish()); !s.ok()) return fail(s);
+  auto there = to.DescribeSequence(id);
+  if (!there.ok()) return fail(there.status());
+  if (there->generation() != source->generation())  // an older attnd drops import_generation
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat("handoff: the receiver holds ", id, " at generation ", there->generation(),
+                     ", not ", source->generation(), " (an attnd that keeps no generations?)")));
   return absl::OkStatus();
 }
 

@@ -103,6 +103,12 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   step->tenant = options.tenant;
   step->channel = options.channel;
   TenantLedger& tenants = table->tenants();
+  // The open-step quota first (a tenant at it is refused at once, not after waiting for its
+  // sequences), unless the batch is of standby copies (a write-only step mixes no others).
+  const Sequence* first =
+      batch.empty() ? nullptr : table->Find(SequenceKey(options.tenant, batch[0].sequence_id));
+  if (first == nullptr || !first->standby)
+    RETURN_IF_ERROR(tenants.CheckOpenSteps(options.tenant, 1));
   RETURN_IF_ERROR(CheckStepOptions(options));
   if (options.context_parallel) RETURN_IF_ERROR(ContextParallelServed());
   std::vector<int32_t> need(devices.size(), 0);
@@ -199,7 +205,6 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
   }
   // A step of standby copies is the replicas' work, paid for by the standby budget.
   step->counted = !standby_batch;
-  if (step->counted) RETURN_IF_ERROR(tenants.CheckOpenSteps(options.tenant, 1));
   int64_t need_total = 0;
   for (int32_t n : need) need_total += n;
   RETURN_IF_ERROR(standby_batch ? table->CheckStandbyPages(need_total)

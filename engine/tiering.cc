@@ -270,7 +270,9 @@ absl::Status Engine::Impl::LiftForRead(std::unique_lock<std::mutex>& lock, const
   for (int round = 0; round < 64; ++round) {
     if (!AwaitSettled(lock, key))
       return absl::DeadlineExceededError(absl::StrCat(
-          "sequence ", Quote(key.id), " is still moving between tiers after --begin-wait-ms"));
+          "sequence ", Quote(key.id),
+          " (or a sequence it shares pages with) is still moving between tiers or being read "
+          "after --begin-wait-ms"));
     const Sequence* seq = table->Find(key);
     if (seq == nullptr) return table->NotFound(key);
     if (seq->lost) return table->OnDevice(*seq);  // DATA_LOSS
@@ -410,7 +412,9 @@ absl::Status Engine::Impl::RestoreLocked(std::unique_lock<std::mutex>& lock, con
   for (int round = 0; round < 64; ++round) {
     if (!AwaitSettled(lock, key))
       return absl::DeadlineExceededError(absl::StrCat(
-          "sequence ", Quote(key.id), " is still moving between tiers after --begin-wait-ms"));
+          "sequence ", Quote(key.id),
+          " (or a sequence it shares pages with) is still moving between tiers or being read "
+          "after --begin-wait-ms"));
     Sequence* seq = table->Find(key);
     if (seq == nullptr) return table->NotFound(key);
     if (seq->lost) return table->OnDevice(*seq);  // DATA_LOSS, said once for every use
@@ -505,7 +509,8 @@ absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
   for (const SequenceKey& k : seqs) {
     if (!impl_->AwaitSettled(lock, k))
       return absl::DeadlineExceededError(
-          absl::StrCat("sequence ", Quote(k.id), " is still moving between tiers"));
+          absl::StrCat("sequence ", Quote(k.id),
+                       " (or a sequence it shares pages with) is still moving between tiers"));
     const Sequence* s = impl_->table->Find(k);
     if (s == nullptr) return impl_->table->NotFound(k);
     if (s->tier != Tier::kDevice && !s->lost) continue;  // down already

@@ -152,6 +152,7 @@ absl::Status SequenceTable::CheckInvariants() const {
     indexed -= e.cached;
     cache_only += CacheOnly(e);
     if (e.moving) status = bad("page ", id, " is moving");
+    if (e.move_pins != 0) status = bad("page ", id, " is pinned by ", e.move_pins, " move(s)");
     if (static_cast<int>(e.tier) > static_cast<int>(e.needed()))
       status =
           bad("page ", id, " is at ", TierName(e.tier), ", a holder at ", TierName(e.needed()));

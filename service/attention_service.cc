@@ -93,7 +93,8 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
         absl::StrCat("fork_prefix_len: ", req.fork_prefix_len(), " given without fork_parent_id"));
   const bool prompt = !req.prompt_token_ids().empty() || !req.prompt_block_hashes().empty() ||
                       !req.prefix_salt().empty();
-  if (prompt && (!req.fork_parent_id().empty() || req.import_length() != 0))
+  if (prompt &&
+      (!req.fork_parent_id().empty() || req.import_length() != 0 || req.import_generation() != 0))
     return absl::InvalidArgumentError(
         "prompt_token_ids / prompt_block_hashes: not with a fork or an import (a fork shares its "
         "parent's pages already; an import brings its own keys)");

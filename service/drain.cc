@@ -86,6 +86,10 @@ absl::Status MoveOne(Engine& engine, const SequenceInfo& seq, const std::string&
   if (there->length() != seq.length)
     return fail(absl::InternalError(
         absl::StrCat("peer holds ", there->length(), " tokens, not ", seq.length)));
+  if (there->generation() != seq.generation)  // an older attnd drops import_generation
+    return fail(absl::FailedPreconditionError(
+        absl::StrCat("peer ", peer, " holds it at generation ", there->generation(), ", not ",
+                     seq.generation, " (an attnd that keeps no generations?)")));
   return engine.CloseSequence(key);
 }
 

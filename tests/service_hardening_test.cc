@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -414,13 +415,14 @@ TEST_F(WideTest, ACancelWhileALayerRunsReleasesTheSequenceAtOnce) {
 // A unary BeginStep whose client gives up before it is served (here, queued on the server's
 // one executor thread behind another BeginStep waiting for a running layer) opens no step: the
 // step's id would reach no one, and it would hold its sequence until --step-idle-timeout-ms (the
-// client's retry: "already in open step").
+// client's retry: "already in open step"). The queueing rests on timing: an attempt where the
+// BeginStep was served in time anyway proves nothing and is tried again.
 TEST_F(WideTest, ABeginStepWhoseClientGaveUpOpensNothing) {
   ServerProcess one(ATTND_BINARY, {absl::StrCat("--model-file=", model_), "--kv-pages=300",
                                    "--threads=1", "--executor-threads=1", "--metrics-port=0"});
-  auto c = Client::Connect(one.target());
+  auto c = Client::Connect(one.target()), w = Client::Connect(one.target());
   auto info = c->Info();
-  ASSERT_TRUE(info.ok());
+  ASSERT_TRUE(info.ok() && w->Info().ok());
   const ModelSpec spec = ModelSpecFromProto(info->model()).value();
   std::mt19937_64 rng(4);
   ASSERT_TRUE(c->OpenSequence("long").ok());
@@ -439,36 +441,45 @@ TEST_F(WideTest, ABeginStepWhoseClientGaveUpOpensNothing) {
     return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
                                                                  sent);
   };
-  const std::chrono::milliseconds carry = timed(7), run = timed(0) - carry;
-  std::fprintf(stderr, "layer: %lld ms to carry, %lld ms to run\n",
-               static_cast<long long>(carry.count()), static_cast<long long>(run.count()));
-  ASSERT_GE(run.count(), 40) << "a layer too quick to queue behind";
-  std::thread busy([&] { (void)timed(0); });
-  std::this_thread::sleep_for(carry + run / 8);  // the layer runs
-  std::thread waiting([&] {  // waits, on the executor thread, for that layer to end
-    auto w = Client::Connect(one.target());
-    EXPECT_EQ(w->BeginStep({{"long", 1}}).status().code(), absl::StatusCode::kFailedPrecondition);
-  });
-  std::this_thread::sleep_for(run / 4);  // (the layer ends run / 2 from here at the earliest)
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + run / 8);
-  v1::BeginStepRequest req;
-  auto* e = req.add_batch();
-  e->set_sequence_id("gw");
-  e->set_q_len(1);
-  v1::BeginStepResponse resp;
-  const grpc::Status gave_up = c->stub()->BeginStep(&ctx, req, &resp);
-  EXPECT_EQ(gave_up.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << gave_up.error_message();
-  busy.join();  // the layer ended; the BeginSteps behind it ran
-  waiting.join();
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  auto d = c->DescribeSequence("gw");
-  ASSERT_TRUE(d.ok());
-  EXPECT_FALSE(d->in_step()) << "a step nobody knows of holds the sequence";
-  auto b = c->BeginStep({{"gw", 1}});
-  ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_TRUE(c->AbortStep(b->step_id()).ok());
-  EXPECT_EQ(one.Stop(), 0);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const std::chrono::milliseconds carry = std::min(timed(7), timed(7));
+    const std::chrono::milliseconds run = timed(0) - carry;
+    std::fprintf(stderr, "attempt %d: %lld ms to carry, %lld ms to run\n", attempt,
+                 static_cast<long long>(carry.count()), static_cast<long long>(run.count()));
+    if (run.count() < 40) continue;
+    std::thread busy([&] { (void)timed(0); });
+    std::this_thread::sleep_for(carry + run / 8);  // the layer runs
+    std::thread waiting([&] {  // waits, on the executor thread, for that layer to end
+      auto b = w->BeginStep({{"long", 1}});
+      if (b.ok()) (void)w->AbortStep(b->step_id());  // came after the layer: no matter
+    });
+    std::this_thread::sleep_for(run / 4);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + run / 8);
+    v1::BeginStepRequest req;
+    auto* e = req.add_batch();
+    e->set_sequence_id("gw");
+    e->set_q_len(1);
+    v1::BeginStepResponse resp;
+    const grpc::Status gave_up = c->stub()->BeginStep(&ctx, req, &resp);
+    busy.join();  // the layer ended; the BeginSteps behind it ran
+    waiting.join();
+    if (gave_up.ok()) {  // served in time: nothing was queued
+      ASSERT_TRUE(c->AbortStep(resp.step_id()).ok());
+      continue;
+    }
+    ASSERT_EQ(gave_up.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << gave_up.error_message();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto d = c->DescribeSequence("gw");
+    ASSERT_TRUE(d.ok());
+    EXPECT_FALSE(d->in_step()) << "a step nobody knows of holds the sequence";
+    auto b = c->BeginStep({{"gw", 1}});
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_TRUE(c->AbortStep(b->step_id()).ok());
+    EXPECT_EQ(one.Stop(), 0);
+    return;
+  }
+  GTEST_SKIP() << "no attempt queued the BeginStep behind a running layer on this machine";
 }
 
 }  // namespace

@@ -9,10 +9,13 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -124,7 +127,19 @@ class DrainOnError {
     int was = -1;
     const bool had = cudaGetDevice(&was) == cudaSuccess;
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
+    // Bounded: after a failed NCCL call a queued receive may never complete, and a wait for it
+    // would hold the copy locks for good. A stream not drained in 30 s is reported (the GPU's
+    // later work fails or the operator restarts it), not waited for.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    cudaError_t q;
+    while ((q = cudaStreamQuery(stream_)) == cudaErrorNotReady &&
+           std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (q == cudaErrorNotReady)
+      std::fprintf(stderr,
+                   "attnd: cuda:%d: work queued before a failed copy did not finish in 30 s; "
+                   "the GPU may need a restart\n",
+                   device_);
     if (had) cudaSetDevice(was);
     cudaGetLastError();
   }

@@ -21,6 +21,7 @@ absl::Status CudaDevice::ReadRows(int layer, int slot, int32_t page, int first, 
   State& s = *s_;
   std::lock_guard<std::mutex> lock(s.copy_mu);
   CUDA_RETURN(cudaSetDevice(ordinal_));
+  DrainOnError drain(s.copy_stream, ordinal_);  // the copies write into the caller's buffers
   const int64_t at = int64_t{page} * s.layout.page_size + first;
   CUDA_RETURN(cudaMemcpyAsync(latent, s.Latent(layer).Row(at), rows * s.layout.latent_row_bytes(),
                               cudaMemcpyDeviceToHost, s.copy_stream));
@@ -34,10 +35,12 @@ absl::Status CudaDevice::ReadRows(int layer, int slot, int32_t page, int first, 
     }
   }
   CUDA_RETURN(cudaStreamSynchronize(s.copy_stream));
+  drain.Dismiss();
   return absl::OkStatus();
 }
 
 absl::Status CudaDevice::State::PageToHost(int32_t page, int rows, uint8_t* staged) {
+  DrainOnError drain(copy_stream);  // the caller made this GPU current
   const int64_t at = int64_t{page} * layout.page_size;
   for (int l = 0; l < layout.num_layers; ++l)
     CUDA_RETURN(cudaMemcpyAsync(staged + layout.StagedLatent(l, rows), Latent(l).Row(at),
@@ -53,11 +56,13 @@ absl::Status CudaDevice::State::PageToHost(int32_t page, int rows, uint8_t* stag
     }
   }
   CUDA_RETURN(cudaStreamSynchronize(copy_stream));
+  drain.Dismiss();
   return absl::OkStatus();
 }
 
 absl::Status CudaDevice::State::HostToPage(int32_t page, int rows, const uint8_t* staged) {
   // On the copy stream, then waited for: a pageable copy may return before its DMA lands.
+  DrainOnError drain(copy_stream);  // the caller made this GPU current
   const int64_t at = int64_t{page} * layout.page_size;
   for (int l = 0; l < layout.num_layers; ++l)
     CUDA_RETURN(cudaMemcpyAsync(Latent(l).MutableRow(at), staged + layout.StagedLatent(l, rows),
@@ -73,6 +78,7 @@ absl::Status CudaDevice::State::HostToPage(int32_t page, int rows, const uint8_t
     }
   }
   CUDA_RETURN(cudaStreamSynchronize(copy_stream));
+  drain.Dismiss();
   return absl::OkStatus();
 }
 

@@ -82,8 +82,10 @@ absl::Status NcclPeers::SendRecv(int from, int to, const void* src, void* dst, s
   if (first == nccl::kSuccess) first = r;
   r = m.group_end();
   if (first == nccl::kSuccess) first = r;
-  if (cuda != cudaSuccess)
+  if (cuda != cudaSuccess) {
+    cudaGetLastError();  // not left for this thread's next CUDA call to report
     return absl::InternalError(absl::StrCat("NCCL move: ", cudaGetErrorString(cuda)));
+  }
   if (first != nccl::kSuccess)
     return absl::InternalError(absl::StrCat("NCCL move: ", m.error_string(first)));
   return absl::OkStatus();

@@ -529,6 +529,10 @@ class AttndClient(_Api):
             if there.length != length or there.importing:
                 raise AttndError(grpc.StatusCode.INTERNAL,
                                  f"handoff: the receiver holds {there.length} of {length} tokens")
+            if there.generation != source.generation:  # an older attnd drops import_generation
+                raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"handoff: the receiver holds it at generation "
+                                 f"{there.generation}, not {source.generation}")
             if close_source and self.describe_sequence(sequence_id).length != length:
                 raise AttndError(grpc.StatusCode.ABORTED,
                                  f"handoff: {sequence_id!r} grew on the source during the copy")
@@ -638,6 +642,10 @@ class AsyncAttndClient(_Api):
             if there.length != length or there.importing:
                 raise AttndError(grpc.StatusCode.INTERNAL,
                                  f"handoff: the receiver holds {there.length} of {length} tokens")
+            if there.generation != source.generation:  # an older attnd drops import_generation
+                raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"handoff: the receiver holds it at generation "
+                                 f"{there.generation}, not {source.generation}")
             if close_source and (await self.describe_sequence(sequence_id)).length != length:
                 raise AttndError(grpc.StatusCode.ABORTED,
                                  f"handoff: {sequence_id!r} grew on the source during the copy")

@@ -215,9 +215,10 @@ def test_a_drained_or_handed_off_sequence_keeps_its_generation():
             # A handoff by the client keeps it too.
             assert cb.handoff("failed-over", cc).generation == 2
             assert cc.describe_sequence("failed-over").generation == 2
-            # A generation past 2^62, or on a fork, is refused.
+            # A generation past 2^62, or on a fork or a prompt's open, is refused.
             for bad in ({"import_generation": (1 << 62) + 1},
-                        {"fork_parent": "failed-over", "prefix_len": 4, "import_generation": 2}):
+                        {"fork_parent": "failed-over", "prefix_len": 4, "import_generation": 2},
+                        {"prompt_token_ids": [1, 2, 3], "import_generation": 2}):
                 with pytest.raises(AttndError) as e:
                     cc.open_sequence("bad", **bad)
                 assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, bad
