@@ -125,8 +125,7 @@ absl::Status AttentionService::OpenStandby(const Caller& caller, const v1::OpenS
                                            v1::SequenceInfo* resp) {
   // Another replica's copy: on a server with tenants, only the admin identity (the replicas'
   // peer credentials) may place one; it is charged to the standby budget, not the tenant.
-  const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
-  if (!open && !caller.admin)
+  if (!NoAuth() && !caller.admin)
     return absl::PermissionDeniedError(
         "standby_generation: only the admin identity (--admin-tenant) opens standby copies");
   if (!req.fork_parent_id().empty() || req.fork_prefix_len() != 0 || req.import_length() != 0 ||
@@ -368,8 +367,7 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   opts.context_parallel = req.context_parallel();
   opts.attend_only = req.attend_only();
   opts.tenant = caller.tenant;
-  opts.standby_writer =
-      caller.admin || options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
+  opts.standby_writer = caller.admin || NoAuth();
   opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
   if (replicator_ != nullptr && !req.write_only()) {
     // A sequence its standby has not acknowledged for a while may have failed over elsewhere
@@ -462,10 +460,13 @@ grpc::ServerUnaryReactor* AttentionService::UnregisterSharedMemory(
                [&](const Caller& c) { return DoUnregisterSharedMemory(c, *req); });
 }
 
+bool AttentionService::NoAuth() const {
+  return options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
+}
+
 absl::Status AttentionService::RequireAdmin(const Caller& caller, const char* method,
                                             const char* why) const {
-  const bool open = options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
-  if (open) {
+  if (NoAuth()) {
     // Nobody has an identity: the admin is whoever is on this host.
     if (caller.local || caller.loopback) return absl::OkStatus();
     return absl::PermissionDeniedError(

@@ -150,6 +150,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   // OK for the admin identity, or for anyone on an unauthenticated server; else
   // PERMISSION_DENIED "<method>: only the admin identity (--admin-tenant)<why>".
   absl::Status RequireAdmin(const Caller& caller, const char* method, const char* why) const;
+  // Whether this server runs without authentication (--auth=none): nobody has an identity.
+  bool NoAuth() const;
   absl::Status DoUploadAbsorption(const Caller& caller, const v1::UploadAbsorptionRequest& req,
                                   v1::UploadAbsorptionResponse* resp);
   absl::Status DoAbortStep(const Caller& caller, const v1::AbortStepRequest& req);
@@ -196,8 +198,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   // FAILED_PRECONDITION when this replica's copy of `key` was fenced (it failed over).
   absl::Status FencedHere(const SequenceKey& key) const;
   // One layer of a sharded step from every shard's message (blocking).
-  absl::Status LayerSharded(const Caller& caller, const StepRef& step,
-                            const std::vector<ShardGather::Part>& parts, Transport transport);
+  absl::Status LayerSharded(const StepRef& step, const std::vector<ShardGather::Part>& parts,
+                            Transport transport);
   // Runs `fn(caller)` for an authenticated caller and finishes the call with its status.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn fn);

@@ -59,8 +59,8 @@ void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
     return;
   }
   if (!parts->has_value()) return;  // parked until the other shards arrive
-  executor_->Post([this, caller, step, transport, all = std::move(**parts)] {
-    absl::Status s = Guarded([&] { return LayerSharded(caller, step, all, transport); });
+  executor_->Post([this, step, transport, all = std::move(**parts)] {
+    absl::Status s = Guarded([&] { return LayerSharded(step, all, transport); });
     if (!s.ok()) {
       (void)engine_->AbortStep(step, AbortReason::kError);  // every error aborts the step
       shards_.Forget(step);

@@ -55,7 +55,7 @@ void AttentionService::ReapShards(std::chrono::steady_clock::duration idle) {
                     AbortReason::kExpiry);
 }
 
-absl::Status AttentionService::LayerSharded(const Caller& caller, const StepRef& step,
+absl::Status AttentionService::LayerSharded(const StepRef& step,
                                             const std::vector<ShardGather::Part>& parts,
                                             Transport transport) {
   const auto start = std::chrono::steady_clock::now();
