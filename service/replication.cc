@@ -116,16 +116,26 @@ Replicator::~Replicator() {
   for (auto& f : run) f();
 }
 
-int Replicator::ChoosePeer(const SequenceKey& key, const std::string& avoid) const {
-  std::vector<std::string> names{options_.self_name};
-  for (const auto& p : peers_)
-    if (!p->self && !p->name.empty() && !p->failed && p->name != avoid) names.push_back(p->name);
-  for (const std::string& n : client::Ranked(names, key.id)) {
-    if (n == options_.self_name) continue;
-    for (size_t i = 0; i < peers_.size(); ++i)
-      if (peers_[i]->name == n) return static_cast<int>(i);
+int RankStandby(const std::vector<PeerCandidate>& peers, const std::string& self_name,
+                const std::string& id, const std::string& avoid) {
+  std::vector<std::string> names{self_name};
+  for (const PeerCandidate& p : peers)
+    if (p.usable && !p.name.empty() && p.name != avoid &&
+        std::find(names.begin(), names.end(), p.name) == names.end())
+      names.push_back(p.name);
+  for (const std::string& n : client::Ranked(names, id)) {
+    if (n == self_name) continue;
+    for (size_t i = 0; i < peers.size(); ++i)
+      if (peers[i].usable && peers[i].name == n) return static_cast<int>(i);
   }
   return -1;
+}
+
+int Replicator::ChoosePeer(const SequenceKey& key, const std::string& avoid) const {
+  std::vector<PeerCandidate> candidates;
+  candidates.reserve(peers_.size());
+  for (const auto& p : peers_) candidates.push_back({p->name, !p->self && !p->failed});
+  return RankStandby(candidates, options_.self_name, key.id, avoid);
 }
 
 void Replicator::MarkDown(Peer& p) {

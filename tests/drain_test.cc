@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "metrics/metrics.h"
+#include "service/replication.h"
 #include "service/service_metrics.h"
 
 namespace attnd {
@@ -23,6 +24,27 @@ TEST(DrainPeers, ExplicitPeersStayAndThisHostsAddressesAreSkipped) {
   for (const char* bad : {"dns:no-port", "dns:host:port"})
     EXPECT_EQ(DrainPeers({bad}).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   EXPECT_FALSE(DrainPeers({"dns:no-such-name.invalid:50051"}).ok());
+}
+
+// A standby pod restarted at another address leaves its old entry (down) beside the new one:
+// copies ranked to it go to the entry that answers, not the dead one (they were assigned to the
+// first entry of that name, and never replicated again).
+TEST(StandbyPeers, ACopyGoesToTheEntryThatAnswersOfAPeerThatCameBackElsewhere) {
+  const std::string id = "seq-7";
+  // Which of b, c the hash ranks first for id (after self "a"), with both usable.
+  const std::vector<PeerCandidate> both = {{"b", true}, {"c", true}};
+  const int first = RankStandby(both, "a", id, "");
+  ASSERT_GE(first, 0);
+  const std::string name = both[first].name, other = name == "b" ? "c" : "b";
+  // The old entry of `name` (down), the other peer, the new entry of `name` (up).
+  const std::vector<PeerCandidate> restarted = {{name, false}, {other, true}, {name, true}};
+  EXPECT_EQ(RankStandby(restarted, "a", id, ""), 2);
+  // Only the dead entry: the other peer.
+  const std::vector<PeerCandidate> dead = {{name, false}, {other, true}};
+  EXPECT_EQ(RankStandby(dead, "a", id, ""), 1);
+  // Avoided, or nobody usable: -1 when nothing is left.
+  EXPECT_EQ(RankStandby({{name, true}}, "a", id, name), -1);
+  EXPECT_EQ(RankStandby({{name, false}, {"", true}}, "a", id, ""), -1);
 }
 
 std::unique_ptr<Engine> TinyEngine() {
