@@ -19,6 +19,9 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/gpu_facts.h"
+#include "kernels/cuda/mla_flashinfer.h"
+#include "kernels/cuda/mla_flashinfer_plan.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
 
@@ -144,6 +147,79 @@ std::string RelL2Text(const std::vector<float>& got, const std::vector<float>& w
   std::snprintf(buf, sizeof buf, "rel L2 %.1e vs %s", std::sqrt(num / std::max(den, 1e-300)),
                 against);
   return buf;
+}
+
+// FlashInfer's Hopper MLA on the same selection as the LaunchMla rows (compute capability 9.0
+// and a build with it; elsewhere no row): the server's whole path for a layer, the queries'
+// conversion to bf16 included, with attnd's plan (chunks by each query's own keys) and merge.
+template <typename Tflops>
+void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& shape,
+                         double bytes, double copy_bw, const std::vector<float>& simt_out,
+                         Tflops tflops) {
+  attnd::cuda::GpuFacts g;
+  if (!attnd::cuda::FlashInferMlaBuilt() || attnd::cuda::CurrentGpuFacts(&g) != cudaSuccess ||
+      g.cc_major != 9 || g.cc_minor != 0)
+    return;
+  attnd::cuda::FlashInferMlaPlanInput in;
+  in.keys.assign(mp.n, K);
+  in.heads = mp.heads;
+  in.kv_stride = mp.sel_stride;
+  in.multiprocessors = g.sms;
+  const attnd::cuda::FlashInferMlaPlanResult plan = attnd::cuda::PlanFlashInferMla(in);
+  CHECK(plan.refused.empty() ? cudaSuccess : cudaErrorInvalidValue);
+  const size_t nq = size_t(mp.n) * mp.heads;
+  void* q_nope = Alloc<__nv_bfloat16>(nq * mp.latent);
+  void* q_pe = Alloc<__nv_bfloat16>(nq * mp.rope);
+  void* part_o = Alloc<__nv_bfloat16>(size_t(plan.plan.max_partial_rows) * mp.latent);
+  float* part_lse = Alloc<float>(plan.plan.max_partial_rows);
+  std::vector<attnd::cuda::FlashInferMlaParams> waves;
+  int most = 1;
+  for (const auto& w : plan.plan.waves) most = std::max(most, w.blocks_x * w.blocks_y);
+  const int32_t* zeros = Upload(std::vector<int32_t>(most, 0));
+  for (const auto& w : plan.plan.waves) {
+    attnd::cuda::FlashInferMlaParams f;
+    f.q_nope = q_nope;
+    f.q_pe = q_pe;
+    f.kv = mp.kv;
+    f.heads = mp.heads;
+    f.sm_scale = mp.sm_scale;
+    f.key_list = mp.sel;  // slot ids already, K a row
+    auto& a = f.wave;
+    a.q_indptr = Upload(w.q_indptr);
+    a.kv_indptr = Upload(w.kv_indptr);
+    a.partial_indptr = Upload(w.partial_indptr);
+    a.q_len = Upload(w.q_len);
+    a.kv_len = Upload(w.kv_len);
+    a.q_start = Upload(w.q_start);
+    a.kv_start = Upload(w.kv_start);
+    a.kv_end = Upload(w.kv_end);
+    a.work_indptr = Upload(w.work_indptr);
+    a.merge_row = Upload(w.merge_row);
+    a.merge_chunks = Upload(w.merge_chunks);
+    a.zeros = zeros;
+    a.first_query = w.first_query;
+    a.queries = w.queries;
+    a.blocks_x = w.blocks_x;
+    a.blocks_y = w.blocks_y;
+    a.rows_per_chunk = w.rows_per_chunk;
+    f.partial_o = part_o;
+    f.partial_lse = part_lse;
+    f.out = mp.out;
+    waves.push_back(f);
+  }
+  const double ms = TimeMs([&] {
+    CHECK(attnd::cuda::LaunchFromF32(mp.q_latent, attnd::DType::kBF16, q_nope,
+                                     int64_t(nq) * mp.latent, 0));
+    CHECK(
+        attnd::cuda::LaunchFromF32(mp.q_rope, attnd::DType::kBF16, q_pe, int64_t(nq) * mp.rope, 0));
+    for (const auto& f : waves) CHECK(attnd::cuda::LaunchFlashInferMla(f, 0));
+  });
+  CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got = Download(mp.out, nq * mp.latent);
+  Report("sparse MLA decode (flashinfer, split-K x" +
+             std::to_string(attnd::cuda::FlashInferMlaChunks(K)) + ")",
+         shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9,
+         tflops(ms) + "; " + RelL2Text(got, simt_out, "SIMT"));
 }
 
 // A paged cache of `seqs` sequences of `ctx` tokens, rows of `dim` bf16, shuffled pages.
@@ -442,6 +518,7 @@ int main(int argc, char** argv) {
     }
     mp.pipeline = true;
     mp.wgmma = mp.wgmma_ws = false;
+    FlashInferDecodeRow(mp, K, shape, bytes, copy_bw, simt_out, tflops);
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
       h16.tensor_cores = true;

@@ -7,8 +7,8 @@ With --stages (gpu-check's record of each stage: limit, seconds, verdict, note) 
 with the stage table, the sanitizer's verdict and the reruns. A test XML file that is missing or
 unreadable is named ("no XML": the binary timed out or crashed before writing it).
 
-After the table, the sparse MLA's kernel forms at batch 64 (pipe, mma, wgmma, wgmma-ws) are
-ranked per context: the fastest whose output is within 1e-2 relative L2 of the SIMT kernel's,
+After the table, the sparse MLA's kernel forms at batch 64 (pipe, mma, wgmma, wgmma-ws,
+flashinfer) are ranked per context: the fastest whose output is within 1e-2 relative L2 of the SIMT kernel's,
 against the form attnd takes by default (pipe), and what to change to make it the default.
 `gpu_report.py --fastest-mla BENCH.jsonl` prints only the fastest checked form's kernel name
 (gpu-check profiles it), or nothing.
@@ -63,6 +63,9 @@ MLA_FORMS = {
     "wgmma": ("MlaWgmmaKernel", "make WgmmaMla() default to true on compute capability 9.0"),
     "wgmma-ws": ("MlaWgmmaWsKernel",
                  "make WgmmaMla() and WgmmaWsMla() default to true on compute capability 9.0"),
+    # FlashInfer's Hopper MLA (kernels/cuda/mla_flashinfer.h), with attnd's plan and merge.
+    "flashinfer": ("BatchMLAPageAttentionHopperKernel",
+                   "make FlashInferMla() default to true (kernels/cuda/cuda_device.cc)"),
 }
 MLA_DEFAULT = "pipe"
 MLA_TOLERANCE = 1e-2  # relative L2 against the SIMT kernel, as the GPU tests' bf16 tolerance

@@ -128,3 +128,14 @@ def test_no_mla_choice_without_a_checked_form_or_without_rows(tmp_path):
     good = [mla_row("pipe", "8K", 1.0, "rel L2 1.0e-03 vs SIMT")]
     assert fastest(tmp_path, good) == "MlaPipeKernel"
     assert "MLA choice: pipe (the default now" in report(tmp_path, good)
+
+
+def test_flashinfers_mla_is_a_form_the_choice_can_name(tmp_path):
+    ok = "1.0 TFLOP/s; rel L2 3.0e-03 vs SIMT"
+    rows = [mla_row("pipe", "8K", 1.0, ok), mla_row("pipe", "64K", 1.2, ok),
+            mla_row("flashinfer", "8K", 0.1, ok), mla_row("flashinfer", "64K", 0.12, ok)]
+    assert fastest(tmp_path, rows) == "BatchMLAPageAttentionHopperKernel"
+    assert "MLA choice: flashinfer, 10.00x the default (pipe)" in report(tmp_path, rows)
+    # Off by more than the tolerance: never the choice.
+    rows[3] = mla_row("flashinfer", "64K", 0.12, "1.0 TFLOP/s; rel L2 4.0e-02 vs SIMT")
+    assert fastest(tmp_path, rows) == "MlaPipeKernel"

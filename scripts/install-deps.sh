@@ -39,3 +39,11 @@ if ! "$py" -c "import grpc, grpc_tools, grpc_health, grpc_reflection, numpy, pyt
       grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes pyyaml \
       kubernetes-validate ruff pyzmq msgpack msgspec
 fi
+
+# The GPU kernels' libraries (docs/architecture.md, "Kernels from libraries"): CUTLASS/CuTe and
+# FlashInfer, header-only, from their PyPI wheels, pinned by version and sha256, unpacked (the
+# headers only) into a cache outside the tree. Only where nvcc is: a CPU build needs neither.
+# ATTND_GPU_LIBS_DIR moves the cache; CMake's FindCutlass/FindFlashInfer look there.
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  ./scripts/fetch-gpu-libs.sh
+fi

@@ -19,6 +19,7 @@
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/gpu_facts.h"
+#include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/topk_block.h"
 #include "kernels/selection.h"
 #include "tests/engine_harness.h"
@@ -329,6 +330,58 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
   }
 }
 
+// FlashInfer's Hopper MLA (sm_90a: compute capability 9.0 only; mla_flashinfer.h) at
+// DeepSeek-V3.2 dims, 128 heads, bf16 cache: a top-2048 selection over 2,600 keys (4 chunks,
+// merged by attnd) for a 3-token sparse prefill and a 300-key range decode of a second sequence
+// in the same step, against float64 and the SIMT kernel, outputs and log-sum-exps; the form ran.
+TEST(CudaScale, TheFlashInferMlaMatchesTheReferenceAndTheSimtKernel) {
+  ATTND_SKIP_WITHOUT_GPU();
+  if (!cuda::FlashInferMlaBuilt()) GTEST_SKIP() << "this build has no FlashInfer MLA";
+  int major = 0, minor = 0;
+  ASSERT_NO_FATAL_FAILURE(ComputeCapability(&major, &minor));
+  if (major != 9 || minor != 0)
+    GTEST_SKIP() << "FlashInfer's Hopper MLA needs compute capability 9.0 (this GPU: " << major
+                 << "." << minor << ")";
+  const ModelSpec spec = DeepSeekDims(128);
+  Harness simt(Options(spec, DType::kBF16, {"cuda:0"}));
+  Harness fi(Options(spec, DType::kBF16, {"cuda:0"}));
+  for (Harness* h : {&simt, &fi}) {
+    h->Open("a");
+    h->Open("b");
+  }
+  const std::vector<StepEntry> import = {{"a", 2600}, {"b", 300}};
+  const auto keys = simt.MakeKeys(import, DType::kBF16, 61);
+  for (Harness* h : {&simt, &fi})
+    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
+  const std::vector<StepEntry> step = {{"a", 3}, {"b", 1}};
+  const auto in = simt.MakeInputs(step, DType::kBF16, 62);
+  auto s = [&] {
+    cuda::ScopedKernelChoice simt_mla(false, true);  // the same indexer: the same selections
+    cuda::ScopedFlashInferMla off(false);
+    return simt.Run(step, in);
+  }();
+  const int64_t before = cuda::FlashInferMlaLaunches();
+  auto f = [&] {
+    cuda::ScopedKernelChoice tensor_cores(true, true);
+    cuda::ScopedFlashInferMla on(true);
+    return fi.Run(step, in);
+  }();
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  ASSERT_TRUE(f.status.ok()) << f.status;
+  EXPECT_GE(cuda::FlashInferMlaLaunches() - before, 2) << "the FlashInfer MLA did not run";
+  std::vector<LayerCheck> checks;
+  const auto ref = simt.Reference(step, in, s.traces, &checks);
+  for (size_t l = 0; l < ref.size(); ++l) {
+    const std::string at = "layer " + std::to_string(l);
+    EXPECT_EQ(f.traces[l].keys, s.traces[l].keys) << at << ": other keys attended";
+    ExpectClose(f.out[l], ref[l], 1e-2, "FlashInfer MLA vs reference, " + at);
+    ExpectClose(f.out[l], s.out[l], 1e-2, "FlashInfer vs SIMT MLA, " + at);
+    ASSERT_EQ(f.lse[l].size(), s.lse[l].size());
+    for (size_t i = 0; i < f.lse[l].size(); ++i)
+      ASSERT_NEAR(f.lse[l][i], s.lse[l][i], 1e-2 * (1 + std::abs(s.lse[l][i]))) << at << " " << i;
+  }
+}
+
 // Absorbed calls (q_nope in, values out) on tensor cores at DeepSeek-V3.2 dims: the GPU's
 // tensor-core and SIMT kernels and the CPU backend agree within the bf16 tolerance, on bf16
 // and fp8 caches.
@@ -409,8 +462,15 @@ std::vector<LayerData> Rows(const std::vector<LayerData>& layers, int64_t begin,
 TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
   ATTND_SKIP_WITHOUT_GPU();
   const ModelSpec spec = DeepSeekDims(128);
-  for (const bool tensor_cores : {true, false}) {
+  int major = 0, minor = 0;
+  ASSERT_NO_FATAL_FAILURE(ComputeCapability(&major, &minor));
+  const bool flashinfer = cuda::FlashInferMlaBuilt() && major == 9 && minor == 0;
+  for (const int form : {0, 1, 2}) {  // tensor cores, SIMT, FlashInfer's MLA
+    if (form == 2 && !flashinfer) continue;
+    const bool tensor_cores = form != 1;
+    const int64_t launches = cuda::FlashInferMlaLaunches();
     cuda::ScopedKernelChoice kernels(tensor_cores, tensor_cores);
+    cuda::ScopedFlashInferMla library(form == 2);
     Harness alone(Options(spec, DType::kBF16, {"cuda:0"}, 2560));
     Harness batch(Options(spec, DType::kBF16, {"cuda:0"}, 2560));
     std::vector<StepEntry> import = {{"a", 3000}}, decode = {{"a", 1}};
@@ -431,11 +491,12 @@ TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
     auto one = alone.Run({decode[0]}, Rows(in, 0, 1));
     ASSERT_TRUE(many.status.ok()) << many.status;
     ASSERT_TRUE(one.status.ok()) << one.status;
+    EXPECT_EQ(cuda::FlashInferMlaLaunches() > launches, form == 2) << "form " << form;
     const size_t row = one.out[0].size();  // a's H x L outputs come first in the batch
     for (size_t l = 0; l < one.out.size(); ++l) {
       const std::vector<double> first(many.out[l].begin(), many.out[l].begin() + row);
-      EXPECT_EQ(first, one.out[l]) << (tensor_cores ? "tensor-core" : "SIMT") << " layer " << l
-                                   << ": a's bits changed with the batch";
+      EXPECT_EQ(first, one.out[l])
+          << "form " << form << " layer " << l << ": a's bits changed with the batch";
       const std::vector<double> first_lse(many.lse[l].begin(),
                                           many.lse[l].begin() + one.lse[l].size());
       EXPECT_EQ(first_lse, one.lse[l]) << "layer " << l << ": a's log-sum-exps changed";

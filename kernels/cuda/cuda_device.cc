@@ -14,7 +14,9 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/layer_upload.h"
+#include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
 
@@ -66,6 +68,20 @@ bool WgmmaWsMla() {
   const int set = g_wgmma_mla.load();
   return (set < 0 ? WgmmaFromEnv() : set) == 2;
 }
+// ATTND_CUDA_MLA=flashinfer: sparse layers on FlashInfer's Hopper MLA where it applies.
+std::atomic<int> g_flashinfer_mla{-1};  // -1: from the environment
+bool FlashInferMla() {
+  static const bool from_env = [] {
+    const char* v = std::getenv("ATTND_CUDA_MLA");
+    return v != nullptr && std::string(v) == "flashinfer";
+  }();
+  const int set = g_flashinfer_mla.load();
+  return set < 0 ? from_env : set == 1;
+}
+ScopedFlashInferMla::ScopedFlashInferMla(bool on)
+    : before_(g_flashinfer_mla.exchange(on ? 1 : 0)) {}
+ScopedFlashInferMla::~ScopedFlashInferMla() { g_flashinfer_mla = before_; }
+
 bool TensorCoreIndexer() {
   static const bool from_env = FromEnv("ATTND_CUDA_INDEXER");
   const int set = g_tensor_core_indexer.load();
@@ -245,7 +261,12 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
       {&part_ml, splits > 1 ? part_rows * 2 * 4 : 4},
       {&cand_key, std::max<size_t>(4, step.candidates * 4)},
       {&cand_index, std::max<size_t>(4, step.candidates * 4)},
-      {&cand_count, std::max<size_t>(4, step.candidates * 4)}};
+      {&cand_count, std::max<size_t>(4, step.candidates * 4)},
+      {&fi_q_nope, step.fi ? n * H * L * 2 : 4},
+      {&fi_q_pe, step.fi ? n * H * R * 2 : 4},
+      {&fi_keys, step.fi ? n * static_cast<size_t>(step.sel_cap) * 4 : 4},
+      {&fi_part_o, step.fi ? static_cast<size_t>(step.fi_partial_rows) * L * 2 : 4},
+      {&fi_part_lse, step.fi ? static_cast<size_t>(step.fi_partial_rows) * 4 : 4}};
   return ReserveScratchBuffers(share, want);
 }
 
@@ -311,6 +332,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   st->slot = plan.Add(share.slot);
   st->needs_index = plan.Add(share.needs_index);
   s.PlanWaves(share, st.get(), &plan);
+  s.PlanFlashInfer(share, st.get(), &plan);
   RETURN_IF_ERROR(s.ReserveScratch(share, *st));
   const std::vector<uint8_t>& bytes = plan.bytes();
   RETURN_IF_ERROR(st->plan.Reserve(bytes.size()));
@@ -326,6 +348,68 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   // Rows that never select keep count 0 (PositionsToSlots and traces read every row).
   CUDA_RETURN(cudaMemsetAsync(st->sel_count.ptr, 0, st->sel_count.bytes, s.stream));
   return std::unique_ptr<DeviceStep>(std::move(st));
+}
+
+void CudaDevice::State::PlanFlashInfer(const StepShare& share, Step* step, PlanPacker* plan) const {
+  // What does not change from layer to layer: the switch, the build, a compute capability 9.0
+  // GPU, the cache's rows, the model's dims. Context-parallel and page-mode selections have
+  // counts the host does not know: those steps keep the hand-written kernels.
+  if (!FlashInferMla() || !FlashInferMlaBuilt() || share.write_only || !share.offset.empty() ||
+      share.size() == 0)
+    return;
+  GpuFacts g;
+  if (CurrentGpuFacts(&g) != cudaSuccess || g.cc_major != 9 || g.cc_minor != 0) return;
+  for (int l = 0; l < spec.num_layers(); ++l) {
+    const CacheRows c = Latent(l);
+    if (c.scales_apart != 0 ||
+        !FlashInferMlaLayoutFor(c.dtype, c.row_bytes, reinterpret_cast<uintptr_t>(c.base),
+                                spec.kv_lora_rank, spec.qk_rope_head_dim, spec.num_heads)
+             .refused.empty())
+      return;
+  }
+  // Each query's keys, exactly: a range query its visible keys; a selecting one (token mode)
+  // min(K, visible), which is what the top-k keeps.
+  FlashInferMlaPlanInput in;
+  in.heads = spec.num_heads;
+  in.kv_stride = step->sel_cap;
+  in.multiprocessors = g.sms;
+  std::vector<int32_t> count(share.size());
+  std::vector<int64_t> first(share.size());
+  for (int64_t i = 0; i < share.size(); ++i) {
+    first[i] = FirstVisibleKey(spec, LayerKind::kFull, share.pos[i]);
+    const int64_t visible = share.pos[i] - first[i] + 1;
+    if (share.needs_index[i] && spec.selection != SelectionMode::kToken) return;
+    const int64_t keys =
+        share.needs_index[i] ? std::min<int64_t>(spec.index_topk, visible) : visible;
+    if (keys > step->sel_cap) return;  // a dense prefill past the list's row
+    count[i] = static_cast<int32_t>(keys);
+    in.keys.push_back(keys);
+  }
+  FlashInferMlaPlanResult r = PlanFlashInferMla(in);
+  if (!r.refused.empty()) return;
+  step->fi = true;
+  step->fi_count = plan->Add(count);
+  step->fi_first = plan->Add(first);
+  int most = 1;
+  for (const FlashInferMlaWave& w : r.plan.waves) most = std::max(most, w.blocks_x * w.blocks_y);
+  step->fi_zeros = plan->Add(std::vector<int32_t>(most, 0));
+  for (FlashInferMlaWave& w : r.plan.waves) {
+    Step::FiWave f;
+    f.q_indptr = plan->Add(w.q_indptr);
+    f.kv_indptr = plan->Add(w.kv_indptr);
+    f.partial_indptr = plan->Add(w.partial_indptr);
+    f.q_len = plan->Add(w.q_len);
+    f.kv_len = plan->Add(w.kv_len);
+    f.q_start = plan->Add(w.q_start);
+    f.kv_start = plan->Add(w.kv_start);
+    f.kv_end = plan->Add(w.kv_end);
+    f.work_indptr = plan->Add(w.work_indptr);
+    f.merge_row = plan->Add(w.merge_row);
+    f.merge_chunks = plan->Add(w.merge_chunks);
+    f.host = std::move(w);
+    step->fi_waves.push_back(std::move(f));
+  }
+  step->fi_partial_rows = r.plan.max_partial_rows;
 }
 
 void CudaDevice::State::PlanWaves(const StepShare& share, Step* step, PlanPacker* plan) const {

@@ -46,6 +46,20 @@ class ScopedKernelChoice {
   int mla_before_, indexer_before_, wgmma_before_;  // -1: the environment's choice
 };
 
+// While it lives, sparse layers take FlashInfer's Hopper MLA where it applies (on) or never
+// (off), over ATTND_CUDA_MLA=flashinfer; then the choice before it is back. The choice is read
+// when a step begins.
+class ScopedFlashInferMla {
+ public:
+  explicit ScopedFlashInferMla(bool on);
+  ~ScopedFlashInferMla();
+  ScopedFlashInferMla(const ScopedFlashInferMla&) = delete;
+  ScopedFlashInferMla& operator=(const ScopedFlashInferMla&) = delete;
+
+ private:
+  int before_;
+};
+
 class CudaDevice final : public Device {
  public:
   // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`, after

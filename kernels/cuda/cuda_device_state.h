@@ -25,6 +25,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/mla_flashinfer_plan.h"
 
 #define CUDA_RETURN(expr)                                                            \
   do {                                                                               \
@@ -47,6 +48,9 @@ bool TensorCoreIndexer();
 // (ATTND_CUDA_MLA=wgmma-ws).
 bool WgmmaMla();
 bool WgmmaWsMla();
+// Sparse layers take FlashInfer's Hopper MLA where it applies (mla_flashinfer.h): opt-in, by
+// ATTND_CUDA_MLA=flashinfer or a ScopedFlashInferMla, until a GPU run has checked and timed it.
+bool FlashInferMla();
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {
@@ -237,6 +241,17 @@ struct CudaDevice::Step final : DeviceStep {
   };
   std::vector<Wave> waves;
   int64_t candidates = 0;  // the most top-k candidates a wave keeps (entries)
+  // The FlashInfer MLA's plan (mla_flashinfer_plan.h), when the step takes it (fi): per query
+  // its key count and range start in `plan`, and per wave its work arrays there.
+  bool fi = false;
+  size_t fi_count = 0, fi_first = 0, fi_zeros = 0;
+  struct FiWave {
+    FlashInferMlaWave host;  // the shape (the arrays are also in `plan`, at the offsets below)
+    size_t q_indptr = 0, kv_indptr = 0, partial_indptr = 0, q_len = 0, kv_len = 0, q_start = 0,
+           kv_start = 0, kv_end = 0, work_indptr = 0, merge_row = 0, merge_chunks = 0;
+  };
+  std::vector<FiWave> fi_waves;
+  int64_t fi_partial_rows = 0;
   QueryTables Tables() const {
     QueryTables t;
     t.table.indptr = At<int32_t>(indptr);
@@ -266,6 +281,8 @@ struct CudaDevice::State {
   DeviceBuffer part_out, part_ml;                 // split-K partials of the tensor-core MLA
   DeviceBuffer cand_key, cand_index, cand_count;  // top-k candidates of long rows' slices
   DeviceBuffer q_nope, out_v;                     // absorbed calls: q_nope and the values, fp32
+  // The FlashInfer MLA: bf16 queries, key lists [n, sel_cap], chunk partials (bf16, log2 fp32).
+  DeviceBuffer fi_q_nope, fi_q_pe, fi_keys, fi_part_o, fi_part_lse;
   // Two calls' packed inputs and outputs: one call's upload and download overlap another's
   // kernels (kernels/cuda/layer_upload.h).
   std::array<UploadSlot, 2> slots;
@@ -289,6 +306,8 @@ struct CudaDevice::State {
   // Plans the step's indexer waves from its share into `plan` (mu held), with their top-k
   // slices (step->candidates).
   void PlanWaves(const StepShare& share, Step* step, PlanPacker* plan) const;
+  // The FlashInfer MLA's plan, where the step can take it (sets step->fi).
+  void PlanFlashInfer(const StepShare& share, Step* step, PlanPacker* plan) const;
   // The pages a page-mode selection keeps per query (its page top-k's k).
   int64_t KeptPages() const {
     return spec.selection == SelectionMode::kPageUnion ? spec.page_union_max_pages

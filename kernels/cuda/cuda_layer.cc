@@ -19,6 +19,7 @@
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/layer_upload.h"
+#include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_split.h"
 
 namespace attnd::cuda {
@@ -52,6 +53,7 @@ struct CudaDevice::Call final : LayerRun {
   absl::Status Keep(const std::vector<std::vector<int32_t>>& selection) override;
   absl::Status Attend() override;
   absl::Status Finish() override;
+  absl::Status AttendFlashInfer(const MlaParams& mp);
 
   QueryTables Tables() const { return st.Tables(); }
   const uint8_t* In(const UploadSection& section) const {
@@ -375,6 +377,58 @@ absl::Status CudaDevice::Call::WriteKeys() {
   return absl::OkStatus();
 }
 
+// The sparse MLA on FlashInfer's kernel (the step planned it: st.fi): bf16 queries, each
+// query's key list as slot ids, then the plan's waves. Writes mp.out and mp.lse as LaunchMla.
+absl::Status CudaDevice::Call::AttendFlashInfer(const MlaParams& mp) {
+  const int64_t H = mp.heads, L = mp.latent, R = mp.rope;
+  CUDA_RETURN(LaunchFromF32(mp.q_latent, DType::kBF16, s.fi_q_nope.ptr, st.n * H * L, s.stream));
+  CUDA_RETURN(LaunchFromF32(mp.q_rope, DType::kBF16, s.fi_q_pe.ptr, st.n * H * R, s.stream));
+  MlaKeyListParams kl;
+  kl.sel = mp.sel;
+  kl.sel_stride = mp.sel_stride;
+  kl.needs_index = mp.needs_index;
+  kl.tables = mp.tables;
+  kl.first = st.At<int64_t>(st.fi_first);
+  kl.count = st.At<int32_t>(st.fi_count);
+  kl.n = mp.n;
+  kl.out = s.fi_keys.as<int32_t>();
+  kl.out_stride = st.sel_cap;
+  CUDA_RETURN(LaunchMlaKeyList(kl, s.stream));
+  for (const Step::FiWave& w : st.fi_waves) {
+    FlashInferMlaParams fp;
+    fp.q_nope = s.fi_q_nope.ptr;
+    fp.q_pe = s.fi_q_pe.ptr;
+    fp.kv = mp.kv;
+    fp.heads = mp.heads;
+    fp.sm_scale = mp.sm_scale;
+    fp.key_list = s.fi_keys.as<int32_t>();
+    FlashInferMlaWaveArgs& a = fp.wave;
+    a.q_indptr = st.At<int32_t>(w.q_indptr);
+    a.kv_indptr = st.At<int32_t>(w.kv_indptr);
+    a.partial_indptr = st.At<int32_t>(w.partial_indptr);
+    a.q_len = st.At<int32_t>(w.q_len);
+    a.kv_len = st.At<int32_t>(w.kv_len);
+    a.q_start = st.At<int32_t>(w.q_start);
+    a.kv_start = st.At<int32_t>(w.kv_start);
+    a.kv_end = st.At<int32_t>(w.kv_end);
+    a.work_indptr = st.At<int32_t>(w.work_indptr);
+    a.merge_row = st.At<int32_t>(w.merge_row);
+    a.merge_chunks = st.At<int32_t>(w.merge_chunks);
+    a.zeros = st.At<int32_t>(st.fi_zeros);
+    a.first_query = w.host.first_query;
+    a.queries = w.host.queries;
+    a.blocks_x = w.host.blocks_x;
+    a.blocks_y = w.host.blocks_y;
+    a.rows_per_chunk = w.host.rows_per_chunk;
+    fp.partial_o = s.fi_part_o.ptr;
+    fp.partial_lse = s.fi_part_lse.as<float>();
+    fp.out = mp.out;
+    fp.lse = mp.lse;
+    CUDA_RETURN(LaunchFlashInferMla(fp, s.stream));
+  }
+  return absl::OkStatus();
+}
+
 // MLA over the kept selection (sparse layers) or the key ranges (absorbed calls first form
 // q_latent = q_nope · W_UK per head), then the output rows in the request's dtype (absorbed: the
 // values, out_latent · W_UV^T) and the log-sum-exps into the slot, and both back in one copy.
@@ -425,7 +479,9 @@ absl::Status CudaDevice::Call::Attend() {
       TensorCoreMla() && bf16_precision(plan.query.dtype) && bf16_precision(plan.q_rope.dtype);
   mp.wgmma = WgmmaMla();
   mp.wgmma_ws = WgmmaWsMla();
-  if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
+  if (st.fi && kind != LayerKind::kDense && mp.tensor_cores) {
+    RETURN_IF_ERROR(AttendFlashInfer(mp));
+  } else if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
     mp.max_keys = st.max_keys;
     const int splits = MlaQuerySplits(st.max_keys);
     mp.part_queries = MlaPartialQueries(mp.n, splits, H, L);
@@ -434,8 +490,10 @@ absl::Status CudaDevice::Call::Attend() {
     RETURN_IF_ERROR(s.part_ml.Reserve(rows * 2 * 4));
     mp.part_out = s.part_out.as<float>();
     mp.part_ml = s.part_ml.as<float>();
+    CUDA_RETURN(LaunchMla(mp, s.stream));
+  } else {
+    CUDA_RETURN(LaunchMla(mp, s.stream));
   }
-  CUDA_RETURN(LaunchMla(mp, s.stream));
   // The output rows in the request's dtype, into the slot.
   const float* result = s.out_f32.as<float>();
   if (absorb != nullptr) {
