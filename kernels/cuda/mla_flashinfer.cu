@@ -9,13 +9,13 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/mla_flashinfer.h"
+#include "kernels/cuda/mla_flashinfer_pack.cuh"
 #include "kernels/cuda/mla_flashinfer_plan.h"
 
 namespace attnd::cuda {
 namespace {
 
 using Bf16 = __nv_bfloat16;
-using FiParams = flashinfer::MLAParams<Bf16, Bf16, Bf16, int32_t>;
 
 __global__ void MlaKeyListKernel(MlaKeyListParams p) {
   const int q = blockIdx.x;
@@ -79,15 +79,15 @@ cudaError_t LaunchMlaKeyList(const MlaKeyListParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-cudaError_t LaunchFlashInferMla(const FlashInferMlaParams& p, cudaStream_t s) {
+cudaError_t PackFlashInferMla(const FlashInferMlaParams& p, FlashInferMlaKernelParams* out) {
   const FlashInferMlaWaveArgs& w = p.wave;
-  if (w.queries <= 0) return cudaSuccess;
   const FlashInferMlaLayout l =
       FlashInferMlaLayoutFor(p.kv.dtype, p.kv.row_bytes, reinterpret_cast<uintptr_t>(p.kv.base),
                              kFlashInferMlaLatent, kFlashInferMlaRope, p.heads);
   if (!l.refused.empty() || p.kv.scales_apart != 0) return cudaErrorInvalidValue;
   auto ids = [](const int32_t* v) { return const_cast<int32_t*>(v); };
-  FiParams f{};
+  FlashInferMlaKernelParams& f = *out;
+  f = FlashInferMlaKernelParams{};
   f.q_nope = static_cast<Bf16*>(const_cast<void*>(p.q_nope));
   f.q_pe = static_cast<Bf16*>(const_cast<void*>(p.q_pe));
   f.ckv = reinterpret_cast<Bf16*>(const_cast<uint8_t*>(p.kv.base));
@@ -125,6 +125,14 @@ cudaError_t LaunchFlashInferMla(const FlashInferMlaParams& p, cudaStream_t s) {
   f.o_stride_h = kFlashInferMlaLatent;
   f.sm_scale = p.sm_scale;
   f.return_lse_base_on_e = false;  // the partials stay log2; the merge converts
+  return cudaSuccess;
+}
+
+cudaError_t LaunchFlashInferMla(const FlashInferMlaParams& p, cudaStream_t s) {
+  const FlashInferMlaWaveArgs& w = p.wave;
+  if (w.queries <= 0) return cudaSuccess;
+  FlashInferMlaKernelParams f;
+  if (const cudaError_t e = PackFlashInferMla(p, &f); e != cudaSuccess) return e;
   cudaError_t e =
       flashinfer::mla::BatchMLAPageAttentionHopper<flashinfer::MaskMode::kNone,
                                                    kFlashInferMlaLatent, kFlashInferMlaRope>(
