@@ -22,6 +22,7 @@
 #include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_flashinfer_plan.h"
+#include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
 
@@ -152,6 +153,35 @@ std::string RelL2Text(const std::vector<float>& got, const std::vector<float>& w
 // FlashInfer's Hopper MLA on the same selection as the LaunchMla rows (compute capability 9.0
 // and a build with it; elsewhere no row): the server's whole path for a layer, the queries'
 // conversion to bf16 included, with attnd's plan (chunks by each query's own keys) and merge.
+// The gather + cuBLAS GEMMs floor (mla_gemm.h) on the same selection, where cuBLAS loads:
+// the server's whole path for a layer (query packing, gather, two GEMMs, softmax).
+template <typename Tflops>
+void GemmDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& shape, double bytes,
+                   double copy_bw, const std::vector<float>& simt_out, Tflops tflops) {
+  std::string why;
+  const attnd::cuda::CublasApi* blas = attnd::cuda::LoadCublas(&why);
+  if (blas == nullptr) {
+    std::fprintf(stderr, "cuda_bench: no GEMM MLA row: %s\n", why.c_str());
+    return;
+  }
+  static attnd::cuda::CublasHandle handle;
+  cublasHandle_t h = handle.Get(0, &why);
+  CHECK(h != nullptr ? cudaSuccess : cudaErrorUnknown);
+  attnd::cuda::MlaGemmParams g;
+  g.mla = mp;
+  g.mla.tensor_cores = true;
+  g.max_keys = K;
+  const int wave = attnd::cuda::MlaGemmWaveQueries(mp.n, mp.heads, mp.latent, mp.rope, K);
+  g.scratch = Alloc<uint8_t>(size_t(wave) *
+                             attnd::cuda::MlaGemmQueryBytes(mp.heads, mp.latent, mp.rope, K));
+  const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMlaGemm(g, *blas, h, 0, &why)); });
+  CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got = Download(mp.out, size_t(mp.n) * mp.heads * mp.latent);
+  Report("sparse MLA decode (gemm)", shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9,
+         tflops(ms) + "; " + RelL2Text(got, simt_out, "SIMT"));
+  CHECK(cudaFree(g.scratch));
+}
+
 template <typename Tflops>
 void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& shape,
                          double bytes, double copy_bw, const std::vector<float>& simt_out,
@@ -519,6 +549,7 @@ int main(int argc, char** argv) {
     mp.pipeline = true;
     mp.wgmma = mp.wgmma_ws = false;
     FlashInferDecodeRow(mp, K, shape, bytes, copy_bw, simt_out, tflops);
+    GemmDecodeRow(mp, K, shape, bytes, copy_bw, simt_out, tflops);
     {  // the tensor-core kernel with 16 heads per block: each key read 8 times, not 2
       attnd::cuda::MlaParams h16 = mp;
       h16.tensor_cores = true;

@@ -8,7 +8,7 @@ with the stage table, the sanitizer's verdict and the reruns. A test XML file th
 unreadable is named ("no XML": the binary timed out or crashed before writing it).
 
 After the table, the sparse MLA's kernel forms at batch 64 (pipe, mma, wgmma, wgmma-ws,
-flashinfer) are ranked per context: the fastest whose output is within 1e-2 relative L2 of the SIMT kernel's,
+flashinfer, gemm) are ranked per context: the fastest whose output is within 1e-2 relative L2 of the SIMT kernel's,
 against the form attnd takes by default (pipe), and what to change to make it the default.
 `gpu_report.py --fastest-mla BENCH.jsonl` prints only the fastest checked form's kernel name
 (gpu-check profiles it), or nothing.
@@ -65,7 +65,12 @@ MLA_FORMS = {
                  "make WgmmaMla() and WgmmaWsMla() default to true on compute capability 9.0"),
     # FlashInfer's Hopper MLA (kernels/cuda/mla_flashinfer.h), with attnd's plan and merge.
     "flashinfer": ("BatchMLAPageAttentionHopperKernel",
-                   "make FlashInferMla() default to true (kernels/cuda/cuda_device.cc)"),
+                   "make LibraryMlaChoice() default to kFlashInfer (kernels/cuda/cuda_device.cc)"),
+    # The gather + cuBLAS GEMMs floor (kernels/cuda/mla_gemm.h); cuBLAS's kernels have no fixed
+    # name, so the profile stage takes attnd's softmax between the two GEMMs.
+    "gemm": ("SoftmaxKernel",
+             "make LibraryMlaChoice() default to kGemm (kernels/cuda/cuda_device.cc); not "
+             "batch-invariant"),
 }
 MLA_DEFAULT = "pipe"
 MLA_TOLERANCE = 1e-2  # relative L2 against the SIMT kernel, as the GPU tests' bf16 tolerance
@@ -76,7 +81,7 @@ def mla_forms(rows):
     whether its output is within MLA_TOLERANCE of the SIMT kernel's (NaN or no check: not)."""
     forms = {}
     for r in rows:
-        m = re.fullmatch(r"sparse MLA decode \(([a-z-]+), split-K x\d+\)", r.get("op", ""))
+        m = re.fullmatch(r"sparse MLA decode \(([a-z-]+)(?:, split-K x\d+)?\)", r.get("op", ""))
         ctx = re.search(r"ctx=(\d+K)", r.get("shape", ""))
         if not m or m.group(1) not in MLA_FORMS or not ctx or not r["shape"].startswith("B=64 "):
             continue

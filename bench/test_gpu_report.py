@@ -139,3 +139,11 @@ def test_flashinfers_mla_is_a_form_the_choice_can_name(tmp_path):
     # Off by more than the tolerance: never the choice.
     rows[3] = mla_row("flashinfer", "64K", 0.12, "1.0 TFLOP/s; rel L2 4.0e-02 vs SIMT")
     assert fastest(tmp_path, rows) == "MlaPipeKernel"
+
+
+def test_the_gemm_floor_is_a_form_its_label_has_no_split(tmp_path):
+    ok = "1.0 TFLOP/s; rel L2 3.0e-03 vs SIMT"
+    gemm = dict(mla_row("gemm", "8K", 0.5, ok), op="sparse MLA decode (gemm)")
+    rows = [mla_row("pipe", "8K", 1.0, ok), gemm]
+    assert fastest(tmp_path, rows) == "SoftmaxKernel"
+    assert "ctx=8K: gemm 0.500 ms, pipe 1.000 ms" in report(tmp_path, rows)

@@ -15,11 +15,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/absorption.h"
+#include "kernels/cuda/cublas_loader.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_device_state.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/mla_flashinfer.h"
+#include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/topk_block.h"
 #include "kernels/selection.h"
 #include "tests/engine_harness.h"
@@ -330,10 +332,57 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
   }
 }
 
-// FlashInfer's Hopper MLA (sm_90a: compute capability 9.0 only; mla_flashinfer.h) at
-// DeepSeek-V3.2 dims, 128 heads, bf16 cache: a top-2048 selection over 2,600 keys (4 chunks,
-// merged by attnd) for a 3-token sparse prefill and a 300-key range decode of a second sequence
-// in the same step, against float64 and the SIMT kernel, outputs and log-sum-exps; the form ran.
+// A library form of the sparse MLA (FlashInfer's Hopper MLA: compute capability 9.0 and a bf16
+// cache; the gather + cuBLAS GEMMs: any GPU with cuBLAS, bf16 and fp8 caches) at DeepSeek-V3.2
+// dims, 128 heads: a top-2048 selection over 2,600 keys for a 3-token sparse prefill and a
+// 300-key range decode of a second sequence in the same step, against float64 and the SIMT
+// kernel (the same indexer: the same selections), outputs and log-sum-exps; the form ran.
+void ExpectLibraryMlaMatches(cuda::LibraryMla form, DType cache) {
+  const ModelSpec spec = DeepSeekDims(128);
+  Harness simt(Options(spec, cache, {"cuda:0"}));
+  Harness lib(Options(spec, cache, {"cuda:0"}));
+  for (Harness* h : {&simt, &lib}) {
+    h->Open("a");
+    h->Open("b");
+  }
+  const std::vector<StepEntry> import = {{"a", 2600}, {"b", 300}};
+  const auto keys = simt.MakeKeys(import, DType::kBF16, 61);
+  for (Harness* h : {&simt, &lib})
+    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
+  const std::vector<StepEntry> step = {{"a", 3}, {"b", 1}};
+  const auto in = simt.MakeInputs(step, DType::kBF16, 62);
+  auto s = [&] {
+    cuda::ScopedKernelChoice simt_mla(false, true);
+    cuda::ScopedLibraryMla off(cuda::LibraryMla::kOff);
+    return simt.Run(step, in);
+  }();
+  const int64_t before = cuda::FlashInferMlaLaunches(), gemm_before = cuda::MlaGemmLaunches();
+  auto f = [&] {
+    cuda::ScopedKernelChoice tensor_cores(true, true);
+    cuda::ScopedLibraryMla on(form);
+    return lib.Run(step, in);
+  }();
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  ASSERT_TRUE(f.status.ok()) << f.status;
+  if (form == cuda::LibraryMla::kFlashInfer) {
+    EXPECT_GE(cuda::FlashInferMlaLaunches() - before, 2) << "the FlashInfer MLA did not run";
+  } else {
+    EXPECT_GE(cuda::MlaGemmLaunches() - gemm_before, 2) << "the GEMM MLA did not run";
+  }
+  const std::string name = form == cuda::LibraryMla::kFlashInfer ? "FlashInfer" : "GEMM";
+  std::vector<LayerCheck> checks;
+  const auto ref = simt.Reference(step, in, s.traces, &checks);
+  for (size_t l = 0; l < ref.size(); ++l) {
+    const std::string at = std::string(DTypeName(cache)) + " cache, layer " + std::to_string(l);
+    EXPECT_EQ(f.traces[l].keys, s.traces[l].keys) << at << ": other keys attended";
+    ExpectClose(f.out[l], ref[l], 1e-2, name + " MLA vs reference, " + at);
+    ExpectClose(f.out[l], s.out[l], 1e-2, name + " vs SIMT MLA, " + at);
+    ASSERT_EQ(f.lse[l].size(), s.lse[l].size());
+    for (size_t i = 0; i < f.lse[l].size(); ++i)
+      ASSERT_NEAR(f.lse[l][i], s.lse[l][i], 1e-2 * (1 + std::abs(s.lse[l][i]))) << at << " " << i;
+  }
+}
+
 TEST(CudaScale, TheFlashInferMlaMatchesTheReferenceAndTheSimtKernel) {
   ATTND_SKIP_WITHOUT_GPU();
   if (!cuda::FlashInferMlaBuilt()) GTEST_SKIP() << "this build has no FlashInfer MLA";
@@ -342,44 +391,15 @@ TEST(CudaScale, TheFlashInferMlaMatchesTheReferenceAndTheSimtKernel) {
   if (major != 9 || minor != 0)
     GTEST_SKIP() << "FlashInfer's Hopper MLA needs compute capability 9.0 (this GPU: " << major
                  << "." << minor << ")";
-  const ModelSpec spec = DeepSeekDims(128);
-  Harness simt(Options(spec, DType::kBF16, {"cuda:0"}));
-  Harness fi(Options(spec, DType::kBF16, {"cuda:0"}));
-  for (Harness* h : {&simt, &fi}) {
-    h->Open("a");
-    h->Open("b");
-  }
-  const std::vector<StepEntry> import = {{"a", 2600}, {"b", 300}};
-  const auto keys = simt.MakeKeys(import, DType::kBF16, 61);
-  for (Harness* h : {&simt, &fi})
-    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
-  const std::vector<StepEntry> step = {{"a", 3}, {"b", 1}};
-  const auto in = simt.MakeInputs(step, DType::kBF16, 62);
-  auto s = [&] {
-    cuda::ScopedKernelChoice simt_mla(false, true);  // the same indexer: the same selections
-    cuda::ScopedFlashInferMla off(false);
-    return simt.Run(step, in);
-  }();
-  const int64_t before = cuda::FlashInferMlaLaunches();
-  auto f = [&] {
-    cuda::ScopedKernelChoice tensor_cores(true, true);
-    cuda::ScopedFlashInferMla on(true);
-    return fi.Run(step, in);
-  }();
-  ASSERT_TRUE(s.status.ok()) << s.status;
-  ASSERT_TRUE(f.status.ok()) << f.status;
-  EXPECT_GE(cuda::FlashInferMlaLaunches() - before, 2) << "the FlashInfer MLA did not run";
-  std::vector<LayerCheck> checks;
-  const auto ref = simt.Reference(step, in, s.traces, &checks);
-  for (size_t l = 0; l < ref.size(); ++l) {
-    const std::string at = "layer " + std::to_string(l);
-    EXPECT_EQ(f.traces[l].keys, s.traces[l].keys) << at << ": other keys attended";
-    ExpectClose(f.out[l], ref[l], 1e-2, "FlashInfer MLA vs reference, " + at);
-    ExpectClose(f.out[l], s.out[l], 1e-2, "FlashInfer vs SIMT MLA, " + at);
-    ASSERT_EQ(f.lse[l].size(), s.lse[l].size());
-    for (size_t i = 0; i < f.lse[l].size(); ++i)
-      ASSERT_NEAR(f.lse[l][i], s.lse[l][i], 1e-2 * (1 + std::abs(s.lse[l][i]))) << at << " " << i;
-  }
+  ExpectLibraryMlaMatches(cuda::LibraryMla::kFlashInfer, DType::kBF16);
+}
+
+TEST(CudaScale, TheGemmMlaMatchesTheReferenceAndTheSimtKernel) {
+  ATTND_SKIP_WITHOUT_GPU();
+  std::string why;
+  if (cuda::LoadCublas(&why) == nullptr) GTEST_SKIP() << why;
+  for (DType cache : {DType::kBF16, DType::kFP8E4M3})
+    ExpectLibraryMlaMatches(cuda::LibraryMla::kGemm, cache);
 }
 
 // Absorbed calls (q_nope in, values out) on tensor cores at DeepSeek-V3.2 dims: the GPU's
@@ -470,7 +490,8 @@ TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
     const bool tensor_cores = form != 1;
     const int64_t launches = cuda::FlashInferMlaLaunches();
     cuda::ScopedKernelChoice kernels(tensor_cores, tensor_cores);
-    cuda::ScopedFlashInferMla library(form == 2);
+    cuda::ScopedLibraryMla library(form == 2 ? cuda::LibraryMla::kFlashInfer
+                                             : cuda::LibraryMla::kOff);
     Harness alone(Options(spec, DType::kBF16, {"cuda:0"}, 2560));
     Harness batch(Options(spec, DType::kBF16, {"cuda:0"}, 2560));
     std::vector<StepEntry> import = {{"a", 3000}}, decode = {{"a", 1}};

@@ -17,6 +17,7 @@
 #include "kernels/cuda/gpu_facts.h"
 #include "kernels/cuda/layer_upload.h"
 #include "kernels/cuda/mla_flashinfer.h"
+#include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
 
@@ -68,19 +69,24 @@ bool WgmmaWsMla() {
   const int set = g_wgmma_mla.load();
   return (set < 0 ? WgmmaFromEnv() : set) == 2;
 }
-// ATTND_CUDA_MLA=flashinfer: sparse layers on FlashInfer's Hopper MLA where it applies.
-std::atomic<int> g_flashinfer_mla{-1};  // -1: from the environment
-bool FlashInferMla() {
-  static const bool from_env = [] {
+// ATTND_CUDA_MLA=flashinfer / gemm: sparse layers on a library form where it applies.
+std::atomic<int> g_library_mla{-1};  // -1: from the environment, else a LibraryMla
+LibraryMla LibraryMlaChoice() {
+  static const LibraryMla from_env = [] {
     const char* v = std::getenv("ATTND_CUDA_MLA");
-    return v != nullptr && std::string(v) == "flashinfer";
+    const std::string s = v == nullptr ? "" : v;
+    return s == "flashinfer" ? LibraryMla::kFlashInfer
+           : s == "gemm"     ? LibraryMla::kGemm
+                             : LibraryMla::kOff;
   }();
-  const int set = g_flashinfer_mla.load();
-  return set < 0 ? from_env : set == 1;
+  const int set = g_library_mla.load();
+  return set < 0 ? from_env : static_cast<LibraryMla>(set);
 }
-ScopedFlashInferMla::ScopedFlashInferMla(bool on)
-    : before_(g_flashinfer_mla.exchange(on ? 1 : 0)) {}
-ScopedFlashInferMla::~ScopedFlashInferMla() { g_flashinfer_mla = before_; }
+bool FlashInferMla() { return LibraryMlaChoice() == LibraryMla::kFlashInfer; }
+bool GemmMla() { return LibraryMlaChoice() == LibraryMla::kGemm; }
+ScopedLibraryMla::ScopedLibraryMla(LibraryMla form)
+    : before_(g_library_mla.exchange(static_cast<int>(form))) {}
+ScopedLibraryMla::~ScopedLibraryMla() { g_library_mla = before_; }
 
 bool TensorCoreIndexer() {
   static const bool from_env = FromEnv("ATTND_CUDA_INDEXER");
@@ -266,7 +272,11 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
       {&fi_q_pe, step.fi ? n * H * R * 2 : 4},
       {&fi_keys, step.fi ? n * static_cast<size_t>(step.sel_cap) * 4 : 4},
       {&fi_part_o, step.fi ? static_cast<size_t>(step.fi_partial_rows) * L * 2 : 4},
-      {&fi_part_lse, step.fi ? static_cast<size_t>(step.fi_partial_rows) * 4 : 4}};
+      {&fi_part_lse, step.fi ? static_cast<size_t>(step.fi_partial_rows) * 4 : 4},
+      {&gemm_scratch,
+       step.gemm_keys > 0 ? MlaGemmWaveQueries(static_cast<int>(n), H, L, R, step.gemm_keys) *
+                                MlaGemmQueryBytes(H, L, R, step.gemm_keys)
+                          : 4}};
   return ReserveScratchBuffers(share, want);
 }
 
@@ -333,6 +343,11 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   st->needs_index = plan.Add(share.needs_index);
   s.PlanWaves(share, st.get(), &plan);
   s.PlanFlashInfer(share, st.get(), &plan);
+  if (GemmMla() && !share.write_only) {  // the GEMM MLA's key blocks: the longest list
+    st->gemm_keys = st->sel_cap;
+    for (int64_t i = 0; i < share.size(); ++i)
+      if (!share.needs_index[i]) st->gemm_keys = std::max(st->gemm_keys, share.pos[i] + 1);
+  }
   RETURN_IF_ERROR(s.ReserveScratch(share, *st));
   const std::vector<uint8_t>& bytes = plan.bytes();
   RETURN_IF_ERROR(st->plan.Reserve(bytes.size()));

@@ -46,15 +46,18 @@ class ScopedKernelChoice {
   int mla_before_, indexer_before_, wgmma_before_;  // -1: the environment's choice
 };
 
-// While it lives, sparse layers take FlashInfer's Hopper MLA where it applies (on) or never
-// (off), over ATTND_CUDA_MLA=flashinfer; then the choice before it is back. The choice is read
-// when a step begins.
-class ScopedFlashInferMla {
+// The library forms of the sparse MLA (opt-in until a GPU run has checked and timed them):
+// FlashInfer's Hopper MLA (mla_flashinfer.h; ATTND_CUDA_MLA=flashinfer) or the gather + cuBLAS
+// GEMMs floor (mla_gemm.h; ATTND_CUDA_MLA=gemm). kOff keeps the hand-written kernels.
+enum class LibraryMla { kOff = 0, kFlashInfer = 1, kGemm = 2 };
+// While it lives, sparse layers take `form` where it applies, over ATTND_CUDA_MLA; then the
+// choice before it is back. The choice is read when a step begins.
+class ScopedLibraryMla {
  public:
-  explicit ScopedFlashInferMla(bool on);
-  ~ScopedFlashInferMla();
-  ScopedFlashInferMla(const ScopedFlashInferMla&) = delete;
-  ScopedFlashInferMla& operator=(const ScopedFlashInferMla&) = delete;
+  explicit ScopedLibraryMla(LibraryMla form);
+  ~ScopedLibraryMla();
+  ScopedLibraryMla(const ScopedLibraryMla&) = delete;
+  ScopedLibraryMla& operator=(const ScopedLibraryMla&) = delete;
 
  private:
   int before_;

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/cublas_loader.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/mla_flashinfer_plan.h"
@@ -48,9 +49,11 @@ bool TensorCoreIndexer();
 // (ATTND_CUDA_MLA=wgmma-ws).
 bool WgmmaMla();
 bool WgmmaWsMla();
-// Sparse layers take FlashInfer's Hopper MLA where it applies (mla_flashinfer.h): opt-in, by
-// ATTND_CUDA_MLA=flashinfer or a ScopedFlashInferMla, until a GPU run has checked and timed it.
+// The library MLA form sparse layers take where it applies (ScopedLibraryMla, ATTND_CUDA_MLA):
+// FlashInfer's Hopper MLA (mla_flashinfer.h) or the gather + cuBLAS GEMMs (mla_gemm.h).
+LibraryMla LibraryMlaChoice();
 bool FlashInferMla();
+bool GemmMla();
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {
@@ -252,6 +255,8 @@ struct CudaDevice::Step final : DeviceStep {
   };
   std::vector<FiWave> fi_waves;
   int64_t fi_partial_rows = 0;
+  // The GEMM MLA (GemmMla() when the step began): the longest key list; 0 = not taken.
+  int64_t gemm_keys = 0;
   QueryTables Tables() const {
     QueryTables t;
     t.table.indptr = At<int32_t>(indptr);
@@ -283,6 +288,10 @@ struct CudaDevice::State {
   DeviceBuffer q_nope, out_v;                     // absorbed calls: q_nope and the values, fp32
   // The FlashInfer MLA: bf16 queries, key lists [n, sel_cap], chunk partials (bf16, log2 fp32).
   DeviceBuffer fi_q_nope, fi_q_pe, fi_keys, fi_part_o, fi_part_lse;
+  // The GEMM MLA: its waves' key blocks, queries, scores and probabilities; cuBLAS's handle.
+  DeviceBuffer gemm_scratch;
+  CublasHandle blas;
+  bool blas_unavailable_said = false;
   // Two calls' packed inputs and outputs: one call's upload and download overlap another's
   // kernels (kernels/cuda/layer_upload.h).
   std::array<UploadSlot, 2> slots;

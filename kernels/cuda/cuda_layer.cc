@@ -20,6 +20,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/layer_upload.h"
 #include "kernels/cuda/mla_flashinfer.h"
+#include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 
 namespace attnd::cuda {
@@ -479,8 +480,25 @@ absl::Status CudaDevice::Call::Attend() {
       TensorCoreMla() && bf16_precision(plan.query.dtype) && bf16_precision(plan.q_rope.dtype);
   mp.wgmma = WgmmaMla();
   mp.wgmma_ws = WgmmaWsMla();
+  std::string blas_why;
+  cublasHandle_t blas = nullptr;
+  if (st.gemm_keys > 0 && kind != LayerKind::kDense && mp.tensor_cores && mp.soft_cap == 0) {
+    blas = s.blas.Get(s.stream, &blas_why);
+    if (blas == nullptr && !s.blas_unavailable_said) {  // then the hand-written kernels
+      std::fprintf(stderr, "attnd: the GEMM MLA needs cuBLAS: %s\n", blas_why.c_str());
+      s.blas_unavailable_said = true;
+    }
+  }
   if (st.fi && kind != LayerKind::kDense && mp.tensor_cores) {
     RETURN_IF_ERROR(AttendFlashInfer(mp));
+  } else if (blas != nullptr) {
+    MlaGemmParams g;
+    g.mla = mp;
+    g.max_keys = st.gemm_keys;
+    g.scratch = s.gemm_scratch.ptr;
+    const cudaError_t e = LaunchMlaGemm(g, *LoadCublas(nullptr), blas, s.stream, &blas_why);
+    if (e == cudaErrorUnknown) return absl::InternalError(blas_why);
+    CUDA_RETURN(e);
   } else if (MlaUsesTensorCores(mp)) {  // split-K by each query's own keys (reserved at BeginStep)
     mp.max_keys = st.max_keys;
     const int splits = MlaQuerySplits(st.max_keys);
