@@ -25,6 +25,7 @@
 #include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
+#include "kernels/cuda/topk_flashinfer.h"
 
 namespace {
 
@@ -409,6 +410,40 @@ int main(int argc, char** argv) {
            topk_check);
     Report("indexer (" + kind + ") + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s",
            copy_bw / 1e9, overlap_text);
+    if (attnd::cuda::FlashInferTopKApplies(K)) {  // FlashInfer's top-k on the same scores
+      attnd::cuda::FlashInferTopKParams fk;
+      fk.scores = scores;  // B rows of ctx: already the padded layout it reads
+      fk.len = Upload(std::vector<int32_t>(B, static_cast<int32_t>(ctx)));
+      fk.nq = B;
+      fk.max_len = ctx;
+      fk.k = K;
+      fk.tmp_index = Alloc<int32_t>(size_t{B} * K);
+      fk.tmp_value = Alloc<float>(size_t{B} * K);
+      fk.out = Alloc<int32_t>(size_t{B} * K);
+      fk.out_stride = K;
+      fk.out_count = Alloc<int32_t>(B);
+      std::vector<int32_t> identity(B);
+      std::iota(identity.begin(), identity.end(), 0);
+      fk.out_row = Upload(identity);
+      CHECK(attnd::cuda::LaunchIndexerScores(ip_mma, 0));  // the scores the host checked
+      const double ms_fi = TimeMs([&] { CHECK(attnd::cuda::LaunchFlashInferTopK(fk, 0)); });
+      CHECK(cudaDeviceSynchronize());
+      const std::vector<int32_t> fi_sel = Download(fk.out, size_t{B} * K);
+      int fi_equal = 0;
+      for (int i = 0; i < B; ++i) {
+        const int64_t n = ExactTopK(mma_scores.data() + size_t(i) * ctx, ctx, K, want.data());
+        fi_equal += n == K && std::equal(want.begin(), want.end(), fi_sel.begin() + size_t(i) * K);
+      }
+      const double ms_fi_both = TimeMs([&] {
+        CHECK(attnd::cuda::LaunchIndexerScores(ip_mma, 0));
+        CHECK(attnd::cuda::LaunchFlashInferTopK(fk, 0));
+      });
+      Report("top-k (flashinfer)", "B=64 ctx=64K K=2048", ms_fi, score_bytes / 1e9, "GB/s",
+             copy_bw / 1e9,
+             std::to_string(fi_equal) + "/" + std::to_string(B) + " rows = host exact top-k");
+      Report("indexer (" + kind + ") + top-k (flashinfer)", "B=64 ctx=64K K=2048", ms_fi_both,
+             bytes / 1e9, "GB/s", copy_bw / 1e9);
+    }
   }
   // ---- the indexer on an fp8 cache's keys (Di e4m3 codes per row, a page's scales after its
   // rows): the streaming tensor-core kernel against the SIMT one on the same keys ----

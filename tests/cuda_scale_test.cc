@@ -23,6 +23,7 @@
 #include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/topk_block.h"
+#include "kernels/cuda/topk_flashinfer.h"
 #include "kernels/selection.h"
 #include "tests/engine_harness.h"
 #include "tests/gpu_skip.h"
@@ -526,8 +527,57 @@ TEST(CudaScale, ASequenceDecodedAloneOrInABatchOf64HasTheSameBits) {
   }
 }
 
+void AllEqualScoresSelectTheLowestPositions();
+
 TEST(CudaScale, AllEqualScoresSelectTheLowestPositionsLikeTheCpu) {
   ATTND_SKIP_WITHOUT_GPU();
+  for (const bool flashinfer_topk : {false, true}) {
+    SCOPED_TRACE(flashinfer_topk ? "FlashInfer's top-k" : "attnd's top-k");
+    if (flashinfer_topk && !cuda::FlashInferTopKApplies(2048)) continue;
+    cuda::ScopedFlashInferTopK topk(flashinfer_topk);
+    const int64_t launches = cuda::FlashInferTopKLaunches();
+    AllEqualScoresSelectTheLowestPositions();
+    EXPECT_EQ(cuda::FlashInferTopKLaunches() > launches, flashinfer_topk);
+  }
+}
+
+// FlashInfer's top-k selects exactly what attnd's does at DeepSeek-V3.2 dims (scores from the
+// same indexer): a 3,000-key prefill of 5 tokens and a 70,000-key decode (attnd's in slices).
+TEST(CudaScale, FlashInfersTopKSelectsWhatAttndsSelects) {
+  ATTND_SKIP_WITHOUT_GPU();
+  if (!cuda::FlashInferTopKApplies(2048)) GTEST_SKIP() << "FlashInfer's top-k does not apply here";
+  const ModelSpec spec = DeepSeekDims(16);
+  Harness ours(Options(spec, DType::kBF16, {"cuda:0"}, 1400));
+  Harness theirs(Options(spec, DType::kBF16, {"cuda:0"}, 1400));
+  for (Harness* h : {&ours, &theirs}) {
+    h->Open("a");
+    h->Open("b");
+  }
+  const std::vector<StepEntry> import = {{"a", 3000}, {"b", 70000}};
+  const auto keys = ours.MakeKeys(import, DType::kBF16, 71);
+  for (Harness* h : {&ours, &theirs})
+    ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
+  const std::vector<StepEntry> step = {{"a", 5}, {"b", 1}};
+  const auto in = ours.MakeInputs(step, DType::kBF16, 72);
+  auto a = [&] {
+    cuda::ScopedFlashInferTopK off(false);
+    return ours.Run(step, in);
+  }();
+  const int64_t launches = cuda::FlashInferTopKLaunches();
+  auto b = [&] {
+    cuda::ScopedFlashInferTopK on(true);
+    return theirs.Run(step, in);
+  }();
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  EXPECT_GT(cuda::FlashInferTopKLaunches(), launches) << "FlashInfer's top-k did not run";
+  for (size_t l = 0; l < a.traces.size(); ++l) {
+    EXPECT_EQ(b.traces[l].keys, a.traces[l].keys) << "layer " << l;
+    EXPECT_EQ(b.out[l], a.out[l]) << "layer " << l << ": the same keys, other bits";
+  }
+}
+
+void AllEqualScoresSelectTheLowestPositions() {
   const ModelSpec spec = DeepSeekDims(16);
   Harness gpu(Options(spec, DType::kBF16, {"cuda:0"}));
   Harness cpu(Options(spec, DType::kBF16, {"cpu:0"}));

@@ -20,6 +20,7 @@
 #include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
+#include "kernels/cuda/topk_flashinfer.h"
 
 namespace attnd::cuda {
 namespace {
@@ -83,6 +84,19 @@ LibraryMla LibraryMlaChoice() {
   return set < 0 ? from_env : static_cast<LibraryMla>(set);
 }
 bool FlashInferMla() { return LibraryMlaChoice() == LibraryMla::kFlashInfer; }
+// ATTND_CUDA_TOPK=flashinfer: the indexer's top-k on FlashInfer's (token mode, where it applies).
+std::atomic<int> g_flashinfer_topk{-1};  // -1: from the environment
+bool FlashInferTopK() {
+  static const bool from_env = [] {
+    const char* v = std::getenv("ATTND_CUDA_TOPK");
+    return v != nullptr && std::string(v) == "flashinfer";
+  }();
+  const int set = g_flashinfer_topk.load();
+  return set < 0 ? from_env : set == 1;
+}
+ScopedFlashInferTopK::ScopedFlashInferTopK(bool on)
+    : before_(g_flashinfer_topk.exchange(on ? 1 : 0)) {}
+ScopedFlashInferTopK::~ScopedFlashInferTopK() { g_flashinfer_topk = before_; }
 bool GemmMla() { return LibraryMlaChoice() == LibraryMla::kGemm; }
 ScopedLibraryMla::ScopedLibraryMla(LibraryMla form)
     : before_(g_library_mla.exchange(static_cast<int>(form))) {}
@@ -233,9 +247,8 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
   }
   const size_t H = spec.num_heads, L = spec.kv_lora_rank, R = spec.qk_rope_head_dim;
   const size_t Hi = spec.index_n_heads, Di = spec.index_head_dim;
-  int64_t need_keys = 0;  // one wave's score rows
-  for (int64_t i = 0; i < share.size(); ++i)
-    if (share.needs_index[i]) need_keys = std::min(need_keys + share.pos[i] + 1, kMaxScoreFloats);
+  int64_t need_keys = 0;  // one wave's score rows (padded rows, FlashInfer's top-k, included)
+  for (const Step::Wave& w : step.waves) need_keys = std::max(need_keys, w.total);
   const size_t k = static_cast<size_t>(std::max<int64_t>(1, spec.index_topk));
   const size_t keep =
       static_cast<size_t>(std::max({1, spec.page_budget, spec.page_union_max_pages}));
@@ -273,6 +286,10 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
       {&fi_keys, step.fi ? n * static_cast<size_t>(step.sel_cap) * 4 : 4},
       {&fi_part_o, step.fi ? static_cast<size_t>(step.fi_partial_rows) * L * 2 : 4},
       {&fi_part_lse, step.fi ? static_cast<size_t>(step.fi_partial_rows) * 4 : 4},
+      {&topk_values, std::any_of(step.waves.begin(), step.waves.end(),
+                                 [](const Step::Wave& w) { return w.padded; })
+                         ? n * k * 4
+                         : 4},
       {&gemm_scratch,
        step.gemm_keys > 0 ? MlaGemmWaveQueries(static_cast<int>(n), H, L, R, step.gemm_keys) *
                                 MlaGemmQueryBytes(H, L, R, step.gemm_keys)
@@ -428,6 +445,11 @@ void CudaDevice::State::PlanFlashInfer(const StepShare& share, Step* step, PlanP
 }
 
 void CudaDevice::State::PlanWaves(const StepShare& share, Step* step, PlanPacker* plan) const {
+  // FlashInfer's top-k (topk_flashinfer.h) reads rows at a fixed stride: the longest row of the
+  // wave, rounded up to 4 floats (its 16-byte loads). Token mode only, where it applies.
+  const bool padded = FlashInferTopK() && spec.selection == SelectionMode::kToken &&
+                      share.offset.empty() && FlashInferTopKApplies(spec.index_topk);
+  auto stride = [](int64_t len) { return (len + 3) / 4 * 4; };
   for (int64_t i = 0; i < share.size();) {
     std::vector<int32_t> rows;
     std::vector<int64_t> offset, len, page_offset, pages;
@@ -435,7 +457,9 @@ void CudaDevice::State::PlanWaves(const StepShare& share, Step* step, PlanPacker
     for (; i < share.size(); ++i) {
       if (!share.needs_index[i]) continue;
       const int64_t v = share.pos[i] + 1;
-      if (!rows.empty() && w.total + v > kMaxScoreFloats) break;
+      if (!rows.empty() && (padded ? int64_t(rows.size() + 1) * stride(std::max(w.max_len, v))
+                                   : w.total + v) > kMaxScoreFloats)
+        break;
       const int64_t np = (v + spec.page_size - 1) / spec.page_size;
       rows.push_back(static_cast<int32_t>(i));
       offset.push_back(w.total);
@@ -449,6 +473,13 @@ void CudaDevice::State::PlanWaves(const StepShare& share, Step* step, PlanPacker
     }
     if (rows.empty()) break;
     w.nq = static_cast<int>(rows.size());
+    if (padded) {  // row q at q x stride; lengths also as int32 (FlashInfer's)
+      w.padded = true;
+      w.stride = stride(w.max_len);
+      for (size_t q = 0; q < rows.size(); ++q) offset[q] = int64_t(q) * w.stride;
+      w.total = int64_t(rows.size()) * w.stride;
+      w.len32 = plan->Add(std::vector<int32_t>(len.begin(), len.end()));
+    }
     w.rows = plan->Add(rows);
     w.offset = plan->Add(offset);
     w.len = plan->Add(len);

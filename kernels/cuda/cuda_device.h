@@ -63,6 +63,19 @@ class ScopedLibraryMla {
   int before_;
 };
 
+// While it lives, the indexer's top-k takes FlashInfer's filtered radix top-k where it applies
+// (on; topk_flashinfer.h) or never (off), over ATTND_CUDA_TOPK=flashinfer; read at BeginStep.
+class ScopedFlashInferTopK {
+ public:
+  explicit ScopedFlashInferTopK(bool on);
+  ~ScopedFlashInferTopK();
+  ScopedFlashInferTopK(const ScopedFlashInferTopK&) = delete;
+  ScopedFlashInferTopK& operator=(const ScopedFlashInferTopK&) = delete;
+
+ private:
+  int before_;
+};
+
 class CudaDevice final : public Device {
  public:
   // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`, after

@@ -54,6 +54,9 @@ bool WgmmaWsMla();
 LibraryMla LibraryMlaChoice();
 bool FlashInferMla();
 bool GemmMla();
+// The indexer's top-k on FlashInfer's (topk_flashinfer.h): ATTND_CUDA_TOPK=flashinfer or a
+// ScopedFlashInferTopK; opt-in until a GPU run has checked and timed it.
+bool FlashInferTopK();
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {
@@ -239,6 +242,10 @@ struct CudaDevice::Step final : DeviceStep {
     // Top-k in slices (topk_block.h): [nq] where each query's slices keep their candidates, for
     // the top-k over its scores (k = index_topk) and over its page keys (k = the pages kept).
     size_t token_slices = 0, page_slices = 0;
+    // FlashInfer's top-k: rows at q x stride (offset says so too), lengths as int32 at len32.
+    bool padded = false;
+    int64_t stride = 0;
+    size_t len32 = 0;
     std::vector<int32_t> host_rows;  // rows, offset and len on the host (candidates)
     std::vector<int64_t> host_offset, host_len;
   };
@@ -290,6 +297,7 @@ struct CudaDevice::State {
   DeviceBuffer fi_q_nope, fi_q_pe, fi_keys, fi_part_o, fi_part_lse;
   // The GEMM MLA: its waves' key blocks, queries, scores and probabilities; cuBLAS's handle.
   DeviceBuffer gemm_scratch;
+  DeviceBuffer topk_values;  // FlashInfer's top-k: its values output [n, k] (unused after)
   CublasHandle blas;
   bool blas_unavailable_said = false;
   // Two calls' packed inputs and outputs: one call's upload and download overlap another's

@@ -22,6 +22,7 @@
 #include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
+#include "kernels/cuda/topk_flashinfer.h"
 
 namespace attnd::cuda {
 
@@ -268,6 +269,22 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   tk.cand_key = s.cand_key.as<uint32_t>();
   tk.cand_index = s.cand_index.as<int32_t>();
   tk.cand_count = s.cand_count.as<int32_t>();
+  if (wave.padded) {  // FlashInfer's top-k (token mode; the step planned padded rows)
+    FlashInferTopKParams fk;
+    fk.scores = s.scores.as<float>();
+    fk.len = st.At<int32_t>(wave.len32);
+    fk.nq = nq;
+    fk.max_len = wave.stride;
+    fk.k = static_cast<int>(s.spec.index_topk);
+    fk.tmp_index = s.tmp_sel.as<int32_t>();
+    fk.tmp_value = s.topk_values.as<float>();
+    fk.out = st.sel.as<int32_t>();
+    fk.out_stride = st.sel_cap;
+    fk.out_count = st.sel_count.as<int32_t>();
+    fk.out_row = st.At<int32_t>(wave.rows);
+    CUDA_RETURN(LaunchFlashInferTopK(fk, s.stream));
+    return absl::OkStatus();
+  }
   if (s.spec.selection == SelectionMode::kToken) {
     tk.k = s.spec.index_topk;
     tk.out = st.sel.as<int32_t>();
