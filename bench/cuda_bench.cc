@@ -20,8 +20,10 @@
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/gpu_facts.h"
+#ifndef ATTND_BENCH_NO_FLASHINFER  // gpu-check's nvcc-only rebuild: no FlashInfer headers there
 #include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_flashinfer_plan.h"
+#endif
 #include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
@@ -184,9 +186,12 @@ void GemmDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& s
 }
 
 template <typename Tflops>
+// (ATTND_BENCH_NO_FLASHINFER: gpu-check's nvcc-only rebuild, which has no FlashInfer headers,
+// leaves the FlashInfer rows out.)
 void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& shape,
                          double bytes, double copy_bw, const std::vector<float>& simt_out,
                          Tflops tflops) {
+#ifndef ATTND_BENCH_NO_FLASHINFER
   attnd::cuda::GpuFacts g;
   if (!attnd::cuda::FlashInferMlaBuilt() || attnd::cuda::CurrentGpuFacts(&g) != cudaSuccess ||
       g.cc_major != 9 || g.cc_minor != 0)
@@ -251,6 +256,7 @@ void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::str
              std::to_string(attnd::cuda::FlashInferMlaChunks(K)) + ")",
          shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9,
          tflops(ms) + "; " + RelL2Text(got, simt_out, "SIMT"));
+#endif
 }
 
 // A paged cache of `seqs` sequences of `ctx` tokens, rows of `dim` bf16, shuffled pages.
@@ -410,6 +416,7 @@ int main(int argc, char** argv) {
            topk_check);
     Report("indexer (" + kind + ") + top-k", "B=64 ctx=64K K=2048", ms_both, bytes / 1e9, "GB/s",
            copy_bw / 1e9, overlap_text);
+#ifndef ATTND_BENCH_NO_FLASHINFER
     if (attnd::cuda::FlashInferTopKApplies(K)) {  // FlashInfer's top-k on the same scores
       attnd::cuda::FlashInferTopKParams fk;
       fk.scores = scores;  // B rows of ctx: already the padded layout it reads
@@ -444,6 +451,7 @@ int main(int argc, char** argv) {
       Report("indexer (" + kind + ") + top-k (flashinfer)", "B=64 ctx=64K K=2048", ms_fi_both,
              bytes / 1e9, "GB/s", copy_bw / 1e9);
     }
+#endif
   }
   // ---- the indexer on an fp8 cache's keys (Di e4m3 codes per row, a page's scales after its
   // rows): the streaming tensor-core kernel against the SIMT one on the same keys ----

@@ -51,6 +51,12 @@ if [ ! -x "$BUNDLE/cuda_test" ]; then
 fi
 case $BUNDLE in /*) ;; *) BUNDLE=$PWD/$BUNDLE ;; esac
 export LD_LIBRARY_PATH="$BUNDLE/lib:${LD_LIBRARY_PATH:-}"
+# cuBLAS (the GEMM MLA loads it at run time) is not carried (600 MB): the GPU machine's own, from
+# its CUDA toolkit or PyTorch's wheels, after the bundle's libraries.
+for d in /usr/local/cuda/lib64 \
+    "$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib")' 2>/dev/null)"; do
+  [ -n "$d" ] && [ -d "$d" ] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
+done
 status=0
 if nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
     > "$OUT/nvidia-smi.txt" 2>&1 && [ -s "$OUT/nvidia-smi.txt" ]; then
@@ -223,9 +229,12 @@ BENCH="$BUNDLE/cuda_bench"
 if ! "$BUNDLE/cuda_test" --gtest_list_tests >/dev/null 2>&1 && command -v nvcc >/dev/null; then
   # The carried binaries do not load here (e.g. an older glibc): the benchmark needs only nvcc.
   echo "gpu-check: carried binaries do not load; building cuda_bench with nvcc"
+  # FlashInfer's headers are not carried: its rows are left out of this build.
   bounded 120 nvcc -O3 -std=c++17 -gencode arch=compute_80,code=sm_80 \
-    -gencode arch=compute_90a,code=sm_90a -DATTND_CUDA_SM90A -I. bench/cuda_bench.cc kernels/cuda/*.cu \
-    -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
+    -gencode arch=compute_90a,code=sm_90a -DATTND_CUDA_SM90A -DATTND_BENCH_NO_FLASHINFER -I. \
+    bench/cuda_bench.cc $(ls kernels/cuda/*.cu | grep -v flashinfer) kernels/cuda/cublas_loader.cc \
+    kernels/cuda/gpu_facts.cc \
+    -ldl -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
 fi
 : > "$OUT/cuda_bench.jsonl"
 if wanted bench "kernel benchmark" && fits "kernel benchmark" 90; then
