@@ -70,7 +70,7 @@ __device__ __forceinline__ void CpAsyncWaitAll() {
 // grid (tiles of 64 keys, queries), 8 warps. Shared: Q [Hi][Di+8] bf16 | K [64][Di+8] bf16 |
 // w [Hi] f32. Warp w scores keys [8w, 8w + 8) for every head: Hi/16 m-tiles x Di/16 k-steps of
 // m16n8k16 (fp32 accumulation), then relu, the head weights and the sum over heads in registers
-// and shuffles. kernels/cuda/indexer_mma_sim.h runs this code lane by lane on the CPU.
+// and shuffles. tests/sim/indexer_mma_sim.h runs this code lane by lane on the CPU.
 constexpr int kIdxMmaKeys = 64;
 
 __global__ void IndexerMmaKernel(IndexerParams p) {

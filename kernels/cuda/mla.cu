@@ -149,7 +149,7 @@ __global__ void MlaKernel(MlaParams p) {
 }
 
 // ---- MLA on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) ----
-// kernels/cuda/mla_mma_sim.h runs this kernel lane by lane on the CPU.
+// tests/sim/mla_mma_sim.h runs this kernel lane by lane on the CPU.
 // grid (queries, heads / 16), 8 warps. Per tile of 64 keys: S[16 heads][64 keys] = Q·K^T, each
 // warp 8 keys (D/16 k-steps); online softmax by 16 threads; O[16][L] += P·V, each warp L/8
 // columns. Shared: Q [16][D+8] bf16 | K [64][D+8] bf16 | P [16][64+8] bf16 | S [16][64] f32 |

@@ -1,6 +1,6 @@
 // Sparse (and range) MLA on tensor cores with the key rows pipelined: a block body over the
 // thread interface (GpuThread on the GPU in kernels/cuda/mla.cu; SimtThread in the CPU
-// simulation, tests/mla_pipe_sim_test.cc), the same code.
+// simulation, tests/sim/mla_pipe_sim_test.cc), the same code.
 //
 // A block takes one query's 64 heads (the query in shared memory as bf16) and one split of its
 // keys (mla_split.h: the split from the query's own key count, so its bits do not depend on the

@@ -3,7 +3,7 @@
 // as on the CPU. Its keys go in splits of kMlaSplitTiles tiles of 64 (512 keys), more tiles per
 // split past kMlaMaxSplits splits; a query of at most 512 keys is one block that writes its
 // output itself, whatever the grid. Shared by the kernel, the host code that sizes the grid and
-// the partials, and the lane-level simulation (mla_mma_sim.h).
+// the partials, and the lane-level simulation (tests/sim/mla_mma_sim.h).
 #pragma once
 
 #include <cstdint>

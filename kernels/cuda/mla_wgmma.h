@@ -1,6 +1,6 @@
 // Sparse (and range) MLA on sm_90a's warpgroup tensor cores (wgmma): a block body over the
 // thread interface (GpuThread on the GPU in kernels/cuda/mla.cu; SimtThread in the CPU
-// simulation, tests/mla_pipe_sim_test.cc), the same code.
+// simulation, tests/sim/mla_pipe_sim_test.cc), the same code.
 //
 // The pipelined kernel's block (mla_pipe.h: one query's 64 heads, one split of its keys, tiles
 // of 32 key rows gathered by cp.async through a ring of stages, fp8 rows decoded in the block)

@@ -1,6 +1,6 @@
 // The wgmma MLA (mla_wgmma.h) with its gather in a producer warpgroup of its own: warp
 // specialisation. A block body over the thread interface (GpuThread on the GPU in
-// kernels/cuda/mla.cu; SimtThread in the CPU simulation, tests/mla_pipe_sim_test.cc).
+// kernels/cuda/mla.cu; SimtThread in the CPU simulation, tests/sim/mla_pipe_sim_test.cc).
 //
 // Three warpgroups: the two consumer warpgroups (warps 0-7) do what the wgmma kernel's do per
 // tile (S, the online softmax, P V: WgmmaTile), and the third only gathers: it issues every

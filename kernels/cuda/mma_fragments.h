@@ -1,7 +1,7 @@
 // Where each lane's registers sit in the tiles of mma.sync.aligned.m16n8k16 with bf16 inputs and
 // fp32 accumulators (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type").
 // Lane = 4 * group + thread_in_group. The kernels address shared memory through these, and the
-// CPU lane-level simulations (kernels/cuda/indexer_mma_sim.h) run the same code, so the two
+// CPU lane-level simulations (tests/sim/indexer_mma_sim.h) run the same code, so the two
 // cannot drift apart.
 #pragma once
 

@@ -1,5 +1,5 @@
 // The thread interface of kernel bodies written once for the GPU and for the CPU simulation
-// (kernels/cuda/simt_sim.h's SimtThread is the CPU's): GpuThread is the GPU's, a thin layer over
+// (tests/sim/simt_sim.h's SimtThread is the CPU's): GpuThread is the GPU's, a thin layer over
 // threadIdx, __syncthreads and named barriers, shared memory, cp.async, shuffles, mma.sync and
 // (sm_90a) wgmma and mbarriers. A body is a template over the thread type, called by every
 // thread of the block (kernels/cuda/indexer_stream.h).
@@ -59,7 +59,7 @@ struct GpuThread {
     Mma16816(c, a[0], a[1], a[2], a[3], b[0], b[1]);
   }
   // ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: this lane names row lane % 8 of matrix
-  // lane / 8 (simt_sim.h has the layout).
+  // lane / 8 (tests/sim/simt_sim.h has the layout).
   __device__ void LdMatrixX4(uint32_t r[4], uint32_t row_off, bool trans) {
     const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem + row_off));
     if (trans) {
@@ -101,7 +101,7 @@ struct GpuThread {
   __device__ void RegsUp() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
   }
-  // mbarrier (simt_sim.h has the semantics the kernels rely on): init by one thread before a
+  // mbarrier (tests/sim/simt_sim.h has the semantics the kernels rely on): init by one thread before a
   // Sync, arrive (release.cta), wait for the phase of `parity` (acquire.cta; try_wait suspends
   // the thread for a while in hardware before it reports, so the loop does not spin hot).
   __device__ void MbarInit(uint32_t off, int count) {

@@ -2,7 +2,7 @@
 // results, as the PTX ISA defines them ("Asynchronous Warpgroup Level Matrix Multiply-Accumulate":
 // the matrix descriptor, the canonical no-swizzle layouts, the register fragments). Kernels
 // address shared memory and registers through these, and the CPU simulation
-// (kernels/cuda/simt_sim.h) executes wgmma by the same functions, so the two cannot drift apart.
+// (tests/sim/simt_sim.h) executes wgmma by the same functions, so the two cannot drift apart.
 //
 // Shared-memory operands are tiles of "core matrices": 8 rows of 16 bytes (8 bf16), 128
 // contiguous bytes. A descriptor names the first core matrix and two strides: LBO, between core

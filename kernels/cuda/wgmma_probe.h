@@ -2,7 +2,7 @@
 // 64 x 16 A, a 16 x 32 B and a 16 x 32 B2 (bf16 in, fp32 out), by the two forms the wgmma MLA
 // issues: A and B K-major from shared memory (S = Q K^T), then A from registers and B2 MN-major
 // (O += P V), chained into the same accumulators. A body over the thread interface: the CPU
-// simulation runs it (tests/mla_pipe_sim_test.cc), and the GPU runs it once before the wgmma
+// simulation runs it (tests/sim/mla_pipe_sim_test.cc), and the GPU runs it once before the wgmma
 // MLA is first used (MlaWgmmaSelfCheck, kernels/cuda/mla.cu): if the hardware disagrees with
 // the layouts the simulation assumed, the wgmma MLA stays off and the mma.sync kernel runs.
 #pragma once

@@ -1,4 +1,4 @@
-// The tensor-core kernels, lane by lane on the CPU (kernels/cuda/indexer_mma_sim.h,
+// The tensor-core kernels, lane by lane on the CPU (tests/sim/indexer_mma_sim.h,
 // mla_mma_sim.h): fragment addressing against the PTX ISA tables, then whole blocks at real and
 // edge shapes against the float64 reference, with race, bounds, alignment and coverage checks.
 #include <gtest/gtest.h>
@@ -10,8 +10,8 @@
 
 #include "common/fp8.h"
 #include "common/model_spec.h"
-#include "kernels/cuda/indexer_mma_sim.h"
-#include "kernels/cuda/mla_mma_sim.h"
+#include "tests/sim/indexer_mma_sim.h"
+#include "tests/sim/mla_mma_sim.h"
 #include "kernels/reference/reference.h"
 
 namespace attnd::cuda {

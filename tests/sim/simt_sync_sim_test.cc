@@ -1,4 +1,4 @@
-// The simulation's ordering (kernels/cuda/simt_sim.h): named barriers and mbarriers order the
+// The simulation's ordering (tests/sim/simt_sim.h): named barriers and mbarriers order the
 // threads that take part and no others; a producer and a consumer handing stages through an
 // mbarrier ring are race-free exactly when every wait and arrive is where it must be; a cp.async
 // is ordered from its issue; a wgmma's operand reads are ordered before a later write only
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "kernels/cuda/simt_sim.h"
+#include "tests/sim/simt_sim.h"
 
 namespace attnd::cuda {
 namespace {

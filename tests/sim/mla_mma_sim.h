@@ -17,7 +17,7 @@
 #include "kernels/cuda/fp8_chunks.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/mma_fragments.h"
-#include "kernels/cuda/mma_sim.h"
+#include "tests/sim/mma_sim.h"
 
 namespace attnd::cuda::sim {
 

@@ -1,6 +1,6 @@
 // The pipelined tensor-core MLA (kernels/cuda/mla_pipe.h), its wgmma twin (mla_wgmma.h) and that
 // one's warp-specialised form (mla_wgmma_ws.h) run on the CPU by the fiber simulation
-// (kernels/cuda/simt_sim.h): the kernel's own code on every thread, cp.async landing only when
+// (tests/sim/simt_sim.h): the kernel's own code on every thread, cp.async landing only when
 // waited for, mma.sync, wgmma and shuffles from the lanes' registers and shared memory. Outputs and
 // log-sum-exps against float64 on what the kernel sees (queries rounded to bf16, fp8 rows
 // dequantised), over selections and ranges, one split and several (merged as MlaCombineKernel
@@ -25,10 +25,10 @@
 #include "kernels/cuda/mla_wgmma.h"
 #include "kernels/cuda/mla_wgmma_ws.h"
 #include "kernels/cuda/mma_fragments.h"
-#include "kernels/cuda/simt_sim.h"
+#include "tests/sim/simt_sim.h"
 #include "kernels/cuda/wgmma_probe.h"
 #include "kernels/reference/reference.h"
-#include "tests/sim_mutation.h"
+#include "tests/sim/sim_mutation.h"
 
 namespace attnd::cuda {
 namespace {

@@ -58,7 +58,7 @@
 #include <vector>
 
 #include "kernels/cuda/mma_fragments.h"
-#include "kernels/cuda/mma_sim.h"
+#include "tests/sim/mma_sim.h"
 #include "kernels/cuda/wgmma_layout.h"
 
 #if defined(__has_feature)

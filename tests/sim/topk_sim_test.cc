@@ -1,5 +1,5 @@
 // The GPU's top-k (kernels/cuda/topk_block.h), run on the CPU thread by thread between barriers
-// with checked shared memory (kernels/cuda/block_sim.h): the same code the kernels run. Every
+// with checked shared memory (tests/sim/block_sim.h): the same code the kernels run. Every
 // row equals the host's exact top-k (kernels/selection.h) bit for bit, ties to the lower index,
 // NaN lowest, -0 = +0; page keys with their zeros left out; rows of several slices and their
 // merge; and every barrier of the block is needed: skipping any one is caught as a race or a
@@ -13,10 +13,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "kernels/cuda/block_sim.h"
+#include "tests/sim/block_sim.h"
 #include "kernels/cuda/topk_block.h"
 #include "kernels/selection.h"
-#include "tests/sim_mutation.h"
+#include "tests/sim/sim_mutation.h"
 
 namespace attnd::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // The streaming tensor-core indexer (kernels/cuda/indexer_stream.h) run on the CPU by the fiber
-// simulation (kernels/cuda/simt_sim.h): the kernel's own code, every thread, every barrier,
+// simulation (tests/sim/simt_sim.h): the kernel's own code, every thread, every barrier,
 // cp.async landing only when waited for, mma.sync and shuffles from the lanes' registers.
 // Scores against float64 on what the kernel sees (the query rounded to bf16; fp8 keys
 // dequantised), every score written exactly once and nothing else, at DeepSeek-V3.2 and GLM-5
@@ -16,8 +16,8 @@
 #include "common/dtype.h"
 #include "common/fp8.h"
 #include "kernels/cuda/indexer_stream.h"
-#include "kernels/cuda/simt_sim.h"
-#include "tests/sim_mutation.h"
+#include "tests/sim/simt_sim.h"
+#include "tests/sim/sim_mutation.h"
 
 namespace attnd::cuda {
 namespace {

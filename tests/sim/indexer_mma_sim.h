@@ -14,7 +14,7 @@
 
 #include "common/dtype.h"
 #include "kernels/cuda/mma_fragments.h"
-#include "kernels/cuda/mma_sim.h"
+#include "tests/sim/mma_sim.h"
 
 namespace attnd::cuda::sim {
 
