@@ -1,15 +1,18 @@
 """Joins cuda_bench's JSON lines, the PyTorch timings and the GPU test results into one markdown
 table (scripts/gpu-check.sh).
 
-  gpu_report.py [--stages=STAGES.jsonl] BENCH.jsonl TORCH.jsonl [TESTS.xml ...]
+  gpu_report.py [--stages=STAGES.jsonl] [--e2e=E2E.jsonl] BENCH.jsonl TORCH.jsonl [TESTS.xml ...]
+  gpu_report.py --e2e-line RUN ATTNCTL_BENCH.json   (one line of E2E.jsonl)
 
 With --stages (gpu-check's record of each stage: limit, seconds, verdict, note) the report opens
 with the stage table, the sanitizer's verdict and the reruns. A test XML file that is missing or
 unreadable is named ("no XML": the binary timed out or crashed before writing it).
 
 After the table, the sparse MLA's kernel forms at batch 64 (pipe, mma, wgmma, wgmma-ws,
-flashinfer, gemm) are ranked per context: the fastest whose output is within 1e-2 relative L2 of the SIMT kernel's,
-against the form attnd takes by default (pipe), and what to change to make it the default.
+flashinfer, gemm) are ranked per context: the fastest whose output is within 1e-2 relative L2 of
+the SIMT kernel's, against the form attnd takes by default (pipe), and what to change to make it
+the default. With --e2e, the end-to-end runs (attnd on the GPU, attnctl bench): the server's
+layer time beside its round trip and beside its kernels' sum where cuda_bench timed that shape.
 `gpu_report.py --fastest-mla BENCH.jsonl` prints only the fastest checked form's kernel name
 (gpu-check profiles it), or nothing.
 
@@ -147,8 +150,54 @@ def stage_table(stages):
     print()
 
 
+def e2e_line(run, path):
+    """One line of e2e.jsonl from an `attnctl bench --output json` report: the latent bf16
+    variant's per-layer server time, round trip and transport (p50, ms)."""
+    with open(path) as f:
+        report = json.load(f)
+    v = next(v for v in report["variants"] if v["name"] == "latent bf16")
+    return {"run": run, "batch": report["batch"], "context": report["context"],
+            "heads": report["heads"], "layers": report["layers"],
+            "server_ms": v["server_ms_p50"], "round_trip_ms": v["round_trip_ms_p50"],
+            "transport_ms": v["transport_ms_p50"]}
+
+
+def e2e_table(runs, rows):
+    """The end-to-end runs: the server's layer time beside its round trip, and beside the sum of
+    the kernels cuda_bench timed at the same batch and context where it has them (the mean layer
+    of F/S/F/S: the MLA each layer, the indexer + top-k every other)."""
+    if not runs:
+        return
+    print("\nend to end (attnctl bench against attnd, per layer, p50):")
+    print("| run | shape | server | round trip | transport | kernels' sum | server / kernels |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        ctx = f"ctx={r['context'] // 1024}K"
+        shape = f"B={r['batch']} H={r['heads']} {ctx}"
+        form = "flashinfer" if "library" in r["run"] else MLA_DEFAULT
+        mla = next((x["ms"] for x in rows if x["shape"].startswith(f"B={r['batch']} ")
+                    and ctx in x["shape"]
+                    and re.fullmatch(rf"sparse MLA decode \({form}(, split-K x\d+)?\)", x["op"])),
+                   None)
+        topk = r"indexer \([a-z]+\) \+ top-k"
+        if "library" in r["run"]:
+            topk += r" \(flashinfer\)"
+        idx = next((x["ms"] for x in rows if re.fullmatch(topk, x["op"]) and ctx in x["shape"]
+                    and x["shape"].startswith(f"B={r['batch']} ")), None)
+        kernels = mla + idx / 2 if mla is not None and idx is not None else None
+        ratio = f"{r['server_ms'] / kernels:.2f}x" if kernels else "not measured at this shape"
+        ks = f"{kernels:.3f} ms" if kernels else "-"
+        print(f"| {r['run']} | {shape} | {r['server_ms']:.3f} ms | {r['round_trip_ms']:.3f} ms | "
+              f"{r['transport_ms']:.3f} ms | {ks} | {ratio} |")
+
+
 def main():
     args = sys.argv[1:]
+    if args and args[0] == "--e2e-line":
+        if len(args) != 3:
+            sys.exit(__doc__)
+        print(json.dumps(e2e_line(args[1], args[2])))
+        return
     if args and args[0] == "--fastest-mla":
         if len(args) != 2:
             sys.exit(__doc__)
@@ -156,9 +205,13 @@ def main():
         if best:
             print(MLA_FORMS[best][0])
         return
-    stages = None
-    if args and args[0].startswith("--stages="):
-        stages = lines(args.pop(0).split("=", 1)[1])
+    stages, e2e = None, []
+    while args and args[0].startswith(("--stages=", "--e2e=")):
+        flag, path = args.pop(0).split("=", 1)
+        if flag == "--stages":
+            stages = lines(path)
+        else:
+            e2e = lines(path)
     if len(args) < 2:
         sys.exit(__doc__)
     if stages is not None:
@@ -206,6 +259,7 @@ def main():
         print(f"| {r['op']} | {r['shape']} | {r['ms']:.3f} ms | {r['rate']:.1f} {r['unit']} | "
               f"{frac} | {sp} | {r.get('check') or '-'} |")
     mla_choice(ours)
+    e2e_table(e2e, ours)
 
 
 if __name__ == "__main__":

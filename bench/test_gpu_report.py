@@ -147,3 +147,36 @@ def test_the_gemm_floor_is_a_form_its_label_has_no_split(tmp_path):
     rows = [mla_row("pipe", "8K", 1.0, ok), gemm]
     assert fastest(tmp_path, rows) == "SoftmaxKernel"
     assert "ctx=8K: gemm 0.500 ms, pipe 1.000 ms" in report(tmp_path, rows)
+
+
+def test_end_to_end_runs_show_the_server_beside_its_kernels(tmp_path):
+    attnctl = {"batch": 64, "context": 65536, "heads": 128, "layers": 4,
+               "variants": [{"name": "latent fp8 queries", "server_ms_p50": 9.0,
+                             "round_trip_ms_p50": 9.0, "transport_ms_p50": 0.0},
+                            {"name": "latent bf16", "server_ms_p50": 1.2,
+                             "round_trip_ms_p50": 2.0, "transport_ms_p50": 0.8}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(attnctl))
+    out = subprocess.run([sys.executable, str(REPORT), "--e2e-line", "bf16 default", str(path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout)
+    assert line["server_ms"] == 1.2 and line["transport_ms"] == 0.8
+    assert line["run"] == "bf16 default"
+    rows = [mla_row("pipe", "64K", 0.5, "ok"),
+            {"op": "indexer (stream) + top-k", "shape": "B=64 ctx=64K K=2048", "ms": 1.0,
+             "rate": 1.0, "unit": "GB/s", "frac": 0.1}]
+    e2e = tmp_path / "e2e.jsonl"
+    e2e.write_text(json.dumps(line) + "\n" +
+                   json.dumps(dict(line, run="bf16 library", context=8192)) + "\n")
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    torch = tmp_path / "t.jsonl"
+    torch.write_text("")
+    text = subprocess.run([sys.executable, str(REPORT), f"--e2e={e2e}", str(bench), str(torch)],
+                          capture_output=True, text=True).stdout
+    # mean layer of F/S/F/S: the MLA (0.5) + half the indexer and top-k (1.0): 1.0 ms
+    want = ("| bf16 default | B=64 H=128 ctx=64K | 1.200 ms | 2.000 ms | 0.800 ms | 1.000 ms | "
+            "1.20x |")
+    assert want in text
+    assert "| bf16 library | B=64 H=128 ctx=8K |" in text and "not measured at this shape" in text

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the GPU test and benchmark binaries here and bundles them with the shared libraries
 # they need (Debian's Abseil etc.), so they run on a GPU machine that has only the NVIDIA
-# driver: build-gpu/bundle/{cuda_test,cuda_scale_test,device_test,cuda_bench,lib/}.
+# driver: build-gpu/bundle/{cuda_test,cuda_scale_test,device_test,cuda_bench,attnd,attnctl,lib/}
+# (attnd and attnctl for gpu-check's end-to-end stage).
 # scripts/gpu-check.sh runs them there. Says the bundle's size and fails when it and the tracked
 # tree exceed the 64 MiB a device run carries.
 set -euo pipefail
@@ -9,12 +10,17 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 ./scripts/install-deps.sh
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$BUILD_DIR" -j "$(nproc)" --target cuda_test cuda_scale_test device_test cuda_bench
-OUT=build-gpu/bundle
+cmake --build "$BUILD_DIR" -j "$(nproc)" --target cuda_test cuda_scale_test device_test cuda_bench \
+  attnd attnctl
+# The files in build-gpu/bundle-files; what a device run carries is build-gpu/bundle/bundle.tgz
+# (gzip: the binaries' device code makes 67 MB, 23 compressed), which gpu-check unpacks there.
+OUT=build-gpu/bundle-files
 rm -rf "$OUT" && mkdir -p "$OUT/lib"
-cp "$BUILD_DIR/tests/cuda_test" "$BUILD_DIR/tests/cuda_scale_test" "$BUILD_DIR/tests/device_test" "$BUILD_DIR/bench/cuda_bench" "$OUT/"
+cp "$BUILD_DIR/tests/cuda_test" "$BUILD_DIR/tests/cuda_scale_test" "$BUILD_DIR/tests/device_test" \
+  "$BUILD_DIR/bench/cuda_bench" "$BUILD_DIR/service/attnd" "$BUILD_DIR/client/attnctl" "$OUT/"
 # Every resolved library except the C runtime and the GPU driver, which the target provides.
-for bin in "$OUT/cuda_test" "$OUT/cuda_scale_test" "$OUT/device_test" "$OUT/cuda_bench"; do
+for bin in "$OUT/cuda_test" "$OUT/cuda_scale_test" "$OUT/device_test" "$OUT/cuda_bench" \
+  "$OUT/attnd" "$OUT/attnctl"; do
   ldd "$bin" | awk '/=> \// {print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|ld-linux*|libcuda.so*) ;;
@@ -24,12 +30,16 @@ for bin in "$OUT/cuda_test" "$OUT/cuda_scale_test" "$OUT/device_test" "$OUT/cuda
 done
 # Debug sections are most of the bytes; function names stay for backtraces.
 strip --strip-debug "$OUT"/cuda_test "$OUT"/cuda_scale_test "$OUT"/device_test "$OUT"/cuda_bench \
+  "$OUT"/attnd "$OUT"/attnctl \
   "$OUT"/lib/* 2>/dev/null || true
+CARRY=build-gpu/bundle
+rm -rf "$CARRY" && mkdir -p "$CARRY"
+tar czf "$CARRY/bundle.tgz" -C "$OUT" .
 # A device run carries the working tree and the bundle, 64 MiB in all.
 LIMIT=$((64 << 20))
-bundle=$(du -sb "$OUT" | cut -f1)
+bundle=$(du -sb "$CARRY" | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-echo "gpu-bundle: $OUT $((bundle >> 20)) MiB + the tracked tree $((tree >> 20)) MiB =" \
+echo "gpu-bundle: $CARRY $((bundle >> 20)) MiB + the tracked tree $((tree >> 20)) MiB =" \
   "$(((bundle + tree) >> 20)) MiB of the $((LIMIT >> 20)) MiB a device run can carry"
 if [ $((bundle + tree)) -gt "$LIMIT" ]; then
   echo "gpu-bundle: too large to carry to the GPU machine"

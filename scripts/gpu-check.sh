@@ -18,7 +18,10 @@
 #   6. Nsight Compute (ncu, where installed) on one launch each of the sparse MLA (the form the
 #      benchmark found fastest among those matching SIMT; else its wgmma form), the streaming
 #      indexer and the top-k kernels: occupancy, issue rate, stalls, memory throughput.
-#   7. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
+#   7. End to end: attnd on the GPU with attnctl bench against it (B = 64, 8K context, DeepSeek
+#      dims): the server's layer time beside its round trip, bf16 (default and library kernels)
+#      and fp8 caches.
+#   8. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
 #      fraction of the limit, speed-up over PyTorch; then the sparse MLA's forms ranked and which
 #      to make the default ("MLA choice"). Every file also in gpu-check-logs.tgz.
 # A stage starts only when its time limit fits what is left of the budget; every command runs
@@ -37,7 +40,7 @@ MAX_RERUNS=${GPU_CHECK_RERUNS:-4}
 # GPU_CHECK_ONLY: the groups to run (a kernel iteration: tests,bench,profile); GPU_CHECK_FILTER: a
 # gtest filter for the GPU test binaries (e.g. '*DeepSeekDims*:*CudaParity*'); the device
 # interface tests run only unfiltered.
-ONLY=${GPU_CHECK_ONLY:-tests,simt,sanitizer,bench,torch,profile}
+ONLY=${GPU_CHECK_ONLY:-tests,simt,sanitizer,bench,torch,e2e,profile}
 FILTER=${GPU_CHECK_FILTER:-*}
 RERUN_BUDGET=${GPU_CHECK_RERUN_S:-90}
 KILL_AFTER=5  # seconds between timeout's TERM and its KILL
@@ -45,6 +48,11 @@ mkdir -p "$OUT"
 STAGES="$OUT/stages.jsonl"
 : > "$STAGES"
 BUNDLE=${BUNDLE:-build-gpu/bundle}
+if [ ! -x "$BUNDLE/cuda_test" ] && [ -f "$BUNDLE/bundle.tgz" ]; then  # as gpu-bundle.sh packs it
+  unpacked=${TMPDIR:-/tmp}/attnd-gpu-bundle
+  rm -rf "$unpacked" && mkdir -p "$unpacked" && tar xzf "$BUNDLE/bundle.tgz" -C "$unpacked" &&
+    BUNDLE=$unpacked
+fi
 if [ ! -x "$BUNDLE/cuda_test" ]; then
   echo "gpu-check: no bundle at $BUNDLE; building (needs this repo's dependencies)"
   ./scripts/gpu-bundle.sh || { echo "gpu-check: cannot build the bundle"; exit 1; }
@@ -291,6 +299,62 @@ elif fits "profile" 100; then
   done
   record "profile" 100 "$(verdict_of $rc)" $((SECONDS - t0)) "ncu-*.txt"
 fi
+echo "== end to end: attnd on the GPU, attnctl bench against it"
+# The server's layer time at DeepSeek-V3.2 dims (bench/models/deepseek-v3.2-4layers.json: 128
+# heads, F/S/F/S), decode batch GPU_CHECK_E2E_BATCH (64) over GPU_CHECK_E2E_CONTEXT (8192)
+# tokens, on a bf16 cache with the default kernels and with the library forms
+# (ATTND_CUDA_MLA=flashinfer ATTND_CUDA_TOPK=flashinfer), and on an fp8 cache: per layer the
+# server's time, the round trip and the transport (e2e.jsonl; the report's end-to-end table).
+# --dry-run runs the same plumbing on cpu:0 at batch 2, 300 tokens.
+: > "$OUT/e2e.jsonl"
+if wanted e2e "end to end" && fits "end to end" 150; then
+  t0=$SECONDS
+  rc=0
+  if [ $DRY = 1 ]; then
+    dev=cpu:0 batch=2 ctx=300 steps=1 cache_bytes=$((1 << 30))
+  else
+    dev=cuda:0 batch=${GPU_CHECK_E2E_BATCH:-64} ctx=${GPU_CHECK_E2E_CONTEXT:-8192} steps=3
+    cache_bytes=$((16 << 30))
+  fi
+  for run in "bf16 default" "bf16 library" "fp8 default"; do
+    read -r cache forms <<<"$run"
+    forms_env=()
+    [ "$forms" = library ] && forms_env=(ATTND_CUDA_MLA=flashinfer ATTND_CUDA_TOPK=flashinfer)
+    log="$OUT/e2e-attnd-$cache-$forms.log"
+    env "${forms_env[@]}" "$BUNDLE/attnd" --model-file=bench/models/deepseek-v3.2-4layers.json \
+      --devices="$dev" --cache-dtype="$cache" --kv-cache-bytes="$cache_bytes" \
+      --grpc-address=127.0.0.1 --grpc-port=0 --metrics-port=0 > "$log" 2>&1 &
+    pid=$!
+    target=""
+    for _ in $(seq 1 100); do
+      target=$(grep -oE "serving attnd.v1 on [0-9.]+:[0-9]+" "$log" | awk '{print $4}')
+      [ -n "$target" ] && break
+      kill -0 $pid 2>/dev/null || break
+      sleep 0.1
+    done
+    if [ -z "$target" ]; then
+      echo "gpu-check: attnd did not start ($cache $forms): $(tail -2 "$log")"
+      rc=1
+    else
+      bounded 45 "$BUNDLE/attnctl" bench --target="$target" --batch "$batch" --context "$ctx" \
+        --steps "$steps" --output json > "$OUT/e2e-$cache-$forms.json" \
+        2> "$OUT/e2e-$cache-$forms.err" || rc=1
+      python3 bench/gpu_report.py --e2e-line "$cache $forms" "$OUT/e2e-$cache-$forms.json" \
+        >> "$OUT/e2e.jsonl" || rc=1
+    fi
+    kill $pid 2>/dev/null
+    wait $pid 2>/dev/null
+  done
+  cat "$OUT/e2e.jsonl"
+  if [ $DRY = 1 ]; then
+    record "end to end" 150 "$([ $rc = 0 ] && echo "plumbing ok on cpu:0" || echo failed)" \
+      $((SECONDS - t0)) "no GPU: cpu:0 at batch 2"
+    : > "$OUT/e2e.jsonl"  # nothing measured on a GPU
+  else
+    [ $rc -ne 0 ] && status=1
+    record "end to end" 150 "$(verdict_of $rc)" $((SECONDS - t0)) "e2e-*.json"
+  fi
+fi
 echo "== table"
 xml=()  # the test results of the groups that ran
 if in_only tests; then
@@ -298,7 +362,7 @@ if in_only tests; then
   [ "$FILTER" = "*" ] && xml+=("$OUT/device_test.xml")
 fi
 in_only simt && xml+=("$OUT/cuda_test_simt.xml")
-python3 bench/gpu_report.py --stages="$STAGES" "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" \
+python3 bench/gpu_report.py --stages="$STAGES" --e2e="$OUT/e2e.jsonl" "$OUT/cuda_bench.jsonl" "$OUT/torch.jsonl" \
   "${xml[@]}" | tee "$OUT/table.md"
 echo "gpu-check: ${SECONDS}s of the ${BUDGET}s budget"
 # Everything in one file too: a device run may bring back only a few files.
