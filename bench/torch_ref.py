@@ -49,11 +49,12 @@ def main():
         s = torch.matmul(keys, q.transpose(1, 2)).float().relu_()  # noqa: F821  [B, ctx, Hi]
         return (s * w[:, None, :]).sum(-1)
 
-    out.append({"op": "indexer scores", "torch_ms": time_ms(indexer)})
-    out.append({"op": "indexer + top-k",
+    out.append({"op": "indexer scores", "shape_ctx": ctx, "torch_ms": time_ms(indexer)})
+    out.append({"op": "indexer + top-k", "shape_ctx": ctx,
                 "torch_ms": time_ms(lambda: torch.topk(indexer(), K, dim=-1))})
     scores = indexer()
-    out.append({"op": "top-k", "torch_ms": time_ms(lambda s=scores: torch.topk(s, K, dim=-1))})
+    out.append({"op": "top-k", "shape_ctx": ctx,
+                "torch_ms": time_ms(lambda s=scores: torch.topk(s, K, dim=-1))})
     del keys, scores
 
     for ctx in (8192, 65536):
