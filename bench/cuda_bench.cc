@@ -198,8 +198,9 @@ void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::str
     return;
   attnd::cuda::FlashInferMlaPlanInput in;
   in.keys.assign(mp.n, K);
+  for (int q = 0; q < mp.n; ++q) in.list_start.push_back(int64_t{q} * mp.sel_stride);
+  in.list_entries = int64_t{mp.n} * mp.sel_stride;  // the selection rows are the key lists
   in.heads = mp.heads;
-  in.kv_stride = mp.sel_stride;
   in.multiprocessors = g.sms;
   const attnd::cuda::FlashInferMlaPlanResult plan = attnd::cuda::PlanFlashInferMla(in);
   CHECK(plan.refused.empty() ? cudaSuccess : cudaErrorInvalidValue);

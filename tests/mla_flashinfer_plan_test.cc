@@ -14,12 +14,14 @@
 namespace attnd::cuda {
 namespace {
 
+// Each query's list in a row of its own, `stride` entries apart (the selecting queries' layout).
 FlashInferMlaPlanInput Input(std::vector<int64_t> keys, int heads = 128, int64_t stride = 2048,
                              int sms = 132) {
   FlashInferMlaPlanInput in;
   in.keys = std::move(keys);
+  for (size_t q = 0; q < in.keys.size(); ++q) in.list_start.push_back(int64_t(q) * stride);
+  in.list_entries = int64_t(in.keys.size()) * stride;
   in.heads = heads;
-  in.kv_stride = stride;
   in.multiprocessors = sms;
   return in;
 }
@@ -56,7 +58,7 @@ void CheckPlan(const FlashInferMlaPlanInput& in, const FlashInferMlaPlan& plan, 
       EXPECT_LT(q, w.first_query + w.queries);
       EXPECT_EQ(w.q_len[i], 1);
       EXPECT_EQ(w.kv_len[i], in.keys[q]);
-      EXPECT_EQ(w.kv_indptr[i], q * in.kv_stride);
+      EXPECT_EQ(w.kv_indptr[i], in.list_start[q]);
       EXPECT_EQ(w.kv_start[i] % kFlashInferMlaTileKeys, 0);
       EXPECT_LT(w.kv_start[i], w.kv_end[i]);
       EXPECT_LE(w.kv_end[i], in.keys[q]);
@@ -203,13 +205,27 @@ TEST(FlashInferMlaPlan, ALargeStepRunsInWavesWithinThePartialBudget) {
   Chunks c;
   CheckPlan(in, r.plan, &c);
   // One query larger than the budget still runs, alone in its wave.
-  in.keys = {65536, 10, 65536};
-  in.kv_stride = 65536;
+  in = Input({65536, 10, 65536}, 128, 65536);
   in.partial_bytes = 1000;
   const FlashInferMlaPlanResult big = PlanFlashInferMla(in);
   ASSERT_EQ(big.refused, "");
   EXPECT_EQ(big.plan.waves.size(), 3u);
   CheckPlan(in, big.plan, &c);
+}
+
+// A prefill's range queries share their sequence's list, each reading its own prefix.
+TEST(FlashInferMlaPlan, QueriesOfOneSequenceShareItsList) {
+  FlashInferMlaPlanInput in = Input({}, 128);
+  in.keys = {2048, 3000, 3001, 3002, 1};  // a selecting query, three prefill tokens, another
+  in.list_start = {0, 2048, 2048, 2048, 5050};
+  in.list_entries = 5051;
+  const FlashInferMlaPlanResult r = PlanFlashInferMla(in);
+  ASSERT_EQ(r.refused, "");
+  Chunks c;
+  CheckPlan(in, r.plan, &c);
+  EXPECT_EQ(c.at(3).back(), std::make_pair(2560, 3002));  // 6 chunks of 512, the last short
+  in.list_start[3] = 2050;                                // 2,050 + 3,002 > 5,051: past the lists
+  EXPECT_NE(PlanFlashInferMla(in).refused, "");
 }
 
 TEST(FlashInferMlaPlan, OutOfRangeInputsAreRefusedWithAReason) {

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_device_state.h"
@@ -283,7 +284,7 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
       {&cand_count, std::max<size_t>(4, step.candidates * 4)},
       {&fi_q_nope, step.fi ? n * H * L * 2 : 4},
       {&fi_q_pe, step.fi ? n * H * R * 2 : 4},
-      {&fi_keys, step.fi ? n * static_cast<size_t>(step.sel_cap) * 4 : 4},
+      {&fi_keys, step.fi ? static_cast<size_t>(step.fi_list_entries) * 4 : 4},
       {&fi_part_o, step.fi ? static_cast<size_t>(step.fi_partial_rows) * L * 2 : 4},
       {&fi_part_lse, step.fi ? static_cast<size_t>(step.fi_partial_rows) * 4 : 4},
       {&topk_values, std::any_of(step.waves.begin(), step.waves.end(),
@@ -399,29 +400,58 @@ void CudaDevice::State::PlanFlashInfer(const StepShare& share, Step* step, PlanP
              .refused.empty())
       return;
   }
-  // Each query's keys, exactly: a range query its visible keys; a selecting one (token mode)
-  // min(K, visible), which is what the top-k keeps.
+  // Each query's keys, exactly, and its list: a selecting query (token mode) keeps min(K,
+  // visible) keys, what the top-k keeps, in a row of its own; the range queries of a sequence
+  // read prefixes of one list of its slots from position 0 (a prefill's tokens share it).
   FlashInferMlaPlanInput in;
   in.heads = spec.num_heads;
-  in.kv_stride = step->sel_cap;
   in.multiprocessors = g.sms;
-  std::vector<int32_t> count(share.size());
-  std::vector<int64_t> first(share.size());
+  std::vector<int64_t> seg_start;
+  std::vector<int32_t> seg_count, seg_query;
+  std::vector<uint8_t> seg_range;
+  absl::flat_hash_map<int32_t, size_t> seq_segment;  // a sequence's range list: its segment
+  std::vector<size_t> segment_of(share.size());      // each query's segment
+  std::vector<int64_t> offset_in(share.size(), 0);   // and where its keys start in it
   for (int64_t i = 0; i < share.size(); ++i) {
-    first[i] = FirstVisibleKey(spec, LayerKind::kFull, share.pos[i]);
-    const int64_t visible = share.pos[i] - first[i] + 1;
+    const int64_t first = FirstVisibleKey(spec, LayerKind::kFull, share.pos[i]);
+    const int64_t visible = share.pos[i] - first + 1;
     if (share.needs_index[i] && spec.selection != SelectionMode::kToken) return;
-    const int64_t keys =
-        share.needs_index[i] ? std::min<int64_t>(spec.index_topk, visible) : visible;
-    if (keys > step->sel_cap) return;  // a dense prefill past the list's row
-    count[i] = static_cast<int32_t>(keys);
-    in.keys.push_back(keys);
+    in.keys.push_back(share.needs_index[i] ? std::min<int64_t>(spec.index_topk, visible) : visible);
+    auto [it, fresh] = share.needs_index[i]
+                           ? std::make_pair(seq_segment.end(), true)
+                           : seq_segment.try_emplace(share.seq[i], seg_start.size());
+    if (fresh) {
+      segment_of[i] = seg_start.size();
+      seg_start.push_back(0);  // placed below, once every segment's length is known
+      seg_count.push_back(0);
+      seg_query.push_back(static_cast<int32_t>(i));
+      seg_range.push_back(share.needs_index[i] ? 0 : 1);
+    } else {
+      segment_of[i] = it->second;
+    }
+    if (share.needs_index[i]) {
+      seg_count[segment_of[i]] = static_cast<int32_t>(in.keys.back());
+    } else {
+      offset_in[i] = first;
+      seg_count[segment_of[i]] =
+          std::max<int32_t>(seg_count[segment_of[i]], static_cast<int32_t>(share.pos[i] + 1));
+    }
   }
+  for (size_t j = 0; j < seg_start.size(); ++j) {
+    seg_start[j] = in.list_entries;
+    in.list_entries += seg_count[j];
+  }
+  for (int64_t i = 0; i < share.size(); ++i)
+    in.list_start.push_back(seg_start[segment_of[i]] + offset_in[i]);
   FlashInferMlaPlanResult r = PlanFlashInferMla(in);
   if (!r.refused.empty()) return;
   step->fi = true;
-  step->fi_count = plan->Add(count);
-  step->fi_first = plan->Add(first);
+  step->fi_segments = static_cast<int>(seg_start.size());
+  step->fi_seg_start = plan->Add(seg_start);
+  step->fi_seg_count = plan->Add(seg_count);
+  step->fi_seg_query = plan->Add(seg_query);
+  step->fi_seg_range = plan->Add(seg_range);
+  step->fi_list_entries = in.list_entries;
   int most = 1;
   for (const FlashInferMlaWave& w : r.plan.waves) most = std::max(most, w.blocks_x * w.blocks_y);
   step->fi_zeros = plan->Add(std::vector<int32_t>(most, 0));

@@ -251,10 +251,14 @@ struct CudaDevice::Step final : DeviceStep {
   };
   std::vector<Wave> waves;
   int64_t candidates = 0;  // the most top-k candidates a wave keeps (entries)
-  // The FlashInfer MLA's plan (mla_flashinfer_plan.h), when the step takes it (fi): per query
-  // its key count and range start in `plan`, and per wave its work arrays there.
+  // The FlashInfer MLA's plan (mla_flashinfer_plan.h), when the step takes it (fi): the key
+  // lists' segments and per wave its work arrays, in `plan`.
   bool fi = false;
-  size_t fi_count = 0, fi_first = 0, fi_zeros = 0;
+  size_t fi_zeros = 0;
+  // The key lists' segments (MlaKeyListParams), in `plan`.
+  int fi_segments = 0;
+  size_t fi_seg_start = 0, fi_seg_count = 0, fi_seg_query = 0, fi_seg_range = 0;
+  int64_t fi_list_entries = 0;
   struct FiWave {
     FlashInferMlaWave host;  // the shape (the arrays are also in `plan`, at the offsets below)
     size_t q_indptr = 0, kv_indptr = 0, partial_indptr = 0, q_len = 0, kv_len = 0, q_start = 0,

@@ -404,13 +404,13 @@ absl::Status CudaDevice::Call::AttendFlashInfer(const MlaParams& mp) {
   MlaKeyListParams kl;
   kl.sel = mp.sel;
   kl.sel_stride = mp.sel_stride;
-  kl.needs_index = mp.needs_index;
   kl.tables = mp.tables;
-  kl.first = st.At<int64_t>(st.fi_first);
-  kl.count = st.At<int32_t>(st.fi_count);
-  kl.n = mp.n;
+  kl.start = st.At<int64_t>(st.fi_seg_start);
+  kl.count = st.At<int32_t>(st.fi_seg_count);
+  kl.query = st.At<int32_t>(st.fi_seg_query);
+  kl.is_range = st.At<uint8_t>(st.fi_seg_range);
+  kl.segments = st.fi_segments;
   kl.out = s.fi_keys.as<int32_t>();
-  kl.out_stride = st.sel_cap;
   CUDA_RETURN(LaunchMlaKeyList(kl, s.stream));
   for (const Step::FiWave& w : st.fi_waves) {
     FlashInferMlaParams fp;

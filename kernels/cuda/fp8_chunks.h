@@ -1,7 +1,8 @@
 // fp8 cache rows read as bf16, 8 values (16 bytes of shared memory) at a time: what the
 // tensor-core kernels' loaders (kernels/cuda/mla.cu, indexer.cu) put in shared memory for an fp8
-// cache, and what their lane-level simulations (tests/sim/mla_mma_sim.h, tests/sim/indexer_stream_sim_test.cc) put there,
-// from this same code. Plain C++ with ATTND_HD: host and device.
+// cache, and what their lane-level simulations (tests/sim/mla_mma_sim.h,
+// tests/sim/indexer_stream_sim_test.cc) put there, from this same code. Plain C++ with ATTND_HD:
+// host and device.
 //
 // Exact: an e4m3 value has at most 4 significant bits and a cache's scales are powers of two
 // (common/fp8.h), so code x scale is a bf16 value, and fp32's top half is that value. Only

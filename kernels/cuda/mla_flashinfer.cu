@@ -18,16 +18,16 @@ namespace {
 using Bf16 = __nv_bfloat16;
 
 __global__ void MlaKeyListKernel(MlaKeyListParams p) {
-  const int q = blockIdx.x;
-  const int32_t count = p.count[q];
-  int32_t* out = p.out + q * p.out_stride;
-  if (p.needs_index[q]) {
+  const int g = blockIdx.x;
+  const int q = p.query[g];
+  const int32_t count = p.count[g];
+  int32_t* out = p.out + p.start[g];
+  if (p.is_range[g]) {
+    for (int j = threadIdx.x; j < count; j += blockDim.x)
+      out[j] = static_cast<int32_t>(SlotOf(p.tables, q, j));
+  } else {
     const int32_t* sel = p.sel + q * p.sel_stride;
     for (int j = threadIdx.x; j < count; j += blockDim.x) out[j] = sel[j];
-  } else {
-    const int64_t first = p.first[q];
-    for (int j = threadIdx.x; j < count; j += blockDim.x)
-      out[j] = static_cast<int32_t>(SlotOf(p.tables, q, first + j));
   }
 }
 
@@ -74,8 +74,8 @@ bool FlashInferMlaBuilt() { return true; }
 int64_t FlashInferMlaLaunches() { return g_launches.load(); }
 
 cudaError_t LaunchMlaKeyList(const MlaKeyListParams& p, cudaStream_t s) {
-  if (p.n <= 0) return cudaSuccess;
-  MlaKeyListKernel<<<p.n, 256, 0, s>>>(p);
+  if (p.segments <= 0) return cudaSuccess;
+  MlaKeyListKernel<<<p.segments, 256, 0, s>>>(p);
   return cudaGetLastError();
 }
 

@@ -19,18 +19,18 @@ namespace attnd::cuda {
 // Whether this build holds the FlashInfer MLA (an sm_90a image and FlashInfer's headers).
 bool FlashInferMlaBuilt();
 
-// Each query's key list as slot ids: the kept selection's row for a query that selects
-// (needs_index), else the slots of positions [first, first + count) of its sequence.
+// The step's key lists as slot ids, one segment a block: a selecting query's kept selection
+// (its row of sel) or a sequence's slots from position 0, which its range queries share.
 struct MlaKeyListParams {
   const int32_t* sel = nullptr;  // [n, sel_stride] selected slot ids
   int64_t sel_stride = 0;
-  const uint8_t* needs_index = nullptr;  // [n]
-  QueryTables tables;                    // seq: [n] each query's sequence
-  const int64_t* first = nullptr;        // [n] range queries' first position
-  const int32_t* count = nullptr;        // [n] keys each query attends (the plan's)
-  int n = 0;
-  int32_t* out = nullptr;  // [n, out_stride]
-  int64_t out_stride = 0;
+  QueryTables tables;                 // a range segment's sequence: tables.seq[its query]
+  const int64_t* start = nullptr;     // [segments] where the segment goes in `out`
+  const int32_t* count = nullptr;     // [segments] its entries
+  const int32_t* query = nullptr;     // [segments] the query it is for (range: any of its seq)
+  const uint8_t* is_range = nullptr;  // [segments] 1: positions [0, count) of the sequence
+  int segments = 0;
+  int32_t* out = nullptr;  // the lists (FlashInferMlaPlanInput::list_entries)
 };
 cudaError_t LaunchMlaKeyList(const MlaKeyListParams& p, cudaStream_t s);
 
@@ -51,7 +51,7 @@ struct FlashInferMlaParams {
   CacheRows kv;                  // bf16 rows of 512 latent then 64 RoPE values
   int heads = 0;
   float sm_scale = 1;
-  const int32_t* key_list = nullptr;  // [n, kv_stride] slot ids (MlaKeyListParams::out)
+  const int32_t* key_list = nullptr;  // the step's key lists, slot ids (MlaKeyListParams::out)
   FlashInferMlaWaveArgs wave;
   void* partial_o = nullptr;     // [wave.partial rows, 512] bf16 scratch
   float* partial_lse = nullptr;  // [wave.partial rows] fp32 scratch (log2)

@@ -35,19 +35,20 @@ FlashInferMlaPlanResult PlanFlashInferMla(const FlashInferMlaPlanInput& in) {
     r.refused = absl::StrCat(in.heads, " heads: 1 to 1024 are planned");
     return r;
   }
-  if (in.multiprocessors < 1 || in.kv_stride < 1 || in.partial_bytes < 1) {
-    r.refused = "no multiprocessors, key list stride or partial budget";
+  if (in.multiprocessors < 1 || in.partial_bytes < 1 ||
+      static_cast<int64_t>(in.list_start.size()) != n) {
+    r.refused = "no multiprocessors or partial budget, or not one list start a query";
     return r;
   }
-  if (n * in.kv_stride > kInt32Max || n * in.heads * kFlashInferMlaLatent > kInt32Max) {
-    r.refused = absl::StrCat(n, " queries of ", in.heads, " heads and ", in.kv_stride,
-                             " keys overflow the kernel's 32-bit offsets");
+  if (in.list_entries > kInt32Max || n * in.heads * kFlashInferMlaLatent > kInt32Max) {
+    r.refused = absl::StrCat(n, " queries of ", in.heads, " heads over ", in.list_entries,
+                             " listed keys overflow the kernel's 32-bit offsets");
     return r;
   }
   for (int64_t i = 0; i < n; ++i) {
-    if (in.keys[i] < 1 || in.keys[i] > in.kv_stride) {
-      r.refused =
-          absl::StrCat("query ", i, " attends ", in.keys[i], " keys, not 1 to ", in.kv_stride);
+    if (in.keys[i] < 1 || in.list_start[i] < 0 || in.list_start[i] + in.keys[i] > in.list_entries) {
+      r.refused = absl::StrCat("query ", i, " attends ", in.keys[i], " keys from list entry ",
+                               in.list_start[i], ", not within the ", in.list_entries, " listed");
       return r;
     }
   }
@@ -114,7 +115,7 @@ FlashInferMlaPlanResult PlanFlashInferMla(const FlashInferMlaPlanInput& in) {
       for (const int32_t i : group[g]) {
         const Item& it = items[i];
         w.q_indptr.push_back(it.query);
-        w.kv_indptr.push_back(static_cast<int32_t>(it.query * in.kv_stride));
+        w.kv_indptr.push_back(static_cast<int32_t>(in.list_start[it.query]));
         w.partial_indptr.push_back(it.partial);
         w.q_len.push_back(1);
         w.kv_len.push_back(static_cast<int32_t>(in.keys[it.query]));

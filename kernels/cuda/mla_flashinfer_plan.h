@@ -38,7 +38,7 @@ struct FlashInferMlaWave {
   int blocks_x = 1, blocks_y = 1;    // the grid (a cooperative launch: all resident at once)
   int64_t partial_rows = 0;          // rows of partial output the wave writes
   // Per work item (FlashInfer's names). q_indptr: the query (global index; q_len 1); kv_indptr:
-  // the first entry of its key list (query * kv_stride, page size 1); kv_len: its key count;
+  // the first entry of its key list (list_start, page size 1); kv_len: its key count;
   // q_start: the tile's first packed row; kv_start, kv_end: the chunk; partial_indptr: the first
   // partial row the item writes.
   std::vector<int32_t> q_indptr, kv_indptr, partial_indptr, q_len, kv_len, q_start, kv_start,
@@ -55,12 +55,15 @@ struct FlashInferMlaPlan {
   int64_t max_partial_rows = 0;  // the largest wave's (scratch to reserve)
 };
 
-// What the plan is built from: each query's exact key count (>= 1, <= kv_stride), the heads, the
-// key list row stride (entries) and the GPU's multiprocessor count.
+// What the plan is built from: each query's exact key count (>= 1) and where its key list starts
+// in the step's key lists (a selecting query has a row of its own; the range queries of a
+// sequence share its list, each reading a prefix of it), the heads and the GPU's multiprocessor
+// count.
 struct FlashInferMlaPlanInput {
-  std::vector<int64_t> keys;  // [n]
+  std::vector<int64_t> keys;        // [n]
+  std::vector<int64_t> list_start;  // [n] entries before the query's first key
+  int64_t list_entries = 0;         // the key lists' size: every list_start + keys within it
   int heads = 0;
-  int64_t kv_stride = 0;
   int multiprocessors = 0;
   int64_t partial_bytes = kFlashInferMlaPartialBytes;
 };
