@@ -335,8 +335,9 @@ TEST(CudaScale, TheWgmmaMlaMatchesTheReferenceAndThePipelinedKernel) {
 
 // A library form of the sparse MLA (FlashInfer's Hopper MLA: compute capability 9.0 and a bf16
 // cache; the gather + cuBLAS GEMMs: any GPU with cuBLAS, bf16 and fp8 caches) at DeepSeek-V3.2
-// dims, 128 heads: a top-2048 selection over 2,600 keys for a 3-token sparse prefill and a
-// 300-key range decode of a second sequence in the same step, against float64 and the SIMT
+// dims, 128 heads: a top-2048 selection over 2,600 keys for a 3-token sparse prefill, a
+// 300-key range decode and a 100-token prefill of two more sequences in the same step, against
+// float64 and the SIMT
 // kernel (the same indexer: the same selections), outputs and log-sum-exps; the form ran.
 void ExpectLibraryMlaMatches(cuda::LibraryMla form, DType cache) {
   const ModelSpec spec = DeepSeekDims(128);
@@ -345,12 +346,14 @@ void ExpectLibraryMlaMatches(cuda::LibraryMla form, DType cache) {
   for (Harness* h : {&simt, &lib}) {
     h->Open("a");
     h->Open("b");
+    h->Open("c");
   }
   const std::vector<StepEntry> import = {{"a", 2600}, {"b", 300}};
   const auto keys = simt.MakeKeys(import, DType::kBF16, 61);
   for (Harness* h : {&simt, &lib})
     ASSERT_TRUE(h->Run(import, keys, StepOptions::WriteOnly()).status.ok());
-  const std::vector<StepEntry> step = {{"a", 3}, {"b", 1}};
+  // c: a 100-token prefill of a new sequence, every token a prefix of c's one key list.
+  const std::vector<StepEntry> step = {{"a", 3}, {"b", 1}, {"c", 100}};
   const auto in = simt.MakeInputs(step, DType::kBF16, 62);
   auto s = [&] {
     cuda::ScopedKernelChoice simt_mla(false, true);
