@@ -20,10 +20,8 @@
 
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/gpu_facts.h"
-#ifndef ATTND_BENCH_NO_FLASHINFER  // gpu-check's nvcc-only rebuild: no FlashInfer headers there
 #include "kernels/cuda/mla_flashinfer.h"
 #include "kernels/cuda/mla_flashinfer_plan.h"
-#endif
 #include "kernels/cuda/mla_gemm.h"
 #include "kernels/cuda/mla_split.h"
 #include "kernels/cuda/topk_block.h"
@@ -153,9 +151,6 @@ std::string RelL2Text(const std::vector<float>& got, const std::vector<float>& w
   return buf;
 }
 
-// FlashInfer's Hopper MLA on the same selection as the LaunchMla rows (compute capability 9.0
-// and a build with it; elsewhere no row): the server's whole path for a layer, the queries'
-// conversion to bf16 included, with attnd's plan (chunks by each query's own keys) and merge.
 // The gather + cuBLAS GEMMs floor (mla_gemm.h) on the same selection, where cuBLAS loads:
 // the server's whole path for a layer (query packing, gather, two GEMMs, softmax).
 template <typename Tflops>
@@ -185,21 +180,18 @@ void GemmDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& s
   CHECK(cudaFree(g.scratch));
 }
 
-template <typename Tflops>
-// (ATTND_BENCH_NO_FLASHINFER: gpu-check's nvcc-only rebuild, which has no FlashInfer headers,
-// leaves the FlashInfer rows out.)
-void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& shape,
-                         double bytes, double copy_bw, const std::vector<float>& simt_out,
-                         Tflops tflops) {
+// FlashInfer's Hopper MLA over `in`'s key lists (compute capability 9.0 and a build with it):
+// the server's whole path for a layer, the queries' conversion to bf16 included, with attnd's
+// plan (chunks by each query's own keys) and merge. Its time in ms and its output, or a negative
+// time where it does not apply. (ATTND_BENCH_NO_FLASHINFER: gpu-check's nvcc-only rebuild,
+// which has no FlashInfer headers, leaves the FlashInfer rows out.)
+double TimeFlashInferMla(const attnd::cuda::MlaParams& mp, attnd::cuda::FlashInferMlaPlanInput in,
+                         const int32_t* key_list, std::vector<float>* out, int reps = 10) {
 #ifndef ATTND_BENCH_NO_FLASHINFER
   attnd::cuda::GpuFacts g;
   if (!attnd::cuda::FlashInferMlaBuilt() || attnd::cuda::CurrentGpuFacts(&g) != cudaSuccess ||
       g.cc_major != 9 || g.cc_minor != 0)
-    return;
-  attnd::cuda::FlashInferMlaPlanInput in;
-  in.keys.assign(mp.n, K);
-  for (int q = 0; q < mp.n; ++q) in.list_start.push_back(int64_t{q} * mp.sel_stride);
-  in.list_entries = int64_t{mp.n} * mp.sel_stride;  // the selection rows are the key lists
+    return -1;
   in.heads = mp.heads;
   in.multiprocessors = g.sms;
   const attnd::cuda::FlashInferMlaPlanResult plan = attnd::cuda::PlanFlashInferMla(in);
@@ -220,7 +212,7 @@ void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::str
     f.kv = mp.kv;
     f.heads = mp.heads;
     f.sm_scale = mp.sm_scale;
-    f.key_list = mp.sel;  // slot ids already, K a row
+    f.key_list = key_list;
     auto& a = f.wave;
     a.q_indptr = Upload(w.q_indptr);
     a.kv_indptr = Upload(w.kv_indptr);
@@ -244,15 +236,36 @@ void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::str
     f.out = mp.out;
     waves.push_back(f);
   }
-  const double ms = TimeMs([&] {
-    CHECK(attnd::cuda::LaunchFromF32(mp.q_latent, attnd::DType::kBF16, q_nope,
-                                     int64_t(nq) * mp.latent, 0));
-    CHECK(
-        attnd::cuda::LaunchFromF32(mp.q_rope, attnd::DType::kBF16, q_pe, int64_t(nq) * mp.rope, 0));
-    for (const auto& f : waves) CHECK(attnd::cuda::LaunchFlashInferMla(f, 0));
-  });
+  const double ms = TimeMs(
+      [&] {
+        CHECK(attnd::cuda::LaunchFromF32(mp.q_latent, attnd::DType::kBF16, q_nope,
+                                         int64_t(nq) * mp.latent, 0));
+        CHECK(attnd::cuda::LaunchFromF32(mp.q_rope, attnd::DType::kBF16, q_pe,
+                                         int64_t(nq) * mp.rope, 0));
+        for (const auto& f : waves) CHECK(attnd::cuda::LaunchFlashInferMla(f, 0));
+      },
+      reps);
   CHECK(cudaDeviceSynchronize());
-  const std::vector<float> got = Download(mp.out, nq * mp.latent);
+  *out = Download(mp.out, nq * mp.latent);
+  return ms;
+#else
+  return -1;
+#endif
+}
+
+// The decode row: the selection rows are the key lists.
+template <typename Tflops>
+void FlashInferDecodeRow(const attnd::cuda::MlaParams& mp, int K, const std::string& shape,
+                         double bytes, double copy_bw, const std::vector<float>& simt_out,
+                         Tflops tflops) {
+#ifndef ATTND_BENCH_NO_FLASHINFER
+  attnd::cuda::FlashInferMlaPlanInput in;
+  in.keys.assign(mp.n, K);
+  for (int q = 0; q < mp.n; ++q) in.list_start.push_back(int64_t{q} * mp.sel_stride);
+  in.list_entries = int64_t{mp.n} * mp.sel_stride;
+  std::vector<float> got;
+  const double ms = TimeFlashInferMla(mp, in, mp.sel, &got);
+  if (ms < 0) return;
   Report("sparse MLA decode (flashinfer, split-K x" +
              std::to_string(attnd::cuda::FlashInferMlaChunks(K)) + ")",
          shape, ms, bytes / 1e9, "GB/s", copy_bw / 1e9,
@@ -648,13 +661,32 @@ int main(int argc, char** argv) {
     mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
     mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
     const double flops = double(T) * (T + 1) / 2 * H * (D + L) * 2;
+    std::vector<float> simt_prefill;
     for (bool tc : {false, true}) {
       mp.tensor_cores = tc;
       const double ms = TimeMs([&] { CHECK(attnd::cuda::LaunchMla(mp, 0)); }, 3);
       // The fraction of the bf16 matmul rate is filled in by bench/gpu_report.py.
       Report(tc ? "prefill MLA (mma)" : "prefill MLA (dense causal)", "T=4096 H=128", ms,
              flops / 1e12, "TFLOP/s", 0);
+      if (!tc) simt_prefill = Download(out, size_t{T} * H * L);
     }
+#ifndef ATTND_BENCH_NO_FLASHINFER
+    {  // FlashInfer's: each token a prefix of the sequence's one key list
+      attnd::cuda::FlashInferMlaPlanInput in;
+      for (int64_t t = 0; t < T; ++t) {
+        in.keys.push_back(t + 1);
+        in.list_start.push_back(0);
+      }
+      in.list_entries = T;
+      std::vector<int32_t> slots(T);
+      for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(kv.Slot(1, 0, t));
+      std::vector<float> got;
+      const double ms = TimeFlashInferMla(mp, in, Upload(slots), &got, 3);
+      if (ms >= 0)
+        Report("prefill MLA (flashinfer)", "T=4096 H=128", ms, flops / 1e12, "TFLOP/s", 0,
+               RelL2Text(got, simt_prefill, "SIMT"));
+    }
+#endif
   }
   std::printf("\n%-28s %-28s %10s %12s %8s  %s\n", "op", "shape", "time", "rate", "of limit",
               "check");
