@@ -1,0 +1,31 @@
+#include "client/attnctl_common.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attnd::client::ctl {
+
+int Fail(const absl::Status& s, const char* what) {
+  std::fprintf(stderr, "attnctl: %s: %s\n", what, s.ToString().c_str());
+  return 1;
+}
+
+absl::Status CheckFits(const v1::ServerInfoResponse& info, const ModelSpec& spec,
+                       const std::vector<int64_t>& lengths, const char* lower) {
+  int64_t longest = 0, pages = 0, free_pages = 0;
+  for (int64_t n : lengths) {
+    longest = std::max(longest, n);
+    pages += (n + spec.page_size - 1) / spec.page_size;
+  }
+  for (const auto& d : info.devices()) free_pages += d.pages_free();
+  if (longest > spec.max_context)
+    return absl::OutOfRangeError(absl::StrCat("a sequence would reach ", longest,
+                                              " tokens, over the model's max_context ",
+                                              spec.max_context, " (lower ", lower, ")"));
+  if (pages > free_pages)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the sequences would take ", pages, " cache pages, the server has ",
+                     free_pages, " free (raise its --kv-cache-bytes or lower ", lower, ")"));
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::client::ctl
