@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <vector>
 
@@ -385,6 +386,31 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   return step;
 }
 
+namespace {
+
+// BeginStep's reactor: once gRPC is done with the call, a step whose id did not reach the client
+// (the call ended cancelled: the client gave up, its deadline passed or the connection went,
+// even after the executor's last look) is aborted, so it does not hold its sequences until
+// --step-idle-timeout-ms. IsCancelled() is final in OnDone.
+class BeginStepReactor final : public grpc::ServerUnaryReactor {
+ public:
+  BeginStepReactor(grpc::CallbackServerContext* ctx, std::function<void()> undelivered)
+      : ctx_(ctx), undelivered_(std::move(undelivered)) {}
+  // The step the reply carries (set before Finish).
+  void Opened() { opened_ = true; }
+  void OnDone() override {
+    if (opened_ && ctx_->IsCancelled()) undelivered_();
+    delete this;
+  }
+
+ private:
+  grpc::CallbackServerContext* ctx_;
+  std::function<void()> undelivered_;
+  bool opened_ = false;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContext* ctx,
                                                       const v1::BeginStepRequest* req,
                                                       v1::BeginStepResponse* resp) {
@@ -394,13 +420,21 @@ grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContex
     Report("BeginStep", caller.status(), started);
     return Done(ctx, caller.status());
   }
-  auto* reactor = ctx->DefaultReactor();
-  executor_->Post([this, ctx, caller = *std::move(caller), req, resp, reactor, started] {
+  const absl::Status gone = absl::CancelledError(
+      "BeginStep: the client cancelled or its deadline passed; no step was opened");
+  // After the reply: the step is aborted on the executor (never on gRPC's thread).
+  auto* reactor = new BeginStepReactor(ctx, [this, ref = RefOf(*caller, 0), resp, gone]() mutable {
+    ref.id = resp->step_id();
+    executor_->Post([this, ref, gone] {
+      (void)engine_->AbortStep(ref);
+      shards_.Fail(ref, gone);
+    });
+  });
+  executor_->Post([this, ctx, caller = *std::move(caller), req, resp, reactor, started, gone] {
     // A client that gave up (cancelled, or its deadline passed while the step waited for its
     // sequences) never learns the step's id: the step would hold its sequences, pages and an
-    // open-step slot until --step-idle-timeout-ms. It is not opened, or aborted at once.
-    const absl::Status gone = absl::CancelledError(
-        "BeginStep: the client cancelled or its deadline passed; no step was opened");
+    // open-step slot until --step-idle-timeout-ms. It is not opened, or aborted at once, or
+    // (cancelled after this last look) when the call ends (BeginStepReactor).
     absl::Status s = ctx->IsCancelled() ? gone : absl::OkStatus();
     if (s.ok()) {
       const absl::StatusOr<uint64_t> step =
@@ -411,6 +445,8 @@ grpc::ServerUnaryReactor* AttentionService::BeginStep(grpc::CallbackServerContex
         (void)engine_->AbortStep(ref);
         shards_.Fail(ref, gone);
         s = gone;
+      } else if (s.ok()) {
+        reactor->Opened();
       }
     }
     Report("BeginStep", s, started);
