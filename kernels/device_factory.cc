@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/cpu_device.h"
 #include "kernels/cpu/host_memory.h"
+#include "kernels/cuda/kernel_choice.h"
 #ifdef ATTND_HAVE_CUDA
 #include "kernels/cuda/cuda_device.h"
 #endif
@@ -138,6 +139,15 @@ absl::StatusOr<std::vector<std::unique_ptr<Device>>> CreateDevices(
   }
   const cpu::Kernels* kernels = &cpu::GetKernels(*cpu::SupportedIsaNamed(isa));
   std::vector<std::unique_ptr<Device>> out;
+  cuda::CudaKernelChoice choice;
+  if (!cuda::ParseCudaMla(options.settings.cuda_mla, &choice) ||
+      !cuda::ParseCudaIndexer(options.settings.cuda_indexer, &choice) ||
+      !cuda::ParseCudaTopK(options.settings.cuda_topk, &choice))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA kernels: --cuda-mla=", Quote(options.settings.cuda_mla),
+        " --cuda-indexer=", Quote(options.settings.cuda_indexer),
+        " --cuda-topk=", Quote(options.settings.cuda_topk), ": not all are kernel names"));
+  cuda::SetFlagKernelChoice(choice);
 #ifdef ATTND_HAVE_CUDA
   std::vector<cuda::CudaDevice*> gpus;
 #endif

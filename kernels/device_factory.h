@@ -23,6 +23,11 @@ namespace attnd {
 struct DeviceSettings {
   std::string cpu_isa = "auto";
   size_t gpu_scratch_bytes = size_t{8} << 30;
+  // The CUDA kernel forms (kernels/cuda/kernel_choice.h: --cuda-mla, --cuda-indexer,
+  // --cuda-topk; the ATTND_CUDA_* variables override them), for every GPU of the process.
+  std::string cuda_mla = "default";
+  std::string cuda_indexer = "default";
+  std::string cuda_topk = "attnd";
 };
 
 // What devices are made with: the settings, and the pool CPU devices compute on (it outlives

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kernels/cuda/kernel_choice.h"
 #include "service/service_metrics.h"
 
 namespace attnd {
@@ -79,6 +80,8 @@ Setter Str(std::string* out) {
     return true;
   };
 }
+std::set<std::string> ToSet(const std::vector<std::string>& v) { return {v.begin(), v.end()}; }
+
 Setter OneOf(std::string* out, std::set<std::string> allowed) {
   return [out, allowed](const std::string& v) {
     *out = v;
@@ -172,6 +175,18 @@ std::vector<Flag> Table(ServerFlags* f) {
        "CPU inner loops (default auto: the widest the host has; avx512 and\navx2 give the same "
        "bits)",
        OneOf(&f->cpu_isa, {"auto", "avx512", "avx2", "generic"})},
+      {"cuda-mla", "default|simt|mma|wgmma|wgmma-ws|flashinfer|gemm",
+       "the sparse MLA's CUDA kernel for bf16 requests (default: the\npipelined tensor-core one); "
+       "flashinfer and gemm where they apply,\nelse the default (ATTND_CUDA_MLA overrides)",
+       OneOf(&f->cuda_mla, ToSet(cuda::CudaMlaNames()))},
+      {"cuda-indexer", "default|simt",
+       "the indexer's CUDA kernel for bf16 requests (default: tensor cores;\nATTND_CUDA_INDEXER "
+       "overrides)",
+       OneOf(&f->cuda_indexer, ToSet(cuda::CudaIndexerNames()))},
+      {"cuda-topk", "attnd|flashinfer",
+       "the indexer's top-k on the GPU (default attnd; flashinfer where it\napplies; "
+       "ATTND_CUDA_TOPK overrides)",
+       OneOf(&f->cuda_topk, ToSet(cuda::CudaTopKNames()))},
       {"max-message-bytes", "N", "gRPC send/receive limit (default 1073741824)",
        Int(&f->max_message_bytes)},
       {"keepalive-time-ms", "N",

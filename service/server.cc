@@ -106,6 +106,9 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(
   o.limits.abort_wait = std::chrono::milliseconds(f.begin_wait_ms);
   o.limits.tenant_quota = FlagQuota(f);
   o.device.cpu_isa = f.cpu_isa;
+  o.device.cuda_mla = f.cuda_mla;
+  o.device.cuda_indexer = f.cuda_indexer;
+  o.device.cuda_topk = f.cuda_topk;
   o.tiers.host_bytes = static_cast<size_t>(f.host_cache_bytes);
   o.tiers.disk_dir = f.disk_cache_dir;
   o.tiers.disk_bytes = static_cast<size_t>(f.disk_cache_bytes);

@@ -116,3 +116,27 @@ TEST(Flags, RefusalsSayWhat) {
 
 }  // namespace
 }  // namespace attnd
+
+namespace attnd {
+namespace {
+
+// The CUDA kernel forms are flags (kernels/cuda/kernel_choice.h), checked by name.
+TEST(Flags, CudaKernelFormsAreFlagsOfKnownNames) {
+  const auto d = Parse({});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->cuda_mla, "default");
+  EXPECT_EQ(d->cuda_indexer, "default");
+  EXPECT_EQ(d->cuda_topk, "attnd");
+  const auto f = Parse({"--cuda-mla=flashinfer", "--cuda-indexer=simt", "--cuda-topk=flashinfer"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->cuda_mla, "flashinfer");
+  EXPECT_EQ(f->cuda_indexer, "simt");
+  EXPECT_EQ(f->cuda_topk, "flashinfer");
+  for (const char* bad : {"--cuda-mla=fast", "--cuda-indexer=wgmma", "--cuda-topk=radix"}) {
+    const auto r = Parse({bad});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace attnd

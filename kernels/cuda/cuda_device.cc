@@ -36,78 +36,7 @@ int64_t MaxKeys(const StepShare& share) {
 // Bounds one wave of indexer scores (floats): 64 MiB of GPU scratch.
 constexpr int64_t kMaxScoreFloats = int64_t{16} << 20;
 
-// ATTND_CUDA_MLA=simt and ATTND_CUDA_INDEXER=simt select the SIMT kernels (gpu-check runs both;
-// any other value keeps the default); ATTND_CUDA_MLA=wgmma the MLA's wgmma form, =wgmma-ws its
-// warp-specialised variant. ScopedKernelChoice overrides them in tests.
-bool FromEnv(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::string(v) != "simt";
-}
-std::atomic<int> g_tensor_core_mla{-1};  // -1: from the environment
-std::atomic<int> g_tensor_core_indexer{-1};
-std::atomic<int> g_wgmma_mla{-1};  // 0 off, 1 the wgmma form, 2 warp-specialised
-// ATTND_CUDA_MLA's wgmma choice, as g_wgmma_mla counts.
-int WgmmaFromEnv() {
-  static const int from_env = [] {
-    const char* v = std::getenv("ATTND_CUDA_MLA");
-    const std::string s = v == nullptr ? "" : v;
-    return s == "wgmma-ws" ? 2 : s == "wgmma" ? 1 : 0;
-  }();
-  return from_env;
-}
-
 }  // namespace
-
-bool TensorCoreMla() {
-  static const bool from_env = FromEnv("ATTND_CUDA_MLA");
-  const int set = g_tensor_core_mla.load();
-  return set < 0 ? from_env : set == 1;
-}
-bool WgmmaMla() {
-  const int set = g_wgmma_mla.load();
-  return (set < 0 ? WgmmaFromEnv() : set) >= 1;
-}
-bool WgmmaWsMla() {
-  const int set = g_wgmma_mla.load();
-  return (set < 0 ? WgmmaFromEnv() : set) == 2;
-}
-// ATTND_CUDA_MLA=flashinfer / gemm: sparse layers on a library form where it applies.
-std::atomic<int> g_library_mla{-1};  // -1: from the environment, else a LibraryMla
-LibraryMla LibraryMlaChoice() {
-  static const LibraryMla from_env = [] {
-    const char* v = std::getenv("ATTND_CUDA_MLA");
-    const std::string s = v == nullptr ? "" : v;
-    return s == "flashinfer" ? LibraryMla::kFlashInfer
-           : s == "gemm"     ? LibraryMla::kGemm
-                             : LibraryMla::kOff;
-  }();
-  const int set = g_library_mla.load();
-  return set < 0 ? from_env : static_cast<LibraryMla>(set);
-}
-bool FlashInferMla() { return LibraryMlaChoice() == LibraryMla::kFlashInfer; }
-// ATTND_CUDA_TOPK=flashinfer: the indexer's top-k on FlashInfer's (token mode, where it applies).
-std::atomic<int> g_flashinfer_topk{-1};  // -1: from the environment
-bool FlashInferTopK() {
-  static const bool from_env = [] {
-    const char* v = std::getenv("ATTND_CUDA_TOPK");
-    return v != nullptr && std::string(v) == "flashinfer";
-  }();
-  const int set = g_flashinfer_topk.load();
-  return set < 0 ? from_env : set == 1;
-}
-ScopedFlashInferTopK::ScopedFlashInferTopK(bool on)
-    : before_(g_flashinfer_topk.exchange(on ? 1 : 0)) {}
-ScopedFlashInferTopK::~ScopedFlashInferTopK() { g_flashinfer_topk = before_; }
-bool GemmMla() { return LibraryMlaChoice() == LibraryMla::kGemm; }
-ScopedLibraryMla::ScopedLibraryMla(LibraryMla form)
-    : before_(g_library_mla.exchange(static_cast<int>(form))) {}
-ScopedLibraryMla::~ScopedLibraryMla() { g_library_mla = before_; }
-
-bool TensorCoreIndexer() {
-  static const bool from_env = FromEnv("ATTND_CUDA_INDEXER");
-  const int set = g_tensor_core_indexer.load();
-  return set < 0 ? from_env : set == 1;
-}
 
 absl::StatusOr<int> ProbeDevices() {
   int n = 0;
@@ -134,17 +63,6 @@ absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal) {
   CUDA_RETURN(cudaSetDevice(ordinal));
   CUDA_RETURN(cudaMemGetInfo(&m.free, &m.total));
   return m;
-}
-
-ScopedKernelChoice::ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer,
-                                       bool wgmma_mla, bool warp_specialised)
-    : mla_before_(g_tensor_core_mla.exchange(tensor_core_mla ? 1 : 0)),
-      indexer_before_(g_tensor_core_indexer.exchange(tensor_core_indexer ? 1 : 0)),
-      wgmma_before_(g_wgmma_mla.exchange(wgmma_mla ? (warp_specialised ? 2 : 1) : 0)) {}
-ScopedKernelChoice::~ScopedKernelChoice() {
-  g_tensor_core_mla = mla_before_;
-  g_tensor_core_indexer = indexer_before_;
-  g_wgmma_mla = wgmma_before_;
 }
 
 absl::StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::Create(std::string name, int ordinal,

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cuda/kernel_choice.h"
 #include "kernels/device.h"
 #include "kv_store/host_tier.h"
 
@@ -27,55 +28,6 @@ struct GpuMemory {
   size_t free = 0, total = 0;
 };
 absl::StatusOr<GpuMemory> QueryGpuMemory(int ordinal);
-// While it lives, bf16 requests take the tensor-core MLA kernel or the SIMT one (`mla`) and the
-// tensor-core indexer or the SIMT one (`indexer`), over ATTND_CUDA_MLA / ATTND_CUDA_INDEXER; it
-// then restores the choice before it (the environment's included), so a test comparing the two
-// cannot leave its choice to the tests after it.
-// `wgmma_mla`: the tensor-core MLA takes its wgmma form where it can (ATTND_CUDA_MLA=wgmma
-// outside a scope; WgmmaMla()); with `warp_specialised`, that form's producer/consumer variant
-// (ATTND_CUDA_MLA=wgmma-ws; WgmmaWsMla()).
-class ScopedKernelChoice {
- public:
-  ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer, bool wgmma_mla = false,
-                     bool warp_specialised = false);
-  ~ScopedKernelChoice();
-  ScopedKernelChoice(const ScopedKernelChoice&) = delete;
-  ScopedKernelChoice& operator=(const ScopedKernelChoice&) = delete;
-
- private:
-  int mla_before_, indexer_before_, wgmma_before_;  // -1: the environment's choice
-};
-
-// The library forms of the sparse MLA (opt-in until a GPU run has checked and timed them):
-// FlashInfer's Hopper MLA (mla_flashinfer.h; ATTND_CUDA_MLA=flashinfer) or the gather + cuBLAS
-// GEMMs floor (mla_gemm.h; ATTND_CUDA_MLA=gemm). kOff keeps the hand-written kernels.
-enum class LibraryMla { kOff = 0, kFlashInfer = 1, kGemm = 2 };
-// While it lives, sparse layers take `form` where it applies, over ATTND_CUDA_MLA; then the
-// choice before it is back. The choice is read when a step begins.
-class ScopedLibraryMla {
- public:
-  explicit ScopedLibraryMla(LibraryMla form);
-  ~ScopedLibraryMla();
-  ScopedLibraryMla(const ScopedLibraryMla&) = delete;
-  ScopedLibraryMla& operator=(const ScopedLibraryMla&) = delete;
-
- private:
-  int before_;
-};
-
-// While it lives, the indexer's top-k takes FlashInfer's filtered radix top-k where it applies
-// (on; topk_flashinfer.h) or never (off), over ATTND_CUDA_TOPK=flashinfer; read at BeginStep.
-class ScopedFlashInferTopK {
- public:
-  explicit ScopedFlashInferTopK(bool on);
-  ~ScopedFlashInferTopK();
-  ScopedFlashInferTopK(const ScopedFlashInferTopK&) = delete;
-  ScopedFlashInferTopK& operator=(const ScopedFlashInferTopK&) = delete;
-
- private:
-  int before_;
-};
-
 class CudaDevice final : public Device {
  public:
   // Allocates the cache (cudaMalloc, sized by `layout`) and streams on GPU `ordinal`, after

@@ -40,23 +40,7 @@
 
 namespace attnd::cuda {
 
-// bf16 requests take the tensor-core kernels (MLA and indexer) unless ATTND_CUDA_MLA=simt /
-// ATTND_CUDA_INDEXER=simt or a ScopedKernelChoice says otherwise.
-bool TensorCoreMla();
-bool TensorCoreIndexer();
-// The tensor-core MLA takes its wgmma form where it can (MlaUsesWgmma): ATTND_CUDA_MLA=wgmma
-// (or wgmma-ws) or a ScopedKernelChoice; WgmmaWsMla: that form's warp-specialised variant
-// (ATTND_CUDA_MLA=wgmma-ws).
-bool WgmmaMla();
-bool WgmmaWsMla();
-// The library MLA form sparse layers take where it applies (ScopedLibraryMla, ATTND_CUDA_MLA):
-// FlashInfer's Hopper MLA (mla_flashinfer.h) or the gather + cuBLAS GEMMs (mla_gemm.h).
-LibraryMla LibraryMlaChoice();
-bool FlashInferMla();
-bool GemmMla();
-// The indexer's top-k on FlashInfer's (topk_flashinfer.h): ATTND_CUDA_TOPK=flashinfer or a
-// ScopedFlashInferTopK; opt-in until a GPU run has checked and timed it.
-bool FlashInferTopK();
+// Which kernel forms run: kernels/cuda/kernel_choice.h.
 
 // A device allocation that only grows: no allocation per layer once warm.
 struct DeviceBuffer {

@@ -495,6 +495,7 @@ absl::Status CudaDevice::Call::Attend() {
   auto bf16_precision = [](DType t) { return t == DType::kBF16 || t == DType::kFP8E4M3; };
   mp.tensor_cores =
       TensorCoreMla() && bf16_precision(plan.query.dtype) && bf16_precision(plan.q_rope.dtype);
+  mp.pipeline = PipelinedMla();
   mp.wgmma = WgmmaMla();
   mp.wgmma_ws = WgmmaWsMla();
   std::string blas_why;
