@@ -9,8 +9,11 @@ WHICH=${1:-all}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+# -O1 -g1: what sanitizers are meant to run at (line numbers in reports, frames kept), and less
+# to compile than -O2 -g after a header change.
 configure() {  # dir sanitizer
   cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
     -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
     -DATTND_SANITIZE="$2" -DATTND_CUDA=OFF -DATTND_BUILD_BENCH=OFF -DATTND_E2E_TESTS=OFF >/dev/null
 }
