@@ -373,43 +373,6 @@ TenantQuota Engine::TenantQuotaOf(const std::string& tenant) const {
   return impl_->table->tenants().QuotaOf(tenant);
 }
 
-absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int layer, int64_t begin,
-                                                   int64_t end) const {
-  const ModelSpec& s = impl_->spec();
-  int device = 0;
-  std::vector<int32_t> pages;  // on the device: the pages holding [begin, end), pinned while read
-  std::vector<TierPin> pins;   // off it: the same pages where they are
-  bool off_device = false;
-  if (layer < 0 || layer >= s.num_layers())
-    return absl::OutOfRangeError(
-        absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
-  {
-    std::unique_lock<std::mutex> lock(impl_->mu);
-    if (impl_->tiers_on() && impl_->table->Find(seq) != nullptr) {
-      // A spilled sequence is read where it is: exports, drains and standby copies leave the
-      // device to the sequences in use (docs/architecture.md#tiers).
-      RETURN_IF_ERROR(impl_->LiftForRead(lock, seq));
-      off_device = impl_->table->Find(seq)->tier != Tier::kDevice;
-    }
-    RETURN_IF_ERROR(off_device ? impl_->table->PinTierRows(seq, begin, end, &device, &pins)
-                               : impl_->table->PinRows(seq, begin, end, &device, &pages));
-  }
-  LayerRows out;
-  const absl::Status read = Guarded([&] {
-    return off_device ? impl_->ReadTierRows(device, layer, pins, begin, end, &out)
-                      : ReadLayerRows(*impl_->devices[device], s, layer, pages, begin, end, &out);
-  });
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (off_device) {
-    impl_->table->UnpinTierRows(pins);
-  } else {
-    impl_->table->Unpin(device, pages);
-  }
-  impl_->step_ended.notify_all();  // its pages may move now (MakeRoom, AwaitSettled wait for that)
-  if (!read.ok()) return read;
-  return out;
-}
-
 std::vector<DeviceCapacity> Engine::Capacity() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   std::vector<DeviceCapacity> out;
