@@ -101,9 +101,9 @@ struct GpuThread {
   __device__ void RegsUp() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
   }
-  // mbarrier (tests/sim/simt_sim.h has the semantics the kernels rely on): init by one thread before a
-  // Sync, arrive (release.cta), wait for the phase of `parity` (acquire.cta; try_wait suspends
-  // the thread for a while in hardware before it reports, so the loop does not spin hot).
+  // mbarrier (tests/sim/simt_sim.h has the semantics the kernels rely on): init by one thread
+  // before a Sync, arrive (release.cta), wait for the phase of `parity` (acquire.cta; try_wait
+  // suspends the thread for a while in hardware before it reports, so the loop does not spin hot).
   __device__ void MbarInit(uint32_t off, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(off)), "r"(count)
                  : "memory");

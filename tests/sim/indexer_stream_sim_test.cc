@@ -16,8 +16,8 @@
 #include "common/dtype.h"
 #include "common/fp8.h"
 #include "kernels/cuda/indexer_stream.h"
-#include "tests/sim/simt_sim.h"
 #include "tests/sim/sim_mutation.h"
+#include "tests/sim/simt_sim.h"
 
 namespace attnd::cuda {
 namespace {

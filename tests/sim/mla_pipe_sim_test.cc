@@ -25,10 +25,10 @@
 #include "kernels/cuda/mla_wgmma.h"
 #include "kernels/cuda/mla_wgmma_ws.h"
 #include "kernels/cuda/mma_fragments.h"
-#include "tests/sim/simt_sim.h"
 #include "kernels/cuda/wgmma_probe.h"
 #include "kernels/reference/reference.h"
 #include "tests/sim/sim_mutation.h"
+#include "tests/sim/simt_sim.h"
 
 namespace attnd::cuda {
 namespace {

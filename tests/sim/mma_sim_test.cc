@@ -10,9 +10,9 @@
 
 #include "common/fp8.h"
 #include "common/model_spec.h"
+#include "kernels/reference/reference.h"
 #include "tests/sim/indexer_mma_sim.h"
 #include "tests/sim/mla_mma_sim.h"
-#include "kernels/reference/reference.h"
 
 namespace attnd::cuda {
 namespace {

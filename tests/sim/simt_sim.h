@@ -58,8 +58,8 @@
 #include <vector>
 
 #include "kernels/cuda/mma_fragments.h"
-#include "tests/sim/mma_sim.h"
 #include "kernels/cuda/wgmma_layout.h"
+#include "tests/sim/mma_sim.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)

@@ -13,9 +13,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "tests/sim/block_sim.h"
 #include "kernels/cuda/topk_block.h"
 #include "kernels/selection.h"
+#include "tests/sim/block_sim.h"
 #include "tests/sim/sim_mutation.h"
 
 namespace attnd::cuda {
