@@ -202,7 +202,6 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
       {&cand_count, std::max<size_t>(4, step.candidates * 4)},
       {&fi_q_nope, step.fi ? n * H * L * 2 : 4},
       {&fi_q_pe, step.fi ? n * H * R * 2 : 4},
-      {&fi_keys, step.fi ? static_cast<size_t>(step.fi_list_entries) * 4 : 4},
       {&fi_part_o, step.fi ? static_cast<size_t>(step.fi_partial_rows) * L * 2 : 4},
       {&fi_part_lse, step.fi ? static_cast<size_t>(step.fi_partial_rows) * 4 : 4},
       {&topk_values, std::any_of(step.waves.begin(), step.waves.end(),
@@ -213,14 +212,17 @@ absl::Status CudaDevice::State::ReserveScratch(const StepShare& share, const Ste
        step.gemm_keys > 0 ? MlaGemmWaveQueries(static_cast<int>(n), H, L, R, step.gemm_keys) *
                                 MlaGemmQueryBytes(H, L, R, step.gemm_keys)
                           : 4}};
-  return ReserveScratchBuffers(share, want);
+  // The FlashInfer MLA's key lists are the step's own, as its selection is.
+  return ReserveScratchBuffers(share, want, static_cast<size_t>(step.fi_list_entries) * 4);
 }
 
 absl::Status CudaDevice::State::ReserveScratchBuffers(
-    const StepShare& share, absl::Span<const std::pair<DeviceBuffer*, size_t>> want) {
+    const StepShare& share, absl::Span<const std::pair<DeviceBuffer*, size_t>> want,
+    size_t step_own_bytes) {
   // The step's own selection buffers (positions and slot ids) count too.
   const size_t n = std::max<size_t>(1, share.size());
-  size_t total = 2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4;
+  size_t total =
+      2 * n * static_cast<size_t>(std::max<int64_t>(1, share.max_selected)) * 4 + step_own_bytes;
   for (const auto& [buf, bytes] : want) total += bytes;
   if (total > scratch_budget)
     return absl::ResourceExhaustedError(
@@ -296,6 +298,7 @@ absl::StatusOr<std::unique_ptr<DeviceStep>> CudaDevice::BeginStep(const StepShar
   RETURN_IF_ERROR(st->sel.Reserve(std::max<size_t>(4, st->n * st->sel_cap * 4)));
   RETURN_IF_ERROR(st->sel_slots.Reserve(std::max<size_t>(4, st->n * st->sel_cap * 4)));
   RETURN_IF_ERROR(st->sel_count.Reserve(std::max<size_t>(4, st->n * 4)));
+  if (st->fi) RETURN_IF_ERROR(st->fi_keys.Reserve(static_cast<size_t>(st->fi_list_entries) * 4));
   // Rows that never select keep count 0 (PositionsToSlots and traces read every row).
   CUDA_RETURN(cudaMemsetAsync(st->sel_count.ptr, 0, st->sel_count.bytes, s.stream));
   return std::unique_ptr<DeviceStep>(std::move(st));

@@ -243,6 +243,10 @@ struct CudaDevice::Step final : DeviceStep {
   int fi_segments = 0;
   size_t fi_seg_start = 0, fi_seg_count = 0, fi_seg_query = 0, fi_seg_range = 0;
   int64_t fi_list_entries = 0;
+  // The key lists themselves (slot ids), built at the step's first sparse layer and again after
+  // each new selection (ToSlots): shared layers reuse them.
+  DeviceBuffer fi_keys;
+  bool fi_lists_current = false;
   struct FiWave {
     FlashInferMlaWave host;  // the shape (the arrays are also in `plan`, at the offsets below)
     size_t q_indptr = 0, kv_indptr = 0, partial_indptr = 0, q_len = 0, kv_len = 0, q_start = 0,
@@ -282,7 +286,7 @@ struct CudaDevice::State {
   DeviceBuffer cand_key, cand_index, cand_count;  // top-k candidates of long rows' slices
   DeviceBuffer q_nope, out_v;                     // absorbed calls: q_nope and the values, fp32
   // The FlashInfer MLA: bf16 queries, key lists [n, sel_cap], chunk partials (bf16, log2 fp32).
-  DeviceBuffer fi_q_nope, fi_q_pe, fi_keys, fi_part_o, fi_part_lse;
+  DeviceBuffer fi_q_nope, fi_q_pe, fi_part_o, fi_part_lse;
   // The GEMM MLA: its waves' key blocks, queries, scores and probabilities; cuBLAS's handle.
   DeviceBuffer gemm_scratch;
   DeviceBuffer topk_values;  // FlashInfer's top-k: its values output [n, k] (unused after)
@@ -322,10 +326,12 @@ struct CudaDevice::State {
   // both slots held): a step that cannot fit fails at BeginStep with RESOURCE_EXHAUSTED, never in
   // the middle of a layer.
   absl::Status ReserveScratch(const StepShare& share, const Step& step);
-  // Grows each buffer of `want` to its size when they and the share's selection buffers fit the
-  // budget; a failure puts every buffer back as it was (other open steps' layers use them).
+  // Grows each buffer of `want` to its size when they, the share's selection buffers and
+  // `step_own_bytes` of the step's other own buffers fit the budget; a failure puts every buffer
+  // back as it was (other open steps' layers use them).
   absl::Status ReserveScratchBuffers(const StepShare& share,
-                                     absl::Span<const std::pair<DeviceBuffer*, size_t>> want);
+                                     absl::Span<const std::pair<DeviceBuffer*, size_t>> want,
+                                     size_t step_own_bytes = 0);
   // A free upload slot, locked into *lock (waits for one when both are in use).
   UploadSlot& AcquireSlot(std::unique_lock<std::mutex>* lock);
   // Copies between a page's rows and host memory on the copy stream, then waits (copy_mu held).

@@ -374,6 +374,7 @@ absl::Status CudaDevice::Call::ToSlots() {
   sp.tables = Tables();
   sp.slots = st.sel_slots.as<int32_t>();
   CUDA_RETURN(LaunchPositionsToSlots(sp, s.stream));
+  st.fi_lists_current = false;  // the FlashInfer MLA's lists follow the new selection
   return absl::OkStatus();
 }
 
@@ -410,8 +411,11 @@ absl::Status CudaDevice::Call::AttendFlashInfer(const MlaParams& mp) {
   kl.query = st.At<int32_t>(st.fi_seg_query);
   kl.is_range = st.At<uint8_t>(st.fi_seg_range);
   kl.segments = st.fi_segments;
-  kl.out = s.fi_keys.as<int32_t>();
-  CUDA_RETURN(LaunchMlaKeyList(kl, s.stream));
+  kl.out = st.fi_keys.as<int32_t>();
+  if (!st.fi_lists_current) {  // a new selection, or the step's first sparse layer
+    CUDA_RETURN(LaunchMlaKeyList(kl, s.stream));
+    st.fi_lists_current = true;
+  }
   for (const Step::FiWave& w : st.fi_waves) {
     FlashInferMlaParams fp;
     fp.q_nope = s.fi_q_nope.ptr;
@@ -419,7 +423,7 @@ absl::Status CudaDevice::Call::AttendFlashInfer(const MlaParams& mp) {
     fp.kv = mp.kv;
     fp.heads = mp.heads;
     fp.sm_scale = mp.sm_scale;
-    fp.key_list = s.fi_keys.as<int32_t>();
+    fp.key_list = st.fi_keys.as<int32_t>();
     FlashInferMlaWaveArgs& a = fp.wave;
     a.q_indptr = st.At<int32_t>(w.q_indptr);
     a.kv_indptr = st.At<int32_t>(w.kv_indptr);
