@@ -30,26 +30,38 @@ def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
     command line; ``wrap``: a command it runs under, e.g. ``ip netns exec NAME``). Its stdout and
     stderr stay readable from the process, or with ``log`` go to that file (for a server that
     lives long and logs much)."""
-    port, mport = port or free_port(), free_port()
-    pages = [] if kv_pages is None else [f"--kv-pages={kv_pages}"]
-    cmd = [*wrap, str(ATTND_BIN), *first, f"--grpc-port={port}", "--grpc-address=127.0.0.1",
-           "--model=tiny", *pages, f"--threads={threads}", f"--metrics-port={mport}", *extra]
-    if log is None:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = proc.stdout.readline()
-        assert "serving attnd.v1" in line, line + (proc.stdout.read() if proc.poll() is not None
-                                                   else "")
-        return proc, f"127.0.0.1:{port}", mport
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while "serving attnd.v1" not in tail(log):
-        assert proc.poll() is None, (f"attnd exited with {proc.returncode} at startup: {cmd}\n"
-                                     f"{tail(log)}")
-        assert time.monotonic() < deadline, (f"attnd did not start in {STARTUP_TIMEOUT_S} s\n"
-                                             f"{tail(log)}")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{port}", mport
+    # free_port() closes the port it found: another process can take it before attnd binds it
+    # ("Address already in use"), so a start that lost such a race is tried again on fresh ports.
+    for attempt in range(3):
+        chosen, mport = port or free_port(), free_port()
+        pages = [] if kv_pages is None else [f"--kv-pages={kv_pages}"]
+        cmd = [*wrap, str(ATTND_BIN), *first, f"--grpc-port={chosen}", "--grpc-address=127.0.0.1",
+               "--model=tiny", *pages, f"--threads={threads}", f"--metrics-port={mport}", *extra]
+        if log is None:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+            line = proc.stdout.readline()
+            if "serving attnd.v1" in line:
+                return proc, f"127.0.0.1:{chosen}", mport
+            out = line + (proc.stdout.read() if proc.poll() is not None else "")
+            if "Address already in use" in out and attempt < 2:
+                proc.wait(timeout=30)
+                continue
+            raise AssertionError(out)
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while "serving attnd.v1" not in tail(log):
+            if proc.poll() is not None and "Address already in use" in tail(log) and attempt < 2:
+                break
+            assert proc.poll() is None, (f"attnd exited with {proc.returncode} at startup: {cmd}\n"
+                                         f"{tail(log)}")
+            assert time.monotonic() < deadline, (f"attnd did not start in {STARTUP_TIMEOUT_S} s\n"
+                                                 f"{tail(log)}")
+            time.sleep(0.05)
+        else:
+            return proc, f"127.0.0.1:{chosen}", mport
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def tail(path: Path, n: int = 4000) -> str:
