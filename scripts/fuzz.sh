@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang-14, ASan + UBSan) and runs each for SECONDS seconds
 # (default 60) from its committed seed corpus, printing executions and corpus size. Any crash,
-# sanitizer report or failed self-check exits non-zero and leaves the reproducer in build-fuzz/.
+# sanitizer report or failed self-check exits non-zero and leaves the reproducer in build-asan/
+# (the tree scripts/sanitize.sh builds).
 #   scripts/fuzz.sh            # 60 s per target (what CI runs)
 #   scripts/fuzz.sh 3600       # an hour per target
 #   TARGETS=request_fuzz scripts/fuzz.sh 600
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-60}
-BUILD=${FUZZ_BUILD_DIR:-build-fuzz}
+BUILD=${FUZZ_BUILD_DIR:-build-asan}
 TARGETS=${TARGETS:-"engine_ops_fuzz request_fuzz"}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
-# -O1 -g1 as scripts/sanitize.sh builds (line numbers in reports; less compile time).
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
-  -DATTND_SANITIZE=address,undefined -DATTND_FUZZ=ON -DATTND_CUDA=OFF \
-  -DATTND_BUILD_TESTS=OFF -DATTND_BUILD_BENCH=OFF >/dev/null
+# The ASan+UBSan tree scripts/sanitize.sh builds (scripts/sanitized-tree.sh): after it, only the
+# fuzz targets' own files compile here.
+# shellcheck source=scripts/sanitized-tree.sh
+. scripts/sanitized-tree.sh
+configure_sanitized "$BUILD" address,undefined ON
 cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}

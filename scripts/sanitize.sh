@@ -9,24 +9,18 @@ WHICH=${1:-all}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
-# -O1 -g1: what sanitizers are meant to run at (line numbers in reports, frames kept), and less
-# to compile than -O2 -g after a header change.
-configure() {  # dir sanitizer
-  cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-    -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
-    -DATTND_SANITIZE="$2" -DATTND_CUDA=OFF -DATTND_BUILD_BENCH=OFF -DATTND_E2E_TESTS=OFF >/dev/null
-}
+# shellcheck source=scripts/sanitized-tree.sh
+. scripts/sanitized-tree.sh
 # Only the sequences' own code is ours to judge: gRPC and protobuf come uninstrumented from
 # Debian, so reports whose every frame is inside them are suppressed (tests/sanitizers/).
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
-  configure build-asan address,undefined
-  cmake --build build-asan -j "$(nproc)"
+  configure_sanitized "$ASAN_TREE" address,undefined ON  # the fuzz targets build here too
+  cmake --build "$ASAN_TREE" -j "$(nproc)"
   echo "sanitize: ASan+UBSan: the unit, engine and service levels (the e2e ones run once, in test.sh)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:suppressions=$PWD/tests/sanitizers/asan.supp \
   LSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/lsan.supp \
-    ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE e2e -E 'Cuda'
+    ctest --test-dir "$ASAN_TREE" --output-on-failure -j "$(nproc)" -LE e2e -E 'Cuda'
 fi
 if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # The engine's concurrency (layers of different steps at once, aborts racing running layers,
@@ -35,7 +29,7 @@ if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # running layers). The tests through a gRPC server are not run under TSan: Debian's gRPC and
   # Abseil are uninstrumented, so every reactor handed between gRPC's threads and ours reads as
   # a race (false reports); an instrumented gRPC is not packaged.
-  configure build-tsan thread
+  configure_sanitized build-tsan thread
   cmake --build build-tsan -j "$(nproc)" --target engine_state_test engine_hardening_test \
     engine_devices_test engine_concurrency_test service_concurrency_test thread_pool_test \
     engine_tiers_test tier_store_test
