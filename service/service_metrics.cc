@@ -12,7 +12,7 @@
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
-#include "service/replication.h"
+#include "cluster/replication.h"
 
 #ifndef ATTND_VERSION
 #define ATTND_VERSION "0.0.0"

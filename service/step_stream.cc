@@ -13,7 +13,7 @@
 #include "engine/layer_check.h"
 #include "kv_store/cache_layout.h"
 #include "service/attention_service.h"
-#include "service/export_chunk.h"
+#include "cluster/export_chunk.h"
 #include "service/layer_codec.h"
 #include "service/service_internal.h"
 #include "service/status_map.h"

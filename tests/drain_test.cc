@@ -1,12 +1,12 @@
-// The drain's peer list (service/drain.h) and the rejection reasons the service's metrics derive
+// The drain's peer list (cluster/drain.h) and the rejection reasons the service's metrics derive
 // from refused calls (a draining server's UNAVAILABLE among them).
-#include "service/drain.h"
+#include "cluster/drain.h"
 
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "metrics/metrics.h"
-#include "service/replication.h"
+#include "cluster/replication.h"
 #include "service/service_metrics.h"
 
 namespace attnd {

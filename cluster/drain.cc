@@ -1,4 +1,4 @@
-#include "service/drain.h"
+#include "cluster/drain.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/router.h"
 #include "common/status_macros.h"
-#include "service/export_chunk.h"
-#include "service/replication.h"
+#include "cluster/export_chunk.h"
+#include "cluster/replication.h"
 
 namespace attnd {
 namespace {

@@ -1,4 +1,4 @@
-// The replicator's shipping (service/replication.h): resolving and reaching each standby peer,
+// The replicator's shipping (cluster/replication.h): resolving and reaching each standby peer,
 // the peer's loop, and a round that ships its sequences' new rows as batched write-only steps.
 // Moved out of replication.cc unchanged.
 #include <glog/logging.h>
@@ -11,9 +11,9 @@
 #include "common/client_text.h"
 #include "common/status_macros.h"
 #include "kv_store/cache_layout.h"
-#include "service/drain.h"
-#include "service/export_chunk.h"
-#include "service/replication.h"
+#include "cluster/drain.h"
+#include "cluster/export_chunk.h"
+#include "cluster/replication.h"
 
 namespace attnd {
 namespace {

@@ -1,4 +1,4 @@
-#include "service/replication.h"
+#include "cluster/replication.h"
 
 #include <glog/logging.h>
 
@@ -10,8 +10,8 @@
 #include "common/client_text.h"
 #include "common/status_macros.h"
 #include "kv_store/cache_layout.h"
-#include "service/drain.h"
-#include "service/export_chunk.h"
+#include "cluster/drain.h"
+#include "cluster/export_chunk.h"
 
 namespace attnd {
 namespace {

@@ -1,4 +1,4 @@
-#include "service/export_chunk.h"
+#include "cluster/export_chunk.h"
 
 #include <string>
 
