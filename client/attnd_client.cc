@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/sequence_import.h"
 #include "common/fp8.h"
 
 namespace attnd::client {
@@ -512,49 +513,29 @@ absl::Status HandOffSequence(Client& from, Client& to, const std::string& id,
                              int64_t chunk_tokens) {
   auto source = from.DescribeSequence(id);
   if (!source.ok()) return source.status();
-  // Ordinary steps on the copy wait until it holds every token (no half-copied decode).
-  v1::OpenSequenceRequest open;  // at its generation: its workers' fencing holds there too
-  open.set_sequence_id(id);
-  open.set_import_length(source->length());
-  open.set_import_generation(source->generation());
-  if (auto s = to.OpenSequence(open); !s.ok()) return s.status();
-  auto fail = [&](absl::Status s) {
-    (void)to.CloseSequence(id);
-    return s;
-  };
   grpc::ClientContext ctx;
-  from.Authorize(&ctx);
-  v1::ExportSequenceRequest req;
-  req.set_sequence_id(id);
-  req.set_chunk_tokens(chunk_tokens);
-  auto reader = from.stub()->ExportSequence(&ctx, req);
-  v1::ExportChunk chunk;
-  uint64_t step = 0;
-  while (reader->Read(&chunk)) {
-    if (chunk.keys().layer() == 0) {
-      auto b = to.BeginStep({{id, chunk.tokens()}}, /*write_only=*/true);
-      if (!b.ok()) {
-        ctx.TryCancel();
-        (void)reader->Finish();
-        return fail(b.status());
-      }
-      step = b->step_id();
+  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader;  // once the copy is open
+  bool finished = false;
+  auto next = [&](v1::ExportChunk* chunk) -> absl::StatusOr<bool> {
+    if (reader == nullptr) {
+      from.Authorize(&ctx);
+      v1::ExportSequenceRequest req;
+      req.set_sequence_id(id);
+      req.set_chunk_tokens(chunk_tokens);
+      reader = from.stub()->ExportSequence(&ctx, req);
     }
-    auto o = to.AttendLayer(step, chunk.keys());
-    if (!o.ok()) {
-      ctx.TryCancel();
-      (void)reader->Finish();
-      return fail(o.status());
-    }
+    if (reader->Read(chunk)) return true;
+    finished = true;
+    if (absl::Status s = FromGrpcNotCancelled(reader->Finish()); !s.ok()) return s;
+    return false;
+  };
+  absl::Status s = ImportSequence(
+      to, {.id = id, .length = source->length(), .generation = source->generation()}, next);
+  if (reader != nullptr && !finished) {
+    ctx.TryCancel();
+    (void)reader->Finish();
   }
-  if (auto s = FromGrpcNotCancelled(reader->Finish()); !s.ok()) return fail(s);
-  auto there = to.DescribeSequence(id);
-  if (!there.ok()) return fail(there.status());
-  if (there->generation() != source->generation())  // an older attnd drops import_generation
-    return fail(absl::FailedPreconditionError(
-        absl::StrCat("handoff: the receiver holds ", id, " at generation ", there->generation(),
-                     ", not ", source->generation(), " (an attnd that keeps no generations?)")));
-  return absl::OkStatus();
+  return s;
 }
 
 }  // namespace attnd::client

@@ -14,9 +14,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/router.h"
-#include "common/status_macros.h"
+#include "client/sequence_import.h"
 #include "cluster/export_chunk.h"
 #include "cluster/replication.h"
+#include "common/status_macros.h"
 
 namespace attnd {
 namespace {
@@ -57,39 +58,21 @@ absl::Status MoveOne(Engine& engine, const SequenceInfo& seq, const std::string&
           absl::StrCat("peer ", peer, " caches ", info.cache_datatype(),
                        ": this server's fp8 keys move only to an fp8 cache (--cache-dtype=fp8)"));
   }
-  v1::OpenSequenceRequest open;  // at its generation: its workers' fencing holds there too
-  open.set_sequence_id(seq.id);
-  open.set_import_length(seq.length);
-  open.set_import_generation(seq.generation);
-  RETURN_IF_ERROR(to->OpenSequence(open).status());
-  auto fail = [&](absl::Status s) {
-    (void)to->CloseSequence(seq.id);
-    return s;
-  };
-  const ModelSpec& spec = engine.spec();
-  v1::ExportChunk chunk;
-  for (int64_t begin = 0; begin < seq.length; begin += o.chunk_tokens) {
+  const int layers = engine.spec().num_layers();
+  int64_t begin = 0;
+  int layer = 0;
+  auto next = [&](v1::ExportChunk* chunk) -> absl::StatusOr<bool> {
+    if (begin >= seq.length) return false;
     const int64_t n = std::min(o.chunk_tokens, seq.length - begin);
-    auto step = to->BeginStep({{seq.id, n}}, /*write_only=*/true);
-    if (!step.ok()) return fail(step.status());
-    for (int layer = 0; layer < spec.num_layers(); ++layer) {
-      if (absl::Status s = ReadExportChunk(engine, key, layer, begin, n, seq.length, &chunk);
-          !s.ok()) {
-        (void)to->AbortStep(step->step_id());
-        return fail(s);
-      }
-      if (auto r = to->AttendLayer(step->step_id(), chunk.keys()); !r.ok()) return fail(r.status());
+    RETURN_IF_ERROR(ReadExportChunk(engine, key, layer, begin, n, seq.length, chunk));
+    if (++layer == layers) {
+      layer = 0;
+      begin += n;
     }
-  }
-  auto there = to->DescribeSequence(seq.id);
-  if (!there.ok()) return fail(there.status());
-  if (there->length() != seq.length)
-    return fail(absl::InternalError(
-        absl::StrCat("peer holds ", there->length(), " tokens, not ", seq.length)));
-  if (there->generation() != seq.generation)  // an older attnd drops import_generation
-    return fail(absl::FailedPreconditionError(
-        absl::StrCat("peer ", peer, " holds it at generation ", there->generation(), ", not ",
-                     seq.generation, " (an attnd that keeps no generations?)")));
+    return true;
+  };
+  RETURN_IF_ERROR(client::ImportSequence(
+      *to, {.id = seq.id, .length = seq.length, .generation = seq.generation}, next));
   return engine.CloseSequence(key);
 }
 

@@ -9,7 +9,8 @@ install(TARGETS attnd_client attnd_proto attnd_dtype attnd_block_hash EXPORT att
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
 set(ATTND_INCLUDE ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
-install(FILES client/attention_merge.h client/attnd_client.h client/context_parallel.h client/router.h DESTINATION ${ATTND_INCLUDE}/client)
+install(FILES client/attention_merge.h client/attnd_client.h client/context_parallel.h client/router.h
+  client/sequence_import.h DESTINATION ${ATTND_INCLUDE}/client)
 install(FILES common/block_hash.h common/dtype.h common/host_device.h
   DESTINATION ${ATTND_INCLUDE}/common)
 install(FILES ${ATTND_GEN}/attnd/v1/attention.pb.h ${ATTND_GEN}/attnd/v1/attention.grpc.pb.h

@@ -64,6 +64,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from .errors import AttndError
+from .handoff import HandoffDriver, handoff_call, handoff_plan
 from .merge import merge_attention, merge_candidates
 from .shm import ShmArena, ShmTensor, TensorArg
 from .stream import AsyncStepStream, StepStream
@@ -514,42 +515,27 @@ class AttndClient(_Api):
         handoff target (refusing ordinary steps until complete), filled with write-only steps
         from :meth:`export_sequence`, and its length checked; on failure the partial copy is
         closed. ``close_source`` closes it here once the copy is confirmed."""
-        source = self.describe_sequence(sequence_id)
-        length = source.length
-        to.open_sequence(sequence_id, import_length=length, import_generation=source.generation)
-        step = None
+        driver = HandoffDriver(handoff_plan(sequence_id, self.describe_sequence(sequence_id),
+                                            close_source))
+        chunks = None
+        op = driver.first()
         try:
-            for chunk in self.export_sequence(sequence_id, chunk_tokens):
-                if chunk.keys.layer == 0:
-                    step = to.begin_step([(sequence_id, chunk.tokens)], write_only=True)
-                to._call(to._stub.AttendLayer,
-                         pb.AttendLayerRequest(step_id=step.step_id, inputs=chunk.keys))
-            step = None
-            there = to.describe_sequence(sequence_id)
-            if there.length != length or there.importing:
-                raise AttndError(grpc.StatusCode.INTERNAL,
-                                 f"handoff: the receiver holds {there.length} of {length} tokens")
-            if there.generation != source.generation:  # an older attnd drops import_generation
-                raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"handoff: the receiver holds it at generation "
-                                 f"{there.generation}, not {source.generation}")
-            if close_source and self.describe_sequence(sequence_id).length != length:
-                raise AttndError(grpc.StatusCode.ABORTED,
-                                 f"handoff: {sequence_id!r} grew on the source during the copy")
-        except BaseException:
-            # The receiver's partial copy goes: its open write-only step first (a sequence in a
-            # step cannot be closed), then the sequence.
-            for cleanup in ((lambda: to.abort_step(step.step_id)) if step else None,
-                            lambda: to.close_sequence(sequence_id)):
-                if cleanup is not None:
-                    try:
-                        cleanup()
-                    except AttndError:
-                        pass
-            raise
-        if close_source:
-            self.close_sequence(sequence_id)
-        return there
+            while not driver.finished:
+                try:
+                    if op[0] == "next_chunk":
+                        if chunks is None:
+                            chunks = self.export_sequence(sequence_id, chunk_tokens)
+                        result = next(chunks, None)
+                    else:
+                        result = handoff_call(op, self, to, sequence_id)
+                except BaseException as e:
+                    op = driver.failed(op, e)
+                else:
+                    op = driver.done(result)
+        finally:
+            if chunks is not None:
+                chunks.close()  # cancels the export where the copy failed
+        return driver.value
 
     # -- steps: the stream --
 
@@ -625,44 +611,30 @@ class AsyncAttndClient(_Api):
     async def handoff(self, sequence_id: str, to: AsyncAttndClient, *, chunk_tokens: int = 0,
                       close_source: bool = False) -> SequenceInfo:
         """See :meth:`AttndClient.handoff`."""
-        source = await self.describe_sequence(sequence_id)
-        length = source.length
-        await to.open_sequence(sequence_id, import_length=length,
-                               import_generation=source.generation)
-        step = None
+        driver = HandoffDriver(handoff_plan(
+            sequence_id, await self.describe_sequence(sequence_id), close_source))
+        chunks = None
+        op = driver.first()
         try:
-            async for chunk in self.export_sequence(sequence_id, chunk_tokens):
-                if chunk.keys.layer == 0:
-                    step = await to.begin_step([(sequence_id, chunk.tokens)], write_only=True)
-                await to._await(to._stub.AttendLayer,
-                                pb.AttendLayerRequest(step_id=step.step_id, inputs=chunk.keys),
-                                lambda r: None)
-            step = None
-            there = await to.describe_sequence(sequence_id)
-            if there.length != length or there.importing:
-                raise AttndError(grpc.StatusCode.INTERNAL,
-                                 f"handoff: the receiver holds {there.length} of {length} tokens")
-            if there.generation != source.generation:  # an older attnd drops import_generation
-                raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"handoff: the receiver holds it at generation "
-                                 f"{there.generation}, not {source.generation}")
-            if close_source and (await self.describe_sequence(sequence_id)).length != length:
-                raise AttndError(grpc.StatusCode.ABORTED,
-                                 f"handoff: {sequence_id!r} grew on the source during the copy")
-        except BaseException:
-            if step is not None:
+            while not driver.finished:
                 try:
-                    await to.abort_step(step.step_id)
-                except AttndError:
-                    pass
-            try:
-                await to.close_sequence(sequence_id)
-            except AttndError:
-                pass
-            raise
-        if close_source:
-            await self.close_sequence(sequence_id)
-        return there
+                    if op[0] == "next_chunk":
+                        if chunks is None:
+                            chunks = self.export_sequence(sequence_id, chunk_tokens)
+                        try:
+                            result = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            result = None
+                    else:
+                        result = await handoff_call(op, self, to, sequence_id)
+                except BaseException as e:
+                    op = driver.failed(op, e)
+                else:
+                    op = driver.done(result)
+        finally:
+            if chunks is not None:
+                await chunks.aclose()
+        return driver.value
 
     def stream(self, *, timeout: Optional[float] = None) -> AsyncStepStream:
         """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""

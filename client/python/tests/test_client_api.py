@@ -141,6 +141,22 @@ def test_handoff_moves_a_sequence_whose_next_outputs_are_bit_identical(two_serve
         async def async_handoff():
             async with AsyncAttndClient(ta, timeout=30) as aa, \
                     AsyncAttndClient(tb, timeout=30) as ab:
+                # The async form runs the same plan: broken off in a write-only step there, it
+                # leaves nothing behind either.
+                real_async = aa.export_sequence
+
+                async def broken_async(sid, chunk_tokens=0):
+                    i = 0
+                    async for chunk in real_async(sid, chunk_tokens):
+                        if i == spec.num_layers + 1:
+                            raise AttndError(grpc.StatusCode.UNAVAILABLE, "connection lost")
+                        i += 1
+                        yield chunk
+                aa.export_sequence = broken_async
+                with pytest.raises(AttndError, match="connection lost"):
+                    await aa.handoff("twin", ab, chunk_tokens=16)
+                del aa.export_sequence
+                assert [s.sequence_id for s in await ab.list_sequences()] == ["moved"]
                 return await aa.handoff("twin", ab, chunk_tokens=16, close_source=True)
         assert asyncio.run(async_handoff()).length == 41
         twin_b = _step(b, "twin", _layers(spec, 1, rng))
