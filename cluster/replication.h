@@ -33,6 +33,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "client/attnd_client.h"
+#include "cluster/standby_ranking.h"
 #include "engine/engine.h"
 
 namespace attnd {
@@ -53,17 +54,6 @@ struct ReplicationOptions {
   int64_t chunk_tokens = 4096;
   int64_t max_batch_entries = 64;
 };
-
-// One entry of the peer list as a standby choice sees it.
-struct PeerCandidate {
-  std::string name;     // "" until it answered ServerInfo
-  bool usable = false;  // not this replica, and its last call did not fail
-};
-// The index of the peer that the rendezvous hash over `self_name` and every usable peer's name
-// but `avoid` ranks first for `id` (after this replica), or -1. Where several entries share a
-// name (a standby pod restarted at another address, its old entry down), the usable one.
-int RankStandby(const std::vector<PeerCandidate>& peers, const std::string& self_name,
-                const std::string& id, const std::string& avoid);
 
 // What the metrics and ServerInfo show.
 struct ReplicationStats {

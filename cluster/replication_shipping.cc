@@ -8,12 +8,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/router.h"
-#include "common/client_text.h"
-#include "common/status_macros.h"
-#include "kv_store/cache_layout.h"
 #include "cluster/drain.h"
 #include "cluster/export_chunk.h"
 #include "cluster/replication.h"
+#include "common/client_text.h"
+#include "common/status_macros.h"
+#include "kv_store/cache_layout.h"
 
 namespace attnd {
 namespace {
