@@ -76,6 +76,7 @@ std::unique_ptr<Step> Engine::Impl::CommitLocked(Step* step) {
 }
 
 absl::StatusOr<Step*> Engine::Impl::FindStep(const StepRef& ref) const {
+  EngineMutex::CountStepLookup();
   auto it = steps.find(ref.id);
   if (it != steps.end() && Owns(*it->second, ref)) return it->second.get();
   if (const absl::Status* f = fates.Find(ref.id, ref.tenant)) return *f;
@@ -101,7 +102,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
   if (!impl_->prefetcher.joinable()) return;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::lock_guard<EngineMutex> lock(impl_->mu);
     impl_->stopping = true;
   }
   impl_->prefetch_wake.notify_all();
@@ -195,7 +196,7 @@ absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t im
   if (generation == 0 || generation > kMaxGeneration)
     return absl::InvalidArgumentError(
         absl::StrCat("import_generation: ", generation, " outside [1, 2^62]"));
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   RETURN_IF_ERROR(impl_->table->Open(seq, device));
   Sequence* s = impl_->table->Find(seq);
   s->import_length = import_length;
@@ -204,7 +205,7 @@ absl::Status Engine::OpenSequence(const SequenceKey& seq, int device, int64_t im
 }
 
 absl::Status Engine::OpenStandby(const SequenceKey& seq, uint64_t generation) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->OpenStandby(seq, generation);
 }
 
@@ -213,7 +214,7 @@ absl::StatusOr<SequenceInfo> Engine::PromoteSequence(const SequenceKey& seq, uin
   for (int attempt = 0;; ++attempt) {
     StepRef holder(0);
     {
-      std::unique_lock<std::mutex> lock(impl_->mu);
+      EngineLock lock(impl_->mu);
       impl_->AwaitSettled(lock, seq);  // a tier move of it ends first
       const Sequence* s = impl_->table->Find(seq);
       if (s == nullptr) return impl_->table->NotFound(seq);
@@ -228,7 +229,7 @@ absl::StatusOr<SequenceInfo> Engine::PromoteSequence(const SequenceKey& seq, uin
     }
     // Its old primary's replication step, half sent: abort it (a running layer ends first).
     (void)AbortStep(holder, AbortReason::kAbort);
-    std::unique_lock<std::mutex> lock(impl_->mu);
+    EngineLock lock(impl_->mu);
     impl_->step_ended.wait_for(lock, impl_->options.limits.abort_wait, [&] {
       const Sequence* s = impl_->table->Find(seq);
       return s == nullptr || s->step == 0;
@@ -237,7 +238,7 @@ absl::StatusOr<SequenceInfo> Engine::PromoteSequence(const SequenceKey& seq, uin
 }
 
 StandbyUsage Engine::Standby() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return {impl_->table->standby_sequences(), impl_->table->standby_pages(),
           impl_->table->standby_budget()};
 }
@@ -255,7 +256,7 @@ absl::StatusOr<int64_t> Engine::OpenSequence(const SequenceKey& seq, int device,
     return absl::InvalidArgumentError(absl::StrCat(
         prefix.tokens.size(), " token ids for ", prefix.hashes.size(), " blocks of ", s.page_size));
   int64_t cached = 0;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   RETURN_IF_ERROR(impl_->table->OpenCached(seq, device, std::move(prefix.hashes),
                                            std::move(prefix.tokens), prefix.max_blocks, &cached));
   return cached;
@@ -263,17 +264,17 @@ absl::StatusOr<int64_t> Engine::OpenSequence(const SequenceKey& seq, int device,
 
 PrefixLookup Engine::LookupPrefix(const std::string& tenant,
                                   const std::vector<BlockHash>& hashes) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->LookupPrefix(tenant, hashes);
 }
 
 int64_t Engine::ClearPrefixCache() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->ClearPrefixCache();
 }
 
 PrefixStats Engine::PrefixCacheStats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->prefix_stats();
 }
 
@@ -281,7 +282,7 @@ absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& par
                                   int64_t prefix_len, int device) {
   PageMove move;
   {
-    std::unique_lock<std::mutex> lock(impl_->mu);
+    EngineLock lock(impl_->mu);
     const SequenceKey par(seq.tenant, parent);
     if (impl_->tiers_on() && impl_->table->Find(par) != nullptr) {
       RETURN_IF_ERROR(impl_->RestoreLocked(lock, par, TierEvent::Reason::kUse));
@@ -298,7 +299,7 @@ absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& par
     RETURN_IF_ERROR(impl_->table->BeginFork(seq, parent, prefix_len, device, &move));
   }
   const absl::Status copied = impl_->Copy(move);  // off the lock: the child is `copying`
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   impl_->table->EndFork(seq, move, copied.ok());
   impl_->step_ended.notify_all();
   return copied;
@@ -307,7 +308,7 @@ absl::Status Engine::ForkSequence(const SequenceKey& seq, const std::string& par
 absl::Status Engine::MigrateSequence(const SequenceKey& seq, int device) {
   PageMove move;
   {
-    std::unique_lock<std::mutex> lock(impl_->mu);
+    EngineLock lock(impl_->mu);
     if (impl_->tiers_on() && impl_->table->Find(seq) != nullptr) {
       RETURN_IF_ERROR(impl_->RestoreLocked(lock, seq, TierEvent::Reason::kUse));
       const Sequence* s = impl_->table->Find(seq);  // (the lock was released: look again)
@@ -319,14 +320,14 @@ absl::Status Engine::MigrateSequence(const SequenceKey& seq, int device) {
     RETURN_IF_ERROR(impl_->table->BeginMigrate(seq, device, &move));
   }
   const absl::Status copied = impl_->Copy(move);
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   impl_->table->EndMigrate(seq, move, copied.ok());
   impl_->step_ended.notify_all();
   return copied;
 }
 
 absl::Status Engine::CloseSequence(const SequenceKey& seq, uint64_t standby_generation) {
-  std::unique_lock<std::mutex> lock(impl_->mu);
+  EngineLock lock(impl_->mu);
   impl_->AwaitSettled(lock, seq);  // a move of it in flight ends first
   const Sequence* s = impl_->table->Find(seq);
   if (standby_generation != 0 && s != nullptr &&
@@ -339,7 +340,7 @@ absl::Status Engine::CloseSequence(const SequenceKey& seq, uint64_t standby_gene
 }
 
 absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const SequenceKey& seq) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   const Sequence* s = impl_->table->Find(seq);
   if (s == nullptr) return impl_->table->NotFound(seq);
   return InfoOf(*s);
@@ -348,7 +349,7 @@ absl::StatusOr<SequenceInfo> Engine::DescribeSequence(const SequenceKey& seq) co
 std::vector<SequenceInfo> Engine::ListSequences(const std::string* tenant) const {
   std::vector<SequenceInfo> out;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::lock_guard<EngineMutex> lock(impl_->mu);
     for (const Sequence* s : impl_->table->List(tenant)) out.push_back(InfoOf(*s));
   }
   std::sort(out.begin(), out.end(), [](const SequenceInfo& a, const SequenceInfo& b) {
@@ -359,22 +360,22 @@ std::vector<SequenceInfo> Engine::ListSequences(const std::string* tenant) const
 
 void Engine::SetTenantQuotas(TenantQuota fallback,
                              absl::flat_hash_map<std::string, TenantQuota> overrides) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   impl_->table->tenants().SetQuotas(fallback, std::move(overrides));
 }
 
 TenantUsage Engine::TenantUsageOf(const std::string& tenant) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->tenants().UsageOf(tenant);
 }
 
 TenantQuota Engine::TenantQuotaOf(const std::string& tenant) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->tenants().QuotaOf(tenant);
 }
 
 std::vector<DeviceCapacity> Engine::Capacity() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   std::vector<DeviceCapacity> out;
   for (int d = 0; d < num_devices(); ++d) {
     const PagePool& pool = impl_->table->pool(d);
@@ -387,12 +388,12 @@ std::vector<DeviceCapacity> Engine::Capacity() const {
 }
 
 int64_t Engine::num_sequences() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->size();
 }
 
 int64_t Engine::num_open_steps() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return static_cast<int64_t>(impl_->steps.size());
 }
 
@@ -406,7 +407,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
                                                    " (--max-batch-entries)"));
   std::unique_ptr<Step> step;
   {
-    std::unique_lock<std::mutex> lock(impl_->mu);
+    EngineLock lock(impl_->mu);
     const auto deadline = Clock::now() + lim.abort_wait;
     for (int rounds = 0;; ++rounds) {
       bool retry = false;
@@ -439,7 +440,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
   }
   // Bound: build the plan and the devices' step state off the lock.
   const absl::Status prepared = Guarded([&] { return impl_->Prepare(*step); });
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   if (!prepared.ok()) {
     impl_->Release(step.get());
     if (step->counted) impl_->table->tenants().AddOpenSteps(step->tenant, -1);
@@ -454,7 +455,7 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
 }
 
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
   return StepInfo{st->tokens,
                   st->options.write_only,
@@ -468,7 +469,7 @@ absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const
 }
 
 absl::StatusOr<std::vector<std::string>> Engine::StepSequenceIds(const StepRef& step) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
   std::vector<std::string> ids;
   ids.reserve(st->seqs.size());
@@ -479,7 +480,8 @@ absl::StatusOr<std::vector<std::string>> Engine::StepSequenceIds(const StepRef& 
 absl::Status Engine::AbortStep(const StepRef& ref, AbortReason reason) {
   const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
+  EngineMutex::CountStepLookup();
   auto it = impl_->steps.find(step_id);
   if (it == impl_->steps.end() || !Impl::Owns(*it->second, ref))
     return absl::NotFoundError(absl::StrCat("step ", step_id, " not found"));
@@ -496,7 +498,7 @@ absl::Status Engine::AbortStep(const StepRef& ref, AbortReason reason) {
 
 int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
   std::vector<std::unique_ptr<Step>> ended;
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   const auto now = Clock::now();
   std::vector<Step*> expired;
   for (auto& [id, st] : impl_->steps)
@@ -512,7 +514,7 @@ int Engine::ExpireIdleSteps(std::chrono::steady_clock::duration idle) {
 }
 
 int Engine::ExpireIdleSequences(std::chrono::steady_clock::duration idle) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   const auto now = Clock::now();
   std::vector<SequenceKey> expired;
   for (const Sequence* s : impl_->table->List(nullptr))
@@ -525,7 +527,7 @@ int Engine::ExpireIdleSequences(std::chrono::steady_clock::duration idle) {
 }
 
 int64_t Engine::steps_aborted() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   int64_t n = 0;
   for (int64_t a : impl_->counters.steps_aborted) n += a;
   return n;
@@ -534,7 +536,7 @@ int64_t Engine::steps_aborted() const {
 EngineCounters Engine::Counters() const {
   EngineCounters c;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::lock_guard<EngineMutex> lock(impl_->mu);
     c = impl_->counters;
   }
   for (int d = 0; d < num_devices(); ++d)
@@ -556,12 +558,12 @@ const char* StepPhaseName(StepPhase phase) {
 }
 
 int64_t Engine::steps_committed() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->counters.steps_committed;
 }
 
 std::vector<int32_t> Engine::PageRefcounts(int device) const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   const PagePool& pool = impl_->table->pool(device);
   std::vector<int32_t> out(pool.num_pages());
   for (int32_t p = 0; p < pool.num_pages(); ++p) out[p] = pool.refcount(p);
@@ -569,7 +571,7 @@ std::vector<int32_t> Engine::PageRefcounts(int device) const {
 }
 
 absl::Status Engine::CheckInvariants() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   return impl_->table->CheckInvariants();
 }
 

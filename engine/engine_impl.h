@@ -18,6 +18,7 @@
 #include "common/thread_pool.h"
 #include "engine/absorption_holder.h"
 #include "engine/engine.h"
+#include "engine/engine_mutex.h"
 #include "engine/row_reader.h"
 #include "engine/step_fates.h"
 #include "engine/step_plan.h"
@@ -90,8 +91,8 @@ struct Engine::Impl {
   std::vector<std::unique_ptr<Device>> devices;  // fixed after Create: read without mu
   AbsorptionHolder absorption;                   // its own locks
 
-  mutable std::mutex mu;               // guards everything below
-  std::condition_variable step_ended;  // notified whenever a step ends, a layer or a copy does
+  mutable EngineMutex mu;                  // guards everything below (engine_mutex.h)
+  std::condition_variable_any step_ended;  // notified whenever a step ends, a layer or a copy does
   std::unique_ptr<SequenceTable> table;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Step>> steps;
   EngineCounters counters;  // device_compute_seconds kept in compute_ns below
@@ -153,7 +154,7 @@ struct Engine::Impl {
   std::thread prefetcher;
   std::deque<SequenceKey> prefetch_queue;
   absl::flat_hash_set<SequenceKey> prefetch_queued;  // what prefetch_queue holds
-  std::condition_variable prefetch_wake;
+  std::condition_variable_any prefetch_wake;
   bool prefetching = false;
   int64_t moves_in_flight = 0;  // tier moves copying with the lock released  // the worker is
                                 // restoring one (step_ended is notified after)
@@ -164,38 +165,35 @@ struct Engine::Impl {
   // Copies a tier move's bytes (mu not held); pages whose bytes could not be read go to *lost.
   absl::Status CopyTierBytes(const TierMove& move, std::vector<int32_t>* lost);
   // Runs a planned move: copies, then ends it (ok, or as before, or with lost sequences).
-  absl::Status RunTierMove(std::unique_lock<std::mutex>& lock, const TierMove& move,
-                           TierEvent::Reason reason);
+  absl::Status RunTierMove(EngineLock& lock, const TierMove& move, TierEvent::Reason reason);
   // Moves `key` to `to`.
-  absl::Status MoveLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key, Tier to,
+  absl::Status MoveLocked(EngineLock& lock, const SequenceKey& key, Tier to,
                           TierEvent::Reason reason);
   // Spills `key` down: to the host (demoting the host's least recently used to disk for room),
   // or to the disk when the host tier is full or off.
-  absl::Status SpillLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
-                           TierEvent::Reason reason);
+  absl::Status SpillLocked(EngineLock& lock, const SequenceKey& key, TierEvent::Reason reason);
   // Brings `key` to its device (waiting for a move of it in flight; making room), keeping the
   // sequences in `keep` where they are.
-  absl::Status RestoreLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
-                             TierEvent::Reason reason,
+  absl::Status RestoreLocked(EngineLock& lock, const SequenceKey& key, TierEvent::Reason reason,
                              const std::vector<const Sequence*>& keep = {});
   // Frees `need` pages of `device` (orphans first, then its least recently used sequences),
   // never moving those in `keep`. RESOURCE_EXHAUSTED naming every tier when nothing can go.
-  absl::Status MakeRoom(std::unique_lock<std::mutex>& lock, int device, int32_t need,
+  absl::Status MakeRoom(EngineLock& lock, int device, int32_t need,
                         const std::vector<const Sequence*>& keep);
   // Frees `need` host slots (host orphans, then the host's least recently used, to disk).
-  absl::Status MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need);
+  absl::Status MakeHostRoom(EngineLock& lock, int32_t need);
   // What every tier holds, for a RESOURCE_EXHAUSTED message.
   std::string TierUse() const;
   // Readies `key` to be read where it is (Engine::ReadRows): a sequence on the device or the host
   // stays; one on the disk comes up to the host (its pages are read whole, once, not once per
   // layer), or to its device without a host tier. DATA_LOSS for a lost sequence.
-  absl::Status LiftForRead(std::unique_lock<std::mutex>& lock, const SequenceKey& key);
+  absl::Status LiftForRead(EngineLock& lock, const SequenceKey& key);
   // Rows [begin, end) of `layer` from pages pinned by PinTierRows (mu not held).
   absl::Status ReadTierRows(int device, int layer, const std::vector<TierPin>& pins, int64_t begin,
                             int64_t end, LayerRowBytes* out) const;
   // Waits (mu held) while `key` or a page it holds is moving or being read where it is, up to the
   // begin-wait; false on timeout.
-  bool AwaitSettled(std::unique_lock<std::mutex>& lock, const SequenceKey& key);
+  bool AwaitSettled(EngineLock& lock, const SequenceKey& key);
   void Emit(const TierEvent& e) const {
     if (options.on_tier_event) options.on_tier_event(e);
   }

@@ -170,7 +170,7 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
   std::unique_ptr<Step> ended;  // destroyed after the lock is released
   Step* st = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<EngineMutex> lock(mu);
     ASSIGN_OR_RETURN(st, FindStep(ref));
     if (st->busy) {
       st->abort_requested = true;  // every error aborts the step: the running layer does it
@@ -211,7 +211,7 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
     status =
         absl::InternalError(absl::StrCat("step ", step_id, " layer ", r.layer, ": ", e.what()));
   }
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<EngineMutex> lock(mu);
   st->busy = false;
   st->last_used = EngineClock::now();
   if (!status.ok() || st->abort_requested) {

@@ -24,7 +24,7 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int l
     return absl::OutOfRangeError(
         absl::StrCat("layer ", layer, " outside [0, ", s.num_layers(), ")"));
   {
-    std::unique_lock<std::mutex> lock(impl_->mu);
+    EngineLock lock(impl_->mu);
     if (impl_->tiers_on() && impl_->table->Find(seq) != nullptr) {
       // A spilled sequence is read where it is: exports, drains and standby copies leave the
       // device to the sequences in use (docs/architecture.md#tiers).
@@ -39,7 +39,7 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int l
     return off_device ? impl_->ReadTierRows(device, layer, pins, begin, end, &out)
                       : ReadLayerRows(*impl_->devices[device], s, layer, pages, begin, end, &out);
   });
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   if (off_device) {
     impl_->table->UnpinTierRows(pins);
   } else {

@@ -172,7 +172,7 @@ absl::Status Engine::Impl::CopyTierBytes(const TierMove& move, std::vector<int32
   return first_loss;
 }
 
-absl::Status Engine::Impl::RunTierMove(std::unique_lock<std::mutex>& lock, const TierMove& move,
+absl::Status Engine::Impl::RunTierMove(EngineLock& lock, const TierMove& move,
                                        TierEvent::Reason reason) {
   std::vector<int32_t> lost;
   absl::Status copied = absl::OkStatus();
@@ -236,8 +236,8 @@ absl::Status Engine::Impl::RunTierMove(std::unique_lock<std::mutex>& lock, const
   return copied;
 }
 
-absl::Status Engine::Impl::MoveLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
-                                      Tier to, TierEvent::Reason reason) {
+absl::Status Engine::Impl::MoveLocked(EngineLock& lock, const SequenceKey& key, Tier to,
+                                      TierEvent::Reason reason) {
   TierMove move;
   RETURN_IF_ERROR(table->BeginTierMove(key, to, &move));
   return RunTierMove(lock, move, reason);
@@ -259,14 +259,14 @@ std::string Engine::Impl::TierUse() const {
   return out;
 }
 
-bool Engine::Impl::AwaitSettled(std::unique_lock<std::mutex>& lock, const SequenceKey& key) {
+bool Engine::Impl::AwaitSettled(EngineLock& lock, const SequenceKey& key) {
   const auto deadline = Clock::now() + options.limits.abort_wait;
   while (!table->Settled(key))
     if (step_ended.wait_until(lock, deadline) == std::cv_status::timeout) return false;
   return true;
 }
 
-absl::Status Engine::Impl::LiftForRead(std::unique_lock<std::mutex>& lock, const SequenceKey& key) {
+absl::Status Engine::Impl::LiftForRead(EngineLock& lock, const SequenceKey& key) {
   for (int round = 0; round < 64; ++round) {
     if (!AwaitSettled(lock, key))
       return absl::DeadlineExceededError(absl::StrCat(
@@ -315,7 +315,7 @@ absl::Status Engine::Impl::ReadTierRows(int device, int layer, const std::vector
       out);
 }
 
-absl::Status Engine::Impl::MakeHostRoom(std::unique_lock<std::mutex>& lock, int32_t need) {
+absl::Status Engine::Impl::MakeHostRoom(EngineLock& lock, int32_t need) {
   for (int round = 0; round < 256; ++round) {
     // Without a disk tier the prefix cache's host pages make way (MakeFree frees them at the
     // cache's own tier only).
@@ -339,7 +339,7 @@ absl::Status Engine::Impl::MakeHostRoom(std::unique_lock<std::mutex>& lock, int3
                    " free, nothing left to move to disk (", TierUse(), ")"));
 }
 
-absl::Status Engine::Impl::SpillLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+absl::Status Engine::Impl::SpillLocked(EngineLock& lock, const SequenceKey& key,
                                        TierEvent::Reason reason) {
   if (!tiers_on())
     return absl::FailedPreconditionError(
@@ -357,7 +357,7 @@ absl::Status Engine::Impl::SpillLocked(std::unique_lock<std::mutex>& lock, const
   return MoveLocked(lock, key, Tier::kDisk, reason);
 }
 
-absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int device, int32_t need,
+absl::Status Engine::Impl::MakeRoom(EngineLock& lock, int device, int32_t need,
                                     const std::vector<const Sequence*>& keep) {
   absl::Status last = absl::OkStatus();
   // What holds the device's pages may be busy for a moment (in a step, read by an export, moving):
@@ -406,7 +406,7 @@ absl::Status Engine::Impl::MakeRoom(std::unique_lock<std::mutex>& lock, int devi
       last.ok() ? std::string() : absl::StrCat(" (", last.message(), ")"), " (", TierUse(), ")"));
 }
 
-absl::Status Engine::Impl::RestoreLocked(std::unique_lock<std::mutex>& lock, const SequenceKey& key,
+absl::Status Engine::Impl::RestoreLocked(EngineLock& lock, const SequenceKey& key,
                                          TierEvent::Reason reason,
                                          const std::vector<const Sequence*>& keep) {
   for (int round = 0; round < 64; ++round) {
@@ -439,7 +439,7 @@ absl::Status Engine::Impl::RestoreLocked(std::unique_lock<std::mutex>& lock, con
 }
 
 void Engine::Impl::PrefetchLoop() {
-  std::unique_lock<std::mutex> lock(mu);
+  EngineLock lock(mu);
   for (;;) {
     prefetch_wake.wait(lock, [&] { return stopping || !prefetch_queue.empty(); });
     if (stopping) return;
@@ -457,7 +457,7 @@ void Engine::Impl::PrefetchLoop() {
 }
 
 void Engine::WaitForPrefetches() {
-  std::unique_lock<std::mutex> lock(impl_->mu);
+  EngineLock lock(impl_->mu);
   impl_->step_ended.wait(lock, [&] {
     return impl_->stopping || (impl_->prefetch_queue.empty() && !impl_->prefetching);
   });
@@ -466,7 +466,7 @@ void Engine::WaitForPrefetches() {
 // ---- the API ----
 
 std::vector<TierCapacity> Engine::Tiers() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   const size_t page = impl_->devices[0]->layout().BytesPerPage();
   TierCapacity h, d;
   h.tier = Tier::kHost;
@@ -489,7 +489,7 @@ std::vector<TierCapacity> Engine::Tiers() const {
 }
 
 void Engine::PrefetchSequences(const std::vector<SequenceKey>& seqs) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::lock_guard<EngineMutex> lock(impl_->mu);
   if (!impl_->tiers_on()) return;
   // Only sequences that are below their devices, once each: the queue never holds more than the
   // table does, whatever clients send.
@@ -502,7 +502,7 @@ void Engine::PrefetchSequences(const std::vector<SequenceKey>& seqs) {
 }
 
 absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
-  std::unique_lock<std::mutex> lock(impl_->mu);
+  EngineLock lock(impl_->mu);
   // An unknown id refuses the request before anything moves.
   for (const SequenceKey& k : seqs)
     if (impl_->table->Find(k) == nullptr) return impl_->table->NotFound(k);
@@ -520,7 +520,7 @@ absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
 }
 
 int Engine::SpillIdleSequences(std::chrono::steady_clock::duration idle) {
-  std::unique_lock<std::mutex> lock(impl_->mu);
+  EngineLock lock(impl_->mu);
   if (!impl_->tiers_on()) return 0;
   const auto now = Clock::now();
   std::vector<SequenceKey> idle_ones;
