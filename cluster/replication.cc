@@ -209,7 +209,8 @@ void Replicator::Forget(const SequenceKey& key) {
 }
 
 void Replicator::Committed(const std::vector<SequenceKey>& keys,
-                           std::function<void(absl::Status, Protections)> then) {
+                           std::function<void(absl::Status, Protections)> then,
+                           const std::vector<int64_t>* known) {
   // Lengths first, of the sequences replicated from here (a standby's imports are not): the
   // engine's lock is never taken under mu_.
   std::vector<bool> tracked(keys.size(), false);
@@ -218,9 +219,14 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
     for (size_t i = 0; i < keys.size(); ++i) tracked[i] = seqs_.contains(keys[i]);
   }
   std::vector<int64_t> lengths(keys.size(), -1);
-  for (size_t i = 0; i < keys.size(); ++i)
-    if (tracked[i])
-      if (auto info = engine_->DescribeSequence(keys[i]); info.ok()) lengths[i] = info->length;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!tracked[i]) continue;
+    if (known != nullptr) {
+      lengths[i] = (*known)[i];
+    } else if (auto info = engine_->DescribeSequence(keys[i]); info.ok()) {
+      lengths[i] = info->length;
+    }
+  }
   auto p = std::make_shared<Pending>();
   p->then = std::move(then);
   p->protection.assign(keys.size(), "");

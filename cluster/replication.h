@@ -95,10 +95,13 @@ class Replicator {
   // "replicated", "shipping" (async, within the lag bound), "unprotected"; "" for a key not
   // replicated from here (closed meanwhile).
   using Protections = std::vector<std::string>;
-  // A step committed `keys`: `then` runs (on some thread, possibly this one) when its reply may
-  // go: OK with each key's protection, or FAILED_PRECONDITION when a key was fenced meanwhile.
+  // A step committed `keys` (at `lengths`, when the caller knows them: the engine's layer result
+  // names them, so no engine lock is taken here; looked up otherwise): `then` runs (on some
+  // thread, possibly this one) when its reply may go: OK with each key's protection, or
+  // FAILED_PRECONDITION when a key was fenced meanwhile.
   void Committed(const std::vector<SequenceKey>& keys,
-                 std::function<void(absl::Status, Protections)> then);
+                 std::function<void(absl::Status, Protections)> then,
+                 const std::vector<int64_t>* lengths = nullptr);
   // Before a step: each key whose standby has acknowledged nothing for longer than ack_timeout
   // (a replica that was paused or cut off) is looked up on its standby; one promoted there is
   // fenced here (FAILED_PRECONDITION). A standby that does not answer confirms nothing and

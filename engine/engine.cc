@@ -457,15 +457,19 @@ absl::StatusOr<uint64_t> Engine::BeginStep(const std::vector<StepEntry>& batch,
 absl::StatusOr<Engine::StepInfo> Engine::DescribeStep(const StepRef& step) const {
   std::lock_guard<EngineMutex> lock(impl_->mu);
   ASSIGN_OR_RETURN(const Step* st, impl_->FindStep(step));
-  return StepInfo{st->tokens,
-                  st->options.write_only,
-                  st->next_layer,
-                  st->phase,
-                  st->begun,
-                  st->visible_keys,
-                  st->topk_keys,
-                  st->options.context_parallel,
-                  st->options.attend_only};
+  return Impl::InfoOf(*st);
+}
+
+Engine::StepInfo Engine::Impl::InfoOf(const Step& st) {
+  return StepInfo{st.tokens,
+                  st.options.write_only,
+                  st.next_layer,
+                  st.phase,
+                  st.begun,
+                  st.visible_keys,
+                  st.topk_keys,
+                  st.options.context_parallel,
+                  st.options.attend_only};
 }
 
 absl::StatusOr<std::vector<std::string>> Engine::StepSequenceIds(const StepRef& step) const {

@@ -264,6 +264,8 @@ struct DeviceCapacity {
   int64_t sequences = 0;
 };
 
+class LayerSource;
+
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
@@ -423,6 +425,10 @@ class Engine {
   // after kSelection.
   absl::StatusOr<LayerResult> RunLayer(const StepRef& step, const LayerRequest& request,
                                        LayerSink* sink);
+  // The same, with the request decoded by `source` once the step is the call's: the step is
+  // looked up once and the engine lock taken twice (before and after the compute), however the
+  // caller decodes (the service's layer call: docs/architecture.md).
+  absl::StatusOr<LayerResult> RunLayer(const StepRef& step, LayerSource& source, LayerSink* sink);
   // Aborts an open step: every sequence returns to its state before BeginStep. If a layer is
   // running, it finishes first and then reports the abort. NOT_FOUND for unknown steps.
   absl::Status AbortStep(const StepRef& step, AbortReason reason = AbortReason::kAbort);
@@ -454,6 +460,17 @@ class Engine {
   struct Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+};
+
+// A layer call before it runs: the layer it names (checked against the step's next layer under
+// the lock) and its request, decoded from what the step is once the step is the call's (off the
+// lock). An error from Decode aborts the step as any error of the call does.
+class LayerSource {
+ public:
+  virtual ~LayerSource() = default;
+  virtual int layer() const = 0;
+  // The request stays valid until RunLayer returns.
+  virtual absl::StatusOr<const LayerRequest*> Decode(const Engine::StepInfo& step) = 0;
 };
 
 }  // namespace attnd

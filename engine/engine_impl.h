@@ -131,7 +131,9 @@ struct Engine::Impl {
   // --- the layer call (layer_run.cc) ---
   // Engine::RunLayer: the step's layer order, its busy flag, aborting it on any error;
   // advances it unless the call gave candidates.
-  absl::StatusOr<LayerResult> Run(const StepRef& ref, const LayerRequest& request, LayerSink* sink);
+  absl::StatusOr<LayerResult> Run(const StepRef& ref, LayerSource& source, LayerSink* sink);
+  // What DescribeStep says of a step (read under the lock, or by the layer that holds it busy).
+  static Engine::StepInfo InfoOf(const Step& st);
   // Every rule of a call against its step (st busy: its fields are stable), or the error.
   absl::StatusOr<LayerShape> CheckRequest(const Step& st, const LayerRequest& request,
                                           const Absorption* absorb) const;

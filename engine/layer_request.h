@@ -46,6 +46,9 @@ struct LayerRequest {
   bool want_lse = false;
   // Each query's attended key positions (LayerTrace), for tests and debugging.
   bool want_trace = false;
+  // The result names the step's sequences and their new lengths when the layer commits
+  // (LayerResult::committed: the replicator's commit hook).
+  bool want_committed = false;
 };
 
 // What a checked call produces, known before any output is allocated.
@@ -98,6 +101,12 @@ struct LayerResult {
   LayerTrace trace;        // when want_trace
   Candidates candidates;   // kCandidates: absolute keys, best first per query
   bool committed = false;  // the last layer ran: the step is committed
+  // committed and want_committed: each sequence of the step, batch order, at its new length.
+  struct Committed {
+    std::string id;
+    int64_t length = 0;
+  };
+  std::vector<Committed> committed_sequences;
 };
 
 }  // namespace attnd

@@ -164,7 +164,7 @@ absl::Status Engine::Impl::Compute(Step& st, const LayerRequest& r, const LayerS
   return absl::OkStatus();
 }
 
-absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerRequest& r,
+absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, LayerSource& source,
                                               LayerSink* sink) {
   const uint64_t step_id = ref.id;
   std::unique_ptr<Step> ended;  // destroyed after the lock is released
@@ -178,10 +178,10 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step_id, ": a layer is already running; step aborted"));
     }
-    if (r.layer != st->next_layer) {
+    if (source.layer() != st->next_layer) {
       const absl::Status why = absl::FailedPreconditionError(
-          absl::StrCat("step ", step_id, ": layer ", r.layer, " out of order, expected layer ",
-                       st->next_layer, "; step aborted"));
+          absl::StrCat("step ", step_id, ": layer ", source.layer(),
+                       " out of order, expected layer ", st->next_layer, "; step aborted"));
       ended = AbortLocked(
           st, absl::CancelledError(absl::StrCat("step ", step_id, " was aborted: ", why.message())),
           AbortReason::kError);
@@ -192,8 +192,14 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
   // The step is ours until busy is cleared: its fields are read without the lock.
   LayerResult result;
   absl::Status status;
+  const LayerRequest* request = nullptr;
   try {
     status = [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(request, source.Decode(InfoOf(*st)));
+      const LayerRequest& r = *request;
+      if (r.layer != st->next_layer)
+        return absl::InternalError(absl::StrCat("step ", step_id, ": a call that named layer ",
+                                                source.layer(), " decoded as layer ", r.layer));
       const std::shared_ptr<const Absorption> absorb = absorption.Get();  // held for the layer
       ASSIGN_OR_RETURN(result.shape, CheckRequest(*st, r, absorb.get()));
       void* out = nullptr;
@@ -205,11 +211,11 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
       return Compute(*st, r, result.shape, out, absorb.get(), &result);
     }();
   } catch (const std::bad_alloc&) {
-    status = absl::ResourceExhaustedError(
-        absl::StrCat("step ", step_id, " layer ", r.layer, ": out of host memory; step aborted"));
+    status = absl::ResourceExhaustedError(absl::StrCat("step ", step_id, " layer ", st->next_layer,
+                                                       ": out of host memory; step aborted"));
   } catch (const std::exception& e) {
-    status =
-        absl::InternalError(absl::StrCat("step ", step_id, " layer ", r.layer, ": ", e.what()));
+    status = absl::InternalError(
+        absl::StrCat("step ", step_id, " layer ", st->next_layer, ": ", e.what()));
   }
   std::lock_guard<EngineMutex> lock(mu);
   st->busy = false;
@@ -222,6 +228,7 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
     ended = AbortLocked(st, fate, status.ok() ? st->abort_reason : AbortReason::kError);
     return status.ok() ? fate : status;
   }
+  const LayerRequest& r = *request;
   if (r.mode == LayerMode::kCandidates) {  // the same layer runs next, with the selection
     st->candidates_given = true;
     step_ended.notify_all();
@@ -229,6 +236,11 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
   }
   st->candidates_given = false;
   if (++st->next_layer == spec().num_layers()) {
+    if (r.want_committed) {
+      result.committed_sequences.reserve(st->seqs.size());
+      for (const StepSeq& s : st->seqs)
+        result.committed_sequences.push_back({s.seq->id, s.new_len});
+    }
     ended = CommitLocked(st);
     result.committed = true;
   } else {
@@ -239,7 +251,21 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, const LayerReq
 
 absl::StatusOr<LayerResult> Engine::RunLayer(const StepRef& step, const LayerRequest& request,
                                              LayerSink* sink) {
-  return impl_->Run(step, request, sink);
+  class Given final : public LayerSource {
+   public:
+    explicit Given(const LayerRequest& r) : r_(r) {}
+    int layer() const override { return r_.layer; }
+    absl::StatusOr<const LayerRequest*> Decode(const StepInfo&) override { return &r_; }
+
+   private:
+    const LayerRequest& r_;
+  } given(request);
+  return impl_->Run(step, given, sink);
+}
+
+absl::StatusOr<LayerResult> Engine::RunLayer(const StepRef& step, LayerSource& source,
+                                             LayerSink* sink) {
+  return impl_->Run(step, source, sink);
 }
 
 }  // namespace attnd

@@ -159,9 +159,20 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::StatusOr<int64_t> ExportChunkTokens(const v1::ExportSequenceRequest& req) const;
   // The caller's view of shared memory (refused when off or not on the Unix socket).
   ShmAccess ShmFor(const Caller& caller) const;
-  // One layer message of an unsharded step, blocking (the executor runs it).
+  // One layer message of an unsharded step, blocking (the executor runs it): one
+  // Engine::RunLayer, which decodes the message against the step it looks up (one lookup, two
+  // engine-lock acquisitions). `committed`, when given, gets the step's sequences at their new
+  // lengths if this layer committed it (the replicator's hook).
   absl::Status Layer(const Caller& caller, const StepRef& step, const v1::LayerInputs& in,
-                     v1::LayerOutput* out, Transport transport);
+                     v1::LayerOutput* out, Transport transport,
+                     std::vector<LayerResult::Committed>* committed = nullptr);
+  // Wraps `done` of a layer call on `step` so that a committing reply waits as the replication
+  // mode says for the `committed` sequences (filled by the time `done` runs; a length of -1:
+  // not known); `done` itself without standbys.
+  std::function<void(absl::Status)> AfterStandby(
+      const StepRef& step, v1::LayerOutput* out,
+      std::shared_ptr<const std::vector<LayerResult::Committed>> committed,
+      std::function<void(absl::Status)> done);
 
   // Shared by both transports. May block briefly (see Engine::BeginStep): call off gRPC threads.
   // `channel` != 0 binds an unsharded step to one Step stream.
