@@ -154,7 +154,7 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id), " is being imported (", seq->length, " of ",
                        seq->import_length, " tokens); retry when the handoff is complete"));
-    if (seq->copying) {
+    if (seq->copying()) {
       *retry = true;
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id), " is being copied (fork or migration); retry"));
@@ -169,8 +169,8 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
     }
     // Tiers: a lost sequence is DATA_LOSS; one moving is waited for (its restore is done once,
     // however many steps wait); one below its device is restored first (BeginStep).
-    if (seq->lost) return table->OnDevice(*seq);
-    if (seq->moving) {
+    if (seq->lost()) return table->OnDevice(*seq);
+    if (seq->moving()) {
       *retry = true;
       return table->OnDevice(*seq);
     }

@@ -32,9 +32,18 @@ uint64_t RandomId() {
 }
 
 SequenceInfo InfoOf(const Sequence& s) {
-  return SequenceInfo{
-      s.tenant, s.id,     s.length, s.device,     s.pages,  s.step != 0, s.length < s.import_length,
-      s.tier,   s.moving, s.lost,   s.generation, s.standby};
+  return SequenceInfo{s.tenant,
+                      s.id,
+                      s.length,
+                      s.device,
+                      s.pages,
+                      s.step != 0,
+                      s.length < s.import_length,
+                      s.tier,
+                      s.moving(),
+                      s.lost(),
+                      s.generation,
+                      s.standby};
 }
 }  // namespace
 
@@ -522,7 +531,7 @@ int Engine::ExpireIdleSequences(std::chrono::steady_clock::duration idle) {
   const auto now = Clock::now();
   std::vector<SequenceKey> expired;
   for (const Sequence* s : impl_->table->List(nullptr))
-    if (s->step == 0 && !s->copying && !s->filling && !s->moving && now - s->last_used > idle)
+    if (s->step == 0 && !s->copying() && !s->moving() && now - s->last_used > idle)
       expired.emplace_back(s->tenant, s->id);
   int closed = 0;
   for (const SequenceKey& key : expired) closed += impl_->table->Close(key).ok() ? 1 : 0;

@@ -230,7 +230,7 @@ absl::Status Engine::Impl::RunTierMove(EngineLock& lock, const TierMove& move,
     lock.lock();
     // The client hears which sequence was lost, not the server's file and slot (logged).
     if (copied.code() == absl::StatusCode::kDataLoss && !move.key.id.empty())
-      if (const Sequence* seq = table->Find(move.key); seq != nullptr && seq->lost)
+      if (const Sequence* seq = table->Find(move.key); seq != nullptr && seq->lost())
         return table->OnDevice(*seq);
   }
   return copied;
@@ -275,7 +275,7 @@ absl::Status Engine::Impl::LiftForRead(EngineLock& lock, const SequenceKey& key)
           "after --begin-wait-ms"));
     const Sequence* seq = table->Find(key);
     if (seq == nullptr) return table->NotFound(key);
-    if (seq->lost) return table->OnDevice(*seq);  // DATA_LOSS
+    if (seq->lost()) return table->OnDevice(*seq);  // DATA_LOSS
     if (seq->tier != Tier::kDisk) return absl::OkStatus();
     if (host == nullptr) return RestoreLocked(lock, key, TierEvent::Reason::kUse);
     const int32_t need = table->MoveNeeds(key, Tier::kHost)[static_cast<int>(Tier::kHost)];
@@ -417,7 +417,7 @@ absl::Status Engine::Impl::RestoreLocked(EngineLock& lock, const SequenceKey& ke
           "after --begin-wait-ms"));
     Sequence* seq = table->Find(key);
     if (seq == nullptr) return table->NotFound(key);
-    if (seq->lost) return table->OnDevice(*seq);  // DATA_LOSS, said once for every use
+    if (seq->lost()) return table->OnDevice(*seq);  // DATA_LOSS, said once for every use
     if (seq->tier == Tier::kDevice) return absl::OkStatus();
     std::vector<const Sequence*> stay = keep;
     stay.push_back(seq);
@@ -447,7 +447,7 @@ void Engine::Impl::PrefetchLoop() {
     prefetch_queue.pop_front();
     prefetch_queued.erase(key);
     const Sequence* s = table->Find(key);
-    if (s != nullptr && !s->lost && s->tier != Tier::kDevice && s->step == 0) {
+    if (s != nullptr && !s->lost() && s->tier != Tier::kDevice && s->step == 0) {
       prefetching = true;
       (void)RestoreLocked(lock, key, TierEvent::Reason::kPrefetch);
       prefetching = false;
@@ -495,7 +495,7 @@ void Engine::PrefetchSequences(const std::vector<SequenceKey>& seqs) {
   // table does, whatever clients send.
   for (const SequenceKey& k : seqs) {
     const Sequence* s = impl_->table->Find(k);
-    if (s == nullptr || s->lost || s->tier == Tier::kDevice) continue;
+    if (s == nullptr || s->lost() || s->tier == Tier::kDevice) continue;
     if (impl_->prefetch_queued.insert(k).second) impl_->prefetch_queue.push_back(k);
   }
   impl_->prefetch_wake.notify_one();
@@ -513,7 +513,7 @@ absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
                        " (or a sequence it shares pages with) is still moving between tiers"));
     const Sequence* s = impl_->table->Find(k);
     if (s == nullptr) return impl_->table->NotFound(k);
-    if (s->tier != Tier::kDevice && !s->lost) continue;  // down already
+    if (s->tier != Tier::kDevice && !s->lost()) continue;  // down already
     RETURN_IF_ERROR(impl_->SpillLocked(lock, k, TierEvent::Reason::kOffload));
   }
   return absl::OkStatus();
@@ -525,13 +525,12 @@ int Engine::SpillIdleSequences(std::chrono::steady_clock::duration idle) {
   const auto now = Clock::now();
   std::vector<SequenceKey> idle_ones;
   for (const Sequence* s : impl_->table->List(nullptr))
-    if (s->tier == Tier::kDevice && s->step == 0 && !s->copying && !s->filling && !s->moving &&
-        !s->lost && !s->logical.empty() && now - s->last_used > idle)
+    if (s->tier == Tier::kDevice && s->idle() && !s->logical.empty() && now - s->last_used > idle)
       idle_ones.emplace_back(s->tenant, s->id);
   int moved = 0;
   for (const SequenceKey& k : idle_ones) {
     const Sequence* s = impl_->table->Find(k);
-    if (s == nullptr || s->tier != Tier::kDevice || s->step != 0 || s->moving) continue;
+    if (s == nullptr || s->tier != Tier::kDevice || s->step != 0 || s->moving()) continue;
     moved += impl_->SpillLocked(lock, k, TierEvent::Reason::kIdle).ok() ? 1 : 0;
   }
   return moved;

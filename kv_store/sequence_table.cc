@@ -85,12 +85,12 @@ void SequenceTable::FreeSlot(Tier tier, int device, int32_t slot) {
 }
 
 absl::Status SequenceTable::OnDevice(const Sequence& seq) const {
-  if (seq.lost)
+  if (seq.lost())
     return absl::DataLossError(absl::StrCat(
         "sequence ", Quote(seq.id),
         " lost its cached pages (a page of it could not be read back from the disk tier); close "
         "it and prefill it again"));
-  if (seq.moving)
+  if (seq.moving())
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(seq.id), " is moving between tiers; retry"));
   if (seq.tier != Tier::kDevice)
@@ -210,10 +210,10 @@ absl::Status SequenceTable::Promote(const SequenceKey& key, uint64_t generation,
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", Quote(id), " is ", seq->standby ? "a standby copy" : "a primary",
         " at generation ", seq->generation, ", not a standby at generation ", generation));
-  if (seq->step != 0 || seq->copying || seq->moving)
+  if (seq->step != 0 || seq->copying() || seq->moving())
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is busy (a step, copy or tier move); retry"));
-  if (seq->lost) return OnDevice(*seq);
+  if (seq->lost()) return OnDevice(*seq);
   if (length < 0) return absl::OutOfRangeError(absl::StrCat("length ", length, " < 0"));
   if (length < seq->length) {  // cut back: the pages past `length` go
     const size_t keep = static_cast<size_t>((length + page_size_ - 1) / page_size_);
@@ -248,7 +248,7 @@ void SequenceTable::Insert(std::unique_ptr<Sequence> seq) {
 void SequenceTable::Erase(Sequence* seq) {
   for (int32_t id : seq->logical) Drop(id, seq->tier);
   --counts_[seq->device];
-  if (!seq->lost) --at_tier_[static_cast<int>(seq->tier)];
+  if (!seq->lost()) --at_tier_[static_cast<int>(seq->tier)];
   Charge(*seq, -static_cast<int64_t>(seq->logical.size()));
   ChargeSequences(*seq, -1);
   seqs_.erase(SequenceKey(seq->tenant, seq->id));
@@ -262,10 +262,10 @@ absl::Status SequenceTable::Close(const SequenceKey& key) {
   if (seq->step != 0)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is in open step ", seq->step, "; abort it first"));
-  if (seq->copying)
+  if (seq->copying())
     return absl::FailedPreconditionError(absl::StrCat(
         "sequence ", Quote(id), " is being copied (fork or migration); close it afterwards"));
-  if (seq->moving)
+  if (seq->moving())
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is moving between tiers; close it afterwards"));
   Erase(seq);
@@ -310,7 +310,7 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
                                               par->length, "] (parent ", Quote(parent),
                                               " length)"));
   if (absl::Status s = CheckDevice(device); !s.ok()) return s;
-  if (par->filling)
+  if (par->filling())
     return absl::FailedPreconditionError(absl::StrCat(
         "fork parent ", Quote(parent), " is still being forked itself; fork it afterwards"));
   if (par->standby)
@@ -324,8 +324,7 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
   seq->id = key.id;
   seq->device = device < 0 ? par->device : device;
   seq->length = prefix_len;
-  seq->copying = true;
-  seq->filling = true;
+  seq->state = SequenceState::kForking;
   seq->hashes.assign(
       par->hashes.begin(),
       par->hashes.begin() +
@@ -364,8 +363,7 @@ absl::Status SequenceTable::BeginFork(const SequenceKey& key, const std::string&
 void SequenceTable::EndFork(const SequenceKey& key, const PageMove& move, bool ok) {
   Unpin(move);
   Sequence* seq = Find(key);
-  seq->copying = false;
-  seq->filling = false;
+  seq->state = SequenceState::kIdle;
   if (!ok) Erase(seq);
 }
 
@@ -379,7 +377,7 @@ absl::Status SequenceTable::BeginMigrate(const SequenceKey& key, int device, Pag
   if (seq->step != 0)
     return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(id), " is in open step ",
                                                       seq->step, "; migrate between steps"));
-  if (seq->copying)
+  if (seq->copying())
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is being copied (fork or migration)"));
   if (absl::Status s = OnDevice(*seq); !s.ok()) return s;
@@ -389,7 +387,7 @@ absl::Status SequenceTable::BeginMigrate(const SequenceKey& key, int device, Pag
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV cache full on ", names_[device], ": migration needs ", seq->pages.size(), " pages"));
   Pin(move);
-  seq->copying = true;
+  seq->state = SequenceState::kMigrating;
   return absl::OkStatus();
 }
 
@@ -397,7 +395,7 @@ void SequenceTable::EndMigrate(const SequenceKey& key, const PageMove& move, boo
   if (move.from == move.to) return;
   Unpin(move);
   Sequence* seq = Find(key);
-  seq->copying = false;
+  seq->state = SequenceState::kIdle;
   if (!ok) {
     for (int32_t p : move.fresh) pools_[move.to].Unref(p);
     return;

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/block_hash.h"
+#include "kv_store/eviction_policy.h"
 #include "kv_store/page_directory.h"
 #include "kv_store/page_pool.h"
 #include "kv_store/page_table.h"
@@ -25,6 +26,17 @@
 #include "kv_store/tenant_ledger.h"
 
 namespace attnd {
+
+// What is in flight on a sequence. Each begins and ends in the sequence table, one at a time.
+enum class SequenceState : uint8_t {
+  kIdle,
+  kForking,    // a fork into it copies its pages: unreadable until done (EndFork)
+  kMigrating,  // its pages are copied to another device: readable, no step (EndMigrate)
+  kMoving,     // a tier move of it is in flight: no step, close, fork or read (EndTierMove)
+  // A page of it could not be read back from the disk tier: it holds no pages any more, and
+  // every use but close is DATA_LOSS. It stays so until closed.
+  kLost,
+};
 
 struct Sequence {
   std::string tenant;
@@ -36,22 +48,15 @@ struct Sequence {
   std::vector<int32_t> pages;
   int64_t length = 0;  // committed tokens
   uint64_t step = 0;   // the open step holding it, 0 if none
-  // Its pages are being copied (a fork into it, or its migration): no step, close or other
-  // migration until the copy ends.
-  bool copying = false;
-  // A fork into it is filling its pages: nothing may read them yet (no fork from it, no export).
-  // A migrating sequence stays readable: its old pages are valid until the move ends.
-  bool filling = false;
   // A handoff target: ordinary steps wait until write-only steps brought it to this length.
   int64_t import_length = 0;
   // Where it is (kv_store/page_directory.h): on the device every page of it is there and `pages`
   // holds their device ids; at the host or disk tier each page is there or faster and `pages`
   // is empty. A step, fork, migration or read needs it on the device.
   Tier tier = Tier::kDevice;
-  bool moving = false;  // a tier move of it is in flight: no step, close, fork or read
-  // A page of it could not be read back from the disk tier: it holds no pages any more, and
-  // every use but close is DATA_LOSS.
-  bool lost = false;
+  // What is in flight on it (SequenceState), one thing at a time; `step` says which step holds
+  // it (a step needs it idle and on the device).
+  SequenceState state = SequenceState::kIdle;
   // The prefix cache (docs/prefix_cache.md): the hashes of its blocks known so far, in order
   // (from its prompt or from its steps' entries), and its prompt's token ids of those blocks
   // until they are committed (for KV events). A block is indexed when a step commits it.
@@ -66,6 +71,19 @@ struct Sequence {
   // When it was opened or a step last began or ended on it: its lease
   // (Engine::ExpireIdleSequences closes sequences idle for longer).
   std::chrono::steady_clock::time_point last_used = std::chrono::steady_clock::now();
+
+  // Its pages are being copied (a fork into it, or its migration): no step, close or other
+  // migration until the copy ends.
+  bool copying() const {
+    return state == SequenceState::kForking || state == SequenceState::kMigrating;
+  }
+  // A fork into it is filling its pages: nothing may read them yet (no fork from it, no export).
+  // A migrating sequence stays readable: its old pages are valid until the move ends.
+  bool filling() const { return state == SequenceState::kForking; }
+  bool moving() const { return state == SequenceState::kMoving; }
+  bool lost() const { return state == SequenceState::kLost; }
+  // Neither in a step nor anything in flight: it may spill, move or be taken by a step.
+  bool idle() const { return step == 0 && state == SequenceState::kIdle; }
 };
 
 // Generations stay below this (a promotion adds one; 0 means "not named" in a step).
@@ -332,13 +350,19 @@ class SequenceTable {
   // Returns the sequences lost.
   std::vector<SequenceKey> EndTierMove(const TierMove& move, bool ok,
                                        const std::vector<int32_t>& lost = {});
-  // The least recently used sequences at `tier` (on `device`; -1: any) that can move down (no
-  // step, copy or move), until moving them would free `need` slots of that tier; pages only they
+  // The sequences at `tier` (on `device`; -1: any) that can move down (idle), in the eviction
+  // policy's order, until moving them would free `need` slots of that tier; pages only they
   // hold there count. Empty when nothing can.
   std::vector<SequenceKey> Victims(Tier tier, int device, int32_t need,
                                    const std::vector<const Sequence*>& keep = {}) const;
   // Slots of `tier` (pages on `device`, -1: any) held only by holders at slower tiers.
   int32_t Orphans(Tier tier, int device) const;
+
+  // Which sequences go first (LruEviction unless replaced).
+  void SetEvictionPolicy(std::unique_ptr<const EvictionPolicy> policy) {
+    eviction_ = std::move(policy);
+  }
+  const EvictionPolicy& eviction_policy() const { return *eviction_; }
 
  private:
   // Appends the copies of the first `length` tokens of `pages` into fresh pages of `to`, or
@@ -388,6 +412,7 @@ class SequenceTable {
   void TrimCache();
 
   std::vector<std::string> names_;
+  std::unique_ptr<const EvictionPolicy> eviction_ = std::make_unique<LruEviction>();
   std::vector<PagePool> pools_;
   PageDirectory dir_;
   std::vector<std::vector<int32_t>> owner_;  // [device][page]: its directory id, -1 if free

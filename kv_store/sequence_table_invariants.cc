@@ -20,8 +20,8 @@ absl::Status SequenceTable::CheckInvariants() const {
   int64_t at_tier[kNumTiers] = {0, 0, 0};
   for (const auto& [key, ptr] : seqs_) {
     const Sequence& seq = *ptr;
-    if (!seq.lost) ++at_tier[static_cast<int>(seq.tier)];
-    if (seq.moving || seq.copying || seq.filling || seq.step != 0)
+    if (!seq.lost()) ++at_tier[static_cast<int>(seq.tier)];
+    if (seq.step != 0 || seq.copying() || seq.moving())
       return bad("sequence '", seq.id, "' is busy");
     for (int32_t id : seq.logical) {
       if (!dir_.live(id)) return bad("sequence '", seq.id, "' holds a dead page ", id);

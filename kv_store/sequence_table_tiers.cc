@@ -18,7 +18,7 @@ absl::Status SequenceTable::PinRows(const SequenceKey& key, int64_t begin, int64
                                     std::vector<int32_t>* pages) {
   ASSIGN_OR_RETURN(const Sequence* seq, WithRows(key, begin, end));
   const std::string& id = key.id;
-  if (seq->filling)
+  if (seq->filling())
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is still being forked; read it afterwards"));
   if (absl::Status s = OnDevice(*seq); !s.ok()) return s;
@@ -41,7 +41,7 @@ absl::Status SequenceTable::PinTierRows(const SequenceKey& key, int64_t begin, i
                                         int* device, std::vector<TierPin>* pins) {
   ASSIGN_OR_RETURN(const Sequence* seq, WithRows(key, begin, end));
   const std::string& id = key.id;
-  if (seq->lost || seq->moving) return OnDevice(*seq);
+  if (seq->lost() || seq->moving()) return OnDevice(*seq);
   if (seq->tier == Tier::kDevice)
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is on the device; read it there"));
@@ -82,7 +82,7 @@ void SequenceTable::UnpinTierRows(const std::vector<TierPin>& pins) {
 bool SequenceTable::Settled(const SequenceKey& key) const {
   const Sequence* seq = Find(key);
   if (seq == nullptr) return true;
-  if (seq->moving) return false;
+  if (seq->moving()) return false;
   for (int32_t p : seq->logical)
     if (dir_.at(p).busy()) return false;
   return true;
@@ -95,9 +95,9 @@ absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierM
   move->key = key;
   move->device = seq->device;
   move->from = move->to = seq->tier;
-  if (seq->lost) return OnDevice(*seq);
+  if (seq->lost()) return OnDevice(*seq);
   const std::string& id = key.id;
-  if (seq->step != 0 || seq->copying || seq->filling || seq->moving)
+  if (!seq->idle())
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", Quote(id), " is busy (in a step, a copy or a move); retry"));
   const Tier from = seq->tier;
@@ -167,7 +167,7 @@ absl::Status SequenceTable::BeginTierMove(const SequenceKey& key, Tier to, TierM
     move->pinned.push_back(p);
   }
   seq->tier = to;
-  seq->moving = true;
+  seq->state = SequenceState::kMoving;
   move->to = to;
   return absl::OkStatus();
 }
@@ -246,7 +246,7 @@ std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool o
     }
   }
   if (Sequence* seq = move.key.id.empty() ? nullptr : Find(move.key)) {
-    seq->moving = false;
+    seq->state = SequenceState::kIdle;
     if (!ok && move.from != move.to) {
       for (int32_t p : seq->logical) {
         PageDirectory::Entry& e = dir_.at(p);
@@ -276,7 +276,7 @@ std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& 
   for (const auto& [b, hash] : gone)
     if (prefix_.at(b).live && prefix_.at(b).hash == hash) RemoveBlock(b, -1, -1);
   for (auto& [key, seq] : seqs_) {
-    if (seq->lost) continue;
+    if (seq->lost()) continue;
     bool holds = false;
     for (int32_t p : seq->logical)
       holds = holds || std::find(ids.begin(), ids.end(), p) != ids.end();
@@ -286,7 +286,7 @@ std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& 
     --at_tier_[static_cast<int>(seq->tier)];
     seq->logical.clear();
     seq->pages.clear();
-    seq->lost = true;
+    seq->state = SequenceState::kLost;
     out.push_back(key);
   }
   return out;
@@ -296,15 +296,10 @@ std::vector<SequenceKey> SequenceTable::Victims(Tier tier, int device, int32_t n
                                                 const std::vector<const Sequence*>& keep) const {
   std::vector<const Sequence*> cands;
   for (const auto& [key, seq] : seqs_)
-    if (seq->tier == tier && (device < 0 || seq->device == device) && seq->step == 0 &&
-        !seq->copying && !seq->filling && !seq->moving && !seq->lost &&
+    if (seq->tier == tier && (device < 0 || seq->device == device) && seq->idle() &&
         std::find(keep.begin(), keep.end(), seq.get()) == keep.end())
       cands.push_back(seq.get());
-  // Standby copies first (a copy is read only if its primary fails), then least recently used.
-  std::sort(cands.begin(), cands.end(), [](const Sequence* a, const Sequence* b) {
-    return std::make_tuple(!a->standby, a->last_used, std::cref(a->tenant), std::cref(a->id)) <
-           std::make_tuple(!b->standby, b->last_used, std::cref(b->tenant), std::cref(b->id));
-  });
+  eviction_->Rank(cands);
   std::vector<SequenceKey> out;
   int32_t freed = 0;
   for (const Sequence* seq : cands) {

@@ -87,7 +87,7 @@ TEST(SequenceTable, ForkOnTheSameDeviceSharesFullPagesAndCopiesThePartialOne) {
   PageMove move;
   ASSERT_TRUE(t.BeginFork("c", "p", 7, -1, &move).ok());
   const Sequence* c = t.Find("c");
-  EXPECT_TRUE(c->copying);
+  EXPECT_TRUE(c->copying());
   EXPECT_EQ(c->length, 7);
   ASSERT_EQ(c->pages.size(), 2u);
   EXPECT_EQ(c->pages[0], parent[0]);  // shared
@@ -98,7 +98,7 @@ TEST(SequenceTable, ForkOnTheSameDeviceSharesFullPagesAndCopiesThePartialOne) {
   EXPECT_EQ(t.pool(0).refcount(parent[0]), 2);
   EXPECT_EQ(t.pool(0).refcount(parent[1]), 2);  // pinned while copied
   // While it fills, the child can be neither closed, forked from, read nor migrated.
-  EXPECT_TRUE(c->filling);
+  EXPECT_TRUE(c->filling());
   EXPECT_EQ(t.Close("c").code(), absl::StatusCode::kFailedPrecondition);
   PageMove other;
   EXPECT_EQ(t.BeginFork("d", "c", 1, -1, &other).code(), absl::StatusCode::kFailedPrecondition);
@@ -107,8 +107,8 @@ TEST(SequenceTable, ForkOnTheSameDeviceSharesFullPagesAndCopiesThePartialOne) {
   std::vector<int32_t> pinned;
   EXPECT_EQ(t.PinRows("c", 0, 1, &device, &pinned).code(), absl::StatusCode::kFailedPrecondition);
   t.EndFork("c", move, true);
-  EXPECT_FALSE(t.Find("c")->copying);
-  EXPECT_FALSE(t.Find("c")->filling);
+  EXPECT_FALSE(t.Find("c")->copying());
+  EXPECT_FALSE(t.Find("c")->filling());
   EXPECT_EQ(t.pool(0).refcount(parent[1]), 1);
   ASSERT_TRUE(t.Close("p").ok());
   EXPECT_EQ(t.pool(0).refcount(parent[0]), 1);  // still the child's
@@ -132,8 +132,8 @@ TEST(SequenceTable, AFailedCopyLeavesEverythingAsBefore) {
   for (int32_t p : t.Find("p")->pages) EXPECT_EQ(t.pool(0).refcount(p), 1);
   // A failed migration too.
   ASSERT_TRUE(t.BeginMigrate("p", 1, &move).ok());
-  EXPECT_TRUE(t.Find("p")->copying);
-  EXPECT_FALSE(t.Find("p")->filling);
+  EXPECT_TRUE(t.Find("p")->copying());
+  EXPECT_FALSE(t.Find("p")->filling());
   EXPECT_EQ(t.Close("p").code(), absl::StatusCode::kFailedPrecondition);
   // A migrating sequence stays readable and can be forked (from its old pages).
   PageMove child;
@@ -148,7 +148,7 @@ TEST(SequenceTable, AFailedCopyLeavesEverythingAsBefore) {
   ASSERT_TRUE(t.Close("c").ok());
   t.EndMigrate("p", move, false);
   EXPECT_EQ(t.Find("p")->device, 0);
-  EXPECT_FALSE(t.Find("p")->copying);
+  EXPECT_FALSE(t.Find("p")->copying());
   EXPECT_EQ(Used(t, 1), 0);
   EXPECT_EQ(Used(t, 0), before0);
 }
@@ -172,7 +172,7 @@ TEST(SequenceTable, MigrationMovesPagesAndCounts) {
   // To where it is: nothing to copy.
   ASSERT_TRUE(t.BeginMigrate("p", 1, &move).ok());
   EXPECT_TRUE(move.copies.empty());
-  EXPECT_FALSE(t.Find("p")->copying);
+  EXPECT_FALSE(t.Find("p")->copying());
 }
 
 TEST(SequenceTable, AForkOrMigrationThatDoesNotFitChangesNothing) {
@@ -252,10 +252,10 @@ void Audit(const SequenceTable& t) {
 void MoveTo(SequenceTable& t, const std::string& id, Tier to, TierMove* move = nullptr) {
   TierMove m;
   ASSERT_TRUE(t.BeginTierMove(id, to, &m).ok());
-  EXPECT_TRUE(t.Find(id)->moving || m.pages.empty());
+  EXPECT_TRUE(t.Find(id)->moving() || m.pages.empty());
   t.EndTierMove(m, true);
   EXPECT_EQ(t.Find(id)->tier, to);
-  EXPECT_FALSE(t.Find(id)->moving);
+  EXPECT_FALSE(t.Find(id)->moving());
   if (move) *move = m;
   Audit(t);
 }
@@ -354,7 +354,7 @@ TEST(SequenceTableTiers, PagesReadWhereTheyAreNeitherMoveNorLeaveUntilTheReadEnd
   TierMove m;
   EXPECT_EQ(t.BeginTierMove("c", Tier::kDevice, &m).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.BeginTierMove("c", Tier::kDisk, &m).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_FALSE(t.Find("c")->moving);
+  EXPECT_FALSE(t.Find("c")->moving());
   EXPECT_EQ(t.host_slots().used_slots(), 1);
   // p goes down; the shared pages, held on the device by the read, stay there.
   ASSERT_TRUE(t.BeginTierMove("p", Tier::kHost, &m).ok());
@@ -401,7 +401,7 @@ TEST(SequenceTableTiers, AMoveThatFailsOrDoesNotFitChangesNothing) {
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
   EXPECT_NE(full.message().find("host tier full"), std::string::npos) << full;
   EXPECT_EQ(t.Find("a")->tier, Tier::kDevice);
-  EXPECT_FALSE(t.Find("a")->moving);
+  EXPECT_FALSE(t.Find("a")->moving());
   Audit(t);
   ASSERT_TRUE(t.BeginTierMove("a", Tier::kDisk, &m).ok());
   EXPECT_EQ(t.disk_slots().used_slots(), 3);                              // reserved
@@ -442,12 +442,12 @@ TEST(SequenceTableTiers, APageLostOnTheDiskLosesEverySequenceHoldingItAndNothing
   for (const char* id : {"c", "p"}) {
     const Sequence* s = t.Find(id);
     ASSERT_NE(s, nullptr);
-    EXPECT_TRUE(s->lost);
+    EXPECT_TRUE(s->lost());
     EXPECT_TRUE(s->logical.empty());
     TierMove none;
     EXPECT_EQ(t.BeginTierMove(id, Tier::kDevice, &none).code(), absl::StatusCode::kDataLoss);
   }
-  EXPECT_FALSE(t.Find("x")->lost);
+  EXPECT_FALSE(t.Find("x")->lost());
   EXPECT_EQ(t.disk_slots().used_slots(), 1);  // x's page only
   EXPECT_EQ(t.tenants().UsageOf("").pages, 1);
   Audit(t);
@@ -476,6 +476,33 @@ TEST(SequenceTableTiers, PagesNoHolderNeedsOnTheDeviceAreOrphansThatGoDown) {
   EXPECT_EQ(Used(t, 0), 0);
   EXPECT_EQ(t.host_slots().used_slots(), 2);
   EXPECT_EQ(t.Orphans(Tier::kDevice, 0), 0);
+  Audit(t);
+}
+
+// The eviction policy is the table's to replace: one that takes the most recently used first
+// reverses the order, and still never names a sequence that cannot move.
+TEST(SequenceTableTiers, AnotherEvictionPolicyChoosesOtherVictims) {
+  class MostRecentFirst final : public EvictionPolicy {
+   public:
+    std::string_view name() const override { return "mru"; }
+    void Rank(std::vector<const Sequence*>& c) const override {
+      LruEviction().Rank(c);
+      std::reverse(c.begin(), c.end());
+    }
+  };
+  SequenceTable t = Table({20, 9}, {8, 8});
+  for (const char* id : {"a", "b", "c", "d"}) {
+    ASSERT_TRUE(t.Open(id, 0).ok());
+    Grow(t, id, 8);  // 2 pages each; used in this order
+  }
+  t.Find("c")->step = 99;  // in a step: never a victim
+  EXPECT_EQ(t.eviction_policy().name(), "lru");
+  EXPECT_EQ(t.Victims(Tier::kDevice, 0, 3), (std::vector<SequenceKey>{"a", "b"}));
+  t.SetEvictionPolicy(std::make_unique<MostRecentFirst>());
+  EXPECT_EQ(t.eviction_policy().name(), "mru");
+  EXPECT_EQ(t.Victims(Tier::kDevice, 0, 3), (std::vector<SequenceKey>{"d", "b"}));
+  EXPECT_EQ(t.Victims(Tier::kDevice, 0, 100), (std::vector<SequenceKey>{"d", "b", "a"}));
+  t.Find("c")->step = 0;
   Audit(t);
 }
 
