@@ -18,14 +18,14 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/cuda_kernels.h"
-#include "kernels/cuda/gpu_facts.h"
-#include "kernels/cuda/mla_flashinfer.h"
-#include "kernels/cuda/mla_flashinfer_plan.h"
-#include "kernels/cuda/mla_gemm.h"
-#include "kernels/cuda/mla_split.h"
-#include "kernels/cuda/topk_block.h"
-#include "kernels/cuda/topk_flashinfer.h"
+#include "kernels/cuda/ops/cuda_kernels.h"
+#include "kernels/cuda/backend/gpu_facts.h"
+#include "kernels/cuda/ops/mla_flashinfer.h"
+#include "kernels/cuda/ops/mla_flashinfer_plan.h"
+#include "kernels/cuda/ops/mla_gemm.h"
+#include "kernels/cuda/ops/mla_split.h"
+#include "kernels/cuda/ops/topk_block.h"
+#include "kernels/cuda/ops/topk_flashinfer.h"
 
 namespace {
 

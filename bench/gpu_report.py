@@ -59,20 +59,20 @@ def count_tests(paths, missing=None):
 
 
 # The sparse MLA's forms as cuda_bench labels them, their kernels, and how each becomes the
-# default (kernels/cuda/cuda_kernels.h: MlaParams; kernels/cuda/cuda_device.cc).
+# default (kernels/cuda/ops/cuda_kernels.h: MlaParams; kernels/cuda/backend/cuda_device.cc).
 MLA_FORMS = {
     "pipe": ("MlaPipeKernel", "the default now (MlaParams::pipeline = true, wgmma off)"),
     "mma": ("MlaMmaKernel", "set MlaParams::pipeline's default to false"),
     "wgmma": ("MlaWgmmaKernel", "make WgmmaMla() default to true on compute capability 9.0"),
     "wgmma-ws": ("MlaWgmmaWsKernel",
                  "make WgmmaMla() and WgmmaWsMla() default to true on compute capability 9.0"),
-    # FlashInfer's Hopper MLA (kernels/cuda/mla_flashinfer.h), with attnd's plan and merge.
+    # FlashInfer's Hopper MLA (kernels/cuda/ops/mla_flashinfer.h), with attnd's plan and merge.
     "flashinfer": ("BatchMLAPageAttentionHopperKernel",
-                   "make LibraryMlaChoice() default to kFlashInfer (kernels/cuda/cuda_device.cc)"),
-    # The gather + cuBLAS GEMMs floor (kernels/cuda/mla_gemm.h); cuBLAS's kernels have no fixed
+                   "make LibraryMlaChoice() default to kFlashInfer (kernels/cuda/backend/cuda_device.cc)"),
+    # The gather + cuBLAS GEMMs floor (kernels/cuda/ops/mla_gemm.h); cuBLAS's kernels have no fixed
     # name, so the profile stage takes attnd's softmax between the two GEMMs.
     "gemm": ("SoftmaxKernel",
-             "make LibraryMlaChoice() default to kGemm (kernels/cuda/cuda_device.cc); not "
+             "make LibraryMlaChoice() default to kGemm (kernels/cuda/backend/cuda_device.cc); not "
              "batch-invariant"),
 }
 MLA_DEFAULT = "pipe"

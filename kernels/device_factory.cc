@@ -9,9 +9,9 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/cpu_device.h"
 #include "kernels/cpu/host_memory.h"
-#include "kernels/cuda/kernel_choice.h"
+#include "kernels/cuda/backend/kernel_choice.h"
 #ifdef ATTND_HAVE_CUDA
-#include "kernels/cuda/cuda_device.h"
+#include "kernels/cuda/backend/cuda_device.h"
 #endif
 
 namespace attnd {

@@ -23,7 +23,7 @@ namespace attnd {
 struct DeviceSettings {
   std::string cpu_isa = "auto";
   size_t gpu_scratch_bytes = size_t{8} << 30;
-  // The CUDA kernel forms (kernels/cuda/kernel_choice.h: --cuda-mla, --cuda-indexer,
+  // The CUDA kernel forms (kernels/cuda/backend/kernel_choice.h: --cuda-mla, --cuda-indexer,
   // --cuda-topk; the ATTND_CUDA_* variables override them), for every GPU of the process.
   std::string cuda_mla = "default";
   std::string cuda_indexer = "default";

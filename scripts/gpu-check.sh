@@ -240,8 +240,8 @@ if ! "$BUNDLE/cuda_test" --gtest_list_tests >/dev/null 2>&1 && command -v nvcc >
   # FlashInfer's headers are not carried: its rows are left out of this build.
   bounded 120 nvcc -O3 -std=c++17 -gencode arch=compute_80,code=sm_80 \
     -gencode arch=compute_90a,code=sm_90a -DATTND_CUDA_SM90A -DATTND_BENCH_NO_FLASHINFER -I. \
-    bench/cuda_bench.cc $(ls kernels/cuda/*.cu | grep -v flashinfer) kernels/cuda/cublas_loader.cc \
-    kernels/cuda/gpu_facts.cc \
+    bench/cuda_bench.cc $(ls kernels/cuda/ops/*.cu kernels/cuda/experimental/*.cu | grep -v flashinfer) kernels/cuda/backend/cublas_loader.cc \
+    kernels/cuda/backend/gpu_facts.cc \
     -ldl -o "$OUT/cuda_bench" && BENCH="$OUT/cuda_bench"
 fi
 : > "$OUT/cuda_bench.jsonl"

@@ -10,7 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "kernels/cuda/kernel_choice.h"
+#include "kernels/cuda/backend/kernel_choice.h"
 #include "service/service_metrics.h"
 
 namespace attnd {

@@ -30,7 +30,7 @@ struct ServerFlags {
   int threads = 0;                              // compute threads; 0 = all cores
   int executor_threads = 8;                     // the service's executor (blocking RPC work)
   std::string cpu_isa = "auto";                 // auto, avx512, avx2, generic
-  // CUDA kernel forms (kernels/cuda/kernel_choice.h).
+  // CUDA kernel forms (kernels/cuda/backend/kernel_choice.h).
   std::string cuda_mla = "default", cuda_indexer = "default", cuda_topk = "attnd";
   int64_t max_message_bytes = int64_t{1} << 30;
   // Connections: keepalive pings both ways, and an optional maximum age (0 = off).

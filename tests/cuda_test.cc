@@ -10,7 +10,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/cuda_device.h"
+#include "kernels/cuda/backend/cuda_device.h"
 #include "kv_store/host_tier.h"
 #include "tests/context_parallel_split.h"
 #include "tests/engine_harness.h"

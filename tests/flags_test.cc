@@ -120,7 +120,7 @@ TEST(Flags, RefusalsSayWhat) {
 namespace attnd {
 namespace {
 
-// The CUDA kernel forms are flags (kernels/cuda/kernel_choice.h), checked by name.
+// The CUDA kernel forms are flags (kernels/cuda/backend/kernel_choice.h), checked by name.
 TEST(Flags, CudaKernelFormsAreFlagsOfKnownNames) {
   const auto d = Parse({});
   ASSERT_TRUE(d.ok()) << d.status();

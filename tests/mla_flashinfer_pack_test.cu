@@ -1,11 +1,11 @@
-// attnd's FlashInferMlaParams packed into FlashInfer's MLAParams (kernels/cuda/mla_flashinfer.cu),
+// attnd's FlashInferMlaParams packed into FlashInfer's MLAParams (kernels/cuda/ops/mla_flashinfer.cu),
 // on the host, without a GPU: every pointer, stride and count the Hopper MLA kernel reads.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cuda/mla_flashinfer_pack.cuh"
+#include "kernels/cuda/ops/mla_flashinfer_pack.cuh"
 
 namespace attnd::cuda {
 namespace {

@@ -1,7 +1,7 @@
 // A thread block simulated on the CPU for kernel bodies written once against a block interface
-// (kernels/cuda/topk_block.h): the body's Each(f) runs f for every thread in turn, Sync() is a
+// (kernels/cuda/ops/topk_block.h): the body's Each(f) runs f for every thread in turn, Sync() is a
 // barrier, shared memory is 32-bit words checked as the hardware would punish their misuse.
-// The GPU runs the same body through DeviceBlock (kernels/cuda/selection.cu), one thread per
+// The GPU runs the same body through DeviceBlock (kernels/cuda/ops/selection.cu), one thread per
 // call of f.
 //
 // The interface a body uses (Block):

@@ -1,4 +1,4 @@
-// A lane-level CPU simulation of IndexerMmaKernel (kernels/cuda/indexer.cu) for one block:
+// A lane-level CPU simulation of IndexerMmaKernel (kernels/cuda/ops/indexer.cu) for one block:
 // 8 warps x 32 lanes run the kernel's code with the same shared-memory layout and the same
 // fragment addressing (mma_fragments.h); each mma.sync runs from the 32 lanes' registers as the
 // PTX ISA defines it, shuffles as butterflies across the warp, shared memory through the checks
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "kernels/cuda/mma_fragments.h"
+#include "kernels/cuda/ops/mma_fragments.h"
 #include "tests/sim/mma_sim.h"
 
 namespace attnd::cuda::sim {

@@ -1,4 +1,4 @@
-// The streaming tensor-core indexer (kernels/cuda/indexer_stream.h) run on the CPU by the fiber
+// The streaming tensor-core indexer (kernels/cuda/ops/indexer_stream.h) run on the CPU by the fiber
 // simulation (tests/sim/simt_sim.h): the kernel's own code, every thread, every barrier,
 // cp.async landing only when waited for, mma.sync and shuffles from the lanes' registers.
 // Scores against float64 on what the kernel sees (the query rounded to bf16; fp8 keys
@@ -15,7 +15,7 @@
 
 #include "common/dtype.h"
 #include "common/fp8.h"
-#include "kernels/cuda/indexer_stream.h"
+#include "kernels/cuda/ops/indexer_stream.h"
 #include "tests/sim/sim_mutation.h"
 #include "tests/sim/simt_sim.h"
 

@@ -1,4 +1,4 @@
-// A lane-level CPU simulation of MlaMmaKernel<HB> (kernels/cuda/mla.cu) for one block:
+// A lane-level CPU simulation of MlaMmaKernel<HB> (kernels/cuda/ops/mla.cu) for one block:
 // one query, HB = 16 or 64 heads, its keys in tiles of 64 (one split of them): the same
 // shared-memory layout, the same fragment addressing (mma_fragments.h), the same barriers;
 // mma.sync and shared memory as in mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step
@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "common/dtype.h"
-#include "kernels/cuda/fp8_chunks.h"
-#include "kernels/cuda/mla_split.h"
-#include "kernels/cuda/mma_fragments.h"
+#include "kernels/cuda/ops/fp8_chunks.h"
+#include "kernels/cuda/ops/mla_split.h"
+#include "kernels/cuda/ops/mma_fragments.h"
 #include "tests/sim/mma_sim.h"
 
 namespace attnd::cuda::sim {

@@ -1,4 +1,4 @@
-// The GPU's top-k (kernels/cuda/topk_block.h), run on the CPU thread by thread between barriers
+// The GPU's top-k (kernels/cuda/ops/topk_block.h), run on the CPU thread by thread between barriers
 // with checked shared memory (tests/sim/block_sim.h): the same code the kernels run. Every
 // row equals the host's exact top-k (kernels/selection.h) bit for bit, ties to the lower index,
 // NaN lowest, -0 = +0; page keys with their zeros left out; rows of several slices and their
@@ -13,7 +13,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "kernels/cuda/topk_block.h"
+#include "kernels/cuda/ops/topk_block.h"
 #include "kernels/selection.h"
 #include "tests/sim/block_sim.h"
 #include "tests/sim/sim_mutation.h"
