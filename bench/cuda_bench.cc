@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/ops/cuda_kernels.h"
 #include "kernels/cuda/backend/gpu_facts.h"
+#include "kernels/cuda/ops/cuda_kernels.h"
 #include "kernels/cuda/ops/mla_flashinfer.h"
 #include "kernels/cuda/ops/mla_flashinfer_plan.h"
 #include "kernels/cuda/ops/mla_gemm.h"

@@ -9,12 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cluster/export_chunk.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
 #include "engine/layer_check.h"
 #include "kv_store/cache_layout.h"
 #include "service/attention_service.h"
-#include "cluster/export_chunk.h"
 #include "service/layer_codec.h"
 #include "service/service_internal.h"
 #include "service/status_map.h"

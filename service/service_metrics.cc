@@ -9,10 +9,10 @@
 
 #include "absl/strings/match.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "cluster/replication.h"
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
-#include "cluster/replication.h"
 
 #ifndef ATTND_VERSION
 #define ATTND_VERSION "0.0.0"

@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "metrics/metrics.h"
 #include "cluster/replication.h"
+#include "metrics/metrics.h"
 #include "service/service_metrics.h"
 
 namespace attnd {

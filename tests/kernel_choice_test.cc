@@ -1,6 +1,6 @@
-// Which CUDA kernel forms run (kernels/cuda/backend/kernel_choice.h), without a GPU: the flags' names,
-// and a test's scoped choice over the flags' (the environment is read once per process; gpu-check
-// runs its binaries with it).
+// Which CUDA kernel forms run (kernels/cuda/backend/kernel_choice.h), without a GPU: the flags'
+// names, and a test's scoped choice over the flags' (the environment is read once per process;
+// gpu-check runs its binaries with it).
 #include "kernels/cuda/backend/kernel_choice.h"
 
 #include <gtest/gtest.h>

@@ -84,8 +84,8 @@ class LayerCallBudget : public ::testing::Test {
       svc_->LayerAsync(caller_, StepRef(*step), &g[l].wire, &out, Transport::kStream,
                        [&](absl::Status s) { done.set_value(s); });
       const absl::Status s = done.get_future().get();
-      const EngineCallCounts used = (EngineMutex::CountsOnThisThread() - here0) +
-                                    (OnExecutor() - exec0);
+      const EngineCallCounts used =
+          (EngineMutex::CountsOnThisThread() - here0) + (OnExecutor() - exec0);
       EXPECT_TRUE(s.ok()) << "layer " << l << ": " << s;
       EXPECT_EQ(out.committed(), l + 1 == g.size());
       EXPECT_EQ(used.step_lookups, 1) << "layer " << l;

@@ -1,5 +1,5 @@
-// What a GPU layer call packs, uploads and downloads (kernels/cuda/backend/layer_upload.h), checked on
-// the host: which tensors each kind of call carries, that sections are aligned, disjoint and in
+// What a GPU layer call packs, uploads and downloads (kernels/cuda/backend/layer_upload.h), checked
+// on the host: which tensors each kind of call carries, that sections are aligned, disjoint and in
 // the order the GPU consumes them, that every packed row is the request's row for its share
 // token (and an fp8 cache's row the host quantiser's bytes), that outputs land on their share
 // rows only, and that BeginStep's bound covers every call.

@@ -1,5 +1,6 @@
-// attnd's FlashInferMlaParams packed into FlashInfer's MLAParams (kernels/cuda/ops/mla_flashinfer.cu),
-// on the host, without a GPU: every pointer, stride and count the Hopper MLA kernel reads.
+// attnd's FlashInferMlaParams packed into FlashInfer's MLAParams
+// (kernels/cuda/ops/mla_flashinfer.cu), on the host, without a GPU: every pointer, stride and count
+// the Hopper MLA kernel reads.
 #include <gtest/gtest.h>
 
 #include <cstdint>

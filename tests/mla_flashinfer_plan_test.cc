@@ -1,5 +1,5 @@
-// The FlashInfer MLA's work partition (kernels/cuda/ops/mla_flashinfer_plan.h), without a GPU: every
-// key of every query is covered once, partial rows never collide, a query's chunks depend on
+// The FlashInfer MLA's work partition (kernels/cuda/ops/mla_flashinfer_plan.h), without a GPU:
+// every key of every query is covered once, partial rows never collide, a query's chunks depend on
 // its own key count only, the groups are balanced, and what the kernel computes in 32 bits fits.
 #include "kernels/cuda/ops/mla_flashinfer_plan.h"
 

@@ -1,5 +1,5 @@
-// Page moves between GPUs cut into chunks (kernels/cuda/backend/span_chunks.h), run on host memory the
-// way the GPU runs them: gather each chunk's pieces into staging, send the staging, scatter it.
+// Page moves between GPUs cut into chunks (kernels/cuda/backend/span_chunks.h), run on host memory
+// the way the GPU runs them: gather each chunk's pieces into staging, send the staging, scatter it.
 // Every byte of every span arrives once, nothing else is written, chunks fit their staging,
 // pieces are aligned and disjoint, and a sequence's thousands of spans become a few transfers.
 #include "kernels/cuda/backend/span_chunks.h"
@@ -135,9 +135,10 @@ std::vector<uint8_t> StagedPage(const CacheLayout& layout, const std::vector<uin
   return out;
 }
 
-// The GPU's ReadPages and WritePages (kernels/cuda/backend/cuda_pages.cc) on host memory, in their order:
-// per chunk the span kernel, then the copies out (a spill); the copies in, then the span kernel
-// (a restore). The staging holds only the chunk's pages, so a chunk overwrites the last one's.
+// The GPU's ReadPages and WritePages (kernels/cuda/backend/cuda_pages.cc) on host memory, in their
+// order: per chunk the span kernel, then the copies out (a spill); the copies in, then the span
+// kernel (a restore). The staging holds only the chunk's pages, so a chunk overwrites the last
+// one's.
 void RunPages(const PageStaging& plan, std::vector<uint8_t>& staging, size_t n,
               const std::vector<uint8_t*>& host, bool spill) {
   for (size_t a = 0; a < n; a += plan.per_chunk) {

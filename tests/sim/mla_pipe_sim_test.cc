@@ -1,5 +1,5 @@
-// The pipelined tensor-core MLA (kernels/cuda/ops/mla_pipe.h), its wgmma twin (mla_wgmma.h) and that
-// one's warp-specialised form (mla_wgmma_ws.h) run on the CPU by the fiber simulation
+// The pipelined tensor-core MLA (kernels/cuda/ops/mla_pipe.h), its wgmma twin (mla_wgmma.h) and
+// that one's warp-specialised form (mla_wgmma_ws.h) run on the CPU by the fiber simulation
 // (tests/sim/simt_sim.h): the kernel's own code on every thread, cp.async landing only when
 // waited for, mma.sync, wgmma and shuffles from the lanes' registers and shared memory. Outputs and
 // log-sum-exps against float64 on what the kernel sees (queries rounded to bf16, fp8 rows
@@ -21,11 +21,11 @@
 #include "common/dtype.h"
 #include "common/fp8.h"
 #include "common/model_spec.h"
-#include "kernels/cuda/ops/mla_pipe.h"
 #include "kernels/cuda/experimental/mla_wgmma.h"
 #include "kernels/cuda/experimental/mla_wgmma_ws.h"
-#include "kernels/cuda/ops/mma_fragments.h"
 #include "kernels/cuda/experimental/wgmma_probe.h"
+#include "kernels/cuda/ops/mla_pipe.h"
+#include "kernels/cuda/ops/mma_fragments.h"
 #include "kernels/reference/reference.h"
 #include "tests/sim/sim_mutation.h"
 #include "tests/sim/simt_sim.h"

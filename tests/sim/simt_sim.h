@@ -1,6 +1,6 @@
 // A thread block run on the CPU as the GPU runs it, for kernel bodies written once against a
-// thread interface (kernels/cuda/ops/simt.cuh has the GPU's; kernels/cuda/ops/indexer_stream.h is such
-// a body): every thread is a fiber that runs the body's own code until it reaches a barrier or
+// thread interface (kernels/cuda/ops/simt.cuh has the GPU's; kernels/cuda/ops/indexer_stream.h is
+// such a body): every thread is a fiber that runs the body's own code until it reaches a barrier or
 // a warp-wide instruction (mma.sync, a shuffle), which completes when every thread that must take
 // part has arrived. Used by tests only (tests/indexer_stream_sim_test.cc).
 //
@@ -27,7 +27,8 @@
 //    others wait in one; barriers that some threads never reach (a deadlock);
 //  - ldmatrix: a row address not 16-byte aligned; its rows are read (and race-checked) as the
 //    lanes that name them reading 16 bytes;
-//  - wgmma (sm_90a, m64n32k16 bf16 -> fp32; kernels/cuda/experimental/wgmma_layout.h has the layouts): the 128
+//  - wgmma (sm_90a, m64n32k16 bf16 -> fp32; kernels/cuda/experimental/wgmma_layout.h has the
+//  layouts): the 128
 //    threads of a warpgroup reaching different instructions or operands; an issue without
 //    wgmma.fence since the thread's last wait; registers (accumulators, A) not held (WgmmaHold)
 //    before that fence or written after it; a descriptor with swizzle, base offset or reserved
@@ -57,8 +58,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/ops/mma_fragments.h"
 #include "kernels/cuda/experimental/wgmma_layout.h"
+#include "kernels/cuda/ops/mma_fragments.h"
 #include "tests/sim/mma_sim.h"
 
 #if defined(__has_feature)

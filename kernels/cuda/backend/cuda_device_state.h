@@ -156,9 +156,9 @@ struct Event {
   }
 };
 
-// One layer call's packed inputs and outputs (kernels/cuda/backend/layer_upload.h), in pinned host memory
-// and on the GPU. A call holds its slot from StartLayer until its work on the GPU is done (it
-// waits before it lets go), so the next holder finds both buffers free.
+// One layer call's packed inputs and outputs (kernels/cuda/backend/layer_upload.h), in pinned host
+// memory and on the GPU. A call holds its slot from StartLayer until its work on the GPU is done
+// (it waits before it lets go), so the next holder finds both buffers free.
 struct UploadSlot {
   std::mutex mu;
   HostBuffer host;

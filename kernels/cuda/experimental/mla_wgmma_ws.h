@@ -30,10 +30,10 @@
 
 #include "common/dtype.h"
 #include "common/host_device.h"
-#include "kernels/cuda/ops/fp8_chunks.h"
-#include "kernels/cuda/ops/mla_pipe.h"
 #include "kernels/cuda/experimental/mla_wgmma.h"
 #include "kernels/cuda/experimental/wgmma_layout.h"
+#include "kernels/cuda/ops/fp8_chunks.h"
+#include "kernels/cuda/ops/mla_pipe.h"
 
 namespace attnd::cuda {
 

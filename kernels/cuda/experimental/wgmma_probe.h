@@ -10,8 +10,8 @@
 #include <cstdint>
 
 #include "common/host_device.h"
-#include "kernels/cuda/ops/mma_fragments.h"
 #include "kernels/cuda/experimental/wgmma_layout.h"
+#include "kernels/cuda/ops/mma_fragments.h"
 
 namespace attnd::cuda {
 

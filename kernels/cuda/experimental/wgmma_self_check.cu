@@ -6,12 +6,12 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/cuda/ops/cuda_common.cuh"
-#include "kernels/cuda/ops/cuda_kernels.h"
 #include "kernels/cuda/backend/gpu_facts.h"
-#include "kernels/cuda/ops/simt.cuh"
 #include "kernels/cuda/experimental/wgmma_probe.h"
 #include "kernels/cuda/experimental/wgmma_self_check.h"
+#include "kernels/cuda/ops/cuda_common.cuh"
+#include "kernels/cuda/ops/cuda_kernels.h"
+#include "kernels/cuda/ops/simt.cuh"
 
 namespace attnd::cuda {
 namespace {

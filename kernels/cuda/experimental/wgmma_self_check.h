@@ -1,6 +1,7 @@
-// The wgmma self-check (kernels/cuda/experimental/wgmma_self_check.cu): one warpgroup runs wgmma_probe.h, wgmma
-// as the wgmma MLA issues it, against float64 on the current GPU, once per process, before the
-// wgmma MLA may launch (MlaWgmmaSelfCheck in cuda_kernels.h is its public face).
+// The wgmma self-check (kernels/cuda/experimental/wgmma_self_check.cu): one warpgroup runs
+// wgmma_probe.h, wgmma as the wgmma MLA issues it, against float64 on the current GPU, once per
+// process, before the wgmma MLA may launch (MlaWgmmaSelfCheck in cuda_kernels.h is its public
+// face).
 #pragma once
 
 namespace attnd::cuda {

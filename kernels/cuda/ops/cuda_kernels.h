@@ -225,12 +225,12 @@ struct MlaParams {
   // Tensor-core kernel only: take the pipelined kernel where it can (MlaUsesPipeline); false
   // keeps the tile-per-block one (the benchmark compares them).
   bool pipeline = true;
-  // Pipelined kernel only: take its wgmma form (kernels/cuda/experimental/mla_wgmma.h) where MlaUsesWgmma
-  // says it can (compute capability 9.0, the sm_90a image). Off unless asked for
+  // Pipelined kernel only: take its wgmma form (kernels/cuda/experimental/mla_wgmma.h) where
+  // MlaUsesWgmma says it can (compute capability 9.0, the sm_90a image). Off unless asked for
   // (ATTND_CUDA_MLA=wgmma, WgmmaMla()) until a GPU run has checked and timed it.
   bool wgmma = false;
-  // wgmma form only: its warp-specialised variant (kernels/cuda/experimental/mla_wgmma_ws.h: a producer
-  // warpgroup gathers, handing tiles over by mbarriers). Off unless asked for
+  // wgmma form only: its warp-specialised variant (kernels/cuda/experimental/mla_wgmma_ws.h: a
+  // producer warpgroup gathers, handing tiles over by mbarriers). Off unless asked for
   // (ATTND_CUDA_MLA=wgmma-ws, WgmmaWsMla()) until a GPU run has checked and timed it.
   bool wgmma_ws = false;
   // Tensor-core kernel only: heads per block, 16 or 64 (keys are read once per block, so 64
@@ -242,8 +242,8 @@ cudaError_t LaunchMla(const MlaParams& p, cudaStream_t s);
 // The heads per block the tensor-core MLA takes for `p` on the current GPU (16 or 64).
 int MlaHeadsPerBlock(const MlaParams& p);
 // Whether LaunchMla would take a tensor-core kernel for `p`, and whether the pipelined one
-// (kernels/cuda/ops/mla_pipe.h: 64 heads a block, key rows through a cp.async ring; heads % 64 == 0,
-// unless heads_per_block is 16, and its shared memory fits the GPU).
+// (kernels/cuda/ops/mla_pipe.h: 64 heads a block, key rows through a cp.async ring; heads % 64 ==
+// 0, unless heads_per_block is 16, and its shared memory fits the GPU).
 bool MlaUsesTensorCores(const MlaParams& p);
 bool MlaUsesPipeline(const MlaParams& p);
 // Whether the pipelined kernel would take its wgmma form (p.wgmma, a compute capability 9.0 GPU,

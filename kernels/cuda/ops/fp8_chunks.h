@@ -1,6 +1,6 @@
 // fp8 cache rows read as bf16, 8 values (16 bytes of shared memory) at a time: what the
-// tensor-core kernels' loaders (kernels/cuda/ops/mla.cu, indexer.cu) put in shared memory for an fp8
-// cache, and what their lane-level simulations (tests/sim/mla_mma_sim.h,
+// tensor-core kernels' loaders (kernels/cuda/ops/mla.cu, indexer.cu) put in shared memory for an
+// fp8 cache, and what their lane-level simulations (tests/sim/mla_mma_sim.h,
 // tests/sim/indexer_stream_sim_test.cc) put there, from this same code. Plain C++ with ATTND_HD:
 // host and device.
 //

@@ -4,9 +4,9 @@
 // keys, other shapes). fp32 accumulation.
 #include <algorithm>
 
+#include "kernels/cuda/backend/gpu_facts.h"
 #include "kernels/cuda/ops/cuda_common.cuh"
 #include "kernels/cuda/ops/cuda_kernels.h"
-#include "kernels/cuda/backend/gpu_facts.h"
 #include "kernels/cuda/ops/indexer_stream.h"
 #include "kernels/cuda/ops/mma_fragments.h"
 #include "kernels/cuda/ops/simt.cuh"

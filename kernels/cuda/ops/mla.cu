@@ -8,17 +8,17 @@
 #include <cstdio>
 #include <vector>
 
+#include "kernels/cuda/backend/gpu_facts.h"
+#include "kernels/cuda/experimental/mla_wgmma.h"
+#include "kernels/cuda/experimental/mla_wgmma_ws.h"
+#include "kernels/cuda/experimental/wgmma_self_check.h"
 #include "kernels/cuda/ops/cuda_common.cuh"
 #include "kernels/cuda/ops/cuda_kernels.h"
 #include "kernels/cuda/ops/fp8_chunks.h"
-#include "kernels/cuda/backend/gpu_facts.h"
 #include "kernels/cuda/ops/mla_pipe.h"
 #include "kernels/cuda/ops/mla_split.h"
-#include "kernels/cuda/experimental/mla_wgmma.h"
-#include "kernels/cuda/experimental/mla_wgmma_ws.h"
 #include "kernels/cuda/ops/mma_fragments.h"
 #include "kernels/cuda/ops/simt.cuh"
-#include "kernels/cuda/experimental/wgmma_self_check.h"
 
 namespace attnd::cuda {
 namespace {
@@ -400,9 +400,9 @@ __global__ void __launch_bounds__(kPipeThreads)
   MlaPipeBlock<kFp8>(g, p, b.qx, b.hy, b.z);
 }
 
-// Its wgmma form (kernels/cuda/experimental/mla_wgmma.h), the same grid: two warpgroups a block. The body is
-// wgmma only in the sm_90a image (elsewhere GpuThread's wgmma traps; MlaUsesWgmma launches it
-// only on compute capability 9.0).
+// Its wgmma form (kernels/cuda/experimental/mla_wgmma.h), the same grid: two warpgroups a block.
+// The body is wgmma only in the sm_90a image (elsewhere GpuThread's wgmma traps; MlaUsesWgmma
+// launches it only on compute capability 9.0).
 template <bool kFp8>
 __global__ void __launch_bounds__(kWgThreads, 1)
     MlaWgmmaKernel(MlaPipeParams p, int head_blocks, int splits) {
@@ -412,8 +412,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   MlaWgmmaBlock<kFp8>(g, p, b.qx, b.hy, b.z);
 }
 
-// Its warp-specialised form (kernels/cuda/experimental/mla_wgmma_ws.h): the same grid, a producer warpgroup
-// more.
+// Its warp-specialised form (kernels/cuda/experimental/mla_wgmma_ws.h): the same grid, a producer
+// warpgroup more.
 template <bool kFp8>
 __global__ void __launch_bounds__(kWsThreads, 1)
     MlaWgmmaWsKernel(MlaPipeParams p, int head_blocks, int splits) {

@@ -1,5 +1,5 @@
-// The sparse MLA on FlashInfer's Hopper MLA kernel (sm_90a; kernels/cuda/ops/mla_flashinfer.cu): the
-// selected slots are a page table of page size 1 over attnd's cache rows (the latent and RoPE
+// The sparse MLA on FlashInfer's Hopper MLA kernel (sm_90a; kernels/cuda/ops/mla_flashinfer.cu):
+// the selected slots are a page table of page size 1 over attnd's cache rows (the latent and RoPE
 // parts as FlashInfer's ckv and kpe, with the row as their stride), attnd's own work partition
 // (mla_flashinfer_plan.h) and attnd's merge of the chunk partials into fp32 outputs and
 // natural-log log-sum-exps. Plain C++ (no FlashInfer header): the CUDA backend includes it.

@@ -72,9 +72,10 @@ struct GpuThread {
                    : "r"(a));
     }
   }
-  // wgmma (sm_90a; kernels/cuda/experimental/wgmma_layout.h): m64n32k16, bf16 in, fp32 accumulators, the
-  // accumulators always added to. Compiled only into the sm_90a image; elsewhere a trap (the
-  // host launches a wgmma kernel only on compute capability 9.0, where that image runs).
+  // wgmma (sm_90a; kernels/cuda/experimental/wgmma_layout.h): m64n32k16, bf16 in, fp32
+  // accumulators, the accumulators always added to. Compiled only into the sm_90a image; elsewhere
+  // a trap (the host launches a wgmma kernel only on compute capability 9.0, where that image
+  // runs).
   __device__ uint32_t SmemAddr(uint32_t off) const {
     return static_cast<uint32_t>(__cvta_generic_to_shared(smem + off));
   }

@@ -1,5 +1,6 @@
 // Tables of byte spans copied by one kernel: page moves on one GPU, and the gather into and
-// scatter out of the staging buffer of page moves between GPUs (kernels/cuda/backend/span_chunks.h).
+// scatter out of the staging buffer of page moves between GPUs
+// (kernels/cuda/backend/span_chunks.h).
 #include "kernels/cuda/ops/cuda_common.cuh"
 #include "kernels/cuda/ops/cuda_kernels.h"
 
