@@ -2,7 +2,7 @@
 // 8 warps x 32 lanes run the kernel's code with the same shared-memory layout and the same
 // fragment addressing (mma_fragments.h); each mma.sync runs from the 32 lanes' registers as the
 // PTX ISA defines it, shuffles as butterflies across the warp, shared memory through the checks
-// of mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step with the kernel.
+// of mma_sim.h. Used by tests/sim/mma_sim_test.cc; keep it in step with the kernel.
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,7 @@
 // A lane-level CPU simulation of MlaMmaKernel<HB> (kernels/cuda/ops/mla.cu) for one block:
 // one query, HB = 16 or 64 heads, its keys in tiles of 64 (one split of them): the same
 // shared-memory layout, the same fragment addressing (mma_fragments.h), the same barriers;
-// mma.sync and shared memory as in mma_sim.h. Used by tests/mma_sim_test.cc; keep it in step
+// mma.sync and shared memory as in mma_sim.h. Used by tests/sim/mma_sim_test.cc; keep it in step
 // with the kernel.
 #pragma once
 

@@ -2,7 +2,7 @@
 // thread interface (kernels/cuda/ops/simt.cuh has the GPU's; kernels/cuda/ops/indexer_stream.h is
 // such a body): every thread is a fiber that runs the body's own code until it reaches a barrier or
 // a warp-wide instruction (mma.sync, a shuffle), which completes when every thread that must take
-// part has arrived. Used by tests only (tests/indexer_stream_sim_test.cc).
+// part has arrived. Used by tests only (tests/sim/indexer_stream_sim_test.cc).
 //
 // Ordering is happens-before, by vector clocks: a thread's accesses are ordered after another's
 // by a barrier both passed (__syncthreads, or a named barrier bar.sync id, count both took part

@@ -1,6 +1,6 @@
 """Prefix-cache block hashes: the Python implementation against the definition written out here
 with hashlib and struct, and against tests/data/block_hash_vectors.json, which the C++ client's
-implementation is checked against too (tests/block_hash_test.cc)."""
+implementation is checked against too (tests/unit/block_hash_test.cc)."""
 
 import hashlib
 import json

@@ -164,7 +164,7 @@ def test_handoff_moves_a_sequence_whose_next_outputs_are_bit_identical(two_serve
         assert twin_b[-1].shape == (1, spec.num_heads, spec.kv_lora_rank)
 
 
-# The published configs' fields attnd reads (as in tests/model_spec_test.cc).
+# The published configs' fields attnd reads (as in tests/unit/model_spec_test.cc).
 PUBLISHED = {
     "deepseek-v3.2": {"model_type": "deepseek_v32", "num_hidden_layers": 61,
                       "num_attention_heads": 128, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
@@ -319,7 +319,7 @@ class _RpcError(grpc.RpcError):
 
 def test_a_call_ended_by_a_server_shutting_down_is_unavailable():
     """gRPC ends a call that reached a server as it shut down, before a handler took it, with
-    CANCELLED "CANCELLED" (tests/client_status_test.cc shows it on a real server): to a client
+    CANCELLED "CANCELLED" (tests/unit/client_status_test.cc shows it on a real server): to a client
     that cancelled nothing that is the server going away, a miss to retry, as in the C++ client.
     A call the client cancelled, and the server's own CANCELLED messages, stay CANCELLED."""
     from attnd import AttndError

@@ -1,4 +1,4 @@
-"""Rendezvous routing in Python agrees with the C++ client (pinned in tests/router_test.cc) and
+"""Rendezvous routing in Python agrees with the C++ client (pinned in tests/unit/router_test.cc) and
 moves only the sequences of a replica that leaves."""
 
 from collections import Counter

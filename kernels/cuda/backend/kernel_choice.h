@@ -3,7 +3,7 @@
 //   2. the environment, read once: ATTND_CUDA_MLA, ATTND_CUDA_INDEXER, ATTND_CUDA_TOPK with the
 //      flags' values (gpu-check uses them to run a bundle's binaries with other forms);
 //   3. a test's scoped choice (ScopedKernelChoice, ScopedLibraryMla, ScopedFlashInferTopK).
-// A step reads the choice when it begins. Plain C++ (tests/kernel_choice_test.cc runs it
+// A step reads the choice when it begins. Plain C++ (tests/unit/kernel_choice_test.cc runs it
 // without a GPU); the forms themselves are described in docs/architecture.md, "Devices".
 #pragma once
 

@@ -4,7 +4,7 @@
 // and the indexer can start while the queries are still on their way), then the output and its
 // log-sum-exp, computed into the same buffer on the GPU and downloaded in one copy. Plain C++:
 // the planner, the gather and the scatter are tested on machines without a GPU
-// (tests/layer_upload_test.cc); kernels/cuda/backend/cuda_layer.cc moves the bytes.
+// (tests/unit/layer_upload_test.cc); kernels/cuda/backend/cuda_layer.cc moves the bytes.
 //
 // Buffer: [key part: kv_latent | k_rope | index_k, or the fp8 cache's packed latent and indexer
 // rows; index_q (+ fp8 scales) | index_w] [query part: q_latent or q_nope (+ scales) | q_rope

@@ -3,7 +3,7 @@
 // is about 250,000), packed back to back into a staging buffer on the source GPU by one kernel
 // per chunk, sent as one transfer (NCCL send/recv or a peer copy), and unpacked on the
 // destination by one kernel. Plain C++: the plan is tested on machines without a GPU
-// (tests/span_chunks_test.cc); kernels/cuda/backend/cuda_pages.cc moves the bytes.
+// (tests/unit/span_chunks_test.cc); kernels/cuda/backend/cuda_pages.cc moves the bytes.
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,6 @@
 // The streaming tensor-core indexer, I[s] = sum_h w[h] relu(q[h] . k[s]), written once as a
 // block body over a thread interface: the GPU runs it with GpuThread (kernels/cuda/ops/indexer.cu),
-// the CPU simulation with SimtThread (tests/sim/simt_sim.h; tests/indexer_stream_sim_test.cc)
+// the CPU simulation with SimtThread (tests/sim/simt_sim.h; tests/sim/indexer_stream_sim_test.cc)
 // fiber by fiber, the same code.
 //
 // A block takes one query and a range of its keys (grid: key ranges x queries), so its query is

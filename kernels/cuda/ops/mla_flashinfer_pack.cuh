@@ -1,6 +1,6 @@
 // How attnd's FlashInferMlaParams become FlashInfer's MLAParams (mla_flashinfer.cu): every
 // pointer and stride FlashInfer's Hopper MLA reads. CUDA-only (FlashInfer's headers); host code,
-// so tests/mla_flashinfer_pack_test.cu checks it on a machine without a GPU.
+// so tests/unit/mla_flashinfer_pack_test.cu checks it on a machine without a GPU.
 #pragma once
 
 #include <cuda_bf16.h>

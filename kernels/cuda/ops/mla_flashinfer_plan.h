@@ -11,7 +11,7 @@
 // item changes nothing. FlashInfer's own planner sizes chunks by the batch's total work instead;
 // attnd does not use it.
 //
-// Plain C++: tested without a GPU (tests/mla_flashinfer_plan_test.cc).
+// Plain C++: tested without a GPU (tests/unit/mla_flashinfer_plan_test.cc).
 #pragma once
 
 #include <cstddef>

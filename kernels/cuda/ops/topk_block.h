@@ -1,6 +1,6 @@
 // The exact top-k of a row of 32-bit keys by one thread block, written once: the GPU runs it
 // with DeviceBlock (kernels/cuda/ops/selection.cu), the CPU simulation thread by thread between
-// barriers with checked shared memory (tests/sim/block_sim.h, tests/topk_sim_test.cc).
+// barriers with checked shared memory (tests/sim/block_sim.h, tests/sim/topk_sim_test.cc).
 //
 // Rule (kernels/selection.h, bit for bit): the k largest keys, ties to the lower index, indices
 // emitted in ascending order. Radix select over 4 digits of 8 bits: per pass every warp counts

@@ -113,7 +113,7 @@ INSTANTIATE_TEST_SUITE_P(
     ParityName);
 
 // Server-side absorption on the GPU (the per-head projection kernels around the attention)
-// against the CPU backend, whose absorbed calls tests/absorption_test.cc checks against float64:
+// against the CPU backend, whose absorbed calls tests/engine/absorption_test.cc checks against float64:
 // outputs [T, H, V], log-sum-exps and selections, fp32 and bf16.
 TEST(Cuda, AbsorbedCallsMatchTheCpuBackend) {
   SKIP_WITHOUT_GPU();
