@@ -537,7 +537,8 @@ TEST(CudaScale, AllEqualScoresSelectTheLowestPositionsLikeTheCpu) {
   for (const bool flashinfer_topk : {false, true}) {
     SCOPED_TRACE(flashinfer_topk ? "FlashInfer's top-k" : "attnd's top-k");
     if (flashinfer_topk && !cuda::FlashInferTopKApplies(2048)) continue;
-    cuda::ScopedFlashInferTopK topk(flashinfer_topk);
+    cuda::ScopedTopK topk(flashinfer_topk ? cuda::TopKKernel::kFlashInfer
+                                          : cuda::TopKKernel::kAttnd);
     const int64_t launches = cuda::FlashInferTopKLaunches();
     AllEqualScoresSelectTheLowestPositions();
     EXPECT_EQ(cuda::FlashInferTopKLaunches() > launches, flashinfer_topk);
@@ -563,12 +564,12 @@ TEST(CudaScale, FlashInfersTopKSelectsWhatAttndsSelects) {
   const std::vector<StepEntry> step = {{"a", 5}, {"b", 1}};
   const auto in = ours.MakeInputs(step, DType::kBF16, 72);
   auto a = [&] {
-    cuda::ScopedFlashInferTopK off(false);
+    cuda::ScopedTopK off(cuda::TopKKernel::kAttnd);
     return ours.Run(step, in);
   }();
   const int64_t launches = cuda::FlashInferTopKLaunches();
   auto b = [&] {
-    cuda::ScopedFlashInferTopK on(true);
+    cuda::ScopedTopK on(cuda::TopKKernel::kFlashInfer);
     return theirs.Run(step, in);
   }();
   ASSERT_TRUE(a.status.ok()) << a.status;

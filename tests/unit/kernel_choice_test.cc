@@ -45,7 +45,7 @@ TEST(KernelChoice, ATestsScopeWinsOverTheFlagsAndEndsWithIt) {
   EXPECT_TRUE(FlashInferTopK());
   {
     ScopedKernelChoice simt(false, false);
-    ScopedFlashInferTopK attnd(false);
+    ScopedTopK attnd(TopKKernel::kAttnd);
     EXPECT_FALSE(TensorCoreMla());
     EXPECT_FALSE(TensorCoreIndexer());
     EXPECT_FALSE(FlashInferTopK());

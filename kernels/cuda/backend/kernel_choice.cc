@@ -2,15 +2,36 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <mutex>
 
 namespace attnd::cuda {
 namespace {
 
-std::mutex g_flags_mu;
-CudaKernelChoice g_flags;  // layer 1, under g_flags_mu
-// Layer 3: -1 none, else the enum's value.
-std::atomic<int> g_scoped_mla{-1}, g_scoped_library{-1}, g_scoped_indexer{-1}, g_scoped_topk{-1};
+// Layer 1 and layer 3, each family's value in an atomic of its own (a step reads the choice
+// when it begins, from any thread, without a lock). Layer 3: -1 none, else the enum's value.
+struct Layer {
+  std::atomic<int> mla, library, indexer, topk;
+};
+Layer g_flags{{0}, {0}, {0}, {0}};
+Layer g_scoped{{-1}, {-1}, {-1}, {-1}};
+
+template <typename Kernel>
+std::atomic<int>& Field(Layer& l);
+template <>
+std::atomic<int>& Field<MlaKernel>(Layer& l) {
+  return l.mla;
+}
+template <>
+std::atomic<int>& Field<LibraryMla>(Layer& l) {
+  return l.library;
+}
+template <>
+std::atomic<int>& Field<IndexerKernel>(Layer& l) {
+  return l.indexer;
+}
+template <>
+std::atomic<int>& Field<TopKKernel>(Layer& l) {
+  return l.topk;
+}
 
 // Layer 2: each variable read once; an unknown value is ignored (the flags' choice stays), as
 // the old switches ignored values they did not know.
@@ -80,16 +101,18 @@ bool ParseCudaTopK(std::string_view name, CudaKernelChoice* c) {
 }
 
 void SetFlagKernelChoice(const CudaKernelChoice& c) {
-  std::lock_guard<std::mutex> lock(g_flags_mu);
-  g_flags = c;
+  g_flags.mla = static_cast<int>(c.mla);
+  g_flags.library = static_cast<int>(c.library_mla);
+  g_flags.indexer = static_cast<int>(c.indexer);
+  g_flags.topk = static_cast<int>(c.topk);
 }
 
 CudaKernelChoice CurrentKernelChoice() {
   CudaKernelChoice c;
-  {
-    std::lock_guard<std::mutex> lock(g_flags_mu);
-    c = g_flags;
-  }
+  c.mla = static_cast<MlaKernel>(g_flags.mla.load());
+  c.library_mla = static_cast<LibraryMla>(g_flags.library.load());
+  c.indexer = static_cast<IndexerKernel>(g_flags.indexer.load());
+  c.topk = static_cast<TopKKernel>(g_flags.topk.load());
   const EnvChoice& env = Env();
   if (env.mla) {
     c.mla = env.value.mla;
@@ -97,10 +120,10 @@ CudaKernelChoice CurrentKernelChoice() {
   }
   if (env.indexer) c.indexer = env.value.indexer;
   if (env.topk) c.topk = env.value.topk;
-  if (const int v = g_scoped_mla.load(); v >= 0) c.mla = static_cast<MlaKernel>(v);
-  if (const int v = g_scoped_library.load(); v >= 0) c.library_mla = static_cast<LibraryMla>(v);
-  if (const int v = g_scoped_indexer.load(); v >= 0) c.indexer = static_cast<IndexerKernel>(v);
-  if (const int v = g_scoped_topk.load(); v >= 0) c.topk = static_cast<TopKKernel>(v);
+  if (const int v = g_scoped.mla.load(); v >= 0) c.mla = static_cast<MlaKernel>(v);
+  if (const int v = g_scoped.library.load(); v >= 0) c.library_mla = static_cast<LibraryMla>(v);
+  if (const int v = g_scoped.indexer.load(); v >= 0) c.indexer = static_cast<IndexerKernel>(v);
+  if (const int v = g_scoped.topk.load(); v >= 0) c.topk = static_cast<TopKKernel>(v);
   return c;
 }
 
@@ -117,27 +140,24 @@ bool GemmMla() { return LibraryMlaChoice() == LibraryMla::kGemm; }
 bool TensorCoreIndexer() { return CurrentKernelChoice().indexer != IndexerKernel::kSimt; }
 bool FlashInferTopK() { return CurrentKernelChoice().topk == TopKKernel::kFlashInfer; }
 
+template <typename Kernel>
+ScopedKernel<Kernel>::ScopedKernel(Kernel form)
+    : before_(Field<Kernel>(g_scoped).exchange(static_cast<int>(form))) {}
+template <typename Kernel>
+ScopedKernel<Kernel>::~ScopedKernel() {
+  Field<Kernel>(g_scoped) = before_;
+}
+template class ScopedKernel<MlaKernel>;
+template class ScopedKernel<LibraryMla>;
+template class ScopedKernel<IndexerKernel>;
+template class ScopedKernel<TopKKernel>;
+
 ScopedKernelChoice::ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer,
                                        bool wgmma_mla, bool warp_specialised)
-    : mla_before_(g_scoped_mla.exchange(static_cast<int>(!tensor_core_mla   ? MlaKernel::kSimt
-                                                         : !wgmma_mla       ? MlaKernel::kDefault
-                                                         : warp_specialised ? MlaKernel::kWgmmaWs
-                                                                            : MlaKernel::kWgmma))),
-      indexer_before_(g_scoped_indexer.exchange(
-          static_cast<int>(tensor_core_indexer ? IndexerKernel::kDefault : IndexerKernel::kSimt))) {
-}
-ScopedKernelChoice::~ScopedKernelChoice() {
-  g_scoped_mla = mla_before_;
-  g_scoped_indexer = indexer_before_;
-}
-
-ScopedLibraryMla::ScopedLibraryMla(LibraryMla form)
-    : before_(g_scoped_library.exchange(static_cast<int>(form))) {}
-ScopedLibraryMla::~ScopedLibraryMla() { g_scoped_library = before_; }
-
-ScopedFlashInferTopK::ScopedFlashInferTopK(bool on)
-    : before_(g_scoped_topk.exchange(
-          static_cast<int>(on ? TopKKernel::kFlashInfer : TopKKernel::kAttnd))) {}
-ScopedFlashInferTopK::~ScopedFlashInferTopK() { g_scoped_topk = before_; }
+    : mla_(!tensor_core_mla   ? MlaKernel::kSimt
+           : !wgmma_mla       ? MlaKernel::kDefault
+           : warp_specialised ? MlaKernel::kWgmmaWs
+                              : MlaKernel::kWgmma),
+      indexer_(tensor_core_indexer ? IndexerKernel::kDefault : IndexerKernel::kSimt) {}
 
 }  // namespace attnd::cuda

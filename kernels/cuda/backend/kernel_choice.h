@@ -2,7 +2,7 @@
 //   1. the flags (DeviceSettings: --cuda-mla, --cuda-indexer, --cuda-topk), set once at startup;
 //   2. the environment, read once: ATTND_CUDA_MLA, ATTND_CUDA_INDEXER, ATTND_CUDA_TOPK with the
 //      flags' values (gpu-check uses them to run a bundle's binaries with other forms);
-//   3. a test's scoped choice (ScopedKernelChoice, ScopedLibraryMla, ScopedFlashInferTopK).
+//   3. a test's scoped choice (ScopedKernel, ScopedKernelChoice).
 // A step reads the choice when it begins. Plain C++ (tests/unit/kernel_choice_test.cc runs it
 // without a GPU); the forms themselves are described in docs/architecture.md, "Devices".
 #pragma once
@@ -54,43 +54,33 @@ bool GemmMla();            // the library form is the cuBLAS floor
 bool TensorCoreIndexer();  // not simt
 bool FlashInferTopK();
 
+// While it lives, the choice of one kernel family (MlaKernel, LibraryMla, IndexerKernel or
+// TopKKernel) is `form`; then the choice before it is back. Scopes nest.
+template <typename Kernel>
+class ScopedKernel {
+ public:
+  explicit ScopedKernel(Kernel form);
+  ~ScopedKernel();
+  ScopedKernel(const ScopedKernel&) = delete;
+  ScopedKernel& operator=(const ScopedKernel&) = delete;
+
+ private:
+  int before_;  // -1: no scoped choice
+};
+using ScopedLibraryMla = ScopedKernel<LibraryMla>;
+using ScopedTopK = ScopedKernel<TopKKernel>;
+
 // While it lives, bf16 requests take the tensor-core MLA kernel or the SIMT one (`mla`) and the
 // tensor-core indexer or the SIMT one (`indexer`); `wgmma_mla` the tensor-core MLA's wgmma form,
-// with `warp_specialised` its producer/consumer variant. Then the choice before it is back.
+// with `warp_specialised` its producer/consumer variant.
 class ScopedKernelChoice {
  public:
   ScopedKernelChoice(bool tensor_core_mla, bool tensor_core_indexer, bool wgmma_mla = false,
                      bool warp_specialised = false);
-  ~ScopedKernelChoice();
-  ScopedKernelChoice(const ScopedKernelChoice&) = delete;
-  ScopedKernelChoice& operator=(const ScopedKernelChoice&) = delete;
 
  private:
-  int mla_before_, indexer_before_;  // -1: no scoped choice
-};
-
-// While it lives, sparse layers take the library form `form` where it applies (kOff: never).
-class ScopedLibraryMla {
- public:
-  explicit ScopedLibraryMla(LibraryMla form);
-  ~ScopedLibraryMla();
-  ScopedLibraryMla(const ScopedLibraryMla&) = delete;
-  ScopedLibraryMla& operator=(const ScopedLibraryMla&) = delete;
-
- private:
-  int before_;
-};
-
-// While it lives, the indexer's top-k is FlashInfer's where it applies (on) or attnd's (off).
-class ScopedFlashInferTopK {
- public:
-  explicit ScopedFlashInferTopK(bool on);
-  ~ScopedFlashInferTopK();
-  ScopedFlashInferTopK(const ScopedFlashInferTopK&) = delete;
-  ScopedFlashInferTopK& operator=(const ScopedFlashInferTopK&) = delete;
-
- private:
-  int before_;
+  ScopedKernel<MlaKernel> mla_;
+  ScopedKernel<IndexerKernel> indexer_;
 };
 
 }  // namespace attnd::cuda
