@@ -64,7 +64,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from .errors import AttndError
-from .handoff import HandoffDriver, handoff_call, handoff_plan
+from .handoff import drive, handoff_call, handoff_plan, run_sync
 from .merge import merge_attention, merge_candidates
 from .shm import ShmArena, ShmTensor, TensorArg
 from .stream import AsyncStepStream, StepStream
@@ -515,27 +515,21 @@ class AttndClient(_Api):
         handoff target (refusing ordinary steps until complete), filled with write-only steps
         from :meth:`export_sequence`, and its length checked; on failure the partial copy is
         closed. ``close_source`` closes it here once the copy is confirmed."""
-        driver = HandoffDriver(handoff_plan(sequence_id, self.describe_sequence(sequence_id),
-                                            close_source))
         chunks = None
-        op = driver.first()
+
+        async def perform(op):
+            nonlocal chunks
+            if op[0] != "next_chunk":
+                return handoff_call(op, self, to, sequence_id)
+            if chunks is None:
+                chunks = self.export_sequence(sequence_id, chunk_tokens)
+            return next(chunks, None)
+        plan = handoff_plan(sequence_id, self.describe_sequence(sequence_id), close_source)
         try:
-            while not driver.finished:
-                try:
-                    if op[0] == "next_chunk":
-                        if chunks is None:
-                            chunks = self.export_sequence(sequence_id, chunk_tokens)
-                        result = next(chunks, None)
-                    else:
-                        result = handoff_call(op, self, to, sequence_id)
-                except BaseException as e:
-                    op = driver.failed(op, e)
-                else:
-                    op = driver.done(result)
+            return run_sync(drive(plan, perform))
         finally:
             if chunks is not None:
                 chunks.close()  # cancels the export where the copy failed
-        return driver.value
 
     # -- steps: the stream --
 
@@ -611,30 +605,24 @@ class AsyncAttndClient(_Api):
     async def handoff(self, sequence_id: str, to: AsyncAttndClient, *, chunk_tokens: int = 0,
                       close_source: bool = False) -> SequenceInfo:
         """See :meth:`AttndClient.handoff`."""
-        driver = HandoffDriver(handoff_plan(
-            sequence_id, await self.describe_sequence(sequence_id), close_source))
         chunks = None
-        op = driver.first()
+
+        async def perform(op):
+            nonlocal chunks
+            if op[0] != "next_chunk":
+                return await handoff_call(op, self, to, sequence_id)
+            if chunks is None:
+                chunks = self.export_sequence(sequence_id, chunk_tokens)
+            try:
+                return await chunks.__anext__()
+            except StopAsyncIteration:
+                return None
+        plan = handoff_plan(sequence_id, await self.describe_sequence(sequence_id), close_source)
         try:
-            while not driver.finished:
-                try:
-                    if op[0] == "next_chunk":
-                        if chunks is None:
-                            chunks = self.export_sequence(sequence_id, chunk_tokens)
-                        try:
-                            result = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            result = None
-                    else:
-                        result = await handoff_call(op, self, to, sequence_id)
-                except BaseException as e:
-                    op = driver.failed(op, e)
-                else:
-                    op = driver.done(result)
+            return await drive(plan, perform)
         finally:
             if chunks is not None:
                 await chunks.aclose()
-        return driver.value
 
     def stream(self, *, timeout: Optional[float] = None) -> AsyncStepStream:
         """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""

@@ -1,12 +1,12 @@
 """The one handoff loop, without I/O: :meth:`AttndClient.handoff` and
 :meth:`AsyncAttndClient.handoff` drive it, each with its own calls (sync or awaited).
 
-:func:`handoff_plan` is a generator of operations; the driver performs each one and sends its
-result back (or throws its error in). It opens the copy as a handoff target at the source's
-generation, begins a write-only step at each exported chunk's layer 0, sends every layer, checks
-what the receiver holds, and on any failure aborts the open step there and closes the partial
-copy (``("cleanup", ...)`` operations, whose own errors the driver ignores). The C++ form of this
-loop is ``client/sequence_import.h``.
+:func:`handoff_plan` is a generator of operations; :func:`drive` performs each one and sends
+its result back (or throws its error in); a sync client runs it with :func:`run_sync`. The plan
+opens the copy as a handoff target at the source's generation, begins a write-only step at each
+exported chunk's layer 0, sends every layer, checks what the receiver holds, and on any failure
+aborts the open step there and closes the partial copy (``("cleanup", ...)`` operations, whose
+own errors the driver ignores). The C++ form of this loop is ``client/sequence_import.h``.
 """
 
 from __future__ import annotations
@@ -66,34 +66,35 @@ def handoff_plan(sequence_id: str, source: SequenceInfo,
     return there
 
 
-class HandoffDriver:
-    """Steps a :func:`handoff_plan` by results and errors (the same for both drivers): ``first``
-    gives the first operation, ``done(result)`` or ``failed(error)`` the next one; ``finished``
-    and ``value`` once the plan returned."""
-
-    def __init__(self, plan: Generator[Operation, Any, SequenceInfo]):
-        self._plan = plan
-        self.finished = False
-        self.value = None
-
-    def first(self) -> Operation:
-        return next(self._plan)
-
-    def done(self, result: Any) -> Operation:
-        return self._advance(lambda: self._plan.send(result))
-
-    def failed(self, op: Operation, error: BaseException) -> Operation:
-        if op[0] == "cleanup" and isinstance(error, AttndError):
-            return self.done(None)  # best effort: the first error is the one raised
-        return self._advance(lambda: self._plan.throw(error))
-
-    def _advance(self, step) -> Operation:
+async def drive(plan: Generator[Operation, Any, SequenceInfo], perform) -> SequenceInfo:
+    """Runs ``plan``: ``await perform(op)`` for each operation, its result (or error) back into
+    the plan; a cleanup's own AttndError is dropped (the first error is the one raised)."""
+    op = next(plan)
+    while True:
         try:
-            return step()
-        except StopIteration as stop:
-            self.finished = True
-            self.value = stop.value
-            return ("finished",)
+            try:
+                result = await perform(op)
+            except AttndError:
+                if op[0] != "cleanup":
+                    raise
+                result = None
+        except BaseException as e:  # into the plan: it cleans up and raises it again
+            op = plan.throw(e)
+        else:
+            try:
+                op = plan.send(result)
+            except StopIteration as stop:
+                return stop.value
+
+
+def run_sync(coroutine):
+    """Runs a coroutine that never suspends (:func:`drive` over a sync client's calls)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coroutine.close()
+    raise RuntimeError("handoff: a synchronous call suspended")
 
 
 def handoff_call(op: Operation, sender, receiver, sequence_id: str):
