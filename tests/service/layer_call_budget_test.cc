@@ -14,6 +14,7 @@
 #include "service/attention_service.h"
 #include "service/executor.h"
 #include "service/service_metrics.h"
+#include "tests/in_process_service.h"
 #include "tests/server_process.h"
 
 namespace attnd::testing {
@@ -29,15 +30,8 @@ EngineCallCounts operator+(const EngineCallCounts& a, const EngineCallCounts& b)
 class LayerCallBudget : public ::testing::Test {
  protected:
   void Start(const std::string& standby) {
-    EngineOptions o;
-    o.spec = PresetModelSpec("tiny").value();
-    o.pages_per_device = 64;
-    o.threads = 1;
-    engine_ = Engine::Create(o).value();
-    metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get());
-    ServiceOptions so;
-    so.max_message_bytes = 64 << 20;
-    svc_ = std::make_unique<AttentionService>(engine_.get(), &executor_, metrics_.get(), so);
+    engine_ = TinyEngine(64, 1);
+    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, {});
     if (!standby.empty()) {
       ReplicationOptions ro;
       ro.mode = ReplicationOptions::Mode::kSync;

@@ -20,6 +20,7 @@
 #include "service/attention_service.h"
 #include "service/executor.h"
 #include "service/service_metrics.h"
+#include "tests/in_process_service.h"
 
 namespace attnd::testing {
 namespace {
@@ -27,16 +28,10 @@ namespace {
 class ServiceConcurrency : public ::testing::Test {
  protected:
   void SetUp() override {
-    EngineOptions o;
-    o.spec = PresetModelSpec("tiny").value();
-    o.pages_per_device = 400;
-    o.threads = 2;
-    engine_ = Engine::Create(o).value();
-    metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get());
+    engine_ = TinyEngine(400, 2);
     ServiceOptions so;
-    so.max_message_bytes = 64 << 20;
     so.shm_enabled = true;
-    svc_ = std::make_unique<AttentionService>(engine_.get(), &executor_, metrics_.get(), so);
+    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, so);
     // A local caller (as over the Unix-socket listener): the anonymous tenant, whose peer
     // credentials, read from one end of a socket pair, are this process's.
     ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sockets_), 0);

@@ -27,6 +27,7 @@
 #include "service/attention_service.h"
 #include "service/executor.h"
 #include "service/service_metrics.h"
+#include "tests/in_process_service.h"
 
 namespace attnd::testing {
 namespace {
@@ -44,16 +45,8 @@ struct Record {
 class Session {
  public:
   Session() {
-    EngineOptions o;
-    o.spec = PresetModelSpec("tiny").value();
-    o.pages_per_device = 64;
-    o.threads = 1;
-    o.device.cpu_isa = "avx2";
-    engine_ = Engine::Create(o).value();
-    metrics_ = std::make_unique<ServiceMetrics>(&registry_, engine_.get());
-    ServiceOptions so;
-    so.max_message_bytes = 64 << 20;
-    svc_ = std::make_unique<AttentionService>(engine_.get(), &executor_, metrics_.get(), so);
+    engine_ = TinyEngine(64, 1, "avx2");
+    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, {});
   }
   const ModelSpec& spec() const { return engine_->spec(); }
 
