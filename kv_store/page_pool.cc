@@ -18,21 +18,17 @@ void CheckReferenced(const std::vector<int32_t>& refcount, int32_t page, const c
 
 }  // namespace
 
-PagePool::PagePool(int32_t num_pages) : refcount_(num_pages < 1 ? 1 : num_pages, 0) {
-  refcount_[0] = 1;  // reserved forever
-  free_.reserve(refcount_.size());
-  for (int32_t p = this->num_pages() - 1; p >= 1; --p) free_.push_back(p);
+PagePool::PagePool(int32_t num_pages)
+    : refcount_(num_pages < 1 ? 1 : num_pages, 0), slots_(num_pages < 1 ? 1 : num_pages) {
+  std::vector<int32_t> reserved;
+  slots_.Allocate(1, &reserved);  // page 0, the lowest: never handed out
+  refcount_[0] = 1;
 }
 
 bool PagePool::Allocate(int32_t n, std::vector<int32_t>* out) {
-  if (n < 0 || n > free_pages()) return false;
-  out->reserve(out->size() + n);  // may throw: before any state changes
-  for (int32_t i = 0; i < n; ++i) {
-    const int32_t p = free_.back();
-    free_.pop_back();
-    refcount_[p] = 1;
-    out->push_back(p);
-  }
+  const size_t first = out->size();
+  if (!slots_.Allocate(n, out)) return false;
+  for (size_t i = first; i < out->size(); ++i) refcount_[(*out)[i]] = 1;
   return true;
 }
 
@@ -43,7 +39,7 @@ void PagePool::Ref(int32_t page) {
 
 void PagePool::Unref(int32_t page) {
   CheckReferenced(refcount_, page, "Unref");
-  if (--refcount_[page] == 0) free_.push_back(page);
+  if (--refcount_[page] == 0) slots_.Free(page);
 }
 
 }  // namespace attnd

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_store/slot_pool.h"
+
 namespace attnd {
 
 // Page ids are 0..num_pages-1. Page 0 is reserved: never handed out, so padding writes can land
@@ -15,7 +17,7 @@ class PagePool {
   int32_t num_pages() const { return static_cast<int32_t>(refcount_.size()); }
   // Pages that can be handed out (page 0 excluded).
   int32_t usable_pages() const { return num_pages() - 1; }
-  int32_t free_pages() const { return static_cast<int32_t>(free_.size()); }
+  int32_t free_pages() const { return slots_.free_slots(); }
   int32_t used_pages() const { return usable_pages() - free_pages(); }
   int32_t refcount(int32_t page) const { return refcount_[page]; }
 
@@ -31,7 +33,7 @@ class PagePool {
 
  private:
   std::vector<int32_t> refcount_;
-  std::vector<int32_t> free_;  // a stack; lowest ids handed out first
+  SlotPool slots_;  // which pages are free (page 0 taken for good); lowest ids handed out first
 };
 
 }  // namespace attnd
