@@ -68,9 +68,10 @@ MLA_FORMS = {
                  "make WgmmaMla() and WgmmaWsMla() default to true on compute capability 9.0"),
     # FlashInfer's Hopper MLA (kernels/cuda/ops/mla_flashinfer.h), with attnd's plan and merge.
     "flashinfer": ("BatchMLAPageAttentionHopperKernel",
-                   "make LibraryMlaChoice() default to kFlashInfer (kernels/cuda/backend/cuda_device.cc)"),
-    # The gather + cuBLAS GEMMs floor (kernels/cuda/ops/mla_gemm.h); cuBLAS's kernels have no fixed
-    # name, so the profile stage takes attnd's softmax between the two GEMMs.
+                   "make LibraryMlaChoice() default to kFlashInfer "
+                   "(kernels/cuda/backend/cuda_device.cc)"),
+    # The gather + cuBLAS GEMMs floor (kernels/cuda/ops/mla_gemm.h); cuBLAS's kernels have no
+    # fixed name, so the profile stage takes attnd's softmax between the two GEMMs.
     "gemm": ("SoftmaxKernel",
              "make LibraryMlaChoice() default to kGemm (kernels/cuda/backend/cuda_device.cc); not "
              "batch-invariant"),

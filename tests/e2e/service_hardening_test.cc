@@ -244,6 +244,9 @@ TEST_F(HardeningTest, EchoAndExportLimitsAreTheOnesThatWork) {
 }
 
 // Case 9: input that was silently accepted is refused with INVALID_ARGUMENT naming the field.
+// A smoke of the bad-input matrix over the wire (the whole matrix runs in-process:
+// tests/service/bad_input_test.cc): the status and its message reach the client, and the
+// sequence is as it was.
 TEST_F(HardeningTest, FieldsThatDoNotApplyAndNonFiniteValuesAreRefused) {
   ASSERT_TRUE(client_->OpenSequence("sa").ok());
   ASSERT_TRUE(Step({{"sa", 3}}).ok());
@@ -254,54 +257,12 @@ TEST_F(HardeningTest, FieldsThatDoNotApplyAndNonFiniteValuesAreRefused) {
   expect(client_->OpenSequence("sb", "", 2).status(), "fork_prefix_len");
   EXPECT_EQ(client_->DescribeSequence("sb").status().code(), absl::StatusCode::kNotFound);
   auto g = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
-  {
-    v1::LayerInputs in = g[0].wire;
-    in.set_shard(1);
-    auto b = client_->BeginStep({{"sa", 2}});
-    ASSERT_TRUE(b.ok());
-    expect(client_->AttendLayer(b->step_id(), in).status(), "shard");
-  }
-  {
-    auto w = client::GenerateStep(spec_, 2, DType::kBF16, true, rng_);
-    v1::LayerInputs in = w[0].wire;
-    in.mutable_out_shm()->set_region("any");
-    in.mutable_out_shm()->set_byte_size(16);
-    auto b = client_->BeginStep({{"sa", 2}}, true);
-    ASSERT_TRUE(b.ok());
-    expect(client_->AttendLayer(b->step_id(), in).status(), "out_shm");
-  }
-  {  // fp8 scales whose element count would overflow int64: refused before the arithmetic
-    v1::LayerInputs in = g[0].wire;
-    v1::Tensor* t = in.mutable_kv_latent();
-    t->set_datatype("FP8_E4M3");
-    t->clear_shape();
-    t->add_shape(int64_t{1} << 62);
-    t->add_shape(4);
-    v1::Tensor* sc = t->mutable_scales();
-    sc->set_datatype("FP32");
-    sc->add_shape(int64_t{1} << 62);
-    sc->add_shape(4);
-    auto b = client_->BeginStep({{"sa", 2}});
-    ASSERT_TRUE(b.ok());
-    expect(client_->AttendLayer(b->step_id(), in).status(), "kv_latent.scales: too many elements");
-  }
-  const std::string key = absl::StrCat("/attnd-nul-", getpid());
-  auto mem = client::SharedMemory::Create(key, 4096);
-  ASSERT_TRUE(mem.ok());
-  expect(client_->RegisterSharedMemory("nul", key + std::string("\0x", 2), 0, 16), "NUL");
-  for (const char* tensor : {"q_latent", "kv_latent", "index_k", "index_w"}) {
-    v1::LayerInputs in = g[0].wire;
-    v1::Tensor* t = tensor[0] == 'q'   ? in.mutable_q_latent()
-                    : tensor[0] == 'k' ? in.mutable_kv_latent()
-                    : tensor[6] == 'k' ? in.mutable_index_k()
-                                       : in.mutable_index_w();
-    const uint16_t nan = 0x7fc0;  // bf16 NaN at element 3
-    std::memcpy(t->mutable_data()->data() + 6, &nan, 2);
-    auto b = client_->BeginStep({{"sa", 2}});
-    ASSERT_TRUE(b.ok());
-    expect(client_->AttendLayer(b->step_id(), in).status(),
-           absl::StrCat(tensor, ": non-finite").c_str());
-  }
+  v1::LayerInputs in = g[0].wire;
+  const uint16_t nan = 0x7fc0;  // bf16 NaN at element 3
+  std::memcpy(in.mutable_q_latent()->mutable_data()->data() + 6, &nan, 2);
+  auto b = client_->BeginStep({{"sa", 2}});
+  ASSERT_TRUE(b.ok());
+  expect(client_->AttendLayer(b->step_id(), in).status(), "q_latent: non-finite");
   ExpectIdle("sa", 3);
   EXPECT_TRUE(Step({{"sa", 1}}).ok());
   EXPECT_TRUE(client_->CloseSequence("sa").ok());
