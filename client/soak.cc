@@ -27,13 +27,7 @@ bool IsLoopback(const std::string& target) {
          target.rfind("[::1]:", 0) == 0 || target.rfind("unix:", 0) == 0;
 }
 
-int64_t RssBytes(int pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return -1;
-}
+int64_t RssBytes(int pid) { return ProcStatusBytes(pid, "VmRSS"); }
 
 int OpenFds(int pid) {
   DIR* d = opendir(absl::StrCat("/proc/", pid, "/fd").c_str());
@@ -326,6 +320,14 @@ void Report(Tally& t, double elapsed, const SoakOptions& o) {
 }
 
 }  // namespace
+
+int64_t ProcStatusBytes(int pid, const char* field) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  const std::string prefix = absl::StrCat(field, ":");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(prefix, 0) == 0) return std::stoll(line.substr(prefix.size())) * 1024;
+  return -1;
+}
 
 int RunSoak(const SoakOptions& o) {
   if (!IsLoopback(o.target)) {

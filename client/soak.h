@@ -23,4 +23,8 @@ struct SoakOptions {
 // Returns 0 when no unexpected error happened and the audit passed.
 int RunSoak(const SoakOptions& options);
 
+// A size field of /proc/PID/status in bytes ("VmRSS", "VmHWM": the resident set now, its peak),
+// or -1 where there is none.
+int64_t ProcStatusBytes(int pid, const char* field);
+
 }  // namespace attnd::client

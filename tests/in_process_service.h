@@ -2,6 +2,9 @@
 // CPU engine and an AttentionService over it, in this process.
 #pragma once
 
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 
@@ -34,5 +37,29 @@ inline std::unique_ptr<AttentionService> ServiceOver(Engine* engine, Executor* e
   *metrics = std::make_unique<ServiceMetrics>(registry, engine);
   return std::make_unique<AttentionService>(engine, executor, metrics->get(), options);
 }
+
+// A caller as over the Unix-socket listener, where shared memory is allowed: the anonymous
+// tenant, whose peer credentials, read from one end of a socket pair, are this process's.
+class LocalCaller {
+ public:
+  LocalCaller() {
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sockets_) == 0) {
+      caller_.local = true;
+      caller_.socket_fd = sockets_[0];
+    }
+  }
+  ~LocalCaller() {
+    for (int fd : sockets_)
+      if (fd >= 0) close(fd);
+  }
+  LocalCaller(const LocalCaller&) = delete;
+  LocalCaller& operator=(const LocalCaller&) = delete;
+  bool ok() const { return caller_.local; }
+  operator const Caller&() const { return caller_; }  // NOLINT: stands for the caller
+
+ private:
+  int sockets_[2] = {-1, -1};
+  Caller caller_;
+};
 
 }  // namespace attnd::testing

@@ -22,6 +22,18 @@ std::string SocketPath(const std::string& tag) {
   return "/tmp/attnd-" + tag + "-" + std::to_string(getpid()) + ".sock";
 }
 
+std::vector<std::string> SharedServerArgs(const std::string& tag, int64_t step_idle_timeout_ms,
+                                          int64_t max_message_bytes) {
+  return {"--model=tiny",
+          "--kv-pages=400",
+          "--threads=2",
+          "--metrics-port=0",
+          "--step-idle-timeout-ms=" + std::to_string(step_idle_timeout_ms),
+          "--max-message-bytes=" + std::to_string(max_message_bytes),
+          "--shm",
+          "--shm-socket=" + SocketPath(tag)};
+}
+
 ServerProcess::ServerProcess(const std::string& built, const std::vector<std::string>& args) {
   const std::string binary = AttndBinary(built);
   int fds[2];

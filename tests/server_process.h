@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,10 @@ std::string AttndBinary(const std::string& built);
 
 // A fresh Unix-socket path for a server's --shm-socket (unique per test process and tag).
 std::string SocketPath(const std::string& tag);
+// The flags of a suite's shared tiny-model server: 400 pages, 2 threads, no metrics port, the
+// step idle timeout and message limit given, shared memory on the Unix socket SocketPath(tag).
+std::vector<std::string> SharedServerArgs(const std::string& tag, int64_t step_idle_timeout_ms,
+                                          int64_t max_message_bytes);
 
 class ServerProcess {
  public:

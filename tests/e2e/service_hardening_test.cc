@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
+#include "client/soak.h"
 #include "client/workload.h"
 #include "tests/server_process.h"
 
@@ -28,21 +29,12 @@ using client::Client;
 constexpr int64_t kMaxMessage = 256 << 10;
 
 // The server's peak resident memory (VmHWM), bytes.
-int64_t PeakRss(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return -1;
-}
+int64_t PeakRss(pid_t pid) { return client::ProcStatusBytes(pid, "VmHWM"); }
 
 class HardeningTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = new ServerProcess(ATTND_BINARY, {"--model=tiny", "--kv-pages=400", "--threads=2",
-                                               "--metrics-port=0", "--step-idle-timeout-ms=300",
-                                               absl::StrCat("--max-message-bytes=", kMaxMessage),
-                                               "--shm", "--shm-socket=" + SocketPath("hardening")});
+    server_ = new ServerProcess(ATTND_BINARY, SharedServerArgs("hardening", 300, kMaxMessage));
   }
   static void TearDownTestSuite() {
     EXPECT_EQ(server_->Stop(), 0) << "attnd exits 0 on SIGTERM: it survived every case";

@@ -25,10 +25,7 @@ constexpr int64_t kMaxMessage = 4 << 20;
 class ServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = new ServerProcess(ATTND_BINARY, {"--model=tiny", "--kv-pages=400", "--threads=2",
-                                               "--metrics-port=0", "--step-idle-timeout-ms=400",
-                                               absl::StrCat("--max-message-bytes=", kMaxMessage),
-                                               "--shm", "--shm-socket=" + SocketPath("service")});
+    server_ = new ServerProcess(ATTND_BINARY, SharedServerArgs("service", 400, kMaxMessage));
   }
   static void TearDownTestSuite() {
     EXPECT_EQ(server_->Stop(), 0) << "attnd exits 0 on SIGTERM";

@@ -19,21 +19,12 @@
 #include "common/safetensors.h"
 #include "tests/engine_harness.h"
 #include "tests/run_layer.h"
+#include "tests/temp_dir.h"
 
 namespace attnd::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A scratch directory removed at the end of the test.
-struct TempDir {
-  TempDir() {
-    char tmpl[] = "/tmp/attnd-absorb-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string path;
-};
 
 struct StTensor {
   std::string name, dtype;
@@ -106,7 +97,7 @@ std::string KvB(int layer) {
 // ---- safetensors ----
 
 TEST(Safetensors, ReadsEveryFloatDtypeAsStored) {
-  TempDir dir;
+  TempDir dir("attnd-absorb");
   std::mt19937_64 rng(1);
   const std::vector<float> a = Random(6 * 5, rng), b = Random(7, rng), c = Random(12, rng);
   const std::string path = dir.path + "/x.safetensors";
@@ -129,7 +120,7 @@ TEST(Safetensors, ReadsEveryFloatDtypeAsStored) {
 }
 
 TEST(Safetensors, RefusesMalformedFilesNamingWhatIsWrong) {
-  TempDir dir;
+  TempDir dir("attnd-absorb");
   const std::string path = dir.path + "/bad.safetensors";
   const StTensor t = Encode("w", DType::kF32, {2, 2}, {1, 2, 3, 4});
   const auto open_error = [&](const std::string& header, uint64_t len = 0) {
@@ -172,7 +163,7 @@ TEST(Safetensors, RefusesMalformedFilesNamingWhatIsWrong) {
 }
 
 TEST(Safetensors, ShardedCheckpointsFollowTheIndexAndStayInTheirDirectory) {
-  TempDir dir;
+  TempDir dir("attnd-absorb");
   WriteFile(dir.path + "/a.safetensors", {Encode("x", DType::kF32, {2}, {1, 2})});
   WriteFile(dir.path + "/b.safetensors", {Encode("y", DType::kBF16, {1}, {3})});
   std::ofstream(dir.path + "/model.safetensors.index.json")
@@ -286,7 +277,7 @@ TEST(Absorption, LoadsOnlyKvBProjFromACheckpointInEveryDtype) {
   const int dn = 6, v = 4, rows = s.num_heads * (dn + v), L = s.kv_lora_rank;
   const auto kv_b = RandomKvB(s, dn, v, 4);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
-    TempDir dir;
+    TempDir dir("attnd-absorb");
     WriteConfig(dir.path, dn, v);
     // Two shards; other tensors around the ones read; layer 3 in the second shard.
     std::vector<StTensor> a, b;
@@ -316,7 +307,7 @@ TEST(Absorption, DequantisesFp8CheckpointsWithTheirScaleBlocks) {
   const ModelSpec s = Spec();
   const int dn = 6, v = 4, rows = s.num_heads * (dn + v), L = s.kv_lora_rank;  // [40, 32]
   const auto kv_b = RandomKvB(s, dn, v, 5);
-  TempDir dir;
+  TempDir dir("attnd-absorb");
   WriteConfig(dir.path, dn, v, ",\"quantization_config\":{\"weight_block_size\":[16,8]}");
   std::vector<StTensor> ts;
   std::vector<std::vector<float>> want;
@@ -350,7 +341,7 @@ TEST(Absorption, DequantisesFp8CheckpointsWithTheirScaleBlocks) {
 
 TEST(Absorption, CheckpointErrorsNameTheFileAndTensor) {
   const ModelSpec s = Spec();
-  TempDir dir;
+  TempDir dir("attnd-absorb");
   EXPECT_EQ(LoadAbsorption(dir.path, s).status().code(), absl::StatusCode::kNotFound);
   WriteConfig(dir.path, 6, 4);
   const auto kv_b = RandomKvB(s, 6, 4, 6);

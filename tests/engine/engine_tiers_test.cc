@@ -23,20 +23,12 @@
 #include "kv_store/host_tier.h"
 #include "tests/engine_harness.h"
 #include "tests/run_layer.h"
+#include "tests/temp_dir.h"
 
 namespace attnd::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/attnd-tiers-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 // Disk system calls that fail on demand.
 struct FaultyIo : DiskTier::Io {
@@ -110,7 +102,7 @@ class TiersRoundRobin : public ::testing::TestWithParam<DType> {};
 
 TEST_P(TiersRoundRobin, FourTimesWhatTheDevicesHoldDecodeBitForBitAsIfAllFit) {
   const DType cache = GetParam();
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   // 2 devices x 4 usable pages: 4 sequences of 2 pages; host 8 pages (4 sequences); disk below.
   Twins t(Options(cache, 4, 8, 48, dir.path), Options(cache, 64, 0, 0, ""), RequestDType(cache));
   std::vector<std::string> ids;
@@ -155,7 +147,7 @@ INSTANTIATE_TEST_SUITE_P(Caches, TiersRoundRobin,
 // Found by the engine-ops fuzzer: a batch refused for what it is (an unknown sequence, too many
 // tokens) after a spilled sequence used to restore that one first.
 TEST(Tiers, ABatchRefusedForWhatItIsMovesNothing) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   EngineOptions o = Options(DType::kF32, 16, 8, 16, dir.path);
   o.limits.max_step_tokens = 24;
   Harness h(std::move(o));
@@ -182,7 +174,7 @@ TEST(Tiers, ABatchRefusedForWhatItIsMovesNothing) {
 // A client that floods PrefetchSequences with unknown ids and the same id again and again queues
 // at most one restore per spilled sequence (the queue never outgrows the table).
 TEST(Tiers, PrefetchFloodsQueueEachSpilledSequenceOnce) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   Harness h(Options(DType::kF32, 16, 8, 16, dir.path));
   h.Open("a", 0);
   h.RunAndCheck({{"a", 20}}, DType::kF32, 3, 1e-5);
@@ -202,7 +194,7 @@ TEST(Tiers, PrefetchFloodsQueueEachSpilledSequenceOnce) {
 }
 
 TEST(Tiers, OffloadPrefetchAndIdleSpillsMoveSequencesAndStepsBringThemBack) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   Twins t(Options(DType::kF32, 16, 8, 16, dir.path), Options(DType::kF32, 64, 0, 0, ""),
           DType::kF32);
   for (const char* id : {"a", "b", "c"}) {
@@ -256,7 +248,7 @@ class TiersExport : public ::testing::TestWithParam<DType> {};
 TEST_P(TiersExport, ASpilledSequenceIsReadWhereItIsBitForBit) {
   const DType cache = GetParam();
   const DType request = RequestDType(cache);
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   Harness h(Options(cache, 16, 4, 16, dir.path));
   Engine& e = h.engine();
   const int64_t ps = e.spec().page_size;
@@ -301,7 +293,7 @@ TEST_P(TiersExport, ASpilledSequenceIsReadWhereItIsBitForBit) {
   // The sequences decode on where they are, as the float64 reference says.
   h.RunAndCheck({{"a", 1}, {"b", 1}, {"c", 2}}, request, 7, cache == DType::kF32 ? 1e-5 : 1e-2);
   // Without a host tier a sequence on the disk comes up to its device to be read.
-  TempDir dir2;
+  TempDir dir2("attnd-tiers");
   Harness d(Options(cache, 16, 0, 16, dir2.path));
   d.Open("x", 1);
   ASSERT_TRUE(d.Run({{"x", ps + 7}}, d.MakeInputs({{"x", ps + 7}}, request, 8)).status.ok());
@@ -315,7 +307,7 @@ TEST_P(TiersExport, ASpilledSequenceIsReadWhereItIsBitForBit) {
 // A page of a sequence on the disk that cannot be read back loses that sequence: the export
 // says DATA_LOSS, naming the sequence, not the server's file.
 TEST(Tiers, AnExportOfASequenceWhosePageIsUnreadableIsDataLoss) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   auto io = std::make_shared<FaultyIo>();
   Harness h(Options(DType::kF32, 16, 2, 16, dir.path, io));
   h.Open("a", 0);
@@ -341,7 +333,7 @@ INSTANTIATE_TEST_SUITE_P(Caches, TiersExport,
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 TEST(Tiers, AFullDiskRefusesTheRequestThatNeededRoomAndLosesNothing) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   auto io = std::make_shared<FaultyIo>();
   // No host tier: every spill goes to disk.
   Twins t(Options(DType::kF32, 4, 0, 16, dir.path, io), Options(DType::kF32, 64, 0, 0, ""),
@@ -364,7 +356,7 @@ TEST(Tiers, AFullDiskRefusesTheRequestThatNeededRoomAndLosesNothing) {
 }
 
 TEST(Tiers, AnUnreadablePageLosesItsSequencesAloneAndIsDataLossOnTheirNextUse) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   auto io = std::make_shared<FaultyIo>();
   std::vector<TierEvent> events;
   std::mutex events_mu;
@@ -402,7 +394,7 @@ TEST(Tiers, AnUnreadablePageLosesItsSequencesAloneAndIsDataLossOnTheirNextUse) {
 }
 
 TEST(Tiers, ACorruptedPageIsDetectedByItsChecksum) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   EngineOptions o = Options(DType::kF32, 8, 0, 16, dir.path);
   std::string detail;
   std::mutex detail_mu;
@@ -446,7 +438,7 @@ TEST(Tiers, AMissingDiskDirectoryIsAClearStartupError) {
 // Steps, aborts, offloads, prefetches and closes from several threads over tiers that thrash:
 // nothing is lost or freed twice, and every page and slot comes back at the end.
 TEST(Tiers, ConcurrentStepsAbortsAndMovesLeaveNothingBehind) {
-  TempDir dir;
+  TempDir dir("attnd-tiers");
   Harness h(Options(DType::kF32, 6, 6, 24, dir.path));
   Engine& e = h.engine();
   std::vector<std::string> ids;

@@ -28,16 +28,8 @@ class BadInput : public ::testing::Test {
     so.max_message_bytes = 256 << 10;
     so.shm_enabled = true;
     svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, so);
-    // A local caller (as over the Unix-socket listener), where shared memory is allowed.
-    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sockets_), 0);
-    caller_.local = true;
-    caller_.socket_fd = sockets_[0];
+    ASSERT_TRUE(caller_.ok()) << "socketpair";
   }
-  void TearDown() override {
-    close(sockets_[0]);
-    close(sockets_[1]);
-  }
-
   absl::Status Open(const std::string& id, const std::string& parent = "", int64_t prefix = 0) {
     v1::OpenSequenceRequest r;
     r.set_sequence_id(id);
@@ -83,8 +75,7 @@ class BadInput : public ::testing::Test {
   metrics::Registry registry_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<AttentionService> svc_;
-  int sockets_[2] = {-1, -1};
-  Caller caller_;
+  LocalCaller caller_;
   std::mt19937_64 rng_{9};
 };
 

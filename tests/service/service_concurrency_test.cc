@@ -32,11 +32,7 @@ class ServiceConcurrency : public ::testing::Test {
     ServiceOptions so;
     so.shm_enabled = true;
     svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, so);
-    // A local caller (as over the Unix-socket listener): the anonymous tenant, whose peer
-    // credentials, read from one end of a socket pair, are this process's.
-    ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sockets_), 0);
-    caller_.local = true;
-    caller_.socket_fd = sockets_[0];
+    ASSERT_TRUE(caller_.ok()) << "socketpair";
   }
   void TearDown() override {
     EXPECT_EQ(engine_->ExpireIdleSteps(std::chrono::milliseconds(0)), 0) << "a step leaked";
@@ -45,8 +41,6 @@ class ServiceConcurrency : public ::testing::Test {
       EXPECT_EQ(d.pages_free, d.pages_total) << "pages leaked";
     }
     EXPECT_TRUE(engine_->ReservedPageUntouched(0));
-    close(sockets_[0]);
-    close(sockets_[1]);
   }
   v1::BeginStepRequest Begin(const client::Batch& b, int shards = 0) {
     return client::MakeBeginRequest(b, false, shards);
@@ -76,8 +70,7 @@ class ServiceConcurrency : public ::testing::Test {
   metrics::Registry registry_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<AttentionService> svc_;
-  int sockets_[2] = {-1, -1};
-  Caller caller_;
+  LocalCaller caller_;
 };
 
 TEST_F(ServiceConcurrency, StepsFromManyThreadsWithRacingAbortsKeepEveryLength) {

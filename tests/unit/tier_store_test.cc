@@ -21,21 +21,13 @@
 #include "kv_store/disk_tier.h"
 #include "kv_store/host_tier.h"
 #include "kv_store/slot_pool.h"
+#include "tests/temp_dir.h"
 
 namespace attnd {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A fresh directory under the test's temporary directory, removed at the end.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/attnd-tier-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using ::attnd::testing::TempDir;
 
 std::vector<uint8_t> Random(size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -86,7 +78,7 @@ TEST(HostTier, SlotsAreDistinctAlignedAndHoldTheirBytes) {
 }
 
 TEST(DiskTier, PagesRoundTripAndEachSlotIsChecked) {
-  TempDir dir;
+  TempDir dir("attnd-tier");
   for (size_t bytes : {size_t{5000}, size_t{8192}}) {  // a partial last block, and whole blocks
     auto d = DiskTier::Create(dir.path, "pages.bin", bytes, 4);
     ASSERT_TRUE(d.ok()) << d.status();
@@ -112,7 +104,7 @@ TEST(DiskTier, PagesRoundTripAndEachSlotIsChecked) {
 // from the disk as they are: the padding's bytes are not part of the page, and the checksum
 // still covers every byte that is.
 TEST(DiskTier, AlignedBuffersWithRoomForAWholeBlockRoundTripFromFourThreads) {
-  TempDir dir;
+  TempDir dir("attnd-tier");
   const size_t bytes = 5000, room = TierStride(bytes);
   auto d = DiskTier::Create(dir.path, "pages.bin", bytes, 8);
   ASSERT_TRUE(d.ok()) << d.status();
@@ -152,7 +144,7 @@ TEST(DiskTier, AlignedBuffersWithRoomForAWholeBlockRoundTripFromFourThreads) {
 }
 
 TEST(DiskTier, ACorruptedSlotIsDataLossAndTheOthersStillRead) {
-  TempDir dir;
+  TempDir dir("attnd-tier");
   const size_t bytes = 6000;
   auto d = DiskTier::Create(dir.path, "pages.bin", bytes, 3);
   ASSERT_TRUE(d.ok());
@@ -197,7 +189,7 @@ struct FaultyIo : DiskTier::Io {
 };
 
 TEST(DiskTier, AFullDiskIsResourceExhaustedAndAReadErrorIsDataLoss) {
-  TempDir dir;
+  TempDir dir("attnd-tier");
   auto io = std::make_shared<FaultyIo>();
   auto d = DiskTier::Create(dir.path, "pages.bin", 4096, 2, io);
   ASSERT_TRUE(d.ok());
@@ -218,7 +210,7 @@ TEST(DiskTier, AFullDiskIsResourceExhaustedAndAReadErrorIsDataLoss) {
 }
 
 TEST(DiskTier, AMissingOrUnusableDirectoryIsAClearStartupError) {
-  TempDir dir;
+  TempDir dir("attnd-tier");
   auto missing = DiskTier::Create(dir.path + "/nope", "p.bin", 4096, 1);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(missing.status().message().find("--disk-cache-dir"), std::string::npos);
@@ -230,7 +222,7 @@ TEST(DiskTier, AMissingOrUnusableDirectoryIsAClearStartupError) {
 }
 
 TEST(DiskTier, StartsEmptyIsLockedAgainstASecondProcessAndIsRemovedAtTheEnd) {
-  TempDir dir;
+  TempDir dir("attnd-tier");
   const std::string path = dir.path + "/pages.bin";
   std::ofstream(path) << std::string(100000, 'z');  // a previous process's file
   {
