@@ -196,6 +196,8 @@ struct Engine::Impl {
   // Waits (mu held) while `key` or a page it holds is moving or being read where it is, up to the
   // begin-wait; false on timeout.
   bool AwaitSettled(EngineLock& lock, const SequenceKey& key);
+  // The same, DEADLINE_EXCEEDED saying so on timeout.
+  absl::Status AwaitSettledOrSay(EngineLock& lock, const SequenceKey& key);
   void Emit(const TierEvent& e) const {
     if (options.on_tier_event) options.on_tier_event(e);
   }

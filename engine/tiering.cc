@@ -266,13 +266,17 @@ bool Engine::Impl::AwaitSettled(EngineLock& lock, const SequenceKey& key) {
   return true;
 }
 
+absl::Status Engine::Impl::AwaitSettledOrSay(EngineLock& lock, const SequenceKey& key) {
+  if (AwaitSettled(lock, key)) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat(
+      "sequence ", Quote(key.id),
+      " (or a sequence it shares pages with) is still moving between tiers or being read after "
+      "--begin-wait-ms"));
+}
+
 absl::Status Engine::Impl::LiftForRead(EngineLock& lock, const SequenceKey& key) {
   for (int round = 0; round < 64; ++round) {
-    if (!AwaitSettled(lock, key))
-      return absl::DeadlineExceededError(absl::StrCat(
-          "sequence ", Quote(key.id),
-          " (or a sequence it shares pages with) is still moving between tiers or being read "
-          "after --begin-wait-ms"));
+    RETURN_IF_ERROR(AwaitSettledOrSay(lock, key));
     const Sequence* seq = table->Find(key);
     if (seq == nullptr) return table->NotFound(key);
     if (seq->lost()) return table->OnDevice(*seq);  // DATA_LOSS
@@ -410,11 +414,7 @@ absl::Status Engine::Impl::RestoreLocked(EngineLock& lock, const SequenceKey& ke
                                          TierEvent::Reason reason,
                                          const std::vector<const Sequence*>& keep) {
   for (int round = 0; round < 64; ++round) {
-    if (!AwaitSettled(lock, key))
-      return absl::DeadlineExceededError(absl::StrCat(
-          "sequence ", Quote(key.id),
-          " (or a sequence it shares pages with) is still moving between tiers or being read "
-          "after --begin-wait-ms"));
+    RETURN_IF_ERROR(AwaitSettledOrSay(lock, key));
     Sequence* seq = table->Find(key);
     if (seq == nullptr) return table->NotFound(key);
     if (seq->lost()) return table->OnDevice(*seq);  // DATA_LOSS, said once for every use
@@ -507,10 +507,7 @@ absl::Status Engine::OffloadSequences(const std::vector<SequenceKey>& seqs) {
   for (const SequenceKey& k : seqs)
     if (impl_->table->Find(k) == nullptr) return impl_->table->NotFound(k);
   for (const SequenceKey& k : seqs) {
-    if (!impl_->AwaitSettled(lock, k))
-      return absl::DeadlineExceededError(
-          absl::StrCat("sequence ", Quote(k.id),
-                       " (or a sequence it shares pages with) is still moving between tiers"));
+    RETURN_IF_ERROR(impl_->AwaitSettledOrSay(lock, k));
     const Sequence* s = impl_->table->Find(k);
     if (s == nullptr) return impl_->table->NotFound(k);
     if (s->tier != Tier::kDevice && !s->lost()) continue;  // down already

@@ -6,6 +6,7 @@
 #include <openssl/x509.h>
 
 #include <cstdio>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 
@@ -23,37 +24,39 @@ absl::StatusOr<File> Open(const char* flag, const std::string& path) {
   return f;
 }
 
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+using Certificate = std::unique_ptr<X509, X509Free>;
+
+// The first PEM certificate of the file `flag` names.
+absl::StatusOr<Certificate> ReadCertificate(const char* flag, const std::string& path) {
+  absl::StatusOr<File> f = Open(flag, path);
+  if (!f.ok()) return f.status();
+  Certificate cert(PEM_read_X509(f->get(), nullptr, nullptr, nullptr));
+  if (cert == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": no PEM certificate in ", path));
+  return cert;
+}
+
 }  // namespace
 
 absl::Status CheckTlsFiles(const TlsFiles& files) {
   if (files.cert.empty()) return absl::OkStatus();
-  auto cert_file = Open("--tls-cert", files.cert);
-  if (!cert_file.ok()) return cert_file.status();
-  X509* cert = PEM_read_X509(cert_file->get(), nullptr, nullptr, nullptr);
-  if (cert == nullptr)
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-cert: no PEM certificate in ", files.cert));
+  absl::StatusOr<Certificate> cert = ReadCertificate("--tls-cert", files.cert);
+  if (!cert.ok()) return cert.status();
   auto key_file = Open("--tls-key", files.key);
-  if (!key_file.ok()) {
-    X509_free(cert);
-    return key_file.status();
-  }
+  if (!key_file.ok()) return key_file.status();
   EVP_PKEY* key = PEM_read_PrivateKey(key_file->get(), nullptr, nullptr, nullptr);
-  const bool match = key != nullptr && X509_check_private_key(cert, key) == 1;
+  const bool have_key = key != nullptr;
+  const bool match = have_key && X509_check_private_key(cert->get(), key) == 1;
   EVP_PKEY_free(key);
-  X509_free(cert);
-  if (key == nullptr)
+  if (!have_key)
     return absl::InvalidArgumentError(absl::StrCat("--tls-key: no PEM private key in ", files.key));
   if (!match) return absl::InvalidArgumentError("--tls-key: the key does not belong to --tls-cert");
-  if (!files.client_ca.empty()) {
-    auto ca_file = Open("--tls-client-ca", files.client_ca);
-    if (!ca_file.ok()) return ca_file.status();
-    X509* ca = PEM_read_X509(ca_file->get(), nullptr, nullptr, nullptr);
-    if (ca == nullptr)
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls-client-ca: no PEM certificate in ", files.client_ca));
-    X509_free(ca);
-  }
+  if (!files.client_ca.empty())
+    if (absl::Status s = ReadCertificate("--tls-client-ca", files.client_ca).status(); !s.ok())
+      return s;
   return absl::OkStatus();
 }
 

@@ -51,6 +51,18 @@ const EnvChoice& Env() {
   return env;
 }
 
+// The form at `name`'s place in `names` (forms[i] for names[i]).
+template <typename Kernel, size_t N>
+bool ParseName(std::string_view name, const std::vector<std::string>& names,
+               const Kernel (&forms)[N], Kernel* out) {
+  for (size_t i = 0; i < names.size() && i < N; ++i)
+    if (name == names[i]) {
+      *out = forms[i];
+      return true;
+    }
+  return false;
+}
+
 }  // namespace
 
 const std::vector<std::string>& CudaMlaNames() {
@@ -82,22 +94,12 @@ bool ParseCudaMla(std::string_view name, CudaKernelChoice* c) {
   return false;
 }
 bool ParseCudaIndexer(std::string_view name, CudaKernelChoice* c) {
-  if (name == "default")
-    c->indexer = IndexerKernel::kDefault;
-  else if (name == "simt")
-    c->indexer = IndexerKernel::kSimt;
-  else
-    return false;
-  return true;
+  static const IndexerKernel forms[] = {IndexerKernel::kDefault, IndexerKernel::kSimt};
+  return ParseName(name, CudaIndexerNames(), forms, &c->indexer);
 }
 bool ParseCudaTopK(std::string_view name, CudaKernelChoice* c) {
-  if (name == "attnd")
-    c->topk = TopKKernel::kAttnd;
-  else if (name == "flashinfer")
-    c->topk = TopKKernel::kFlashInfer;
-  else
-    return false;
-  return true;
+  static const TopKKernel forms[] = {TopKKernel::kAttnd, TopKKernel::kFlashInfer};
+  return ParseName(name, CudaTopKNames(), forms, &c->topk);
 }
 
 void SetFlagKernelChoice(const CudaKernelChoice& c) {
