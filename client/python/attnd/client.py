@@ -64,10 +64,11 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from .errors import AttndError
-from .handoff import drive, handoff_call, handoff_plan, run_sync
+from .handoff import drive, handoff_call, handoff_plan
 from .merge import merge_attention, merge_candidates
 from .shm import ShmArena, ShmTensor, TensorArg
 from .stream import AsyncStepStream, StepStream
+from .sync import run_sync
 from .tensors import Fp8Tensor, as_numpy, from_tensor, quantize_fp8, to_tensor, to_torch
 from .types import (
     AbsorptionInfo,

@@ -2,11 +2,12 @@
 :meth:`AsyncAttndClient.handoff` drive it, each with its own calls (sync or awaited).
 
 :func:`handoff_plan` is a generator of operations; :func:`drive` performs each one and sends
-its result back (or throws its error in); a sync client runs it with :func:`run_sync`. The plan
-opens the copy as a handoff target at the source's generation, begins a write-only step at each
-exported chunk's layer 0, sends every layer, checks what the receiver holds, and on any failure
-aborts the open step there and closes the partial copy (``("cleanup", ...)`` operations, whose
-own errors the driver ignores). The C++ form of this loop is ``client/sequence_import.h``.
+its result back (or throws its error in); a sync client runs it with ``run_sync``
+(``attnd/sync.py``). The plan opens the copy as a handoff target at the source's generation,
+begins a write-only step at each exported chunk's layer 0, sends every layer, checks what the
+receiver holds, and on any failure aborts the open step there and closes the partial copy
+(``("cleanup", ...)`` operations, whose own errors the driver ignores). The C++ form of this loop
+is ``client/sequence_import.h``.
 """
 
 from __future__ import annotations
@@ -85,16 +86,6 @@ async def drive(plan: Generator[Operation, Any, SequenceInfo], perform) -> Seque
                 op = plan.send(result)
             except StopIteration as stop:
                 return stop.value
-
-
-def run_sync(coroutine):
-    """Runs a coroutine that never suspends (:func:`drive` over a sync client's calls)."""
-    try:
-        coroutine.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coroutine.close()
-    raise RuntimeError("handoff: a synchronous call suspended")
 
 
 def handoff_call(op: Operation, sender, receiver, sequence_id: str):

@@ -11,6 +11,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from .errors import AttndError
+from .sync import run_sync
 from .types import Batch, Candidates, LayerResult, StepInfo
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
@@ -26,6 +27,22 @@ from .wire import (
 
 __all__ = ["AsyncStepStream", "StepStream"]
 
+
+
+async def _await_released(ids, timeout: float, describe, sleep) -> None:
+    """Until no sequence of ``ids`` is in a step on the server (or ``timeout`` seconds): the wait
+    after a cancel, for both streams (``describe`` and ``sleep`` sync or awaited)."""
+    deadline = time.monotonic() + timeout
+    for sid in ids:
+        while time.monotonic() < deadline:
+            try:
+                info = await describe(pb.DescribeSequenceRequest(sequence_id=sid),
+                                      max(0.01, deadline - time.monotonic()))
+            except grpc.RpcError:
+                break
+            if not info.in_step:
+                break
+            await sleep(0.002)
 
 class _StepBookkeeping:
     """What :class:`StepStream` and :class:`AsyncStepStream` share: the open step's state, each
@@ -228,18 +245,13 @@ class StepStream(_StepBookkeeping):
         ids = self._released_ids()
         if not had_step:
             return
-        deadline = time.monotonic() + 5.0
-        for sid in ids:
-            while time.monotonic() < deadline:
-                try:
-                    info = self._stub.DescribeSequence(
-                        pb.DescribeSequenceRequest(sequence_id=sid),
-                        timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
-                except grpc.RpcError:
-                    break
-                if not info.in_step:
-                    break
-                time.sleep(0.002)
+
+        async def describe(request, timeout):
+            return self._stub.DescribeSequence(request, timeout=timeout, metadata=self._metadata)
+
+        async def sleep(seconds):
+            time.sleep(seconds)
+        run_sync(_await_released(ids, 5.0, describe, sleep))
 
     def __enter__(self) -> StepStream:
         return self
@@ -358,18 +370,11 @@ class AsyncStepStream(_StepBookkeeping):
     async def released(self, timeout: float = 5.0) -> None:
         """Waits (bounded) until the server has released the last begun step's sequences after
         a cancel, so a new step may use them at once (the sync stream's cancel() does this)."""
-        deadline = time.monotonic() + timeout
-        for sid in self._released_ids():
-            while time.monotonic() < deadline:
-                try:
-                    info = await self._stub.DescribeSequence(
-                        pb.DescribeSequenceRequest(sequence_id=sid),
-                        timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
-                except grpc.RpcError:
-                    break
-                if not info.in_step:
-                    break
-                await asyncio.sleep(0.002)
+
+        async def describe(request, timeout):
+            return await self._stub.DescribeSequence(request, timeout=timeout,
+                                                     metadata=self._metadata)
+        await _await_released(self._released_ids(), timeout, describe, asyncio.sleep)
 
     async def __aenter__(self) -> AsyncStepStream:
         return self
