@@ -22,23 +22,34 @@ configure_sanitized "$BUILD" address,undefined ON
 cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-status=0
-for t in $TARGETS; do
-  corpus="$BUILD/corpus/$t"
+# Each target alone on a core, all at once (the same time per target as one after another).
+run_one() {
+  local t=$1 corpus="$BUILD/corpus/$1" log="$BUILD/$1.log" verdict=0
   mkdir -p "$corpus"
   cp -n fuzz/corpus/"$t"/* "$corpus"/ 2>/dev/null || true
-  log="$BUILD/$t.log"
-  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log $log)"
   if ! "$BUILD/fuzz/$t" -max_total_time="$SECONDS_PER_TARGET" -max_len=4096 -timeout=30 \
       -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$BUILD/$t-" \
       "$corpus" >"$log" 2>&1; then
-    status=1
-    echo "fuzz: $t FAILED; the last lines of its log:"
-    tail -n 40 "$log"
+    verdict=1
+    { echo "fuzz: $t FAILED; the last lines of its log:"; tail -n 40 "$log"; } > "$BUILD/$t.summary"
+  else
+    : > "$BUILD/$t.summary"
   fi
+  local execs inputs crashes
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || true)
   inputs=$(find "$corpus" -type f | wc -l)
   crashes=$(find "$BUILD" -maxdepth 1 -name "$t-*" -type f | wc -l)
-  echo "fuzz: $t: ${execs:-0} executions, corpus $inputs inputs, crashes: $crashes"
+  echo "fuzz: $t: ${execs:-0} executions, corpus $inputs inputs, crashes: $crashes" \
+    >> "$BUILD/$t.summary"
+  return $verdict
+}
+pids=()
+for t in $TARGETS; do
+  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log $BUILD/$t.log)"
+  run_one "$t" &
+  pids+=($!)
 done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+for t in $TARGETS; do cat "$BUILD/$t.summary"; done
 exit $status
