@@ -468,19 +468,18 @@ void Engine::WaitForPrefetches() {
 std::vector<TierCapacity> Engine::Tiers() const {
   std::lock_guard<EngineMutex> lock(impl_->mu);
   const size_t page = impl_->devices[0]->layout().BytesPerPage();
-  TierCapacity h, d;
-  h.tier = Tier::kHost;
-  h.enabled = impl_->host != nullptr;
-  h.pages_total = impl_->table->host_slots().slots();
-  h.pages_used = impl_->table->host_slots().used_slots();
-  h.bytes_per_page = page;
-  h.sequences = impl_->table->sequences_at(Tier::kHost);
-  d.tier = Tier::kDisk;
-  d.enabled = impl_->disk != nullptr;
-  d.pages_total = impl_->table->disk_slots().slots();
-  d.pages_used = impl_->table->disk_slots().used_slots();
-  d.bytes_per_page = page;
-  d.sequences = impl_->table->sequences_at(Tier::kDisk);
+  auto capacity = [&](Tier tier, bool enabled, const SlotPool& slots) {
+    TierCapacity c;
+    c.tier = tier;
+    c.enabled = enabled;
+    c.pages_total = slots.slots();
+    c.pages_used = slots.used_slots();
+    c.bytes_per_page = page;
+    c.sequences = impl_->table->sequences_at(tier);
+    return c;
+  };
+  TierCapacity h = capacity(Tier::kHost, impl_->host != nullptr, impl_->table->host_slots());
+  TierCapacity d = capacity(Tier::kDisk, impl_->disk != nullptr, impl_->table->disk_slots());
   if (impl_->disk) {
     d.where = impl_->disk->path();
     d.direct = impl_->disk->direct();

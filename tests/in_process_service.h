@@ -38,6 +38,20 @@ inline std::unique_ptr<AttentionService> ServiceOver(Engine* engine, Executor* e
   return std::make_unique<AttentionService>(engine, executor, metrics->get(), options);
 }
 
+// An engine, an executor of `executor_threads` and the service over them, destroyed in the
+// order a server stops them (the service first, the engine last).
+struct InProcessService {
+  InProcessService(std::unique_ptr<Engine> e, int executor_threads, ServiceOptions options = {})
+      : engine(std::move(e)), executor(executor_threads) {
+    service = ServiceOver(engine.get(), &executor, &registry, &metrics, options);
+  }
+  std::unique_ptr<Engine> engine;
+  Executor executor;
+  metrics::Registry registry;
+  std::unique_ptr<ServiceMetrics> metrics;
+  std::unique_ptr<AttentionService> service;
+};
+
 // A caller as over the Unix-socket listener, where shared memory is allowed: the anonymous
 // tenant, whose peer credentials, read from one end of a socket pair, are this process's.
 class LocalCaller {

@@ -23,11 +23,12 @@ namespace {
 class BadInput : public ::testing::Test {
  protected:
   void SetUp() override {
-    engine_ = TinyEngine(400, 2);
     ServiceOptions so;
     so.max_message_bytes = 256 << 10;
     so.shm_enabled = true;
-    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, so);
+    s_ = std::make_unique<InProcessService>(TinyEngine(400, 2), 2, so);
+    engine_ = s_->engine.get();
+    svc_ = s_->service.get();
     ASSERT_TRUE(caller_.ok()) << "socketpair";
   }
   absl::Status Open(const std::string& id, const std::string& parent = "", int64_t prefix = 0) {
@@ -70,11 +71,9 @@ class BadInput : public ::testing::Test {
     EXPECT_LT(s.message().size(), 300u) << s.message().substr(0, 300);
   }
 
-  std::unique_ptr<Engine> engine_;
-  Executor executor_{2};
-  metrics::Registry registry_;
-  std::unique_ptr<ServiceMetrics> metrics_;
-  std::unique_ptr<AttentionService> svc_;
+  std::unique_ptr<InProcessService> s_;
+  Engine* engine_ = nullptr;
+  AttentionService* svc_ = nullptr;
   LocalCaller caller_;
   std::mt19937_64 rng_{9};
 };

@@ -30,27 +30,28 @@ EngineCallCounts operator+(const EngineCallCounts& a, const EngineCallCounts& b)
 class LayerCallBudget : public ::testing::Test {
  protected:
   void Start(const std::string& standby) {
-    engine_ = TinyEngine(64, 1);
-    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, {});
+    s_ = std::make_unique<InProcessService>(TinyEngine(64, 1), 1);
+    engine_ = s_->engine.get();
+    svc_ = s_->service.get();
     if (!standby.empty()) {
       ReplicationOptions ro;
       ro.mode = ReplicationOptions::Mode::kSync;
       ro.peers = {standby};
       ro.self_name = "primary";
       ro.ack_timeout = std::chrono::milliseconds(5000);
-      replicator_ = Replicator::Create(engine_.get(), ro).value();
+      replicator_ = Replicator::Create(engine_, ro).value();
       svc_->SetReplicator(replicator_.get());
     }
   }
   void TearDown() override {
     replicator_.reset();
-    svc_.reset();
+    s_.reset();
   }
 
   // What the executor's one thread has counted so far.
   EngineCallCounts OnExecutor() {
     std::promise<EngineCallCounts> p;
-    executor_.Post([&] { p.set_value(EngineMutex::CountsOnThisThread()); });
+    s_->executor.Post([&] { p.set_value(EngineMutex::CountsOnThisThread()); });
     return p.get_future().get();
   }
 
@@ -96,11 +97,9 @@ class LayerCallBudget : public ::testing::Test {
     ASSERT_TRUE(svc_->DoOpenSequence(caller_, q, &info).ok());
   }
 
-  std::unique_ptr<Engine> engine_;
-  Executor executor_{1};
-  metrics::Registry registry_;
-  std::unique_ptr<ServiceMetrics> metrics_;
-  std::unique_ptr<AttentionService> svc_;
+  std::unique_ptr<InProcessService> s_;
+  Engine* engine_ = nullptr;
+  AttentionService* svc_ = nullptr;
   std::unique_ptr<Replicator> replicator_;
   Caller caller_;
   std::mt19937_64 rng_{7};

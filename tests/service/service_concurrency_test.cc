@@ -28,10 +28,11 @@ namespace {
 class ServiceConcurrency : public ::testing::Test {
  protected:
   void SetUp() override {
-    engine_ = TinyEngine(400, 2);
     ServiceOptions so;
     so.shm_enabled = true;
-    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, so);
+    s_ = std::make_unique<InProcessService>(TinyEngine(400, 2), 4, so);
+    engine_ = s_->engine.get();
+    svc_ = s_->service.get();
     ASSERT_TRUE(caller_.ok()) << "socketpair";
   }
   void TearDown() override {
@@ -65,11 +66,9 @@ class ServiceConcurrency : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<Engine> engine_;
-  Executor executor_{4};
-  metrics::Registry registry_;
-  std::unique_ptr<ServiceMetrics> metrics_;
-  std::unique_ptr<AttentionService> svc_;
+  std::unique_ptr<InProcessService> s_;
+  Engine* engine_ = nullptr;
+  AttentionService* svc_ = nullptr;
   LocalCaller caller_;
 };
 

@@ -45,8 +45,9 @@ struct Record {
 class Session {
  public:
   Session() {
-    engine_ = TinyEngine(64, 1, "avx2");
-    svc_ = ServiceOver(engine_.get(), &executor_, &registry_, &metrics_, {});
+    s_ = std::make_unique<InProcessService>(TinyEngine(64, 1, "avx2"), 2);
+    engine_ = s_->engine.get();
+    svc_ = s_->service.get();
   }
   const ModelSpec& spec() const { return engine_->spec(); }
 
@@ -88,11 +89,9 @@ class Session {
   }
 
  private:
-  std::unique_ptr<Engine> engine_;
-  Executor executor_{2};
-  metrics::Registry registry_;
-  std::unique_ptr<ServiceMetrics> metrics_;
-  std::unique_ptr<AttentionService> svc_;
+  std::unique_ptr<InProcessService> s_;
+  Engine* engine_ = nullptr;
+  AttentionService* svc_ = nullptr;
   Caller caller_;
   uint64_t step_ = 0;
 };

@@ -1,36 +1,34 @@
 #include "kernels/cuda/backend/kernel_choice.h"
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
+#include <type_traits>
 
 namespace attnd::cuda {
 namespace {
 
 // Layer 1 and layer 3, each family's value in an atomic of its own (a step reads the choice
 // when it begins, from any thread, without a lock). Layer 3: -1 none, else the enum's value.
-struct Layer {
-  std::atomic<int> mla, library, indexer, topk;
-};
-Layer g_flags{{0}, {0}, {0}, {0}};
-Layer g_scoped{{-1}, {-1}, {-1}, {-1}};
+// Each family's place in a layer's array.
+template <typename Kernel>
+constexpr size_t kFamily = std::is_same_v<Kernel, MlaKernel>       ? 0
+                           : std::is_same_v<Kernel, LibraryMla>    ? 1
+                           : std::is_same_v<Kernel, IndexerKernel> ? 2
+                                                                   : 3;
+using Layer = std::array<std::atomic<int>, 4>;
+Layer g_flags{{{0}, {0}, {0}, {0}}};
+Layer g_scoped{{{-1}, {-1}, {-1}, {-1}}};
 
 template <typename Kernel>
-std::atomic<int>& Field(Layer& l);
-template <>
-std::atomic<int>& Field<MlaKernel>(Layer& l) {
-  return l.mla;
+void Set(Layer& l, Kernel k) {
+  l[kFamily<Kernel>] = static_cast<int>(k);
 }
-template <>
-std::atomic<int>& Field<LibraryMla>(Layer& l) {
-  return l.library;
-}
-template <>
-std::atomic<int>& Field<IndexerKernel>(Layer& l) {
-  return l.indexer;
-}
-template <>
-std::atomic<int>& Field<TopKKernel>(Layer& l) {
-  return l.topk;
+// The layer's value for the family, or `fallback` where it has none (-1).
+template <typename Kernel>
+Kernel Get(const Layer& l, Kernel fallback) {
+  const int v = l[kFamily<Kernel>].load();
+  return v < 0 ? fallback : static_cast<Kernel>(v);
 }
 
 // Layer 2: each variable read once; an unknown value is ignored (the flags' choice stays), as
@@ -103,18 +101,18 @@ bool ParseCudaTopK(std::string_view name, CudaKernelChoice* c) {
 }
 
 void SetFlagKernelChoice(const CudaKernelChoice& c) {
-  g_flags.mla = static_cast<int>(c.mla);
-  g_flags.library = static_cast<int>(c.library_mla);
-  g_flags.indexer = static_cast<int>(c.indexer);
-  g_flags.topk = static_cast<int>(c.topk);
+  Set(g_flags, c.mla);
+  Set(g_flags, c.library_mla);
+  Set(g_flags, c.indexer);
+  Set(g_flags, c.topk);
 }
 
 CudaKernelChoice CurrentKernelChoice() {
   CudaKernelChoice c;
-  c.mla = static_cast<MlaKernel>(g_flags.mla.load());
-  c.library_mla = static_cast<LibraryMla>(g_flags.library.load());
-  c.indexer = static_cast<IndexerKernel>(g_flags.indexer.load());
-  c.topk = static_cast<TopKKernel>(g_flags.topk.load());
+  c.mla = Get(g_flags, c.mla);
+  c.library_mla = Get(g_flags, c.library_mla);
+  c.indexer = Get(g_flags, c.indexer);
+  c.topk = Get(g_flags, c.topk);
   const EnvChoice& env = Env();
   if (env.mla) {
     c.mla = env.value.mla;
@@ -122,10 +120,10 @@ CudaKernelChoice CurrentKernelChoice() {
   }
   if (env.indexer) c.indexer = env.value.indexer;
   if (env.topk) c.topk = env.value.topk;
-  if (const int v = g_scoped.mla.load(); v >= 0) c.mla = static_cast<MlaKernel>(v);
-  if (const int v = g_scoped.library.load(); v >= 0) c.library_mla = static_cast<LibraryMla>(v);
-  if (const int v = g_scoped.indexer.load(); v >= 0) c.indexer = static_cast<IndexerKernel>(v);
-  if (const int v = g_scoped.topk.load(); v >= 0) c.topk = static_cast<TopKKernel>(v);
+  c.mla = Get(g_scoped, c.mla);
+  c.library_mla = Get(g_scoped, c.library_mla);
+  c.indexer = Get(g_scoped, c.indexer);
+  c.topk = Get(g_scoped, c.topk);
   return c;
 }
 
@@ -144,10 +142,10 @@ bool FlashInferTopK() { return CurrentKernelChoice().topk == TopKKernel::kFlashI
 
 template <typename Kernel>
 ScopedKernel<Kernel>::ScopedKernel(Kernel form)
-    : before_(Field<Kernel>(g_scoped).exchange(static_cast<int>(form))) {}
+    : before_(g_scoped[kFamily<Kernel>].exchange(static_cast<int>(form))) {}
 template <typename Kernel>
 ScopedKernel<Kernel>::~ScopedKernel() {
-  Field<Kernel>(g_scoped) = before_;
+  g_scoped[kFamily<Kernel>] = before_;
 }
 template class ScopedKernel<MlaKernel>;
 template class ScopedKernel<LibraryMla>;
