@@ -33,46 +33,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "client/attnd_client.h"
+#include "cluster/replication_hook.h"
 #include "cluster/standby_ranking.h"
 #include "engine/engine.h"
 
 namespace attnd {
 
-struct ReplicationOptions {
-  enum class Mode { kAsync, kSync };
-  Mode mode = Mode::kAsync;
-  // --standby-peers: "host:port" each, or "dns:NAME:PORT" (DrainPeers' forms); this replica may
-  // be among them (left out by its name).
-  std::vector<std::string> peers;
-  std::string self_name;
-  // How to reach them (TLS, the admin's token: copies are opened as their tenant).
-  client::ConnectOptions credentials;
-  int64_t max_lag_steps = 4;
-  std::chrono::milliseconds ack_timeout{1000};
-  // Rows per write-only step sent to a standby (a step's entries together), at most what fits
-  // in a message (AttentionService::max_export_chunk_tokens).
-  int64_t chunk_tokens = 4096;
-  int64_t max_batch_entries = 64;
-};
-
-// What the metrics and ServerInfo show.
-struct ReplicationStats {
-  int64_t sequences = 0;    // primaries here with a standby copy on a peer
-  int64_t unprotected = 0;  // primaries here without one now (no peer up, or not yet copied)
-  int64_t lag_steps = 0;    // the most commits a sequence's standby has not acknowledged
-  int64_t lag_bytes = 0;    // cache bytes committed here and not acknowledged, all sequences
-  int64_t bytes_shipped = 0;
-  int64_t rows_shipped = 0;
-  int64_t steps_shipped = 0;  // write-only steps the standbys committed
-  int64_t fenced = 0;         // copies dropped here because a standby was promoted elsewhere
-  int64_t errors = 0;         // failed calls to peers
-  int64_t degraded = 0;       // commits answered without the wait they were due
-  // Committing replies' entries by protection (LayerOutput.protection).
-  int64_t replicated = 0, shipping = 0, unprotected_commits = 0;
-  std::vector<std::string> peers;  // the peers' names, as resolved so far
-};
-
-class Replicator {
+class Replicator final : public ReplicationHook {
  public:
   static absl::StatusOr<std::unique_ptr<Replicator>> Create(Engine* engine,
                                                             ReplicationOptions options);
@@ -80,43 +47,42 @@ class Replicator {
   Replicator(const Replicator&) = delete;
   Replicator& operator=(const Replicator&) = delete;
 
-  const ReplicationOptions& options() const { return options_; }
+  const ReplicationOptions& options() const override { return options_; }
   // A primary was opened, forked, imported or promoted here, holding `length` tokens: it gets a
   // standby copy (never on the replica named `avoid`, the one a promotion failed over from).
   // Until the copy has caught up with what the sequence held (at once for an empty one), the
   // sequence is unprotected and its commits answer without waiting. Known ones: nothing.
   void Track(const SequenceKey& key, uint64_t generation, int64_t length,
-             const std::string& avoid = "");
+             const std::string& avoid = "") override;
   // It was closed here: its standby copy is closed too.
-  void Closed(const SequenceKey& key);
+  void Closed(const SequenceKey& key) override;
   // It left this replica another way (a drain promoted its standby): forget it, keep the copy.
   void Forget(const SequenceKey& key);
   // Where each key's committed rows stand when a reply goes (LayerOutput.protection):
   // "replicated", "shipping" (async, within the lag bound), "unprotected"; "" for a key not
   // replicated from here (closed meanwhile).
-  using Protections = std::vector<std::string>;
   // A step committed `keys` (at `lengths`, when the caller knows them: the engine's layer result
   // names them, so no engine lock is taken here; looked up otherwise): `then` runs (on some
   // thread, possibly this one) when its reply may go: OK with each key's protection, or
   // FAILED_PRECONDITION when a key was fenced meanwhile.
   void Committed(const std::vector<SequenceKey>& keys,
                  std::function<void(absl::Status, Protections)> then,
-                 const std::vector<int64_t>* lengths = nullptr);
+                 const std::vector<int64_t>* lengths = nullptr) override;
   // Before a step: each key whose standby has acknowledged nothing for longer than ack_timeout
   // (a replica that was paused or cut off) is looked up on its standby; one promoted there is
   // fenced here (FAILED_PRECONDITION). A standby that does not answer confirms nothing and
   // refuses nothing (the step goes on, as commits do when it is down); it is marked down, so
   // the step's commit answers unprotected.
-  absl::Status Confirm(const std::vector<SequenceKey>& keys);
+  absl::Status Confirm(const std::vector<SequenceKey>& keys) override;
   // The replica holding key's standby copy ("" when none).
-  std::string StandbyOf(const SequenceKey& key) const;
+  std::string StandbyOf(const SequenceKey& key) const override;
   // Nonzero: this replica's copy was dropped because the sequence failed over to another replica
   // (at this generation or later).
-  uint64_t FencedAt(const SequenceKey& key) const;
+  uint64_t FencedAt(const SequenceKey& key) const override;
   // Waits until key's standby holds every committed row (a drain, before it promotes it there);
   // DEADLINE_EXCEEDED, NOT_FOUND (untracked), UNAVAILABLE (no standby).
   absl::Status Flush(const SequenceKey& key, std::chrono::steady_clock::time_point deadline);
-  ReplicationStats Stats() const;
+  ReplicationStats Stats() const override;
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -24,7 +24,7 @@
 
 namespace attnd {
 
-class Replicator;
+class ReplicationHook;
 
 struct ServiceOptions {
   int64_t max_message_bytes = 0;
@@ -58,7 +58,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
   // Standby replicas (docs/replication.md): commits wait for it as its mode says, opens and
   // closes reach it. Set once, before readiness; null: no replication.
-  void SetReplicator(Replicator* replicator) { replicator_ = replicator; }
+  void SetReplicator(ReplicationHook* replicator) { replicator_ = replicator; }
 
   grpc::ServerUnaryReactor* ServerInfo(grpc::CallbackServerContext* ctx,
                                        const v1::ServerInfoRequest* req,
@@ -229,7 +229,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<const KvEventPublisher*> kv_events_{nullptr};
-  Replicator* replicator_ = nullptr;
+  ReplicationHook* replicator_ = nullptr;
   mutable std::mutex name_mu_;
   std::string replica_name_;               // guarded by name_mu_
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels

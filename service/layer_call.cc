@@ -9,8 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "cluster/export_chunk.h"
-#include "cluster/replication.h"
+#include "cluster/replication_hook.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
 #include "engine/layer_check.h"
@@ -43,7 +42,7 @@ std::function<void(absl::Status)> AttentionService::AfterStandby(
     }
     replicator_->Committed(
         keys,
-        [out, done](absl::Status st, Replicator::Protections p) {
+        [out, done](absl::Status st, ReplicationHook::Protections p) {
           if (st.ok())
             for (std::string& word : p) out->add_protection(std::move(word));
           done(st);

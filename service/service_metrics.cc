@@ -9,7 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "attnd/v1/attention.grpc.pb.h"
-#include "cluster/replication.h"
+#include "cluster/replication_hook.h"
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
@@ -368,7 +368,7 @@ void ServiceMetrics::Refresh() {
   const StandbyUsage standby = engine_->Standby();
   standby_sequences_->Set(static_cast<double>(standby.sequences));
   standby_pages_->Set(static_cast<double>(standby.pages));
-  if (const Replicator* r = replicator_.load()) {
+  if (const ReplicationHook* r = replicator_.load()) {
     const ReplicationStats st = r->Stats();
     repl_lag_steps_->Set(static_cast<double>(st.lag_steps));
     repl_lag_bytes_->Set(static_cast<double>(st.lag_bytes));

@@ -24,7 +24,7 @@ enum class Transport { kStream, kUnary };
 class Executor;
 class KvEventPublisher;
 
-class Replicator;
+class ReplicationHook;
 
 class ServiceMetrics {
  public:
@@ -47,7 +47,7 @@ class ServiceMetrics {
   // The KV-event publisher whose counts to export (set once, before serving).
   void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
   // The standby replicas' replicator whose state to export (set once, before serving).
-  void SetReplicator(const Replicator* replicator) { replicator_ = replicator; }
+  void SetReplicator(const ReplicationHook* replicator) { replicator_ = replicator; }
   // A standby copy here was promoted (failover).
   void Promoted() { promotions_->Increment(); }
 
@@ -102,7 +102,7 @@ class ServiceMetrics {
   metrics::Counter* events_dropped_;
   std::atomic<const KvEventPublisher*> kv_events_{nullptr};
   // Standby replicas (docs/replication.md).
-  std::atomic<const Replicator*> replicator_{nullptr};
+  std::atomic<const ReplicationHook*> replicator_{nullptr};
   metrics::Gauge* repl_lag_steps_;
   metrics::Gauge* repl_lag_bytes_;
   metrics::Counter* repl_bytes_;
