@@ -365,21 +365,21 @@ int main(int argc, char** argv) {
     ip.max_keys = ctx;
     ip.scores = scores;
     attnd::cuda::TopKParams tk;
-    tk.scores = scores;
-    tk.row_offset = ip.score_offset;
-    tk.row_len = Upload(len);
+    tk.rows.scores = scores;
+    tk.rows.row_offset = ip.score_offset;
+    tk.rows.row_len = Upload(len);
     tk.nq = B;
-    tk.k = K;
-    tk.out = sel;
-    tk.out_stride = K;
-    tk.out_count = cnt;
+    tk.rows.k = K;
+    tk.rows.out = sel;
+    tk.rows.out_stride = K;
+    tk.rows.out_count = cnt;
     tk.max_len = ctx;  // 64K keys, top-2048: slices of 16K and a merge (topk_block.h)
     const attnd::cuda::TopKSlicePlan slices =
         attnd::cuda::PlanTopKSlices(std::vector<int64_t>(B, ctx), K);
-    tk.slice_offset = Upload(slices.offset);
-    tk.cand_key = Alloc<uint32_t>(std::max<int64_t>(1, slices.total * K));
-    tk.cand_index = Alloc<int32_t>(std::max<int64_t>(1, slices.total * K));
-    tk.cand_count = Alloc<int32_t>(std::max<int64_t>(1, slices.total));
+    tk.rows.slice_offset = Upload(slices.offset);
+    tk.rows.cand_key = Alloc<uint32_t>(std::max<int64_t>(1, slices.total * K));
+    tk.rows.cand_index = Alloc<int32_t>(std::max<int64_t>(1, slices.total * K));
+    tk.rows.cand_count = Alloc<int32_t>(std::max<int64_t>(1, slices.total));
     const double ms_idx = TimeMs([&] { CHECK(attnd::cuda::LaunchIndexerScores(ip, 0)); });
     CHECK(cudaDeviceSynchronize());
     const std::vector<float> simt_scores = Download(scores, size_t{B} * ctx);

@@ -698,24 +698,25 @@ TEST(CudaScale, TopKOfLongRowsInSlicesEqualsTheHost) {
       return d;
     };
     cuda::TopKParams p;
-    p.scores = static_cast<const float*>(upload(scores));
-    p.row_offset = static_cast<const int64_t*>(upload(offset));
-    p.row_len = static_cast<const int64_t*>(upload(lens));
+    p.rows.scores = static_cast<const float*>(upload(scores));
+    p.rows.row_offset = static_cast<const int64_t*>(upload(offset));
+    p.rows.row_len = static_cast<const int64_t*>(upload(lens));
     p.nq = nq;
-    p.k = k;
+    p.rows.k = k;
     p.max_len = *std::max_element(lens.begin(), lens.end());
-    p.out_stride = k;
-    p.out = static_cast<int32_t*>(upload(std::vector<int32_t>(nq * k, -1)));
-    p.out_count = static_cast<int32_t*>(upload(std::vector<int32_t>(nq, -1)));
-    p.slice_offset = static_cast<const int64_t*>(upload(plan.offset));
-    p.cand_key = static_cast<uint32_t*>(upload(std::vector<uint32_t>(plan.total * k + 1)));
-    p.cand_index = static_cast<int32_t*>(upload(std::vector<int32_t>(plan.total * k + 1)));
-    p.cand_count = static_cast<int32_t*>(upload(std::vector<int32_t>(plan.total + 1)));
+    p.rows.out_stride = k;
+    p.rows.out = static_cast<int32_t*>(upload(std::vector<int32_t>(nq * k, -1)));
+    p.rows.out_count = static_cast<int32_t*>(upload(std::vector<int32_t>(nq, -1)));
+    p.rows.slice_offset = static_cast<const int64_t*>(upload(plan.offset));
+    p.rows.cand_key = static_cast<uint32_t*>(upload(std::vector<uint32_t>(plan.total * k + 1)));
+    p.rows.cand_index = static_cast<int32_t*>(upload(std::vector<int32_t>(plan.total * k + 1)));
+    p.rows.cand_count = static_cast<int32_t*>(upload(std::vector<int32_t>(plan.total + 1)));
     ASSERT_EQ(cuda::LaunchTopK(p, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<int32_t> out(nq * k), count(nq);
-    ASSERT_EQ(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(count.data(), p.out_count, count.size() * 4, cudaMemcpyDeviceToHost),
+    ASSERT_EQ(cudaMemcpy(out.data(), p.rows.out, out.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(count.data(), p.rows.out_count, count.size() * 4, cudaMemcpyDeviceToHost),
               cudaSuccess);
     for (int q = 0; q < nq; ++q) {
       std::vector<int32_t> want(std::min(lens[q], k));
@@ -726,11 +727,11 @@ TEST(CudaScale, TopKOfLongRowsInSlicesEqualsTheHost) {
           << cuda::TopKSlices(lens[q], k) << " slices)";
     }
     for (const void* d :
-         {static_cast<const void*>(p.scores), static_cast<const void*>(p.row_offset),
-          static_cast<const void*>(p.row_len), static_cast<const void*>(p.out),
-          static_cast<const void*>(p.out_count), static_cast<const void*>(p.slice_offset),
-          static_cast<const void*>(p.cand_key), static_cast<const void*>(p.cand_index),
-          static_cast<const void*>(p.cand_count)})
+         {static_cast<const void*>(p.rows.scores), static_cast<const void*>(p.rows.row_offset),
+          static_cast<const void*>(p.rows.row_len), static_cast<const void*>(p.rows.out),
+          static_cast<const void*>(p.rows.out_count), static_cast<const void*>(p.rows.slice_offset),
+          static_cast<const void*>(p.rows.cand_key), static_cast<const void*>(p.rows.cand_index),
+          static_cast<const void*>(p.rows.cand_count)})
       cudaFree(const_cast<void*>(d));
   }
 }

@@ -260,15 +260,15 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   RETURN_IF_ERROR(ScoreWave(slot, wave));
 
   TopKParams tk;
-  tk.scores = s.scores.as<float>();
-  tk.row_offset = st.At<int64_t>(wave.offset);
-  tk.row_len = st.At<int64_t>(wave.len);
+  tk.rows.scores = s.scores.as<float>();
+  tk.rows.row_offset = st.At<int64_t>(wave.offset);
+  tk.rows.row_len = st.At<int64_t>(wave.len);
   tk.nq = nq;
   tk.max_len = wave.max_len;
-  tk.slice_offset = st.At<int64_t>(wave.token_slices);  // long rows: candidates (BeginStep)
-  tk.cand_key = s.cand_key.as<uint32_t>();
-  tk.cand_index = s.cand_index.as<int32_t>();
-  tk.cand_count = s.cand_count.as<int32_t>();
+  tk.rows.slice_offset = st.At<int64_t>(wave.token_slices);  // long rows: candidates (BeginStep)
+  tk.rows.cand_key = s.cand_key.as<uint32_t>();
+  tk.rows.cand_index = s.cand_index.as<int32_t>();
+  tk.rows.cand_count = s.cand_count.as<int32_t>();
   if (wave.padded) {  // FlashInfer's top-k (token mode; the step planned padded rows)
     FlashInferTopKParams fk;
     fk.scores = s.scores.as<float>();
@@ -286,11 +286,11 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
     return absl::OkStatus();
   }
   if (s.spec.selection == SelectionMode::kToken) {
-    tk.k = s.spec.index_topk;
-    tk.out = st.sel.as<int32_t>();
-    tk.out_stride = st.sel_cap;
-    tk.out_count = st.sel_count.as<int32_t>();
-    tk.out_row = st.At<int32_t>(wave.rows);
+    tk.rows.k = s.spec.index_topk;
+    tk.rows.out = st.sel.as<int32_t>();
+    tk.rows.out_stride = st.sel_cap;
+    tk.rows.out_count = st.sel_count.as<int32_t>();
+    tk.rows.out_row = st.At<int32_t>(wave.rows);
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     return absl::OkStatus();
   }
@@ -302,10 +302,10 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
     const int64_t k = s.spec.index_topk;
     RETURN_IF_ERROR(s.tmp_sel.Reserve(nq * k * 4));
     RETURN_IF_ERROR(s.tmp_count.Reserve(nq * 4));
-    tk.k = k;
-    tk.out = s.tmp_sel.as<int32_t>();
-    tk.out_stride = k;
-    tk.out_count = s.tmp_count.as<int32_t>();
+    tk.rows.k = k;
+    tk.rows.out = s.tmp_sel.as<int32_t>();
+    tk.rows.out_stride = k;
+    tk.rows.out_count = s.tmp_count.as<int32_t>();
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     PageHitParams ph;
     ph.scores = s.scores.as<float>();
@@ -334,20 +334,20 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   RETURN_IF_ERROR(s.page_list.Reserve(nq * keep * 4));
   RETURN_IF_ERROR(s.page_count.Reserve(nq * 4));
   TopKParams pk;
-  pk.keys = s.page_keys.as<uint32_t>();
-  pk.row_offset = st.At<int64_t>(wave.page_offset);
-  pk.row_len = st.At<int64_t>(wave.pages);
+  pk.rows.keys = s.page_keys.as<uint32_t>();
+  pk.rows.row_offset = st.At<int64_t>(wave.page_offset);
+  pk.rows.row_len = st.At<int64_t>(wave.pages);
   pk.nq = nq;
   pk.max_len = wave.max_pages;
-  pk.slice_offset = st.At<int64_t>(wave.page_slices);
-  pk.cand_key = s.cand_key.as<uint32_t>();
-  pk.cand_index = s.cand_index.as<int32_t>();
-  pk.cand_count = s.cand_count.as<int32_t>();
-  pk.k = keep;
-  pk.drop_zero = true;
-  pk.out = s.page_list.as<int32_t>();
-  pk.out_stride = keep;
-  pk.out_count = s.page_count.as<int32_t>();
+  pk.rows.slice_offset = st.At<int64_t>(wave.page_slices);
+  pk.rows.cand_key = s.cand_key.as<uint32_t>();
+  pk.rows.cand_index = s.cand_index.as<int32_t>();
+  pk.rows.cand_count = s.cand_count.as<int32_t>();
+  pk.rows.k = keep;
+  pk.rows.drop_zero = true;
+  pk.rows.out = s.page_list.as<int32_t>();
+  pk.rows.out_stride = keep;
+  pk.rows.out_count = s.page_count.as<int32_t>();
   CUDA_RETURN(LaunchTopK(pk, s.stream));
   ExpandParams ex;
   ex.pages = s.page_list.as<int32_t>();

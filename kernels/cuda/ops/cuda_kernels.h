@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "kernels/cuda/backend/span_chunks.h"
+#include "kernels/cuda/ops/topk_block.h"
 #include "kv_store/page_table.h"
 
 namespace attnd::cuda {
@@ -110,25 +111,9 @@ bool IndexerUsesStream(const IndexerParams& p);
 // more than max(8k, 8192) keys runs on several blocks (kernels/cuda/ops/topk_block.h): each slice's
 // own top-k into candidate scratch, then a merge.
 struct TopKParams {
-  const float* scores = nullptr;        // row values, or
-  const uint32_t* keys = nullptr;       // order-preserving keys (0 = excluded when drop_zero)
-  const int64_t* row_offset = nullptr;  // [nq]
-  const int64_t* row_len = nullptr;     // [nq]
+  TopKRows rows;  // the rows, k, where the selection goes, the slices' candidates (topk_block.h)
   int nq = 0;
-  int64_t k = 0;
-  bool drop_zero = false;  // omit entries whose key is 0
-  int32_t* out = nullptr;  // [rows, out_stride]
-  int64_t out_stride = 0;
-  int32_t* out_count = nullptr;      // [rows]
-  const int32_t* out_row = nullptr;  // [nq] output row of each query; null = the query index
-  int64_t max_len = 0;               // the longest row (the grid's slices)
-  // Rows of several slices (PlanTopKSlices over the row lengths): where their slices keep
-  // candidates, and the candidates ([total * k] keys and indices, [total] counts). May be null
-  // when no row has more than one slice.
-  const int64_t* slice_offset = nullptr;  // [nq]
-  uint32_t* cand_key = nullptr;
-  int32_t* cand_index = nullptr;
-  int32_t* cand_count = nullptr;
+  int64_t max_len = 0;  // the longest row (the grid's slices)
 };
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s);
 

@@ -101,25 +101,11 @@ cudaError_t ProbeTopKKernel() {
 
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
   if (p.nq <= 0) return cudaSuccess;
-  if (p.k < 1 || p.max_len < 0) return cudaErrorInvalidValue;
-  TopKRows r;
-  r.scores = p.scores;
-  r.keys = p.keys;
-  r.row_offset = p.row_offset;
-  r.row_len = p.row_len;
-  r.k = p.k;
-  r.drop_zero = p.drop_zero;
-  r.out = p.out;
-  r.out_stride = p.out_stride;
-  r.out_count = p.out_count;
-  r.out_row = p.out_row;
-  r.slice_offset = p.slice_offset;
-  r.cand_key = p.cand_key;
-  r.cand_index = p.cand_index;
-  r.cand_count = p.cand_count;
-  const int slices = TopKSlices(p.max_len, p.k);  // the most any row has
-  if (slices > 1 && (p.slice_offset == nullptr || p.cand_key == nullptr ||
-                     p.cand_index == nullptr || p.cand_count == nullptr))
+  if (p.rows.k < 1 || p.max_len < 0) return cudaErrorInvalidValue;
+  const TopKRows& r = p.rows;
+  const int slices = TopKSlices(p.max_len, r.k);  // the most any row has
+  if (slices > 1 && (r.slice_offset == nullptr || r.cand_key == nullptr ||
+                     r.cand_index == nullptr || r.cand_count == nullptr))
     return cudaErrorInvalidValue;
   TopKSliceKernel<<<dim3(p.nq, slices), kTopKThreads, 0, s>>>(r);
   cudaError_t e = cudaGetLastError();

@@ -233,7 +233,7 @@ ATTND_HD void BlockTopK(Block& b, const KeyAt& key_at, int64_t n, int64_t k, boo
 }
 
 // One top-k launch's rows (device pointers on the GPU, host pointers in the simulation): the
-// fields of TopKParams (kernels/cuda/ops/cuda_kernels.h) that the blocks read.
+// part of TopKParams (kernels/cuda/ops/cuda_kernels.h) that the blocks read.
 struct TopKRows {
   const float* scores = nullptr;        // row values (keys TopKKey(score)), or
   const uint32_t* keys = nullptr;       // keys (0 = excluded when drop_zero)
