@@ -143,7 +143,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   ReplySink sink(in, &source.decoded(), shm_access, reply_limits(), out);
   absl::StatusOr<LayerResult> result = engine_->RunLayer(step, source, &sink);
   if (!result.ok()) return result.status();  // an error's reply is never sent
-  const DecodedLayer& decoded = source.decoded();
+  DecodedLayer& decoded = source.decoded();
   const Engine::StepInfo& info = source.info();
   EncodeLayerResult(*result, in, decoded, sink, out);
   const bool last = result->committed;
@@ -151,7 +151,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   // After the layer ran: a region that shrank meanwhile is written past its new end (pwrite grows
   // it back), never a fault; only an I/O error fails here. Every error aborts the step, and
   // after the last layer, which committed, the error says so.
-  if (absl::Status w = source.decoded().shm.WriteOutputs(); !w.ok()) {
+  if (absl::Status w = decoded.shm.WriteOutputs(); !w.ok()) {
     if (!last) (void)engine_->AbortStep(step, AbortReason::kError);
     return OutputWriteError(step.id, last, w);
   }

@@ -28,22 +28,16 @@ inline std::unique_ptr<Engine> TinyEngine(int32_t pages, int threads,
   return Engine::Create(o).value();
 }
 
-// The service over `engine`, posting layers to `executor`, its metrics in `registry`.
-inline std::unique_ptr<AttentionService> ServiceOver(Engine* engine, Executor* executor,
-                                                     metrics::Registry* registry,
-                                                     std::unique_ptr<ServiceMetrics>* metrics,
-                                                     ServiceOptions options) {
-  if (options.max_message_bytes == 0) options.max_message_bytes = 64 << 20;
-  *metrics = std::make_unique<ServiceMetrics>(registry, engine);
-  return std::make_unique<AttentionService>(engine, executor, metrics->get(), options);
-}
-
-// An engine, an executor of `executor_threads` and the service over them, destroyed in the
-// order a server stops them (the service first, the engine last).
+// An engine, an executor of `executor_threads` and the service over them (messages up to
+// 64 MiB unless `options` says), destroyed in the order a server stops them (the service first,
+// the engine last).
 struct InProcessService {
   InProcessService(std::unique_ptr<Engine> e, int executor_threads, ServiceOptions options = {})
-      : engine(std::move(e)), executor(executor_threads) {
-    service = ServiceOver(engine.get(), &executor, &registry, &metrics, options);
+      : engine(std::move(e)),
+        executor(executor_threads),
+        metrics(std::make_unique<ServiceMetrics>(&registry, engine.get())) {
+    if (options.max_message_bytes == 0) options.max_message_bytes = 64 << 20;
+    service = std::make_unique<AttentionService>(engine.get(), &executor, metrics.get(), options);
   }
   std::unique_ptr<Engine> engine;
   Executor executor;

@@ -113,8 +113,8 @@ INSTANTIATE_TEST_SUITE_P(
     ParityName);
 
 // Server-side absorption on the GPU (the per-head projection kernels around the attention)
-// against the CPU backend, whose absorbed calls tests/engine/absorption_test.cc checks against float64:
-// outputs [T, H, V], log-sum-exps and selections, fp32 and bf16.
+// against the CPU backend, whose absorbed calls tests/engine/absorption_test.cc checks against
+// float64: outputs [T, H, V], log-sum-exps and selections, fp32 and bf16.
 TEST(Cuda, AbsorbedCallsMatchTheCpuBackend) {
   SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kF32, DType::kBF16}) {

@@ -8,6 +8,7 @@
 #include "cluster/replication.h"
 #include "metrics/metrics.h"
 #include "service/service_metrics.h"
+#include "tests/in_process_service.h"
 
 namespace attnd {
 namespace {
@@ -47,16 +48,8 @@ TEST(StandbyPeers, ACopyGoesToTheEntryThatAnswersOfAPeerThatCameBackElsewhere) {
   EXPECT_EQ(RankStandby({{name, false}, {"", true}}, "a", id, ""), -1);
 }
 
-std::unique_ptr<Engine> TinyEngine() {
-  EngineOptions o;
-  o.spec = PresetModelSpec("tiny").value();
-  o.pages_per_device = 16;
-  o.threads = 1;
-  return Engine::Create(o).value();
-}
-
 TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
-  auto engine = TinyEngine();
+  auto engine = testing::TinyEngine(16, 1);
   metrics::Registry registry;
   ServiceMetrics m(&registry, engine.get());
   m.RpcDone("BeginStep", absl::UnavailableError("attnd is draining"), 0.001);
@@ -83,7 +76,7 @@ TEST(ServiceMetrics, RefusedSequencesAndStepsCountAsRejectionsByReason) {
 // Every RPC counts by method and code, OK included (the error ratio's denominator); the OK
 // series of every method and every rejection reason exist at 0 before their first event.
 TEST(ServiceMetrics, RequestTotalsCountEveryCallAndExistBeforeTheFirst) {
-  auto engine = TinyEngine();
+  auto engine = testing::TinyEngine(16, 1);
   metrics::Registry registry;
   ServiceMetrics m(&registry, engine.get());
   std::string text = registry.Serialize();

@@ -28,7 +28,6 @@ from .wire import (
 __all__ = ["AsyncStepStream", "StepStream"]
 
 
-
 async def _await_released(ids, timeout: float, describe, sleep) -> None:
     """Until no sequence of ``ids`` is in a step on the server (or ``timeout`` seconds): the wait
     after a cancel, for both streams (``describe`` and ``sleep`` sync or awaited)."""
@@ -43,6 +42,7 @@ async def _await_released(ids, timeout: float, describe, sleep) -> None:
             if not info.in_step:
                 break
             await sleep(0.002)
+
 
 class _StepBookkeeping:
     """What :class:`StepStream` and :class:`AsyncStepStream` share: the open step's state, each
