@@ -10,15 +10,11 @@
 #include <vector>
 
 #include "common/block_hash.h"
+#include "tests/random_tokens.h"
 
 namespace {
 
-std::vector<uint32_t> Tokens(size_t n) {
-  std::mt19937_64 rng(1);
-  std::vector<uint32_t> t(n);
-  for (auto& x : t) x = static_cast<uint32_t>(rng() % 129280);
-  return t;
-}
+std::vector<uint32_t> Tokens(size_t n) { return attnd::testing::RandomTokens(n, 1); }
 
 // A 32K-token prompt at page size 64: 512 blocks.
 void BM_HashBlocks(benchmark::State& state) {

@@ -31,7 +31,7 @@ namespace {
 
 using attnd::CacheRows;
 using attnd::PageTable;
-using attnd::cuda::QueryTables;
+using attnd::QueryTables;
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
@@ -306,6 +306,35 @@ struct PagedCache {
   }
 };
 
+// An MLA launch of n queries (sequence seq[i], position pos[i]) over the cache, at DeepSeek-V3.2
+// dims: random queries from `seed`, its output, and the split-K partials for `max_keys`.
+attnd::cuda::MlaParams MlaOver(const PagedCache& kv, int seqs, const std::vector<int32_t>& seq,
+                               const std::vector<int64_t>& pos, int64_t max_keys, uint64_t seed) {
+  const int n = static_cast<int>(seq.size()), H = 128, L = 512, R = 64;
+  attnd::cuda::MlaParams mp;
+  float* q_latent = Alloc<float>(size_t(n) * H * L);
+  float* q_rope = Alloc<float>(size_t(n) * H * R);
+  RandomF32(q_latent, size_t(n) * H * L, seed);
+  RandomF32(q_rope, size_t(n) * H * R, seed + 1);
+  mp.q_latent = q_latent;
+  mp.q_rope = q_rope;
+  mp.out = Alloc<float>(size_t(n) * H * L);
+  mp.n = n;
+  mp.heads = H;
+  mp.latent = L;
+  mp.rope = R;
+  mp.sm_scale = 0.135f;
+  mp.kv = kv.view();
+  mp.tables = kv.Tables(seqs, seq, pos);
+  mp.max_keys =
+      max_keys;  // the tensor-core kernels' split-K (a fixed split per query, mla_split.h)
+  const int splits = attnd::cuda::MlaQuerySplits(max_keys);
+  mp.part_queries = attnd::cuda::MlaPartialQueries(n, splits, H, L);
+  mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
+  mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
+  return mp;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -545,30 +574,12 @@ int main(int argc, char** argv) {
       std::sort(pick.begin(), pick.end());
       for (int j = 0; j < K; ++j) sel[static_cast<size_t>(i) * K + j] = kv.Slot(B, i, pick[j]);
     }
-    float* ql = Alloc<float>(size_t{B} * H * L);
-    float* qr = Alloc<float>(size_t{B} * H * R);
-    RandomF32(ql, size_t{B} * H * L, 5);
-    RandomF32(qr, size_t{B} * H * R, 6);
-    float* out = Alloc<float>(size_t{B} * H * L);
-    attnd::cuda::MlaParams mp;
-    mp.q_latent = ql;
-    mp.q_rope = qr;
-    mp.n = B;
-    mp.heads = H;
-    mp.latent = L;
-    mp.rope = R;
-    mp.sm_scale = 0.135f;
-    mp.kv = kv.view();
-    mp.tables = kv.Tables(B, seq, pos);
+    attnd::cuda::MlaParams mp = MlaOver(kv, B, seq, pos, K, 5);
+    float* out = mp.out;
+    const int splits = attnd::cuda::MlaQuerySplits(K);
     mp.sel = Upload(sel);
     mp.sel_count = Upload(cnt);
     mp.sel_stride = K;
-    mp.out = out;
-    mp.max_keys = K;  // the tensor-core kernel's split-K (a fixed split per query, mla_split.h)
-    const int splits = attnd::cuda::MlaQuerySplits(K);
-    mp.part_queries = attnd::cuda::MlaPartialQueries(B, splits, H, L);
-    mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
-    mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
     const double bytes = double(B) * K * D * 2;            // the selected latent rows
     const double flops = double(B) * H * K * (D + L) * 2;  // Q K^T and P V
     const std::string shape = "B=64 H=128 K=2048 ctx=" + std::to_string(ctx / 1024) + "K";
@@ -639,27 +650,8 @@ int main(int argc, char** argv) {
     std::vector<int64_t> pos(T);
     std::iota(pos.begin(), pos.end(), 0);
     std::vector<int32_t> seq(T, 0);
-    float* ql = Alloc<float>(size_t{T} * H * L);
-    float* qr = Alloc<float>(size_t{T} * H * R);
-    RandomF32(ql, size_t{T} * H * L, 8);
-    RandomF32(qr, size_t{T} * H * R, 9);
-    float* out = Alloc<float>(size_t{T} * H * L);
-    attnd::cuda::MlaParams mp;
-    mp.q_latent = ql;
-    mp.q_rope = qr;
-    mp.n = static_cast<int>(T);
-    mp.heads = H;
-    mp.latent = L;
-    mp.rope = R;
-    mp.sm_scale = 0.135f;
-    mp.kv = kv.view();
-    mp.tables = kv.Tables(1, seq, pos);
-    mp.out = out;
-    mp.max_keys = T;
-    const int splits = attnd::cuda::MlaQuerySplits(T);
-    mp.part_queries = attnd::cuda::MlaPartialQueries(static_cast<int>(T), splits, H, L);
-    mp.part_out = Alloc<float>(size_t(splits) * mp.part_queries * H * L);
-    mp.part_ml = Alloc<float>(size_t(splits) * mp.part_queries * H * 2);
+    attnd::cuda::MlaParams mp = MlaOver(kv, 1, seq, pos, T, 8);
+    float* out = mp.out;
     const double flops = double(T) * (T + 1) / 2 * H * (D + L) * 2;
     std::vector<float> simt_prefill;
     for (bool tc : {false, true}) {

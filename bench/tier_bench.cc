@@ -257,29 +257,32 @@ void SpillAndRestore(const Args& a) {
 }
 
 // The demo model's sizes parts 2 and 4 share: `context`-token sequences (512 with --quick), the
-// pages each takes (with room to grow), imported in chunks of at most 4096 tokens.
+// pages each takes (with room to grow), imported in chunks of at most 4096 tokens; the keys of a
+// chunk and a decode step of batch 8 (random, from `seed`).
 struct DemoSizes {
-  explicit DemoSizes(const Args& a)
+  DemoSizes(const Args& a, uint64_t seed)
       : spec(PresetModelSpec("demo").value()),
         context(a.quick ? 512 : 8192),
         per_seq(static_cast<int32_t>(context / spec.page_size + 2)),
-        chunk(std::min<int64_t>(4096, context)) {}
+        chunk(std::min<int64_t>(4096, context)),
+        keys(MakeStep(spec, chunk, true, seed)),
+        decode(MakeStep(spec, 8, false, seed + 1)) {}
   ModelSpec spec;
   int64_t context;
   int32_t per_seq;
   int64_t chunk;
+  std::unique_ptr<StepInputs> keys, decode;
 };
 
 // Batch 8 of `context`-token sequences on a device holding 9: one decode step, and the same step
 // with one sequence spilled first (an engine whose tier below is the host; one whose tier is
 // the disk).
 void DecodeWithARestore(const Args& a) {
-  const DemoSizes d(a);
+  const DemoSizes d(a, 2);
   const ModelSpec& spec = d.spec;
   const int64_t context = d.context, chunk = d.chunk;
   const int32_t per_seq = d.per_seq;
-  auto keys = MakeStep(spec, chunk, true, 2);
-  auto decode = MakeStep(spec, 8, false, 3);
+  const StepInputs &keys = *d.keys, &decode = *d.decode;
   const int reps = a.quick ? 2 : 2 * a.reps + 1;
   std::printf(
       "## 2. A decode step of batch 8 with one sequence to restore (%s: %d layers, %d "
@@ -295,19 +298,19 @@ void DecodeWithARestore(const Args& a) {
     std::vector<StepEntry> batch;
     for (int i = 0; i < 8; ++i) {
       const std::string id = absl::StrCat("d", i);
-      Import(*e, id, context, *keys, chunk);
+      Import(*e, id, context, keys, chunk);
       batch.push_back({id, 1});
     }
     std::vector<double> none, one;
     for (int r = 0; r < reps; ++r) {
       auto t0 = Clock::now();
-      Check(Run(*e, batch, *decode, false), "decode");
+      Check(Run(*e, batch, decode, false), "decode");
       none.push_back(Since(t0));
       Check(e->OffloadSequences({"d3"}), "offload");
       if (e->DescribeSequence("d3")->tier != (disk ? Tier::kDisk : Tier::kHost))
         Die("offload", absl::InternalError("not where it should be"));
       t0 = Clock::now();
-      Check(Run(*e, batch, *decode, false), "decode with a restore");
+      Check(Run(*e, batch, decode, false), "decode with a restore");
       one.push_back(Since(t0));
     }
     std::printf("| %s | %.4f (%.4f) | %.4f (%.4f) | %.2f |\n", disk ? "disk" : "host", Median(none),
@@ -417,27 +420,26 @@ double ExportSeconds(Engine& e, const std::string& id) {
 // disk) exports the spilled ones (a drain, a standby's copy): they are read where they are, so
 // the 8 in use keep the device and the next decode step restores nothing.
 void ExportSpilled(const Args& a) {
-  const DemoSizes d(a);
+  const DemoSizes d(a, 4);
   const ModelSpec& spec = d.spec;
   const int64_t context = d.context, chunk = d.chunk;
   const int32_t per_seq = d.per_seq;
-  auto keys = MakeStep(spec, chunk, true, 4);
-  auto decode = MakeStep(spec, 8, false, 5);
+  const StepInputs &keys = *d.keys, &decode = *d.decode;
   auto e = Engine::Create(Options(spec, 8 * per_seq, 4 * per_seq, 8 * per_seq, a.dir)).value();
   std::vector<StepEntry> batch;
   for (int i = 0; i < 8; ++i) {
-    Import(*e, absl::StrCat("s", i), context, *keys, chunk);
+    Import(*e, absl::StrCat("s", i), context, keys, chunk);
     Check(e->OffloadSequences({absl::StrCat("s", i)}), "offload");  // the 4 first go on to disk
   }
   for (int i = 0; i < 8; ++i) {
-    Import(*e, absl::StrCat("d", i), context, *keys, chunk);
+    Import(*e, absl::StrCat("d", i), context, keys, chunk);
     batch.push_back({absl::StrCat("d", i), 1});
   }
-  Check(Run(*e, batch, *decode, false), "decode");
+  Check(Run(*e, batch, decode, false), "decode");
   std::vector<double> before, host, disk, device;
   for (int r = 0; r < std::max(3, a.reps); ++r) {
     auto t0 = Clock::now();
-    Check(Run(*e, batch, *decode, false), "decode");
+    Check(Run(*e, batch, decode, false), "decode");
     before.push_back(Since(t0));
   }
   for (int r = 0; r < a.reps; ++r) device.push_back(ExportSeconds(*e, "d0"));
@@ -453,7 +455,7 @@ void ExportSpilled(const Args& a) {
   for (int i = 0; i < 8; ++i)
     on_device += e->DescribeSequence(absl::StrCat("d", i))->tier == Tier::kDevice;
   auto t0 = Clock::now();
-  Check(Run(*e, batch, *decode, false), "decode");
+  Check(Run(*e, batch, decode, false), "decode");
   const double first_after = Since(t0);
   std::printf(
       "## 4. Exporting spilled sequences beside 8 in use (%s: %d layers, %lld-token "

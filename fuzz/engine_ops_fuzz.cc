@@ -320,20 +320,9 @@ class Run {
       batch.push_back({absl::StrCat("s", in.Int(0, kIds - 1)), q});
     }
     const Model before = model_;
-    const std::vector<int32_t> free_before = FreePages();
-    const std::vector<Tier> tiers_before = Tiers();
+    const Placement placed = Placed();
     auto step = engine_->BeginStep(batch);
-    if (!step.ok()) {
-      // A batch refused for what it is moves nothing; one refused for room may have spilled
-      // and restored sequences trying (their contents as they were: the audit and the oracle).
-      if (step.status().code() != absl::StatusCode::kResourceExhausted) {
-        FUZZ_CHECK(FreePages() == free_before,
-                   "a refused step changed the pool: ", step.status().ToString());
-        FUZZ_CHECK(Tiers() == tiers_before,
-                   "a refused step moved sequences: ", step.status().ToString());
-      }
-      return;
-    }
+    if (!step.ok()) return CheckRefused(step.status(), placed);
     const std::vector<int32_t> free_begun = FreePages();
     for (const auto& e : batch)
       FUZZ_CHECK(engine_->DescribeSequence(e.sequence_id)->tier == Tier::kDevice, e.sequence_id,
@@ -601,8 +590,7 @@ class Run {
     StepOptions o;
     o.context_parallel = true;
     o.attend_only = attend;
-    const std::vector<int32_t> free_before = FreePages();
-    const std::vector<Tier> tiers_before = Tiers();
+    const Placement before = Placed();
     auto step = engine_->BeginStep({e}, o);
     const bool aligned = e.position_offset >= 0 && e.position_offset % ps == 0 &&
                          e.position_offset <= spec_.max_context;
@@ -615,15 +603,7 @@ class Run {
     if (valid && !step.ok())
       FUZZ_CHECK(step.status().code() == absl::StatusCode::kResourceExhausted,
                  step.status().ToString());
-    if (!step.ok()) {
-      if (step.status().code() != absl::StatusCode::kResourceExhausted) {
-        FUZZ_CHECK(FreePages() == free_before,
-                   "a refused step changed the pool: ", step.status().ToString());
-        FUZZ_CHECK(Tiers() == tiers_before,
-                   "a refused step moved sequences: ", step.status().ToString());
-      }
-      return;
-    }
+    if (!step.ok()) return CheckRefused(step.status(), before);
     const std::vector<int32_t> free_begun = FreePages();
     const int64_t T = e.q_len;
     const int L = spec_.kv_lora_rank, R = spec_.qk_rope_head_dim, H = spec_.num_heads;
@@ -760,6 +740,21 @@ class Run {
     std::vector<int32_t> f;
     for (const DeviceCapacity& d : engine_->Capacity()) f.push_back(d.pages_free);
     return f;
+  }
+
+  // Where the pages and the sequences are.
+  struct Placement {
+    std::vector<int32_t> free_pages;
+    std::vector<Tier> tiers;
+  };
+  Placement Placed() const { return {FreePages(), Tiers()}; }
+
+  // A step refused for what it is moves nothing; one refused for room may have spilled and
+  // restored sequences trying (their contents as they were: the audit and the oracle).
+  void CheckRefused(const absl::Status& s, const Placement& before) const {
+    if (s.code() == absl::StatusCode::kResourceExhausted) return;
+    FUZZ_CHECK(FreePages() == before.free_pages, "a refused step changed the pool: ", s.ToString());
+    FUZZ_CHECK(Tiers() == before.tiers, "a refused step moved sequences: ", s.ToString());
   }
 
   // The engine agrees with the model; the tiers' bookkeeping with itself; a device page's count

@@ -55,6 +55,13 @@ struct PageTable {
   }
 };
 
+// Where a step's queries find their keys: query q is token pos[q] of table sequence seq[q].
+struct QueryTables {
+  PageTable table;
+  const int32_t* seq = nullptr;  // [n]
+  const int64_t* pos = nullptr;  // [n] absolute position of each query
+};
+
 // A page prefix copy: rows [0, rows) of page `src` to page `dst`, in every layer and slot.
 struct PageCopy {
   int32_t src = 0;

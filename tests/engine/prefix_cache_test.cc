@@ -16,17 +16,13 @@
 #include "common/block_hash.h"
 #include "kv_store/host_tier.h"
 #include "tests/engine_harness.h"
+#include "tests/random_tokens.h"
 #include "tests/run_layer.h"
 
 namespace attnd::testing {
 namespace {
 
-std::vector<uint32_t> Tokens(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<uint32_t> t(n);
-  for (uint32_t& x : t) x = static_cast<uint32_t>(rng() % 150000);
-  return t;
-}
+std::vector<uint32_t> Tokens(size_t n, uint64_t seed) { return RandomTokens(n, seed, 150000); }
 
 // The engine's query for a prompt (as the service makes it from token ids): its full blocks'
 // hashes and tokens, at most the blocks before its last token.

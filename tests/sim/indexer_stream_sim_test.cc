@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -28,6 +29,10 @@ struct Problem {
   bool fp8 = false;
   std::vector<int64_t> positions;  // each query's position
   int64_t range = 1024;
+
+  Problem() = default;
+  Problem(int heads_, int dim_, bool fp8_, std::vector<int64_t> positions_, int64_t range_)
+      : heads(heads_), dim(dim_), fp8(fp8_), positions(std::move(positions_)), range(range_) {}
 
   int64_t keys = 0;
   std::vector<uint8_t> cache;  // pages of rows (fp8: a page's codes, then its scales)
@@ -93,9 +98,7 @@ struct Problem {
       p.keys.fp8_dim = dim;
       p.keys.scales_apart = page_size;
     }
-    p.table = {indptr.data(), pages.data(), page_size};
-    p.seq = seq.data();
-    p.pos = pos.data();
+    p.tables = {{indptr.data(), pages.data(), page_size}, seq.data(), pos.data()};
     p.queries = queries.data();
     p.score_offset = offset.data();
     p.range = range;
@@ -173,12 +176,7 @@ class IndexerStreamSim : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(IndexerStreamSim, ScoresMatchFloat64AndEachIsWrittenOnce) {
   const Shape s = GetParam();
-  Problem pr;
-  pr.heads = s.heads;
-  pr.dim = s.dim;
-  pr.fp8 = s.fp8;
-  pr.positions = s.positions;
-  pr.range = s.range;
+  Problem pr(s.heads, s.dim, s.fp8, s.positions, s.range);
   pr.Make(s.heads * 7 + s.dim + s.fp8);
   sim::SimtMemory m = pr.Memory();
   ASSERT_NO_THROW(pr.Run(m));

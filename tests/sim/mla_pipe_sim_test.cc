@@ -141,9 +141,7 @@ struct Problem {
     p.kv.dtype = c.fp8 ? DType::kFP8E4M3 : DType::kBF16;
     p.kv.dim = D;
     p.kv.fp8_dim = c.fp8 ? L : 0;
-    p.table = {indptr.data(), pages.data(), ps};
-    p.seq = seq.data();
-    p.pos = pos.data();
+    p.tables = {{indptr.data(), pages.data(), ps}, seq.data(), pos.data()};
     p.sel = sel.data();
     p.sel_count = sel_count.data();
     p.needs_index = needs_index.data();

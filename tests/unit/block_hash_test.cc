@@ -9,15 +9,12 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "tests/random_tokens.h"
+
 namespace attnd {
 namespace {
 
-std::vector<uint32_t> Random(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<uint32_t> t(n);
-  for (auto& x : t) x = static_cast<uint32_t>(rng() % 129280);
-  return t;
-}
+using attnd::testing::RandomTokens;
 
 TEST(BlockHash, MatchesTheVectorsThePythonClientChecks) {
   std::ifstream f(ATTND_SOURCE_DIR "/tests/data/block_hash_vectors.json");
@@ -40,7 +37,7 @@ TEST(BlockHash, MatchesTheVectorsThePythonClientChecks) {
 }
 
 TEST(BlockHash, ABlocksHashNamesItsWholePrefix) {
-  const std::vector<uint32_t> a = Random(64 * 6 + 10, 1);
+  const std::vector<uint32_t> a = RandomTokens(64 * 6 + 10, 1);
   const std::vector<BlockHash> ha = HashBlocks(a, 64);
   ASSERT_EQ(ha.size(), 6u);  // the trailing 10 tokens are no block
   // One token changed in block 3: blocks 0-2 keep their hashes, 3 and every later one change.

@@ -10,20 +10,13 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
+from . import wire
 from .errors import AttndError
 from .sync import run_sync
 from .types import Batch, Candidates, LayerResult, StepInfo
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
-from .wire import (
-    LayerInputs,
-    LayerOutput,
-    _batch,
-    check_output_call,
-    decode_layer,
-    encode_layer,
-    layer_call,
-)
+from .wire import LayerInputs, LayerOutput
 
 __all__ = ["AsyncStepStream", "StepStream"]
 
@@ -98,7 +91,7 @@ class _StepBookkeeping:
         return self._step
 
     def _layer_request(self, inputs: LayerInputs, kind: str) -> pb.StepRequest:
-        return pb.StepRequest(layer=encode_layer(
+        return pb.StepRequest(layer=wire.encode_layer(
             inputs, uint16_as_bf16=self._uint16_as_bf16, default_shard=self._shard,
             candidates=kind == "candidates"))
 
@@ -107,7 +100,7 @@ class _StepBookkeeping:
             self._next_layer = int(inputs.layer) + 1
             if response.layer.committed:
                 self._step, self._shard = None, 0
-        return decode_layer(response.layer, inputs, self._uint16_as_bf16, kind)
+        return wire.decode_layer(response.layer, inputs, self._uint16_as_bf16, kind)
 
     def _aborted(self) -> None:
         self._step, self._shard = None, 0
@@ -178,7 +171,7 @@ class StepStream(_StepBookkeeping):
         """Opens a step over ``batch`` (none may be open on this stream); ``num_shards`` > 1 opens a
         sharded step as its shard 0; ``position_offsets`` / ``query_positions`` a context-parallel
         one (see :meth:`AttndClient.begin_step`)."""
-        response = self._roundtrip(pb.StepRequest(begin=_batch(
+        response = self._roundtrip(pb.StepRequest(begin=wire._batch(
             batch, write_only, num_shards, position_offsets, query_positions, block_hashes,
             generations, starts)),
             "begun")
@@ -197,9 +190,9 @@ class StepStream(_StepBookkeeping):
         :meth:`layer_candidates` :class:`Candidates`. The keyword form of the previous release,
         ``layer(i, q_latent=..., ...)``, still works for one release, with a DeprecationWarning
         (see :meth:`AttndClient.attend_layer`)."""
-        inputs, kind = layer_call("layer", inputs, legacy)
+        inputs, kind = wire.layer_call("layer", inputs, legacy)
         if kind == "output":
-            check_output_call(inputs, "layer")
+            wire.check_output_call(inputs, "layer")
         return self._layer(inputs, kind)
 
     def layer_details(self, inputs: LayerInputs) -> LayerResult:
@@ -309,7 +302,7 @@ class AsyncStepStream(_StepBookkeeping):
                     block_hashes: Optional[Sequence[Sequence[bytes]]] = None,
                     generations: Optional[Sequence[int]] = None,
                     starts: Optional[Sequence[Optional[int]]] = None) -> StepInfo:
-        response = await self._roundtrip(pb.StepRequest(begin=_batch(
+        response = await self._roundtrip(pb.StepRequest(begin=wire._batch(
             batch, write_only, num_shards, position_offsets, query_positions, block_hashes,
             generations, starts)),
             "begun")
@@ -321,9 +314,9 @@ class AsyncStepStream(_StepBookkeeping):
 
     async def layer(self, inputs: Optional[LayerInputs] = None, **legacy) -> LayerOutput:
         """See :meth:`StepStream.layer` (the keyword form too, deprecated)."""
-        inputs, kind = layer_call("layer", inputs, legacy)
+        inputs, kind = wire.layer_call("layer", inputs, legacy)
         if kind == "output":
-            check_output_call(inputs, "layer")
+            wire.check_output_call(inputs, "layer")
         return await self._layer(inputs, kind)
 
     async def layer_details(self, inputs: LayerInputs) -> LayerResult:

@@ -25,7 +25,7 @@ from attnd import AttndClient, AttndError, LayerInputs
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
 
-from attnd_process import ATTND_BIN, ROOT, start
+from attnd_process import ATTND_BIN, ROOT, start, stop
 from attnd_process import free_port as _free_port
 
 
@@ -37,8 +37,7 @@ def _start(extra: list[str]) -> tuple[subprocess.Popen, str, int]:
 def ops_server():
     proc, target, mport = _start([])
     yield target, mport
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    stop(proc)
 
 
 def test_health_serves_liveness_and_readiness(ops_server):
@@ -202,8 +201,7 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
             assert _sum(t1, name) > 0, name
         assert 0 <= _sum(t1, "attnd_cache_utilization") <= 1
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
 
 
 def test_logs_summarise_the_config_and_rate_limit_refused_steps():
@@ -219,8 +217,7 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
             with pytest.raises(AttndError):
                 c.begin_step([("log-a", spec.max_context + 1)])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
     out = proc.stdout.read()
     assert "config: devices cpu:0, model tiny" in out, out[:2000]
     for said in ("cache BF16", "auth none", "keepalive 60000/20000 ms"):  # each said once
@@ -240,8 +237,7 @@ def test_json_logs_are_one_object_per_line_lifecycle_lines_included(tmp_path):
             with pytest.raises(AttndError):
                 c.begin_step([("json-a", c.info().model.max_context + 1)])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
     lines = [json.loads(line) for line in log.read_text().splitlines()]  # each one parses
     assert all({"ts", "level", "msg"} <= line.keys() for line in lines), lines
     msgs = [line["msg"] for line in lines]
@@ -274,8 +270,7 @@ def test_the_cache_sized_as_a_fraction_of_memory():
         got = (d.pages_total + 1) * d.bytes_per_page  # + the reserved page 0
         assert 0.8 * want < got < 1.2 * want, (got, want)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
     r = subprocess.run([str(ATTND_BIN), "--kv-cache-fraction=1.5"], capture_output=True, text=True)
     assert r.returncode == 2 and "--kv-cache-fraction" in r.stderr, r.stderr
 
@@ -435,8 +430,7 @@ def test_sigterm_with_an_open_step_drains_and_exits_zero():
         s = c.stream()
         s.begin([("ops-drain", 3)])
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
         assert time.monotonic() - t0 < 10
         s.cancel()
     out = proc.stdout.read()
@@ -505,8 +499,7 @@ def test_attnctl_gives_up_on_a_hung_server_after_its_timeout():
         assert waiting.returncode == 0 and "tiny" in out, (out, err)
     finally:
         os.kill(proc.pid, signal.SIGCONT)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
 
 
 def test_a_failed_demo_leaves_no_sequence_behind():
@@ -520,8 +513,7 @@ def test_a_failed_demo_leaves_no_sequence_behind():
         with AttndClient(target) as c:
             assert c.list_sequences() == [], "the failed demo left sequences open"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
 
 
 def test_demo_and_bench_refuse_what_cannot_fit_before_building_anything():
@@ -545,8 +537,7 @@ def test_demo_and_bench_refuse_what_cannot_fit_before_building_anything():
             with AttndClient(target) as c:
                 assert c.list_sequences() == [], args
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        stop(proc)
 
 
 def test_demo_checks_all_a_sample_or_nothing_against_float64(ops_server):

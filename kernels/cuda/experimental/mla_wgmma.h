@@ -241,11 +241,8 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   const int q = p.first_query + qx, h0 = hy * kPipeHeads;
   const int tid = g.tid(), wg = tid / wgmma::kGroupThreads;
   const PipeKeys keys = PipeKeysOf(g, p, q);
-  const int splits = MlaQuerySplits(keys.total);
-  if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
-  const PipeSplit sp = PipeSplitOf(keys.total, z);
-  const int64_t first = sp.first, last = sp.last;
-  const int tiles = sp.tiles;
+  PipeSplit sp;
+  if (!PipeSplitOf(keys.total, z, &sp)) return;
   const MlaWgmmaSmem sm = MlaWgmmaSmem::Of(L, R, kFp8, p.stages);
   const int S = p.stages;
 
@@ -259,8 +256,8 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   const int my_key = 8 * (tid / 64) + tid % 8, c0 = (tid / 8) % 8;
   auto issue = [&](int t) {
     const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
-    const int64_t key = first + static_cast<int64_t>(t) * kPipeKeys + my_key;
-    const bool valid = key < last;
+    const int64_t key = sp.first + static_cast<int64_t>(t) * kPipeKeys + my_key;
+    const bool valid = key < sp.last;
     const uint8_t* src = valid ? p.kv.Row(PipeSlot(g, p, q, keys, key)) : p.kv.base;
     for (int c = c0; c < chunks; c += kPipePerKey) {
       const uint32_t dst = kFp8 ? my_key * srow + c * 16 : wgmma::TileAt(D, my_key, c);
@@ -268,7 +265,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     }
   };
   for (int t = 0; t < S - 1; ++t) {
-    if (t < tiles) issue(t);
+    if (t < sp.tiles) issue(t);
     g.CpCommit();
   }
 
@@ -279,16 +276,17 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
   a.Start();
   const int col0 = wg * (L / 2);
 
-  for (int t = 0; t < tiles; ++t) {
+  for (int t = 0; t < sp.tiles; ++t) {
     g.CpWait(S - 2);  // this thread's copies of tile t landed...
     // ...visible to the tensor cores, with its query stores (fp8 rows are read by the decode's
     // generic loads, and the fence after the decode covers the query stores)...
     if (!kFp8) g.FenceProxyAsync();
     g.Sync();  // ...everyone's; tile t - 1's stage (and decoded tile) are free
-    if (t + S - 1 < tiles) issue(t + S - 1);
+    if (t + S - 1 < sp.tiles) issue(t + S - 1);
     g.CpCommit();
-    const int64_t tile_first = first + static_cast<int64_t>(t) * kPipeKeys;
-    const int nk = static_cast<int>(last - tile_first < kPipeKeys ? last - tile_first : kPipeKeys);
+    const int64_t tile_first = sp.first + static_cast<int64_t>(t) * kPipeKeys;
+    const int nk =
+        static_cast<int>(sp.last - tile_first < kPipeKeys ? sp.last - tile_first : kPipeKeys);
     uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
     if (kFp8) {  // rows -> bf16 core matrices (codes x their tile's scale; rope copied)
       // Key fastest: a quarter-warp's 16-byte stores fill one core matrix (128 bytes).
@@ -304,7 +302,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     }
     WgmmaTile(g, p, a, sm.q, k, nk, col0);
   }
-  WgmmaStore(g, p, a, qx, q, h0, z, splits, wg, col0);
+  WgmmaStore(g, p, a, qx, q, h0, z, sp.splits, wg, col0);
 }
 
 }  // namespace attnd::cuda

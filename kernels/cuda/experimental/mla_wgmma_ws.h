@@ -72,9 +72,8 @@ ATTND_HD void MlaWgmmaWsBlock(G& g, const MlaPipeParams& p, int qx, int hy, int 
   const int q = p.first_query + qx, h0 = hy * kPipeHeads;
   const int tid = g.tid();
   const PipeKeys keys = PipeKeysOf(g, p, q);
-  const int splits = MlaQuerySplits(keys.total);
-  if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
-  const PipeSplit sp = PipeSplitOf(keys.total, z);
+  PipeSplit sp;
+  if (!PipeSplitOf(keys.total, z, &sp)) return;
   const MlaWgmmaWsSmem sm = MlaWgmmaWsSmem::Of(L, R, kFp8, p.stages);
   const int S = p.stages;
   const uint32_t srow = static_cast<uint32_t>(fp8::LatentTokenBytes(L, R));
@@ -161,7 +160,7 @@ ATTND_HD void MlaWgmmaWsBlock(G& g, const MlaPipeParams& p, int qx, int hy, int 
     WgmmaTile(g, p, a, sm.q, k, nk, col0);
     if (!kFp8 && refill) g.MbarArrive(sm.empty + 8 * s);  // the tensor cores are done with it
   }
-  WgmmaStore(g, p, a, qx, q, h0, z, splits, tid / wgmma::kGroupThreads, col0);
+  WgmmaStore(g, p, a, qx, q, h0, z, sp.splits, tid / wgmma::kGroupThreads, col0);
 }
 
 }  // namespace attnd::cuda

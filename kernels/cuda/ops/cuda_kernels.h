@@ -18,13 +18,6 @@
 
 namespace attnd::cuda {
 
-// Where a step's queries find their keys: query q is token pos[q] of table sequence seq[q].
-struct QueryTables {
-  PageTable table;
-  const int32_t* seq = nullptr;  // [n]
-  const int64_t* pos = nullptr;  // [n] absolute position of each query
-};
-
 // Whether the kernels have code for the current GPU (cudaErrorNoKernelImageForDevice if not).
 cudaError_t ProbeKernels();
 

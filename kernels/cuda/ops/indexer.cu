@@ -185,9 +185,7 @@ cudaError_t LaunchIndexerStream(const IndexerParams& p, cudaStream_t s) {
   sp.heads = p.heads;
   sp.dim = p.dim;
   sp.keys = p.keys;
-  sp.table = p.tables.table;
-  sp.seq = p.tables.seq;
-  sp.pos = p.tables.pos;
+  sp.tables = p.tables;
   sp.scores = p.scores;
   sp.range = StreamRange(p.max_keys, p.nq, sms);
   const bool fp8 = p.keys.dtype == DType::kFP8E4M3;

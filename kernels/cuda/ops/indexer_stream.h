@@ -40,11 +40,9 @@ struct IndexerStreamParams {
   const float* q = nullptr;  // [n, heads, dim] fp32 (rounded to bf16)
   const float* w = nullptr;  // [n, heads]
   int heads = 0, dim = 0;
-  CacheRows keys;                         // bf16 rows, or fp8 values with their scales apart
-  PageTable table;                        // the step's sequences' pages
-  const int32_t* seq = nullptr;           // [n] each query's sequence in `table`
-  const int64_t* pos = nullptr;           // [n] each query's position (it sees pos + 1 keys)
-  const int32_t* queries = nullptr;       // [nq] the queries scored (local indices)
+  CacheRows keys;                    // bf16 rows, or fp8 values with their scales apart
+  QueryTables tables;                // each query's sequence and position (it sees pos + 1 keys)
+  const int32_t* queries = nullptr;  // [nq] the queries scored (local indices)
   const int64_t* score_offset = nullptr;  // [nq] where each one's scores start
   int64_t range = 0;                      // keys per block: a positive multiple of kStreamTile
   float* scores = nullptr;
@@ -90,12 +88,12 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
   constexpr int kMaxSteps = 8;               // k-steps of 16 dims (dim <= 128)
   const int D = p.dim, steps = D / 16;
   const int q = g.Gld(p.queries + qi);
-  const int64_t n = g.Gld(p.pos + q) + 1;  // keys the query sees
+  const int64_t n = g.Gld(p.tables.pos + q) + 1;  // keys the query sees
   const int64_t first = bx * p.range;
   if (first >= n) return;  // the whole block, before any barrier
   const int64_t last = first + p.range < n ? first + p.range : n;
   const int tiles = static_cast<int>((last - first + kStreamTile - 1) / kStreamTile);
-  const int32_t seq = g.Gld(p.seq + q);
+  const int32_t seq = g.Gld(p.tables.seq + q);
   const int warp = g.warp(), lane = g.lane(), tid = g.tid();
   const int hg = warp % HG, kg = warp / HG;
   const uint32_t row = StreamRowBytes(D), stage_bytes = StreamStageBytes(D, kFp8);
@@ -134,7 +132,7 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
     const uint32_t stage = static_cast<uint32_t>(t % kStreamStages) * stage_bytes;
     const int64_t key = first + static_cast<int64_t>(t) * kStreamTile + my_key;
     const bool valid = key < last;
-    const uint8_t* src = valid ? p.keys.Row(StreamSlot(g, p.table, seq, key)) : p.keys.base;
+    const uint8_t* src = valid ? p.keys.Row(StreamSlot(g, p.tables.table, seq, key)) : p.keys.base;
     const uint32_t dst = stage + my_key * (kFp8 ? static_cast<uint32_t>(D) : row);
     for (int c = c0; c < chunks; c += kStreamPerKey)
       g.CpAsync16(dst + c * 16, valid ? src + c * 16 : src, valid);
@@ -157,7 +155,7 @@ ATTND_HD void IndexerStreamBlock(G& g, const IndexerStreamParams& p, int64_t bx,
       const uint32_t decoded = StreamDecodedOffset(D, true);
       const int64_t key = tile_first + my_key;  // the key this thread copied, once per tile
       const float scale = key < last ? g.Gld(reinterpret_cast<const float*>(
-                                           p.keys.Scales(StreamSlot(g, p.table, seq, key))))
+                                           p.keys.Scales(StreamSlot(g, p.tables.table, seq, key))))
                                      : 0.0f;
       for (int c = c0; c < D / 16; c += kStreamPerKey) {
         uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};

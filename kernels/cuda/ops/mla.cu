@@ -391,42 +391,32 @@ __device__ PipeBlockId PipeBlockOf(int head_blocks, int splits) {
   return {x / (head_blocks * splits), x % head_blocks, (x / head_blocks) % splits};
 }
 
-template <bool kFp8>
-__global__ void __launch_bounds__(kPipeThreads)
+// Which of the pipelined kernel's forms a launch takes: the mma form (kernels/cuda/ops/mla_pipe.h);
+// its wgmma form (kernels/cuda/experimental/mla_wgmma.h), two warpgroups a block, whose body is
+// wgmma only in the sm_90a image (elsewhere GpuThread's wgmma traps; MlaUsesWgmma launches it
+// only on compute capability 9.0); its warp-specialised form (kernels/cuda/experimental/
+// mla_wgmma_ws.h), a producer warpgroup more. All three take the same grid.
+enum class PipeForm { kMma, kWgmma, kWgmmaWs };
+
+constexpr int PipeThreads(PipeForm f) {
+  return f == PipeForm::kWgmmaWs ? kWsThreads : f == PipeForm::kWgmma ? kWgThreads : kPipeThreads;
+}
+
+template <PipeForm kForm, bool kFp8>
+__global__ void __launch_bounds__(PipeThreads(kForm), 1)
     MlaPipeKernel(MlaPipeParams p, int head_blocks, int splits) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  GpuThread g{smem_raw};
-  const PipeBlockId b = PipeBlockOf(head_blocks, splits);
-  MlaPipeBlock<kFp8>(g, p, b.qx, b.hy, b.z);
-}
-
-// Its wgmma form (kernels/cuda/experimental/mla_wgmma.h), the same grid: two warpgroups a block.
-// The body is wgmma only in the sm_90a image (elsewhere GpuThread's wgmma traps; MlaUsesWgmma
-// launches it only on compute capability 9.0).
-template <bool kFp8>
-__global__ void __launch_bounds__(kWgThreads, 1)
-    MlaWgmmaKernel(MlaPipeParams p, int head_blocks, int splits) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   GpuThread g{smem_raw};
   const PipeBlockId b = PipeBlockOf(head_blocks, splits);
-  MlaWgmmaBlock<kFp8>(g, p, b.qx, b.hy, b.z);
-}
-
-// Its warp-specialised form (kernels/cuda/experimental/mla_wgmma_ws.h): the same grid, a producer
-// warpgroup more.
-template <bool kFp8>
-__global__ void __launch_bounds__(kWsThreads, 1)
-    MlaWgmmaWsKernel(MlaPipeParams p, int head_blocks, int splits) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  GpuThread g{smem_raw};
-  const PipeBlockId b = PipeBlockOf(head_blocks, splits);
-  MlaWgmmaWsBlock<kFp8>(g, p, b.qx, b.hy, b.z);
+  if constexpr (kForm == PipeForm::kWgmmaWs)
+    MlaWgmmaWsBlock<kFp8>(g, p, b.qx, b.hy, b.z);
+  else if constexpr (kForm == PipeForm::kWgmma)
+    MlaWgmmaBlock<kFp8>(g, p, b.qx, b.hy, b.z);
+  else
+    MlaPipeBlock<kFp8>(g, p, b.qx, b.hy, b.z);
 }
 
 std::atomic<int64_t> g_wgmma_launches{0}, g_wgmma_ws_launches{0};
-
-// Which of the pipelined kernel's forms a launch takes.
-enum class PipeForm { kMma, kWgmma, kWgmmaWs };
 
 // The dynamic shared memory of a form at `stages`.
 uint32_t PipeSmemBytes(const MlaParams& p, PipeForm form, int stages) {
@@ -531,9 +521,7 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
   pp.sm_scale = p.sm_scale;
   pp.soft_cap = p.soft_cap;
   pp.kv = p.kv;
-  pp.table = p.tables.table;
-  pp.seq = p.tables.seq;
-  pp.pos = p.tables.pos;
+  pp.tables = p.tables;
   pp.sel = p.sel;
   pp.sel_count = p.sel_count;
   pp.needs_index = p.needs_index;
@@ -547,10 +535,13 @@ cudaError_t LaunchMlaPipe(const MlaParams& p, cudaStream_t s) {
   pp.stages = PipeStages(p, form);
   const bool fp8 = p.kv.dtype == DType::kFP8E4M3;
   const size_t smem = PipeSmemBytes(p, form, pp.stages);
-  auto kernel = ws   ? (fp8 ? MlaWgmmaWsKernel<true> : MlaWgmmaWsKernel<false>)
-                : wg ? (fp8 ? MlaWgmmaKernel<true> : MlaWgmmaKernel<false>)
-                     : (fp8 ? MlaPipeKernel<true> : MlaPipeKernel<false>);
-  const int threads = ws ? kWsThreads : wg ? kWgThreads : kPipeThreads;
+  using Kernel = void (*)(MlaPipeParams, int, int);
+  const Kernel kernel =
+      ws   ? (fp8 ? MlaPipeKernel<PipeForm::kWgmmaWs, true>
+                  : MlaPipeKernel<PipeForm::kWgmmaWs, false>)
+      : wg ? (fp8 ? MlaPipeKernel<PipeForm::kWgmma, true> : MlaPipeKernel<PipeForm::kWgmma, false>)
+           : (fp8 ? MlaPipeKernel<PipeForm::kMma, true> : MlaPipeKernel<PipeForm::kMma, false>);
+  const int threads = PipeThreads(form);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;

@@ -49,9 +49,7 @@ struct MlaPipeParams {
   int heads = 0, latent = 0, rope = 0;
   float sm_scale = 1, soft_cap = 0;
   CacheRows kv;  // bf16 rows, or fp8 [L e4m3 | scales | R bf16]
-  PageTable table;
-  const int32_t* seq = nullptr;  // [n]
-  const int64_t* pos = nullptr;  // [n]
+  QueryTables tables;
   // Selection: [n, sel_stride] slot ids and counts; null: each query attends its range.
   const int32_t* sel = nullptr;
   const int32_t* sel_count = nullptr;
@@ -106,7 +104,7 @@ struct PipeKeys {
 };
 template <typename G>
 ATTND_HD PipeKeys PipeKeysOf(G& g, const MlaPipeParams& p, int q) {
-  const int64_t pos = g.Gld(p.pos + q);
+  const int64_t pos = g.Gld(p.tables.pos + q);
   if (p.sel == nullptr || (p.needs_index && !g.Gld(p.needs_index + q))) {
     const int64_t begin = p.window > 0 && pos + 1 - p.window > 0 ? pos + 1 - p.window : 0;
     return {nullptr, begin, pos + 1 - begin};
@@ -117,9 +115,10 @@ template <typename G>
 ATTND_HD int64_t PipeSlot(G& g, const MlaPipeParams& p, int q, const PipeKeys& k, int64_t i) {
   if (k.sel) return g.Gld(k.sel + i);
   const int64_t pos = k.begin + i;
-  const int32_t s = g.Gld(p.seq + q);
-  const int32_t page = g.Gld(p.table.pages + g.Gld(p.table.indptr + s) + pos / p.table.page_size);
-  return static_cast<int64_t>(page) * p.table.page_size + pos % p.table.page_size;
+  const int32_t s = g.Gld(p.tables.seq + q);
+  const PageTable& t = p.tables.table;
+  const int32_t page = g.Gld(t.pages + g.Gld(t.indptr + s) + pos / t.page_size);
+  return static_cast<int64_t>(page) * t.page_size + pos % t.page_size;
 }
 
 // Values [d, d + 4) of query q's head h0 + h as packed bf16, by one 16-byte load (L and R are
@@ -153,15 +152,19 @@ ATTND_HD void PipeDecodeChunk(G& g, uint32_t row, int L, int c, uint32_t w[4]) {
 struct PipeSplit {
   int64_t first, last;
   int tiles;
+  int splits;  // the query's
 };
-ATTND_HD inline PipeSplit PipeSplitOf(int64_t total, int z) {
+// Split z of a query's `total` keys; false when the query has fewer splits (the grid is sized
+// for the step's longest query: the whole block returns).
+ATTND_HD inline bool PipeSplitOf(int64_t total, int z, PipeSplit* s) {
+  s->splits = MlaQuerySplits(total);
+  if (z >= s->splits) return false;
   const int64_t tiles64 = (total + kMlaTileKeys - 1) / kMlaTileKeys;
   const int64_t per = MlaTilesPerSplit(total);
-  PipeSplit s;
-  s.first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
-  s.last = (z + 1) * per * kMlaTileKeys < total ? (z + 1) * per * kMlaTileKeys : total;
-  s.tiles = static_cast<int>((s.last - s.first + kPipeKeys - 1) / kPipeKeys);
-  return s;
+  s->first = (z * per < tiles64 ? z * per : tiles64) * kMlaTileKeys;
+  s->last = (z + 1) * per * kMlaTileKeys < total ? (z + 1) * per * kMlaTileKeys : total;
+  s->tiles = static_cast<int>((s->last - s->first + kPipeKeys - 1) / kPipeKeys);
+  return true;
 }
 
 // One block: query first_query + qx, heads [hy * 64, hy * 64 + 64), split z of the query's keys.
@@ -171,11 +174,8 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   const int q = p.first_query + qx, h0 = hy * kPipeHeads;
   const int tid = g.tid(), warp = g.warp(), lane = g.lane();
   const PipeKeys keys = PipeKeysOf(g, p, q);
-  const int splits = MlaQuerySplits(keys.total);
-  if (z >= splits) return;  // the whole block: the grid is sized for the step's longest query
-  const PipeSplit sp = PipeSplitOf(keys.total, z);
-  const int64_t first = sp.first, last = sp.last;
-  const int tiles = sp.tiles;
+  PipeSplit sp;
+  if (!PipeSplitOf(keys.total, z, &sp)) return;
   const MlaPipeSmem sm = MlaPipeSmem::Of(L, R, kFp8, p.stages);
   const uint32_t row = static_cast<uint32_t>(D + 8) * 2, prow = (kPipeKeys + 8) * 2;
   const int S = p.stages;
@@ -189,14 +189,14 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   const int my_key = tid / kPipePerKey, c0 = tid % kPipePerKey;
   auto issue = [&](int t) {
     const uint32_t stage = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
-    const int64_t key = first + static_cast<int64_t>(t) * kPipeKeys + my_key;
-    const bool valid = key < last;
+    const int64_t key = sp.first + static_cast<int64_t>(t) * kPipeKeys + my_key;
+    const bool valid = key < sp.last;
     const uint8_t* src = valid ? p.kv.Row(PipeSlot(g, p, q, keys, key)) : p.kv.base;
     for (int c = c0; c < chunks; c += kPipePerKey)
       g.CpAsync16(stage + my_key * srow + c * 16, valid ? src + c * 16 : src, valid);
   };
   for (int t = 0; t < S - 1; ++t) {
-    if (t < tiles) issue(t);
+    if (t < sp.tiles) issue(t);
     g.CpCommit();
   }
 
@@ -228,13 +228,14 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
   }
   int cur = 0;  // the copy of m and l this tile reads
 
-  for (int t = 0; t < tiles; ++t) {
+  for (int t = 0; t < sp.tiles; ++t) {
     g.CpWait(S - 2);  // this thread's copies of tile t landed...
     g.Sync();         // ...everyone's; tile t - 1's stage, S, P and corr are free
-    if (t + S - 1 < tiles) issue(t + S - 1);
+    if (t + S - 1 < sp.tiles) issue(t + S - 1);
     g.CpCommit();
-    const int64_t tile_first = first + static_cast<int64_t>(t) * kPipeKeys;
-    const int nk = static_cast<int>(last - tile_first < kPipeKeys ? last - tile_first : kPipeKeys);
+    const int64_t tile_first = sp.first + static_cast<int64_t>(t) * kPipeKeys;
+    const int nk =
+        static_cast<int>(sp.last - tile_first < kPipeKeys ? sp.last - tile_first : kPipeKeys);
     uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
     if (kFp8) {  // rows -> bf16 (codes x their tile's scale; rope copied)
       for (int i = tid; i < kPipeKeys * (D / 8); i += kPipeThreads) {
@@ -344,10 +345,10 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
       }
     }
   }
-  if (tiles == 0) g.Sync();  // m and l were written by other threads than their readers below
+  if (sp.tiles == 0) g.Sync();  // m and l were written by other threads than their readers below
   // A query of one split: the normalised output (and lse); of several: this split's sums and
   // (m, l) for MlaCombineKernel.
-  const bool partial = splits > 1;
+  const bool partial = sp.splits > 1;
   const int64_t wave = p.part_queries;
   float* out = partial ? p.part_out + static_cast<int64_t>(z) * wave * H * L : p.out;
   const int row_q = partial ? qx : q;
