@@ -267,6 +267,10 @@ struct DemoSizes {
         chunk(std::min<int64_t>(4096, context)),
         keys(MakeStep(spec, chunk, true, seed)),
         decode(MakeStep(spec, 8, false, seed + 1)) {}
+  // A `context`-token sequence `id` on e.
+  void Import(Engine& e, const std::string& id) const {
+    attnd::Import(e, id, context, *keys, chunk);
+  }
   ModelSpec spec;
   int64_t context;
   int32_t per_seq;
@@ -280,14 +284,13 @@ struct DemoSizes {
 void DecodeWithARestore(const Args& a) {
   const DemoSizes d(a, 2);
   const ModelSpec& spec = d.spec;
-  const int64_t context = d.context, chunk = d.chunk;
   const int32_t per_seq = d.per_seq;
-  const StepInputs &keys = *d.keys, &decode = *d.decode;
+  const StepInputs& decode = *d.decode;
   const int reps = a.quick ? 2 : 2 * a.reps + 1;
   std::printf(
       "## 2. A decode step of batch 8 with one sequence to restore (%s: %d layers, %d "
       "heads, %lld-token contexts, fp8 cache)\n\n",
-      spec.name.c_str(), spec.num_layers(), spec.num_heads, static_cast<long long>(context));
+      spec.name.c_str(), spec.num_layers(), spec.num_heads, static_cast<long long>(d.context));
   std::printf(
       "| tier below | none to restore: median s (best) | one to restore: median s (best) "
       "| ratio of medians |\n|---|---|---|---|\n");
@@ -298,7 +301,7 @@ void DecodeWithARestore(const Args& a) {
     std::vector<StepEntry> batch;
     for (int i = 0; i < 8; ++i) {
       const std::string id = absl::StrCat("d", i);
-      Import(*e, id, context, keys, chunk);
+      d.Import(*e, id);
       batch.push_back({id, 1});
     }
     std::vector<double> none, one;
@@ -422,17 +425,16 @@ double ExportSeconds(Engine& e, const std::string& id) {
 void ExportSpilled(const Args& a) {
   const DemoSizes d(a, 4);
   const ModelSpec& spec = d.spec;
-  const int64_t context = d.context, chunk = d.chunk;
   const int32_t per_seq = d.per_seq;
-  const StepInputs &keys = *d.keys, &decode = *d.decode;
+  const StepInputs& decode = *d.decode;
   auto e = Engine::Create(Options(spec, 8 * per_seq, 4 * per_seq, 8 * per_seq, a.dir)).value();
   std::vector<StepEntry> batch;
   for (int i = 0; i < 8; ++i) {
-    Import(*e, absl::StrCat("s", i), context, keys, chunk);
+    d.Import(*e, absl::StrCat("s", i));
     Check(e->OffloadSequences({absl::StrCat("s", i)}), "offload");  // the 4 first go on to disk
   }
   for (int i = 0; i < 8; ++i) {
-    Import(*e, absl::StrCat("d", i), context, keys, chunk);
+    d.Import(*e, absl::StrCat("d", i));
     batch.push_back({absl::StrCat("d", i), 1});
   }
   Check(Run(*e, batch, decode, false), "decode");
@@ -460,7 +462,7 @@ void ExportSpilled(const Args& a) {
   std::printf(
       "## 4. Exporting spilled sequences beside 8 in use (%s: %d layers, %lld-token "
       "contexts, fp8 cache; 4 on the host, 4 on the disk)\n\n",
-      spec.name.c_str(), spec.num_layers(), static_cast<long long>(context));
+      spec.name.c_str(), spec.num_layers(), static_cast<long long>(d.context));
   std::printf("| figure | value |\n|---|---|\n");
   std::printf("| export of a sequence on the device: s (best of %d) | %.4f |\n", a.reps,
               Best(device));

@@ -284,9 +284,7 @@ ATTND_HD void MlaWgmmaBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z)
     g.Sync();  // ...everyone's; tile t - 1's stage (and decoded tile) are free
     if (t + S - 1 < sp.tiles) issue(t + S - 1);
     g.CpCommit();
-    const int64_t tile_first = sp.first + static_cast<int64_t>(t) * kPipeKeys;
-    const int nk =
-        static_cast<int>(sp.last - tile_first < kPipeKeys ? sp.last - tile_first : kPipeKeys);
+    const int nk = sp.TileKeys(t);
     uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
     if (kFp8) {  // rows -> bf16 core matrices (codes x their tile's scale; rope copied)
       // Key fastest: a quarter-warp's 16-byte stores fill one core matrix (128 bytes).

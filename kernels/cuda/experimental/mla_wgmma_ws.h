@@ -139,9 +139,7 @@ ATTND_HD void MlaWgmmaWsBlock(G& g, const MlaPipeParams& p, int qx, int hy, int 
   for (int t = 0; t < sp.tiles; ++t) {
     const uint32_t s = static_cast<uint32_t>(t % S);
     g.MbarWait(sm.full + 8 * s, (t / S) & 1);
-    const int64_t tile_first = sp.first + static_cast<int64_t>(t) * kPipeKeys;
-    const int nk =
-        static_cast<int>(sp.last - tile_first < kPipeKeys ? sp.last - tile_first : kPipeKeys);
+    const int nk = sp.TileKeys(t);
     uint32_t k = sm.stages + s * sm.stage_bytes;
     const bool refill = t + S < sp.tiles;  // the producer waits for the stage (else nobody does)
     if (kFp8) {  // rows -> bf16 core matrices in decoded tile t % 2 (as the wgmma kernel)

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/backend/gpu_facts.h"
@@ -49,6 +50,34 @@ __device__ __forceinline__ KeySet KeysOf(const MlaParams& p, int q) {
 constexpr int kMlaTile = 32;
 constexpr int kMlaHeads = 16;
 constexpr int kMlaDimsPerThread = 2;  // L <= kThreads * 2 = 512
+// One head's online softmax over a tile of `width` scores s (the first nk visible): the
+// probabilities into p (fp32, or bf16 for a P·V product on tensor cores; the denominator sums
+// what the numerator uses), the running max m and sum l carried, and corr, the factor the
+// output so far is scaled by. Nothing visible yet (every score -inf): the probabilities stay 0,
+// as on the CPU. p may be s.
+template <typename P>
+__device__ __forceinline__ void SoftmaxTileRow(const float* s, P* p, int nk, int width, float& m,
+                                               float& l, float& corr) {
+  float mx = m;
+  for (int j = 0; j < nk; ++j) mx = fmaxf(mx, s[j]);
+  const float c = m == -INFINITY ? 0.0f : __expf(m - mx);
+  const bool none = mx == -INFINITY;
+  float sum = 0.0f;
+  for (int j = 0; j < width; ++j) {
+    const float e = j < nk && !none ? __expf(s[j] - mx) : 0.0f;
+    if constexpr (std::is_same_v<P, float>) {
+      p[j] = e;
+      sum += e;
+    } else {
+      p[j] = __float2bfloat16_rn(e);
+      sum += __bfloat162float(p[j]);
+    }
+  }
+  l = l * c + sum;
+  m = mx;
+  corr = c;
+}
+
 template <DType T>
 __global__ void MlaKernel(MlaParams p) {
   extern __shared__ float sm[];
@@ -102,19 +131,7 @@ __global__ void MlaKernel(MlaParams p) {
     __syncthreads();
     if (threadIdx.x < HB) {  // one thread per head: the tile's softmax bookkeeping
       const int h = threadIdx.x;
-      float mx = m[h];
-      for (int j = 0; j < nk; ++j) mx = fmaxf(mx, ss[h * kMlaTile + j]);
-      const float c = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mx);
-      const bool none = mx == -INFINITY;  // nothing visible yet: probabilities stay 0
-      float sum = 0.0f;
-      for (int j = 0; j < kMlaTile; ++j) {
-        const float e = j < nk && !none ? __expf(ss[h * kMlaTile + j] - mx) : 0.0f;
-        ss[h * kMlaTile + j] = e;
-        sum += e;
-      }
-      l[h] = l[h] * c + sum;
-      m[h] = mx;
-      corr[h] = c;
+      SoftmaxTileRow(ss + h * kMlaTile, ss + h * kMlaTile, nk, kMlaTile, m[h], l[h], corr[h]);
     }
     __syncthreads();
     // Constant trip counts with guards keep acc[][] in registers (no local-memory spill).
@@ -261,21 +278,7 @@ __global__ void __launch_bounds__(256) MlaMmaKernel(MlaParams p) {
     // 3. Online softmax, one thread per head; probabilities to bf16 for the P·V product.
     if (threadIdx.x < HB) {
       const int h = threadIdx.x;
-      float mx = m[h];
-      for (int j = 0; j < nk; ++j) mx = fmaxf(mx, sf[h * kMmaKeys + j]);
-      const float cr = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mx);
-      // Nothing visible yet (every score -inf): the probabilities stay 0, as on the CPU.
-      const bool none = mx == -INFINITY;
-      float sum = 0.0f;
-      for (int j = 0; j < kMmaKeys; ++j) {
-        const __nv_bfloat16 e =
-            __float2bfloat16_rn(j < nk && !none ? __expf(sf[h * kMmaKeys + j] - mx) : 0.0f);
-        ps[h * PP + j] = e;
-        sum += __bfloat162float(e);  // the denominator sums what the numerator uses
-      }
-      l[h] = l[h] * cr + sum;
-      m[h] = mx;
-      corr[h] = cr;
+      SoftmaxTileRow(sf + h * kMmaKeys, ps + h * PP, nk, kMmaKeys, m[h], l[h], corr[h]);
     }
     __syncthreads();
     // 4. O += P·V: warp w owns columns [w * cols, (w + 1) * cols), n-tiles of 8, every m-tile.

@@ -153,6 +153,11 @@ struct PipeSplit {
   int64_t first, last;
   int tiles;
   int splits;  // the query's
+  // Keys in tile t of the split (kPipeKeys but for the last).
+  ATTND_HD int TileKeys(int t) const {
+    const int64_t left = last - first - static_cast<int64_t>(t) * kPipeKeys;
+    return static_cast<int>(left < kPipeKeys ? left : kPipeKeys);
+  }
 };
 // Split z of a query's `total` keys; false when the query has fewer splits (the grid is sized
 // for the step's longest query: the whole block returns).
@@ -233,9 +238,7 @@ ATTND_HD void MlaPipeBlock(G& g, const MlaPipeParams& p, int qx, int hy, int z) 
     g.Sync();         // ...everyone's; tile t - 1's stage, S, P and corr are free
     if (t + S - 1 < sp.tiles) issue(t + S - 1);
     g.CpCommit();
-    const int64_t tile_first = sp.first + static_cast<int64_t>(t) * kPipeKeys;
-    const int nk =
-        static_cast<int>(sp.last - tile_first < kPipeKeys ? sp.last - tile_first : kPipeKeys);
+    const int nk = sp.TileKeys(t);
     uint32_t k = sm.stages + static_cast<uint32_t>(t % S) * sm.stage_bytes;
     if (kFp8) {  // rows -> bf16 (codes x their tile's scale; rope copied)
       for (int i = tid; i < kPipeKeys * (D / 8); i += kPipeThreads) {
