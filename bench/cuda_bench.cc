@@ -398,10 +398,7 @@ int main(int argc, char** argv) {
     tk.rows.row_offset = ip.score_offset;
     tk.rows.row_len = Upload(len);
     tk.nq = B;
-    tk.rows.k = K;
-    tk.rows.out = sel;
-    tk.rows.out_stride = K;
-    tk.rows.out_count = cnt;
+    tk.rows.Into(K, sel, K, cnt);
     tk.max_len = ctx;  // 64K keys, top-2048: slices of 16K and a merge (topk_block.h)
     const attnd::cuda::TopKSlicePlan slices =
         attnd::cuda::PlanTopKSlices(std::vector<int64_t>(B, ctx), K);

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
 ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd"))
@@ -76,3 +77,13 @@ def stop(proc: subprocess.Popen) -> None:
     """SIGTERM, and a clean exit within 30 s."""
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+@contextlib.contextmanager
+def running(extra: List[str], **kwargs) -> Iterator[Tuple[subprocess.Popen, str, int]]:
+    """start(extra, **kwargs) for a block, and stop() (a clean exit) when it ends."""
+    proc, target, mport = start(extra, **kwargs)
+    try:
+        yield proc, target, mport
+    finally:
+        stop(proc)

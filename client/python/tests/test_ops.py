@@ -25,7 +25,7 @@ from attnd import AttndClient, AttndError, LayerInputs
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc as pb_grpc
 
-from attnd_process import ATTND_BIN, ROOT, start, stop
+from attnd_process import ATTND_BIN, ROOT, running, start, stop
 from attnd_process import free_port as _free_port
 
 
@@ -205,8 +205,7 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
 
 
 def test_logs_summarise_the_config_and_rate_limit_refused_steps():
-    proc, target, _ = _start(["--log-level=info"])
-    try:
+    with running(["--log-level=info"]) as (proc, target, _):
         with AttndClient(target, timeout=30) as c:
             spec = c.info().model
             c.open_sequence("log-a")
@@ -216,8 +215,6 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
             time.sleep(1.1)  # the next window: its first line reports what was dropped
             with pytest.raises(AttndError):
                 c.begin_step([("log-a", spec.max_context + 1)])
-    finally:
-        stop(proc)
     out = proc.stdout.read()
     assert "config: devices cpu:0, model tiny" in out, out[:2000]
     for said in ("cache BF16", "auth none", "keepalive 60000/20000 ms"):  # each said once
@@ -230,14 +227,11 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
 
 def test_json_logs_are_one_object_per_line_lifecycle_lines_included(tmp_path):
     log = tmp_path / "attnd.log"
-    proc, target, _ = start(["--log-format=json", "--log-level=info"], log=log)
-    try:
+    with running(["--log-format=json", "--log-level=info"], log=log) as (proc, target, _):
         with AttndClient(target, timeout=30) as c:
             c.open_sequence("json-a")
             with pytest.raises(AttndError):
                 c.begin_step([("json-a", c.info().model.max_context + 1)])
-    finally:
-        stop(proc)
     lines = [json.loads(line) for line in log.read_text().splitlines()]  # each one parses
     assert all({"ts", "level", "msg"} <= line.keys() for line in lines), lines
     msgs = [line["msg"] for line in lines]
@@ -261,16 +255,13 @@ def test_the_cache_sized_as_a_fraction_of_memory():
     """--kv-cache-fraction: the cache is that share of the host's available memory (the pod's,
     within a cgroup limit), said on the startup line and in ServerInfo."""
     want = 0.01 * _mem_available()
-    proc, target, _ = start(["--kv-cache-fraction=0.01"], kv_pages=None)
-    try:
+    with running(["--kv-cache-fraction=0.01"], kv_pages=None) as (proc, target, _):
         line = proc.stdout.readline()
         assert "0.01 of" in line and "host memory available" in line, line
         with AttndClient(target, timeout=30) as c:
             d = c.info().devices[0]
         got = (d.pages_total + 1) * d.bytes_per_page  # + the reserved page 0
         assert 0.8 * want < got < 1.2 * want, (got, want)
-    finally:
-        stop(proc)
     r = subprocess.run([str(ATTND_BIN), "--kv-cache-fraction=1.5"], capture_output=True, text=True)
     assert r.returncode == 2 and "--kv-cache-fraction" in r.stderr, r.stderr
 
@@ -505,21 +496,17 @@ def test_attnctl_gives_up_on_a_hung_server_after_its_timeout():
 def test_a_failed_demo_leaves_no_sequence_behind():
     # Room for the demo's four sequences but not its forks: it fails half-way (after the
     # prefill), and closes what it opened.
-    proc, target, _ = _start(["--max-sequences=4"])
-    try:
+    with running(["--max-sequences=4"]) as (proc, target, _):
         r = _ctl("demo", f"--target={target}", "--sequences=4", "--prompt=300")
         assert r.returncode == 1 and "--max-sequences" in r.stderr, (r.stdout, r.stderr)
         assert "prefill 1/1" in r.stdout, r.stdout  # it did get half-way
         with AttndClient(target) as c:
             assert c.list_sequences() == [], "the failed demo left sequences open"
-    finally:
-        stop(proc)
 
 
 def test_demo_and_bench_refuse_what_cannot_fit_before_building_anything():
     # Beyond max_context or the free pages: refused at once, naming both numbers, nothing opened.
-    proc, target, _ = _start(["--kv-pages=100"])
-    try:
+    with running(["--kv-pages=100"]) as (proc, target, _):
         with AttndClient(target) as c:
             info = c.info()
         free = sum(d.pages_free for d in info.devices)
@@ -536,8 +523,6 @@ def test_demo_and_bench_refuse_what_cannot_fit_before_building_anything():
             assert time.monotonic() - t0 < 5, args
             with AttndClient(target) as c:
                 assert c.list_sequences() == [], args
-    finally:
-        stop(proc)
 
 
 def test_demo_checks_all_a_sample_or_nothing_against_float64(ops_server):

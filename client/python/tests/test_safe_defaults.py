@@ -20,7 +20,7 @@ import pytest
 
 from attnd import AttndClient, AttndError, LayerInputs
 
-from attnd_process import ATTND_BIN, start, stop
+from attnd_process import ATTND_BIN, running, start, stop
 from attnd_testlib import bf16_layers
 
 
@@ -55,8 +55,7 @@ def _host_address() -> Optional[str]:
 
 
 def test_a_taken_port_is_a_startup_error_naming_it():
-    proc, target, _ = start([])
-    try:
+    with running([]) as (proc, target, _):
         port = _port(target)
         r = _run([f"--grpc-port={port}"])
         assert r.returncode == 1, (r.stdout, r.stderr)
@@ -66,8 +65,6 @@ def test_a_taken_port_is_a_startup_error_naming_it():
             c.open_sequence("mine")
             for _ in range(6):
                 assert c.describe_sequence("mine").length == 0
-    finally:
-        stop(proc)
 
 
 def test_reuse_grpc_port_shares_a_port_on_purpose():
@@ -157,12 +154,9 @@ def test_flag_and_device_refusals_say_what():
 @pytest.mark.parametrize("spelling,reported", [("BF16", "BF16"), ("FP8_E4M3", "FP8_E4M3"),
                                                ("fp32", "FP32")])
 def test_the_cache_dtype_takes_the_apis_spelling(spelling, reported):
-    proc, target, _ = start([f"--cache-dtype={spelling}"])
-    try:
+    with running([f"--cache-dtype={spelling}"]) as (proc, target, _):
         with AttndClient(target, timeout=30) as c:
             assert c.info().cache_datatype == reported
-    finally:
-        stop(proc)
 
 
 def _ipv6_loopback() -> bool:
@@ -206,8 +200,7 @@ def _scrape_total(mport: int, name: str) -> float:
 
 def test_a_sequence_lease_runs_out_without_steps_and_attnctl_describes_and_closes():
     attnctl = ATTND_BIN.parent.parent / "client" / "attnctl"
-    proc, target, mport = start(["--sequence-idle-timeout-s=1"])
-    try:
+    with running(["--sequence-idle-timeout-s=1"]) as (proc, target, mport):
         with AttndClient(target, timeout=30) as c:
             c.open_sequence("idle")
             c.open_sequence("kept")
@@ -227,8 +220,6 @@ def test_a_sequence_lease_runs_out_without_steps_and_attnctl_describes_and_close
         assert r.returncode == 0 and "closed kept" in r.stdout, (r.stdout, r.stderr)
         r = ctl("describe", "kept")
         assert r.returncode == 1 and "NOT_FOUND" in r.stderr, (r.stdout, r.stderr)
-    finally:
-        stop(proc)
 
 
 def test_a_drain_without_peers_lets_open_steps_finish_with_the_listener_open():
@@ -314,8 +305,7 @@ def test_keepalive_finds_a_frozen_worker_and_frees_its_step():
 
 
 def test_max_connection_age_reconnects_clients_and_an_open_step_stream_outlives_it():
-    proc, target, _ = start(["--max-connection-age-ms=300"], kv_pages=32)
-    try:
+    with running(["--max-connection-age-ms=300"], kv_pages=32) as (proc, target, _):
         from attnd.v1 import attention_pb2 as pb
         from attnd.v1 import attention_pb2_grpc as pb_grpc
         states = []
@@ -339,16 +329,13 @@ def test_max_connection_age_reconnects_clients_and_an_open_step_stream_outlives_
                 for i, layer in enumerate(x[1:], start=1):
                     s.layer(LayerInputs(i, **layer))
             assert c.describe_sequence("aged").length == 3
-    finally:
-        stop(proc)
 
 
 def test_the_python_client_takes_its_target_and_token_from_the_environment(monkeypatch, tmp_path):
     # As attnctl: $ATTND_TARGET when no target is given, $ATTND_TOKEN when no token is.
     tokens = tmp_path / "tokens"
     tokens.write_text("env-token-0123456789 team-a\n")
-    proc, target, _ = start(["--auth=token", f"--auth-tokens={tokens}"], kv_pages=32)
-    try:
+    with running(["--auth=token", f"--auth-tokens={tokens}"], kv_pages=32) as (proc, target, _):
         monkeypatch.setenv("ATTND_TARGET", target)
         monkeypatch.setenv("ATTND_TOKEN", "env-token-0123456789")
         with AttndClient() as c:
@@ -357,5 +344,3 @@ def test_the_python_client_takes_its_target_and_token_from_the_environment(monke
         with AttndClient() as c, pytest.raises(AttndError) as e:
             c.info()
         assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        stop(proc)

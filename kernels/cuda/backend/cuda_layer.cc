@@ -265,10 +265,8 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   tk.rows.row_len = st.At<int64_t>(wave.len);
   tk.nq = nq;
   tk.max_len = wave.max_len;
-  tk.rows.slice_offset = st.At<int64_t>(wave.token_slices);  // long rows: candidates (BeginStep)
-  tk.rows.cand_key = s.cand_key.as<uint32_t>();
-  tk.rows.cand_index = s.cand_index.as<int32_t>();
-  tk.rows.cand_count = s.cand_count.as<int32_t>();
+  tk.rows.Sliced(st.At<int64_t>(wave.token_slices), s.cand_key.as<uint32_t>(),  // long rows:
+                 s.cand_index.as<int32_t>(), s.cand_count.as<int32_t>());  // planned in BeginStep
   if (wave.padded) {  // FlashInfer's top-k (token mode; the step planned padded rows)
     FlashInferTopKParams fk;
     fk.scores = s.scores.as<float>();
@@ -286,10 +284,7 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
     return absl::OkStatus();
   }
   if (s.spec.selection == SelectionMode::kToken) {
-    tk.rows.k = s.spec.index_topk;
-    tk.rows.out = st.sel.as<int32_t>();
-    tk.rows.out_stride = st.sel_cap;
-    tk.rows.out_count = st.sel_count.as<int32_t>();
+    tk.rows.Into(s.spec.index_topk, st.sel.as<int32_t>(), st.sel_cap, st.sel_count.as<int32_t>());
     tk.rows.out_row = st.At<int32_t>(wave.rows);
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     return absl::OkStatus();
@@ -298,37 +293,31 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   RETURN_IF_ERROR(s.page_keys.Reserve(wave.pages_total * 4));
   CUDA_RETURN(cudaMemsetAsync(s.page_keys.ptr, 0, wave.pages_total * 4, s.stream));
   const int64_t keep = s.KeptPages();
+  PageKeyRows page_rows;
+  page_rows.scores = s.scores.as<float>();
+  page_rows.row_offset = st.At<int64_t>(wave.offset);
+  page_rows.page_offset = st.At<int64_t>(wave.page_offset);
+  page_rows.nq = nq;
+  page_rows.page_size = s.spec.page_size;
+  page_rows.page_keys = s.page_keys.as<uint32_t>();
   if (s.spec.selection == SelectionMode::kPageUnion) {
     const int64_t k = s.spec.index_topk;
     RETURN_IF_ERROR(s.tmp_sel.Reserve(nq * k * 4));
     RETURN_IF_ERROR(s.tmp_count.Reserve(nq * 4));
-    tk.rows.k = k;
-    tk.rows.out = s.tmp_sel.as<int32_t>();
-    tk.rows.out_stride = k;
-    tk.rows.out_count = s.tmp_count.as<int32_t>();
+    tk.rows.Into(k, s.tmp_sel.as<int32_t>(), k, s.tmp_count.as<int32_t>());
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     PageHitParams ph;
-    ph.scores = s.scores.as<float>();
-    ph.row_offset = st.At<int64_t>(wave.offset);
+    ph.rows = page_rows;
     ph.selected = s.tmp_sel.as<int32_t>();
     ph.selected_count = s.tmp_count.as<int32_t>();
     ph.sel_stride = k;
-    ph.page_offset = st.At<int64_t>(wave.page_offset);
-    ph.nq = nq;
-    ph.page_size = s.spec.page_size;
     ph.max_sel = k;
-    ph.page_keys = s.page_keys.as<uint32_t>();
     CUDA_RETURN(LaunchPageHits(ph, s.stream));
   } else {
     PageMaxParams pm;
-    pm.scores = s.scores.as<float>();
-    pm.row_offset = st.At<int64_t>(wave.offset);
+    pm.rows = page_rows;
     pm.row_len = st.At<int64_t>(wave.len);
-    pm.page_offset = st.At<int64_t>(wave.page_offset);
-    pm.nq = nq;
-    pm.page_size = s.spec.page_size;
     pm.max_pages = wave.max_pages;
-    pm.page_keys = s.page_keys.as<uint32_t>();
     CUDA_RETURN(LaunchPageMax(pm, s.stream));
   }
   RETURN_IF_ERROR(s.page_list.Reserve(nq * keep * 4));
@@ -339,15 +328,10 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   pk.rows.row_len = st.At<int64_t>(wave.pages);
   pk.nq = nq;
   pk.max_len = wave.max_pages;
-  pk.rows.slice_offset = st.At<int64_t>(wave.page_slices);
-  pk.rows.cand_key = s.cand_key.as<uint32_t>();
-  pk.rows.cand_index = s.cand_index.as<int32_t>();
-  pk.rows.cand_count = s.cand_count.as<int32_t>();
-  pk.rows.k = keep;
+  pk.rows.Sliced(st.At<int64_t>(wave.page_slices), s.cand_key.as<uint32_t>(),
+                 s.cand_index.as<int32_t>(), s.cand_count.as<int32_t>());
   pk.rows.drop_zero = true;
-  pk.rows.out = s.page_list.as<int32_t>();
-  pk.rows.out_stride = keep;
-  pk.rows.out_count = s.page_count.as<int32_t>();
+  pk.rows.Into(keep, s.page_list.as<int32_t>(), keep, s.page_count.as<int32_t>());
   CUDA_RETURN(LaunchTopK(pk, s.stream));
   ExpandParams ex;
   ex.pages = s.page_list.as<int32_t>();

@@ -110,32 +110,41 @@ struct TopKParams {
 };
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s);
 
-// page_budget: page key = max token key per page of each row (rows of length n -> ceil(n/ps)).
-struct PageMaxParams {
+// Page keys of rows of token scores: page p of query q's row gets page_keys[page_offset[q] + p].
+struct PageKeyRows {
   const float* scores = nullptr;
   const int64_t* row_offset = nullptr;   // [nq] token scores
-  const int64_t* row_len = nullptr;      // [nq] tokens
   const int64_t* page_offset = nullptr;  // [nq] where the row's page keys go
   int nq = 0;
   int page_size = 0;
-  int64_t max_pages = 0;
   uint32_t* page_keys = nullptr;
+
+  // The rows from query q0, at most n of them.
+  PageKeyRows From(int q0, int n) const {
+    PageKeyRows r = *this;
+    r.row_offset += q0;
+    r.page_offset += q0;
+    r.nq = nq - q0 < n ? nq - q0 : n;
+    return r;
+  }
+};
+
+// page_budget: page key = max token key per page of each row (rows of length n -> ceil(n/ps)).
+struct PageMaxParams {
+  PageKeyRows rows;
+  const int64_t* row_len = nullptr;  // [nq] tokens
+  int64_t max_pages = 0;
 };
 cudaError_t LaunchPageMax(const PageMaxParams& p, cudaStream_t s);
 
 // page_union: page key = max key of the selected tokens on it (0 = not hit). page_keys must be
 // zeroed first.
 struct PageHitParams {
-  const float* scores = nullptr;
-  const int64_t* row_offset = nullptr;  // [nq]
-  const int32_t* selected = nullptr;    // [nq, sel_stride] token indices
+  PageKeyRows rows;
+  const int32_t* selected = nullptr;  // [nq, sel_stride] token indices
   const int32_t* selected_count = nullptr;
   int64_t sel_stride = 0;
-  const int64_t* page_offset = nullptr;  // [nq]
-  int nq = 0;
-  int page_size = 0;
   int64_t max_sel = 0;
-  uint32_t* page_keys = nullptr;
 };
 cudaError_t LaunchPageHits(const PageHitParams& p, cudaStream_t s);
 

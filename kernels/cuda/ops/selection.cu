@@ -42,25 +42,27 @@ __global__ void __launch_bounds__(kTopKThreads) TopKMergeKernel(TopKRows p) {
 }
 
 __global__ void PageMaxKernel(PageMaxParams p) {
+  const PageKeyRows& r = p.rows;
   const int qi = blockIdx.y;
   const int64_t n = p.row_len[qi];
-  const int64_t pages = (n + p.page_size - 1) / p.page_size;
+  const int64_t pages = (n + r.page_size - 1) / r.page_size;
   const int64_t pg = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (pg >= pages) return;
   uint32_t best = 0;
-  const int64_t hi = min(n, (pg + 1) * p.page_size);
-  for (int64_t t = pg * p.page_size; t < hi; ++t)
-    best = max(best, Key(p.scores[p.row_offset[qi] + t]));  // Key is never 0 ("excluded")
-  p.page_keys[p.page_offset[qi] + pg] = best;
+  const int64_t hi = min(n, (pg + 1) * r.page_size);
+  for (int64_t t = pg * r.page_size; t < hi; ++t)
+    best = max(best, Key(r.scores[r.row_offset[qi] + t]));  // Key is never 0 ("excluded")
+  r.page_keys[r.page_offset[qi] + pg] = best;
 }
 
 __global__ void PageHitKernel(PageHitParams p) {
+  const PageKeyRows& r = p.rows;
   const int qi = blockIdx.y;
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= p.selected_count[qi]) return;
   const int32_t tok = p.selected[qi * p.sel_stride + i];
-  atomicMax(&p.page_keys[p.page_offset[qi] + tok / p.page_size],
-            Key(p.scores[p.row_offset[qi] + tok]));
+  atomicMax(&r.page_keys[r.page_offset[qi] + tok / r.page_size],
+            Key(r.scores[r.row_offset[qi] + tok]));
 }
 
 __global__ void ExpandKernel(ExpandParams p) {
@@ -114,35 +116,36 @@ cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPageMax(const PageMaxParams& p, cudaStream_t s) {
-  if (p.nq <= 0 || p.max_pages <= 0) return cudaSuccess;
-  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
-    PageMaxParams c = p;
-    c.row_offset += q0;
-    c.row_len += q0;
-    c.page_offset += q0;
-    c.nq = std::min(kMaxGridY, p.nq - q0);
-    const dim3 grid(static_cast<unsigned>((p.max_pages + kThreads - 1) / kThreads), c.nq);
-    PageMaxKernel<<<grid, kThreads, 0, s>>>(c);
+// Launches `kernel` over the rows in chunks of kMaxGridY queries (grid y), a thread for each of
+// `per_row` items of a row (grid x); advance(c, q0) moves the kind's own per-query pointers.
+template <typename Params, typename Advance>
+cudaError_t LaunchPageKeys(void (*kernel)(Params), const Params& p, int64_t per_row,
+                           Advance advance, cudaStream_t s) {
+  if (p.rows.nq <= 0 || per_row <= 0) return cudaSuccess;
+  for (int q0 = 0; q0 < p.rows.nq; q0 += kMaxGridY) {
+    Params c = p;
+    c.rows = p.rows.From(q0, kMaxGridY);
+    advance(c, q0);
+    const dim3 grid(static_cast<unsigned>((per_row + kThreads - 1) / kThreads), c.rows.nq);
+    kernel<<<grid, kThreads, 0, s>>>(c);
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
 
+cudaError_t LaunchPageMax(const PageMaxParams& p, cudaStream_t s) {
+  return LaunchPageKeys(
+      PageMaxKernel, p, p.max_pages, [](PageMaxParams& c, int q0) { c.row_len += q0; }, s);
+}
+
 cudaError_t LaunchPageHits(const PageHitParams& p, cudaStream_t s) {
-  if (p.nq <= 0 || p.max_sel <= 0) return cudaSuccess;
-  for (int q0 = 0; q0 < p.nq; q0 += kMaxGridY) {
-    PageHitParams c = p;
-    c.row_offset += q0;
-    c.selected += q0 * p.sel_stride;
-    c.selected_count += q0;
-    c.page_offset += q0;
-    c.nq = std::min(kMaxGridY, p.nq - q0);
-    const dim3 grid(static_cast<unsigned>((p.max_sel + kThreads - 1) / kThreads), c.nq);
-    PageHitKernel<<<grid, kThreads, 0, s>>>(c);
-    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  return LaunchPageKeys(
+      PageHitKernel, p, p.max_sel,
+      [&](PageHitParams& c, int q0) {
+        c.selected += q0 * p.sel_stride;
+        c.selected_count += q0;
+      },
+      s);
 }
 
 cudaError_t LaunchExpandPages(const ExpandParams& p, cudaStream_t s) {

@@ -251,6 +251,21 @@ struct TopKRows {
   uint32_t* cand_key = nullptr;
   int32_t* cand_index = nullptr;
   int32_t* cand_count = nullptr;
+
+  // Each row's k best (at most) into out[row * stride ..], their count into count[row].
+  void Into(int64_t k_, int32_t* out_, int64_t stride, int32_t* count) {
+    k = k_;
+    out = out_;
+    out_stride = stride;
+    out_count = count;
+  }
+  // Rows of several slices: where each query's slices start, and the candidates' scratch.
+  void Sliced(const int64_t* offset, uint32_t* key, int32_t* index, int32_t* count) {
+    slice_offset = offset;
+    cand_key = key;
+    cand_index = index;
+    cand_count = count;
+  }
 };
 
 // Emits a row's selection (indices) and its count.
