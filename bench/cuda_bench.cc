@@ -213,24 +213,8 @@ double TimeFlashInferMla(const attnd::cuda::MlaParams& mp, attnd::cuda::FlashInf
     f.heads = mp.heads;
     f.sm_scale = mp.sm_scale;
     f.key_list = key_list;
-    auto& a = f.wave;
-    a.q_indptr = Upload(w.q_indptr);
-    a.kv_indptr = Upload(w.kv_indptr);
-    a.partial_indptr = Upload(w.partial_indptr);
-    a.q_len = Upload(w.q_len);
-    a.kv_len = Upload(w.kv_len);
-    a.q_start = Upload(w.q_start);
-    a.kv_start = Upload(w.kv_start);
-    a.kv_end = Upload(w.kv_end);
-    a.work_indptr = Upload(w.work_indptr);
-    a.merge_row = Upload(w.merge_row);
-    a.merge_chunks = Upload(w.merge_chunks);
-    a.zeros = zeros;
-    a.first_query = w.first_query;
-    a.queries = w.queries;
-    a.blocks_x = w.blocks_x;
-    a.blocks_y = w.blocks_y;
-    a.rows_per_chunk = w.rows_per_chunk;
+    f.wave = attnd::cuda::FlashInferWaveArgs(
+        w, zeros, [](const std::vector<int32_t>& v) { return Upload(v); });
     f.partial_o = part_o;
     f.partial_lse = part_lse;
     f.out = mp.out;

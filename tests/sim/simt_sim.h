@@ -279,6 +279,7 @@ class SimtThread {
 
  private:
   friend class SimtBlock;
+  inline void WgmmaOp(float* d, const uint32_t* a_regs, uint64_t a_desc, uint64_t b, bool trans_b);
   SimtBlock* block_ = nullptr;
   SimtMemory* memory_ = nullptr;
   int tid_ = 0;
@@ -477,6 +478,16 @@ class SimtBlock {
 #ifdef ATTND_SIMT_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
+  }
+  // A warp-wide op of the running fiber (thread tid): `fill` sets its operands on the fiber; the
+  // scheduler runs the op once the warp (or warpgroup) has arrived. The fiber, with any result.
+  template <typename Fill>
+  Fiber& WarpOp(int tid, Op op, Fill fill) {
+    Fiber& f = fibers_[tid];
+    f.op = op;
+    fill(f);
+    Yield(kWarpOp);
+    return f;
   }
   // Back to the scheduler from the running fiber (it waits in state `s`).
   void Yield(State s) {
@@ -1030,10 +1041,7 @@ void SimtThread::CpAsync16(uint32_t off, const void* src, bool valid) {
 }
 
 void SimtThread::SetMaxNreg(int regs) {
-  auto& f = block_->fibers_[tid_];
-  f.op = SimtBlock::kRegs;
-  f.regs = regs;
-  block_->Yield(SimtBlock::kWarpOp);
+  block_->WarpOp(tid_, SimtBlock::kRegs, [&](auto& f) { f.regs = regs; });
 }
 
 void SimtThread::CpCommit() { block_->fibers_[tid_].groups.emplace_back(); }
@@ -1047,30 +1055,27 @@ void SimtThread::CpWait(int pending) {
 }
 
 float SimtThread::ShflXor(float v, int mask) {
-  auto& f = block_->fibers_[tid_];
-  f.op = SimtBlock::kShfl;
-  f.shfl_in = v;
-  f.shfl_mask = mask;
-  block_->Yield(SimtBlock::kWarpOp);
-  return f.shfl_out;
+  const auto& done = block_->WarpOp(tid_, SimtBlock::kShfl, [&](auto& f) {
+    f.shfl_in = v;
+    f.shfl_mask = mask;
+  });
+  return done.shfl_out;
 }
 
 void SimtThread::LdMatrixX4(uint32_t r[4], uint32_t row_off, bool trans) {
-  auto& f = block_->fibers_[tid_];
-  f.op = SimtBlock::kLdMatrix;
-  f.ldm_out = r;
-  f.ldm_row = row_off;
-  f.ldm_trans = trans;
-  block_->Yield(SimtBlock::kWarpOp);
+  block_->WarpOp(tid_, SimtBlock::kLdMatrix, [&](auto& f) {
+    f.ldm_out = r;
+    f.ldm_row = row_off;
+    f.ldm_trans = trans;
+  });
 }
 
 void SimtThread::Mma(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-  auto& f = block_->fibers_[tid_];
-  f.op = SimtBlock::kMma;
-  f.a = a;
-  f.b = b;
-  f.c = c;
-  block_->Yield(SimtBlock::kWarpOp);
+  block_->WarpOp(tid_, SimtBlock::kMma, [&](auto& f) {
+    f.a = a;
+    f.b = b;
+    f.c = c;
+  });
 }
 
 void SimtThread::WgmmaFence() {
@@ -1090,26 +1095,24 @@ void SimtThread::WgmmaHoldA(uint32_t* a, int n) {
   block_->fibers_[tid_].held.push_back({a, n * sizeof(uint32_t), {}});
 }
 
+// A from shared memory (descriptor a_desc) or, with a_regs, from registers.
+void SimtThread::WgmmaOp(float* d, const uint32_t* a_regs, uint64_t a_desc, uint64_t b,
+                         bool trans_b) {
+  block_->WarpOp(tid_, SimtBlock::kWgmma, [&](auto& f) {
+    f.wg_d = d;
+    f.wg_a = a_regs;
+    f.wg_desc_a = a_desc;
+    f.wg_desc_b = b;
+    f.wg_trans = trans_b;
+  });
+}
+
 void SimtThread::Wgmma(float d[16], uint64_t a, uint64_t b, bool trans_b) {
-  auto& f = block_->fibers_[tid_];
-  f.op = SimtBlock::kWgmma;
-  f.wg_d = d;
-  f.wg_a = nullptr;
-  f.wg_desc_a = a;
-  f.wg_desc_b = b;
-  f.wg_trans = trans_b;
-  block_->Yield(SimtBlock::kWarpOp);
+  WgmmaOp(d, nullptr, a, b, trans_b);
 }
 
 void SimtThread::WgmmaRegA(float d[16], const uint32_t a[4], uint64_t b, bool trans_b) {
-  auto& f = block_->fibers_[tid_];
-  f.op = SimtBlock::kWgmma;
-  f.wg_d = d;
-  f.wg_a = a;
-  f.wg_desc_a = 0;
-  f.wg_desc_b = b;
-  f.wg_trans = trans_b;
-  block_->Yield(SimtBlock::kWarpOp);
+  WgmmaOp(d, a, 0, b, trans_b);
 }
 
 void SimtThread::WgmmaCommit() { block_->fibers_[tid_].wg_groups.emplace_back(); }

@@ -97,5 +97,38 @@ TEST(FlashInferMlaPack, RowsTheKernelCannotReadAreRefused) {
   EXPECT_EQ(PackFlashInferMla(p, &f), cudaErrorInvalidValue);
 }
 
+// A wave's arrays placed once (the step's plan, recording where each went and emptying it) are
+// found again at launch by the same calls: every argument names its own array, the shape copied.
+TEST(FlashInferWaveArgs, ArraysRecordedAtPlanTimeAreFoundAgainAtLaunch) {
+  FlashInferMlaWave w;
+  std::vector<std::vector<int32_t>*> arrays = {
+      &w.q_indptr, &w.kv_indptr, &w.partial_indptr, &w.q_len,     &w.kv_len,      &w.q_start,
+      &w.kv_start, &w.kv_end,    &w.work_indptr,    &w.merge_row, &w.merge_chunks};
+  for (size_t i = 0; i < arrays.size(); ++i) *arrays[i] = {static_cast<int32_t>(100 + i), 7};
+  w.first_query = 3, w.queries = 5, w.blocks_x = 66, w.blocks_y = 2, w.rows_per_chunk = 128;
+  std::vector<std::vector<int32_t>> placed;
+  FlashInferWaveArgs(w, nullptr, [&](std::vector<int32_t>& v) -> const int32_t* {
+    placed.push_back(v);
+    std::vector<int32_t>().swap(v);
+    return nullptr;
+  });
+  ASSERT_EQ(placed.size(), arrays.size());
+  for (const std::vector<int32_t>* v : arrays) EXPECT_TRUE(v->empty());
+  const int32_t zeros[132] = {};
+  size_t next = 0;
+  const FlashInferMlaWaveArgs a = FlashInferWaveArgs(
+      w, zeros, [&](const std::vector<int32_t>&) { return placed.at(next++).data(); });
+  const int32_t* got[] = {a.q_indptr,    a.kv_indptr, a.partial_indptr, a.q_len,
+                          a.kv_len,      a.q_start,   a.kv_start,       a.kv_end,
+                          a.work_indptr, a.merge_row, a.merge_chunks};
+  for (size_t i = 0; i < arrays.size(); ++i) EXPECT_EQ(got[i][0], static_cast<int32_t>(100 + i));
+  EXPECT_EQ(a.zeros, zeros);
+  EXPECT_EQ(a.first_query, 3);
+  EXPECT_EQ(a.queries, 5);
+  EXPECT_EQ(a.blocks_x, 66);
+  EXPECT_EQ(a.blocks_y, 2);
+  EXPECT_EQ(a.rows_per_chunk, 128);
+}
+
 }  // namespace
 }  // namespace attnd::cuda

@@ -378,17 +378,11 @@ void CudaDevice::State::PlanFlashInfer(const StepShare& share, Step* step, PlanP
   step->fi_zeros = plan->Add(std::vector<int32_t>(most, 0));
   for (FlashInferMlaWave& w : r.plan.waves) {
     Step::FiWave f;
-    f.q_indptr = plan->Add(w.q_indptr);
-    f.kv_indptr = plan->Add(w.kv_indptr);
-    f.partial_indptr = plan->Add(w.partial_indptr);
-    f.q_len = plan->Add(w.q_len);
-    f.kv_len = plan->Add(w.kv_len);
-    f.q_start = plan->Add(w.q_start);
-    f.kv_start = plan->Add(w.kv_start);
-    f.kv_end = plan->Add(w.kv_end);
-    f.work_indptr = plan->Add(w.work_indptr);
-    f.merge_row = plan->Add(w.merge_row);
-    f.merge_chunks = plan->Add(w.merge_chunks);
+    FlashInferWaveArgs(w, nullptr, [&](std::vector<int32_t>& v) -> const int32_t* {
+      f.at.push_back(plan->Add(v));
+      std::vector<int32_t>().swap(v);  // uploaded: the launch needs only the wave's shape
+      return nullptr;
+    });
     f.host = std::move(w);
     step->fi_waves.push_back(std::move(f));
   }

@@ -248,9 +248,8 @@ struct CudaDevice::Step final : DeviceStep {
   DeviceBuffer fi_keys;
   bool fi_lists_current = false;
   struct FiWave {
-    FlashInferMlaWave host;  // the shape (the arrays are also in `plan`, at the offsets below)
-    size_t q_indptr = 0, kv_indptr = 0, partial_indptr = 0, q_len = 0, kv_len = 0, q_start = 0,
-           kv_start = 0, kv_end = 0, work_indptr = 0, merge_row = 0, merge_chunks = 0;
+    FlashInferMlaWave host;  // the shape (its arrays emptied once uploaded)
+    std::vector<size_t> at;  // where its arrays are in `plan`, in FlashInferWaveArgs's order
   };
   std::vector<FiWave> fi_waves;
   int64_t fi_partial_rows = 0;

@@ -259,14 +259,27 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   const int nq = wave.nq;
   RETURN_IF_ERROR(ScoreWave(slot, wave));
 
-  TopKParams tk;
+  // A top-k over the wave's rows at `offset` and `len` in the step's uploads; rows longer than a
+  // slice by their `slices` (planned in BeginStep) through the candidates' scratch.
+  auto top_k = [&](auto offset, auto len, auto slices, int64_t max_len) {
+    TopKParams p;
+    p.rows.row_offset = st.At<int64_t>(offset);
+    p.rows.row_len = st.At<int64_t>(len);
+    p.nq = nq;
+    p.max_len = max_len;
+    p.rows.Sliced(st.At<int64_t>(slices), s.cand_key.as<uint32_t>(), s.cand_index.as<int32_t>(),
+                  s.cand_count.as<int32_t>());
+    return p;
+  };
+  // The step's selection rows (each query's named by wave.rows) as where a selection goes.
+  auto into_selection = [&](auto& p) {
+    p.out = st.sel.as<int32_t>();
+    p.out_stride = st.sel_cap;
+    p.out_count = st.sel_count.as<int32_t>();
+    p.out_row = st.At<int32_t>(wave.rows);
+  };
+  TopKParams tk = top_k(wave.offset, wave.len, wave.token_slices, wave.max_len);
   tk.rows.scores = s.scores.as<float>();
-  tk.rows.row_offset = st.At<int64_t>(wave.offset);
-  tk.rows.row_len = st.At<int64_t>(wave.len);
-  tk.nq = nq;
-  tk.max_len = wave.max_len;
-  tk.rows.Sliced(st.At<int64_t>(wave.token_slices), s.cand_key.as<uint32_t>(),  // long rows:
-                 s.cand_index.as<int32_t>(), s.cand_count.as<int32_t>());  // planned in BeginStep
   if (wave.padded) {  // FlashInfer's top-k (token mode; the step planned padded rows)
     FlashInferTopKParams fk;
     fk.scores = s.scores.as<float>();
@@ -276,16 +289,13 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
     fk.k = static_cast<int>(s.spec.index_topk);
     fk.tmp_index = s.tmp_sel.as<int32_t>();
     fk.tmp_value = s.topk_values.as<float>();
-    fk.out = st.sel.as<int32_t>();
-    fk.out_stride = st.sel_cap;
-    fk.out_count = st.sel_count.as<int32_t>();
-    fk.out_row = st.At<int32_t>(wave.rows);
+    into_selection(fk);
     CUDA_RETURN(LaunchFlashInferTopK(fk, s.stream));
     return absl::OkStatus();
   }
   if (s.spec.selection == SelectionMode::kToken) {
-    tk.rows.Into(s.spec.index_topk, st.sel.as<int32_t>(), st.sel_cap, st.sel_count.as<int32_t>());
-    tk.rows.out_row = st.At<int32_t>(wave.rows);
+    tk.rows.k = s.spec.index_topk;
+    into_selection(tk.rows);
     CUDA_RETURN(LaunchTopK(tk, s.stream));
     return absl::OkStatus();
   }
@@ -322,14 +332,8 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   }
   RETURN_IF_ERROR(s.page_list.Reserve(nq * keep * 4));
   RETURN_IF_ERROR(s.page_count.Reserve(nq * 4));
-  TopKParams pk;
+  TopKParams pk = top_k(wave.page_offset, wave.pages, wave.page_slices, wave.max_pages);
   pk.rows.keys = s.page_keys.as<uint32_t>();
-  pk.rows.row_offset = st.At<int64_t>(wave.page_offset);
-  pk.rows.row_len = st.At<int64_t>(wave.pages);
-  pk.nq = nq;
-  pk.max_len = wave.max_pages;
-  pk.rows.Sliced(st.At<int64_t>(wave.page_slices), s.cand_key.as<uint32_t>(),
-                 s.cand_index.as<int32_t>(), s.cand_count.as<int32_t>());
   pk.rows.drop_zero = true;
   pk.rows.Into(keep, s.page_list.as<int32_t>(), keep, s.page_count.as<int32_t>());
   CUDA_RETURN(LaunchTopK(pk, s.stream));
@@ -340,10 +344,7 @@ absl::Status CudaDevice::Call::SelectWave(int slot, const Step::Wave& wave) {
   ex.row_len = st.At<int64_t>(wave.len);
   ex.nq = nq;
   ex.page_size = s.spec.page_size;
-  ex.out = st.sel.as<int32_t>();
-  ex.out_stride = st.sel_cap;
-  ex.out_count = st.sel_count.as<int32_t>();
-  ex.out_row = st.At<int32_t>(wave.rows);
+  into_selection(ex);
   CUDA_RETURN(LaunchExpandPages(ex, s.stream));
   return absl::OkStatus();
 }
@@ -408,24 +409,10 @@ absl::Status CudaDevice::Call::AttendFlashInfer(const MlaParams& mp) {
     fp.heads = mp.heads;
     fp.sm_scale = mp.sm_scale;
     fp.key_list = st.fi_keys.as<int32_t>();
-    FlashInferMlaWaveArgs& a = fp.wave;
-    a.q_indptr = st.At<int32_t>(w.q_indptr);
-    a.kv_indptr = st.At<int32_t>(w.kv_indptr);
-    a.partial_indptr = st.At<int32_t>(w.partial_indptr);
-    a.q_len = st.At<int32_t>(w.q_len);
-    a.kv_len = st.At<int32_t>(w.kv_len);
-    a.q_start = st.At<int32_t>(w.q_start);
-    a.kv_start = st.At<int32_t>(w.kv_start);
-    a.kv_end = st.At<int32_t>(w.kv_end);
-    a.work_indptr = st.At<int32_t>(w.work_indptr);
-    a.merge_row = st.At<int32_t>(w.merge_row);
-    a.merge_chunks = st.At<int32_t>(w.merge_chunks);
-    a.zeros = st.At<int32_t>(st.fi_zeros);
-    a.first_query = w.host.first_query;
-    a.queries = w.host.queries;
-    a.blocks_x = w.host.blocks_x;
-    a.blocks_y = w.host.blocks_y;
-    a.rows_per_chunk = w.host.rows_per_chunk;
+    size_t next = 0;
+    fp.wave = FlashInferWaveArgs(
+        w.host, st.At<int32_t>(st.fi_zeros),
+        [&](const std::vector<int32_t>&) { return st.At<int32_t>(w.at[next++]); });
     fp.partial_o = s.fi_part_o.ptr;
     fp.partial_lse = s.fi_part_lse.as<float>();
     fp.out = mp.out;

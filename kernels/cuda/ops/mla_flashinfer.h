@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/ops/cuda_kernels.h"
+#include "kernels/cuda/ops/mla_flashinfer_plan.h"
 
 namespace attnd::cuda {
 
@@ -44,6 +45,32 @@ struct FlashInferMlaWaveArgs {
   const int32_t* zeros = nullptr;         // [blocks_x * blocks_y]: FlashInfer's own merge: none
   int first_query = 0, queries = 0, blocks_x = 1, blocks_y = 1, rows_per_chunk = 0;
 };
+
+// A wave's arguments: `place(v)` puts each of the wave's arrays on the device and returns where
+// (called in one fixed order, so a caller may record in one call and look up in the next; with
+// a mutable wave it may take the array); `zeros`: blocks_x * blocks_y int32 zeros on the device.
+template <typename Wave, typename Place>
+FlashInferMlaWaveArgs FlashInferWaveArgs(Wave& w, const int32_t* zeros, Place&& place) {
+  FlashInferMlaWaveArgs a;
+  a.q_indptr = place(w.q_indptr);
+  a.kv_indptr = place(w.kv_indptr);
+  a.partial_indptr = place(w.partial_indptr);
+  a.q_len = place(w.q_len);
+  a.kv_len = place(w.kv_len);
+  a.q_start = place(w.q_start);
+  a.kv_start = place(w.kv_start);
+  a.kv_end = place(w.kv_end);
+  a.work_indptr = place(w.work_indptr);
+  a.merge_row = place(w.merge_row);
+  a.merge_chunks = place(w.merge_chunks);
+  a.zeros = zeros;
+  a.first_query = w.first_query;
+  a.queries = w.queries;
+  a.blocks_x = w.blocks_x;
+  a.blocks_y = w.blocks_y;
+  a.rows_per_chunk = w.rows_per_chunk;
+  return a;
+}
 
 struct FlashInferMlaParams {
   const void* q_nope = nullptr;  // [n, H, 512] bf16
