@@ -35,6 +35,7 @@
 #include "client/attnd_client.h"
 #include "client/soak.h"
 #include "client/workload.h"
+#include "common/status_macros.h"
 #include "grpc/health/v1/health.pb.h"
 
 namespace attnd::client {
@@ -46,8 +47,10 @@ using ctl::Bench;
 using ctl::CheckFits;
 using ctl::Clock;
 using ctl::Fail;
+using ctl::Interrupted;
 using ctl::Opened;
 using ctl::Since;
+using ctl::StopOnInterrupt;
 
 // A message as one line of JSON (--output=json).
 int PrintJson(const google::protobuf::Message& m) {
@@ -301,6 +304,7 @@ int Demo(Client& c, const Args& a) {
   // round trips to *secs. The oracle gets the tracked sequences' rows only.
   auto step = [&](const Batch& batch, LatencyStats* lat, bool verify,
                   double* secs) -> absl::Status {
+    RETURN_IF_ERROR(Interrupted());  // Ctrl-C: stop here, Opened closes the sequences
     int64_t T = 0;
     Batch sub;
     std::vector<std::pair<int64_t, int64_t>> rows;
@@ -594,7 +598,11 @@ int main(int argc, char** argv) {
   if (offload->parsed()) return Offload(*client, offload_ids);
   if (prefetch->parsed()) return Prefetch(*client, prefetch_ids);
   if (drain->parsed()) return Drain(*client, a);
-  if (demo->parsed()) return Demo(*client, a);
+  if (demo->parsed()) {
+    StopOnInterrupt();
+    return Demo(*client, a);
+  }
   if (handoff->parsed()) return Handoff(*client, a, *options);
+  StopOnInterrupt();
   return Bench(*client, a, *options, json);
 }

@@ -136,6 +136,7 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
         VariantLayers(g, variants[vi], B, spec.num_heads, Dn, rng);
     WireFigures& f = figures[vi];
     for (int s = 0; s < steps; ++s) {
+      if (absl::Status i = Interrupted(); !i.ok()) return Fail(i, "bench");  // Ctrl-C
       if (auto b = stream->Begin(decode); !b.ok()) return Fail(b.status(), "begin");
       for (const auto& l : layers) {
         const auto t0 = Clock::now();
@@ -209,6 +210,7 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
     }
   }
   for (int s = 0; s < steps; ++s) {
+    if (absl::Status i = Interrupted(); !i.ok()) return Fail(i, "bench");  // Ctrl-C
     if (s > 0 && s % 5 == 0) std::fprintf(stderr, "bench: %d/%d steps\n", s, steps);
     auto b = c.BeginStep(decode);
     if (!b.ok()) return Fail(b.status(), "begin");

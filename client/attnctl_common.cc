@@ -1,12 +1,34 @@
 #include "client/attnctl_common.h"
 
+#include <csignal>
+
 #include "absl/strings/str_cat.h"
 
 namespace attnd::client::ctl {
+namespace {
+
+volatile std::sig_atomic_t g_interrupted = 0;
+
+extern "C" void OnInterrupt(int sig) {
+  g_interrupted = 1;
+  std::signal(sig, SIG_DFL);  // a second one ends the process
+}
+
+}  // namespace
+
+void StopOnInterrupt() {
+  std::signal(SIGINT, OnInterrupt);
+  std::signal(SIGTERM, OnInterrupt);
+}
+
+absl::Status Interrupted() {
+  if (g_interrupted == 0) return absl::OkStatus();
+  return absl::CancelledError("interrupted: closing what this command opened");
+}
 
 int Fail(const absl::Status& s, const char* what) {
   std::fprintf(stderr, "attnctl: %s: %s\n", what, s.ToString().c_str());
-  return 1;
+  return absl::IsCancelled(s) && g_interrupted != 0 ? 130 : 1;  // 128 + SIGINT, as shells say
 }
 
 absl::Status CheckFits(const v1::ServerInfoResponse& info, const ModelSpec& spec,

@@ -55,6 +55,12 @@ class Opened {
   std::vector<std::string> ids_;
 };
 
+// Ctrl-C (SIGINT) or SIGTERM: the first asks the running command to stop before its next step,
+// so it closes what it opened (Opened) and exits 130; the second ends the process at once.
+void StopOnInterrupt();
+// CANCELLED "interrupted" once a first Ctrl-C came, else OK (checked before each step).
+absl::Status Interrupted();
+
 // Prints "attnctl: WHAT: STATUS" to stderr; returns 1 (the command's exit code).
 int Fail(const absl::Status& s, const char* what);
 

@@ -27,5 +27,7 @@ write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/attndConfigVersion.
   VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/attndConfig.cmake
   ${CMAKE_CURRENT_BINARY_DIR}/attndConfigVersion.cmake DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/attnd)
+# The .pc goes in LIBDIR/pkgconfig: its prefix is that many folders up, whatever --prefix says.
+file(RELATIVE_PATH ATTND_PC_TO_PREFIX "/p/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/p")
 configure_file(${CMAKE_CURRENT_LIST_DIR}/attnd-client.pc.in ${CMAKE_CURRENT_BINARY_DIR}/attnd-client.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/attnd-client.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -85,6 +85,10 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
   if (req.standby_generation() != 0) return OpenStandby(caller, req, resp);
+  // A handoff's target takes another replica's keys: without --auth, an admin call.
+  if (NoAuth() && (req.import_length() != 0 || req.import_generation() != 0))
+    RETURN_IF_ERROR(RequireAdmin(caller, "OpenSequence",
+                                 " (import_length / import_generation: a handoff's target)"));
   if (!req.fork_parent_id().empty() && (req.import_length() != 0 || req.import_generation() != 0))
     return absl::InvalidArgumentError(
         "import_length / import_generation: a fork is not a handoff target");
@@ -125,7 +129,8 @@ absl::Status AttentionService::OpenStandby(const Caller& caller, const v1::OpenS
                                            v1::SequenceInfo* resp) {
   // Another replica's copy: on a server with tenants, only the admin identity (the replicas'
   // peer credentials) may place one; it is charged to the standby budget, not the tenant.
-  if (!NoAuth() && !caller.admin)
+  if (NoAuth()) RETURN_IF_ERROR(RequireAdmin(caller, "OpenSequence", " (standby_generation)"));
+  if (!IsAdmin(caller))
     return absl::PermissionDeniedError(
         "standby_generation: only the admin identity (--admin-tenant) opens standby copies");
   if (!req.fork_parent_id().empty() || req.fork_prefix_len() != 0 || req.import_length() != 0 ||
@@ -367,7 +372,7 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   opts.context_parallel = req.context_parallel();
   opts.attend_only = req.attend_only();
   opts.tenant = caller.tenant;
-  opts.standby_writer = caller.admin || NoAuth();
+  opts.standby_writer = IsAdmin(caller);
   opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
   if (replicator_ != nullptr && !req.write_only()) {
     // A sequence its standby has not acknowledged for a while may have failed over elsewhere
@@ -499,17 +504,21 @@ bool AttentionService::NoAuth() const {
   return options_.auth == nullptr || options_.auth->options().mode == AuthMode::kNone;
 }
 
+bool AttentionService::IsAdmin(const Caller& caller) const {
+  // Without --auth nobody has an identity: the admin is whoever is on this host (or presents
+  // --admin-token-file's token).
+  return caller.admin || (NoAuth() && (caller.local || caller.loopback));
+}
+
 absl::Status AttentionService::RequireAdmin(const Caller& caller, const char* method,
                                             const char* why) const {
-  if (NoAuth()) {
-    // Nobody has an identity: the admin is whoever is on this host.
-    if (caller.local || caller.loopback) return absl::OkStatus();
+  if (IsAdmin(caller)) return absl::OkStatus();
+  if (NoAuth())
     return absl::PermissionDeniedError(
         absl::StrCat(method,
                      ": without --auth, admin calls are served only on loopback or the "
-                     "local socket"));
-  }
-  if (caller.admin) return absl::OkStatus();
+                     "local socket (or to the bearer of --admin-token-file)",
+                     why));
   return absl::PermissionDeniedError(
       absl::StrCat(method, ": only the admin identity (--admin-tenant)", why));
 }

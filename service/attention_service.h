@@ -150,6 +150,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   // OK for the admin identity, or for anyone on an unauthenticated server; else
   // PERMISSION_DENIED "<method>: only the admin identity (--admin-tenant)<why>".
   absl::Status RequireAdmin(const Caller& caller, const char* method, const char* why) const;
+  // Whether RequireAdmin lets the caller through.
+  bool IsAdmin(const Caller& caller) const;
   // Whether this server runs without authentication (--auth=none): nobody has an identity.
   bool NoAuth() const;
   absl::Status DoUploadAbsorption(const Caller& caller, const v1::UploadAbsorptionRequest& req,

@@ -114,7 +114,24 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(AuthOptions
     if (absl::Status s = CheckTenantName(options.admin_tenant); !s.ok())
       return absl::InvalidArgumentError(absl::StrCat("--admin-tenant: ", s.message()));
   }
+  if (!options.admin_token_file.empty() && options.mode != AuthMode::kNone)
+    return absl::InvalidArgumentError(
+        "--admin-token-file is for --auth=none (under --auth=token or mtls the admin is "
+        "--admin-tenant)");
   std::unique_ptr<Authenticator> a(new Authenticator(std::move(options)));
+  if (!a->options_.admin_token_file.empty()) {
+    std::ifstream in(a->options_.admin_token_file);
+    std::string token;
+    if (!in || !std::getline(in, token))
+      return absl::NotFoundError(
+          absl::StrCat("--admin-token-file: cannot read ", a->options_.admin_token_file));
+    token = std::string(absl::StripAsciiWhitespace(token));
+    if (token.size() < kMinTokenBytes)
+      return absl::InvalidArgumentError(
+          absl::StrCat("--admin-token-file: the token (its first line) needs at least ",
+                       kMinTokenBytes, " characters"));
+    a->admin_token_ = Digest(token);
+  }
   if (!a->options_.tokens_file.empty()) {
     auto loaded = a->ReloadIfChanged();
     if (!loaded.ok()) return loaded.status();
@@ -220,8 +237,18 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase
     }
   }
   switch (options_.mode) {
-    case AuthMode::kNone:
-      return c;  // the anonymous tenant; nobody is admin
+    case AuthMode::kNone: {
+      // The anonymous tenant; the admin only by --admin-token-file's bearer token (any other
+      // token is ignored, as without that flag).
+      if (!admin_token_.has_value()) return c;
+      const std::string header = Metadata(ctx, "authorization").value_or("");
+      absl::string_view token(header);
+      if (absl::ConsumePrefix(&token, kBearer)) {
+        const std::array<uint8_t, 32> d = Digest(token);
+        c.admin = CRYPTO_memcmp(d.data(), admin_token_->data(), d.size()) == 0;
+      }
+      return c;
+    }
     case AuthMode::kToken: {
       auto tenant = TenantOfToken(ctx);
       if (!tenant.ok()) return tenant.status();

@@ -32,7 +32,7 @@ const char* AuthModeName(AuthMode mode);
 // The caller of one RPC.
 struct Caller {
   std::string tenant;     // the namespace it acts in ("" = the anonymous tenant)
-  bool admin = false;     // the admin identity (--admin-tenant): may list every tenant's sequences
+  bool admin = false;     // the admin identity (--admin-tenant, or --admin-token-file's bearer)
   bool local = false;     // came over the Unix-socket listener
   bool loopback = false;  // came over TCP from this host (127.0.0.0/8, ::1, ::ffff:127.x)
   int socket_fd = -1;     // local: the connection's socket (for its peer credentials)
@@ -45,6 +45,10 @@ struct AuthOptions {
   AuthMode mode = AuthMode::kNone;
   std::string tokens_file;   // --auth-tokens; also identifies local callers under mtls
   std::string admin_tenant;  // --admin-tenant; empty = nobody
+  // --admin-token-file (--auth=none only): a caller presenting this bearer token is the admin
+  // from any address (the replicas' drains and standby copies, --drain-token-file); without it
+  // the admin is whoever calls on loopback or the Unix socket.
+  std::string admin_token_file;
 };
 
 // Whether a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000") is on this host's
@@ -90,6 +94,7 @@ class Authenticator {
   absl::StatusOr<std::string> TenantOfToken(const grpc::ServerContextBase& ctx) const;
 
   AuthOptions options_;
+  std::optional<std::array<uint8_t, 32>> admin_token_;  // SHA-256 of --admin-token-file's token
   mutable std::mutex mu_;
   std::shared_ptr<const TokenTable> tokens_;  // guarded by mu_ (the table itself is immutable)
   struct FileStamp {

@@ -125,7 +125,11 @@ absl::StatusOr<int64_t> AttentionService::ExportChunkTokens(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* AttentionService::ExportSequence(
     grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) {
-  return new ExportStream(this, *req, Authenticate(*ctx), ExportChunkTokens(*req),
+  // A sequence's keys: without --auth, for the admin only (under tenants, a tenant's own).
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (caller.ok() && NoAuth())
+    if (absl::Status s = RequireAdmin(*caller, "ExportSequence", ""); !s.ok()) caller = s;
+  return new ExportStream(this, *req, std::move(caller), ExportChunkTokens(*req),
                           options_.max_message_bytes);
 }
 

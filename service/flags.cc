@@ -1,15 +1,20 @@
 #include "service/flags.h"
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <map>
 #include <set>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "kernels/cuda/backend/kernel_choice.h"
 #include "service/service_metrics.h"
 
@@ -17,81 +22,113 @@ namespace attnd {
 namespace {
 
 // One flag: its name, the form of its value in --help, the help text (lines after the first are
-// indented under it), and how it sets ServerFlags. An entry without a name is a section title.
+// indented under it), and how it sets ServerFlags. An entry without a name starts a group.
+// A setter returns "" when it took the value, else what the value must be ("an integer in [1,
+// 1024]"), which the error names.
+using Setter = std::function<std::string(const std::string&)>;
 struct Flag {
   std::string name;
   std::string value;
   std::string help;
-  std::function<bool(const std::string&)> set;
+  Setter set;
   bool is_switch = false;  // may stand alone (--shm means --shm=true)
 };
-
-using Setter = std::function<bool(const std::string&)>;
 
 // A non-negative integer that fits the destination's type: nothing is silently truncated.
 template <typename T>
 Setter Int(T* out) {
-  return [out](const std::string& v) {
+  return [out](const std::string& v) -> std::string {
     int64_t x;
-    if (!absl::SimpleAtoi(v, &x) || x < 0 ||
-        static_cast<uint64_t>(x) > static_cast<uint64_t>(std::numeric_limits<T>::max()))
-      return false;
+    const auto max = static_cast<uint64_t>(std::numeric_limits<T>::max());
+    if (!absl::SimpleAtoi(v, &x) || x < 0 || static_cast<uint64_t>(x) > max)
+      return absl::StrCat("an integer in [0, ", max, "]");
     *out = static_cast<T>(x);
-    return true;
+    return "";
+  };
+}
+// Bytes: an integer with an optional unit K, M, G or T (powers of 1024; Ki, KiB and KB mean the
+// same), at most 2^62.
+absl::StatusOr<int64_t> ParseBytes(absl::string_view v) {
+  size_t digits = 0;
+  while (digits < v.size() && absl::ascii_isdigit(static_cast<unsigned char>(v[digits]))) ++digits;
+  int64_t n;
+  if (digits == 0 || digits > 19 || !absl::SimpleAtoi(v.substr(0, digits), &n))
+    return absl::InvalidArgumentError("no number");
+  std::string unit = absl::AsciiStrToUpper(v.substr(digits));
+  if (absl::EndsWith(unit, "B")) unit.pop_back();
+  if (absl::EndsWith(unit, "I")) unit.pop_back();
+  const std::string units = "KMGT";
+  int shift = 0;
+  if (!unit.empty()) {
+    const size_t at = units.find(unit);
+    if (unit.size() != 1 || at == std::string::npos) return absl::InvalidArgumentError("unit");
+    shift = 10 * static_cast<int>(at + 1);
+  }
+  if (n > (int64_t{1} << 62) >> shift) return absl::InvalidArgumentError("too large");
+  return n << shift;
+}
+Setter Bytes(int64_t* out, bool or_all = false) {
+  return [out, or_all](const std::string& v) -> std::string {
+    if (or_all && v == "all") {
+      *out = -1;
+      return "";
+    }
+    auto n = ParseBytes(v);
+    if (!n.ok())
+      return absl::StrCat("bytes: an integer with an optional unit K, M, G or T (powers of 1024)",
+                          or_all ? ", or all" : "", ", at most 2^62");
+    *out = *n;
+    return "";
   };
 }
 // An integer in [lo, hi].
-Setter InRange(int* out, int lo, int hi) {
-  return [out, lo, hi](const std::string& v) {
+template <typename T>
+Setter InRange(T* out, int64_t lo, int64_t hi) {
+  return [out, lo, hi](const std::string& v) -> std::string {
     int64_t x;
-    if (!absl::SimpleAtoi(v, &x) || x < lo || x > hi) return false;
-    *out = static_cast<int>(x);
-    return true;
+    if (!absl::SimpleAtoi(v, &x) || x < lo || x > hi)
+      return absl::StrCat("an integer in [", lo, ", ", hi, "]");
+    *out = static_cast<T>(x);
+    return "";
   };
 }
 // A positive integer (a limit of 0 would refuse everything).
-Setter Limit(int64_t* out) {
-  return [out](const std::string& v) {
-    int64_t x;
-    if (!absl::SimpleAtoi(v, &x) || x < 1) return false;
-    *out = x;
-    return true;
-  };
-}
+Setter Limit(int64_t* out) { return InRange(out, 1, std::numeric_limits<int64_t>::max()); }
 // A fraction in (0, 1].
 Setter Fraction(double* out) {
-  return [out](const std::string& v) {
+  return [out](const std::string& v) -> std::string {
     double x;
-    if (!absl::SimpleAtod(v, &x) || !(x > 0 && x <= 1)) return false;
+    if (!absl::SimpleAtod(v, &x) || !(x > 0 && x <= 1)) return "a fraction in (0, 1]";
     *out = x;
-    return true;
+    return "";
   };
 }
 Setter Bool(bool* out) {
-  return [out](const std::string& v) {
-    if (v != "true" && v != "false") return false;
+  return [out](const std::string& v) -> std::string {
+    if (v != "true" && v != "false") return "true or false";
     *out = v == "true";
-    return true;
+    return "";
   };
 }
 Setter Str(std::string* out) {
-  return [out](const std::string& v) {
+  return [out](const std::string& v) -> std::string {
     *out = v;
-    return true;
+    return "";
   };
 }
 std::set<std::string> ToSet(const std::vector<std::string>& v) { return {v.begin(), v.end()}; }
 
 Setter OneOf(std::string* out, std::set<std::string> allowed) {
-  return [out, allowed](const std::string& v) {
+  return [out, allowed](const std::string& v) -> std::string {
+    if (allowed.count(v) == 0) return absl::StrCat("one of ", absl::StrJoin(allowed, ", "));
     *out = v;
-    return allowed.count(v) > 0;
+    return "";
   };
 }
 Setter List(std::vector<std::string>* out, bool nonempty) {
-  return [out, nonempty](const std::string& v) {
+  return [out, nonempty](const std::string& v) -> std::string {
     *out = absl::StrSplit(v, ',', absl::SkipEmpty());
-    return !nonempty || !out->empty();
+    return nonempty && out->empty() ? "a comma-separated list of at least one" : "";
   };
 }
 
@@ -129,8 +166,9 @@ std::vector<Flag> Table(ServerFlags* f) {
        "checkpoint (config.json + safetensors); calls may then\nsend q_nope and receive [T, H, "
        "V] (docs/numerics.md)",
        Str(&f->absorb_from)},
-      {"kv-cache-bytes", "N", "cache bytes per device (default 1073741824)",
-       Int(&f->kv_cache_bytes)},
+      {"kv-cache-bytes", "BYTES",
+       "cache bytes per device (default 1G: 1073741824; units K, M, G, T)",
+       Bytes(&f->kv_cache_bytes)},
       {"kv-cache-fraction", "F",
        "size the cache from memory instead (overrides bytes): F in (0, 1] of\neach GPU's free "
        "memory less its --gpu-scratch-bytes, or of the host's\navailable memory (within the "
@@ -140,15 +178,15 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"kv-pages", "N",
        "cache pages per device, incl. reserved page 0 (overrides bytes and\nfraction)",
        Int(&f->kv_pages)},
-      {"gpu-scratch-bytes", "N",
+      {"gpu-scratch-bytes", "BYTES",
        "per GPU, beside its cache: a step's working memory (about 1.8 MiB per\nnew token at 128 "
        "heads, 0.35 MiB at 16); a step that needs more is\nrefused at BeginStep (default "
        "8589934592)",
-       Int(&f->gpu_scratch_bytes)},
+       Bytes(&f->gpu_scratch_bytes)},
       {"cache-dtype", "bf16|fp8|fp32 (or BF16|FP8_E4M3|FP32)",
        "cache element type (default bf16); fp8: e4m3 keys with fp32\nscales per 128 values, "
        "0.57x the bytes of bf16",
-       [f](const std::string& v) {
+       [f](const std::string& v) -> std::string {
          // The short names, or the API's datatype spellings (ServerInfo.cache_datatype).
          if (v == "bf16" || v == "BF16") {
            f->cache_dtype = DType::kBF16;
@@ -157,9 +195,9 @@ std::vector<Flag> Table(ServerFlags* f) {
          } else if (v == "fp32" || v == "FP32") {
            f->cache_dtype = DType::kF32;
          } else {
-           return false;
+           return "bf16, fp8 or fp32 (or BF16, FP8_E4M3, FP32)";
          }
-         return true;
+         return "";
        }},
       {"devices", "LIST",
        "cpu:N and/or cuda:N, comma separated; each sequence lives on one\ndevice. auto (default): "
@@ -187,8 +225,8 @@ std::vector<Flag> Table(ServerFlags* f) {
        "the indexer's top-k on the GPU (default attnd; flashinfer where it\napplies; "
        "ATTND_CUDA_TOPK overrides)",
        OneOf(&f->cuda_topk, ToSet(cuda::CudaTopKNames()))},
-      {"max-message-bytes", "N", "gRPC send/receive limit (default 1073741824)",
-       Int(&f->max_message_bytes)},
+      {"max-message-bytes", "BYTES", "gRPC send/receive limit (default 1G)",
+       Bytes(&f->max_message_bytes)},
       {"keepalive-time-ms", "N",
        "ping a connection idle this long; one that does not answer in\n--keepalive-timeout-ms is "
        "closed (default 60000; 0 = never)",
@@ -211,33 +249,27 @@ std::vector<Flag> Table(ServerFlags* f) {
        "close sequences no step began or ended on for this long (their\nlease; every step "
        "renews it; default 0 = never)",
        Int(&f->sequence_idle_timeout_s)},
-      {"host-cache-bytes", "N",
+      {"host-cache-bytes", "BYTES",
        "a host-memory tier below the devices: when a device's pages run out,\nits least "
        "recently stepped sequences spill here and a step brings\nthem back (pinned for GPUs; "
        "default 0 = off)",
-       Int(&f->host_cache_bytes)},
+       Bytes(&f->host_cache_bytes)},
       {"disk-cache-dir", "DIR",
        "a local directory for the disk tier below the host tier (a page file,\nchecksummed; "
        "scratch: emptied at every start; default off)",
        Str(&f->disk_cache_dir)},
-      {"disk-cache-bytes", "N", "the disk tier's size (with --disk-cache-dir)",
-       Int(&f->disk_cache_bytes)},
+      {"disk-cache-bytes", "BYTES", "the disk tier's size (with --disk-cache-dir)",
+       Bytes(&f->disk_cache_bytes)},
       {"spill-idle-ms", "N",
        "spill sequences no step touched for this long down a tier (default 0:\nonly when a "
        "device needs room)",
        Int(&f->spill_idle_ms)},
-      {"prefix-cache-bytes", "N|all",
+      {"prefix-cache-bytes", "BYTES|all",
        "blocks of closed sequences kept for later prompts that start the same\n(found by "
        "their token ids or block hashes; least recently used out\nfirst; default all: as much "
        "as the cache and tiers hold, given back\nto any request that needs the room; 0 = only "
        "while a sequence holds\nthem)",
-       [f](const std::string& v) {
-         if (v == "all") {
-           f->prefix_cache_bytes = -1;
-           return true;
-         }
-         return Int(&f->prefix_cache_bytes)(v);
-       }},
+       Bytes(&f->prefix_cache_bytes, true)},
       {"kv-events", "ENDPOINT",
        "publish every prefix-cache block stored and removed as vLLM KV events\n(msgpack over "
        "ZeroMQ PUB) on this bind endpoint, e.g. tcp://*:5557\n(default off; "
@@ -245,10 +277,10 @@ std::vector<Flag> Table(ServerFlags* f) {
        Str(&f->kv_events)},
       {"shutdown-grace-ms", "N", "after the drain, let RPCs finish this long (default 10000)",
        Int(&f->shutdown_grace_ms)},
-      {"log-level", "info|warning|error",
+      {"log-level", "debug|info|warning|error",
        "leveled logs on stderr (default info): the effective configuration,\none line per refused "
-       "or aborted step (rate-limited), drains, reloads",
-       OneOf(&f->log_level, {"info", "warning", "error"})},
+       "or aborted step (rate-limited), drains, reloads;\ndebug adds verbose lines",
+       OneOf(&f->log_level, {"debug", "info", "warning", "error"})},
       {"log-format", "text|json",
        "text (default) or one JSON object per line (ts, level, msg, file),\nthe lifecycle lines "
        "on stdout included",
@@ -260,8 +292,9 @@ std::vector<Flag> Table(ServerFlags* f) {
        Limit(&f->max_batch_entries)},
       {"max-sequences", "N", "open sequences (default 65536)", Limit(&f->max_sequences)},
       {"max-id-bytes", "N", "length of a sequence id (default 256)", Limit(&f->max_id_bytes)},
-      {"max-echo-bytes", "N", "Echo reply size (default 67108864; also capped by the message size)",
-       Int(&f->max_echo_bytes)},
+      {"max-echo-bytes", "BYTES",
+       "Echo reply size (default 67108864; also capped by the message size)",
+       Bytes(&f->max_echo_bytes)},
       {"max-shm-regions", "N", "registered shared-memory regions, all tenants (default 64)",
        Int(&f->max_shm_regions)},
       {"check-finite", "true|false", "refuse NaN/Inf in input tensors (default true)",
@@ -301,12 +334,12 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"shm-socket", "PATH", "the Unix-socket listener for co-located clients",
        Str(&f->shm_socket)},
       {"shm-socket-mode", "OCTAL", "its file mode (default 0660)",
-       [f](const std::string& v) {
+       [f](const std::string& v) -> std::string {
          char* end = nullptr;
          const unsigned long m = std::strtoul(v.c_str(), &end, 8);
-         if (v.empty() || *end != '\0' || m > 0777) return false;
+         if (v.empty() || *end != '\0' || m > 0777) return "an octal file mode up to 0777";
          f->shm_socket_mode = static_cast<uint32_t>(m);
-         return true;
+         return "";
        }},
       {"shm-prefix", "PREFIX", "objects that may be opened (default /attnd-)", Str(&f->shm_prefix)},
       {"quota-pages", "N", "per tenant: cache pages held (default 0 = no limit)",
@@ -334,6 +367,11 @@ std::vector<Flag> Table(ServerFlags* f) {
        Limit(&f->drain_parallel)},
       {"drain-token-file", "FILE", "the admin identity's bearer token on the peers",
        Str(&f->drain_token_file)},
+      {"admin-token-file", "FILE",
+       "--auth=none: its bearer is the admin from any address (the peers'\ndrains and standby "
+       "copies); without it admin calls (drain, export,\nhandoff, standby copies) are served "
+       "only on loopback and the\nlocal socket",
+       Str(&f->admin_token_file)},
       {"drain-tls-ca", "PEM", "TLS to the peers: their CA", Str(&f->drain_tls_ca)},
       {"drain-tls-cert", "PEM", "mTLS to the peers: this server's client certificate",
        Str(&f->drain_tls_cert)},
@@ -358,42 +396,97 @@ std::vector<Flag> Table(ServerFlags* f) {
        "a standby silent this long no longer holds commits back: they\nanswer unprotected, "
        "the log and metrics say so (default 1000)",
        Int(&f->replication_ack_timeout_ms)},
-      {"standby-cache-bytes", "N|all",
+      {"standby-cache-bytes", "BYTES|all",
        "cache bytes standby copies may hold here (default all: as the\ncache has room; they "
        "spill down the tiers before primaries do)",
-       [f](const std::string& v) {
-         if (v == "all") {
-           f->standby_cache_bytes = -1;
-           return true;
-         }
-         return Int(&f->standby_cache_bytes)(v);
-       }},
+       Bytes(&f->standby_cache_bytes, true)},
   };
+}
+
+// The closest flag to a misspelt one (at most a third of its letters wrong), or "".
+std::string Closest(const std::string& name, const std::vector<Flag>& table) {
+  std::string best;
+  size_t best_distance = name.size() / 3 + 1;
+  for (const Flag& t : table) {
+    if (t.name.empty()) continue;
+    // Levenshtein distance, one row at a time.
+    std::vector<size_t> row(t.name.size() + 1);
+    for (size_t j = 0; j < row.size(); ++j) row[j] = j;
+    for (size_t a = 1; a <= name.size(); ++a) {
+      size_t diagonal = row[0];
+      row[0] = a;
+      for (size_t b = 1; b <= t.name.size(); ++b) {
+        const size_t up = row[b];
+        row[b] = std::min(
+            {row[b] + 1, row[b - 1] + 1, diagonal + (name[a - 1] == t.name[b - 1] ? 0 : 1)});
+        diagonal = up;
+      }
+    }
+    if (row.back() < best_distance) {
+      best_distance = row.back();
+      best = t.name;
+    }
+  }
+  return best;
+}
+
+// The table as a CLI11 app: every flag an option taking one value (the last one given wins),
+// switches also standing alone, groups as CLI11's option groups; --help and --version as
+// CLI11's. A setter's refusal is kept in *error (CLI11 only learns that the value failed).
+// Switch values wait in *switches until the parse is done.
+void AddFlags(CLI::App& app, const std::vector<Flag>& table, std::string* error,
+              std::map<std::string, std::string>* switches) {
+  app.set_help_flag("-h,--help", "this text");
+  app.set_version_flag("--version",
+                       absl::StrCat("attnd ", BuildVersion(), " (", BuildRevision(), ")"),
+                       "the build's version and git revision");
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.allow_extras();  // unknown flags and stray arguments: named by ParseServerFlags
+  app.get_formatter()->column_width(31);
+  std::string group = "Flags", footer;
+  for (const Flag& t : table) {
+    if (t.name.empty()) {
+      // "Name (what it is, maybe over lines):": the name heads the group (one line, CLI11 adds
+      // the colon), what it is goes to the footer.
+      const absl::string_view title = absl::StripSuffix(t.help, ":");
+      const size_t paren = title.find(" (");
+      group = std::string(title.substr(0, paren));
+      if (paren != absl::string_view::npos)
+        absl::StrAppend(&footer, footer.empty() ? "" : "\n", group, ": ",
+                        absl::StripSuffix(title.substr(paren + 2), ")"));
+      continue;
+    }
+    if (t.set == nullptr) continue;  // --help, --version: CLI11's own
+    CLI::Option* o;
+    if (t.is_switch) {
+      o = app.add_flag("--" + t.name, (*switches)[t.name], t.help);  // bare: "true"
+    } else {
+      const std::string name = t.name;
+      const Setter set = t.set;
+      o = app.add_option_function<std::string>(
+          "--" + name,
+          [name, set, error](const std::string& v) {
+            if (const std::string want = set(v); !want.empty()) {
+              *error = absl::StrCat("bad value '", v, "' for --", name, ": ", want);
+              throw CLI::ValidationError("--" + name, want);
+            }
+          },
+          t.help);
+    }
+    o->type_name(t.value)->group(group);
+  }
+  app.footer(footer + "\n");
 }
 
 }  // namespace
 
 std::string ServerUsage() {
   ServerFlags unused;
-  std::string out = "usage: attnd [flags]   (--flag=value or --flag value)\n";
-  constexpr size_t kColumn = 31;
-  for (const Flag& f : Table(&unused)) {
-    if (f.name.empty()) {
-      absl::StrAppend(&out, f.help, "\n");
-      continue;
-    }
-    std::string head = absl::StrCat("  --", f.name);
-    if (!f.value.empty())
-      absl::StrAppend(&head, f.is_switch ? "[=" : "=", f.value, f.is_switch ? "]" : "");
-    head += head.size() + 1 < kColumn ? std::string(kColumn - head.size(), ' ')
-                                      : "\n" + std::string(kColumn, ' ');
-    out += head;
-    for (absl::string_view line : absl::StrSplit(f.help, '\n')) {
-      if (out.back() == '\n') out += std::string(kColumn, ' ');  // continuation lines
-      absl::StrAppend(&out, line, "\n");
-    }
-  }
-  return out;
+  CLI::App app{"attnd: the attention-offload server (--flag=value or --flag value)", "attnd"};
+  std::string error;
+  std::map<std::string, std::string> switches;
+  AddFlags(app, Table(&unused), &error, &switches);
+  return app.help();
 }
 
 std::vector<std::string> ServerFlagNames() {
@@ -410,34 +503,46 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat(what, "\nsee attnd --help"));
   };
   const std::vector<Flag> table = Table(&f);
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") return absl::CancelledError(ServerUsage());
-    if (arg == "--version")
-      return absl::CancelledError(
-          absl::StrCat("attnd ", BuildVersion(), " (", BuildRevision(), ")\n"));
-    if (arg.rfind("--", 0) != 0) return bad(absl::StrCat("unexpected argument '", arg, "'"));
-    std::string name = arg.substr(2), value;
-    const size_t eq = name.find('=');
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
+  CLI::App app{"attnd: the attention-offload server (--flag=value or --flag value)", "attnd"};
+  std::string error;
+  std::map<std::string, std::string> switches;
+  AddFlags(app, table, &error, &switches);
+  // "--flag=" gives the flag an empty value (--drain-peers= clears the list), which CLI11 reads
+  // as a missing one: it gets the empty value as the next argument instead.
+  std::vector<std::string> args;
+  for (int i = argc - 1; i >= 1; --i) {
+    const std::string arg = argv[i];
+    if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.back() == '=' &&
+        arg.find('=') == arg.size() - 1) {
+      args.push_back("");
+      args.push_back(arg.substr(0, arg.size() - 1));
+    } else {
+      args.push_back(arg);
     }
-    const Flag* flag = nullptr;
-    for (const Flag& t : table)
-      if (!t.name.empty() && t.name == name && t.set) flag = &t;
-    if (flag == nullptr) return bad(absl::StrCat("unknown flag --", name));
-    if (eq == std::string::npos) {
-      if (flag->is_switch) {
-        value = "true";
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        return bad(absl::StrCat("flag --", name, " needs a value"));
-      }
-    }
-    if (!flag->set(value)) return bad(absl::StrCat("bad value '", value, "' for --", name));
   }
+  try {
+    app.parse(std::move(args));  // reversed, as CLI11 takes a vector
+  } catch (const CLI::CallForHelp&) {
+    return absl::CancelledError(app.help());
+  } catch (const CLI::CallForVersion& v) {
+    return absl::CancelledError(absl::StrCat(v.what(), "\n"));
+  } catch (const CLI::ParseError& e) {
+    // A setter's refusal says the value and what it must be; CLI11's own errors (a flag
+    // without its value) name the flag.
+    return bad(error.empty() ? std::string(e.what()) : error);
+  }
+  for (const std::string& arg : app.remaining()) {
+    if (arg.rfind("--", 0) != 0) return bad(absl::StrCat("unexpected argument '", arg, "'"));
+    const std::string name =
+        arg.substr(2, arg.find('=') == std::string::npos ? std::string::npos : arg.find('=') - 2);
+    const std::string near = Closest(name, table);
+    return bad(absl::StrCat("unknown flag --", name,
+                            near.empty() ? "" : absl::StrCat(" (did you mean --", near, "?)")));
+  }
+  for (const Flag& t : table)
+    if (t.is_switch && !switches[t.name].empty())
+      if (const std::string want = t.set(switches[t.name]); !want.empty())
+        return bad(absl::StrCat("bad value '", switches[t.name], "' for --", t.name, ": ", want));
   if (f.grpc_port > 65535 || f.metrics_port > 65535) return bad("port out of range");
   if (f.max_message_bytes > INT32_MAX) return bad("--max-message-bytes must fit in 2^31-1");
   // Trust flags that only make sense together.
@@ -468,6 +573,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return bad("--disk-cache-dir and --disk-cache-bytes go together");
   if (f.spill_idle_ms > 0 && f.host_cache_bytes == 0 && f.disk_cache_dir.empty())
     return bad("--spill-idle-ms needs a tier to spill to (--host-cache-bytes, --disk-cache-dir)");
+  if (!f.admin_token_file.empty() && f.auth != "none")
+    return bad("--admin-token-file is for --auth=none (under token or mtls auth: --admin-tenant)");
   if (!f.admin_tenant.empty() && f.auth == "none")
     return bad("--admin-tenant needs --auth=token or --auth=mtls");
   return f;

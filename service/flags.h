@@ -85,6 +85,7 @@ struct ServerFlags {
   int64_t drain_timeout_ms = 60000;
   int64_t drain_parallel = 4;
   std::string drain_token_file;  // the admin identity's token on the peers
+  std::string admin_token_file;  // --auth=none: the token that makes its bearer the admin
   std::string drain_tls_ca, drain_tls_cert, drain_tls_key;
   // Standby replicas (docs/replication.md): every sequence's commits copied to the peer its
   // rendezvous hash ranks next (peer credentials: the drain's).
@@ -93,8 +94,9 @@ struct ServerFlags {
   int64_t replication_max_lag_steps = 4;
   int64_t replication_ack_timeout_ms = 1000;
   int64_t standby_cache_bytes = -1;  // -1: all
-  std::string log_level = "info";    // info, warning, error (glog, on stderr)
+  std::string log_level = "info";    // debug, info, warning, error (glog, on stderr)
   std::string log_format = "text";   // text, json (service/logging.h)
+  bool operator==(const ServerFlags&) const = default;
 };
 
 // Parses argv. INVALID_ARGUMENT (with the usage text) for unknown flags or bad values;

@@ -1,9 +1,11 @@
 #include "service/logging.h"
 
 #include <glog/logging.h>
+#include <grpc/support/log.h>
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <nlohmann/json.hpp>
 
@@ -44,6 +46,22 @@ class JsonSink : public google::LogSink {
   }
 };
 
+// gRPC core's own lines (gpr_log: its experiments at start, warnings, GRPC_VERBOSITY and
+// GRPC_TRACE output) as JSON lines too, so a collector parsing stderr never meets plain text.
+void GprToJson(gpr_log_func_args* args) {
+  timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  const char* level = args->severity == GPR_LOG_SEVERITY_ERROR  ? "ERROR"
+                      : args->severity == GPR_LOG_SEVERITY_INFO ? "INFO"
+                                                                : "DEBUG";
+  const char* file = args->file != nullptr ? args->file : "";
+  if (const char* slash = std::strrchr(file, '/')) file = slash + 1;
+  const std::string text =
+      JsonLine(level, Timestamp(now.tv_sec, static_cast<int>(now.tv_nsec / 1000)),
+               args->message != nullptr ? args->message : "", absl::StrCat(file, ":", args->line));
+  std::fwrite(text.data(), 1, text.size(), stderr);
+}
+
 }  // namespace
 
 void SetUpLogging(const char* argv0, const std::string& level, const std::string& format) {
@@ -51,6 +69,7 @@ void SetUpLogging(const char* argv0, const std::string& level, const std::string
   FLAGS_minloglevel = level == "error"     ? google::GLOG_ERROR
                       : level == "warning" ? google::GLOG_WARNING
                                            : google::GLOG_INFO;
+  if (level == "debug") FLAGS_v = 1;  // VLOG(1) lines too
   if (format != "json") {
     FLAGS_logtostderr = true;  // containers log to stderr
     return;
@@ -63,6 +82,7 @@ void SetUpLogging(const char* argv0, const std::string& level, const std::string
   for (int s = 0; s < google::NUM_SEVERITIES; ++s) google::SetLogDestination(s, "");
   static JsonSink sink;  // lives as long as the process logs
   google::AddLogSink(&sink);
+  gpr_set_log_function(GprToJson);  // before gRPC starts (it logs from its first init)
 }
 
 void Say(const std::string& line) {

@@ -8,7 +8,7 @@
 
 namespace attnd {
 
-// Before anything logs: glog to stderr at `level` (info, warning, error) in `format` (text,
+// Before anything logs: glog to stderr at `level` (debug, info, warning, error) in `format` (text,
 // json). Call once.
 void SetUpLogging(const char* argv0, const std::string& level, const std::string& format);
 

@@ -306,6 +306,7 @@ class Server {
     ao.mode = ParseAuthMode(flags_.auth).value();  // the flag parser checked the name
     ao.tokens_file = flags_.auth_tokens;
     ao.admin_tenant = flags_.admin_tenant;
+    ao.admin_token_file = flags_.admin_token_file;
     ASSIGN_OR_RETURN(auth_, Authenticator::Create(ao));
     ApplyQuotas(flags_, *auth_, engine_.get());
     const bool loopback = flags_.grpc_address.rfind("127.", 0) == 0 ||

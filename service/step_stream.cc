@@ -28,8 +28,7 @@ class AttentionService::StepStream final
   StepStream(AttentionService* svc, absl::StatusOr<Caller> caller, uint64_t channel)
       : svc_(svc), channel_(channel) {
     if (!caller.ok()) {
-      svc_->Report("Step", caller.status(), started_);
-      FinishOnce(ToGrpcStatus(caller.status()));
+      FinishOnce(caller.status());
       return;
     }
     caller_ = *std::move(caller);
@@ -39,9 +38,8 @@ class AttentionService::StepStream final
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed or the call is gone
       const bool had_step = AbortOpenStep();
-      FinishOnce(had_step ? grpc::Status(grpc::StatusCode::CANCELLED,
-                                         "stream closed with a step open; step aborted")
-                          : grpc::Status::OK);
+      FinishOnce(had_step ? absl::CancelledError("stream closed with a step open; step aborted")
+                          : absl::OkStatus());
       return;
     }
     resp_.Clear();
@@ -120,7 +118,7 @@ class AttentionService::StepStream final
   void OnWriteDone(bool ok) override {
     if (!ok) {
       AbortOpenStep();
-      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "write failed; step aborted"));
+      FinishOnce(absl::CancelledError("write failed; step aborted"));
       return;
     }
     StartRead(&req_);
@@ -152,18 +150,20 @@ class AttentionService::StepStream final
   }
   void Fail(const absl::Status& s) {
     AbortOpenStep(AbortReason::kError);
-    svc_->Report("Step", s, started_);
-    FinishOnce(ToGrpcStatus(s));
+    FinishOnce(s);
   }
-  // Finish is called outside mu_: once it is called OnDone may run (and delete this) on another
-  // thread at any moment, so nothing of this object may be touched after it.
-  void FinishOnce(const grpc::Status& s) {
+  // Every end of the stream comes here, so it is counted once (attnd_rpc_requests_total and
+  // attnd_rpc_seconds), whatever its outcome. Finish is called outside mu_: once it is called
+  // OnDone may run (and delete this) on another thread at any moment, so nothing of this object
+  // may be touched after it.
+  void FinishOnce(const absl::Status& s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
     }
-    Finish(s);
+    svc_->Report("Step", s, started_);
+    Finish(ToGrpcStatus(s));
   }
 
   AttentionService* svc_;

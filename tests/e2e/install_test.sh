@@ -35,5 +35,15 @@ CM
 cmake -S "$WORK/app" -B "$WORK/app/build" -DCMAKE_PREFIX_PATH="$WORK/prefix" >/dev/null
 cmake --build "$WORK/app/build" >/dev/null
 "$WORK/app/build/app"
-PKG_CONFIG_PATH="$WORK/prefix/lib/pkgconfig" pkg-config --cflags --libs attnd-client >/dev/null
+# pkg-config's flags point into the prefix given to cmake --install (not the configured one),
+# and build and link the same program.
+pc_dir=$(dirname "$(find "$WORK/prefix" -name attnd-client.pc | head -1)")
+flags=$(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags --libs attnd-client)
+case "$flags" in
+  *"-I$WORK/prefix/"*) ;;
+  *) echo "install_test: pkg-config's flags are not under the install prefix: $flags"; exit 1 ;;
+esac
+# shellcheck disable=SC2086
+c++ -std=c++17 "$WORK/app/main.cc" -o "$WORK/app/app-pc" $flags
+"$WORK/app/app-pc"
 echo "install_test: find_package(attnd) and pkg-config attnd-client work"

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 namespace attnd {
 namespace {
 
@@ -54,7 +56,7 @@ TEST(TokenFile, OverridesKeepTheFlagsForFieldsTheFileLeavesOut) {
     std::fprintf(f, "%s a pages=7\n%s b\n", kA, kB);
     std::fclose(f);
   }
-  auto auth = Authenticator::Create({AuthMode::kToken, path, ""});
+  auto auth = Authenticator::Create({AuthMode::kToken, path, "", ""});
   ASSERT_TRUE(auth.ok()) << auth.status();
   const TenantQuota flags{100, 5, 2, 1};
   const auto o = (*auth)->QuotaOverrides(flags);
@@ -69,11 +71,19 @@ TEST(TokenFile, OverridesKeepTheFlagsForFieldsTheFileLeavesOut) {
 }
 
 TEST(Authenticator, RefusesInconsistentOptions) {
-  EXPECT_FALSE(Authenticator::Create({AuthMode::kToken, "", ""}).ok());
-  EXPECT_FALSE(Authenticator::Create({AuthMode::kNone, "", "ops"}).ok());
-  EXPECT_FALSE(Authenticator::Create({AuthMode::kMtls, "", "bad name"}).ok());
-  EXPECT_FALSE(Authenticator::Create({AuthMode::kToken, "/no/such/file", ""}).ok());
-  EXPECT_TRUE(Authenticator::Create({AuthMode::kMtls, "", "ops"}).ok());
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kToken, "", "", ""}).ok());
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kNone, "", "ops", ""}).ok());
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kMtls, "", "bad name", ""}).ok());
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kToken, "/no/such/file", "", ""}).ok());
+  EXPECT_TRUE(Authenticator::Create({AuthMode::kMtls, "", "ops", ""}).ok());
+  // --admin-token-file: for --auth=none only, and a readable token of at least 16 characters.
+  const std::string admin = ::testing::TempDir() + "/admin-token";
+  std::ofstream(admin) << "short\n";
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kNone, "", "", admin}).ok());
+  std::ofstream(admin) << "a-token-long-enough-for-it\n";
+  EXPECT_TRUE(Authenticator::Create({AuthMode::kNone, "", "", admin}).ok());
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kMtls, "", "ops", admin}).ok());
+  EXPECT_FALSE(Authenticator::Create({AuthMode::kNone, "", "", "/no/such/file"}).ok());
 }
 
 // Without --auth the admin calls are served to loopback peers only: what counts as loopback.

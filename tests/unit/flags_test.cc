@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
 #include <sstream>
 
 #include "service/service_metrics.h"
@@ -64,6 +66,54 @@ TEST(Flags, ValuesSwitchesAndDefaults) {
             "attnd-0.attnd:50051");
 }
 
+// Sizes take units (powers of 1024), the last of a repeated flag wins, switches stand alone or
+// take true/false, and --log-level has debug.
+TEST(Flags, SizesWithUnitsRepeatsAndSwitches) {
+  const auto f =
+      Parse({"--kv-cache-bytes=8G", "--host-cache-bytes", "512MiB", "--gpu-scratch-bytes=3k",
+             "--prefix-cache-bytes=all", "--standby-cache-bytes=2T", "--max-echo-bytes=1048576",
+             "--kv-pages=10", "--kv-pages=20", "--shm", "--shm-socket=/tmp/x.sock",
+             "--log-level=debug", "--reuse-grpc-port=false"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->kv_cache_bytes, int64_t{8} << 30);
+  EXPECT_EQ(f->host_cache_bytes, int64_t{512} << 20);
+  EXPECT_EQ(f->gpu_scratch_bytes, 3 * 1024);
+  EXPECT_EQ(f->prefix_cache_bytes, -1);
+  EXPECT_EQ(f->standby_cache_bytes, int64_t{2} << 40);
+  EXPECT_EQ(f->max_echo_bytes, 1048576);
+  EXPECT_EQ(f->kv_pages, 20);
+  EXPECT_TRUE(f->shm);
+  EXPECT_EQ(f->log_level, "debug");
+  EXPECT_FALSE(f->reuse_grpc_port);
+  EXPECT_FALSE(Parse({"--shm=false"}).value().shm);
+  // "--flag=" is an empty value: a list flag cleared after an earlier one.
+  const auto cleared = Parse({"--drain-peers=a:1,b:2", "--drain-peers=", "--standby-peers="});
+  ASSERT_TRUE(cleared.ok()) << cleared.status();
+  EXPECT_TRUE(cleared->drain_peers.empty());
+  EXPECT_TRUE(cleared->standby_peers.empty());
+}
+
+// Every flag attnd had (tests/data/attnd_flags.txt: 0.3.0's and those added since) is still
+// there and takes a value of its kind; no flags at all give ServerFlags' defaults.
+TEST(Flags, EveryFlagOfTheReleaseIsKeptWithItsDefaults) {
+  std::ifstream in(ATTND_SOURCE_DIR "/tests/data/attnd_flags.txt");
+  ASSERT_TRUE(in.good());
+  const std::vector<std::string> now = ServerFlagNames();
+  int seen = 0;
+  for (std::string name; std::getline(in, name);) {
+    if (name.empty() || name[0] == '#') continue;
+    ++seen;
+    EXPECT_NE(std::find(now.begin(), now.end(), name), now.end()) << "--" << name << " is gone";
+  }
+  EXPECT_GE(seen, 79);
+  const auto d = Parse({});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(*d == ServerFlags{}) << "the parser changed a default";
+  const std::string usage = ServerUsage();
+  for (const char* unit : {"--kv-cache-bytes BYTES", "--log-level debug|info|warning|error"})
+    EXPECT_NE(usage.find(unit), std::string::npos) << unit << "\n" << usage;
+}
+
 // --cache-dtype takes the short names and the API's datatype spellings alike.
 TEST(Flags, CacheDtypeTakesTheApisSpellings) {
   const std::vector<std::pair<std::string, DType>> cases = {
@@ -80,10 +130,16 @@ TEST(Flags, CacheDtypeTakesTheApisSpellings) {
 TEST(Flags, RefusalsSayWhat) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--bogus=1"}, "unknown flag --bogus"},
+      {{"--grpc-prot=1"}, "unknown flag --grpc-prot (did you mean --grpc-port?)"},
+      {{"--kv-cache-bytes=8X"},
+       "bad value '8X' for --kv-cache-bytes: bytes: an integer with an "
+       "optional unit K, M, G or T"},
+      {{"--kv-cache-bytes=99999999T"}, "at most 2^62"},
+      {{"--shm=maybe", "--shm-socket=/tmp/x"}, "bad value 'maybe' for --shm: true or false"},
       {{"stray"}, "unexpected argument 'stray'"},
       {{"--grpc-port=70000"}, "port out of range"},
       {{"--threads=-1"}, "bad value '-1' for --threads"},
-      {{"--executor-threads=0"}, "bad value '0' for --executor-threads"},
+      {{"--executor-threads=0"}, "bad value '0' for --executor-threads: an integer in [1, 1024]"},
       {{"--executor-threads=1025"}, "bad value '1025' for --executor-threads"},
       {{"--max-sequences=0"}, "bad value '0' for --max-sequences"},
       {{"--kv-pages=4294967360"}, "bad value"},
@@ -97,8 +153,9 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--tls-cert=a.pem"}, "--tls-cert and --tls-key go together"},
       {{"--shm"}, "--shm needs --shm-socket"},
       {{"--admin-tenant=ops"}, "--admin-tenant needs --auth"},
-      {{"--grpc-port"}, "flag --grpc-port needs a value"},
-      {{"--log-level=loud"}, "bad value 'loud' for --log-level"},
+      {{"--grpc-port"}, "--grpc-port"},  // no value: CLI11 names the flag
+      {{"--log-level=loud"},
+       "bad value 'loud' for --log-level: one of debug, error, info, warning"},
       {{"--auth-tokens=tokens.txt"}, "--auth-tokens needs --auth=token"},
       {{"--sequence-idle-timeout-s=-1"}, "bad value '-1' for --sequence-idle-timeout-s"},
       {{"--sequence-idle-timeout-s=400000000"}, "--sequence-idle-timeout-s: at most ten years"},

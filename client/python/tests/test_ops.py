@@ -20,6 +20,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from test_deploy import dashboard_query
 
 from attnd import AttndClient, AttndError, LayerInputs
 from attnd.v1 import attention_pb2 as pb
@@ -204,6 +205,43 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
         stop(proc)
 
 
+def test_every_step_stream_is_counted_once_whatever_its_outcome(ops_server):
+    """A Step stream that ends OK, one cancelled and one refused each count once in
+    attnd_rpc_requests_total and attnd_rpc_seconds (an OK stream used to be counted nowhere, so
+    the error ratio's denominator missed the busiest method)."""
+    target, mport = ops_server
+    rng = np.random.default_rng(52)
+    with AttndClient(target, timeout=30) as c:
+        spec = c.info().model
+        c.open_sequence("counted")
+        t0 = _scrape(mport)
+        with c.stream() as s:  # OK: a whole step, then the client closes the stream
+            s.begin([("counted", 2)])
+            for i, x in enumerate(_layers(spec, 2, rng)):
+                s.layer(LayerInputs(i, **x))
+        s = c.stream()  # CANCELLED: the client goes away with a step open
+        s.begin([("counted", 1)])
+        s.cancel()
+        with c.stream() as s:  # NOT_FOUND: a step of a sequence that is not there
+            with pytest.raises(AttndError) as e:
+                s.begin([("missing", 1)])
+            assert e.value.code == grpc.StatusCode.NOT_FOUND, e.value
+        deadline = time.monotonic() + 10
+        t1 = _scrape(mport)  # the server counts a stream when it has finished it
+        while (_sum(t1, "attnd_rpc_seconds_count", method="Step")
+               - _sum(t0, "attnd_rpc_seconds_count", method="Step") < 3
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+            t1 = _scrape(mport)
+    d = lambda name, **kw: _sum(t1, name, **kw) - _sum(t0, name, **kw)  # noqa: E731
+    assert d("attnd_rpc_requests_total", method="Step", code="OK") == 1
+    assert d("attnd_rpc_requests_total", method="Step", code="CANCELLED") == 1
+    assert d("attnd_rpc_requests_total", method="Step", code="NOT_FOUND") == 1
+    assert d("attnd_rpc_seconds_count", method="Step") == 3
+    assert d("attnd_rpc_errors_total", method="Step", code="NOT_FOUND") == 1
+    assert d("attnd_rpc_errors_total", method="Step", code="OK") == 0
+
+
 def test_logs_summarise_the_config_and_rate_limit_refused_steps():
     with running(["--log-level=info"]) as (proc, target, _):
         with AttndClient(target, timeout=30) as c:
@@ -225,8 +263,10 @@ def test_logs_summarise_the_config_and_rate_limit_refused_steps():
     assert "similar lines dropped" in refused[-1], refused[-1]
 
 
-def test_json_logs_are_one_object_per_line_lifecycle_lines_included(tmp_path):
+def test_json_logs_are_one_object_per_line_lifecycle_lines_included(tmp_path, monkeypatch):
     log = tmp_path / "attnd.log"
+    # gRPC core's own lines too (at debug it prints its experiments at start): JSON, not text.
+    monkeypatch.setenv("GRPC_VERBOSITY", "debug")
     with running(["--log-format=json", "--log-level=info"], log=log) as (proc, target, _):
         with AttndClient(target, timeout=30) as c:
             c.open_sequence("json-a")
@@ -235,13 +275,17 @@ def test_json_logs_are_one_object_per_line_lifecycle_lines_included(tmp_path):
     lines = [json.loads(line) for line in log.read_text().splitlines()]  # each one parses
     assert all({"ts", "level", "msg"} <= line.keys() for line in lines), lines
     msgs = [line["msg"] for line in lines]
-    assert msgs[0].startswith("serving attnd.v1 on 127.0.0.1:"), msgs
+    lifecycle = [line["msg"] for line in lines if "file" not in line]  # Say()'s lines
+    assert lifecycle[0].startswith("serving attnd.v1 on 127.0.0.1:"), msgs
     assert any(m.startswith("config: devices cpu:0, model tiny") for m in msgs), msgs
     assert any(m.startswith("stopped (") for m in msgs), msgs
     refused = [line for line in lines if "BeginStep: OUT_OF_RANGE" in line["msg"]]
     assert refused and refused[0]["level"] in ("INFO", "WARNING"), lines
     assert re.fullmatch(r"[a-z_]+\.cc:\d+", refused[0]["file"]), refused[0]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", refused[0]["ts"])
+    core = [line for line in lines if "gRPC EXPERIMENT" in line["msg"]]
+    assert core and core[0]["level"] == "DEBUG", lines[:5]
+    assert re.fullmatch(r"[a-z_]+\.cc:\d+", core[0]["file"]), core[0]
 
 
 def _mem_available():
@@ -352,7 +396,8 @@ def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
         # The dashboard's error-ratio panel, as Prometheus computes it: every DescribeSequence
         # failed, no BeginStep did.
         dash = json.loads((ROOT / "deploy" / "grafana" / "attnd-dashboard.json").read_text())
-        expr = next(p for p in dash["panels"] if "error ratio" in p["title"])["targets"][0]["expr"]
+        expr = dashboard_query(next(p for p in dash["panels"]
+                                    if "error ratio" in p["title"])["targets"][0]["expr"])
         ratios, deadline, want = {}, time.monotonic() + 20, {"DescribeSequence", "BeginStep"}
         # (Until both are numbers: a rate needs two scrapes of the window; on a loaded machine
         # Prometheus may have scraped the load only once when it ended.)
@@ -502,6 +547,29 @@ def test_a_failed_demo_leaves_no_sequence_behind():
         assert "prefill 1/1" in r.stdout, r.stdout  # it did get half-way
         with AttndClient(target) as c:
             assert c.list_sequences() == [], "the failed demo left sequences open"
+
+
+def test_ctrl_c_on_the_demo_closes_what_it_opened():
+    """The first Ctrl-C stops attnctl demo before its next step; it closes its sequences and
+    exits 130. (It used to die at once and leave them open, holding the server's pages.)"""
+    with running(["--kv-pages=4096"]) as (proc, target, _):  # the tiny model's 8192 context
+        demo = subprocess.Popen([str(ATTNCTL), "demo", f"--target={target}", "--sequences=2",
+                                 "--prompt=64", "--chunk=16", "--decode=8000", "--check=none"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            with AttndClient(target) as c:
+                deadline = time.monotonic() + 30
+                while len(c.list_sequences()) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.05)  # its two sequences and their two forks: decoding now
+                assert len(c.list_sequences()) == 4, (demo.poll(), c.list_sequences())
+                demo.send_signal(signal.SIGINT)
+                out, err = demo.communicate(timeout=30)
+                assert demo.returncode == 130, (out, err)
+                assert "interrupted" in err, err
+                assert c.list_sequences() == [], "Ctrl-C left the demo's sequences open"
+        finally:
+            if demo.poll() is None:
+                demo.kill()
 
 
 def test_demo_and_bench_refuse_what_cannot_fit_before_building_anything():

@@ -106,7 +106,12 @@ class PartitionedCluster(Cluster):
         self.ports = [free_port() for _ in range(3)]
         self.addresses = [f"{net.inside}:{self.ports[0]}",
                           *(f"{net.outside}:{p}" for p in self.ports[1:])]
-        flags = replication_flags(self.addresses, mode)
+        # The replicas are on different addresses, not loopback: their standby copies are admin
+        # calls only the bearer of --admin-token-file may make (docs/trust.md).
+        token = tmp_path / f"{mode}-peer-token"
+        token.write_text("a-peer-token-of-the-test-cluster\n")
+        flags = [*replication_flags(self.addresses, mode), f"--admin-token-file={token}",
+                 f"--drain-token-file={token}"]
         self.procs, self.mports = {}, {}
         for i, (port, address) in enumerate(zip(self.ports, self.addresses)):
             inside = i == 0

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from attnd import AttndClient, AttndError, LayerInputs
+from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import ATTND_BIN, running, start, stop
 from attnd_testlib import bf16_layers
@@ -106,6 +107,52 @@ def test_without_auth_admin_calls_are_served_only_on_this_host():
         assert proc.poll() is None
     finally:
         stop(proc)
+
+
+def _denied(call, why: str) -> None:
+    with pytest.raises(AttndError) as e:
+        call()
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
+    assert why in str(e.value), e.value
+
+
+def test_without_auth_nothing_reads_or_moves_keys_from_another_address(tmp_path):
+    """Without --auth the keys of every sequence are one tenant's: an export (a handoff's source),
+    an import open (its target) and a standby copy are admin calls, served on loopback and to the
+    bearer of --admin-token-file only (how replicas drain to each other across hosts)."""
+    host = _host_address()
+    if host is None:
+        pytest.skip("this host has no non-loopback IPv4 address to call from")
+    token = tmp_path / "admin-token"
+    token.write_text("an-admin-token-of-some-length\n")
+    with running(["--grpc-address=0.0.0.0", f"--admin-token-file={token}"]) as (_, target, _m):
+        port = _port(target)
+        with AttndClient(f"127.0.0.1:{port}", timeout=30) as local:
+            spec = local.info().model
+            local.open_sequence("secret")
+            step = local.begin_step([("secret", 2)])
+            for i, x in enumerate(bf16_layers(spec, 2, np.random.default_rng(52))):
+                local.attend_layer(step.step_id, LayerInputs(i, **x))
+        why = "admin calls are served only on loopback or the local socket"
+        standby = pb.OpenSequenceRequest(sequence_id="copy", standby_generation=1)
+        for bearer in (None, "a-wrong-token-of-some-length"):
+            with AttndClient(f"{host}:{port}", timeout=30, token=bearer) as remote:
+                assert remote.describe_sequence("secret").length == 2  # ordinary calls: served
+                _denied(lambda: list(remote.export_sequence("secret")), why)
+                _denied(lambda: remote.open_sequence("copy", import_length=2, import_generation=1),
+                        why)
+                with pytest.raises(grpc.RpcError) as e:  # a standby copy, as a replicator opens
+                    remote._stub.OpenSequence(standby, timeout=30, metadata=remote._metadata)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
+                assert why in e.value.details(), e.value
+                assert [s.sequence_id for s in remote.list_sequences()] == ["secret"]
+        with AttndClient(f"{host}:{port}", timeout=30,
+                         token="an-admin-token-of-some-length") as admin:
+            chunks = list(admin.export_sequence("secret"))
+            assert chunks and all(c.length == 2 and c.tokens == 2 for c in chunks), chunks
+            admin.open_sequence("copy", import_length=2, import_generation=1)
+    r = _run(["--auth=token", f"--auth-tokens={token}", f"--admin-token-file={token}"])
+    assert r.returncode != 0 and "--admin-token-file is for --auth=none" in r.stderr, r.stderr
 
 
 def test_a_drain_goes_only_to_configured_peers():
