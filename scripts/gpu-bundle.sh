@@ -8,8 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-./scripts/install-deps.sh
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+./scripts/install-deps.sh test >/dev/null
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTND_BUILD_TESTS=ON \
+  -DATTND_BUILD_BENCH=ON >/dev/null
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target cuda_test cuda_scale_test device_test cuda_bench \
   attnd attnctl
 # The files in build-gpu/bundle-files; what a device run carries is build-gpu/bundle/bundle.tgz

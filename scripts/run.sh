@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds Release, starts attnd on the CPU with the embedded "demo"
+# Installs what is missing for attnd and attnctl only (install-deps.sh run: Debian packages, no
+# Python, no test tools, nothing started), builds Release, starts attnd on the CPU with the embedded "demo"
 # model (DeepSeek-V3.2 dims: L=512, R=64, indexer 64x128, K=2048; 16 heads, 4 layers F/S/F/S),
 # runs `attnctl demo` against it (chunked prefill, prefix forks, decode, float64 check), prints
 # the results and stops the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
+./scripts/install-deps.sh run
 BUILD_DIR=${BUILD_DIR:-build}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTND_BUILD_TESTS=OFF \
+  -DATTND_BUILD_BENCH=OFF >/dev/null  # the tests' libraries are test.sh's to install
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target attnd attnctl
 
 PORT=${ATTND_PORT:-50051}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything (CUDA too when nvcc is present) and runs the whole
-# test suite: C++ unit and integration tests (ctest), the Python client tests (pytest, from the
-# checkout, then as a package pip-installed into a fresh venv, then transformers' models through
+# test suite: C++ unit and integration tests (ctest), the Python client tests (pytest in the test
+# venv of install-deps.sh, from the checkout, then as a package pip-installed into a fresh venv, then transformers' models through
 # the adapter in a torch venv cached under ~/.cache), the C++
 # suites again under ASan+UBSan and the concurrency tests under TSan (scripts/sanitize.sh), and a
 # short run of each libFuzzer target from its seed corpus (scripts/fuzz.sh).
@@ -11,20 +11,23 @@ if [ "${1:-}" = --quick ]; then ATTND_QUICK=1; fi
 cd "$(dirname "$0")/.."
 stage() { echo "test.sh: [${SECONDS}s] $*"; }  # each stage's start, for CI's stage times
 stage install-deps
-./scripts/install-deps.sh
+# The Python test tools live in a venv the install script keeps (never the system Python).
+venv=$(./scripts/install-deps.sh test --print-venv)
+PY="$venv/bin/python"
 BUILD_DIR=${BUILD_DIR:-build}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 stage build
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTND_BUILD_TESTS=ON \
+  -DATTND_BUILD_BENCH=ON >/dev/null  # ON: a build dir run.sh configured has them OFF
 cmake --build "$BUILD_DIR" -j "$(nproc)"
 stage ctest
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
   stage python
-  python3 -m ruff check client/python bench/*.py examples
-  python3 -m pytest -q client/python/tests bench/test_gpu_report.py bench/test_gpu_check.py
+  "$PY" -m ruff check client/python bench/*.py examples
+  "$PY" -m pytest -q client/python/tests bench/test_gpu_report.py bench/test_gpu_check.py
   stage python-package
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
   stage transformers
