@@ -7,16 +7,28 @@ where Helm would render it as empty.
 Supported (what the chart uses; anything else is an error): text with {{ }} actions and their
 {{- -}} trim markers, comments; if / else if / else, with, define / include; pipelines with | and
 parentheses; the functions default, quote, toYaml, nindent, printf (%s %d %v), eq, ne, not, and,
-or, fail, trunc, trimSuffix; .Values, .Release.Name/Namespace, .Chart.Name/Version/AppVersion,
-and .Files.Get."""
+or, fail, trunc, trimSuffix, int64, kindIs, splitList, index, replace, b64enc, lookup (as
+`helm template` has it: nothing found) and randAlphaNum (here a fixed string, so renders compare;
+Helm's is random); .Values,
+.Release.Name/Namespace, .Chart.Name/Version/AppVersion, .Files.Get and
+.Capabilities.APIVersions.Has. As Helm does, the values are checked against values.schema.json
+first, and a number from the values prints as Go prints a float64 (Helm reads values.yaml's
+numbers as float64s: 1000000 prints as 1e+06), except that a whole number Go would print in that
+form is an error here: the chart must pipe it through int64. NOTES.txt renders with notes().
+
+deploy/helm/gorender renders the same templates with Go's own text/template, and test_helm.py
+compares the two."""
 
 from __future__ import annotations
 
+import base64
+import decimal
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import jsonschema
 import yaml
 
 
@@ -26,6 +38,10 @@ class TemplateError(Exception):
 
 class Fail(Exception):
     """The chart's own `fail`: a refused configuration (helm: 'execution error')."""
+
+
+class SchemaError(Exception):
+    """Values that values.schema.json refuses (helm: "values don't meet the specifications")."""
 
 
 _ACTION = re.compile(r"{{(-\s)?(.*?)(\s-)?}}", re.S)
@@ -128,6 +144,23 @@ def _truthy(v: Any) -> bool:
     return v not in (None, False, 0, "", [], {}) if not isinstance(v, float) else v != 0
 
 
+class _Int64(int):
+    """A number made by int64: Go prints it as digits, whatever its size."""
+
+
+def _go_float(x: float) -> str:
+    """Go's %v of a float64: the shortest digits that read back, in e-notation when the exponent
+    is below -4 or at least 6 (the `shortest` rule of strconv's %g)."""
+    if x == 0:
+        return "0"
+    sign, digits, exp = decimal.Decimal(repr(x)).normalize().as_tuple()
+    e = len(digits) + exp - 1  # the decimal exponent of the first digit
+    if -4 <= e < 6:
+        return format(decimal.Decimal(repr(x)).normalize(), "f")
+    mantissa = str(digits[0]) + ("." + "".join(map(str, digits[1:])) if len(digits) > 1 else "")
+    return f"{'-' if sign else ''}{mantissa}e{'-' if e < 0 else '+'}{abs(e):02d}"
+
+
 def _text(v: Any) -> str:
     if v is None:
         raise TemplateError("printing a missing value")
@@ -135,7 +168,37 @@ def _text(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (dict, list)):
         raise TemplateError(f"printing a map or list ({v!r}): use toYaml")
+    if isinstance(v, _Int64):
+        return str(int(v))
+    if isinstance(v, (int, float)):  # from the values: a float64 in Helm
+        s = _go_float(float(v))
+        if isinstance(v, int) and "e" in s:
+            raise TemplateError(f"Helm prints the value {v} as {s}: pipe it through int64")
+        return s
     return str(v)
+
+
+def _int64(v: Any) -> _Int64:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TemplateError(f"int64 of {v!r}: only numbers here")
+    return _Int64(int(v))
+
+
+def _kind(v: Any) -> str:
+    """Go's reflect kind name of a value as Helm holds it."""
+    if v is None:
+        return "invalid"
+    for python, go in ((bool, "bool"), (_Int64, "int64"), ((int, float), "float64"),
+                       (str, "string"), (dict, "map"), (list, "slice")):
+        if isinstance(v, python):
+            return go
+    raise TemplateError(f"no Go kind for {v!r}")
+
+
+def _index(collection: Any, i: Any) -> Any:
+    if not isinstance(collection, list) or not isinstance(i, int) or not 0 <= i < len(collection):
+        raise TemplateError(f"index {i!r} out of range of {collection!r}")
+    return collection[i]
 
 
 def _indent(n: int, s: str) -> str:
@@ -157,27 +220,32 @@ class Chart:
         self.path = path
         self.meta = yaml.safe_load((path / "Chart.yaml").read_text())
         self.defaults = yaml.safe_load((path / "values.yaml").read_text())
+        schema = path / "values.schema.json"
+        self.schema = json.loads(schema.read_text()) if schema.exists() else None
+        if self.schema is not None:
+            jsonschema.Draft7Validator.check_schema(self.schema)
         self.defines: Dict[str, List[Any]] = {}
         self.templates: Dict[str, List[Any]] = {}
+        self.notes_tree: List[Any] = []
         for t in sorted((path / "templates").iterdir()):
-            if t.suffix not in (".yaml", ".tpl"):
-                continue  # NOTES.txt: shown by helm install, not an object
+            if t.suffix not in (".yaml", ".tpl", ".txt"):
+                continue
             tree = _parse(t.read_text())
             for node in tree:
                 if isinstance(node, dict) and node["kind"] == "define":
                     self.defines[node["words"][0][1]] = node["body"]
-            if t.suffix == ".yaml":
+            if t.name == "NOTES.txt":  # shown by helm install, not an object
+                self.notes_tree = tree
+            elif t.suffix == ".yaml":
                 self.templates[t.name] = tree
 
     def render(self, values: Optional[Dict[str, Any]] = None, release: str = "attnd",
-               namespace: str = "default") -> List[Dict[str, Any]]:
-        """The objects `helm template RELEASE CHART --set ...` would make."""
-        merged = _merge(self.defaults, values or {})
-        top = {"Values": merged, "Release": {"Name": release, "Namespace": namespace,
-                                             "Service": "Helm"},
-               "Chart": {"Name": self.meta["name"], "Version": self.meta["version"],
-                         "AppVersion": self.meta["appVersion"]},
-               "Files": _Files(self.path)}
+               namespace: str = "default",
+               api_versions: Iterable[str] = ()) -> List[Dict[str, Any]]:
+        """The objects `helm template RELEASE CHART --set ... --api-versions ...` would make
+        (`api_versions`: what .Capabilities.APIVersions.Has finds, e.g.
+        "monitoring.coreos.com/v1/ServiceMonitor" on a cluster with the Prometheus Operator)."""
+        top = self._top(values, release, namespace, api_versions)
         docs: List[Dict[str, Any]] = []
         for name, tree in self.templates.items():
             out = self._run(tree, top, top)
@@ -186,6 +254,34 @@ class Chart:
             except yaml.YAMLError as e:
                 raise TemplateError(f"{name} renders invalid YAML: {e}\n{out}") from e
         return docs
+
+    def notes(self, values: Optional[Dict[str, Any]] = None, release: str = "attnd",
+              namespace: str = "default", api_versions: Iterable[str] = ()) -> str:
+        """What `helm install` prints after installing: NOTES.txt rendered."""
+        top = self._top(values, release, namespace, api_versions)
+        return self._run(self.notes_tree, top, top)
+
+    def merged(self, values: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """values.yaml with `values` over it, as the templates see them; refused as Helm refuses
+        values that values.schema.json does not allow."""
+        merged = _merge(self.defaults, values or {})
+        if self.schema is not None:
+            errors = sorted(jsonschema.Draft7Validator(self.schema).iter_errors(merged),
+                            key=lambda e: list(e.absolute_path))
+            if errors:
+                raise SchemaError("; ".join(
+                    f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                    for e in errors))
+        return merged
+
+    def _top(self, values: Optional[Dict[str, Any]], release: str, namespace: str,
+             api_versions: Iterable[str]) -> Dict[str, Any]:
+        return {"Values": self.merged(values),
+                "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"},
+                "Chart": {"Name": self.meta["name"], "Version": self.meta["version"],
+                          "AppVersion": self.meta["appVersion"]},
+                "Files": _Files(self.path),
+                "Capabilities": {"APIVersions": _APIVersions(api_versions)}}
 
     def _run(self, tree: List[Any], dot: Any, top: Dict[str, Any]) -> str:
         out = []
@@ -237,10 +333,15 @@ class Chart:
             head_kind, head = cmd[0]
             if head_kind == "ident":
                 piped = self._call(head, args, dot, top)
-            elif head_kind == "field" and head == ".Files.Get":
-                piped = top["Files"].get(*args)
             elif not args:
                 piped = self._operand(cmd[0], dot, top)
+            elif head_kind == "field":  # a method with arguments: .Files.Get "path"
+                holder, _, method = head.rpartition(".")
+                obj = self._operand(("field", holder or "."), dot, top)
+                if isinstance(obj, dict) or not method[:1].isupper() or \
+                        not callable(getattr(obj, method, None)):
+                    raise TemplateError(f"{head} is not a method")
+                piped = getattr(obj, method)(*args)
             else:
                 raise TemplateError(f"{head} is not a function")
         return piped
@@ -276,6 +377,14 @@ class Chart:
             "not": lambda v: not _truthy(v),
             "trunc": lambda n, s: s[:n],
             "trimSuffix": lambda suffix, s: s[:-len(suffix)] if s.endswith(suffix) else s,
+            "int64": _int64,
+            "kindIs": lambda kind, v: _kind(v) == kind,
+            "splitList": lambda sep, s: s.split(sep),
+            "index": _index,
+            "replace": lambda old, new, s: s.replace(old, new),
+            "b64enc": lambda s: base64.b64encode(_text(s).encode()).decode(),
+            "lookup": lambda api, kind, namespace, name: {},
+            "randAlphaNum": lambda n: "r" * n,
         }
         if name == "include":
             template, ctx = args
@@ -297,15 +406,24 @@ class _Files:
     def __init__(self, path: Path):
         self.path = path
 
-    def get(self, name: str) -> str:
+    def Get(self, name: str) -> str:  # noqa: N802 (the template's spelling)
         return (self.path / name).read_text()
+
+
+class _APIVersions:
+    def __init__(self, versions: Iterable[str]):
+        self.versions = set(versions)
+
+    def Has(self, version: str) -> bool:  # noqa: N802 (the template's spelling)
+        return version in self.versions
 
 
 _NOTHING = object()
 
 
 # Values that are maps of the user's own keys (labels, selectors, resources): merged, not checked.
-_FREE_FORM = {"labels", "nodeSelector", "podAnnotations", "resources"}
+_FREE_FORM = {"labels", "annotations", "nodeSelector", "podAnnotations", "podSecurityContext",
+              "resources"}
 
 
 def _merge(base: Dict[str, Any], over: Dict[str, Any], free: bool = False) -> Dict[str, Any]:
