@@ -4,6 +4,8 @@ in the checkout and every #anchor names a heading of the linked page (GitHub's s
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -45,3 +47,25 @@ def test_the_check_can_fail():
     assert _slug("`attnd --help`: flags") == "attnd---help-flags"
     assert "the-helm-chart" in _anchors(ROOT / "docs" / "lifecycle.md")
     assert any("lifecycle.md" in link for link in _links(ROOT / "README.md"))
+
+
+def test_every_release_names_the_commit_that_set_its_version():
+    """The CHANGELOG once named a tag no clone had; each release now names its commit, which must
+    exist in this checkout's history and carry that version in CMakeLists.txt."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    text = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## (\d+\.\d+\.\d+)\b(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert len(releases) >= 2, "the CHANGELOG lists no releases"
+    for version, body in releases:
+        m = re.search(r"\b[Cc]ommit ([0-9a-f]{7,40})\b", body)
+        assert m, f"{version}: name the commit of the release"
+        r = subprocess.run(["git", "-C", str(ROOT), "show", f"{m.group(1)}:CMakeLists.txt"],
+                           capture_output=True, text=True)
+        if r.returncode != 0 and "shallow" in subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                capture_output=True, text=True).stdout.replace("true", "shallow"):
+            pytest.skip("a shallow clone lacks the release commits")
+        assert r.returncode == 0, f"{version}: commit {m.group(1)} is not in this history"
+        assert re.search(rf"project\(attnd VERSION {re.escape(version)}\b", r.stdout), \
+            f"{version}: commit {m.group(1)} does not carry that version"
