@@ -41,14 +41,16 @@ def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
         if log is None:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
-            line = proc.stdout.readline()
-            if "serving attnd.v1" in line:
-                return proc, f"127.0.0.1:{chosen}", mport
-            out = line + (proc.stdout.read() if proc.poll() is not None else "")
+            # Log lines (a warning) may come before the serving line; EOF: it exited.
+            out = ""
+            for line in proc.stdout:
+                if "serving attnd.v1" in line:
+                    return proc, f"127.0.0.1:{chosen}", mport
+                out += line
+            proc.wait(timeout=30)
             if "Address already in use" in out and attempt < 2:
-                proc.wait(timeout=30)
                 continue
-            raise AssertionError(out)
+            raise AssertionError(f"attnd exited with {proc.returncode} at startup: {cmd}\n{out}")
         with open(log, "wb") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
