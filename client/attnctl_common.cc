@@ -7,10 +7,10 @@
 namespace attnd::client::ctl {
 namespace {
 
-volatile std::sig_atomic_t g_interrupted = 0;
+volatile std::sig_atomic_t g_interrupted = 0;  // the signal that came, 0 none
 
 extern "C" void OnInterrupt(int sig) {
-  g_interrupted = 1;
+  g_interrupted = sig;
   std::signal(sig, SIG_DFL);  // a second one ends the process
 }
 
@@ -28,7 +28,8 @@ absl::Status Interrupted() {
 
 int Fail(const absl::Status& s, const char* what) {
   std::fprintf(stderr, "attnctl: %s: %s\n", what, s.ToString().c_str());
-  return absl::IsCancelled(s) && g_interrupted != 0 ? 130 : 1;  // 128 + SIGINT, as shells say
+  // 128 + the signal, as shells say (130 for Ctrl-C, 143 for SIGTERM).
+  return absl::IsCancelled(s) && g_interrupted != 0 ? 128 + g_interrupted : 1;
 }
 
 absl::Status CheckFits(const v1::ServerInfoResponse& info, const ModelSpec& spec,

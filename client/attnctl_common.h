@@ -56,7 +56,7 @@ class Opened {
 };
 
 // Ctrl-C (SIGINT) or SIGTERM: the first asks the running command to stop before its next step,
-// so it closes what it opened (Opened) and exits 130; the second ends the process at once.
+// so it closes what it opened (Opened) and exits 128 + the signal; the second ends the process.
 void StopOnInterrupt();
 // CANCELLED "interrupted" once a first Ctrl-C came, else OK (checked before each step).
 absl::Status Interrupted();

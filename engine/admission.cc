@@ -150,6 +150,10 @@ absl::StatusOr<std::unique_ptr<Step>> Engine::Impl::TryBegin(const std::vector<S
       return absl::InvalidArgumentError(
           "step batch: a write-only step mixes standby copies and other sequences");
     standby_batch = seq->standby;
+    if (options.write_only && seq->length < seq->import_length && !options.import_writer)
+      return absl::PermissionDeniedError(
+          absl::StrCat("sequence ", Quote(seq->id),
+                       " is being imported: only the admin writes a handoff's target here"));
     if (!options.write_only && seq->length < seq->import_length)
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(seq->id), " is being imported (", seq->length, " of ",

@@ -173,6 +173,10 @@ struct StepOptions {
   // tenant's own steps never write its copies, whose pages the standby budget pays for, not its
   // quota. A step of copies does not count against the tenant's open steps either.
   bool standby_writer = true;
+  // Whether the step may write a sequence still being imported (a handoff's or drain's target).
+  // The service clears it without --auth for callers that are not the admin: only the admin
+  // opens such a target there, so only it may fill one (tenants fill their own).
+  bool import_writer = true;
 
   static StepOptions WriteOnly() {
     StepOptions o;

@@ -38,6 +38,11 @@ test_pkgs=(
 )
 pkgs=("${run_pkgs[@]}")
 [ "$profile" = test ] && pkgs+=("${test_pkgs[@]}")
+have_nvcc=0
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  have_nvcc=1
+  pkgs+=(python3 python3-pip)  # fetch-gpu-libs.sh: pip download (no install) of the pinned wheels
+fi
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -74,6 +79,11 @@ if [ "$profile" = test ]; then
 pyyaml kubernetes-validate jsonschema ruff pyzmq msgpack msgspec"
   stamp="$venv/.attnd-requirements"
   if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$requirements" ]; then
+    # Remade only if it is ours (our stamp) or absent: never a folder someone else made.
+    if [ -e "$venv" ] && [ ! -f "$stamp" ] && [ -n "$(ls -A "$venv" 2>/dev/null)" ]; then
+      echo "install-deps: $venv exists and is not this script's venv; set ATTND_TEST_VENV" >&2
+      exit 1
+    fi
     start=$(date +%s)
     rm -rf "$venv"
     python3 -m venv "$venv"
@@ -91,6 +101,6 @@ fi
 # FlashInfer, header-only, from their PyPI wheels, pinned by version and sha256, unpacked (the
 # headers only) into a cache outside the tree. Only where nvcc is: a CPU build needs neither.
 # ATTND_GPU_LIBS_DIR moves the cache; CMake's FindCutlass/FindFlashInfer look there.
-if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+if [ "$have_nvcc" = 1 ]; then
   ./scripts/fetch-gpu-libs.sh >&2
 fi

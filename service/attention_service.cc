@@ -373,6 +373,7 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   opts.attend_only = req.attend_only();
   opts.tenant = caller.tenant;
   opts.standby_writer = IsAdmin(caller);
+  opts.import_writer = !NoAuth() || IsAdmin(caller);
   opts.channel = shards > 1 ? 0 : channel;  // every shard's stream or call drives a sharded step
   if (replicator_ != nullptr && !req.write_only()) {
     // A sequence its standby has not acknowledged for a while may have failed over elsewhere

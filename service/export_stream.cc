@@ -56,7 +56,7 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   }
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "export: client went away"));
+      End(absl::CancelledError("export: client went away"));
       return;
     }
     Next();
@@ -70,7 +70,7 @@ class ExportStream final : public grpc::ServerWriteReactor<v1::ExportChunk> {
       if (!s.ok()) {
         End(s);
       } else if (done_) {
-        Finish(grpc::Status::OK);
+        End(absl::OkStatus());
       } else {
         StartWrite(&msg_);
       }

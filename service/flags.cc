@@ -54,14 +54,14 @@ absl::StatusOr<int64_t> ParseBytes(absl::string_view v) {
   int64_t n;
   if (digits == 0 || digits > 19 || !absl::SimpleAtoi(v.substr(0, digits), &n))
     return absl::InvalidArgumentError("no number");
-  std::string unit = absl::AsciiStrToUpper(v.substr(digits));
-  if (absl::EndsWith(unit, "B")) unit.pop_back();
-  if (absl::EndsWith(unit, "I")) unit.pop_back();
-  const std::string units = "KMGT";
+  // The unit: none or B (bytes), or K, M, G, T alone or followed by B, i or iB.
+  const std::string unit = absl::AsciiStrToUpper(v.substr(digits));
   int shift = 0;
-  if (!unit.empty()) {
-    const size_t at = units.find(unit);
-    if (unit.size() != 1 || at == std::string::npos) return absl::InvalidArgumentError("unit");
+  if (!unit.empty() && unit != "B") {
+    const size_t at = std::string("KMGT").find(unit[0]);
+    const std::string rest = unit.substr(1);
+    if (at == std::string::npos || (rest != "" && rest != "B" && rest != "I" && rest != "IB"))
+      return absl::InvalidArgumentError("unit");
     shift = 10 * static_cast<int>(at + 1);
   }
   if (n > (int64_t{1} << 62) >> shift) return absl::InvalidArgumentError("too large");
@@ -461,17 +461,19 @@ void AddFlags(CLI::App& app, const std::vector<Flag>& table, std::string* error,
     if (t.is_switch) {
       o = app.add_flag("--" + t.name, (*switches)[t.name], t.help);  // bare: "true"
     } else {
+      // Each value given is checked and set in turn (a later one wins; a bad earlier one is
+      // refused, not hidden by the later).
       const std::string name = t.name;
       const Setter set = t.set;
-      o = app.add_option_function<std::string>(
-          "--" + name,
-          [name, set, error](const std::string& v) {
-            if (const std::string want = set(v); !want.empty()) {
-              *error = absl::StrCat("bad value '", v, "' for --", name, ": ", want);
-              throw CLI::ValidationError("--" + name, want);
-            }
-          },
-          t.help);
+      o = app.add_option("--" + name, t.help)
+              ->check(CLI::Validator(
+                  [name, set, error](std::string& v) {
+                    const std::string want = set(v);
+                    if (!want.empty())
+                      *error = absl::StrCat("bad value '", v, "' for --", name, ": ", want);
+                    return want;
+                  },
+                  "", name));
     }
     o->type_name(t.value)->group(group);
   }

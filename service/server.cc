@@ -311,6 +311,9 @@ class Server {
     ApplyQuotas(flags_, *auth_, engine_.get());
     const bool loopback = flags_.grpc_address.rfind("127.", 0) == 0 ||
                           flags_.grpc_address == "::1" || flags_.grpc_address == "localhost";
+    if (!ao.admin_token_file.empty() && flags_.tls_cert.empty() && !loopback)
+      LOG(WARNING) << "--admin-token-file without --tls-cert: the admin token crosses the network "
+                      "in clear text (only safe inside an encrypting mesh)";
     if (ao.mode == AuthMode::kToken && flags_.tls_cert.empty() && !loopback)
       LOG(WARNING) << "--auth=token without --tls-cert: bearer tokens cross the network in clear "
                       "text (only safe on loopback or inside an encrypting mesh)";

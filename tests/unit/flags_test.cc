@@ -135,6 +135,9 @@ TEST(Flags, RefusalsSayWhat) {
        "bad value '8X' for --kv-cache-bytes: bytes: an integer with an "
        "optional unit K, M, G or T"},
       {{"--kv-cache-bytes=99999999T"}, "at most 2^62"},
+      {{"--kv-cache-bytes=5i"}, "bad value '5i' for --kv-cache-bytes"},
+      {{"--kv-cache-bytes=5KB7"}, "bad value '5KB7' for --kv-cache-bytes"},
+      {{"--threads=x", "--threads=2"}, "bad value 'x' for --threads"},  // not hidden by the later
       {{"--shm=maybe", "--shm-socket=/tmp/x"}, "bad value 'maybe' for --shm: true or false"},
       {{"stray"}, "unexpected argument 'stray'"},
       {{"--grpc-port=70000"}, "port out of range"},

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -20,6 +22,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _pump_until_serving(stream, lines: queue.Queue) -> None:
+    """Puts the lines of `stream` into `lines` up to the serving line; None at EOF."""
+    for line in stream:
+        lines.put(line)
+        if "serving attnd.v1" in line:
+            return
+    lines.put(None)
 
 
 def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
@@ -41,9 +52,23 @@ def start(extra: List[str], *, kv_pages: Optional[int] = 256, threads: int = 2,
         if log is None:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True)
-            # Log lines (a warning) may come before the serving line; EOF: it exited.
-            out = ""
-            for line in proc.stdout:
+            # Log lines (a warning) may come before the serving line; EOF: it exited. A server
+            # that neither serves nor exits in STARTUP_TIMEOUT_S is killed. The lines are read
+            # by a thread that stops at the serving line (the caller may read on from there).
+            lines: queue.Queue[Optional[str]] = queue.Queue()
+            threading.Thread(target=_pump_until_serving, args=(proc.stdout, lines),
+                             daemon=True).start()
+            out, deadline = "", time.monotonic() + STARTUP_TIMEOUT_S
+            while True:
+                try:
+                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    proc.kill()
+                    proc.wait(timeout=30)
+                    raise AssertionError(f"attnd did not start in {STARTUP_TIMEOUT_S} s: {cmd}\n"
+                                         f"{out}") from None
+                if line is None:
+                    break
                 if "serving attnd.v1" in line:
                     return proc, f"127.0.0.1:{chosen}", mport
                 out += line

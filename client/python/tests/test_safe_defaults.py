@@ -151,6 +151,9 @@ def test_without_auth_nothing_reads_or_moves_keys_from_another_address(tmp_path)
             chunks = list(admin.export_sequence("secret"))
             assert chunks and all(c.length == 2 and c.tokens == 2 for c in chunks), chunks
             admin.open_sequence("copy", import_length=2, import_generation=1)
+        with AttndClient(f"{host}:{port}", timeout=30) as remote:  # nor fill another's target
+            _denied(lambda: remote.begin_step([("copy", 2)], write_only=True),
+                    "only the admin writes a handoff's target")
     r = _run(["--auth=token", f"--auth-tokens={token}", f"--admin-token-file={token}"])
     assert r.returncode != 0 and "--admin-token-file is for --auth=none" in r.stderr, r.stderr
 
