@@ -21,11 +21,14 @@ if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
   # The simulations' barrier sweeps (Every...IsNeeded) run each kernel again once per barrier
   # it has, to show the simulator's race check needs it; under ASan the kernels' memory
   # accesses are covered by one run each (the ...MatchFloat64 cases), so the sweeps run only
-  # in the plain ctest (a third of this stage's time).
+  # in the plain ctest (a third of this stage's time). So do the experimental wgmma forms'
+  # simulations (Wgmma/ and WgmmaWs/MlaPipeSim, 40 s here): the simulator bounds-checks every
+  # shared and global access of theirs itself, and the mma form's (Shapes/) runs here for the
+  # code the forms share.
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:suppressions=$PWD/tests/sanitizers/asan.supp \
   LSAN_OPTIONS=suppressions=$PWD/tests/sanitizers/lsan.supp \
     ctest --test-dir "$ASAN_TREE" --output-on-failure -j "$(nproc)" -LE e2e \
-      -E 'Cuda|Every[A-Za-z]*IsNeeded'
+      -E 'Cuda|Every[A-Za-z]*IsNeeded|^WgmmaW?s?/MlaPipeSim'
 fi
 if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # The engine's concurrency (layers of different steps at once, aborts racing running layers,
