@@ -129,10 +129,11 @@ absl::Status AttentionService::OpenStandby(const Caller& caller, const v1::OpenS
                                            v1::SequenceInfo* resp) {
   // Another replica's copy: on a server with tenants, only the admin identity (the replicas'
   // peer credentials) may place one; it is charged to the standby budget, not the tenant.
-  if (NoAuth()) RETURN_IF_ERROR(RequireAdmin(caller, "OpenSequence", " (standby_generation)"));
   if (!IsAdmin(caller))
-    return absl::PermissionDeniedError(
-        "standby_generation: only the admin identity (--admin-tenant) opens standby copies");
+    return NoAuth() ? RequireAdmin(caller, "OpenSequence", " (standby_generation)")
+                    : absl::PermissionDeniedError(
+                          "standby_generation: only the admin identity (--admin-tenant) opens "
+                          "standby copies");
   if (!req.fork_parent_id().empty() || req.fork_prefix_len() != 0 || req.import_length() != 0 ||
       req.import_generation() != 0 || !req.prompt_token_ids().empty() ||
       !req.prompt_block_hashes().empty() || !req.prefix_salt().empty())

@@ -403,6 +403,8 @@ std::vector<Flag> Table(ServerFlags* f) {
   };
 }
 
+constexpr char kAbout[] = "attnd: the attention-offload server (--flag=value or --flag value)";
+
 // The closest flag to a misspelt one (at most a third of its letters wrong), or "".
 std::string Closest(const std::string& name, const std::vector<Flag>& table) {
   std::string best;
@@ -484,7 +486,7 @@ void AddFlags(CLI::App& app, const std::vector<Flag>& table, std::string* error,
 
 std::string ServerUsage() {
   ServerFlags unused;
-  CLI::App app{"attnd: the attention-offload server (--flag=value or --flag value)", "attnd"};
+  CLI::App app{kAbout, "attnd"};
   std::string error;
   std::map<std::string, std::string> switches;
   AddFlags(app, Table(&unused), &error, &switches);
@@ -505,7 +507,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat(what, "\nsee attnd --help"));
   };
   const std::vector<Flag> table = Table(&f);
-  CLI::App app{"attnd: the attention-offload server (--flag=value or --flag value)", "attnd"};
+  CLI::App app{kAbout, "attnd"};
   std::string error;
   std::map<std::string, std::string> switches;
   AddFlags(app, table, &error, &switches);
