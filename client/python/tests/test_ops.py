@@ -205,13 +205,13 @@ def test_metrics_count_tokens_once_aborts_and_rejections_by_reason():
         stop(proc)
 
 
-def test_every_step_stream_is_counted_once_whatever_its_outcome(ops_server):
+def test_every_step_stream_is_counted_once_whatever_its_outcome():
     """A Step stream that ends OK, one cancelled and one refused each count once in
     attnd_rpc_requests_total and attnd_rpc_seconds (an OK stream used to be counted nowhere, so
     the error ratio's denominator missed the busiest method)."""
-    target, mport = ops_server
     rng = np.random.default_rng(52)
-    with AttndClient(target, timeout=30) as c:
+    # A server of its own: another test's stream that ends late would be counted in between.
+    with running([]) as (_, target, mport), AttndClient(target, timeout=30) as c:
         spec = c.info().model
         c.open_sequence("counted")
         t0 = _scrape(mport)
@@ -382,7 +382,9 @@ def test_a_real_prometheus_scrapes_attnd_under_load(ops_server, tmp_path):
                     c.attend_layer(step.step_id, LayerInputs(i, **x))
                 with pytest.raises(AttndError):  # one failed call per step: an error ratio
                     c.describe_sequence("prom-no-such-sequence")
-                q = urllib.parse.quote('sum(attnd_tokens_total{phase="decode"})')
+                # Decode tokens between two scrapes (increase needs two samples in the window),
+                # so the rates below have seen the load, however late Prometheus began scraping.
+                q = urllib.parse.quote('sum(increase(attnd_tokens_total{phase="decode"}[5m]))')
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{pport}/api/v1/query?query={q}",
                                                 timeout=5) as r:
