@@ -1,70 +1,49 @@
-// Serves a metrics::Registry at GET /metrics over plain HTTP (civetweb), for Prometheus to scrape.
+// Serves a metrics::Registry at /metrics over HTTP or HTTPS, IPv4 and IPv6, for Prometheus to
+// scrape: cpp-httplib (Debian 12: libcpp-httplib-dev) on OpenSSL.
 #pragma once
 
+#include <functional>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "metrics/metrics.h"
 
-struct mg_connection;
-struct mg_context;
+namespace httplib {
+class Server;
+}
+typedef struct ssl_ctx_st SSL_CTX;
 
 namespace attnd::metrics {
 
-// HTTPS for /metrics: PEM certificate chain and key files, read once at start.
-struct MetricsTls {
-  std::string cert;
-  std::string key;
-};
-
-// An HTTP server with two civetweb worker threads. GET (or HEAD) /metrics answers 200 with
-// Registry::Serialize() as `text/plain; version=0.0.4; charset=utf-8`; other methods on /metrics
-// answer 405 and every other path 404. Stops (waiting for requests in progress) in the destructor.
-// The registry must outlive the server. port() is thread safe.
-//
-//   ASSIGN_OR_RETURN(std::unique_ptr<MetricsHttpServer> server,
-//                    MetricsHttpServer::Start("0.0.0.0:9090", &registry));
+// GET or HEAD /metrics: 200 with Registry::Serialize() as `text/plain; version=0.0.4;
+// charset=utf-8`; other methods 405, other paths 404. Two worker threads; each connection has 5-s
+// read and write timeouts, 8 KiB of headers, 4 KiB of body, 5 requests. The registry must outlive
+// the server; the destructor stops listening and waits for the requests in progress.
 class MetricsHttpServer {
  public:
-  // Listens on `listen`: "HOST:PORT" with an IPv4 address or host name ("0.0.0.0:9090",
-  // "127.0.0.1:9090", "localhost:9090") or a bare "PORT" (all interfaces). PORT 0 binds a free
-  // port chosen by the kernel; port() tells which. IPv6 addresses are refused: Debian 12's civetweb
-  // is built without IPv6. Errors: InvalidArgument for a malformed `listen` or null registry;
-  // Unavailable, with civetweb's reason ("cannot bind to 127.0.0.1:9090: 98 (Address already in
-  // use)"), when the server cannot start.
-  // With `tls` the port speaks HTTPS (TLS 1.2 or newer) only.
+  // Listens on `host` (an IPv4 or IPv6 address, bracketed or not, "::" for both families; or a
+  // name) and `port` (0: a free one, see port()). With `tls_setup` it speaks HTTPS only (TLS 1.2
+  // or newer) on a context `tls_setup` gives its identity (service/tls's RotatingCertificate);
+  // it is called once, in Start. INVALID_ARGUMENT: a null registry, a port out of range, a host
+  // that does not resolve, a `tls_setup` that fails; UNAVAILABLE: the port cannot be bound
+  // ("... Address already in use").
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
-      const std::string& listen, Registry* registry, std::optional<MetricsTls> tls = std::nullopt);
-
-  // Stops listening and waits for requests in progress (civetweb's listener, which polls in
-  // 2-s rounds, is woken by a connection to the port, so this takes milliseconds).
+      const std::string& host, int port, Registry* registry,
+      std::function<bool(SSL_CTX&)> tls_setup = nullptr);
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
-  // The TCP port listened on; the kernel's choice when started with port 0.
   int port() const { return port_; }
-  const MetricsTls* tls() const { return tls_ ? &*tls_ : nullptr; }
 
  private:
-  explicit MetricsHttpServer(Registry* registry) : registry_(registry) {}
+  MetricsHttpServer();
 
-  static int HandleRequest(mg_connection* connection, void* server);
-  static int LogMessage(const mg_connection* connection, const char* message);
-
-  Registry* const registry_;
-  std::optional<MetricsTls> tls_;
-  mg_context* context_ = nullptr;
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
   int port_ = 0;
-  std::string wake_host_;  // the address the destructor connects to, to wake the listener
-  // civetweb reports why it failed to start only through its log callback; collected here while
-  // Start runs, then log lines go to stderr.
-  std::mutex log_mu_;  // guards started_ and start_log_
-  bool started_ = false;
-  std::string start_log_;
 };
 
 }  // namespace attnd::metrics

@@ -23,7 +23,7 @@ esac
 run_pkgs=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libabsl-dev
-  civetweb libcivetweb-dev
+  prometheus-cpp-dev libcpp-httplib-dev  # /metrics: the registry, and HTTP(S) serving it
   libssl-dev libgoogle-glog-dev libcli11-dev nlohmann-json3-dev
   libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   curl  # run.sh prints a few metrics lines

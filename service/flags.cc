@@ -149,8 +149,7 @@ std::vector<Flag> Table(ServerFlags* f) {
        "Prometheus /metrics port (default 8002, Triton's; 0 picks a free port\nand prints it)",
        Int(&f->metrics_port)},
       {"metrics-address", "ADDR",
-       "its IPv4 address or host name (default: --grpc-address's host; ::1 is\n127.0.0.1, :: is "
-       "0.0.0.0, another IPv6 address needs this flag)",
+       "its address (IPv4 or IPv6) or host name (default: --grpc-address's)",
        Str(&f->metrics_address)},
       {"allow-metrics", "true|false", "serve /metrics at all (default true)",
        Bool(&f->allow_metrics)},

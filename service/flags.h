@@ -16,7 +16,7 @@ struct ServerFlags {
   bool reuse_grpc_port = false;  // SO_REUSEPORT: share the port with another process on purpose
   int metrics_port = 8002;       // Triton's; 0 = an ephemeral port (printed)
   bool allow_metrics = true;     // false: no metrics endpoint
-  std::string metrics_address;   // default: --grpc-address if IPv4, else 0.0.0.0
+  std::string metrics_address;   // default: --grpc-address's host
   std::string model = "demo";    // a preset name
   std::string model_file;        // a JSON model spec; wins over --model
   std::string hf_config;         // a Hugging Face config.json: the spec from it

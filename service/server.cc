@@ -32,7 +32,6 @@
 #include "grpc/health/v1/health.pb.h"
 #include "metrics/metrics.h"
 #include "metrics/metrics_http.h"
-#include "metrics/metrics_https.h"
 #include "service/attention_service.h"
 #include "service/kv_events.h"
 #include "service/logging.h"
@@ -161,19 +160,9 @@ std::string HostPort(const std::string& host, int port) {
   return v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
 }
 
-// The metrics listener's host: --metrics-address, else the gRPC address's, in the same family
-// where it can be: civetweb (Debian's build) and the HTTPS listener are IPv4 only, so ::1 is
-// served on 127.0.0.1 and :: on 0.0.0.0; another IPv6 address needs --metrics-address (rather
-// than metrics on every IPv4 interface of a server bound to one address).
-absl::StatusOr<std::string> MetricsHost(const ServerFlags& f) {
-  if (!f.metrics_address.empty()) return f.metrics_address;
-  const std::string& g = f.grpc_address;
-  if (g.find(':') == std::string::npos) return g;
-  if (g == "::1" || g == "[::1]") return std::string("127.0.0.1");
-  if (g == "::" || g == "[::]") return std::string("0.0.0.0");
-  return absl::InvalidArgumentError(absl::StrCat("--grpc-address=", g,
-                                                 ": the metrics listener is IPv4 only; give "
-                                                 "--metrics-address (or --allow-metrics=false)"));
+// The metrics listener's host: --metrics-address, else the gRPC address's (IPv4, IPv6 or a name).
+std::string MetricsHost(const ServerFlags& f) {
+  return f.metrics_address.empty() ? f.grpc_address : f.metrics_address;
 }
 
 // Drops gRPC's reflection plugin from a builder: linking grpc++_reflection registers it for every
@@ -322,18 +311,17 @@ class Server {
 
   absl::Status StartMetrics() {
     if (!flags_.allow_metrics) return absl::OkStatus();
-    ASSIGN_OR_RETURN(metrics_host_, MetricsHost(flags_));
-    const std::string listen = absl::StrCat(metrics_host_, ":", flags_.metrics_port);
+    metrics_host_ = MetricsHost(flags_);
+    std::function<bool(SSL_CTX&)> tls;
     if (flags_.metrics_tls) {
-      ASSIGN_OR_RETURN(metrics_https_, metrics::MetricsHttpsServer::Start(
-                                           listen, &registry_,
-                                           {flags_.tls_cert, flags_.tls_key,
-                                            static_cast<int>(flags_.reload_interval_s)}));
-      metrics_port_ = metrics_https_->port();
-    } else {
-      ASSIGN_OR_RETURN(metrics_http_, metrics::MetricsHttpServer::Start(listen, &registry_));
-      metrics_port_ = metrics_http_->port();
+      ASSIGN_OR_RETURN(metrics_certificate_,
+                       RotatingCertificate::Load({flags_.tls_cert, flags_.tls_key, "",
+                                                  static_cast<int>(flags_.reload_interval_s)}));
+      tls = [c = metrics_certificate_.get()](SSL_CTX& ctx) { return c->InstallOn(ctx); };
     }
+    ASSIGN_OR_RETURN(metrics_http_, metrics::MetricsHttpServer::Start(
+                                        metrics_host_, flags_.metrics_port, &registry_, tls));
+    metrics_port_ = metrics_http_->port();
     return absl::OkStatus();
   }
 
@@ -447,7 +435,7 @@ class Server {
     const ModelSpec& spec = engine_->spec();
     const EngineOptions& eo = engine_->options();
     const std::string metrics_where =
-        metrics_port_ > 0 ? absl::StrCat("on ", metrics_host_, ":", metrics_port_, "/metrics",
+        metrics_port_ > 0 ? absl::StrCat("on ", HostPort(metrics_host_, metrics_port_), "/metrics",
                                          flags_.metrics_tls ? " (https)" : "")
                           : "off";
     Say(absl::StrCat("serving attnd.v1 on ", HostPort(flags_.grpc_address, port_), " as replica ",
@@ -595,8 +583,8 @@ class Server {
   // engine's prefetch worker may report a move until the engine is gone).
   std::mutex tier_mu_;
   ServiceMetrics* tier_metrics_ = nullptr;
+  std::unique_ptr<RotatingCertificate> metrics_certificate_;  // outlives metrics_http_
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http_;
-  std::unique_ptr<metrics::MetricsHttpsServer> metrics_https_;
   std::string metrics_host_;
   int metrics_port_ = 0;
   std::unique_ptr<AttentionService> service_;

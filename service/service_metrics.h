@@ -59,7 +59,7 @@ class ServiceMetrics {
   metrics::Histogram* layer_seconds_[2][3][3];  // [transport][phase][kind]
   metrics::Histogram* step_seconds_[3];         // [phase]
   metrics::Family<metrics::Counter>* requests_;
-  metrics::Family<metrics::Histogram>* rpc_seconds_;
+  metrics::HistogramFamily* rpc_seconds_;
   // Per method of the service, fixed after construction: one lookup per finished call.
   struct MethodSeries {
     metrics::Counter* ok;         // requests_{method, code="OK"}

@@ -1,11 +1,22 @@
 #include "tests/test_pki.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <string>
 
 namespace attnd::testing {
 namespace {
@@ -55,6 +66,54 @@ void ReplaceFile(const std::string& src, const std::string& dst) {
   const std::string tmp = dst + ".new";
   std::filesystem::copy_file(src, tmp, std::filesystem::copy_options::overwrite_existing);
   std::filesystem::rename(tmp, dst);
+}
+
+TlsResponse TlsGet(int port, const std::string& ca, const std::string& path, int max_version) {
+  TlsResponse out;
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()),
+                                                        SSL_CTX_free);
+  SSL_CTX_load_verify_locations(ctx.get(), ca.c_str(), nullptr);
+  SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+  if (max_version != 0) {
+    SSL_CTX_set_security_level(ctx.get(), 0);  // so that the client offers old versions at all
+    SSL_CTX_set_min_proto_version(ctx.get(), 0);
+    SSL_CTX_set_max_proto_version(ctx.get(), max_version);
+  }
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  timeval timeout = {10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    ADD_FAILURE() << "connect to port " << port << ": " << std::strerror(errno);
+    close(fd);
+    return out;
+  }
+  SSL* ssl = SSL_new(ctx.get());
+  SSL_set_fd(ssl, fd);
+  if (SSL_connect(ssl) == 1) {
+    out.handshake = true;
+    if (X509* peer = SSL_get1_peer_certificate(ssl)) {
+      char line[256];
+      X509_NAME_oneline(X509_get_subject_name(peer), line, sizeof(line));
+      out.subject = line;
+      X509_free(peer);
+    }
+    const std::string request = "GET " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    SSL_write(ssl, request.data(), static_cast<int>(request.size()));
+    std::string raw;
+    char buffer[4096];
+    int n;
+    while ((n = SSL_read(ssl, buffer, sizeof(buffer))) > 0) raw.append(buffer, n);
+    if (raw.rfind("HTTP/1.1 ", 0) == 0) out.status = std::atoi(raw.substr(9, 3).c_str());
+    const size_t body = raw.find("\r\n\r\n");
+    if (body != std::string::npos) out.body = raw.substr(body + 4);
+  }
+  SSL_free(ssl);
+  close(fd);
+  return out;
 }
 
 }  // namespace attnd::testing

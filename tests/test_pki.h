@@ -31,4 +31,15 @@ class TestPki {
 // Replaces `dst` by a copy of `src` atomically (a rename), as a secret rotation does.
 void ReplaceFile(const std::string& src, const std::string& dst);
 
+struct TlsResponse {
+  bool handshake = false;
+  std::string subject;  // the server certificate's subject, one line
+  int status = -1;      // the HTTP status
+  std::string body;
+};
+
+// GET `path` over HTTPS on 127.0.0.1:`port`, verifying the server against the CA file `ca`;
+// `max_version` (e.g. TLS1_1_VERSION) caps the protocol the client offers (0: no cap).
+TlsResponse TlsGet(int port, const std::string& ca, const std::string& path, int max_version = 0);
+
 }  // namespace attnd::testing

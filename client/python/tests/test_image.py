@@ -26,7 +26,9 @@ DEV_PACKAGES = {
     "OpenSSL": ["libssl-dev"],
     "Protobuf": ["libprotobuf-dev", "protobuf-compiler"],
     "gRPC": ["libgrpc++-dev", "protobuf-compiler-grpc"],
-    "civetweb": ["civetweb", "libcivetweb-dev"],
+    "prometheus-cpp": ["prometheus-cpp-dev"],
+    "PkgConfig": ["pkg-config"],
+    "cpp-httplib": ["libcpp-httplib-dev"],  # pkg_check_modules
     "glog": ["libgoogle-glog-dev"],
     "cppzmq": ["cppzmq-dev", "libzmq3-dev"],
     "msgpack": ["libmsgpack-cxx-dev"],
@@ -41,7 +43,9 @@ RUNTIME_PACKAGES = [
     (r"lib(grpc|gpr)\.so\.29", "libgrpc29t64"),
     (r"libabsl_\w+\.so\.20220623", "libabsl20220623t64"),
     (r"libprotobuf\.so\.32", "libprotobuf32t64"),
-    (r"libcivetweb\.so\.1", "libcivetweb1"),
+    (r"libprometheus-cpp-core\.so\.1\.0", "libprometheus-cpp-core1.0"),
+    # Debian 12 has cpp-httplib 0.11 (libcpp-httplib.so.0.11), the image's Ubuntu 24.04 0.14.
+    (r"libcpp-httplib\.so\.0\.1[14]", "libcpp-httplib0.14t64"),
     (r"libglog\.so\.1", "libgoogle-glog0v6t64"),
     (r"lib(ssl|crypto)\.so\.3", "libssl3t64"),
     (r"libzmq\.so\.5", "libzmq5"),
@@ -79,14 +83,17 @@ def _product_find_packages() -> set[str]:
     for cm in [ROOT / "CMakeLists.txt", *(ROOT / d / "CMakeLists.txt"
                                           for d in ("client", "cluster", "service", "metrics"))]:
         if cm.exists():
-            names |= set(re.findall(r"^\s*find_package\((\w+)", cm.read_text(), re.M))
+            text = cm.read_text()
+            names |= set(re.findall(r"^\s*find_package\(([\w-]+)", text, re.M))
+            names |= set(re.findall(
+                r"^\s*pkg_check_modules\(\w+(?: REQUIRED| IMPORTED_TARGET)* ([\w-]+)", text, re.M))
     return names
 
 
 def test_every_library_cmake_finds_is_installed_by_the_image_and_by_run_sh():
     build, run = _apt_packages(_stage("build")), _run_profile()
     found = _product_find_packages()
-    assert {"gRPC", "cppzmq", "msgpack"} <= found, found  # the parse sees the real list
+    assert {"gRPC", "cppzmq", "msgpack", "prometheus-cpp", "cpp-httplib"} <= found, found
     for name in sorted(found):
         assert name in DEV_PACKAGES, f"find_package({name}): add its packages to DEV_PACKAGES, " \
                                      "deploy/Dockerfile and install-deps.sh's run profile"
