@@ -7,14 +7,16 @@ install(TARGETS attnd attnctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS attnd_client attnd_proto attnd_dtype attnd_block_hash EXPORT attndTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
-  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
+# include/attnd/{client,common,v1}: a program includes <attnd/client/attnd_client.h> (or
+# "client/attnd_client.h"); the headers find each other and the generated API through both roots.
 set(ATTND_INCLUDE ${CMAKE_INSTALL_INCLUDEDIR}/attnd)
 install(FILES client/attention_merge.h client/attnd_client.h client/context_parallel.h client/router.h
   client/sequence_import.h DESTINATION ${ATTND_INCLUDE}/client)
 install(FILES common/block_hash.h common/dtype.h common/host_device.h
   DESTINATION ${ATTND_INCLUDE}/common)
 install(FILES ${ATTND_GEN}/attnd/v1/attention.pb.h ${ATTND_GEN}/attnd/v1/attention.grpc.pb.h
-  DESTINATION ${ATTND_INCLUDE}/attnd/v1)
+  DESTINATION ${ATTND_INCLUDE}/v1)
 install(FILES proto/attnd/v1/attention.proto DESTINATION ${CMAKE_INSTALL_DATADIR}/attnd/proto/attnd/v1)
 
 set_target_properties(attnd_proto PROPERTIES EXPORT_NAME proto)

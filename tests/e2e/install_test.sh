@@ -9,11 +9,18 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cmake --install "$BUILD" --prefix "$WORK/prefix" >/dev/null
 test -x "$WORK/prefix/bin/attnd" && test -x "$WORK/prefix/bin/attnctl"
+# Headers under include/attnd/{client,common,v1}, the generated API once (not attnd/attnd/v1).
+test -f "$WORK/prefix/include/attnd/client/attnd_client.h"
+test -f "$WORK/prefix/include/attnd/v1/attention.pb.h"
+if [ -e "$WORK/prefix/include/attnd/attnd" ]; then
+  echo "install_test: headers under include/attnd/attnd"; exit 1
+fi
 "$WORK/prefix/bin/attnd" --version
 mkdir -p "$WORK/app"
 cat > "$WORK/app/main.cc" <<'CC'
 #include <cstdio>
-#include "client/attnd_client.h"
+#include <attnd/client/attnd_client.h>  // the namespaced path; "client/attnd_client.h" works too
+#include <attnd/v1/attention.grpc.pb.h>
 int main() {
   const float x[4] = {1, 2, 3, 4};
   const attnd::v1::Tensor t = attnd::client::MakeTensor(attnd::DType::kF32, {2, 2}, x, sizeof(x));
