@@ -510,13 +510,26 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   std::string error;
   std::map<std::string, std::string> switches;
   AddFlags(app, table, &error, &switches);
+  // --help or --version anywhere (before a "--") answers, whatever else the line holds.
+  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") return absl::CancelledError(app.help());
+    if (arg == "--version")
+      return absl::CancelledError(
+          absl::StrCat("attnd ", BuildVersion(), " (", BuildRevision(), ")\n"));
+  }
   // "--flag=" gives the flag an empty value (--drain-peers= clears the list), which CLI11 reads
-  // as a missing one: it gets the empty value as the next argument instead.
+  // as a missing one: it gets the empty value as the next argument instead. A switch's value
+  // must be true or false.
   std::vector<std::string> args;
   for (int i = argc - 1; i >= 1; --i) {
     const std::string arg = argv[i];
     if (arg.size() > 3 && arg.rfind("--", 0) == 0 && arg.back() == '=' &&
         arg.find('=') == arg.size() - 1) {
+      const std::string name = arg.substr(2, arg.size() - 3);
+      for (const Flag& t : table)
+        if (t.is_switch && t.name == name)
+          return bad(absl::StrCat("bad value '' for --", name, ": true or false"));
       args.push_back("");
       args.push_back(arg.substr(0, arg.size() - 1));
     } else {

@@ -31,6 +31,20 @@ TEST(Flags, HelpListsEveryFlagOfTheTableWithinHundredColumns) {
   EXPECT_EQ(help.status().message(), usage);
 }
 
+TEST(Flags, HelpAndVersionAnswerWhateverElseTheLineHolds) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--threads=x", "--help"},
+                                               {"--help", "--threads=x"},
+                                               {"--bogus", "-h"},
+                                               {"stray", "--help", "--shm="}}) {
+    const auto help = Parse(args);
+    EXPECT_EQ(help.status().code(), absl::StatusCode::kCancelled) << help.status();
+    EXPECT_EQ(help.status().message(), ServerUsage()) << args[0];
+  }
+  const auto v = Parse({"--kv-cache-bytes=8X", "--version"});
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kCancelled) << v.status();
+  EXPECT_EQ(v.status().message(), Parse({"--version"}).status().message());
+}
+
 TEST(Flags, VersionNamesTheBuild) {
   const auto v = Parse({"--version"});
   EXPECT_EQ(v.status().code(), absl::StatusCode::kCancelled);
@@ -139,6 +153,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--kv-cache-bytes=5KB7"}, "bad value '5KB7' for --kv-cache-bytes"},
       {{"--threads=x", "--threads=2"}, "bad value 'x' for --threads"},  // not hidden by the later
       {{"--shm=maybe", "--shm-socket=/tmp/x"}, "bad value 'maybe' for --shm: true or false"},
+      {{"--shm=", "--shm-socket=/tmp/x"}, "bad value '' for --shm: true or false"},
+      {{"--check-finite="}, "bad value '' for --check-finite: true or false"},
       {{"stray"}, "unexpected argument 'stray'"},
       {{"--grpc-port=70000"}, "port out of range"},
       {{"--threads=-1"}, "bad value '-1' for --threads"},
