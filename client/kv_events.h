@@ -45,8 +45,9 @@ absl::StatusOr<KvEventBatch> DecodeKvEventBatch(const std::string& payload);
 absl::StatusOr<std::pair<std::string, std::string>> ParseKvTopic(const std::string& topic);
 
 // What each replica's prefix cache holds, replayed from its events: per (replica, tenant), block
-// hash -> devices. A gap in a replica's sequence numbers makes it stale (CachedBlocks says
-// nothing: ask the replica); numbers starting again (a restart) or AllBlocksCleared empty it.
+// hash -> devices. Numbers are counted per topic: a gap in one makes its replica stale
+// (CachedBlocks says nothing: ask the replica); a number counting back (a restart) or
+// AllBlocksCleared empties the replica's view and makes it fresh again.
 // Thread safe.
 class KvBlockIndex : public PrefixView {
  public:
@@ -58,26 +59,33 @@ class KvBlockIndex : public PrefixView {
   int64_t gaps() const;
   int64_t restarts() const;
   size_t blocks(const std::string& replica, const std::string& tenant) const;
+  // The last number applied on (replica, tenant)'s topic; none before its first or after a clear.
+  std::optional<uint64_t> LastSeq(const std::string& replica, const std::string& tenant) const;
 
  private:
   void ClearLocked(const std::string& replica);
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, std::map<BlockHash, std::set<int64_t>>> blocks_;
-  std::map<std::string, uint64_t> last_seq_;
+  std::map<std::pair<std::string, std::string>, uint64_t> last_seq_;  // per topic
   std::set<std::string> stale_;
   int64_t gaps_ = 0, restarts_ = 0;
 };
 
-// Follows replicas' KV events ({name: "tcp://host:port"}) in a thread into index().
+// Follows replicas' KV events ({name: "tcp://host:port"}) in a thread into index(). With a
+// replica's replay endpoint (attnd --kv-events-replay), a gap in a topic's numbers is filled from
+// the replica's buffer before the message that showed it is applied (what the buffer no longer
+// has leaves the replica stale, as without replay).
 class KvEventSubscriber {
  public:
   // INVALID_ARGUMENT when an endpoint cannot be connected to.
   static absl::StatusOr<std::unique_ptr<KvEventSubscriber>> Start(
-      const std::map<std::string, std::string>& endpoints);
+      const std::map<std::string, std::string>& endpoints,
+      const std::map<std::string, std::string>& replay = {});
   ~KvEventSubscriber();
   std::shared_ptr<KvBlockIndex> index() const { return index_; }
   int64_t messages() const { return messages_.load(); }
   int64_t errors() const { return errors_.load(); }
+  int64_t replayed() const { return replayed_.load(); }
 
  private:
   struct Impl;
@@ -86,7 +94,7 @@ class KvEventSubscriber {
   std::unique_ptr<Impl> impl_;
   std::shared_ptr<KvBlockIndex> index_;
   std::atomic<bool> stop_{false};
-  std::atomic<int64_t> messages_{0}, errors_{0};
+  std::atomic<int64_t> messages_{0}, errors_{0}, replayed_{0};
   std::thread thread_;
 };
 

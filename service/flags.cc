@@ -274,6 +274,18 @@ std::vector<Flag> Table(ServerFlags* f) {
        "ZeroMQ PUB) on this bind endpoint, e.g. tcp://*:5557\n(default off; "
        "docs/prefix_cache.md)",
        Str(&f->kv_events)},
+      {"kv-events-replay", "ENDPOINT",
+       "answer vLLM's replay requests (ZeroMQ ROUTER) for recent KV events on\nthis bind "
+       "endpoint, e.g. tcp://*:5558 (default off)",
+       Str(&f->kv_events_replay)},
+      {"kv-events-replay-bytes", "SIZE",
+       "what the replay buffer keeps: at most this many payload bytes and\n10000 messages "
+       "(default 64M)",
+       Bytes(&f->kv_events_replay_bytes)},
+      {"kv-events-format", "map|array",
+       "events as vLLM's tagged maps (default) or the tagged arrays of vLLM\nbefore 0.24 "
+       "(older routers)",
+       OneOf(&f->kv_events_format, {"map", "array"})},
       {"shutdown-grace-ms", "N", "after the drain, let RPCs finish this long (default 10000)",
        Int(&f->shutdown_grace_ms)},
       {"log-level", "debug|info|warning|error",
@@ -585,6 +597,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.sequence_idle_timeout_s > int64_t{10} * 365 * 86400)
     return bad("--sequence-idle-timeout-s: at most ten years (0 = never)");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
+  if (f.kv_events.empty() && !f.kv_events_replay.empty())
+    return bad("--kv-events-replay needs --kv-events");
   if (f.disk_cache_dir.empty() != (f.disk_cache_bytes == 0))
     return bad("--disk-cache-dir and --disk-cache-bytes go together");
   if (f.spill_idle_ms > 0 && f.host_cache_bytes == 0 && f.disk_cache_dir.empty())

@@ -50,6 +50,9 @@ struct ServerFlags {
   // as much as the tiers hold); the KV-event endpoint ("" = off).
   int64_t prefix_cache_bytes = -1;
   std::string kv_events;
+  std::string kv_events_replay;
+  std::string kv_events_format = "map";
+  int64_t kv_events_replay_bytes = int64_t{64} << 20;
   int64_t shutdown_grace_ms = 10000;
   // Per-request bounds (docs/trust.md); defaults a production server can ship with.
   int64_t max_step_tokens = 65536;

@@ -392,6 +392,9 @@ class Server {
     if (!flags_.kv_events.empty()) {
       KvEventsOptions ko;
       ko.endpoint = flags_.kv_events;
+      ko.replay_endpoint = flags_.kv_events_replay;
+      ko.replay_bytes = flags_.kv_events_replay_bytes;
+      ko.array_form = flags_.kv_events_format == "array";
       ko.replica = replica_name_;
       ko.block_size = engine_->spec().page_size;
       for (const DeviceCapacity& d : engine_->Capacity())

@@ -80,7 +80,11 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   pc->set_max_cached_bytes(engine_->options().prefix_cache_bytes);
   pc->set_blocks(prefix.blocks);
   pc->set_cached_only_pages(prefix.cached_only);
-  if (const KvEventPublisher* ev = kv_events_.load()) pc->set_kv_events(ev->endpoint());
+  if (const KvEventPublisher* ev = kv_events_.load()) {
+    pc->set_kv_events(ev->endpoint());
+    pc->set_kv_events_replay(ev->replay_endpoint());
+    pc->set_kv_events_format(ev->array_form() ? "array" : "map");
+  }
   v1::ReplicationInfo* ri = resp->mutable_replication();
   const StandbyUsage standby = engine_->Standby();
   ri->set_standby_sequences(standby.sequences);

@@ -31,12 +31,13 @@ class PrefixRouter:
     subscriber; without it, or for a replica without an endpoint, every choice asks the
     replicas (LookupPrefix). ``block_size`` and ``salt`` must be the servers' page size and the
     workers' salt (:func:`attnd.hash_blocks`). ``load`` ({name: (room, open_steps)}) replaces the
-    default (each replica's ServerInfo, at most every ``load_ttl_s``)."""
+    default (each replica's ServerInfo, at most every ``load_ttl_s``). ``kv_replay`` ({name:
+    ZeroMQ endpoint}, ``ServerInfo.prefix_cache.kv_events_replay``) fills gaps in the events."""
 
     def __init__(self, replicas: Mapping[str, str], kv_events: Optional[Mapping[str, str]] = None,
                  *, block_size: int, salt: bytes = b"", tenant: str = "",
                  load: Optional[Callable[[str], Load]] = None, load_ttl_s: float = 0.5,
-                 **client_kwargs) -> None:
+                 kv_replay: Optional[Mapping[str, str]] = None, **client_kwargs) -> None:
         self._replicas = dict(replicas)
         self._client_kwargs = client_kwargs
         self._clients: Dict[str, AttndClient] = {}
@@ -45,7 +46,8 @@ class PrefixRouter:
         self.salt = bytes(salt)
         self.tenant = tenant
         self.index = BlockIndex()
-        self._subscriber = (KvEventSubscriber(kv_events, self.index) if kv_events else None)
+        self._subscriber = (KvEventSubscriber(kv_events, self.index, kv_replay)
+                            if kv_events else None)
         self._events = set(kv_events or ())
         self._load = load
         self._load_ttl = load_ttl_s

@@ -61,6 +61,8 @@ class PrefixCacheInfo:
     blocks: int  # indexed now, every tenant
     cached_only_pages: int  # pages only the cache holds
     kv_events: str  # the KV-event endpoint ("" = off)
+    kv_events_replay: str = ""  # its replay endpoint ("" = off)
+    kv_events_format: str = ""  # "map" (vLLM's tagged maps) or "array"
 
 
 @dataclasses.dataclass(frozen=True)

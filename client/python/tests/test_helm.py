@@ -431,7 +431,10 @@ def test_configurations_that_cannot_work_are_refused_with_a_reason(values, error
       "--spill-idle-ms=600000"]),
     ({"prefixCache": {"enabled": False}}, ["--prefix-cache-bytes=0"]),
     ({"prefixCache": {"bytes": 17179869184}}, ["--prefix-cache-bytes=17179869184"]),
-    ({"kvEvents": {"enabled": True, "port": 6000}}, ["--kv-events=tcp://*:6000"]),
+    ({"kvEvents": {"enabled": True, "port": 6000}},
+     ["--kv-events=tcp://*:6000", "--kv-events-replay=tcp://*:5558"]),
+    ({"kvEvents": {"enabled": True, "replayPort": 0, "format": "array"}},
+     ["--kv-events=tcp://*:5557", "--kv-events-format=array"]),
     ({"sharedMemory": {"enabled": True, "socketDir": "/run/shm-attnd", "socketMode": "0600"},
       "quotas": {"shmRegions": 4}},
      ["--shm=true", "--shm-socket=/run/shm-attnd/attnd.sock", "--shm-socket-mode=0600",
@@ -478,6 +481,8 @@ def test_kv_events_and_shared_memory_get_their_port_and_volumes():
     assert svc_ports["kv-events"]["port"] == 5557
     assert svc_ports["kv-events"]["targetPort"] == "kv-events"
     assert {"name": "kv-events", "containerPort": 5557} in _container(docs)["ports"]
+    assert svc_ports["kv-replay"]["port"] == 5558
+    assert {"name": "kv-replay", "containerPort": 5558} in _container(docs)["ports"]
     volumes = {v["name"]: v for v in _pod(docs)["volumes"]}
     assert volumes["dev-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
     assert volumes["shm-socket"]["emptyDir"] == {}

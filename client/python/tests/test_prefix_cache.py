@@ -9,14 +9,13 @@ replica's view starts empty."""
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Union
 
 import grpc
 import msgpack
-import msgspec
 import numpy as np
 import pytest
 import zmq
+from vllm_kv_events import DECODER as VLLM_DECODER  # vLLM's current structs
 
 from attnd import (
     AttndClient,
@@ -29,46 +28,6 @@ from attnd.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 from attnd_process import free_port
 from attnd_testlib import expect, layer_inputs, scrape, step_details, wait_for
-
-
-# vLLM's KV-event schema as vLLM declares it (vllm/distributed/kv_events.py: msgspec structs,
-# array_like, tagged events), so the events are decoded here by the same rules a vLLM-based
-# router decodes them with.
-class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStoredV(VllmKVCacheEvent, tag="BlockStored"):
-    block_hashes: List[Union[bytes, int]]
-    parent_block_hash: Optional[Union[bytes, int]]
-    token_ids: List[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-
-
-class BlockRemovedV(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: List[Union[bytes, int]]
-    medium: Optional[str]
-
-
-class AllBlocksClearedV(VllmKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: List[Any]
-    data_parallel_rank: Optional[int] = None
-
-
-class VllmKVEventBatch(VllmEventBatch):
-    events: List[Union[BlockStoredV, BlockRemovedV, AllBlocksClearedV]]
-
-
-VLLM_DECODER = msgspec.msgpack.Decoder(type=VllmKVEventBatch)
-
-
 
 
 def _same_bits(got, want, what):
@@ -220,7 +179,7 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
                 batch = decode_batch(payload)
                 vllm = VLLM_DECODER.decode(payload)  # vLLM's own rules agree
                 assert vllm.data_parallel_rank == batch.data_parallel_rank
-                assert [type(e).__name__[:-1] for e in vllm.events] == \
+                assert [type(e).__name__ for e in vllm.events] == \
                     [type(e).__name__ for e in batch.events]
                 assert [list(e.block_hashes) for e in vllm.events] == \
                     [list(e.block_hashes) for e in batch.events]
@@ -253,10 +212,11 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
     finally:
         sub.close()
         ctx.term()
-    # The wire form itself: vLLM's tagged arrays.
-    first = next(e for batch in raw for e in batch[1] if e[0] == "BlockStored")
-    assert len(first) == 7 and first[2] is None  # a prompt's first block: no parent
-    assert isinstance(first[1][0], bytes) and isinstance(raw[0][0], float) and raw[0][2] == 0
+    # The wire form itself: vLLM's tagged maps in an array batch.
+    first = next(e for batch in raw for e in batch[1] if e["type"] == "BlockStored")
+    assert first["parent_block_hash"] is None  # a prompt's first block: no parent
+    assert isinstance(first["block_hashes"][0], bytes) and isinstance(raw[0][0], float)
+    assert raw[0][2] == 0
 
 
 def test_the_block_index_sees_gaps_restarts_and_cleared_caches():
