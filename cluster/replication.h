@@ -72,7 +72,7 @@ class Replicator final : public ReplicationHook {
   // (a replica that was paused or cut off) is looked up on its standby; one promoted there is
   // fenced here (FAILED_PRECONDITION). A standby that does not answer confirms nothing and
   // refuses nothing (the step goes on, as commits do when it is down); it is marked down, so
-  // the step's commit answers unprotected.
+  // the step's commit answers unprotected, and is not asked again for the step's other keys.
   absl::Status Confirm(const std::vector<SequenceKey>& keys) override;
   // The replica holding key's standby copy ("" when none).
   std::string StandbyOf(const SequenceKey& key) const override;

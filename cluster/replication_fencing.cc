@@ -4,6 +4,7 @@
 #include <glog/logging.h>
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "cluster/replication.h"
@@ -38,7 +39,9 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
       asks.push_back({k, it->second.generation, p.address, p.confirm_clients[k.tenant]});
     }
   }
+  std::set<std::string> silent;  // standbys that did not answer this call: not asked again
   for (Ask& a : asks) {
+    if (silent.contains(a.address)) continue;
     if (a.client == nullptr) {
       client::ConnectOptions c = options_.credentials;
       c.act_as_tenant = a.key.tenant;
@@ -55,6 +58,7 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
     if (absl::IsUnavailable(there.status()) || absl::IsDeadlineExceeded(there.status())) {
       // Not answering: down, as a failed send would find it (its commits answer unprotected
       // until it answers again; the peer's thread asks it).
+      silent.insert(a.address);
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& p : peers_)
         if (p->address == a.address && !p->self) {

@@ -286,7 +286,7 @@ Replicator::Round Replicator::Ship(Peer* peer) {
           Fence(item.key, there->generation());
           continue;
         } else {
-          (void)to.CloseSequence(item.key.id);
+          (void)to.CloseSequence(item.key.id, there->generation());  // an older run's copy
           s = to.OpenSequence(req).status();
         }
       }

@@ -222,6 +222,12 @@ grpc::ServerUnaryReactor* AttentionService::CloseSequence(grpc::CallbackServerCo
 
 absl::Status AttentionService::DoCloseSequence(const Caller& caller,
                                                const v1::CloseSequenceRequest& req) {
+  // Closing a standby copy is the replicas' (their admin identity), as opening one is.
+  if (req.standby_generation() != 0 && !IsAdmin(caller))
+    return NoAuth() ? RequireAdmin(caller, "CloseSequence", " (standby_generation)")
+                    : absl::PermissionDeniedError(
+                          "standby_generation: only the admin identity (--admin-tenant) closes "
+                          "standby copies");
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   RETURN_IF_ERROR(engine_->CloseSequence(key, req.standby_generation()));
   if (replicator_ != nullptr) replicator_->Closed(key);

@@ -430,6 +430,28 @@ TEST_F(TokenTest, AStandbyCopyIsWrittenOnlyByTheReplicasNotItsTenant) {
   EXPECT_TRUE(q->CloseSequence("q2").ok());
 }
 
+// Issue 53: a tenant closed its own standby copy (a plain close), and the replica holding the
+// primary went on reporting it "replicated". Copies are closed by the replicas alone, at their
+// generation; the tenant's close, plain or naming the generation, leaves the copy as it was.
+TEST_F(TokenTest, AStandbyCopyIsClosedOnlyByTheReplicas) {
+  auto q = As(kTokenQ), as_q = As(kTokenAdmin, false, "q");
+  v1::OpenSequenceRequest open;
+  open.set_sequence_id("sb-close");
+  open.set_standby_generation(3);
+  ASSERT_TRUE(as_q->OpenSequence(open).ok());
+  const absl::Status plain = q->CloseSequence("sb-close");
+  EXPECT_EQ(plain.code(), Code::kFailedPrecondition) << plain;
+  EXPECT_NE(plain.message().find("standby copy"), std::string::npos) << plain;
+  EXPECT_EQ(q->CloseSequence("sb-close", 3).code(), Code::kPermissionDenied);
+  auto still = as_q->DescribeSequence("sb-close");
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_TRUE(still->standby());
+  EXPECT_EQ(as_q->CloseSequence("sb-close").code(), Code::kFailedPrecondition)
+      << "the replicas name the generation too";
+  EXPECT_TRUE(as_q->CloseSequence("sb-close", 3).ok());
+  EXPECT_EQ(q->DescribeSequence("sb-close").status().code(), Code::kNotFound);
+}
+
 TEST_F(TokenTest, TheAdminListsEveryTenantAndMayActAsOne) {
   auto a = As(kTokenA), b = As(kTokenB), admin = As(kTokenAdmin);
   ASSERT_TRUE(a->OpenSequence("adm-a").ok());

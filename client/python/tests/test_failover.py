@@ -619,3 +619,35 @@ def test_peers_resolve_after_start_and_a_malformed_peer_is_refused(tmp_path):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
     assert "neither HOST:PORT nor dns:NAME:PORT" in r.stdout + r.stderr
+
+
+def test_a_step_asks_a_standby_that_stopped_answering_once_not_per_sequence(tmp_path):
+    """Issue 53: before a step, Confirm asks the standby of each sequence it has not heard from
+    for the ack timeout whether the sequence failed over there; a standby that does not answer
+    is marked down, and the step's other sequences on it are not asked again (each ask waits
+    the ack timeout: six sequences on a stopped standby held the step for six of them)."""
+    c = Cluster(tmp_path, "async")
+    try:
+        first, second = ranked(c.names, "ask-0")[:2]
+        sids = [f"ask-{i}" for i in range(400)
+                if ranked(c.names, f"ask-{i}")[:2] == [first, second]][:6]
+        assert len(sids) == 6
+        seqs = [c.open(sid) for sid in sids]
+        for s in seqs:
+            c.step(s, T=2)
+        primary, _, standby_proc = _pause_caught_up_standby(c, seqs[0])
+        assert primary == first
+        try:
+            time.sleep(0.8)  # past the 500 ms ack timeout: every sequence's standby is asked
+            with AttndClient(c.address_of[first], timeout=30.0) as client:
+                t0 = time.monotonic()
+                step = client.begin_step([(s.sid, 1) for s in seqs],
+                                         generations=[s.generation for s in seqs])
+                waited = time.monotonic() - t0
+                client.abort_step(step.step_id)
+            # One ask's timeout (500 ms), not six (3 s); the margin is the machine's.
+            assert waited < 1.8, f"BeginStep took {waited:.2f} s"
+        finally:
+            standby_proc.send_signal(signal.SIGCONT)
+    finally:
+        c.close()
