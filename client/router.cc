@@ -360,6 +360,21 @@ absl::StatusOr<Router::FailedOver> Router::FailOver(const std::string& sequence_
         if (c != nullptr) order.emplace_back(std::move(n), c);
       }
   }
+  // The longest copy at the generation first: a copy left on a former standby may be behind the
+  // one that caught up (the order above breaks ties).
+  std::map<std::string, int64_t> held;
+  for (auto& [name, c] : order) {
+    auto there = c->DescribeSequence(sequence_id);
+    if (there.ok() && there->standby() && there->generation() == generation)
+      held[name] = there->length();
+  }
+  std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    auto length_of = [&](const std::string& n) {
+      auto it = held.find(n);
+      return it == held.end() ? int64_t{-1} : it->second;
+    };
+    return length_of(a.first) > length_of(b.first);
+  });
   std::string errors;
   for (auto& [name, c] : order) {
     auto info = c->PromoteSequence(sequence_id, generation, length, failed);

@@ -122,9 +122,10 @@ class Router {
 
   // Failover (docs/replication.md): `sequence_id`'s primary (`failed`, default: where this
   // router routes it now) does not answer. Promotes its standby copy at `generation` (the one
-  // the primary last reported) with the `length` the worker knows — on `standby` first when
-  // given (SequenceInfo.standby_replica), then on the replicas in the order its rendezvous hash
-  // ranks them without `failed` — and routes the sequence there from now on (until Forget).
+  // the primary last reported) with the `length` the worker knows — on the replica holding the
+  // longest copy at that generation, ties broken by `standby` first when given
+  // (SequenceInfo.standby_replica), then by the order its rendezvous hash ranks the replicas
+  // without `failed` — and routes the sequence there from now on (until Forget).
   // Returns the new primary's client and the promoted sequence: its generation for the next
   // steps, its length where to resume (shorter than `length` after an async standby's lag:
   // resend the steps after it). NOT_FOUND when no replica holds a copy.

@@ -326,14 +326,28 @@ TEST(Routing, FailOverPromotesTheStandbyAndTheSequenceDecodesOn) {
   }
   const std::string victim = router.Pick(ids[0]);
   const int v = victim[1] - '0';
+  // Issue 53: a stale (empty) copy left on the replica that is neither the primary nor the
+  // standby, named to FailOver as the standby: the caught-up copy must still win.
+  std::map<std::string, std::string> stale_on;
+  for (const std::string& id : ids) {
+    const std::vector<std::string> ranked = client::Ranked({"f0", "f1", "f2"}, id);
+    if (ranked[0] != victim) continue;
+    stale_on[id] = ranked[2];
+    auto there = Client::Connect(r[ranked[2][1] - '0']->target());
+    v1::OpenSequenceRequest copy;
+    copy.set_sequence_id(id);
+    copy.set_standby_generation(generation[id]);
+    ASSERT_TRUE(there->OpenSequence(copy).ok()) << id;
+  }
   kill(r[v]->pid(), SIGKILL);
   int failed_over = 0;
   for (const std::string& id : ids) {
     absl::Status s = step(id, 1);
     if (s.ok()) continue;
     ASSERT_EQ(router.Pick(id), victim) << s;
-    auto moved = router.FailOver(id, generation[id], length[id], victim);
+    auto moved = router.FailOver(id, generation[id], length[id], victim, stale_on[id]);
     ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(moved->name, client::Ranked({"f0", "f1", "f2"}, id)[1]) << "the longest copy";
     EXPECT_EQ(moved->info.length(), length[id]);  // sync: nothing committed lost
     EXPECT_EQ(moved->info.generation(), generation[id] + 1);
     EXPECT_NE(moved->name, victim);

@@ -189,12 +189,13 @@ class Router:
                  ) -> Tuple[AttndClient, SequenceInfo]:
         """Failover (docs/replication.md): ``sequence_id``'s primary (``failed``, default: where
         this router routes it now) does not answer. Promotes its standby copy at ``generation``
-        (the one the primary last reported) with the ``length`` the worker knows — on ``standby``
-        first when given (:attr:`SequenceInfo.standby_replica`), then on the replicas in the order
-        its rendezvous hash ranks them without ``failed`` — and routes the sequence there from
-        now on. Returns the new primary's client and the promoted sequence: its ``generation``
-        for the next steps, its ``length`` where to resume (shorter than ``length`` after an
-        async standby's lag: resend the steps after it). NOT_FOUND when no replica holds a copy.
+        (the one the primary last reported) with the ``length`` the worker knows — on the replica
+        holding the longest copy at that generation, ties broken by ``standby`` first when given
+        (:attr:`SequenceInfo.standby_replica`), then by the order its rendezvous hash ranks the
+        replicas without ``failed`` — and routes the sequence there from now on. Returns the new
+        primary's client and the promoted sequence: its ``generation`` for the next steps, its
+        ``length`` where to resume (shorter than ``length`` after an async standby's lag: resend
+        the steps after it). NOT_FOUND when no replica holds a copy.
 
         When to call it: a call to the primary failed with UNAVAILABLE or DEADLINE_EXCEEDED (it
         is gone or unreachable), or NOT_FOUND for a sequence the worker opened there (it came
@@ -207,6 +208,17 @@ class Router:
                 names.remove(standby)
                 names.insert(0, standby)
             order = [(n, self._client(n)) for n in names if n != failed]
+        # The longest copy at the generation first: a copy left on a former standby may be
+        # behind the one that caught up (the order above breaks ties).
+        held = {}
+        for name, c in order:
+            try:
+                there = c.describe_sequence(sequence_id)
+            except AttndError:
+                continue
+            if there.standby and there.generation == generation:
+                held[name] = there.length
+        order.sort(key=lambda nc: -held.get(nc[0], -1))
         errors = []
         for name, c in order:
             try:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from attnd import AttndClient, AttndError, LayerInputs, Router, name_replicas, ranked
+from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import ATTND_BIN, free_port, start
 from attnd_testlib import bf16_layers, run_sharded, scrape, wait_for
@@ -649,5 +650,29 @@ def test_a_step_asks_a_standby_that_stopped_answering_once_not_per_sequence(tmp_
             assert waited < 1.8, f"BeginStep took {waited:.2f} s"
         finally:
             standby_proc.send_signal(signal.SIGCONT)
+    finally:
+        c.close()
+
+
+def test_failover_promotes_the_longest_copy_not_the_first_named(tmp_path):
+    """Issue 53: the router promoted the replica it was told held the standby (or the first in
+    hash order) without comparing copies, so a stale copy left on a former standby won over the
+    caught-up one. It now asks each candidate and promotes the longest copy at the generation."""
+    c = Cluster(tmp_path, "sync")
+    try:
+        s = c.open("longest-0")
+        for _ in range(3):
+            c.step(s, T=3)
+        primary, standby, former = ranked(c.names, s.sid)
+        with AttndClient(c.address_of[standby], timeout=10.0) as sb:
+            wait_for(lambda: _standby_copy(sb, s.sid, 1, s.length), "the copy caught up")
+        with AttndClient(c.address_of[former], timeout=10.0) as old:  # a copy left behind, empty
+            old._unary("OpenSequence", pb.OpenSequenceRequest(sequence_id=s.sid,
+                                                              standby_generation=1), lambda r: r)
+        c.kill(primary)
+        _, info = c.router.failover(s.sid, generation=1, length=s.length, standby=former)
+        assert info.length == s.length and info.generation == 2, info
+        with AttndClient(c.address_of[standby], timeout=10.0) as sb:
+            assert sb.describe_sequence(s.sid) == info, "promoted on the replica with every row"
     finally:
         c.close()
