@@ -68,7 +68,9 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
                      port, ": ", errno != 0 ? std::strerror(errno) : "bind failed"));
   s->thread_ = std::thread([&server] { server.listen_after_bind(); });
   // Until it runs: stop() before then would be lost, and the destructor's join would wait forever.
-  while (!server.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int i = 0; i < 5000 && !server.is_running(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!server.is_running()) return absl::UnavailableError("metrics server did not start");
   return s;
 }
 

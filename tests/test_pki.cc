@@ -68,6 +68,32 @@ void ReplaceFile(const std::string& src, const std::string& dst) {
   std::filesystem::rename(tmp, dst);
 }
 
+int ConnectLoopback(int port, bool ipv6) {
+  const int fd = socket(ipv6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) {
+    ADD_FAILURE() << "socket: " << std::strerror(errno);
+    return -1;
+  }
+  timeval timeout = {10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in6 address6 = {};
+  address6.sin6_family = AF_INET6;
+  address6.sin6_port = htons(static_cast<uint16_t>(port));
+  address6.sin6_addr = in6addr_loopback;
+  const int connected = ipv6 ? connect(fd, reinterpret_cast<sockaddr*>(&address6), sizeof(address6))
+                             : connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  if (connected != 0) {
+    ADD_FAILURE() << "connect to port " << port << ": " << std::strerror(errno);
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 TlsResponse TlsGet(int port, const std::string& ca, const std::string& path, int max_version) {
   TlsResponse out;
   std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> ctx(SSL_CTX_new(TLS_client_method()),
@@ -79,18 +105,8 @@ TlsResponse TlsGet(int port, const std::string& ca, const std::string& path, int
     SSL_CTX_set_min_proto_version(ctx.get(), 0);
     SSL_CTX_set_max_proto_version(ctx.get(), max_version);
   }
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  timeval timeout = {10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    ADD_FAILURE() << "connect to port " << port << ": " << std::strerror(errno);
-    close(fd);
-    return out;
-  }
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return out;
   SSL* ssl = SSL_new(ctx.get());
   SSL_set_fd(ssl, fd);
   if (SSL_connect(ssl) == 1) {

@@ -31,6 +31,10 @@ class TestPki {
 // Replaces `dst` by a copy of `src` atomically (a rename), as a secret rotation does.
 void ReplaceFile(const std::string& src, const std::string& dst);
 
+// A TCP connection to 127.0.0.1 (or ::1) on `port` with a 10-s receive timeout; -1 and a test
+// failure when it cannot be made.
+int ConnectLoopback(int port, bool ipv6 = false);
+
 struct TlsResponse {
   bool handshake = false;
   std::string subject;  // the server certificate's subject, one line

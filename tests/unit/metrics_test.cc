@@ -51,26 +51,11 @@ struct HttpResponse {
 // Sends `request` on a fresh loopback connection and returns all it reads until the server closes
 // ("" and a test failure if the connection fails).
 std::string RawExchange(int port, const std::string& request, bool ipv6 = false) {
-  const int fd = socket(ipv6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) {
-    ADD_FAILURE() << "socket: " << std::strerror(errno);
-    return "";
-  }
-  timeval timeout = {10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  sockaddr_in6 address6 = {};
-  address6.sin6_family = AF_INET6;
-  address6.sin6_port = htons(static_cast<uint16_t>(port));
-  address6.sin6_addr = in6addr_loopback;
-  const int connected = ipv6 ? connect(fd, reinterpret_cast<sockaddr*>(&address6), sizeof(address6))
-                             : connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  if (connected != 0 || send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
-                            static_cast<ssize_t>(request.size())) {
-    ADD_FAILURE() << "connect or send to port " << port << ": " << std::strerror(errno);
+  const int fd = testing::ConnectLoopback(port, ipv6);
+  if (fd < 0) return "";
+  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    ADD_FAILURE() << "send to port " << port << ": " << std::strerror(errno);
     close(fd);
     return "";
   }
