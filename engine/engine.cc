@@ -339,17 +339,15 @@ absl::Status Engine::CloseSequence(const SequenceKey& seq, uint64_t standby_gene
   EngineLock lock(impl_->mu);
   impl_->AwaitSettled(lock, seq);  // a move of it in flight ends first
   const Sequence* s = impl_->table->Find(seq);
-  // A standby copy is replication's: closed by the replicas, who name its generation, alone.
-  if (standby_generation == 0 && s != nullptr && s->standby)
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", Quote(seq.id), " is a standby copy at generation ", s->generation,
-                     ": the replicas close it (standby_generation), not a plain close"));
-  if (standby_generation != 0 && s != nullptr &&
-      (!s->standby || s->generation != standby_generation))
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", Quote(seq.id), " is ",
-                     s->standby ? "a standby copy" : "a primary", " at generation ", s->generation,
-                     ", not a standby copy at generation ", standby_generation, ": not closed"));
+  // A standby copy is replication's: closed by the replicas alone, who name its generation.
+  if (s != nullptr &&
+      (standby_generation == 0 ? s->standby : !s->standby || s->generation != standby_generation))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", Quote(seq.id), " is ", s->standby ? "a standby copy" : "a primary",
+        " at generation ", s->generation,
+        standby_generation == 0 ? ": the replicas close it (standby_generation), not a plain close"
+                                : absl::StrCat(", not a standby copy at generation ",
+                                               standby_generation, ": not closed")));
   return impl_->table->Close(seq);
 }
 
