@@ -193,9 +193,12 @@ class Run {
         }
         break;
       }
-      case 2: {  // close
-        const absl::Status s = engine_->CloseSequence(id);
-        FUZZ_CHECK(s.ok() == model_.seqs.contains(id), s.ToString());
+      case 2: {  // close; a standby copy only by the replicas, naming its generation
+        const auto m = model_.seqs.find(id);
+        const bool standby = m != model_.seqs.end() && m->second.standby;
+        const uint64_t g = standby && in.Int(0, 1) == 1 ? m->second.generation : 0;
+        const absl::Status s = engine_->CloseSequence(id, g);
+        FUZZ_CHECK(s.ok() == (m != model_.seqs.end() && standby == (g != 0)), s.ToString());
         if (s.ok()) {
           model_.seqs.erase(id);
           oracle_.Close(id);
@@ -284,7 +287,8 @@ class Run {
 
   // Closes everything and empties the prefix cache: every page must come back.
   void Finish() {
-    for (const auto& [id, s] : model_.seqs) FUZZ_CHECK(engine_->CloseSequence(id).ok(), id);
+    for (const auto& [id, s] : model_.seqs)
+      FUZZ_CHECK(engine_->CloseSequence(id, s.standby ? s.generation : 0).ok(), id);
     FUZZ_CHECK(engine_->ClearPrefixCache() >= 0 && engine_->PrefixCacheStats().blocks == 0,
                "the prefix cache kept blocks");
     for (const DeviceCapacity& d : engine_->Capacity())

@@ -325,8 +325,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Restore the world: no step or sequence may outlive the input, and every page comes back.
   for (uint64_t s : steps) (void)w.engine->AbortStep(StepRef("a", s));
   Check(w.engine->ExpireIdleSteps(std::chrono::milliseconds(0)) == 0, "a step was leaked");
-  for (const std::string& id : ids)
-    Check(w.engine->CloseSequence(SequenceKey("a", id)).ok(), absl::StrCat("cannot close ", id));
+  for (const std::string& id : ids) {  // a standby copy closes at its generation (the replicas')
+    const auto info = w.engine->DescribeSequence(SequenceKey("a", id));
+    const uint64_t g = info.ok() && info->standby ? info->generation : 0;
+    Check(w.engine->CloseSequence(SequenceKey("a", id), g).ok(), absl::StrCat("cannot close ", id));
+  }
   Check(w.engine->num_sequences() == 0, "a sequence the fuzzer never saw opened");
   const DeviceCapacity d = w.engine->Capacity()[0];
   Check(d.pages_free == d.pages_total, absl::StrCat(d.pages_total - d.pages_free, " pages leaked"));
