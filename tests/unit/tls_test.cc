@@ -1,5 +1,6 @@
-// service/tls: the files the flags name checked at start, and the metrics port's rotating
-// certificate, served through a real MetricsHttpServer and rotated under it.
+// service/tls (built into auth_test, the trust tests' binary): the files the flags name checked
+// at start, and the metrics port's rotating certificate, served through a real MetricsHttpServer
+// and rotated under it.
 #include "service/tls.h"
 
 #include <chrono>
