@@ -35,6 +35,7 @@
 #include "client/attnd_client.h"
 #include "client/soak.h"
 #include "client/workload.h"
+#include "common/build_version.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.pb.h"
 
@@ -457,8 +458,8 @@ int main(int argc, char** argv) {
   using namespace attnd::client;
   Args a;
   CLI::App app{"attnctl: talks to a running attnd (see attnctl COMMAND --help)", "attnctl"};
-  app.set_version_flag("--version",
-                       std::string("attnctl ") + ATTND_VERSION + " (" + ATTND_REVISION + ")");
+  app.set_version_flag("--version", std::string("attnctl ") + attnd::BuildVersion() + " (" +
+                                        attnd::BuildRevision() + ")");
   app.require_subcommand(1);
   app.fallthrough();  // connection flags may follow the command
   const char* env_target = std::getenv("ATTND_TARGET");

@@ -75,8 +75,8 @@ if [ "$profile" = test ]; then
   # The Python test tools in their own venv, made once and reused while this list is unchanged
   # (as the torch venv of test_transformers.sh).
   venv=${ATTND_TEST_VENV:-$HOME/.cache/attnd-test-venv}
-  requirements="grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest ml_dtypes
-pyyaml kubernetes-validate jsonschema ruff pyzmq msgpack msgspec"
+  requirements="grpcio grpcio-tools grpcio-health-checking grpcio-reflection numpy pytest pytest-xdist
+ml_dtypes pyyaml kubernetes-validate jsonschema ruff pyzmq msgpack msgspec"
   stamp="$venv/.attnd-requirements"
   if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$requirements" ]; then
     # Remade only if it is ours (our stamp) or absent: never a folder someone else made.

@@ -16,7 +16,9 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDI
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
   configure_sanitized "$ASAN_TREE" address,undefined ON  # the fuzz targets build here too
-  cmake --build "$ASAN_TREE" -j "$(nproc)"
+  # The test executables only (not attnd, attnctl or the fuzz targets: scripts/fuzz.sh builds
+  # those it runs).
+  cmake --build "$ASAN_TREE" -j "$(nproc)" --target attnd_tests
   echo "sanitize: ASan+UBSan: the unit, engine, service and sim levels (the e2e ones run once, in test.sh)"
   # The simulations' barrier sweeps (Every...IsNeeded) run each kernel again once per barrier
   # it has, to show the simulator's race check needs it; under ASan the kernels' memory

@@ -15,8 +15,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/build_version.h"
 #include "kernels/cuda/backend/kernel_choice.h"
-#include "service/service_metrics.h"
 
 namespace attnd {
 namespace {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cluster/replication_hook.h"
+#include "common/build_version.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
 #include "engine/layer_check.h"

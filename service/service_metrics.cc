@@ -10,16 +10,10 @@
 #include "absl/strings/match.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "cluster/replication_hook.h"
+#include "common/build_version.h"
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
-
-#ifndef ATTND_VERSION
-#define ATTND_VERSION "0.0.0"
-#endif
-#ifndef ATTND_REVISION
-#define ATTND_REVISION "unknown"
-#endif
 
 namespace attnd {
 namespace {
@@ -87,9 +81,6 @@ double TicksPerSecond() {
 }
 
 }  // namespace
-
-const char* BuildVersion() { return ATTND_VERSION; }
-const char* BuildRevision() { return ATTND_REVISION; }
 
 ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine,
                                Executor* executor)

@@ -125,8 +125,4 @@ class ServiceMetrics {
   metrics::Gauge* start_time_;
 };
 
-// The build's version ("0.3.0", from the CMake project) and git revision ("unknown" outside git).
-const char* BuildVersion();
-const char* BuildRevision();
-
 }  // namespace attnd

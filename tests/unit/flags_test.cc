@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "service/service_metrics.h"
+#include "common/build_version.h"
 
 namespace attnd {
 namespace {

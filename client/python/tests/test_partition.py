@@ -65,10 +65,11 @@ class Netns:
 
     def __init__(self) -> None:
         pid = os.getpid()
-        n = pid % 250 + 1
+        n = pid % 16384  # one of the /16's 16384 /30s: test workers (pytest -n) differ by pid
         self.name = f"attnd-part-{pid}"
         self.outer, self.inner = f"apo{pid % 100000}", f"api{pid % 100000}"
-        self.outside, self.inside = f"10.213.{n}.1", f"10.213.{n}.2"
+        net = f"10.213.{n // 64}"
+        self.outside, self.inside = f"{net}.{n % 64 * 4 + 1}", f"{net}.{n % 64 * 4 + 2}"
         _ip("netns", "add", self.name)
         try:
             _ip("link", "add", self.outer, "type", "veth", "peer", "name", self.inner)
