@@ -174,6 +174,7 @@ absl::Status SequenceTable::Promote(const SequenceKey& key, uint64_t generation,
   }
   standby_pages_ -= static_cast<int64_t>(seq->logical.size());
   --standby_seqs_;
+  prefix_stats_.promoted_tokens += seq->length;
   seq->standby = false;
   seq->generation = generation + 1;
   ChargeSequences(*seq, 1);

@@ -156,6 +156,8 @@ struct PrefixEvent {
 struct PrefixStats {
   int64_t lookups = 0;                      // opens that asked for cached blocks
   int64_t hit_blocks = 0, miss_blocks = 0;  // of the blocks they asked for
+  int64_t hit_blocks_at[kNumTiers] = {};    // of the hits: the tier each page was on (by Tier)
+  int64_t promoted_tokens = 0;  // tokens of standby copies promoted here (a failover kept them)
   int64_t stored_blocks = 0, removed_blocks = 0;
   int64_t blocks = 0;       // indexed now
   int64_t cached_only = 0;  // pages only the cache holds now (what retention costs)

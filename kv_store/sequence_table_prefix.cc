@@ -188,7 +188,11 @@ absl::Status SequenceTable::OpenCached(const SequenceKey& key, int device,
     run.resize(
         std::min<int64_t>(static_cast<int64_t>(run.size()),
                           std::max<int64_t>(0, quota.pages - tenants_.UsageOf(key.tenant).pages)));
-  for (int32_t b : run) slowest = std::max(slowest, dir_.at(prefix_.at(b).page).tier);
+  for (int32_t b : run) {
+    const Tier at = dir_.at(prefix_.at(b).page).tier;
+    slowest = std::max(slowest, at);
+    ++prefix_stats_.hit_blocks_at[static_cast<int>(at)];
+  }
   ++prefix_stats_.lookups;
   prefix_stats_.hit_blocks += static_cast<int64_t>(run.size());
   prefix_stats_.miss_blocks += asked - static_cast<int64_t>(run.size());

@@ -214,6 +214,23 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                         ->AddCounter("attnd_prefix_cache_tokens_total",
                                      "Tokens served from the prefix cache (not prefilled again).")
                         .Add({});
+  // Under vLLM's names and source labels (vllm:prompt_tokens_by_source_total), so a dashboard's
+  // queries carry over with the prefix: prefilled here, mapped from this replica's prefix cache,
+  // or kept by a failover (a standby copy promoted here held them).
+  auto& by_source = registry->AddCounter(
+      "attnd_prompt_tokens_by_source_total",
+      "Prompt tokens by where their keys came from: local_compute (prefill steps), "
+      "local_cache_hit (prefix cache), external_kv_transfer (standby copies promoted here).");
+  prompt_by_source_[0] = &by_source.Add({{"source", "local_compute"}});
+  prompt_by_source_[1] = &by_source.Add({{"source", "local_cache_hit"}});
+  prompt_by_source_[2] = &by_source.Add({{"source", "external_kv_transfer"}});
+  auto& cached = registry->AddCounter(
+      "attnd_prompt_tokens_cached_by_source_total",
+      "Prompt tokens not prefilled again, by where they were: the prefix cache's device, host or "
+      "disk tier, or a standby copy promoted here.");
+  for (int t = 0; t < kNumTiers; ++t)
+    cached_by_source_[t] = &cached.Add({{"source", TierName(static_cast<Tier>(t))}});
+  cached_by_source_[kNumTiers] = &cached.Add({{"source", "standby"}});
   prefix_stored_ = &registry
                         ->AddCounter("attnd_prefix_cache_stored_blocks_total",
                                      "Blocks indexed when the steps completing them committed.")
@@ -351,6 +368,13 @@ void ServiceMetrics::Refresh() {
   CatchUp(prefix_miss_, static_cast<double>(p.miss_blocks));
   CatchUp(prefix_tokens_, static_cast<double>(p.hit_blocks * engine_->spec().page_size));
   CatchUp(prefix_stored_, static_cast<double>(p.stored_blocks));
+  const double page = static_cast<double>(engine_->spec().page_size);
+  CatchUp(prompt_by_source_[0], static_cast<double>(c.tokens_prefill));
+  CatchUp(prompt_by_source_[1], static_cast<double>(p.hit_blocks) * page);
+  CatchUp(prompt_by_source_[2], static_cast<double>(p.promoted_tokens));
+  for (int t = 0; t < kNumTiers; ++t)
+    CatchUp(cached_by_source_[t], static_cast<double>(p.hit_blocks_at[t]) * page);
+  CatchUp(cached_by_source_[kNumTiers], static_cast<double>(p.promoted_tokens));
   CatchUp(prefix_removed_, static_cast<double>(p.removed_blocks));
   if (const KvEventPublisher* ev = kv_events_.load()) {
     CatchUp(events_published_, static_cast<double>(ev->events_published()));

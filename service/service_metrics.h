@@ -96,6 +96,10 @@ class ServiceMetrics {
   metrics::Counter* prefix_hit_;
   metrics::Counter* prefix_miss_;
   metrics::Counter* prefix_tokens_;
+  // vLLM's prompt_tokens_by_source: local_compute, local_cache_hit, external_kv_transfer.
+  metrics::Counter* prompt_by_source_[3];
+  // Cached prompt tokens by where they were: device, host, disk (prefix cache), standby.
+  metrics::Counter* cached_by_source_[4];
   metrics::Counter* prefix_stored_;
   metrics::Counter* prefix_removed_;
   metrics::Counter* events_published_;

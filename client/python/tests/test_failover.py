@@ -312,6 +312,11 @@ def test_a_sequence_opened_on_cached_blocks_is_copied_whole_and_fails_over(tmp_p
         c.step(s)
         c.kill(primary)
         assert c.fail_over(s, failed=primary) == 0, "sync lost a step"
+        # The promoted copy's tokens count as kept by a failover, under vLLM's source name too.
+        text = scrape(c.mports[c.address_of[ranked(c.names, b)[1]]])
+        for series in ('attnd_prompt_tokens_cached_by_source_total{source="standby"}',
+                       'attnd_prompt_tokens_by_source_total{source="external_kv_transfer"}'):
+            assert re.search(rf"^{re.escape(series)} {s.length}$", text, re.M), (series, s.length)
         for T in (1, 1, 4):
             c.step(s, T=T)
     finally:

@@ -108,6 +108,42 @@ def test_a_device_holding_n_serves_4n_round_robin_bit_for_bit(attnd_server, tmp_
 
 
 
+def test_prompt_tokens_are_counted_by_source_under_vllms_names(attnd_server, tmp_path):
+    # vLLM's prompt_tokens_by_source_total sources (prefilled, from the prefix cache, kept by a
+    # failover: tests/test_failover.py) and where each cached token was: a prompt opened on blocks
+    # on the device, then on the same blocks spilled to the host, or (a server whose only tier
+    # below is a disk) to the disk.
+    rng = np.random.default_rng(11)
+    for where, flags in (("host", ["--host-cache-bytes=4194304"]),
+                         ("disk", [f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"])):
+        target, mport = attnd_server(flags, kv_pages=64)
+        with AttndClient(target) as c:
+            spec = c.info().model
+            P = spec.page_size
+            shared = [int(t) for t in rng.integers(0, 150000, 2 * P)]
+            c.open_sequence("a", prompt_token_ids=shared + [7, 8, 9])
+            step_details(c, [("a", 2 * P + 3)], layer_inputs(spec, 2 * P + 3, rng))
+            step_details(c, [("a", 1)], layer_inputs(spec, 1, rng))  # a decode: not a prompt's
+            c.close_sequence("a")
+            assert c.open_sequence("b", prompt_token_ids=shared + [1]).cached_tokens == 2 * P
+            c.offload_sequences(["b"])
+            assert c.describe_sequence("b").tier == where
+            c.close_sequence("b")
+            assert c.open_sequence("c", prompt_token_ids=shared + [2]).cached_tokens == 2 * P
+            text = scrape(mport)
+
+        def tokens(family, source, text=text):
+            return _value(text, f'attnd_prompt_tokens_{family}_total{{source="{source}"}}')
+
+        assert tokens("by_source", "local_compute") == 2 * P + 3, where
+        assert tokens("by_source", "local_cache_hit") == 4 * P, where
+        assert tokens("by_source", "external_kv_transfer") == 0, where
+        cached = {s: tokens("cached_by_source", s) for s in ("device", "host", "disk", "standby")}
+        want = {"device": 2 * P, "host": 0, "disk": 0, "standby": 0}
+        want[where] = 2 * P
+        assert cached == want, where
+
+
 def test_offload_prefetch_and_a_corrupted_page_losing_its_sequence_alone(attnd_server, tmp_path):
     target, mport = attnd_server([f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"],
                                  kv_pages=64)
