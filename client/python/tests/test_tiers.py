@@ -234,6 +234,23 @@ def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path
             # Read where it was (up to the host tier): the sequences in use keep the device.
             after = {x.sequence_id: x.tier for x in s.list_sequences()}
             assert all(after[sid] == "device" for sid in ids if where[sid] == "device"), after
+            # SGLang #31482's drift: after the handoff each tier's pages in use are exactly the
+            # pages of the sequences there, and every sequence left decodes as its twin.
+            info, held = s.info(), {"device": 0, "host": 0, "disk": 0}
+            for x in s.list_sequences():
+                held[x.tier] += -(-x.length // spec.page_size)
+            dev = info.devices[0]
+            used = {"device": dev.pages_total - dev.pages_free,
+                    **{x.name: x.pages_used for x in info.tiers}}
+            assert used == held, (used, held)
+            x = layer_inputs(spec, 1, rng)
+            _same_bits(step_details(r, [(by_hand, 1)], x), step_details(t, [(by_hand, 1)], x),
+                       f"{by_hand} handed off from the disk")
+            for sid in ids:
+                if sid != by_hand:
+                    x = layer_inputs(spec, 1, rng)
+                    _same_bits(step_details(s, [(sid, 1)], x), step_details(t, [(sid, 1)], x),
+                               f"{sid} ({where[sid]}) on the source after the handoff")
             src.send_signal(signal.SIGTERM)
             assert src.wait(timeout=60) == 0
             log = src.stdout.read()
@@ -246,6 +263,43 @@ def test_spilled_sequences_hand_off_and_drain_bit_for_bit(attnd_server, tmp_path
     finally:
         if src.poll() is None:
             stop(src)
+
+
+@pytest.mark.parametrize("below", ["host", "disk"])
+def test_a_long_decode_through_repeated_spills_and_restores_never_repeats(attnd_server, tmp_path,
+                                                                          below):
+    # SGLang #36179's loop (a decode that went back to stale keys after restores): a sequence
+    # spilled after every step and restored by the next, 40 steps across page boundaries, each
+    # step's output and log-sum-exp bit for bit those of a twin that never moved, its length one
+    # more each time, and every spill and restore counted.
+    flags = (["--host-cache-bytes=4194304"] if below == "host" else
+             [f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"])
+    target, mport = attnd_server(flags, kv_pages=64)
+    twin, _ = attnd_server([], kv_pages=64)
+    rng = np.random.default_rng(36179)
+    with AttndClient(target) as c, AttndClient(twin) as t:
+        spec = c.info().model
+        for x in (c, t):
+            x.open_sequence("long")
+        prompt = layer_inputs(spec, PROMPT, rng)
+        _same_bits(step_details(c, [("long", PROMPT)], prompt),
+                   step_details(t, [("long", PROMPT)], prompt), "prompt")
+        last = None
+        for i in range(40):
+            c.offload_sequences(["long"])
+            assert c.describe_sequence("long").tier == below, i
+            x = layer_inputs(spec, 1, rng)
+            got = step_details(c, [("long", 1)], x)
+            _same_bits(got, step_details(t, [("long", 1)], x), f"decode {i} after a restore")
+            d = c.describe_sequence("long")
+            assert (d.length, d.tier) == (PROMPT + i + 1, "device"), (i, d)
+            out = np.concatenate([g.out.ravel() for g in got])
+            assert last is None or not np.array_equal(out, last), f"decode {i} repeats {i - 1}"
+            last = out
+        text = scrape(mport)
+        spills = 'attnd_tier_moves_total{kind="spill",reason="room_or_idle_or_offload"}'
+        assert _value(text, spills) == 40
+        assert _value(text, 'attnd_tier_moves_total{kind="restore",reason="step"}') == 40
 
 
 @pytest.mark.parametrize("flags, message", [
