@@ -9,11 +9,16 @@ measured, not the attention), generates the answer (a write-only step whose entr
 hashes of the blocks it completes) and closes it; its blocks stay in that replica's prefix cache.
 
 Policies (each on four fresh replicas, the same workload): round robin; the rendezvous hash of the
-sequence id (attnd.Router's rule); the prefix-aware router (attnd.PrefixRouter following the
-replicas' KV events); and an oracle that asks every replica what it holds (LookupPrefix) before
-each choice. Reported: prompt tokens, tokens served from cache (prefill avoided), hit rate.
+sequence id (attnd.Router's rule); the prefix router weighing the cache alone (PrefixWeights(1, 0,
+0)); the weighted prefix router (attnd.PrefixRouter's defaults: cached blocks against free room and
+work, following the replicas' KV events); and an oracle with the same weights that asks every
+replica what it holds (LookupPrefix) and how full it is (ServerInfo) before each choice. Two
+workloads: the system prompts shared evenly, and skewed (one system prompt 60% of the
+conversations); several seeds. Reported: prompt tokens, tokens served from cache (prefill
+avoided), hit rate, per policy, workload and seed, and the means. --sweep also runs the weighted
+router over a range of free-room weights (how the defaults were chosen).
 
-    python3 bench/prefix_bench.py --out bench/results/prefix.md
+    python3 bench/prefix_bench.py --out bench/results/prefix.md --sweep
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python" / "tests"))
-from attnd import AttndClient, LayerInputs, PrefixRouter, hash_blocks, route  # noqa: E402
+from attnd import (  # noqa: E402
+    AttndClient,
+    LayerInputs,
+    PrefixRouter,
+    PrefixWeights,
+    hash_blocks,
+    route,
+)
 from drain_bench import CHUNK, chunk_keys  # noqa: E402
 
 from attnd_process import free_port, start, stop  # noqa: E402
@@ -51,15 +63,21 @@ class Keys:
                                                                layer.items()}))
 
 
-def workload(a, rng):
+def workload(a, rng, skewed=False):
     """[(conversation, turn, system prompt index, user tokens, answer tokens)] in arrival order:
-    turn by turn, conversations shuffled within each turn."""
+    turn by turn, conversations shuffled within each turn. Skewed: 60% of the conversations on
+    system prompt 0, the rest spread over the others."""
     systems = [list(rng.integers(0, 150000, a.system_tokens)) for _ in range(a.system_prompts)]
     convs = []
     for c in range(a.conversations):
         turns = [(list(rng.integers(0, 150000, a.user_tokens)),
                   list(rng.integers(0, 150000, a.answer_tokens))) for _ in range(a.turns)]
-        convs.append((c % a.system_prompts, turns))
+        if skewed:
+            hot = c < round(0.6 * a.conversations)
+            prompt = 0 if hot else 1 + c % (a.system_prompts - 1)
+        else:
+            prompt = c % a.system_prompts
+        convs.append((prompt, turns))
     order = []
     for t in range(a.turns):
         for c in rng.permutation(a.conversations):
@@ -67,7 +85,11 @@ def workload(a, rng):
     return systems, convs, order
 
 
-def run_policy(policy, a, systems, convs, order):
+WEIGHTS = {"cache-only": PrefixWeights(1.0, 0.0, 0.0), "weighted": PrefixWeights(),
+           "oracle": PrefixWeights()}
+
+
+def run_policy(policy, a, systems, convs, order, weights=None):
     ports = [free_port() for _ in range(REPLICAS)]
     procs, targets = [], {}
     for i, port in enumerate(ports):
@@ -83,10 +105,12 @@ def run_policy(policy, a, systems, convs, order):
     assert a.system_tokens + a.turns * (a.user_tokens + a.answer_tokens) <= CHUNK
     keys = Keys(spec, np.random.default_rng(5))
     router = None
-    if policy == "prefix-aware":
-        router = PrefixRouter(targets, events, block_size=P, timeout=120)
-    elif policy == "oracle":
-        router = PrefixRouter(targets, None, block_size=P, timeout=120)  # asks every replica
+    weights = weights or WEIGHTS.get(policy)
+    if policy == "oracle":  # asks every replica, every time
+        router = PrefixRouter(targets, None, block_size=P, timeout=120, weights=weights,
+                              load_ttl_s=0.0)
+    elif weights is not None:
+        router = PrefixRouter(targets, events, block_size=P, timeout=120, weights=weights)
     time.sleep(0.3)  # the subscriptions land before the first event
     rr = itertools.cycle(names)
     prompt_tokens = cached_tokens = 0
@@ -128,6 +152,14 @@ def run_policy(policy, a, systems, convs, order):
             "seconds": seconds}
 
 
+POLICIES = ("round-robin", "rendezvous", "cache-only", "weighted", "oracle")
+
+
+def summary(rows, policy):
+    rates = [r["hit_rate"] for r in rows if r["policy"] == policy]
+    return sum(rates) / len(rates), min(rates), max(rates)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--system-prompts", type=int, default=4)
@@ -137,35 +169,61 @@ def main() -> int:
     ap.add_argument("--user-tokens", type=int, default=32)
     ap.add_argument("--answer-tokens", type=int, default=96)
     ap.add_argument("--kv-pages", type=int, default=1101, help="per replica (page 0 included)")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--workloads", default="even,skewed")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--sweep", default="", help="free-room weights to try, e.g. 0.25,0.5,1,2,4")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    systems, convs, order = workload(a, np.random.default_rng(a.seed))
-    rows = [run_policy(p, a, systems, convs, order)
-            for p in ("round-robin", "rendezvous", "prefix-aware", "oracle")]
-    by = {r["policy"]: r for r in rows}
     P = 16  # the tiny model's page
     last = a.system_tokens + a.turns * (a.user_tokens + a.answer_tokens)
     lines = [
-        "| policy | requests | prompt tokens | from cache (prefill avoided) | hit rate | wall s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['policy']} | {r['requests']} | {r['prompt_tokens']} | "
-                     f"{r['cached_tokens']} | {r['hit_rate']:.3f} | {r['seconds']:.1f} |")
-    pa, orc, rdv = by["prefix-aware"], by["oracle"], by["rendezvous"]
-    lines += [
-        "",
-        f"prefix-aware / oracle, tokens avoided: {pa['cached_tokens'] / orc['cached_tokens']:.3f}",
-        f"prefix-aware / rendezvous, tokens avoided: "
-        f"{pa['cached_tokens'] / max(1, rdv['cached_tokens']):.2f}x",
-        "",
         f"workload: {a.conversations} conversations x {a.turns} turns over {a.system_prompts} "
         f"system prompts of {a.system_tokens} tokens; {a.user_tokens} user + {a.answer_tokens} "
         f"answer tokens a turn (a conversation ends {last} tokens long); {REPLICAS} replicas x "
         f"{a.kv_pages - 1} usable pages of the tiny model's {P} tokens (the conversations end "
-        f"holding {a.conversations * -(-last // P)} pages); seed {a.seed}",
+        f"holding {a.conversations * -(-last // P)} pages); seeds {a.seeds}; weighted = "
+        f"{PrefixWeights()}",
+        "",
     ]
+    sweep = [float(x) for x in a.sweep.split(",") if x]
+    for kind in a.workloads.split(","):
+        rows = []
+        for seed in (int(x) for x in a.seeds.split(",")):
+            systems, convs, order = workload(a, np.random.default_rng(seed), kind == "skewed")
+            for p in a.policies.split(","):
+                rows.append({**run_policy(p, a, systems, convs, order), "seed": seed})
+                print(kind, seed, p, f"{rows[-1]['hit_rate']:.3f}", flush=True)
+            for w in sweep:
+                weights = PrefixWeights(free=w)
+                name = f"weighted free={w:g}"
+                rows.append({**run_policy("weighted", a, systems, convs, order, weights),
+                             "policy": name, "seed": seed})
+                print(kind, seed, name, f"{rows[-1]['hit_rate']:.3f}", flush=True)
+        lines += [f"### {kind} system prompts" + (" (one of them 60% of the conversations)"
+                                                  if kind == "skewed" else ""), "",
+                  "| policy | seed | prompt tokens | from cache (prefill avoided) | hit rate "
+                  "| wall s |",
+                  "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['policy']} | {r['seed']} | {r['prompt_tokens']} | "
+                         f"{r['cached_tokens']} | {r['hit_rate']:.3f} | {r['seconds']:.1f} |")
+        lines += ["", "| policy | mean hit rate | min | max |", "|---|---|---|---|"]
+        for p in dict.fromkeys(r["policy"] for r in rows):
+            mean, lo, hi = summary(rows, p)
+            lines.append(f"| {p} | {mean:.3f} | {lo:.3f} | {hi:.3f} |")
+        by = {}
+        for r in rows:
+            by.setdefault(r["policy"], 0)
+            by[r["policy"]] += r["cached_tokens"]
+        if "weighted" in by and "oracle" in by:
+            lines.append(f"\nweighted / oracle, tokens avoided (all seeds): "
+                         f"{by['weighted'] / by['oracle']:.3f}")
+        for other in ("rendezvous", "round-robin", "cache-only"):
+            if "weighted" in by and other in by:
+                lines.append(f"weighted / {other}, tokens avoided: "
+                             f"{by['weighted'] / max(1, by[other]):.2f}x")
+        lines.append("")
     text = "\n".join(lines)
     print(text)
     if a.out is not None:

@@ -292,11 +292,12 @@ absl::StatusOr<v1::ListSequencesResponse> Client::ListSequences(bool all_tenants
   return resp;
 }
 
-absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id) {
+absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id, int64_t lease_ms) {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
   v1::DescribeSequenceRequest req;
   req.set_sequence_id(id);
+  req.set_lease_ms(lease_ms);
   v1::SequenceInfo resp;
   absl::Status s = FromGrpcNotCancelled(stub_->DescribeSequence(&ctx, req, &resp));
   if (!s.ok()) return s;
@@ -305,7 +306,8 @@ absl::StatusOr<v1::SequenceInfo> Client::DescribeSequence(const std::string& id)
 
 absl::StatusOr<v1::SequenceInfo> Client::PromoteSequence(const std::string& id, uint64_t generation,
                                                          int64_t length,
-                                                         const std::string& failed_replica) {
+                                                         const std::string& failed_replica,
+                                                         bool release_lease) {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
   v1::PromoteSequenceRequest req;
@@ -313,6 +315,7 @@ absl::StatusOr<v1::SequenceInfo> Client::PromoteSequence(const std::string& id, 
   req.set_generation(generation);
   req.set_length(length);
   req.set_failed_replica(failed_replica);
+  req.set_release_lease(release_lease);
   v1::SequenceInfo resp;
   absl::Status s = FromGrpcNotCancelled(stub_->PromoteSequence(&ctx, req, &resp));
   if (!s.ok()) return s;

@@ -123,13 +123,18 @@ class Client {
   // standby_generation nonzero: only if it is a standby copy at that generation (replication;
   // FAILED_PRECONDITION otherwise, nothing closed).
   absl::Status CloseSequence(const std::string& id, uint64_t standby_generation = 0);
-  absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id);
+  // lease_ms > 0 (the replicas' admin identity, on a standby copy): renews the primary's lease
+  // on it (docs/replication.md#leases).
+  absl::StatusOr<v1::SequenceInfo> DescribeSequence(const std::string& id, int64_t lease_ms = 0);
   // Failover (docs/replication.md): promotes this server's standby copy of `id` at `generation`
   // (the one its failed primary reported) to the sequence, cut back to `length` tokens when it
-  // holds more; `failed_replica` is not chosen as its next standby.
+  // holds more; `failed_replica` is not chosen as its next standby. UNAVAILABLE while its
+  // primary's lease runs, unless `release_lease`: the primary serves it no more (it hands it over
+  // itself, or its address refuses connections: the process is gone).
   absl::StatusOr<v1::SequenceInfo> PromoteSequence(const std::string& id, uint64_t generation,
                                                    int64_t length,
-                                                   const std::string& failed_replica = "");
+                                                   const std::string& failed_replica = "",
+                                                   bool release_lease = false);
   // This tenant's sequences, or (the admin only) every tenant's.
   absl::StatusOr<v1::ListSequencesResponse> ListSequences(bool all_tenants = false);
   // The tiers below the devices (docs/architecture.md#tiers). Prefetch: restore these spilled

@@ -2,14 +2,24 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <set>
+#include <thread>
 #include <tuple>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "client/sequence_import.h"
+#include "common/status_macros.h"
 
 namespace attnd::client {
 namespace {
@@ -124,12 +134,16 @@ void Router::SetEndpoints(std::vector<std::string> endpoints) {
 }
 
 void Router::SetReplicas(std::vector<Replica> replicas) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SetReplicasLocked(std::move(replicas));
+}
+
+void Router::SetReplicasLocked(std::vector<Replica> replicas) {
   std::map<std::string, std::string> next;
   for (Replica& r : replicas) next[r.name] = std::move(r.address);
-  std::lock_guard<std::mutex> lock(mu_);
   for (auto it = clients_.begin(); it != clients_.end();) {
     auto n = next.find(it->first);
-    if (n != next.end() && n->second == address_of_[it->first]) {
+    if ((n != next.end() && n->second == address_of_[it->first]) || leaving_.contains(it->first)) {
       ++it;
     } else {
       it = clients_.erase(it);  // the Client itself lives on in all_clients_
@@ -153,28 +167,101 @@ std::vector<std::string> Router::endpoints() const {
   return out;
 }
 
-std::string ChoosePrefixReplica(const std::vector<PrefixCandidate>& candidates,
-                                const std::string& sequence_id) {
-  const PrefixCandidate* best = nullptr;
-  for (const PrefixCandidate& c : candidates) {
-    if (best == nullptr) {
-      best = &c;
-      continue;
+int64_t LeaseLeftMs(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kUnavailable) return -1;
+  constexpr absl::string_view kRuns = "lease on this standby copy runs ";
+  const absl::string_view m = status.message();
+  const size_t at = m.find(kRuns);
+  if (at == absl::string_view::npos) return -1;
+  const absl::string_view rest = m.substr(at + kRuns.size());
+  int64_t ms = 0;
+  if (!absl::SimpleAtoi(rest.substr(0, rest.find(' ')), &ms) || ms < 0) return -1;
+  return ms;
+}
+
+bool RefusesConnections(const std::string& address, std::chrono::milliseconds timeout) {
+  // One socket to a sockaddr: refused (true), accepted or silent (false).
+  auto refused = [&](int family, const sockaddr* sa, socklen_t len) -> int {  // 1, 0, -1 error
+    const int fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    int result = 0;
+    if (connect(fd, sa, len) != 0) {
+      if (errno == ECONNREFUSED || errno == ENOENT) {
+        result = 1;
+      } else if (errno == EINPROGRESS) {
+        pollfd p{fd, POLLOUT, 0};
+        if (poll(&p, 1, static_cast<int>(timeout.count())) == 1) {
+          int err = 0;
+          socklen_t n = sizeof(err);
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &n);
+          result = err == ECONNREFUSED ? 1 : 0;
+        }
+      }
     }
-    const uint64_t wc = RendezvousWeight(c.name, sequence_id);
-    const uint64_t wb = RendezvousWeight(best->name, sequence_id);
-    if (std::tie(c.cached_blocks, c.room, wc) > std::tie(best->cached_blocks, best->room, wb) ||
-        (c.cached_blocks == best->cached_blocks && c.room == best->room && wc == wb &&
-         c.name < best->name))
+    close(fd);
+    return result;
+  };
+  if (absl::StartsWith(address, "unix:")) {
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    const std::string path = address.substr(5);
+    if (path.size() >= sizeof(sa.sun_path)) return false;
+    std::memcpy(sa.sun_path, path.data(), path.size());
+    return refused(AF_UNIX, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 1;
+  }
+  std::string target = absl::StartsWith(address, "dns:") ? address.substr(4) : address;
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos) return false;
+  std::string host = target.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), target.substr(colon + 1).c_str(), &hints, &found) != 0)
+    return false;
+  bool all_refused = found != nullptr;
+  for (addrinfo* a = found; a != nullptr && all_refused; a = a->ai_next)
+    all_refused = refused(a->ai_family, a->ai_addr, a->ai_addrlen) == 1;
+  freeaddrinfo(found);
+  return all_refused;
+}
+
+std::string ChoosePrefixReplica(const std::vector<PrefixCandidate>& candidates,
+                                const std::string& sequence_id, int64_t prompt_blocks,
+                                const PrefixWeights& weights) {
+  int64_t blocks = std::max<int64_t>(prompt_blocks, 1), busiest = 0;
+  for (const PrefixCandidate& c : candidates) {
+    blocks = std::max(blocks, c.cached_blocks);
+    if (c.free_pages >= 0) busiest = std::max(busiest, c.busy);
+  }
+  const PrefixCandidate* best = nullptr;
+  std::tuple<bool, double, uint64_t> best_key;
+  for (const PrefixCandidate& c : candidates) {
+    const bool up = c.free_pages >= 0;
+    double score = weights.cache * (static_cast<double>(c.cached_blocks) / blocks);
+    if (up && c.total_pages > 0)
+      score += weights.free * (static_cast<double>(c.free_pages) / c.total_pages);
+    if (up) score -= weights.load * (static_cast<double>(c.busy) / (busiest + 1));
+    const std::tuple<bool, double, uint64_t> key{up, score, RendezvousWeight(c.name, sequence_id)};
+    if (best == nullptr || key > best_key || (key == best_key && c.name < best->name)) {
       best = &c;
+      best_key = key;
+    }
   }
   return best == nullptr ? std::string() : best->name;
 }
 
 std::string Router::Pick(const std::string& sequence_id) const {
   std::lock_guard<std::mutex> lock(mu_);
+  return PickLocked(sequence_id);
+}
+
+std::string Router::PickLocked(const std::string& sequence_id) const {
   auto chosen = chosen_.find(sequence_id);
-  if (chosen != chosen_.end() && address_of_.contains(chosen->second)) return chosen->second;
+  if (chosen != chosen_.end() &&
+      (address_of_.contains(chosen->second) || leaving_.contains(chosen->second)))
+    return chosen->second;
   return Route(names_, sequence_id);
 }
 
@@ -184,27 +271,41 @@ absl::StatusOr<std::string> Router::ChooseByPrefix(const std::string& sequence_i
   std::vector<std::pair<std::string, Client*>> replicas;
   std::shared_ptr<const PrefixView> view;
   std::string tenant;
+  PrefixWeights weights;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const std::string& n : names_) replicas.emplace_back(n, ClientLocked(n));
     view = view_;
     tenant = view_tenant_;
+    weights = weights_;
   }
   if (replicas.empty()) return absl::UnavailableError("no replicas to route to");
   std::vector<PrefixCandidate> candidates;
+  int64_t prompt_blocks = -1;     // from the first replica that says its page size
   std::vector<BlockHash> hashes;  // for the view: the request's, or its tokens' (page size known)
   bool hashed = false;
   int64_t lookups = 0;
   for (const auto& [name, client] : replicas) {
-    PrefixCandidate c{name, 0, -1};
+    PrefixCandidate c;
+    c.name = name;
+    c.free_pages = -1;
     if (client == nullptr) {
       candidates.push_back(c);
       continue;
     }
     auto info = client->Info();
     if (info.ok()) {
-      c.room = 0;
-      for (const v1::DeviceInfo& d : info->devices()) c.room += d.pages_free() + d.pages_cached();
+      c.free_pages = 0;
+      for (const v1::DeviceInfo& d : info->devices()) {
+        c.free_pages += d.pages_free();
+        c.total_pages += d.pages_total();
+      }
+      c.busy = info->load().open_steps() + info->load().queue_depth();
+      if (prompt_blocks < 0 && info->model().page_size() > 0)
+        prompt_blocks = request.block_hashes_size() > 0
+                            ? request.block_hashes_size()
+                            : (request.token_ids_size() + info->model().page_size() - 1) /
+                                  info->model().page_size();
       if (!hashed && view != nullptr) {
         hashed = true;
         if (request.block_hashes_size() > 0) {
@@ -234,7 +335,7 @@ absl::StatusOr<std::string> Router::ChooseByPrefix(const std::string& sequence_i
     }
     candidates.push_back(c);
   }
-  const std::string best = ChoosePrefixReplica(candidates, sequence_id);
+  const std::string best = ChoosePrefixReplica(candidates, sequence_id, prompt_blocks, weights);
   if (cached_blocks != nullptr)
     for (const PrefixCandidate& c : candidates)
       if (c.name == best) *cached_blocks = c.cached_blocks;
@@ -242,6 +343,11 @@ absl::StatusOr<std::string> Router::ChooseByPrefix(const std::string& sequence_i
   chosen_[sequence_id] = best;
   prefix_lookups_ += lookups;
   return best;
+}
+
+void Router::SetPrefixWeights(const PrefixWeights& weights) {
+  std::lock_guard<std::mutex> lock(mu_);
+  weights_ = weights;
 }
 
 void Router::SetPrefixView(std::shared_ptr<const PrefixView> view, std::string tenant) {
@@ -258,13 +364,17 @@ int64_t Router::prefix_lookups() const {
 void Router::Forget(const std::string& sequence_id) {
   std::lock_guard<std::mutex> lock(mu_);
   chosen_.erase(sequence_id);
+  moving_.erase(sequence_id);
 }
 
 Client* Router::ClientLocked(const std::string& name) {
   auto known = clients_.find(name);
   if (known != clients_.end()) return known->second;
   auto address = address_of_.find(name);
-  if (address == address_of_.end()) return nullptr;
+  if (address == address_of_.end()) {
+    address = leaving_.find(name);  // left, still holding sequences ChangeReplicas kept there
+    if (address == leaving_.end()) return nullptr;
+  }
   auto c = Client::Connect(address->second, options_);
   if (!c.ok()) return nullptr;
   all_clients_.push_back(*std::move(c));
@@ -273,16 +383,104 @@ Client* Router::ClientLocked(const std::string& name) {
 
 Client* Router::ClientFor(const std::string& sequence_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto chosen = chosen_.find(sequence_id);
-  const std::string owner = chosen != chosen_.end() && address_of_.contains(chosen->second)
-                                ? chosen->second
-                                : Route(names_, sequence_id);
+  const std::string owner = PickLocked(sequence_id);
   return owner.empty() ? nullptr : ClientLocked(owner);
 }
 
 int64_t Router::pulls() const {
   std::lock_guard<std::mutex> lock(mu_);
   return pulls_;
+}
+
+absl::Status Router::Move(Client& from, Client& to, const std::string& sequence_id,
+                          int64_t length) {
+  RETURN_IF_ERROR(HandOffSequence(from, to, sequence_id));
+  auto copy = to.DescribeSequence(sequence_id);
+  if (!copy.ok() || copy->length() != length) {
+    (void)to.CloseSequence(sequence_id);
+    return absl::InternalError(
+        absl::StrCat("the copy holds ", copy.ok() ? copy->length() : -1, " tokens, not ", length));
+  }
+  (void)from.CloseSequence(sequence_id);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Router::ChangeReplicas(std::vector<Replica> replicas,
+                                                const std::vector<std::string>& sequence_ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, std::string> where;
+  for (const std::string& id : sequence_ids) where[id] = PickLocked(id);
+  const std::map<std::string, std::string> before = address_of_;
+  SetReplicasLocked(std::move(replicas));
+  std::vector<std::string> moving;
+  for (const auto& [id, now] : where) {
+    if (now.empty() || (chosen_.contains(id) && !moving_.contains(id)))
+      continue;  // a pin of ChooseByPrefix or FailOver stays
+    const std::string next = Route(names_, id);
+    if (next == now) {  // (back where it is: nothing to move)
+      moving_.erase(id);
+      chosen_.erase(id);
+      continue;
+    }
+    chosen_[id] = now;
+    moving_[id] = next;
+    if (!address_of_.contains(now)) {
+      auto b = before.find(now);
+      if (b != before.end()) leaving_[now] = b->second;
+    }
+    moving.push_back(id);
+  }
+  return moving;
+}
+
+int64_t Router::Rebalance(const std::vector<std::string>& sequence_ids) {
+  std::lock_guard<std::mutex> one(move_mu_);
+  std::vector<std::string> todo;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sequence_ids.empty()) {
+      for (const auto& [id, to] : moving_) todo.push_back(id);
+    } else {
+      for (const std::string& id : sequence_ids)
+        if (moving_.contains(id)) todo.push_back(id);
+    }
+  }
+  int64_t moved = 0;
+  for (const std::string& id : todo) {
+    std::string src;
+    Client *from = nullptr, *to = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      src = chosen_[id];
+      from = ClientLocked(src);
+      to = ClientLocked(moving_[id]);
+    }
+    if (from == nullptr || to == nullptr) continue;
+    auto there = from->DescribeSequence(id);
+    if (there.ok() && (there->in_step() || there->importing())) continue;
+    // Closed there meanwhile (NOT_FOUND): nothing to move, it routes to its new owner.
+    if (there.ok() && !Move(*from, *to, id, there->length()).ok()) continue;
+    if (!there.ok() && there.status().code() != absl::StatusCode::kNotFound) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    moving_.erase(id);
+    if (chosen_[id] == src) chosen_.erase(id);
+    ++moved;
+    ++rebalanced_;
+    bool holds = false;
+    for (const auto& [other, at] : chosen_) holds = holds || at == src;
+    if (!holds) leaving_.erase(src);
+  }
+  return moved;
+}
+
+std::map<std::string, std::string> Router::moving() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return moving_;
+}
+
+int64_t Router::rebalanced() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rebalanced_;
 }
 
 absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
@@ -316,21 +514,10 @@ absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
     }
     if (there->standby()) continue;  // another's standby copy: FailOver promotes those
     if (!owner_reachable || there->in_step() || there->importing()) return holder;
-    absl::Status moved = HandOffSequence(*holder, *owner, sequence_id);
-    if (moved.ok()) {
-      auto copy = owner->DescribeSequence(sequence_id);
-      if (!copy.ok() || copy->length() != there->length()) {
-        (void)owner->CloseSequence(sequence_id);
-        moved = absl::InternalError(absl::StrCat(ranked[0].first, " holds ",
-                                                 copy.ok() ? copy->length() : -1, " tokens, not ",
-                                                 there->length()));
-      }
-    }
-    if (!moved.ok()) {
+    if (!Move(*holder, *owner, sequence_id, there->length()).ok()) {
       // The copy failed (the owner may be full): the sequence stays, usable, where it is.
       return holder;
     }
-    (void)holder->CloseSequence(sequence_id);
     std::lock_guard<std::mutex> lock(mu_);
     ++pulls_;
     return owner;
@@ -375,9 +562,30 @@ absl::StatusOr<Router::FailedOver> Router::FailOver(const std::string& sequence_
     };
     return length_of(a.first) > length_of(b.first);
   });
+  // A primary whose address refuses connections is gone: its lease ends with it. One that is
+  // paused or cut off may still serve: its copy is promoted once its lease runs out.
+  std::string failed_address;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = address_of_.find(failed); it != address_of_.end()) failed_address = it->second;
+  }
+  auto is_gone = [&] {
+    return !failed_address.empty() &&
+           RefusesConnections(failed_address, std::chrono::milliseconds(200));
+  };
+  bool gone = is_gone();
   std::string errors;
   for (auto& [name, c] : order) {
-    auto info = c->PromoteSequence(sequence_id, generation, length, failed);
+    absl::StatusOr<v1::SequenceInfo> info;
+    // While the lease runs: wait it out, looking again every 100 ms whether the primary is gone
+    // (a process killed a moment ago may still have held its port at the first look).
+    for (int attempt = 0; attempt < 1000; ++attempt) {
+      info = c->PromoteSequence(sequence_id, generation, length, failed, gone);
+      const int64_t wait = info.ok() ? -1 : LeaseLeftMs(info.status());
+      if (wait < 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min<int64_t>(wait, 100) + 1));
+      gone = gone || is_gone();
+    }
     if (info.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       chosen_[sequence_id] = name;

@@ -7,6 +7,7 @@
 // splitmix64 finaliser) so C++ and Python clients and the drain agree (`attnd.route`).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -37,17 +38,36 @@ std::vector<std::string> Ranked(std::vector<std::string> names, const std::strin
 // per ready pod). UNAVAILABLE when it resolves to nothing.
 absl::StatusOr<std::vector<std::string>> ResolveEndpoints(const std::string& host, int port);
 
+// Whether `address` ("host:port", "dns:host:port" or "unix:PATH") refuses a connection now:
+// nothing listens there (the process is gone). False when it accepts, or does not answer within
+// `timeout` (a paused or cut-off replica). Router::FailOver releases a gone primary's lease.
+bool RefusesConnections(const std::string& address, std::chrono::milliseconds timeout);
+// PromoteSequence's refusal while a primary's lease runs: the ms left (-1: another status).
+int64_t LeaseLeftMs(const absl::Status& status);
+
 // Prefix-aware routing (docs/prefix_cache.md#routing): what a replica holds of a new sequence's
-// prompt and how much room it has.
+// prompt, its room and its work.
 struct PrefixCandidate {
   std::string name;
   int64_t cached_blocks = 0;  // leading blocks of the prompt in its prefix cache
-  int64_t room = 0;           // free + cache-only pages (-1: unreachable)
+  int64_t free_pages = 0;     // device pages free (cache-only ones not counted); -1: unreachable
+  int64_t total_pages = 0;
+  int64_t busy = 0;  // open steps + calls queued for an executor thread (ServerInfo.load)
 };
-// The replica for a new sequence: the longest cached run, equal runs to the most room, then the
-// rendezvous owner of `sequence_id` among those. Empty without candidates.
+// How ChoosePrefixReplica weighs a replica: llm-d's weighted scorers, defaults from the bench
+// (bench/results/prefix.md); the Python client's attnd.PrefixWeights has the same.
+struct PrefixWeights {
+  double cache = 1.0;  // × the fraction of the prompt's blocks it holds
+  double free = 2.0;   // × the fraction of its device pages free
+  double load = 0.5;   // × its busy / (the busiest replica's + 1)
+};
+// The replica for a new sequence of `prompt_blocks` blocks: the best score (PrefixWeights), equal
+// scores to the higher rendezvous weight of `sequence_id` (then the smaller name); an unreachable
+// replica only when every one is. Empty without candidates. The arithmetic is
+// attnd.score_replicas', in the same order, so both clients choose alike.
 std::string ChoosePrefixReplica(const std::vector<PrefixCandidate>& candidates,
-                                const std::string& sequence_id);
+                                const std::string& sequence_id, int64_t prompt_blocks = 0,
+                                const PrefixWeights& weights = {});
 
 // What a router knows of the replicas' prefix caches without asking them: client/kv_events.h's
 // KvBlockIndex follows their KV events.
@@ -84,6 +104,19 @@ class Router {
   // Replaces the membership (e.g. after re-resolving the Service and NameReplicas); a replica
   // that keeps its name and address keeps its client. Names must be unique (later ones win).
   void SetReplicas(std::vector<Replica> replicas);
+  // A new membership (a replica joining or leaving) without a miss: each of `sequence_ids` (this
+  // worker's open sequences) whose owner changes stays routed where it is, its replica kept
+  // reachable even when it left, until Rebalance moves it. Returns those to move.
+  std::vector<std::string> ChangeReplicas(std::vector<Replica> replicas,
+                                          const std::vector<std::string>& sequence_ids);
+  // Moves the sequences ChangeReplicas kept in place (all, or those of `sequence_ids`) to their
+  // new owners exactly as cached (HandOffSequence, the length confirmed, then closed where they
+  // were) and routes each there from then on. Call it between their steps: one in a step,
+  // importing, or whose copy failed stays where it is, routed there, for a later call. Returns
+  // how many moved.
+  int64_t Rebalance(const std::vector<std::string>& sequence_ids = {});
+  std::map<std::string, std::string> moving() const;      // sequence -> its new owner
+  int64_t rebalanced() const;                             // sequences Rebalance moved
   void SetEndpoints(std::vector<std::string> endpoints);  // names = addresses
   std::vector<Replica> replicas() const;                  // by name
   std::vector<std::string> endpoints() const;             // their addresses, by name
@@ -93,8 +126,8 @@ class Router {
   std::string Pick(const std::string& sequence_id) const;
   // Prefix-aware placement of a new sequence (docs/prefix_cache.md#routing): asks every replica
   // how many leading blocks of `request` (a LookupPrefixRequest: the prompt's token ids or block
-  // hashes) it holds, and how much room it has (ServerInfo), and chooses by
-  // ChoosePrefixReplica; the sequence is then that replica's for Pick and ClientFor until Forget
+  // hashes) it holds, and its room and work (ServerInfo), and chooses by ChoosePrefixReplica
+  // (SetPrefixWeights); the sequence is then that replica's for Pick and ClientFor until Forget
   // (or a Locate after a miss: its rendezvous owner is then its home, as for any other).
   // *cached_blocks: what the chosen replica said it holds. This router polls; the Python
   // client's PrefixRouter can follow the replicas' KV events instead.
@@ -106,6 +139,7 @@ class Router {
   // asking each replica, for this client's `tenant`; a replica the view cannot speak for is
   // asked. nullptr: ask every replica.
   void SetPrefixView(std::shared_ptr<const PrefixView> view, std::string tenant = "");
+  void SetPrefixWeights(const PrefixWeights& weights);
   int64_t prefix_lookups() const;  // LookupPrefix calls ChooseByPrefix made
   // The client of the replica that owns `sequence_id`; nullptr without replicas.
   Client* ClientFor(const std::string& sequence_id);
@@ -140,13 +174,23 @@ class Router {
 
  private:
   Client* ClientLocked(const std::string& name);  // mu_ held
+  std::string PickLocked(const std::string& sequence_id) const;
+  void SetReplicasLocked(std::vector<Replica> replicas);
+  // Copies sequence_id from `from` to `to` exactly, checks `to` holds `length` tokens (else
+  // closes the copy there), then closes it on `from`.
+  absl::Status Move(Client& from, Client& to, const std::string& sequence_id, int64_t length);
 
   const ConnectOptions options_;
   mutable std::mutex mu_;
   std::map<std::string, std::string> address_of_;  // name -> address
   std::vector<std::string> names_;                 // address_of_'s keys, for Route
-  std::map<std::string, std::string> chosen_;      // ChooseByPrefix: sequence -> replica name
+  // ChooseByPrefix, FailOver, ChangeReplicas: sequence -> replica name
+  std::map<std::string, std::string> chosen_;
+  std::map<std::string, std::string> moving_;   // ChangeReplicas: sequence -> its new owner
+  std::map<std::string, std::string> leaving_;  // replicas gone, still holding: name -> address
+  int64_t rebalanced_ = 0;
   std::shared_ptr<const PrefixView> view_;
+  PrefixWeights weights_;
   std::string view_tenant_;
   int64_t prefix_lookups_ = 0;
   std::map<std::string, Client*> clients_;  // name -> its client (owned by all_clients_)

@@ -88,7 +88,8 @@ absl::Status PromoteThere(Engine& engine, const SequenceInfo& seq, const std::st
   c.act_as_tenant = seq.tenant;
   ASSIGN_OR_RETURN(std::unique_ptr<client::Client> to, client::Client::Connect(peer, c));
   ASSIGN_OR_RETURN(const v1::SequenceInfo there,
-                   to->PromoteSequence(seq.id, seq.generation, seq.length, o.self_name));
+                   to->PromoteSequence(seq.id, seq.generation, seq.length, o.self_name,
+                                       /*release_lease=*/true));
   if (there.length() != seq.length)
     return absl::InternalError(
         absl::StrCat("peer's promoted copy holds ", there.length(), " tokens, not ", seq.length));

@@ -99,6 +99,11 @@ void Replicator::MarkDown(Peer& p) {
   p.failed = true;
 }
 
+void Replicator::Renew(Seq& s, Clock::time_point sent) const {
+  if (options_.lease.count() > 0)
+    s.leased_until = std::max(s.leased_until, sent + options_.lease * 3 / 4);
+}
+
 void Replicator::Wake(const SequenceKey& key, Seq& s) {
   if (s.peer < 0 || s.queued) return;
   s.queued = true;

@@ -73,7 +73,11 @@ class Replicator final : public ReplicationHook {
   // fenced here (FAILED_PRECONDITION). A standby that does not answer confirms nothing and
   // refuses nothing (the step goes on, as commits do when it is down); it is marked down, so
   // the step's commit answers unprotected, and is not asked again for the step's other keys.
-  absl::Status Confirm(const std::vector<SequenceKey>& keys) override;
+  // With leases (options().lease): a key whose lease has less than a quarter of it left is
+  // renewed by asking its standby (DescribeSequence with lease_ms); one whose lease ran out
+  // (the standby did not answer) is refused UNAVAILABLE; *commit_by: the earliest lease's end.
+  absl::Status Confirm(const std::vector<SequenceKey>& keys,
+                       std::chrono::steady_clock::time_point* commit_by = nullptr) override;
   // The replica holding key's standby copy ("" when none).
   std::string StandbyOf(const SequenceKey& key) const override;
   // Nonzero: this replica's copy was dropped because the sequence failed over to another replica
@@ -117,7 +121,10 @@ class Replicator final : public ReplicationHook {
     std::string reopened_avoid;
     bool caught_up = false;
     Clock::time_point heard = Clock::now();  // its standby's last acknowledgement
-    int64_t shipped = 0;                     // rows the copy holds (acknowledged)
+    // Leases: until when this replica may commit the sequence (3/4 of the lease after the
+    // start of the last call its standby answered); none until the copy is opened.
+    Clock::time_point leased_until{};
+    int64_t shipped = 0;          // rows the copy holds (acknowledged)
     std::deque<int64_t> commits;  // lengths of commits not acknowledged yet, oldest first
     std::vector<Waiter> waiters;
   };
@@ -153,6 +160,8 @@ class Replicator final : public ReplicationHook {
   // Under mu_: the peer did not answer (a send, or Confirm's question): down since now, and
   // chosen for no new copy until it answers.
   void MarkDown(Peer& p);
+  // Under mu_: a call that began at `sent` reached s's standby: its lease runs from then.
+  void Renew(Seq& s, Clock::time_point sent) const;
   // Under mu_: marks key dirty on its peer.
   void Wake(const SequenceKey& key, Seq& s);
   // Under mu_: releases the waiters the acknowledgements satisfy (and, with `all`, every one,

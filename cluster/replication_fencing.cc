@@ -7,6 +7,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "client/router.h"
 #include "cluster/replication.h"
 #include "common/client_text.h"
 
@@ -17,13 +18,15 @@ constexpr size_t kMaxFenced = 65536;  // tombstones kept (oldest forgotten first
 
 }  // namespace
 
-absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
+absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys,
+                                 Clock::time_point* commit_by) {
   struct Ask {
     SequenceKey key;
     uint64_t generation;
     std::string address;
     std::shared_ptr<client::Client> client;
   };
+  const bool leases = options_.lease.count() > 0;
   std::vector<Ask> asks;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -31,12 +34,16 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
     for (const SequenceKey& k : keys) {
       auto it = seqs_.find(k);
       if (it == seqs_.end() || it->second.peer < 0 || !it->second.opened) continue;
-      if (now - it->second.heard < options_.ack_timeout) continue;
+      const Seq& s = it->second;
+      // Silent for a while: promoted elsewhere meanwhile? With leases, also a lease running low.
+      if (now - s.heard < options_.ack_timeout &&
+          (!leases || s.leased_until - now > options_.lease / 4))
+        continue;
       // A standby down for a while is not asked (each step would wait for it); one that failed
       // just now is: its call may have failed because this replica was the one paused.
-      Peer& p = *peers_[it->second.peer];
+      Peer& p = *peers_[s.peer];
       if (p.degraded || (!p.up && now - p.down_since > 2 * options_.ack_timeout)) continue;
-      asks.push_back({k, it->second.generation, p.address, p.confirm_clients[k.tenant]});
+      asks.push_back({k, s.generation, p.address, p.confirm_clients[k.tenant]});
     }
   }
   std::set<std::string> silent;  // standbys that did not answer this call: not asked again
@@ -54,7 +61,11 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
       for (auto& p : peers_)
         if (p->address == a.address) p->confirm_clients[a.key.tenant] = a.client;
     }
-    auto there = a.client->DescribeSequence(a.key.id);
+    const Clock::time_point sent = Clock::now();
+    auto there = a.client->DescribeSequence(a.key.id, options_.lease.count());
+    if ((absl::IsUnavailable(there.status()) || absl::IsDeadlineExceeded(there.status())) &&
+        leases && client::RefusesConnections(a.address, std::chrono::milliseconds(200)))
+      there = absl::NotFoundError("the standby's address refuses connections");  // gone
     if (absl::IsUnavailable(there.status()) || absl::IsDeadlineExceeded(there.status())) {
       // Not answering: down, as a failed send would find it (its commits answer unprotected
       // until it answers again; the peer's thread asks it).
@@ -67,16 +78,54 @@ absl::Status Replicator::Confirm(const std::vector<SequenceKey>& keys) {
         }
       continue;
     }
-    if (!there.ok()) continue;  // no copy yet: nothing to refuse
-    if (!there->standby() && there->generation() > a.generation) {
+    if (there.ok() && !there->standby() && there->generation() > a.generation) {
       Fence(a.key, there->generation());
       return absl::FailedPreconditionError(
           absl::StrCat("sequence ", Quote(a.key.id), " failed over to another replica (generation ",
                        there->generation(), "); this replica's copy was dropped"));
     }
+    // Its copy there answered (and granted the lease), or it holds none (a standby that
+    // restarted: nothing there to promote; the peer's thread copies it again).
+    if (!there.ok() && !absl::IsNotFound(there.status())) continue;
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = seqs_.find(a.key); it != seqs_.end()) it->second.heard = Clock::now();
+    if (auto it = seqs_.find(a.key); it != seqs_.end()) {
+      it->second.heard = Clock::now();
+      Renew(it->second, sent);
+    }
   }
+  if (!leases) return absl::OkStatus();
+  // A standby not asked (down a while) whose lease ran out: gone for good if its address
+  // refuses connections (a process that died: its copies died with it, none can be promoted).
+  std::vector<std::string> down;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = Clock::now();
+    for (const SequenceKey& k : keys)
+      if (auto it = seqs_.find(k); it != seqs_.end() && it->second.peer >= 0 && it->second.opened &&
+                                   it->second.leased_until <= now)
+        down.push_back(peers_[it->second.peer]->address);
+  }
+  std::set<std::string> gone;
+  for (const std::string& address : std::set<std::string>(down.begin(), down.end()))
+    if (client::RefusesConnections(address, std::chrono::milliseconds(200))) gone.insert(address);
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = Clock::now();
+  Clock::time_point first{};
+  for (const SequenceKey& k : keys) {
+    auto it = seqs_.find(k);
+    if (it == seqs_.end() || it->second.peer < 0 || !it->second.opened) continue;
+    Seq& s = it->second;
+    if (s.leased_until <= now && gone.contains(peers_[s.peer]->address)) Renew(s, now);
+    if (s.leased_until <= now)
+      return absl::UnavailableError(absl::StrCat(
+          "sequence ", Quote(k.id), ": this replica holds no lease from its standby ",
+          peers_[s.peer]->name, " (no answer for ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - s.heard).count(),
+          " ms); it serves the sequence again once the standby answers, or fail it over "
+          "(docs/replication.md#leases)"));
+    if (first == Clock::time_point{} || s.leased_until < first) first = s.leased_until;
+  }
+  if (commit_by != nullptr) *commit_by = first;
   return absl::OkStatus();
 }
 

@@ -27,6 +27,10 @@ struct ReplicationOptions {
   client::ConnectOptions credentials;
   int64_t max_lag_steps = 4;
   std::chrono::milliseconds ack_timeout{1000};
+  // Leases (docs/replication.md#leases): a sequence whose standby holds a copy is served only
+  // while the standby answered within 3/4 of this (it grants the whole of it, from when the
+  // answer's call arrived). 0: no leases.
+  std::chrono::milliseconds lease{0};
   // Rows per write-only step sent to a standby (a step's entries together), at most what fits
   // in a message (AttentionService::max_export_chunk_tokens).
   int64_t chunk_tokens = 4096;
@@ -69,8 +73,11 @@ class ReplicationHook {
   virtual void Committed(const std::vector<SequenceKey>& keys,
                          std::function<void(absl::Status, Protections)> then,
                          const std::vector<int64_t>* lengths = nullptr) = 0;
-  // Before a step: FAILED_PRECONDITION when a key failed over to another replica.
-  virtual absl::Status Confirm(const std::vector<SequenceKey>& keys) = 0;
+  // Before a step: FAILED_PRECONDITION when a key failed over to another replica, UNAVAILABLE
+  // when this replica holds no lease for it; *commit_by (when given and leases hold): when the
+  // first of the keys' leases runs out (the step must commit before).
+  virtual absl::Status Confirm(const std::vector<SequenceKey>& keys,
+                               std::chrono::steady_clock::time_point* commit_by = nullptr) = 0;
   // The replica holding key's standby copy ("" when none).
   virtual std::string StandbyOf(const SequenceKey& key) const = 0;
   // Nonzero: the sequence failed over to another replica at this generation or later.

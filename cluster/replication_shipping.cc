@@ -145,6 +145,7 @@ void Replicator::PeerLoop(Peer* peer) {
 }
 
 Replicator::Round Replicator::Ship(Peer* peer) {
+  const Clock::time_point round_start = Clock::now();  // leases run from before any call
   // Closes first (a close and a reopen of one id go in that order).
   std::vector<std::pair<SequenceKey, uint64_t>> closes;
   {
@@ -217,7 +218,10 @@ Replicator::Round Replicator::Ship(Peer* peer) {
         s.opened = item.opened;
         s.shipped = item.shipped;
         if (ok && s.opened && item.length >= 0 && s.shipped >= item.length) s.caught_up = true;
-        if (item.heard) s.heard = Clock::now();
+        if (item.heard) {
+          s.heard = Clock::now();
+          Renew(s, round_start);
+        }
         if (!s.opened) s.caught_up = false;
         Settle(s, &run);
         if (s.closed) {
@@ -274,9 +278,10 @@ Replicator::Round Replicator::Ship(Peer* peer) {
       v1::OpenSequenceRequest req;
       req.set_sequence_id(item.key.id);
       req.set_standby_generation(item.generation);
+      req.set_lease_ms(options_.lease.count());
       absl::Status s = to.OpenSequence(req).status();
       if (absl::IsAlreadyExists(s)) {  // left from before (a lost reply, a reconnect)
-        auto there = to.DescribeSequence(item.key.id);
+        auto there = to.DescribeSequence(item.key.id, options_.lease.count());
         if (!there.ok()) return finish(false);
         if (there->standby() && there->generation() == item.generation &&
             there->length() <= item.length) {
@@ -307,6 +312,7 @@ Replicator::Round Replicator::Ship(Peer* peer) {
   if (sending.empty()) return finish(true);
   v1::BeginStepRequest begin;
   begin.set_write_only(true);
+  begin.set_lease_ms(options_.lease.count());
   for (const Item* item : sending) {
     v1::BatchEntry* e = begin.add_batch();
     e->set_sequence_id(item->key.id);

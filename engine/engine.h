@@ -177,6 +177,10 @@ struct StepOptions {
   // The service clears it without --auth for callers that are not the admin: only the admin
   // opens such a target there, so only it may fill one (tenants fill their own).
   bool import_writer = true;
+  // Set: the step's last layer (its commit) does not start after this; it is aborted instead
+  // (UNAVAILABLE). The service sets it to when the replica's lease on the step's standby copies
+  // runs out (docs/replication.md#leases).
+  std::chrono::steady_clock::time_point commit_by{};
 
   static StepOptions WriteOnly() {
     StepOptions o;

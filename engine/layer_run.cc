@@ -202,6 +202,12 @@ absl::StatusOr<LayerResult> Engine::Impl::Run(const StepRef& ref, LayerSource& s
                                                 source.layer(), " decoded as layer ", r.layer));
       const std::shared_ptr<const Absorption> absorb = absorption.Get();  // held for the layer
       ASSIGN_OR_RETURN(result.shape, CheckRequest(*st, r, absorb.get()));
+      if (result.shape.last_layer && st->options.commit_by != EngineClock::time_point{} &&
+          EngineClock::now() > st->options.commit_by)
+        return absl::UnavailableError(absl::StrCat(
+            "step ", step_id,
+            ": this replica's lease on its standby copies ran out before the "
+            "last layer, which would commit (docs/replication.md#leases); step aborted"));
       void* out = nullptr;
       if (sink != nullptr) {
         ASSIGN_OR_RETURN(out, sink->Prepare(result.shape));

@@ -85,6 +85,8 @@ absl::Status AttentionService::DoOpenSequence(const Caller& caller,
                                               v1::SequenceInfo* resp) {
   if (draining_) return Draining();
   if (req.standby_generation() != 0) return OpenStandby(caller, req, resp);
+  if (req.lease_ms() != 0)
+    return absl::InvalidArgumentError("lease_ms: only with standby_generation (a standby copy)");
   // A handoff's target takes another replica's keys: without --auth, an admin call.
   if (NoAuth() && (req.import_length() != 0 || req.import_generation() != 0))
     RETURN_IF_ERROR(RequireAdmin(caller, "OpenSequence",
@@ -139,10 +141,25 @@ absl::Status AttentionService::OpenStandby(const Caller& caller, const v1::OpenS
       !req.prompt_block_hashes().empty() || !req.prefix_salt().empty())
     return absl::InvalidArgumentError(
         "standby_generation: a standby copy opens empty (no fork, import or prompt)");
+  RETURN_IF_ERROR(CheckLeaseMs(caller, "lease_ms", req.lease_ms()));
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   RETURN_IF_ERROR(engine_->OpenStandby(key, req.standby_generation()));
+  // (A copy just opened is promoted by no one yet: the grant holds.)
+  (void)leases_.Grant(key, req.lease_ms());
   ASSIGN_OR_RETURN(SequenceInfo info, engine_->DescribeSequence(key));
   FillSequence(info, *engine_, resp);
+  return absl::OkStatus();
+}
+
+absl::Status AttentionService::CheckLeaseMs(const Caller& caller, const char* what,
+                                            int64_t ms) const {
+  if (ms == 0) return absl::OkStatus();
+  if (ms < 0 || ms > StandbyLeases::kMaxLeaseMs)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", ms, " outside [0, ", StandbyLeases::kMaxLeaseMs, "] ms"));
+  if (!IsAdmin(caller))
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, ": only the admin identity (the replicas) holds leases"));
   return absl::OkStatus();
 }
 
@@ -169,8 +186,21 @@ absl::Status AttentionService::DoPromoteSequence(const Caller& caller,
                                               engine_->spec().max_context, "] (max_context)"));
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   const auto before = engine_->DescribeSequence(key);
-  ASSIGN_OR_RETURN(SequenceInfo info,
-                   engine_->PromoteSequence(key, req.generation(), req.length()));
+  // A copy whose primary may still be serving (its lease runs) is not promoted: the two would
+  // both commit. The primary's own handover (a drain) ends its lease.
+  // From here on its primary's calls renew nothing (BeginPromotion and Grant exclude each other).
+  const bool leased_copy = before.ok() && before->standby && before->generation == req.generation();
+  if (leased_copy) {
+    if (const auto left = leases_.BeginPromotion(key, req.release_lease()); left.count() > 0)
+      return absl::UnavailableError(absl::StrCat(
+          "sequence ", Quote(key.id), ": its primary's lease on this standby copy runs ",
+          left.count(),
+          " ms more (it may still be serving it); promote it then (docs/replication.md#leases)"));
+  }
+  absl::StatusOr<SequenceInfo> promoted_info =
+      engine_->PromoteSequence(key, req.generation(), req.length());
+  if (leased_copy) leases_.EndPromotion(key);
+  ASSIGN_OR_RETURN(SequenceInfo info, std::move(promoted_info));
   const bool promoted = before.ok() && before->standby;
   if (promoted) {
     if (metrics_ != nullptr) metrics_->Promoted();
@@ -230,6 +260,7 @@ absl::Status AttentionService::DoCloseSequence(const Caller& caller,
                           "standby copies");
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   RETURN_IF_ERROR(engine_->CloseSequence(key, req.standby_generation()));
+  leases_.Release(key);
   if (replicator_ != nullptr) replicator_->Closed(key);
   return absl::OkStatus();
 }
@@ -244,10 +275,14 @@ grpc::ServerUnaryReactor* AttentionService::DescribeSequence(grpc::CallbackServe
 absl::Status AttentionService::DoDescribeSequence(const Caller& caller,
                                                   const v1::DescribeSequenceRequest& req,
                                                   v1::SequenceInfo* resp) {
+  RETURN_IF_ERROR(CheckLeaseMs(caller, "lease_ms", req.lease_ms()));
   const SequenceKey key = KeyOf(caller, req.sequence_id());
   RETURN_IF_ERROR(FencedHere(key));  // (its copy here may still be closing)
   absl::StatusOr<SequenceInfo> info = engine_->DescribeSequence(key);
   RETURN_IF_ERROR(info.status());
+  if (info->standby && !leases_.Grant(key, req.lease_ms()))  // its primary renews its lease
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", Quote(key.id), ": this standby copy is being promoted; no lease granted"));
   FillSequence(*info, *engine_, resp);
   if (replicator_ != nullptr) resp->set_standby_replica(replicator_->StandbyOf(key));
   return absl::OkStatus();
@@ -374,6 +409,9 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
                                         absl::StrCat("batch[", i, "].block_hashes")));
     }
   }
+  RETURN_IF_ERROR(CheckLeaseMs(caller, "lease_ms", req.lease_ms()));
+  if (req.lease_ms() != 0 && !req.write_only())
+    return absl::InvalidArgumentError("lease_ms: only on write-only (replication) steps");
   StepOptions opts;
   opts.write_only = req.write_only();
   opts.context_parallel = req.context_parallel();
@@ -387,8 +425,14 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
     // while this replica was paused or cut off: ask before serving it (docs/replication.md).
     std::vector<SequenceKey> keys;
     for (const StepEntry& e : batch) keys.push_back(KeyOf(caller, e.sequence_id));
-    RETURN_IF_ERROR(replicator_->Confirm(keys));
+    RETURN_IF_ERROR(replicator_->Confirm(keys, &opts.commit_by));
   }
+  // A replication step renews its primary's lease on each copy, before anything is written: a
+  // copy being promoted refuses it (its primary is fenced by the refusal).
+  for (const StepEntry& e : batch)
+    if (req.write_only() && !leases_.Grant(KeyOf(caller, e.sequence_id), req.lease_ms()))
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", Quote(e.sequence_id), ": this standby copy is being promoted"));
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
   if (shards > 1) shards_.Register(RefOf(caller, step), shards);
   int64_t tokens = 0;  // the engine bounded the sum

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnd/v1/attention.grpc.pb.h"
+#include "cluster/standby_leases.h"
 #include "common/guarded.h"
 #include "engine/engine.h"
 #include "service/auth.h"
@@ -210,6 +211,8 @@ class AttentionService final : public v1::Attention::CallbackService {
                            v1::SequenceInfo* resp);
   // FAILED_PRECONDITION when this replica's copy of `key` was fenced (it failed over).
   absl::Status FencedHere(const SequenceKey& key) const;
+  // A request's lease_ms: [0, StandbyLeases::kMaxLeaseMs], nonzero from the admin identity only.
+  absl::Status CheckLeaseMs(const Caller& caller, const char* what, int64_t ms) const;
   // One layer of a sharded step from every shard's message (blocking).
   absl::Status LayerSharded(const StepRef& step, const std::vector<ShardGather::Part>& parts,
                             Transport transport);
@@ -228,6 +231,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   std::unique_ptr<Absorption> upload_;
   Engine* engine_;
   Executor* executor_;
+  StandbyLeases leases_;  // the leases this replica granted its peers on their standby copies
   ServiceMetrics* metrics_;
   std::atomic<bool> draining_{false};
   std::atomic<const KvEventPublisher*> kv_events_{nullptr};

@@ -407,6 +407,11 @@ std::vector<Flag> Table(ServerFlags* f) {
        "a standby silent this long no longer holds commits back: they\nanswer unprotected, "
        "the log and metrics say so (default 1000)",
        Int(&f->replication_ack_timeout_ms)},
+      {"replication-lease-ms", "N",
+       "a primary serves a sequence only while its standby's lease holds:\nrenewed by every "
+       "answer, it stops committing 3/4 of this after\nthe last one; the standby is promoted "
+       "once it ran out (default\n2000; 0: no leases, serve on when the standby is cut off)",
+       Int(&f->replication_lease_ms)},
       {"standby-cache-bytes", "BYTES|all",
        "cache bytes standby copies may hold here (default all: as the\ncache has room; they "
        "spill down the tiers before primaries do)",
@@ -588,6 +593,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return bad("--model-file and --hf-config: give one");
   if (f.drain_parallel > 64) return bad("--drain-parallel: at most 64");
   if (f.replication_ack_timeout_ms < 1) return bad("--replication-ack-timeout-ms: at least 1");
+  if (f.replication_lease_ms != 0 &&
+      (f.replication_lease_ms < f.replication_ack_timeout_ms || f.replication_lease_ms > 600000))
+    return bad("--replication-lease-ms: 0, or from --replication-ack-timeout-ms to 600000");
   if (f.replica_name.size() > 253 ||  // empty: HOST:PORT, once the port is bound
       !std::all_of(f.replica_name.begin(), f.replica_name.end(), [](char c) {
         return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' ||

@@ -96,9 +96,10 @@ struct ServerFlags {
   std::string replication = "async";       // async, sync
   int64_t replication_max_lag_steps = 4;
   int64_t replication_ack_timeout_ms = 1000;
-  int64_t standby_cache_bytes = -1;  // -1: all
-  std::string log_level = "info";    // debug, info, warning, error (glog, on stderr)
-  std::string log_format = "text";   // text, json (service/logging.h)
+  int64_t replication_lease_ms = 2000;  // 0: no leases
+  int64_t standby_cache_bytes = -1;     // -1: all
+  std::string log_level = "info";       // debug, info, warning, error (glog, on stderr)
+  std::string log_format = "text";      // text, json (service/logging.h)
   bool operator==(const ServerFlags&) const = default;
 };
 

@@ -415,6 +415,7 @@ class Server {
       ro.credentials = peers.credentials;
       ro.max_lag_steps = flags_.replication_max_lag_steps;
       ro.ack_timeout = std::chrono::milliseconds(flags_.replication_ack_timeout_ms);
+      ro.lease = std::chrono::milliseconds(flags_.replication_lease_ms);
       ro.chunk_tokens = std::min<int64_t>(4096, service_->max_export_chunk_tokens());
       ro.max_batch_entries = std::min<int64_t>(64, flags_.max_batch_entries);
       auto r = Replicator::Create(engine_.get(), std::move(ro));
@@ -487,13 +488,14 @@ class Server {
               << "; standby peers "
               << (f.standby_peers.empty()
                       ? std::string("none")
-                      : absl::StrCat(
-                            absl::StrJoin(f.standby_peers, ","), " (", f.replication, ", max lag ",
-                            f.replication_max_lag_steps, " steps, ack timeout ",
-                            f.replication_ack_timeout_ms, " ms, standby budget ",
-                            f.standby_cache_bytes < 0 ? std::string("all")
-                                                      : absl::StrCat(f.standby_cache_bytes, " B"),
-                            ")"));
+                      : absl::StrCat(absl::StrJoin(f.standby_peers, ","), " (", f.replication,
+                                     ", max lag ", f.replication_max_lag_steps,
+                                     " steps, ack timeout ", f.replication_ack_timeout_ms,
+                                     " ms, lease ", f.replication_lease_ms, " ms, standby budget ",
+                                     f.standby_cache_bytes < 0
+                                         ? std::string("all")
+                                         : absl::StrCat(f.standby_cache_bytes, " B"),
+                                     ")"));
   }
 
   void TierMoved(const TierEvent& e) {

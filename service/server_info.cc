@@ -86,6 +86,10 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     pc->set_kv_events_replay(ev->replay_endpoint());
     pc->set_kv_events_format(ev->array_form() ? "array" : "map");
   }
+  v1::LoadInfo* load = resp->mutable_load();
+  load->set_open_steps(engine_->num_open_steps());
+  load->set_queue_depth(executor_ != nullptr ? static_cast<int64_t>(executor_->queue_depth()) : 0);
+  load->set_sequences(engine_->num_sequences());
   v1::ReplicationInfo* ri = resp->mutable_replication();
   const StandbyUsage standby = engine_->Standby();
   ri->set_standby_sequences(standby.sequences);

@@ -197,6 +197,77 @@ TEST(Routing, DecodeSurvivesADrainARejoinUnderANewAddressAndAScaleUp) {
               static_cast<long long>(router.pulls()), static_cast<long long>(w.failures.load()));
 }
 
+// Rebalancing without a miss (issue 53 item 4): ChangeReplicas keeps every sequence whose owner
+// changes where it is, Rebalance moves it between steps and routes it there. A replica joins a
+// loaded fleet and another leaves it; every step of every round lands where its sequence is.
+TEST(Routing, AReplicaJoinsAndOneLeavesALoadedFleetWithoutAMisroutedStep) {
+  auto a = StartReplica("attnd-0");
+  auto b = StartReplica("attnd-1");
+  Router router(Members({{"attnd-0", a.get()}, {"attnd-1", b.get()}}), {});
+  auto info = router.ClientFor("x")->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const ModelSpec spec = ModelSpecFromProto(info->model()).value();
+  std::mt19937_64 rng(12);
+  std::vector<std::string> ids;
+  std::map<std::string, int64_t> length;
+  for (int i = 0; i < 16; ++i) {
+    ids.push_back(absl::StrCat("load-", i));
+    Client* owner = router.ClientFor(ids.back());
+    ASSERT_TRUE(owner->OpenSequence(ids.back()).ok());
+    ASSERT_TRUE(Step(*owner, spec, ids.back(), kPrompt, rng).ok());
+    length[ids.back()] = kPrompt;
+  }
+  auto round = [&] {  // one decode step each; any error (a miss included) fails
+    for (const std::string& id : ids) {
+      const absl::Status s = Step(*router.ClientFor(id), spec, id, 1, rng);
+      ASSERT_TRUE(s.ok()) << id << " on " << router.Pick(id) << ": " << s;
+      ++length[id];
+    }
+  };
+  auto expect_only_on = [&](const std::map<std::string, ServerProcess*>& servers) {
+    for (const std::string& id : ids)
+      for (const auto& [name, p] : servers) {
+        auto seq = Client::Connect(p->target())->DescribeSequence(id);
+        if (name == router.Pick(id)) {
+          ASSERT_TRUE(seq.ok()) << id << " on " << name << ": " << seq.status();
+          EXPECT_EQ(seq->length(), length[id]) << id;
+        } else {
+          EXPECT_EQ(seq.status().code(), absl::StatusCode::kNotFound) << id << " on " << name;
+        }
+      }
+  };
+  round();
+  auto c = StartReplica("attnd-2");  // joins
+  const std::vector<Replica> three =
+      Members({{"attnd-0", a.get()}, {"attnd-1", b.get()}, {"attnd-2", c.get()}});
+  std::vector<std::string> moving = router.ChangeReplicas(three, ids);
+  int want = 0;
+  for (const std::string& id : ids)
+    want += client::Route({"attnd-0", "attnd-1", "attnd-2"}, id) == "attnd-2";
+  ASSERT_GT(want, 0) << "the new replica has a share";
+  EXPECT_EQ(static_cast<int>(moving.size()), want);
+  round();  // before the moves: where they were
+  EXPECT_EQ(router.Rebalance(), want);
+  EXPECT_TRUE(router.moving().empty());
+  round();
+  expect_only_on({{"attnd-0", a.get()}, {"attnd-1", b.get()}, {"attnd-2", c.get()}});
+  for (const std::string& id : ids)
+    EXPECT_EQ(router.Pick(id), client::Route({"attnd-0", "attnd-1", "attnd-2"}, id));
+
+  // attnd-0 leaves: its sequences stay routed to it until they moved.
+  moving = router.ChangeReplicas(Members({{"attnd-1", b.get()}, {"attnd-2", c.get()}}), ids);
+  EXPECT_FALSE(moving.empty());
+  for (const std::string& id : moving) EXPECT_EQ(router.Pick(id), "attnd-0");
+  round();
+  EXPECT_EQ(router.Rebalance(), static_cast<int64_t>(moving.size()));
+  round();
+  expect_only_on({{"attnd-0", a.get()}, {"attnd-1", b.get()}, {"attnd-2", c.get()}});
+  EXPECT_EQ(a->Stop(), 0);  // nothing of the workload left there
+  round();
+  EXPECT_EQ(router.pulls(), 0) << "no step ever missed";
+  EXPECT_EQ(router.rebalanced(), want + static_cast<int64_t>(moving.size()));
+}
+
 // A sequence found nowhere is NOT_FOUND with a short message; one whose owner is down is served
 // where it is (no move), and one mid-step where it is stays there.
 TEST(Routing, LocateWithoutAnOwnerToMoveTo) {
@@ -364,20 +435,6 @@ TEST(Routing, FailOverPromotesTheStandbyAndTheSequenceDecodesOn) {
       auto again = router.ClientFor(id)->PromoteSequence(id, 2, length[id]);
       EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
     }
-}
-
-// The rule: the longest cached run, then the most room, then the rendezvous owner.
-TEST(Routing, ChoosePrefixReplicaPrefersTheLongestRunThenRoomThenTheHash) {
-  using client::ChoosePrefixReplica;
-  EXPECT_EQ(ChoosePrefixReplica({}, "s"), "");
-  EXPECT_EQ(ChoosePrefixReplica({{"a", 2, 0}, {"b", 3, -1}, {"c", 1, 900}}, "s"), "b");
-  EXPECT_EQ(ChoosePrefixReplica({{"a", 2, 10}, {"b", 2, 30}, {"c", 2, 20}}, "s"), "b");
-  // Equal everything: the rendezvous owner, for every id.
-  for (int i = 0; i < 32; ++i) {
-    const std::string id = absl::StrCat("s", i);
-    EXPECT_EQ(ChoosePrefixReplica({{"a", 0, 5}, {"b", 0, 5}, {"c", 0, 5}}, id),
-              client::Route({"a", "b", "c"}, id));
-  }
 }
 
 // Through two real replicas: a prompt whose blocks one of them holds goes there, whatever its id

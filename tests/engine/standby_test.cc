@@ -6,6 +6,7 @@
 // their tenant, and spill before primaries. Every state is audited (CheckInvariants).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -206,6 +207,32 @@ TEST(Standby, CopiesSpillBeforePrimaries) {
   ASSERT_TRUE(h.Run({{"new", 3 * P}}, h.MakeInputs({{"new", 3 * P}}, DType::kF32, 3)).status.ok());
   EXPECT_EQ(e.DescribeSequence("c")->tier, Tier::kHost);
   EXPECT_EQ(e.DescribeSequence("old")->tier, Tier::kDevice);
+  ExpectAudited(e);
+}
+
+// Leases (docs/replication.md#leases): a step whose commit_by passed before its last layer is
+// aborted there (UNAVAILABLE) with nothing committed; the same step under a lease that holds
+// commits, and the sequence decodes on against float64.
+TEST(Standby, AStepWhoseLeaseRanOutBeforeItsLastLayerCommitsNothing) {
+  Harness h(Options(64));
+  Engine& e = h.engine();
+  h.Open("s");
+  h.RunAndCheck({{"s", 21}}, DType::kF32, 1, 1e-5);
+  const EngineSnapshot before = TakeSnapshot(e, {"s"});
+  const std::vector<StepEntry> batch{{"s", 3}};
+  StepOptions late;
+  late.commit_by = std::chrono::steady_clock::now() - std::chrono::milliseconds(1);
+  const auto refused = h.Run(batch, h.MakeInputs(batch, DType::kF32, 2), late);
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kUnavailable) << refused.status;
+  EXPECT_NE(refused.status.message().find("lease"), std::string::npos) << refused.status;
+  EXPECT_TRUE(TakeSnapshot(e, {"s"}) == before) << "nothing committed, no step left open";
+  ExpectAudited(e);
+  StepOptions held;
+  held.commit_by = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  const auto ok = h.Run(batch, h.MakeInputs(batch, DType::kF32, 3), held);
+  ASSERT_TRUE(ok.status.ok()) << ok.status;
+  EXPECT_EQ(h.Length("s"), 24);
+  h.RunAndCheck({{"s", 1}}, DType::kF32, 4, 1e-5);
   ExpectAudited(e);
 }
 

@@ -11,7 +11,7 @@ from .client import *  # noqa: F403 (the names of attnd.client.__all__)
 from .context_parallel import ContextParallelSequence, MergedLayer
 from .hf_config import spec_from_hf_config
 from .kv_events import BlockIndex, KvEventSubscriber, decode_batch
-from .prefix_router import PrefixRouter
+from .prefix_router import PrefixRouter, PrefixWeights, ReplicaLoad, score_replicas
 from .router import Router, name_replicas, ranked, rendezvous_weight, resolve_endpoints, route
 
 # Every name of attnd.client, and these.
@@ -22,6 +22,8 @@ __all__ = [
     "KvEventSubscriber",
     "MergedLayer",
     "PrefixRouter",
+    "PrefixWeights",
+    "ReplicaLoad",
     "Router",
     "decode_batch",
     "hash_blocks",
@@ -30,6 +32,7 @@ __all__ = [
     "rendezvous_weight",
     "resolve_endpoints",
     "route",
+    "score_replicas",
     "spec_from_hf_config",
 ]
 __all__ += client.__all__

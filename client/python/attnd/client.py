@@ -76,6 +76,7 @@ from .types import (
     Candidates,
     DeviceInfo,
     LayerResult,
+    LoadInfo,
     ModelSpec,
     PrefixCacheInfo,
     PrefixLookup,
@@ -115,6 +116,7 @@ __all__ = [
     "LayerInputs",
     "LayerOutput",
     "LayerResult",
+    "LoadInfo",
     "ModelSpec",
     "PrefixCacheInfo",
     "PrefixLookup",
@@ -263,14 +265,18 @@ class _Api:
         return self._unary("DescribeSequence", request, lambda r: _plain(SequenceInfo, r))
 
     def promote_sequence(self, sequence_id: str, generation: int, length: int,
-                         failed_replica: str = "") -> SequenceInfo:
+                         failed_replica: str = "", release_lease: bool = False) -> SequenceInfo:
         """Failover (docs/replication.md): makes this server's standby copy of ``sequence_id`` at
         ``generation`` the sequence (at generation + 1), cut back to ``length`` tokens when it
         holds more. The reply's ``length`` is where the worker resumes (shorter after an async
         replica's lag: resend the steps after it). ``failed_replica`` (the failed primary's
-        name) is not chosen as the next standby. :meth:`Router.failover` does it for you."""
+        name) is not chosen as the next standby. UNAVAILABLE while the primary's lease on the
+        copy runs (docs/replication.md#leases), unless ``release_lease``: the primary serves it no
+        more (it hands it over, or its address refuses connections). :meth:`Router.failover`
+        does it for you."""
         request = pb.PromoteSequenceRequest(sequence_id=sequence_id, generation=int(generation),
-                                            length=int(length), failed_replica=failed_replica)
+                                            length=int(length), failed_replica=failed_replica,
+                                            release_lease=bool(release_lease))
         return self._unary("PromoteSequence", request, lambda r: _plain(SequenceInfo, r))
 
     def list_sequences(self, all_tenants: bool = False) -> List[SequenceInfo]:

@@ -11,8 +11,10 @@ next-ranked replicas and pulls it to its owner."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
+import time
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import grpc
@@ -86,33 +88,143 @@ def name_replicas(addresses: Iterable[str], **client_kwargs) -> Dict[str, str]:
 _MISS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 
 
+# PromoteSequence's refusal while the primary's lease runs ("... runs 1234 ms more ...").
+_LEASE_LEFT = re.compile(r"lease on this standby copy runs (\d+) ms more")
+
+
+def refuses_connections(address: str, timeout_s: float = 0.2) -> bool:
+    """Whether ``address`` ("host:port" or "unix:PATH") refuses a connection now: nothing listens
+    there, the process is gone. False when it accepts or does not answer in ``timeout_s`` (a
+    paused or cut-off replica). C++: ``client::RefusesConnections``."""
+    try:
+        if address.startswith("unix:"):
+            with socket.socket(socket.AF_UNIX) as sk:
+                sk.settimeout(timeout_s)
+                sk.connect(address[len("unix:"):])
+            return False
+        target = address[len("dns:"):] if address.startswith("dns:") else address
+        host, _, port = target.rpartition(":")
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except (OSError, ValueError):
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sk:
+                sk.settimeout(timeout_s)
+                sk.connect(sockaddr)
+            return False
+        except ConnectionRefusedError:
+            continue
+        except OSError:
+            return False
+    return bool(infos)
+
+
 class Router:
     """A client per replica (``{name: address}``) and the routing between them; thread safe.
 
     Step a sequence on :meth:`client_for`; when a call there fails with NOT_FOUND or UNAVAILABLE
     (a drain moved it, its owner is new, or the owner is going away), call :meth:`locate` and
     retry on the client it returns. :meth:`set_replicas` takes a new membership (re-resolve the
-    Service, then :func:`name_replicas`). ``client_kwargs`` go to every :class:`AttndClient`."""
+    Service, then :func:`name_replicas`). Without a single miss: :meth:`change_replicas` with the
+    worker's open sequences, then :meth:`rebalance` between their steps, which moves each to its
+    new owner and routes it there from then on. ``client_kwargs`` go to every
+    :class:`AttndClient`."""
 
     def __init__(self, replicas: Mapping[str, str], **client_kwargs) -> None:
         self._kwargs = client_kwargs
         self._mu = threading.Lock()
-        self._moving = threading.Lock()
+        self._move_mu = threading.Lock()
         self._address: Dict[str, str] = {}
         self._clients: Dict[str, AttndClient] = {}
         self._retired: List[AttndClient] = []
-        self._pinned: Dict[str, str] = {}  # failover(): sequence -> its new primary
+        self._pinned: Dict[str, str] = {}  # failover(), change_replicas(): sequence -> replica
+        self._moving: Dict[str, str] = {}  # change_replicas(): sequence -> its new owner
+        self._leaving: Dict[str, str] = {}  # replicas gone from the membership, still holding
         self.pulls = 0  # sequences locate() moved to their owner
         self.failovers = 0  # sequences failover() promoted
+        self.rebalanced = 0  # sequences rebalance() moved
         self.set_replicas(replicas)
 
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
         """Replaces the membership; a replica that keeps its name and address keeps its client."""
         with self._mu:
-            for name in list(self._clients):
-                if replicas.get(name) != self._address.get(name):
-                    self._retired.append(self._clients.pop(name))  # may still be in use
-            self._address = dict(replicas)
+            self.set_replicas_locked(replicas)
+
+    def set_replicas_locked(self, replicas: Mapping[str, str]) -> None:  # self._mu held
+        for name in list(self._clients):
+            if replicas.get(name) != self._address.get(name) and name not in self._leaving:
+                self._retired.append(self._clients.pop(name))  # may still be in use
+        self._address = dict(replicas)
+
+    def change_replicas(self, replicas: Mapping[str, str],
+                        sequence_ids: Iterable[str]) -> List[str]:
+        """A new membership (a replica joining or leaving) without a miss: each of
+        ``sequence_ids`` (this worker's open sequences) whose owner changes stays routed where it
+        is, its replica kept reachable even when it left, until :meth:`rebalance` moves it to its
+        new owner. Returns those to move."""
+        with self._mu:
+            where = {sid: self._owner(sid) for sid in sequence_ids}
+            old = dict(self._address)
+            self.set_replicas_locked(replicas)
+            moving = []
+            for sid, now in where.items():
+                if now is None or (sid in self._pinned and sid not in self._moving):
+                    continue  # a failover's pin stays
+                new = route(self._address, sid)
+                if new == now:  # (back where it is: nothing to move)
+                    self._moving.pop(sid, None)
+                    self._pinned.pop(sid, None)
+                    continue
+                self._pinned[sid] = now
+                self._moving[sid] = new
+                if now not in self._address:
+                    self._leaving[now] = old.get(now) or self._leaving[now]
+                moving.append(sid)
+            return moving
+
+    def rebalance(self, sequence_ids: Optional[Iterable[str]] = None) -> int:
+        """Moves sequences :meth:`change_replicas` kept in place (all, or those of
+        ``sequence_ids``) to their new owners, exactly as cached (the sequence importer: export,
+        write-only steps, the length confirmed, then closed where it was), and routes each there
+        from then on. Call it between the sequences' steps. One in a step, importing, or whose
+        copy failed (the new owner full) stays where it is, routed there, for a later call.
+        Returns how many moved."""
+        moved = 0
+        with self._move_mu:
+            with self._mu:
+                todo = [sid for sid in (self._moving if sequence_ids is None else sequence_ids)
+                        if sid in self._moving]
+            for sid in todo:
+                with self._mu:
+                    src, dst = self._pinned[sid], self._moving[sid]
+                    src_client, dst_client = self._client(src), self._client(dst)
+                try:
+                    there = src_client.describe_sequence(sid)
+                    if there.in_step or there.importing:
+                        continue
+                    src_client.handoff(sid, dst_client, close_source=True)
+                except AttndError as e:
+                    if e.code != grpc.StatusCode.NOT_FOUND:
+                        continue  # in a step meanwhile, or the copy failed: stays where it is
+                    # Closed there meanwhile (by the worker, or its step was its last): nothing
+                    # to move; it routes to its new owner.
+                with self._mu:
+                    self._moving.pop(sid, None)
+                    if self._pinned.get(sid) == src:
+                        del self._pinned[sid]
+                    moved += 1
+                    self.rebalanced += 1
+                    if src in self._leaving and src not in self._pinned.values():
+                        del self._leaving[src]  # nothing of ours left there
+        return moved
+
+    def moving(self) -> Dict[str, str]:
+        """The sequences :meth:`change_replicas` kept in place: sequence -> its new owner."""
+        with self._mu:
+            return dict(self._moving)
 
     def replicas(self) -> Dict[str, str]:
         with self._mu:
@@ -126,17 +238,21 @@ class Router:
 
     def _owner(self, sequence_id: str) -> Optional[str]:  # self._mu held
         pinned = self._pinned.get(sequence_id)
-        return pinned if pinned in self._address else route(self._address, sequence_id)
+        if pinned in self._address or pinned in self._leaving:
+            return pinned
+        return route(self._address, sequence_id)
 
     def forget(self, sequence_id: str) -> None:
         """Routes ``sequence_id`` by the hash again (after it was closed)."""
         with self._mu:
             self._pinned.pop(sequence_id, None)
+            self._moving.pop(sequence_id, None)
 
     def _client(self, name: str) -> AttndClient:  # self._mu held
         c = self._clients.get(name)
         if c is None:
-            c = self._clients[name] = AttndClient(self._address[name], **self._kwargs)
+            address = self._address.get(name) or self._leaving[name]
+            c = self._clients[name] = AttndClient(address, **self._kwargs)
         return c
 
     def client_for(self, sequence_id: str) -> AttndClient:
@@ -153,7 +269,7 @@ class Router:
         the length confirmed, then closed there). When the owner is unreachable, or the sequence
         is in a step or still importing where it is, that replica's client. NOT_FOUND when no
         replica holds it (it may be moving: retry shortly)."""
-        with self._moving:
+        with self._move_mu:
             with self._mu:
                 order = [(n, self._client(n)) for n in ranked(self._address, sequence_id)]
             if not order:
@@ -219,16 +335,36 @@ class Router:
             if there.standby and there.generation == generation:
                 held[name] = there.length
         order.sort(key=lambda nc: -held.get(nc[0], -1))
+        # A primary whose address refuses connections is gone: its lease ends with it. One that
+        # is paused or cut off may still serve: the copy is promoted once its lease runs out.
+        with self._mu:
+            failed_address = self._address.get(failed or "", "")
+        def is_gone() -> bool:
+            return bool(failed_address) and refuses_connections(failed_address)
+
+        gone = is_gone()
         errors = []
         for name, c in order:
-            try:
-                info = c.promote_sequence(sequence_id, generation, length,
-                                          failed_replica=failed or "")
-            except AttndError as e:
-                if e.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                errors.append(f"{name}: {e.details}")
+            info = None
+            for _ in range(1000):
+                try:
+                    info = c.promote_sequence(sequence_id, generation, length,
+                                              failed_replica=failed or "", release_lease=gone)
+                    break
+                except AttndError as e:
+                    wait = _LEASE_LEFT.search(e.details or "")
+                    if e.code == grpc.StatusCode.UNAVAILABLE and wait:
+                        # Wait it out, looking again every 100 ms whether the primary is gone
+                        # (a process killed a moment ago may still have held its port).
+                        time.sleep(min(int(wait.group(1)), 100) / 1000 + 0.001)
+                        gone = gone or is_gone()
+                        continue
+                    if e.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                    errors.append(f"{name}: {e.details}")
+                    break
+            if info is None:
                 continue
             with self._mu:
                 self._pinned[sequence_id] = name

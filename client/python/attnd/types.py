@@ -77,6 +77,14 @@ class ReplicationInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadInfo:
+    """The work in flight on a server now (what :class:`attnd.PrefixRouter` weighs)."""
+    open_steps: int  # steps begun and not yet committed or aborted
+    queue_depth: int  # calls waiting for an executor thread
+    sequences: int  # open sequences, standby copies included
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefixLookup:
     cached_blocks: int  # leading blocks held on one device, any tier
     cached_tokens: int
@@ -113,6 +121,8 @@ class ServerInfo:
     prefix_cache: Optional[PrefixCacheInfo] = None
     # standby replicas (None from servers without them)
     replication: Optional[ReplicationInfo] = None
+    # the work in flight (None from servers too old to say)
+    load: Optional[LoadInfo] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +196,7 @@ def _server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
                       else None),
         replication=(_plain(ReplicationInfo, msg.replication, peers=tuple(msg.replication.peers))
                      if msg.HasField("replication") else None),
+        load=_plain(LoadInfo, msg.load) if msg.HasField("load") else None,
     )
 
 

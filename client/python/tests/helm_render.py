@@ -374,6 +374,7 @@ class Chart:
             "printf": _printf,
             "eq": lambda a, b: a == b,
             "ne": lambda a, b: a != b,
+            "lt": lambda a, b: a < b,
             "not": lambda v: not _truthy(v),
             "trunc": lambda n, s: s[:n],
             "trimSuffix": lambda suffix, s: s[:-len(suffix)] if s.endswith(suffix) else s,

@@ -1,7 +1,12 @@
 """A stale worker for test_partition.py, run inside the cut-off primary's network namespace
-(``ip netns exec``): one decode step of a sequence at one attnd, naming the generation it knows.
-Prints ``<status code name> <seconds> <its commit's protection, or ->`` and exits 0 whatever
-the step's status."""
+(``ip netns exec``): decode steps of a sequence at one attnd, naming the generation it knows, one
+after another until one is refused (or SECONDS pass). Prints a line per step: ``<status code
+name> <when its last layer was sent> <when its reply came> <its commit's protection, or ->``
+(times: time.monotonic(), the system's monotonic clock, which the test reads too) and exits 0
+whatever the steps' statuses.
+
+    partition_worker.py TARGET SEQUENCE GENERATION SEED SECONDS
+"""
 
 from __future__ import annotations
 
@@ -23,18 +28,26 @@ from attnd_testlib import bf16_layers  # noqa: E402
 
 def main() -> None:
     target, sid, generation, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    seconds = float(sys.argv[5])
     with AttndClient(target, timeout=10.0) as c:
-        x = bf16_layers(c.info().model, 1, np.random.default_rng(seed))
-        started = time.monotonic()
-        try:
-            step = c.begin_step([(sid, 1)], generations=[generation])
-            for i, xi in enumerate(x[:-1]):
-                c.attend_layer(step.step_id, LayerInputs(i, **xi))
-            last = c.attend_layer_details(step.step_id, LayerInputs(len(x) - 1, **x[-1]))
-            code, protection = "OK", ",".join(last.protection) or "-"
-        except AttndError as e:
-            code, protection = e.code.name, "-"
-        print(code, round(time.monotonic() - started, 3), protection, flush=True)
+        spec = c.info().model
+        rng = np.random.default_rng(seed)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            x = bf16_layers(spec, 1, rng)
+            sent = time.monotonic()
+            try:
+                step = c.begin_step([(sid, 1)], generations=[generation])
+                for i, xi in enumerate(x[:-1]):
+                    c.attend_layer(step.step_id, LayerInputs(i, **xi))
+                sent = time.monotonic()
+                last = c.attend_layer_details(step.step_id, LayerInputs(len(x) - 1, **x[-1]))
+                code, protection = "OK", ",".join(last.protection) or "-"
+            except AttndError as e:
+                code, protection = e.code.name, "-"
+            print(code, f"{sent:.4f}", f"{time.monotonic():.4f}", protection, flush=True)
+            if code != "OK":
+                break
 
 
 if __name__ == "__main__":

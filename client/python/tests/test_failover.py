@@ -659,6 +659,56 @@ def test_a_step_asks_a_standby_that_stopped_answering_once_not_per_sequence(tmp_
         c.close()
 
 
+def test_a_standby_is_promoted_only_once_its_primarys_lease_ran_out_or_it_is_gone(tmp_path):
+    # docs/replication.md#leases: while the lease it granted runs, a standby refuses to promote
+    # its copy (UNAVAILABLE, saying for how long), so a primary that is only paused or cut off
+    # never commits beside its promoted copy; the router waits it out. A primary whose address
+    # refuses connections is gone: its lease ends with it (test_a_killed_primary_...). Bad
+    # lease_ms values are refused with nothing changed.
+    c = Cluster(tmp_path, "sync")
+    try:
+        s = c.open("leased")
+        c.step(s, T=20)
+        primary, standby, _ = ranked(c.names, s.sid)
+        with AttndClient(c.address_of[standby], timeout=10.0) as there:
+            wait_for(lambda: _standby_copy(there, s.sid, 1, s.length), "the copy caught up")
+            d = there.describe_sequence(s.sid)
+            for req, method, what in (
+                    (pb.DescribeSequenceRequest(sequence_id=s.sid, lease_ms=-1),
+                     "DescribeSequence", "lease_ms: -1 outside [0, 600000] ms"),
+                    (pb.DescribeSequenceRequest(sequence_id=s.sid, lease_ms=600001),
+                     "DescribeSequence", "lease_ms: 600001 outside"),
+                    (pb.OpenSequenceRequest(sequence_id="plain", lease_ms=1000),
+                     "OpenSequence", "lease_ms: only with standby_generation"),
+                    (pb.BeginStepRequest(batch=[pb.BatchEntry(sequence_id=s.sid, q_len=1)],
+                                         lease_ms=1000),
+                     "BeginStep", "lease_ms: only on write-only (replication) steps")):
+                with pytest.raises(AttndError) as e:
+                    there._unary(method, req, lambda r: r)
+                assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+                assert what in e.value.details, e.value.details
+            assert there.describe_sequence(s.sid) == d, "refusals change nothing"
+            proc = c.procs[c.address_of[primary]]
+            proc.send_signal(signal.SIGSTOP)  # paused: it may still serve when it wakes
+            paused = time.monotonic()
+            try:
+                with pytest.raises(AttndError) as e:
+                    there.promote_sequence(s.sid, 1, s.length)
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+                left = int(re.search(r"runs (\d+) ms more", e.value.details).group(1))
+                assert 0 < left <= 2000, e.value.details
+                assert there.describe_sequence(s.sid).standby, "refused: still a copy"
+                c.fail_over(s, failed=primary)  # the router waits for the lease to run out
+                waited = time.monotonic() - paused
+                assert waited <= 2.0 + 1.0, waited
+                assert c.router.pick(s.sid) == standby and s.generation == 2
+            finally:
+                proc.send_signal(signal.SIGCONT)
+        c.step(s)
+    finally:
+        c.close()
+
+
 def test_failover_promotes_the_longest_copy_not_the_first_named(tmp_path):
     """Issue 53: the router promoted the replica it was told held the standby (or the first in
     hash order) without comparing copies, so a stale copy left on a former standby won over the

@@ -1,16 +1,18 @@
-"""Standby replicas under a real network partition (docs/replication.md#fencing). A sequence's
-primary runs in a network namespace of its own, joined to its two peers and to the worker by a
-veth pair; taking the namespace's end of the link down cuts it off while it keeps running: its
-peers and the worker meet silence (their calls run into their deadlines), it meets an unreachable
-network. test_failover.py pauses a primary with SIGSTOP instead, which stops the process too.
+"""Standby replicas under a real network partition (docs/replication.md#leases and #fencing). A
+sequence's primary runs in a network namespace of its own, joined to its two peers and to the
+worker by a veth pair; taking the namespace's end of the link down cuts it off while it keeps
+running: its peers and the worker meet silence (their calls run into their deadlines), it meets an
+unreachable network. test_failover.py pauses a primary with SIGSTOP instead, which stops the
+process too.
 
-The worker fails the sequence over to its standby and goes on there. A stale worker beside the
-cut-off primary (in its namespace) steps the sequence there meanwhile: the primary cannot reach
-its standby to ask, and answers (the gap docs/replication.md names), its reply saying the
-commit is unprotected (LayerOutput.protection; in `sync` mode once the ack timeout passed). When
-the link comes back, what it took never reaches the sequence: its copy of that commit is refused
-by the new primary, it drops the sequence, and refuses every later call for it; the sequence is
-the worker's, bit for bit.
+At the cut, a stale worker beside the cut-off primary (in its namespace) steps the sequence there,
+step after step: the primary commits them only while the lease its standby granted holds (3/4 of
+--replication-lease-ms after its standby last answered), then refuses (UNAVAILABLE, no lease): its
+last commit comes at most the lease after the cut, in `async` and in `sync` mode. The worker fails
+the sequence over to its standby, which is promoted once the primary's lease ran out there, and
+goes on there. When the link comes back, what the cut-off primary took never reaches the sequence:
+its copy of those commits is refused by the new primary, it drops the sequence, and refuses every
+later call for it; the sequence is the worker's, bit for bit.
 
 Needs root and `ip netns` (iproute2); skipped where either is missing."""
 
@@ -21,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -33,6 +36,7 @@ from attnd_process import free_port, start
 from attnd_testlib import bf16_layers, wait_for
 
 WORKER = Path(__file__).with_name("partition_worker.py")
+LEASE_S = 2.0  # --replication-lease-ms's default
 
 
 def _ip(*args: str) -> None:
@@ -140,28 +144,33 @@ def test_a_cut_off_primary_is_fenced_when_the_partition_heals(tmp_path, mode):
         with AttndClient(c.address_of[standby], timeout=10.0) as sb:
             wait_for(lambda: _standby_copy(sb, sid, 1, s.length), "the standby has every row")
 
+        # The stale worker beside the primary steps it from the cut on: commits while the lease
+        # holds, then refusals. The lease was last renewed by the step just before the cut.
+        c.step(s)
+        cut_at = time.monotonic()
         net.cut()
-        with pytest.raises(AttndError) as e:  # silence: the worker's deadline
+        out = subprocess.run([*net.run_inside(), sys.executable, str(WORKER),
+                              f"127.0.0.1:{c.ports[0]}", sid, str(s.generation), "5", "20"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        steps = [line.split() for line in out.stdout.splitlines()]
+        committed_at = [float(sent) for code, sent, _, _ in steps if code == "OK"]
+        assert steps and steps[-1][0] == "UNAVAILABLE", out.stdout  # refused: no lease
+        # Within the lease it served (unless a loaded machine took the lease's time already).
+        last = max(committed_at, default=cut_at) - cut_at
+        assert last <= LEASE_S, f"committed {last:.3f} s after the cut: {out.stdout}"
+        print(f"{mode}: last commit {last:.3f} s after the cut (lease {LEASE_S} s)")
+
+        with pytest.raises(AttndError) as e:  # the worker outside: silence, then its deadline
             c._run(c.router.client_for(sid), s, bf16_layers(c.spec, 1, c.rng))
         assert e.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.UNAVAILABLE), e.value
         stale_generation, committed = s.generation, s.length
+        # The standby is promoted once the primary's lease ran out there (the router waits).
         c.fail_over(s, failed=primary)
         assert c.router.pick(sid) == standby and s.generation == stale_generation + 1
         c.step(s)
         c.step(s)
-
-        # A stale worker beside the cut-off primary: it is answered there (the gap), at once in
-        # async mode, after the ack timeout (then unprotected) in sync mode.
-        out = subprocess.run([*net.run_inside(), sys.executable, str(WORKER),
-                              f"127.0.0.1:{c.ports[0]}", sid, str(stale_generation), "5"],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        code, seconds, protection = out.stdout.split()
-        assert code == "OK", out.stdout
-        assert protection == "unprotected", out.stdout  # and the reply says so
-        if mode == "sync":
-            assert float(seconds) >= 0.45, out.stdout  # it waited for the standby first
 
         net.heal()
         old = AttndClient(c.address_of[primary], timeout=10.0)

@@ -2,7 +2,8 @@
 --replica-name: a decode workload keeps stepping while one replica drains, comes back under a new
 address, and a fourth joins. No step fails (a miss is located and retried), every sequence ends on
 the replica its name-hash picks, and each decode output is bit-identical to that of a twin
-sequence on a server outside the fleet that never moved."""
+sequence on a server outside the fleet that never moved. With change_replicas and rebalance, a
+replica joins a loaded fleet and another leaves it without a single misrouted step."""
 
 from __future__ import annotations
 
@@ -123,6 +124,80 @@ def test_decode_through_a_drain_a_rejoin_and_a_scale_up():
                             raise AssertionError(f"{s} also on {name}")
                         except AttndError as e:
                             assert e.code == grpc.StatusCode.NOT_FOUND
+    finally:
+        router.close()
+        twin.close()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+
+
+def test_a_replica_joins_and_one_leaves_a_loaded_fleet_without_a_misrouted_step():
+    # Router.change_replicas keeps each sequence whose owner changes where it is; rebalance,
+    # between steps, moves it (the sequence importer) and routes it there: no step ever reaches a
+    # replica that does not hold its sequence. Outputs bit for bit a twin that never moved.
+    twin_proc, twin_target = _replica("twin")
+    p0, t0 = _replica("attnd-0")
+    p1, t1 = _replica("attnd-1")
+    procs = [twin_proc, p0, p1]
+    twin = AttndClient(twin_target, timeout=30.0)
+    router = Router(name_replicas([t0, t1]), timeout=30.0)
+    try:
+        spec = twin.info().model
+        rng = np.random.default_rng(9)
+        seqs = [f"load-{i}" for i in range(18)]
+        for s in seqs:
+            router.client_for(s).open_sequence(s)
+            twin.open_sequence(s)
+            x = bf16_layers(spec, 21, rng)
+            run_step(router.client_for(s), s, x)
+            run_step(twin, s, x)
+
+        def decode_round():  # any error (a miss included) fails the test
+            for s in seqs:
+                x = bf16_layers(spec, 1, rng)
+                want = _bits(run_step(twin, s, x))
+                got = _bits(run_step(router.client_for(s), s, x))
+                for layer, (g, w) in enumerate(zip(got, want)):
+                    assert np.array_equal(g, w), (s, layer)
+
+        def holders(s, members):
+            found = []
+            for name, target in members.items():
+                with AttndClient(target) as c:
+                    try:
+                        c.describe_sequence(s)
+                        found.append(name)
+                    except AttndError as e:
+                        assert e.code == grpc.StatusCode.NOT_FOUND, e
+            return found
+
+        decode_round()
+        p2, t2 = _replica("attnd-2")  # joins
+        procs.append(p2)
+        three = name_replicas([t0, t1, t2])
+        moving = router.change_replicas(three, seqs)
+        assert sorted(moving) == sorted(s for s in seqs if route(three, s) == "attnd-2")
+        assert moving, "the new replica has a share"
+        decode_round()  # before the moves: where they were
+        assert router.rebalance() == len(moving) and not router.moving()
+        decode_round()
+        for s in seqs:
+            assert holders(s, three) == [route(three, s)], s
+
+        two = {"attnd-1": t1, "attnd-2": t2}  # attnd-0 leaves
+        moving = router.change_replicas(two, seqs)
+        assert sorted(moving) == sorted(s for s in seqs if route(three, s) == "attnd-0")
+        decode_round()  # still on attnd-0, which is out of the membership already
+        assert router.rebalance() == len(moving)
+        decode_round()
+        for s in seqs:
+            assert holders(s, three) == [route(two, s)], s
+        p0.send_signal(signal.SIGTERM)  # nothing of the workload left on it
+        assert p0.wait(timeout=60) == 0
+        decode_round()
+        assert router.pulls == 0, "no step ever missed"
     finally:
         router.close()
         twin.close()
