@@ -488,11 +488,17 @@ absl::StatusOr<Client*> Router::Locate(const std::string& sequence_id) {
   std::vector<std::pair<std::string, Client*>> ranked;  // (name, client or nullptr)
   {
     std::lock_guard<std::mutex> lock(mu_);
-    chosen_.erase(sequence_id);  // placed by prefix and missed there: the rendezvous rules now
+    // Placed (by prefix, a failover, ChangeReplicas) and missed there: the rendezvous rules now.
+    auto was = chosen_.find(sequence_id);
+    const std::string pinned = was != chosen_.end() ? was->second : std::string();
+    chosen_.erase(sequence_id);
+    moving_.erase(sequence_id);
     for (std::string& n : Ranked(names_, sequence_id)) {
       Client* c = ClientLocked(n);
       ranked.emplace_back(std::move(n), c);
     }
+    if (leaving_.contains(pinned))  // a replica that left may still hold it
+      ranked.emplace_back(pinned, ClientLocked(pinned));
   }
   if (ranked.empty()) return absl::UnavailableError("no replicas to route to");
   Client* owner = ranked[0].second;

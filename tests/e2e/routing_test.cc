@@ -268,6 +268,39 @@ TEST(Routing, AReplicaJoinsAndOneLeavesALoadedFleetWithoutAMisroutedStep) {
   EXPECT_EQ(router.rebalanced(), want + static_cast<int64_t>(moving.size()));
 }
 
+// Issue 53 (pins kept wrongly): a sequence kept in place by ChangeReplicas and moved meanwhile by
+// someone else (by hand here, as a drain would) misses once; Locate finds it on its owner, and
+// its pin and pending move are dropped: it routes there, and Rebalance has nothing left to move.
+TEST(Routing, ASequenceLocatedElsewhereDropsItsPinAndPendingMove) {
+  auto a = StartReplica("attnd-0");
+  auto b = StartReplica("attnd-1");
+  Router router(Members({{"attnd-0", a.get()}}), {});
+  const std::vector<std::string> two = {"attnd-0", "attnd-1"};
+  std::string id;
+  for (int i = 0; id.empty(); ++i)
+    if (client::Route(two, absl::StrCat("pin-", i)) == "attnd-1") id = absl::StrCat("pin-", i);
+  auto info = router.ClientFor(id)->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const ModelSpec spec = ModelSpecFromProto(info->model()).value();
+  std::mt19937_64 rng(4);
+  ASSERT_TRUE(router.ClientFor(id)->OpenSequence(id).ok());
+  ASSERT_TRUE(Step(*router.ClientFor(id), spec, id, kPrompt, rng).ok());
+  ASSERT_EQ(router.ChangeReplicas(Members({{"attnd-0", a.get()}, {"attnd-1", b.get()}}), {id}),
+            std::vector<std::string>{id});
+  auto to = Client::Connect(b->target());
+  ASSERT_TRUE(client::HandOffSequence(*router.ClientFor(id), *to, id).ok());
+  ASSERT_TRUE(router.ClientFor(id)->CloseSequence(id).ok());  // moved behind the router's back
+  const absl::Status miss = Step(*router.ClientFor(id), spec, id, 1, rng);
+  EXPECT_EQ(miss.code(), absl::StatusCode::kNotFound) << miss;
+  auto found = router.Locate(id);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_TRUE(Step(**found, spec, id, 1, rng).ok());
+  EXPECT_EQ(router.Pick(id), "attnd-1");
+  EXPECT_TRUE(router.moving().empty());
+  EXPECT_TRUE(Step(*router.ClientFor(id), spec, id, 1, rng).ok()) << "no second miss";
+  EXPECT_EQ(router.Rebalance(), 0);
+}
+
 // A sequence found nowhere is NOT_FOUND with a short message; one whose owner is down is served
 // where it is (no move), and one mid-step where it is stays there.
 TEST(Routing, LocateWithoutAnOwnerToMoveTo) {

@@ -271,7 +271,13 @@ class Router:
         replica holds it (it may be moving: retry shortly)."""
         with self._move_mu:
             with self._mu:
+                # Pinned (a failover, change_replicas) and missed there: the hash rules now (as
+                # for any sequence, a miss on its owner locates it again).
+                was = self._pinned.pop(sequence_id, None)
+                self._moving.pop(sequence_id, None)
                 order = [(n, self._client(n)) for n in ranked(self._address, sequence_id)]
+                if was in self._leaving:  # a replica that left may still hold it
+                    order.append((was, self._client(was)))
             if not order:
                 raise AttndError(grpc.StatusCode.UNAVAILABLE, "no replicas to route to")
             owner_name, owner = order[0]
@@ -288,12 +294,14 @@ class Router:
                     continue
                 if there.standby:
                     continue  # another's standby copy: failover() promotes those
-                if not owner_reachable or there.in_step or there.importing:
+                stay = not owner_reachable or there.in_step or there.importing
+                if not stay:
+                    try:
+                        holder.handoff(sequence_id, owner, close_source=True)
+                    except AttndError:
+                        stay = True  # the copy failed (the owner may be full): it stays usable
+                if stay:
                     return holder
-                try:
-                    holder.handoff(sequence_id, owner, close_source=True)
-                except AttndError:
-                    return holder  # the copy failed (the owner may be full): it stays usable
                 self.pulls += 1
                 return owner
             raise AttndError(grpc.StatusCode.NOT_FOUND,
