@@ -24,7 +24,13 @@ absl::Status ImportSequence(Client& to, const ImportTarget& target, const Export
     if (!more.ok()) return fail(more.status());
     if (!*more) break;
     if (chunk.keys().layer() == 0) {
-      auto begun = to.BeginStep({{target.id, chunk.tokens()}}, /*write_only=*/true);
+      v1::BeginStepRequest begin;
+      begin.set_write_only(true);
+      v1::BatchEntry* e = begin.add_batch();
+      e->set_sequence_id(target.id);
+      e->set_q_len(chunk.tokens());
+      *e->mutable_block_hashes() = chunk.block_hashes();  // its blocks, for the prefix cache
+      auto begun = to.BeginStep(begin);
       if (!begun.ok()) return fail(begun.status());
       step = begun->step_id();
     }

@@ -18,6 +18,12 @@ absl::Status ReadExportChunk(const Engine& engine, const SequenceKey& seq, int l
   msg->set_token_begin(begin);
   msg->set_tokens(n);
   msg->set_length(length);
+  if (layer == 0) {  // the blocks travel with their rows (the receiver's prefix cache)
+    ASSIGN_OR_RETURN(const std::vector<BlockHash> hashes,
+                     engine.CompletedBlockHashes(seq, begin, begin + n));
+    for (const BlockHash& h : hashes)
+      msg->add_block_hashes(reinterpret_cast<const char*>(h.data()), h.size());
+  }
   v1::LayerInputs* k = msg->mutable_keys();
   k->set_layer(layer);
   auto set = [&](v1::Tensor* t, const std::string& dtype, std::string* bytes, int64_t dim) {

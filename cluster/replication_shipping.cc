@@ -321,6 +321,13 @@ Replicator::Round Replicator::Ship(Peer* peer) {
     // Rows after what the copy holds: a step it took whose reply was lost (a deadline, a
     // dropped connection) is refused when sent again, and the length read back below.
     e->set_start(item->shipped);
+    // The blocks they complete, when this replica knows them all: the copy keeps them, and
+    // indexes them once promoted (its prefix cache and KV events).
+    if (auto hashes =
+            engine_->CompletedBlockHashes(item->key, item->shipped, item->shipped + item->n);
+        hashes.ok())
+      for (const BlockHash& h : *hashes)
+        e->add_block_hashes(reinterpret_cast<const char*>(h.data()), h.size());
   }
   // The begin and every layer on one Step call, bounded by the ack timeout.
   std::unique_ptr<client::StepStream> stream = to.OpenStream(options_.ack_timeout.count());

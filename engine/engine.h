@@ -347,6 +347,11 @@ class Engine {
   using LayerRows = LayerRowBytes;
   absl::StatusOr<LayerRows> ReadRows(const SequenceKey& seq, int layer, int64_t begin,
                                      int64_t end) const;
+  // The prefix-cache hashes of the blocks rows [begin, end) complete (blocks begin / page to
+  // end / page), when the sequence knows them all (its prompt's, and those its steps named);
+  // empty otherwise. For exports and standby copies: the blocks travel with the rows.
+  absl::StatusOr<std::vector<BlockHash>> CompletedBlockHashes(const SequenceKey& seq, int64_t begin,
+                                                              int64_t end) const;
   // Whether this build can drive CUDA devices (nvcc was found at build time).
   static bool CudaBuilt();
   // Every usable GPU ("cuda:0", ...) in a CUDA build with GPUs, else {"cpu:0"}; UNAVAILABLE

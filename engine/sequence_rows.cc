@@ -50,4 +50,17 @@ absl::StatusOr<Engine::LayerRows> Engine::ReadRows(const SequenceKey& seq, int l
   return out;
 }
 
+absl::StatusOr<std::vector<BlockHash>> Engine::CompletedBlockHashes(const SequenceKey& seq,
+                                                                    int64_t begin,
+                                                                    int64_t end) const {
+  const int64_t page = impl_->spec().page_size;
+  std::lock_guard<EngineMutex> lock(impl_->mu);
+  const Sequence* s = impl_->table->Find(seq);
+  if (s == nullptr) return impl_->table->NotFound(seq);
+  const int64_t first = begin / page, last = end / page;  // blocks [first, last)
+  if (begin < 0 || end > s->length || begin > end || static_cast<int64_t>(s->hashes.size()) < last)
+    return std::vector<BlockHash>();
+  return std::vector<BlockHash>(s->hashes.begin() + first, s->hashes.begin() + last);
+}
+
 }  // namespace attnd

@@ -172,6 +172,8 @@ absl::Status SequenceTable::Promote(const SequenceKey& key, uint64_t generation,
     if (!seq->pages.empty()) seq->pages.resize(keep);
     seq->length = length;
   }
+  if (seq->hashes.size() > static_cast<size_t>(seq->length / page_size_))
+    seq->hashes.resize(seq->length / page_size_);  // the cut blocks' hashes go with them
   standby_pages_ -= static_cast<int64_t>(seq->logical.size());
   --standby_seqs_;
   prefix_stats_.promoted_tokens += seq->length;
@@ -180,6 +182,9 @@ absl::Status SequenceTable::Promote(const SequenceKey& key, uint64_t generation,
   ChargeSequences(*seq, 1);
   Charge(*seq, static_cast<int64_t>(seq->logical.size()));
   seq->last_used = std::chrono::steady_clock::now();
+  // Its blocks join this replica's prefix cache (and KV events) now; a spilled one's at its
+  // next commit, which indexes every block it knows from the first.
+  if (seq->tier == Tier::kDevice) IndexBlocks(seq, 0);
   return absl::OkStatus();
 }
 
@@ -382,7 +387,10 @@ void SequenceTable::Unbind(Sequence* seq, const std::vector<int32_t>& new_pages,
     const size_t first = static_cast<size_t>(old_len / page_size_);
     for (size_t k = 0; k < completed.size(); ++k)  // checked: equal to any it knew
       if (first + k >= seq->hashes.size()) seq->hashes.push_back(completed[k]);
-    if (index) {
+    if (index && seq->standby) {
+      // A standby copy keeps its blocks' hashes and indexes them when promoted: until then its
+      // pages are its primary's copy, not this replica's cache.
+    } else if (index) {
       IndexBlocks(seq, old_len);
     } else {
       seq->hashes.clear();

@@ -20,7 +20,8 @@ from .errors import AttndError
 from .types import SequenceInfo
 from .v1 import attention_pb2 as pb
 
-# ("open", kwargs) · ("next_chunk",) -> ExportChunk or None · ("begin", batch) -> BeginStep reply ·
+# ("open", kwargs) · ("next_chunk",) -> ExportChunk or None · ("begin", batch, block hashes) ->
+# BeginStep reply ·
 # ("layer", AttendLayerRequest) · ("describe", "to" | "from") -> SequenceInfo ·
 # ("cleanup", "abort", step_id) · ("cleanup", "close") · ("close_source",)
 Operation = Tuple[Any, ...]
@@ -38,8 +39,8 @@ def handoff_plan(sequence_id: str, source: SequenceInfo,
             chunk = yield ("next_chunk",)
             if chunk is None:
                 break
-            if chunk.keys.layer == 0:
-                step = yield ("begin", [(sequence_id, chunk.tokens)])
+            if chunk.keys.layer == 0:  # with its blocks' hashes, for the prefix cache
+                step = yield ("begin", [(sequence_id, chunk.tokens)], list(chunk.block_hashes))
             elif step is None:
                 raise AttndError(grpc.StatusCode.INTERNAL,
                                  f"handoff: a chunk began at layer {chunk.keys.layer}, not 0")
@@ -95,7 +96,8 @@ def handoff_call(op: Operation, sender, receiver, sequence_id: str):
     if kind == "open":
         return receiver.open_sequence(sequence_id, **op[1])
     if kind == "begin":
-        return receiver.begin_step(op[1], write_only=True)
+        return receiver.begin_step(op[1], write_only=True,
+                                   block_hashes=[op[2]] if op[2] else None)
     if kind == "layer":
         return receiver._unary("AttendLayer", op[1])
     if kind == "describe":

@@ -312,6 +312,10 @@ def test_a_sequence_opened_on_cached_blocks_is_copied_whole_and_fails_over(tmp_p
         c.step(s)
         c.kill(primary)
         assert c.fail_over(s, failed=primary) == 0, "sync lost a step"
+        # The promoted copy's blocks came with its rows (issue 53): the new primary's prefix
+        # cache holds them and announced them.
+        with AttndClient(c.address_of[ranked(c.names, b)[1]]) as promoted:
+            assert promoted.lookup_prefix(token_ids=shared + [4, 5]).cached_blocks == 2
         # The promoted copy's tokens count as kept by a failover, under vLLM's source name too.
         text = scrape(c.mports[c.address_of[ranked(c.names, b)[1]]])
         for series in ('attnd_prompt_tokens_cached_by_source_total{source="standby"}',

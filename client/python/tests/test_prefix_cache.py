@@ -82,6 +82,30 @@ def test_a_prompt_opened_on_cached_blocks_decodes_bit_for_bit_as_cold(attnd_serv
         assert 'attnd_prefix_cache_lookup_blocks_total{result="hit"} 4' in text
 
 
+def test_a_handed_off_sequence_brings_its_blocks_to_the_receivers_prefix_cache(attnd_server):
+    # Issue 53: prefix blocks travel with a handoff (ExportChunk.block_hashes into the
+    # receiver's write-only steps): the receiver indexes and announces them, and a later prompt
+    # there maps them, decoding bit for bit as on the sender.
+    src, _ = attnd_server([], kv_pages=64)
+    dst, dport = attnd_server([], kv_pages=64)
+    rng = np.random.default_rng(17)
+    with AttndClient(src) as s, AttndClient(dst) as d:
+        spec = s.info().model
+        P = spec.page_size
+        prompt = _tokens(3 * P + 5, 21)
+        hashes = hash_blocks(prompt, P)
+        s.open_sequence("A", prompt_token_ids=prompt)
+        step_details(s, [("A", len(prompt))], layer_inputs(spec, len(prompt), rng))
+        assert d.lookup_prefix(block_hashes=hashes).cached_blocks == 0
+        s.handoff("A", d, close_source=True)
+        assert d.lookup_prefix(block_hashes=hashes).cached_blocks == 3, "the blocks came along"
+        assert d.info().prefix_cache.blocks == 3
+        assert 'attnd_prefix_cache_stored_blocks_total 3' in scrape(dport)
+        d.close_sequence("A")
+        b = d.open_sequence("B", prompt_token_ids=prompt + [1])
+        assert b.cached_tokens == 3 * P
+
+
 def test_malformed_or_mismatched_prompts_are_refused_with_nothing_changed(attnd_server):
     target, _ = attnd_server([], kv_pages=32)
     with AttndClient(target) as c:
