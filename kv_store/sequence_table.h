@@ -404,6 +404,9 @@ class SequenceTable {
   void CacheDrop(int32_t id);
   static bool CacheOnly(const PageDirectory::Entry& e) { return e.cached && e.refs() == 1; }
   int32_t FreeSlots(Tier tier, int device) const;
+  // KV events for the indexed pages a tier move took (page id, the tier it left): each block
+  // removed where it was and stored where it is now.
+  void AnnounceTierMoves(const std::vector<std::pair<int32_t, Tier>>& moved);
   // Indexes the blocks of `seq` committed since old_len whose hashes it knows (and any earlier
   // one that left the index meanwhile, so that the chain stays whole).
   void IndexBlocks(Sequence* seq, int64_t old_len);

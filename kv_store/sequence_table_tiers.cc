@@ -217,6 +217,7 @@ void SequenceTable::BeginOrphanMove(Tier tier, int device, int32_t max_pages, Ti
 std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool ok,
                                                     const std::vector<int32_t>& lost) {
   for (int32_t p : move.pinned) --dir_.at(p).move_pins;
+  std::vector<std::pair<int32_t, Tier>> moved_blocks;  // indexed pages moved, from where
   for (const TierMove::Page& m : move.pages) {
     PageDirectory::Entry& e = dir_.at(m.id);
     e.moving = false;
@@ -244,7 +245,9 @@ std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool o
       for (int32_t r = 1; r < e.refs(); ++r) pools_[d].Ref(m.dst);
       owner_[d][m.dst] = m.id;
     }
+    if (e.cached && m.from != m.to) moved_blocks.emplace_back(m.id, m.from);
   }
+  AnnounceTierMoves(moved_blocks);
   if (Sequence* seq = move.key.id.empty() ? nullptr : Find(move.key)) {
     seq->state = SequenceState::kIdle;
     if (!ok && move.from != move.to) {
@@ -263,6 +266,30 @@ std::vector<SequenceKey> SequenceTable::EndTierMove(const TierMove& move, bool o
       for (int32_t p : seq->logical) seq->pages.push_back(dir_.at(p).slot);
   }
   return LoseHolders(lost);
+}
+
+void SequenceTable::AnnounceTierMoves(const std::vector<std::pair<int32_t, Tier>>& moved) {
+  if (moved.empty() || !on_prefix_event_) return;
+  // Each indexed block whose page moved: removed where it was, stored where it is (vLLM's
+  // events name the medium; a subscriber that keys blocks by medium follows the move).
+  prefix_.ForEach([&](int32_t, const PrefixIndex::Block& blk) {
+    auto it = std::find_if(moved.begin(), moved.end(),
+                           [&](const auto& m) { return m.first == blk.page; });
+    if (it == moved.end()) return;
+    PrefixEvent gone;
+    gone.kind = PrefixEvent::Kind::kRemoved;
+    gone.tenant = blk.tenant;
+    gone.device = blk.device;
+    gone.tier = it->second;
+    gone.hashes = {blk.hash};
+    on_prefix_event_(gone);
+    PrefixEvent here = gone;
+    here.kind = PrefixEvent::Kind::kStored;
+    here.tier = dir_.at(blk.page).tier;
+    here.has_parent = blk.parent >= 0;
+    if (blk.parent >= 0) here.parent = prefix_.at(blk.parent).hash;
+    on_prefix_event_(here);
+  });
 }
 
 std::vector<SequenceKey> SequenceTable::LoseHolders(const std::vector<int32_t>& ids) {

@@ -243,6 +243,57 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
     assert raw[0][2] == 0
 
 
+def test_blocks_spilled_down_a_tier_are_announced_with_their_new_medium(attnd_server, tmp_path):
+    # Issue 53 item 1: a tier move of indexed blocks is announced in vLLM's terms: each block
+    # removed from the medium it left (the CPU backend's device: "CPU") and stored on the one it
+    # is on now (the disk tier: "STORAGE"), parent and all; vLLM's decoder reads both, and a
+    # block index following the events still holds every block.
+    port = free_port()
+    target, _ = attnd_server([f"--kv-events=tcp://127.0.0.1:{port}", "--replica-name=r0",
+                              f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"],
+                             kv_pages=32)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    index = BlockIndex()
+    try:
+        with AttndClient(target) as c:
+            spec = c.info().model
+            P = spec.page_size
+            time.sleep(0.3)  # a PUB socket drops what it sends before the subscription lands
+            prompt = _tokens(3 * P + 1, 77)
+            hashes = hash_blocks(prompt, P)[:3]
+            c.open_sequence("s", prompt_token_ids=prompt)
+            step_details(c, [("s", 3 * P)], layer_inputs(spec, 3 * P, np.random.default_rng(4)))
+            c.offload_sequences(["s"])
+            assert c.describe_sequence("s").tier == "disk"
+            events = []
+            while sum(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in events) < 3:
+                _, seq, payload = sub.recv_multipart()
+                batch = decode_batch(payload)
+                vllm = VLLM_DECODER.decode(payload)
+                assert [type(e).__name__ for e in vllm.events] == \
+                    [type(e).__name__ for e in batch.events]
+                index.apply("r0", "", int.from_bytes(seq, "big"), batch)
+                events += batch.events
+            first = [(type(e).__name__, e.medium, list(e.block_hashes)) for e in events
+                     if e.medium == "CPU"]
+            assert ("BlockStored", "CPU", hashes) in first, first  # the prefill's
+            moved_out = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"
+                         for h in e.block_hashes]
+            moved_in = {e.block_hashes[0]: e.parent_block_hash for e in events
+                        if isinstance(e, BlockStored) and e.medium == "STORAGE"}
+            assert sorted(moved_out) == sorted(hashes)
+            assert moved_in == {hashes[0]: None, hashes[1]: hashes[0], hashes[2]: hashes[1]}
+            assert index.cached_blocks("r0", "", hashes) == 3
+            assert c.lookup_prefix(block_hashes=hashes).cached_blocks == 3
+    finally:
+        sub.close()
+        ctx.term()
+
+
 def test_the_block_index_sees_gaps_restarts_and_cleared_caches():
     h = [bytes([i]) * 32 for i in range(4)]
 
