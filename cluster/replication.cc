@@ -150,6 +150,7 @@ void Replicator::Track(const SequenceKey& key, uint64_t generation, int64_t leng
     Seq& old = it->second;
     if (old.closed) {  // closed while its round runs; opened again: a new copy after it
       old.reopened = true;
+      old.reopened_committed = false;
       old.generation = generation;
       old.reopened_length = length;
       old.reopened_avoid = avoid;
@@ -246,6 +247,13 @@ void Replicator::Committed(const std::vector<SequenceKey>& keys,
       Seq& s = it->second;
       std::string& protection = p->protection[i];
       protection = kUnprotected;
+      if (s.closed) {
+        // Closed while its round is in flight and opened again (a new sequence under the same
+        // id): none of it was sent; its own copy starts when that round ends (issue 53: this
+        // was "replicated" against the old copy's rows).
+        s.reopened_committed = true;
+        continue;
+      }
       if (s.peer < 0) continue;  // no standby: nothing to wait for
       if (lengths[i] <= s.shipped) {
         protection = kReplicated;

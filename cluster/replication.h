@@ -118,6 +118,7 @@ class Replicator final : public ReplicationHook {
     // Opened again (Track) while closed and busy: once the round ends, a fresh copy starts.
     bool reopened = false;
     int64_t reopened_length = 0;
+    bool reopened_committed = false;  // the new sequence committed before its copy began
     std::string reopened_avoid;
     bool caught_up = false;
     Clock::time_point heard = Clock::now();  // its standby's last acknowledgement

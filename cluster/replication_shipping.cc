@@ -235,7 +235,7 @@ Replicator::Round Replicator::Ship(Peer* peer) {
             Seq fresh;
             fresh.generation = s.generation;
             fresh.avoid = s.reopened_avoid;
-            fresh.caught_up = s.reopened_length == 0;
+            fresh.caught_up = s.reopened_length == 0 && !s.reopened_committed;
             fresh.peer = ChoosePeer(item.key, fresh.avoid);
             s = std::move(fresh);
             Wake(item.key, s);

@@ -713,6 +713,41 @@ def test_a_standby_is_promoted_only_once_its_primarys_lease_ran_out_or_it_is_gon
         c.close()
 
 
+def test_a_sequence_closed_and_reopened_during_a_round_is_not_reported_replicated(tmp_path):
+    """Issue 53: a sequence closed and opened again while its standby's round was in flight kept
+    its old copy's state, so the new sequence's first commit was "replicated" (its length under
+    the old copy's) while nothing of it had been sent. Each opening is now a copy of its own."""
+    c = Cluster(tmp_path, "async", extra=["--replication-ack-timeout-ms=3000",
+                                          "--replication-lease-ms=6000"])
+    try:
+        s = c.open("again")
+        c.step(s, T=37)
+        primary, standby, _ = ranked(c.names, s.sid)
+        with AttndClient(c.address_of[standby], timeout=10.0) as sb:
+            wait_for(lambda: _standby_copy(sb, s.sid, 1, s.length), "the copy caught up")
+        proc = c.procs[c.address_of[standby]]
+        proc.send_signal(signal.SIGSTOP)  # the next round waits on it (up to the ack timeout)
+        try:
+            client = c.router.client_for(s.sid)
+            c.step(s)  # its rows go out in a round that cannot end yet
+            time.sleep(0.3)
+            client.close_sequence(s.sid)
+            client.open_sequence(s.sid)
+            fresh = Seq(s.sid)
+            x = bf16_layers(c.spec, 3, c.rng)
+            (protection,) = _protection(client, [(fresh, 3)], x)
+            assert protection != "replicated", "nothing of the new sequence was sent"
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        # Once the standby answers: the old copy closed, the new one made and caught up.
+        with AttndClient(c.address_of[standby], timeout=10.0) as sb:
+            wait_for(lambda: _standby_copy(sb, s.sid, 1, 3), "the new sequence's copy", 30)
+        (protection,) = _protection(client, [(fresh, 1)], bf16_layers(c.spec, 1, c.rng))
+        assert protection in ("shipping", "replicated"), protection
+    finally:
+        c.close()
+
+
 def test_failover_promotes_the_longest_copy_not_the_first_named(tmp_path):
     """Issue 53: the router promoted the replica it was told held the standby (or the first in
     hash order) without comparing copies, so a stale copy left on a former standby won over the
