@@ -38,6 +38,16 @@ def _same_bits(got, want, what):
 
 
 
+def _subscribe(port):
+    """A ZeroMQ context and a SUB socket on the replica's KV events (5 s receive timeout)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return ctx, sub
+
+
 def _tokens(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 150000, n)]
 
@@ -174,11 +184,7 @@ def test_kv_events_decode_with_vllms_schema_and_replay_to_the_block_set(attnd_se
     port = free_port()
     target, mport = attnd_server([f"--kv-events=tcp://127.0.0.1:{port}", "--replica-name=r0"],
                                  kv_pages=9)
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.setsockopt(zmq.RCVTIMEO, 5000)
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    ctx, sub = _subscribe(port)
     index = BlockIndex()
     raw = []
     try:
@@ -252,11 +258,7 @@ def test_blocks_spilled_down_a_tier_are_announced_with_their_new_medium(attnd_se
     target, _ = attnd_server([f"--kv-events=tcp://127.0.0.1:{port}", "--replica-name=r0",
                               f"--disk-cache-dir={tmp_path}", "--disk-cache-bytes=4194304"],
                              kv_pages=32)
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    sub.setsockopt(zmq.RCVTIMEO, 5000)
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    ctx, sub = _subscribe(port)
     index = BlockIndex()
     try:
         with AttndClient(target) as c:

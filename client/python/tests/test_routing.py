@@ -26,6 +26,15 @@ def _replica(name, extra=()):
     return proc, target
 
 
+def _close(router, twin, procs):
+    router.close()
+    twin.close()
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=60)
+
+
 def _bits(outputs):
     return [np.asarray(o).view(np.uint16).copy() for o in outputs]
 
@@ -125,12 +134,7 @@ def test_decode_through_a_drain_a_rejoin_and_a_scale_up():
                         except AttndError as e:
                             assert e.code == grpc.StatusCode.NOT_FOUND
     finally:
-        router.close()
-        twin.close()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=60)
+        _close(router, twin, procs)
 
 
 def test_a_replica_joins_and_one_leaves_a_loaded_fleet_without_a_misrouted_step():
@@ -199,12 +203,7 @@ def test_a_replica_joins_and_one_leaves_a_loaded_fleet_without_a_misrouted_step(
         decode_round()
         assert router.pulls == 0, "no step ever missed"
     finally:
-        router.close()
-        twin.close()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=60)
+        _close(router, twin, procs)
 
 
 def test_a_sequence_locate_found_elsewhere_is_routed_there_from_then_on():
