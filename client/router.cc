@@ -435,18 +435,18 @@ std::vector<std::string> Router::ChangeReplicas(std::vector<Replica> replicas,
 
 int64_t Router::Rebalance(const std::vector<std::string>& sequence_ids) {
   std::lock_guard<std::mutex> one(move_mu_);
-  std::vector<std::string> todo;
+  std::vector<std::string> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (sequence_ids.empty()) {
-      for (const auto& [id, to] : moving_) todo.push_back(id);
+      for (const auto& [id, to] : moving_) pending.push_back(id);
     } else {
       for (const std::string& id : sequence_ids)
-        if (moving_.contains(id)) todo.push_back(id);
+        if (moving_.contains(id)) pending.push_back(id);
     }
   }
   int64_t moved = 0;
-  for (const std::string& id : todo) {
+  for (const std::string& id : pending) {
     std::string src;
     Client *from = nullptr, *to = nullptr;
     {
@@ -466,10 +466,13 @@ int64_t Router::Rebalance(const std::vector<std::string>& sequence_ids) {
     if (chosen_[id] == src) chosen_.erase(id);
     ++moved;
     ++rebalanced_;
-    bool holds = false;
-    for (const auto& [other, at] : chosen_) holds = holds || at == src;
-    if (!holds) leaving_.erase(src);
   }
+  // A replica that left and holds nothing of this router's any more is forgotten.
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(leaving_, [&](const auto& l) {
+    return std::none_of(chosen_.begin(), chosen_.end(),
+                        [&](const auto& c) { return c.second == l.first; });
+  });
   return moved;
 }
 

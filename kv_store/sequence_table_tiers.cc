@@ -7,6 +7,7 @@
 #include <map>
 #include <tuple>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
 #include "common/status_macros.h"
@@ -272,10 +273,10 @@ void SequenceTable::AnnounceTierMoves(const std::vector<std::pair<int32_t, Tier>
   if (moved.empty() || !on_prefix_event_) return;
   // Each indexed block whose page moved: removed where it was, stored where it is (vLLM's
   // events name the medium; a subscriber that keys blocks by medium follows the move).
+  const absl::flat_hash_map<int32_t, Tier> left(moved.begin(), moved.end());  // page -> tier
   prefix_.ForEach([&](int32_t, const PrefixIndex::Block& blk) {
-    auto it = std::find_if(moved.begin(), moved.end(),
-                           [&](const auto& m) { return m.first == blk.page; });
-    if (it == moved.end()) return;
+    auto it = left.find(blk.page);
+    if (it == left.end()) return;
     PrefixEvent gone;
     gone.kind = PrefixEvent::Kind::kRemoved;
     gone.tenant = blk.tenant;

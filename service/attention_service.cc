@@ -429,10 +429,11 @@ absl::StatusOr<uint64_t> AttentionService::Begin(const Caller& caller,
   }
   // A replication step renews its primary's lease on each copy, before anything is written: a
   // copy being promoted refuses it (its primary is fenced by the refusal).
-  for (const StepEntry& e : batch)
-    if (req.write_only() && !leases_.Grant(KeyOf(caller, e.sequence_id), req.lease_ms()))
-      return absl::FailedPreconditionError(
-          absl::StrCat("sequence ", Quote(e.sequence_id), ": this standby copy is being promoted"));
+  if (req.write_only())
+    for (const StepEntry& e : batch)
+      if (!leases_.Grant(KeyOf(caller, e.sequence_id), req.lease_ms()))
+        return absl::FailedPreconditionError(absl::StrCat("sequence ", Quote(e.sequence_id),
+                                                          ": this standby copy is being promoted"));
   ASSIGN_OR_RETURN(uint64_t step, engine_->BeginStep(batch, opts));
   if (shards > 1) shards_.Register(RefOf(caller, step), shards);
   int64_t tokens = 0;  // the engine bounded the sum

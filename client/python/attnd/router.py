@@ -151,9 +151,9 @@ class Router:
     def set_replicas(self, replicas: Mapping[str, str]) -> None:
         """Replaces the membership; a replica that keeps its name and address keeps its client."""
         with self._mu:
-            self.set_replicas_locked(replicas)
+            self._set_replicas_locked(replicas)
 
-    def set_replicas_locked(self, replicas: Mapping[str, str]) -> None:  # self._mu held
+    def _set_replicas_locked(self, replicas: Mapping[str, str]) -> None:  # self._mu held
         for name in list(self._clients):
             if replicas.get(name) != self._address.get(name) and name not in self._leaving:
                 self._retired.append(self._clients.pop(name))  # may still be in use
@@ -168,7 +168,7 @@ class Router:
         with self._mu:
             where = {sid: self._owner(sid) for sid in sequence_ids}
             old = dict(self._address)
-            self.set_replicas_locked(replicas)
+            self._set_replicas_locked(replicas)
             moving = []
             for sid, now in where.items():
                 if now is None or (sid in self._pinned and sid not in self._moving):
@@ -195,9 +195,9 @@ class Router:
         moved = 0
         with self._move_mu:
             with self._mu:
-                todo = [sid for sid in (self._moving if sequence_ids is None else sequence_ids)
-                        if sid in self._moving]
-            for sid in todo:
+                pending = [sid for sid in (self._moving if sequence_ids is None else sequence_ids)
+                           if sid in self._moving]
+            for sid in pending:
                 with self._mu:
                     src, dst = self._pinned[sid], self._moving[sid]
                     src_client, dst_client = self._client(src), self._client(dst)
@@ -217,8 +217,9 @@ class Router:
                         del self._pinned[sid]
                     moved += 1
                     self.rebalanced += 1
-                    if src in self._leaving and src not in self._pinned.values():
-                        del self._leaving[src]  # nothing of ours left there
+            with self._mu:  # a replica that left and holds nothing of ours any more: forgotten
+                held = set(self._pinned.values())
+                self._leaving = {n: a for n, a in self._leaving.items() if n in held}
         return moved
 
     def moving(self) -> Dict[str, str]:

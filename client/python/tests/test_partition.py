@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_failover import Cluster, Seq, _fenced, _standby_copy, replication_flags
+from replication_cluster import Cluster, Seq, _fenced, _standby_copy, replication_flags
 
 from attnd import AttndClient, AttndError, ranked
 
