@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/data_plane_session.h"
 #include "client/sequence_import.h"
 #include "common/fp8.h"
 
@@ -188,8 +189,53 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   Metadata md;
   if (!o.token.empty()) md.emplace_back("authorization", absl::StrCat("Bearer ", o.token));
   if (!o.act_as_tenant.empty()) md.emplace_back("attnd-tenant", o.act_as_tenant);
-  return std::unique_ptr<Client>(
+  if (o.data_plane != "auto" && o.data_plane != "off")
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_plane: \"", o.data_plane, "\" is not auto or off"));
+  std::unique_ptr<Client> c(
       new Client(grpc::CreateCustomChannel(target, creds, args), std::move(md), o.call_timeout_ms));
+  c->data_plane_mode_ = o.data_plane;
+  c->data_plane_bytes_ = o.data_plane_bytes;
+  return c;
+}
+
+Client::~Client() = default;
+
+absl::Status Client::ConnectDataPlane() {
+  auto info = Info();
+  if (!info.ok()) return info.status();
+  auto s = DataPlaneSession::Connect(stub_.get(), *info, data_plane_bytes_,
+                                     [this](grpc::ClientContext* ctx) { PrepareUnary(ctx); });
+  if (!s.ok()) return s.status();
+  std::lock_guard<std::mutex> lock(plane_mu_);
+  plane_ = std::move(*s);
+  plane_tried_ = true;
+  return absl::OkStatus();
+}
+
+std::string Client::DataPlaneName() const {
+  std::lock_guard<std::mutex> lock(plane_mu_);
+  return plane_ != nullptr ? plane_->plane() : "";
+}
+
+DataPlaneSession* Client::Plane() const {
+  std::lock_guard<std::mutex> lock(plane_mu_);
+  if (plane_ != nullptr || plane_tried_ || data_plane_mode_ != "auto") return plane_.get();
+  plane_tried_ = true;  // one try: a server without a plane is asked once
+  grpc::ClientContext ctx;
+  PrepareUnary(&ctx);
+  v1::ServerInfoResponse info;
+  if (!stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok()) {
+    plane_tried_ = false;  // the server was not reached: ask again next time
+    return nullptr;
+  }
+  bool ucx = false;
+  for (const std::string& p : info.data_plane().planes()) ucx = ucx || p == "ucx";
+  if (!ucx) return nullptr;
+  auto s = DataPlaneSession::Connect(stub_.get(), info, data_plane_bytes_,
+                                     [this](grpc::ClientContext* c) { PrepareUnary(c); });
+  if (s.ok()) plane_ = std::move(*s);  // refused (the server's limit): bytes in the message
+  return plane_.get();
 }
 
 void Client::Authorize(grpc::ClientContext* ctx) const {
@@ -353,10 +399,15 @@ absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::
   PrepareUnary(&ctx);
   v1::AttendLayerRequest req;
   req.set_step_id(step_id);
-  *req.mutable_inputs() = in;
+  DataPlaneSession* plane = Plane();
+  DataPlaneSession::Call call;
+  if (plane == nullptr || !plane->Stage(in, req.mutable_inputs(), &call))
+    *req.mutable_inputs() = in;
   v1::AttendLayerResponse resp;
   absl::Status s = FromGrpcNotCancelled(stub_->AttendLayer(&ctx, req, &resp));
   if (!s.ok()) return s;
+  if (plane != nullptr)
+    if (absl::Status f = plane->Finish(&call, resp.mutable_output()); !f.ok()) return f;
   return std::move(*resp.mutable_output());
 }
 
@@ -459,9 +510,13 @@ absl::StatusOr<v1::BeginStepResponse> StepStream::Join(uint64_t step_id, int sha
 
 absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {
   v1::StepRequest req;
-  *req.mutable_layer() = in;
+  DataPlaneSession* plane = client_.Plane();
+  DataPlaneSession::Call call;
+  if (plane == nullptr || !plane->Stage(in, req.mutable_layer(), &call)) *req.mutable_layer() = in;
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
+  if (plane != nullptr)
+    if (absl::Status f = plane->Finish(&call, resp->mutable_layer()); !f.ok()) return f;
   if (resp->layer().committed()) open_ids_.clear();
   return std::move(*resp->mutable_layer());
 }

@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,6 +78,7 @@ absl::Status FromGrpcNotCancelled(const grpc::Status& s);
 
 class StepStream;
 class Client;
+class DataPlaneSession;
 
 // How to reach a server (docs/trust.md). Without a CA the channel is plaintext.
 struct ConnectOptions {
@@ -91,6 +93,11 @@ struct ConnectOptions {
   // > 0: the channel reconnects after a failure this soon, backing off to 20x (gRPC's default
   // starts at 1 s and grows to 120 s: long for replicas that come back at once).
   int64_t reconnect_backoff_ms = 0;
+  // The UCX data plane (docs/data-plane.md): "auto" connects one at the first layer call when
+  // the server offers it and sends tensors through it (gRPC bytes otherwise, and for any call
+  // the plane's regions cannot take at the moment); "off" never does.
+  std::string data_plane = "auto";
+  int64_t data_plane_bytes = int64_t{64} << 20;  // each region (capped by the server's limit)
 };
 
 // Copies sequence `id` from `from` to `to` (ExportSequence there, write-only steps here), in
@@ -108,6 +115,7 @@ class Client {
   // INVALID_ARGUMENT when a certificate file cannot be read.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
                                                          const ConnectOptions& options);
+  ~Client();
 
   absl::StatusOr<v1::ServerInfoResponse> Info();
   // Empty parent: a fresh sequence; otherwise a fork of the parent's first prefix_len tokens.
@@ -155,6 +163,11 @@ class Client {
   absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, int64_t offset,
                                     int64_t bytes);
   absl::Status UnregisterSharedMemory(const std::string& name);
+  // The data plane (docs/data-plane.md): connects one now (FAILED_PRECONDITION when the server
+  // offers none). With ConnectOptions.data_plane "auto" the first layer call does this itself.
+  absl::Status ConnectDataPlane();
+  // The plane's name ("ucx-3") once connected, else "".
+  std::string DataPlaneName() const;
   // Diagnostics: a round trip of `payload` out and `response_bytes` back.
   absl::Status Echo(const std::string& payload, int64_t response_bytes);
 
@@ -172,10 +185,18 @@ class Client {
  private:
   using Metadata = std::vector<std::pair<std::string, std::string>>;
   Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata, int64_t call_timeout_ms);
+  friend class StepStream;
+  // The connected plane, connecting it on first use under "auto" (null: none, send bytes).
+  DataPlaneSession* Plane() const;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   Metadata metadata_;
   int64_t call_timeout_ms_ = 0;
+  std::string data_plane_mode_ = "auto";
+  int64_t data_plane_bytes_ = 0;
+  mutable std::mutex plane_mu_;
+  mutable std::shared_ptr<DataPlaneSession> plane_;
+  mutable bool plane_tried_ = false;
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and

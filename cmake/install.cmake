@@ -4,7 +4,8 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(TARGETS attnd attnctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(TARGETS attnd_client attnd_proto attnd_dtype attnd_block_hash EXPORT attndTargets
+install(TARGETS attnd_client attnd_proto attnd_dtype attnd_block_hash attnd_transport_ucx
+  EXPORT attndTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} ${CMAKE_INSTALL_INCLUDEDIR}/attnd)

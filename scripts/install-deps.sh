@@ -26,6 +26,7 @@ run_pkgs=(
   prometheus-cpp-dev libcpp-httplib-dev  # /metrics: the registry, and HTTP(S) serving it
   libssl-dev libgoogle-glog-dev libcli11-dev nlohmann-json3-dev
   libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
+  libucx-dev  # the data plane (docs/data-plane.md): UCX 1.13, shared memory, TCP, RDMA verbs
   curl  # run.sh prints a few metrics lines
 )
 test_pkgs=(

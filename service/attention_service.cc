@@ -61,7 +61,7 @@ void AttentionService::Report(const char* method, const absl::Status& status,
 }
 
 ShmAccess AttentionService::ShmFor(const Caller& caller) const {
-  ShmAccess a{&shm_, caller.tenant, absl::OkStatus()};
+  ShmAccess a{&shm_, caller.tenant, absl::OkStatus(), options_.data_plane.get()};
   if (!options_.shm_enabled) {
     a.refused = absl::PermissionDeniedError("shared memory is off on this server (--shm)");
   } else if (!caller.local) {

@@ -26,6 +26,9 @@
 namespace attnd {
 
 class ReplicationHook;
+namespace transport {
+class UcxPlane;
+}
 
 struct ServiceOptions {
   int64_t max_message_bytes = 0;
@@ -38,6 +41,8 @@ struct ServiceOptions {
   // listener, for objects under `shm_prefix` owned by the caller's user.
   bool shm_enabled = false;
   std::string shm_prefix = "/attnd-";
+  // The UCX data plane (docs/data-plane.md); null: off.
+  std::shared_ptr<transport::UcxPlane> data_plane;
   // Starts the drain (the server's SIGTERM path) with these peers (empty: the flags').
   // A Drain call may name only peers among drain_peers (--drain-peers, as given).
   std::vector<std::string> drain_peers;
@@ -103,6 +108,12 @@ class AttentionService final : public v1::Attention::CallbackService {
   grpc::ServerUnaryReactor* UnregisterSharedMemory(
       grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
       v1::UnregisterSharedMemoryResponse* resp) override;
+  grpc::ServerUnaryReactor* ConnectDataPlane(grpc::CallbackServerContext* ctx,
+                                             const v1::ConnectDataPlaneRequest* req,
+                                             v1::ConnectDataPlaneResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseDataPlane(grpc::CallbackServerContext* ctx,
+                                           const v1::CloseDataPlaneRequest* req,
+                                           v1::CloseDataPlaneResponse* resp) override;
   grpc::ServerWriteReactor<v1::ExportChunk>* ExportSequence(
       grpc::CallbackServerContext* ctx, const v1::ExportSequenceRequest* req) override;
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
@@ -148,6 +159,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status DoUnregisterSharedMemory(const Caller& caller,
                                         const v1::UnregisterSharedMemoryRequest& req);
   absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
+  // The data plane's handshake and its end (service/data_plane.cc).
+  absl::Status DoConnectDataPlane(const Caller& caller, const v1::ConnectDataPlaneRequest& req,
+                                  v1::ConnectDataPlaneResponse* resp);
   // OK for the admin identity, or for anyone on an unauthenticated server; else
   // PERMISSION_DENIED "<method>: only the admin identity (--admin-tenant)<why>".
   absl::Status RequireAdmin(const Caller& caller, const char* method, const char* why) const;

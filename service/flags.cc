@@ -353,6 +353,23 @@ std::vector<Flag> Table(ServerFlags* f) {
          return "";
        }},
       {"shm-prefix", "PREFIX", "objects that may be opened (default /attnd-)", Str(&f->shm_prefix)},
+      {"data-plane", "off|ucx",
+       "tensors by UCX beside gRPC (default off): clients that connect a\nplane send and receive "
+       "them through registered buffers; UCX picks\nshared memory, TCP or RDMA (UCX_TLS as usual)",
+       OneOf(&f->data_plane, {"off", "ucx"})},
+      {"data-plane-region-bytes", "BYTES",
+       "the largest input or output region a client may ask for\n(default 268435456)",
+       Bytes(&f->data_plane_region_bytes)},
+      {"data-plane-max-planes", "N", "planes connected at once, all tenants (default 64)",
+       Int(&f->data_plane_max_planes)},
+      {"data-plane-timeout-ms", "N",
+       "how long a layer call waits for its inputs to land and its\noutput to be delivered "
+       "(default 2000)",
+       Limit(&f->data_plane_timeout_ms)},
+      {"data-plane-without-tls", "true|false",
+       "with --tls-cert: allow the data plane anyway (UCX does not encrypt;\nuse only on a "
+       "network you trust)",
+       Bool(&f->data_plane_without_tls), true},
       {"quota-pages", "N", "per tenant: cache pages held (default 0 = no limit)",
        Int(&f->quota_pages)},
       {"quota-sequences", "N", "per tenant: open sequences (default 0)", Int(&f->quota_sequences)},
@@ -605,6 +622,14 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.sequence_idle_timeout_s > int64_t{10} * 365 * 86400)
     return bad("--sequence-idle-timeout-s: at most ten years (0 = never)");
   if (!f.shm && !f.shm_socket.empty()) return bad("--shm-socket is only used with --shm");
+  if (f.data_plane == "ucx" && !f.tls_cert.empty() && !f.data_plane_without_tls)
+    return bad(
+        "--data-plane=ucx with TLS: UCX does not encrypt; add --data-plane-without-tls "
+        "to allow it on a network you trust");
+  if (f.data_plane_region_bytes < 4096 || f.data_plane_region_bytes > (int64_t{1} << 34))
+    return bad("--data-plane-region-bytes: from 4096 to 17179869184");
+  if (f.data_plane_max_planes < 1 || f.data_plane_max_planes > 4096)
+    return bad("--data-plane-max-planes: from 1 to 4096");
   if (f.kv_events.empty() && !f.kv_events_replay.empty())
     return bad("--kv-events-replay needs --kv-events");
   if (f.disk_cache_dir.empty() != (f.disk_cache_bytes == 0))

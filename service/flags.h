@@ -76,6 +76,12 @@ struct ServerFlags {
   std::string shm_socket;  // that listener's path
   std::string shm_prefix = "/attnd-";
   uint32_t shm_socket_mode = 0660;
+  // The UCX data plane (docs/data-plane.md): off, or ucx.
+  std::string data_plane = "off";
+  int64_t data_plane_region_bytes = int64_t{256} << 20;  // each region of a plane, at most
+  int32_t data_plane_max_planes = 64;
+  int64_t data_plane_timeout_ms = 2000;  // an input's landing, an output's delivery
+  bool data_plane_without_tls = false;   // with TLS on: allow the (unencrypted) plane anyway
   // Per-tenant quotas (0 = none); the token file may override them per tenant.
   int64_t quota_pages = 0;
   int64_t quota_sequences = 0;

@@ -38,6 +38,7 @@
 #include "service/service_metrics.h"
 #include "service/tls.h"
 #include "service/unix_listener.h"
+#include "transport/ucx_plane.h"
 
 namespace attnd {
 namespace {
@@ -337,6 +338,13 @@ class Server {
     so.auth = auth_;
     so.shm_enabled = flags_.shm;
     so.shm_prefix = flags_.shm_prefix;
+    if (flags_.data_plane == "ucx") {
+      transport::UcxPlane::Options po;
+      po.max_planes = flags_.data_plane_max_planes;
+      po.max_region_bytes = flags_.data_plane_region_bytes;
+      po.transfer_timeout = absl::Milliseconds(flags_.data_plane_timeout_ms);
+      ASSIGN_OR_RETURN(so.data_plane, transport::UcxPlane::Create(po));
+    }
     so.drain_peers = flags_.drain_peers;
     so.start_drain = [this](std::vector<std::string> peers) {
       {
@@ -456,6 +464,10 @@ class Server {
         ", auth ", flags_.auth,
         flags_.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags_.admin_tenant),
         ", shared memory ", flags_.shm ? absl::StrCat("on ", flags_.shm_socket) : "off",
+        ", data plane ",
+        flags_.data_plane == "ucx" ? absl::StrCat("ucx (UCX ", transport::UcxVersion(),
+                                                  ", transports ", transport::UcxTransports(), ")")
+                                   : "off",
         ", reflection ", flags_.grpc_reflection ? "on" : "off"));
     std::string tiers;
     for (const TierCapacity& t : engine_->Tiers())

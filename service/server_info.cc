@@ -20,6 +20,7 @@
 #include "service/service_internal.h"
 #include "service/status_map.h"
 #include "service/tensor_codec.h"
+#include "transport/ucx_plane.h"
 
 namespace attnd {
 
@@ -42,6 +43,15 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
   resp->set_admin(caller.admin);
   resp->set_auth(options_.auth ? AuthModeName(options_.auth->options().mode) : "none");
   resp->set_shm(options_.shm_enabled);
+  v1::DataPlaneInfo* planes = resp->mutable_data_plane();
+  planes->add_planes("grpc");
+  if (options_.shm_enabled) planes->add_planes("shm");
+  if (options_.data_plane != nullptr) {
+    planes->add_planes("ucx");
+    planes->set_ucx_version(transport::UcxVersion());
+    planes->set_ucx_transports(transport::UcxTransports());
+    planes->set_max_region_bytes(options_.data_plane->options().max_region_bytes);
+  }
   resp->set_context_parallel(engine_->ServesContextParallel());
   {
     std::lock_guard<std::mutex> lock(name_mu_);

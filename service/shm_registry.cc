@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/client_text.h"
+#include "transport/ucx_plane.h"
 
 namespace attnd {
 namespace {
@@ -46,13 +47,13 @@ absl::Status ShmRegistry::Region::CheckStillCovers(int64_t offset, size_t n) con
   return absl::OkStatus();
 }
 
-absl::Status ShmRegistry::Region::Read(int64_t offset, void* dst, size_t n) const {
+absl::Status ShmRegistry::Region::Read(int64_t offset, void* dst, size_t n, uint64_t) const {
   char* d = static_cast<char*>(dst);
   return Transfer(name_, "read", offset_ + offset, n,
                   [&](size_t done, int64_t pos) { return pread(fd_, d + done, n - done, pos); });
 }
 
-absl::Status ShmRegistry::Region::Write(int64_t offset, const void* src, size_t n) const {
+absl::Status ShmRegistry::Region::Write(int64_t offset, const void* src, size_t n, uint64_t) const {
   // No size check here: pwrite past the end of an object that shrank grows it back (never a
   // fault), and by now the layer ran, so only a real I/O error may fail the write.
   const char* s = static_cast<const char*>(src);
@@ -67,6 +68,10 @@ absl::Status ShmRegistry::Register(const std::string& tenant, const std::string&
   if (name.size() > kMaxNameBytes)
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory region name ", Quote(name), ": longer than ", kMaxNameBytes));
+  if (transport::UcxPlane::Names(name))
+    return absl::InvalidArgumentError(absl::StrCat("shared memory region name ", Quote(name),
+                                                   ": names starting \"ucx-\" are the data "
+                                                   "plane's"));
   if (key.empty() || key.size() > kMaxNameBytes || key.find('\0') != std::string::npos)
     return absl::InvalidArgumentError(absl::StrCat("shared memory key ", Quote(key),
                                                    ": must be 1 to ", kMaxNameBytes,
@@ -166,8 +171,24 @@ absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> ShmRegistry::Resolve(
   return r;
 }
 
-absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> ShmAccess::Resolve(
-    const std::string& what, const std::string& name, int64_t offset, int64_t size) const {
+absl::StatusOr<std::shared_ptr<const Region>> ShmAccess::Resolve(const std::string& what,
+                                                                 const std::string& name,
+                                                                 int64_t offset, int64_t size,
+                                                                 uint64_t transfer) const {
+  if (transport::UcxPlane::Names(name)) {
+    if (plane == nullptr)
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": region ", Quote(name),
+                       " is a data plane's, and the data plane is off on this "
+                       "server (--data-plane)"));
+    if (transfer == 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": a data plane region needs the transfer id of its bytes"));
+    return plane->Resolve(tenant, what, name, offset, size);
+  }
+  if (transfer != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": transfer is for data plane regions; shared memory takes none"));
   if (!refused.ok())
     return absl::Status(refused.code(), absl::StrCat(what, ": ", refused.message()));
   return registry->Resolve(tenant, what, name, offset, size);

@@ -23,28 +23,34 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "transport/region.h"
 
 namespace attnd {
+
+namespace transport {
+class UcxPlane;
+}
 
 class ShmRegistry {
  public:
   // An open region; the descriptor closes when the last holder lets go.
-  class Region {
+  class Region final : public attnd::Region {
    public:
     Region(std::string name, int fd, int64_t offset, int64_t size)
         : name_(std::move(name)), fd_(fd), offset_(offset), size_(size) {}
     ~Region();
     Region(const Region&) = delete;
     Region& operator=(const Region&) = delete;
-    const std::string& name() const { return name_; }
-    int64_t size() const { return size_; }
-    // [offset, offset + n) of the region (already bounds-checked by Resolve). Read is
-    // FAILED_PRECONDITION when the object no longer holds those bytes (it shrank); Write grows an
-    // object that shrank back to size and fails only on an I/O error.
-    absl::Status Read(int64_t offset, void* dst, size_t n) const;
-    absl::Status Write(int64_t offset, const void* src, size_t n) const;
+    const std::string& name() const override { return name_; }
+    int64_t size() const override { return size_; }
+    // [offset, offset + n) of the region (already bounds-checked by Resolve); no transfer ids
+    // (the bytes are there when the call comes). Read is FAILED_PRECONDITION when the object no
+    // longer holds those bytes (it shrank); Write grows an object that shrank back to size and
+    // fails only on an I/O error.
+    absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const override;
+    absl::Status Write(int64_t offset, const void* src, size_t n, uint64_t transfer) const override;
     // FAILED_PRECONDITION unless the object still holds [offset, offset + n) of the region.
-    absl::Status CheckStillCovers(int64_t offset, size_t n) const;
+    absl::Status CheckStillCovers(int64_t offset, size_t n) const override;
 
    private:
     std::string name_;
@@ -84,16 +90,19 @@ class ShmRegistry {
   std::map<std::string, int> per_tenant_;
 };
 
-// One caller's view of the registry: its tenant's regions, or a refusal of any shared-memory use
-// (shared memory off, or a caller not on the Unix socket).
+// One caller's view of the regions a layer call may name: its tenant's shared-memory regions
+// (or a refusal of any shared-memory use: shared memory off, or a caller not on the Unix socket)
+// and its tenant's data plane regions ("ucx-..." names; any listener).
 struct ShmAccess {
   const ShmRegistry* registry = nullptr;
   std::string tenant;
-  absl::Status refused;  // non-OK: every reference to a region answers this
-  absl::StatusOr<std::shared_ptr<const ShmRegistry::Region>> Resolve(const std::string& what,
-                                                                     const std::string& name,
-                                                                     int64_t offset,
-                                                                     int64_t size) const;
+  absl::Status refused;  // non-OK: every reference to a shared-memory region answers this
+  const transport::UcxPlane* plane = nullptr;  // null: the data plane is off
+  // INVALID_ARGUMENT as well for a transfer id on a shared-memory region, or none on a data
+  // plane's.
+  absl::StatusOr<std::shared_ptr<const Region>> Resolve(const std::string& what,
+                                                        const std::string& name, int64_t offset,
+                                                        int64_t size, uint64_t transfer) const;
 };
 
 }  // namespace attnd

@@ -21,11 +21,12 @@ absl::Status BytesOf(const char* name, const v1::Tensor& t, const ShmAccess& shm
   if (t.has_shm()) {
     if (!t.data().empty())
       return absl::InvalidArgumentError(absl::StrCat(name, ": both data and shm given"));
-    ASSIGN_OR_RETURN(auto r,
-                     shm.Resolve(name, t.shm().region(), t.shm().offset(), t.shm().byte_size()));
+    ASSIGN_OR_RETURN(auto r, shm.Resolve(name, t.shm().region(), t.shm().offset(),
+                                         t.shm().byte_size(), t.shm().transfer()));
     *data = &kNotYetRead;
     *nbytes = static_cast<size_t>(t.shm().byte_size());
-    transfers->inputs.push_back({std::move(r), t.shm().offset(), *nbytes, data});
+    transfers->inputs.push_back(
+        {std::move(r), t.shm().offset(), *nbytes, t.shm().transfer(), data});
     return absl::OkStatus();
   }
   *data = t.data().data();
@@ -114,7 +115,7 @@ absl::Status ShmTransfers::ReadInputs() {
   for (Pending& p : inputs) {
     if (p.target == nullptr) continue;  // already read
     buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
-    RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes));
+    RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes, p.transfer));
     *p.target = buffers.back()->data();
     p.target = nullptr;
   }
@@ -128,8 +129,8 @@ absl::Status ShmTransfers::CheckOutputRegions() const {
 
 absl::Status ShmTransfers::WriteOutputs() {
   for (size_t i = 0; i < outputs.size(); ++i)
-    RETURN_IF_ERROR(
-        outputs[i].region->Write(outputs[i].offset, output_buffers[i]->data(), outputs[i].bytes));
+    RETURN_IF_ERROR(outputs[i].region->Write(outputs[i].offset, output_buffers[i]->data(),
+                                             outputs[i].bytes, outputs[i].transfer));
   return absl::OkStatus();
 }
 
@@ -144,10 +145,10 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
       return absl::InvalidArgumentError(
           absl::StrCat("out_shm: byte_size ", in.out_shm().byte_size(), ", expected ", bytes,
                        " for [", tokens, ", ", heads, ", ", latent, "] in ", DTypeName(dtype)));
-    ASSIGN_OR_RETURN(auto r,
-                     shm.Resolve("out_shm", in.out_shm().region(), in.out_shm().offset(), bytes));
-    transfers->outputs.push_back(
-        {std::move(r), in.out_shm().offset(), static_cast<size_t>(bytes), nullptr});
+    ASSIGN_OR_RETURN(auto r, shm.Resolve("out_shm", in.out_shm().region(), in.out_shm().offset(),
+                                         bytes, in.out_shm().transfer()));
+    transfers->outputs.push_back({std::move(r), in.out_shm().offset(), static_cast<size_t>(bytes),
+                                  in.out_shm().transfer(), nullptr});
     transfers->output_buffers.push_back(
         std::make_unique<std::string>(static_cast<size_t>(bytes), '\0'));
   } else if (bytes > max_message_bytes - kMessageFramingBytes) {

@@ -26,9 +26,10 @@ struct ShmTransfers {
   absl::Status WriteOutputs();
 
   struct Pending {
-    std::shared_ptr<const ShmRegistry::Region> region;
+    std::shared_ptr<const Region> region;
     int64_t offset = 0;
     size_t bytes = 0;
+    uint64_t transfer = 0;          // a data plane region's transfer id
     const void** target = nullptr;  // inputs: the view's pointer to aim at the bytes once read
   };
   std::vector<Pending> inputs;

@@ -24,14 +24,21 @@ std::string SocketPath(const std::string& tag) {
 
 std::vector<std::string> SharedServerArgs(const std::string& tag, int64_t step_idle_timeout_ms,
                                           int64_t max_message_bytes) {
-  return {"--model=tiny",
-          "--kv-pages=400",
-          "--threads=2",
-          "--metrics-port=0",
-          "--step-idle-timeout-ms=" + std::to_string(step_idle_timeout_ms),
-          "--max-message-bytes=" + std::to_string(max_message_bytes),
-          "--shm",
-          "--shm-socket=" + SocketPath(tag)};
+  std::vector<std::string> args = {"--model=tiny",
+                                   "--kv-pages=400",
+                                   "--threads=2",
+                                   "--metrics-port=0",
+                                   "--step-idle-timeout-ms=" + std::to_string(step_idle_timeout_ms),
+                                   "--max-message-bytes=" + std::to_string(max_message_bytes),
+                                   "--shm",
+                                   "--shm-socket=" + SocketPath(tag)};
+  if (TestDataPlane()) args.push_back("--data-plane=ucx");
+  return args;
+}
+
+bool TestDataPlane() {
+  const char* v = getenv("ATTND_TEST_DATA_PLANE");
+  return v != nullptr && std::string(v) == "ucx";
 }
 
 ServerProcess::ServerProcess(const std::string& built, const std::vector<std::string>& args) {

@@ -15,8 +15,12 @@ std::string AttndBinary(const std::string& built);
 
 // A fresh Unix-socket path for a server's --shm-socket (unique per test process and tag).
 std::string SocketPath(const std::string& tag);
+// Whether this run drives the layer calls over the UCX data plane (ATTND_TEST_DATA_PLANE=ucx:
+// ctest runs the layer-call suites a second time so, prefixed "ucx.").
+bool TestDataPlane();
 // The flags of a suite's shared tiny-model server: 400 pages, 2 threads, no metrics port, the
-// step idle timeout and message limit given, shared memory on the Unix socket SocketPath(tag).
+// step idle timeout and message limit given, shared memory on the Unix socket SocketPath(tag),
+// and --data-plane=ucx when TestDataPlane().
 std::vector<std::string> SharedServerArgs(const std::string& tag, int64_t step_idle_timeout_ms,
                                           int64_t max_message_bytes);
 

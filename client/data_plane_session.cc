@@ -1,0 +1,156 @@
+#include "client/data_plane_session.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/attnd_client.h"
+#include "common/dtype.h"
+#include "transport/ucx_plane_client.h"
+
+namespace attnd::client {
+namespace {
+
+// How long a call waits for its own sends and output beyond the reply (the server already
+// waited for both, --data-plane-timeout-ms).
+constexpr absl::Duration kSettle = absl::Seconds(5);
+
+// The tensors whose bytes the plane carries (scales stay in the message: they are small).
+std::vector<std::pair<const v1::Tensor*, v1::Tensor*>> Tensors(const v1::LayerInputs& in,
+                                                               v1::LayerInputs* wire) {
+  std::vector<std::pair<const v1::Tensor*, v1::Tensor*>> t;
+  auto add = [&](bool has, const v1::Tensor& a, v1::Tensor* (v1::LayerInputs::*mut)()) {
+    if (has) t.emplace_back(&a, (wire->*mut)());
+  };
+  add(in.has_q_latent(), in.q_latent(), &v1::LayerInputs::mutable_q_latent);
+  add(in.has_q_nope(), in.q_nope(), &v1::LayerInputs::mutable_q_nope);
+  add(in.has_q_rope(), in.q_rope(), &v1::LayerInputs::mutable_q_rope);
+  add(in.has_kv_latent(), in.kv_latent(), &v1::LayerInputs::mutable_kv_latent);
+  add(in.has_k_rope(), in.k_rope(), &v1::LayerInputs::mutable_k_rope);
+  add(in.has_index_q(), in.index_q(), &v1::LayerInputs::mutable_index_q);
+  add(in.has_index_k(), in.index_k(), &v1::LayerInputs::mutable_index_k);
+  add(in.has_index_w(), in.index_w(), &v1::LayerInputs::mutable_index_w);
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataPlaneSession>> DataPlaneSession::Connect(
+    v1::Attention::Stub* stub, const v1::ServerInfoResponse& info, int64_t region_bytes,
+    const std::function<void(grpc::ClientContext*)>& prepare) {
+  bool ucx = false;
+  for (const std::string& p : info.data_plane().planes()) ucx = ucx || p == "ucx";
+  if (!ucx) return absl::FailedPreconditionError("the server has no UCX data plane");
+  const int64_t bytes = std::min(region_bytes, info.data_plane().max_region_bytes());
+  std::unique_ptr<DataPlaneSession> s(new DataPlaneSession());
+  auto ends = transport::UcxPlaneClient::Create(bytes);
+  if (!ends.ok()) return ends.status();
+  s->ends_ = std::move(*ends);
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  v1::ConnectDataPlaneRequest req;
+  req.set_worker_address(s->ends_->address());
+  req.set_input_bytes(bytes);
+  req.set_output_bytes(bytes);
+  v1::ConnectDataPlaneResponse resp;
+  if (absl::Status st = FromGrpc(stub->ConnectDataPlane(&ctx, req, &resp)); !st.ok()) return st;
+  if (absl::Status st =
+          s->ends_->Attach(resp.plane_id(), resp.token(), resp.worker_address(), bytes);
+      !st.ok())
+    return st;
+  s->plane_ = resp.plane();
+  s->input_region_ = resp.input_region();
+  s->output_region_ = resp.output_region();
+  s->kv_lora_rank_ = info.model().kv_lora_rank();
+  s->v_head_dim_ = info.has_absorption() ? info.absorption().v_head_dim() : 0;
+  return s;
+}
+
+DataPlaneSession::~DataPlaneSession() = default;
+
+DataPlaneSession::Call::~Call() {
+  if (session == nullptr) return;
+  for (auto& p : sends) (void)p->Wait(absl::Now() + kSettle);
+  for (int64_t off : input_space) session->ends_->input_space().Give(off);
+  if (output_offset >= 0) {
+    session->ends_->Forget(output_transfer);
+    session->ends_->output_space().Give(output_offset);
+  }
+}
+
+bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call) {
+  call->session = this;
+  // Everything but the tensors' bytes, copied field by field (the bytes are the bulk).
+  wire->Clear();
+  wire->set_layer(in.layer());
+  wire->set_shard(in.shard());
+  if (in.has_out_shm()) *wire->mutable_out_shm() = in.out_shm();
+  wire->set_return_attended(in.return_attended());
+  wire->set_return_lse(in.return_lse());
+  wire->set_out_datatype(in.out_datatype());
+  wire->set_return_candidates(in.return_candidates());
+  if (in.has_selection()) *wire->mutable_selection() = in.selection();
+  bool moved = false;
+  for (auto [from, to] : Tensors(in, wire)) {
+    to->set_datatype(from->datatype());
+    *to->mutable_shape() = from->shape();
+    if (from->has_scales()) *to->mutable_scales() = from->scales();
+    if (from->has_shm() || from->data().empty()) {  // already a region's, or no bytes
+      if (from->has_shm()) *to->mutable_shm() = from->shm();
+      continue;
+    }
+    const int64_t n = static_cast<int64_t>(from->data().size());
+    const int64_t at = ends_->input_space().Take(n);
+    if (at < 0) return false;  // full now: this call goes in the message (Call gives back)
+    call->input_space.push_back(at);
+    const uint64_t t = ends_->NextTransfer();
+    call->sends.push_back(ends_->Put(from->data().data(), static_cast<size_t>(n), at, t));
+    auto* ref = to->mutable_shm();
+    ref->set_region(input_region_);
+    ref->set_offset(at);
+    ref->set_byte_size(n);
+    ref->set_transfer(t);
+    moved = true;
+  }
+  // The output, when it would come back in the reply and its size is known here.
+  const v1::Tensor& q = in.has_q_nope() ? in.q_nope() : in.q_latent();
+  const int width = in.has_q_nope() ? v_head_dim_ : kv_lora_rank_;
+  std::optional<DType> dt =
+      in.out_datatype().empty() ? ParseDType(q.datatype()) : ParseDType(in.out_datatype());
+  if (dt == DType::kFP8E4M3 && in.out_datatype().empty()) dt = DType::kBF16;
+  if (!in.has_out_shm() && (in.has_q_latent() || in.has_q_nope()) && q.shape_size() == 3 &&
+      width > 0 && dt && *dt != DType::kFP8E4M3 && ends_->output_bytes() > 0) {
+    const int64_t bytes = q.shape(0) * q.shape(1) * width * static_cast<int64_t>(DTypeSize(*dt));
+    const int64_t at =
+        bytes > 0 && bytes <= ends_->output_bytes() ? ends_->output_space().Take(bytes) : -1;
+    if (at >= 0) {
+      call->output_offset = at;
+      call->output_transfer = ends_->NextTransfer();
+      call->output_bytes = static_cast<size_t>(bytes);
+      auto* ref = wire->mutable_out_shm();
+      ref->set_region(output_region_);
+      ref->set_offset(at);
+      ref->set_byte_size(bytes);
+      ref->set_transfer(call->output_transfer);
+      moved = true;
+    }
+  }
+  return moved;
+}
+
+absl::Status DataPlaneSession::Finish(Call* call, v1::LayerOutput* out) {
+  for (auto& p : call->sends)
+    if (absl::Status s = p->Wait(absl::Now() + kSettle); !s.ok()) return s;
+  call->sends.clear();
+  if (call->output_offset < 0 || !out->has_out() || !out->out().has_shm() ||
+      out->out().shm().region() != output_region_)
+    return absl::OkStatus();
+  auto bytes = ends_->Await(call->output_transfer, call->output_offset, call->output_bytes,
+                            absl::Now() + kSettle);
+  if (!bytes.ok()) return bytes.status();
+  v1::Tensor* t = out->mutable_out();
+  t->clear_shm();
+  t->mutable_data()->assign(*bytes, call->output_bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace attnd::client

@@ -1,0 +1,236 @@
+// The UCX data plane's two ends in one process (two workers): bytes land where and as the
+// transfer ids say, outputs reach the client, and every refusal the plane promises
+// (docs/data-plane.md, docs/trust.md). ctest runs it under UCX's default transports and again
+// with UCX_TLS=tcp and UCX_TLS=sm.
+#include "transport/ucx_plane.h"
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "transport/plane_wire.h"
+#include "transport/ucx_plane_client.h"
+
+namespace attnd::transport {
+namespace {
+
+std::string RandomBytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+struct Pair {
+  std::unique_ptr<UcxPlane> server;
+  std::unique_ptr<UcxPlaneClient> client;
+  UcxPlane::Connection conn;
+};
+
+Pair Connect(int64_t in_bytes = 1 << 20, int64_t out_bytes = 1 << 20,
+             absl::Duration timeout = absl::Seconds(2)) {
+  UcxPlane::Options o;
+  o.transfer_timeout = timeout;
+  o.max_region_bytes = 8 << 20;
+  Pair p;
+  auto server = UcxPlane::Create(o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  p.server = std::move(*server);
+  auto client = UcxPlaneClient::Create(out_bytes);
+  EXPECT_TRUE(client.ok()) << client.status();
+  p.client = std::move(*client);
+  auto conn = p.server->Connect("tenant-a", p.client->address(), in_bytes, out_bytes, 0);
+  EXPECT_TRUE(conn.ok()) << conn.status();
+  p.conn = *conn;
+  EXPECT_TRUE(p.client->Attach(conn->id, conn->token, conn->server_address, in_bytes).ok());
+  return p;
+}
+
+std::string ReadBack(Pair& p, int64_t offset, size_t n, uint64_t transfer, absl::Status* status) {
+  auto r = p.server->Resolve("tenant-a", "q", p.conn.input_region, offset, n);
+  if (!r.ok()) {
+    *status = r.status();
+    return "";
+  }
+  std::string got(n, '\0');
+  *status = (*r)->Read(offset, got.data(), n, transfer);
+  return got;
+}
+
+TEST(UcxPlane, SmallAndLargeTransfersLandWhereTheirIdsSay) {
+  Pair p = Connect(4 << 20);
+  // Eager (small) and rendezvous (large) payloads, at offsets of their own.
+  const std::string small = RandomBytes(300, 1), large = RandomBytes(3 << 20, 2);
+  const uint64_t t1 = p.client->NextTransfer(), t2 = p.client->NextTransfer();
+  auto s1 = p.client->Put(small.data(), small.size(), 64, t1);
+  auto s2 = p.client->Put(large.data(), large.size(), 4096, t2);
+  ASSERT_TRUE(s1->Wait(absl::Now() + absl::Seconds(5)).ok());
+  ASSERT_TRUE(s2->Wait(absl::Now() + absl::Seconds(5)).ok());
+  absl::Status st;
+  EXPECT_EQ(ReadBack(p, 64, small.size(), t1, &st), small);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(ReadBack(p, 4096, large.size(), t2, &st), large);
+  EXPECT_TRUE(st.ok()) << st;
+  // A part of a transfer reads too; bytes it did not bring do not.
+  EXPECT_EQ(ReadBack(p, 4096 + 10, 100, t2, &st), large.substr(10, 100));
+  ReadBack(p, 64, small.size() + 1, t1, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("brought bytes [64, 364)"), std::string::npos) << st;
+}
+
+TEST(UcxPlane, OutputsReachTheClientsRegion) {
+  Pair p = Connect();
+  for (size_t n : {size_t{200}, size_t{700} << 10}) {
+    const std::string out = RandomBytes(n, n);
+    const int64_t at = p.client->output_space().Take(n);
+    ASSERT_GE(at, 0);
+    const uint64_t t = p.client->NextTransfer();
+    auto r = p.server->Resolve("tenant-a", "out_shm", p.conn.output_region, at, n);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE((*r)->CheckStillCovers(at, n).ok());
+    ASSERT_TRUE((*r)->Write(at, out.data(), n, t).ok());
+    auto got = p.client->Await(t, at, n, absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::string(*got, n), out);
+    p.client->output_space().Give(at);
+  }
+}
+
+TEST(UcxPlane, ATransferThatNeverCameTimesOutAndALaterOneSupersedesAnOverlap) {
+  Pair p = Connect(1 << 20, 1 << 20, absl::Milliseconds(200));
+  absl::Status st;
+  ReadBack(p, 0, 16, 999, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+  ReadBack(p, 0, 16, 0, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  const std::string a = RandomBytes(1000, 3), b = RandomBytes(1000, 4);
+  ASSERT_TRUE(p.client->Put(a.data(), a.size(), 0, 10)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  ASSERT_TRUE(
+      p.client->Put(b.data(), b.size(), 500, 11)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(ReadBack(p, 500, 1000, 11, &st), b);
+  ReadBack(p, 0, 100, 10, &st);  // transfer 11 overwrote part of 10's bytes
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("overwritten by transfer 11"), std::string::npos) << st;
+}
+
+TEST(UcxPlane, AnOverrunningTransferIsRefusedToItsCallAndWritesNothing) {
+  Pair p = Connect(4096);
+  const std::string first = RandomBytes(4096, 5), big = RandomBytes(5000, 6);
+  ASSERT_TRUE(
+      p.client->Put(first.data(), first.size(), 0, 1)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  (void)p.client->Put(big.data(), big.size(), 0, 2)->Wait(absl::Now() + absl::Seconds(5));
+  (void)p.client->Put(first.data(), 100, 4000, 3)->Wait(absl::Now() + absl::Seconds(5));
+  absl::Status st;
+  ReadBack(p, 0, 16, 2, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("overrun"), std::string::npos) << st;
+  ReadBack(p, 4000, 96, 3, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(ReadBack(p, 0, 4096, 1, &st), first) << "the refused transfers wrote nothing";
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(UcxPlane, AForgedSecretOrPlaneIsDroppedUnread) {
+  Pair p = Connect(1 << 20, 0, absl::Milliseconds(200));
+  // A second client that knows the plane's id but not its secret.
+  auto intruder = UcxPlaneClient::Create(0);
+  ASSERT_TRUE(intruder.ok());
+  ASSERT_TRUE((*intruder)
+                  ->Attach(p.conn.id, std::string(kTokenBytes, 'x'), p.conn.server_address, 1 << 20)
+                  .ok());
+  const std::string evil = RandomBytes(256, 7);
+  (void)(*intruder)->Put(evil.data(), evil.size(), 0, 77)->Wait(absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(
+      (*intruder)->Attach(p.conn.id + 100, p.conn.token, p.conn.server_address, 1 << 20).ok());
+  (void)(*intruder)->Put(evil.data(), evil.size(), 0, 78)->Wait(absl::Now() + absl::Seconds(5));
+  for (int i = 0; i < 200 && p.server->refused_messages() < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(p.server->refused_messages(), 2);
+  absl::Status st;
+  ReadBack(p, 0, 256, 77, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+}
+
+TEST(UcxPlane, RegionsResolveOnlyForTheirTenantAndInsideTheirBounds) {
+  Pair p = Connect(4096, 8192);
+  EXPECT_EQ(p.server->Resolve("tenant-b", "q", p.conn.input_region, 0, 16).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(p.server->Resolve("tenant-a", "q", p.conn.input_region, 4000, 100).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.server->Resolve("tenant-a", "q", p.conn.output_region, 4000, 100).status().code(),
+            absl::StatusCode::kOk);
+  for (const char* bad : {"ucx-", "ucx-1", "ucx-01.in", "ucx-99.in", "ucx-1.in.in", "ucx-x.out"})
+    EXPECT_EQ(p.server->Resolve("tenant-a", "q", bad, 0, 1).status().code(),
+              absl::StatusCode::kNotFound)
+        << bad;
+  // The input region takes no writes, the output region no reads.
+  auto in = p.server->Resolve("tenant-a", "q", p.conn.input_region, 0, 16);
+  auto out = p.server->Resolve("tenant-a", "o", p.conn.output_region, 0, 16);
+  char buf[16] = {};
+  EXPECT_EQ((*in)->Write(0, buf, 16, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*out)->Read(0, buf, 16, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.server->Close("tenant-b", p.conn.name).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(p.server->Close("tenant-a", p.conn.name).ok());
+  EXPECT_EQ((*in)->CheckStillCovers(0, 16).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p.server->Resolve("tenant-a", "q", p.conn.input_region, 0, 16).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(UcxPlane, HandshakeLimitsAndBadValuesAreRefused) {
+  UcxPlane::Options o;
+  o.max_planes = 2;
+  o.max_region_bytes = 1 << 20;
+  auto server = UcxPlane::Create(o);
+  ASSERT_TRUE(server.ok());
+  auto client = UcxPlaneClient::Create(0);
+  ASSERT_TRUE(client.ok());
+  const std::string addr = (*client)->address();
+  auto code = [&](const std::string& tenant, const std::string& a, int64_t in, int64_t out,
+                  int limit) {
+    return (*server)->Connect(tenant, a, in, out, limit).status().code();
+  };
+  EXPECT_EQ(code("t", "", 4096, 0, 0), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("t", std::string(70 << 10, 'a'), 4096, 0, 0), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("t", addr, 0, 0, 0), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("t", addr, (1 << 20) + 1, 0, 0), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("t", addr, 4096, -1, 0), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("t", addr, 4096, 0, 1), absl::StatusCode::kOk);
+  EXPECT_EQ(code("t", addr, 4096, 0, 1), absl::StatusCode::kResourceExhausted);  // tenant quota
+  EXPECT_EQ(code("u", addr, 4096, 0, 0), absl::StatusCode::kOk);
+  EXPECT_EQ(code("v", addr, 4096, 0, 0), absl::StatusCode::kResourceExhausted);  // server limit
+  EXPECT_EQ((*server)->num_planes(), 2);
+  EXPECT_EQ((*server)->planes_of("t"), 1);
+}
+
+TEST(UcxPlane, AClientThatDiesLeavesItsOutputsUndeliveredNotHanging) {
+  Pair p = Connect(1 << 20, 1 << 20, absl::Seconds(2));
+  auto out = p.server->Resolve("tenant-a", "out_shm", p.conn.output_region, 0, 1 << 20);
+  ASSERT_TRUE(out.ok());
+  p.client.reset();  // the worker goes, its endpoint with it
+  const std::string big = RandomBytes(1 << 20, 8);
+  const auto t0 = absl::Now();
+  absl::Status s;
+  for (int i = 0; i < 3 && s.ok(); ++i) s = (*out)->Write(0, big.data(), big.size(), 5 + i);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable) << s;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(10));
+  EXPECT_FALSE((*out)->CheckStillCovers(0, 16).ok());
+}
+
+TEST(UcxPlane, SpaceMapHandsOutDisjointPieces) {
+  SpaceMap m(4096);
+  const int64_t a = m.Take(1000), b = m.Take(1000), c = m.Take(3000);
+  EXPECT_EQ(a, 0);
+  EXPECT_EQ(b, 1024);
+  EXPECT_EQ(c, -1);
+  m.Give(a);
+  EXPECT_EQ(m.Take(1024), 0);
+  EXPECT_EQ(m.Take(2048), 2048);
+  EXPECT_EQ(m.Take(1), -1);
+}
+
+}  // namespace
+}  // namespace attnd::transport

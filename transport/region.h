@@ -1,0 +1,39 @@
+// The one transport interface inside attnd, shaped like NIXL's: memory registered once under a
+// name (a region), descriptors naming bytes in it (region, offset, size, transfer), a READ of a
+// peer's bytes into the server and a WRITE of the server's bytes to a peer, each tied to a
+// notification (the transfer id) the other side waits on. docs/data-plane.md.
+//
+// Backends: POSIX shared memory (service/shm_registry.h: pread/pwrite on the client's object,
+// transfer ids unused) and UCX (transport/ucx_plane.h: the client writes into server memory, the
+// server writes into client memory, each landing announced by its transfer id). Tensors sent in
+// the gRPC message itself are the degenerate case, viewed in place (service/tensor_codec.h).
+// A new backend (NIXL, Mooncake's transfer engine) implements Region and resolves its names in
+// ShmAccess::Resolve; the engine never sees which one moved the bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace attnd {
+
+class Region {
+ public:
+  virtual ~Region() = default;
+  virtual const std::string& name() const = 0;
+  virtual int64_t size() const = 0;
+  // READ: [offset, offset + n) of the region into dst, once `transfer` landed there (a backend
+  // without notifications ignores it). The range is bounds-checked by whoever resolved the region.
+  virtual absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const = 0;
+  // WRITE: n bytes at src into [offset, offset + n), the peer notified with `transfer`.
+  virtual absl::Status Write(int64_t offset, const void* src, size_t n,
+                             uint64_t transfer) const = 0;
+  // FAILED_PRECONDITION (or UNAVAILABLE for a lost peer) unless [offset, offset + n) can still be
+  // written: checked before a layer runs, so that a step does not commit an output it cannot
+  // deliver.
+  virtual absl::Status CheckStillCovers(int64_t offset, size_t n) const = 0;
+};
+
+}  // namespace attnd

@@ -1,0 +1,350 @@
+#include "transport/ucx_plane.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "transport/plane_wire.h"
+
+namespace attnd::transport {
+namespace {
+
+constexpr size_t kMaxAddressBytes = 64 << 10;
+constexpr size_t kAlignment = 4096;
+
+std::string RandomToken() {
+  std::random_device rd;  // /dev/urandom
+  std::string t(kTokenBytes, '\0');
+  for (size_t i = 0; i < kTokenBytes; i += 4) {
+    const uint32_t r = rd();
+    std::memcpy(&t[i], &r, 4);
+  }
+  return t;
+}
+
+bool SameToken(const uint8_t* a, const std::string& b) {
+  uint8_t diff = 0;  // every byte compared, whatever differs first
+  for (size_t i = 0; i < kTokenBytes; ++i) diff |= a[i] ^ static_cast<uint8_t>(b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+struct UcxPlane::State {
+  uint64_t id = 0;
+  std::string name, tenant, token;
+  UcxWorker* worker = nullptr;
+  uint64_t endpoint = 0;
+  absl::Duration timeout;
+  int max_landed = 0;
+  // The input region: server memory registered with UCX once.
+  char* input = nullptr;
+  int64_t input_bytes = 0;
+  ucp_mem_h memh = nullptr;
+  int64_t output_bytes = 0;
+
+  struct Landed {
+    int64_t offset = 0, length = 0;
+    absl::Status status;  // non-OK: the transfer was refused or superseded, and why
+  };
+  mutable std::mutex mu;
+  mutable std::condition_variable cv;
+  std::map<uint64_t, Landed> landed;
+  std::deque<uint64_t> order;  // landing order, for dropping the oldest
+  absl::Status lost;           // non-OK once the client's endpoint failed or the plane closed
+
+  ~State() {
+    if (memh != nullptr) worker->Unregister(memh);
+    std::free(input);
+  }
+
+  // Records transfer `t` (progress thread): earlier transfers it overlaps are superseded.
+  void Land(uint64_t t, int64_t offset, int64_t length, absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (status.ok())
+      for (auto& [id, l] : landed)
+        if (l.status.ok() && id != t && l.offset < offset + length && offset < l.offset + l.length)
+          l.status = absl::FailedPreconditionError(
+              absl::StrCat("data plane transfer ", id, " was overwritten by transfer ", t));
+    if (landed.find(t) == landed.end()) order.push_back(t);
+    landed[t] = {offset, length, std::move(status)};
+    while (static_cast<int>(order.size()) > max_landed) {
+      landed.erase(order.front());
+      order.pop_front();
+    }
+    cv.notify_all();
+  }
+
+  void Lose(absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (lost.ok()) lost = std::move(s);
+    cv.notify_all();
+  }
+
+  absl::Status Lost() const {
+    std::lock_guard<std::mutex> lock(mu);
+    return lost;
+  }
+};
+
+namespace {
+
+class InputRegion final : public Region {
+ public:
+  InputRegion(std::shared_ptr<UcxPlane::State> s, std::string name)
+      : s_(std::move(s)), name_(std::move(name)) {}
+  const std::string& name() const override { return name_; }
+  int64_t size() const override { return s_->input_bytes; }
+  absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const override {
+    if (transfer == 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(name_, ": a data plane tensor names the transfer that brought it"));
+    UcxPlane::State& s = *s_;
+    std::unique_lock<std::mutex> lock(s.mu);
+    const auto until = absl::ToChronoTime(absl::Now() + s.timeout);
+    const bool arrived =
+        s.cv.wait_until(lock, until, [&] { return s.landed.count(transfer) != 0 || !s.lost.ok(); });
+    auto it = s.landed.find(transfer);
+    if (it == s.landed.end()) {
+      if (!s.lost.ok()) return s.lost;
+      (void)arrived;
+      return absl::DeadlineExceededError(
+          absl::StrCat("data plane transfer ", transfer, " did not arrive within ",
+                       absl::FormatDuration(s.timeout), " (", name_, ")"));
+    }
+    const auto l = it->second;
+    if (!l.status.ok()) return l.status;
+    const int64_t end = offset + static_cast<int64_t>(n);
+    if (offset < l.offset || end > l.offset + l.length)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data plane transfer ", transfer, " brought bytes [", l.offset, ", ", l.offset + l.length,
+          ") of ", name_, "; the call names [", offset, ", ", end, ")"));
+    lock.unlock();
+    std::memcpy(dst, s.input + offset, n);
+    return absl::OkStatus();
+  }
+  absl::Status Write(int64_t, const void*, size_t, uint64_t) const override {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, " is an input region; outputs go to the plane's output region"));
+  }
+  absl::Status CheckStillCovers(int64_t, size_t) const override { return s_->Lost(); }
+
+ private:
+  std::shared_ptr<UcxPlane::State> s_;
+  std::string name_;
+};
+
+class OutputRegion final : public Region {
+ public:
+  OutputRegion(std::shared_ptr<UcxPlane::State> s, std::string name)
+      : s_(std::move(s)), name_(std::move(name)) {}
+  const std::string& name() const override { return name_; }
+  int64_t size() const override { return s_->output_bytes; }
+  absl::Status Read(int64_t, void*, size_t, uint64_t) const override {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, " is an output region; inputs come from the plane's input region"));
+  }
+  absl::Status Write(int64_t offset, const void* src, size_t n, uint64_t transfer) const override {
+    if (transfer == 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(name_, ": an output sent by the data plane names its transfer"));
+    if (absl::Status s = s_->Lost(); !s.ok()) return s;
+    ToClientHeader h;
+    h.plane = s_->id;
+    h.transfer = transfer;
+    h.offset = offset;
+    auto pending = s_->worker->Send(s_->endpoint, kToClient, PackHeader(h), src, n);
+    absl::Status s = pending->Wait(absl::Now() + s_->timeout);
+    if (!s.ok()) {
+      s_->Lose(
+          absl::UnavailableError(absl::StrCat("data plane ", s_->name, " lost: ", s.message())));
+      return absl::UnavailableError(
+          absl::StrCat("output not delivered by data plane ", s_->name, ": ", s.message()));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status CheckStillCovers(int64_t, size_t) const override { return s_->Lost(); }
+
+ private:
+  std::shared_ptr<UcxPlane::State> s_;
+  std::string name_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& options) {
+  std::unique_ptr<UcxPlane> p(new UcxPlane(options));
+  auto w = UcxWorker::Create(
+      "attnd", {{kToServer, [raw = p.get()](const UcxWorker::Message& m) { raw->OnToServer(m); }}});
+  if (!w.ok()) return w.status();
+  p->worker_ = std::move(*w);
+  return p;
+}
+
+UcxPlane::~UcxPlane() {
+  CloseAll();
+  worker_.reset();  // the thread stops; regions still held by calls keep their memory
+}
+
+void UcxPlane::OnToServer(const UcxWorker::Message& m) {
+  ToServerHeader h;
+  std::shared_ptr<State> s;
+  if (UnpackHeader(m.header, m.header_length, &h)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = planes_.find(h.plane);
+    if (it != planes_.end() && SameToken(h.token, it->second->token)) s = it->second;
+  }
+  if (s == nullptr || h.transfer == 0) {
+    refused_.fetch_add(1);
+    return;  // not this plane's: dropped, nothing written
+  }
+  const int64_t length = static_cast<int64_t>(m.length);
+  if (h.offset < 0 || length > s->input_bytes || h.offset > s->input_bytes - length) {
+    s->Land(h.transfer, h.offset, length,
+            absl::InvalidArgumentError(absl::StrCat(
+                "data plane transfer ", h.transfer, ": ", length, " bytes at offset ", h.offset,
+                " overrun ", s->name, ".in (", s->input_bytes, " bytes); nothing written")));
+    return;
+  }
+  if (!m.rndv) {
+    std::memcpy(s->input + h.offset, m.data, m.length);
+    s->Land(h.transfer, h.offset, length, absl::OkStatus());
+    return;
+  }
+  worker_->Receive(m.data, s->input + h.offset, m.length,
+                   [s, h, length](absl::Status st) { s->Land(h.transfer, h.offset, length, st); });
+}
+
+absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,
+                                                       const std::string& client_address,
+                                                       int64_t input_bytes, int64_t output_bytes,
+                                                       int tenant_limit) {
+  if (client_address.empty() || client_address.size() > kMaxAddressBytes)
+    return absl::InvalidArgumentError(absl::StrCat("worker_address: ", client_address.size(),
+                                                   " bytes; a UCX worker address of 1 to ",
+                                                   kMaxAddressBytes, " bytes expected"));
+  for (const auto& [what, v, lo] : {std::tuple{"input_bytes", input_bytes, int64_t{1}},
+                                    std::tuple{"output_bytes", output_bytes, int64_t{0}}})
+    if (v < lo || v > options_.max_region_bytes)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", v, " is outside [", lo, ", ",
+                                                     options_.max_region_bytes,
+                                                     "] (--data-plane-region-bytes)"));
+  auto s = std::make_shared<State>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (static_cast<int>(planes_.size()) >= options_.max_planes)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "data plane: ", options_.max_planes, " planes connected (--data-plane-max-planes)"));
+    int mine = 0;
+    for (const auto& [id, p] : planes_) mine += p->tenant == tenant;
+    if (tenant_limit > 0 && mine >= tenant_limit)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("data plane: this tenant holds its quota of ", tenant_limit, " planes"));
+    s->id = next_id_++;
+  }
+  s->name = absl::StrCat("ucx-", s->id);
+  s->tenant = tenant;
+  s->token = RandomToken();
+  s->worker = worker_.get();
+  s->timeout = options_.transfer_timeout;
+  s->max_landed = options_.max_landed;
+  s->input_bytes = input_bytes;
+  s->output_bytes = output_bytes;
+  const size_t alloc =
+      (static_cast<size_t>(input_bytes) + kAlignment - 1) / kAlignment * kAlignment;
+  s->input = static_cast<char*>(std::aligned_alloc(kAlignment, alloc));
+  if (s->input == nullptr)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("data plane: cannot allocate ", input_bytes, " bytes"));
+  auto memh = worker_->Register(s->input, alloc);
+  if (!memh.ok()) return memh.status();
+  s->memh = *memh;
+  std::weak_ptr<State> weak = s;
+  auto ep = worker_->Connect(client_address, [weak](absl::Status st) {
+    if (auto p = weak.lock()) p->Lose(std::move(st));
+  });
+  if (!ep.ok()) return ep.status();
+  s->endpoint = *ep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    planes_[s->id] = s;
+  }
+  return Connection{s->name,         s->id,           s->token, worker_->address(),
+                    s->name + ".in", s->name + ".out"};
+}
+
+absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name) {
+  std::shared_ptr<State> s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = planes_.begin(); it != planes_.end(); ++it)
+      if (it->second->name == name && it->second->tenant == tenant) {
+        s = it->second;
+        planes_.erase(it);
+        break;
+      }
+  }
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat("no data plane ", name));
+  s->Lose(absl::FailedPreconditionError(absl::StrCat("data plane ", name, " was closed")));
+  worker_->Disconnect(s->endpoint);
+  return absl::OkStatus();
+}
+
+void UcxPlane::CloseAll() {
+  std::map<uint64_t, std::shared_ptr<State>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    all.swap(planes_);
+  }
+  for (auto& [id, s] : all) {
+    s->Lose(absl::UnavailableError("the server is stopping"));
+    worker_->Disconnect(s->endpoint);
+  }
+}
+
+bool UcxPlane::Names(const std::string& region) { return absl::StartsWith(region, "ucx-"); }
+
+absl::StatusOr<std::shared_ptr<const Region>> UcxPlane::Resolve(const std::string& tenant,
+                                                                const std::string& what,
+                                                                const std::string& name,
+                                                                int64_t offset,
+                                                                int64_t size) const {
+  absl::string_view rest = name;
+  const bool in = absl::ConsumeSuffix(&rest, ".in");
+  const bool out = !in && absl::ConsumeSuffix(&rest, ".out");
+  uint64_t id = 0;
+  std::shared_ptr<State> s;
+  if ((in || out) && absl::ConsumePrefix(&rest, "ucx-") && absl::SimpleAtoi(rest, &id)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = planes_.find(id);
+    if (it != planes_.end() && it->second->tenant == tenant &&
+        it->second->name == absl::StrCat("ucx-", rest))
+      s = it->second;
+  }
+  if (s == nullptr) return absl::NotFoundError(absl::StrCat(what, ": no data plane region ", name));
+  const int64_t bytes = in ? s->input_bytes : s->output_bytes;
+  if (offset < 0 || size < 0 || offset > bytes || size > bytes - offset)
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": [", offset, ", +", size, ") lies outside ", name, " (", bytes, " bytes)"));
+  if (in) return std::make_shared<InputRegion>(std::move(s), name);
+  return std::make_shared<OutputRegion>(std::move(s), name);
+}
+
+int UcxPlane::num_planes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(planes_.size());
+}
+
+int UcxPlane::planes_of(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int n = 0;
+  for (const auto& [id, p] : planes_) n += p->tenant == tenant;
+  return n;
+}
+
+}  // namespace attnd::transport

@@ -1,0 +1,88 @@
+// The server's UCX data plane (docs/data-plane.md): a client that connected over gRPC
+// (ConnectDataPlane) gets a plane of two regions, an input region in server memory its worker
+// writes tensors into (active message kToServer, each landing announced by the transfer id the
+// layer call then names) and an output region in its own memory the server writes outputs into
+// (kToClient). Thread safe; UCX itself runs on one progress thread (transport/ucx_worker.h).
+//
+// Trust (docs/trust.md): a plane belongs to the tenant that connected it, and its regions resolve
+// only for that tenant; every message must carry the plane's 128-bit secret, given only in the
+// (authenticated) handshake reply; a message that names another plane, the wrong secret or bytes
+// outside the region is dropped, and a transfer that overruns its region is answered to the call
+// that waits for it. The server never maps client memory: clients write into buffers the server
+// allocated, and the server writes into the client's only by sending to it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transport/region.h"
+#include "transport/ucx_worker.h"
+
+namespace attnd::transport {
+
+class UcxPlane {
+ public:
+  struct Options {
+    int max_planes = 64;                                 // connected clients at once, all tenants
+    int64_t max_region_bytes = int64_t{256} << 20;       // each region of a plane
+    absl::Duration transfer_timeout = absl::Seconds(2);  // an input's landing, an output's send
+    int max_landed = 256;  // transfers landed and not yet superseded, per plane (oldest dropped)
+  };
+  static absl::StatusOr<std::unique_ptr<UcxPlane>> Create(const Options& options);
+  ~UcxPlane();
+
+  struct Connection {
+    std::string name;  // "ucx-<id>"
+    uint64_t id = 0;
+    std::string token;                        // kTokenBytes: every message to the server carries it
+    std::string server_address;               // the server worker's address
+    std::string input_region, output_region;  // "<name>.in", "<name>.out"
+  };
+  // A plane for `tenant`'s client whose worker is at `client_address`: an input region of
+  // input_bytes in server memory, an output region of output_bytes in the client's (0: outputs
+  // come back in the reply). INVALID_ARGUMENT (sizes, address), RESOURCE_EXHAUSTED (the server's
+  // max_planes, or `tenant_limit` planes of this tenant when > 0), UNAVAILABLE (UCX refused the
+  // address).
+  absl::StatusOr<Connection> Connect(const std::string& tenant, const std::string& client_address,
+                                     int64_t input_bytes, int64_t output_bytes, int tenant_limit);
+  // NOT_FOUND unless `tenant` holds plane `name`. Calls using it finish first (they hold it).
+  absl::Status Close(const std::string& tenant, const std::string& name);
+  // Closes every plane (the server is stopping).
+  void CloseAll();
+
+  // Whether `region` is a name this plane gives out ("ucx-" ...).
+  static bool Names(const std::string& region);
+  // `tenant`'s region `name`, after checking [offset, offset + size) lies inside it. NOT_FOUND
+  // for a region of no plane of this tenant (another tenant's reads as absent).
+  absl::StatusOr<std::shared_ptr<const Region>> Resolve(const std::string& tenant,
+                                                        const std::string& what,
+                                                        const std::string& name, int64_t offset,
+                                                        int64_t size) const;
+
+  int num_planes() const;
+  int planes_of(const std::string& tenant) const;
+  // Messages dropped: unknown plane, wrong secret, malformed header.
+  int64_t refused_messages() const { return refused_.load(); }
+  const Options& options() const { return options_; }
+
+  struct State;  // one plane (ucx_plane.cc)
+
+ private:
+  explicit UcxPlane(const Options& options) : options_(options) {}
+  void OnToServer(const UcxWorker::Message& m);
+
+  const Options options_;
+  std::unique_ptr<UcxWorker> worker_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<State>> planes_;
+  uint64_t next_id_ = 1;
+  std::atomic<int64_t> refused_{0};
+};
+
+}  // namespace attnd::transport

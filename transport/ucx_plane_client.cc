@@ -1,0 +1,146 @@
+#include "transport/ucx_plane_client.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "transport/plane_wire.h"
+
+namespace attnd::transport {
+namespace {
+constexpr int64_t kPiece = 256;
+constexpr size_t kAlignment = 4096;
+constexpr size_t kMaxLanded = 4096;  // outputs landed and not awaited (a bound, not a target)
+}  // namespace
+
+int64_t SpaceMap::Take(int64_t bytes) {
+  bytes = (std::max<int64_t>(bytes, 1) + kPiece - 1) / kPiece * kPiece;
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t at = 0;
+  for (const auto& [off, len] : used_) {
+    if (off - at >= bytes) break;
+    at = off + len;
+  }
+  if (at > size_ - bytes) return -1;
+  used_[at] = bytes;
+  return at;
+}
+
+void SpaceMap::Reset(int64_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_ = size;
+  used_.clear();
+}
+
+void SpaceMap::Give(int64_t offset) {
+  std::lock_guard<std::mutex> lock(mu_);
+  used_.erase(offset);
+}
+
+absl::StatusOr<std::unique_ptr<UcxPlaneClient>> UcxPlaneClient::Create(int64_t output_bytes) {
+  if (output_bytes < 0) return absl::InvalidArgumentError("output_bytes < 0");
+  std::unique_ptr<UcxPlaneClient> c(new UcxPlaneClient(output_bytes));
+  auto w = UcxWorker::Create(
+      "attnd-client",
+      {{kToClient, [raw = c.get()](const UcxWorker::Message& m) { raw->OnToClient(m); }}});
+  if (!w.ok()) return w.status();
+  c->worker_ = std::move(*w);
+  if (output_bytes > 0) {
+    const size_t alloc =
+        (static_cast<size_t>(output_bytes) + kAlignment - 1) / kAlignment * kAlignment;
+    c->out_ = static_cast<char*>(std::aligned_alloc(kAlignment, alloc));
+    if (c->out_ == nullptr) return absl::ResourceExhaustedError("data plane output region");
+    auto memh = c->worker_->Register(c->out_, alloc);
+    if (!memh.ok()) return memh.status();
+    c->memh_ = *memh;
+  }
+  return c;
+}
+
+UcxPlaneClient::~UcxPlaneClient() {
+  if (worker_ != nullptr) {
+    if (endpoint_ != 0) worker_->Disconnect(endpoint_);
+    if (memh_ != nullptr) worker_->Unregister(memh_);
+    worker_.reset();  // the thread stops: nothing lands in out_ after this
+  }
+  std::free(out_);
+}
+
+absl::Status UcxPlaneClient::Attach(uint64_t plane, const std::string& token,
+                                    const std::string& server_address, int64_t input_bytes) {
+  if (token.size() != kTokenBytes)
+    return absl::InvalidArgumentError("data plane: the handshake's token has the wrong size");
+  plane_ = plane;
+  token_ = token;
+  input_.Reset(input_bytes);
+  auto ep = worker_->Connect(server_address, [this](absl::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    lost_ = std::move(s);
+    cv_.notify_all();
+  });
+  if (!ep.ok()) return ep.status();
+  endpoint_ = *ep;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<UcxWorker::Pending> UcxPlaneClient::Put(const void* src, size_t n, int64_t offset,
+                                                        uint64_t transfer) {
+  ToServerHeader h;
+  h.plane = plane_;
+  std::memcpy(h.token, token_.data(), kTokenBytes);
+  h.transfer = transfer;
+  h.offset = offset;
+  return worker_->Send(endpoint_, kToServer, PackHeader(h), src, n);
+}
+
+void UcxPlaneClient::Land(uint64_t transfer, int64_t offset, int64_t length, absl::Status s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (landed_.size() >= kMaxLanded) landed_.erase(landed_.begin());  // the oldest id
+  landed_[transfer] = {offset, length, std::move(s)};
+  cv_.notify_all();
+}
+
+void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
+  ToClientHeader h;
+  if (!UnpackHeader(m.header, m.header_length, &h) || h.plane != plane_) return;
+  const int64_t length = static_cast<int64_t>(m.length);
+  if (h.offset < 0 || length > output_.size() || h.offset > output_.size() - length)
+    return Land(h.transfer, h.offset, length,
+                absl::InternalError("data plane: the server sent an output outside the region"));
+  if (!m.rndv) {
+    std::memcpy(out_ + h.offset, m.data, m.length);
+    return Land(h.transfer, h.offset, length, absl::OkStatus());
+  }
+  worker_->Receive(m.data, out_ + h.offset, m.length, [this, h, length](absl::Status s) {
+    Land(h.transfer, h.offset, length, std::move(s));
+  });
+}
+
+absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t offset, size_t n,
+                                                  absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, absl::ToChronoTime(deadline),
+                 [&] { return landed_.count(transfer) != 0 || !lost_.ok(); });
+  auto it = landed_.find(transfer);
+  if (it == landed_.end()) {
+    if (!lost_.ok()) return lost_;
+    return absl::DeadlineExceededError(
+        absl::StrCat("data plane: output transfer ", transfer, " did not arrive"));
+  }
+  const Landed l = it->second;
+  landed_.erase(it);
+  if (!l.status.ok()) return l.status;
+  if (l.offset != offset || l.length != static_cast<int64_t>(n))
+    return absl::InternalError(absl::StrCat("data plane: output transfer ", transfer,
+                                            " landed at [", l.offset, ", +", l.length,
+                                            "), expected [", offset, ", +", n, ")"));
+  return static_cast<const char*>(out_ + offset);
+}
+
+void UcxPlaneClient::Forget(uint64_t transfer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  landed_.erase(transfer);
+}
+
+}  // namespace attnd::transport

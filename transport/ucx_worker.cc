@@ -1,0 +1,320 @@
+#include "transport/ucx_worker.h"
+
+#include <poll.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <future>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnd::transport {
+namespace {
+
+absl::Status UcxError(const char* what, ucs_status_t s) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(s)));
+}
+
+// attnd's defaults for what UCX reads from the environment, where the operator set nothing.
+void DefaultEnvironment() {
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);  // UCX_TLS=tcp leaves the shm settings unused
+  setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
+  setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
+}
+
+// How long the progress thread polls after activity before it sleeps on the worker's event fd:
+// a message that follows soon is picked up without a wakeup (ATTND_UCX_SPIN_US, default 50).
+std::chrono::microseconds SpinTime() {
+  const char* v = getenv("ATTND_UCX_SPIN_US");
+  const long us = v != nullptr ? strtol(v, nullptr, 10) : 50;
+  return std::chrono::microseconds(us < 0 ? 0 : us > 100000 ? 100000 : us);
+}
+
+}  // namespace
+
+std::string UcxVersion() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return absl::StrCat(major, ".", minor, ".", release);
+}
+
+std::string UcxTransports() {
+  const char* tls = getenv("UCX_TLS");
+  return tls != nullptr && *tls != '\0' ? tls : "all";
+}
+
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& name,
+                                                             std::map<uint16_t, Handler> handlers) {
+  DefaultEnvironment();
+  std::unique_ptr<UcxWorker> w(new UcxWorker());
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
+    return UcxError("UCX configuration", s);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.name = name.c_str();
+  ucs_status_t s = ucp_init(&params, config, &w->context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) return UcxError("UCX init", s);
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  if (s = ucp_worker_create(w->context_, &wp, &w->worker_); s != UCS_OK)
+    return UcxError("UCX worker", s);
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  if (s = ucp_worker_get_address(w->worker_, &addr, &addr_len); s != UCS_OK)
+    return UcxError("UCX worker address", s);
+  w->address_.assign(reinterpret_cast<const char*>(addr), addr_len);
+  ucp_worker_release_address(w->worker_, addr);
+  for (auto& [id, fn] : handlers) {
+    auto slot = std::make_unique<HandlerSlot>(HandlerSlot{w.get(), std::move(fn)});
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.cb = &UcxWorker::OnMessage;
+    hp.arg = slot.get();
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    if (s = ucp_worker_set_am_recv_handler(w->worker_, &hp); s != UCS_OK)
+      return UcxError("UCX handler", s);
+    w->handlers_[id] = std::move(slot);
+  }
+  w->thread_ = std::thread([raw = w.get()] { raw->Loop(); });
+  return w;
+}
+
+UcxWorker::~UcxWorker() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    ucp_worker_signal(worker_);
+    thread_.join();
+  }
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+void UcxWorker::Post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(fn));
+  }
+  ucp_worker_signal(worker_);
+}
+
+void UcxWorker::Run(const std::function<void()>& fn) {
+  if (std::this_thread::get_id() == thread_.get_id()) return fn();
+  std::promise<void> done;
+  Post([&] {
+    fn();
+    done.set_value();
+  });
+  done.get_future().wait();
+}
+
+void UcxWorker::Loop() {
+  int efd = -1;
+  (void)ucp_worker_get_efd(worker_, &efd);
+  const auto spin = SpinTime();
+  auto active = std::chrono::steady_clock::now();
+  for (;;) {
+    std::deque<std::function<void()>> work;
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      work.swap(queue_);
+      stop = stop_;
+    }
+    for (auto& fn : work) fn();
+    if (stop && work.empty()) break;
+    bool progressed = !work.empty();
+    while (ucp_worker_progress(worker_) != 0) progressed = true;
+    const auto now = std::chrono::steady_clock::now();
+    if (progressed) active = now;
+    if (now - active < spin) continue;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!queue_.empty() || stop_) continue;
+    }
+    pollfd p{efd, POLLIN, 0};
+    (void)poll(&p, 1, efd >= 0 ? 100 : 1);
+  }
+  // Closing: every endpoint forced shut (their pending sends complete with an error).
+  std::vector<ucs_status_ptr_t> closing;
+  for (auto& [id, e] : endpoints_) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    closing.push_back(ucp_ep_close_nbx(e->ep, &p));
+  }
+  for (ucs_status_ptr_t r : closing) {
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) continue;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    ucp_request_free(r);
+  }
+  endpoints_.clear();
+  while (ucp_worker_progress(worker_) != 0) {
+  }
+}
+
+ucs_status_t UcxWorker::OnMessage(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param) {
+  auto* slot = static_cast<HandlerSlot*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  slot->fn(Message{header, header_length, data, length, rndv});
+  return UCS_OK;  // eager data is copied by the handler; a rendezvous it did not take is dropped
+}
+
+void UcxWorker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* e = static_cast<Endpoint*>(arg);
+  UcxWorker* w = e->worker;
+  const uint64_t id = e->id;
+  if (e->on_error)
+    e->on_error(
+        absl::UnavailableError(absl::StrCat("data plane peer lost: ", ucs_status_string(status))));
+  // The endpoint is closed after this callback returns (UCX's rule for failed endpoints).
+  w->Post([w, id] { w->Disconnect(id); });
+}
+
+absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& address, EndpointError on_error) {
+  absl::StatusOr<uint64_t> result = absl::InternalError("not run");
+  Run([&] {
+    auto e = std::make_unique<Endpoint>();
+    e->on_error = std::move(on_error);
+    e->id = next_endpoint_++;
+    e->worker = this;
+    ucp_ep_params_t p{};
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &UcxWorker::OnEndpointError;
+    p.err_handler.arg = e.get();
+    if (ucs_status_t s = ucp_ep_create(worker_, &p, &e->ep); s != UCS_OK) {
+      result = UcxError("data plane endpoint", s);
+      return;
+    }
+    result = e->id;
+    endpoints_[e->id] = std::move(e);
+  });
+  return result;
+}
+
+void UcxWorker::Disconnect(uint64_t endpoint) {
+  Run([&] {
+    auto it = endpoints_.find(endpoint);
+    if (it == endpoints_.end()) return;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(it->second->ep, &p);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // released once complete
+    endpoints_.erase(it);
+  });
+}
+
+void UcxWorker::Pending::Finish(absl::Status s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  done_ = true;
+  status_ = std::move(s);
+  cv_.notify_all();
+}
+
+absl::Status UcxWorker::Pending::Wait(absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto until = absl::ToChronoTime(deadline);
+  if (!cv_.wait_until(lock, until, [&] { return done_; })) {
+    lock.unlock();
+    // Past the deadline: the endpoint is forced shut, which completes the send (with an error),
+    // so UCX reads the payload no more once this returns.
+    worker_->Disconnect(endpoint_);
+    lock.lock();
+    cv_.wait(lock, [&] { return done_; });
+    return absl::DeadlineExceededError("data plane send did not complete in time; endpoint closed");
+  }
+  return status_;
+}
+
+std::shared_ptr<UcxWorker::Pending> UcxWorker::Send(uint64_t endpoint, uint16_t id,
+                                                    std::string header, const void* data,
+                                                    size_t length) {
+  auto pending = std::make_shared<Pending>();
+  pending->worker_ = this;
+  pending->endpoint_ = endpoint;
+  pending->header_ = std::move(header);
+  Post([this, pending, endpoint, id, data, length] {
+    auto it = endpoints_.find(endpoint);
+    if (it == endpoints_.end())
+      return pending->Finish(absl::UnavailableError("data plane endpoint closed"));
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+      auto* holder = static_cast<std::shared_ptr<Pending>*>(user_data);
+      (*holder)->Finish(status == UCS_OK ? absl::OkStatus() : UcxError("data plane send", status));
+      delete holder;
+      ucp_request_free(request);
+    };
+    auto* holder = new std::shared_ptr<Pending>(pending);
+    p.user_data = holder;
+    ucs_status_ptr_t r = ucp_am_send_nbx(it->second->ep, id, pending->header_.data(),
+                                         pending->header_.size(), data, length, &p);
+    if (r == nullptr) {
+      delete holder;
+      pending->Finish(absl::OkStatus());
+    } else if (UCS_PTR_IS_ERR(r)) {
+      delete holder;
+      pending->Finish(UcxError("data plane send", UCS_PTR_STATUS(r)));
+    }
+  });
+  return pending;
+}
+
+absl::StatusOr<ucp_mem_h> UcxWorker::Register(void* base, size_t length) {
+  absl::StatusOr<ucp_mem_h> result = absl::InternalError("not run");
+  Run([&] {
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    p.address = base;
+    p.length = length;
+    ucp_mem_h memh = nullptr;
+    if (ucs_status_t s = ucp_mem_map(context_, &p, &memh); s != UCS_OK)
+      result = UcxError("data plane registration", s);
+    else
+      result = memh;
+  });
+  return result;
+}
+
+void UcxWorker::Unregister(ucp_mem_h memh) {
+  Run([&] { (void)ucp_mem_unmap(context_, memh); });
+}
+
+void UcxWorker::Receive(void* descriptor, void* buffer, size_t length,
+                        std::function<void(absl::Status)> done) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    auto* fn = static_cast<std::function<void(absl::Status)>*>(user_data);
+    (*fn)(status == UCS_OK ? absl::OkStatus() : UcxError("data plane receive", status));
+    delete fn;
+    ucp_request_free(request);
+  };
+  auto* fn = new std::function<void(absl::Status)>(std::move(done));
+  p.user_data = fn;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, descriptor, buffer, length, &p);
+  if (r == nullptr) {
+    (*fn)(absl::OkStatus());
+    delete fn;
+  } else if (UCS_PTR_IS_ERR(r)) {
+    (*fn)(UcxError("data plane receive", UCS_PTR_STATUS(r)));
+    delete fn;
+  }
+}
+
+}  // namespace attnd::transport

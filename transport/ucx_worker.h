@@ -1,0 +1,143 @@
+// One UCX (ucp) worker and the thread that progresses it: the data plane's engine on both sides
+// (transport/ucx_plane.h, transport/ucx_plane_client.h). Data moves only while the worker is
+// progressed, and a ucp worker is single-threaded here, so every UCX call runs on that thread:
+// other threads post work to it (Run, Send) and wait for the answer.
+//
+// Messages are active messages (ucp_am_send_nbx): a small header of the caller's and a payload
+// UCX sends eagerly or by rendezvous as it sees fit; the receiving side's handler lands the
+// payload in memory it registered once (ucp_mem_map). Active messages rather than RMA puts:
+// on UCX 1.13's TCP transport a 15 MiB put moved 27-34 MB/s, an active message 932 MB/s
+// (docs/data-plane.md).
+//
+// UCX's environment works as UCX users expect (UCX_TLS, UCX_NET_DEVICES, ...). Before UCX reads
+// it, unset variables get attnd's defaults: UCX_ERROR_SIGNALS empty (the process keeps its own
+// crash handling), UCX_POSIX_ERROR_HANDLING / UCX_SYSV_ERROR_HANDLING y (endpoints detect a dead
+// peer, and shared memory stays among the transports with that on).
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace attnd::transport {
+
+// "1.13.1": the UCX library this process runs on.
+std::string UcxVersion();
+// The transports UCX may choose from (UCX_TLS, "all" by default).
+std::string UcxTransports();
+
+class UcxWorker {
+ public:
+  // An active message as its handler sees it, on the progress thread. `data` is the payload when
+  // `rndv` is false (valid only during the call); a rendezvous descriptor for Receive otherwise.
+  struct Message {
+    const void* header;
+    size_t header_length;
+    void* data;
+    size_t length;
+    bool rndv;
+  };
+  // Returns nothing: a message the handler does not take (a refused one) is dropped.
+  using Handler = std::function<void(const Message&)>;
+  // An endpoint failed (its peer died or is unreachable): on the progress thread.
+  using EndpointError = std::function<void(absl::Status)>;
+
+  // A worker named `name` (in UCX's logs) with active-message handlers by id, its thread started.
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const std::string& name,
+                                                           std::map<uint16_t, Handler> handlers);
+  // Stops the thread; endpoints are closed and registrations released first.
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+
+  // The worker's address, for a peer's Connect (an opaque blob, exchanged over gRPC).
+  const std::string& address() const { return address_; }
+
+  // Runs fn on the progress thread and waits for it (fn must not block).
+  void Run(const std::function<void()>& fn);
+
+  // An endpoint to the worker at `address` (from a peer's address()); `on_error` runs (progress
+  // thread) when it fails. Ids are never reused.
+  absl::StatusOr<uint64_t> Connect(const std::string& address, EndpointError on_error);
+  // Closes the endpoint (pending sends on it fail). Unknown ids are ignored.
+  void Disconnect(uint64_t endpoint);
+
+  // A send in flight: Wait returns its outcome. The payload must stay valid until then.
+  class Pending {
+   public:
+    // OK once UCX is done with the payload; DEADLINE_EXCEEDED (the send is cancelled, and the
+    // payload no longer read) when `deadline` passes first; UNAVAILABLE when the endpoint failed.
+    absl::Status Wait(absl::Time deadline);
+
+   private:
+    friend class UcxWorker;
+    void Finish(absl::Status s);
+    UcxWorker* worker_ = nullptr;
+    uint64_t endpoint_ = 0;
+    std::string header_;  // UCX reads the header until the send completes
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool done_ = false;
+    absl::Status status_;
+  };
+  // Sends active message `id` with `header` (copied) and `length` bytes at `data` on `endpoint`.
+  std::shared_ptr<Pending> Send(uint64_t endpoint, uint16_t id, std::string header,
+                                const void* data, size_t length);
+
+  // Registers [base, base + length) with UCX once (rendezvous lands there without registering
+  // per message); Unregister before freeing the memory.
+  absl::StatusOr<ucp_mem_h> Register(void* base, size_t length);
+  void Unregister(ucp_mem_h memh);
+
+  // Progress thread only, from a handler: receives a rendezvous payload into `buffer`, then
+  // calls done(status) on the progress thread (OK: every byte landed).
+  void Receive(void* descriptor, void* buffer, size_t length,
+               std::function<void(absl::Status)> done);
+
+ private:
+  UcxWorker() = default;
+  void Loop();
+  void Post(std::function<void()> fn);
+  static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  struct HandlerSlot {
+    UcxWorker* worker;
+    Handler fn;
+  };
+  struct Endpoint {
+    ucp_ep_h ep = nullptr;
+    EndpointError on_error;
+    uint64_t id = 0;
+    UcxWorker* worker = nullptr;
+  };
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  std::map<uint16_t, std::unique_ptr<HandlerSlot>> handlers_;
+  // Progress-thread state.
+  std::map<uint64_t, std::unique_ptr<Endpoint>> endpoints_;
+  uint64_t next_endpoint_ = 1;
+  // Work posted from other threads.
+  std::mutex mu_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace attnd::transport
