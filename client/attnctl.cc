@@ -537,6 +537,12 @@ int main(int argc, char** argv) {
   num(bench, "context", 1, int64_t{1} << 24, "tokens per sequence (default 4096)");
   num(bench, "steps", 1, 1 << 20, "decode steps (default 20)");
   str(bench, "shm-target", "unix:PATH of the server's --shm-socket, to measure shared memory");
+  CLI::App* transport_bench = app.add_subcommand(
+      "transport", "per-layer transport: gRPC bytes, UCX data plane, shared memory, micro-batches");
+  num(transport_bench, "batch", 1, 4096, "decode batch (default 8)");
+  num(transport_bench, "context", 1, int64_t{1} << 24, "tokens per sequence (default 1024)");
+  num(transport_bench, "steps", 1, 1 << 20, "decode steps per measurement (default 10)");
+  str(transport_bench, "shm-target", "unix:PATH of the server's --shm-socket");
   CLI::App* handoff = app.add_subcommand("handoff", "copy a sequence to another server");
   str(handoff, "sequence", "the sequence id")->required();
   str(handoff, "to", "HOST:PORT of the receiver")->required();
@@ -605,5 +611,6 @@ int main(int argc, char** argv) {
   }
   if (handoff->parsed()) return Handoff(*client, a, *options);
   StopOnInterrupt();
+  if (transport_bench->parsed()) return TransportBench(target, a, *options, json);
   return Bench(*client, a, *options, json);
 }

@@ -12,58 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "client/attnctl_common.h"
 #include "client/attnd_client.h"
+#include "client/wire_variants.h"
 #include "client/workload.h"
 
 namespace attnd::client::ctl {
 namespace {
-
-// What a worker may put on the wire for the same decode layer (docs/numerics.md).
-struct WireVariant {
-  const char* name;
-  bool absorbed;     // q_nope [T, H, Dn] instead of q_latent (the server holds W_UK, W_UV)
-  bool fp8_queries;  // every query tensor FP8_E4M3 with per-token-head scales
-  bool fp8_reply;    // out_datatype FP8_E4M3
-};
-
-std::vector<float> Floats(const std::vector<double>& v) { return {v.begin(), v.end()}; }
-
-// The layers of `g` as `v` sends them: the same keys and indexer keys, the queries re-encoded.
-std::vector<v1::LayerInputs> VariantLayers(const std::vector<GeneratedLayer>& g,
-                                           const WireVariant& v, int B, int H, int Dn,
-                                           std::mt19937_64& rng) {
-  std::vector<v1::LayerInputs> out;
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (const GeneratedLayer& l : g) {
-    v1::LayerInputs in = l.wire;
-    auto encode = [&](v1::Tensor* t, const std::vector<float>& f) {
-      if (!v.fp8_queries && !t->data().empty()) return;  // GenerateStep's BF16 already
-      std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
-      if (v.fp8_queries) {
-        *t = MakeFp8Tensor(shape, f.data());
-      } else {
-        std::vector<uint16_t> b(f.size());
-        ConvertFromF32(DType::kBF16, f.data(), b.data(), f.size());
-        *t = MakeTensor(DType::kBF16, shape, b.data(), 2 * b.size());
-      }
-    };
-    if (v.absorbed) {
-      in.clear_q_latent();
-      std::vector<float> qn(static_cast<size_t>(B) * H * Dn);
-      for (float& x : qn) x = dist(rng);
-      in.mutable_q_nope()->add_shape(B);
-      in.mutable_q_nope()->add_shape(H);
-      in.mutable_q_nope()->add_shape(Dn);
-      encode(in.mutable_q_nope(), qn);
-    } else {
-      encode(in.mutable_q_latent(), Floats(l.values.q_latent));
-    }
-    encode(in.mutable_q_rope(), Floats(l.values.q_rope));
-    if (in.has_index_q()) encode(in.mutable_index_q(), Floats(l.values.index_q));
-    if (v.fp8_reply) in.set_out_datatype("FP8_E4M3");
-    out.push_back(std::move(in));
-  }
-  return out;
-}
 
 // Per-layer figures of one variant over the stream.
 struct WireFigures {
@@ -100,20 +53,8 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
     prefix.emplace_back(id, context);
     decode.emplace_back(id, 1);
   }
-  // Import the contexts with write-only steps (no attention computed), a chunk of each sequence
-  // at a time: memory stays bounded by the chunk whatever --batch and --context are.
-  constexpr int64_t kImportChunk = 2048;
-  for (const auto& [id, length] : prefix) {
-    for (int64_t done = 0; done < length; done += kImportChunk) {
-      const int64_t n = std::min(kImportChunk, length - done);
-      auto g = GenerateStep(spec, n, DType::kBF16, true, rng);
-      auto begun = c.BeginStep({{id, n}}, true);
-      if (!begun.ok()) return Fail(begun.status(), "import");
-      for (auto& l : g)
-        if (auto o = c.AttendLayer(begun->step_id(), l.wire); !o.ok())
-          return Fail(o.status(), "import");
-    }
-  }
+  // Import the contexts with write-only steps (no attention computed).
+  if (auto s = ImportContexts(c, spec, prefix, rng); !s.ok()) return Fail(s, "import");
   auto g = GenerateStep(spec, B, DType::kBF16, false, rng);
   size_t req_bytes = 0,
          resp_bytes = static_cast<size_t>(B) * spec.num_heads * spec.kv_lora_rank * 2;
@@ -190,24 +131,9 @@ int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
     local_stream = local->OpenStream();
   }
   if (local != nullptr) {
-    int64_t off = 0;
-    for (const auto& l : g) {
-      v1::LayerInputs in = l.wire;
-      for (v1::Tensor* t :
-           {in.mutable_q_latent(), in.mutable_q_rope(), in.mutable_kv_latent(), in.mutable_k_rope(),
-            in.mutable_index_q(), in.mutable_index_k(), in.mutable_index_w()}) {
-        if (t->datatype().empty()) continue;
-        std::memcpy((*mem)->data() + off, t->data().data(), t->data().size());
-        std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
-        *t = ShmTensor(*ParseDType(t->datatype()), shape, tag, off);
-        off += t->shm().byte_size();
-      }
-      in.mutable_out_shm()->set_region(tag);
-      in.mutable_out_shm()->set_offset(off);
-      in.mutable_out_shm()->set_byte_size(static_cast<int64_t>(out_bytes));
-      off += static_cast<int64_t>(out_bytes);
-      shm_layers.push_back(std::move(in));
-    }
+    std::vector<v1::LayerInputs> wire;
+    for (const auto& l : g) wire.push_back(l.wire);
+    shm_layers = InSharedMemory(wire, **mem, tag, out_bytes);
   }
   for (int s = 0; s < steps; ++s) {
     if (absl::Status i = Interrupted(); !i.ok()) return Fail(i, "bench");  // Ctrl-C

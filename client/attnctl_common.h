@@ -74,4 +74,9 @@ absl::Status CheckFits(const v1::ServerInfoResponse& info, const ModelSpec& spec
 // worker may send them, over each transport, beside an echo of the same bytes (JSON with json).
 int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json);
 
+// attnctl transport (docs/data-plane.md): per-layer transport over gRPC bytes, the UCX data plane
+// and shared memory, a bare UCX round trip of the same bytes, and two micro-batches in flight.
+int TransportBench(const std::string& target, const Args& a, const ConnectOptions& options,
+                   bool json);
+
 }  // namespace attnd::client::ctl

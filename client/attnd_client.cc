@@ -394,20 +394,41 @@ absl::StatusOr<v1::BeginStepResponse> Client::BeginStep(const v1::BeginStepReque
   return resp;
 }
 
+namespace {
+// The reply's output copied into the caller's buffer (when the plane did not land it there).
+absl::Status IntoCallerBuffer(v1::LayerOutput* out, void* dest, size_t bytes) {
+  if (dest == nullptr || out->out().data().empty()) return absl::OkStatus();
+  if (out->out().data().size() != bytes || out->out().has_scales())
+    return absl::InvalidArgumentError(
+        absl::StrCat("out_bytes: ", bytes, ", the output has ", out->out().data().size(),
+                     out->out().has_scales() ? " bytes with scales (an FP8 reply)" : " bytes"));
+  std::memcpy(dest, out->out().data().data(), bytes);
+  out->mutable_out()->clear_data();
+  return absl::OkStatus();
+}
+}  // namespace
+
 absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::LayerInputs& in) {
+  return AttendLayer(step_id, in, nullptr, 0);
+}
+
+absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::LayerInputs& in,
+                                                    void* dest, size_t dest_bytes) {
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
   v1::AttendLayerRequest req;
   req.set_step_id(step_id);
   DataPlaneSession* plane = Plane();
   DataPlaneSession::Call call;
-  if (plane == nullptr || !plane->Stage(in, req.mutable_inputs(), &call))
+  if (plane == nullptr ||
+      !plane->Stage(in, req.mutable_inputs(), &call, static_cast<char*>(dest), dest_bytes))
     *req.mutable_inputs() = in;
   v1::AttendLayerResponse resp;
   absl::Status s = FromGrpcNotCancelled(stub_->AttendLayer(&ctx, req, &resp));
   if (!s.ok()) return s;
   if (plane != nullptr)
     if (absl::Status f = plane->Finish(&call, resp.mutable_output()); !f.ok()) return f;
+  if (absl::Status f = IntoCallerBuffer(resp.mutable_output(), dest, dest_bytes); !f.ok()) return f;
   return std::move(*resp.mutable_output());
 }
 
@@ -465,6 +486,14 @@ StepStream::StepStream(const Client& client, v1::Attention::Stub* stub, int64_t 
 }
 
 StepStream::~StepStream() {
+  if (async_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(async_mu_);
+      async_stop_ = true;
+    }
+    async_cv_.notify_all();
+    async_thread_.join();  // runs what was queued first
+  }
   if (!closed_) {
     ctx_.TryCancel();
     (void)rw_->Finish();
@@ -509,16 +538,52 @@ absl::StatusOr<v1::BeginStepResponse> StepStream::Join(uint64_t step_id, int sha
 }
 
 absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {
+  return Layer(in, nullptr, 0);
+}
+
+absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in, void* dest,
+                                                  size_t dest_bytes) {
   v1::StepRequest req;
   DataPlaneSession* plane = client_.Plane();
   DataPlaneSession::Call call;
-  if (plane == nullptr || !plane->Stage(in, req.mutable_layer(), &call)) *req.mutable_layer() = in;
+  if (plane == nullptr ||
+      !plane->Stage(in, req.mutable_layer(), &call, static_cast<char*>(dest), dest_bytes))
+    *req.mutable_layer() = in;
   auto resp = RoundTrip(req);
   if (!resp.ok()) return resp.status();
   if (plane != nullptr)
     if (absl::Status f = plane->Finish(&call, resp->mutable_layer()); !f.ok()) return f;
+  if (absl::Status f = IntoCallerBuffer(resp->mutable_layer(), dest, dest_bytes); !f.ok()) return f;
   if (resp->layer().committed()) open_ids_.clear();
   return std::move(*resp->mutable_layer());
+}
+
+void StepStream::RunQueued() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      std::unique_lock<std::mutex> lock(async_mu_);
+      async_cv_.wait(lock, [&] { return async_stop_ || !async_queue_.empty(); });
+      if (async_queue_.empty()) return;
+      fn = std::move(async_queue_.front());
+      async_queue_.pop_front();
+    }
+    fn();
+  }
+}
+
+std::future<absl::StatusOr<v1::LayerOutput>> StepStream::LayerAsync(v1::LayerInputs in, void* out,
+                                                                    size_t out_bytes) {
+  auto task = std::make_shared<std::packaged_task<absl::StatusOr<v1::LayerOutput>()>>(
+      [this, in = std::move(in), out, out_bytes] { return Layer(in, out, out_bytes); });
+  std::future<absl::StatusOr<v1::LayerOutput>> result = task->get_future();
+  {
+    std::lock_guard<std::mutex> lock(async_mu_);
+    if (!async_thread_.joinable()) async_thread_ = std::thread([this] { RunQueued(); });
+    async_queue_.push_back([task] { (*task)(); });
+  }
+  async_cv_.notify_one();
+  return result;
 }
 
 absl::Status StepStream::Abort() {

@@ -11,9 +11,14 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -158,6 +163,9 @@ class Client {
   // Any step, as the request says (context parallelism's fields, say).
   absl::StatusOr<v1::BeginStepResponse> BeginStep(const v1::BeginStepRequest& request);
   absl::StatusOr<v1::LayerOutput> AttendLayer(uint64_t step_id, const v1::LayerInputs& in);
+  // The same with the output written to `out` (see StepStream::Layer).
+  absl::StatusOr<v1::LayerOutput> AttendLayer(uint64_t step_id, const v1::LayerInputs& in,
+                                              void* out, size_t out_bytes);
   absl::Status AbortStep(uint64_t step_id);
   // Shared memory (see attention.proto): a region `name` over [offset, offset + bytes) of `key`.
   absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, int64_t offset,
@@ -213,6 +221,18 @@ class StepStream {
   // Sends the next layer and waits for its output; committed is set on the last layer (and, on a
   // replica with standbys, protection: where each batch entry's committed rows stand).
   absl::StatusOr<v1::LayerOutput> Layer(const v1::LayerInputs& in);
+  // Layer with the output written to `out` (out_bytes: exactly its size, [T, H, L or V] in its
+  // datatype) instead of LayerOutput.out's data, which stays empty. On the data plane the
+  // server's bytes land there directly (no copy); otherwise they are copied from the reply.
+  // INVALID_ARGUMENT when out_bytes is not the output's size (the layer ran).
+  absl::StatusOr<v1::LayerOutput> Layer(const v1::LayerInputs& in, void* out, size_t out_bytes);
+  // Layer without waiting: the call runs on this stream's own thread (started on first use) and
+  // the future holds its outcome. Calls run one at a time, in the order they were made. The
+  // micro-batch pattern (docs/data-plane.md#micro-batches, examples/microbatch.cc): one stream
+  // per micro-batch, a micro-batch's attention in flight while the worker runs another's FFN.
+  // Other calls on this stream wait until the futures they follow are ready.
+  std::future<absl::StatusOr<v1::LayerOutput>> LayerAsync(v1::LayerInputs in, void* out = nullptr,
+                                                          size_t out_bytes = 0);
   absl::Status Abort();
   // Half-closes and returns the call's final status.
   absl::Status Close();
@@ -226,8 +246,16 @@ class StepStream {
   StepStream(const Client& client, v1::Attention::Stub* stub, int64_t deadline_ms);
   absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
 
+  void RunQueued();
+
   const Client& client_;
   v1::Attention::Stub* stub_;
+  // LayerAsync's thread and its queue.
+  std::mutex async_mu_;
+  std::condition_variable async_cv_;
+  std::deque<std::function<void()>> async_queue_;
+  bool async_stop_ = false;
+  std::thread async_thread_;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::StepRequest, v1::StepResponse>> rw_;
   std::vector<std::string> open_ids_;  // the open step's sequences

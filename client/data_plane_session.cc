@@ -77,7 +77,8 @@ DataPlaneSession::Call::~Call() {
   }
 }
 
-bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call) {
+bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call,
+                             char* dest, size_t dest_bytes) {
   call->session = this;
   // Everything but the tensors' bytes, copied field by field (the bytes are the bulk).
   wire->Clear();
@@ -89,7 +90,10 @@ bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, C
   wire->set_out_datatype(in.out_datatype());
   wire->set_return_candidates(in.return_candidates());
   if (in.has_selection()) *wire->mutable_selection() = in.selection();
-  bool moved = false;
+  // Every tensor's bytes in one message (one transfer): back to back in the input region.
+  std::vector<transport::UcxWorker::Piece> pieces;
+  std::vector<v1::SharedMemoryRef*> refs;
+  int64_t total = 0;
   for (auto [from, to] : Tensors(in, wire)) {
     to->set_datatype(from->datatype());
     *to->mutable_shape() = from->shape();
@@ -98,17 +102,26 @@ bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, C
       if (from->has_shm()) *to->mutable_shm() = from->shm();
       continue;
     }
-    const int64_t n = static_cast<int64_t>(from->data().size());
-    const int64_t at = ends_->input_space().Take(n);
-    if (at < 0) return false;  // full now: this call goes in the message (Call gives back)
+    v1::SharedMemoryRef* ref = to->mutable_shm();
+    ref->set_region(input_region_);
+    ref->set_offset(total);
+    ref->set_byte_size(static_cast<int64_t>(from->data().size()));
+    refs.push_back(ref);
+    pieces.push_back({from->data().data(), from->data().size()});
+    total += static_cast<int64_t>(from->data().size());
+  }
+  bool moved = false;
+  call->polling = ends_->Poll();
+  if (total > 0) {
+    const int64_t at = ends_->input_space().Take(total);
+    if (at < 0) return false;  // full now: this call goes in the message
     call->input_space.push_back(at);
     const uint64_t t = ends_->NextTransfer();
-    call->sends.push_back(ends_->Put(from->data().data(), static_cast<size_t>(n), at, t));
-    auto* ref = to->mutable_shm();
-    ref->set_region(input_region_);
-    ref->set_offset(at);
-    ref->set_byte_size(n);
-    ref->set_transfer(t);
+    for (v1::SharedMemoryRef* ref : refs) {
+      ref->set_offset(at + ref->offset());
+      ref->set_transfer(t);
+    }
+    call->sends.push_back(ends_->PutPieces(std::move(pieces), at, t));
     moved = true;
   }
   // The output, when it would come back in the reply and its size is known here.
@@ -126,6 +139,10 @@ bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, C
       call->output_offset = at;
       call->output_transfer = ends_->NextTransfer();
       call->output_bytes = static_cast<size_t>(bytes);
+      if (dest != nullptr && dest_bytes == call->output_bytes) {
+        ends_->Expect(call->output_transfer, dest, dest_bytes);
+        call->to_dest = true;
+      }
       auto* ref = wire->mutable_out_shm();
       ref->set_region(output_region_);
       ref->set_offset(at);
@@ -149,7 +166,7 @@ absl::Status DataPlaneSession::Finish(Call* call, v1::LayerOutput* out) {
   if (!bytes.ok()) return bytes.status();
   v1::Tensor* t = out->mutable_out();
   t->clear_shm();
-  t->mutable_data()->assign(*bytes, call->output_bytes);
+  if (!call->to_dest) t->mutable_data()->assign(*bytes, call->output_bytes);
   return absl::OkStatus();
 }
 

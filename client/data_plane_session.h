@@ -39,15 +39,20 @@ class DataPlaneSession {
     int64_t output_offset = -1;
     uint64_t output_transfer = 0;
     size_t output_bytes = 0;
+    bool to_dest = false;                                 // the output lands in the caller's buffer
+    std::unique_ptr<transport::UcxWorker::Busy> polling;  // while the call is in flight
     DataPlaneSession* session = nullptr;
     ~Call();  // waits for the sends (bounded) and gives the space back
   };
   // `in` as the message to send (*wire) with its tensors' bytes sent by the plane, and the output
   // asked for in the output region when the reply would carry one. False (wire untouched) when
   // the call is better sent as it is: nothing to move, or the regions are full now.
-  bool Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call);
+  // With `dest`: the output lands there (dest_bytes, the caller's buffer) rather than in the
+  // output region.
+  bool Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call, char* dest = nullptr,
+             size_t dest_bytes = 0);
   // After the reply: waits for the sends, then for the output (when the plane carried it) and
-  // moves it into out->out().data.
+  // moves it into out->out().data (or leaves it in the caller's buffer, data empty).
   absl::Status Finish(Call* call, v1::LayerOutput* out);
 
   const std::string& plane() const { return plane_; }

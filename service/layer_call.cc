@@ -158,6 +158,7 @@ absl::Status AttentionService::Layer(const Caller& caller, const StepRef& step,
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   out->set_server_seconds(seconds);
+  out->set_transfer_seconds(decoded.shm.seconds);
   metrics_->LayerDone(transport, info.phase, result->shape.kind, seconds, in.ByteSizeLong(),
                       out->ByteSizeLong());
   if (last)

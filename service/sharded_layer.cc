@@ -172,6 +172,7 @@ absl::Status AttentionService::LayerSharded(const StepRef& step,
   size_t received = 0, sent = 0;
   for (const auto& p : parts) {
     p.out->set_server_seconds(seconds);
+    p.out->set_transfer_seconds(shm.seconds);
     received += p.in->ByteSizeLong();
     sent += p.out->ByteSizeLong();
   }

@@ -1,5 +1,6 @@
 #include "service/tensor_codec.h"
 
+#include <chrono>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -112,13 +113,20 @@ absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfer
 }
 
 absl::Status ShmTransfers::ReadInputs() {
+  const auto t0 = std::chrono::steady_clock::now();
   for (Pending& p : inputs) {
     if (p.target == nullptr) continue;  // already read
-    buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
-    RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes, p.transfer));
-    *p.target = buffers.back()->data();
+    // In place where the bytes are in server memory (a data plane's input region), else copied.
+    ASSIGN_OR_RETURN(const char* view, p.region->View(p.offset, p.bytes, p.transfer));
+    if (view == nullptr) {
+      buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
+      RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes, p.transfer));
+      view = buffers.back()->data();
+    }
+    *p.target = view;
     p.target = nullptr;
   }
+  seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 
@@ -128,9 +136,10 @@ absl::Status ShmTransfers::CheckOutputRegions() const {
 }
 
 absl::Status ShmTransfers::WriteOutputs() {
-  for (size_t i = 0; i < outputs.size(); ++i)
-    RETURN_IF_ERROR(outputs[i].region->Write(outputs[i].offset, output_buffers[i]->data(),
-                                             outputs[i].bytes, outputs[i].transfer));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const Pending& o : outputs)
+    RETURN_IF_ERROR(o.region->Write(o.offset, o.staged, o.bytes, o.transfer));
+  seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 
@@ -147,10 +156,14 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
                        " for [", tokens, ", ", heads, ", ", latent, "] in ", DTypeName(dtype)));
     ASSIGN_OR_RETURN(auto r, shm.Resolve("out_shm", in.out_shm().region(), in.out_shm().offset(),
                                          bytes, in.out_shm().transfer()));
+    char* staged = r->Staging(in.out_shm().offset(), static_cast<size_t>(bytes));
+    if (staged == nullptr) {
+      transfers->output_buffers.push_back(
+          std::make_unique<std::string>(static_cast<size_t>(bytes), '\0'));
+      staged = transfers->output_buffers.back()->data();
+    }
     transfers->outputs.push_back({std::move(r), in.out_shm().offset(), static_cast<size_t>(bytes),
-                                  in.out_shm().transfer(), nullptr});
-    transfers->output_buffers.push_back(
-        std::make_unique<std::string>(static_cast<size_t>(bytes), '\0'));
+                                  in.out_shm().transfer(), nullptr, staged});
   } else if (bytes > max_message_bytes - kMessageFramingBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "output: ", bytes, " bytes would not fit in a reply of at most ", max_message_bytes,
@@ -164,7 +177,7 @@ absl::StatusOr<void*> PrepareOutput(const v1::LayerInputs& in, v1::Tensor* out, 
   if (in.has_out_shm()) {
     *out->mutable_shm() = in.out_shm();
     out->clear_data();
-    return static_cast<void*>(transfers->output_buffers.back()->data());
+    return static_cast<void*>(transfers->outputs.back().staged);
   }
   std::string* data = out->mutable_data();
   data->resize(static_cast<size_t>(bytes));

@@ -18,11 +18,12 @@ namespace attnd {
 // The shared-memory side of one request: the regions it uses (held open until it finishes) and
 // the copies made of them. Filled by ViewOf and PrepareOutput.
 struct ShmTransfers {
-  // Reads every pending input region into a buffer and points its view there.
+  // Points every pending input's view at its bytes: in place where the region lets it be read
+  // there (a data plane's input region, once the transfer landed), else read into a buffer.
   absl::Status ReadInputs();
   // Fails when an output region no longer covers its bytes (checked before a layer runs).
   absl::Status CheckOutputRegions() const;
-  // Writes each output buffer into its region (outputs bound to one).
+  // Writes (sends) each output into its region (outputs bound to one).
   absl::Status WriteOutputs();
 
   struct Pending {
@@ -31,12 +32,17 @@ struct ShmTransfers {
     size_t bytes = 0;
     uint64_t transfer = 0;          // a data plane region's transfer id
     const void** target = nullptr;  // inputs: the view's pointer to aim at the bytes once read
+    char* staged = nullptr;         // outputs: where the output is built
   };
   std::vector<Pending> inputs;
   std::vector<std::unique_ptr<std::string>> buffers;
-  // Outputs bound for regions (one per shard of a sharded step) and their buffers.
+  // Outputs bound for regions (one per shard of a sharded step); the buffers of those whose
+  // region offers no staging of its own.
   std::vector<Pending> outputs;
   std::vector<std::unique_ptr<std::string>> output_buffers;
+  // Time spent reading inputs from regions (waiting for data plane transfers included) and
+  // writing outputs to them: LayerOutput.transfer_seconds.
+  double seconds = 0;
 };
 
 // Views of the seven tensors of a layer message, into *out (valid while `in` and `transfers`

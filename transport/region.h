@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace attnd {
 
@@ -27,13 +28,24 @@ class Region {
   // READ: [offset, offset + n) of the region into dst, once `transfer` landed there (a backend
   // without notifications ignores it). The range is bounds-checked by whoever resolved the region.
   virtual absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const = 0;
-  // WRITE: n bytes at src into [offset, offset + n), the peer notified with `transfer`.
+  // WRITE: n bytes at src into [offset, offset + n), the peer notified with `transfer`. May
+  // return before they arrive when src is the region's own Staging (the UCX plane: the client
+  // waits for the landing; a failed delivery makes the region's later calls fail).
   virtual absl::Status Write(int64_t offset, const void* src, size_t n,
                              uint64_t transfer) const = 0;
   // FAILED_PRECONDITION (or UNAVAILABLE for a lost peer) unless [offset, offset + n) can still be
   // written: checked before a layer runs, so that a step does not commit an output it cannot
   // deliver.
   virtual absl::Status CheckStillCovers(int64_t offset, size_t n) const = 0;
+
+  // Zero-copy forms, for backends whose bytes sit in server memory. View: where [offset, +n)
+  // of `transfer` can be read in place (valid while this region is held), once it landed; null
+  // when the backend has no such view (then Read). Staging: where an output bound for
+  // [offset, +n) may be built, to be passed to Write as `src`; null when none (then any buffer).
+  virtual absl::StatusOr<const char*> View(int64_t offset, size_t n, uint64_t transfer) const {
+    return nullptr;
+  }
+  virtual char* Staging(int64_t offset, size_t n) const { return nullptr; }
 };
 
 }  // namespace attnd

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/status_macros.h"
 #include "transport/plane_wire.h"
 
 namespace attnd::transport {
@@ -46,7 +47,11 @@ struct UcxPlane::State {
   char* input = nullptr;
   int64_t input_bytes = 0;
   ucp_mem_h memh = nullptr;
+  // The output region's server-side mirror: outputs are built here (registered too) and sent
+  // from here to the same offsets of the client's region.
+  char* output = nullptr;
   int64_t output_bytes = 0;
+  ucp_mem_h output_memh = nullptr;
 
   struct Landed {
     int64_t offset = 0, length = 0;
@@ -60,7 +65,9 @@ struct UcxPlane::State {
 
   ~State() {
     if (memh != nullptr) worker->Unregister(memh);
+    if (output_memh != nullptr) worker->Unregister(output_memh);
     std::free(input);
+    std::free(output);
   }
 
   // Records transfer `t` (progress thread): earlier transfers it overlaps are superseded.
@@ -101,10 +108,16 @@ class InputRegion final : public Region {
   const std::string& name() const override { return name_; }
   int64_t size() const override { return s_->input_bytes; }
   absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const override {
+    ASSIGN_OR_RETURN(const char* at, View(offset, n, transfer));
+    std::memcpy(dst, at, n);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<const char*> View(int64_t offset, size_t n, uint64_t transfer) const override {
     if (transfer == 0)
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": a data plane tensor names the transfer that brought it"));
     UcxPlane::State& s = *s_;
+    UcxWorker::Busy busy(s.worker);  // the progress thread polls while this waits
     std::unique_lock<std::mutex> lock(s.mu);
     const auto until = absl::ToChronoTime(absl::Now() + s.timeout);
     const bool arrived =
@@ -124,9 +137,7 @@ class InputRegion final : public Region {
       return absl::InvalidArgumentError(absl::StrCat(
           "data plane transfer ", transfer, " brought bytes [", l.offset, ", ", l.offset + l.length,
           ") of ", name_, "; the call names [", offset, ", ", end, ")"));
-    lock.unlock();
-    std::memcpy(dst, s.input + offset, n);
-    return absl::OkStatus();
+    return static_cast<const char*>(s.input + offset);
   }
   absl::Status Write(int64_t, const void*, size_t, uint64_t) const override {
     return absl::InvalidArgumentError(
@@ -149,6 +160,7 @@ class OutputRegion final : public Region {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, " is an output region; inputs come from the plane's input region"));
   }
+  char* Staging(int64_t offset, size_t n) const override { return s_->output + offset; }
   absl::Status Write(int64_t offset, const void* src, size_t n, uint64_t transfer) const override {
     if (transfer == 0)
       return absl::InvalidArgumentError(
@@ -158,14 +170,18 @@ class OutputRegion final : public Region {
     h.plane = s_->id;
     h.transfer = transfer;
     h.offset = offset;
-    auto pending = s_->worker->Send(s_->endpoint, kToClient, PackHeader(h), src, n);
-    absl::Status s = pending->Wait(absl::Now() + s_->timeout);
-    if (!s.ok()) {
-      s_->Lose(
-          absl::UnavailableError(absl::StrCat("data plane ", s_->name, " lost: ", s.message())));
-      return absl::UnavailableError(
-          absl::StrCat("output not delivered by data plane ", s_->name, ": ", s.message()));
-    }
+    // Sent without waiting: the bytes go from the plane's own staging (src), which outlives the
+    // send, and the client waits for their landing itself. A send that fails loses the plane
+    // (its later calls fail at once); the client's wait for this output fails too.
+    std::weak_ptr<UcxPlane::State> weak = s_;
+    s_->worker->Send(
+        s_->endpoint, kToClient, PackHeader(h), src, n,
+        [weak](absl::Status st) {
+          if (auto s = weak.lock(); s != nullptr && !st.ok())
+            s->Lose(absl::UnavailableError(absl::StrCat(
+                "data plane ", s->name, " lost: an output was not delivered: ", st.message())));
+        },
+        s_);
     return absl::OkStatus();
   }
   absl::Status CheckStillCovers(int64_t, size_t) const override { return s_->Lost(); }
@@ -255,15 +271,16 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->max_landed = options_.max_landed;
   s->input_bytes = input_bytes;
   s->output_bytes = output_bytes;
-  const size_t alloc =
-      (static_cast<size_t>(input_bytes) + kAlignment - 1) / kAlignment * kAlignment;
-  s->input = static_cast<char*>(std::aligned_alloc(kAlignment, alloc));
-  if (s->input == nullptr)
-    return absl::ResourceExhaustedError(
-        absl::StrCat("data plane: cannot allocate ", input_bytes, " bytes"));
-  auto memh = worker_->Register(s->input, alloc);
-  if (!memh.ok()) return memh.status();
-  s->memh = *memh;
+  for (auto [bytes, at, memh] : {std::tuple{input_bytes, &s->input, &s->memh},
+                                 std::tuple{output_bytes, &s->output, &s->output_memh}}) {
+    if (bytes == 0) continue;
+    const size_t alloc = (static_cast<size_t>(bytes) + kAlignment - 1) / kAlignment * kAlignment;
+    *at = static_cast<char*>(std::aligned_alloc(kAlignment, alloc));
+    if (*at == nullptr)
+      return absl::ResourceExhaustedError(
+          absl::StrCat("data plane: cannot allocate ", bytes, " bytes"));
+    ASSIGN_OR_RETURN(*memh, worker_->Register(*at, alloc));
+  }
   std::weak_ptr<State> weak = s;
   auto ep = worker_->Connect(client_address, [weak](absl::Status st) {
     if (auto p = weak.lock()) p->Lose(std::move(st));

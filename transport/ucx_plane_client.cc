@@ -94,6 +94,16 @@ std::shared_ptr<UcxWorker::Pending> UcxPlaneClient::Put(const void* src, size_t 
   return worker_->Send(endpoint_, kToServer, PackHeader(h), src, n);
 }
 
+std::shared_ptr<UcxWorker::Pending> UcxPlaneClient::PutPieces(std::vector<UcxWorker::Piece> pieces,
+                                                              int64_t offset, uint64_t transfer) {
+  ToServerHeader h;
+  h.plane = plane_;
+  std::memcpy(h.token, token_.data(), kTokenBytes);
+  h.transfer = transfer;
+  h.offset = offset;
+  return worker_->SendPieces(endpoint_, kToServer, PackHeader(h), std::move(pieces));
+}
+
 void UcxPlaneClient::Land(uint64_t transfer, int64_t offset, int64_t length, absl::Status s) {
   std::lock_guard<std::mutex> lock(mu_);
   if (landed_.size() >= kMaxLanded) landed_.erase(landed_.begin());  // the oldest id
@@ -108,17 +118,44 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
   if (h.offset < 0 || length > output_.size() || h.offset > output_.size() - length)
     return Land(h.transfer, h.offset, length,
                 absl::InternalError("data plane: the server sent an output outside the region"));
+  char* dest = out_ + h.offset;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = expected_.find(h.transfer);
+    if (it != expected_.end()) {
+      if (it->second.second != m.length) {
+        expected_.erase(it);
+        landed_[h.transfer] = {h.offset, length,
+                               absl::InternalError("data plane: an output of the wrong size")};
+        cv_.notify_all();
+        return;
+      }
+      dest = it->second.first;
+      if (m.rndv) ++receiving_;
+    }
+  }
   if (!m.rndv) {
-    std::memcpy(out_ + h.offset, m.data, m.length);
+    std::memcpy(dest, m.data, m.length);
     return Land(h.transfer, h.offset, length, absl::OkStatus());
   }
-  worker_->Receive(m.data, out_ + h.offset, m.length, [this, h, length](absl::Status s) {
+  const bool to_caller = dest != out_ + h.offset;
+  worker_->Receive(m.data, dest, m.length, [this, h, length, to_caller](absl::Status s) {
+    if (to_caller) {
+      std::lock_guard<std::mutex> lock(mu_);
+      --receiving_;
+    }
     Land(h.transfer, h.offset, length, std::move(s));
   });
 }
 
+void UcxPlaneClient::Expect(uint64_t transfer, char* dest, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  expected_[transfer] = {dest, n};
+}
+
 absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t offset, size_t n,
                                                   absl::Time deadline) {
+  UcxWorker::Busy busy(worker_.get());  // the progress thread polls while this waits
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_until(lock, absl::ToChronoTime(deadline),
                  [&] { return landed_.count(transfer) != 0 || !lost_.ok(); });
@@ -130,17 +167,22 @@ absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t off
   }
   const Landed l = it->second;
   landed_.erase(it);
+  auto ex = expected_.find(transfer);
+  const char* dest = ex != expected_.end() ? ex->second.first : out_ + offset;
+  if (ex != expected_.end()) expected_.erase(ex);
   if (!l.status.ok()) return l.status;
   if (l.offset != offset || l.length != static_cast<int64_t>(n))
     return absl::InternalError(absl::StrCat("data plane: output transfer ", transfer,
                                             " landed at [", l.offset, ", +", l.length,
                                             "), expected [", offset, ", +", n, ")"));
-  return static_cast<const char*>(out_ + offset);
+  return dest;
 }
 
 void UcxPlaneClient::Forget(uint64_t transfer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   landed_.erase(transfer);
+  if (expected_.erase(transfer) != 0)  // a receive already under way still writes: wait it out
+    cv_.wait(lock, [&] { return receiving_ == 0; });
 }
 
 }  // namespace attnd::transport

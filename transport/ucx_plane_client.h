@@ -55,17 +55,29 @@ class UcxPlaneClient {
   SpaceMap& output_space() { return output_; }
 
   uint64_t NextTransfer() { return next_transfer_.fetch_add(1); }
+  // The worker polls without sleeping while this is held (a call in flight: its output lands
+  // without a wakeup's delay).
+  std::unique_ptr<UcxWorker::Busy> Poll() {
+    return std::make_unique<UcxWorker::Busy>(worker_.get());
+  }
 
   // Sends n bytes at src into [offset, offset + n) of the server's input region as `transfer`;
   // src must stay valid until the returned send's Wait.
   std::shared_ptr<UcxWorker::Pending> Put(const void* src, size_t n, int64_t offset,
                                           uint64_t transfer);
+  // The pieces back to back from `offset` on, as one transfer (one message).
+  std::shared_ptr<UcxWorker::Pending> PutPieces(std::vector<UcxWorker::Piece> pieces,
+                                                int64_t offset, uint64_t transfer);
   // Waits until output `transfer` landed covering [offset, offset + n) of the output region and
   // returns where its bytes are (valid until that space is given back). DEADLINE_EXCEEDED when
   // it has not by `deadline`; UNAVAILABLE when the server's endpoint failed.
   absl::StatusOr<const char*> Await(uint64_t transfer, int64_t offset, size_t n,
                                     absl::Time deadline);
-  // Forgets an output transfer that will not be awaited (the call failed).
+  // Output `transfer` of n bytes lands at `dest` (the caller's own buffer, which must stay valid
+  // until Await or Forget) instead of the output region: no copy out of the region after.
+  void Expect(uint64_t transfer, char* dest, size_t n);
+  // Forgets an output transfer that will not be awaited (the call failed): an expected
+  // destination is no longer written once this returns.
   void Forget(uint64_t transfer);
 
  private:
@@ -89,6 +101,8 @@ class UcxPlaneClient {
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint64_t, Landed> landed_;
+  std::map<uint64_t, std::pair<char*, size_t>> expected_;  // transfer -> the caller's buffer
+  int receiving_ = 0;  // rendezvous receives into expected buffers in flight
   absl::Status lost_;
 };
 

@@ -16,11 +16,17 @@ absl::Status UcxError(const char* what, ucs_status_t s) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(s)));
 }
 
-// attnd's defaults for what UCX reads from the environment, where the operator set nothing.
+// attnd's defaults for what UCX reads from the environment, where the operator set nothing:
+// endpoints detect a dead peer (UCP_ERR_HANDLING_MODE_PEER), which drops the shared-memory
+// transports unless their error handling is on. Set only when UCX_TLS may pick them (UCX warns,
+// on stdout, about a variable no transport reads).
 void DefaultEnvironment() {
-  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);  // UCX_TLS=tcp leaves the shm settings unused
-  setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
-  setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
+  const std::string tls = UcxTransports();
+  if (tls == "all" || tls.find("sm") != std::string::npos ||
+      tls.find("posix") != std::string::npos || tls.find("sysv") != std::string::npos) {
+    setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
+    setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
+  }
 }
 
 // How long the progress thread polls after activity before it sleeps on the worker's event fd:
@@ -136,7 +142,7 @@ void UcxWorker::Loop() {
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     const auto now = std::chrono::steady_clock::now();
     if (progressed) active = now;
-    if (now - active < spin) continue;
+    if (now - active < spin || busy_.load(std::memory_order_relaxed) > 0) continue;
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -220,10 +226,18 @@ void UcxWorker::Disconnect(uint64_t endpoint) {
 }
 
 void UcxWorker::Pending::Finish(absl::Status s) {
-  std::lock_guard<std::mutex> lock(mu_);
-  done_ = true;
-  status_ = std::move(s);
-  cv_.notify_all();
+  std::function<void(absl::Status)> done;
+  std::shared_ptr<const void> keep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    status_ = s;
+    done.swap(done_fn_);
+    keep.swap(keep_);
+    cv_.notify_all();
+  }
+  worker_->busy_.fetch_sub(1);
+  if (done) done(std::move(s));
 }
 
 absl::Status UcxWorker::Pending::Wait(absl::Time deadline) {
@@ -243,17 +257,44 @@ absl::Status UcxWorker::Pending::Wait(absl::Time deadline) {
 
 std::shared_ptr<UcxWorker::Pending> UcxWorker::Send(uint64_t endpoint, uint16_t id,
                                                     std::string header, const void* data,
-                                                    size_t length) {
+                                                    size_t length,
+                                                    std::function<void(absl::Status)> done,
+                                                    std::shared_ptr<const void> keep) {
+  auto pending = std::make_shared<Pending>();
+  pending->done_fn_ = std::move(done);
+  pending->keep_ = std::move(keep);
+  pending->worker_ = this;
+  pending->endpoint_ = endpoint;
+  pending->header_ = std::move(header);
+  Post(endpoint, id, pending, data, length, false);
+  return pending;
+}
+
+std::shared_ptr<UcxWorker::Pending> UcxWorker::SendPieces(uint64_t endpoint, uint16_t id,
+                                                          std::string header,
+                                                          std::vector<Piece> pieces) {
   auto pending = std::make_shared<Pending>();
   pending->worker_ = this;
   pending->endpoint_ = endpoint;
   pending->header_ = std::move(header);
-  Post([this, pending, endpoint, id, data, length] {
+  for (const Piece& p : pieces) pending->iov_.push_back({const_cast<void*>(p.data), p.length});
+  Post(endpoint, id, pending, pending->iov_.data(), pending->iov_.size(), true);
+  return pending;
+}
+
+void UcxWorker::Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending,
+                     const void* data, size_t length, bool iov) {
+  busy_.fetch_add(1);  // until the send finishes (Pending::Finish)
+  Post([this, pending, endpoint, id, data, length, iov] {
     auto it = endpoints_.find(endpoint);
     if (it == endpoints_.end())
       return pending->Finish(absl::UnavailableError("data plane endpoint closed"));
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    if (iov) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      p.datatype = ucp_dt_make_iov();
+    }
     p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
       auto* holder = static_cast<std::shared_ptr<Pending>*>(user_data);
       (*holder)->Finish(status == UCS_OK ? absl::OkStatus() : UcxError("data plane send", status));
@@ -272,7 +313,6 @@ std::shared_ptr<UcxWorker::Pending> UcxWorker::Send(uint64_t endpoint, uint16_t 
       pending->Finish(UcxError("data plane send", UCS_PTR_STATUS(r)));
     }
   });
-  return pending;
 }
 
 absl::StatusOr<ucp_mem_h> UcxWorker::Register(void* base, size_t length) {
@@ -305,7 +345,11 @@ void UcxWorker::Receive(void* descriptor, void* buffer, size_t length,
     delete fn;
     ucp_request_free(request);
   };
-  auto* fn = new std::function<void(absl::Status)>(std::move(done));
+  busy_.fetch_add(1);  // until the receive completes
+  auto* fn = new std::function<void(absl::Status)>([this, done = std::move(done)](absl::Status s) {
+    busy_.fetch_sub(1);
+    done(std::move(s));
+  });
   p.user_data = fn;
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, descriptor, buffer, length, &p);
   if (r == nullptr) {

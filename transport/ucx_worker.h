@@ -9,14 +9,15 @@
 // on UCX 1.13's TCP transport a 15 MiB put moved 27-34 MB/s, an active message 932 MB/s
 // (docs/data-plane.md).
 //
-// UCX's environment works as UCX users expect (UCX_TLS, UCX_NET_DEVICES, ...). Before UCX reads
-// it, unset variables get attnd's defaults: UCX_ERROR_SIGNALS empty (the process keeps its own
-// crash handling), UCX_POSIX_ERROR_HANDLING / UCX_SYSV_ERROR_HANDLING y (endpoints detect a dead
-// peer, and shared memory stays among the transports with that on).
+// UCX's environment works as UCX users expect (UCX_TLS, UCX_NET_DEVICES, ...). Where the
+// operator set nothing, UCX_POSIX_ERROR_HANDLING / UCX_SYSV_ERROR_HANDLING are y (endpoints
+// detect a dead peer, and shared memory stays among the transports with that on). UCX logs to
+// stdout unless UCX_LOG_FILE says otherwise.
 #pragma once
 
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -88,14 +89,46 @@ class UcxWorker {
     UcxWorker* worker_ = nullptr;
     uint64_t endpoint_ = 0;
     std::string header_;  // UCX reads the header until the send completes
+    std::function<void(absl::Status)> done_fn_;
+    std::shared_ptr<const void> keep_;
+    std::vector<ucp_dt_iov_t> iov_;  // SendPieces: UCX reads the list until the send completes
     std::mutex mu_;
     std::condition_variable cv_;
     bool done_ = false;
     absl::Status status_;
   };
   // Sends active message `id` with `header` (copied) and `length` bytes at `data` on `endpoint`.
+  // `done`, when given, runs with the outcome on the progress thread as the send completes;
+  // `keep` is held until then (what owns the payload, for a caller that does not Wait).
   std::shared_ptr<Pending> Send(uint64_t endpoint, uint16_t id, std::string header,
-                                const void* data, size_t length);
+                                const void* data, size_t length,
+                                std::function<void(absl::Status)> done = nullptr,
+                                std::shared_ptr<const void> keep = nullptr);
+  // One message whose payload is the pieces in order (a scatter-gather send: one handshake for
+  // them all); each piece must stay valid until Wait.
+  struct Piece {
+    const void* data;
+    size_t length;
+  };
+  std::shared_ptr<Pending> SendPieces(uint64_t endpoint, uint16_t id, std::string header,
+                                      std::vector<Piece> pieces);
+
+  // While one is held, the progress thread polls without sleeping: a thread waiting for bytes
+  // to land (or a send in flight) is answered without a wakeup's delay. Idle, it sleeps on the
+  // worker's event fd.
+  class Busy {
+   public:
+    explicit Busy(UcxWorker* w) : w_(w) {
+      w_->busy_.fetch_add(1);
+      ucp_worker_signal(w_->worker_);
+    }
+    ~Busy() { w_->busy_.fetch_sub(1); }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    UcxWorker* w_;
+  };
 
   // Registers [base, base + length) with UCX once (rendezvous lands there without registering
   // per message); Unregister before freeing the memory.
@@ -114,6 +147,9 @@ class UcxWorker {
   static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  // Posts `pending`'s send of `length` bytes at `data` (or its iov_ when iov is true).
+  void Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending, const void* data,
+            size_t length, bool iov);
 
   struct HandlerSlot {
     UcxWorker* worker;
@@ -134,6 +170,7 @@ class UcxWorker {
   std::map<uint64_t, std::unique_ptr<Endpoint>> endpoints_;
   uint64_t next_endpoint_ = 1;
   // Work posted from other threads.
+  std::atomic<int> busy_{0};  // Busy holders, sends and receives in flight
   std::mutex mu_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
