@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client" / "python" / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
-from attnd_process import start, stop  # noqa: E402
 from wire_bench import DIMS, write_checkpoint  # noqa: E402
+
+from attnd_process import start, stop  # noqa: E402
 
 ATTNCTL = Path(os.environ.get("ATTNCTL_BIN", ROOT / "build" / "client" / "attnctl"))
 

@@ -75,8 +75,7 @@ absl::StatusOr<LatencyStats> BareUcx(size_t request, size_t reply, int calls) {
   if (!server.ok()) return server.status();
   auto client = transport::UcxPlaneClient::Create(o.max_region_bytes);
   if (!client.ok()) return client.status();
-  auto conn =
-      (*server)->Connect("bench", (*client)->address(), o.max_region_bytes, o.max_region_bytes, 0);
+  auto conn = (*server)->Connect("bench", o.max_region_bytes, o.max_region_bytes, 0);
   if (!conn.ok()) return conn.status();
   if (auto s = (*client)->Attach(conn->id, conn->token, conn->server_address, o.max_region_bytes);
       !s.ok())

@@ -48,7 +48,6 @@ absl::StatusOr<std::unique_ptr<DataPlaneSession>> DataPlaneSession::Connect(
   grpc::ClientContext ctx;
   prepare(&ctx);
   v1::ConnectDataPlaneRequest req;
-  req.set_worker_address(s->ends_->address());
   req.set_input_bytes(bytes);
   req.set_output_bytes(bytes);
   v1::ConnectDataPlaneResponse resp;

@@ -20,10 +20,10 @@ absl::Status AttentionService::DoConnectDataPlane(const Caller& caller,
   // A plane holds two regions' worth of the tenant's resources: it counts against the
   // shared-memory region quota when the tenant has one.
   const int64_t quota = engine_->TenantQuotaOf(caller.tenant).shm_regions;
-  ASSIGN_OR_RETURN(transport::UcxPlane::Connection c,
-                   options_.data_plane->Connect(
-                       caller.tenant, req.worker_address(), req.input_bytes(), req.output_bytes(),
-                       static_cast<int>(std::min<int64_t>(quota, 1 << 20))));
+  ASSIGN_OR_RETURN(
+      transport::UcxPlane::Connection c,
+      options_.data_plane->Connect(caller.tenant, req.input_bytes(), req.output_bytes(),
+                                   static_cast<int>(std::min<int64_t>(quota, 1 << 20))));
   resp->set_plane(c.name);
   resp->set_plane_id(c.id);
   resp->set_token(c.token);

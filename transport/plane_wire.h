@@ -10,6 +10,7 @@ namespace attnd::transport {
 
 inline constexpr uint16_t kToServer = 1;  // client -> server: bytes into the plane's input region
 inline constexpr uint16_t kToClient = 2;  // server -> client: an output into the client's region
+inline constexpr uint16_t kPull = 3;      // client -> server: send me output `transfer` (a reply)
 inline constexpr size_t kTokenBytes = 16;
 
 // Header of kToServer: which plane (its id and the secret the handshake gave), the transfer id
@@ -21,11 +22,22 @@ struct ToServerHeader {
   int64_t offset = 0;
 };
 // Header of kToClient: the plane, the transfer id the layer call named for its output, and where
-// in the client's output region the payload goes.
+// in the client's output region the payload goes; `refused` nonzero (no payload): the server has
+// no such output staged.
 struct ToClientHeader {
   uint64_t plane = 0;
   uint64_t transfer = 0;
   int64_t offset = 0;
+  uint64_t refused = 0;
+};
+// Header of kPull, sent with UCX's reply flag: the server answers on the endpoint the message
+// came by (it never makes one from a client-supplied address, which UCX does not validate).
+struct PullHeader {
+  uint64_t plane = 0;
+  uint8_t token[kTokenBytes] = {};
+  uint64_t transfer = 0;
+  int64_t offset = 0;
+  int64_t length = 0;
 };
 
 template <typename H>

@@ -15,7 +15,6 @@
 namespace attnd::transport {
 namespace {
 
-constexpr size_t kMaxAddressBytes = 64 << 10;
 constexpr size_t kAlignment = 4096;
 
 std::string RandomToken() {
@@ -40,7 +39,7 @@ struct UcxPlane::State {
   uint64_t id = 0;
   std::string name, tenant, token;
   UcxWorker* worker = nullptr;
-  uint64_t endpoint = 0;
+  std::atomic<int64_t> last_used{0};  // absl::Now() in ns at its last message or call
   absl::Duration timeout;
   int max_landed = 0;
   // The input region: server memory registered with UCX once.
@@ -61,7 +60,9 @@ struct UcxPlane::State {
   mutable std::condition_variable cv;
   std::map<uint64_t, Landed> landed;
   std::deque<uint64_t> order;  // landing order, for dropping the oldest
-  absl::Status lost;           // non-OK once the client's endpoint failed or the plane closed
+  // Outputs built in the mirror and not yet pulled: transfer -> (offset, length).
+  std::map<uint64_t, std::pair<int64_t, int64_t>> staged;
+  absl::Status lost;  // non-OK once the plane closed
 
   ~State() {
     if (memh != nullptr) worker->Unregister(memh);
@@ -96,6 +97,20 @@ struct UcxPlane::State {
   absl::Status Lost() const {
     std::lock_guard<std::mutex> lock(mu);
     return lost;
+  }
+
+  void Touch() { last_used.store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed); }
+
+  // Output `t` is in the mirror at [offset, +length): the client may pull it. Outputs it
+  // overlaps are gone (their bytes overwritten); the oldest go beyond the bound.
+  void Stage(uint64_t t, int64_t offset, int64_t length) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = staged.begin(); it != staged.end();) {
+      const auto [o, n] = it->second;
+      it = o < offset + length && offset < o + n ? staged.erase(it) : std::next(it);
+    }
+    staged[t] = {offset, length};
+    while (static_cast<int>(staged.size()) > max_landed) staged.erase(staged.begin());
   }
 };
 
@@ -166,22 +181,10 @@ class OutputRegion final : public Region {
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": an output sent by the data plane names its transfer"));
     if (absl::Status s = s_->Lost(); !s.ok()) return s;
-    ToClientHeader h;
-    h.plane = s_->id;
-    h.transfer = transfer;
-    h.offset = offset;
-    // Sent without waiting: the bytes go from the plane's own staging (src), which outlives the
-    // send, and the client waits for their landing itself. A send that fails loses the plane
-    // (its later calls fail at once); the client's wait for this output fails too.
-    std::weak_ptr<UcxPlane::State> weak = s_;
-    s_->worker->Send(
-        s_->endpoint, kToClient, PackHeader(h), src, n,
-        [weak](absl::Status st) {
-          if (auto s = weak.lock(); s != nullptr && !st.ok())
-            s->Lose(absl::UnavailableError(absl::StrCat(
-                "data plane ", s->name, " lost: an output was not delivered: ", st.message())));
-        },
-        s_);
+    if (static_cast<const char*>(src) != s_->output + offset)
+      return absl::InternalError(absl::StrCat(name_, ": outputs are built in its staging"));
+    // The client pulls it once the reply names it (UcxPlane::OnPull).
+    s_->Stage(transfer, offset, static_cast<int64_t>(n));
     return absl::OkStatus();
   }
   absl::Status CheckStillCovers(int64_t, size_t) const override { return s_->Lost(); }
@@ -196,7 +199,8 @@ class OutputRegion final : public Region {
 absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& options) {
   std::unique_ptr<UcxPlane> p(new UcxPlane(options));
   auto w = UcxWorker::Create(
-      "attnd", {{kToServer, [raw = p.get()](const UcxWorker::Message& m) { raw->OnToServer(m); }}});
+      "attnd", {{kToServer, [raw = p.get()](const UcxWorker::Message& m) { raw->OnToServer(m); }},
+                {kPull, [raw = p.get()](const UcxWorker::Message& m) { raw->OnPull(m); }}});
   if (!w.ok()) return w.status();
   p->worker_ = std::move(*w);
   return p;
@@ -219,6 +223,7 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
     refused_.fetch_add(1);
     return;  // not this plane's: dropped, nothing written
   }
+  s->Touch();
   const int64_t length = static_cast<int64_t>(m.length);
   if (h.offset < 0 || length > s->input_bytes || h.offset > s->input_bytes - length) {
     s->Land(h.transfer, h.offset, length,
@@ -236,14 +241,57 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
                    [s, h, length](absl::Status st) { s->Land(h.transfer, h.offset, length, st); });
 }
 
+void UcxPlane::OnPull(const UcxWorker::Message& m) {
+  PullHeader h;
+  std::shared_ptr<State> s;
+  if (UnpackHeader(m.header, m.header_length, &h) && m.length == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = planes_.find(h.plane);
+    if (it != planes_.end() && SameToken(h.token, it->second->token)) s = it->second;
+  }
+  if (s == nullptr || m.reply_ep == nullptr) {
+    refused_.fetch_add(1);
+    return;  // not this plane's, or no way to answer: dropped
+  }
+  s->Touch();
+  ToClientHeader reply;
+  reply.plane = h.plane;
+  reply.transfer = h.transfer;
+  reply.offset = h.offset;
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    auto it = s->staged.find(h.transfer);
+    found = it != s->staged.end() && it->second.first == h.offset && it->second.second == h.length;
+    if (found) s->staged.erase(it);
+  }
+  if (!found) {
+    reply.refused = 1;  // answered, so that the client's wait ends at once
+    worker_->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
+    return;
+  }
+  // From the mirror, which the plane (held until the send completes) keeps.
+  worker_->Reply(m.reply_ep, kToClient, PackHeader(reply), s->output + h.offset,
+                 static_cast<size_t>(h.length), s, nullptr);
+}
+
+std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
+  std::vector<std::shared_ptr<State>> idle;
+  const int64_t cutoff = absl::ToUnixNanos(absl::Now() - options_.idle_timeout);
+  for (auto it = planes_.begin(); it != planes_.end();) {
+    if (it->second->last_used.load(std::memory_order_relaxed) < cutoff) {
+      idle.push_back(it->second);
+      it = planes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return idle;
+}
+
 absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,
-                                                       const std::string& client_address,
                                                        int64_t input_bytes, int64_t output_bytes,
                                                        int tenant_limit) {
-  if (client_address.empty() || client_address.size() > kMaxAddressBytes)
-    return absl::InvalidArgumentError(absl::StrCat("worker_address: ", client_address.size(),
-                                                   " bytes; a UCX worker address of 1 to ",
-                                                   kMaxAddressBytes, " bytes expected"));
   for (const auto& [what, v, lo] : {std::tuple{"input_bytes", input_bytes, int64_t{1}},
                                     std::tuple{"output_bytes", output_bytes, int64_t{0}}})
     if (v < lo || v > options_.max_region_bytes)
@@ -253,6 +301,8 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   auto s = std::make_shared<State>();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    for (auto& gone : TakeIdle())
+      gone->Lose(absl::UnavailableError("data plane closed after it stood idle"));
     if (static_cast<int>(planes_.size()) >= options_.max_planes)
       return absl::ResourceExhaustedError(absl::StrCat(
           "data plane: ", options_.max_planes, " planes connected (--data-plane-max-planes)"));
@@ -281,12 +331,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
           absl::StrCat("data plane: cannot allocate ", bytes, " bytes"));
     ASSIGN_OR_RETURN(*memh, worker_->Register(*at, alloc));
   }
-  std::weak_ptr<State> weak = s;
-  auto ep = worker_->Connect(client_address, [weak](absl::Status st) {
-    if (auto p = weak.lock()) p->Lose(std::move(st));
-  });
-  if (!ep.ok()) return ep.status();
-  s->endpoint = *ep;
+  s->Touch();
   {
     std::lock_guard<std::mutex> lock(mu_);
     planes_[s->id] = s;
@@ -308,7 +353,6 @@ absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name)
   }
   if (s == nullptr) return absl::NotFoundError(absl::StrCat("no data plane ", name));
   s->Lose(absl::FailedPreconditionError(absl::StrCat("data plane ", name, " was closed")));
-  worker_->Disconnect(s->endpoint);
   return absl::OkStatus();
 }
 
@@ -320,7 +364,6 @@ void UcxPlane::CloseAll() {
   }
   for (auto& [id, s] : all) {
     s->Lose(absl::UnavailableError("the server is stopping"));
-    worker_->Disconnect(s->endpoint);
   }
 }
 
@@ -344,6 +387,7 @@ absl::StatusOr<std::shared_ptr<const Region>> UcxPlane::Resolve(const std::strin
       s = it->second;
   }
   if (s == nullptr) return absl::NotFoundError(absl::StrCat(what, ": no data plane region ", name));
+  s->Touch();
   const int64_t bytes = in ? s->input_bytes : s->output_bytes;
   if (offset < 0 || size < 0 || offset > bytes || size > bytes - offset)
     return absl::InvalidArgumentError(absl::StrCat(

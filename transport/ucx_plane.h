@@ -1,15 +1,20 @@
 // The server's UCX data plane (docs/data-plane.md): a client that connected over gRPC
 // (ConnectDataPlane) gets a plane of two regions, an input region in server memory its worker
 // writes tensors into (active message kToServer, each landing announced by the transfer id the
-// layer call then names) and an output region in its own memory the server writes outputs into
-// (kToClient). Thread safe; UCX itself runs on one progress thread (transport/ucx_worker.h).
+// layer call then names) and an output region in its own memory: the server builds each output
+// in a registered mirror of it, and the client pulls it (kPull) once the reply named it; the
+// server answers on the endpoint the pull came by (kToClient). Thread safe; UCX itself runs on
+// one progress thread (transport/ucx_worker.h).
 //
 // Trust (docs/trust.md): a plane belongs to the tenant that connected it, and its regions resolve
 // only for that tenant; every message must carry the plane's 128-bit secret, given only in the
 // (authenticated) handshake reply; a message that names another plane, the wrong secret or bytes
 // outside the region is dropped, and a transfer that overruns its region is answered to the call
-// that waits for it. The server never maps client memory: clients write into buffers the server
-// allocated, and the server writes into the client's only by sending to it.
+// that waits for it. The server never maps client memory (clients write into buffers the server
+// allocated; the server writes into the client's only by answering its pulls) and never parses a
+// client-supplied UCX address: UCX does not validate one, and a damaged address crashed
+// ucp_ep_create in a probe. A plane idle for `idle_timeout` (its client gone without closing it)
+// is closed when a new one is connected.
 #pragma once
 
 #include <atomic>
@@ -18,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -33,6 +39,7 @@ class UcxPlane {
     int64_t max_region_bytes = int64_t{256} << 20;       // each region of a plane
     absl::Duration transfer_timeout = absl::Seconds(2);  // an input's landing, an output's send
     int max_landed = 256;  // transfers landed and not yet superseded, per plane (oldest dropped)
+    absl::Duration idle_timeout = absl::Minutes(10);
   };
   static absl::StatusOr<std::unique_ptr<UcxPlane>> Create(const Options& options);
   ~UcxPlane();
@@ -44,13 +51,12 @@ class UcxPlane {
     std::string server_address;               // the server worker's address
     std::string input_region, output_region;  // "<name>.in", "<name>.out"
   };
-  // A plane for `tenant`'s client whose worker is at `client_address`: an input region of
-  // input_bytes in server memory, an output region of output_bytes in the client's (0: outputs
-  // come back in the reply). INVALID_ARGUMENT (sizes, address), RESOURCE_EXHAUSTED (the server's
-  // max_planes, or `tenant_limit` planes of this tenant when > 0), UNAVAILABLE (UCX refused the
-  // address).
-  absl::StatusOr<Connection> Connect(const std::string& tenant, const std::string& client_address,
-                                     int64_t input_bytes, int64_t output_bytes, int tenant_limit);
+  // A plane for `tenant`'s client: an input region of input_bytes in server memory, an output
+  // region of output_bytes in the client's (0: outputs come back in the reply). INVALID_ARGUMENT
+  // (sizes), RESOURCE_EXHAUSTED (the server's max_planes, or `tenant_limit` planes of this tenant
+  // when > 0).
+  absl::StatusOr<Connection> Connect(const std::string& tenant, int64_t input_bytes,
+                                     int64_t output_bytes, int tenant_limit);
   // NOT_FOUND unless `tenant` holds plane `name`. Calls using it finish first (they hold it).
   absl::Status Close(const std::string& tenant, const std::string& name);
   // Closes every plane (the server is stopping).
@@ -73,9 +79,15 @@ class UcxPlane {
 
   struct State;  // one plane (ucx_plane.cc)
 
+  // The handlers of the messages clients send (the progress thread; public for the fuzz target,
+  // which feeds them any bytes).
+  void OnToServer(const UcxWorker::Message& m);
+  void OnPull(const UcxWorker::Message& m);
+
  private:
   explicit UcxPlane(const Options& options) : options_(options) {}
-  void OnToServer(const UcxWorker::Message& m);
+  // Closes planes idle beyond options_.idle_timeout (mu_ held); returns them to close outside.
+  std::vector<std::shared_ptr<State>> TakeIdle();
 
   const Options options_;
   std::unique_ptr<UcxWorker> worker_;

@@ -115,6 +115,15 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
   ToClientHeader h;
   if (!UnpackHeader(m.header, m.header_length, &h) || h.plane != plane_) return;
   const int64_t length = static_cast<int64_t>(m.length);
+  if (h.refused != 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    landed_[h.transfer] = {h.offset, 0,
+                           absl::NotFoundError(absl::StrCat("data plane: the server holds no "
+                                                            "output ",
+                                                            h.transfer, " to send"))};
+    cv_.notify_all();
+    return;
+  }
   if (h.offset < 0 || length > output_.size() || h.offset > output_.size() - length)
     return Land(h.transfer, h.offset, length,
                 absl::InternalError("data plane: the server sent an output outside the region"));
@@ -156,6 +165,15 @@ void UcxPlaneClient::Expect(uint64_t transfer, char* dest, size_t n) {
 absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t offset, size_t n,
                                                   absl::Time deadline) {
   UcxWorker::Busy busy(worker_.get());  // the progress thread polls while this waits
+  // Ask for it: the server answers on this message's endpoint (kToClient).
+  PullHeader pull;
+  pull.plane = plane_;
+  std::memcpy(pull.token, token_.data(), kTokenBytes);
+  pull.transfer = transfer;
+  pull.offset = offset;
+  pull.length = static_cast<int64_t>(n);
+  auto asked = worker_->Send(endpoint_, kPull, PackHeader(pull), nullptr, 0, nullptr, nullptr,
+                             /*want_reply=*/true);
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_until(lock, absl::ToChronoTime(deadline),
                  [&] { return landed_.count(transfer) != 0 || !lost_.ok(); });

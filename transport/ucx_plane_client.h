@@ -68,9 +68,10 @@ class UcxPlaneClient {
   // The pieces back to back from `offset` on, as one transfer (one message).
   std::shared_ptr<UcxWorker::Pending> PutPieces(std::vector<UcxWorker::Piece> pieces,
                                                 int64_t offset, uint64_t transfer);
-  // Waits until output `transfer` landed covering [offset, offset + n) of the output region and
-  // returns where its bytes are (valid until that space is given back). DEADLINE_EXCEEDED when
-  // it has not by `deadline`; UNAVAILABLE when the server's endpoint failed.
+  // Pulls output `transfer` (which the server staged at [offset, offset + n) of the output
+  // region once the reply named it), waits until it landed and returns where its bytes are
+  // (valid until that space is given back; the expected buffer, if Expect named one).
+  // DEADLINE_EXCEEDED when it has not by `deadline`; UNAVAILABLE when the server's endpoint failed.
   absl::StatusOr<const char*> Await(uint64_t transfer, int64_t offset, size_t n,
                                     absl::Time deadline);
   // Output `transfer` of n bytes lands at `dest` (the caller's own buffer, which must stay valid

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include <chrono>
+#include <cstdio>
 #include <future>
 #include <utility>
 
@@ -31,6 +32,8 @@ void DefaultEnvironment() {
 
 // How long the progress thread polls after activity before it sleeps on the worker's event fd:
 // a message that follows soon is picked up without a wakeup (ATTND_UCX_SPIN_US, default 50).
+constexpr auto kBusySpin = std::chrono::milliseconds(10);
+
 std::chrono::microseconds SpinTime() {
   const char* v = getenv("ATTND_UCX_SPIN_US");
   const long us = v != nullptr ? strtol(v, nullptr, 10) : 50;
@@ -101,6 +104,15 @@ UcxWorker::~UcxWorker() {
     ucp_worker_signal(worker_);
     thread_.join();
   }
+  if (in_flight_.load() > 0) {
+    // Transfers with a peer that died mid-way never complete, and UCX asserts (aborts) when a
+    // worker with such requests is destroyed: the worker is left to the process's exit instead.
+    std::fprintf(stderr,
+                 "attnd: data plane: %d transfer(s) with a lost peer never completed; the UCX "
+                 "worker is released at exit\n",
+                 in_flight_.load());
+    return;
+  }
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
 }
@@ -142,7 +154,9 @@ void UcxWorker::Loop() {
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     const auto now = std::chrono::steady_clock::now();
     if (progressed) active = now;
-    if (now - active < spin || busy_.load(std::memory_order_relaxed) > 0) continue;
+    // Busy (someone waits, or a transfer is under way): poll on while anything moved in the
+    // last kBusySpin; a transfer that stalls (its peer died) does not keep a core spinning.
+    if (now - active < (busy_.load(std::memory_order_relaxed) > 0 ? kBusySpin : spin)) continue;
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -165,6 +179,10 @@ void UcxWorker::Loop() {
     ucp_request_free(r);
   }
   endpoints_.clear();
+  // Transfers still under way get a moment to finish (or fail) before the worker goes.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (in_flight_.load() > 0 && std::chrono::steady_clock::now() < until)
+    ucp_worker_progress(worker_);
   while (ucp_worker_progress(worker_) != 0) {
   }
 }
@@ -173,7 +191,9 @@ ucs_status_t UcxWorker::OnMessage(void* arg, const void* header, size_t header_l
                                   size_t length, const ucp_am_recv_param_t* param) {
   auto* slot = static_cast<HandlerSlot*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  slot->fn(Message{header, header_length, data, length, rndv});
+  ucp_ep_h reply =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+  slot->fn(Message{header, header_length, data, length, rndv, reply});
   return UCS_OK;  // eager data is copied by the handler; a rendezvous it did not take is dropped
 }
 
@@ -237,6 +257,7 @@ void UcxWorker::Pending::Finish(absl::Status s) {
     cv_.notify_all();
   }
   worker_->busy_.fetch_sub(1);
+  worker_->in_flight_.fetch_sub(1);
   if (done) done(std::move(s));
 }
 
@@ -255,19 +276,30 @@ absl::Status UcxWorker::Pending::Wait(absl::Time deadline) {
   return status_;
 }
 
-std::shared_ptr<UcxWorker::Pending> UcxWorker::Send(uint64_t endpoint, uint16_t id,
-                                                    std::string header, const void* data,
-                                                    size_t length,
-                                                    std::function<void(absl::Status)> done,
-                                                    std::shared_ptr<const void> keep) {
+std::shared_ptr<UcxWorker::Pending> UcxWorker::Send(
+    uint64_t endpoint, uint16_t id, std::string header, const void* data, size_t length,
+    std::function<void(absl::Status)> done, std::shared_ptr<const void> keep, bool want_reply) {
   auto pending = std::make_shared<Pending>();
   pending->done_fn_ = std::move(done);
   pending->keep_ = std::move(keep);
   pending->worker_ = this;
   pending->endpoint_ = endpoint;
   pending->header_ = std::move(header);
-  Post(endpoint, id, pending, data, length, false);
+  Post(endpoint, id, pending, data, length, false, want_reply);
   return pending;
+}
+
+void UcxWorker::Reply(ucp_ep_h reply_ep, uint16_t id, std::string header, const void* data,
+                      size_t length, std::shared_ptr<const void> keep,
+                      std::function<void(absl::Status)> done) {
+  auto pending = std::make_shared<Pending>();
+  pending->done_fn_ = std::move(done);
+  pending->keep_ = std::move(keep);
+  pending->worker_ = this;
+  pending->header_ = std::move(header);
+  busy_.fetch_add(1);  // until the send finishes (Pending::Finish)
+  in_flight_.fetch_add(1);
+  Start(reply_ep, id, pending, data, length, false, false);
 }
 
 std::shared_ptr<UcxWorker::Pending> UcxWorker::SendPieces(uint64_t endpoint, uint16_t id,
@@ -283,36 +315,46 @@ std::shared_ptr<UcxWorker::Pending> UcxWorker::SendPieces(uint64_t endpoint, uin
 }
 
 void UcxWorker::Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending,
-                     const void* data, size_t length, bool iov) {
+                     const void* data, size_t length, bool iov, bool want_reply) {
   busy_.fetch_add(1);  // until the send finishes (Pending::Finish)
-  Post([this, pending, endpoint, id, data, length, iov] {
+  in_flight_.fetch_add(1);
+  Post([this, pending, endpoint, id, data, length, iov, want_reply] {
     auto it = endpoints_.find(endpoint);
     if (it == endpoints_.end())
       return pending->Finish(absl::UnavailableError("data plane endpoint closed"));
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    if (iov) {
-      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
-      p.datatype = ucp_dt_make_iov();
-    }
-    p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
-      auto* holder = static_cast<std::shared_ptr<Pending>*>(user_data);
-      (*holder)->Finish(status == UCS_OK ? absl::OkStatus() : UcxError("data plane send", status));
-      delete holder;
-      ucp_request_free(request);
-    };
-    auto* holder = new std::shared_ptr<Pending>(pending);
-    p.user_data = holder;
-    ucs_status_ptr_t r = ucp_am_send_nbx(it->second->ep, id, pending->header_.data(),
-                                         pending->header_.size(), data, length, &p);
-    if (r == nullptr) {
-      delete holder;
-      pending->Finish(absl::OkStatus());
-    } else if (UCS_PTR_IS_ERR(r)) {
-      delete holder;
-      pending->Finish(UcxError("data plane send", UCS_PTR_STATUS(r)));
-    }
+    Start(it->second->ep, id, pending, data, length, iov, want_reply);
   });
+}
+
+void UcxWorker::Start(ucp_ep_h ep, uint16_t id, std::shared_ptr<Pending> pending, const void* data,
+                      size_t length, bool iov, bool want_reply) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  if (iov) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    p.datatype = ucp_dt_make_iov();
+  }
+  if (want_reply) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+  }
+  p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+    auto* holder = static_cast<std::shared_ptr<Pending>*>(user_data);
+    (*holder)->Finish(status == UCS_OK ? absl::OkStatus() : UcxError("data plane send", status));
+    delete holder;
+    ucp_request_free(request);
+  };
+  auto* holder = new std::shared_ptr<Pending>(pending);
+  p.user_data = holder;
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(ep, id, pending->header_.data(), pending->header_.size(), data, length, &p);
+  if (r == nullptr) {
+    delete holder;
+    pending->Finish(absl::OkStatus());
+  } else if (UCS_PTR_IS_ERR(r)) {
+    delete holder;
+    pending->Finish(UcxError("data plane send", UCS_PTR_STATUS(r)));
+  }
 }
 
 absl::StatusOr<ucp_mem_h> UcxWorker::Register(void* base, size_t length) {
@@ -346,6 +388,7 @@ void UcxWorker::Receive(void* descriptor, void* buffer, size_t length,
     ucp_request_free(request);
   };
   busy_.fetch_add(1);  // until the receive completes
+  in_flight_.fetch_add(1);
   auto* fn = new std::function<void(absl::Status)>([this, done = std::move(done)](absl::Status s) {
     busy_.fetch_sub(1);
     done(std::move(s));

@@ -50,6 +50,9 @@ class UcxWorker {
     void* data;
     size_t length;
     bool rndv;
+    // The sender's endpoint as this worker sees it, when the sender asked for replies (valid
+    // during the handler only: Reply on it from there).
+    ucp_ep_h reply_ep;
   };
   // Returns nothing: a message the handler does not take (a refused one) is dropped.
   using Handler = std::function<void(const Message&)>;
@@ -100,10 +103,17 @@ class UcxWorker {
   // Sends active message `id` with `header` (copied) and `length` bytes at `data` on `endpoint`.
   // `done`, when given, runs with the outcome on the progress thread as the send completes;
   // `keep` is held until then (what owns the payload, for a caller that does not Wait).
+  // `want_reply`: the receiver may answer on this endpoint (Message::reply_ep).
   std::shared_ptr<Pending> Send(uint64_t endpoint, uint16_t id, std::string header,
                                 const void* data, size_t length,
                                 std::function<void(absl::Status)> done = nullptr,
-                                std::shared_ptr<const void> keep = nullptr);
+                                std::shared_ptr<const void> keep = nullptr,
+                                bool want_reply = false);
+  // Progress thread only, from a handler: sends on the message's reply endpoint (the server
+  // answers a client without ever creating an endpoint from a client-supplied address). `keep`
+  // is held until the send completes; `done` then runs with its outcome.
+  void Reply(ucp_ep_h reply_ep, uint16_t id, std::string header, const void* data, size_t length,
+             std::shared_ptr<const void> keep, std::function<void(absl::Status)> done);
   // One message whose payload is the pieces in order (a scatter-gather send: one handshake for
   // them all); each piece must stay valid until Wait.
   struct Piece {
@@ -113,9 +123,9 @@ class UcxWorker {
   std::shared_ptr<Pending> SendPieces(uint64_t endpoint, uint16_t id, std::string header,
                                       std::vector<Piece> pieces);
 
-  // While one is held, the progress thread polls without sleeping: a thread waiting for bytes
-  // to land (or a send in flight) is answered without a wakeup's delay. Idle, it sleeps on the
-  // worker's event fd.
+  // While one is held (and while a send or receive is under way), the progress thread polls
+  // without sleeping as long as something moved in the last 10 ms: a thread waiting for bytes to
+  // land is answered without a wakeup's delay. Otherwise it sleeps on the worker's event fd.
   class Busy {
    public:
     explicit Busy(UcxWorker* w) : w_(w) {
@@ -149,7 +159,10 @@ class UcxWorker {
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   // Posts `pending`'s send of `length` bytes at `data` (or its iov_ when iov is true).
   void Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending, const void* data,
-            size_t length, bool iov);
+            size_t length, bool iov, bool want_reply = false);
+  // Starts `pending`'s send on `ep` (progress thread).
+  void Start(ucp_ep_h ep, uint16_t id, std::shared_ptr<Pending> pending, const void* data,
+             size_t length, bool iov, bool want_reply);
 
   struct HandlerSlot {
     UcxWorker* worker;
@@ -170,7 +183,8 @@ class UcxWorker {
   std::map<uint64_t, std::unique_ptr<Endpoint>> endpoints_;
   uint64_t next_endpoint_ = 1;
   // Work posted from other threads.
-  std::atomic<int> busy_{0};  // Busy holders, sends and receives in flight
+  std::atomic<int> busy_{0};       // Busy holders, sends and receives in flight
+  std::atomic<int> in_flight_{0};  // sends and receives in flight
   std::mutex mu_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;

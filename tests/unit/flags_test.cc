@@ -181,6 +181,12 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--cache-dtype=FP16"}, "bad value 'FP16' for --cache-dtype"},
       {{"--replica-name=a/b"}, "--replica-name: at most 253 letters, digits"},
       {{"--replica-name=" + std::string(254, 'a')}, "--replica-name: at most 253"},
+      {{"--data-plane=rdma"}, "bad value 'rdma' for --data-plane: one of off, ucx"},
+      {{"--data-plane=ucx", "--tls-cert=a.pem", "--tls-key=a.key"},
+       "UCX does not encrypt; add --data-plane-without-tls"},
+      {{"--data-plane-region-bytes=100"}, "--data-plane-region-bytes: from 4096"},
+      {{"--data-plane-max-planes=0"}, "--data-plane-max-planes: from 1 to 4096"},
+      {{"--data-plane-timeout-ms=0"}, "bad value '0' for --data-plane-timeout-ms"},
   };
   for (const auto& [args, want] : cases) {
     const auto f = Parse(args);

@@ -63,6 +63,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
+from .data_plane import PlaneUse
 from .errors import AttndError
 from .handoff import drive, handoff_call, handoff_plan
 from .merge import merge_attention, merge_candidates
@@ -419,7 +420,7 @@ class _Api:
                            pb.UnregisterSharedMemoryRequest(name=name))
 
 
-class AttndClient(_Api):
+class AttndClient(PlaneUse, _Api):
     """A connection to one attnd server.
 
     Args:
@@ -456,10 +457,15 @@ class AttndClient(_Api):
         server_name: Optional[str] = None,
         token: Optional[str] = None,
         act_as_tenant: Optional[str] = None,
+        data_plane: str = "auto",
+        data_plane_bytes: int = 64 << 20,
     ) -> None:
+        if data_plane not in ("auto", "off"):
+            raise ValueError(f"data_plane: {data_plane!r} is not 'auto' or 'off'")
         self._init_channel(grpc, target, max_message_bytes, options, root_certificates,
                            private_key, certificate_chain, server_name, token, act_as_tenant,
                            timeout, uint16_as_bf16)
+        self._init_plane(data_plane, data_plane_bytes)
 
     def upload_absorption(self, kv_b_proj: Sequence, qk_nope_head_dim: int, v_head_dim: int, *,
                           max_message_bytes: Optional[int] = None) -> bool:
@@ -544,11 +550,12 @@ class AttndClient(_Api):
         """Opens a ``Step`` stream (many steps, one at a time). ``timeout`` bounds the whole
         stream."""
         return StepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
-                          metadata=self._metadata)
+                          metadata=self._metadata, plane=self._plane())
 
     # -- lifetime --
 
     def close(self) -> None:
+        self._close_plane()
         self._channel.close()
 
     def __enter__(self) -> AttndClient:

@@ -128,8 +128,10 @@ class StepStream(_StepBookkeeping):
     """
 
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
-                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
+                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = (),
+                 plane=None) -> None:
         self._init_bookkeeping(stub, metadata, uint16_as_bf16)
+        self._plane = plane  # a DataPlane: layer tensors travel through it (docs/data-plane.md)
         self._requests: queue.Queue[Optional[pb.StepRequest]] = queue.Queue()
         self._call = stub.Step(self._request_iterator(), timeout=timeout, metadata=self._metadata)
 
@@ -206,7 +208,16 @@ class StepStream(_StepBookkeeping):
         return self._layer(inputs, "candidates")
 
     def _layer(self, inputs: LayerInputs, kind: str):
-        response = self._roundtrip(self._layer_request(inputs, kind), "layer")
+        request = self._layer_request(inputs, kind)
+        call = self._plane.stage(request.layer) if self._plane is not None else None
+        try:
+            response = self._roundtrip(request, "layer")
+        except BaseException:
+            if call is not None:
+                self._plane.finish(call, None)
+            raise
+        if call is not None:
+            self._plane.finish(call, response.layer)
         return self._layered(response, inputs, kind)
 
     def abort(self) -> None:

@@ -41,8 +41,11 @@ def server():
                     "ATTND_BIN")
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="attnd-pytest-", suffix=".log")[1])
-    proc, target, _ = start(["--metrics-port=0", "--shm", f"--shm-socket={socket_path(port)}"],
-                            kv_pages=512, threads=2, port=port, log=log)
+    # ATTND_TEST_DATA_PLANE=ucx (scripts/test.sh's second pass over the layer-call tests): the
+    # server offers the UCX data plane, and every client's layer tensors travel through it.
+    plane = ["--data-plane=ucx"] if os.environ.get("ATTND_TEST_DATA_PLANE") == "ucx" else []
+    proc, target, _ = start(["--metrics-port=0", "--shm", f"--shm-socket={socket_path(port)}",
+                             *plane], kv_pages=512, threads=2, port=port, log=log)
     try:
         with AttndClient(target, timeout=2.0) as probe:
             probe.info()
@@ -66,6 +69,8 @@ def client(server):
     from attnd import AttndClient
 
     with AttndClient(server, timeout=60.0) as c:
+        if os.environ.get("ATTND_TEST_DATA_PLANE") == "ucx":
+            assert c.connect_data_plane().startswith("ucx-"), "the pass over the data plane"
         yield c
 
 

@@ -1,0 +1,294 @@
+"""The UCX data plane from Python (docs/data-plane.md): the C ABI of attnd's client end
+(``libattnd_plane.so``, built with attnd) bound with ctypes. :class:`DataPlane` moves a layer
+call's tensors into the server's input region and its output back, so the message carries only
+their names; :class:`AttndClient` uses it by itself when the server offers a plane
+(``data_plane="auto"``) and sends bytes in the message otherwise.
+
+The library is found at $ATTND_PLANE_LIB, else next to this package, else in the source tree's
+``build/transport``; without it the client sends bytes (no error)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import grpc
+
+from .errors import AttndError
+from .v1 import attention_pb2 as pb
+from .wire import LayerInputs, decode_layer, encode_layer
+
+__all__ = ["DataPlane", "PlaneUse", "find_library"]
+
+_FIELDS = ("q_latent", "q_nope", "q_rope", "kv_latent", "k_rope", "index_q", "index_k",
+           "index_w")
+_SIZES = {"BF16": 2, "FP16": 2, "FP32": 4}
+_SETTLE_S = 5.0  # beyond the reply, for the sends and the output (the server already waited)
+_lib_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+
+
+def find_library() -> Optional[Path]:
+    """Where libattnd_plane.so is (see the module's text), or None."""
+    candidates = []
+    if os.environ.get("ATTND_PLANE_LIB"):
+        candidates.append(Path(os.environ["ATTND_PLANE_LIB"]))
+    here = Path(__file__).resolve().parent
+    candidates += [here / "libattnd_plane.so",
+                   here.parents[2] / "build" / "transport" / "libattnd_plane.so"]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            path = find_library()
+            if path is None:
+                return None
+            lib = ctypes.CDLL(str(path))
+            c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
+            c_sz, c_p = ctypes.c_size_t, ctypes.c_void_p
+            err = [ctypes.c_char_p, c_sz]
+            for name, res, args in [
+                ("attnd_plane_create", c_p, [c_i64, *err]),
+                ("attnd_plane_destroy", None, [c_p]),
+                ("attnd_plane_attach", ctypes.c_int,
+                 [c_p, c_u64, ctypes.c_char_p, c_sz, ctypes.c_char_p, c_sz, c_i64, *err]),
+                ("attnd_plane_take_input", c_i64, [c_p, c_i64]),
+                ("attnd_plane_give_input", None, [c_p, c_i64]),
+                ("attnd_plane_take_output", c_i64, [c_p, c_i64]),
+                ("attnd_plane_give_output", None, [c_p, c_i64]),
+                ("attnd_plane_next_transfer", c_u64, [c_p]),
+                ("attnd_plane_put", c_p,
+                 [c_p, ctypes.POINTER(c_p), ctypes.POINTER(c_sz), c_sz, c_i64, c_u64]),
+                ("attnd_plane_wait", ctypes.c_int, [c_p, ctypes.c_double, *err]),
+                ("attnd_plane_await", ctypes.c_int,
+                 [c_p, c_u64, c_i64, c_sz, ctypes.c_double, ctypes.POINTER(ctypes.c_void_p),
+                  *err]),
+                ("attnd_plane_forget", None, [c_p, c_u64]),
+            ]:
+                f = getattr(lib, name)
+                f.restype, f.argtypes = res, args
+            _lib = lib
+        return _lib
+
+
+def _check(rc: int, err: ctypes.Array, what: str) -> None:
+    if rc != 0:
+        code = next((c for c in grpc.StatusCode if c.value[0] == rc), grpc.StatusCode.UNKNOWN)
+        raise AttndError(code, f"{what}: {err.value.decode(errors='replace')}")
+
+
+class _Call:
+    """One layer call's use of the plane: what to wait for and give back."""
+
+    def __init__(self) -> None:
+        self.keep: List[bytes] = []  # the sent bytes, alive until the send is done
+        self.send = None
+        self.input_offset = -1
+        self.output_offset = -1
+        self.output_transfer = 0
+        self.output_bytes = 0
+
+
+class DataPlane:
+    """A connected plane (ConnectDataPlane over ``stub``): ``stage`` a layer message before it
+    goes, ``finish`` its reply after. Thread-safe."""
+
+    def __init__(self, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
+                 timeout: Optional[float] = None) -> None:
+        lib = _load()
+        if lib is None:
+            raise AttndError(_unavailable(), "libattnd_plane.so not found")
+        self._lib = lib
+        size = min(int(region_bytes), int(info.data_plane.max_region_bytes))
+        err = ctypes.create_string_buffer(512)
+        self._p = lib.attnd_plane_create(size, err, len(err))
+        if not self._p:
+            raise AttndError(_unavailable(), err.value.decode(errors="replace"))
+        reply = stub.ConnectDataPlane(
+            pb.ConnectDataPlaneRequest(input_bytes=size, output_bytes=size),
+            metadata=metadata, timeout=timeout)
+        _check(lib.attnd_plane_attach(self._p, reply.plane_id, reply.token, len(reply.token),
+                                      reply.worker_address, len(reply.worker_address), size,
+                                      err, len(err)), err, "data plane")
+        self.name = reply.plane
+        self._in, self._out = reply.input_region, reply.output_region
+        self._latent = info.model.kv_lora_rank
+        self._v = info.absorption.v_head_dim if info.HasField("absorption") else 0
+
+    def close(self) -> None:
+        if self._p:
+            self._lib.attnd_plane_destroy(self._p)
+            self._p = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def stage(self, msg: pb.LayerInputs) -> Optional[_Call]:
+        """Moves ``msg``'s tensor bytes into the plane (one transfer) and asks for the output in
+        the output region; None (msg untouched) when the regions cannot take them now."""
+        call, refs, total = _Call(), [], 0
+        for name in _FIELDS:
+            if not msg.HasField(name):
+                continue
+            t = getattr(msg, name)
+            if t.HasField("shm") or not t.data:
+                continue
+            data = t.data
+            refs.append((t, total, len(data)))
+            call.keep.append(data)
+            total += len(data)
+        out_bytes = self._output_bytes(msg)
+        if total == 0 and out_bytes == 0:
+            return None
+        lib, p = self._lib, self._p
+        if total > 0:
+            call.input_offset = lib.attnd_plane_take_input(p, total)
+            if call.input_offset < 0:
+                return None
+        if out_bytes > 0:
+            call.output_offset = lib.attnd_plane_take_output(p, out_bytes)
+            if call.output_offset >= 0:
+                call.output_transfer = lib.attnd_plane_next_transfer(p)
+                call.output_bytes = out_bytes
+                msg.out_shm.region, msg.out_shm.offset = self._out, call.output_offset
+                msg.out_shm.byte_size, msg.out_shm.transfer = out_bytes, call.output_transfer
+        if total > 0:
+            transfer = lib.attnd_plane_next_transfer(p)
+            pieces = (ctypes.c_void_p * len(refs))(
+                *[ctypes.cast(ctypes.c_char_p(d), ctypes.c_void_p) for d in call.keep])
+            lengths = (ctypes.c_size_t * len(refs))(*[n for _, _, n in refs])
+            call.send = lib.attnd_plane_put(p, pieces, lengths, len(refs), call.input_offset,
+                                            transfer)
+            for t, off, n in refs:
+                t.ClearField("data")
+                t.shm.region, t.shm.offset = self._in, call.input_offset + off
+                t.shm.byte_size, t.shm.transfer = n, transfer
+        return call
+
+    def finish(self, call: Optional[_Call], out: Optional[pb.LayerOutput]) -> None:
+        """After the reply (``out``; None when the call failed): waits for the send, puts an
+        output the plane carried into ``out.out.data`` and gives the call's space back."""
+        if call is None:
+            return
+        lib, p = self._lib, self._p
+        err = ctypes.create_string_buffer(512)
+        try:
+            if call.send is not None:
+                send, call.send = call.send, None
+                _check(lib.attnd_plane_wait(send, _SETTLE_S, err, len(err)), err, "data plane")
+            if (out is not None and call.output_offset >= 0 and out.out.HasField("shm")
+                    and out.out.shm.region == self._out):
+                where = ctypes.c_void_p()
+                _check(lib.attnd_plane_await(p, call.output_transfer, call.output_offset,
+                                             call.output_bytes, _SETTLE_S, ctypes.byref(where),
+                                             err, len(err)), err, "data plane")
+                out.out.data = ctypes.string_at(where, call.output_bytes)
+                out.out.ClearField("shm")
+                call.output_transfer = 0
+        finally:
+            if call.send is not None:  # an error above: the send must still be waited for
+                lib.attnd_plane_wait(call.send, _SETTLE_S, err, len(err))
+            if call.output_transfer:
+                lib.attnd_plane_forget(p, call.output_transfer)
+            if call.input_offset >= 0:
+                lib.attnd_plane_give_input(p, call.input_offset)
+            if call.output_offset >= 0:
+                lib.attnd_plane_give_output(p, call.output_offset)
+            call.keep.clear()
+
+    def _output_bytes(self, msg: pb.LayerInputs) -> int:
+        """The output's size when the reply would carry it and it is known here, else 0."""
+        if msg.HasField("out_shm") or not (msg.HasField("q_latent") or msg.HasField("q_nope")):
+            return 0
+        q = msg.q_nope if msg.HasField("q_nope") else msg.q_latent
+        width = self._v if msg.HasField("q_nope") else self._latent
+        dtype = msg.out_datatype or ("BF16" if q.datatype == "FP8_E4M3" else q.datatype)
+        if dtype not in _SIZES or len(q.shape) != 3 or width <= 0:
+            return 0
+        return int(q.shape[0]) * int(q.shape[1]) * width * _SIZES[dtype]
+
+
+def _unavailable():
+    return grpc.StatusCode.UNAVAILABLE
+
+
+class PlaneUse:
+    """The data plane in :class:`AttndClient` (a mixin): connected at the first layer call when
+    the server offers one (``data_plane="auto"``), unary layer calls through it."""
+
+    def _init_plane(self, mode: str, region_bytes: int) -> None:
+        self._plane_mode, self._plane_bytes = mode, int(region_bytes)
+        self._plane_lock = threading.Lock()
+        self._plane_obj: Optional[DataPlane] = None
+        self._plane_tried = False
+
+    def _close_plane(self) -> None:
+        with self._plane_lock:
+            plane, self._plane_obj = self._plane_obj, None
+        if plane is not None:
+            plane.close()
+
+    def connect_data_plane(self) -> str:
+        """Connects a UCX data plane now (docs/data-plane.md) and returns its name; AttndError
+        FAILED_PRECONDITION when the server offers none, UNAVAILABLE when libattnd_plane.so is
+        not found. With ``data_plane="auto"`` (the default) the first layer call does this by
+        itself when the server offers one, and sends bytes in the message otherwise."""
+        info = self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
+        if "ucx" not in info.data_plane.planes:
+            raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "the server has no UCX data plane (--data-plane=ucx)")
+        try:
+            plane = DataPlane(self._stub, self._metadata, info, self._plane_bytes, self._timeout)
+        except grpc.RpcError as e:
+            raise AttndError.from_rpc_error(e) from e
+        with self._plane_lock:
+            old, self._plane_obj, self._plane_tried = self._plane_obj, plane, True
+        if old is not None:
+            old.close()
+        return plane.name
+
+    @property
+    def data_plane_name(self) -> str:
+        """The connected plane's name ("ucx-3"), or "" when layer calls send bytes."""
+        return self._plane_obj.name if self._plane_obj is not None else ""
+
+    def _plane(self) -> Optional[DataPlane]:
+        if self._plane_obj is not None or self._plane_tried or self._plane_mode != "auto":
+            return self._plane_obj
+        with self._plane_lock:
+            if self._plane_tried:
+                return self._plane_obj
+            self._plane_tried = True
+        if find_library() is None:
+            return None
+        try:
+            self.connect_data_plane()
+        except AttndError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE and "not found" not in str(e):
+                with self._plane_lock:
+                    self._plane_tried = False  # the server was not reached: ask again later
+        return self._plane_obj
+
+    def _attend(self, step_id: int, inputs: LayerInputs, kind: str):
+        plane = self._plane()
+        if plane is None:
+            return super()._attend(step_id, inputs, kind)
+        request = pb.AttendLayerRequest(
+            step_id=step_id,
+            inputs=encode_layer(inputs, uint16_as_bf16=self._uint16_as_bf16,
+                                candidates=kind == "candidates"))
+        call = plane.stage(request.inputs)
+        try:
+            reply = self._call(self._stub.AttendLayer, request)
+        except BaseException:
+            plane.finish(call, None)
+            raise
+        plane.finish(call, reply.output)
+        return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)
+

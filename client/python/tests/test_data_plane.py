@@ -1,0 +1,259 @@
+"""The UCX data plane from Python (docs/data-plane.md): a server that offers it and clients that
+use it, or fall back to bytes in the message; the same bits either way; and every refusal the
+plane promises over the real wire: another tenant's regions, transfers never sent, short,
+overrunning or overwritten, a worker killed mid-transfer. Each failure aborts its step and leaves
+every sequence as it was, the server serving on. (The layer-call suites run a second time over
+the plane: scripts/test.sh, ATTND_TEST_DATA_PLANE=ucx.)"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from attnd import AttndClient, AttndError, LayerInputs
+from attnd.data_plane import find_library
+from attnd.v1 import attention_pb2 as pb
+from attnd.wire import encode_layer
+
+from attnd_process import start, stop
+from attnd_testlib import Harness, bits
+
+pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
+
+TIMEOUT_MS = 400  # --data-plane-timeout-ms: how long a call waits for a transfer
+
+
+@pytest.fixture(scope="module")
+def plane_server():
+    proc, target, _ = start(["--data-plane=ucx", f"--data-plane-timeout-ms={TIMEOUT_MS}"],
+                            kv_pages=256)
+    yield target
+    stop(proc)
+
+
+@pytest.fixture
+def plane_harness(plane_server, request):
+    with AttndClient(plane_server, timeout=30.0) as c:
+        h = Harness(c, c.info(), seed=len(request.node.name), tag=f"dp{os.getpid()}-"
+                    f"{abs(hash(request.node.name)) % 10**8}")
+        yield h
+        h.close_all()
+
+
+def test_server_info_names_the_planes_and_ucx(plane_server, server):
+    with AttndClient(plane_server, timeout=10.0) as c:
+        dp = c._call(c._stub.ServerInfo, pb.ServerInfoRequest()).data_plane
+    assert list(dp.planes) == ["grpc", "ucx"], dp
+    assert dp.ucx_version.count(".") == 2 and dp.ucx_transports, dp
+    assert dp.max_region_bytes == 256 << 20
+    with AttndClient(server, timeout=10.0) as c:  # the session server: no plane unless asked
+        planes = list(c._call(c._stub.ServerInfo, pb.ServerInfoRequest()).data_plane.planes)
+    assert "grpc" in planes
+
+
+def test_with_or_without_the_plane_the_outputs_are_the_same_bits(plane_harness, plane_server):
+    h = plane_harness
+    with AttndClient(plane_server, timeout=30.0, data_plane="off") as off, \
+            AttndClient(plane_server, timeout=30.0) as auto:
+        a, b = h.open("bytes"), h.open("plane")
+        for T in (5, 1, 1, 3):
+            inputs = h.inputs(T)
+            outs = {}
+            for via, sid in ((off, a), (auto.stream(), b)):
+                outs[sid] = h.send(via, [(sid, T)], inputs)
+            for x, y in zip(outs[a], outs[b]):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert np.isfinite(x.astype(np.float64)).all()
+                assert np.array_equal(bits(x), bits(y))
+        assert off.data_plane_name == "" and auto.data_plane_name.startswith("ucx-")
+        # Unary calls over the plane too, against the float64 reference.
+        c = h.open("unary")
+        h.step(auto, [(c, 4)])
+        h.step(auto, [(c, 1)])
+
+
+def test_a_client_of_a_server_without_a_plane_sends_bytes(harness, client, server):
+    with AttndClient(server, timeout=30.0) as c:
+        if os.environ.get("ATTND_TEST_DATA_PLANE") == "ucx":
+            pytest.skip("the session server offers a plane in this pass")
+        sid = harness.open("fallback")
+        harness.step(c, [(sid, 3)])  # the first call asks, finds none, sends bytes
+        assert c.data_plane_name == ""
+        with pytest.raises(AttndError) as e:
+            c.connect_data_plane()
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--data-plane=ucx" in str(e.value)
+
+
+def _raw_call(h: Harness, c: AttndClient, sid: str, tamper):
+    """Layer 0 of a one-token step of ``sid``, its tensors sent through c's plane and the message
+    then changed by ``tamper(lib, p, msg, data)`` (data: the tensors' bytes by field); returns the
+    call's error (None if it succeeded)."""
+    plane = c._plane_obj
+    step = c.begin_step([(sid, 1)])
+    msg = encode_layer(LayerInputs(0, **h.inputs(1)[0]), uint16_as_bf16=False)
+    data = {f: getattr(msg, f).data for f in ("q_latent", "q_rope", "kv_latent", "k_rope",
+                                                "index_q", "index_k", "index_w")
+            if msg.HasField(f)}
+    tamper(plane._lib, plane._p, plane, msg, data)
+    try:
+        c._call(c._stub.AttendLayer, pb.AttendLayerRequest(step_id=step.step_id, inputs=msg))
+        return None
+    except AttndError as e:
+        return e
+    finally:
+        try:
+            c.abort_step(step.step_id)
+        except AttndError:
+            pass
+
+
+def _put(lib, p, payload: bytes, offset: int, transfer: int) -> None:
+    pieces = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.c_char_p(payload), ctypes.c_void_p))
+    lengths = (ctypes.c_size_t * 1)(len(payload))
+    send = lib.attnd_plane_put(p, pieces, lengths, 1, offset, transfer)
+    err = ctypes.create_string_buffer(256)
+    lib.attnd_plane_wait(send, 5.0, err, len(err))
+
+
+def _name(msg, field, plane, offset, size, transfer):
+    t = getattr(msg, field)
+    t.ClearField("data")
+    t.shm.region, t.shm.offset, t.shm.byte_size, t.shm.transfer = (
+        plane._in, offset, size, transfer)
+
+
+def _never_sent(lib, p, plane, msg, data):
+    _name(msg, "q_latent", plane, 0, len(data["q_latent"]), 987654321)
+
+
+def _short(lib, p, plane, msg, data):
+    q = data["q_latent"]
+    _put(lib, p, q[:-2], 0, 1001)  # two bytes short of what the call names
+    _name(msg, "q_latent", plane, 0, len(q), 1001)
+
+
+def _overrun(lib, p, plane, msg, data):
+    q = data["q_latent"]
+    _put(lib, p, q, (64 << 20) - 16, 1002)  # past the region's end: refused, nothing written
+    _name(msg, "q_latent", plane, 0, len(q), 1002)
+
+
+def _overwritten(lib, p, plane, msg, data):
+    q = data["q_latent"]
+    _put(lib, p, q, 0, 1003)
+    _put(lib, p, q, 8, 1004)  # a later transfer over part of it
+    _name(msg, "q_latent", plane, 0, len(q), 1003)
+
+
+def _no_transfer_id(lib, p, plane, msg, data):
+    _name(msg, "q_latent", plane, 0, len(data["q_latent"]), 0)
+
+
+@pytest.mark.parametrize("tamper,code,words", [
+    (_never_sent, grpc.StatusCode.DEADLINE_EXCEEDED, "did not arrive"),
+    (_short, grpc.StatusCode.INVALID_ARGUMENT, "brought bytes"),
+    (_overrun, grpc.StatusCode.INVALID_ARGUMENT, "overrun"),
+    (_overwritten, grpc.StatusCode.FAILED_PRECONDITION, "overwritten by transfer 1004"),
+    (_no_transfer_id, grpc.StatusCode.INVALID_ARGUMENT, "transfer id"),
+], ids=["never-sent", "short", "overrun", "overwritten", "no-transfer-id"])
+def test_a_bad_transfer_aborts_its_step_and_changes_nothing(plane_harness, plane_server,
+                                                            tamper, code, words):
+    h = plane_harness
+    with AttndClient(plane_server, timeout=30.0) as c:
+        c.connect_data_plane()
+        sid = h.open("victim")
+        h.step(c, [(sid, 4)])
+        t0 = time.monotonic()
+        e = _raw_call(h, c, sid, tamper)
+        assert e is not None and e.code == code and words in str(e), e
+        assert time.monotonic() - t0 < TIMEOUT_MS / 1000 + 5
+        h.assert_unchanged([sid])
+        h.assert_serves([sid])  # over the same plane
+
+
+def test_a_tenant_cannot_reach_another_tenants_plane(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("dp-token-a-0123456789 a\ndp-token-b-0123456789 b\n")
+    proc, target, _ = start(["--auth=token", f"--auth-tokens={tokens}", "--data-plane=ucx",
+                             f"--data-plane-timeout-ms={TIMEOUT_MS}"], kv_pages=128)
+    try:
+        with AttndClient(target, timeout=30.0, token="dp-token-a-0123456789") as a, \
+                AttndClient(target, timeout=30.0, token="dp-token-b-0123456789") as b:
+            ha, hb = Harness(a, a.info(), 1, "ta"), Harness(b, b.info(), 2, "tb")
+            name = a.connect_data_plane()
+            b.connect_data_plane()
+            sa, sb = ha.open("s"), hb.open("s")
+            ha.step(a, [(sa, 2)])
+            hb.step(b, [(sb, 2)])
+
+            def into_a(lib, p, plane, msg, data):  # b names a's input region
+                _name(msg, "q_latent", plane, 0, len(data["q_latent"]), 5)
+                msg.q_latent.shm.region = f"{name}.in"
+
+            e = _raw_call(hb, b, sb, into_a)
+            assert e is not None and e.code == grpc.StatusCode.NOT_FOUND, e
+            assert f"no data plane region {name}.in" in str(e)
+            with pytest.raises(AttndError) as closed:
+                b._call(b._stub.CloseDataPlane, pb.CloseDataPlaneRequest(plane=name))
+            assert closed.value.code == grpc.StatusCode.NOT_FOUND
+            hb.assert_unchanged([sb])
+            ha.assert_serves([sa])  # a's plane untouched
+            hb.assert_serves([sb])
+    finally:
+        stop(proc)
+
+
+WORKER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    from attnd import AttndClient, LayerInputs
+    from attnd_testlib import Harness
+    c = AttndClient(sys.argv[1], timeout=30.0)
+    c.connect_data_plane()
+    h = Harness(c, c.info(), 3, "w")
+    s = c.stream()
+    s.begin([(sys.argv[2], 64)])
+    layers = h.inputs(64)
+    s.layer(LayerInputs(0, **layers[0]))
+    plane = c._plane_obj
+    msg_bytes = os.urandom(48 << 20)  # a large transfer, still in flight when the process dies
+    import ctypes
+    pieces = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.c_char_p(msg_bytes), ctypes.c_void_p))
+    lengths = (ctypes.c_size_t * 1)(len(msg_bytes))
+    plane._lib.attnd_plane_put(plane._p, pieces, lengths, 1, 0, 77)
+    print("mid-transfer", flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+def test_a_worker_killed_mid_step_and_mid_transfer_changes_nothing(plane_harness, plane_server):
+    h = plane_harness
+    sid = h.open("killed")
+    h.step(h.client, [(sid, 3)])
+    tests_dir = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=str(tests_dir.parent))
+    r = subprocess.run([sys.executable, "-c", WORKER, plane_server, sid, str(tests_dir)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert "mid-transfer" in r.stdout
+    # The stream's end aborts the step (its first layer had run): the sequence as it was.
+    deadline = time.monotonic() + 10
+    while h.client.describe_sequence(sid).in_step and time.monotonic() < deadline:
+        time.sleep(0.05)
+    h.assert_unchanged([sid])
+    with AttndClient(plane_server, timeout=30.0) as c:  # new clients, new planes: served
+        c.connect_data_plane()
+        h.step(c, [(sid, 1)])
+    h.assert_serves([sid])
