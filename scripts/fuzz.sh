@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${1:-60}
 BUILD=${FUZZ_BUILD_DIR:-build-asan}
-TARGETS=${TARGETS:-"engine_ops_fuzz request_fuzz"}
+TARGETS=${TARGETS:-"engine_ops_fuzz request_fuzz data_plane_fuzz"}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
@@ -22,6 +22,8 @@ configure_sanitized "$BUILD" address,undefined ON
 cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# UCX's own leftovers (data_plane_fuzz; the file says which): the suppressions sanitize.sh uses.
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/sanitizers/lsan.supp}
 # Each target alone on a core, all at once (the same time per target as one after another).
 run_one() {
   local t=$1 corpus="$BUILD/corpus/$1" log="$BUILD/$1.log" verdict=0

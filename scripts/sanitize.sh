@@ -36,14 +36,15 @@ if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   # The engine's concurrency (layers of different steps at once, aborts racing running layers,
   # BeginStep waiting for an abort, several devices, tier moves racing steps) and the service's, in-process (steps from
   # many threads, sharded steps gathered across threads, shared-memory regions changing under
-  # running layers). The tests through a gRPC server are not run under TSan: Debian's gRPC and
+  # running layers), and the UCX data plane's progress thread against its callers (in-process, the
+  # two ends of a plane; UCX's own code is uninstrumented). The tests through a gRPC server are not run under TSan: Debian's gRPC and
   # Abseil are uninstrumented, so every reactor handed between gRPC's threads and ours reads as
   # a race (false reports); an instrumented gRPC is not packaged.
   configure_sanitized build-tsan thread
   cmake --build build-tsan -j "$(nproc)" --target engine_state_test engine_hardening_test \
     engine_devices_test engine_concurrency_test service_concurrency_test thread_pool_test \
-    engine_tiers_test tier_store_test
-  echo "sanitize: TSan: the engine's and the service's concurrency tests"
+    engine_tiers_test tier_store_test ucx_plane_test
+  echo "sanitize: TSan: the engine's and the service's concurrency tests, the data plane's threads"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp" \
-    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers|DiskTier'
+    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers|DiskTier|UcxPlane'
 fi

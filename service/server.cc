@@ -353,6 +353,7 @@ class Server {
       }
       kill(getpid(), SIGTERM);  // the same path as an operator's SIGTERM
     };
+    service_metrics_->SetDataPlane(so.data_plane.get());
     service_ = std::make_unique<AttentionService>(engine_.get(), executor_.get(),
                                                   service_metrics_.get(), so);
 

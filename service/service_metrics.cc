@@ -14,6 +14,7 @@
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
+#include "transport/ucx_plane.h"
 
 namespace attnd {
 namespace {
@@ -291,6 +292,19 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
   tier_moves_->Add({{"kind", "spill"}, {"reason", "room_or_idle_or_offload"}});
   for (const char* reason : {"step", "prefetch", "other"})
     tier_moves_->Add({{"kind", "restore"}, {"reason", reason}});
+  planes_ =
+      &registry->AddGauge("attnd_data_plane_planes", "UCX data planes connected now.").Add({});
+  auto& plane_bytes = registry->AddCounter(
+      "attnd_data_plane_bytes_total",
+      "Tensor bytes moved by the UCX data plane: in (landed in input regions), out (outputs "
+      "sent).");
+  plane_bytes_[0] = &plane_bytes.Add({{"direction", "in"}});
+  plane_bytes_[1] = &plane_bytes.Add({{"direction", "out"}});
+  plane_refused_ = &registry
+                        ->AddCounter("attnd_data_plane_refused_messages_total",
+                                     "UCX messages dropped: unknown plane, wrong secret, "
+                                     "malformed.")
+                        .Add({});
   rss_ = &registry->AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.")
               .Add({});
   vsize_ =
@@ -376,6 +390,12 @@ void ServiceMetrics::Refresh() {
     CatchUp(cached_by_source_[t], static_cast<double>(p.hit_blocks_at[t]) * page);
   CatchUp(cached_by_source_[kNumTiers], static_cast<double>(p.promoted_tokens));
   CatchUp(prefix_removed_, static_cast<double>(p.removed_blocks));
+  if (const transport::UcxPlane* dp = data_plane_.load()) {
+    planes_->Set(static_cast<double>(dp->num_planes()));
+    CatchUp(plane_bytes_[0], static_cast<double>(dp->bytes_in()));
+    CatchUp(plane_bytes_[1], static_cast<double>(dp->bytes_out()));
+    CatchUp(plane_refused_, static_cast<double>(dp->refused_messages()));
+  }
   if (const KvEventPublisher* ev = kv_events_.load()) {
     CatchUp(events_published_, static_cast<double>(ev->events_published()));
     CatchUp(events_dropped_, static_cast<double>(ev->events_dropped()));

@@ -19,6 +19,10 @@
 
 namespace attnd {
 
+namespace transport {
+class UcxPlane;
+}
+
 enum class Transport { kStream, kUnary };
 
 class Executor;
@@ -48,6 +52,8 @@ class ServiceMetrics {
   void SetKvEvents(const KvEventPublisher* events) { kv_events_ = events; }
   // The standby replicas' replicator whose state to export (set once, before serving).
   void SetReplicator(const ReplicationHook* replicator) { replicator_ = replicator; }
+  // The UCX data plane whose state to export (set once, before serving).
+  void SetDataPlane(const transport::UcxPlane* plane) { data_plane_ = plane; }
   // A standby copy here was promoted (failover).
   void Promoted() { promotions_->Increment(); }
 
@@ -119,6 +125,11 @@ class ServiceMetrics {
   metrics::Counter* fenced_;
   metrics::Counter* repl_errors_;
   metrics::Counter* repl_degraded_;
+  // The UCX data plane (docs/data-plane.md).
+  std::atomic<const transport::UcxPlane*> data_plane_{nullptr};
+  metrics::Gauge* planes_;
+  metrics::Counter* plane_bytes_[2];  // in, out
+  metrics::Counter* plane_refused_;
   // process_*
   metrics::Gauge* rss_;
   metrics::Gauge* vsize_;

@@ -232,6 +232,7 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
                 " overrun ", s->name, ".in (", s->input_bytes, " bytes); nothing written")));
     return;
   }
+  bytes_in_.fetch_add(length, std::memory_order_relaxed);
   if (!m.rndv) {
     std::memcpy(s->input + h.offset, m.data, m.length);
     s->Land(h.transfer, h.offset, length, absl::OkStatus());
@@ -270,6 +271,7 @@ void UcxPlane::OnPull(const UcxWorker::Message& m) {
     worker_->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
     return;
   }
+  bytes_out_.fetch_add(h.length, std::memory_order_relaxed);
   // From the mirror, which the plane (held until the send completes) keeps.
   worker_->Reply(m.reply_ep, kToClient, PackHeader(reply), s->output + h.offset,
                  static_cast<size_t>(h.length), s, nullptr);

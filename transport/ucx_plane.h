@@ -75,6 +75,9 @@ class UcxPlane {
   int planes_of(const std::string& tenant) const;
   // Messages dropped: unknown plane, wrong secret, malformed header.
   int64_t refused_messages() const { return refused_.load(); }
+  // Bytes landed in input regions, and sent from outputs to their clients.
+  int64_t bytes_in() const { return bytes_in_.load(); }
+  int64_t bytes_out() const { return bytes_out_.load(); }
   const Options& options() const { return options_; }
 
   struct State;  // one plane (ucx_plane.cc)
@@ -95,6 +98,7 @@ class UcxPlane {
   std::map<uint64_t, std::shared_ptr<State>> planes_;
   uint64_t next_id_ = 1;
   std::atomic<int64_t> refused_{0};
+  std::atomic<int64_t> bytes_in_{0}, bytes_out_{0};
 };
 
 }  // namespace attnd::transport

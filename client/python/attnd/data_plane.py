@@ -117,6 +117,7 @@ class DataPlane:
                                       reply.worker_address, len(reply.worker_address), size,
                                       err, len(err)), err, "data plane")
         self.name = reply.plane
+        self.plane_id, self.server_address = reply.plane_id, reply.worker_address
         self._in, self._out = reply.input_region, reply.output_region
         self._latent = info.model.kv_lora_rank
         self._v = info.absorption.v_head_dim if info.HasField("absorption") else 0

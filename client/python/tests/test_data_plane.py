@@ -26,17 +26,21 @@ from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
 
 from attnd_process import start, stop
-from attnd_testlib import Harness, bits
+from attnd_testlib import Harness, bits, scrape
 
 pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
 
 TIMEOUT_MS = 400  # --data-plane-timeout-ms: how long a call waits for a transfer
 
 
+_METRICS = {}
+
+
 @pytest.fixture(scope="module")
 def plane_server():
-    proc, target, _ = start(["--data-plane=ucx", f"--data-plane-timeout-ms={TIMEOUT_MS}"],
-                            kv_pages=256)
+    proc, target, mport = start(["--data-plane=ucx", f"--data-plane-timeout-ms={TIMEOUT_MS}"],
+                                kv_pages=256)
+    _METRICS[target] = mport
     yield target
     stop(proc)
 
@@ -257,3 +261,53 @@ def test_a_worker_killed_mid_step_and_mid_transfer_changes_nothing(plane_harness
         c.connect_data_plane()
         h.step(c, [(sid, 1)])
     h.assert_serves([sid])
+
+
+def test_the_micro_batch_example_runs_over_the_plane(plane_server):
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, ATTND_TARGET=plane_server,
+               PYTHONPATH=os.pathsep.join([str(root / "client" / "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, str(root / "examples" / "microbatch.py")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("data plane: ucx-") and "24 layer calls" in line, r.stdout
+
+
+def _sample(text: str, name: str) -> float:
+    """The sum of `name`'s samples (a name with its labels: that sample alone)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{")))
+
+
+def test_the_plane_is_counted_in_the_metrics(plane_harness, plane_server):
+    h = plane_harness
+    mport = _METRICS[plane_server]
+    before = scrape(mport)
+    refused = "attnd_data_plane_refused_messages_total"
+    with AttndClient(plane_server, timeout=30.0) as c:
+        c.connect_data_plane()
+        sid = h.open("metered")
+        h.step(c, [(sid, 4)])
+        assert _sample(scrape(mport), "attnd_data_plane_planes") >= 1
+        # A second worker that knows the plane's id and the server's address, not its secret.
+        plane = c._plane_obj
+        lib, err = plane._lib, ctypes.create_string_buffer(256)
+        forger = lib.attnd_plane_create(0, err, len(err))
+        assert forger, err.value
+        assert lib.attnd_plane_attach(forger, plane.plane_id, b"x" * 16, 16,
+                                      plane.server_address, len(plane.server_address),
+                                      1 << 20, err, len(err)) == 0, err.value
+        _put(lib, forger, b"forged" * 100, 0, 5)
+        deadline = time.monotonic() + 5
+        while (_sample(scrape(mport), refused) <= _sample(before, refused)
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        lib.attnd_plane_destroy(forger)
+    now = scrape(mport)
+    assert _sample(now, 'attnd_data_plane_bytes_total{direction="in"}') > _sample(
+        before, 'attnd_data_plane_bytes_total{direction="in"}'), now
+    assert _sample(now, 'attnd_data_plane_bytes_total{direction="out"}') > _sample(
+        before, 'attnd_data_plane_bytes_total{direction="out"}'), now
+    assert _sample(now, refused) == _sample(before, refused) + 1, now

@@ -416,6 +416,8 @@ def test_the_schema_refuses_misspelt_and_mistyped_values(values, where):
     ({"tiers": {"spillIdleMs": 1000}}, Fail, "tiers.spillIdleMs needs a tier to spill to"),
     ({"replication": {"leaseMs": 500}}, Fail,
      "replication.leaseMs: 0, or at least replication.ackTimeoutMs"),
+    ({"dataPlane": {"enabled": True}, "tls": {"enabled": True}}, Fail,
+     "dataPlane.enabled with tls.enabled needs dataPlane.withoutTls: UCX does not encrypt"),
     ({"auth": {"mode": "oauth", "adminTenant": "ops"}}, SchemaError,
      "auth.mode: 'oauth' is not one of ['none', 'token', 'mtls']"),
     ({"antiAffinity": "sometimes"}, SchemaError,
@@ -445,6 +447,12 @@ def test_configurations_that_cannot_work_are_refused_with_a_reason(values, error
      ["--standby-peers=dns:attnd:50051", "--replication=async", "--replication-max-lag-steps=4",
       "--replication-ack-timeout-ms=1000", "--replication-lease-ms=2000",
       "--standby-cache-bytes=8589934592"]),
+    ({"dataPlane": {"enabled": True, "regionBytes": 67108864, "timeoutMs": 500}},
+     ["--data-plane=ucx", "--data-plane-region-bytes=67108864", "--data-plane-max-planes=64",
+      "--data-plane-timeout-ms=500"]),
+    ({"dataPlane": {"enabled": True, "withoutTls": True}},
+     ["--data-plane=ucx", "--data-plane-region-bytes=268435456", "--data-plane-max-planes=64",
+      "--data-plane-timeout-ms=2000", "--data-plane-without-tls=true"]),
     ({"quotas": {"pages": 5000000}, "drain": {"timeoutMs": 3600000},
       "terminationGracePeriodSeconds": 3700},
      ["--quota-pages=5000000", "--drain-timeout-ms=3600000"]),
@@ -459,6 +467,12 @@ def test_each_value_family_maps_to_attnds_flags(values, flags):
     assert [a for a in args if a.split("=", 1)[0] not in names] == [
         a for a in DEFAULT_ARGS if a.split("=", 1)[0] not in names]
     check_flags(args)
+
+
+def test_the_data_plane_passes_ucx_tls_to_attnd_only_when_given():
+    assert "env" not in _container(_render({"dataPlane": {"enabled": True}}))
+    env = _container(_render({"dataPlane": {"enabled": True, "ucxTls": "sm,tcp"}}))["env"]
+    assert env == [{"name": "UCX_TLS", "value": "sm,tcp"}]
 
 
 def test_the_disk_tier_gets_a_volume_of_its_size():

@@ -49,6 +49,7 @@ RUNTIME_PACKAGES = [
     (r"libglog\.so\.1", "libgoogle-glog0v6t64"),
     (r"lib(ssl|crypto)\.so\.3", "libssl3t64"),
     (r"libzmq\.so\.5", "libzmq5"),
+    (r"libuc[pst]\.so\.0", "libucx0"),  # the data plane (its transports load from the same)
     (r"(libstdc\+\+\.so\.6|libm\.so\.6|libgcc_s\.so\.1|libc\.so\.6|ld-linux-x86-64\.so\.2)", ""),
 ]
 
