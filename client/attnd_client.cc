@@ -218,9 +218,13 @@ std::string Client::DataPlaneName() const {
   return plane_ != nullptr ? plane_->plane() : "";
 }
 
-DataPlaneSession* Client::Plane() const {
+std::shared_ptr<DataPlaneSession> Client::Plane() const {
   std::lock_guard<std::mutex> lock(plane_mu_);
-  if (plane_ != nullptr || plane_tried_ || data_plane_mode_ != "auto") return plane_.get();
+  if (plane_ != nullptr && plane_->broken()) {
+    plane_.reset();  // calls still holding it finish first
+    plane_tried_ = false;
+  }
+  if (plane_ != nullptr || plane_tried_ || data_plane_mode_ != "auto") return plane_;
   plane_tried_ = true;  // one try: a server without a plane is asked once
   grpc::ClientContext ctx;
   PrepareUnary(&ctx);
@@ -235,7 +239,7 @@ DataPlaneSession* Client::Plane() const {
   auto s = DataPlaneSession::Connect(stub_.get(), info, data_plane_bytes_,
                                      [this](grpc::ClientContext* c) { PrepareUnary(c); });
   if (s.ok()) plane_ = std::move(*s);  // refused (the server's limit): bytes in the message
-  return plane_.get();
+  return plane_;
 }
 
 void Client::Authorize(grpc::ClientContext* ctx) const {
@@ -418,14 +422,17 @@ absl::StatusOr<v1::LayerOutput> Client::AttendLayer(uint64_t step_id, const v1::
   PrepareUnary(&ctx);
   v1::AttendLayerRequest req;
   req.set_step_id(step_id);
-  DataPlaneSession* plane = Plane();
+  std::shared_ptr<DataPlaneSession> plane = Plane();
   DataPlaneSession::Call call;
   if (plane == nullptr ||
       !plane->Stage(in, req.mutable_inputs(), &call, static_cast<char*>(dest), dest_bytes))
     *req.mutable_inputs() = in;
   v1::AttendLayerResponse resp;
   absl::Status s = FromGrpcNotCancelled(stub_->AttendLayer(&ctx, req, &resp));
-  if (!s.ok()) return s;
+  if (!s.ok()) {
+    if (plane != nullptr) plane->Failed(s);
+    return s;
+  }
   if (plane != nullptr)
     if (absl::Status f = plane->Finish(&call, resp.mutable_output()); !f.ok()) return f;
   if (absl::Status f = IntoCallerBuffer(resp.mutable_output(), dest, dest_bytes); !f.ok()) return f;
@@ -544,13 +551,16 @@ absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {
 absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in, void* dest,
                                                   size_t dest_bytes) {
   v1::StepRequest req;
-  DataPlaneSession* plane = client_.Plane();
+  std::shared_ptr<DataPlaneSession> plane = client_.Plane();
   DataPlaneSession::Call call;
   if (plane == nullptr ||
       !plane->Stage(in, req.mutable_layer(), &call, static_cast<char*>(dest), dest_bytes))
     *req.mutable_layer() = in;
   auto resp = RoundTrip(req);
-  if (!resp.ok()) return resp.status();
+  if (!resp.ok()) {
+    if (plane != nullptr) plane->Failed(resp.status());
+    return resp.status();
+  }
   if (plane != nullptr)
     if (absl::Status f = plane->Finish(&call, resp->mutable_layer()); !f.ok()) return f;
   if (absl::Status f = IntoCallerBuffer(resp->mutable_layer(), dest, dest_bytes); !f.ok()) return f;

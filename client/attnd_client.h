@@ -194,8 +194,9 @@ class Client {
   using Metadata = std::vector<std::pair<std::string, std::string>>;
   Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata, int64_t call_timeout_ms);
   friend class StepStream;
-  // The connected plane, connecting it on first use under "auto" (null: none, send bytes).
-  DataPlaneSession* Plane() const;
+  // The connected plane, connecting it on first use under "auto" (null: none, send bytes); a
+  // broken one is dropped and a new one connected.
+  std::shared_ptr<DataPlaneSession> Plane() const;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   Metadata metadata_;

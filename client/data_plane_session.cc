@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
 #include "common/dtype.h"
@@ -153,16 +154,30 @@ bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, C
   return moved;
 }
 
+void DataPlaneSession::Failed(const absl::Status& s) {
+  if (absl::StrContains(s.message(), absl::StrCat("no data plane region ", plane_, ".")) ||
+      absl::StrContains(s.message(), absl::StrCat("data plane ", plane_, " was closed")))
+    broken_ = true;
+}
+
+bool DataPlaneSession::broken() const { return broken_ || !ends_->Lost().ok(); }
+
 absl::Status DataPlaneSession::Finish(Call* call, v1::LayerOutput* out) {
   for (auto& p : call->sends)
-    if (absl::Status s = p->Wait(absl::Now() + kSettle); !s.ok()) return s;
+    if (absl::Status s = p->Wait(absl::Now() + kSettle); !s.ok()) {
+      broken_ = true;  // a send that never completed closed the endpoint
+      return s;
+    }
   call->sends.clear();
   if (call->output_offset < 0 || !out->has_out() || !out->out().has_shm() ||
       out->out().shm().region() != output_region_)
     return absl::OkStatus();
   auto bytes = ends_->Await(call->output_transfer, call->output_offset, call->output_bytes,
                             absl::Now() + kSettle);
-  if (!bytes.ok()) return bytes.status();
+  if (!bytes.ok()) {
+    if (bytes.status().code() != absl::StatusCode::kNotFound) broken_ = true;
+    return bytes.status();
+  }
   v1::Tensor* t = out->mutable_out();
   t->clear_shm();
   if (!call->to_dest) t->mutable_data()->assign(*bytes, call->output_bytes);

@@ -5,6 +5,7 @@
 // LayerOutput. Calls in flight at once each get their own space in both regions. Thread safe.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -56,12 +57,19 @@ class DataPlaneSession {
   absl::Status Finish(Call* call, v1::LayerOutput* out);
 
   const std::string& plane() const { return plane_; }
+  // A call that used the plane failed with `s`: when it says the server holds the plane no more
+  // (closed, or idle too long), the session is of no further use.
+  void Failed(const absl::Status& s);
+  // The plane can no longer carry calls (its endpoint failed, a send never completed, the server
+  // dropped it): the client connects a new one, or sends bytes.
+  bool broken() const;
 
  private:
   DataPlaneSession() = default;
   std::unique_ptr<transport::UcxPlaneClient> ends_;
   std::string plane_, input_region_, output_region_;
   int kv_lora_rank_ = 0, v_head_dim_ = 0;
+  std::atomic<bool> broken_{false};
 };
 
 }  // namespace attnd::client

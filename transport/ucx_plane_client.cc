@@ -157,6 +157,11 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
   });
 }
 
+absl::Status UcxPlaneClient::Lost() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lost_;
+}
+
 void UcxPlaneClient::Expect(uint64_t transfer, char* dest, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   expected_[transfer] = {dest, n};

@@ -77,6 +77,8 @@ class UcxPlaneClient {
   // Output `transfer` of n bytes lands at `dest` (the caller's own buffer, which must stay valid
   // until Await or Forget) instead of the output region: no copy out of the region after.
   void Expect(uint64_t transfer, char* dest, size_t n);
+  // Non-OK once the endpoint to the server failed (the plane is of no further use).
+  absl::Status Lost();
   // Forgets an output transfer that will not be awaited (the call failed): an expected
   // destination is no longer written once this returns.
   void Forget(uint64_t transfer);

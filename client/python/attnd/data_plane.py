@@ -118,6 +118,7 @@ class DataPlane:
                                       err, len(err)), err, "data plane")
         self.name = reply.plane
         self.plane_id, self.server_address = reply.plane_id, reply.worker_address
+        self.broken = False  # True once the plane can carry no more calls (see failed)
         self._in, self._out = reply.input_region, reply.output_region
         self._latent = info.model.kv_lora_rank
         self._v = info.absorption.v_head_dim if info.HasField("absorption") else 0
@@ -130,9 +131,20 @@ class DataPlane:
     def __del__(self) -> None:
         self.close()
 
+    def failed(self, error: Exception) -> None:
+        """A call over the plane failed with ``error``: when it says the server holds the plane
+        no more (closed, or idle too long), the plane is broken and the client replaces it."""
+        text = str(error)
+        if f"no data plane region {self.name}." in text or f"data plane {self.name} was closed" \
+                in text:
+            self.broken = True
+
     def stage(self, msg: pb.LayerInputs) -> Optional[_Call]:
         """Moves ``msg``'s tensor bytes into the plane (one transfer) and asks for the output in
-        the output region; None (msg untouched) when the regions cannot take them now."""
+        the output region; None (msg untouched) when the regions cannot take them now or the
+        plane is broken."""
+        if self.broken:
+            return None
         call, refs, total = _Call(), [], 0
         for name in _FIELDS:
             if not msg.HasField(name):
@@ -182,13 +194,18 @@ class DataPlane:
         try:
             if call.send is not None:
                 send, call.send = call.send, None
-                _check(lib.attnd_plane_wait(send, _SETTLE_S, err, len(err)), err, "data plane")
+                if lib.attnd_plane_wait(send, _SETTLE_S, err, len(err)) != 0:
+                    self.broken = True  # a send that never completed closed the endpoint
+                    _check(1, err, "data plane")
             if (out is not None and call.output_offset >= 0 and out.out.HasField("shm")
                     and out.out.shm.region == self._out):
                 where = ctypes.c_void_p()
-                _check(lib.attnd_plane_await(p, call.output_transfer, call.output_offset,
-                                             call.output_bytes, _SETTLE_S, ctypes.byref(where),
-                                             err, len(err)), err, "data plane")
+                rc = lib.attnd_plane_await(p, call.output_transfer, call.output_offset,
+                                           call.output_bytes, _SETTLE_S, ctypes.byref(where), err,
+                                           len(err))
+                if rc not in (0, grpc.StatusCode.NOT_FOUND.value[0]):
+                    self.broken = True  # the endpoint failed, or the output never came
+                _check(rc, err, "data plane")
                 out.out.data = ctypes.string_at(where, call.output_bytes)
                 out.out.ClearField("shm")
                 call.output_transfer = 0
@@ -260,6 +277,11 @@ class PlaneUse:
         return self._plane_obj.name if self._plane_obj is not None else ""
 
     def _plane(self) -> Optional[DataPlane]:
+        broken = self._plane_obj
+        if broken is not None and broken.broken:
+            with self._plane_lock:
+                if self._plane_obj is broken:
+                    self._plane_obj, self._plane_tried = None, False  # connect a new one
         if self._plane_obj is not None or self._plane_tried or self._plane_mode != "auto":
             return self._plane_obj
         with self._plane_lock:
@@ -287,8 +309,9 @@ class PlaneUse:
         call = plane.stage(request.inputs)
         try:
             reply = self._call(self._stub.AttendLayer, request)
-        except BaseException:
+        except BaseException as e:
             plane.finish(call, None)
+            plane.failed(e)
             raise
         plane.finish(call, reply.output)
         return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)

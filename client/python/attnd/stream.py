@@ -212,9 +212,10 @@ class StepStream(_StepBookkeeping):
         call = self._plane.stage(request.layer) if self._plane is not None else None
         try:
             response = self._roundtrip(request, "layer")
-        except BaseException:
+        except BaseException as e:
             if call is not None:
                 self._plane.finish(call, None)
+                self._plane.failed(e)
             raise
         if call is not None:
             self._plane.finish(call, response.layer)

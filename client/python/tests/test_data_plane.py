@@ -311,3 +311,19 @@ def test_the_plane_is_counted_in_the_metrics(plane_harness, plane_server):
     assert _sample(now, 'attnd_data_plane_bytes_total{direction="out"}') > _sample(
         before, 'attnd_data_plane_bytes_total{direction="out"}'), now
     assert _sample(now, refused) == _sample(before, refused) + 1, now
+
+
+def test_a_plane_the_server_no_longer_holds_is_replaced(plane_harness, plane_server):
+    h = plane_harness
+    with AttndClient(plane_server, timeout=30.0) as c:
+        first = c.connect_data_plane()
+        sid = h.open("replaced")
+        h.step(c, [(sid, 2)])
+        # As the server does to a plane idle too long: gone while its client still holds it.
+        c._call(c._stub.CloseDataPlane, pb.CloseDataPlaneRequest(plane=first))
+        with pytest.raises(AttndError) as e:
+            h.send(c, [(sid, 1)], h.inputs(1))
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and f"{first}.in" in str(e.value)
+        h.assert_unchanged([sid])  # the failed call's step was aborted
+        h.step(c, [(sid, 1)])  # the next call connects a new plane
+        assert c.data_plane_name.startswith("ucx-") and c.data_plane_name != first
