@@ -209,7 +209,6 @@ absl::Status Client::ConnectDataPlane() {
   if (!s.ok()) return s.status();
   std::lock_guard<std::mutex> lock(plane_mu_);
   plane_ = std::move(*s);
-  plane_tried_ = true;
   return absl::OkStatus();
 }
 
@@ -220,19 +219,22 @@ std::string Client::DataPlaneName() const {
 
 std::shared_ptr<DataPlaneSession> Client::Plane() const {
   std::lock_guard<std::mutex> lock(plane_mu_);
+  const auto now = std::chrono::steady_clock::now();
   if (plane_ != nullptr && plane_->broken()) {
     plane_.reset();  // calls still holding it finish first
-    plane_tried_ = false;
+    plane_next_probe_ = now;
   }
-  if (plane_ != nullptr || plane_tried_ || data_plane_mode_ != "auto") return plane_;
-  plane_tried_ = true;  // one try: a server without a plane is asked once
+  if (plane_ != nullptr || data_plane_mode_ != "auto" || now < plane_next_probe_) return plane_;
+  // A short probe: a server that does not answer is not kept waiting for twice.
   grpc::ClientContext ctx;
-  PrepareUnary(&ctx);
+  Authorize(&ctx);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::ServerInfoResponse info;
   if (!stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok()) {
-    plane_tried_ = false;  // the server was not reached: ask again next time
+    plane_next_probe_ = now + std::chrono::seconds(10);  // not reached: ask again later
     return nullptr;
   }
+  plane_next_probe_ = std::chrono::steady_clock::time_point::max();  // asked once
   bool ucx = false;
   for (const std::string& p : info.data_plane().planes()) ucx = ucx || p == "ucx";
   if (!ucx) return nullptr;

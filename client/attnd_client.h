@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -205,7 +206,8 @@ class Client {
   int64_t data_plane_bytes_ = 0;
   mutable std::mutex plane_mu_;
   mutable std::shared_ptr<DataPlaneSession> plane_;
-  mutable bool plane_tried_ = false;
+  // When Plane() may next ask the server for a plane (max: it has none; it was asked).
+  mutable std::chrono::steady_clock::time_point plane_next_probe_{};
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and

@@ -4,6 +4,8 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(TARGETS attnd attnctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# The data plane's client end for other languages (the Python client finds it on the library path).
+install(TARGETS attnd_plane LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS attnd_client attnd_proto attnd_dtype attnd_block_hash attnd_transport_ucx
   EXPORT attndTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}

@@ -5,13 +5,16 @@ their names; :class:`AttndClient` uses it by itself when the server offers a pla
 (``data_plane="auto"``) and sends bytes in the message otherwise.
 
 The library is found at $ATTND_PLANE_LIB, else next to this package, else in the source tree's
-``build/transport``; without it the client sends bytes (no error)."""
+``build/transport``, else on the library path (``cmake --install`` puts it in the lib folder);
+without it the client sends bytes (no error)."""
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import threading
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,7 +42,11 @@ def find_library() -> Optional[Path]:
     here = Path(__file__).resolve().parent
     candidates += [here / "libattnd_plane.so",
                    here.parents[2] / "build" / "transport" / "libattnd_plane.so"]
-    return next((c for c in candidates if c.is_file()), None)
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:  # installed with attnd (cmake --install): on the library path
+        name = ctypes.util.find_library("attnd_plane")
+        found = Path(name) if name else None
+    return found
 
 
 def _load() -> Optional[ctypes.CDLL]:
@@ -49,7 +56,7 @@ def _load() -> Optional[ctypes.CDLL]:
             path = find_library()
             if path is None:
                 return None
-            lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(path) if path.is_absolute() else path.name)
             c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
             c_sz, c_p = ctypes.c_size_t, ctypes.c_void_p
             err = [ctypes.c_char_p, c_sz]
@@ -244,10 +251,11 @@ class PlaneUse:
         self._plane_mode, self._plane_bytes = mode, int(region_bytes)
         self._plane_lock = threading.Lock()
         self._plane_obj: Optional[DataPlane] = None
-        self._plane_tried = False
+        self._plane_next_probe = 0.0  # when _plane may next ask (inf: it asked)
 
     def _close_plane(self) -> None:
         with self._plane_lock:
+            self._plane_mode = "off"  # a probe under way closes what it connects
             plane, self._plane_obj = self._plane_obj, None
         if plane is not None:
             plane.close()
@@ -266,7 +274,7 @@ class PlaneUse:
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
         with self._plane_lock:
-            old, self._plane_obj, self._plane_tried = self._plane_obj, plane, True
+            old, self._plane_obj = self._plane_obj, plane
         if old is not None:
             old.close()
         return plane.name
@@ -277,26 +285,32 @@ class PlaneUse:
         return self._plane_obj.name if self._plane_obj is not None else ""
 
     def _plane(self) -> Optional[DataPlane]:
-        broken = self._plane_obj
-        if broken is not None and broken.broken:
-            with self._plane_lock:
-                if self._plane_obj is broken:
-                    self._plane_obj, self._plane_tried = None, False  # connect a new one
-        if self._plane_obj is not None or self._plane_tried or self._plane_mode != "auto":
-            return self._plane_obj
+        """The plane to use now, or None (bytes). Under "auto" the first call starts connecting
+        one in the background and goes as bytes itself: no layer call waits for the probe."""
+        now = time.monotonic()
         with self._plane_lock:
-            if self._plane_tried:
+            if self._plane_obj is not None and self._plane_obj.broken:
+                self._plane_obj, self._plane_next_probe = None, now  # connect a new one
+            if (self._plane_obj is not None or self._plane_mode != "auto"
+                    or now < self._plane_next_probe):
                 return self._plane_obj
-            self._plane_tried = True
+            self._plane_next_probe = float("inf")  # one probe at a time
         if find_library() is None:
             return None
+        threading.Thread(target=self._probe_plane, name="attnd-plane-probe", daemon=True).start()
+        return None
+
+    def _probe_plane(self) -> None:
         try:
-            self.connect_data_plane()
-        except AttndError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE and "not found" not in str(e):
-                with self._plane_lock:
-                    self._plane_tried = False  # the server was not reached: ask again later
-        return self._plane_obj
+            info = self._stub.ServerInfo(pb.ServerInfoRequest(), metadata=self._metadata,
+                                         timeout=2.0)
+            if "ucx" in info.data_plane.planes and self._plane_mode == "auto":
+                self.connect_data_plane()
+        except (AttndError, grpc.RpcError, ValueError):  # ValueError: the channel closed
+            with self._plane_lock:
+                self._plane_next_probe = time.monotonic() + 10.0  # ask again later
+        if self._plane_mode != "auto":  # closed meanwhile
+            self._close_plane()
 
     def _attend(self, step_id: int, inputs: LayerInputs, kind: str):
         plane = self._plane()
