@@ -161,10 +161,14 @@ def _overrun(lib, p, plane, msg, data):
 
 
 def _overwritten(lib, p, plane, msg, data):
-    q = data["q_latent"]
-    _put(lib, p, q, 0, 1003)
-    _put(lib, p, q, 8, 1004)  # a later transfer over part of it
-    _name(msg, "q_latent", plane, 0, len(q), 1003)
+    # q_rope's bytes as transfer 1003, then q_latent's as 1004 over part of them. A put's end
+    # is not its landing, so the call names 1004 first (q_latent is read first, after waiting
+    # for it): by the time q_rope is read, 1003 is known overwritten.
+    r, q = data["q_rope"], data["q_latent"]
+    _put(lib, p, r, 0, 1003)
+    _put(lib, p, q, 8, 1004)
+    _name(msg, "q_latent", plane, 8, len(q), 1004)
+    _name(msg, "q_rope", plane, 0, len(r), 1003)
 
 
 def _no_transfer_id(lib, p, plane, msg, data):
@@ -239,7 +243,7 @@ WORKER = textwrap.dedent("""
     layers = h.inputs(64)
     s.layer(LayerInputs(0, **layers[0]))
     plane = c._plane_obj
-    msg_bytes = os.urandom(48 << 20)  # a large transfer, still in flight when the process dies
+    msg_bytes = os.urandom(16 << 20)  # a large transfer, still in flight when the process dies
     import ctypes
     pieces = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.c_char_p(msg_bytes), ctypes.c_void_p))
     lengths = (ctypes.c_size_t * 1)(len(msg_bytes))
