@@ -3,7 +3,8 @@
 after another until one is refused (or SECONDS pass). Prints a line per step: ``<status code
 name> <when its last layer was sent> <when its reply came> <its commit's protection, or ->``
 (times: time.monotonic(), the system's monotonic clock, which the test reads too) and exits 0
-whatever the steps' statuses.
+whatever the steps' statuses. It prints ``ready`` once connected and waits for a line on stdin
+before its first step: its start-up (Python, numpy, a channel) is not taken out of the lease.
 
     partition_worker.py TARGET SEQUENCE GENERATION SEED SECONDS
 """
@@ -32,6 +33,8 @@ def main() -> None:
     with AttndClient(target, timeout=10.0) as c:
         spec = c.info().model
         rng = np.random.default_rng(seed)
+        print("ready", flush=True)
+        sys.stdin.readline()  # the test cuts the network, then says go
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             x = bf16_layers(spec, 1, rng)

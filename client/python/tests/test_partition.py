@@ -146,13 +146,18 @@ def test_a_cut_off_primary_is_fenced_when_the_partition_heals(tmp_path, mode):
 
         # The stale worker beside the primary steps it from the cut on: commits while the lease
         # holds, then refusals. The lease was last renewed by the step just before the cut.
+        # Started (and connected) first, so its start-up on a loaded machine does not eat the lease.
+        worker = subprocess.Popen([*net.run_inside(), sys.executable, str(WORKER),
+                                   f"127.0.0.1:{c.ports[0]}", sid, str(s.generation), "5", "20"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert worker.stdout.readline().strip() == "ready", worker.stderr.read()[-3000:]
         c.step(s)
         cut_at = time.monotonic()
         net.cut()
-        out = subprocess.run([*net.run_inside(), sys.executable, str(WORKER),
-                              f"127.0.0.1:{c.ports[0]}", sid, str(s.generation), "5", "20"],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
+        stdout, stderr = worker.communicate("go\n", timeout=120)
+        assert worker.returncode == 0, stderr[-3000:]
+        out = subprocess.CompletedProcess(worker.args, worker.returncode, stdout, stderr)
         steps = [line.split() for line in out.stdout.splitlines()]
         committed_at = [float(sent) for code, sent, _, _ in steps if code == "OK"]
         assert steps and steps[-1][0] == "UNAVAILABLE", out.stdout  # refused: no lease
