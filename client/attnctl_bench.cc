@@ -28,11 +28,11 @@ struct WireFigures {
 }  // namespace
 
 int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json) {
-  auto info = c.Info();
-  if (!info.ok()) return Fail(info.status(), "info");
-  auto spec_or = ModelSpecFromProto(info->model());
-  if (!spec_or.ok()) return Fail(spec_or.status(), "model spec");
+  v1::ServerInfoResponse served;
+  auto spec_or = ServedSpec(c, &served);
+  if (!spec_or.ok()) return Fail(spec_or.status(), "info");
   const ModelSpec spec = *spec_or;
+  const v1::ServerInfoResponse* info = &served;
   const int B = static_cast<int>(a.Int("batch", 8));
   const int64_t context = a.Int("context", 4096);
   const int steps = static_cast<int>(a.Int("steps", 20));

@@ -3,6 +3,7 @@
 #include <csignal>
 
 #include "absl/strings/str_cat.h"
+#include "proto/convert/model_spec_proto.h"
 
 namespace attnd::client::ctl {
 namespace {
@@ -49,6 +50,13 @@ absl::Status CheckFits(const v1::ServerInfoResponse& info, const ModelSpec& spec
         absl::StrCat("the sequences would take ", pages, " cache pages, the server has ",
                      free_pages, " free (raise its --kv-cache-bytes or lower ", lower, ")"));
   return absl::OkStatus();
+}
+
+absl::StatusOr<ModelSpec> ServedSpec(Client& c, v1::ServerInfoResponse* info) {
+  auto got = c.Info();
+  if (!got.ok()) return got.status();
+  *info = std::move(*got);
+  return ModelSpecFromProto(info->model());
 }
 
 }  // namespace attnd::client::ctl

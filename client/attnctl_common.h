@@ -70,6 +70,9 @@ int Fail(const absl::Status& s, const char* what);
 absl::Status CheckFits(const v1::ServerInfoResponse& info, const ModelSpec& spec,
                        const std::vector<int64_t>& lengths, const char* lower);
 
+// The server's ServerInfo (into *info) and the model it serves: what every bench starts from.
+absl::StatusOr<ModelSpec> ServedSpec(Client& c, v1::ServerInfoResponse* info);
+
 // attnctl bench: wire bytes and per-layer round trips of the same decode layers, each way a
 // worker may send them, over each transport, beside an echo of the same bytes (JSON with json).
 int Bench(Client& c, const Args& a, const ConnectOptions& options, bool json);

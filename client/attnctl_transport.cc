@@ -170,11 +170,11 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
   auto bytes_client = Client::Connect(target, grpc_only);
   if (!bytes_client.ok()) return Fail(bytes_client.status(), "connect");
   Client& c = **bytes_client;
-  auto info = c.Info();
-  if (!info.ok()) return Fail(info.status(), "info");
-  auto spec_or = ModelSpecFromProto(info->model());
-  if (!spec_or.ok()) return Fail(spec_or.status(), "model spec");
+  v1::ServerInfoResponse served;
+  auto spec_or = ServedSpec(c, &served);
+  if (!spec_or.ok()) return Fail(spec_or.status(), "info");
   const ModelSpec spec = *spec_or;
+  const v1::ServerInfoResponse* info = &served;
   const int B = static_cast<int>(a.Int("batch", 8));
   const int64_t context = a.Int("context", 1024);
   const int steps = static_cast<int>(a.Int("steps", 10));

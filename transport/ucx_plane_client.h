@@ -41,8 +41,6 @@ class UcxPlaneClient {
   static absl::StatusOr<std::unique_ptr<UcxPlaneClient>> Create(int64_t output_bytes);
   ~UcxPlaneClient();
 
-  // For ConnectDataPlaneRequest.worker_address.
-  const std::string& address() const { return worker_->address(); }
   int64_t output_bytes() const { return output_.size(); }
 
   // The handshake's reply: the plane's id and secret, the server's worker, the input region's
