@@ -111,7 +111,6 @@ bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, C
     total += static_cast<int64_t>(from->data().size());
   }
   bool moved = false;
-  call->polling = ends_->Poll();
   if (total > 0) {
     const int64_t at = ends_->input_space().Take(total);
     if (at < 0) return false;  // full now: this call goes in the message

@@ -40,8 +40,7 @@ class DataPlaneSession {
     int64_t output_offset = -1;
     uint64_t output_transfer = 0;
     size_t output_bytes = 0;
-    bool to_dest = false;                                 // the output lands in the caller's buffer
-    std::unique_ptr<transport::UcxWorker::Busy> polling;  // while the call is in flight
+    bool to_dest = false;  // the output lands in the caller's buffer
     DataPlaneSession* session = nullptr;
     ~Call();  // waits for the sends (bounded) and gives the space back
   };

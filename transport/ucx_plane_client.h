@@ -53,11 +53,6 @@ class UcxPlaneClient {
   SpaceMap& output_space() { return output_; }
 
   uint64_t NextTransfer() { return next_transfer_.fetch_add(1); }
-  // The worker polls without sleeping while this is held (a call in flight: its output lands
-  // without a wakeup's delay).
-  std::unique_ptr<UcxWorker::Busy> Poll() {
-    return std::make_unique<UcxWorker::Busy>(worker_.get());
-  }
 
   // Sends n bytes at src into [offset, offset + n) of the server's input region as `transfer`;
   // src must stay valid until the returned send's Wait.

@@ -256,7 +256,6 @@ void UcxWorker::Pending::Finish(absl::Status s) {
     keep.swap(keep_);
     cv_.notify_all();
   }
-  worker_->busy_.fetch_sub(1);
   worker_->in_flight_.fetch_sub(1);
   if (done) done(std::move(s));
 }
@@ -297,8 +296,7 @@ void UcxWorker::Reply(ucp_ep_h reply_ep, uint16_t id, std::string header, const 
   pending->keep_ = std::move(keep);
   pending->worker_ = this;
   pending->header_ = std::move(header);
-  busy_.fetch_add(1);  // until the send finishes (Pending::Finish)
-  in_flight_.fetch_add(1);
+  in_flight_.fetch_add(1);  // until the send finishes (Pending::Finish)
   Start(reply_ep, id, pending, data, length, false, false);
 }
 
@@ -316,8 +314,7 @@ std::shared_ptr<UcxWorker::Pending> UcxWorker::SendPieces(uint64_t endpoint, uin
 
 void UcxWorker::Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending,
                      const void* data, size_t length, bool iov, bool want_reply) {
-  busy_.fetch_add(1);  // until the send finishes (Pending::Finish)
-  in_flight_.fetch_add(1);
+  in_flight_.fetch_add(1);  // until the send finishes (Pending::Finish)
   Post([this, pending, endpoint, id, data, length, iov, want_reply] {
     auto it = endpoints_.find(endpoint);
     if (it == endpoints_.end())

@@ -123,9 +123,12 @@ class UcxWorker {
   std::shared_ptr<Pending> SendPieces(uint64_t endpoint, uint16_t id, std::string header,
                                       std::vector<Piece> pieces);
 
-  // While one is held (and while a send or receive is under way), the progress thread polls
-  // without sleeping as long as something moved in the last 10 ms: a thread waiting for bytes to
-  // land is answered without a wakeup's delay. Otherwise it sleeps on the worker's event fd.
+  // While one is held (and while a receive is under way), the progress thread polls without
+  // sleeping as long as something moved in the last 10 ms: a thread waiting for bytes to land is
+  // answered without a wakeup's delay. Otherwise it sleeps on the worker's event fd. A send in
+  // flight does not hold one: its completion (the peer's acknowledgement) wakes the thread, and
+  // a sender's thread polling while its peer copies the bytes would take a core from that copy
+  // (and, on the client, from the model worker).
   class Busy {
    public:
     explicit Busy(UcxWorker* w) : w_(w) {
@@ -183,7 +186,7 @@ class UcxWorker {
   std::map<uint64_t, std::unique_ptr<Endpoint>> endpoints_;
   uint64_t next_endpoint_ = 1;
   // Work posted from other threads.
-  std::atomic<int> busy_{0};       // Busy holders, sends and receives in flight
+  std::atomic<int> busy_{0};       // Busy holders and receives in flight
   std::atomic<int> in_flight_{0};  // sends and receives in flight
   std::mutex mu_;
   std::deque<std::function<void()>> queue_;
