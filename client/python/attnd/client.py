@@ -63,7 +63,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from .data_plane import PlaneUse
+from .data_plane import AsyncPlaneUse, PlaneUse
 from .errors import AttndError
 from .handoff import drive, handoff_call, handoff_plan
 from .merge import merge_attention, merge_candidates
@@ -565,23 +565,27 @@ class AttndClient(PlaneUse, _Api):
         self.close()
 
 
-class AsyncAttndClient(_Api):
+class AsyncAttndClient(AsyncPlaneUse, _Api):
     """The asyncio client (grpc.aio): the same methods and arguments as :class:`AttndClient`,
     each returning an awaitable — ``info = await client.info()`` — plus ``async with`` and
     :meth:`stream` (an :class:`AsyncStepStream`). Any number of calls may be in flight at once
     from one event loop (a step's layers still go in order). Shared-memory tensors work as with
     the sync client (the arena itself is registered through a sync client or
-    ``await client.register_shared_memory(...)``)."""
+    ``await client.register_shared_memory(...)``), and so does the UCX data plane
+    (``data_plane``, ``data_plane_bytes``; ``await client.connect_data_plane()``)."""
 
     def __init__(self, target: Optional[str] = None, **kwargs) -> None:
         defaults = dict(max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, options=(),
                         root_certificates=None, private_key=None, certificate_chain=None,
                         server_name=None, token=None, act_as_tenant=None, timeout=None,
-                        uint16_as_bf16=False)
+                        uint16_as_bf16=False, data_plane="auto", data_plane_bytes=64 << 20)
         unknown = set(kwargs) - set(defaults)
         if unknown:
             raise TypeError(f"unexpected arguments {sorted(unknown)}")
         a = {**defaults, **kwargs}
+        if a["data_plane"] not in ("auto", "off"):
+            raise ValueError(f"data_plane: {a['data_plane']!r} is not 'auto' or 'off'")
+        self._init_plane(a["data_plane"], a["data_plane_bytes"])
         self._init_channel(grpc.aio, target, a["max_message_bytes"], a["options"],
                            a["root_certificates"], a["private_key"], a["certificate_chain"],
                            a["server_name"], a["token"], a["act_as_tenant"], a["timeout"],
@@ -641,9 +645,10 @@ class AsyncAttndClient(_Api):
     def stream(self, *, timeout: Optional[float] = None) -> AsyncStepStream:
         """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""
         return AsyncStepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
-                               metadata=self._metadata)
+                               metadata=self._metadata, plane=self._plane())
 
     async def close(self) -> None:
+        self._close_plane()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncAttndClient:

@@ -1,8 +1,8 @@
 """The UCX data plane from Python (docs/data-plane.md): the C ABI of attnd's client end
 (``libattnd_plane.so``, built with attnd) bound with ctypes. :class:`DataPlane` moves a layer
 call's tensors into the server's input region and its output back, so the message carries only
-their names; :class:`AttndClient` uses it by itself when the server offers a plane
-(``data_plane="auto"``) and sends bytes in the message otherwise.
+their names; :class:`AttndClient` and :class:`AsyncAttndClient` use it by themselves when the
+server offers a plane (``data_plane="auto"``) and send bytes in the message otherwise.
 
 The library is found at $ATTND_PLANE_LIB, else next to this package, else in the source tree's
 ``build/transport``, else on the library path (``cmake --install`` puts it in the lib folder);
@@ -10,6 +10,7 @@ without it the client sends bytes (no error)."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import os
@@ -108,20 +109,38 @@ class DataPlane:
 
     def __init__(self, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
                  timeout: Optional[float] = None) -> None:
+        request = self._create(info, region_bytes)
+        self._attach(stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout), info)
+
+    @classmethod
+    async def connect_async(cls, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
+                            timeout: Optional[float] = None) -> DataPlane:
+        """The plane over a grpc.aio ``stub`` (for :class:`AsyncAttndClient`)."""
+        plane = cls.__new__(cls)
+        request = plane._create(info, region_bytes)
+        reply = await stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout)
+        plane._attach(reply, info)
+        return plane
+
+    def _create(self, info: pb.ServerInfoResponse, region_bytes: int) -> pb.ConnectDataPlaneRequest:
+        """This end (its worker and output region); returns the handshake's request."""
+        self._p = None
         lib = _load()
         if lib is None:
             raise AttndError(_unavailable(), "libattnd_plane.so not found")
         self._lib = lib
-        size = min(int(region_bytes), int(info.data_plane.max_region_bytes))
+        self._size = min(int(region_bytes), int(info.data_plane.max_region_bytes))
         err = ctypes.create_string_buffer(512)
-        self._p = lib.attnd_plane_create(size, err, len(err))
+        self._p = lib.attnd_plane_create(self._size, err, len(err))
         if not self._p:
             raise AttndError(_unavailable(), err.value.decode(errors="replace"))
-        reply = stub.ConnectDataPlane(
-            pb.ConnectDataPlaneRequest(input_bytes=size, output_bytes=size),
-            metadata=metadata, timeout=timeout)
+        return pb.ConnectDataPlaneRequest(input_bytes=self._size, output_bytes=self._size)
+
+    def _attach(self, reply: pb.ConnectDataPlaneResponse, info: pb.ServerInfoResponse) -> None:
+        """Connects this end to the server's, as the handshake's ``reply`` says."""
+        lib, err = self._lib, ctypes.create_string_buffer(512)
         _check(lib.attnd_plane_attach(self._p, reply.plane_id, reply.token, len(reply.token),
-                                      reply.worker_address, len(reply.worker_address), size,
+                                      reply.worker_address, len(reply.worker_address), self._size,
                                       err, len(err)), err, "data plane")
         self.name = reply.plane
         self.plane_id, self.server_address = reply.plane_id, reply.worker_address
@@ -330,3 +349,103 @@ class PlaneUse:
         plane.finish(call, reply.output)
         return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)
 
+
+
+async def finish_async(plane: DataPlane, call: Optional[_Call], out: pb.LayerOutput) -> None:
+    """:meth:`DataPlane.finish` from an event loop: the wait for the output runs in a worker
+    thread (ctypes lets go of the GIL), so the loop serves other calls meanwhile."""
+    if call is not None:
+        await asyncio.to_thread(plane.finish, call, out)
+
+
+def abandon(plane: DataPlane, call: Optional[_Call], error: BaseException) -> None:
+    """A call over the plane failed (or its task was cancelled): its space is given back once
+    its send settles, in a worker thread, and the plane learns whether it broke."""
+    if call is not None:
+        threading.Thread(target=plane.finish, args=(call, None), name="attnd-plane-abandon",
+                         daemon=True).start()
+    plane.failed(error)
+
+
+class AsyncPlaneUse:
+    """The data plane in :class:`AsyncAttndClient` (a mixin), as :class:`PlaneUse` does it for
+    the sync client: under ``data_plane="auto"`` the first layer call starts connecting one in
+    the background (a task on the loop) and goes as bytes itself."""
+
+    def _init_plane(self, mode: str, region_bytes: int) -> None:
+        self._plane_mode, self._plane_bytes = mode, int(region_bytes)
+        self._plane_obj: Optional[DataPlane] = None
+        self._plane_next_probe = 0.0  # when _plane may next ask (inf: it asked)
+        self._plane_task: Optional[asyncio.Task] = None
+
+    def _close_plane(self) -> None:
+        self._plane_mode = "off"
+        if self._plane_task is not None:
+            self._plane_task.cancel()
+        plane, self._plane_obj = self._plane_obj, None
+        if plane is not None:
+            plane.close()
+
+    async def connect_data_plane(self) -> str:
+        """See :meth:`AttndClient.connect_data_plane`."""
+        info = await self._unary("ServerInfo", pb.ServerInfoRequest(), lambda r: r)
+        if "ucx" not in info.data_plane.planes:
+            raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "the server has no UCX data plane (--data-plane=ucx)")
+        try:
+            plane = await DataPlane.connect_async(self._stub, self._metadata, info,
+                                                  self._plane_bytes, self._timeout)
+        except grpc.RpcError as e:
+            raise AttndError.from_rpc_error(e) from e
+        old, self._plane_obj = self._plane_obj, plane
+        if old is not None:
+            old.close()
+        return plane.name
+
+    @property
+    def data_plane_name(self) -> str:
+        """The connected plane's name ("ucx-3"), or "" when layer calls send bytes."""
+        return self._plane_obj.name if self._plane_obj is not None else ""
+
+    def _plane(self) -> Optional[DataPlane]:
+        now = time.monotonic()
+        if self._plane_obj is not None and self._plane_obj.broken:
+            self._plane_obj, self._plane_next_probe = None, now  # connect a new one
+        if (self._plane_obj is not None or self._plane_mode != "auto"
+                or now < self._plane_next_probe or find_library() is None):
+            return self._plane_obj
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not from a coroutine: the next call asks
+            return None
+        self._plane_next_probe = float("inf")  # one probe at a time
+        self._plane_task = loop.create_task(self._probe_plane())
+        return None
+
+    async def _probe_plane(self) -> None:
+        try:
+            info = await self._stub.ServerInfo(pb.ServerInfoRequest(), metadata=self._metadata,
+                                               timeout=2.0)
+            if "ucx" in info.data_plane.planes and self._plane_mode == "auto":
+                await self.connect_data_plane()
+        except (AttndError, grpc.RpcError, ValueError):
+            self._plane_next_probe = time.monotonic() + 10.0  # ask again later
+        if self._plane_mode != "auto":  # closed meanwhile
+            self._close_plane()
+
+    async def _attend(self, step_id: int, inputs: LayerInputs, kind: str):
+        plane = self._plane()
+        if plane is None:
+            return await super()._attend(step_id, inputs, kind)
+        request = pb.AttendLayerRequest(
+            step_id=step_id,
+            inputs=encode_layer(inputs, uint16_as_bf16=self._uint16_as_bf16,
+                                candidates=kind == "candidates"))
+        call = plane.stage(request.inputs)
+        try:
+            reply = await self._unary("AttendLayer", request, lambda r: r)
+        except BaseException as e:
+            abandon(plane, call, e)
+            raise
+        await finish_async(plane, call, reply.output)
+        return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)

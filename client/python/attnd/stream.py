@@ -11,6 +11,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from . import wire
+from .data_plane import abandon, finish_async
 from .errors import AttndError
 from .sync import run_sync
 from .types import Batch, Candidates, LayerResult, StepInfo
@@ -277,8 +278,10 @@ class AsyncStepStream(_StepBookkeeping):
     it closes on normal exit and cancels on an exception. One coroutine at a time per stream."""
 
     def __init__(self, stub: pb_grpc.AttentionStub, *, timeout: Optional[float] = None,
-                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = ()) -> None:
+                 uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = (),
+                 plane=None) -> None:
         self._init_bookkeeping(stub, metadata, uint16_as_bf16)
+        self._plane = plane  # a DataPlane, as for StepStream
         self._call = stub.Step(timeout=timeout, metadata=self._metadata)
 
     def _ended(self) -> None:
@@ -340,7 +343,16 @@ class AsyncStepStream(_StepBookkeeping):
         return await self._layer(inputs, "candidates")
 
     async def _layer(self, inputs: LayerInputs, kind: str):
-        response = await self._roundtrip(self._layer_request(inputs, kind), "layer")
+        request = self._layer_request(inputs, kind)
+        call = self._plane.stage(request.layer) if self._plane is not None else None
+        try:
+            response = await self._roundtrip(request, "layer")
+        except BaseException as e:
+            if call is not None:
+                abandon(self._plane, call, e)
+            raise
+        if call is not None:
+            await finish_async(self._plane, call, response.layer)
         return self._layered(response, inputs, kind)
 
     async def abort(self) -> None:

@@ -7,6 +7,7 @@ the plane: scripts/test.sh, ATTND_TEST_DATA_PLANE=ucx.)"""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -20,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnd import AttndClient, AttndError, LayerInputs
+from attnd import AsyncAttndClient, AttndClient, AttndError, LayerInputs
 from attnd.data_plane import find_library
 from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
@@ -342,3 +343,99 @@ def test_a_plane_the_server_no_longer_holds_is_replaced(plane_harness, plane_ser
             time.sleep(0.01)
         assert c.data_plane_name.startswith("ucx-") and c.data_plane_name != first
         h.step(c, [(sid, 1)])  # over it
+
+
+def test_the_async_client_moves_its_layers_through_the_plane_with_the_same_bits(plane_harness,
+                                                                                plane_server):
+    """AsyncAttndClient under "auto": the first layer call connects a plane in the background
+    (and goes as bytes); later unary and streamed calls move their tensors through it, and every
+    output is bit for bit what a bytes client gets for a twin sequence, itself checked against
+    the float64 reference. The plane's bytes counters move with the async calls alone."""
+    h = plane_harness
+    mport = _METRICS[plane_server]
+    ref, unary, streamed = h.open("async-ref"), h.open("async-unary"), h.open("async-stream")
+    steps = [h.inputs(T) for T in (5, 1, 1, 3)]
+    with AttndClient(plane_server, timeout=30.0, data_plane="off") as off:
+        want = [h.step(off, [(ref, len(x[0]["kv_latent"]))], inputs=x) for x in steps]
+
+    async def run():
+        outs, moved = {unary: [], streamed: []}, []
+        async with AsyncAttndClient(plane_server, timeout=30.0) as c:
+            for k, inputs in enumerate(steps):
+                T = len(inputs[0]["kv_latent"])
+                before = _sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
+                step = await c.begin_step([(unary, T)])
+                outs[unary].append([await c.attend_layer(step.step_id, LayerInputs(i, **x))
+                                    for i, x in enumerate(inputs)])
+                async with c.stream() as s:
+                    await s.begin([(streamed, T)])
+                    outs[streamed].append([await s.layer(LayerInputs(i, **x))
+                                           for i, x in enumerate(inputs)])
+                moved.append(_sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
+                             - before)
+                if k == 0:  # the background connect, started by the first call
+                    deadline = time.monotonic() + 10
+                    while not c.data_plane_name and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    assert c.data_plane_name.startswith("ucx-")
+        return outs, moved
+
+    outs, moved = asyncio.run(run())
+    for sid in (unary, streamed):
+        for k, (got, exp) in enumerate(zip(outs[sid], want)):
+            for layer, (x, y) in enumerate(zip(got, exp)):
+                assert x.dtype == y.dtype and x.shape == y.shape, (sid, k, layer)
+                assert np.array_equal(bits(x), bits(y)), (sid, k, layer)
+    # Every step after the first moved at least its tensors' bytes through the plane (other
+    # tests' calls on this server only add to the counter).
+    for k, inputs in enumerate(steps[1:], 1):
+        tensor_bytes = 2 * sum(a.nbytes for x in inputs for a in x.values())
+        assert moved[k] >= tensor_bytes, (k, moved[k], tensor_bytes)
+
+
+def test_a_failed_or_cancelled_async_call_gives_its_space_back(plane_harness, plane_server):
+    """An async call over the plane that the server refuses (a layer out of order) aborts its
+    step with the sequence unchanged; a task cancelled while its call is in flight does too
+    (the server aborts the stream's step); neither leaves the plane's regions taken: five such
+    calls, each a fifth of the regions, and then eight more still go through the plane."""
+    h = plane_harness
+    sid = h.open("async-fail")
+    T = 16
+    per_call = max(sum(a.nbytes for a in x.values()) for x in h.inputs(T))
+    region = 5 * ((per_call + 255) // 256 * 256)  # room for five calls at once, no more
+
+    async def run():
+        async with AsyncAttndClient(plane_server, timeout=30.0, data_plane_bytes=region) as c:
+            await c.connect_data_plane()
+            inputs = h.inputs(T)
+            step = await c.begin_step([(sid, T)])
+            with pytest.raises(AttndError) as e:
+                await c.attend_layer(step.step_id, LayerInputs(1, **inputs[1]))
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
+            h.assert_unchanged([sid])
+            for _ in range(4):  # with the failed call, five calls' worth of space
+                async with c.stream() as s:
+                    await s.begin([(sid, T)])
+                    task = asyncio.ensure_future(s.layer(LayerInputs(0, **inputs[0])))
+                    await asyncio.sleep(0)  # the call is staged and in flight
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    await s.released()
+                h.assert_unchanged([sid])
+            # Calls of a fifth of the regions: with any space still taken they would go as
+            # bytes (and the plane's counter would stand still).
+            before = _sample(scrape(_METRICS[plane_server]),
+                             'attnd_data_plane_bytes_total{direction="in"}')
+            for _ in range(8):
+                step = await c.begin_step([(sid, T)])
+                x = h.inputs(T)
+                outs = [await c.attend_layer(step.step_id, LayerInputs(i, **y))
+                        for i, y in enumerate(x)]
+                h.check(outs, h.ref.step([(sid, T)], x), x, "after the failures", 1e-2)
+            after = _sample(scrape(_METRICS[plane_server]),
+                            'attnd_data_plane_bytes_total{direction="in"}')
+            assert after - before >= 8 * sum(a.nbytes for a in x[0].values()), (before, after)
+            assert c.data_plane_name.startswith("ucx-")
+
+    asyncio.run(run())

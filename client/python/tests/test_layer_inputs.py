@@ -6,6 +6,7 @@ returns what it returned: the same messages on the wire and bit-identical replie
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -112,9 +113,13 @@ def _run(target, style, sid, layers, *, old, details):
 
     if style == "async_stream":
         async def go():
-            async with AsyncAttndClient(target, timeout=60.0) as c, c.stream() as s:
-                await s.begin([(sid, T)])
-                return [await acall(s.layer, s.layer_details, i, x) for i, x in enumerate(layers)]
+            async with AsyncAttndClient(target, timeout=60.0) as c:
+                if os.environ.get("ATTND_TEST_DATA_PLANE") == "ucx":  # test.sh's pass over it
+                    await c.connect_data_plane()
+                async with c.stream() as s:
+                    await s.begin([(sid, T)])
+                    return [await acall(s.layer, s.layer_details, i, x)
+                            for i, x in enumerate(layers)]
         return asyncio.run(go())
     with AttndClient(target, timeout=60.0) as c:
         if style == "stream":
