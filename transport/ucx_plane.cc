@@ -4,6 +4,7 @@
 #include <cstring>
 #include <deque>
 #include <random>
+#include <shared_mutex>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -35,10 +36,19 @@ bool SameToken(const uint8_t* a, const std::string& b) {
 
 }  // namespace
 
+// What a plane reaches of the server's worker. ~UcxPlane cuts it before the worker goes, so a
+// region a call still holds (a plane's State outlives the UcxPlane while one does) never touches
+// a destroyed worker: its reads fail as the closed plane's, and its memory, unregistered by the
+// worker as it went, is only freed.
+struct UcxPlane::Link {
+  std::shared_mutex mu;         // shared while a State uses the worker, exclusive to cut
+  UcxWorker* worker = nullptr;  // null once cut
+};
+
 struct UcxPlane::State {
   uint64_t id = 0;
   std::string name, tenant, token;
-  UcxWorker* worker = nullptr;
+  std::shared_ptr<Link> link;
   std::atomic<int64_t> last_used{0};  // absl::Now() in ns at its last message or call
   absl::Duration timeout;
   int max_landed = 0;
@@ -65,8 +75,13 @@ struct UcxPlane::State {
   absl::Status lost;  // non-OK once the plane closed
 
   ~State() {
-    if (memh != nullptr) worker->Unregister(memh);
-    if (output_memh != nullptr) worker->Unregister(output_memh);
+    if (link != nullptr) {  // null: Connect refused it before registering anything
+      std::shared_lock<std::shared_mutex> alive(link->mu);
+      if (link->worker != nullptr) {
+        if (memh != nullptr) link->worker->Unregister(memh);
+        if (output_memh != nullptr) link->worker->Unregister(output_memh);
+      }
+    }
     std::free(input);
     std::free(output);
   }
@@ -132,7 +147,12 @@ class InputRegion final : public Region {
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": a data plane tensor names the transfer that brought it"));
     UcxPlane::State& s = *s_;
-    UcxWorker::Busy busy(s.worker);  // the progress thread polls while this waits
+    std::shared_lock<std::shared_mutex> alive(s.link->mu);
+    if (s.link->worker == nullptr) {  // the server's end is gone
+      absl::Status lost = s.Lost();
+      return lost.ok() ? absl::UnavailableError("data plane closed") : lost;
+    }
+    UcxWorker::Busy busy(s.link->worker);  // the progress thread polls while this waits
     std::unique_lock<std::mutex> lock(s.mu);
     const auto until = absl::ToChronoTime(absl::Now() + s.timeout);
     const bool arrived =
@@ -203,11 +223,17 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& option
                 {kPull, [raw = p.get()](const UcxWorker::Message& m) { raw->OnPull(m); }}});
   if (!w.ok()) return w.status();
   p->worker_ = std::move(*w);
+  p->link_ = std::make_shared<Link>();
+  p->link_->worker = p->worker_.get();
   return p;
 }
 
 UcxPlane::~UcxPlane() {
   CloseAll();
+  if (link_ != nullptr) {  // null: Create failed before the worker was up
+    std::unique_lock<std::shared_mutex> cut(link_->mu);  // waits out Views (closed: they end)
+    link_->worker = nullptr;
+  }
   worker_.reset();  // the thread stops; regions still held by calls keep their memory
 }
 
@@ -318,7 +344,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->name = absl::StrCat("ucx-", s->id);
   s->tenant = tenant;
   s->token = RandomToken();
-  s->worker = worker_.get();
+  s->link = link_;
   s->timeout = options_.transfer_timeout;
   s->max_landed = options_.max_landed;
   s->input_bytes = input_bytes;

@@ -81,6 +81,7 @@ class UcxPlane {
   const Options& options() const { return options_; }
 
   struct State;  // one plane (ucx_plane.cc)
+  struct Link;   // what planes reach of worker_ (ucx_plane.cc)
 
   // The handlers of the messages clients send (the progress thread; public for the fuzz target,
   // which feeds them any bytes).
@@ -94,6 +95,7 @@ class UcxPlane {
 
   const Options options_;
   std::unique_ptr<UcxWorker> worker_;
+  std::shared_ptr<Link> link_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<State>> planes_;
   uint64_t next_id_ = 1;

@@ -113,6 +113,9 @@ UcxWorker::~UcxWorker() {
                  in_flight_.load());
     return;
   }
+  // Memory still registered (its owner outlives this worker) is released here: UCX asserts when
+  // a context goes with registrations in use.
+  for (ucp_mem_h memh : registered_) (void)ucp_mem_unmap(context_, memh);
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
 }
@@ -362,16 +365,20 @@ absl::StatusOr<ucp_mem_h> UcxWorker::Register(void* base, size_t length) {
     p.address = base;
     p.length = length;
     ucp_mem_h memh = nullptr;
-    if (ucs_status_t s = ucp_mem_map(context_, &p, &memh); s != UCS_OK)
+    if (ucs_status_t s = ucp_mem_map(context_, &p, &memh); s != UCS_OK) {
       result = UcxError("data plane registration", s);
-    else
+    } else {
+      registered_.insert(memh);
       result = memh;
+    }
   });
   return result;
 }
 
 void UcxWorker::Unregister(ucp_mem_h memh) {
-  Run([&] { (void)ucp_mem_unmap(context_, memh); });
+  Run([&] {
+    if (registered_.erase(memh) != 0) (void)ucp_mem_unmap(context_, memh);
+  });
 }
 
 void UcxWorker::Receive(void* descriptor, void* buffer, size_t length,

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -184,6 +185,7 @@ class UcxWorker {
   std::map<uint16_t, std::unique_ptr<HandlerSlot>> handlers_;
   // Progress-thread state.
   std::map<uint64_t, std::unique_ptr<Endpoint>> endpoints_;
+  std::set<ucp_mem_h> registered_;  // Register'ed and not yet Unregister'ed
   uint64_t next_endpoint_ = 1;
   // Work posted from other threads.
   std::atomic<int> busy_{0};       // Busy holders and receives in flight

@@ -270,6 +270,30 @@ TEST(UcxPlane, AClientThatDiesLeavesItsPlaneServingNothingAndClosable) {
   EXPECT_EQ(p.server->num_planes(), 0);
 }
 
+TEST(UcxPlane, ARegionHeldPastItsPlaneRefusesReadsAndIsReleasedSafely) {
+  // A call still holding a region when the server's plane goes (shutdown): reading it fails
+  // cleanly, and dropping it afterwards touches no UCX worker (ASan runs this).
+  Pair p = Connect();
+  const std::string bytes = RandomBytes(5000, 9);
+  const uint64_t t = p.client->NextTransfer();
+  ASSERT_TRUE(
+      p.client->Put(bytes.data(), bytes.size(), 0, t)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  auto in = p.server->Resolve("tenant-a", "q", p.conn.input_region, 0, bytes.size());
+  auto out = p.server->Resolve("tenant-a", "out", p.conn.output_region, 0, 4096);
+  ASSERT_TRUE(in.ok() && out.ok());
+  std::string got(bytes.size(), '\0');
+  ASSERT_TRUE((*in)->Read(0, got.data(), got.size(), t).ok());
+  EXPECT_EQ(got, bytes);
+  p.server.reset();
+  const absl::Status read = (*in)->Read(0, got.data(), got.size(), t);
+  EXPECT_EQ(read.code(), absl::StatusCode::kUnavailable) << read;
+  char* staged = (*out)->Staging(0, 4096);
+  std::memset(staged, 1, 4096);
+  EXPECT_EQ((*out)->Write(0, staged, 4096, t + 1).code(), absl::StatusCode::kUnavailable);
+  in->reset();
+  out->reset();
+}
+
 TEST(UcxPlane, SpaceMapHandsOutDisjointPieces) {
   SpaceMap m(4096);
   const int64_t a = m.Take(1000), b = m.Take(1000), c = m.Take(3000);
