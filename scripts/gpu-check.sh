@@ -21,7 +21,10 @@
 #   7. End to end: attnd on the GPU with attnctl bench against it (B = 64, 8K context, DeepSeek
 #      dims): the server's layer time beside its round trip, bf16 (default and library kernels)
 #      and fp8 caches.
-#   8. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
+#   8. The UCX data plane's transport on this host's CPUs (issue #54's measurement wants cores to
+#      spare for the progress threads, which the 2-core development VM lacks): bench/
+#      transport_bench.py against a CPU attnd of the bundle, batch 8 and 64 (transport.md).
+#   9. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
 #      fraction of the limit, speed-up over PyTorch; then the sparse MLA's forms ranked and which
 #      to make the default ("MLA choice"). Every file also in gpu-check-logs.tgz.
 # A stage starts only when its time limit fits what is left of the budget; every command runs
@@ -40,7 +43,7 @@ MAX_RERUNS=${GPU_CHECK_RERUNS:-4}
 # GPU_CHECK_ONLY: the groups to run (a kernel iteration: tests,bench,profile); GPU_CHECK_FILTER: a
 # gtest filter for the GPU test binaries (e.g. '*DeepSeekDims*:*CudaParity*'); the device
 # interface tests run only unfiltered.
-ONLY=${GPU_CHECK_ONLY:-tests,simt,sanitizer,bench,torch,e2e,profile}
+ONLY=${GPU_CHECK_ONLY:-tests,simt,sanitizer,bench,torch,e2e,profile,transport}
 FILTER=${GPU_CHECK_FILTER:-*}
 RERUN_BUDGET=${GPU_CHECK_RERUN_S:-90}
 KILL_AFTER=5  # seconds between timeout's TERM and its KILL
@@ -59,6 +62,7 @@ if [ ! -x "$BUNDLE/cuda_test" ]; then
 fi
 case $BUNDLE in /*) ;; *) BUNDLE=$PWD/$BUNDLE ;; esac
 export LD_LIBRARY_PATH="$BUNDLE/lib:${LD_LIBRARY_PATH:-}"
+[ -d "$BUNDLE/lib/ucx" ] && export UCX_MODULE_DIR="$BUNDLE/lib/ucx"  # gpu-bundle.sh's UCX modules
 # cuBLAS (the GEMM MLA loads it at run time) is not carried (600 MB): the GPU machine's own, from
 # its CUDA toolkit or PyTorch's wheels, after the bundle's libraries.
 for d in /usr/local/cuda/lib64 \
@@ -353,6 +357,31 @@ if wanted e2e "end to end" && fits "end to end" 150; then
   else
     [ $rc -ne 0 ] && status=1
     record "end to end" 150 "$(verdict_of $rc)" $((SECONDS - t0)) "e2e-*.json"
+  fi
+fi
+echo "== the UCX data plane's transport on this host's CPUs"
+# bench/transport_bench.py with the bundle's attnd and attnctl (a CPU attnd: the plane's bytes
+# are host memory either way): per-layer transport for gRPC bytes, shared memory and UCX (sm,
+# tcp) beside a bare UCX round trip, and two micro-batches in flight (transport.md). --dry-run:
+# the tiny model, batch 2, one step (the plumbing).
+if wanted transport "UCX transport" && fits "UCX transport" 150; then
+  t0=$SECONDS
+  rc=0
+  if [ $DRY = 1 ]; then
+    args=(--base=tiny --batches=2 --context=16 --steps=1)
+  else
+    args=(--batches=8,64 --context=64 --steps=20)
+  fi
+  ATTND_BIN="$BUNDLE/attnd" ATTNCTL_BIN="$BUNDLE/attnctl" bounded 145 python3 \
+    bench/transport_bench.py "${args[@]}" --out="$OUT/transport.md" > "$OUT/transport.log" 2>&1 ||
+    rc=$?
+  tail -3 "$OUT/transport.log"
+  if [ $DRY = 1 ]; then
+    record "UCX transport" 150 "$([ $rc = 0 ] && echo "plumbing ok" || echo failed)" \
+      $((SECONDS - t0)) "no GPU needed; the dry run's tiny model at batch 2"
+  else
+    [ $rc -ne 0 ] && status=1
+    record "UCX transport" 150 "$(verdict_of $rc)" $((SECONDS - t0)) "transport.md"
   fi
 fi
 echo "== table"
