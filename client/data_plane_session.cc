@@ -69,7 +69,8 @@ DataPlaneSession::~DataPlaneSession() = default;
 
 DataPlaneSession::Call::~Call() {
   if (session == nullptr) return;
-  for (auto& p : sends) (void)p->Wait(absl::Now() + kSettle);
+  for (auto& p : sends)
+    if (!p->Wait(absl::Now() + kSettle).ok()) session->broken_ = true;  // the endpoint is closed
   for (int64_t off : input_space) session->ends_->input_space().Give(off);
   if (output_offset >= 0) {
     session->ends_->Forget(output_transfer);

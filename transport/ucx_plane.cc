@@ -50,6 +50,10 @@ struct UcxPlane::State {
   std::string name, tenant, token;
   std::shared_ptr<Link> link;
   std::atomic<int64_t> last_used{0};  // absl::Now() in ns at its last message or call
+  // Rendezvous receives into the input region under way. One its client stalls never ends (UCX
+  // 1.13 cannot cancel it), so a closed plane with one still counts against the limits
+  // (UcxPlane::closing_).
+  std::atomic<int> receiving{0};
   absl::Duration timeout;
   int max_landed = 0;
   // The input region: server memory registered with UCX once.
@@ -240,21 +244,31 @@ UcxPlane::~UcxPlane() {
 void UcxPlane::OnToServer(const UcxWorker::Message& m) {
   ToServerHeader h;
   std::shared_ptr<State> s;
-  if (UnpackHeader(m.header, m.header_length, &h)) {
+  if (UnpackHeader(m.header, m.header_length, &h) && h.transfer != 0) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = planes_.find(h.plane);
-    if (it != planes_.end() && SameToken(h.token, it->second->token)) s = it->second;
+    if (it != planes_.end() && SameToken(h.token, it->second->token)) {
+      s = it->second;
+      // Counted before mu_ goes, so a Close from now on sees the receive (undone below where
+      // none starts).
+      if (m.rndv) s->receiving.fetch_add(1);
+    }
   }
-  if (s == nullptr || h.transfer == 0) {
+  if (s == nullptr) {
     refused_.fetch_add(1);
     return;  // not this plane's: dropped, nothing written
   }
   s->Touch();
-  const int64_t length = static_cast<int64_t>(m.length);
-  if (h.offset < 0 || length > s->input_bytes || h.offset > s->input_bytes - length) {
-    s->Land(h.transfer, h.offset, length,
+  // m.length is the sender's word (a rendezvous's claimed size): compared unsigned, before any
+  // conversion, so no claim wraps past the checks.
+  const bool fits = m.length <= static_cast<size_t>(s->input_bytes) && h.offset >= 0 &&
+                    h.offset <= s->input_bytes - static_cast<int64_t>(m.length);
+  const int64_t length = fits ? static_cast<int64_t>(m.length) : -1;
+  if (!fits) {
+    if (m.rndv) s->receiving.fetch_sub(1);
+    s->Land(h.transfer, h.offset, 0,
             absl::InvalidArgumentError(absl::StrCat(
-                "data plane transfer ", h.transfer, ": ", length, " bytes at offset ", h.offset,
+                "data plane transfer ", h.transfer, ": ", m.length, " bytes at offset ", h.offset,
                 " overrun ", s->name, ".in (", s->input_bytes, " bytes); nothing written")));
     return;
   }
@@ -264,8 +278,10 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
     s->Land(h.transfer, h.offset, length, absl::OkStatus());
     return;
   }
-  worker_->Receive(m.data, s->input + h.offset, m.length,
-                   [s, h, length](absl::Status st) { s->Land(h.transfer, h.offset, length, st); });
+  worker_->Receive(m.data, s->input + h.offset, m.length, [s, h, length](absl::Status st) {
+    s->receiving.fetch_sub(1);
+    s->Land(h.transfer, h.offset, length, st);
+  });
 }
 
 void UcxPlane::OnPull(const UcxWorker::Message& m) {
@@ -309,6 +325,7 @@ std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
   for (auto it = planes_.begin(); it != planes_.end();) {
     if (it->second->last_used.load(std::memory_order_relaxed) < cutoff) {
       idle.push_back(it->second);
+      closing_.push_back(it->second);
       it = planes_.erase(it);
     } else {
       ++it;
@@ -326,21 +343,56 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
       return absl::InvalidArgumentError(absl::StrCat(what, ": ", v, " is outside [", lo, ", ",
                                                      options_.max_region_bytes,
                                                      "] (--data-plane-region-bytes)"));
+  // Planes closed for idleness are released after mu_ (their last reference's ~State waits for
+  // the progress thread, whose handlers take mu_).
+  std::vector<std::shared_ptr<State>> idle;
   auto s = std::make_shared<State>();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& gone : TakeIdle())
+    idle = TakeIdle();
+    for (auto& gone : idle)
       gone->Lose(absl::UnavailableError("data plane closed after it stood idle"));
-    if (static_cast<int>(planes_.size()) >= options_.max_planes)
+    // Planes being connected count as connected (their memory is being taken), so concurrent
+    // handshakes cannot pass the limits together; so do closed planes whose client has left a
+    // receive under way (their memory stays taken until it ends).
+    int closing = 0, mine = 0;
+    for (auto it = closing_.begin(); it != closing_.end();) {
+      std::shared_ptr<State> c = it->lock();
+      if (c == nullptr || c->receiving.load() == 0) {
+        it = closing_.erase(it);
+        continue;
+      }
+      ++closing;
+      mine += c->tenant == tenant;
+      ++it;
+    }
+    if (static_cast<int>(planes_.size()) + connecting_ + closing >= options_.max_planes)
       return absl::ResourceExhaustedError(absl::StrCat(
           "data plane: ", options_.max_planes, " planes connected (--data-plane-max-planes)"));
-    int mine = 0;
+    if (auto c = connecting_of_.find(tenant); c != connecting_of_.end()) mine += c->second;
     for (const auto& [id, p] : planes_) mine += p->tenant == tenant;
     if (tenant_limit > 0 && mine >= tenant_limit)
       return absl::ResourceExhaustedError(
           absl::StrCat("data plane: this tenant holds its quota of ", tenant_limit, " planes"));
     s->id = next_id_++;
+    ++connecting_;
+    ++connecting_of_[tenant];
   }
+  struct Reserved {  // the slot taken above, given back however this returns
+    UcxPlane* p;
+    const std::string& tenant;
+    bool held = true;
+    void Release() {  // mu_ held
+      held = false;
+      --p->connecting_;
+      if (--p->connecting_of_[tenant] == 0) p->connecting_of_.erase(tenant);
+    }
+    ~Reserved() {
+      if (!held) return;
+      std::lock_guard<std::mutex> lock(p->mu_);
+      Release();
+    }
+  } reserved{this, tenant};
   s->name = absl::StrCat("ucx-", s->id);
   s->tenant = tenant;
   s->token = RandomToken();
@@ -362,6 +414,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->Touch();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    reserved.Release();
     planes_[s->id] = s;
   }
   return Connection{s->name,         s->id,           s->token, worker_->address(),
@@ -375,6 +428,7 @@ absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name)
     for (auto it = planes_.begin(); it != planes_.end(); ++it)
       if (it->second->name == name && it->second->tenant == tenant) {
         s = it->second;
+        closing_.push_back(s);
         planes_.erase(it);
         break;
       }

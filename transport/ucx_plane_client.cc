@@ -114,7 +114,6 @@ void UcxPlaneClient::Land(uint64_t transfer, int64_t offset, int64_t length, abs
 void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
   ToClientHeader h;
   if (!UnpackHeader(m.header, m.header_length, &h) || h.plane != plane_) return;
-  const int64_t length = static_cast<int64_t>(m.length);
   if (h.refused != 0) {
     std::lock_guard<std::mutex> lock(mu_);
     landed_[h.transfer] = {h.offset, 0,
@@ -124,9 +123,12 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
     cv_.notify_all();
     return;
   }
-  if (h.offset < 0 || length > output_.size() || h.offset > output_.size() - length)
-    return Land(h.transfer, h.offset, length,
+  // m.length is the sender's word (compared unsigned, before any conversion).
+  if (h.offset < 0 || m.length > static_cast<size_t>(output_.size()) ||
+      h.offset > output_.size() - static_cast<int64_t>(m.length))
+    return Land(h.transfer, h.offset, 0,
                 absl::InternalError("data plane: the server sent an output outside the region"));
+  const int64_t length = static_cast<int64_t>(m.length);
   char* dest = out_ + h.offset;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -140,7 +142,14 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
         return;
       }
       dest = it->second.first;
-      if (m.rndv) ++receiving_;
+      if (!m.rndv) {  // copied under mu_: Forget cannot return (and its caller free dest) meanwhile
+        std::memcpy(dest, m.data, m.length);
+        if (landed_.size() >= kMaxLanded) landed_.erase(landed_.begin());
+        landed_[h.transfer] = {h.offset, length, absl::OkStatus()};
+        cv_.notify_all();
+        return;
+      }
+      ++receiving_;
     }
   }
   if (!m.rndv) {
@@ -177,8 +186,16 @@ absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t off
   pull.transfer = transfer;
   pull.offset = offset;
   pull.length = static_cast<int64_t>(n);
-  auto asked = worker_->Send(endpoint_, kPull, PackHeader(pull), nullptr, 0, nullptr, nullptr,
-                             /*want_reply=*/true);
+  // A pull that cannot go (the endpoint failed or was closed) ends the wait at once.
+  auto asked = worker_->Send(
+      endpoint_, kPull, PackHeader(pull), nullptr, 0,
+      [this](absl::Status s) {
+        if (s.ok()) return;
+        std::lock_guard<std::mutex> lock(mu_);
+        if (lost_.ok()) lost_ = std::move(s);
+        cv_.notify_all();
+      },
+      nullptr, /*want_reply=*/true);
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_until(lock, absl::ToChronoTime(deadline),
                  [&] { return landed_.count(transfer) != 0 || !lost_.ok(); });

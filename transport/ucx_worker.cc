@@ -395,6 +395,7 @@ void UcxWorker::Receive(void* descriptor, void* buffer, size_t length,
   in_flight_.fetch_add(1);
   auto* fn = new std::function<void(absl::Status)>([this, done = std::move(done)](absl::Status s) {
     busy_.fetch_sub(1);
+    in_flight_.fetch_sub(1);
     done(std::move(s));
   });
   p.user_data = fn;

@@ -4,12 +4,16 @@
 // with UCX_TLS=tcp and UCX_TLS=sm.
 #include "transport/ucx_plane.h"
 
+#include <atomic>
 #include <cstring>
+#include <future>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "transport/plane_wire.h"
 #include "transport/ucx_plane_client.h"
@@ -292,6 +296,109 @@ TEST(UcxPlane, ARegionHeldPastItsPlaneRefusesReadsAndIsReleasedSafely) {
   EXPECT_EQ((*out)->Write(0, staged, 4096, t + 1).code(), absl::StatusCode::kUnavailable);
   in->reset();
   out->reset();
+}
+
+TEST(UcxPlane, ARendezvousClaimingMoreThanTheRegionIsRefusedBeforeAnyReceive) {
+  // A sender's claimed size is its word: a modified client's claim of up to 2^64 - 1 bytes must
+  // not wrap past the bounds checks into a receive (the descriptor here is nothing: a receive
+  // would crash).
+  Pair p = Connect();
+  ToServerHeader h;
+  h.plane = p.conn.id;
+  std::memcpy(h.token, p.conn.token.data(), kTokenBytes);
+  h.offset = 0;
+  uint64_t t = 100;
+  for (size_t claim : {SIZE_MAX, SIZE_MAX - 4095, size_t{1} << 63, size_t{(1 << 20) + 1}}) {
+    h.transfer = ++t;
+    const std::string header = PackHeader(h);
+    p.server->OnToServer(UcxWorker::Message{header.data(), header.size(), nullptr, claim,
+                                            /*rndv=*/true, nullptr});
+    absl::Status st;
+    ReadBack(p, 0, 16, t, &st);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << claim << " " << st;
+  }
+}
+
+TEST(UcxPlane, ConcurrentHandshakesCannotPassTheLimitsTogether) {
+  // Each handshake allocates and registers its regions between its checks and its insert:
+  // eight at once must still leave a tenant at its quota and the server at its limit.
+  UcxPlane::Options o;
+  o.max_planes = 3;
+  o.max_region_bytes = 8 << 20;
+  auto server = UcxPlane::Create(o);
+  ASSERT_TRUE(server.ok());
+  for (auto [tenants, limit, want] : {std::tuple{1, 2, 2}, std::tuple{4, 0, 1}}) {
+    std::atomic<int> connected{0};
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 8; ++i)
+      threads.emplace_back([&, i, tenants = tenants, limit = limit] {
+        const std::string tenant = tenants == 1 ? "t" : absl::StrCat("u", i % tenants);
+        if ((*server)->Connect(tenant, 4 << 20, 4 << 20, limit).ok()) ++connected;
+      });
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(connected.load(), want) << tenants << " tenant(s)";
+  }
+  EXPECT_EQ((*server)->num_planes(), 3);
+  EXPECT_EQ((*server)->planes_of("t"), 2);
+}
+
+TEST(UcxPlane, ReapingIdlePlanesWhileMessagesArriveDoesNotDeadlock) {
+  // Every plane is idle at once (idle_timeout 0), so each handshake closes the one before and
+  // releases its registered memory, while a forger's messages keep the progress thread looking
+  // planes up. The release must not wait for the progress thread with the plane table locked.
+  UcxPlane::Options o;
+  o.idle_timeout = absl::ZeroDuration();
+  auto server = UcxPlane::Create(o);
+  ASSERT_TRUE(server.ok());
+  auto first = (*server)->Connect("t", 1 << 20, 1 << 20, 0);
+  ASSERT_TRUE(first.ok());
+  auto forger = UcxPlaneClient::Create(0);
+  ASSERT_TRUE(forger.ok());
+  ASSERT_TRUE((*forger)
+                  ->Attach(first->id, std::string(kTokenBytes, 'x'), first->server_address, 1 << 20)
+                  .ok());
+  std::atomic<bool> stop{false};
+  std::thread spam([&] {
+    const std::string bytes(64, 'f');
+    while (!stop.load())
+      (void)(*forger)->Put(bytes.data(), bytes.size(), 0, 1)->Wait(absl::Now() + absl::Seconds(5));
+  });
+  auto connects = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 300; ++i) (void)(*server)->Connect("t", 1 << 20, 1 << 20, 0);
+  });
+  if (connects.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    ADD_FAILURE() << "handshakes stuck: a deadlock between the plane table and the progress thread";
+    std::abort();  // the stuck threads cannot be joined
+  }
+  stop = true;
+  spam.join();
+  EXPECT_GT((*server)->refused_messages(), 0);
+}
+
+TEST(UcxPlane, AWorkerWhoseTransfersAllEndedIsReleasedCleanly) {
+  // Rendezvous both ways (a 3 MiB input, a 1 MiB output), then both ends go: no transfer may be
+  // counted as still under way (which would leave each worker unreleased until process exit).
+  Pair p = Connect(4 << 20, 4 << 20);
+  const std::string in = RandomBytes(3 << 20, 11), out = RandomBytes(1 << 20, 12);
+  const uint64_t t = p.client->NextTransfer();
+  ASSERT_TRUE(p.client->Put(in.data(), in.size(), 0, t)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  absl::Status st;
+  EXPECT_EQ(ReadBack(p, 0, in.size(), t, &st), in);
+  ASSERT_TRUE(st.ok()) << st;
+  const int64_t at = p.client->output_space().Take(out.size());
+  auto r = p.server->Resolve("tenant-a", "out_shm", p.conn.output_region, at, out.size());
+  ASSERT_TRUE(r.ok());
+  std::memcpy((*r)->Staging(at, out.size()), out.data(), out.size());
+  ASSERT_TRUE((*r)->Write(at, (*r)->Staging(at, out.size()), out.size(), 5).ok());
+  auto got = p.client->Await(5, at, out.size(), absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::string(*got, out.size()), out);
+  r->reset();
+  testing::internal::CaptureStderr();
+  p.client.reset();
+  p.server.reset();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("never completed"), std::string::npos) << err;
 }
 
 TEST(UcxPlane, SpaceMapHandsOutDisjointPieces) {

@@ -125,6 +125,9 @@ class DataPlane:
     def _create(self, info: pb.ServerInfoResponse, region_bytes: int) -> pb.ConnectDataPlaneRequest:
         """This end (its worker and output region); returns the handshake's request."""
         self._p = None
+        # Calls between stage and finish: close() while any is under way leaves the last one's
+        # finish to destroy this end (a call's waits and give-backs use it to the end).
+        self._lock, self._calls, self._closing = threading.Lock(), 0, False
         lib = _load()
         if lib is None:
             raise AttndError(_unavailable(), "libattnd_plane.so not found")
@@ -150,9 +153,23 @@ class DataPlane:
         self._v = info.absorption.v_head_dim if info.HasField("absorption") else 0
 
     def close(self) -> None:
-        if self._p:
-            self._lib.attnd_plane_destroy(self._p)
-            self._p = None
+        with self._lock:
+            self._closing = True
+            if self._calls:
+                return  # the last call's finish destroys it
+            p, self._p = self._p, None
+        if p:
+            self._lib.attnd_plane_destroy(p)
+
+    def _release(self) -> None:
+        """One call is done with this end."""
+        with self._lock:
+            self._calls -= 1
+            if not (self._closing and self._calls == 0):
+                return
+            p, self._p = self._p, None
+        if p:
+            self._lib.attnd_plane_destroy(p)
 
     def __del__(self) -> None:
         self.close()
@@ -168,9 +185,23 @@ class DataPlane:
     def stage(self, msg: pb.LayerInputs) -> Optional[_Call]:
         """Moves ``msg``'s tensor bytes into the plane (one transfer) and asks for the output in
         the output region; None (msg untouched) when the regions cannot take them now or the
-        plane is broken."""
+        plane is broken or closed."""
         if self.broken:
             return None
+        with self._lock:
+            if self._closing or not self._p:
+                return None
+            self._calls += 1
+        try:
+            call = self._stage(msg)
+        except BaseException:
+            self._release()
+            raise
+        if call is None:
+            self._release()
+        return call
+
+    def _stage(self, msg: pb.LayerInputs) -> Optional[_Call]:
         call, refs, total = _Call(), [], 0
         for name in _FIELDS:
             if not msg.HasField(name):
@@ -220,9 +251,10 @@ class DataPlane:
         try:
             if call.send is not None:
                 send, call.send = call.send, None
-                if lib.attnd_plane_wait(send, _SETTLE_S, err, len(err)) != 0:
+                rc = lib.attnd_plane_wait(send, _SETTLE_S, err, len(err))
+                if rc != 0:
                     self.broken = True  # a send that never completed closed the endpoint
-                    _check(1, err, "data plane")
+                    _check(rc, err, "data plane")
             if (out is not None and call.output_offset >= 0 and out.out.HasField("shm")
                     and out.out.shm.region == self._out):
                 where = ctypes.c_void_p()
@@ -245,6 +277,7 @@ class DataPlane:
             if call.output_offset >= 0:
                 lib.attnd_plane_give_output(p, call.output_offset)
             call.keep.clear()
+            self._release()
 
     def _output_bytes(self, msg: pb.LayerInputs) -> int:
         """The output's size when the reply would carry it and it is known here, else 0."""

@@ -439,3 +439,23 @@ def test_a_failed_or_cancelled_async_call_gives_its_space_back(plane_harness, pl
             assert c.data_plane_name.startswith("ucx-")
 
     asyncio.run(run())
+
+
+def test_closing_a_plane_with_a_call_under_way_leaves_it_to_that_call(plane_harness,
+                                                                      plane_server):
+    """close() while a call holds the plane (a client closing, or replacing its plane, with a
+    call on another thread): the call's send, wait and give-backs still have the plane's end, no
+    new call starts on it, and the call's finish releases it."""
+    h = plane_harness
+    with AttndClient(plane_server, timeout=30.0) as c:
+        c.connect_data_plane()
+        plane = c._plane_obj
+        msg = encode_layer(LayerInputs(0, **h.inputs(2)[0]), uint16_as_bf16=False)
+        call = plane.stage(msg)
+        assert call is not None and call.send is not None
+        plane.close()
+        assert plane._p, "closed under a call in flight"
+        again = encode_layer(LayerInputs(0, **h.inputs(2)[0]), uint16_as_bf16=False)
+        assert plane.stage(again) is None and again.q_latent.data, "a call began on a closed plane"
+        plane.finish(call, None)
+        assert not plane._p, "the last call's finish did not release the plane"
