@@ -199,48 +199,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   return c;
 }
 
-Client::~Client() = default;
-
-absl::Status Client::ConnectDataPlane() {
-  auto info = Info();
-  if (!info.ok()) return info.status();
-  auto s = DataPlaneSession::Connect(stub_.get(), *info, data_plane_bytes_,
-                                     [this](grpc::ClientContext* ctx) { PrepareUnary(ctx); });
-  if (!s.ok()) return s.status();
-  std::lock_guard<std::mutex> lock(plane_mu_);
-  plane_ = std::move(*s);
-  return absl::OkStatus();
-}
-
-std::string Client::DataPlaneName() const {
-  std::lock_guard<std::mutex> lock(plane_mu_);
-  return plane_ != nullptr ? plane_->plane() : "";
-}
-
-std::shared_ptr<DataPlaneSession> Client::Plane() const {
-  std::lock_guard<std::mutex> lock(plane_mu_);
-  const auto now = std::chrono::steady_clock::now();
-  if (plane_ != nullptr && plane_->broken()) {
-    plane_.reset();  // calls still holding it finish first
-    plane_next_probe_ = now;
-  }
-  if (plane_ != nullptr || data_plane_mode_ != "auto" || now < plane_next_probe_) return plane_;
-  // A short probe: a server that does not answer is not kept waiting for twice.
-  grpc::ClientContext ctx;
-  Authorize(&ctx);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  v1::ServerInfoResponse info;
-  if (!stub_->ServerInfo(&ctx, v1::ServerInfoRequest(), &info).ok()) {
-    plane_next_probe_ = now + std::chrono::seconds(10);  // not reached: ask again later
-    return nullptr;
-  }
-  plane_next_probe_ = std::chrono::steady_clock::time_point::max();  // asked once
-  // FAILED_PRECONDITION without a UCX plane offered: bytes in the messages.
-  auto s = DataPlaneSession::Connect(stub_.get(), info, data_plane_bytes_,
-                                     [this](grpc::ClientContext* c) { PrepareUnary(c); });
-  if (s.ok()) plane_ = std::move(*s);  // none, or refused (the server's limit): bytes
-  return plane_;
-}
+Client::~Client() { RetirePlane(plane_); }
 
 void Client::Authorize(grpc::ClientContext* ctx) const {
   for (const auto& [k, v] : metadata_) ctx->AddMetadata(k, v);

@@ -198,6 +198,9 @@ class Client {
   // The connected plane, connecting it on first use under "auto" (null: none, send bytes); a
   // broken one is dropped and a new one connected.
   std::shared_ptr<DataPlaneSession> Plane() const;
+  // Asks the server to close `old` (best effort, 1 s): its memory is freed now rather than after
+  // it stood idle. Calls still holding it fail there.
+  void RetirePlane(const std::shared_ptr<DataPlaneSession>& old) const;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Attention::Stub> stub_;
   Metadata metadata_;
@@ -208,6 +211,7 @@ class Client {
   mutable std::shared_ptr<DataPlaneSession> plane_;
   // When Plane() may next ask the server for a plane (max: it has none; it was asked).
   mutable std::chrono::steady_clock::time_point plane_next_probe_{};
+  mutable bool plane_probing_ = false;  // one probe at a time; other calls send bytes meanwhile
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and

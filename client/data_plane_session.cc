@@ -158,6 +158,20 @@ void DataPlaneSession::Failed(const absl::Status& s) {
   if (absl::StrContains(s.message(), absl::StrCat("no data plane region ", plane_, ".")) ||
       absl::StrContains(s.message(), absl::StrCat("data plane ", plane_, " was closed")))
     broken_ = true;
+  // A call whose outcome on the server is unknown (the client gave up, or the connection did)
+  // may still be reading its inputs and building its output in this plane's regions: the
+  // space it gives back must not be handed to another call, so the plane is retired (the next
+  // call connects a new one).
+  switch (s.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kUnknown:
+      broken_ = true;
+      break;
+    default:
+      break;
+  }
 }
 
 bool DataPlaneSession::broken() const { return broken_ || !ends_->Lost().ok(); }

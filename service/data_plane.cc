@@ -17,8 +17,8 @@ absl::Status AttentionService::DoConnectDataPlane(const Caller& caller,
     return absl::FailedPreconditionError(
         "the data plane is off on this server (--data-plane=ucx turns it on); send tensors in "
         "the message");
-  // A plane holds two regions' worth of the tenant's resources: it counts against the
-  // shared-memory region quota when the tenant has one.
+  // A tenant with a shared-memory region quota holds at most that many planes (counted apart
+  // from its regions: docs/data-plane.md).
   const int64_t quota = engine_->TenantQuotaOf(caller.tenant).shm_regions;
   ASSIGN_OR_RETURN(
       transport::UcxPlane::Connection c,

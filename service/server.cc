@@ -272,6 +272,9 @@ class Server {
                            std::chrono::milliseconds(flags_.shutdown_grace_ms));
     grpc_server_->Wait();
     grpc_server_.reset();
+    // The metrics endpoint reads the replicator, the data plane and the engine through raw
+    // pointers: it stops before any of them goes (a scrape during exit read them freed).
+    metrics_http_.reset();
     replicator_.reset();  // no call waits on it any more
     {
       std::lock_guard<std::mutex> lock(grace_mu);
@@ -602,7 +605,6 @@ class Server {
   std::mutex tier_mu_;
   ServiceMetrics* tier_metrics_ = nullptr;
   std::unique_ptr<RotatingCertificate> metrics_certificate_;  // outlives metrics_http_
-  std::unique_ptr<metrics::MetricsHttpServer> metrics_http_;
   std::string metrics_host_;
   int metrics_port_ = 0;
   std::unique_ptr<AttentionService> service_;
@@ -610,6 +612,9 @@ class Server {
   int port_ = 0;
   std::unique_ptr<UnixListener> local_;
   std::unique_ptr<Replicator> replicator_;  // --standby-peers
+  // Last, so it stops first however the server goes: it reads the engine, the service's data
+  // plane and the replicator above through raw pointers.
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_http_;
 
   std::mutex drain_mu_;
   std::vector<std::string> requested_peers_;  // from the Drain RPC

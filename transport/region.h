@@ -33,9 +33,9 @@ class Region {
   // waits for the landing; a failed delivery makes the region's later calls fail).
   virtual absl::Status Write(int64_t offset, const void* src, size_t n,
                              uint64_t transfer) const = 0;
-  // FAILED_PRECONDITION (or UNAVAILABLE for a lost peer) unless [offset, offset + n) can still be
-  // written: checked before a layer runs, so that a step does not commit an output it cannot
-  // deliver.
+  // FAILED_PRECONDITION (or UNAVAILABLE for a lost peer; INVALID_ARGUMENT for a region outputs
+  // never go to) unless [offset, offset + n) can still be written: checked before a layer runs,
+  // so that a step does not commit an output it cannot deliver.
   virtual absl::Status CheckStillCovers(int64_t offset, size_t n) const = 0;
 
   // Zero-copy forms, for backends whose bytes sit in server memory. View: where [offset, +n)

@@ -182,7 +182,13 @@ class InputRegion final : public Region {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, " is an input region; outputs go to the plane's output region"));
   }
-  absl::Status CheckStillCovers(int64_t, size_t) const override { return s_->Lost(); }
+  // Asked of a call's output regions before its layer runs: an input region is refused there,
+  // not after the layer (when its step may have committed).
+  absl::Status CheckStillCovers(int64_t, size_t) const override {
+    if (absl::Status lost = s_->Lost(); !lost.ok()) return lost;
+    return absl::InvalidArgumentError(
+        absl::StrCat(name_, " is an input region; outputs go to the plane's output region"));
+  }
 
  private:
   std::shared_ptr<UcxPlane::State> s_;

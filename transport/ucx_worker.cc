@@ -232,6 +232,41 @@ absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& address, Endpoint
     result = e->id;
     endpoints_[e->id] = std::move(e);
   });
+  if (!result.ok()) return result;
+  // Wired up now (a flush completes once the endpoint is connected), with this worker polling
+  // meanwhile: the first transfer does not wait for the handshake, which a sleeping progress
+  // thread on either side would otherwise stretch past a call's transfer timeout. A peer that
+  // does not answer fails the connect.
+  Busy busy(this);
+  auto flushed = std::make_shared<std::promise<ucs_status_t>>();
+  std::future<ucs_status_t> outcome = flushed->get_future();
+  Post([this, id = *result, flushed] {
+    auto it = endpoints_.find(id);
+    if (it == endpoints_.end()) return flushed->set_value(UCS_ERR_NO_ELEM);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+      auto* holder = static_cast<std::shared_ptr<std::promise<ucs_status_t>>*>(user_data);
+      (*holder)->set_value(status);
+      delete holder;
+      ucp_request_free(request);
+    };
+    auto* holder = new std::shared_ptr<std::promise<ucs_status_t>>(flushed);
+    p.user_data = holder;
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(it->second->ep, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      delete holder;
+      flushed->set_value(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+    }
+  });
+  if (outcome.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    Disconnect(*result);  // completes the flush (with an error) before the promise could go
+    return absl::UnavailableError("data plane: the peer did not answer the connection in 5 s");
+  }
+  if (ucs_status_t s = outcome.get(); s != UCS_OK) {
+    Disconnect(*result);
+    return UcxError("data plane connection", s);
+  }
   return result;
 }
 

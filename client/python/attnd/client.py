@@ -648,7 +648,7 @@ class AsyncAttndClient(AsyncPlaneUse, _Api):
                                metadata=self._metadata, plane=self._plane())
 
     async def close(self) -> None:
-        self._close_plane()
+        await self._aclose_plane()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncAttndClient:

@@ -50,6 +50,12 @@ def find_library() -> Optional[Path]:
     return found
 
 
+# Status codes after which a call's outcome on the server is unknown (see DataPlane.failed).
+_UNKNOWN_OUTCOME = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+_load_error = [""]  # why a found library did not load, for the error that says so
+
+
 def _load() -> Optional[ctypes.CDLL]:
     global _lib
     with _lib_lock:
@@ -57,7 +63,11 @@ def _load() -> Optional[ctypes.CDLL]:
             path = find_library()
             if path is None:
                 return None
-            lib = ctypes.CDLL(str(path) if path.is_absolute() else path.name)
+            try:
+                lib = ctypes.CDLL(str(path) if path.is_absolute() else path.name)
+            except OSError as e:  # found, but not loadable here (its UCX libraries missing)
+                _load_error[0] = f"{path}: {e}"
+                return None
             c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
             c_sz, c_p = ctypes.c_size_t, ctypes.c_void_p
             err = [ctypes.c_char_p, c_sz]
@@ -130,7 +140,8 @@ class DataPlane:
         self._lock, self._calls, self._closing = threading.Lock(), 0, False
         lib = _load()
         if lib is None:
-            raise AttndError(_unavailable(), "libattnd_plane.so not found")
+            raise AttndError(_unavailable(), "libattnd_plane.so not found" if not _load_error[0]
+                             else f"libattnd_plane.so cannot be loaded: {_load_error[0]}")
         self._lib = lib
         self._size = min(int(region_bytes), int(info.data_plane.max_region_bytes))
         err = ctypes.create_string_buffer(512)
@@ -174,12 +185,23 @@ class DataPlane:
     def __del__(self) -> None:
         self.close()
 
-    def failed(self, error: Exception) -> None:
+    def failed(self, error: BaseException) -> None:
         """A call over the plane failed with ``error``: when it says the server holds the plane
-        no more (closed, or idle too long), the plane is broken and the client replaces it."""
+        no more (closed, or idle too long), the plane is broken and the client replaces it; so
+        it is when the call's outcome on the server is unknown (the client gave up: a deadline,
+        a cancelled task; or the connection failed), since the server may still be using the
+        call's space, which must then go to no other call."""
         text = str(error)
         if f"no data plane region {self.name}." in text or f"data plane {self.name} was closed" \
                 in text:
+            self.broken = True
+        if isinstance(error, AttndError):
+            code = error.code
+        elif isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None)):
+            code = error.code()
+        else:
+            code = None  # not the server's answer (a cancelled task, an interrupt)
+        if code is None or code in _UNKNOWN_OUTCOME:
             self.broken = True
 
     def stage(self, msg: pb.LayerInputs) -> Optional[_Call]:
@@ -309,8 +331,25 @@ class PlaneUse:
         with self._plane_lock:
             self._plane_mode = "off"  # a probe under way closes what it connects
             plane, self._plane_obj = self._plane_obj, None
-        if plane is not None:
-            plane.close()
+        self._retire(plane)
+
+    def _retire(self, plane: Optional[DataPlane], background: bool = False) -> None:
+        """Closes ``plane``'s end and asks the server to close it too (best effort, 1 s), so its
+        memory goes now rather than after it stood idle; calls still holding it fail there."""
+        if plane is None:
+            return
+        plane.close()
+
+        def ask() -> None:
+            try:
+                self._stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=plane.name),
+                                          metadata=self._metadata, timeout=1.0)
+            except (grpc.RpcError, ValueError):  # NOT_FOUND: closed already; ValueError: closed
+                pass
+        if background:
+            threading.Thread(target=ask, name="attnd-plane-retire", daemon=True).start()
+        else:
+            ask()
 
     def connect_data_plane(self) -> str:
         """Connects a UCX data plane now (docs/data-plane.md) and returns its name; AttndError
@@ -327,8 +366,7 @@ class PlaneUse:
             raise AttndError.from_rpc_error(e) from e
         with self._plane_lock:
             old, self._plane_obj = self._plane_obj, plane
-        if old is not None:
-            old.close()
+        self._retire(old)
         return plane.name
 
     @property
@@ -340,9 +378,13 @@ class PlaneUse:
         """The plane to use now, or None (bytes). Under "auto" the first call starts connecting
         one in the background and goes as bytes itself: no layer call waits for the probe."""
         now = time.monotonic()
+        broken = None
         with self._plane_lock:
             if self._plane_obj is not None and self._plane_obj.broken:
-                self._plane_obj, self._plane_next_probe = None, now  # connect a new one
+                broken, self._plane_obj = self._plane_obj, None  # connect a new one
+                self._plane_next_probe = now
+        self._retire(broken, background=True)
+        with self._plane_lock:
             if (self._plane_obj is not None or self._plane_mode != "auto"
                     or now < self._plane_next_probe):
                 return self._plane_obj
@@ -410,6 +452,34 @@ class AsyncPlaneUse:
         self._plane_obj: Optional[DataPlane] = None
         self._plane_next_probe = 0.0  # when _plane may next ask (inf: it asked)
         self._plane_task: Optional[asyncio.Task] = None
+        self._plane_retiring: set = set()  # tasks closing broken planes on the server
+
+    async def _aclose_plane(self) -> None:
+        """The client is closing: a probe under way ends before the channel does, and the plane
+        is closed on the server too."""
+        task, self._plane_task = self._plane_task, None
+        self._plane_mode = "off"
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        plane, self._plane_obj = self._plane_obj, None
+        await self._aretire(plane)
+        for t in list(self._plane_retiring):
+            await t
+
+    async def _aretire(self, plane: Optional[DataPlane]) -> None:
+        """As :meth:`PlaneUse._retire`, awaited."""
+        if plane is None:
+            return
+        plane.close()
+        try:
+            await self._stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=plane.name),
+                                            metadata=self._metadata, timeout=1.0)
+        except (grpc.RpcError, ValueError):  # NOT_FOUND: closed already
+            pass
 
     def _close_plane(self) -> None:
         self._plane_mode = "off"
@@ -431,8 +501,7 @@ class AsyncPlaneUse:
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
         old, self._plane_obj = self._plane_obj, plane
-        if old is not None:
-            old.close()
+        await self._aretire(old)
         return plane.name
 
     @property
@@ -443,7 +512,13 @@ class AsyncPlaneUse:
     def _plane(self) -> Optional[DataPlane]:
         now = time.monotonic()
         if self._plane_obj is not None and self._plane_obj.broken:
-            self._plane_obj, self._plane_next_probe = None, now  # connect a new one
+            broken, self._plane_obj, self._plane_next_probe = self._plane_obj, None, now
+            try:  # closed on the server in the background (from a coroutine)
+                t = asyncio.get_running_loop().create_task(self._aretire(broken))
+                self._plane_retiring.add(t)
+                t.add_done_callback(self._plane_retiring.discard)
+            except RuntimeError:
+                broken.close()
         if (self._plane_obj is not None or self._plane_mode != "auto"
                 or now < self._plane_next_probe or find_library() is None):
             return self._plane_obj

@@ -176,13 +176,23 @@ def _no_transfer_id(lib, p, plane, msg, data):
     _name(msg, "q_latent", plane, 0, len(data["q_latent"]), 0)
 
 
+def _output_to_input_region(lib, p, plane, msg, data):
+    # The tensors as bytes; the output named into the plane's *input* region: refused before
+    # the layer runs (not after, when the step's last layer would have committed).
+    q = msg.q_latent
+    msg.out_shm.region, msg.out_shm.offset = plane._in, 0
+    msg.out_shm.byte_size = q.shape[0] * q.shape[1] * plane._latent * 2
+    msg.out_shm.transfer = 1005
+
+
 @pytest.mark.parametrize("tamper,code,words", [
     (_never_sent, grpc.StatusCode.DEADLINE_EXCEEDED, "did not arrive"),
     (_short, grpc.StatusCode.INVALID_ARGUMENT, "brought bytes"),
     (_overrun, grpc.StatusCode.INVALID_ARGUMENT, "overrun"),
     (_overwritten, grpc.StatusCode.FAILED_PRECONDITION, "overwritten by transfer 1004"),
     (_no_transfer_id, grpc.StatusCode.INVALID_ARGUMENT, "transfer id"),
-], ids=["never-sent", "short", "overrun", "overwritten", "no-transfer-id"])
+    (_output_to_input_region, grpc.StatusCode.INVALID_ARGUMENT, "is an input region"),
+], ids=["never-sent", "short", "overrun", "overwritten", "no-transfer-id", "output-to-input"])
 def test_a_bad_transfer_aborts_its_step_and_changes_nothing(plane_harness, plane_server,
                                                             tamper, code, words):
     h = plane_harness
@@ -393,50 +403,65 @@ def test_the_async_client_moves_its_layers_through_the_plane_with_the_same_bits(
         assert moved[k] >= tensor_bytes, (k, moved[k], tensor_bytes)
 
 
-def test_a_failed_or_cancelled_async_call_gives_its_space_back(plane_harness, plane_server):
+def test_a_failed_async_call_gives_its_space_back_and_a_cancelled_one_retires_the_plane(
+        plane_harness, plane_server):
     """An async call over the plane that the server refuses (a layer out of order) aborts its
-    step with the sequence unchanged; a task cancelled while its call is in flight does too
-    (the server aborts the stream's step); neither leaves the plane's regions taken: five such
-    calls, each a fifth of the regions, and then eight more still go through the plane."""
+    step with the sequence unchanged and gives its space back: five such calls, each a fifth of
+    the regions, and then eight more still go through the same plane. A task cancelled while
+    its call is in flight aborts its step too (the server aborts the stream's step); the server
+    may still be using that call's space, so the plane is retired and the next calls connect a
+    new one."""
     h = plane_harness
     sid = h.open("async-fail")
     T = 16
     per_call = max(sum(a.nbytes for a in x.values()) for x in h.inputs(T))
     region = 5 * ((per_call + 255) // 256 * 256)  # room for five calls at once, no more
+    counter = 'attnd_data_plane_bytes_total{direction="in"}'
 
     async def run():
         async with AsyncAttndClient(plane_server, timeout=30.0, data_plane_bytes=region) as c:
-            await c.connect_data_plane()
+            first = await c.connect_data_plane()
+            plane = c._plane_obj
             inputs = h.inputs(T)
-            step = await c.begin_step([(sid, T)])
-            with pytest.raises(AttndError) as e:
-                await c.attend_layer(step.step_id, LayerInputs(1, **inputs[1]))
-            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
-            h.assert_unchanged([sid])
-            for _ in range(4):  # with the failed call, five calls' worth of space
-                async with c.stream() as s:
-                    await s.begin([(sid, T)])
-                    task = asyncio.ensure_future(s.layer(LayerInputs(0, **inputs[0])))
-                    await asyncio.sleep(0)  # the call is staged and in flight
-                    task.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await task
-                    await s.released()
+            for _ in range(5):
+                step = await c.begin_step([(sid, T)])
+                with pytest.raises(AttndError) as e:
+                    await c.attend_layer(step.step_id, LayerInputs(1, **inputs[1]))
+                assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION, e.value
                 h.assert_unchanged([sid])
-            # Calls of a fifth of the regions: with any space still taken they would go as
-            # bytes (and the plane's counter would stand still).
-            before = _sample(scrape(_METRICS[plane_server]),
-                             'attnd_data_plane_bytes_total{direction="in"}')
+            deadline = time.monotonic() + 10  # the failed calls' space, given back in threads
+            while plane._calls and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            # With any of that space still taken these would go as bytes (the counter still).
+            before = _sample(scrape(_METRICS[plane_server]), counter)
             for _ in range(8):
                 step = await c.begin_step([(sid, T)])
                 x = h.inputs(T)
                 outs = [await c.attend_layer(step.step_id, LayerInputs(i, **y))
                         for i, y in enumerate(x)]
                 h.check(outs, h.ref.step([(sid, T)], x), x, "after the failures", 1e-2)
-            after = _sample(scrape(_METRICS[plane_server]),
-                            'attnd_data_plane_bytes_total{direction="in"}')
+            after = _sample(scrape(_METRICS[plane_server]), counter)
             assert after - before >= 8 * sum(a.nbytes for a in x[0].values()), (before, after)
-            assert c.data_plane_name.startswith("ucx-")
+            assert c.data_plane_name == first and not plane.broken
+            async with c.stream() as s:
+                await s.begin([(sid, T)])
+                task = asyncio.ensure_future(s.layer(LayerInputs(0, **inputs[0])))
+                await asyncio.sleep(0)  # the call is staged and in flight
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await s.released()
+            h.assert_unchanged([sid])
+            assert plane.broken, "a cancelled call's plane kept serving calls"
+            x = h.inputs(T)  # as bytes, while a new plane connects in the background
+            step = await c.begin_step([(sid, T)])
+            outs = [await c.attend_layer(step.step_id, LayerInputs(i, **y)) for i, y in
+                    enumerate(x)]
+            h.check(outs, h.ref.step([(sid, T)], x), x, "after the cancel", 1e-2)
+            deadline = time.monotonic() + 10
+            while c.data_plane_name in ("", first) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert c.data_plane_name.startswith("ucx-") and c.data_plane_name != first
 
     asyncio.run(run())
 
