@@ -313,6 +313,13 @@ class DataPlane:
         return int(q.shape[0]) * int(q.shape[1]) * width * _SIZES[dtype]
 
 
+def _attend_request(step_id: int, inputs: LayerInputs, kind: str,
+                    uint16_as_bf16: bool) -> pb.AttendLayerRequest:
+    """A unary layer call's request (the plane then stages its tensors)."""
+    return pb.AttendLayerRequest(step_id=step_id, inputs=encode_layer(
+        inputs, uint16_as_bf16=uint16_as_bf16, candidates=kind == "candidates"))
+
+
 def _unavailable():
     return grpc.StatusCode.UNAVAILABLE
 
@@ -410,10 +417,7 @@ class PlaneUse:
         plane = self._plane()
         if plane is None:
             return super()._attend(step_id, inputs, kind)
-        request = pb.AttendLayerRequest(
-            step_id=step_id,
-            inputs=encode_layer(inputs, uint16_as_bf16=self._uint16_as_bf16,
-                                candidates=kind == "candidates"))
+        request = _attend_request(step_id, inputs, kind, self._uint16_as_bf16)
         call = plane.stage(request.inputs)
         try:
             reply = self._call(self._stub.AttendLayer, request)
@@ -545,10 +549,7 @@ class AsyncPlaneUse:
         plane = self._plane()
         if plane is None:
             return await super()._attend(step_id, inputs, kind)
-        request = pb.AttendLayerRequest(
-            step_id=step_id,
-            inputs=encode_layer(inputs, uint16_as_bf16=self._uint16_as_bf16,
-                                candidates=kind == "candidates"))
+        request = _attend_request(step_id, inputs, kind, self._uint16_as_bf16)
         call = plane.stage(request.inputs)
         try:
             reply = await self._unary("AttendLayer", request, lambda r: r)
