@@ -74,8 +74,10 @@ class UcxWorker {
   // Runs fn on the progress thread and waits for it (fn must not block).
   void Run(const std::function<void()>& fn);
 
-  // An endpoint to the worker at `address` (from a peer's address()); `on_error` runs (progress
-  // thread) when it fails. Ids are never reused.
+  // An endpoint to the worker at `address` (from a peer's address()), wired up before this
+  // returns (UNAVAILABLE when the peer does not answer in 5 s); `on_error` runs (progress thread)
+  // when it fails. Ids are never reused. Never called with a client-supplied address (the
+  // server answers clients on their messages' reply endpoints).
   absl::StatusOr<uint64_t> Connect(const std::string& address, EndpointError on_error);
   // Closes the endpoint (pending sends on it fail). Unknown ids are ignored.
   void Disconnect(uint64_t endpoint);
