@@ -74,12 +74,10 @@ std::shared_ptr<DataPlaneSession> Client::Plane() const {
   if (s.ok()) {
     plane_ = std::move(*s);
   } else {
-    // Not reached, or the plane refused (the server's limits): ask again later. None offered:
-    // never again.
-    const bool offered = answered && s.status().code() != absl::StatusCode::kFailedPrecondition;
-    plane_next_probe_ = answered && !offered
-                            ? std::chrono::steady_clock::time_point::max()
-                            : std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    // None offered: never again. Not reached, or refused (the server's limits): in 10 s.
+    const bool none = answered && s.status().code() == absl::StatusCode::kFailedPrecondition;
+    plane_next_probe_ = none ? std::chrono::steady_clock::time_point::max()
+                             : std::chrono::steady_clock::now() + std::chrono::seconds(10);
   }
   return plane_;
 }

@@ -29,7 +29,6 @@ for bin in "$OUT/cuda_test" "$OUT/cuda_scale_test" "$OUT/device_test" "$OUT/cuda
     esac
   done
 done
-# Debug sections are most of the bytes; function names stay for backtraces.
 # UCX loads its transport modules at run time from ucx/ beside libucs (ldd does not list them):
 # cma, the single-copy shared-memory one, travels (gpu-check's transport stage points
 # UCX_MODULE_DIR at it); the RDMA modules would need libraries the GPU machine may not have.
@@ -38,6 +37,7 @@ if [ -n "$ucs" ] && [ -d "$(dirname "$ucs")/ucx" ]; then
   mkdir -p "$OUT/lib/ucx"
   cp -L "$(dirname "$ucs")"/ucx/libuct_cma.so.0 "$OUT/lib/ucx/" 2>/dev/null || true
 fi
+# Debug sections are most of the bytes; function names stay for backtraces.
 strip --strip-debug "$OUT"/cuda_test "$OUT"/cuda_scale_test "$OUT"/device_test "$OUT"/cuda_bench \
   "$OUT"/attnd "$OUT"/attnctl \
   "$OUT"/lib/* 2>/dev/null || true

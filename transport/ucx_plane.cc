@@ -179,18 +179,21 @@ class InputRegion final : public Region {
     return static_cast<const char*>(s.input + offset);
   }
   absl::Status Write(int64_t, const void*, size_t, uint64_t) const override {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name_, " is an input region; outputs go to the plane's output region"));
+    return NotForOutputs();
   }
   // Asked of a call's output regions before its layer runs: an input region is refused there,
   // not after the layer (when its step may have committed).
   absl::Status CheckStillCovers(int64_t, size_t) const override {
     if (absl::Status lost = s_->Lost(); !lost.ok()) return lost;
+    return NotForOutputs();
+  }
+
+ private:
+  absl::Status NotForOutputs() const {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, " is an input region; outputs go to the plane's output region"));
   }
 
- private:
   std::shared_ptr<UcxPlane::State> s_;
   std::string name_;
 };
@@ -267,10 +270,8 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
   s->Touch();
   // m.length is the sender's word (a rendezvous's claimed size): compared unsigned, before any
   // conversion, so no claim wraps past the checks.
-  const bool fits = m.length <= static_cast<size_t>(s->input_bytes) && h.offset >= 0 &&
-                    h.offset <= s->input_bytes - static_cast<int64_t>(m.length);
-  const int64_t length = fits ? static_cast<int64_t>(m.length) : -1;
-  if (!fits) {
+  if (m.length > static_cast<size_t>(s->input_bytes) || h.offset < 0 ||
+      h.offset > s->input_bytes - static_cast<int64_t>(m.length)) {
     if (m.rndv) s->receiving.fetch_sub(1);
     s->Land(h.transfer, h.offset, 0,
             absl::InvalidArgumentError(absl::StrCat(
@@ -278,6 +279,7 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
                 " overrun ", s->name, ".in (", s->input_bytes, " bytes); nothing written")));
     return;
   }
+  const int64_t length = static_cast<int64_t>(m.length);
   bytes_in_.fetch_add(length, std::memory_order_relaxed);
   if (!m.rndv) {
     std::memcpy(s->input + h.offset, m.data, m.length);
@@ -372,7 +374,9 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
       mine += c->tenant == tenant;
       ++it;
     }
-    if (static_cast<int>(planes_.size()) + connecting_ + closing >= options_.max_planes)
+    int connecting = 0;
+    for (const auto& [t, n] : connecting_of_) connecting += n;
+    if (static_cast<int>(planes_.size()) + connecting + closing >= options_.max_planes)
       return absl::ResourceExhaustedError(absl::StrCat(
           "data plane: ", options_.max_planes, " planes connected (--data-plane-max-planes)"));
     if (auto c = connecting_of_.find(tenant); c != connecting_of_.end()) mine += c->second;
@@ -381,7 +385,6 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
       return absl::ResourceExhaustedError(
           absl::StrCat("data plane: this tenant holds its quota of ", tenant_limit, " planes"));
     s->id = next_id_++;
-    ++connecting_;
     ++connecting_of_[tenant];
   }
   struct Reserved {  // the slot taken above, given back however this returns
@@ -390,7 +393,6 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     bool held = true;
     void Release() {  // mu_ held
       held = false;
-      --p->connecting_;
       if (--p->connecting_of_[tenant] == 0) p->connecting_of_.erase(tenant);
     }
     ~Reserved() {

@@ -98,8 +98,8 @@ class UcxPlane {
   std::shared_ptr<Link> link_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<State>> planes_;
-  int connecting_ = 0;                         // Connects between their checks and their insert
-  std::map<std::string, int> connecting_of_;   // the same, by tenant
+  // Connects between their checks and their insert, by tenant.
+  std::map<std::string, int> connecting_of_;
   std::vector<std::weak_ptr<State>> closing_;  // closed planes, until no receive of theirs is on
   uint64_t next_id_ = 1;
   std::atomic<int64_t> refused_{0};

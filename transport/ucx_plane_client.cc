@@ -106,6 +106,10 @@ std::shared_ptr<UcxWorker::Pending> UcxPlaneClient::PutPieces(std::vector<UcxWor
 
 void UcxPlaneClient::Land(uint64_t transfer, int64_t offset, int64_t length, absl::Status s) {
   std::lock_guard<std::mutex> lock(mu_);
+  LandLocked(transfer, offset, length, std::move(s));
+}
+
+void UcxPlaneClient::LandLocked(uint64_t transfer, int64_t offset, int64_t length, absl::Status s) {
   if (landed_.size() >= kMaxLanded) landed_.erase(landed_.begin());  // the oldest id
   landed_[transfer] = {offset, length, std::move(s)};
   cv_.notify_all();
@@ -144,10 +148,7 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
       dest = it->second.first;
       if (!m.rndv) {  // copied under mu_: Forget cannot return (and its caller free dest) meanwhile
         std::memcpy(dest, m.data, m.length);
-        if (landed_.size() >= kMaxLanded) landed_.erase(landed_.begin());
-        landed_[h.transfer] = {h.offset, length, absl::OkStatus()};
-        cv_.notify_all();
-        return;
+        return LandLocked(h.transfer, h.offset, length, absl::OkStatus());
       }
       ++receiving_;
     }

@@ -80,6 +80,7 @@ class UcxPlaneClient {
   explicit UcxPlaneClient(int64_t output_bytes) : input_(0), output_(output_bytes) {}
   void OnToClient(const UcxWorker::Message& m);
   void Land(uint64_t transfer, int64_t offset, int64_t length, absl::Status s);
+  void LandLocked(uint64_t transfer, int64_t offset, int64_t length, absl::Status s);  // mu_ held
 
   std::unique_ptr<UcxWorker> worker_;
   char* out_ = nullptr;

@@ -324,7 +324,18 @@ def _unavailable():
     return grpc.StatusCode.UNAVAILABLE
 
 
-class PlaneUse:
+class _PlaneHolder:
+    """What both clients' plane mixins share: the plane in use (``_plane_obj``)."""
+
+    _plane_obj: Optional[DataPlane] = None
+
+    @property
+    def data_plane_name(self) -> str:
+        """The connected plane's name ("ucx-3"), or "" when layer calls send bytes."""
+        return self._plane_obj.name if self._plane_obj is not None else ""
+
+
+class PlaneUse(_PlaneHolder):
     """The data plane in :class:`AttndClient` (a mixin): connected at the first layer call when
     the server offers one (``data_plane="auto"``), unary layer calls through it."""
 
@@ -376,11 +387,6 @@ class PlaneUse:
         self._retire(old)
         return plane.name
 
-    @property
-    def data_plane_name(self) -> str:
-        """The connected plane's name ("ucx-3"), or "" when layer calls send bytes."""
-        return self._plane_obj.name if self._plane_obj is not None else ""
-
     def _plane(self) -> Optional[DataPlane]:
         """The plane to use now, or None (bytes). Under "auto" the first call starts connecting
         one in the background and goes as bytes itself: no layer call waits for the probe."""
@@ -390,12 +396,13 @@ class PlaneUse:
             if self._plane_obj is not None and self._plane_obj.broken:
                 broken, self._plane_obj = self._plane_obj, None  # connect a new one
                 self._plane_next_probe = now
+            plane = self._plane_obj
+            probe = plane is None and self._plane_mode == "auto" and now >= self._plane_next_probe
+            if probe:
+                self._plane_next_probe = float("inf")  # one probe at a time
         self._retire(broken, background=True)
-        with self._plane_lock:
-            if (self._plane_obj is not None or self._plane_mode != "auto"
-                    or now < self._plane_next_probe):
-                return self._plane_obj
-            self._plane_next_probe = float("inf")  # one probe at a time
+        if not probe:
+            return plane
         if find_library() is None:
             return None
         threading.Thread(target=self._probe_plane, name="attnd-plane-probe", daemon=True).start()
@@ -429,7 +436,6 @@ class PlaneUse:
         return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)
 
 
-
 async def finish_async(plane: DataPlane, call: Optional[_Call], out: pb.LayerOutput) -> None:
     """:meth:`DataPlane.finish` from an event loop: the wait for the output runs in a worker
     thread (ctypes lets go of the GIL), so the loop serves other calls meanwhile."""
@@ -446,7 +452,7 @@ def abandon(plane: DataPlane, call: Optional[_Call], error: BaseException) -> No
     plane.failed(error)
 
 
-class AsyncPlaneUse:
+class AsyncPlaneUse(_PlaneHolder):
     """The data plane in :class:`AsyncAttndClient` (a mixin), as :class:`PlaneUse` does it for
     the sync client: under ``data_plane="auto"`` the first layer call starts connecting one in
     the background (a task on the loop) and goes as bytes itself."""
@@ -485,14 +491,6 @@ class AsyncPlaneUse:
         except (grpc.RpcError, ValueError):  # NOT_FOUND: closed already
             pass
 
-    def _close_plane(self) -> None:
-        self._plane_mode = "off"
-        if self._plane_task is not None:
-            self._plane_task.cancel()
-        plane, self._plane_obj = self._plane_obj, None
-        if plane is not None:
-            plane.close()
-
     async def connect_data_plane(self) -> str:
         """See :meth:`AttndClient.connect_data_plane`."""
         info = await self._unary("ServerInfo", pb.ServerInfoRequest(), lambda r: r)
@@ -507,11 +505,6 @@ class AsyncPlaneUse:
         old, self._plane_obj = self._plane_obj, plane
         await self._aretire(old)
         return plane.name
-
-    @property
-    def data_plane_name(self) -> str:
-        """The connected plane's name ("ucx-3"), or "" when layer calls send bytes."""
-        return self._plane_obj.name if self._plane_obj is not None else ""
 
     def _plane(self) -> Optional[DataPlane]:
         now = time.monotonic()
@@ -542,8 +535,10 @@ class AsyncPlaneUse:
                 await self.connect_data_plane()
         except (AttndError, grpc.RpcError, ValueError):
             self._plane_next_probe = time.monotonic() + 10.0  # ask again later
-        if self._plane_mode != "auto":  # closed meanwhile
-            self._close_plane()
+        if self._plane_mode != "auto":  # closed meanwhile: what this connected goes too
+            plane, self._plane_obj = self._plane_obj, None
+            if plane is not None:
+                plane.close()
 
     async def _attend(self, step_id: int, inputs: LayerInputs, kind: str):
         plane = self._plane()
