@@ -537,8 +537,7 @@ class AsyncPlaneUse(_PlaneHolder):
             self._plane_next_probe = time.monotonic() + 10.0  # ask again later
         if self._plane_mode != "auto":  # closed meanwhile: what this connected goes too
             plane, self._plane_obj = self._plane_obj, None
-            if plane is not None:
-                plane.close()
+            await self._aretire(plane)
 
     async def _attend(self, step_id: int, inputs: LayerInputs, kind: str):
         plane = self._plane()
