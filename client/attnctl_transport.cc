@@ -91,7 +91,7 @@ absl::StatusOr<LatencyStats> BareUcx(size_t request, size_t reply, int calls) {
     const uint64_t t = (*client)->NextTransfer(), r = (*client)->NextTransfer();
     const auto t0 = Clock::now();
     auto sent = (*client)->Put(payload.data(), request, 0, t);
-    auto view = (*in)->View(0, request, t);
+    auto view = (*in)->View(0, request, t, absl::Now() + absl::Seconds(10));
     if (!view.ok()) return view.status();
     if (auto w = (*out)->Write(0, staged, reply, r); !w.ok()) return w;
     auto got = (*client)->Await(r, 0, reply, absl::Now() + absl::Seconds(10));

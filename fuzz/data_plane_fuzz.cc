@@ -2,17 +2,22 @@
 // is a sequence of operations on one server-side plane (transport/ucx_plane.h): handshakes with
 // any sizes and tenants, active messages with any header bytes and payloads delivered to the
 // handlers exactly as UCX would (OnToServer, OnPull; eager payloads), region lookups by any name,
-// offset and size, reads of any transfer id, output staging, closes. Messages naming the real
-// plane get its real secret some of the time, so accepted landings are exercised too. Afterwards
-// every landed transfer the plane answers for is read back in full: its bytes must be what
-// was sent. A crash, sanitizer report or failed self-check is a failure.
+// offset and size, waits for and reads of any transfer id, output staging, closes. Messages naming
+// the real plane get its real secret some of the time, so accepted landings are exercised too.
+// Afterwards every landed transfer the plane answers for is read back in full: its bytes must be
+// what was sent, and every wait for a landing has ended, once. A crash, sanitizer report or failed
+// self-check is a failure.
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
+#include "absl/time/clock.h"
 #include "fuzz/fuzz_input.h"
 #include "transport/plane_wire.h"
 #include "transport/ucx_plane.h"
@@ -54,6 +59,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!conn.ok()) return 0;
   // What this input landed for real (transfer -> offset and bytes), to read back at the end.
   std::map<uint64_t, std::pair<int64_t, std::string>> sent;
+  struct Waits {
+    int registered = 0;
+    std::atomic<int> fired{0};
+  };
+  auto waits = std::make_shared<Waits>();
   while (!in.empty()) {
     switch (in.Int(0, 5)) {
       case 0: {  // a handshake with any sizes, for one of two tenants; closed by its own
@@ -121,8 +131,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const int64_t n = in.Bool(0.8) ? in.Int(0, 4096) : in.Int64();
         auto r = plane.Resolve(in.Bool(0.9) ? "a" : "b", "fuzz", name, off, n);
         if (!r.ok()) break;
+        const auto t = static_cast<uint64_t>(in.Int(0, 64));
+        if (in.Bool(0.5)) {  // a call's wait for its input, as the service does first
+          ++waits->registered;
+          (*r)->WhenLanded(t, [waits] { waits->fired.fetch_add(1); });
+        }
         std::string buf(static_cast<size_t>(n), '\0');
-        (void)(*r)->Read(off, buf.data(), buf.size(), static_cast<uint64_t>(in.Int(0, 64)));
+        (void)(*r)->Read(off, buf.data(), buf.size(), t,
+                         absl::Now() + plane.options().transfer_timeout);
         break;
       }
       case 4: {  // an output staged for a pull
@@ -147,9 +163,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                              static_cast<int64_t>(v.second.size()));
       Check(r.ok(), "a landed transfer's bytes resolve");
       std::string back(v.second.size(), '\0');
-      const absl::Status s = (*r)->Read(v.first, back.data(), back.size(), t);
+      const absl::Status s = (*r)->Read(v.first, back.data(), back.size(), t, absl::Now());
       Check(s.ok() && back == v.second, "a landed transfer reads back as sent");
     }
   Check(plane.Close("a", conn->name).ok(), "the plane closes");
+  // Every wait for a landing ended, each once (the close ends those left; a deadline's may be
+  // finishing on the timer's thread).
+  for (int i = 0; i < 1000 && waits->fired.load() < waits->registered; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Check(waits->fired.load() == waits->registered, "every wait for a landing ends once");
   return 0;
 }

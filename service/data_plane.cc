@@ -2,6 +2,8 @@
 // tenant a UCX plane (transport/ucx_plane.h); its regions are then named in layer calls like
 // shared-memory regions (ShmAccess::Resolve). CloseDataPlane ends one.
 #include <algorithm>
+#include <atomic>
+#include <memory>
 
 #include "common/status_macros.h"
 #include "service/attention_service.h"
@@ -31,6 +33,34 @@ absl::Status AttentionService::DoConnectDataPlane(const Caller& caller,
   resp->set_input_region(c.input_region);
   resp->set_output_region(c.output_region);
   return absl::OkStatus();
+}
+
+void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs& in,
+                                     std::function<void()> go) {
+  if (options_.data_plane == nullptr) return go();
+  // One count per transfer awaited, plus this function's own (dropped last), so that `go` runs
+  // once, after every wait and after they were all set up.
+  struct Countdown {
+    std::atomic<int> left{1};
+    std::function<void()> go;
+  };
+  auto c = std::make_shared<Countdown>();
+  const ShmAccess shm = ShmFor(caller);
+  for (const v1::Tensor* t : {&in.q_latent(), &in.q_nope(), &in.q_rope(), &in.kv_latent(),
+                              &in.k_rope(), &in.index_q(), &in.index_k(), &in.index_w()})
+    for (const v1::Tensor* part : {t, &t->scales()}) {
+      const v1::SharedMemoryRef& ref = part->shm();
+      if (ref.transfer() == 0) continue;  // not the data plane's (or refused by the decode)
+      auto region = shm.Resolve("", ref.region(), ref.offset(), ref.byte_size(), ref.transfer());
+      if (!region.ok()) continue;
+      c->left.fetch_add(1);
+      (*region)->WhenLanded(ref.transfer(), [this, c] {
+        if (c->left.fetch_sub(1) == 1) executor_->Post(std::move(c->go));
+      });
+    }
+  if (c->left.load() == 1) return go();  // every wait already over (or none): run here
+  c->go = std::move(go);
+  if (c->left.fetch_sub(1) == 1) c->go();
 }
 
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,

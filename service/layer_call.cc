@@ -54,6 +54,14 @@ std::function<void(absl::Status)> AttentionService::AfterStandby(
 void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
                                   const v1::LayerInputs* in, v1::LayerOutput* out,
                                   Transport transport, std::function<void(absl::Status)> done) {
+  AfterLandings(caller, *in, [this, caller, step, in, out, transport, done = std::move(done)] {
+    LayerLanded(caller, step, in, out, transport, done);
+  });
+}
+
+void AttentionService::LayerLanded(const Caller& caller, const StepRef& step,
+                                   const v1::LayerInputs* in, v1::LayerOutput* out,
+                                   Transport transport, std::function<void(absl::Status)> done) {
   if (shards_.NumShards(step) == 0) {
     // The engine resolves the step, checks it is the caller's, and names its sequences if the
     // layer commits: nothing is looked up here.

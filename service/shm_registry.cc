@@ -47,7 +47,8 @@ absl::Status ShmRegistry::Region::CheckStillCovers(int64_t offset, size_t n) con
   return absl::OkStatus();
 }
 
-absl::Status ShmRegistry::Region::Read(int64_t offset, void* dst, size_t n, uint64_t) const {
+absl::Status ShmRegistry::Region::Read(int64_t offset, void* dst, size_t n, uint64_t,
+                                       absl::Time) const {
   char* d = static_cast<char*>(dst);
   return Transfer(name_, "read", offset_ + offset, n,
                   [&](size_t done, int64_t pos) { return pread(fd_, d + done, n - done, pos); });

@@ -47,7 +47,8 @@ class ShmRegistry {
     // (the bytes are there when the call comes). Read is FAILED_PRECONDITION when the object no
     // longer holds those bytes (it shrank); Write grows an object that shrank back to size and
     // fails only on an I/O error.
-    absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const override;
+    absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer,
+                      absl::Time deadline) const override;
     absl::Status Write(int64_t offset, const void* src, size_t n, uint64_t transfer) const override;
     // FAILED_PRECONDITION unless the object still holds [offset, offset + n) of the region.
     absl::Status CheckStillCovers(int64_t offset, size_t n) const override;

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/client_text.h"
 #include "common/fp8.h"
 #include "common/status_macros.h"
@@ -114,13 +115,16 @@ absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfer
 
 absl::Status ShmTransfers::ReadInputs() {
   const auto t0 = std::chrono::steady_clock::now();
+  // No waiting here: the service ran the call once its transfers had landed (or failed to), so
+  // no executor thread waits for a client's bytes (AttentionService::AfterLandings).
+  const absl::Time now = absl::Now();
   for (Pending& p : inputs) {
     if (p.target == nullptr) continue;  // already read
     // In place where the bytes are in server memory (a data plane's input region), else copied.
-    ASSIGN_OR_RETURN(const char* view, p.region->View(p.offset, p.bytes, p.transfer));
+    ASSIGN_OR_RETURN(const char* view, p.region->View(p.offset, p.bytes, p.transfer, now));
     if (view == nullptr) {
       buffers.push_back(std::make_unique<std::string>(p.bytes, '\0'));
-      RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes, p.transfer));
+      RETURN_IF_ERROR(p.region->Read(p.offset, buffers.back()->data(), p.bytes, p.transfer, now));
       view = buffers.back()->data();
     }
     *p.target = view;

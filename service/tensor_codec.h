@@ -40,8 +40,9 @@ struct ShmTransfers {
   // region offers no staging of its own.
   std::vector<Pending> outputs;
   std::vector<std::unique_ptr<std::string>> output_buffers;
-  // Time spent reading inputs from regions (waiting for data plane transfers included) and
-  // writing outputs to them: LayerOutput.transfer_seconds.
+  // Time spent reading inputs from regions and writing outputs to them (the wait for data plane
+  // transfers to land comes before the call runs, and is not counted):
+  // LayerOutput.transfer_seconds.
   double seconds = 0;
 };
 

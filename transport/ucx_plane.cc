@@ -1,8 +1,10 @@
 #include "transport/ucx_plane.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <random>
 #include <shared_mutex>
 #include <utility>
@@ -11,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
+#include "transport/deadline_timer.h"
 #include "transport/plane_wire.h"
 
 namespace attnd::transport {
@@ -41,8 +44,9 @@ bool SameToken(const uint8_t* a, const std::string& b) {
 // a destroyed worker: its reads fail as the closed plane's, and its memory, unregistered by the
 // worker as it went, is only freed.
 struct UcxPlane::Link {
-  std::shared_mutex mu;         // shared while a State uses the worker, exclusive to cut
+  std::shared_mutex mu;         // shared while a State uses the worker or timer, exclusive to cut
   UcxWorker* worker = nullptr;  // null once cut
+  DeadlineTimer* timer = nullptr;  // the waits for landings (WhenLanded); null once cut
 };
 
 struct UcxPlane::State {
@@ -90,14 +94,67 @@ struct UcxPlane::State {
     std::free(output);
   }
 
-  // Records transfer `t` (progress thread): earlier transfers it overlaps are superseded.
+  // Calls waiting for a transfer to land (InputRegion::WhenLanded), by transfer: each runs once
+  // the transfer lands or is refused, the plane closes, or its deadline passes.
+  struct Waiter {
+    uint64_t id = 0, timer = 0;  // timer: its deadline's DeadlineTimer id (0 until set)
+    std::function<void()> ready;
+  };
+  std::multimap<uint64_t, Waiter> waiting;
+  uint64_t next_waiter = 1;
+
+  // Records transfer `t` (progress thread): earlier transfers it overlaps are superseded. Calls
+  // waiting for it are run.
   void Land(uint64_t t, int64_t offset, int64_t length, absl::Status status) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (status.ok())
-      for (auto& [id, l] : landed)
-        if (l.status.ok() && id != t && l.offset < offset + length && offset < l.offset + l.length)
-          l.status = absl::FailedPreconditionError(
-              absl::StrCat("data plane transfer ", id, " was overwritten by transfer ", t));
+    std::vector<Waiter> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (status.ok())
+        for (auto& [id, l] : landed)
+          if (l.status.ok() && id != t && l.offset < offset + length &&
+              offset < l.offset + l.length)
+            l.status = absl::FailedPreconditionError(
+                absl::StrCat("data plane transfer ", id, " was overwritten by transfer ", t));
+      RecordLocked(t, offset, length, std::move(status));
+      TakeWaitersLocked(t, &ready);
+    }
+    Run(std::move(ready));
+  }
+
+  void Lose(absl::Status s) {
+    std::vector<Waiter> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (lost.ok()) lost = std::move(s);
+      cv.notify_all();
+      for (auto& [t, w] : waiting) ready.push_back(std::move(w));
+      waiting.clear();
+    }
+    Run(std::move(ready));
+  }
+
+  // Waiter `id`'s deadline passed (the timer's thread): unless its transfer came meanwhile, the
+  // transfer is recorded as not arrived, so that the call, run now, fails at once.
+  void Expire(uint64_t t, uint64_t id) {
+    std::vector<Waiter> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto [first, last] = waiting.equal_range(t);
+      auto it = std::find_if(first, last, [&](const auto& w) { return w.second.id == id; });
+      if (it == last) return;  // ran already
+      it->second.timer = 0;    // its deadline is the one passing: nothing to cancel
+      ready.push_back(std::move(it->second));
+      waiting.erase(it);
+      if (landed.find(t) == landed.end())
+        RecordLocked(t, 0, 0,
+                     absl::DeadlineExceededError(
+                         absl::StrCat("data plane transfer ", t, " did not arrive within ",
+                                      absl::FormatDuration(timeout), " (", name, ".in)")));
+    }
+    Run(std::move(ready));
+  }
+
+  void RecordLocked(uint64_t t, int64_t offset, int64_t length, absl::Status status) {
     if (landed.find(t) == landed.end()) order.push_back(t);
     landed[t] = {offset, length, std::move(status)};
     while (static_cast<int>(order.size()) > max_landed) {
@@ -107,10 +164,22 @@ struct UcxPlane::State {
     cv.notify_all();
   }
 
-  void Lose(absl::Status s) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (lost.ok()) lost = std::move(s);
-    cv.notify_all();
+  void TakeWaitersLocked(uint64_t t, std::vector<Waiter>* out) {
+    auto [first, last] = waiting.equal_range(t);
+    for (auto it = first; it != last; ++it) out->push_back(std::move(it->second));
+    waiting.erase(first, last);
+  }
+
+  // Runs waiters taken from `waiting` (no lock held), their deadlines cancelled first.
+  void Run(std::vector<Waiter> ready) {
+    if (ready.empty()) return;
+    {
+      std::shared_lock<std::shared_mutex> alive(link->mu);
+      if (link->timer != nullptr)
+        for (const Waiter& w : ready)
+          if (w.timer != 0) link->timer->Cancel(w.timer);
+    }
+    for (Waiter& w : ready) w.ready();
   }
 
   absl::Status Lost() const {
@@ -141,12 +210,38 @@ class InputRegion final : public Region {
       : s_(std::move(s)), name_(std::move(name)) {}
   const std::string& name() const override { return name_; }
   int64_t size() const override { return s_->input_bytes; }
-  absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer) const override {
-    ASSIGN_OR_RETURN(const char* at, View(offset, n, transfer));
+  absl::Status Read(int64_t offset, void* dst, size_t n, uint64_t transfer,
+                    absl::Time deadline) const override {
+    ASSIGN_OR_RETURN(const char* at, View(offset, n, transfer, deadline));
     std::memcpy(dst, at, n);
     return absl::OkStatus();
   }
-  absl::StatusOr<const char*> View(int64_t offset, size_t n, uint64_t transfer) const override {
+  void WhenLanded(uint64_t transfer, std::function<void()> ready) const override {
+    UcxPlane::State& s = *s_;
+    std::shared_lock<std::shared_mutex> alive(s.link->mu);
+    if (transfer == 0 || s.link->worker == nullptr) return ready();  // View says why
+    uint64_t id = 0;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.landed.count(transfer) == 0 && s.lost.ok()) {
+        id = s.next_waiter++;
+        s.waiting.emplace(transfer, UcxPlane::State::Waiter{id, 0, std::move(ready)});
+      }
+    }
+    if (id == 0) return ready();
+    // The deadline set after the waiter is in place, so that it cannot pass unseen; its timer id
+    // kept for the landing to cancel, unless the waiter ran meanwhile.
+    const uint64_t timer = s.link->timer->At(
+        absl::Now() + s.timeout, [w = std::weak_ptr<UcxPlane::State>(s_), transfer, id] {
+          if (auto live = w.lock()) live->Expire(transfer, id);
+        });
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto [first, last] = s.waiting.equal_range(transfer);
+    auto it = std::find_if(first, last, [&](const auto& w) { return w.second.id == id; });
+    if (it != last) it->second.timer = timer;
+  }
+  absl::StatusOr<const char*> View(int64_t offset, size_t n, uint64_t transfer,
+                                   absl::Time deadline) const override {
     if (transfer == 0)
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": a data plane tensor names the transfer that brought it"));
@@ -156,18 +251,17 @@ class InputRegion final : public Region {
       absl::Status lost = s.Lost();
       return lost.ok() ? absl::UnavailableError("data plane closed") : lost;
     }
-    UcxWorker::Busy busy(s.link->worker);  // the progress thread polls while this waits
     std::unique_lock<std::mutex> lock(s.mu);
-    const auto until = absl::ToChronoTime(absl::Now() + s.timeout);
-    const bool arrived =
-        s.cv.wait_until(lock, until, [&] { return s.landed.count(transfer) != 0 || !s.lost.ok(); });
+    auto here = [&] { return s.landed.count(transfer) != 0 || !s.lost.ok(); };
+    if (!here() && absl::Now() < deadline) {
+      UcxWorker::Busy busy(s.link->worker);  // the progress thread polls while this waits
+      s.cv.wait_until(lock, absl::ToChronoTime(deadline), here);
+    }
     auto it = s.landed.find(transfer);
     if (it == s.landed.end()) {
       if (!s.lost.ok()) return s.lost;
-      (void)arrived;
       return absl::DeadlineExceededError(
-          absl::StrCat("data plane transfer ", transfer, " did not arrive within ",
-                       absl::FormatDuration(s.timeout), " (", name_, ")"));
+          absl::StrCat("data plane transfer ", transfer, " did not arrive in time (", name_, ")"));
     }
     const auto l = it->second;
     if (!l.status.ok()) return l.status;
@@ -204,7 +298,7 @@ class OutputRegion final : public Region {
       : s_(std::move(s)), name_(std::move(name)) {}
   const std::string& name() const override { return name_; }
   int64_t size() const override { return s_->output_bytes; }
-  absl::Status Read(int64_t, void*, size_t, uint64_t) const override {
+  absl::Status Read(int64_t, void*, size_t, uint64_t, absl::Time) const override {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, " is an output region; inputs come from the plane's input region"));
   }
@@ -236,8 +330,10 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& option
                 {kPull, [raw = p.get()](const UcxWorker::Message& m) { raw->OnPull(m); }}});
   if (!w.ok()) return w.status();
   p->worker_ = std::move(*w);
+  p->timer_ = std::make_unique<DeadlineTimer>();
   p->link_ = std::make_shared<Link>();
   p->link_->worker = p->worker_.get();
+  p->link_->timer = p->timer_.get();
   return p;
 }
 
@@ -246,6 +342,7 @@ UcxPlane::~UcxPlane() {
   if (link_ != nullptr) {  // null: Create failed before the worker was up
     std::unique_lock<std::shared_mutex> cut(link_->mu);  // waits out Views (closed: they end)
     link_->worker = nullptr;
+    link_->timer = nullptr;
   }
   worker_.reset();  // the thread stops; regions still held by calls keep their memory
 }

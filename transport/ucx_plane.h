@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "transport/deadline_timer.h"
 #include "transport/region.h"
 #include "transport/ucx_worker.h"
 
@@ -95,6 +96,7 @@ class UcxPlane {
 
   const Options options_;
   std::unique_ptr<UcxWorker> worker_;
+  std::unique_ptr<DeadlineTimer> timer_;  // where waits for a landing end (InputRegion)
   std::shared_ptr<Link> link_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<State>> planes_;

@@ -53,6 +53,10 @@ Pair Connect(int64_t in_bytes = 1 << 20, int64_t out_bytes = 1 << 20,
   return p;
 }
 
+// How long a direct Read waits for its transfer: the plane's timeout, as a call's wait for its
+// inputs (the service's own reads wait for nothing: AfterLandings waited first).
+absl::Time Patience(const Pair& p) { return absl::Now() + p.server->options().transfer_timeout; }
+
 std::string ReadBack(Pair& p, int64_t offset, size_t n, uint64_t transfer, absl::Status* status) {
   auto r = p.server->Resolve("tenant-a", "q", p.conn.input_region, offset, n);
   if (!r.ok()) {
@@ -60,7 +64,7 @@ std::string ReadBack(Pair& p, int64_t offset, size_t n, uint64_t transfer, absl:
     return "";
   }
   std::string got(n, '\0');
-  *status = (*r)->Read(offset, got.data(), n, transfer);
+  *status = (*r)->Read(offset, got.data(), n, transfer, Patience(p));
   return got;
 }
 
@@ -122,6 +126,69 @@ TEST(UcxPlane, ATransferThatNeverCameTimesOutAndALaterOneSupersedesAnOverlap) {
   EXPECT_NE(st.message().find("overwritten by transfer 11"), std::string::npos) << st;
 }
 
+TEST(UcxPlane, AWaitForALandingEndsAsItLandsOrAtItsDeadlineOrAtTheClose) {
+  // The service waits so for a call's inputs before the call takes an executor thread, then
+  // reads with a deadline of now: whatever ended the wait, the read answers at once.
+  Pair p = Connect(1 << 20, 1 << 20, absl::Milliseconds(300));
+  auto in = p.server->Resolve("tenant-a", "q", p.conn.input_region, 0, 1 << 20);
+  ASSERT_TRUE(in.ok()) << in.status();
+  auto wait_for = [](const std::atomic<int>& n, int want) {
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    while (n.load() < want && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+    return n.load();
+  };
+  // Lands: the wait ends with it, not before.
+  const std::string bytes = RandomBytes(3000, 21);
+  const uint64_t t = p.client->NextTransfer();
+  std::atomic<int> landed{0};
+  (*in)->WhenLanded(t, [&] { ++landed; });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(landed.load(), 0) << "ended before anything was sent";
+  ASSERT_TRUE(
+      p.client->Put(bytes.data(), bytes.size(), 0, t)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(wait_for(landed, 1), 1);
+  std::string got(bytes.size(), '\0');
+  ASSERT_TRUE((*in)->Read(0, got.data(), got.size(), t, absl::Now()).ok());
+  EXPECT_EQ(got, bytes);
+  // Already landed: at once, inline.
+  int inline_ran = 0;
+  (*in)->WhenLanded(t, [&] { ++inline_ran; });
+  EXPECT_EQ(inline_ran, 1);
+  // Never sent: the wait ends at the plane's timeout, and a read then fails at once.
+  const uint64_t u = p.client->NextTransfer();
+  std::atomic<int> expired{0};
+  const absl::Time t0 = absl::Now();
+  (*in)->WhenLanded(u, [&] { ++expired; });
+  (*in)->WhenLanded(u, [&] { ++expired; });  // two calls naming it: both end
+  EXPECT_EQ(wait_for(expired, 2), 2);
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(3));
+  const absl::Time r0 = absl::Now();
+  absl::Status late = (*in)->Read(0, got.data(), 16, u, absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  EXPECT_NE(late.message().find("did not arrive within 300ms"), std::string::npos) << late;
+  EXPECT_LT(absl::Now() - r0, absl::Milliseconds(100)) << "the read waited again";
+  // If it comes after all, a later call naming it reads it.
+  ASSERT_TRUE(p.client->Put(bytes.data(), 16, 0, u)->Wait(absl::Now() + absl::Seconds(5)).ok());
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (!(*in)->Read(0, got.data(), 16, u, absl::Now()).ok() && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_TRUE((*in)->Read(0, got.data(), 16, u, absl::Now()).ok());
+  // The plane closes: every wait ends at once, and reads say why.
+  std::atomic<int> closed{0};
+  const uint64_t v = p.client->NextTransfer();
+  (*in)->WhenLanded(v, [&] { ++closed; });
+  const absl::Time c0 = absl::Now();
+  ASSERT_TRUE(p.server->Close("tenant-a", p.conn.name).ok());
+  EXPECT_EQ(closed.load(), 1);
+  EXPECT_LT(absl::Now() - c0, absl::Milliseconds(200));
+  EXPECT_EQ((*in)->Read(0, got.data(), 16, v, absl::Now()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  int after_close = 0;
+  (*in)->WhenLanded(p.client->NextTransfer(), [&] { ++after_close; });
+  EXPECT_EQ(after_close, 1) << "a closed plane's wait ends inline";
+}
+
 TEST(UcxPlane, AnOverrunningTransferIsRefusedToItsCallAndWritesNothing) {
   Pair p = Connect(4096);
   const std::string first = RandomBytes(4096, 5), big = RandomBytes(5000, 6);
@@ -177,7 +244,7 @@ TEST(UcxPlane, RegionsResolveOnlyForTheirTenantAndInsideTheirBounds) {
   auto out = p.server->Resolve("tenant-a", "o", p.conn.output_region, 0, 16);
   char buf[16] = {};
   EXPECT_EQ((*in)->Write(0, buf, 16, 1).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*out)->Read(0, buf, 16, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*out)->Read(0, buf, 16, 1, Patience(p)).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(p.server->Close("tenant-b", p.conn.name).code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(p.server->Close("tenant-a", p.conn.name).ok());
   EXPECT_EQ((*in)->CheckStillCovers(0, 16).code(), absl::StatusCode::kFailedPrecondition);
@@ -266,9 +333,10 @@ TEST(UcxPlane, AClientThatDiesLeavesItsPlaneServingNothingAndClosable) {
   std::memcpy(staged, big.data(), big.size());
   EXPECT_TRUE((*out)->Write(0, staged, big.size(), 10).ok());
   std::string got(big.size(), '\0');
-  EXPECT_TRUE((*in)->Read(0, got.data(), got.size(), 9).ok());
+  EXPECT_TRUE((*in)->Read(0, got.data(), got.size(), 9, Patience(p)).ok());
   EXPECT_EQ(got, big);
-  EXPECT_EQ((*in)->Read(0, got.data(), 16, 11).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*in)->Read(0, got.data(), 16, 11, Patience(p)).code(),
+            absl::StatusCode::kDeadlineExceeded);
   ASSERT_TRUE(p.server->Close("tenant-a", p.conn.name).ok());
   EXPECT_EQ((*out)->CheckStillCovers(0, 16).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(p.server->num_planes(), 0);
@@ -286,10 +354,11 @@ TEST(UcxPlane, ARegionHeldPastItsPlaneRefusesReadsAndIsReleasedSafely) {
   auto out = p.server->Resolve("tenant-a", "out", p.conn.output_region, 0, 4096);
   ASSERT_TRUE(in.ok() && out.ok());
   std::string got(bytes.size(), '\0');
-  ASSERT_TRUE((*in)->Read(0, got.data(), got.size(), t).ok());
+  ASSERT_TRUE((*in)->Read(0, got.data(), got.size(), t, Patience(p)).ok());
   EXPECT_EQ(got, bytes);
   p.server.reset();
-  const absl::Status read = (*in)->Read(0, got.data(), got.size(), t);
+  const absl::Status read =
+      (*in)->Read(0, got.data(), got.size(), t, absl::Now() + absl::Seconds(2));
   EXPECT_EQ(read.code(), absl::StatusCode::kUnavailable) << read;
   char* staged = (*out)->Staging(0, 4096);
   std::memset(staged, 1, 4096);

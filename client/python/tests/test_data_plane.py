@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -206,6 +207,53 @@ def test_a_bad_transfer_aborts_its_step_and_changes_nothing(plane_harness, plane
         assert time.monotonic() - t0 < TIMEOUT_MS / 1000 + 5
         h.assert_unchanged([sid])
         h.assert_serves([sid])  # over the same plane
+
+
+def test_calls_waiting_for_transfers_hold_no_executor_thread():
+    # One executor thread, three calls naming transfers never sent: each waits for its bytes
+    # outside the executor, so another client's layer call runs at once, and each waiting call
+    # fails at its plane's timeout, its sequence unchanged. (Before, each wait held the thread
+    # for the whole timeout and the other call queued behind them.)
+    wait_ms = 3000
+    proc, target, _ = start(["--data-plane=ucx", f"--data-plane-timeout-ms={wait_ms}",
+                             "--executor-threads=1"], kv_pages=128)
+    try:
+        with AttndClient(target, timeout=30.0) as a, \
+                AttndClient(target, timeout=30.0, data_plane="off") as b:
+            ha, hb = Harness(a, a.info(), 3, "wa"), Harness(b, b.info(), 4, "wb")
+            a.connect_data_plane()
+            stalled = [ha.open(f"s{i}") for i in range(3)]
+            other = hb.open("s")
+            for sid in stalled:
+                ha.step(a, [(sid, 2)])
+            hb.step(b, [(other, 2)])
+            errors, took = {}, {}
+
+            def stall(sid):
+                t0 = time.monotonic()
+                errors[sid] = _raw_call(ha, a, sid, _never_sent)
+                took[sid] = time.monotonic() - t0
+
+            threads = [threading.Thread(target=stall, args=(sid,)) for sid in stalled]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # the three calls are in and waiting
+            t0 = time.monotonic()
+            hb.step(b, [(other, 1)])
+            served_in = time.monotonic() - t0
+            for t in threads:
+                t.join(timeout=60)
+            assert served_in < wait_ms / 1000 / 2, served_in
+            for sid in stalled:
+                e = errors[sid]
+                assert e is not None and e.code == grpc.StatusCode.DEADLINE_EXCEEDED, e
+                assert "did not arrive within 3s" in str(e), e
+                assert wait_ms / 1000 - 0.1 < took[sid] < wait_ms / 1000 + 5, took
+            ha.assert_unchanged(stalled)
+            ha.assert_serves(stalled)
+            hb.assert_serves([other])
+    finally:
+        stop(proc)
 
 
 def test_a_tenant_cannot_reach_another_tenants_plane(tmp_path):
