@@ -93,15 +93,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::string payload = in.Bytes(static_cast<size_t>(in.Int(0, 3) == 0 ? 2 * kRegion : 512));
         UcxWorker::Message m{header.data(),  header.size(), payload.data(),
                              payload.size(), false,         nullptr};
-        plane.OnToServer(m);
+        // Mostly on the plane's own worker; now and then on another plane's (refused).
+        const uint64_t on = in.Bool(0.9) ? conn->id : static_cast<uint64_t>(in.Int64());
+        plane.OnToServer(m, on);
         transport::ToServerHeader got;
         const bool valid =
-            transport::UnpackHeader(header.data(), header.size(), &got) && got.plane == conn->id &&
+            on == conn->id && transport::UnpackHeader(header.data(), header.size(), &got) &&
+            got.plane == conn->id &&
             std::memcmp(got.token, conn->token.data(), transport::kTokenBytes) == 0 &&
             got.transfer != 0 && got.offset >= 0 &&
             static_cast<int64_t>(payload.size()) <= kRegion &&
             got.offset <= kRegion - static_cast<int64_t>(payload.size());
-        const bool ours = transport::UnpackHeader(header.data(), header.size(), &got) &&
+        const bool ours = on == conn->id &&
+                          transport::UnpackHeader(header.data(), header.size(), &got) &&
                           got.plane == conn->id &&
                           std::memcmp(got.token, conn->token.data(), transport::kTokenBytes) == 0 &&
                           got.transfer != 0;
@@ -121,7 +125,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case 2: {  // a pull with any header (no reply endpoint: refused, never answered)
         const std::string header = in.Bytes(80);
         UcxWorker::Message m{header.data(), header.size(), nullptr, 0, false, nullptr};
-        plane.OnPull(m);
+        plane.OnPull(m, in.Bool(0.9) ? conn->id : static_cast<uint64_t>(in.Int64()));
         break;
       }
       case 3: {  // a region by any name, offset and size; a read of any transfer

@@ -74,7 +74,8 @@ grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServe
 grpc::ServerUnaryReactor* AttentionService::CloseDataPlane(grpc::CallbackServerContext* ctx,
                                                            const v1::CloseDataPlaneRequest* req,
                                                            v1::CloseDataPlaneResponse*) {
-  return Unary(ctx, "CloseDataPlane", [this, req](const Caller& c) {
+  // Stopping the plane's worker joins its thread: off gRPC's threads.
+  return Posted(ctx, "CloseDataPlane", [this, req](const Caller& c) {
     if (options_.data_plane == nullptr)
       return absl::FailedPreconditionError("the data plane is off on this server (--data-plane)");
     return options_.data_plane->Close(c.tenant, req->plane());

@@ -39,10 +39,10 @@ bool SameToken(const uint8_t* a, const std::string& b) {
 
 }  // namespace
 
-// What a plane reaches of the server's worker. ~UcxPlane cuts it before the worker goes, so a
-// region a call still holds (a plane's State outlives the UcxPlane while one does) never touches
-// a destroyed worker: its reads fail as the closed plane's, and its memory, unregistered by the
-// worker as it went, is only freed.
+// What a plane's regions reach of its worker and of the plane's timer. Closing the plane cuts it
+// before the worker goes, so a region a call still holds (a State outlives its plane while one
+// does) never touches a destroyed worker: its reads fail as the closed plane's, and its memory,
+// unregistered as the worker went, is only freed.
 struct UcxPlane::Link {
   std::shared_mutex mu;         // shared while a State uses the worker or timer, exclusive to cut
   UcxWorker* worker = nullptr;  // null once cut
@@ -52,11 +52,16 @@ struct UcxPlane::Link {
 struct UcxPlane::State {
   uint64_t id = 0;
   std::string name, tenant, token;
+  // The plane's own UCX worker and progress thread: its client's messages arrive in its own
+  // shared-memory FIFO, so a client that dies mid-message (which leaves a FIFO slot claimed and
+  // never completed, the FIFO stalled for good) stalls only its own plane. Reset by Shut, never
+  // on its own thread.
+  std::unique_ptr<UcxWorker> worker;
   std::shared_ptr<Link> link;
   std::atomic<int64_t> last_used{0};  // absl::Now() in ns at its last message or call
   // Rendezvous receives into the input region under way. One its client stalls never ends (UCX
-  // 1.13 cannot cancel it), so a closed plane with one still counts against the limits
-  // (UcxPlane::closing_).
+  // 1.13 cannot cancel it): the plane's worker is then left to the process's exit, and the closed
+  // plane still counts against the limits (UcxPlane::closing_).
   std::atomic<int> receiving{0};
   absl::Duration timeout;
   int max_landed = 0;
@@ -82,14 +87,24 @@ struct UcxPlane::State {
   std::map<uint64_t, std::pair<int64_t, int64_t>> staged;
   absl::Status lost;  // non-OK once the plane closed
 
-  ~State() {
-    if (link != nullptr) {  // null: Connect refused it before registering anything
-      std::shared_lock<std::shared_mutex> alive(link->mu);
-      if (link->worker != nullptr) {
-        if (memh != nullptr) link->worker->Unregister(memh);
-        if (output_memh != nullptr) link->worker->Unregister(output_memh);
-      }
+  // Cuts the link, releases the registrations and stops the worker (its transfers end, or, with
+  // one its peer left under way, the worker is left to the process's exit). Not on the worker's
+  // thread; once only (later calls do nothing).
+  void Shut() {
+    if (link != nullptr) {
+      std::unique_lock<std::shared_mutex> cut(link->mu);  // waits out Views (closed: they end)
+      link->worker = nullptr;
+      link->timer = nullptr;
     }
+    if (worker == nullptr) return;
+    for (ucp_mem_h* h : {&memh, &output_memh})
+      if (*h != nullptr) worker->Unregister(std::exchange(*h, nullptr));
+    worker.reset();
+  }
+
+  // Closing paths Shut first; this is for a plane whose Connect failed part-way.
+  ~State() {
+    Shut();
     std::free(input);
     std::free(output);
   }
@@ -324,33 +339,20 @@ class OutputRegion final : public Region {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& options) {
+  // UCX itself is checked here (a server asked for a plane it cannot give fails to start, not at
+  // its first client): a worker is made and let go. Each plane then gets its own.
+  if (auto probe = UcxWorker::Create("attnd", {}); !probe.ok()) return probe.status();
   std::unique_ptr<UcxPlane> p(new UcxPlane(options));
-  auto w = UcxWorker::Create(
-      "attnd", {{kToServer, [raw = p.get()](const UcxWorker::Message& m) { raw->OnToServer(m); }},
-                {kPull, [raw = p.get()](const UcxWorker::Message& m) { raw->OnPull(m); }}});
-  if (!w.ok()) return w.status();
-  p->worker_ = std::move(*w);
   p->timer_ = std::make_unique<DeadlineTimer>();
-  p->link_ = std::make_shared<Link>();
-  p->link_->worker = p->worker_.get();
-  p->link_->timer = p->timer_.get();
   return p;
 }
 
-UcxPlane::~UcxPlane() {
-  CloseAll();
-  if (link_ != nullptr) {  // null: Create failed before the worker was up
-    std::unique_lock<std::shared_mutex> cut(link_->mu);  // waits out Views (closed: they end)
-    link_->worker = nullptr;
-    link_->timer = nullptr;
-  }
-  worker_.reset();  // the thread stops; regions still held by calls keep their memory
-}
+UcxPlane::~UcxPlane() { CloseAll(); }
 
-void UcxPlane::OnToServer(const UcxWorker::Message& m) {
+void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
   ToServerHeader h;
   std::shared_ptr<State> s;
-  if (UnpackHeader(m.header, m.header_length, &h) && h.transfer != 0) {
+  if (UnpackHeader(m.header, m.header_length, &h) && h.transfer != 0 && h.plane == arrived_on) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = planes_.find(h.plane);
     if (it != planes_.end() && SameToken(h.token, it->second->token)) {
@@ -383,16 +385,17 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m) {
     s->Land(h.transfer, h.offset, length, absl::OkStatus());
     return;
   }
-  worker_->Receive(m.data, s->input + h.offset, m.length, [s, h, length](absl::Status st) {
+  // On this plane's own worker (the handler runs on its thread).
+  s->worker->Receive(m.data, s->input + h.offset, m.length, [s, h, length](absl::Status st) {
     s->receiving.fetch_sub(1);
     s->Land(h.transfer, h.offset, length, st);
   });
 }
 
-void UcxPlane::OnPull(const UcxWorker::Message& m) {
+void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
   PullHeader h;
   std::shared_ptr<State> s;
-  if (UnpackHeader(m.header, m.header_length, &h) && m.length == 0) {
+  if (UnpackHeader(m.header, m.header_length, &h) && m.length == 0 && h.plane == arrived_on) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = planes_.find(h.plane);
     if (it != planes_.end() && SameToken(h.token, it->second->token)) s = it->second;
@@ -415,20 +418,22 @@ void UcxPlane::OnPull(const UcxWorker::Message& m) {
   }
   if (!found) {
     reply.refused = 1;  // answered, so that the client's wait ends at once
-    worker_->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
+    s->worker->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
     return;
   }
   bytes_out_.fetch_add(h.length, std::memory_order_relaxed);
   // From the mirror, which the plane (held until the send completes) keeps.
-  worker_->Reply(m.reply_ep, kToClient, PackHeader(reply), s->output + h.offset,
-                 static_cast<size_t>(h.length), s, nullptr);
+  s->worker->Reply(m.reply_ep, kToClient, PackHeader(reply), s->output + h.offset,
+                   static_cast<size_t>(h.length), s, nullptr);
 }
 
 std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
   std::vector<std::shared_ptr<State>> idle;
   const int64_t cutoff = absl::ToUnixNanos(absl::Now() - options_.idle_timeout);
   for (auto it = planes_.begin(); it != planes_.end();) {
-    if (it->second->last_used.load(std::memory_order_relaxed) < cutoff) {
+    // A stalled worker's client is gone (it died mid-message): nothing will arrive any more.
+    if (it->second->last_used.load(std::memory_order_relaxed) < cutoff ||
+        it->second->worker->stalled()) {
       idle.push_back(it->second);
       closing_.push_back(it->second);
       it = planes_.erase(it);
@@ -448,15 +453,20 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
       return absl::InvalidArgumentError(absl::StrCat(what, ": ", v, " is outside [", lo, ", ",
                                                      options_.max_region_bytes,
                                                      "] (--data-plane-region-bytes)"));
-  // Planes closed for idleness are released after mu_ (their last reference's ~State waits for
-  // the progress thread, whose handlers take mu_).
+  // Planes closed for idleness are shut after mu_ (stopping a worker waits for its thread, whose
+  // handlers take mu_).
   std::vector<std::shared_ptr<State>> idle;
-  auto s = std::make_shared<State>();
   {
     std::lock_guard<std::mutex> lock(mu_);
     idle = TakeIdle();
-    for (auto& gone : idle)
-      gone->Lose(absl::UnavailableError("data plane closed after it stood idle"));
+  }
+  for (auto& gone : idle) {
+    gone->Lose(absl::UnavailableError("data plane closed after it stood idle"));
+    gone->Shut();
+  }
+  auto s = std::make_shared<State>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     // Planes being connected count as connected (their memory is being taken), so concurrent
     // handshakes cannot pass the limits together; so do closed planes whose client has left a
     // receive under way (their memory stays taken until it ends).
@@ -501,7 +511,15 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->name = absl::StrCat("ucx-", s->id);
   s->tenant = tenant;
   s->token = RandomToken();
-  s->link = link_;
+  const uint64_t id = s->id;
+  ASSIGN_OR_RETURN(
+      s->worker,
+      UcxWorker::Create(
+          s->name, {{kToServer, [this, id](const UcxWorker::Message& m) { OnToServer(m, id); }},
+                    {kPull, [this, id](const UcxWorker::Message& m) { OnPull(m, id); }}}));
+  s->link = std::make_shared<Link>();
+  s->link->worker = s->worker.get();
+  s->link->timer = timer_.get();
   s->timeout = options_.transfer_timeout;
   s->max_landed = options_.max_landed;
   s->input_bytes = input_bytes;
@@ -514,7 +532,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     if (*at == nullptr)
       return absl::ResourceExhaustedError(
           absl::StrCat("data plane: cannot allocate ", bytes, " bytes"));
-    ASSIGN_OR_RETURN(*memh, worker_->Register(*at, alloc));
+    ASSIGN_OR_RETURN(*memh, s->worker->Register(*at, alloc));
   }
   s->Touch();
   {
@@ -522,7 +540,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     reserved.Release();
     planes_[s->id] = s;
   }
-  return Connection{s->name,         s->id,           s->token, worker_->address(),
+  return Connection{s->name,         s->id,           s->token, s->worker->address(),
                     s->name + ".in", s->name + ".out"};
 }
 
@@ -540,6 +558,7 @@ absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name)
   }
   if (s == nullptr) return absl::NotFoundError(absl::StrCat("no data plane ", name));
   s->Lose(absl::FailedPreconditionError(absl::StrCat("data plane ", name, " was closed")));
+  s->Shut();
   return absl::OkStatus();
 }
 
@@ -551,6 +570,7 @@ void UcxPlane::CloseAll() {
   }
   for (auto& [id, s] : all) {
     s->Lose(absl::UnavailableError("the server is stopping"));
+    s->Shut();
   }
 }
 

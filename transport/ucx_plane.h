@@ -3,8 +3,11 @@
 // writes tensors into (active message kToServer, each landing announced by the transfer id the
 // layer call then names) and an output region in its own memory: the server builds each output
 // in a registered mirror of it, and the client pulls it (kPull) once the reply named it; the
-// server answers on the endpoint the pull came by (kToClient). Thread safe; UCX itself runs on
-// one progress thread (transport/ucx_worker.h).
+// server answers on the endpoint the pull came by (kToClient). Thread safe. Each plane has its
+// own UCX worker and progress thread (transport/ucx_worker.h), its address given in the
+// handshake: a client that dies mid-message can leave a shared-memory FIFO stalled for good
+// (UCX's FIFO slots are claimed, then filled; a claimed slot never filled blocks every later
+// message), and then only its own plane stalls. Closing a plane stops its worker.
 //
 // Trust (docs/trust.md): a plane belongs to the tenant that connected it, and its regions resolve
 // only for that tenant; every message must carry the plane's 128-bit secret, given only in the
@@ -13,8 +16,9 @@
 // that waits for it. The server never maps client memory (clients write into buffers the server
 // allocated; the server writes into the client's only by answering its pulls) and never parses a
 // client-supplied UCX address: UCX does not validate one, and a damaged address crashed
-// ucp_ep_create in a probe. A plane idle for `idle_timeout` (its client gone without closing it)
-// is closed when a new one is connected.
+// ucp_ep_create in a probe. A plane idle for `idle_timeout` (its client gone without closing it),
+// or whose worker stalled (UcxWorker::stalled: its client died mid-message), is closed when a new
+// one is connected.
 #pragma once
 
 #include <atomic>
@@ -84,20 +88,20 @@ class UcxPlane {
   struct State;  // one plane (ucx_plane.cc)
   struct Link;   // what planes reach of worker_ (ucx_plane.cc)
 
-  // The handlers of the messages clients send (the progress thread; public for the fuzz target,
-  // which feeds them any bytes).
-  void OnToServer(const UcxWorker::Message& m);
-  void OnPull(const UcxWorker::Message& m);
+  // The handlers of the messages clients send, on the progress thread of plane `arrived_on`'s
+  // worker: a message naming another plane is refused (public for the fuzz target, which feeds
+  // them any bytes).
+  void OnToServer(const UcxWorker::Message& m, uint64_t arrived_on);
+  void OnPull(const UcxWorker::Message& m, uint64_t arrived_on);
 
  private:
   explicit UcxPlane(const Options& options) : options_(options) {}
-  // Closes planes idle beyond options_.idle_timeout (mu_ held); returns them to close outside.
+  // Closes planes idle beyond options_.idle_timeout or whose worker stalled (mu_ held); returns
+  // them to shut outside.
   std::vector<std::shared_ptr<State>> TakeIdle();
 
   const Options options_;
-  std::unique_ptr<UcxWorker> worker_;
   std::unique_ptr<DeadlineTimer> timer_;  // where waits for a landing end (InputRegion)
-  std::shared_ptr<Link> link_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<State>> planes_;
   // Connects between their checks and their insert, by tenant.

@@ -33,6 +33,11 @@ void DefaultEnvironment() {
 // How long the progress thread polls after activity before it sleeps on the worker's event fd:
 // a message that follows soon is picked up without a wakeup (ATTND_UCX_SPIN_US, default 50).
 constexpr auto kBusySpin = std::chrono::milliseconds(10);
+// Events pending that progress never takes for this long: the worker is stalled (a shared-memory
+// FIFO whose writer died between claiming a slot and filling it reads as pending forever). The
+// thread then looks again every kStalledNap instead of spinning.
+constexpr auto kStall = std::chrono::seconds(1);
+constexpr auto kStalledNap = std::chrono::milliseconds(10);
 
 std::chrono::microseconds SpinTime() {
   const char* v = getenv("ATTND_UCX_SPIN_US");
@@ -156,11 +161,20 @@ void UcxWorker::Loop() {
     bool progressed = !work.empty();
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     const auto now = std::chrono::steady_clock::now();
-    if (progressed) active = now;
+    if (progressed) {
+      active = now;
+      stalled_.store(false, std::memory_order_relaxed);
+    }
     // Busy (someone waits, or a transfer is under way): poll on while anything moved in the
     // last kBusySpin; a transfer that stalls (its peer died) does not keep a core spinning.
     if (now - active < (busy_.load(std::memory_order_relaxed) > 0 ? kBusySpin : spin)) continue;
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+      if (now - active >= kStall) {
+        stalled_.store(true, std::memory_order_relaxed);
+        std::this_thread::sleep_for(kStalledNap);
+      }
+      continue;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!queue_.empty() || stop_) continue;

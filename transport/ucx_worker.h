@@ -146,6 +146,11 @@ class UcxWorker {
     UcxWorker* w_;
   };
 
+  // Whether the worker is stalled: events have stayed pending that progress never takes, for a
+  // second or more (a peer that died mid-message in a shared-memory FIFO leaves it so for good;
+  // the thread then naps between looks instead of spinning).
+  bool stalled() const { return stalled_.load(std::memory_order_relaxed); }
+
   // Registers [base, base + length) with UCX once (rendezvous lands there without registering
   // per message); Unregister before freeing the memory.
   absl::StatusOr<ucp_mem_h> Register(void* base, size_t length);
@@ -192,6 +197,7 @@ class UcxWorker {
   // Work posted from other threads.
   std::atomic<int> busy_{0};       // Busy holders and receives in flight
   std::atomic<int> in_flight_{0};  // sends and receives in flight
+  std::atomic<bool> stalled_{false};
   std::mutex mu_;
   std::deque<std::function<void()>> queue_;
   bool stop_ = false;
