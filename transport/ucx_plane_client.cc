@@ -150,7 +150,7 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
         std::memcpy(dest, m.data, m.length);
         return LandLocked(h.transfer, h.offset, length, absl::OkStatus());
       }
-      ++receiving_;
+      ++receiving_[h.transfer];
     }
   }
   if (!m.rndv) {
@@ -161,7 +161,7 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
   worker_->Receive(m.data, dest, m.length, [this, h, length, to_caller](absl::Status s) {
     if (to_caller) {
       std::lock_guard<std::mutex> lock(mu_);
-      --receiving_;
+      if (--receiving_[h.transfer] == 0) receiving_.erase(h.transfer);
     }
     Land(h.transfer, h.offset, length, std::move(s));
   });
@@ -222,8 +222,11 @@ absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t off
 void UcxPlaneClient::Forget(uint64_t transfer) {
   std::unique_lock<std::mutex> lock(mu_);
   landed_.erase(transfer);
-  if (expected_.erase(transfer) != 0)  // a receive already under way still writes: wait it out
-    cv_.wait(lock, [&] { return receiving_ == 0; });
+  // A receive of this transfer already under way still writes into the caller's buffer: it is
+  // waited out (UCX 1.13 cannot cancel a receive; it ends when its bytes land or the endpoint
+  // fails, which UCX detects for a server that died). Receives of other transfers are not.
+  if (expected_.erase(transfer) != 0)
+    cv_.wait(lock, [&] { return receiving_.count(transfer) == 0; });
 }
 
 }  // namespace attnd::transport

@@ -73,7 +73,8 @@ class UcxPlaneClient {
   // Non-OK once the endpoint to the server failed (the plane is of no further use).
   absl::Status Lost();
   // Forgets an output transfer that will not be awaited (the call failed): an expected
-  // destination is no longer written once this returns.
+  // destination is no longer written once this returns (a receive into it already under way is
+  // waited for; none of another transfer's is).
   void Forget(uint64_t transfer);
 
  private:
@@ -99,7 +100,7 @@ class UcxPlaneClient {
   std::condition_variable cv_;
   std::map<uint64_t, Landed> landed_;
   std::map<uint64_t, std::pair<char*, size_t>> expected_;  // transfer -> the caller's buffer
-  int receiving_ = 0;  // rendezvous receives into expected buffers in flight
+  std::map<uint64_t, int> receiving_;  // rendezvous receives into expected buffers, by transfer
   absl::Status lost_;
 };
 
