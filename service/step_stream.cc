@@ -37,9 +37,14 @@ class AttentionService::StepStream final
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed or the call is gone
+      // A cancelled call reads as CANCELLED whichever of OnCancel and this ran first (OnCancel
+      // may have aborted the open step already).
       const bool had_step = AbortOpenStep();
-      FinishOnce(had_step ? absl::CancelledError("stream closed with a step open; step aborted")
-                          : absl::OkStatus());
+      if (had_step || cancelled_.load())
+        FinishOnce(absl::CancelledError(had_step ? "stream closed with a step open; step aborted"
+                                                 : "call cancelled"));
+      else
+        FinishOnce(absl::OkStatus());
       return;
     }
     resp_.Clear();
@@ -127,6 +132,7 @@ class AttentionService::StepStream final
   void OnCancel() override {
     // Reads and writes in flight fail and finish the call; an executing layer finishes and its
     // write fails. Abort here too so a step never outlives a cancelled stream.
+    cancelled_ = true;
     AbortOpenStep();
   }
 
@@ -173,6 +179,7 @@ class AttentionService::StepStream final
   v1::StepRequest req_;
   v1::StepResponse resp_;
   std::atomic<uint64_t> step_{0};
+  std::atomic<bool> cancelled_{false};  // OnCancel ran
   std::atomic<uint64_t> step_channel_{0};  // the open step's channel (0: sharded)
   int shard_ = 0;                          // the shard this stream plays in a sharded step
   std::mutex mu_;
