@@ -202,15 +202,18 @@ class AttentionService final : public v1::Attention::CallbackService {
   void LayerAsync(const Caller& caller, const StepRef& step, const v1::LayerInputs* in,
                   v1::LayerOutput* out, Transport transport,
                   std::function<void(absl::Status)> done);
-  // LayerAsync once the call's data plane transfers landed.
+  // LayerAsync once the call's data plane transfers landed; `on_executor`: called from an
+  // executor thread (its wait ended there), which then runs the layer itself.
   void LayerLanded(const Caller& caller, const StepRef& step, const v1::LayerInputs* in,
                    v1::LayerOutput* out, Transport transport,
-                   std::function<void(absl::Status)> done);
+                   std::function<void(absl::Status)> done, bool on_executor);
   // Runs `go` once every data plane transfer `in` names has landed or failed to (a plane's
   // timeout included: Region::WhenLanded), so that no executor thread waits for a client's
-  // bytes: inline when none is outstanding, else posted to the executor. A name that does not
-  // resolve is not waited for (the layer's decode reports it).
-  void AfterLandings(const Caller& caller, const v1::LayerInputs& in, std::function<void()> go);
+  // bytes: inline when none is outstanding (go(false)), else on an executor thread (go(true)).
+  // A name that does not resolve is not waited for (the layer's decode reports it); a transfer
+  // named twice is waited for once. attnd_data_plane_calls_waiting counts the calls waiting.
+  void AfterLandings(const Caller& caller, const v1::LayerInputs& in,
+                     std::function<void(bool deferred)> go);
   // Shards of a sharded step; 0 for an ordinary step.
   int NumShards(const StepRef& step) const { return shards_.NumShards(step); }
   // Aborts a step for every shard: the engine step and any parked shard messages.

@@ -4,10 +4,15 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <set>
+#include <string>
+#include <utility>
 
 #include "common/status_macros.h"
 #include "service/attention_service.h"
 #include "service/service_internal.h"
+#include "service/service_metrics.h"
+#include "service/tensor_codec.h"
 #include "transport/ucx_plane.h"
 
 namespace attnd {
@@ -36,31 +41,42 @@ absl::Status AttentionService::DoConnectDataPlane(const Caller& caller,
 }
 
 void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs& in,
-                                     std::function<void()> go) {
-  if (options_.data_plane == nullptr) return go();
+                                     std::function<void(bool deferred)> go) {
+  if (options_.data_plane == nullptr) return go(false);
   // One count per transfer awaited, plus this function's own (dropped last), so that `go` runs
   // once, after every wait and after they were all set up.
   struct Countdown {
     std::atomic<int> left{1};
-    std::function<void()> go;
+    std::function<void(bool)> go;
+    ServiceMetrics* metrics = nullptr;
   };
   auto c = std::make_shared<Countdown>();
   const ShmAccess shm = ShmFor(caller);
-  for (const v1::Tensor* t : {&in.q_latent(), &in.q_nope(), &in.q_rope(), &in.kv_latent(),
-                              &in.k_rope(), &in.index_q(), &in.index_k(), &in.index_w()})
+  std::set<std::pair<std::string, uint64_t>> awaited;  // a transfer named twice is awaited once
+  for (const auto& [name, t] : InputTensors(in))
     for (const v1::Tensor* part : {t, &t->scales()}) {
       const v1::SharedMemoryRef& ref = part->shm();
       if (ref.transfer() == 0) continue;  // not the data plane's (or refused by the decode)
-      auto region = shm.Resolve("", ref.region(), ref.offset(), ref.byte_size(), ref.transfer());
+      if (!awaited.insert({ref.region(), ref.transfer()}).second) continue;
+      auto region = shm.Resolve(name, ref.region(), ref.offset(), ref.byte_size(), ref.transfer());
       if (!region.ok()) continue;
       c->left.fetch_add(1);
       (*region)->WhenLanded(ref.transfer(), [this, c] {
-        if (c->left.fetch_sub(1) == 1) executor_->Post(std::move(c->go));
+        if (c->left.fetch_sub(1) == 1)
+          executor_->Post([c] {
+            c->metrics->CallsWaiting(-1);
+            c->go(true);
+          });
       });
     }
-  if (c->left.load() == 1) return go();  // every wait already over (or none): run here
+  if (c->left.load() == 1) return go(false);  // every wait already over (or none): run here
   c->go = std::move(go);
-  if (c->left.fetch_sub(1) == 1) c->go();
+  c->metrics = metrics_;
+  metrics_->CallsWaiting(+1);
+  if (c->left.fetch_sub(1) == 1) {  // the last landed meanwhile
+    metrics_->CallsWaiting(-1);
+    c->go(false);
+  }
 }
 
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,

@@ -54,21 +54,28 @@ std::function<void(absl::Status)> AttentionService::AfterStandby(
 void AttentionService::LayerAsync(const Caller& caller, const StepRef& step,
                                   const v1::LayerInputs* in, v1::LayerOutput* out,
                                   Transport transport, std::function<void(absl::Status)> done) {
-  AfterLandings(caller, *in, [this, caller, step, in, out, transport, done = std::move(done)] {
-    LayerLanded(caller, step, in, out, transport, done);
-  });
+  AfterLandings(caller, *in,
+                [this, caller, step, in, out, transport, done = std::move(done)](bool deferred) {
+                  LayerLanded(caller, step, in, out, transport, done, deferred);
+                });
 }
 
 void AttentionService::LayerLanded(const Caller& caller, const StepRef& step,
                                    const v1::LayerInputs* in, v1::LayerOutput* out,
-                                   Transport transport, std::function<void(absl::Status)> done) {
+                                   Transport transport, std::function<void(absl::Status)> done,
+                                   bool on_executor) {
+  // Where the layer runs: here when already on an executor thread, else posted to one.
+  auto run = [this, on_executor](std::function<void()> task) {
+    if (on_executor) return task();
+    executor_->Post(std::move(task));
+  };
   if (shards_.NumShards(step) == 0) {
     // The engine resolves the step, checks it is the caller's, and names its sequences if the
     // layer commits: nothing is looked up here.
     auto committed =
         replicator_ != nullptr ? std::make_shared<std::vector<LayerResult::Committed>>() : nullptr;
     done = AfterStandby(step, out, committed, std::move(done));
-    executor_->Post([this, caller, step, in, out, transport, committed, done = std::move(done)] {
+    run([this, caller, step, in, out, transport, committed, done = std::move(done)] {
       done(Guarded([&] { return Layer(caller, step, *in, out, transport, committed.get()); }));
     });
     return;
@@ -93,7 +100,7 @@ void AttentionService::LayerLanded(const Caller& caller, const StepRef& step,
     return;
   }
   if (!parts->has_value()) return;  // parked until the other shards arrive
-  executor_->Post([this, step, transport, all = std::move(**parts)] {
+  run([this, step, transport, all = std::move(**parts)] {
     absl::Status s = Guarded([&] { return LayerSharded(step, all, transport); });
     if (!s.ok()) {
       (void)engine_->AbortStep(step, AbortReason::kError);  // every error aborts the step

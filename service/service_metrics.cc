@@ -305,6 +305,11 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                                      "UCX messages dropped: unknown plane, wrong secret, "
                                      "malformed.")
                         .Add({});
+  calls_waiting_ = &registry
+                        ->AddGauge("attnd_data_plane_calls_waiting",
+                                   "Layer calls waiting for their data plane transfers to land "
+                                   "(holding no executor thread).")
+                        .Add({});
   rss_ = &registry->AddGauge("process_resident_memory_bytes", "Resident memory size in bytes.")
               .Add({});
   vsize_ =

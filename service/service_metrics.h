@@ -54,6 +54,10 @@ class ServiceMetrics {
   void SetReplicator(const ReplicationHook* replicator) { replicator_ = replicator; }
   // The UCX data plane whose state to export (set once, before serving).
   void SetDataPlane(const transport::UcxPlane* plane) { data_plane_ = plane; }
+  // A layer call began (+1) or ended (-1) its wait for its data plane transfers to land.
+  void CallsWaiting(int delta) {
+    delta > 0 ? calls_waiting_->Increment() : calls_waiting_->Decrement();
+  }
   // A standby copy here was promoted (failover).
   void Promoted() { promotions_->Increment(); }
 
@@ -130,6 +134,7 @@ class ServiceMetrics {
   metrics::Gauge* planes_;
   metrics::Counter* plane_bytes_[2];  // in, out
   metrics::Counter* plane_refused_;
+  metrics::Gauge* calls_waiting_;
   // process_*
   metrics::Gauge* rss_;
   metrics::Gauge* vsize_;

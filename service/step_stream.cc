@@ -25,8 +25,9 @@ namespace attnd {
 class AttentionService::StepStream final
     : public grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse> {
  public:
-  StepStream(AttentionService* svc, absl::StatusOr<Caller> caller, uint64_t channel)
-      : svc_(svc), channel_(channel) {
+  StepStream(AttentionService* svc, grpc::CallbackServerContext* ctx, absl::StatusOr<Caller> caller,
+             uint64_t channel)
+      : svc_(svc), ctx_(ctx), channel_(channel) {
     if (!caller.ok()) {
       FinishOnce(caller.status());
       return;
@@ -37,14 +38,9 @@ class AttentionService::StepStream final
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed or the call is gone
-      // A cancelled call reads as CANCELLED whichever of OnCancel and this ran first (OnCancel
-      // may have aborted the open step already).
       const bool had_step = AbortOpenStep();
-      if (had_step || cancelled_.load())
-        FinishOnce(absl::CancelledError(had_step ? "stream closed with a step open; step aborted"
-                                                 : "call cancelled"));
-      else
-        FinishOnce(absl::OkStatus());
+      FinishOnce(had_step ? absl::CancelledError("stream closed with a step open; step aborted")
+                          : absl::OkStatus());
       return;
     }
     resp_.Clear();
@@ -162,24 +158,31 @@ class AttentionService::StepStream final
   // attnd_rpc_seconds), whatever its outcome. Finish is called outside mu_: once it is called
   // OnDone may run (and delete this) on another thread at any moment, so nothing of this object
   // may be touched after it.
-  void FinishOnce(const absl::Status& s) {
+  // A cancelled call is CANCELLED whatever ended it: OnCancel may run before or after the failed
+  // read or write, or the layer error, that ends the stream (and may have aborted its step).
+  void FinishOnce(const absl::Status& given) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
     }
+    const absl::Status s =
+        (cancelled_.load() || ctx_->IsCancelled()) && given.code() != absl::StatusCode::kCancelled
+            ? absl::CancelledError("call cancelled")
+            : given;
     svc_->Report("Step", s, started_);
     Finish(ToGrpcStatus(s));
   }
 
   AttentionService* svc_;
+  grpc::CallbackServerContext* const ctx_;
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   Caller caller_;
   const uint64_t channel_;  // binds this stream's unsharded steps to it
   v1::StepRequest req_;
   v1::StepResponse resp_;
   std::atomic<uint64_t> step_{0};
-  std::atomic<bool> cancelled_{false};  // OnCancel ran
+  std::atomic<bool> cancelled_{false};     // OnCancel ran
   std::atomic<uint64_t> step_channel_{0};  // the open step's channel (0: sharded)
   int shard_ = 0;                          // the shard this stream plays in a sharded step
   std::mutex mu_;
@@ -188,7 +191,7 @@ class AttentionService::StepStream final
 
 grpc::ServerBidiReactor<v1::StepRequest, v1::StepResponse>* AttentionService::Step(
     grpc::CallbackServerContext* ctx) {
-  return new StepStream(this, Authenticate(*ctx), next_channel_++);
+  return new StepStream(this, ctx, Authenticate(*ctx), next_channel_++);
 }
 
 }  // namespace attnd

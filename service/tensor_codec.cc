@@ -97,19 +97,24 @@ absl::Status ViewOf(const char* name, const v1::Tensor& t, const ShmAccess& shm,
 
 }  // namespace
 
+std::array<std::pair<const char*, const v1::Tensor*>, 8> InputTensors(const v1::LayerInputs& in) {
+  return {{{"q_latent", &in.q_latent()},
+           {"q_nope", &in.q_nope()},
+           {"q_rope", &in.q_rope()},
+           {"kv_latent", &in.kv_latent()},
+           {"k_rope", &in.k_rope()},
+           {"index_q", &in.index_q()},
+           {"index_k", &in.index_k()},
+           {"index_w", &in.index_w()}}};
+}
+
 absl::Status ViewOf(const v1::LayerInputs& in, const ShmAccess& shm, ShmTransfers* transfers,
                     LayerInputs* out) {
-  const std::pair<const char*, std::pair<const v1::Tensor*, TensorView*>> all[] = {
-      {"q_latent", {&in.q_latent(), &out->q_latent}},
-      {"q_nope", {&in.q_nope(), &out->q_nope}},
-      {"q_rope", {&in.q_rope(), &out->q_rope}},
-      {"kv_latent", {&in.kv_latent(), &out->kv_latent}},
-      {"k_rope", {&in.k_rope(), &out->k_rope}},
-      {"index_q", {&in.index_q(), &out->index_q}},
-      {"index_k", {&in.index_k(), &out->index_k}},
-      {"index_w", {&in.index_w(), &out->index_w}}};
-  for (const auto& [name, p] : all)
-    RETURN_IF_ERROR(ViewOf(name, *p.first, shm, transfers, p.second));
+  TensorView* const views[] = {&out->q_latent, &out->q_nope,  &out->q_rope,  &out->kv_latent,
+                               &out->k_rope,   &out->index_q, &out->index_k, &out->index_w};
+  const auto tensors = InputTensors(in);  // in the order of `views`
+  for (size_t i = 0; i < tensors.size(); ++i)
+    RETURN_IF_ERROR(ViewOf(tensors[i].first, *tensors[i].second, shm, transfers, views[i]));
   return absl::OkStatus();
 }
 

@@ -4,8 +4,10 @@
 // for a region is written there after the layer ran.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -45,6 +47,10 @@ struct ShmTransfers {
   // LayerOutput.transfer_seconds.
   double seconds = 0;
 };
+
+// The input tensors of a layer message by name, in the order ViewOf reads them (the data plane's
+// wait for their transfers walks the same list: AttentionService::AfterLandings).
+std::array<std::pair<const char*, const v1::Tensor*>, 8> InputTensors(const v1::LayerInputs& in);
 
 // Views of the seven tensors of a layer message, into *out (valid while `in` and `transfers`
 // live; *out must stay where it is until transfers->ReadInputs() ran). An unset tensor is

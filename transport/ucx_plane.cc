@@ -59,12 +59,13 @@ struct UcxPlane::State {
   std::unique_ptr<UcxWorker> worker;
   std::shared_ptr<Link> link;
   std::atomic<int64_t> last_used{0};  // absl::Now() in ns at its last message or call
-  // Rendezvous receives into the input region under way. One its client stalls never ends (UCX
-  // 1.13 cannot cancel it): the plane's worker is then left to the process's exit, and the closed
-  // plane still counts against the limits (UcxPlane::closing_).
-  std::atomic<int> receiving{0};
+  // Rendezvous receives into the input region and replies (outputs) under way. One its client
+  // stalls never ends (UCX 1.13 cannot cancel it): the plane's worker is then left to the
+  // process's exit, and the closed plane still counts against the limits (UcxPlane::closing_).
+  std::atomic<int> in_flight{0};
   absl::Duration timeout;
   int max_landed = 0;
+  int max_waiting = 0;  // calls waiting for a landing, at most
   // The input region: server memory registered with UCX once.
   char* input = nullptr;
   int64_t input_bytes = 0;
@@ -87,23 +88,25 @@ struct UcxPlane::State {
   std::map<uint64_t, std::pair<int64_t, int64_t>> staged;
   absl::Status lost;  // non-OK once the plane closed
 
-  // Cuts the link, releases the registrations and stops the worker (its transfers end, or, with
-  // one its peer left under way, the worker is left to the process's exit). Not on the worker's
-  // thread; once only (later calls do nothing).
+  // Cuts the link and stops the worker: its thread ends first (its transfers end, or, with one
+  // its peer left under way, the worker is left to the process's exit, unread and unprogressed),
+  // then the registrations go with it. Not on the worker's thread; once only (later calls do
+  // nothing). Handlers never read `worker` (they use the worker a message came by).
   void Shut() {
     if (link != nullptr) {
       std::unique_lock<std::shared_mutex> cut(link->mu);  // waits out Views (closed: they end)
       link->worker = nullptr;
       link->timer = nullptr;
     }
-    if (worker == nullptr) return;
-    for (ucp_mem_h* h : {&memh, &output_memh})
-      if (*h != nullptr) worker->Unregister(std::exchange(*h, nullptr));
     worker.reset();
+    memh = output_memh = nullptr;
   }
 
-  // Closing paths Shut first; this is for a plane whose Connect failed part-way.
+  // Closing paths Shut first (holding a reference, so that no State goes on its own worker's
+  // thread); this is for a plane whose Connect failed part-way. Were it ever on that thread, the
+  // worker could not be stopped from there: it is left to the process's exit.
   ~State() {
+    if (worker != nullptr && worker->OnThread()) (void)worker.release();
     Shut();
     std::free(input);
     std::free(output);
@@ -115,7 +118,7 @@ struct UcxPlane::State {
     uint64_t id = 0, timer = 0;  // timer: its deadline's DeadlineTimer id (0 until set)
     std::function<void()> ready;
   };
-  std::multimap<uint64_t, Waiter> waiting;
+  std::map<std::pair<uint64_t, uint64_t>, Waiter> waiting;  // (transfer, id) -> waiter
   uint64_t next_waiter = 1;
 
   // Records transfer `t` (progress thread): earlier transfers it overlaps are superseded. Calls
@@ -154,10 +157,9 @@ struct UcxPlane::State {
     std::vector<Waiter> ready;
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto [first, last] = waiting.equal_range(t);
-      auto it = std::find_if(first, last, [&](const auto& w) { return w.second.id == id; });
-      if (it == last) return;  // ran already
-      it->second.timer = 0;    // its deadline is the one passing: nothing to cancel
+      auto it = waiting.find({t, id});
+      if (it == waiting.end()) return;  // ran already
+      it->second.timer = 0;             // its deadline is the one passing: nothing to cancel
       ready.push_back(std::move(it->second));
       waiting.erase(it);
       if (landed.find(t) == landed.end())
@@ -180,7 +182,8 @@ struct UcxPlane::State {
   }
 
   void TakeWaitersLocked(uint64_t t, std::vector<Waiter>* out) {
-    auto [first, last] = waiting.equal_range(t);
+    auto first = waiting.lower_bound({t, 0}), last = waiting.lower_bound({t + 1, 0});
+    if (t == UINT64_MAX) last = waiting.end();
     for (auto it = first; it != last; ++it) out->push_back(std::move(it->second));
     waiting.erase(first, last);
   }
@@ -232,28 +235,7 @@ class InputRegion final : public Region {
     return absl::OkStatus();
   }
   void WhenLanded(uint64_t transfer, std::function<void()> ready) const override {
-    UcxPlane::State& s = *s_;
-    std::shared_lock<std::shared_mutex> alive(s.link->mu);
-    if (transfer == 0 || s.link->worker == nullptr) return ready();  // View says why
-    uint64_t id = 0;
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      if (s.landed.count(transfer) == 0 && s.lost.ok()) {
-        id = s.next_waiter++;
-        s.waiting.emplace(transfer, UcxPlane::State::Waiter{id, 0, std::move(ready)});
-      }
-    }
-    if (id == 0) return ready();
-    // The deadline set after the waiter is in place, so that it cannot pass unseen; its timer id
-    // kept for the landing to cancel, unless the waiter ran meanwhile.
-    const uint64_t timer = s.link->timer->At(
-        absl::Now() + s.timeout, [w = std::weak_ptr<UcxPlane::State>(s_), transfer, id] {
-          if (auto live = w.lock()) live->Expire(transfer, id);
-        });
-    std::lock_guard<std::mutex> lock(s.mu);
-    auto [first, last] = s.waiting.equal_range(transfer);
-    auto it = std::find_if(first, last, [&](const auto& w) { return w.second.id == id; });
-    if (it != last) it->second.timer = timer;
+    if (!Await(transfer, ready)) ready();  // outside the locks: `ready` may read a region
   }
   absl::StatusOr<const char*> View(int64_t offset, size_t n, uint64_t transfer,
                                    absl::Time deadline) const override {
@@ -298,6 +280,35 @@ class InputRegion final : public Region {
   }
 
  private:
+  // Registers `ready` to run when `transfer` lands (or fails to, or the plane's timeout passes);
+  // false, `ready` untouched, when it should run now: the transfer already landed, the plane is
+  // closed, or the plane holds its most calls waiting (then the call runs and, if its bytes are
+  // not there, fails at once).
+  bool Await(uint64_t transfer, std::function<void()>& ready) const {
+    UcxPlane::State& s = *s_;
+    std::shared_lock<std::shared_mutex> alive(s.link->mu);
+    if (transfer == 0 || s.link->worker == nullptr) return false;  // View says why
+    uint64_t id = 0;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.landed.count(transfer) != 0 || !s.lost.ok() ||
+          static_cast<int>(s.waiting.size()) >= s.max_waiting)
+        return false;
+      id = s.next_waiter++;
+      s.waiting.emplace(std::make_pair(transfer, id),
+                        UcxPlane::State::Waiter{id, 0, std::move(ready)});
+    }
+    // The deadline set after the waiter is in place, so that it cannot pass unseen; its timer id
+    // kept for the landing to cancel, unless the waiter ran meanwhile.
+    const uint64_t timer = s.link->timer->At(
+        absl::Now() + s.timeout, [w = std::weak_ptr<UcxPlane::State>(s_), transfer, id] {
+          if (auto live = w.lock()) live->Expire(transfer, id);
+        });
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (auto it = s.waiting.find({transfer, id}); it != s.waiting.end()) it->second.timer = timer;
+    return true;
+  }
+
   absl::Status NotForOutputs() const {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, " is an input region; outputs go to the plane's output region"));
@@ -359,7 +370,7 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
       s = it->second;
       // Counted before mu_ goes, so a Close from now on sees the receive (undone below where
       // none starts).
-      if (m.rndv) s->receiving.fetch_add(1);
+      if (m.rndv) s->in_flight.fetch_add(1);
     }
   }
   if (s == nullptr) {
@@ -371,7 +382,7 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
   // conversion, so no claim wraps past the checks.
   if (m.length > static_cast<size_t>(s->input_bytes) || h.offset < 0 ||
       h.offset > s->input_bytes - static_cast<int64_t>(m.length)) {
-    if (m.rndv) s->receiving.fetch_sub(1);
+    if (m.rndv) s->in_flight.fetch_sub(1);
     s->Land(h.transfer, h.offset, 0,
             absl::InvalidArgumentError(absl::StrCat(
                 "data plane transfer ", h.transfer, ": ", m.length, " bytes at offset ", h.offset,
@@ -385,9 +396,13 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
     s->Land(h.transfer, h.offset, length, absl::OkStatus());
     return;
   }
+  if (m.worker == nullptr) {  // a handler called by a test, not by UCX: nothing to receive with
+    s->in_flight.fetch_sub(1);
+    return s->Land(h.transfer, h.offset, 0, absl::InternalError("no worker to receive with"));
+  }
   // On this plane's own worker (the handler runs on its thread).
-  s->worker->Receive(m.data, s->input + h.offset, m.length, [s, h, length](absl::Status st) {
-    s->receiving.fetch_sub(1);
+  m.worker->Receive(m.data, s->input + h.offset, m.length, [s, h, length](absl::Status st) {
+    s->in_flight.fetch_sub(1);
     s->Land(h.transfer, h.offset, length, st);
   });
 }
@@ -400,7 +415,7 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
     auto it = planes_.find(h.plane);
     if (it != planes_.end() && SameToken(h.token, it->second->token)) s = it->second;
   }
-  if (s == nullptr || m.reply_ep == nullptr) {
+  if (s == nullptr || m.reply_ep == nullptr || m.worker == nullptr) {
     refused_.fetch_add(1);
     return;  // not this plane's, or no way to answer: dropped
   }
@@ -418,13 +433,16 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
   }
   if (!found) {
     reply.refused = 1;  // answered, so that the client's wait ends at once
-    s->worker->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
+    m.worker->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
     return;
   }
   bytes_out_.fetch_add(h.length, std::memory_order_relaxed);
-  // From the mirror, which the plane (held until the send completes) keeps.
-  s->worker->Reply(m.reply_ep, kToClient, PackHeader(reply), s->output + h.offset,
-                   static_cast<size_t>(h.length), s, nullptr);
+  // From the mirror, which the plane (held until the send completes) keeps; counted while under
+  // way, as receives are (a client that stalls a pull leaves it so).
+  s->in_flight.fetch_add(1);
+  m.worker->Reply(m.reply_ep, kToClient, PackHeader(reply), s->output + h.offset,
+                  static_cast<size_t>(h.length), s,
+                  [s](absl::Status) { s->in_flight.fetch_sub(1); });
 }
 
 std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
@@ -461,7 +479,10 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     idle = TakeIdle();
   }
   for (auto& gone : idle) {
-    gone->Lose(absl::UnavailableError("data plane closed after it stood idle"));
+    gone->Lose(absl::UnavailableError(
+        gone->worker != nullptr && gone->worker->stalled()
+            ? "data plane closed: its worker stalled (a message its client began never ended)"
+            : "data plane closed after it stood idle"));
     gone->Shut();
   }
   auto s = std::make_shared<State>();
@@ -473,7 +494,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     int closing = 0, mine = 0;
     for (auto it = closing_.begin(); it != closing_.end();) {
       std::shared_ptr<State> c = it->lock();
-      if (c == nullptr || c->receiving.load() == 0) {
+      if (c == nullptr || c->in_flight.load() == 0) {
         it = closing_.erase(it);
         continue;
       }
@@ -522,6 +543,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->link->timer = timer_.get();
   s->timeout = options_.transfer_timeout;
   s->max_landed = options_.max_landed;
+  s->max_waiting = options_.max_waiting_calls;
   s->input_bytes = input_bytes;
   s->output_bytes = output_bytes;
   for (auto [bytes, at, memh] : {std::tuple{input_bytes, &s->input, &s->memh},
@@ -535,13 +557,15 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     ASSIGN_OR_RETURN(*memh, s->worker->Register(*at, alloc));
   }
   s->Touch();
+  // Built before the plane is published: from then on a Close (or another handshake's reaping)
+  // may stop its worker at any moment.
+  Connection c{s->name, s->id, s->token, s->worker->address(), s->name + ".in", s->name + ".out"};
   {
     std::lock_guard<std::mutex> lock(mu_);
     reserved.Release();
     planes_[s->id] = s;
   }
-  return Connection{s->name,         s->id,           s->token, s->worker->address(),
-                    s->name + ".in", s->name + ".out"};
+  return c;
 }
 
 absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name) {

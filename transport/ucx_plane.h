@@ -44,6 +44,9 @@ class UcxPlane {
     int64_t max_region_bytes = int64_t{256} << 20;       // each region of a plane
     absl::Duration transfer_timeout = absl::Seconds(2);  // an input's landing, an output's send
     int max_landed = 256;  // transfers landed and not yet superseded, per plane (oldest dropped)
+    // Calls waiting for their transfers to land, per plane; beyond, a call runs at once (and
+    // fails if its bytes are not there).
+    int max_waiting_calls = 1024;
     absl::Duration idle_timeout = absl::Minutes(10);
   };
   static absl::StatusOr<std::unique_ptr<UcxPlane>> Create(const Options& options);
@@ -84,6 +87,8 @@ class UcxPlane {
   int64_t bytes_in() const { return bytes_in_.load(); }
   int64_t bytes_out() const { return bytes_out_.load(); }
   const Options& options() const { return options_; }
+  // Deadlines of waits for a landing not yet passed nor cancelled (tests).
+  size_t pending_deadlines() const { return timer_->pending(); }
 
   struct State;  // one plane (ucx_plane.cc)
   struct Link;   // what planes reach of worker_ (ucx_plane.cc)

@@ -134,6 +134,7 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
                 absl::InternalError("data plane: the server sent an output outside the region"));
   const int64_t length = static_cast<int64_t>(m.length);
   char* dest = out_ + h.offset;
+  bool to_caller = false;  // a receive into the caller's buffer, counted for Forget
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = expected_.find(h.transfer);
@@ -151,13 +152,13 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
         return LandLocked(h.transfer, h.offset, length, absl::OkStatus());
       }
       ++receiving_[h.transfer];
+      to_caller = true;
     }
   }
   if (!m.rndv) {
     std::memcpy(dest, m.data, m.length);
     return Land(h.transfer, h.offset, length, absl::OkStatus());
   }
-  const bool to_caller = dest != out_ + h.offset;
   worker_->Receive(m.data, dest, m.length, [this, h, length, to_caller](absl::Status s) {
     if (to_caller) {
       std::lock_guard<std::mutex> lock(mu_);

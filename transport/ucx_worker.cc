@@ -36,7 +36,7 @@ constexpr auto kBusySpin = std::chrono::milliseconds(10);
 // Events pending that progress never takes for this long: the worker is stalled (a shared-memory
 // FIFO whose writer died between claiming a slot and filling it reads as pending forever). The
 // thread then looks again every kStalledNap instead of spinning.
-constexpr auto kStall = std::chrono::seconds(1);
+constexpr auto kStall = std::chrono::seconds(10);
 constexpr auto kStalledNap = std::chrono::milliseconds(10);
 
 std::chrono::microseconds SpinTime() {
@@ -210,7 +210,7 @@ ucs_status_t UcxWorker::OnMessage(void* arg, const void* header, size_t header_l
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   ucp_ep_h reply =
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
-  slot->fn(Message{header, header_length, data, length, rndv, reply});
+  slot->fn(Message{header, header_length, data, length, rndv, reply, slot->worker});
   return UCS_OK;  // eager data is copied by the handler; a rendezvous it did not take is dropped
 }
 

@@ -54,6 +54,9 @@ class UcxWorker {
     // The sender's endpoint as this worker sees it, when the sender asked for replies (valid
     // during the handler only: Reply on it from there).
     ucp_ep_h reply_ep;
+    // The worker that received it (Receive and Reply go through it); null only where a test or
+    // fuzz target calls a handler itself.
+    UcxWorker* worker = nullptr;
   };
   // Returns nothing: a message the handler does not take (a refused one) is dropped.
   using Handler = std::function<void(const Message&)>;
@@ -146,9 +149,12 @@ class UcxWorker {
     UcxWorker* w_;
   };
 
-  // Whether the worker is stalled: events have stayed pending that progress never takes, for a
-  // second or more (a peer that died mid-message in a shared-memory FIFO leaves it so for good;
-  // the thread then naps between looks instead of spinning).
+  // Whether the caller is this worker's progress thread.
+  bool OnThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  // Whether the worker is stalled: events have stayed pending that progress never takes, for
+  // ten seconds or more (a peer that died mid-message in a shared-memory FIFO leaves it so for
+  // good; the thread then naps between looks instead of spinning).
   bool stalled() const { return stalled_.load(std::memory_order_relaxed); }
 
   // Registers [base, base + length) with UCX once (rendezvous lands there without registering

@@ -215,8 +215,8 @@ def test_calls_waiting_for_transfers_hold_no_executor_thread():
     # fails at its plane's timeout, its sequence unchanged. (Before, each wait held the thread
     # for the whole timeout and the other call queued behind them.)
     wait_ms = 3000
-    proc, target, _ = start(["--data-plane=ucx", f"--data-plane-timeout-ms={wait_ms}",
-                             "--executor-threads=1"], kv_pages=128)
+    proc, target, mport = start(["--data-plane=ucx", f"--data-plane-timeout-ms={wait_ms}",
+                                 "--executor-threads=1"], kv_pages=128)
     try:
         with AttndClient(target, timeout=30.0) as a, \
                 AttndClient(target, timeout=30.0, data_plane="off") as b:
@@ -237,7 +237,11 @@ def test_calls_waiting_for_transfers_hold_no_executor_thread():
             threads = [threading.Thread(target=stall, args=(sid,)) for sid in stalled]
             for t in threads:
                 t.start()
-            time.sleep(0.5)  # the three calls are in and waiting
+            deadline = time.monotonic() + 2
+            while (_sample(scrape(mport), "attnd_data_plane_calls_waiting") < 3
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)
+            assert _sample(scrape(mport), "attnd_data_plane_calls_waiting") == 3
             t0 = time.monotonic()
             hb.step(b, [(other, 1)])
             served_in = time.monotonic() - t0
@@ -252,6 +256,7 @@ def test_calls_waiting_for_transfers_hold_no_executor_thread():
             ha.assert_unchanged(stalled)
             ha.assert_serves(stalled)
             hb.assert_serves([other])
+            assert _sample(scrape(mport), "attnd_data_plane_calls_waiting") == 0
     finally:
         stop(proc)
 
@@ -313,16 +318,16 @@ WORKER = textwrap.dedent("""
 
 
 def test_a_worker_killed_mid_step_and_mid_transfer_changes_nothing(plane_harness, plane_server):
-    # Five times over: a worker killed mid-transfer can leave a UCX shared-memory FIFO with a
+    # Eight times over: a worker killed mid-transfer can leave a UCX shared-memory FIFO with a
     # slot claimed and never filled, which stalls every later message in that FIFO for good (one
-    # kill in five or so, here). Each plane has its own server worker, so only the dead
+    # kill in five or so, here: eight kills reach it five runs in six). Each plane has its own server worker, so only the dead
     # worker's plane stalls: the client that was there before (h.client, its plane connected
     # first) and new clients are served after every kill.
     h = plane_harness
     h.client.connect_data_plane()
     tests_dir = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=str(tests_dir.parent))
-    for k in range(5):
+    for k in range(8):
         sid = h.open(f"killed{k}")
         h.step(h.client, [(sid, 3)])
         r = subprocess.run([sys.executable, "-c", WORKER, plane_server, sid, str(tests_dir)],
