@@ -9,7 +9,7 @@ import threading
 import time
 
 import numpy as np
-from attnd import AttndClient, LayerInputs
+from attnd import AttndClient, AttndError, LayerInputs
 
 FFN_SECONDS = 0.002  # a stand-in for the worker's own FFN of a layer
 
@@ -42,6 +42,10 @@ def run(client, name, batch, turns, waits):
 
 
 with AttndClient(os.environ.get("ATTND_TARGET", "localhost:50051")) as client:
+    try:  # the plane now rather than after the first calls (they would ask in the background)
+        client.connect_data_plane()
+    except AttndError:
+        pass  # no plane on this server: tensors go in the messages
     batches = {m: [f"mb{m}-{i}" for i in range(4)] for m in range(2)}
     for batch in batches.values():
         for sid in batch:

@@ -320,9 +320,9 @@ WORKER = textwrap.dedent("""
 def test_a_worker_killed_mid_step_and_mid_transfer_changes_nothing(plane_harness, plane_server):
     # Eight times over: a worker killed mid-transfer can leave a UCX shared-memory FIFO with a
     # slot claimed and never filled, which stalls every later message in that FIFO for good (one
-    # kill in five or so, here: eight kills reach it five runs in six). Each plane has its own server worker, so only the dead
-    # worker's plane stalls: the client that was there before (h.client, its plane connected
-    # first) and new clients are served after every kill.
+    # kill in five or so, here: eight kills reach it five runs in six). Each plane has its own
+    # server worker, so only the dead worker's plane stalls: the client that was there before
+    # (h.client, its plane connected first) and new clients are served after every kill.
     h = plane_harness
     h.client.connect_data_plane()
     tests_dir = Path(__file__).resolve().parent
