@@ -1,5 +1,7 @@
 #include "transport/deadline_timer.h"
 
+#include <algorithm>
+
 #include "absl/time/clock.h"
 
 namespace attnd::transport {
@@ -15,7 +17,9 @@ DeadlineTimer::~DeadlineTimer() {
   thread_.join();
 }
 
-uint64_t DeadlineTimer::At(absl::Time when, std::function<void()> fn) {
+uint64_t DeadlineTimer::At(absl::Time deadline, std::function<void()> fn) {
+  const Clock::time_point when = Clock::now() + absl::ToChronoNanoseconds(std::max(
+                                                    deadline - absl::Now(), absl::ZeroDuration()));
   uint64_t id;
   bool first;
   {
@@ -49,9 +53,9 @@ void DeadlineTimer::Loop() {
       cv_.wait(lock);
       continue;
     }
-    const absl::Time next = due_.begin()->first.first;
-    if (absl::Now() < next) {
-      cv_.wait_until(lock, absl::ToChronoTime(next));
+    const Clock::time_point next = due_.begin()->first.first;
+    if (Clock::now() < next) {
+      cv_.wait_until(lock, next);
       continue;
     }
     auto node = due_.extract(due_.begin());

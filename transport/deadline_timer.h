@@ -3,6 +3,7 @@
 // holding an executor thread, docs/data-plane.md).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -24,7 +25,8 @@ class DeadlineTimer {
   DeadlineTimer& operator=(const DeadlineTimer&) = delete;
 
   // Runs fn on the timer's thread once `when` has passed (callbacks due together run in deadline
-  // order, one at a time: each must be short and must not block). Returns an id for Cancel.
+  // order, one at a time: each must be short and must not block). Returns an id for Cancel. The
+  // wait is measured on the monotonic clock from now: a step of the wall clock moves no deadline.
   uint64_t At(absl::Time when, std::function<void()> fn);
   // fn of `id` will not run (a no-op once it ran or began to).
   void Cancel(uint64_t id);
@@ -36,8 +38,9 @@ class DeadlineTimer {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> due_;
-  std::map<uint64_t, absl::Time> when_;  // id -> its key's deadline, for Cancel
+  using Clock = std::chrono::steady_clock;
+  std::map<std::pair<Clock::time_point, uint64_t>, std::function<void()>> due_;
+  std::map<uint64_t, Clock::time_point> when_;  // id -> its key's deadline, for Cancel
   uint64_t next_id_ = 1;
   bool stop_ = false;
   std::thread thread_;
