@@ -32,11 +32,12 @@ if [ -d client/python/tests ]; then
   "$PY" -m pytest -q -n 3 client/python/tests bench/test_gpu_report.py bench/test_gpu_check.py
   stage python-data-plane
   # The layer-call suites again, every tensor on the UCX data plane (docs/data-plane.md): the
-  # session server offers it and each test client connects one.
+  # session server offers it and each test client connects one. (test_data_plane.py runs once,
+  # above: its tests start plane servers of their own, so a second run would repeat them.)
   ATTND_TEST_DATA_PLANE=ucx "$PY" -m pytest -q -n 3 -p no:cacheprovider \
     client/python/tests/{test_client,test_client_api,test_layer_inputs,test_fp8_queries,test_lse}.py \
     client/python/tests/{test_absorption,test_shards_and_shm,test_context_parallel}.py \
-    client/python/tests/{test_wire_bytes,test_data_plane}.py
+    client/python/tests/test_wire_bytes.py
   stage python-package
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
   stage transformers
