@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
-#include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/status_macros.h"
 #include "service/attention_service.h"
@@ -48,30 +48,33 @@ void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs
   struct Countdown {
     std::atomic<int> left{1};
     std::function<void(bool)> go;
-    ServiceMetrics* metrics = nullptr;
   };
   auto c = std::make_shared<Countdown>();
   const ShmAccess shm = ShmFor(caller);
-  std::set<std::pair<std::string, uint64_t>> awaited;  // a transfer named twice is awaited once
+  // A transfer named twice is awaited once (at most 16 names: a short list beats a set).
+  std::vector<std::pair<const std::string*, uint64_t>> awaited;
   for (const auto& [name, t] : InputTensors(in))
     for (const v1::Tensor* part : {t, &t->scales()}) {
       const v1::SharedMemoryRef& ref = part->shm();
       if (ref.transfer() == 0) continue;  // not the data plane's (or refused by the decode)
-      if (!awaited.insert({ref.region(), ref.transfer()}).second) continue;
+      if (std::any_of(awaited.begin(), awaited.end(), [&](const auto& a) {
+            return a.second == ref.transfer() && *a.first == ref.region();
+          }))
+        continue;
+      awaited.emplace_back(&ref.region(), ref.transfer());
       auto region = shm.Resolve(name, ref.region(), ref.offset(), ref.byte_size(), ref.transfer());
       if (!region.ok()) continue;
       c->left.fetch_add(1);
       (*region)->WhenLanded(ref.transfer(), [this, c] {
         if (c->left.fetch_sub(1) == 1)
-          executor_->Post([c] {
-            c->metrics->CallsWaiting(-1);
+          executor_->Post([this, c] {
+            metrics_->CallsWaiting(-1);
             c->go(true);
           });
       });
     }
   if (c->left.load() == 1) return go(false);  // every wait already over (or none): run here
   c->go = std::move(go);
-  c->metrics = metrics_;
   metrics_->CallsWaiting(+1);
   if (c->left.fetch_sub(1) == 1) {  // the last landed meanwhile
     metrics_->CallsWaiting(-1);
