@@ -10,8 +10,11 @@ PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("ATTND_TEST_INSTALLED") != "1":
     if PYTHON_DIR not in sys.path:
         sys.path.insert(0, PYTHON_DIR)
-    # Idempotent and quiet: recompiles attnd/v1/attention.binpb only when missing or stale.
-    subprocess.run([os.path.join(PYTHON_DIR, "generate_stubs.sh")], check=True)
+    # Idempotent and quiet: recompiles attnd/v1/attention.binpb only when missing or stale, with
+    # the interpreter running the tests (the one that has grpc_tools), not whatever python3 is
+    # first on the PATH (a fresh machine's has none).
+    subprocess.run([os.path.join(PYTHON_DIR, "generate_stubs.sh")], check=True,
+                   env={**os.environ, "PYTHON": sys.executable})
 
 
 # ---- servers: one fixture per flag set -----------------------------------------------------------
