@@ -16,9 +16,10 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDI
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 if [ "$WHICH" = asan ] || [ "$WHICH" = all ]; then
   configure_sanitized "$ASAN_TREE" address,undefined ON  # the fuzz targets build here too
-  # The test executables only (not attnd, attnctl or the fuzz targets: scripts/fuzz.sh builds
-  # those it runs).
-  cmake --build "$ASAN_TREE" -j "$(nproc)" --target attnd_tests
+  # The test executables of the levels run below only (not the sim level's, nor attnd, attnctl
+  # or the fuzz targets: scripts/fuzz.sh builds those it runs).
+  cmake --build "$ASAN_TREE" -j "$(nproc)" --target attnd_tests_unit attnd_tests_engine \
+    attnd_tests_service
   echo "sanitize: ASan+UBSan: the unit, engine and service levels (e2e and sim run in the plain ctest)"
   # Not here: the sim level (lane-level simulations of the CUDA kernels: test code only, and the
   # simulator bounds-checks every shared and global access itself; 48 s of test time here), and
