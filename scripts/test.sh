@@ -22,6 +22,18 @@ stage build
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTND_BUILD_TESTS=ON \
   -DATTND_BUILD_BENCH=ON >/dev/null  # ON: a build dir run.sh configured has them OFF
 cmake --build "$BUILD_DIR" -j "$(nproc)"
+sanitizer_build=""
+if [ "${ATTND_QUICK:-0}" != 1 ]; then
+  # The sanitizer trees build meanwhile, on idle cycles only (SCHED_IDLE: a test's thread that
+  # wakes takes its core back at once): the suites below mostly wait on the servers they started
+  # (the e2e level used 43% of one core of two here, the Python suite 53% of two), and after a
+  # header change the two trees are 500 s of compile work. Their log: $BUILD_DIR/sanitizer-build.log.
+  idle=(chrt --idle 0)
+  "${idle[@]}" true 2>/dev/null || idle=(nice -n 19)
+  setsid "${idle[@]}" ./scripts/sanitize.sh build >"$BUILD_DIR/sanitizer-build.log" 2>&1 &
+  sanitizer_build=$!
+  trap '[ -z "$sanitizer_build" ] || kill -- -"$sanitizer_build" 2>/dev/null || true' EXIT
+fi
 stage ctest
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
 if [ -d client/python/tests ]; then
@@ -54,8 +66,15 @@ if [ -x "$BUILD_DIR/tests/cuda_test" ]; then
 fi
 if [ "${ATTND_QUICK:-0}" != 1 ]; then
   stage sanitizers
+  if ! wait "$sanitizer_build"; then
+    sanitizer_build=""
+    echo "test.sh: the sanitizer trees did not build; the end of $BUILD_DIR/sanitizer-build.log:"
+    tail -n 60 "$BUILD_DIR/sanitizer-build.log"
+    exit 1
+  fi
+  sanitizer_build=""
   ./scripts/sanitize.sh all
   stage fuzz
-  ./scripts/fuzz.sh "${ATTND_FUZZ_SECONDS:-60}"
+  ./scripts/fuzz.sh "${ATTND_FUZZ_SECONDS:-30}"
 fi
 stage done
