@@ -5,7 +5,9 @@ checkpoint so absorbed calls are measured too, --shm, --data-plane=ucx), at each
 size, once with the client's UCX limited to shared memory (UCX_TLS=sm; gRPC bytes and shared
 memory measured in that pass too) and once to TCP (UCX_TLS=tcp). Writes the markdown table
 (--out) with p50/p99 transport beside the bare UCX round trip of the same bytes, their ratio,
-and the micro-batch figures.
+and the micro-batch figures. The bare trips are taken one after each UCX-plane call, with that
+call's bytes (interleaved: both see the machine as it is then); "paired ratio p50" is the median
+over calls of a call's transport over its own bare trip.
 
     python3 bench/transport_bench.py --batches=8,64 --out=bench/results/transport.md
 """
@@ -45,8 +47,8 @@ def measure(target: str, shm: str, batch: int, context: int, steps: int, tls: st
 
 def table(runs: list[dict]) -> str:
     out = ["| batch | plane | variant | request KiB | reply KiB | transport p50 ms | p99 ms | "
-           "bare UCX p50 ms | ratio | bare + control floor | ratio |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bare UCX p50 ms | ratio | bare + control floor | ratio | paired ratio p50 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         bare = {b["variant"]: b for b in run["bare_ucx"]}
         floor = run["control_ms_p50"]
@@ -58,7 +60,8 @@ def table(runs: list[dict]) -> str:
                        f"{r['request_bytes'] / 1024:.0f} | {r['reply_bytes'] / 1024:.0f} | "
                        f"{r['transport_ms_p50']:.3f} | {r['transport_ms_p99']:.3f} | {b:.3f} | "
                        f"{r['transport_ms_p50'] / b:.2f} | {b + floor:.3f} | "
-                       f"{r['transport_ms_p50'] / (b + floor):.2f} |")
+                       f"{r['transport_ms_p50'] / (b + floor):.2f} | "
+                       + (f"{r['paired_ratio_p50']:.2f} |" if "paired_ratio_p50" in r else "|"))
     out += ["", "| batch | UCX_TLS | plane | FFN stand-in ms | wait/layer serial p50 | "
             "two in flight p50 | p99 | step of both serial ms | two in flight ms |",
             "|---|---|---|---|---|---|---|---|---|"]

@@ -2,8 +2,11 @@
 // tensors may travel, gRPC bytes, shared memory and the UCX data plane, beside a bare UCX round
 // trip of the same bytes measured in the same process, and a worker's wait per layer with one
 // and with two micro-batches in flight against a stand-in FFN of measured length.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -25,6 +28,8 @@ struct Figures {
   LatencyStats round_trip, transport;
   double request_bytes = 0, reply_bytes = 0;  // tensor payloads, per call
   int64_t calls = 0;
+  // With a bare trip after each call: those trips, and each call's transport over its trip's.
+  LatencyStats bare, paired_ratio;
 };
 
 double TensorBytes(const v1::Tensor& t) {
@@ -40,10 +45,71 @@ double PayloadOf(const v1::LayerInputs& in) {
   return b;
 }
 
+// The bare UCX round trip of `request` bytes out and `reply` bytes back between two workers of
+// this process (the plane's own code without gRPC or the engine): the transports UCX_TLS allows.
+// Interleaved with the UCX plane's layer calls, one trip after each call with that call's bytes,
+// so that both see the machine as it is at that moment (on a shared 2-core VM the same trip
+// measured 1.7 ms in one run and 8 ms in the next).
+class BareTrip {
+ public:
+  static absl::StatusOr<std::unique_ptr<BareTrip>> Create(size_t max_bytes) {
+    std::unique_ptr<BareTrip> b(new BareTrip);
+    transport::UcxPlane::Options o;
+    o.max_region_bytes = static_cast<int64_t>(max_bytes) + 4096;
+    auto server = transport::UcxPlane::Create(o);
+    if (!server.ok()) return server.status();
+    b->server_ = std::move(*server);
+    auto client = transport::UcxPlaneClient::Create(o.max_region_bytes);
+    if (!client.ok()) return client.status();
+    b->client_ = std::move(*client);
+    auto conn = b->server_->Connect("bench", o.max_region_bytes, o.max_region_bytes, 0);
+    if (!conn.ok()) return conn.status();
+    if (auto s =
+            b->client_->Attach(conn->id, conn->token, conn->server_address, o.max_region_bytes);
+        !s.ok())
+      return s;
+    auto in = b->server_->Resolve("bench", "in", conn->input_region, 0, o.max_region_bytes);
+    auto out = b->server_->Resolve("bench", "out", conn->output_region, 0, o.max_region_bytes);
+    if (!in.ok() || !out.ok()) return absl::InternalError("bare UCX: regions");
+    b->in_ = std::move(*in);
+    b->out_ = std::move(*out);
+    b->payload_.assign(max_bytes, 'q');
+    b->staged_ = b->out_->Staging(0, max_bytes);
+    std::memset(b->staged_, 'o', max_bytes);
+    for (int k = 0; k < 3; ++k)  // warm-up trips
+      if (auto t = b->Once(max_bytes, max_bytes); !t.ok()) return t.status();
+    return b;
+  }
+
+  // One round trip: its seconds.
+  absl::StatusOr<double> Once(size_t request, size_t reply) {
+    const uint64_t t = client_->NextTransfer(), r = client_->NextTransfer();
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    const auto t0 = Clock::now();
+    auto sent = client_->Put(payload_.data(), request, 0, t);
+    auto view = in_->View(0, request, t, deadline);
+    if (!view.ok()) return view.status();
+    if (auto w = out_->Write(0, staged_, reply, r); !w.ok()) return w;
+    auto got = client_->Await(r, 0, reply, deadline);
+    if (!got.ok()) return got.status();
+    if (auto s = sent->Wait(deadline); !s.ok()) return s;
+    return Since(t0);
+  }
+
+ private:
+  BareTrip() = default;
+  std::unique_ptr<transport::UcxPlane> server_;
+  std::unique_ptr<transport::UcxPlaneClient> client_;
+  std::shared_ptr<const Region> in_, out_;
+  std::string payload_;
+  char* staged_ = nullptr;
+};
+
 // `steps` decode steps of `layers` over a fresh stream of `c`: per layer, the round trip and the
-// transport (round trip - server_seconds + transfer_seconds).
+// transport (round trip - server_seconds + transfer_seconds); with `bare`, a bare trip of the same
+// bytes after each call.
 absl::Status Measure(Client& c, const Batch& decode, const std::vector<v1::LayerInputs>& layers,
-                     size_t out_bytes, int steps, Figures* f) {
+                     size_t out_bytes, int steps, Figures* f, BareTrip* bare = nullptr) {
   // The output goes where a worker wants it, its own buffer (out_bytes 0: the layers name a
   // shared-memory region for it).
   std::string out(out_bytes, '\0');
@@ -57,49 +123,21 @@ absl::Status Measure(Client& c, const Batch& decode, const std::vector<v1::Layer
       if (!o.ok()) return o.status();
       const double rt = Since(t0);
       f->round_trip.Add(rt);
-      f->transport.Add(rt - o->server_seconds() + o->transfer_seconds());
-      f->request_bytes += PayloadOf(l);
-      f->reply_bytes += out_bytes > 0 ? static_cast<double>(out_bytes) : TensorBytes(o->out());
+      const double transport = rt - o->server_seconds() + o->transfer_seconds();
+      f->transport.Add(transport);
+      const double request = PayloadOf(l);
+      const double reply = out_bytes > 0 ? static_cast<double>(out_bytes) : TensorBytes(o->out());
+      f->request_bytes += request;
+      f->reply_bytes += reply;
       ++f->calls;
+      if (bare == nullptr) continue;
+      auto trip = bare->Once(static_cast<size_t>(request), static_cast<size_t>(reply));
+      if (!trip.ok()) return trip.status();
+      f->bare.Add(*trip);
+      f->paired_ratio.Add(transport / *trip);
     }
   }
   return stream->Close();
-}
-
-// The bare UCX round trip of `request` bytes out and `reply` bytes back between two workers of
-// this process (the plane's own code without gRPC or the engine): the transports UCX_TLS allows.
-absl::StatusOr<LatencyStats> BareUcx(size_t request, size_t reply, int calls) {
-  transport::UcxPlane::Options o;
-  o.max_region_bytes = static_cast<int64_t>(std::max(request, reply)) + 4096;
-  auto server = transport::UcxPlane::Create(o);
-  if (!server.ok()) return server.status();
-  auto client = transport::UcxPlaneClient::Create(o.max_region_bytes);
-  if (!client.ok()) return client.status();
-  auto conn = (*server)->Connect("bench", o.max_region_bytes, o.max_region_bytes, 0);
-  if (!conn.ok()) return conn.status();
-  if (auto s = (*client)->Attach(conn->id, conn->token, conn->server_address, o.max_region_bytes);
-      !s.ok())
-    return s;
-  auto in = (*server)->Resolve("bench", "in", conn->input_region, 0, request);
-  auto out = (*server)->Resolve("bench", "out", conn->output_region, 0, reply);
-  if (!in.ok() || !out.ok()) return absl::InternalError("bare UCX: regions");
-  const std::string payload(request, 'q');
-  char* staged = (*out)->Staging(0, reply);
-  std::memset(staged, 'o', reply);
-  LatencyStats stats;
-  for (int k = 0; k < calls + 3; ++k) {  // three warm-up trips
-    const uint64_t t = (*client)->NextTransfer(), r = (*client)->NextTransfer();
-    const auto t0 = Clock::now();
-    auto sent = (*client)->Put(payload.data(), request, 0, t);
-    auto view = (*in)->View(0, request, t, absl::Now() + absl::Seconds(10));
-    if (!view.ok()) return view.status();
-    if (auto w = (*out)->Write(0, staged, reply, r); !w.ok()) return w;
-    auto got = (*client)->Await(r, 0, reply, absl::Now() + absl::Seconds(10));
-    if (!got.ok()) return got.status();
-    if (auto s = sent->Wait(absl::Now() + absl::Seconds(10)); !s.ok()) return s;
-    if (k >= 3) stats.Add(Since(t0));
-  }
-  return stats;
 }
 
 void SleepFor(double seconds) {  // the FFN runs elsewhere: the worker's CPU is idle meanwhile
@@ -189,14 +227,15 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
   struct Plane {
     std::string name;
     std::unique_ptr<Client> client;
-    bool shm = false;
+    bool shm = false, ucx = false;
   };
   std::vector<Plane> planes;
   planes.push_back({"grpc bytes", std::move(*bytes_client), false});
   Client& base = *planes[0].client;
   auto ucx = Client::Connect(target, with_plane);
   if (ucx.ok() && (*ucx)->ConnectDataPlane().ok())
-    planes.push_back({absl::StrCat("ucx (", transport::UcxTransports(), ")"), std::move(*ucx)});
+    planes.push_back(
+        {absl::StrCat("ucx (", transport::UcxTransports(), ")"), std::move(*ucx), false, true});
   const std::string shm_target = a.Get("shm-target", "");
   if (!shm_target.empty()) {
     auto l = Client::Connect(shm_target, grpc_only);
@@ -232,10 +271,16 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
   std::vector<std::pair<std::string, LatencyStats>> bare;  // per variant
   for (const WireVariant& v : variants) {
     const std::vector<v1::LayerInputs> layers = VariantLayers(g, v, B, spec.num_heads, Dn, rng);
+    const size_t out = static_cast<size_t>(B) * spec.num_heads *
+                       (v.absorbed ? info->absorption().v_head_dim() : spec.kv_lora_rank) * 2;
+    size_t largest = out;
+    for (const auto& l : layers) largest = std::max(largest, static_cast<size_t>(PayloadOf(l)));
+    auto trip = BareTrip::Create(largest);
+    if (!trip.ok()) return Fail(trip.status(), "bare UCX");
+    size_t paired =
+        rows.size() + planes.size();  // the UCX plane's row (its bare trips interleaved)
     for (Plane& p : planes) {
       std::vector<v1::LayerInputs> sent = layers;
-      const size_t out = static_cast<size_t>(B) * spec.num_heads *
-                         (v.absorbed ? info->absorption().v_head_dim() : spec.kv_lora_rank) * 2;
       if (p.shm) {
         if (v.fp8_queries) continue;  // FP8 replies aside, every tensor goes: the same bytes
         size_t need = 1 << 20;
@@ -252,15 +297,26 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
         sent = InSharedMemory(layers, *mem, tag, out);
       }
       rows.push_back({p.name, v.name, {}});
-      if (auto s = Measure(*p.client, decode, sent, p.shm ? 0 : out, steps, &rows.back().f);
+      if (auto s = Measure(*p.client, decode, sent, p.shm ? 0 : out, steps, &rows.back().f,
+                           p.ucx ? trip->get() : nullptr);
           !s.ok())
         return Fail(s, absl::StrCat(p.name, ", ", v.name).c_str());
+      if (p.ucx) paired = rows.size() - 1;
     }
-    const Figures& f = rows[rows.size() - planes.size() + (planes.back().shm && v.fp8_queries)].f;
-    auto stats = BareUcx(static_cast<size_t>(f.request_bytes / f.calls),
-                         static_cast<size_t>(f.reply_bytes / f.calls), steps * spec.num_layers());
-    if (!stats.ok()) return Fail(stats.status(), "bare UCX");
-    bare.emplace_back(v.name, std::move(*stats));
+    if (paired < rows.size()) {
+      bare.emplace_back(v.name, rows[paired].f.bare);
+      continue;
+    }
+    // No UCX plane on this server: bare trips of the calls' mean bytes, after them.
+    const Figures& f = rows.back().f;
+    LatencyStats alone;
+    for (int k = 0; k < steps * spec.num_layers(); ++k) {
+      auto t = (*trip)->Once(static_cast<size_t>(f.request_bytes / f.calls),
+                             static_cast<size_t>(f.reply_bytes / f.calls));
+      if (!t.ok()) return Fail(t.status(), "bare UCX");
+      alone.Add(*t);
+    }
+    bare.emplace_back(v.name, std::move(alone));
   }
   // The control floor: a gRPC round trip of a few bytes (the layer call's message without its
   // tensors), the part of any plane's transport that is not moving tensors.
@@ -297,6 +353,9 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
                              {"transport_ms_p50", r.f.transport.Percentile(50) * 1e3},
                              {"transport_ms_p99", r.f.transport.Percentile(99) * 1e3},
                              {"calls", r.f.calls}});
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (rows[i].f.paired_ratio.count() > 0)
+        out["rows"][i]["paired_ratio_p50"] = rows[i].f.paired_ratio.Percentile(50);
     out["control_ms_p50"] = control.Percentile(50) * 1e3;
     out["control_ms_p99"] = control.Percentile(99) * 1e3;
     for (const auto& [name, st] : bare)
@@ -319,11 +378,15 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
   std::printf("per-layer transport = round trip - server_seconds + transfer_seconds (ms)\n");
   std::printf("%-22s %-22s %10s %10s %9s %9s %9s\n", "plane", "variant", "request", "reply",
               "rt p50", "tr p50", "tr p99");
-  for (const Row& r : rows)
-    std::printf("%-22s %-22s %9.0fK %9.0fK %9.3f %9.3f %9.3f\n", r.plane.c_str(), r.variant.c_str(),
+  for (const Row& r : rows) {
+    std::printf("%-22s %-22s %9.0fK %9.0fK %9.3f %9.3f %9.3f", r.plane.c_str(), r.variant.c_str(),
                 r.f.request_bytes / r.f.calls / 1024, r.f.reply_bytes / r.f.calls / 1024,
                 r.f.round_trip.Percentile(50) * 1e3, r.f.transport.Percentile(50) * 1e3,
                 r.f.transport.Percentile(99) * 1e3);
+    if (r.f.paired_ratio.count() > 0)
+      std::printf("  (p50 %.2fx the bare trip after each call)", r.f.paired_ratio.Percentile(50));
+    std::printf("\n");
+  }
   std::printf("control floor (gRPC echo of 512 bytes): p50 %.3f ms, p99 %.3f ms\n",
               control.Percentile(50) * 1e3, control.Percentile(99) * 1e3);
   for (const auto& [name, st] : bare)
