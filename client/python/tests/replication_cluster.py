@@ -5,6 +5,7 @@ test_fencing.py, test_partition.py)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -199,6 +200,24 @@ def _gone(client, sid) -> bool:
     return _describe_code(client, sid) == grpc.StatusCode.NOT_FOUND
 
 
+def pause(proc) -> None:
+    """SIGSTOPs proc and returns once every one of its threads is stopped: the signal is
+    delivered asynchronously, and a thread still running can answer one more message (a sync
+    commit came back "replicated" after the SIGSTOP was sent, once in a loaded CI run)."""
+    proc.send_signal(signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{proc.pid}/task")
+            states = [open(f"/proc/{proc.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for t in tasks]
+        except OSError:  # a thread ended meanwhile: look again
+            return False
+        return all(st in ("T", "t") for st in states)
+
+    wait_for(stopped, "the process stopped")
+
+
 def _pause_caught_up_standby(c: Cluster, s: Seq):
     """Waits until s's standby has every commit, then stops it (SIGSTOP: it acknowledges
     nothing from here on; the caller sends SIGCONT). Returns (primary, its metrics port, the
@@ -207,5 +226,5 @@ def _pause_caught_up_standby(c: Cluster, s: Seq):
     mport = c.mports[c.address_of[primary]]
     wait_for(lambda: _lag(mport) == 0, "the standby catches up")
     standby_proc = c.procs[c.address_of[standby]]
-    standby_proc.send_signal(signal.SIGSTOP)
+    pause(standby_proc)
     return primary, mport, standby_proc

@@ -24,6 +24,7 @@ from replication_cluster import (
     _pause_caught_up_standby,
     _protection,
     _standby_copy,
+    pause,
 )
 
 from attnd import AttndClient, AttndError, LayerInputs, ranked
@@ -242,7 +243,7 @@ def test_commit_replies_say_where_their_rows_stand(tmp_path, mode):
         standby = ranked(c.names, seqs[0].sid)[1]
         other = ranked(c.names, seqs[1].sid)[1]
         proc = c.procs[c.address_of[standby]]
-        proc.send_signal(signal.SIGSTOP)
+        pause(proc)
         try:
             got = []
             for _ in range(8):
