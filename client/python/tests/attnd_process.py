@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -18,7 +19,31 @@ ATTND_BIN = Path(os.environ.get("ATTND_BIN", ROOT / "build" / "service" / "attnd
 STARTUP_TIMEOUT_S = 30.0
 
 
+_ports = random.SystemRandom()  # not the random module's state, which tests may seed
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out (bind to
+    0) can be taken again by any outgoing connection before the server that was to listen on it
+    starts (a cluster test's third replica found its port in use, once, with three pytest
+    workers). Falls back to the kernel's choice where that range is too small."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = _ports.randint(10000, low - 1) if low > 10001 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
