@@ -50,11 +50,16 @@ class Cluster:
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         flags = replication_flags(self.addresses, mode, extra)
         self.procs, self.mports = {}, {}
-        for port in self.ports:
-            proc, target, mport = start(flags, port=port, kv_pages=kv_pages, threads=1,
-                                        log=tmp_path / f"{mode}-{port}.log")
-            self.procs[target], self.mports[target] = proc, mport
-        self.join(tmp_path, mode)
+        self.twin_proc = None
+        try:
+            for port in self.ports:
+                proc, target, mport = start(flags, port=port, kv_pages=kv_pages, threads=1,
+                                            log=tmp_path / f"{mode}-{port}.log")
+                self.procs[target], self.mports[target] = proc, mport
+            self.join(tmp_path, mode)
+        except BaseException:  # the caller's finally never runs: leave no server behind
+            self._kill_all()
+            raise
 
     def join(self, tmp_path, mode: str) -> None:
         """The twin, the replicas' names, each resolving its two peers, the router."""
@@ -80,8 +85,11 @@ class Cluster:
     def close(self) -> None:
         self.router.close()
         self.twin.close()
+        self._kill_all()
+
+    def _kill_all(self) -> None:
         for p in [*self.procs.values(), self.twin_proc]:
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(timeout=10)
 

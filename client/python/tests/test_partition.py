@@ -118,14 +118,20 @@ class PartitionedCluster(Cluster):
         flags = [*replication_flags(self.addresses, mode), f"--admin-token-file={token}",
                  f"--drain-token-file={token}"]
         self.procs, self.mports = {}, {}
-        for i, (port, address) in enumerate(zip(self.ports, self.addresses)):
-            inside = i == 0
-            bind = "0.0.0.0" if inside else net.outside
-            proc, _, mport = start([*flags, f"--grpc-address={bind}"], port=port, kv_pages=400,
-                                   threads=1, log=tmp_path / f"{mode}-{port}.log",
-                                   wrap=net.run_inside() if inside else ())
-            self.procs[address], self.mports[address] = proc, mport
-        self.join(tmp_path, mode)
+        self.twin_proc = None
+        try:
+            for i, (port, address) in enumerate(zip(self.ports, self.addresses)):
+                inside = i == 0
+                bind = "0.0.0.0" if inside else net.outside
+                proc, _, mport = start([*flags, f"--grpc-address={bind}"], port=port,
+                                       kv_pages=400, threads=1,
+                                       log=tmp_path / f"{mode}-{port}.log",
+                                       wrap=net.run_inside() if inside else ())
+                self.procs[address], self.mports[address] = proc, mport
+            self.join(tmp_path, mode)
+        except BaseException:  # the caller's finally never runs: leave no server behind
+            self._kill_all()
+            raise
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
