@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -277,8 +278,7 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
     for (const auto& l : layers) largest = std::max(largest, static_cast<size_t>(PayloadOf(l)));
     auto trip = BareTrip::Create(largest);
     if (!trip.ok()) return Fail(trip.status(), "bare UCX");
-    size_t paired =
-        rows.size() + planes.size();  // the UCX plane's row (its bare trips interleaved)
+    std::optional<size_t> paired;  // the UCX plane's row (its bare trips interleaved)
     for (Plane& p : planes) {
       std::vector<v1::LayerInputs> sent = layers;
       if (p.shm) {
@@ -303,8 +303,8 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
         return Fail(s, absl::StrCat(p.name, ", ", v.name).c_str());
       if (p.ucx) paired = rows.size() - 1;
     }
-    if (paired < rows.size()) {
-      bare.emplace_back(v.name, rows[paired].f.bare);
+    if (paired.has_value()) {
+      bare.emplace_back(v.name, rows[*paired].f.bare);
       continue;
     }
     // No UCX plane on this server: bare trips of the calls' mean bytes, after them.

@@ -36,14 +36,14 @@ def free_port() -> int:
     starts (a cluster test's third replica found its port in use, once, with three pytest
     workers). Falls back to the kernel's choice where that range is too small."""
     low = _ephemeral_low()
-    for _ in range(100):
-        port = _ports.randint(10000, low - 1) if low > 10001 else 0
+    for _ in range(100 if low > 10001 else 0):
+        port = _ports.randint(10000, low - 1)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -49,15 +49,23 @@ class Cluster:
         self.ports = [free_port() for _ in range(3)]
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         flags = replication_flags(self.addresses, mode, extra)
-        self.procs, self.mports = {}, {}
-        self.twin_proc = None
-        try:
+
+        def start_replicas():
             for port in self.ports:
                 proc, target, mport = start(flags, port=port, kv_pages=kv_pages, threads=1,
                                             log=tmp_path / f"{mode}-{port}.log")
                 self.procs[target], self.mports[target] = proc, mport
+
+        self.bring_up(start_replicas, tmp_path, mode)
+
+    def bring_up(self, start_replicas, tmp_path, mode: str) -> None:
+        """start_replicas() (filling self.procs and self.mports), then join; on any failure kills
+        what started: the caller's finally never runs for a constructor that raised."""
+        self.procs, self.mports, self.twin_proc = {}, {}, None
+        try:
+            start_replicas()
             self.join(tmp_path, mode)
-        except BaseException:  # the caller's finally never runs: leave no server behind
+        except BaseException:
             self._kill_all()
             raise
 

@@ -117,9 +117,8 @@ class PartitionedCluster(Cluster):
         token.write_text("a-peer-token-of-the-test-cluster\n")
         flags = [*replication_flags(self.addresses, mode), f"--admin-token-file={token}",
                  f"--drain-token-file={token}"]
-        self.procs, self.mports = {}, {}
-        self.twin_proc = None
-        try:
+
+        def start_replicas():
             for i, (port, address) in enumerate(zip(self.ports, self.addresses)):
                 inside = i == 0
                 bind = "0.0.0.0" if inside else net.outside
@@ -128,10 +127,8 @@ class PartitionedCluster(Cluster):
                                        log=tmp_path / f"{mode}-{port}.log",
                                        wrap=net.run_inside() if inside else ())
                 self.procs[address], self.mports[address] = proc, mport
-            self.join(tmp_path, mode)
-        except BaseException:  # the caller's finally never runs: leave no server behind
-            self._kill_all()
-            raise
+
+        self.bring_up(start_replicas, tmp_path, mode)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
