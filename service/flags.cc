@@ -355,7 +355,8 @@ std::vector<Flag> Table(ServerFlags* f) {
       {"shm-prefix", "PREFIX", "objects that may be opened (default /attnd-)", Str(&f->shm_prefix)},
       {"data-plane", "off|ucx",
        "tensors by UCX beside gRPC (default off): clients that connect a\nplane send and receive "
-       "them through registered buffers; UCX picks\nshared memory, TCP or RDMA (UCX_TLS as usual)",
+       "them through registered buffers; UCX picks\nshared memory, TCP or RDMA (UCX_TLS as "
+       "usual); UCX trusts its\npeers: only on a network whose hosts are all trusted",
        OneOf(&f->data_plane, {"off", "ucx"})},
       {"data-plane-region-bytes", "BYTES",
        "the largest input or output region a client may ask for\n(default 268435456)",

@@ -310,6 +310,11 @@ class Server {
     if (ao.mode == AuthMode::kToken && flags_.tls_cert.empty() && !loopback)
       LOG(WARNING) << "--auth=token without --tls-cert: bearer tokens cross the network in clear "
                       "text (only safe on loopback or inside an encrypting mesh)";
+    if (flags_.data_plane == "ucx")
+      LOG(WARNING) << "--data-plane=ucx: UCX trusts its peers, and a peer that speaks its wire "
+                      "protocol directly can write this server's memory below attnd's checks "
+                      "(docs/trust.md): run the plane only where every host that can reach it "
+                      "is trusted";
     return absl::OkStatus();
   }
 

@@ -67,6 +67,21 @@ def test_server_info_names_the_planes_and_ucx(plane_server, server):
     assert "grpc" in planes
 
 
+def test_a_server_with_the_plane_on_warns_that_ucx_trusts_its_peers(tmp_path):
+    """UCX trusts its peers (docs/trust.md: a host that speaks its wire protocol can write the
+    server's memory beneath attnd's checks): a server with the plane on says so as it starts,
+    one without it does not."""
+    for flags, warned in ((["--data-plane=ucx"], True), ([], False)):
+        log = tmp_path / f"attnd-{warned}.log"
+        proc, _, _ = start(flags, log=log)
+        try:
+            text = log.read_text(errors="replace")
+        finally:
+            stop(proc)
+        assert ("UCX trusts its peers" in text) == warned, text
+        assert "serving attnd.v1" in text, text
+
+
 def test_with_or_without_the_plane_the_outputs_are_the_same_bits(plane_harness, plane_server):
     h = plane_harness
     with AttndClient(plane_server, timeout=30.0, data_plane="off") as off, \
