@@ -85,7 +85,13 @@ VARIANTS = {
                "extraContainers": [{"name": "worker", "image": "worker:1", "volumeMounts": [
                    {"name": "shm-socket", "mountPath": "/run/attnd"},
                    {"name": "dev-shm", "mountPath": "/dev/shm"}]}],
-               "topologySpread": {"enabled": True}},
+               "topologySpread": {"enabled": True},
+               "networkPolicy": {
+                   "enabled": True,
+                   "clients": [{"podSelector": {"matchLabels": {"app": "model-worker"}}}],
+                   "metrics": [{"namespaceSelector": {"matchLabels": {
+                       "kubernetes.io/metadata.name": "monitoring"}}}],
+                   "kvEvents": [{"podSelector": {"matchLabels": {"app": "router"}}}]}},
 }
 # The API versions the variant's cluster serves beyond Kubernetes' own (others: none).
 CLUSTERS = {"mtls": OPERATOR}
@@ -95,7 +101,7 @@ KINDS = {  # auth.mode none adds the peer token's Secret
     "mtls": sorted(BASE_KINDS + ["PrometheusRule", "ServiceMonitor"]),
     "token": sorted(BASE_KINDS + ["ServiceMonitor"]),
     "bare": ["Secret", "Service", "StatefulSet"],
-    "all-on": sorted(BASE_KINDS + ["PrometheusRule", "ServiceMonitor"]),
+    "all-on": sorted(BASE_KINDS + ["NetworkPolicy", "PrometheusRule", "ServiceMonitor"]),
 }
 # The flags whose values are files or directories in the pod.
 PATH_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca", "--drain-tls-ca", "--drain-tls-cert",
@@ -163,12 +169,18 @@ def test_the_objects_select_and_reach_each_other(variant):
         selectors.append(term["labelSelector"]["matchLabels"])
     for term in spec.get("topologySpreadConstraints", []):
         selectors.append(term["labelSelector"]["matchLabels"])
+    container_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        selectors.append(policy["spec"]["podSelector"]["matchLabels"])
+        selectors.append(policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"])
+        for rule in policy["spec"]["ingress"]:
+            assert rule["from"], rule  # a rule without peers would admit everyone
+            assert {p["port"] for p in rule.get("ports", [])} <= container_ports.keys(), rule
     for selector in selectors:
         assert selector and selector.items() <= pod_labels.items()
     assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
     assert svc["spec"]["clusterIP"] == "None"
     assert sts["spec"]["replicas"] == values["replicas"]
-    container_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert {p["targetPort"] for p in svc["spec"]["ports"]} == container_ports.keys()
     args = _args(docs)
     assert args["--grpc-port"] == str(container_ports["grpc"])
@@ -395,6 +407,7 @@ def test_the_schema_is_draft_07_and_types_every_value():
     ({"extraArgs": ["log-level=info"]}, "extraArgs.0"),
     ({"podSecurityContext": {"runAsNonRoot": False}}, "podSecurityContext"),  # the chart's own
     ({"prometheusRule": {"runbookBaseUrl": "docs.example.org"}}, "prometheusRule.runbookBaseUrl"),
+    ({"networkPolicy": {"clients": [{"podselector": {}}]}}, "networkPolicy.clients.0"),
 ])
 def test_the_schema_refuses_misspelt_and_mistyped_values(values, where):
     errors = list(jsonschema.Draft7Validator(_schema()).iter_errors(_over(_defaults(), values)))
@@ -418,6 +431,11 @@ def test_the_schema_refuses_misspelt_and_mistyped_values(values, where):
      "replication.leaseMs: 0, or at least replication.ackTimeoutMs"),
     ({"dataPlane": {"enabled": True}, "tls": {"enabled": True}}, Fail,
      "dataPlane.enabled with tls.enabled needs dataPlane.withoutTls: UCX does not encrypt"),
+    ({"networkPolicy": {"enabled": True}}, Fail,
+     "networkPolicy.clients: list the peers that call attnd"),
+    ({"networkPolicy": {"enabled": True, "clients": [{"podSelector": {}}]},
+      "kvEvents": {"enabled": True}}, Fail,
+     "networkPolicy.kvEvents: list the routers that subscribe"),
     ({"auth": {"mode": "oauth", "adminTenant": "ops"}}, SchemaError,
      "auth.mode: 'oauth' is not one of ['none', 'token', 'mtls']"),
     ({"antiAffinity": "sometimes"}, SchemaError,
