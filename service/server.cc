@@ -294,6 +294,12 @@ class Server {
   }
 
  private:
+  // Whether gRPC listens on loopback only (--grpc-address 127.x, ::1 or localhost).
+  bool ListensOnLoopback() const {
+    return flags_.grpc_address.rfind("127.", 0) == 0 || flags_.grpc_address == "::1" ||
+           flags_.grpc_address == "localhost";
+  }
+
   absl::Status StartAuth() {
     AuthOptions ao;
     ao.mode = ParseAuthMode(flags_.auth).value();  // the flag parser checked the name
@@ -302,8 +308,7 @@ class Server {
     ao.admin_token_file = flags_.admin_token_file;
     ASSIGN_OR_RETURN(auth_, Authenticator::Create(ao));
     ApplyQuotas(flags_, *auth_, engine_.get());
-    const bool loopback = flags_.grpc_address.rfind("127.", 0) == 0 ||
-                          flags_.grpc_address == "::1" || flags_.grpc_address == "localhost";
+    const bool loopback = ListensOnLoopback();
     if (!ao.admin_token_file.empty() && flags_.tls_cert.empty() && !loopback)
       LOG(WARNING) << "--admin-token-file without --tls-cert: the admin token crosses the network "
                       "in clear text (only safe inside an encrypting mesh)";
@@ -351,6 +356,8 @@ class Server {
       po.max_planes = flags_.data_plane_max_planes;
       po.max_region_bytes = flags_.data_plane_region_bytes;
       po.transfer_timeout = absl::Milliseconds(flags_.data_plane_timeout_ms);
+      // A server reachable on loopback only keeps UCX's network transports there too.
+      if (ListensOnLoopback()) transport::KeepUcxOnLoopback();
       ASSIGN_OR_RETURN(so.data_plane, transport::UcxPlane::Create(po));
     }
     so.drain_peers = flags_.drain_peers;
@@ -474,9 +481,11 @@ class Server {
         flags_.admin_tenant.empty() ? "" : absl::StrCat(", admin ", flags_.admin_tenant),
         ", shared memory ", flags_.shm ? absl::StrCat("on ", flags_.shm_socket) : "off",
         ", data plane ",
-        flags_.data_plane == "ucx" ? absl::StrCat("ucx (UCX ", transport::UcxVersion(),
-                                                  ", transports ", transport::UcxTransports(), ")")
-                                   : "off",
+        flags_.data_plane == "ucx"
+            ? absl::StrCat("ucx (UCX ", transport::UcxVersion(), ", transports ",
+                           transport::UcxTransports(), ", network devices ",
+                           transport::UcxNetDevices(), ")")
+            : "off",
         ", reflection ", flags_.grpc_reflection ? "on" : "off"));
     std::string tiers;
     for (const TierCapacity& t : engine_->Tiers())

@@ -1,5 +1,7 @@
 #include "transport/ucx_worker.h"
 
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <poll.h>
 #include <stdlib.h>
 
@@ -9,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace attnd::transport {
 namespace {
@@ -53,6 +56,22 @@ std::string UcxVersion() {
   return absl::StrCat(major, ".", minor, ".", release);
 }
 
+void KeepUcxOnLoopback() {
+  if (getenv("UCX_NET_DEVICES") != nullptr) return;  // the operator's
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return;
+  std::set<std::string> names;
+  for (const ifaddrs* a = all; a != nullptr; a = a->ifa_next)
+    if ((a->ifa_flags & IFF_LOOPBACK) != 0 && a->ifa_name != nullptr) names.insert(a->ifa_name);
+  freeifaddrs(all);
+  if (!names.empty()) setenv("UCX_NET_DEVICES", absl::StrJoin(names, ",").c_str(), 0);
+}
+
+std::string UcxNetDevices() {
+  const char* devices = getenv("UCX_NET_DEVICES");
+  return devices != nullptr && *devices != '\0' ? devices : "all";
+}
+
 std::string UcxTransports() {
   const char* tls = getenv("UCX_TLS");
   return tls != nullptr && *tls != '\0' ? tls : "all";
@@ -67,6 +86,9 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& 
     return UcxError("UCX configuration", s);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  // Active messages only, never RMA: with UCP_FEATURE_RMA a peer's put through UCX's own API,
+  // with an rkey the peer packed for its own memory, lands at any address it names in this
+  // process, over shared memory and TCP alike (ucx_plane_test's AnRmaPut... fails so).
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.name = name.c_str();
   ucs_status_t s = ucp_init(&params, config, &w->context_);

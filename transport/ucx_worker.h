@@ -40,6 +40,12 @@ namespace attnd::transport {
 std::string UcxVersion();
 // The transports UCX may choose from (UCX_TLS, "all" by default).
 std::string UcxTransports();
+// The network devices UCX may use (UCX_NET_DEVICES, "all" by default).
+std::string UcxNetDevices();
+// Where the operator set no UCX_NET_DEVICES: UCX's network transports on this host's loopback
+// interfaces only (a server whose gRPC listens on loopback opens no UCX port beyond it: UCX's
+// TCP transport listens on every interface otherwise).
+void KeepUcxOnLoopback();
 
 class UcxWorker {
  public:

@@ -4,7 +4,10 @@
 // with UCX_TLS=tcp and UCX_TLS=sm.
 #include "transport/ucx_plane.h"
 
+#include <ucp/api/ucp.h>
+
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <mutex>
@@ -247,6 +250,83 @@ TEST(UcxPlane, AForgedSecretOrPlaneIsDroppedUnread) {
   absl::Status st;
   ReadBack(p, 0, 256, 77, &st);
   EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+}
+
+// attnd's workers enable active messages only (docs/trust.md, "UCX trusts its peers"): a client
+// that uses UCX's own API to put bytes at an address in the server's memory, with an rkey it
+// packed itself (nothing of the server's), writes nothing there, and the plane serves on. UCX
+// routes such a put as a message the server's worker has no handler for.
+TEST(UcxPlane, AnRmaPutThroughUcxsApiWritesNothingInTheServer) {
+  Pair p = Connect();
+  auto out = p.server->Resolve("tenant-a", "out", p.conn.output_region, 0, 4096);
+  ASSERT_TRUE(out.ok()) << out.status();
+  char* victim = (*out)->Staging(0, 4096);  // server memory: the output mirror
+  ASSERT_NE(victim, nullptr);
+  const std::string before = RandomBytes(4096, 11);
+  std::memcpy(victim, before.data(), before.size());
+
+  ucp_config_t* config = nullptr;
+  ASSERT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
+  ucp_context_h context = nullptr;
+  ASSERT_EQ(ucp_init(&params, config, &context), UCS_OK);
+  ucp_config_release(config);
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h worker = nullptr;
+  ASSERT_EQ(ucp_worker_create(context, &wp, &worker), UCS_OK);
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(p.conn.server_address.data());
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ucp_ep_h ep = nullptr;
+  ASSERT_EQ(ucp_ep_create(worker, &ep_params, &ep), UCS_OK);
+  std::string own = RandomBytes(4096, 12);
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = own.data();
+  mp.length = own.size();
+  ucp_mem_h memh = nullptr;
+  ASSERT_EQ(ucp_mem_map(context, &mp, &memh), UCS_OK);
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  ASSERT_EQ(ucp_rkey_pack(context, memh, &packed, &packed_size), UCS_OK);
+  ucp_rkey_h rkey = nullptr;
+  ASSERT_EQ(ucp_ep_rkey_unpack(ep, packed, &rkey), UCS_OK);
+  const std::string evil = RandomBytes(4096, 13);
+  ucp_request_param_t rp{};
+  ucs_status_ptr_t put =
+      ucp_put_nbx(ep, evil.data(), evil.size(), reinterpret_cast<uint64_t>(victim), rkey, &rp);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+  while (std::chrono::steady_clock::now() < until) ucp_worker_progress(worker);
+  EXPECT_EQ(std::string(victim, before.size()), before) << "a put wrote the server's memory";
+  // Closing by force ends the put (the server never acknowledges it).
+  ucp_request_param_t close{};
+  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t closing = ucp_ep_close_nbx(ep, &close);
+  while (closing != nullptr && !UCS_PTR_IS_ERR(closing) &&
+         ucp_request_check_status(closing) == UCS_INPROGRESS)
+    ucp_worker_progress(worker);
+  if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) ucp_request_free(closing);
+  if (put != nullptr && !UCS_PTR_IS_ERR(put)) {
+    while (ucp_request_check_status(put) == UCS_INPROGRESS) ucp_worker_progress(worker);
+    ucp_request_free(put);
+  }
+  ucp_rkey_destroy(rkey);
+  ucp_rkey_buffer_release(packed);
+  ASSERT_EQ(ucp_mem_unmap(context, memh), UCS_OK);
+  ucp_worker_destroy(worker);
+  ucp_cleanup(context);
+  // The plane serves on.
+  const std::string bytes = RandomBytes(1000, 14);
+  ASSERT_TRUE(p.client->Put(bytes.data(), bytes.size(), 64, 5)->Wait(Patience(p)).ok());
+  absl::Status st;
+  EXPECT_EQ(ReadBack(p, 64, bytes.size(), 5, &st), bytes);
+  EXPECT_TRUE(st.ok()) << st;
 }
 
 TEST(UcxPlane, RegionsResolveOnlyForTheirTenantAndInsideTheirBounds) {

@@ -82,6 +82,38 @@ def test_a_server_with_the_plane_on_warns_that_ucx_trusts_its_peers(tmp_path):
         assert "serving attnd.v1" in text, text
 
 
+def _listening(pid):
+    """The TCP addresses process `pid` listens on (iproute2's ss)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
+
+
+def test_a_server_on_loopback_keeps_the_planes_ports_on_loopback(tmp_path, monkeypatch):
+    """UCX's TCP transport listens on every interface unless told otherwise, and a host that
+    reaches it can write the server's memory (docs/trust.md): a server whose gRPC listens on
+    loopback keeps the plane's network transports there too (UCX_NET_DEVICES), unless the
+    operator set UCX_NET_DEVICES, which stays as set."""
+    monkeypatch.delenv("UCX_TLS", raising=False)  # TCP among the transports
+    for devices in (None, "all"):
+        if devices is None:
+            monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("UCX_NET_DEVICES", devices)
+        log = tmp_path / f"attnd-{devices}.log"
+        proc, target, _ = start(["--data-plane=ucx"], log=log)
+        try:
+            with AttndClient(target, timeout=10.0) as c:
+                assert c.connect_data_plane().startswith("ucx-")
+                ports = _listening(proc.pid)
+        finally:
+            stop(proc)
+        text = log.read_text(errors="replace")
+        assert f"network devices {devices or 'lo'})" in text, text
+        if devices is None:
+            assert len(ports) >= 3, ports  # gRPC, metrics and the plane's UCX port
+            assert all(p.startswith(("127.", "[::ffff:127.", "[::1]")) for p in ports), ports
+
+
 def test_with_or_without_the_plane_the_outputs_are_the_same_bits(plane_harness, plane_server):
     h = plane_harness
     with AttndClient(plane_server, timeout=30.0, data_plane="off") as off, \
