@@ -42,6 +42,15 @@ constexpr auto kBusySpin = std::chrono::milliseconds(10);
 constexpr auto kStall = std::chrono::seconds(10);
 constexpr auto kStalledNap = std::chrono::milliseconds(10);
 
+// Sends this large keep the worker polling until they finish (UcxWorker::Busy); smaller ones go
+// eagerly. ATTND_UCX_SEND_BUSY=0: none do.
+constexpr size_t kBusySendBytes = 64 << 10;
+
+bool SendsHoldBusy() {
+  const char* v = getenv("ATTND_UCX_SEND_BUSY");
+  return v == nullptr || std::string(v) != "0";
+}
+
 std::chrono::microseconds SpinTime() {
   const char* v = getenv("ATTND_UCX_SPIN_US");
   const long us = v != nullptr ? strtol(v, nullptr, 10) : 50;
@@ -331,6 +340,7 @@ void UcxWorker::Pending::Finish(absl::Status s) {
     cv_.notify_all();
   }
   worker_->in_flight_.fetch_sub(1);
+  if (busy_) worker_->busy_.fetch_sub(1);
   if (done) done(std::move(s));
 }
 
@@ -371,6 +381,7 @@ void UcxWorker::Reply(ucp_ep_h reply_ep, uint16_t id, std::string header, const 
   pending->worker_ = this;
   pending->header_ = std::move(header);
   in_flight_.fetch_add(1);  // until the send finishes (Pending::Finish)
+  HoldBusyWhileSending(pending.get(), length);
   Start(reply_ep, id, pending, data, length, false, false);
 }
 
@@ -386,9 +397,22 @@ std::shared_ptr<UcxWorker::Pending> UcxWorker::SendPieces(uint64_t endpoint, uin
   return pending;
 }
 
+void UcxWorker::HoldBusyWhileSending(Pending* pending, size_t bytes) {
+  static const bool hold = SendsHoldBusy();
+  if (!hold || bytes < kBusySendBytes) return;
+  pending->busy_ = true;  // released in Pending::Finish; the Post (or Reply's thread) wakes us
+  busy_.fetch_add(1);
+}
+
 void UcxWorker::Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending,
                      const void* data, size_t length, bool iov, bool want_reply) {
   in_flight_.fetch_add(1);  // until the send finishes (Pending::Finish)
+  size_t bytes = length;
+  if (iov) {
+    bytes = 0;
+    for (const ucp_dt_iov_t& piece : pending->iov_) bytes += piece.length;
+  }
+  HoldBusyWhileSending(pending.get(), bytes);
   Post([this, pending, endpoint, id, data, length, iov, want_reply] {
     auto it = endpoints_.find(endpoint);
     if (it == endpoints_.end())

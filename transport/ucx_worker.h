@@ -110,6 +110,7 @@ class UcxWorker {
     std::mutex mu_;
     std::condition_variable cv_;
     bool done_ = false;
+    bool busy_ = false;  // holds the worker busy until finished (HoldBusyWhileSending)
     absl::Status status_;
   };
   // Sends active message `id` with `header` (copied) and `length` bytes at `data` on `endpoint`.
@@ -135,12 +136,15 @@ class UcxWorker {
   std::shared_ptr<Pending> SendPieces(uint64_t endpoint, uint16_t id, std::string header,
                                       std::vector<Piece> pieces);
 
-  // While one is held (and while a receive is under way), the progress thread polls without
-  // sleeping as long as something moved in the last 10 ms: a thread waiting for bytes to land is
-  // answered without a wakeup's delay. Otherwise it sleeps on the worker's event fd. A send in
-  // flight does not hold one: its completion (the peer's acknowledgement) wakes the thread, and
-  // a sender's thread polling while its peer copies the bytes would take a core from that copy
-  // (and, on the client, from the model worker).
+  // While one is held (and while a receive, or a send of 64 KiB or more, is under way), the
+  // progress thread polls without sleeping as long as something moved in the last 10 ms: a
+  // thread waiting for bytes to land is answered without a wakeup's delay. Otherwise it sleeps
+  // on the worker's event fd. A large send polls because the sender takes part in the copy:
+  // over shared memory UCX 1.13 moves a rendezvous through the receiver's FIFO in fragments
+  // (the sysv/posix `am_bw` lane: cma, the single-copy transport, is not chosen for endpoints
+  // that detect dead peers), so a sender asleep stalls at every full FIFO until woken
+  // (bench/results/transport.md measures it).
+  // ATTND_UCX_SEND_BUSY=0 turns that off. Between transfers (a layer's compute) both sides sleep.
   class Busy {
    public:
     explicit Busy(UcxWorker* w) : w_(w) {
@@ -183,6 +187,8 @@ class UcxWorker {
   // Posts `pending`'s send of `length` bytes at `data` (or its iov_ when iov is true).
   void Post(uint64_t endpoint, uint16_t id, std::shared_ptr<Pending> pending, const void* data,
             size_t length, bool iov, bool want_reply = false);
+  // A send of kBusySendBytes or more holds the worker busy until it finishes (Busy, above).
+  void HoldBusyWhileSending(Pending* pending, size_t bytes);
   // Starts `pending`'s send on `ep` (progress thread).
   void Start(ucp_ep_h ep, uint16_t id, std::shared_ptr<Pending> pending, const void* data,
              size_t length, bool iov, bool want_reply);
