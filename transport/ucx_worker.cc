@@ -78,7 +78,8 @@ void KeepUcxOnLoopback() {
 
 std::string UcxNetDevices() {
   const char* devices = getenv("UCX_NET_DEVICES");
-  return devices != nullptr && *devices != '\0' ? devices : "all";
+  if (devices == nullptr) return "all";
+  return *devices != '\0' ? devices : "none";  // UCX reads an empty list as no device
 }
 
 std::string UcxTransports() {

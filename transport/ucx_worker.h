@@ -40,7 +40,7 @@ namespace attnd::transport {
 std::string UcxVersion();
 // The transports UCX may choose from (UCX_TLS, "all" by default).
 std::string UcxTransports();
-// The network devices UCX may use (UCX_NET_DEVICES, "all" by default).
+// The network devices UCX may use (UCX_NET_DEVICES: "all" when unset, "none" when empty).
 std::string UcxNetDevices();
 // Where the operator set no UCX_NET_DEVICES: UCX's network transports on this host's loopback
 // interfaces only (a server whose gRPC listens on loopback opens no UCX port beyond it: UCX's
