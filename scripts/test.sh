@@ -59,10 +59,17 @@ fi
 # nothing was measured (never a green table).
 if [ -x "$BUILD_DIR/tests/cuda_test" ]; then
   BUILD_DIR="$BUILD_DIR" ./scripts/gpu-bundle.sh >/dev/null
-  OUT="$BUILD_DIR/gpu-check-dry" ./scripts/gpu-check.sh --dry-run > "$BUILD_DIR/gpu-check-dry.log" 2>&1
+  # python3 is the test venv's, as the GPU machine's holds numpy and grpcio (the transport
+  # stages import them; with a bare system python3 their plumbing failed unseen).
+  PATH="$venv/bin:$PATH" OUT="$BUILD_DIR/gpu-check-dry" ./scripts/gpu-check.sh --dry-run \
+    > "$BUILD_DIR/gpu-check-dry.log" 2>&1
   tail -2 "$BUILD_DIR/gpu-check-dry.log"
   grep -q "no GPU: nothing measured" "$BUILD_DIR/gpu-check-dry.log" ||
     { echo "test.sh: gpu-check --dry-run did not end with 'nothing measured'"; exit 1; }
+  for s in "UCX transport" "UCX transport, 5 ms poll" "end to end"; do
+    grep -q "\"stage\": \"$s\", .*\"verdict\": \"plumbing ok" "$BUILD_DIR/gpu-check-dry/stages.jsonl" ||
+      { echo "test.sh: gpu-check --dry-run: the '$s' stage's plumbing did not run"; exit 1; }
+  done
 fi
 if [ "${ATTND_QUICK:-0}" != 1 ]; then
   stage sanitizers
