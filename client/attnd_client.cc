@@ -13,7 +13,9 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "client/data_plane_session.h"
 #include "client/sequence_import.h"
 #include "common/fp8.h"
@@ -159,6 +161,25 @@ absl::StatusOr<std::string> ReadPem(const char* what, const std::string& path) {
 }
 }  // namespace
 
+bool IsLocalTarget(absl::string_view target) {
+  if (absl::StartsWith(target, "unix:") || absl::StartsWith(target, "unix-abstract:")) return true;
+  absl::string_view t = target;
+  if (!absl::ConsumePrefix(&t, "dns:///") && !absl::ConsumePrefix(&t, "dns:") &&
+      !absl::ConsumePrefix(&t, "ipv4:"))
+    (void)absl::ConsumePrefix(&t, "ipv6:");
+  absl::string_view host = t;
+  if (absl::ConsumePrefix(&host, "[")) {
+    host = host.substr(0, host.find(']'));
+  } else if (size_t colon = host.rfind(':');
+             colon != absl::string_view::npos && host.find(':') == colon) {
+    host = host.substr(0, colon);  // host:port (one colon: not a bare IPv6 address)
+  }
+  const bool dotted = !host.empty() && std::all_of(host.begin(), host.end(), [](char ch) {
+    return ch == '.' || std::isdigit(static_cast<unsigned char>(ch));
+  });
+  return host == "localhost" || host == "::1" || (dotted && absl::StartsWith(host, "127."));
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
                                                         const ConnectOptions& o) {
   grpc::ChannelArguments args;
@@ -196,6 +217,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
       new Client(grpc::CreateCustomChannel(target, creds, args), std::move(md), o.call_timeout_ms));
   c->data_plane_mode_ = o.data_plane;
   c->data_plane_bytes_ = o.data_plane_bytes;
+  c->local_target_ = IsLocalTarget(target);
   return c;
 }
 

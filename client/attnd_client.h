@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "common/dtype.h"
 
@@ -85,6 +86,12 @@ absl::Status FromGrpcNotCancelled(const grpc::Status& s);
 class StepStream;
 class Client;
 class DataPlaneSession;
+
+// Whether gRPC target `target` reaches this host only: a Unix socket, localhost, 127.0.0.0/8 or
+// ::1 (with or without a dns:, ipv4: or ipv6: scheme). A data plane to such a server keeps this
+// end's UCX on the loopback interfaces (UCX's TCP transport listens on every interface
+// otherwise, and a host that reaches it can write this process's memory: docs/trust.md).
+bool IsLocalTarget(absl::string_view target);
 
 // How to reach a server (docs/trust.md). Without a CA the channel is plaintext.
 struct ConnectOptions {
@@ -207,6 +214,7 @@ class Client {
   int64_t call_timeout_ms_ = 0;
   std::string data_plane_mode_ = "auto";
   int64_t data_plane_bytes_ = 0;
+  bool local_target_ = false;  // IsLocalTarget(the target): the plane's UCX on loopback only
   mutable std::mutex plane_mu_;
   mutable std::shared_ptr<DataPlaneSession> plane_;
   // When Plane() may next ask the server for a plane (max: it has none; it was asked).

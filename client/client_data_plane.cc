@@ -23,8 +23,9 @@ void Client::RetirePlane(const std::shared_ptr<DataPlaneSession>& old) const {
 absl::Status Client::ConnectDataPlane() {
   auto info = Info();
   if (!info.ok()) return info.status();
-  auto s = DataPlaneSession::Connect(stub_.get(), *info, data_plane_bytes_,
-                                     [this](grpc::ClientContext* ctx) { PrepareUnary(ctx); });
+  auto s = DataPlaneSession::Connect(
+      stub_.get(), *info, data_plane_bytes_,
+      [this](grpc::ClientContext* ctx) { PrepareUnary(ctx); }, local_target_);
   if (!s.ok()) return s.status();
   std::shared_ptr<DataPlaneSession> old;
   {
@@ -68,7 +69,8 @@ std::shared_ptr<DataPlaneSession> Client::Plane() const {
   // FAILED_PRECONDITION without a UCX plane offered: bytes in the messages.
   absl::StatusOr<std::unique_ptr<DataPlaneSession>> s =
       absl::UnavailableError("the server did not answer");
-  if (answered) s = DataPlaneSession::Connect(stub_.get(), info, data_plane_bytes_, bounded);
+  if (answered)
+    s = DataPlaneSession::Connect(stub_.get(), info, data_plane_bytes_, bounded, local_target_);
   lock.lock();
   plane_probing_ = false;
   if (s.ok()) {

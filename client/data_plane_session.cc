@@ -37,13 +37,13 @@ std::vector<std::pair<const v1::Tensor*, v1::Tensor*>> Tensors(const v1::LayerIn
 
 absl::StatusOr<std::unique_ptr<DataPlaneSession>> DataPlaneSession::Connect(
     v1::Attention::Stub* stub, const v1::ServerInfoResponse& info, int64_t region_bytes,
-    const std::function<void(grpc::ClientContext*)>& prepare) {
+    const std::function<void(grpc::ClientContext*)>& prepare, bool local) {
   bool ucx = false;
   for (const std::string& p : info.data_plane().planes()) ucx = ucx || p == "ucx";
   if (!ucx) return absl::FailedPreconditionError("the server has no UCX data plane");
   const int64_t bytes = std::min(region_bytes, info.data_plane().max_region_bytes());
   std::unique_ptr<DataPlaneSession> s(new DataPlaneSession());
-  auto ends = transport::UcxPlaneClient::Create(bytes);
+  auto ends = transport::UcxPlaneClient::Create(bytes, local ? transport::LoopbackDevices() : "");
   if (!ends.ok()) return ends.status();
   s->ends_ = std::move(*ends);
   grpc::ClientContext ctx;

@@ -27,10 +27,11 @@ class DataPlaneSession {
   // Connects a plane on `stub`'s server (ConnectDataPlane) with regions of `region_bytes` each;
   // FAILED_PRECONDITION when the server has none. `info` is the server's ServerInfo (the output
   // widths: kv_lora_rank, and v_head_dim for absorbed calls). `prepare` readies each call's
-  // context (credentials, deadline).
+  // context (credentials, deadline). `local`: the server is reached on this host (IsLocalTarget),
+  // and this end's UCX listens on the loopback interfaces only.
   static absl::StatusOr<std::unique_ptr<DataPlaneSession>> Connect(
       v1::Attention::Stub* stub, const v1::ServerInfoResponse& info, int64_t region_bytes,
-      const std::function<void(grpc::ClientContext*)>& prepare);
+      const std::function<void(grpc::ClientContext*)>& prepare, bool local = false);
   ~DataPlaneSession();
 
   // One call's use of the plane.

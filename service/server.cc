@@ -300,6 +300,12 @@ class Server {
            flags_.grpc_address == "localhost";
   }
 
+  // The network devices of the data plane's workers where UCX_NET_DEVICES names none: loopback
+  // for a server reachable there only, else UCX's choice ("").
+  std::string DataPlaneDevices() const {
+    return ListensOnLoopback() ? transport::LoopbackDevices() : "";
+  }
+
   absl::Status StartAuth() {
     AuthOptions ao;
     ao.mode = ParseAuthMode(flags_.auth).value();  // the flag parser checked the name
@@ -357,7 +363,7 @@ class Server {
       po.max_region_bytes = flags_.data_plane_region_bytes;
       po.transfer_timeout = absl::Milliseconds(flags_.data_plane_timeout_ms);
       // A server reachable on loopback only keeps UCX's network transports there too.
-      if (ListensOnLoopback()) transport::KeepUcxOnLoopback();
+      po.devices = DataPlaneDevices();
       ASSIGN_OR_RETURN(so.data_plane, transport::UcxPlane::Create(po));
     }
     so.drain_peers = flags_.drain_peers;
@@ -484,7 +490,7 @@ class Server {
         flags_.data_plane == "ucx"
             ? absl::StrCat("ucx (UCX ", transport::UcxVersion(), ", transports ",
                            transport::UcxTransports(), ", network devices ",
-                           transport::UcxNetDevices(), ")")
+                           transport::UcxNetDevices(DataPlaneDevices()), ")")
             : "off",
         ", reflection ", flags_.grpc_reflection ? "on" : "off"));
     std::string tiers;

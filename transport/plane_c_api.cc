@@ -30,7 +30,12 @@ absl::Time After(double seconds) { return absl::Now() + absl::Seconds(seconds > 
 extern "C" {
 
 attnd_plane* attnd_plane_create(int64_t output_bytes, char* err, size_t errlen) {
-  auto c = attnd::transport::UcxPlaneClient::Create(output_bytes);
+  return attnd_plane_create_for(output_bytes, 0, err, errlen);
+}
+
+attnd_plane* attnd_plane_create_for(int64_t output_bytes, int local, char* err, size_t errlen) {
+  auto c = attnd::transport::UcxPlaneClient::Create(
+      output_bytes, local != 0 ? attnd::transport::LoopbackDevices() : "");
   if (!c.ok()) {
     Error(c.status(), err, errlen);
     return nullptr;

@@ -17,6 +17,9 @@ typedef struct attnd_plane_send attnd_plane_send;
 
 /* A worker and an output region of output_bytes; NULL on failure (err says why). */
 attnd_plane* attnd_plane_create(int64_t output_bytes, char* err, size_t errlen);
+/* The same, for a server on this host when local is nonzero: this end's UCX then listens on the
+ * loopback interfaces only (unless UCX_NET_DEVICES says otherwise). */
+attnd_plane* attnd_plane_create_for(int64_t output_bytes, int local, char* err, size_t errlen);
 void attnd_plane_destroy(attnd_plane* p);
 /* The handshake's reply. */
 int attnd_plane_attach(attnd_plane* p, uint64_t plane_id, const char* token, size_t token_len,

@@ -352,7 +352,8 @@ class OutputRegion final : public Region {
 absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& options) {
   // UCX itself is checked here (a server asked for a plane it cannot give fails to start, not at
   // its first client): a worker is made and let go. Each plane then gets its own.
-  if (auto probe = UcxWorker::Create("attnd", {}); !probe.ok()) return probe.status();
+  if (auto probe = UcxWorker::Create("attnd", {}, options.devices); !probe.ok())
+    return probe.status();
   std::unique_ptr<UcxPlane> p(new UcxPlane(options));
   p->timer_ = std::make_unique<DeadlineTimer>();
   return p;
@@ -533,11 +534,12 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->tenant = tenant;
   s->token = RandomToken();
   const uint64_t id = s->id;
-  ASSIGN_OR_RETURN(
-      s->worker,
-      UcxWorker::Create(
-          s->name, {{kToServer, [this, id](const UcxWorker::Message& m) { OnToServer(m, id); }},
-                    {kPull, [this, id](const UcxWorker::Message& m) { OnPull(m, id); }}}));
+  ASSIGN_OR_RETURN(s->worker,
+                   UcxWorker::Create(
+                       s->name,
+                       {{kToServer, [this, id](const UcxWorker::Message& m) { OnToServer(m, id); }},
+                        {kPull, [this, id](const UcxWorker::Message& m) { OnPull(m, id); }}},
+                       options_.devices));
   s->link = std::make_shared<Link>();
   s->link->worker = s->worker.get();
   s->link->timer = timer_.get();

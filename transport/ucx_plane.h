@@ -48,6 +48,9 @@ class UcxPlane {
     // fails if its bytes are not there).
     int max_waiting_calls = 1024;
     absl::Duration idle_timeout = absl::Minutes(10);
+    // The network devices the planes' workers use where UCX_NET_DEVICES names none ("": UCX's
+    // choice, every interface; LoopbackDevices() for a server reachable on loopback only).
+    std::string devices;
   };
   static absl::StatusOr<std::unique_ptr<UcxPlane>> Create(const Options& options);
   ~UcxPlane();

@@ -38,12 +38,13 @@ void SpaceMap::Give(int64_t offset) {
   used_.erase(offset);
 }
 
-absl::StatusOr<std::unique_ptr<UcxPlaneClient>> UcxPlaneClient::Create(int64_t output_bytes) {
+absl::StatusOr<std::unique_ptr<UcxPlaneClient>> UcxPlaneClient::Create(int64_t output_bytes,
+                                                                       const std::string& devices) {
   if (output_bytes < 0) return absl::InvalidArgumentError("output_bytes < 0");
   std::unique_ptr<UcxPlaneClient> c(new UcxPlaneClient(output_bytes));
   auto w = UcxWorker::Create(
       "attnd-client",
-      {{kToClient, [raw = c.get()](const UcxWorker::Message& m) { raw->OnToClient(m); }}});
+      {{kToClient, [raw = c.get()](const UcxWorker::Message& m) { raw->OnToClient(m); }}}, devices);
   if (!w.ok()) return w.status();
   c->worker_ = std::move(*w);
   if (output_bytes > 0) {

@@ -37,8 +37,10 @@ class SpaceMap {
 
 class UcxPlaneClient {
  public:
-  // A worker and an output region of output_bytes (0: outputs come back in replies).
-  static absl::StatusOr<std::unique_ptr<UcxPlaneClient>> Create(int64_t output_bytes);
+  // A worker and an output region of output_bytes (0: outputs come back in replies); `devices`
+  // as UcxWorker::Create's (LoopbackDevices() for a server reached over loopback).
+  static absl::StatusOr<std::unique_ptr<UcxPlaneClient>> Create(int64_t output_bytes,
+                                                                const std::string& devices = "");
   ~UcxPlaneClient();
 
   int64_t output_bytes() const { return output_.size(); }

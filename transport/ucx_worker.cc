@@ -65,21 +65,20 @@ std::string UcxVersion() {
   return absl::StrCat(major, ".", minor, ".", release);
 }
 
-void KeepUcxOnLoopback() {
-  if (getenv("UCX_NET_DEVICES") != nullptr) return;  // the operator's
+std::string LoopbackDevices() {
   ifaddrs* all = nullptr;
-  if (getifaddrs(&all) != 0) return;
+  if (getifaddrs(&all) != 0) return "";
   std::set<std::string> names;
   for (const ifaddrs* a = all; a != nullptr; a = a->ifa_next)
     if ((a->ifa_flags & IFF_LOOPBACK) != 0 && a->ifa_name != nullptr) names.insert(a->ifa_name);
   freeifaddrs(all);
-  if (!names.empty()) setenv("UCX_NET_DEVICES", absl::StrJoin(names, ",").c_str(), 0);
+  return absl::StrJoin(names, ",");
 }
 
-std::string UcxNetDevices() {
-  const char* devices = getenv("UCX_NET_DEVICES");
-  if (devices == nullptr) return "all";
-  return *devices != '\0' ? devices : "none";  // UCX reads an empty list as no device
+std::string UcxNetDevices(const std::string& devices) {
+  if (const char* set = getenv("UCX_NET_DEVICES"); set != nullptr)
+    return *set != '\0' ? set : "none";  // UCX reads an empty list as no device
+  return devices.empty() ? "all" : devices;
 }
 
 std::string UcxTransports() {
@@ -88,12 +87,18 @@ std::string UcxTransports() {
 }
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& name,
-                                                             std::map<uint16_t, Handler> handlers) {
+                                                             std::map<uint16_t, Handler> handlers,
+                                                             const std::string& devices) {
   DefaultEnvironment();
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
     return UcxError("UCX configuration", s);
+  if (!devices.empty() && getenv("UCX_NET_DEVICES") == nullptr)
+    if (ucs_status_t s = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); s != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError("UCX network devices", s);
+    }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   // Active messages only, never RMA: with UCP_FEATURE_RMA a peer's put through UCX's own API,

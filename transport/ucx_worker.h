@@ -40,12 +40,13 @@ namespace attnd::transport {
 std::string UcxVersion();
 // The transports UCX may choose from (UCX_TLS, "all" by default).
 std::string UcxTransports();
-// The network devices UCX may use (UCX_NET_DEVICES: "all" when unset, "none" when empty).
-std::string UcxNetDevices();
-// Where the operator set no UCX_NET_DEVICES: UCX's network transports on this host's loopback
-// interfaces only (a server whose gRPC listens on loopback opens no UCX port beyond it: UCX's
-// TCP transport listens on every interface otherwise).
-void KeepUcxOnLoopback();
+// The network devices a worker made with `devices` uses: UCX_NET_DEVICES where the operator set
+// it ("none" when empty: UCX reads that as no device), else `devices`, else "all".
+std::string UcxNetDevices(const std::string& devices = "");
+// This host's loopback interfaces, comma-separated (UCX_NET_DEVICES's form; "" if none): for a
+// worker that should be reachable on loopback only (UCX's TCP transport listens on every
+// interface otherwise).
+std::string LoopbackDevices();
 
 class UcxWorker {
  public:
@@ -70,8 +71,11 @@ class UcxWorker {
   using EndpointError = std::function<void(absl::Status)>;
 
   // A worker named `name` (in UCX's logs) with active-message handlers by id, its thread started.
+  // `devices`: the network devices its context may use (UCX_NET_DEVICES's form) where the
+  // operator's environment names none; "" leaves them to UCX.
   static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const std::string& name,
-                                                           std::map<uint16_t, Handler> handlers);
+                                                           std::map<uint16_t, Handler> handlers,
+                                                           const std::string& devices = "");
   // Stops the thread; endpoints are closed and registrations released first.
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;

@@ -180,6 +180,7 @@ class _Api:
         # As attnctl: $ATTND_TARGET when no target is given, $ATTND_TOKEN when no token is.
         if target is None:
             target = os.environ.get("ATTND_TARGET") or "localhost:50051"
+        self._target = target
         if token is None:
             token = os.environ.get("ATTND_TOKEN") or None
         channel_options = [

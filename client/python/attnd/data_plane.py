@@ -71,6 +71,9 @@ def _load() -> Optional[ctypes.CDLL]:
             c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
             c_sz, c_p = ctypes.c_size_t, ctypes.c_void_p
             err = [ctypes.c_char_p, c_sz]
+            if hasattr(lib, "attnd_plane_create_for"):  # a library older than it: the other
+                f = lib.attnd_plane_create_for
+                f.restype, f.argtypes = c_p, [c_i64, ctypes.c_int, *err]
             for name, res, args in [
                 ("attnd_plane_create", c_p, [c_i64, *err]),
                 ("attnd_plane_destroy", None, [c_p]),
@@ -113,27 +116,50 @@ class _Call:
         self.output_bytes = 0
 
 
+def local_target(target: str) -> bool:
+    """Whether gRPC target ``target`` reaches this host only: a Unix socket, localhost,
+    127.0.0.0/8 or ::1 (with or without a dns:, ipv4: or ipv6: scheme). A plane to such a server
+    keeps this end's UCX on the loopback interfaces (UCX's TCP transport listens on every
+    interface otherwise, and a host that reaches it can write this process's memory:
+    docs/trust.md). As the C++ client's IsLocalTarget."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme):]
+            break
+    host = target
+    if host.startswith("["):
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    dotted = bool(host) and all(c == "." or c.isdigit() for c in host)
+    return host in ("localhost", "::1") or (dotted and host.startswith("127."))
+
+
 class DataPlane:
     """A connected plane (ConnectDataPlane over ``stub``): ``stage`` a layer message before it
     goes, ``finish`` its reply after. Thread-safe."""
 
     def __init__(self, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
-                 timeout: Optional[float] = None) -> None:
-        request = self._create(info, region_bytes)
+                 timeout: Optional[float] = None, local: bool = False) -> None:
+        request = self._create(info, region_bytes, local)
         self._attach(stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout), info)
 
     @classmethod
     async def connect_async(cls, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
-                            timeout: Optional[float] = None) -> DataPlane:
+                            timeout: Optional[float] = None, local: bool = False) -> DataPlane:
         """The plane over a grpc.aio ``stub`` (for :class:`AsyncAttndClient`)."""
         plane = cls.__new__(cls)
-        request = plane._create(info, region_bytes)
+        request = plane._create(info, region_bytes, local)
         reply = await stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout)
         plane._attach(reply, info)
         return plane
 
-    def _create(self, info: pb.ServerInfoResponse, region_bytes: int) -> pb.ConnectDataPlaneRequest:
-        """This end (its worker and output region); returns the handshake's request."""
+    def _create(self, info: pb.ServerInfoResponse, region_bytes: int,
+                local: bool) -> pb.ConnectDataPlaneRequest:
+        """This end (its worker and output region; its UCX on loopback only when ``local``: the
+        server is on this host); returns the handshake's request."""
         self._p = None
         # Calls between stage and finish: close() while any is under way leaves the last one's
         # finish to destroy this end (a call's waits and give-backs use it to the end).
@@ -145,7 +171,10 @@ class DataPlane:
         self._lib = lib
         self._size = min(int(region_bytes), int(info.data_plane.max_region_bytes))
         err = ctypes.create_string_buffer(512)
-        self._p = lib.attnd_plane_create(self._size, err, len(err))
+        if hasattr(lib, "attnd_plane_create_for"):
+            self._p = lib.attnd_plane_create_for(self._size, int(local), err, len(err))
+        else:
+            self._p = lib.attnd_plane_create(self._size, err, len(err))
         if not self._p:
             raise AttndError(_unavailable(), err.value.decode(errors="replace"))
         return pb.ConnectDataPlaneRequest(input_bytes=self._size, output_bytes=self._size)
@@ -379,7 +408,8 @@ class PlaneUse(_PlaneHolder):
             raise AttndError(grpc.StatusCode.FAILED_PRECONDITION,
                              "the server has no UCX data plane (--data-plane=ucx)")
         try:
-            plane = DataPlane(self._stub, self._metadata, info, self._plane_bytes, self._timeout)
+            plane = DataPlane(self._stub, self._metadata, info, self._plane_bytes, self._timeout,
+                              local=local_target(self._target))
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
         with self._plane_lock:
@@ -499,7 +529,8 @@ class AsyncPlaneUse(_PlaneHolder):
                              "the server has no UCX data plane (--data-plane=ucx)")
         try:
             plane = await DataPlane.connect_async(self._stub, self._metadata, info,
-                                                  self._plane_bytes, self._timeout)
+                                                  self._plane_bytes, self._timeout,
+                                                  local=local_target(self._target))
         except grpc.RpcError as e:
             raise AttndError.from_rpc_error(e) from e
         old, self._plane_obj = self._plane_obj, plane

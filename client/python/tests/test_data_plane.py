@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,43 @@ def test_a_server_on_loopback_keeps_the_planes_ports_on_loopback(tmp_path, monke
         if devices is None:
             assert len(ports) >= 3, ports  # gRPC, metrics and the plane's UCX port
             assert all(p.startswith(("127.", "[::ffff:127.", "[::1]")) for p in ports), ports
+
+
+def test_a_client_of_a_server_on_this_host_keeps_its_ucx_on_loopback(plane_server, monkeypatch):
+    """The client's end opens a UCX port too (its worker's TCP transport): for a server on this
+    host (a loopback or Unix-socket target) it listens on loopback only, so no other host can
+    reach it (docs/trust.md), unless UCX_NET_DEVICES says otherwise."""
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from attnd import AttndClient
+            c = AttndClient({plane_server!r}, timeout=10.0)
+            print(c.connect_data_plane(), flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        assert child.stdout.readline().startswith("ucx-")
+        ports = _listening(child.pid)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert ports, "the client's UCX opened no TCP port: TCP not among its transports?"
+    assert all(p.startswith(("127.", "[::ffff:127.", "[::1]")) for p in ports), ports
+
+
+def test_the_python_and_cpp_clients_read_targets_alike():
+    """local_target (Python) on the cases client_target_test.cc gives IsLocalTarget (C++)."""
+    from attnd.data_plane import local_target
+    text = (Path(__file__).resolve().parents[3] / "tests" / "unit" /
+            "client_target_test.cc").read_text()
+    local, other = (re.findall(r'"([^"]*)"', body.split("})")[0])
+                    for body in text.split("for (const std::string t :")[1:3])
+    assert len(local) >= 10 and len(other) >= 10
+    assert [t for t in local if not local_target(t)] == []
+    assert [t for t in other if local_target(t)] == []
 
 
 def test_with_or_without_the_plane_the_outputs_are_the_same_bits(plane_harness, plane_server):
