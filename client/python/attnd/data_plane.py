@@ -71,7 +71,9 @@ def _load() -> Optional[ctypes.CDLL]:
             c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
             c_sz, c_p = ctypes.c_size_t, ctypes.c_void_p
             err = [ctypes.c_char_p, c_sz]
-            if hasattr(lib, "attnd_plane_create_for"):  # a library older than it: the other
+            # Absent from a library built before it (DataPlane then uses attnd_plane_create:
+            # its UCX on every interface).
+            if hasattr(lib, "attnd_plane_create_for"):
                 f = lib.attnd_plane_create_for
                 f.restype, f.argtypes = c_p, [c_i64, ctypes.c_int, *err]
             for name, res, args in [
