@@ -365,44 +365,36 @@ echo "== the UCX data plane's transport on this host's CPUs"
 # are host memory either way): per-layer transport for gRPC bytes, shared memory and UCX (sm,
 # tcp) beside a bare UCX round trip, and two micro-batches in flight (transport.md). --dry-run:
 # the tiny model, batch 2, one step (the plumbing).
+# transport_pass STAGE LIMIT NAME [VAR=VALUE...]: bench/transport_bench.py with args[@], the
+# bundle's attnd and attnctl and VAR=VALUE in its environment, into $OUT/NAME.md; recorded as STAGE.
+transport_pass() {
+  local stage=$1 limit=$2 name=$3 t0=$SECONDS rc=0
+  shift 3
+  bounded $((limit - 5)) env "$@" ATTND_BIN="$BUNDLE/attnd" ATTNCTL_BIN="$BUNDLE/attnctl" \
+    python3 bench/transport_bench.py "${args[@]}" --out="$OUT/$name.md" > "$OUT/$name.log" 2>&1 ||
+    rc=$?
+  tail -3 "$OUT/$name.log"
+  if [ $DRY = 1 ]; then
+    record "$stage" "$limit" "$([ $rc = 0 ] && echo "plumbing ok" || echo failed)" \
+      $((SECONDS - t0)) "no GPU needed; the dry run's tiny model at batch 2"
+  else
+    [ $rc -ne 0 ] && status=1
+    record "$stage" "$limit" "$(verdict_of $rc)" $((SECONDS - t0)) "$name.md"
+  fi
+}
 if wanted transport "UCX transport" && fits "UCX transport" 150; then
-  t0=$SECONDS
-  rc=0
   if [ $DRY = 1 ]; then
     args=(--base=tiny --batches=2 --context=16 --steps=1)
   else
     args=(--batches=8,64 --context=64 --steps=20)
   fi
-  ATTND_BIN="$BUNDLE/attnd" ATTNCTL_BIN="$BUNDLE/attnctl" bounded 145 python3 \
-    bench/transport_bench.py "${args[@]}" --out="$OUT/transport.md" > "$OUT/transport.log" 2>&1 ||
-    rc=$?
-  tail -3 "$OUT/transport.log"
-  if [ $DRY = 1 ]; then
-    record "UCX transport" 150 "$([ $rc = 0 ] && echo "plumbing ok" || echo failed)" \
-      $((SECONDS - t0)) "no GPU needed; the dry run's tiny model at batch 2"
-  else
-    [ $rc -ne 0 ] && status=1
-    record "UCX transport" 150 "$(verdict_of $rc)" $((SECONDS - t0)) "transport.md"
-  fi
+  transport_pass "UCX transport" 150 transport
   # Again at batch 64 with both sides' progress threads polling 5 ms after activity
   # (ATTND_UCX_SPIN_US=5000): what a host with cores to spare buys with a longer poll
   # (docs/data-plane.md). Only where the budget has room left; skipping it fails nothing.
   if [ $((75 + KILL_AFTER)) -le $((BUDGET - SECONDS)) ]; then
-    t0=$SECONDS
-    rc=0
     [ $DRY = 1 ] || args=(--batches=64 --context=64 --steps=20)
-    ATTND_UCX_SPIN_US=5000 ATTND_BIN="$BUNDLE/attnd" ATTNCTL_BIN="$BUNDLE/attnctl" bounded 70 \
-      python3 bench/transport_bench.py "${args[@]}" --out="$OUT/transport-spin5000.md" \
-      > "$OUT/transport-spin5000.log" 2>&1 || rc=$?
-    tail -3 "$OUT/transport-spin5000.log"
-    if [ $DRY = 1 ]; then
-      record "UCX transport, 5 ms poll" 75 "$([ $rc = 0 ] && echo "plumbing ok" || echo failed)" \
-        $((SECONDS - t0)) "no GPU needed; the dry run's tiny model at batch 2"
-    else
-      [ $rc -ne 0 ] && status=1
-      record "UCX transport, 5 ms poll" 75 "$(verdict_of $rc)" $((SECONDS - t0)) \
-        "transport-spin5000.md"
-    fi
+    transport_pass "UCX transport, 5 ms poll" 75 transport-spin5000 ATTND_UCX_SPIN_US=5000
   else
     record "UCX transport, 5 ms poll" 75 skipped 0 "$((BUDGET - SECONDS))s of the budget left"
   fi
