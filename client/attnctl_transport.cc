@@ -344,18 +344,18 @@ int TransportBench(const std::string& target, const Args& a, const ConnectOption
                           {"steps", steps},
                           {"ucx_transports", transport::UcxTransports()},
                           {"ucx_version", transport::UcxVersion()}};
-    for (const Row& r : rows)
-      out["rows"].push_back({{"plane", r.plane},
-                             {"variant", r.variant},
-                             {"request_bytes", r.f.request_bytes / r.f.calls},
-                             {"reply_bytes", r.f.reply_bytes / r.f.calls},
-                             {"round_trip_ms_p50", r.f.round_trip.Percentile(50) * 1e3},
-                             {"transport_ms_p50", r.f.transport.Percentile(50) * 1e3},
-                             {"transport_ms_p99", r.f.transport.Percentile(99) * 1e3},
-                             {"calls", r.f.calls}});
-    for (size_t i = 0; i < rows.size(); ++i)
-      if (rows[i].f.paired_ratio.count() > 0)
-        out["rows"][i]["paired_ratio_p50"] = rows[i].f.paired_ratio.Percentile(50);
+    for (const Row& r : rows) {
+      nlohmann::json row = {{"plane", r.plane},
+                            {"variant", r.variant},
+                            {"request_bytes", r.f.request_bytes / r.f.calls},
+                            {"reply_bytes", r.f.reply_bytes / r.f.calls},
+                            {"round_trip_ms_p50", r.f.round_trip.Percentile(50) * 1e3},
+                            {"transport_ms_p50", r.f.transport.Percentile(50) * 1e3},
+                            {"transport_ms_p99", r.f.transport.Percentile(99) * 1e3},
+                            {"calls", r.f.calls}};
+      if (r.f.paired_ratio.count() > 0) row["paired_ratio_p50"] = r.f.paired_ratio.Percentile(50);
+      out["rows"].push_back(std::move(row));
+    }
     out["control_ms_p50"] = control.Percentile(50) * 1e3;
     out["control_ms_p99"] = control.Percentile(99) * 1e3;
     for (const auto& [name, st] : bare)

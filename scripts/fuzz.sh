@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (clang-14, ASan + UBSan) and runs each for SECONDS seconds
-# (default 60; CI runs 30) from its committed seed corpus, printing executions and corpus size. Any crash,
-# sanitizer report or failed self-check exits non-zero and leaves the reproducer in build-asan/
-# (the tree scripts/sanitize.sh builds).
+# (default 60; CI runs 30) from its committed seed corpus, printing executions and corpus size.
+# Any crash, sanitizer report or failed self-check exits non-zero and leaves the reproducer in
+# build-asan/ (the tree scripts/sanitize.sh builds).
 #   scripts/fuzz.sh            # 60 s per target (CI: scripts/test.sh runs 30 s)
 #   scripts/fuzz.sh 3600       # an hour per target
 #   TARGETS=request_fuzz scripts/fuzz.sh 600

@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List
 
 import grpc
@@ -224,9 +225,9 @@ def pause(proc) -> None:
 
     def stopped() -> bool:
         try:
-            tasks = os.listdir(f"/proc/{proc.pid}/task")
-            states = [open(f"/proc/{proc.pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
-                      for t in tasks]
+            task = Path(f"/proc/{proc.pid}/task")
+            states = [(task / t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(task)]
         except OSError:  # a thread ended meanwhile: look again
             return False
         return all(st in ("T", "t") for st in states)

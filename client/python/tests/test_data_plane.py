@@ -28,7 +28,7 @@ from attnd.data_plane import find_library
 from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
 
-from attnd_process import start, stop
+from attnd_process import ROOT, start, stop
 from attnd_testlib import Harness, bits, scrape
 
 pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
@@ -89,6 +89,10 @@ def _listening(pid):
     return [line.split()[3] for line in out.splitlines() if f"pid={pid}," in line]
 
 
+def _on_loopback(addresses) -> bool:
+    return all(a.startswith(("127.", "[::ffff:127.", "[::1]")) for a in addresses)
+
+
 def test_a_server_on_loopback_keeps_the_planes_ports_on_loopback(tmp_path, monkeypatch):
     """UCX's TCP transport listens on every interface unless told otherwise, and a host that
     reaches it can write the server's memory (docs/trust.md): a server whose gRPC listens on
@@ -112,7 +116,7 @@ def test_a_server_on_loopback_keeps_the_planes_ports_on_loopback(tmp_path, monke
         assert f"network devices {devices or 'lo'})" in text, text
         if devices is None:
             assert len(ports) >= 3, ports  # gRPC, metrics and the plane's UCX port
-            assert all(p.startswith(("127.", "[::ffff:127.", "[::1]")) for p in ports), ports
+            assert _on_loopback(ports), ports
 
 
 def test_a_client_of_a_server_on_this_host_keeps_its_ucx_on_loopback(plane_server, monkeypatch):
@@ -137,14 +141,13 @@ def test_a_client_of_a_server_on_this_host_keeps_its_ucx_on_loopback(plane_serve
         child.stdin.close()
         child.wait(timeout=30)
     assert ports, "the client's UCX opened no TCP port: TCP not among its transports?"
-    assert all(p.startswith(("127.", "[::ffff:127.", "[::1]")) for p in ports), ports
+    assert _on_loopback(ports), ports
 
 
 def test_the_python_and_cpp_clients_read_targets_alike():
     """local_target (Python) on the cases client_target_test.cc gives IsLocalTarget (C++)."""
     from attnd.data_plane import local_target
-    text = (Path(__file__).resolve().parents[3] / "tests" / "unit" /
-            "client_target_test.cc").read_text()
+    text = (ROOT / "tests" / "unit" / "client_target_test.cc").read_text()
     local, other = (re.findall(r'"([^"]*)"', body.split("})")[0])
                     for body in text.split("for (const std::string t :")[1:3])
     assert len(local) >= 10 and len(other) >= 10
