@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--out", default="")
+    p.add_argument("--push", default="false", choices=["true", "false"],
+                   help="the server's --data-plane-push (false: clients pull outputs)")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     heads, latent, dn, v = DIMS[a.base]
@@ -101,6 +103,7 @@ def main() -> None:
         pages = 2 * max(batches) * ((a.context + rounds * a.steps + page) // page + 2) + 64
         proc, target, _ = start([f"--model-file={spec}", f"--absorb-from={d}", "--shm",
                                  f"--shm-socket={shm}", "--data-plane=ucx",
+                                 f"--data-plane-push={a.push}",
                                  "--max-message-bytes=268435456"],
                                 kv_pages=pages, threads=a.threads)
         try:
@@ -110,8 +113,8 @@ def main() -> None:
         finally:
             stop(proc)
     head = (f"`python3 bench/transport_bench.py --batches={a.batches} --context={a.context} "
-            f"--steps={a.steps}` on {platform.node()} ({os.cpu_count()} cores), UCX "
-            f"{runs[0]['ucx_version']}, {a.base} dims ({heads} heads, layers {a.layers}).")
+            f"--steps={a.steps} --push={a.push}` on {platform.node()} ({os.cpu_count()} cores), "
+            f"UCX {runs[0]['ucx_version']}, {a.base} dims ({heads} heads, layers {a.layers}).")
     text = head + "\n\n" + table(runs) + "\n"
     print(text)
     if a.out:

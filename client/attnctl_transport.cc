@@ -47,7 +47,8 @@ double PayloadOf(const v1::LayerInputs& in) {
 }
 
 // The bare UCX round trip of `request` bytes out and `reply` bytes back between two workers of
-// this process (the plane's own code without gRPC or the engine): the transports UCX_TLS allows.
+// this process (the plane's own code without gRPC or the engine; the reply pushed, as a plane
+// whose client gave its address sends outputs): the transports UCX_TLS allows.
 // Interleaved with the UCX plane's layer calls, one trip after each call with that call's bytes,
 // so that both see the machine as it is at that moment (on a shared 2-core VM the same trip
 // measured 1.7 ms in one run and 8 ms in the next).
@@ -57,16 +58,18 @@ class BareTrip {
     std::unique_ptr<BareTrip> b(new BareTrip);
     transport::UcxPlane::Options o;
     o.max_region_bytes = static_cast<int64_t>(max_bytes) + 4096;
+    o.push = true;  // the reply sent as it is ready: no pull request on the way
     auto server = transport::UcxPlane::Create(o);
     if (!server.ok()) return server.status();
     b->server_ = std::move(*server);
     auto client = transport::UcxPlaneClient::Create(o.max_region_bytes);
     if (!client.ok()) return client.status();
     b->client_ = std::move(*client);
-    auto conn = b->server_->Connect("bench", o.max_region_bytes, o.max_region_bytes, 0);
+    auto conn = b->server_->Connect("bench", o.max_region_bytes, o.max_region_bytes, 0,
+                                    b->client_->address());
     if (!conn.ok()) return conn.status();
-    if (auto s =
-            b->client_->Attach(conn->id, conn->token, conn->server_address, o.max_region_bytes);
+    if (auto s = b->client_->Attach(conn->id, conn->token, conn->server_address, o.max_region_bytes,
+                                    conn->pushes);
         !s.ok())
       return s;
     auto in = b->server_->Resolve("bench", "in", conn->input_region, 0, o.max_region_bytes);
@@ -85,6 +88,7 @@ class BareTrip {
   // One round trip: its seconds.
   absl::StatusOr<double> Once(size_t request, size_t reply) {
     const uint64_t t = client_->NextTransfer(), r = client_->NextTransfer();
+    client_->Want(r);
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     const auto t0 = Clock::now();
     auto sent = client_->Put(payload_.data(), request, 0, t);

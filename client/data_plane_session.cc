@@ -51,10 +51,11 @@ absl::StatusOr<std::unique_ptr<DataPlaneSession>> DataPlaneSession::Connect(
   v1::ConnectDataPlaneRequest req;
   req.set_input_bytes(bytes);
   req.set_output_bytes(bytes);
+  req.set_worker_address(s->ends_->address());  // outputs are then sent as soon as built
   v1::ConnectDataPlaneResponse resp;
   if (absl::Status st = FromGrpc(stub->ConnectDataPlane(&ctx, req, &resp)); !st.ok()) return st;
-  if (absl::Status st =
-          s->ends_->Attach(resp.plane_id(), resp.token(), resp.worker_address(), bytes);
+  if (absl::Status st = s->ends_->Attach(resp.plane_id(), resp.token(), resp.worker_address(),
+                                         bytes, resp.pushes_outputs());
       !st.ok())
     return st;
   s->plane_ = resp.plane();
@@ -138,6 +139,7 @@ bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, C
     if (at >= 0) {
       call->output_offset = at;
       call->output_transfer = ends_->NextTransfer();
+      ends_->Want(call->output_transfer);
       call->output_bytes = static_cast<size_t>(bytes);
       if (dest != nullptr && dest_bytes == call->output_bytes) {
         ends_->Expect(call->output_transfer, dest, dest_bytes);

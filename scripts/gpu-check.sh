@@ -24,7 +24,8 @@
 #   8. The UCX data plane's transport on this host's CPUs (issue #54's measurement wants cores to
 #      spare for the progress threads, which the 2-core development VM lacks): bench/
 #      transport_bench.py against a CPU attnd of the bundle, batch 8 and 64 (transport.md);
-#      then, budget allowing, batch 64 with a 5 ms poll (ATTND_UCX_SPIN_US, transport-spin5000.md).
+#      then, budget allowing, batch 64 with outputs pushed (--data-plane-push, transport-push.md)
+#      and with a 5 ms poll (ATTND_UCX_SPIN_US, transport-spin5000.md).
 #   9. One table: the stages (limit, time, verdict), the tests, op, shape, time, GB/s or TFLOP/s,
 #      fraction of the limit, speed-up over PyTorch; then the sparse MLA's forms ranked and which
 #      to make the default ("MLA choice"). Every file also in gpu-check-logs.tgz.
@@ -389,6 +390,18 @@ if wanted transport "UCX transport" && fits "UCX transport" 150; then
     args=(--batches=8,64 --context=64 --steps=20)
   fi
   transport_pass "UCX transport" 150 transport
+  # Again at batch 64 with the server pushing outputs as they are built (--data-plane-push):
+  # whether the push, slower than pulls on the 2-core VM where its sends and the reply share the
+  # cores, wins with cores to spare (its default follows this).
+  if [ $((75 + KILL_AFTER)) -le $((BUDGET - SECONDS)) ]; then
+    saved=("${args[@]}")
+    [ $DRY = 1 ] || args=(--batches=64 --context=64 --steps=20)
+    args+=(--push=true)
+    transport_pass "UCX transport, outputs pushed" 75 transport-push
+    args=("${saved[@]}")
+  else
+    record "UCX transport, outputs pushed" 75 skipped 0 "$((BUDGET - SECONDS))s of the budget left"
+  fi
   # Again at batch 64 with both sides' progress threads polling 5 ms after activity
   # (ATTND_UCX_SPIN_US=5000): what a host with cores to spare buys with a longer poll
   # (docs/data-plane.md). Only where the budget has room left; skipping it fails nothing.

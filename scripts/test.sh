@@ -66,7 +66,8 @@ if [ -x "$BUILD_DIR/tests/cuda_test" ]; then
   tail -2 "$BUILD_DIR/gpu-check-dry.log"
   grep -q "no GPU: nothing measured" "$BUILD_DIR/gpu-check-dry.log" ||
     { echo "test.sh: gpu-check --dry-run did not end with 'nothing measured'"; exit 1; }
-  for s in "UCX transport" "UCX transport, 5 ms poll" "end to end"; do
+  for s in "UCX transport" "UCX transport, outputs pushed" "UCX transport, 5 ms poll" \
+    "end to end"; do
     grep -q "\"stage\": \"$s\", .*\"verdict\": \"plumbing ok" "$BUILD_DIR/gpu-check-dry/stages.jsonl" ||
       { echo "test.sh: gpu-check --dry-run: the '$s' stage's plumbing did not run"; exit 1; }
   done

@@ -27,16 +27,17 @@ absl::Status AttentionService::DoConnectDataPlane(const Caller& caller,
   // A tenant with a shared-memory region quota holds at most that many planes (counted apart
   // from its regions: docs/data-plane.md).
   const int64_t quota = engine_->TenantQuotaOf(caller.tenant).shm_regions;
-  ASSIGN_OR_RETURN(
-      transport::UcxPlane::Connection c,
-      options_.data_plane->Connect(caller.tenant, req.input_bytes(), req.output_bytes(),
-                                   static_cast<int>(std::min<int64_t>(quota, 1 << 20))));
+  ASSIGN_OR_RETURN(transport::UcxPlane::Connection c,
+                   options_.data_plane->Connect(
+                       caller.tenant, req.input_bytes(), req.output_bytes(),
+                       static_cast<int>(std::min<int64_t>(quota, 1 << 20)), req.worker_address()));
   resp->set_plane(c.name);
   resp->set_plane_id(c.id);
   resp->set_token(c.token);
   resp->set_worker_address(c.server_address);
   resp->set_input_region(c.input_region);
   resp->set_output_region(c.output_region);
+  resp->set_pushes_outputs(c.pushes);
   return absl::OkStatus();
 }
 

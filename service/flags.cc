@@ -367,6 +367,11 @@ std::vector<Flag> Table(ServerFlags* f) {
        "how long a layer call waits for its inputs to land and its\noutput to be delivered "
        "(default 2000)",
        Limit(&f->data_plane_timeout_ms)},
+      {"data-plane-push", "true|false",
+       "send each output to the client as soon as it is built, on an\nendpoint to the worker "
+       "address the client gave (default false:\nclients pull outputs once the reply names "
+       "them; pushes were slower\non a 2-core host, bench/results/transport.md)",
+       Bool(&f->data_plane_push)},
       {"data-plane-without-tls", "true|false",
        "with --tls-cert: allow the data plane anyway (UCX does not encrypt;\nuse only on a "
        "network you trust)",

@@ -82,6 +82,7 @@ struct ServerFlags {
   int32_t data_plane_max_planes = 64;
   int64_t data_plane_timeout_ms = 2000;  // an input's landing, an output's delivery
   bool data_plane_without_tls = false;   // with TLS on: allow the (unencrypted) plane anyway
+  bool data_plane_push = false;          // outputs sent as built to clients that gave their address
   // Per-tenant quotas (0 = none); the token file may override them per tenant.
   int64_t quota_pages = 0;
   int64_t quota_sequences = 0;

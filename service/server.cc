@@ -362,6 +362,7 @@ class Server {
       po.max_planes = flags_.data_plane_max_planes;
       po.max_region_bytes = flags_.data_plane_region_bytes;
       po.transfer_timeout = absl::Milliseconds(flags_.data_plane_timeout_ms);
+      po.push = flags_.data_plane_push;
       // A server reachable on loopback only keeps UCX's network transports there too.
       po.devices = DataPlaneDevices();
       ASSIGN_OR_RETURN(so.data_plane, transport::UcxPlane::Create(po));

@@ -45,11 +45,24 @@ attnd_plane* attnd_plane_create_for(int64_t output_bytes, int local, char* err, 
 
 void attnd_plane_destroy(attnd_plane* p) { delete p; }
 
+void attnd_plane_address(attnd_plane* p, const char** address, size_t* len) {
+  *address = p->client->address().data();
+  *len = p->client->address().size();
+}
+
 int attnd_plane_attach(attnd_plane* p, uint64_t plane_id, const char* token, size_t token_len,
                        const char* server_address, size_t address_len, int64_t input_bytes,
                        char* err, size_t errlen) {
-  absl::Status s = p->client->Attach(plane_id, std::string(token, token_len),
-                                     std::string(server_address, address_len), input_bytes);
+  return attnd_plane_attach_with(p, plane_id, token, token_len, server_address, address_len,
+                                 input_bytes, 0, err, errlen);
+}
+
+int attnd_plane_attach_with(attnd_plane* p, uint64_t plane_id, const char* token, size_t token_len,
+                            const char* server_address, size_t address_len, int64_t input_bytes,
+                            int pushes_outputs, char* err, size_t errlen) {
+  absl::Status s =
+      p->client->Attach(plane_id, std::string(token, token_len),
+                        std::string(server_address, address_len), input_bytes, pushes_outputs != 0);
   return s.ok() ? 0 : Error(s, err, errlen);
 }
 
@@ -66,6 +79,7 @@ void attnd_plane_give_output(attnd_plane* p, int64_t offset) {
   p->client->output_space().Give(offset);
 }
 uint64_t attnd_plane_next_transfer(attnd_plane* p) { return p->client->NextTransfer(); }
+void attnd_plane_want(attnd_plane* p, uint64_t transfer) { p->client->Want(transfer); }
 
 attnd_plane_send* attnd_plane_put(attnd_plane* p, const void* const* pieces, const size_t* lengths,
                                   size_t n, int64_t offset, uint64_t transfer) {

@@ -21,10 +21,18 @@ attnd_plane* attnd_plane_create(int64_t output_bytes, char* err, size_t errlen);
  * loopback interfaces only (unless UCX_NET_DEVICES says otherwise). */
 attnd_plane* attnd_plane_create_for(int64_t output_bytes, int local, char* err, size_t errlen);
 void attnd_plane_destroy(attnd_plane* p);
-/* The handshake's reply. */
+/* This end's UCX worker address (*len bytes at *address, valid while p is), for the
+ * handshake's worker_address: a server given it sends outputs unasked. */
+void attnd_plane_address(attnd_plane* p, const char** address, size_t* len);
+/* The handshake's reply (a server that pushes no outputs). */
 int attnd_plane_attach(attnd_plane* p, uint64_t plane_id, const char* token, size_t token_len,
                        const char* server_address, size_t address_len, int64_t input_bytes,
                        char* err, size_t errlen);
+/* The same, with the reply's pushes_outputs: nonzero, outputs are awaited, not pulled, and only
+ * those announced by attnd_plane_want are taken. */
+int attnd_plane_attach_with(attnd_plane* p, uint64_t plane_id, const char* token, size_t token_len,
+                            const char* server_address, size_t address_len, int64_t input_bytes,
+                            int pushes_outputs, char* err, size_t errlen);
 /* Space in the server's input region / the output region for one call: an offset, or -1 when
  * it does not fit now. */
 int64_t attnd_plane_take_input(attnd_plane* p, int64_t bytes);
@@ -32,6 +40,9 @@ void attnd_plane_give_input(attnd_plane* p, int64_t offset);
 int64_t attnd_plane_take_output(attnd_plane* p, int64_t bytes);
 void attnd_plane_give_output(attnd_plane* p, int64_t offset);
 uint64_t attnd_plane_next_transfer(attnd_plane* p);
+/* Output `transfer` is asked for by a call about to be sent (before the call: a server that
+ * pushes may send it before the reply). */
+void attnd_plane_want(attnd_plane* p, uint64_t transfer);
 /* Sends n pieces back to back into the input region from offset on, as one transfer; the pieces
  * stay valid until attnd_plane_wait, which every send must get (it frees the handle). */
 attnd_plane_send* attnd_plane_put(attnd_plane* p, const void* const* pieces, const size_t* lengths,

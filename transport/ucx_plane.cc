@@ -75,6 +75,10 @@ struct UcxPlane::State {
   char* output = nullptr;
   int64_t output_bytes = 0;
   ucp_mem_h output_memh = nullptr;
+  // The plane's endpoint to its client's worker (0: none; the client pulls outputs). Set before
+  // the plane is published.
+  uint64_t push_ep = 0;
+  std::shared_ptr<std::atomic<int64_t>> bytes_out;  // the UcxPlane's count
 
   struct Landed {
     int64_t offset = 0, length = 0;
@@ -84,7 +88,8 @@ struct UcxPlane::State {
   mutable std::condition_variable cv;
   std::map<uint64_t, Landed> landed;
   std::deque<uint64_t> order;  // landing order, for dropping the oldest
-  // Outputs built in the mirror and not yet pulled: transfer -> (offset, length).
+  // Outputs built in the mirror and not yet pulled (a plane without push_ep): transfer ->
+  // (offset, length).
   std::map<uint64_t, std::pair<int64_t, int64_t>> staged;
   absl::Status lost;  // non-OK once the plane closed
 
@@ -336,6 +341,7 @@ class OutputRegion final : public Region {
     if (absl::Status s = s_->Lost(); !s.ok()) return s;
     if (static_cast<const char*>(src) != s_->output + offset)
       return absl::InternalError(absl::StrCat(name_, ": outputs are built in its staging"));
+    if (s_->push_ep != 0) return Push(transfer, offset, n);
     // The client pulls it once the reply names it (UcxPlane::OnPull).
     s_->Stage(transfer, offset, static_cast<int64_t>(n));
     return absl::OkStatus();
@@ -343,6 +349,29 @@ class OutputRegion final : public Region {
   absl::Status CheckStillCovers(int64_t, size_t) const override { return s_->Lost(); }
 
  private:
+  // Sends the output to the same place of the client's region now, beside the reply (which the
+  // client waits for too): from the mirror, which the plane (held until the send completes)
+  // keeps; counted while under way, as receives are. A send that fails is the client's to see
+  // (its wait ends when the endpoint fails, or at its deadline).
+  absl::Status Push(uint64_t transfer, int64_t offset, size_t n) const {
+    UcxPlane::State& s = *s_;
+    std::shared_lock<std::shared_mutex> alive(s.link->mu);
+    if (s.link->worker == nullptr) {  // the server's end is gone
+      absl::Status lost = s.Lost();
+      return lost.ok() ? absl::UnavailableError("data plane closed") : lost;
+    }
+    ToClientHeader h;
+    h.plane = s.id;
+    h.transfer = transfer;
+    h.offset = offset;
+    s.in_flight.fetch_add(1);
+    s.bytes_out->fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
+    s.link->worker->Send(
+        s.push_ep, kToClient, PackHeader(h), s.output + offset, n,
+        [held = s_](absl::Status) { held->in_flight.fetch_sub(1); }, s_);
+    return absl::OkStatus();
+  }
+
   std::shared_ptr<UcxPlane::State> s_;
   std::string name_;
 };
@@ -437,7 +466,7 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
     m.worker->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
     return;
   }
-  bytes_out_.fetch_add(h.length, std::memory_order_relaxed);
+  bytes_out_->fetch_add(h.length, std::memory_order_relaxed);
   // From the mirror, which the plane (held until the send completes) keeps; counted while under
   // way, as receives are (a client that stalls a pull leaves it so).
   s->in_flight.fetch_add(1);
@@ -465,13 +494,18 @@ std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
 
 absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,
                                                        int64_t input_bytes, int64_t output_bytes,
-                                                       int tenant_limit) {
+                                                       int tenant_limit,
+                                                       const std::string& client_address) {
   for (const auto& [what, v, lo] : {std::tuple{"input_bytes", input_bytes, int64_t{1}},
                                     std::tuple{"output_bytes", output_bytes, int64_t{0}}})
     if (v < lo || v > options_.max_region_bytes)
       return absl::InvalidArgumentError(absl::StrCat(what, ": ", v, " is outside [", lo, ", ",
                                                      options_.max_region_bytes,
                                                      "] (--data-plane-region-bytes)"));
+  if (client_address.size() > kMaxClientAddressBytes)
+    return absl::InvalidArgumentError(absl::StrCat("worker_address: ", client_address.size(),
+                                                   " bytes; a UCX worker address has at most ",
+                                                   kMaxClientAddressBytes));
   // Planes closed for idleness are shut after mu_ (stopping a worker waits for its thread, whose
   // handlers take mu_).
   std::vector<std::shared_ptr<State>> idle;
@@ -548,6 +582,7 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
   s->max_waiting = options_.max_waiting_calls;
   s->input_bytes = input_bytes;
   s->output_bytes = output_bytes;
+  s->bytes_out = bytes_out_;
   for (auto [bytes, at, memh] : {std::tuple{input_bytes, &s->input, &s->memh},
                                  std::tuple{output_bytes, &s->output, &s->output_memh}}) {
     if (bytes == 0) continue;
@@ -558,10 +593,21 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
           absl::StrCat("data plane: cannot allocate ", bytes, " bytes"));
     ASSIGN_OR_RETURN(*memh, s->worker->Register(*at, alloc));
   }
+  if (options_.push && output_bytes > 0 && !client_address.empty()) {
+    // The endpoint failing (its client died or left) ends the plane: calls then fail at once
+    // rather than wait for outputs that cannot arrive. A client that cannot be reached pulls.
+    auto ep = s->worker->Connect(client_address, [w = std::weak_ptr<State>(s)](absl::Status st) {
+      if (auto live = w.lock())
+        live->Lose(absl::UnavailableError(absl::StrCat(
+            "data plane ", live->name, ": its endpoint to the client failed: ", st.message())));
+    });
+    if (ep.ok()) s->push_ep = *ep;
+  }
   s->Touch();
   // Built before the plane is published: from then on a Close (or another handshake's reaping)
   // may stop its worker at any moment.
-  Connection c{s->name, s->id, s->token, s->worker->address(), s->name + ".in", s->name + ".out"};
+  Connection c{s->name,          s->id,          s->token, s->worker->address(), s->name + ".in",
+               s->name + ".out", s->push_ep != 0};
   {
     std::lock_guard<std::mutex> lock(mu_);
     reserved.Release();

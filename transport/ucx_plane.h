@@ -2,8 +2,10 @@
 // (ConnectDataPlane) gets a plane of two regions, an input region in server memory its worker
 // writes tensors into (active message kToServer, each landing announced by the transfer id the
 // layer call then names) and an output region in its own memory: the server builds each output
-// in a registered mirror of it, and the client pulls it (kPull) once the reply named it; the
-// server answers on the endpoint the pull came by (kToClient). Thread safe. Each plane has its
+// in a registered mirror of it and sends it there (kToClient) as soon as it is built, on an
+// endpoint of the plane's worker to the client's (whose address the handshake gave); a client
+// that gave none pulls it (kPull) once the reply named it, answered on the pull's endpoint.
+// Thread safe. Each plane has its
 // own UCX worker and progress thread (transport/ucx_worker.h), its address given in the
 // handshake: a client that dies mid-message can leave a shared-memory FIFO stalled for good
 // (UCX's FIFO slots are claimed, then filled; a claimed slot never filled blocks every later
@@ -14,11 +16,13 @@
 // (authenticated) handshake reply; a message that names another plane, the wrong secret or bytes
 // outside the region is dropped, and a transfer that overruns its region is answered to the call
 // that waits for it. The server never maps client memory (clients write into buffers the server
-// allocated; the server writes into the client's only by answering its pulls) and never parses a
-// client-supplied UCX address: UCX does not validate one, and a damaged address crashed
-// ucp_ep_create in a probe. A plane idle for `idle_timeout` (its client gone without closing it),
-// or whose worker stalled (UcxWorker::stalled: its client died mid-message), is closed when a new
-// one is connected.
+// allocated; it sends into the client's region only outputs of that client's calls). A client's
+// worker address is bounded in size and otherwise handed to UCX as it is: UCX does not validate
+// one (a damaged address crashed ucp_ep_create in a probe), nor the address in every peer's
+// wireup message, which it parses the same way (ucp_address_unpack) before any check of ours
+// can run (docs/trust.md: UCX trusts its peers). A plane idle for `idle_timeout` (its client gone
+// without closing it), or whose worker stalled (UcxWorker::stalled: its client died mid-message),
+// is closed when a new one is connected.
 #pragma once
 
 #include <atomic>
@@ -51,7 +55,12 @@ class UcxPlane {
     // The network devices the planes' workers use where UCX_NET_DEVICES names none ("": UCX's
     // choice, every interface; LoopbackDevices() for a server reachable on loopback only).
     std::string devices;
+    // Outputs go to clients that gave their worker address as soon as they are built
+    // (--data-plane-push); false: every client pulls them (and no client address is parsed).
+    bool push = false;
   };
+  // The largest client worker address taken (UCX's are a few hundred bytes to a few KiB).
+  static constexpr size_t kMaxClientAddressBytes = 65536;
   static absl::StatusOr<std::unique_ptr<UcxPlane>> Create(const Options& options);
   ~UcxPlane();
 
@@ -61,13 +70,17 @@ class UcxPlane {
     std::string token;                        // kTokenBytes: every message to the server carries it
     std::string server_address;               // the server worker's address
     std::string input_region, output_region;  // "<name>.in", "<name>.out"
+    bool pushes = false;  // outputs are sent unasked (the client's worker was connected)
   };
   // A plane for `tenant`'s client: an input region of input_bytes in server memory, an output
   // region of output_bytes in the client's (0: outputs come back in the reply). INVALID_ARGUMENT
   // (sizes), RESOURCE_EXHAUSTED (the server's max_planes, or `tenant_limit` planes of this tenant
-  // when > 0).
+  // when > 0). `client_address`: the client's worker, which the plane's worker connects to
+  // (pushing outputs) when options().push and there are outputs; a client whose worker cannot
+  // be reached gets a plane it pulls from. INVALID_ARGUMENT beyond kMaxClientAddressBytes.
   absl::StatusOr<Connection> Connect(const std::string& tenant, int64_t input_bytes,
-                                     int64_t output_bytes, int tenant_limit);
+                                     int64_t output_bytes, int tenant_limit,
+                                     const std::string& client_address = "");
   // NOT_FOUND unless `tenant` holds plane `name`. Calls using it finish first (they hold it).
   absl::Status Close(const std::string& tenant, const std::string& name);
   // Closes every plane (the server is stopping).
@@ -88,7 +101,7 @@ class UcxPlane {
   int64_t refused_messages() const { return refused_.load(); }
   // Bytes landed in input regions, and sent from outputs to their clients.
   int64_t bytes_in() const { return bytes_in_.load(); }
-  int64_t bytes_out() const { return bytes_out_.load(); }
+  int64_t bytes_out() const { return bytes_out_->load(); }
   const Options& options() const { return options_; }
   // Deadlines of waits for a landing not yet passed nor cancelled (tests).
   size_t pending_deadlines() const { return timer_->pending(); }
@@ -117,7 +130,9 @@ class UcxPlane {
   std::vector<std::weak_ptr<State>> closing_;  // closed planes, until no receive of theirs is on
   uint64_t next_id_ = 1;
   std::atomic<int64_t> refused_{0};
-  std::atomic<int64_t> bytes_in_{0}, bytes_out_{0};
+  std::atomic<int64_t> bytes_in_{0};
+  // Shared with the planes, which count the outputs they push (a plane may outlive this).
+  std::shared_ptr<std::atomic<int64_t>> bytes_out_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 }  // namespace attnd::transport

@@ -69,11 +69,13 @@ UcxPlaneClient::~UcxPlaneClient() {
 }
 
 absl::Status UcxPlaneClient::Attach(uint64_t plane, const std::string& token,
-                                    const std::string& server_address, int64_t input_bytes) {
+                                    const std::string& server_address, int64_t input_bytes,
+                                    bool pushes) {
   if (token.size() != kTokenBytes)
     return absl::InvalidArgumentError("data plane: the handshake's token has the wrong size");
   plane_ = plane;
   token_ = token;
+  pushes_ = pushes;
   input_.Reset(input_bytes);
   auto ep = worker_->Connect(server_address, [this](absl::Status s) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -138,6 +140,9 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
   bool to_caller = false;  // a receive into the caller's buffer, counted for Forget
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Sent unasked: only an output of a call this client waits for (one given up on may come
+    // late, into space another call took since).
+    if (pushes_ && wanted_.erase(h.transfer) == 0) return;
     auto it = expected_.find(h.transfer);
     if (it != expected_.end()) {
       if (it->second.second != m.length) {
@@ -174,6 +179,11 @@ absl::Status UcxPlaneClient::Lost() {
   return lost_;
 }
 
+void UcxPlaneClient::Want(uint64_t transfer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pushes_) wanted_.insert(transfer);
+}
+
 void UcxPlaneClient::Expect(uint64_t transfer, char* dest, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   expected_[transfer] = {dest, n};
@@ -182,6 +192,7 @@ void UcxPlaneClient::Expect(uint64_t transfer, char* dest, size_t n) {
 absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t offset, size_t n,
                                                   absl::Time deadline) {
   UcxWorker::Busy busy(worker_.get());  // the progress thread polls while this waits
+  if (pushes_) return AwaitLanding(transfer, offset, n, deadline);
   // Ask for it: the server answers on this message's endpoint (kToClient).
   PullHeader pull;
   pull.plane = plane_;
@@ -199,17 +210,24 @@ absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t off
         cv_.notify_all();
       },
       nullptr, /*want_reply=*/true);
+  return AwaitLanding(transfer, offset, n, deadline);
+}
+
+absl::StatusOr<const char*> UcxPlaneClient::AwaitLanding(uint64_t transfer, int64_t offset,
+                                                         size_t n, absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_until(lock, absl::ToChronoTime(deadline),
                  [&] { return landed_.count(transfer) != 0 || !lost_.ok(); });
   auto it = landed_.find(transfer);
   if (it == landed_.end()) {
+    wanted_.erase(transfer);
     if (!lost_.ok()) return lost_;
     return absl::DeadlineExceededError(
         absl::StrCat("data plane: output transfer ", transfer, " did not arrive"));
   }
   const Landed l = it->second;
   landed_.erase(it);
+  wanted_.erase(transfer);
   auto ex = expected_.find(transfer);
   const char* dest = ex != expected_.end() ? ex->second.first : out_ + offset;
   if (ex != expected_.end()) expected_.erase(ex);
@@ -224,6 +242,7 @@ absl::StatusOr<const char*> UcxPlaneClient::Await(uint64_t transfer, int64_t off
 void UcxPlaneClient::Forget(uint64_t transfer) {
   std::unique_lock<std::mutex> lock(mu_);
   landed_.erase(transfer);
+  wanted_.erase(transfer);
   // A receive of this transfer already under way still writes into the caller's buffer: it is
   // waited out (UCX 1.13 cannot cancel a receive; it ends when its bytes land or the endpoint
   // fails, which UCX detects for a server that died). Receives of other transfers are not.

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -44,11 +45,13 @@ class UcxPlaneClient {
   ~UcxPlaneClient();
 
   int64_t output_bytes() const { return output_.size(); }
+  // This end's worker address, for the handshake (the server then pushes outputs to it).
+  const std::string& address() const { return worker_->address(); }
 
   // The handshake's reply: the plane's id and secret, the server's worker, the input region's
-  // size. Connects the endpoint.
+  // size, whether the server pushes outputs. Connects the endpoint.
   absl::Status Attach(uint64_t plane, const std::string& token, const std::string& server_address,
-                      int64_t input_bytes);
+                      int64_t input_bytes, bool pushes = false);
 
   // Space in the server's input region / this client's output region for one call.
   SpaceMap& input_space() { return input_; }
@@ -63,8 +66,13 @@ class UcxPlaneClient {
   // The pieces back to back from `offset` on, as one transfer (one message).
   std::shared_ptr<UcxWorker::Pending> PutPieces(std::vector<UcxWorker::Piece> pieces,
                                                 int64_t offset, uint64_t transfer);
+  // Output `transfer` is one this client asks for in a call about to be sent: from a server
+  // that pushes, only such outputs are taken (one of a call given up on, or never made, is
+  // dropped unread). Await and Forget end it.
+  void Want(uint64_t transfer);
   // Pulls output `transfer` (which the server staged at [offset, offset + n) of the output
-  // region once the reply named it), waits until it landed and returns where its bytes are
+  // region once the reply named it; a server that pushes sent it unasked), waits until it
+  // landed and returns where its bytes are
   // (valid until that space is given back; the expected buffer, if Expect named one).
   // DEADLINE_EXCEEDED when it has not by `deadline`; UNAVAILABLE when the server's endpoint failed.
   absl::StatusOr<const char*> Await(uint64_t transfer, int64_t offset, size_t n,
@@ -82,6 +90,9 @@ class UcxPlaneClient {
  private:
   explicit UcxPlaneClient(int64_t output_bytes) : input_(0), output_(output_bytes) {}
   void OnToClient(const UcxWorker::Message& m);
+  // Waits for output `transfer` to land (the rest of Await).
+  absl::StatusOr<const char*> AwaitLanding(uint64_t transfer, int64_t offset, size_t n,
+                                           absl::Time deadline);
   void Land(uint64_t transfer, int64_t offset, int64_t length, absl::Status s);
   void LandLocked(uint64_t transfer, int64_t offset, int64_t length, absl::Status s);  // mu_ held
 
@@ -93,6 +104,7 @@ class UcxPlaneClient {
   uint64_t plane_ = 0;
   std::string token_;
   uint64_t endpoint_ = 0;
+  std::atomic<bool> pushes_{false};  // set by Attach
 
   struct Landed {
     int64_t offset = 0, length = 0;
@@ -103,6 +115,7 @@ class UcxPlaneClient {
   std::map<uint64_t, Landed> landed_;
   std::map<uint64_t, std::pair<char*, size_t>> expected_;  // transfer -> the caller's buffer
   std::map<uint64_t, int> receiving_;  // rendezvous receives into expected buffers, by transfer
+  std::set<uint64_t> wanted_;          // Want'ed, not yet awaited or forgotten
   absl::Status lost_;
 };
 

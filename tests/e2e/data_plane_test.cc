@@ -1,8 +1,9 @@
 // The C++ client on the UCX data plane (docs/data-plane.md), against real attnd processes: the
 // fallback to bytes when a server has no plane, outputs landing in the caller's buffer with the
-// same bits as the reply's, layer calls kept in flight with LayerAsync, and a plane the server no
-// longer holds replaced after the one call it fails (that call's step aborted, nothing changed).
-// (Every layer-call test of service_test runs over the plane too: ctest's ucx.* tests.)
+// same bits as the reply's, pushed and pulled outputs alike, layer calls kept in flight with
+// LayerAsync, and a plane the server no longer holds replaced after the one call it fails (that
+// call's step aborted, nothing changed). (Every layer-call test of service_test runs over the plane
+// too: ctest's ucx.* tests.)
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -24,6 +25,7 @@ std::vector<std::string> PlaneArgs(const std::string& tag) {
   std::vector<std::string> a = SharedServerArgs(tag, 400, 4 << 20);
   a.push_back("--data-plane=ucx");
   a.push_back("--data-plane-timeout-ms=500");
+  a.push_back("--data-plane-push=true");  // ctest's ucx.* pass covers pulls
   return a;
 }
 
@@ -100,6 +102,34 @@ TEST_F(DataPlaneTest, OutputsLandInTheCallersBufferWithTheRepliesBits) {
   std::string small(16, '\0');
   EXPECT_EQ(s1->Layer(g[0].wire, small.data(), small.size()).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(DataPlaneTest, OutputsPushedAndOutputsPulledHaveTheSameBits) {
+  // This suite's server pushes each output as it is built (the client gave its worker's
+  // address); one with --data-plane-push=false leaves the client to pull it after the reply.
+  std::vector<std::string> args = PlaneArgs("pull");
+  args.push_back("--data-plane-push=false");
+  ServerProcess pulled(ATTND_BINARY, args);
+  auto other = Client::Connect(pulled.target());
+  ASSERT_TRUE(client_->ConnectDataPlane().ok());
+  ASSERT_TRUE(other->ConnectDataPlane().ok());
+  for (Client* c : {client_.get(), other.get()}) ASSERT_TRUE(c->OpenSequence("push-pull").ok());
+  for (int64_t tokens : {3, 1}) {
+    auto g = client::GenerateStep(spec_, tokens, DType::kBF16, false, rng_);
+    auto a = client_->BeginStep({{"push-pull", tokens}});
+    auto b = other->BeginStep({{"push-pull", tokens}});
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (const auto& l : g) {
+      auto x = client_->AttendLayer(a->step_id(), l.wire);
+      auto y = other->AttendLayer(b->step_id(), l.wire);
+      ASSERT_TRUE(x.ok() && y.ok()) << x.status() << y.status();
+      ASSERT_FALSE(x->out().data().empty());
+      EXPECT_EQ(x->out().data(), y->out().data());
+    }
+  }
+  EXPECT_EQ(other->DataPlaneName().rfind("ucx-", 0), 0u);
+  other.reset();
+  EXPECT_EQ(pulled.Stop(), 0);
 }
 
 TEST_F(DataPlaneTest, LayerAsyncKeepsTwoMicroBatchesInFlightInOrder) {

@@ -76,6 +76,19 @@ def _load() -> Optional[ctypes.CDLL]:
             if hasattr(lib, "attnd_plane_create_for"):
                 f = lib.attnd_plane_create_for
                 f.restype, f.argtypes = c_p, [c_i64, ctypes.c_int, *err]
+            # Absent from a library built before them (the server is then not given this end's
+            # address, and every output is pulled).
+            if all(hasattr(lib, n) for n in _PUSH_FUNCTIONS):
+                for name, res, args in [
+                    ("attnd_plane_address", None,
+                     [c_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(c_sz)]),
+                    ("attnd_plane_attach_with", ctypes.c_int,
+                     [c_p, c_u64, ctypes.c_char_p, c_sz, ctypes.c_char_p, c_sz, c_i64,
+                      ctypes.c_int, *err]),
+                    ("attnd_plane_want", None, [c_p, c_u64]),
+                ]:
+                    f = getattr(lib, name)
+                    f.restype, f.argtypes = res, args
             for name, res, args in [
                 ("attnd_plane_create", c_p, [c_i64, *err]),
                 ("attnd_plane_destroy", None, [c_p]),
@@ -98,6 +111,9 @@ def _load() -> Optional[ctypes.CDLL]:
                 f.restype, f.argtypes = res, args
             _lib = lib
         return _lib
+
+
+_PUSH_FUNCTIONS = ("attnd_plane_address", "attnd_plane_attach_with", "attnd_plane_want")
 
 
 def _check(rc: int, err: ctypes.Array, what: str) -> None:
@@ -179,14 +195,29 @@ class DataPlane:
             self._p = lib.attnd_plane_create(self._size, err, len(err))
         if not self._p:
             raise AttndError(_unavailable(), err.value.decode(errors="replace"))
-        return pb.ConnectDataPlaneRequest(input_bytes=self._size, output_bytes=self._size)
+        request = pb.ConnectDataPlaneRequest(input_bytes=self._size, output_bytes=self._size)
+        if all(hasattr(lib, n) for n in _PUSH_FUNCTIONS):
+            # Given this end's address, the server sends each output as soon as it is built.
+            at, n = ctypes.c_void_p(), ctypes.c_size_t()
+            lib.attnd_plane_address(self._p, ctypes.byref(at), ctypes.byref(n))
+            request.worker_address = ctypes.string_at(at, n.value)
+        return request
 
     def _attach(self, reply: pb.ConnectDataPlaneResponse, info: pb.ServerInfoResponse) -> None:
         """Connects this end to the server's, as the handshake's ``reply`` says."""
         lib, err = self._lib, ctypes.create_string_buffer(512)
-        _check(lib.attnd_plane_attach(self._p, reply.plane_id, reply.token, len(reply.token),
-                                      reply.worker_address, len(reply.worker_address), self._size,
-                                      err, len(err)), err, "data plane")
+        # Outputs come unasked from a server that took this end's address (the request gave it
+        # only where the library has these functions).
+        self.pushes = bool(reply.pushes_outputs)
+        if self.pushes:
+            rc = lib.attnd_plane_attach_with(
+                self._p, reply.plane_id, reply.token, len(reply.token), reply.worker_address,
+                len(reply.worker_address), self._size, 1, err, len(err))
+        else:
+            rc = lib.attnd_plane_attach(self._p, reply.plane_id, reply.token, len(reply.token),
+                                        reply.worker_address, len(reply.worker_address),
+                                        self._size, err, len(err))
+        _check(rc, err, "data plane")
         self.name = reply.plane
         self.plane_id, self.server_address = reply.plane_id, reply.worker_address
         self.broken = False  # True once the plane can carry no more calls (see failed)
@@ -278,6 +309,8 @@ class DataPlane:
             call.output_offset = lib.attnd_plane_take_output(p, out_bytes)
             if call.output_offset >= 0:
                 call.output_transfer = lib.attnd_plane_next_transfer(p)
+                if self.pushes:
+                    lib.attnd_plane_want(p, call.output_transfer)
                 call.output_bytes = out_bytes
                 msg.out_shm.region, msg.out_shm.offset = self._out, call.output_offset
                 msg.out_shm.byte_size, msg.out_shm.transfer = out_bytes, call.output_transfer

@@ -45,8 +45,10 @@ def server():
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="attnd-pytest-", suffix=".log")[1])
     # ATTND_TEST_DATA_PLANE=ucx (scripts/test.sh's second pass over the layer-call tests): the
-    # server offers the UCX data plane, and every client's layer tensors travel through it.
-    plane = ["--data-plane=ucx"] if os.environ.get("ATTND_TEST_DATA_PLANE") == "ucx" else []
+    # server offers the UCX data plane, and every client's layer tensors travel through it, the
+    # outputs pushed (ctest's ucx.* pass over the C++ tests has them pulled, the default).
+    plane = (["--data-plane=ucx", "--data-plane-push=true"]
+             if os.environ.get("ATTND_TEST_DATA_PLANE") == "ucx" else [])
     proc, target, _ = start(["--metrics-port=0", "--shm", f"--shm-socket={socket_path(port)}",
                              *plane], kv_pages=512, threads=2, port=port, log=log)
     try:

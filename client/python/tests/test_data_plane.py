@@ -37,13 +37,18 @@ TIMEOUT_MS = 400  # --data-plane-timeout-ms: how long a call waits for a transfe
 
 
 _METRICS = {}
+_PUSHES = {}  # target -> whether that server pushes outputs
 
 
-@pytest.fixture(scope="module")
-def plane_server():
-    proc, target, mport = start(["--data-plane=ucx", f"--data-plane-timeout-ms={TIMEOUT_MS}"],
+# Every test on it runs twice: outputs pushed as built (the default: the client gives its worker's
+# address), and pulled once the reply named them (--data-plane-push=false).
+@pytest.fixture(scope="module", params=["push", "pull"])
+def plane_server(request):
+    proc, target, mport = start(["--data-plane=ucx", f"--data-plane-timeout-ms={TIMEOUT_MS}",
+                                 f"--data-plane-push={str(request.param == 'push').lower()}"],
                                 kv_pages=256)
     _METRICS[target] = mport
+    _PUSHES[target] = request.param == "push"
     yield target
     stop(proc)
 
@@ -175,6 +180,7 @@ def test_with_or_without_the_plane_the_outputs_are_the_same_bits(plane_harness, 
         while not auto.data_plane_name and time.monotonic() < deadline:
             time.sleep(0.01)
         assert auto.data_plane_name.startswith("ucx-")
+        assert auto._plane_obj.pushes == _PUSHES[plane_server]
         # Unary calls over the plane too, against the float64 reference.
         c = h.open("unary")
         h.step(auto, [(c, 4)])

@@ -1,0 +1,161 @@
+// Outputs pushed: a client that gives its worker address in the handshake gets each output as
+// soon as the server builds it, without asking, and takes only outputs of calls it waits for
+// (docs/data-plane.md). Built into ucx_plane_test, so these run under UCX's default transports,
+// UCX_TLS=sm and UCX_TLS=tcp too.
+#include <cstring>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "tests/unit/ucx_plane_pair.h"
+
+namespace attnd::transport {
+namespace {
+
+// A pair whose client gave its worker address (and, with `push` off on the server, whose
+// server declined to use it).
+Pair ConnectPushing(bool push = true, absl::Duration timeout = absl::Seconds(2)) {
+  UcxPlane::Options o;
+  o.transfer_timeout = timeout;
+  o.max_region_bytes = 8 << 20;
+  o.push = push;
+  Pair p;
+  auto server = UcxPlane::Create(o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  p.server = std::move(*server);
+  auto client = UcxPlaneClient::Create(1 << 20);
+  EXPECT_TRUE(client.ok()) << client.status();
+  p.client = std::move(*client);
+  auto conn = p.server->Connect("tenant-a", 1 << 20, 1 << 20, 0, p.client->address());
+  EXPECT_TRUE(conn.ok()) << conn.status();
+  p.conn = *conn;
+  EXPECT_TRUE(
+      p.client->Attach(conn->id, conn->token, conn->server_address, 1 << 20, conn->pushes).ok());
+  return p;
+}
+
+// Builds `bytes` as output `transfer` at `at` of the plane's output region (as a layer does).
+void Build(Pair& p, int64_t at, const std::string& bytes, uint64_t transfer) {
+  auto r = p.server->Resolve("tenant-a", "out_shm", p.conn.output_region, at, bytes.size());
+  ASSERT_TRUE(r.ok()) << r.status();
+  char* staged = (*r)->Staging(at, bytes.size());
+  std::memcpy(staged, bytes.data(), bytes.size());
+  ASSERT_TRUE((*r)->Write(at, staged, bytes.size(), transfer).ok());
+}
+
+TEST(UcxPush, OutputsArriveUnaskedEagerAndByRendezvous) {
+  Pair p = ConnectPushing();
+  ASSERT_TRUE(p.conn.pushes);
+  int64_t sent = 0;
+  for (size_t n : {size_t{200}, size_t{700} << 10}) {
+    const std::string out = RandomBytes(n, n + 1);
+    const int64_t at = p.client->output_space().Take(n);
+    ASSERT_GE(at, 0);
+    const uint64_t t = p.client->NextTransfer();
+    p.client->Want(t);
+    Build(p, at, out, t);
+    sent += static_cast<int64_t>(n);
+    auto got = p.client->Await(t, at, n, absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::string(*got, n), out);
+    p.client->output_space().Give(at);
+  }
+  EXPECT_EQ(p.server->bytes_out(), sent);
+  // Into a buffer the caller named (StepStream::Layer's form).
+  const std::string out = RandomBytes(300 << 10, 5);
+  std::string dest(out.size(), '\0');
+  const uint64_t t = p.client->NextTransfer();
+  p.client->Want(t);
+  p.client->Expect(t, dest.data(), dest.size());
+  Build(p, 4096, out, t);
+  auto got = p.client->Await(t, 4096, out.size(), absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, dest.data());
+  EXPECT_EQ(dest, out);
+}
+
+TEST(UcxPush, AnOutputTheClientDoesNotWaitForIsDroppedUnwritten) {
+  // A call given up on (its deadline passed, its space handed to another call) may still get its
+  // output: it must not land over the space's new owner.
+  Pair p = ConnectPushing();
+  ASSERT_TRUE(p.conn.pushes);
+  const size_t n = 256 << 10;
+  const std::string late = RandomBytes(n, 11), fresh = RandomBytes(n, 12);
+  const uint64_t given_up = p.client->NextTransfer();
+  p.client->Want(given_up);
+  p.client->Forget(given_up);
+  Build(p, 0, late, given_up);
+  const uint64_t never = p.client->NextTransfer();  // never asked for at all
+  Build(p, n, late, never);
+  // Sent after both on the same endpoint: once it landed, both were handled (UCX keeps a
+  // sender's order of active messages).
+  const uint64_t t = p.client->NextTransfer();
+  p.client->Want(t);
+  Build(p, 2 * n, fresh, t);
+  auto got = p.client->Await(t, 2 * n, n, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::string(*got, n), fresh);
+  const char* region = *got - 2 * n;  // the client's output region
+  EXPECT_NE(std::string(region, n), late);
+  EXPECT_NE(std::string(region + n, n), late);
+  for (uint64_t gone : {given_up, never})
+    EXPECT_EQ(p.client->Await(gone, 0, n, absl::Now() + absl::Milliseconds(50)).status().code(),
+              absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(UcxPush, AServerWithPushOffAndAClientWithoutAnAddressPull) {
+  for (bool gave_address : {true, false}) {
+    Pair p = gave_address ? ConnectPushing(/*push=*/false) : Connect();
+    EXPECT_FALSE(p.conn.pushes);
+    const std::string out = RandomBytes(100 << 10, 3);
+    const uint64_t t = p.client->NextTransfer();
+    p.client->Want(t);  // nothing for a client that pulls
+    Build(p, 0, out, t);
+    auto got = p.client->Await(t, 0, out.size(), absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::string(*got, out.size()), out);
+  }
+}
+
+TEST(UcxPush, AnAddressBeyondTheBoundIsRefused) {
+  auto server = UcxPlane::Create({});
+  ASSERT_TRUE(server.ok());
+  auto c = (*server)->Connect("tenant-a", 4096, 4096, 0,
+                              RandomBytes(UcxPlane::kMaxClientAddressBytes + 1, 1));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("worker_address"), std::string::npos) << c.status();
+  EXPECT_EQ((*server)->num_planes(), 0);
+}
+
+TEST(UcxPush, AClientThatDiesEndsItsPlaneAndTheServerServesOn) {
+  Pair p = ConnectPushing(true, absl::Milliseconds(300));
+  ASSERT_TRUE(p.conn.pushes);
+  auto out = p.server->Resolve("tenant-a", "out_shm", p.conn.output_region, 0, 1 << 20);
+  ASSERT_TRUE(out.ok());
+  p.client.reset();  // its worker goes with the plane connected
+  // Outputs sent to it fail; the plane's endpoint to it fails, and with it the plane: its calls
+  // are then refused at once.
+  const std::string big = RandomBytes(512 << 10, 4);
+  absl::Status covers;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  for (uint64_t t = 1; absl::Now() < until; ++t) {
+    covers = (*out)->CheckStillCovers(0, big.size());
+    if (!covers.ok()) break;
+    char* staged = (*out)->Staging(0, big.size());
+    std::memcpy(staged, big.data(), big.size());
+    (void)(*out)->Write(0, staged, big.size(), t);
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(covers.code(), absl::StatusCode::kUnavailable) << covers;
+  EXPECT_NE(covers.message().find("endpoint to the client failed"), std::string::npos) << covers;
+  // Another client connects and is served.
+  auto fresh = UcxPlaneClient::Create(1 << 20);
+  ASSERT_TRUE(fresh.ok());
+  auto conn = p.server->Connect("tenant-a", 1 << 20, 1 << 20, 0, (*fresh)->address());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  EXPECT_TRUE(conn->pushes);
+  ASSERT_TRUE(p.server->Close("tenant-a", p.conn.name).ok());
+  ASSERT_TRUE(p.server->Close("tenant-a", conn->name).ok());
+}
+
+}  // namespace
+}  // namespace attnd::transport
