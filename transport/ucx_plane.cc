@@ -479,9 +479,10 @@ std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
   std::vector<std::shared_ptr<State>> idle;
   const int64_t cutoff = absl::ToUnixNanos(absl::Now() - options_.idle_timeout);
   for (auto it = planes_.begin(); it != planes_.end();) {
-    // A stalled worker's client is gone (it died mid-message): nothing will arrive any more.
+    // A stalled worker's client is gone (it died mid-message), and so is one whose push
+    // endpoint failed: nothing will arrive any more.
     if (it->second->last_used.load(std::memory_order_relaxed) < cutoff ||
-        it->second->worker->stalled()) {
+        it->second->worker->stalled() || !it->second->Lost().ok()) {
       idle.push_back(it->second);
       closing_.push_back(it->second);
       it = planes_.erase(it);

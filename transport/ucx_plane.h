@@ -117,8 +117,8 @@ class UcxPlane {
 
  private:
   explicit UcxPlane(const Options& options) : options_(options) {}
-  // Closes planes idle beyond options_.idle_timeout or whose worker stalled (mu_ held); returns
-  // them to shut outside.
+  // Closes planes idle beyond options_.idle_timeout, whose worker stalled or whose endpoint to
+  // their client failed (mu_ held); returns them to shut outside.
   std::vector<std::shared_ptr<State>> TakeIdle();
 
   const Options options_;

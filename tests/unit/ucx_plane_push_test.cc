@@ -147,13 +147,16 @@ TEST(UcxPush, AClientThatDiesEndsItsPlaneAndTheServerServesOn) {
   }
   EXPECT_EQ(covers.code(), absl::StatusCode::kUnavailable) << covers;
   EXPECT_NE(covers.message().find("endpoint to the client failed"), std::string::npos) << covers;
-  // Another client connects and is served.
+  // Another client connects and is served; the dead client's plane, no longer of use, goes to
+  // make room (it counted against the limits until then).
+  EXPECT_EQ(p.server->num_planes(), 1);
   auto fresh = UcxPlaneClient::Create(1 << 20);
   ASSERT_TRUE(fresh.ok());
   auto conn = p.server->Connect("tenant-a", 1 << 20, 1 << 20, 0, (*fresh)->address());
   ASSERT_TRUE(conn.ok()) << conn.status();
   EXPECT_TRUE(conn->pushes);
-  ASSERT_TRUE(p.server->Close("tenant-a", p.conn.name).ok());
+  EXPECT_EQ(p.server->num_planes(), 1);
+  EXPECT_EQ(p.server->Close("tenant-a", p.conn.name).code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(p.server->Close("tenant-a", conn->name).ok());
 }
 
