@@ -38,6 +38,7 @@
 #include "service/service_metrics.h"
 #include "service/tls.h"
 #include "service/unix_listener.h"
+#include "transport/ucx_log.h"
 #include "transport/ucx_plane.h"
 
 namespace attnd {
@@ -363,6 +364,16 @@ class Server {
       po.max_region_bytes = flags_.data_plane_region_bytes;
       po.transfer_timeout = absl::Milliseconds(flags_.data_plane_timeout_ms);
       po.push = flags_.data_plane_push;
+      // UCX's own lines into this log, bounded, rather than plain text on stdout
+      // (transport/ucx_log.h); UCX_LOG_FILE keeps UCX's printer.
+      transport::RouteUcxLogs([](transport::UcxLogLevel level, const std::string& line) {
+        if (level == transport::UcxLogLevel::kError)
+          LOG(ERROR) << line;
+        else if (level == transport::UcxLogLevel::kWarning)
+          LOG(WARNING) << line;
+        else
+          LOG(INFO) << line;
+      });
       // A server reachable on loopback only keeps UCX's network transports there too.
       po.devices = DataPlaneDevices();
       ASSIGN_OR_RETURN(so.data_plane, transport::UcxPlane::Create(po));

@@ -14,6 +14,7 @@
 #include "google/protobuf/descriptor.h"
 #include "service/executor.h"
 #include "service/kv_events.h"
+#include "transport/ucx_log.h"
 #include "transport/ucx_plane.h"
 
 namespace attnd {
@@ -305,6 +306,12 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
                                      "UCX messages dropped: unknown plane, wrong secret, "
                                      "malformed.")
                         .Add({});
+  ucx_log_held_ = &registry
+                       ->AddCounter("attnd_data_plane_ucx_log_lines_held_total",
+                                    "UCX's own log lines held back by the bound on how many a "
+                                    "second reach the log (a peer can make UCX warn per "
+                                    "message).")
+                       .Add({});
   calls_waiting_ = &registry
                         ->AddGauge("attnd_data_plane_calls_waiting",
                                    "Layer calls waiting for their data plane transfers to land "
@@ -400,6 +407,7 @@ void ServiceMetrics::Refresh() {
     CatchUp(plane_bytes_[0], static_cast<double>(dp->bytes_in()));
     CatchUp(plane_bytes_[1], static_cast<double>(dp->bytes_out()));
     CatchUp(plane_refused_, static_cast<double>(dp->refused_messages()));
+    CatchUp(ucx_log_held_, static_cast<double>(transport::UcxLogLinesSuppressed()));
   }
   if (const KvEventPublisher* ev = kv_events_.load()) {
     CatchUp(events_published_, static_cast<double>(ev->events_published()));

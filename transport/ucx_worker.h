@@ -12,7 +12,8 @@
 // UCX's environment works as UCX users expect (UCX_TLS, UCX_NET_DEVICES, ...). Where the
 // operator set nothing, UCX_POSIX_ERROR_HANDLING / UCX_SYSV_ERROR_HANDLING are y (endpoints
 // detect a dead peer, and shared memory stays among the transports with that on). UCX logs to
-// stdout unless UCX_LOG_FILE says otherwise.
+// stdout unless UCX_LOG_FILE says otherwise, or the process routed its lines (the server does:
+// transport/ucx_log.h).
 #pragma once
 
 #include <ucp/api/ucp.h>

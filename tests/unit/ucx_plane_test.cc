@@ -6,6 +6,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "tests/unit/ucx_plane_pair.h"
 #include "transport/plane_wire.h"
+#include "transport/ucx_log.h"
 #include "transport/ucx_plane_client.h"
 
 namespace attnd::transport {
@@ -218,6 +220,13 @@ TEST(UcxPlane, AnRmaPutThroughUcxsApiWritesNothingInTheServer) {
   ASSERT_NE(victim, nullptr);
   const std::string before = RandomBytes(4096, 11);
   std::memcpy(victim, before.data(), before.size());
+  // UCX warns of the put (with a backtrace): routed as attnd routes it, into its log.
+  std::mutex routed_mu;
+  std::vector<std::string> routed;
+  ASSERT_TRUE(RouteUcxLogs([&](UcxLogLevel, const std::string& line) {
+    std::lock_guard<std::mutex> lock(routed_mu);
+    routed.push_back(line);
+  }));
 
   ucp_config_t* config = nullptr;
   ASSERT_EQ(ucp_config_read(nullptr, nullptr, &config), UCS_OK);
@@ -275,6 +284,15 @@ TEST(UcxPlane, AnRmaPutThroughUcxsApiWritesNothingInTheServer) {
   ASSERT_EQ(ucp_mem_unmap(context, memh), UCS_OK);
   ucp_worker_destroy(worker);
   ucp_cleanup(context);
+  {
+    std::lock_guard<std::mutex> lock(routed_mu);
+    EXPECT_TRUE(std::any_of(routed.begin(), routed.end(),
+                            [](const std::string& l) {
+                              return l.find("but no handler installed") != std::string::npos;
+                            }))
+        << routed.size() << " lines routed";
+  }
+  RouteUcxLogs(nullptr);
   // The plane serves on.
   const std::string bytes = RandomBytes(1000, 14);
   ASSERT_TRUE(p.client->Put(bytes.data(), bytes.size(), 64, 5)->Wait(Patience(p)).ok());

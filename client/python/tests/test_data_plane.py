@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import re
 import signal
@@ -86,6 +87,27 @@ def test_a_server_with_the_plane_on_warns_that_ucx_trusts_its_peers(tmp_path):
             stop(proc)
         assert ("UCX trusts its peers" in text) == warned, text
         assert "serving attnd.v1" in text, text
+
+
+def test_ucxs_own_lines_reach_the_servers_log_as_its_own(tmp_path, monkeypatch):
+    """UCX prints plain text to stdout, where the serving line is read (JSON objects under
+    --log-format=json): attnd routes UCX's lines into its own log (transport/ucx_log.h).
+    UCX_LOG_LEVEL=info makes UCX talk as the plane's first worker starts."""
+    monkeypatch.setenv("UCX_LOG_LEVEL", "info")
+    log = tmp_path / "attnd.log"
+    proc, target, _ = start(["--data-plane=ucx", "--log-format=json"], log=log)
+    try:
+        with AttndClient(target, timeout=30.0) as c:
+            c.connect_data_plane()
+    finally:
+        stop(proc)
+    lines = log.read_text(errors="replace").splitlines()
+    assert lines and all(line.startswith("{") for line in lines), [
+        line for line in lines if not line.startswith("{")][:5]
+    ucx = [json.loads(line) for line in lines if '"msg":"UCX ' in line]
+    assert ucx, lines[:10]
+    assert all(u["level"] in ("INFO", "WARNING", "ERROR") for u in ucx)
+    assert any("ucp_context.c:" in u["msg"] for u in ucx), ucx[:5]
 
 
 def _listening(pid):
