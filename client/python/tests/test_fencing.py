@@ -167,7 +167,11 @@ def test_a_step_asks_a_standby_that_stopped_answering_once_not_per_sequence(tmp_
     for the ack timeout whether the sequence failed over there; a standby that does not answer
     is marked down, and the step's other sequences on it are not asked again (each ask waits
     the ack timeout: six sequences on a stopped standby held the step for six of them)."""
-    c = Cluster(tmp_path, "async")
+    # A lease long enough to outlast the pause: with the default 2 s the primary stops holding
+    # it ~1.5 s after the standby's last answer, and the 0.8 s wait plus one 0.5 s ask left 0.2 s
+    # of margin, which a loaded CI machine overran (the step then refused, UNAVAILABLE, as a
+    # primary without its lease must).
+    c = Cluster(tmp_path, "async", extra=["--replication-lease-ms=6000"])
     try:
         first, second = ranked(c.names, "ask-0")[:2]
         sids = [f"ask-{i}" for i in range(400)
