@@ -502,7 +502,8 @@ class Server {
         flags_.data_plane == "ucx"
             ? absl::StrCat("ucx (UCX ", transport::UcxVersion(), ", transports ",
                            transport::UcxTransports(), ", network devices ",
-                           transport::UcxNetDevices(DataPlaneDevices()), ")")
+                           transport::UcxNetDevices(DataPlaneDevices()),
+                           flags_.data_plane_push ? ", outputs pushed" : "", ")")
             : "off",
         ", reflection ", flags_.grpc_reflection ? "on" : "off"));
     std::string tiers;

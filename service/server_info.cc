@@ -51,6 +51,7 @@ absl::Status AttentionService::DoServerInfo(const Caller& caller,
     planes->set_ucx_version(transport::UcxVersion());
     planes->set_ucx_transports(transport::UcxTransports());
     planes->set_max_region_bytes(options_.data_plane->options().max_region_bytes);
+    planes->set_pushes_outputs(options_.data_plane->options().push);
   }
   resp->set_context_parallel(engine_->ServesContextParallel());
   {

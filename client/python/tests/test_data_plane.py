@@ -69,6 +69,7 @@ def test_server_info_names_the_planes_and_ucx(plane_server, server):
     assert list(dp.planes) == ["grpc", "ucx"], dp
     assert dp.ucx_version.count(".") == 2 and dp.ucx_transports, dp
     assert dp.max_region_bytes == 256 << 20
+    assert dp.pushes_outputs == _PUSHES[plane_server]
     with AttndClient(server, timeout=10.0) as c:  # the session server: no plane unless asked
         planes = list(c._call(c._stub.ServerInfo, pb.ServerInfoRequest()).data_plane.planes)
     assert "grpc" in planes
@@ -77,9 +78,10 @@ def test_server_info_names_the_planes_and_ucx(plane_server, server):
 def test_a_server_with_the_plane_on_warns_that_ucx_trusts_its_peers(tmp_path):
     """UCX trusts its peers (docs/trust.md: a host that speaks its wire protocol can write the
     server's memory beneath attnd's checks): a server with the plane on says so as it starts,
-    one without it does not."""
-    for flags, warned in ((["--data-plane=ucx"], True), ([], False)):
-        log = tmp_path / f"attnd-{warned}.log"
+    one without it does not. Its startup line says whether it pushes outputs."""
+    for k, (flags, warned) in enumerate(((["--data-plane=ucx"], True), ([], False),
+                                         (["--data-plane=ucx", "--data-plane-push=true"], True))):
+        log = tmp_path / f"attnd-{k}.log"
         proc, _, _ = start(flags, log=log)
         try:
             text = log.read_text(errors="replace")
@@ -87,6 +89,7 @@ def test_a_server_with_the_plane_on_warns_that_ucx_trusts_its_peers(tmp_path):
             stop(proc)
         assert ("UCX trusts its peers" in text) == warned, text
         assert "serving attnd.v1" in text, text
+        assert ("outputs pushed)" in text) == ("--data-plane-push=true" in flags), text
 
 
 def test_ucxs_own_lines_reach_the_servers_log_as_its_own(tmp_path, monkeypatch):
