@@ -137,7 +137,9 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
                 absl::InternalError("data plane: the server sent an output outside the region"));
   const int64_t length = static_cast<int64_t>(m.length);
   char* dest = out_ + h.offset;
-  bool to_caller = false;  // a receive into the caller's buffer, counted for Forget
+  // Into the caller's buffer, or pushed: written while Forget waits (counted), so that no buffer
+  // is freed and no space handed to another call with a write into it under way.
+  bool counted = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Sent unasked: only an output of a call this client waits for (one given up on may come
@@ -153,20 +155,22 @@ void UcxPlaneClient::OnToClient(const UcxWorker::Message& m) {
         return;
       }
       dest = it->second.first;
-      if (!m.rndv) {  // copied under mu_: Forget cannot return (and its caller free dest) meanwhile
+    }
+    if (it != expected_.end() || pushes_) {
+      if (!m.rndv) {  // copied under mu_: Forget cannot return meanwhile
         std::memcpy(dest, m.data, m.length);
         return LandLocked(h.transfer, h.offset, length, absl::OkStatus());
       }
       ++receiving_[h.transfer];
-      to_caller = true;
+      counted = true;
     }
   }
   if (!m.rndv) {
     std::memcpy(dest, m.data, m.length);
     return Land(h.transfer, h.offset, length, absl::OkStatus());
   }
-  worker_->Receive(m.data, dest, m.length, [this, h, length, to_caller](absl::Status s) {
-    if (to_caller) {
+  worker_->Receive(m.data, dest, m.length, [this, h, length, counted](absl::Status s) {
+    if (counted) {
       std::lock_guard<std::mutex> lock(mu_);
       if (--receiving_[h.transfer] == 0) receiving_.erase(h.transfer);
     }
@@ -243,11 +247,12 @@ void UcxPlaneClient::Forget(uint64_t transfer) {
   std::unique_lock<std::mutex> lock(mu_);
   landed_.erase(transfer);
   wanted_.erase(transfer);
-  // A receive of this transfer already under way still writes into the caller's buffer: it is
-  // waited out (UCX 1.13 cannot cancel a receive; it ends when its bytes land or the endpoint
-  // fails, which UCX detects for a server that died). Receives of other transfers are not.
-  if (expected_.erase(transfer) != 0)
-    cv_.wait(lock, [&] { return receiving_.count(transfer) == 0; });
+  // A receive of this transfer already under way (into the caller's buffer, or pushed into the
+  // region) still writes: it is waited out (UCX 1.13 cannot cancel a receive; it ends when its
+  // bytes land or the endpoint fails, which UCX detects for a server that died). Receives of
+  // other transfers are not.
+  expected_.erase(transfer);
+  cv_.wait(lock, [&] { return receiving_.count(transfer) == 0; });
 }
 
 }  // namespace attnd::transport

@@ -83,8 +83,9 @@ class UcxPlaneClient {
   // Non-OK once the endpoint to the server failed (the plane is of no further use).
   absl::Status Lost();
   // Forgets an output transfer that will not be awaited (the call failed): an expected
-  // destination is no longer written once this returns (a receive into it already under way is
-  // waited for; none of another transfer's is).
+  // destination, or (from a server that pushes) its space in the region, is no longer written
+  // once this returns (a receive into it already under way is waited for; none of another
+  // transfer's is).
   void Forget(uint64_t transfer);
 
  private:

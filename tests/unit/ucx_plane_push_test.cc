@@ -2,8 +2,10 @@
 // soon as the server builds it, without asking, and takes only outputs of calls it waits for
 // (docs/data-plane.md). Built into ucx_plane_test, so these run under UCX's default transports,
 // UCX_TLS=sm and UCX_TLS=tcp too.
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "tests/unit/ucx_plane_pair.h"
@@ -13,7 +15,8 @@ namespace {
 
 // A pair whose client gave its worker address (and, with `push` off on the server, whose
 // server declined to use it).
-Pair ConnectPushing(bool push = true, absl::Duration timeout = absl::Seconds(2)) {
+Pair ConnectPushing(bool push = true, absl::Duration timeout = absl::Seconds(2),
+                    int64_t region_bytes = 1 << 20) {
   UcxPlane::Options o;
   o.transfer_timeout = timeout;
   o.max_region_bytes = 8 << 20;
@@ -22,14 +25,15 @@ Pair ConnectPushing(bool push = true, absl::Duration timeout = absl::Seconds(2))
   auto server = UcxPlane::Create(o);
   EXPECT_TRUE(server.ok()) << server.status();
   p.server = std::move(*server);
-  auto client = UcxPlaneClient::Create(1 << 20);
+  auto client = UcxPlaneClient::Create(region_bytes);
   EXPECT_TRUE(client.ok()) << client.status();
   p.client = std::move(*client);
-  auto conn = p.server->Connect("tenant-a", 1 << 20, 1 << 20, 0, p.client->address());
+  auto conn = p.server->Connect("tenant-a", region_bytes, region_bytes, 0, p.client->address());
   EXPECT_TRUE(conn.ok()) << conn.status();
   p.conn = *conn;
   EXPECT_TRUE(
-      p.client->Attach(conn->id, conn->token, conn->server_address, 1 << 20, conn->pushes).ok());
+      p.client->Attach(conn->id, conn->token, conn->server_address, region_bytes, conn->pushes)
+          .ok());
   return p;
 }
 
@@ -100,6 +104,39 @@ TEST(UcxPush, AnOutputTheClientDoesNotWaitForIsDroppedUnwritten) {
   for (uint64_t gone : {given_up, never})
     EXPECT_EQ(p.client->Await(gone, 0, n, absl::Now() + absl::Milliseconds(50)).status().code(),
               absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(UcxPush, NoPushedByteLandsAfterForgetReturns) {
+  // A call given up on has its space handed to the next call once Forget returns: a push of its
+  // output already being received is waited out, one not yet begun is dropped. Forgotten at
+  // moments from before the push's first byte to after its last, the region never changes once
+  // Forget returned.
+  const size_t n = 8 << 20;
+  Pair p = ConnectPushing(true, absl::Seconds(2), n);
+  ASSERT_TRUE(p.conn.pushes);
+  const std::string old_bytes = RandomBytes(n, 21), new_bytes = RandomBytes(n, 22);
+  const uint64_t first = p.client->NextTransfer();
+  p.client->Want(first);
+  Build(p, 0, old_bytes, first);
+  auto got = p.client->Await(first, 0, n, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(got.ok()) << got.status();
+  const char* region = *got;
+  for (int delay_us : {0, 20, 50, 100, 200, 400, 800, 1600, 3200}) {
+    // The region holds old_bytes (pushed and awaited) as each round begins.
+    const uint64_t gone = p.client->NextTransfer();
+    p.client->Want(gone);
+    Build(p, 0, new_bytes, gone);
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    p.client->Forget(gone);
+    const std::string after(region, n);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    EXPECT_TRUE(std::string(region, n) == after) << "written after Forget; delay " << delay_us;
+    EXPECT_TRUE(after == old_bytes || after == new_bytes) << "a part landed; delay " << delay_us;
+    const uint64_t back = p.client->NextTransfer();
+    p.client->Want(back);
+    Build(p, 0, old_bytes, back);
+    ASSERT_TRUE(p.client->Await(back, 0, n, absl::Now() + absl::Seconds(5)).ok());
+  }
 }
 
 TEST(UcxPush, AServerWithPushOffAndAClientWithoutAnAddressPull) {
