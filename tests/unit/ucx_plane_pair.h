@@ -27,11 +27,15 @@ struct Pair {
   UcxPlane::Connection conn;
 };
 
+// With `give_address` the client gives its worker's address in the handshake, and a server with
+// `push` sends it outputs as they are built (ucx_plane_push_test.cc).
 inline Pair Connect(int64_t in_bytes = 1 << 20, int64_t out_bytes = 1 << 20,
-                    absl::Duration timeout = absl::Seconds(2)) {
+                    absl::Duration timeout = absl::Seconds(2), bool give_address = false,
+                    bool push = true) {
   UcxPlane::Options o;
   o.transfer_timeout = timeout;
   o.max_region_bytes = 8 << 20;
+  o.push = push;
   Pair p;
   auto server = UcxPlane::Create(o);
   EXPECT_TRUE(server.ok()) << server.status();
@@ -39,10 +43,12 @@ inline Pair Connect(int64_t in_bytes = 1 << 20, int64_t out_bytes = 1 << 20,
   auto client = UcxPlaneClient::Create(out_bytes);
   EXPECT_TRUE(client.ok()) << client.status();
   p.client = std::move(*client);
-  auto conn = p.server->Connect("tenant-a", in_bytes, out_bytes, 0);
+  auto conn = p.server->Connect("tenant-a", in_bytes, out_bytes, 0,
+                                give_address ? p.client->address() : "");
   EXPECT_TRUE(conn.ok()) << conn.status();
   p.conn = *conn;
-  EXPECT_TRUE(p.client->Attach(conn->id, conn->token, conn->server_address, in_bytes).ok());
+  EXPECT_TRUE(
+      p.client->Attach(conn->id, conn->token, conn->server_address, in_bytes, conn->pushes).ok());
   return p;
 }
 

@@ -17,24 +17,7 @@ namespace {
 // server declined to use it).
 Pair ConnectPushing(bool push = true, absl::Duration timeout = absl::Seconds(2),
                     int64_t region_bytes = 1 << 20) {
-  UcxPlane::Options o;
-  o.transfer_timeout = timeout;
-  o.max_region_bytes = 8 << 20;
-  o.push = push;
-  Pair p;
-  auto server = UcxPlane::Create(o);
-  EXPECT_TRUE(server.ok()) << server.status();
-  p.server = std::move(*server);
-  auto client = UcxPlaneClient::Create(region_bytes);
-  EXPECT_TRUE(client.ok()) << client.status();
-  p.client = std::move(*client);
-  auto conn = p.server->Connect("tenant-a", region_bytes, region_bytes, 0, p.client->address());
-  EXPECT_TRUE(conn.ok()) << conn.status();
-  p.conn = *conn;
-  EXPECT_TRUE(
-      p.client->Attach(conn->id, conn->token, conn->server_address, region_bytes, conn->pushes)
-          .ok());
-  return p;
+  return Connect(region_bytes, region_bytes, timeout, /*give_address=*/true, push);
 }
 
 // Builds `bytes` as output `transfer` at `at` of the plane's output region (as a layer does).
