@@ -34,7 +34,9 @@ AttentionService::AttentionService(Engine* engine, Executor* executor, ServiceMe
       shm_(options_.max_shm_regions, options_.shm_prefix),
       engine_(engine),
       executor_(executor),
-      metrics_(metrics) {}
+      metrics_(metrics) {
+  if (options_.data_plane != nullptr) plane_handshakes_ = std::make_unique<Executor>(2);
+}
 
 int64_t AttentionService::max_echo_bytes() const {
   return std::max<int64_t>(

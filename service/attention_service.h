@@ -245,9 +245,11 @@ class AttentionService final : public v1::Attention::CallbackService {
   // Runs `fn(caller)` for an authenticated caller and finishes the call with its status.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn fn);
-  // The same on the executor, for calls that may block (tier moves): `fn` must own what it uses.
+  // The same on the executor (or `on`), for calls that may block (tier moves): `fn` must own
+  // what it uses.
   template <typename Fn>
-  grpc::ServerUnaryReactor* Posted(grpc::CallbackServerContext* ctx, const char* method, Fn fn);
+  grpc::ServerUnaryReactor* Posted(grpc::CallbackServerContext* ctx, const char* method, Fn fn,
+                                   Executor* on = nullptr);
   ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;
@@ -266,6 +268,10 @@ class AttentionService final : public v1::Attention::CallbackService {
   std::string replica_name_;               // guarded by name_mu_
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels
   StepLog step_log_;
+  // The data plane's handshakes and closes (with the plane on): they wait on the network (a
+  // client's worker being connected, up to 5 s) and on UCX threads, so never on the executor's
+  // threads, which layer calls of every tenant need. Last: gone (its tasks run) before the rest.
+  std::unique_ptr<Executor> plane_handshakes_;
 };
 
 }  // namespace attnd

@@ -86,20 +86,27 @@ void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,
                                                              const v1::ConnectDataPlaneRequest* req,
                                                              v1::ConnectDataPlaneResponse* resp) {
-  // Registering the region with UCX runs on the plane's thread: off gRPC's threads.
-  return Posted(ctx, "ConnectDataPlane",
-                [this, req, resp](const Caller& c) { return DoConnectDataPlane(c, *req, resp); });
+  // Registering the region with UCX runs on the plane's thread, and connecting to a pushing
+  // client's worker waits for it: off gRPC's threads and off the executor's.
+  return Posted(
+      ctx, "ConnectDataPlane",
+      [this, req, resp](const Caller& c) { return DoConnectDataPlane(c, *req, resp); },
+      plane_handshakes_.get());
 }
 
 grpc::ServerUnaryReactor* AttentionService::CloseDataPlane(grpc::CallbackServerContext* ctx,
                                                            const v1::CloseDataPlaneRequest* req,
                                                            v1::CloseDataPlaneResponse*) {
-  // Stopping the plane's worker joins its thread: off gRPC's threads.
-  return Posted(ctx, "CloseDataPlane", [this, req](const Caller& c) {
-    if (options_.data_plane == nullptr)
-      return absl::FailedPreconditionError("the data plane is off on this server (--data-plane)");
-    return options_.data_plane->Close(c.tenant, req->plane());
-  });
+  // Stopping the plane's worker joins its thread: off gRPC's threads and the executor's.
+  return Posted(
+      ctx, "CloseDataPlane",
+      [this, req](const Caller& c) {
+        if (options_.data_plane == nullptr)
+          return absl::FailedPreconditionError(
+              "the data plane is off on this server (--data-plane)");
+        return options_.data_plane->Close(c.tenant, req->plane());
+      },
+      plane_handshakes_.get());
 }
 
 }  // namespace attnd

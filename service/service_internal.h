@@ -88,7 +88,7 @@ grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* c
 
 template <typename Fn>
 grpc::ServerUnaryReactor* AttentionService::Posted(grpc::CallbackServerContext* ctx,
-                                                   const char* method, Fn fn) {
+                                                   const char* method, Fn fn, Executor* on) {
   const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) {
@@ -96,8 +96,8 @@ grpc::ServerUnaryReactor* AttentionService::Posted(grpc::CallbackServerContext* 
     return Done(ctx, caller.status());
   }
   auto* reactor = ctx->DefaultReactor();
-  executor_->Post(
-      [this, caller = *std::move(caller), fn = std::move(fn), reactor, method, started] {
+  (on != nullptr ? on : executor_)
+      ->Post([this, caller = *std::move(caller), fn = std::move(fn), reactor, method, started] {
         const absl::Status s = Guarded([&] { return fn(caller); });
         Report(method, s, started);
         reactor->Finish(ToGrpcStatus(s));
