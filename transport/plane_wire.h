@@ -31,7 +31,8 @@ struct ToClientHeader {
   uint64_t refused = 0;
 };
 // Header of kPull, sent with UCX's reply flag: the server answers on the endpoint the message
-// came by (it never makes one from a client-supplied address, which UCX does not validate).
+// came by (a plane that does not push never makes one from the client's address, which UCX does
+// not validate).
 struct PullHeader {
   uint64_t plane = 0;
   uint8_t token[kTokenBytes] = {};

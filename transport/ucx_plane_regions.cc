@@ -38,10 +38,7 @@ class InputRegion final : public Region {
           absl::StrCat(name_, ": a data plane tensor names the transfer that brought it"));
     UcxPlane::State& s = *s_;
     std::shared_lock<std::shared_mutex> alive(s.link->mu);
-    if (s.link->worker == nullptr) {  // the server's end is gone
-      absl::Status lost = s.Lost();
-      return lost.ok() ? absl::UnavailableError("data plane closed") : lost;
-    }
+    if (s.link->worker == nullptr) return s.Closed();  // the server's end is gone
     std::unique_lock<std::mutex> lock(s.mu);
     auto here = [&] { return s.landed.count(transfer) != 0 || !s.lost.ok(); };
     if (!here() && absl::Now() < deadline) {
@@ -145,10 +142,7 @@ class OutputRegion final : public Region {
   absl::Status Push(uint64_t transfer, int64_t offset, size_t n) const {
     UcxPlane::State& s = *s_;
     std::shared_lock<std::shared_mutex> alive(s.link->mu);
-    if (s.link->worker == nullptr) {  // the server's end is gone
-      absl::Status lost = s.Lost();
-      return lost.ok() ? absl::UnavailableError("data plane closed") : lost;
-    }
+    if (s.link->worker == nullptr) return s.Closed();  // the server's end is gone
     ToClientHeader h;
     h.plane = s.id;
     h.transfer = transfer;

@@ -197,6 +197,11 @@ struct UcxPlane::State {
     std::lock_guard<std::mutex> lock(mu);
     return lost;
   }
+  // Why a region of this plane can no longer be used once its link was cut.
+  absl::Status Closed() const {
+    absl::Status l = Lost();
+    return l.ok() ? absl::UnavailableError("data plane closed") : l;
+  }
 
   void Touch() { last_used.store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed); }
 

@@ -90,8 +90,9 @@ class UcxWorker {
 
   // An endpoint to the worker at `address` (from a peer's address()), wired up before this
   // returns (UNAVAILABLE when the peer does not answer in 5 s); `on_error` runs (progress thread)
-  // when it fails. Ids are never reused. Never called with a client-supplied address (the
-  // server answers clients on their messages' reply endpoints).
+  // when it fails. Ids are never reused. The server calls it with a client's address only for a
+  // plane that pushes outputs (UcxPlane::Options::push); otherwise it answers clients on their
+  // messages' reply endpoints.
   absl::StatusOr<uint64_t> Connect(const std::string& address, EndpointError on_error);
   // Closes the endpoint (pending sends on it fail). Unknown ids are ignored.
   void Disconnect(uint64_t endpoint);
@@ -127,9 +128,9 @@ class UcxWorker {
                                 std::function<void(absl::Status)> done = nullptr,
                                 std::shared_ptr<const void> keep = nullptr,
                                 bool want_reply = false);
-  // Progress thread only, from a handler: sends on the message's reply endpoint (the server
-  // answers a client without ever creating an endpoint from a client-supplied address). `keep`
-  // is held until the send completes; `done` then runs with its outcome.
+  // Progress thread only, from a handler: sends on the message's reply endpoint (how a server
+  // that does not push answers a client without an endpoint made from the client's address).
+  // `keep` is held until the send completes; `done` then runs with its outcome.
   void Reply(ucp_ep_h reply_ep, uint16_t id, std::string header, const void* data, size_t length,
              std::shared_ptr<const void> keep, std::function<void(absl::Status)> done);
   // One message whose payload is the pieces in order (a scatter-gather send: one handshake for
