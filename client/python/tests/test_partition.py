@@ -19,8 +19,6 @@ Needs root and `ip netns` (iproute2); skipped where either is missing."""
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from netns import Netns, netns_available
 from replication_cluster import Cluster, Seq, _fenced, _standby_copy, replication_flags
 
 from attnd import AttndClient, AttndError, ranked
@@ -39,67 +38,8 @@ WORKER = Path(__file__).with_name("partition_worker.py")
 LEASE_S = 2.0  # --replication-lease-ms's default
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def _netns_available() -> bool:
-    """Whether this process may make a network namespace and a veth pair (root, iproute2, a
-    kernel and container that allow both)."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        return False
-    ns, dev = f"attnd-probe-{os.getpid()}", f"apr{os.getpid() % 100000}"
-    try:
-        ok = subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode == 0
-        ok = ok and subprocess.run(["ip", "link", "add", dev, "type", "veth", "peer", "name",
-                                    dev + "p", "netns", ns], capture_output=True).returncode == 0
-        return ok
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", dev], capture_output=True)
-
-
-pytestmark = pytest.mark.skipif(not _netns_available(),
+pytestmark = pytest.mark.skipif(not netns_available(),
                                 reason="needs root and network namespaces (ip netns)")
-
-
-class Netns:
-    """A network namespace joined to this one by a veth pair: ``inside`` is its address there,
-    ``outside`` this namespace's end of the link (a /30 of 10.213.0.0/16 chosen by the pid)."""
-
-    def __init__(self) -> None:
-        pid = os.getpid()
-        n = pid % 16384  # one of the /16's 16384 /30s: test workers (pytest -n) differ by pid
-        self.name = f"attnd-part-{pid}"
-        self.outer, self.inner = f"apo{pid % 100000}", f"api{pid % 100000}"
-        net = f"10.213.{n // 64}"
-        self.outside, self.inside = f"{net}.{n % 64 * 4 + 1}", f"{net}.{n % 64 * 4 + 2}"
-        _ip("netns", "add", self.name)
-        try:
-            _ip("link", "add", self.outer, "type", "veth", "peer", "name", self.inner)
-            _ip("link", "set", self.inner, "netns", self.name)
-            _ip("addr", "add", f"{self.outside}/30", "dev", self.outer)
-            _ip("link", "set", self.outer, "up")
-            _ip("-n", self.name, "addr", "add", f"{self.inside}/30", "dev", self.inner)
-            _ip("-n", self.name, "link", "set", self.inner, "up")
-            _ip("-n", self.name, "link", "set", "lo", "up")
-        except BaseException:
-            self.close()
-            raise
-
-    def run_inside(self) -> list:
-        return ["ip", "netns", "exec", self.name]
-
-    def cut(self) -> None:
-        """The link down at the namespace's end: packets to it vanish, its own fail at once."""
-        _ip("-n", self.name, "link", "set", self.inner, "down")
-
-    def heal(self) -> None:
-        _ip("-n", self.name, "link", "set", self.inner, "up")
-
-    def close(self) -> None:
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.outer], capture_output=True)
 
 
 class PartitionedCluster(Cluster):
