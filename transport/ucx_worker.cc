@@ -20,6 +20,14 @@ absl::Status UcxError(const char* what, ucs_status_t s) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(s)));
 }
 
+// Whether UCX_TLS's value `tls` lets UCX pick transport `name` ("all", a list naming it, or a
+// "^" list of exclusions not naming it).
+bool MayUse(const std::string& tls, const std::string& name) {
+  if (tls == "all") return true;
+  const bool named = tls.find(name) != std::string::npos;
+  return tls[0] == '^' ? !named : named;
+}
+
 // attnd's defaults for what UCX reads from the environment, where the operator set nothing:
 // endpoints detect a dead peer (UCP_ERR_HANDLING_MODE_PEER), which drops the shared-memory
 // transports unless their error handling is on. Set only when UCX_TLS may pick them (UCX warns,
@@ -98,6 +106,15 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& 
     if (ucs_status_t s = ucp_config_modify(config, "NET_DEVICES", devices.c_str()); s != UCS_OK) {
       ucp_config_release(config);
       return UcxError("UCX network devices", s);
+    }
+  // TCP connects without blocking (UCX 1.13's default blocks in connect() inside ucp_ep_create,
+  // on the progress thread, until the kernel gives up on a peer that never answers: two minutes
+  // with Linux's SYN retries), so that a Connect's own limit holds. The operator's setting wins.
+  // Set only when UCX_TLS may pick TCP (UCX warns about a setting no transport took).
+  if (getenv("UCX_TCP_CONN_NB") == nullptr && MayUse(UcxTransports(), "tcp"))
+    if (ucs_status_t s = ucp_config_modify(config, "CONN_NB", "y"); s != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError("UCX TCP connection mode", s);
     }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
