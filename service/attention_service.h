@@ -159,9 +159,11 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status DoUnregisterSharedMemory(const Caller& caller,
                                         const v1::UnregisterSharedMemoryRequest& req);
   absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
-  // The data plane's handshake and its end (service/data_plane.cc).
-  absl::Status DoConnectDataPlane(const Caller& caller, const v1::ConnectDataPlaneRequest& req,
-                                  v1::ConnectDataPlaneResponse* resp);
+  // The data plane's handshake (service/data_plane.cc): fills `resp` and calls `finish` once, at
+  // once or, for a plane that connects to its client's worker, from the plane's thread or timer.
+  void StartConnectDataPlane(const Caller& caller, const v1::ConnectDataPlaneRequest& req,
+                             v1::ConnectDataPlaneResponse* resp,
+                             std::function<void(absl::Status)> finish);
   // OK for the admin identity, or for anyone on an unauthenticated server; else
   // PERMISSION_DENIED "<method>: only the admin identity (--admin-tenant)<why>".
   absl::Status RequireAdmin(const Caller& caller, const char* method, const char* why) const;

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/guarded.h"
 #include "common/status_macros.h"
 #include "service/attention_service.h"
 #include "service/service_internal.h"
@@ -17,28 +18,31 @@
 
 namespace attnd {
 
-absl::Status AttentionService::DoConnectDataPlane(const Caller& caller,
-                                                  const v1::ConnectDataPlaneRequest& req,
-                                                  v1::ConnectDataPlaneResponse* resp) {
+void AttentionService::StartConnectDataPlane(const Caller& caller,
+                                             const v1::ConnectDataPlaneRequest& req,
+                                             v1::ConnectDataPlaneResponse* resp,
+                                             std::function<void(absl::Status)> finish) {
   if (options_.data_plane == nullptr)
-    return absl::FailedPreconditionError(
+    return finish(absl::FailedPreconditionError(
         "the data plane is off on this server (--data-plane=ucx turns it on); send tensors in "
-        "the message");
+        "the message"));
   // A tenant with a shared-memory region quota holds at most that many planes (counted apart
   // from its regions: docs/data-plane.md).
   const int64_t quota = engine_->TenantQuotaOf(caller.tenant).shm_regions;
-  ASSIGN_OR_RETURN(transport::UcxPlane::Connection c,
-                   options_.data_plane->Connect(
-                       caller.tenant, req.input_bytes(), req.output_bytes(),
-                       static_cast<int>(std::min<int64_t>(quota, 1 << 20)), req.worker_address()));
-  resp->set_plane(c.name);
-  resp->set_plane_id(c.id);
-  resp->set_token(c.token);
-  resp->set_worker_address(c.server_address);
-  resp->set_input_region(c.input_region);
-  resp->set_output_region(c.output_region);
-  resp->set_pushes_outputs(c.pushes);
-  return absl::OkStatus();
+  options_.data_plane->Connect(
+      caller.tenant, req.input_bytes(), req.output_bytes(),
+      static_cast<int>(std::min<int64_t>(quota, 1 << 20)), req.worker_address(),
+      [resp, finish = std::move(finish)](absl::StatusOr<transport::UcxPlane::Connection> c) {
+        if (!c.ok()) return finish(c.status());
+        resp->set_plane(c->name);
+        resp->set_plane_id(c->id);
+        resp->set_token(c->token);
+        resp->set_worker_address(c->server_address);
+        resp->set_input_region(c->input_region);
+        resp->set_output_region(c->output_region);
+        resp->set_pushes_outputs(c->pushes);
+        finish(absl::OkStatus());
+      });
 }
 
 void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs& in,
@@ -86,12 +90,31 @@ void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,
                                                              const v1::ConnectDataPlaneRequest* req,
                                                              v1::ConnectDataPlaneResponse* resp) {
-  // Registering the region with UCX runs on the plane's thread, and connecting to a pushing
-  // client's worker waits for it: off gRPC's threads and off the executor's.
-  return Posted(
-      ctx, "ConnectDataPlane",
-      [this, req, resp](const Caller& c) { return DoConnectDataPlane(c, *req, resp); },
-      plane_handshakes_.get());
+  const auto started = std::chrono::steady_clock::now();
+  absl::StatusOr<Caller> caller = Authenticate(*ctx);
+  if (!caller.ok()) {
+    Report("ConnectDataPlane", caller.status(), started);
+    return Done(ctx, caller.status());
+  }
+  auto* reactor = ctx->DefaultReactor();
+  // Making the plane's worker and registering its regions run on the handshakes' own threads,
+  // off gRPC's and the executor's; connecting to a pushing client's worker then holds none (the
+  // answer comes from the plane's thread or its timer: UcxPlane::Connect).
+  (plane_handshakes_ != nullptr ? plane_handshakes_.get() : executor_)
+      ->Post([this, caller = *std::move(caller), req, resp, reactor, started] {
+        auto answered = std::make_shared<std::atomic<bool>>(false);
+        auto finish = [this, reactor, started, answered](absl::Status s) {
+          if (answered->exchange(true)) return;
+          Report("ConnectDataPlane", s, started);
+          reactor->Finish(ToGrpcStatus(s));
+        };
+        const absl::Status s = Guarded([&] {
+          StartConnectDataPlane(caller, *req, resp, finish);
+          return absl::OkStatus();
+        });
+        if (!s.ok()) finish(s);  // thrown before an answer (after one, the plane's stands)
+      });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionService::CloseDataPlane(grpc::CallbackServerContext* ctx,

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <future>
 #include <random>
 #include <shared_mutex>
 #include <utility>
@@ -50,7 +51,13 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Create(const Options& option
   return p;
 }
 
-UcxPlane::~UcxPlane() { CloseAll(); }
+UcxPlane::~UcxPlane() {
+  {  // handshakes under way end within UcxWorker::kConnectLimit (the timer decides them)
+    std::unique_lock<std::mutex> lock(mu_);
+    connects_done_.wait(lock, [&] { return connecting_of_.empty(); });
+  }
+  CloseAll();
+}
 
 void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
   ToServerHeader h;
@@ -155,10 +162,29 @@ std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
   return idle;
 }
 
-absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,
-                                                       int64_t input_bytes, int64_t output_bytes,
-                                                       int tenant_limit,
-                                                       const std::string& client_address) {
+// A handshake's slot against the limits, taken by Prepare, given back when the plane is
+// published or, however the handshake ends otherwise, when the last holder lets it go.
+struct UcxPlane::Reservation {
+  UcxPlane* p = nullptr;
+  std::string tenant;
+  bool held = true;
+  void Release() {  // mu_ held
+    held = false;
+    if (--p->connecting_of_[tenant] == 0) p->connecting_of_.erase(tenant);
+  }
+  ~Reservation() {
+    if (!held) return;
+    {
+      std::lock_guard<std::mutex> lock(p->mu_);
+      Release();
+    }
+    p->connects_done_.notify_all();
+  }
+};
+
+absl::StatusOr<std::shared_ptr<UcxPlane::State>> UcxPlane::Prepare(
+    const std::string& tenant, int64_t input_bytes, int64_t output_bytes, int tenant_limit,
+    const std::string& client_address, std::shared_ptr<Reservation>* reserved) {
   for (const auto& [what, v, lo] : {std::tuple{"input_bytes", input_bytes, int64_t{1}},
                                     std::tuple{"output_bytes", output_bytes, int64_t{0}}})
     if (v < lo || v > options_.max_region_bytes)
@@ -213,20 +239,9 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     s->id = next_id_++;
     ++connecting_of_[tenant];
   }
-  struct Reserved {  // the slot taken above, given back however this returns
-    UcxPlane* p;
-    const std::string& tenant;
-    bool held = true;
-    void Release() {  // mu_ held
-      held = false;
-      if (--p->connecting_of_[tenant] == 0) p->connecting_of_.erase(tenant);
-    }
-    ~Reserved() {
-      if (!held) return;
-      std::lock_guard<std::mutex> lock(p->mu_);
-      Release();
-    }
-  } reserved{this, tenant};
+  *reserved = std::make_shared<Reservation>();
+  (*reserved)->p = this;
+  (*reserved)->tenant = tenant;
   s->name = absl::StrCat("ucx-", s->id);
   s->tenant = tenant;
   s->token = RandomToken();
@@ -256,16 +271,10 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
           absl::StrCat("data plane: cannot allocate ", bytes, " bytes"));
     ASSIGN_OR_RETURN(*memh, s->worker->Register(*at, alloc));
   }
-  if (options_.push && output_bytes > 0 && !client_address.empty()) {
-    // The endpoint failing (its client died or left) ends the plane: calls then fail at once
-    // rather than wait for outputs that cannot arrive. A client that cannot be reached pulls.
-    auto ep = s->worker->Connect(client_address, [w = std::weak_ptr<State>(s)](absl::Status st) {
-      if (auto live = w.lock())
-        live->Lose(absl::UnavailableError(absl::StrCat(
-            "data plane ", live->name, ": its endpoint to the client failed: ", st.message())));
-    });
-    if (ep.ok()) s->push_ep = *ep;
-  }
+  return s;
+}
+
+UcxPlane::Connection UcxPlane::Publish(const std::shared_ptr<State>& s, Reservation& reserved) {
   s->Touch();
   // Built before the plane is published: from then on a Close (or another handshake's reaping)
   // may stop its worker at any moment.
@@ -276,7 +285,89 @@ absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant
     reserved.Release();
     planes_[s->id] = s;
   }
+  connects_done_.notify_all();
   return c;
+}
+
+void UcxPlane::Connect(const std::string& tenant, int64_t input_bytes, int64_t output_bytes,
+                       int tenant_limit, const std::string& client_address, Connected done) {
+  std::shared_ptr<Reservation> reserved;
+  absl::StatusOr<std::shared_ptr<State>> prepared =
+      Prepare(tenant, input_bytes, output_bytes, tenant_limit, client_address, &reserved);
+  if (!prepared.ok()) return done(prepared.status());
+  std::shared_ptr<State> s = *std::move(prepared);
+  if (!options_.push || output_bytes == 0 || client_address.empty())
+    return done(Publish(s, *reserved));
+  // The plane's worker connects to the client's: the plane is published once the endpoint is
+  // wired up (outputs pushed), or failed, or not wired up within the limit (the client pulls).
+  // Nothing waits meanwhile: a client whose address leads nowhere (a firewall, a network policy
+  // that lets gRPC through and not UCX) holds no thread for it.
+  struct Attempt {
+    std::mutex mu;
+    bool decided = false, pushing = false;
+    uint64_t deadline = 0;  // the timer's id, once armed
+    std::shared_ptr<State> s;
+    std::shared_ptr<Reservation> reserved;
+    Connected done;
+  };
+  auto a = std::make_shared<Attempt>();
+  a->s = s;
+  a->reserved = reserved;
+  a->done = std::move(done);
+  // Once, whichever comes first: publishes the plane, pushing on `push_ep` (0: pulled), and
+  // closes `close_ep` (an endpoint given up on) before anyone else can reach the plane. What the
+  // attempt held is let go (the endpoint's error callback holds the attempt).
+  auto decide = [this, a](uint64_t push_ep, uint64_t close_ep) {
+    std::shared_ptr<State> s;
+    std::shared_ptr<Reservation> reserved;
+    Connected done;
+    uint64_t deadline = 0;
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      if (a->decided) return;
+      a->decided = true;
+      a->pushing = push_ep != 0;
+      deadline = a->deadline;
+      s.swap(a->s);
+      reserved.swap(a->reserved);
+      done.swap(a->done);
+    }
+    if (deadline != 0) timer_->Cancel(deadline);
+    if (close_ep != 0) s->worker->DisconnectSoon(close_ep);
+    s->push_ep = push_ep;
+    done(Publish(s, *reserved));
+  };
+  auto ep = s->worker->BeginConnect(
+      client_address,
+      // Once pushing, the endpoint failing (its client died or left) ends the plane: calls then
+      // fail at once rather than wait for outputs that cannot arrive. Before, a failure is the
+      // try's (the flush reports it).
+      [a, w = std::weak_ptr<State>(s)](absl::Status st) {
+        {
+          std::lock_guard<std::mutex> lock(a->mu);
+          if (!a->pushing) return;
+        }
+        if (auto live = w.lock())
+          live->Lose(absl::UnavailableError(absl::StrCat(
+              "data plane ", live->name, ": its endpoint to the client failed: ", st.message())));
+      },
+      [decide](uint64_t id, absl::Status st) { decide(st.ok() ? id : 0, 0); });
+  if (!ep.ok()) return decide(0, 0);  // no endpoint to it at all (a damaged address): pulled
+  std::lock_guard<std::mutex> lock(a->mu);
+  if (!a->decided)
+    a->deadline =
+        timer_->At(absl::Now() + UcxWorker::kConnectLimit, [decide, id = *ep] { decide(0, id); });
+}
+
+absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,
+                                                       int64_t input_bytes, int64_t output_bytes,
+                                                       int tenant_limit,
+                                                       const std::string& client_address) {
+  std::promise<absl::StatusOr<Connection>> connected;
+  std::future<absl::StatusOr<Connection>> outcome = connected.get_future();
+  Connect(tenant, input_bytes, output_bytes, tenant_limit, client_address,
+          [&connected](absl::StatusOr<Connection> c) { connected.set_value(std::move(c)); });
+  return outcome.get();
 }
 
 absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name) {

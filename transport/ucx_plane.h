@@ -26,7 +26,9 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -81,6 +83,14 @@ class UcxPlane {
   absl::StatusOr<Connection> Connect(const std::string& tenant, int64_t input_bytes,
                                      int64_t output_bytes, int tenant_limit,
                                      const std::string& client_address = "");
+  // The same without waiting for the client's worker: `done` runs once with the outcome, on the
+  // calling thread unless the plane connects to the client's worker, then on the plane's
+  // progress thread (wired up or failed) or the plane's timer (not wired up within
+  // UcxWorker::kConnectLimit: a plane the client pulls from). It must not block. Handshakes
+  // under way hold this object's destruction until they end.
+  using Connected = std::function<void(absl::StatusOr<Connection>)>;
+  void Connect(const std::string& tenant, int64_t input_bytes, int64_t output_bytes,
+               int tenant_limit, const std::string& client_address, Connected done);
   // NOT_FOUND unless `tenant` holds plane `name`. Calls using it finish first (they hold it).
   absl::Status Close(const std::string& tenant, const std::string& name);
   // Closes every plane (the server is stopping).
@@ -120,6 +130,15 @@ class UcxPlane {
   // Closes planes idle beyond options_.idle_timeout, whose worker stalled or whose endpoint to
   // their client failed (mu_ held); returns them to shut outside.
   std::vector<std::shared_ptr<State>> TakeIdle();
+  struct Reservation;  // a handshake's place against the limits (ucx_plane.cc)
+  // A handshake's plane, checked against the limits (the place it takes in *reserved), its
+  // worker made and its regions registered; not yet published.
+  absl::StatusOr<std::shared_ptr<State>> Prepare(const std::string& tenant, int64_t input_bytes,
+                                                 int64_t output_bytes, int tenant_limit,
+                                                 const std::string& client_address,
+                                                 std::shared_ptr<Reservation>* reserved);
+  // Publishes a prepared plane (its place becomes the plane's) and returns what its client needs.
+  Connection Publish(const std::shared_ptr<State>& s, Reservation& reserved);
 
   const Options options_;
   std::unique_ptr<DeadlineTimer> timer_;  // where waits for a landing end (InputRegion)
@@ -127,6 +146,7 @@ class UcxPlane {
   std::map<uint64_t, std::shared_ptr<State>> planes_;
   // Connects between their checks and their insert, by tenant.
   std::map<std::string, int> connecting_of_;
+  std::condition_variable connects_done_;      // a connect published its plane or gave up
   std::vector<std::weak_ptr<State>> closing_;  // closed planes, until no receive of theirs is on
   uint64_t next_id_ = 1;
   std::atomic<int64_t> refused_{0};

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace attnd::transport {
 namespace {
@@ -279,7 +280,8 @@ void UcxWorker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   w->Post([w, id] { w->Disconnect(id); });
 }
 
-absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& address, EndpointError on_error) {
+absl::StatusOr<uint64_t> UcxWorker::BeginConnect(const std::string& address, EndpointError on_error,
+                                                 Wired wired) {
   absl::StatusOr<uint64_t> result = absl::InternalError("not run");
   Run([&] {
     auto e = std::make_unique<Endpoint>();
@@ -301,53 +303,80 @@ absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& address, Endpoint
     endpoints_[e->id] = std::move(e);
   });
   if (!result.ok()) return result;
-  // Wired up now (a flush completes once the endpoint is connected), with this worker polling
-  // meanwhile: the first transfer does not wait for the handshake, which a sleeping progress
-  // thread on either side would otherwise stretch past a call's transfer timeout. A peer that
-  // does not answer fails the connect.
-  Busy busy(this);
-  auto flushed = std::make_shared<std::promise<ucs_status_t>>();
-  std::future<ucs_status_t> outcome = flushed->get_future();
-  Post([this, id = *result, flushed] {
-    auto it = endpoints_.find(id);
-    if (it == endpoints_.end()) return flushed->set_value(UCS_ERR_NO_ELEM);
+  // Wired up once a flush completes (it waits for the endpoint to connect), with this worker
+  // polling meanwhile: the first transfer does not wait for the handshake, which a sleeping
+  // progress thread on either side would otherwise stretch past a call's transfer timeout.
+  struct Flush {
+    std::unique_ptr<Busy> busy;
+    Wired wired;
+    UcxWorker* w;
+    uint64_t id;
+    void Done(ucs_status_t s) {
+      busy.reset();
+      if (s != UCS_OK) w->Disconnect(id);  // on the progress thread: at once
+      wired(id, s == UCS_OK ? absl::OkStatus() : UcxError("data plane connection", s));
+    }
+  };
+  auto* f = new Flush{std::make_unique<Busy>(this), std::move(wired), this, *result};
+  Post([this, f] {
+    auto it = endpoints_.find(f->id);
+    if (it == endpoints_.end()) {  // given up on (Disconnect) before the flush began
+      f->Done(UCS_ERR_CANCELED);
+      delete f;
+      return;
+    }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = [](void* request, ucs_status_t status, void* user_data) {
-      auto* holder = static_cast<std::shared_ptr<std::promise<ucs_status_t>>*>(user_data);
-      (*holder)->set_value(status);
-      delete holder;
+      auto* flush = static_cast<Flush*>(user_data);
+      flush->Done(status);
+      delete flush;
       ucp_request_free(request);
     };
-    auto* holder = new std::shared_ptr<std::promise<ucs_status_t>>(flushed);
-    p.user_data = holder;
+    p.user_data = f;
     ucs_status_ptr_t r = ucp_ep_flush_nbx(it->second->ep, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) {
-      delete holder;
-      flushed->set_value(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+      f->Done(r == nullptr ? UCS_OK : UCS_PTR_STATUS(r));
+      delete f;
     }
   });
-  if (outcome.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
-    Disconnect(*result);  // completes the flush (with an error) before the promise could go
-    return absl::UnavailableError("data plane: the peer did not answer the connection in 5 s");
-  }
-  if (ucs_status_t s = outcome.get(); s != UCS_OK) {
-    Disconnect(*result);
-    return UcxError("data plane connection", s);
-  }
   return result;
+}
+
+absl::StatusOr<uint64_t> UcxWorker::Connect(const std::string& address, EndpointError on_error) {
+  auto wired = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> outcome = wired->get_future();
+  ASSIGN_OR_RETURN(const uint64_t id,
+                   BeginConnect(address, std::move(on_error), [wired](uint64_t, absl::Status s) {
+                     wired->set_value(std::move(s));
+                   }));
+  if (outcome.wait_for(absl::ToChronoSeconds(kConnectLimit)) != std::future_status::ready) {
+    Disconnect(id);  // completes the flush (with an error)
+    return absl::UnavailableError(
+        absl::StrCat("data plane: the peer did not answer the connection in ",
+                     absl::FormatDuration(kConnectLimit)));
+  }
+  if (absl::Status s = outcome.get(); !s.ok()) return s;
+  return id;
+}
+
+void UcxWorker::DisconnectSoon(uint64_t endpoint) {
+  Post([this, endpoint] { Disconnect(endpoint); });
 }
 
 void UcxWorker::Disconnect(uint64_t endpoint) {
   Run([&] {
     auto it = endpoints_.find(endpoint);
     if (it == endpoints_.end()) return;
+    // Out of the table first: closing completes the endpoint's requests (a connect's flush
+    // among them), whose callbacks may Disconnect it again.
+    std::unique_ptr<Endpoint> e = std::move(it->second);
+    endpoints_.erase(it);
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(it->second->ep, &p);
+    ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep, &p);
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // released once complete
-    endpoints_.erase(it);
   });
 }
 

@@ -88,14 +88,26 @@ class UcxWorker {
   // Runs fn on the progress thread and waits for it (fn must not block).
   void Run(const std::function<void()>& fn);
 
+  // How long a Connect waits for its peer to answer.
+  static constexpr absl::Duration kConnectLimit = absl::Seconds(5);
   // An endpoint to the worker at `address` (from a peer's address()), wired up before this
-  // returns (UNAVAILABLE when the peer does not answer in 5 s); `on_error` runs (progress thread)
-  // when it fails. Ids are never reused. The server calls it with a client's address only for a
-  // plane that pushes outputs (UcxPlane::Options::push); otherwise it answers clients on their
-  // messages' reply endpoints.
+  // returns (UNAVAILABLE when the peer does not answer in kConnectLimit); `on_error` runs (progress
+  // thread) when it fails. Ids are never reused. The server calls it with a client's address only
+  // for a plane that pushes outputs (UcxPlane::Options::push); otherwise it answers clients on
+  // their messages' reply endpoints.
   absl::StatusOr<uint64_t> Connect(const std::string& address, EndpointError on_error);
+  // Connect without the wait: returns the endpoint's id once it is made, and `wired` runs once,
+  // on the progress thread, with OK when it is wired up, or with the error that ended the try
+  // (the endpoint is closed by then). To give up, Disconnect it (`wired` then runs with an
+  // error). The worker polls until `wired` ran. No limit of its own: the caller keeps one.
+  using Wired = std::function<void(uint64_t endpoint, absl::Status)>;
+  absl::StatusOr<uint64_t> BeginConnect(const std::string& address, EndpointError on_error,
+                                        Wired wired);
   // Closes the endpoint (pending sends on it fail). Unknown ids are ignored.
   void Disconnect(uint64_t endpoint);
+  // Disconnect, posted to the progress thread without waiting (for a thread that must not
+  // block on it, e.g. a deadline's).
+  void DisconnectSoon(uint64_t endpoint);
 
   // A send in flight: Wait returns its outcome. The payload must stay valid until then.
   class Pending {

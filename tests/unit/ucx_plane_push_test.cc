@@ -4,6 +4,7 @@
 // UCX_TLS=sm and UCX_TLS=tcp too.
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <string>
 #include <thread>
 
@@ -134,6 +135,51 @@ TEST(UcxPush, AServerWithPushOffAndAClientWithoutAnAddressPull) {
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(std::string(*got, out.size()), out);
   }
+}
+
+TEST(UcxPush, AClientWhoseWorkerCannotBeReachedGetsAPlaneItPullsFrom) {
+  // The address of a worker that is gone: the plane's connect to it fails, and the handshake
+  // answers with a plane the client pulls from, which serves (the failed try's endpoint error
+  // does not end it), through the asynchronous handshake as through the waiting one.
+  UcxPlane::Options o;
+  o.push = true;
+  auto server = UcxPlane::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::string gone;
+  {
+    auto ghost = UcxPlaneClient::Create(1 << 20);
+    ASSERT_TRUE(ghost.ok()) << ghost.status();
+    gone = (*ghost)->address();
+  }
+  for (bool waiting : {true, false}) {
+    absl::StatusOr<UcxPlane::Connection> conn;
+    const absl::Time t0 = absl::Now();
+    if (waiting) {
+      conn = (*server)->Connect("tenant-a", 1 << 20, 1 << 20, 0, gone);
+    } else {
+      std::promise<absl::StatusOr<UcxPlane::Connection>> answered;
+      (*server)->Connect("tenant-a", 1 << 20, 1 << 20, 0, gone,
+                         [&](absl::StatusOr<UcxPlane::Connection> c) { answered.set_value(c); });
+      conn = answered.get_future().get();
+    }
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    EXPECT_FALSE(conn->pushes);
+    EXPECT_LE(absl::Now() - t0, UcxWorker::kConnectLimit + absl::Seconds(1));
+    auto client = UcxPlaneClient::Create(1 << 20);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE(
+        (*client)->Attach(conn->id, conn->token, conn->server_address, 1 << 20, false).ok());
+    Pair p{std::move(*server), std::move(*client), *conn};
+    const std::string out = RandomBytes(200 << 10, waiting ? 7 : 8);
+    const uint64_t t = p.client->NextTransfer();
+    Build(p, 0, out, t);
+    auto got = p.client->Await(t, 0, out.size(), absl::Now() + absl::Seconds(5));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::string(*got, out.size()), out);
+    ASSERT_TRUE(p.server->Close("tenant-a", conn->name).ok());
+    server = std::move(p.server);
+  }
+  EXPECT_EQ((*server)->num_planes(), 0);
 }
 
 TEST(UcxPush, AnAddressBeyondTheBoundIsRefused) {

@@ -1,0 +1,171 @@
+"""A pushing data plane (--data-plane-push) connects its worker to the address a client gives in
+its handshake (docs/data-plane.md). An address nobody answers at (a worker behind a firewall, a
+network policy that lets gRPC through and not UCX, a host gone) must cost that handshake no more
+than the connect's limit, and cost no one else anything: the handshake then hands out a plane the
+client pulls from, and other clients' handshakes and layer calls go on meanwhile.
+
+The unreachable worker is real: a client worker made in a network namespace (UCX over TCP on the
+namespace's end of a veth pair), whose address the namespace then gives up, so that the server's
+packets to it vanish without an answer (a black hole, not a refusal). Needs root and `ip netns`;
+skipped where either is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+from netns import Netns, netns_available
+
+from attnd import AttndClient
+from attnd.data_plane import find_library
+from attnd.v1 import attention_pb2 as pb
+from attnd.v1 import attention_pb2_grpc
+
+from attnd_process import start, stop
+from attnd_testlib import Harness
+
+pytestmark = [
+    pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built"),
+    pytest.mark.skipif(not netns_available(),
+                       reason="needs root and network namespaces (ip netns)"),
+]
+
+CONNECT_LIMIT_S = 5.0  # UcxWorker::Connect's wait for a peer to answer
+HOSTILE = 4  # handshakes naming the black hole at once: more than the server's handshake threads
+
+# A client worker in the namespace (the library's own, UCX over TCP on the veth only): prints its
+# address, then lives until its stdin closes.
+_WORKER = textwrap.dedent("""
+    import ctypes, sys
+    from attnd.data_plane import _load
+    lib = _load()
+    err = ctypes.create_string_buffer(512)
+    p = lib.attnd_plane_create(1 << 20, err, len(err))
+    assert p, err.value
+    at, n = ctypes.c_void_p(), ctypes.c_size_t()
+    lib.attnd_plane_address(p, ctypes.byref(at), ctypes.byref(n))
+    print(ctypes.string_at(at, n.value).hex(), flush=True)
+    sys.stdin.read()
+""")
+
+
+def _ip(*args: str) -> str:
+    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
+
+
+def _black_hole(net: Netns) -> None:
+    """Packets from here to net.inside vanish: the namespace no longer holds that address (and,
+    forwarding nothing, drops packets for it without an answer), and its link-layer address is
+    pinned here (so no failed neighbour lookup answers for it either). The link stays up: the
+    server's own UCX interface is on it."""
+    mac = _ip("-n", net.name, "-o", "link", "show", net.inner).split("link/ether ")[1].split()[0]
+    _ip("-n", net.name, "addr", "del", f"{net.inside}/30", "dev", net.inner)
+    _ip("neigh", "replace", net.inside, "lladdr", mac, "dev", net.outer, "nud", "permanent")
+
+
+def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, monkeypatch):
+    net = Netns()
+    worker = proc = None
+    try:
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": net.inner, "PYTHONPATH": ":".join(sys.path)}
+        worker = subprocess.Popen([*net.run_inside(), "env", *(f"{k}={v}" for k, v in env.items()),
+                                   sys.executable, "-c", _WORKER],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        line = worker.stdout.readline().strip()
+        assert line, worker.stderr.read()[-3000:]
+        address = bytes.fromhex(line)
+        # The server's planes speak TCP on this side's end of the link, where the worker is.
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        monkeypatch.setenv("UCX_NET_DEVICES", net.outer)
+        proc, target, _ = start(["--data-plane=ucx", "--data-plane-push=true"],
+                                log=tmp_path / "attnd.log")
+        _black_hole(net)
+
+        channel = grpc.insecure_channel(target)
+        stub = attention_pb2_grpc.AttentionStub(channel)
+        took, replies, errors = {}, {}, []
+
+        def hostile(i: int) -> None:
+            t0 = time.monotonic()
+            try:
+                replies[i] = stub.ConnectDataPlane(pb.ConnectDataPlaneRequest(
+                    input_bytes=1 << 20, output_bytes=1 << 20, worker_address=address),
+                    timeout=60)
+            except grpc.RpcError as e:  # recorded, asserted below
+                errors.append(e)
+            took[i] = time.monotonic() - t0
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=hostile, args=(i,)) for i in range(HOSTILE)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the hostile handshakes are under way
+
+        # Meanwhile another client connects a plane (it pulls: no address to reach) ...
+        t0 = time.monotonic()
+        mine = stub.ConnectDataPlane(pb.ConnectDataPlaneRequest(input_bytes=1 << 20,
+                                                                output_bytes=1 << 20), timeout=60)
+        handshake_s = time.monotonic() - t0
+        # ... and runs layer calls (bytes in the message) on a sequence of its own.
+        with AttndClient(target, timeout=30.0, data_plane="off") as c:
+            h = Harness(c, c.info(), seed=7, tag="unreachable")
+            sid = h.open("seq")
+            t0 = time.monotonic()
+            h.step(c, [(sid, 5)])  # checked against the float64 reference
+            h.step(c, [(sid, 1)])
+            layer_s = time.monotonic() - t0
+            h.close_all()
+        stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=mine.plane), timeout=30)
+
+        for t in threads:
+            t.join(timeout=60)
+        total_s = time.monotonic() - started
+        assert not errors and len(replies) == HOSTILE, (errors, replies)
+        # Each hostile handshake met the black hole (it waited the connect's limit), got a plane
+        # it pulls from, and they waited side by side, not one after another (two threads make
+        # planes: one after another, the last would answer at twice the limit).
+        assert all(not r.pushes_outputs and r.plane for r in replies.values()), replies
+        assert min(took.values()) >= CONNECT_LIMIT_S - 0.5, took
+        assert total_s < 2 * CONNECT_LIMIT_S - 1.0, (total_s, took)
+        # Nobody else waited for them.
+        assert handshake_s < 2.5, (handshake_s, took)
+        assert layer_s < 10.0, layer_s
+        print(f"hostile handshakes {sorted(took.values())} s, all done in {total_s:.2f} s; "
+              f"another client's handshake {handshake_s:.3f} s, a prefill and a decode step "
+              f"{layer_s:.2f} s")
+        for r in replies.values():
+            stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=r.plane), timeout=30)
+
+        # A server asked to stop while such handshakes are under way stops within the limit
+        # (they are answered; nothing waits on the kernel's retries).
+        took.clear()
+        threads = [threading.Thread(target=hostile, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        stop(proc)
+        stop_s = time.monotonic() - t0
+        proc = None
+        for t in threads:
+            t.join(timeout=60)
+        assert len(took) == 2, took
+        assert stop_s < CONNECT_LIMIT_S + 3.0, stop_s
+        print(f"stopped in {stop_s:.2f} s with two such handshakes under way")
+        channel.close()
+    finally:
+        try:
+            if worker is not None:
+                worker.kill()
+                worker.wait(timeout=30)
+            if proc is not None:
+                stop(proc)  # a clean exit within 30 s: no handshake holds it
+        finally:
+            net.close()
+
