@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "attnd/v1/attention.grpc.pb.h"
 #include "cluster/standby_leases.h"
 #include "common/guarded.h"
@@ -161,8 +162,9 @@ class AttentionService final : public v1::Attention::CallbackService {
   absl::Status DoEcho(const v1::EchoRequest& req, v1::EchoResponse* resp) const;
   // The data plane's handshake (service/data_plane.cc): fills `resp` and calls `finish` once, at
   // once or, for a plane that connects to its client's worker, from the plane's thread or timer.
+  // Connecting to a pushing client's worker gives up after `wire_limit` (a plane it pulls from).
   void StartConnectDataPlane(const Caller& caller, const v1::ConnectDataPlaneRequest& req,
-                             v1::ConnectDataPlaneResponse* resp,
+                             v1::ConnectDataPlaneResponse* resp, absl::Duration wire_limit,
                              std::function<void(absl::Status)> finish);
   // OK for the admin identity, or for anyone on an unauthenticated server; else
   // PERMISSION_DENIED "<method>: only the admin identity (--admin-tenant)<why>".

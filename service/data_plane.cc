@@ -3,11 +3,13 @@
 // shared-memory regions (ShmAccess::Resolve). CloseDataPlane ends one.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "common/guarded.h"
 #include "common/status_macros.h"
 #include "service/attention_service.h"
@@ -21,6 +23,7 @@ namespace attnd {
 void AttentionService::StartConnectDataPlane(const Caller& caller,
                                              const v1::ConnectDataPlaneRequest& req,
                                              v1::ConnectDataPlaneResponse* resp,
+                                             absl::Duration wire_limit,
                                              std::function<void(absl::Status)> finish) {
   if (options_.data_plane == nullptr)
     return finish(absl::FailedPreconditionError(
@@ -42,7 +45,8 @@ void AttentionService::StartConnectDataPlane(const Caller& caller,
         resp->set_output_region(c->output_region);
         resp->set_pushes_outputs(c->pushes);
         finish(absl::OkStatus());
-      });
+      },
+      wire_limit);
 }
 
 void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs& in,
@@ -97,19 +101,37 @@ grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServe
     return Done(ctx, caller.status());
   }
   auto* reactor = ctx->DefaultReactor();
+  // Connecting to a pushing client's worker ends by 3/4 of the time the caller gave the call
+  // (a plane it pulls from, beyond), so that the answer comes before the caller gives up (the
+  // C++ client's probe allows 2 s).
+  absl::Duration wire_limit = transport::UcxWorker::kConnectLimit;
+  if (const auto deadline = ctx->deadline();
+      deadline != std::chrono::system_clock::time_point::max())
+    wire_limit =
+        std::min(wire_limit, absl::FromChrono(deadline - std::chrono::system_clock::now()) * 3 / 4);
   // Making the plane's worker and registering its regions run on the handshakes' own threads,
   // off gRPC's and the executor's; connecting to a pushing client's worker then holds none (the
   // answer comes from the plane's thread or its timer: UcxPlane::Connect).
   (plane_handshakes_ != nullptr ? plane_handshakes_.get() : executor_)
-      ->Post([this, caller = *std::move(caller), req, resp, reactor, started] {
+      ->Post([this, ctx, caller = *std::move(caller), req, resp, reactor, started, wire_limit] {
         auto answered = std::make_shared<std::atomic<bool>>(false);
-        auto finish = [this, reactor, started, answered](absl::Status s) {
+        auto finish = [this, ctx, tenant = caller.tenant, resp, reactor, started,
+                       answered](absl::Status s) {
           if (answered->exchange(true)) return;
+          if (s.ok() && ctx->IsCancelled()) {
+            // The caller gave up (its deadline, a cancel) before its plane was ready: nobody
+            // will use the plane or close it, so it is closed here rather than left to stand
+            // idle against the limits. Not on this thread, which may be the plane's own.
+            plane_handshakes_->Post([this, tenant, plane = resp->plane()] {
+              (void)options_.data_plane->Close(tenant, plane);
+            });
+            s = absl::CancelledError("the caller gave up on the handshake; its plane is closed");
+          }
           Report("ConnectDataPlane", s, started);
           reactor->Finish(ToGrpcStatus(s));
         };
         const absl::Status s = Guarded([&] {
-          StartConnectDataPlane(caller, *req, resp, finish);
+          StartConnectDataPlane(caller, *req, resp, wire_limit, finish);
           return absl::OkStatus();
         });
         if (!s.ok()) finish(s);  // thrown before an answer (after one, the plane's stands)

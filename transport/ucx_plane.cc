@@ -290,7 +290,8 @@ UcxPlane::Connection UcxPlane::Publish(const std::shared_ptr<State>& s, Reservat
 }
 
 void UcxPlane::Connect(const std::string& tenant, int64_t input_bytes, int64_t output_bytes,
-                       int tenant_limit, const std::string& client_address, Connected done) {
+                       int tenant_limit, const std::string& client_address, Connected done,
+                       absl::Duration wire_limit) {
   std::shared_ptr<Reservation> reserved;
   absl::StatusOr<std::shared_ptr<State>> prepared =
       Prepare(tenant, input_bytes, output_bytes, tenant_limit, client_address, &reserved);
@@ -355,8 +356,8 @@ void UcxPlane::Connect(const std::string& tenant, int64_t input_bytes, int64_t o
   if (!ep.ok()) return decide(0, 0);  // no endpoint to it at all (a damaged address): pulled
   std::lock_guard<std::mutex> lock(a->mu);
   if (!a->decided)
-    a->deadline =
-        timer_->At(absl::Now() + UcxWorker::kConnectLimit, [decide, id = *ep] { decide(0, id); });
+    a->deadline = timer_->At(absl::Now() + std::min(wire_limit, UcxWorker::kConnectLimit),
+                             [decide, id = *ep] { decide(0, id); });
 }
 
 absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,

@@ -86,11 +86,12 @@ class UcxPlane {
   // The same without waiting for the client's worker: `done` runs once with the outcome, on the
   // calling thread unless the plane connects to the client's worker, then on the plane's
   // progress thread (wired up or failed) or the plane's timer (not wired up within
-  // UcxWorker::kConnectLimit: a plane the client pulls from). It must not block. Handshakes
-  // under way hold this object's destruction until they end.
+  // `wire_limit`, at most UcxWorker::kConnectLimit: a plane the client pulls from). It must not
+  // block. Handshakes under way hold this object's destruction until they end.
   using Connected = std::function<void(absl::StatusOr<Connection>)>;
   void Connect(const std::string& tenant, int64_t input_bytes, int64_t output_bytes,
-               int tenant_limit, const std::string& client_address, Connected done);
+               int tenant_limit, const std::string& client_address, Connected done,
+               absl::Duration wire_limit = UcxWorker::kConnectLimit);
   // NOT_FOUND unless `tenant` holds plane `name`. Calls using it finish first (they hold it).
   absl::Status Close(const std::string& tenant, const std::string& name);
   // Closes every plane (the server is stopping).

@@ -27,7 +27,7 @@ from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc
 
 from attnd_process import start, stop
-from attnd_testlib import Harness
+from attnd_testlib import Harness, scrape, wait_for
 
 pytestmark = [
     pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built"),
@@ -39,7 +39,7 @@ CONNECT_LIMIT_S = 5.0  # UcxWorker::Connect's wait for a peer to answer
 HOSTILE = 4  # handshakes naming the black hole at once: more than the server's handshake threads
 
 # A client worker in the namespace (the library's own, UCX over TCP on the veth only): prints its
-# address, then lives until its stdin closes.
+# address ("address <hex>"), then lives until its stdin closes.
 _WORKER = textwrap.dedent("""
     import ctypes, sys
     from attnd.data_plane import _load
@@ -49,7 +49,7 @@ _WORKER = textwrap.dedent("""
     assert p, err.value
     at, n = ctypes.c_void_p(), ctypes.c_size_t()
     lib.attnd_plane_address(p, ctypes.byref(at), ctypes.byref(n))
-    print(ctypes.string_at(at, n.value).hex(), flush=True)
+    print("address", ctypes.string_at(at, n.value).hex(), flush=True)
     sys.stdin.read()
 """)
 
@@ -68,6 +68,14 @@ def _black_hole(net: Netns) -> None:
     _ip("neigh", "replace", net.inside, "lladdr", mac, "dev", net.outer, "nud", "permanent")
 
 
+def _metric(mport: int, sample: str) -> float:
+    """The value of `sample` (a metric's name and labels as exposed) on /metrics; 0 if absent."""
+    for line in scrape(mport).splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, monkeypatch):
     net = Netns()
     worker = proc = None
@@ -77,13 +85,15 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
                                    sys.executable, "-c", _WORKER],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
-        line = worker.stdout.readline().strip()
-        assert line, worker.stderr.read()[-3000:]
-        address = bytes.fromhex(line)
+        seen = []  # UCX may print on stdout first (its warnings)
+        while not (line := worker.stdout.readline()).startswith("address ") and line:
+            seen.append(line)
+        assert line, "".join(seen) + worker.stderr.read()[-3000:]
+        address = bytes.fromhex(line.split()[1])
         # The server's planes speak TCP on this side's end of the link, where the worker is.
         monkeypatch.setenv("UCX_TLS", "tcp")
         monkeypatch.setenv("UCX_NET_DEVICES", net.outer)
-        proc, target, _ = start(["--data-plane=ucx", "--data-plane-push=true"],
+        proc, target, mport = start(["--data-plane=ucx", "--data-plane-push=true"],
                                 log=tmp_path / "attnd.log")
         _black_hole(net)
 
@@ -141,6 +151,28 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
               f"{layer_s:.2f} s")
         for r in replies.values():
             stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=r.plane), timeout=30)
+
+        # A caller that allows 2 s (the C++ client's probe) is answered within them: the server
+        # gives up on the worker by 3/4 of the caller's time, with a plane the caller pulls from.
+        request = pb.ConnectDataPlaneRequest(input_bytes=1 << 20, output_bytes=1 << 20,
+                                             worker_address=address)
+        t0 = time.monotonic()
+        quick = stub.ConnectDataPlane(request, timeout=2.0)
+        quick_s = time.monotonic() - t0
+        assert not quick.pushes_outputs and quick.plane and 1.0 < quick_s < 2.0, (quick, quick_s)
+        stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=quick.plane), timeout=30)
+        assert _metric(mport, "attnd_data_plane_planes") == 0
+        # A caller that gives up before its plane is ready leaves none behind: the server closes
+        # the plane it was making (else it would stand idle ten minutes against the limits).
+        pending = stub.ConnectDataPlane.future(request)  # no deadline: the 5 s limit
+        time.sleep(0.5)
+        pending.cancel()
+        cancelled = 'attnd_rpc_requests_total{code="CANCELLED",method="ConnectDataPlane"}'
+        wait_for(lambda: _metric(mport, cancelled) == 1, "the handshake given up on ends",
+                 timeout_s=CONNECT_LIMIT_S + 5)
+        wait_for(lambda: _metric(mport, "attnd_data_plane_planes") == 0,
+                 "the plane of the handshake given up on is closed")
+        print(f"a caller allowing 2 s answered in {quick_s:.2f} s")
 
         # A server asked to stop while such handshakes are under way stops within the limit
         # (they are answered; nothing waits on the kernel's retries).
