@@ -5,9 +5,11 @@
 #include <poll.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <future>
+#include <initializer_list>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -21,26 +23,37 @@ absl::Status UcxError(const char* what, ucs_status_t s) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(s)));
 }
 
-// Whether UCX_TLS's value `tls` lets UCX pick transport `name` ("all", a list naming it, or a
-// "^" list of exclusions not naming it).
-bool MayUse(const std::string& tls, const std::string& name) {
+// Whether UCX_TLS's value `tls` lets UCX pick any of the transports `names` ("all", a list
+// naming one, or a "^" list of exclusions naming none).
+bool MayUse(const std::string& tls, std::initializer_list<const char*> names) {
   if (tls == "all") return true;
-  const bool named = tls.find(name) != std::string::npos;
+  const bool named = std::any_of(names.begin(), names.end(),
+                                 [&](const char* n) { return tls.find(n) != std::string::npos; });
   return tls[0] == '^' ? !named : named;
 }
 
-// attnd's defaults for what UCX reads from the environment, where the operator set nothing:
-// endpoints detect a dead peer (UCP_ERR_HANDLING_MODE_PEER), which drops the shared-memory
-// transports unless their error handling is on. Set only when UCX_TLS may pick them (UCX warns,
-// on stdout, about a variable no transport reads).
-void DefaultEnvironment() {
-  const std::string tls = UcxTransports();
-  if (tls == "all" || tls.find("sm") != std::string::npos ||
-      tls.find("posix") != std::string::npos || tls.find("sysv") != std::string::npos) {
-    setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
-    setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
-  }
-}
+// attnd's settings for UCX where the operator set none of `set_by` in the environment: given to
+// each worker's context (ucp_config_modify), never written to the process's environment (which
+// the client library shares with its host program, and child processes inherit). Each only where
+// UCX_TLS may pick one of `transports` (UCX warns about a setting no transport took).
+struct Default {
+  std::initializer_list<const char*> set_by;
+  const char* key;  // UCX's name for the setting, without the transport's own prefix
+  const char* value;
+  std::initializer_list<const char*> transports;
+};
+const Default kDefaults[] = {
+    // Endpoints detect a dead peer (UCP_ERR_HANDLING_MODE_PEER), which drops the shared-memory
+    // transports unless their error handling is on.
+    {{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING"},
+     "MM_ERROR_HANDLING",
+     "y",
+     {"sm", "shm", "posix", "sysv"}},
+    // TCP connects without blocking: UCX 1.13's default blocks in connect() inside
+    // ucp_ep_create, on the progress thread, until the kernel gives up on a peer that never
+    // answers (two minutes with Linux's SYN retries), and no Connect limit of ours would hold.
+    {{"UCX_TCP_CONN_NB"}, "CONN_NB", "y", {"tcp"}},
+};
 
 // How long the progress thread polls after activity before it sleeps on the worker's event fd:
 // a message that follows soon is picked up without a wakeup (ATTND_UCX_SPIN_US, default 50).
@@ -98,7 +111,6 @@ std::string UcxTransports() {
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& name,
                                                              std::map<uint16_t, Handler> handlers,
                                                              const std::string& devices) {
-  DefaultEnvironment();
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
@@ -108,15 +120,17 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const std::string& 
       ucp_config_release(config);
       return UcxError("UCX network devices", s);
     }
-  // TCP connects without blocking (UCX 1.13's default blocks in connect() inside ucp_ep_create,
-  // on the progress thread, until the kernel gives up on a peer that never answers: two minutes
-  // with Linux's SYN retries), so that a Connect's own limit holds. The operator's setting wins.
-  // Set only when UCX_TLS may pick TCP (UCX warns about a setting no transport took).
-  if (getenv("UCX_TCP_CONN_NB") == nullptr && MayUse(UcxTransports(), "tcp"))
-    if (ucs_status_t s = ucp_config_modify(config, "CONN_NB", "y"); s != UCS_OK) {
+  const std::string tls = UcxTransports();
+  for (const Default& d : kDefaults) {
+    if (std::any_of(d.set_by.begin(), d.set_by.end(),
+                    [](const char* v) { return getenv(v) != nullptr; }) ||
+        !MayUse(tls, d.transports))
+      continue;
+    if (ucs_status_t s = ucp_config_modify(config, d.key, d.value); s != UCS_OK) {
       ucp_config_release(config);
-      return UcxError("UCX TCP connection mode", s);
+      return UcxError(absl::StrCat("UCX setting ", d.key).c_str(), s);
     }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   // Active messages only, never RMA: with UCP_FEATURE_RMA a peer's put through UCX's own API,

@@ -10,8 +10,9 @@
 // (docs/data-plane.md).
 //
 // UCX's environment works as UCX users expect (UCX_TLS, UCX_NET_DEVICES, ...). Where the
-// operator set nothing, UCX_POSIX_ERROR_HANDLING / UCX_SYSV_ERROR_HANDLING are y (endpoints
-// detect a dead peer, and shared memory stays among the transports with that on). UCX logs to
+// operator set nothing, each worker's context turns on the shared-memory transports' error
+// handling (endpoints detect a dead peer, and shared memory stays among the transports with that
+// on) and TCP's non-blocking connect; the process's environment is left as it was. UCX logs to
 // stdout unless UCX_LOG_FILE says otherwise, or the process routed its lines (the server does:
 // transport/ucx_log.h).
 #pragma once

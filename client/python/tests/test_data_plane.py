@@ -92,6 +92,28 @@ def test_a_server_with_the_plane_on_warns_that_ucx_trusts_its_peers(tmp_path):
         assert ("outputs pushed)" in text) == ("--data-plane-push=true" in flags), text
 
 
+def test_the_plane_library_leaves_the_processs_environment_alone():
+    """The client library lives in its host program's process: its UCX settings (shared-memory
+    error handling, TCP's non-blocking connect) go to its own UCX context, never into the
+    environment, which the program's other UCX users and its child processes would read."""
+    code = textwrap.dedent("""
+        import ctypes
+        from attnd.data_plane import _load
+        lib, err = _load(), ctypes.create_string_buffer(512)
+        assert lib.attnd_plane_create(1 << 20, err, len(err)), err.value
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_char_p
+        print("set:", [v for v in ("UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING",
+                                   "UCX_TCP_CONN_NB") if libc.getenv(v.encode())])
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "set: []" in out.stdout, out.stdout
+
+
 def test_ucxs_own_lines_reach_the_servers_log_as_its_own(tmp_path, monkeypatch):
     """UCX prints plain text to stdout, where the serving line is read (JSON objects under
     --log-format=json): attnd routes UCX's lines into its own log (transport/ucx_log.h).
