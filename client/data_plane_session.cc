@@ -52,12 +52,14 @@ absl::StatusOr<std::unique_ptr<DataPlaneSession>> DataPlaneSession::Connect(
   req.set_input_bytes(bytes);
   req.set_output_bytes(bytes);
   req.set_worker_address(s->ends_->address());  // outputs are then sent as soon as built
+  req.set_sends_keepalives(true);
   v1::ConnectDataPlaneResponse resp;
   if (absl::Status st = FromGrpc(stub->ConnectDataPlane(&ctx, req, &resp)); !st.ok()) return st;
   if (absl::Status st = s->ends_->Attach(resp.plane_id(), resp.token(), resp.worker_address(),
                                          bytes, resp.pushes_outputs());
       !st.ok())
     return st;
+  if (resp.keepalive_ms() > 0) s->ends_->KeepAlive(absl::Milliseconds(resp.keepalive_ms()));
   s->plane_ = resp.plane();
   s->input_region_ = resp.input_region();
   s->output_region_ = resp.output_region();

@@ -56,5 +56,5 @@ if [ "$WHICH" = tsan ] || [ "$WHICH" = all ]; then
   build_tsan
   echo "sanitize: TSan: the engine's and the service's concurrency tests, the data plane's threads"
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp" \
-    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers|DiskTier|UcxPlane|UcxPush'
+    ctest --test-dir build-tsan --output-on-failure -j 1 -R 'EngineState|EngineHardening|EngineDevices|EngineConcurrency|ServiceConcurrency|ThreadPool|Tiers|DiskTier|UcxPlane|UcxPush|UcxKeepalive'
 fi

@@ -35,6 +35,7 @@ void AttentionService::StartConnectDataPlane(const Caller& caller,
   options_.data_plane->Connect(
       caller.tenant, req.input_bytes(), req.output_bytes(),
       static_cast<int>(std::min<int64_t>(quota, 1 << 20)), req.worker_address(),
+      req.sends_keepalives(),
       [resp, finish = std::move(finish)](absl::StatusOr<transport::UcxPlane::Connection> c) {
         if (!c.ok()) return finish(c.status());
         resp->set_plane(c->name);
@@ -44,6 +45,7 @@ void AttentionService::StartConnectDataPlane(const Caller& caller,
         resp->set_input_region(c->input_region);
         resp->set_output_region(c->output_region);
         resp->set_pushes_outputs(c->pushes);
+        resp->set_keepalive_ms(absl::ToInt64Milliseconds(c->keepalive));
         finish(absl::OkStatus());
       },
       wire_limit);

@@ -367,6 +367,11 @@ std::vector<Flag> Table(ServerFlags* f) {
        "how long a layer call waits for its inputs to land and its\noutput to be delivered "
        "(default 2000)",
        Limit(&f->data_plane_timeout_ms)},
+      {"data-plane-keepalive-ms", "N",
+       "clients that offer keepalives send one this often, and a plane\nsilent three times as "
+       "long (its client died) is closed at the\nnext handshake (default 5000; 0: none asked, "
+       "planes close\nafter ten idle minutes)",
+       Int(&f->data_plane_keepalive_ms)},
       {"data-plane-push", "true|false",
        "send each output to the client as soon as it is built, on an\nendpoint to the worker "
        "address the client gave (default false:\nclients pull outputs once the reply names "
@@ -636,6 +641,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return bad("--data-plane-region-bytes: from 4096 to 17179869184");
   if (f.data_plane_max_planes < 1 || f.data_plane_max_planes > 4096)
     return bad("--data-plane-max-planes: from 1 to 4096");
+  if (f.data_plane_keepalive_ms != 0 &&
+      (f.data_plane_keepalive_ms < 100 || f.data_plane_keepalive_ms > 3600000))
+    return bad("--data-plane-keepalive-ms: 0, or from 100 to 3600000");
   if (f.kv_events.empty() && !f.kv_events_replay.empty())
     return bad("--kv-events-replay needs --kv-events");
   if (f.disk_cache_dir.empty() != (f.disk_cache_bytes == 0))

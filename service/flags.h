@@ -80,9 +80,10 @@ struct ServerFlags {
   std::string data_plane = "off";
   int64_t data_plane_region_bytes = int64_t{256} << 20;  // each region of a plane, at most
   int32_t data_plane_max_planes = 64;
-  int64_t data_plane_timeout_ms = 2000;  // an input's landing, an output's delivery
-  bool data_plane_without_tls = false;   // with TLS on: allow the (unencrypted) plane anyway
-  bool data_plane_push = false;          // outputs sent as built to clients that gave their address
+  int64_t data_plane_timeout_ms = 2000;    // an input's landing, an output's delivery
+  bool data_plane_without_tls = false;     // with TLS on: allow the (unencrypted) plane anyway
+  int64_t data_plane_keepalive_ms = 5000;  // clients that offer keepalives send one this often
+  bool data_plane_push = false;  // outputs sent as built to clients that gave their address
   // Per-tenant quotas (0 = none); the token file may override them per tenant.
   int64_t quota_pages = 0;
   int64_t quota_sequences = 0;

@@ -364,6 +364,7 @@ class Server {
       po.max_region_bytes = flags_.data_plane_region_bytes;
       po.transfer_timeout = absl::Milliseconds(flags_.data_plane_timeout_ms);
       po.push = flags_.data_plane_push;
+      po.keepalive = absl::Milliseconds(flags_.data_plane_keepalive_ms);
       // UCX's own lines into this log, bounded, rather than plain text on stdout
       // (transport/ucx_log.h); UCX_LOG_FILE keeps UCX's printer.
       transport::RouteUcxLogs([](transport::UcxLogLevel level, const std::string& line) {

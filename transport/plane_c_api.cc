@@ -81,6 +81,10 @@ void attnd_plane_give_output(attnd_plane* p, int64_t offset) {
 uint64_t attnd_plane_next_transfer(attnd_plane* p) { return p->client->NextTransfer(); }
 void attnd_plane_want(attnd_plane* p, uint64_t transfer) { p->client->Want(transfer); }
 
+void attnd_plane_keepalive(attnd_plane* p, int64_t period_ms) {
+  if (period_ms > 0) p->client->KeepAlive(absl::Milliseconds(period_ms));
+}
+
 attnd_plane_send* attnd_plane_put(attnd_plane* p, const void* const* pieces, const size_t* lengths,
                                   size_t n, int64_t offset, uint64_t transfer) {
   std::vector<attnd::transport::UcxWorker::Piece> v;

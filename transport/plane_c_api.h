@@ -33,6 +33,9 @@ int attnd_plane_attach(attnd_plane* p, uint64_t plane_id, const char* token, siz
 int attnd_plane_attach_with(attnd_plane* p, uint64_t plane_id, const char* token, size_t token_len,
                             const char* server_address, size_t address_len, int64_t input_bytes,
                             int pushes_outputs, char* err, size_t errlen);
+/* After attaching: says to the server every period_ms (the reply's keepalive_ms, when the request
+ * offered sends_keepalives) that this end lives. */
+void attnd_plane_keepalive(attnd_plane* p, int64_t period_ms);
 /* Space in the server's input region / the output region for one call: an offset, or -1 when
  * it does not fit now. */
 int64_t attnd_plane_take_input(attnd_plane* p, int64_t bytes);

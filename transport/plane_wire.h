@@ -32,7 +32,8 @@ struct ToClientHeader {
 };
 // Header of kPull, sent with UCX's reply flag: the server answers on the endpoint the message
 // came by (a plane that does not push never makes one from the client's address, which UCX does
-// not validate).
+// not validate). Transfer 0 (no output has it), sent without the flag, is a keepalive: the
+// client lives (UcxPlaneClient::KeepAlive), nothing is answered.
 struct PullHeader {
   uint64_t plane = 0;
   uint8_t token[kTokenBytes] = {};

@@ -114,6 +114,10 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
     auto it = planes_.find(h.plane);
     if (it != planes_.end() && SameToken(h.token, it->second->token)) s = it->second;
   }
+  if (s != nullptr && h.transfer == 0) {  // a keepalive: its client lives
+    s->Touch();
+    return;
+  }
   if (s == nullptr || m.reply_ep == nullptr || m.worker == nullptr) {
     refused_.fetch_add(1);
     return;  // not this plane's, or no way to answer: dropped
@@ -146,10 +150,13 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
 
 std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
   std::vector<std::shared_ptr<State>> idle;
-  const int64_t cutoff = absl::ToUnixNanos(absl::Now() - options_.idle_timeout);
+  const absl::Time now = absl::Now();
   for (auto it = planes_.begin(); it != planes_.end();) {
     // A stalled worker's client is gone (it died mid-message), and so is one whose push
-    // endpoint failed: nothing will arrive any more.
+    // endpoint failed, or that sends keepalives and missed three: nothing will arrive any more.
+    const absl::Duration keepalive = it->second->keepalive;
+    const int64_t cutoff = absl::ToUnixNanos(
+        now - (keepalive > absl::ZeroDuration() ? 3 * keepalive : options_.idle_timeout));
     if (it->second->last_used.load(std::memory_order_relaxed) < cutoff ||
         it->second->worker->stalled() || !it->second->Lost().ok()) {
       idle.push_back(it->second);
@@ -184,7 +191,7 @@ struct UcxPlane::Reservation {
 
 absl::StatusOr<std::shared_ptr<UcxPlane::State>> UcxPlane::Prepare(
     const std::string& tenant, int64_t input_bytes, int64_t output_bytes, int tenant_limit,
-    const std::string& client_address, std::shared_ptr<Reservation>* reserved) {
+    const std::string& client_address, bool keepalives, std::shared_ptr<Reservation>* reserved) {
   for (const auto& [what, v, lo] : {std::tuple{"input_bytes", input_bytes, int64_t{1}},
                                     std::tuple{"output_bytes", output_bytes, int64_t{0}}})
     if (v < lo || v > options_.max_region_bytes)
@@ -244,6 +251,7 @@ absl::StatusOr<std::shared_ptr<UcxPlane::State>> UcxPlane::Prepare(
   (*reserved)->tenant = tenant;
   s->name = absl::StrCat("ucx-", s->id);
   s->tenant = tenant;
+  if (keepalives) s->keepalive = options_.keepalive;
   s->token = RandomToken();
   const uint64_t id = s->id;
   ASSIGN_OR_RETURN(s->worker,
@@ -278,8 +286,9 @@ UcxPlane::Connection UcxPlane::Publish(const std::shared_ptr<State>& s, Reservat
   s->Touch();
   // Built before the plane is published: from then on a Close (or another handshake's reaping)
   // may stop its worker at any moment.
-  Connection c{s->name,          s->id,          s->token, s->worker->address(), s->name + ".in",
-               s->name + ".out", s->push_ep != 0};
+  Connection c{
+      s->name,          s->id,           s->token,    s->worker->address(), s->name + ".in",
+      s->name + ".out", s->push_ep != 0, s->keepalive};
   {
     std::lock_guard<std::mutex> lock(mu_);
     reserved.Release();
@@ -290,11 +299,11 @@ UcxPlane::Connection UcxPlane::Publish(const std::shared_ptr<State>& s, Reservat
 }
 
 void UcxPlane::Connect(const std::string& tenant, int64_t input_bytes, int64_t output_bytes,
-                       int tenant_limit, const std::string& client_address, Connected done,
-                       absl::Duration wire_limit) {
+                       int tenant_limit, const std::string& client_address, bool keepalives,
+                       Connected done, absl::Duration wire_limit) {
   std::shared_ptr<Reservation> reserved;
-  absl::StatusOr<std::shared_ptr<State>> prepared =
-      Prepare(tenant, input_bytes, output_bytes, tenant_limit, client_address, &reserved);
+  absl::StatusOr<std::shared_ptr<State>> prepared = Prepare(
+      tenant, input_bytes, output_bytes, tenant_limit, client_address, keepalives, &reserved);
   if (!prepared.ok()) return done(prepared.status());
   std::shared_ptr<State> s = *std::move(prepared);
   if (!options_.push || output_bytes == 0 || client_address.empty())
@@ -363,10 +372,11 @@ void UcxPlane::Connect(const std::string& tenant, int64_t input_bytes, int64_t o
 absl::StatusOr<UcxPlane::Connection> UcxPlane::Connect(const std::string& tenant,
                                                        int64_t input_bytes, int64_t output_bytes,
                                                        int tenant_limit,
-                                                       const std::string& client_address) {
+                                                       const std::string& client_address,
+                                                       bool keepalives) {
   std::promise<absl::StatusOr<Connection>> connected;
   std::future<absl::StatusOr<Connection>> outcome = connected.get_future();
-  Connect(tenant, input_bytes, output_bytes, tenant_limit, client_address,
+  Connect(tenant, input_bytes, output_bytes, tenant_limit, client_address, keepalives,
           [&connected](absl::StatusOr<Connection> c) { connected.set_value(std::move(c)); });
   return outcome.get();
 }

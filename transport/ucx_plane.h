@@ -60,6 +60,10 @@ class UcxPlane {
     // Outputs go to clients that gave their worker address as soon as they are built
     // (--data-plane-push); false: every client pulls them (and no client address is parsed).
     bool push = false;
+    // Clients that offer keepalives are told to send one this often, and a plane of such a
+    // client silent three times as long (its process died) is closed at the next handshake
+    // (--data-plane-keepalive-ms). Zero: none asked; planes close when idle_timeout passes.
+    absl::Duration keepalive = absl::Seconds(5);
   };
   // The largest client worker address taken (UCX's are a few hundred bytes to a few KiB).
   static constexpr size_t kMaxClientAddressBytes = 65536;
@@ -72,7 +76,8 @@ class UcxPlane {
     std::string token;                        // kTokenBytes: every message to the server carries it
     std::string server_address;               // the server worker's address
     std::string input_region, output_region;  // "<name>.in", "<name>.out"
-    bool pushes = false;  // outputs are sent unasked (the client's worker was connected)
+    bool pushes = false;       // outputs are sent unasked (the client's worker was connected)
+    absl::Duration keepalive;  // how often the client is to say it lives (0: never)
   };
   // A plane for `tenant`'s client: an input region of input_bytes in server memory, an output
   // region of output_bytes in the client's (0: outputs come back in the reply). INVALID_ARGUMENT
@@ -80,9 +85,11 @@ class UcxPlane {
   // when > 0). `client_address`: the client's worker, which the plane's worker connects to
   // (pushing outputs) when options().push and there are outputs; a client whose worker cannot
   // be reached gets a plane it pulls from. INVALID_ARGUMENT beyond kMaxClientAddressBytes.
+  // `keepalives`: the client offers them (Options::keepalive).
   absl::StatusOr<Connection> Connect(const std::string& tenant, int64_t input_bytes,
                                      int64_t output_bytes, int tenant_limit,
-                                     const std::string& client_address = "");
+                                     const std::string& client_address = "",
+                                     bool keepalives = false);
   // The same without waiting for the client's worker: `done` runs once with the outcome, on the
   // calling thread unless the plane connects to the client's worker, then on the plane's
   // progress thread (wired up or failed) or the plane's timer (not wired up within
@@ -90,7 +97,7 @@ class UcxPlane {
   // block. Handshakes under way hold this object's destruction until they end.
   using Connected = std::function<void(absl::StatusOr<Connection>)>;
   void Connect(const std::string& tenant, int64_t input_bytes, int64_t output_bytes,
-               int tenant_limit, const std::string& client_address, Connected done,
+               int tenant_limit, const std::string& client_address, bool keepalives, Connected done,
                absl::Duration wire_limit = UcxWorker::kConnectLimit);
   // NOT_FOUND unless `tenant` holds plane `name`. Calls using it finish first (they hold it).
   absl::Status Close(const std::string& tenant, const std::string& name);
@@ -128,15 +135,16 @@ class UcxPlane {
 
  private:
   explicit UcxPlane(const Options& options) : options_(options) {}
-  // Closes planes idle beyond options_.idle_timeout, whose worker stalled or whose endpoint to
-  // their client failed (mu_ held); returns them to shut outside.
+  // Closes planes idle beyond options_.idle_timeout (or, of a client that sends keepalives,
+  // silent three of them), whose worker stalled or whose endpoint to their client failed (mu_
+  // held); returns them to shut outside.
   std::vector<std::shared_ptr<State>> TakeIdle();
   struct Reservation;  // a handshake's place against the limits (ucx_plane.cc)
   // A handshake's plane, checked against the limits (the place it takes in *reserved), its
   // worker made and its regions registered; not yet published.
   absl::StatusOr<std::shared_ptr<State>> Prepare(const std::string& tenant, int64_t input_bytes,
                                                  int64_t output_bytes, int tenant_limit,
-                                                 const std::string& client_address,
+                                                 const std::string& client_address, bool keepalives,
                                                  std::shared_ptr<Reservation>* reserved);
   // Publishes a prepared plane (its place becomes the plane's) and returns what its client needs.
   Connection Publish(const std::shared_ptr<State>& s, Reservation& reserved);

@@ -87,6 +87,15 @@ absl::Status UcxPlaneClient::Attach(uint64_t plane, const std::string& token,
   return absl::OkStatus();
 }
 
+void UcxPlaneClient::KeepAlive(absl::Duration period) {
+  PullHeader h;  // a pull of transfer 0, which names no output: "this end lives"
+  h.plane = plane_;
+  std::memcpy(h.token, token_.data(), kTokenBytes);
+  worker_->Every(period, [this, header = PackHeader(h)] {
+    (void)worker_->Send(endpoint_, kPull, header, nullptr, 0);
+  });
+}
+
 std::shared_ptr<UcxWorker::Pending> UcxPlaneClient::Put(const void* src, size_t n, int64_t offset,
                                                         uint64_t transfer) {
   ToServerHeader h;

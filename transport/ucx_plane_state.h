@@ -47,6 +47,7 @@ struct UcxPlane::State {
   std::unique_ptr<UcxWorker> worker;
   std::shared_ptr<Link> link;
   std::atomic<int64_t> last_used{0};  // absl::Now() in ns at its last message or call
+  absl::Duration keepalive;           // how often its client says it lives (0: it does not)
   // Rendezvous receives into the input region and replies (outputs) under way. One its client
   // stalls never ends (UCX 1.13 cannot cancel it): the plane's worker is then left to the
   // process's exit, and the closed plane still counts against the limits (UcxPlane::closing_).

@@ -202,6 +202,12 @@ void UcxWorker::Post(std::function<void()> fn) {
   ucp_worker_signal(worker_);
 }
 
+void UcxWorker::Every(absl::Duration period, std::function<void()> fn) {
+  Post([this, period = absl::ToChronoNanoseconds(period), fn = std::move(fn)]() mutable {
+    periodic_.push_back({period, std::chrono::steady_clock::now() + period, std::move(fn)});
+  });
+}
+
 void UcxWorker::Run(const std::function<void()>& fn) {
   if (std::this_thread::get_id() == thread_.get_id()) return fn();
   std::promise<void> done;
@@ -230,6 +236,11 @@ void UcxWorker::Loop() {
     bool progressed = !work.empty();
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     const auto now = std::chrono::steady_clock::now();
+    for (Periodic& p : periodic_)
+      if (now >= p.next) {
+        p.fn();
+        p.next = now + p.period;
+      }
     if (progressed) {
       active = now;
       stalled_.store(false, std::memory_order_relaxed);

@@ -178,6 +178,10 @@ class UcxWorker {
     UcxWorker* w_;
   };
 
+  // Runs fn on the progress thread every `period` (to within 100 ms) from now on, until the
+  // worker stops (a client's keepalives: UcxPlaneClient::KeepAlive).
+  void Every(absl::Duration period, std::function<void()> fn);
+
   // Whether the caller is this worker's progress thread.
   bool OnThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
@@ -230,6 +234,12 @@ class UcxWorker {
   // Progress-thread state.
   std::map<uint64_t, std::unique_ptr<Endpoint>> endpoints_;
   std::set<ucp_mem_h> registered_;  // Register'ed and not yet Unregister'ed
+  struct Periodic {
+    std::chrono::steady_clock::duration period;
+    std::chrono::steady_clock::time_point next;
+    std::function<void()> fn;
+  };
+  std::vector<Periodic> periodic_;  // Every's
   uint64_t next_endpoint_ = 1;
   // Work posted from other threads.
   std::atomic<int> busy_{0};       // Busy holders and receives in flight

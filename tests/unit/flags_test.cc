@@ -187,6 +187,8 @@ TEST(Flags, RefusalsSayWhat) {
       {{"--data-plane-region-bytes=100"}, "--data-plane-region-bytes: from 4096"},
       {{"--data-plane-max-planes=0"}, "--data-plane-max-planes: from 1 to 4096"},
       {{"--data-plane-timeout-ms=0"}, "bad value '0' for --data-plane-timeout-ms"},
+      {{"--data-plane-keepalive-ms=50"}, "--data-plane-keepalive-ms: 0, or from 100 to 3600000"},
+      {{"--data-plane-keepalive-ms=-1"}, "bad value '-1' for --data-plane-keepalive-ms"},
   };
   for (const auto& [args, want] : cases) {
     const auto f = Parse(args);

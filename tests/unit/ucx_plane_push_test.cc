@@ -158,7 +158,7 @@ TEST(UcxPush, AClientWhoseWorkerCannotBeReachedGetsAPlaneItPullsFrom) {
       conn = (*server)->Connect("tenant-a", 1 << 20, 1 << 20, 0, gone);
     } else {
       std::promise<absl::StatusOr<UcxPlane::Connection>> answered;
-      (*server)->Connect("tenant-a", 1 << 20, 1 << 20, 0, gone,
+      (*server)->Connect("tenant-a", 1 << 20, 1 << 20, 0, gone, /*keepalives=*/false,
                          [&](absl::StatusOr<UcxPlane::Connection> c) { answered.set_value(c); });
       conn = answered.get_future().get();
     }

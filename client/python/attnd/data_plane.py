@@ -89,6 +89,9 @@ def _load() -> Optional[ctypes.CDLL]:
                 ]:
                     f = getattr(lib, name)
                     f.restype, f.argtypes = res, args
+            if hasattr(lib, "attnd_plane_keepalive"):  # absent before keepalives
+                lib.attnd_plane_keepalive.restype = None
+                lib.attnd_plane_keepalive.argtypes = [c_p, c_i64]
             for name, res, args in [
                 ("attnd_plane_create", c_p, [c_i64, *err]),
                 ("attnd_plane_destroy", None, [c_p]),
@@ -201,6 +204,9 @@ class DataPlane:
             at, n = ctypes.c_void_p(), ctypes.c_size_t()
             lib.attnd_plane_address(self._p, ctypes.byref(at), ctypes.byref(n))
             request.worker_address = ctypes.string_at(at, n.value)
+        # This end then says it lives as often as the reply asks, so that the server closes the
+        # plane soon after this process dies (rather than after ten idle minutes).
+        request.sends_keepalives = hasattr(lib, "attnd_plane_keepalive")
         return request
 
     def _attach(self, reply: pb.ConnectDataPlaneResponse, info: pb.ServerInfoResponse) -> None:
@@ -218,6 +224,8 @@ class DataPlane:
                                         reply.worker_address, len(reply.worker_address),
                                         self._size, err, len(err))
         _check(rc, err, "data plane")
+        if reply.keepalive_ms > 0 and hasattr(lib, "attnd_plane_keepalive"):
+            lib.attnd_plane_keepalive(self._p, reply.keepalive_ms)
         self.name = reply.plane
         self.plane_id, self.server_address = reply.plane_id, reply.worker_address
         self.broken = False  # True once the plane can carry no more calls (see failed)

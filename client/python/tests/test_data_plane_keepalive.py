@@ -1,0 +1,81 @@
+"""Keepalives (docs/data-plane.md): a client's process that dies leaves the server no endpoint of
+its own to fail (a plane the client pulls from answers it only on the endpoints its messages
+arrive by), so its plane used to stand idle ten minutes, its memory taken and counted against
+--data-plane-max-planes: a fleet of workers restarted at once could find every plane taken. The
+clients now offer keepalives in the handshake, and the server closes the plane of one silent for
+three of them when the next client connects."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from attnd import AttndClient
+from attnd.data_plane import find_library
+from attnd.v1 import attention_pb2 as pb
+
+from attnd_process import start, stop
+from attnd_testlib import Harness, expect, scrape
+
+pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
+
+KEEPALIVE_MS = 200
+
+# A worker that connects a plane, says its name, and waits to be killed.
+_WORKER = textwrap.dedent("""
+    import sys
+    from attnd import AttndClient
+    c = AttndClient(sys.argv[1], timeout=30.0)
+    print("plane", c.connect_data_plane(), flush=True)
+    sys.stdin.read()
+""")
+
+
+def _planes(mport: int) -> float:
+    for line in scrape(mport).splitlines():
+        if line.startswith("attnd_data_plane_planes "):
+            return float(line.split()[-1])
+    raise AssertionError("attnd_data_plane_planes is not exposed")
+
+
+def test_the_plane_of_a_killed_worker_closes_at_the_next_handshake(tmp_path):
+    proc, target, mport = start(["--data-plane=ucx", f"--data-plane-keepalive-ms={KEEPALIVE_MS}"],
+                                log=tmp_path / "attnd.log")
+    worker = None
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        worker = subprocess.Popen([sys.executable, "-c", _WORKER, target], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        line = worker.stdout.readline()
+        assert line.startswith("plane "), worker.stderr.read()[-3000:]
+        dead = line.split()[1]
+        with AttndClient(target, timeout=30.0) as c:
+            mine = c.connect_data_plane()  # a live client, idle as long as the dead one
+            assert _planes(mport) == 2
+            worker.send_signal(signal.SIGKILL)
+            worker.wait(timeout=30)
+            time.sleep(8 * KEEPALIVE_MS / 1000)  # past three keepalives, however late a wakeup
+            # Another client connects: the killed worker's plane is closed, the idle one kept.
+            with AttndClient(target, timeout=30.0) as other:
+                other.connect_data_plane()
+                assert _planes(mport) == 2, "the killed worker's plane is still there"
+            expect(grpc.StatusCode.NOT_FOUND, c._call, c._stub.CloseDataPlane,
+                   pb.CloseDataPlaneRequest(plane=dead))
+            # The idle client's plane serves on: a step over it, checked against float64.
+            h = Harness(c, c.info(), seed=3, tag="keepalive")
+            sid = h.open("seq")
+            h.step(c, [(sid, 4)])
+            assert c.data_plane_name == mine
+            h.close_all()
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        stop(proc)
