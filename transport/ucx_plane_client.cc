@@ -91,8 +91,10 @@ void UcxPlaneClient::KeepAlive(absl::Duration period) {
   PullHeader h;  // a pull of transfer 0, which names no output: "this end lives"
   h.plane = plane_;
   std::memcpy(h.token, token_.data(), kTokenBytes);
-  worker_->Every(period, [this, header = PackHeader(h)] {
-    (void)worker_->Send(endpoint_, kPull, header, nullptr, 0);
+  // On the worker's own thread, which stops before the worker goes (and the endpoint, once
+  // disconnected, takes no more sends).
+  worker_->Every(period, [w = worker_.get(), ep = endpoint_, header = PackHeader(h)] {
+    (void)w->Send(ep, kPull, header, nullptr, 0);
   });
 }
 

@@ -338,7 +338,8 @@ absl::StatusOr<uint64_t> UcxWorker::BeginConnect(const std::string& address, End
     uint64_t id;
     void Done(ucs_status_t s) {
       busy.reset();
-      if (s != UCS_OK) w->Disconnect(id);  // on the progress thread: at once
+      // A failed endpoint is closed after UCX's callback returns (UCX's rule for them).
+      if (s != UCS_OK) w->Post([w = w, id = id] { w->Disconnect(id); });
       wired(id, s == UCS_OK ? absl::OkStatus() : UcxError("data plane connection", s));
     }
   };

@@ -99,8 +99,8 @@ class UcxWorker {
   absl::StatusOr<uint64_t> Connect(const std::string& address, EndpointError on_error);
   // Connect without the wait: returns the endpoint's id once it is made, and `wired` runs once,
   // on the progress thread, with OK when it is wired up, or with the error that ended the try
-  // (the endpoint is closed by then). To give up, Disconnect it (`wired` then runs with an
-  // error). The worker polls until `wired` ran. No limit of its own: the caller keeps one.
+  // (the endpoint is then closed, just after). To give up, Disconnect it (`wired` then runs with
+  // an error). The worker polls until `wired` ran. No limit of its own: the caller keeps one.
   using Wired = std::function<void(uint64_t endpoint, absl::Status)>;
   absl::StatusOr<uint64_t> BeginConnect(const std::string& address, EndpointError on_error,
                                         Wired wired);
