@@ -221,7 +221,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   return c;
 }
 
-Client::~Client() { RetirePlane(plane_); }
+Client::~Client() {
+  // A probe under way ends within its bounds (2 s a call, the UCX connect's 5 s).
+  if (plane_probe_.joinable()) plane_probe_.join();
+  RetirePlane(plane_);
+}
 
 void Client::Authorize(grpc::ClientContext* ctx) const {
   for (const auto& [k, v] : metadata_) ctx->AddMetadata(k, v);

@@ -106,9 +106,10 @@ struct ConnectOptions {
   // > 0: the channel reconnects after a failure this soon, backing off to 20x (gRPC's default
   // starts at 1 s and grows to 120 s: long for replicas that come back at once).
   int64_t reconnect_backoff_ms = 0;
-  // The UCX data plane (docs/data-plane.md): "auto" connects one at the first layer call when
-  // the server offers it and sends tensors through it (gRPC bytes otherwise, and for any call
-  // the plane's regions cannot take at the moment); "off" never does.
+  // The UCX data plane (docs/data-plane.md): "auto" connects one in the background from the
+  // first layer call on when the server offers it (calls go as gRPC bytes until it is ready)
+  // and sends tensors through it (gRPC bytes otherwise, and for any call the plane's regions
+  // cannot take at the moment); "off" never does.
   std::string data_plane = "auto";
   int64_t data_plane_bytes = int64_t{64} << 20;  // each region (capped by the server's limit)
 };
@@ -180,7 +181,8 @@ class Client {
                                     int64_t bytes);
   absl::Status UnregisterSharedMemory(const std::string& name);
   // The data plane (docs/data-plane.md): connects one now (FAILED_PRECONDITION when the server
-  // offers none). With ConnectOptions.data_plane "auto" the first layer call does this itself.
+  // offers none). With ConnectOptions.data_plane "auto" the first layer call starts this in the
+  // background itself.
   absl::Status ConnectDataPlane();
   // The plane's name ("ucx-3") once connected, else "".
   std::string DataPlaneName() const;
@@ -202,9 +204,11 @@ class Client {
   using Metadata = std::vector<std::pair<std::string, std::string>>;
   Client(std::shared_ptr<grpc::Channel> channel, Metadata metadata, int64_t call_timeout_ms);
   friend class StepStream;
-  // The connected plane, connecting it on first use under "auto" (null: none, send bytes); a
-  // broken one is dropped and a new one connected.
+  // The connected plane (null: none, send bytes); under "auto", a call that finds none (or a
+  // broken one, which is dropped) starts connecting one in the background (ProbePlane).
   std::shared_ptr<DataPlaneSession> Plane() const;
+  // Asks the server for a plane and connects it (plane_probe_'s thread).
+  void ProbePlane() const;
   // Asks the server to close `old` (best effort, 1 s): its memory is freed now rather than after
   // it stood idle. Calls still holding it fail there.
   void RetirePlane(const std::shared_ptr<DataPlaneSession>& old) const;
@@ -220,6 +224,8 @@ class Client {
   // When Plane() may next ask the server for a plane (max: it has none; it was asked).
   mutable std::chrono::steady_clock::time_point plane_next_probe_{};
   mutable bool plane_probing_ = false;  // one probe at a time; other calls send bytes meanwhile
+  mutable int plane_failures_ = 0;      // probes failed in a row (each waits twice as long)
+  mutable std::thread plane_probe_;     // the last probe's thread (joined by the next, or ~Client)
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and

@@ -57,8 +57,17 @@ absl::StatusOr<std::unique_ptr<DataPlaneSession>> DataPlaneSession::Connect(
   if (absl::Status st = FromGrpc(stub->ConnectDataPlane(&ctx, req, &resp)); !st.ok()) return st;
   if (absl::Status st = s->ends_->Attach(resp.plane_id(), resp.token(), resp.worker_address(),
                                          bytes, resp.pushes_outputs());
-      !st.ok())
+      !st.ok()) {
+    // This end cannot reach the server's (its UCX port out of reach): the plane the server made
+    // is closed now rather than left to stand silent until it is reaped.
+    grpc::ClientContext close_ctx;
+    prepare(&close_ctx);
+    v1::CloseDataPlaneRequest close;
+    close.set_plane(resp.plane());
+    v1::CloseDataPlaneResponse closed;
+    (void)stub->CloseDataPlane(&close_ctx, close, &closed);
     return st;
+  }
   if (resp.keepalive_ms() > 0) s->ends_->KeepAlive(absl::Milliseconds(resp.keepalive_ms()));
   s->plane_ = resp.plane();
   s->input_region_ = resp.input_region();

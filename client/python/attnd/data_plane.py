@@ -125,6 +125,13 @@ def _check(rc: int, err: ctypes.Array, what: str) -> None:
         raise AttndError(code, f"{what}: {err.value.decode(errors='replace')}")
 
 
+def retry_in(failures: int) -> float:
+    """Seconds before asking again for a plane after `failures` failed probes in a row: 10,
+    twice as long after each failure, at most ten minutes (a server whose UCX is out of reach
+    is not asked every 10 s for good)."""
+    return min(10.0 * 2 ** min(failures, 6), 600.0)
+
+
 class _Call:
     """One layer call's use of the plane: what to wait for and give back."""
 
@@ -165,7 +172,18 @@ class DataPlane:
     def __init__(self, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
                  timeout: Optional[float] = None, local: bool = False) -> None:
         request = self._create(info, region_bytes, local)
-        self._attach(stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout), info)
+        reply = stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout)
+        try:
+            self._attach(reply, info)
+        except BaseException:
+            # This end cannot reach the server's (its UCX port out of reach): the plane the
+            # server made is closed now rather than left to stand silent until it is reaped.
+            try:
+                stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=reply.plane),
+                                    metadata=metadata, timeout=1.0)
+            except (grpc.RpcError, ValueError):
+                pass
+            raise
 
     @classmethod
     async def connect_async(cls, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
@@ -174,7 +192,15 @@ class DataPlane:
         plane = cls.__new__(cls)
         request = plane._create(info, region_bytes, local)
         reply = await stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout)
-        plane._attach(reply, info)
+        try:
+            plane._attach(reply, info)
+        except BaseException:
+            try:  # as __init__ does
+                await stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=reply.plane),
+                                          metadata=metadata, timeout=1.0)
+            except (grpc.RpcError, ValueError):
+                pass
+            raise
         return plane
 
     def _create(self, info: pb.ServerInfoResponse, region_bytes: int,
@@ -416,6 +442,7 @@ class PlaneUse(_PlaneHolder):
         self._plane_lock = threading.Lock()
         self._plane_obj: Optional[DataPlane] = None
         self._plane_next_probe = 0.0  # when _plane may next ask (inf: it asked)
+        self._plane_failures = 0  # probes failed in a row (each waits twice as long)
 
     def _close_plane(self) -> None:
         with self._plane_lock:
@@ -487,9 +514,11 @@ class PlaneUse(_PlaneHolder):
                                          timeout=2.0)
             if "ucx" in info.data_plane.planes and self._plane_mode == "auto":
                 self.connect_data_plane()
+                self._plane_failures = 0
         except (AttndError, grpc.RpcError, ValueError):  # ValueError: the channel closed
             with self._plane_lock:
-                self._plane_next_probe = time.monotonic() + 10.0  # ask again later
+                self._plane_next_probe = time.monotonic() + retry_in(self._plane_failures)
+                self._plane_failures += 1
         if self._plane_mode != "auto":  # closed meanwhile
             self._close_plane()
 
@@ -534,6 +563,7 @@ class AsyncPlaneUse(_PlaneHolder):
         self._plane_mode, self._plane_bytes = mode, int(region_bytes)
         self._plane_obj: Optional[DataPlane] = None
         self._plane_next_probe = 0.0  # when _plane may next ask (inf: it asked)
+        self._plane_failures = 0  # probes failed in a row (each waits twice as long)
         self._plane_task: Optional[asyncio.Task] = None
         self._plane_retiring: set = set()  # tasks closing broken planes on the server
 
@@ -607,8 +637,10 @@ class AsyncPlaneUse(_PlaneHolder):
                                                timeout=2.0)
             if "ucx" in info.data_plane.planes and self._plane_mode == "auto":
                 await self.connect_data_plane()
+                self._plane_failures = 0
         except (AttndError, grpc.RpcError, ValueError):
-            self._plane_next_probe = time.monotonic() + 10.0  # ask again later
+            self._plane_next_probe = time.monotonic() + retry_in(self._plane_failures)
+            self._plane_failures += 1
         if self._plane_mode != "auto":  # closed meanwhile: what this connected goes too
             plane, self._plane_obj = self._plane_obj, None
             await self._aretire(plane)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from attnd import AsyncAttndClient, AttndClient, AttndError, LayerInputs
-from attnd.data_plane import find_library
+from attnd.data_plane import find_library, retry_in
 from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
 
@@ -112,6 +112,12 @@ def test_the_plane_library_leaves_the_processs_environment_alone():
                          timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "set: []" in out.stdout, out.stdout
+
+
+def test_a_client_asks_again_for_a_plane_ever_less_often():
+    """After failed probes (a server that does not answer, refuses, or whose UCX is out of
+    reach) the clients wait 10 s, twice as long after each failure, at most ten minutes."""
+    assert [retry_in(f) for f in range(8)] == [10, 20, 40, 80, 160, 320, 600, 600]
 
 
 def test_ucxs_own_lines_reach_the_servers_log_as_its_own(tmp_path, monkeypatch):

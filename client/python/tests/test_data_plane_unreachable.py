@@ -4,6 +4,10 @@ network policy that lets gRPC through and not UCX, a host gone) must cost that h
 than the connect's limit, and cost no one else anything: the handshake then hands out a plane the
 client pulls from, and other clients' handshakes and layer calls go on meanwhile.
 
+The other way round, a server whose UCX the client cannot reach costs the client's layer calls
+nothing: they go as bytes while a background probe finds out, and the plane it made on the
+server is closed at once.
+
 The unreachable worker is real: a client worker made in a network namespace (UCX over TCP on the
 namespace's end of a veth pair), whose address the namespace then gives up, so that the server's
 packets to it vanish without an answer (a black hole, not a refusal). Needs root and `ip netns`;
@@ -16,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -26,7 +31,7 @@ from attnd.data_plane import find_library
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc
 
-from attnd_process import start, stop
+from attnd_process import ATTND_BIN, start, stop
 from attnd_testlib import Harness, scrape, wait_for
 
 pytestmark = [
@@ -35,6 +40,7 @@ pytestmark = [
                        reason="needs root and network namespaces (ip netns)"),
 ]
 
+ATTNCTL = ATTND_BIN.parent.parent / "client" / "attnctl"
 CONNECT_LIMIT_S = 5.0  # UcxWorker::Connect's wait for a peer to answer
 HOSTILE = 4  # handshakes naming the black hole at once: more than the server's handshake threads
 
@@ -201,3 +207,68 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
         finally:
             net.close()
 
+
+
+def test_a_server_whose_ucx_cannot_be_reached_costs_the_client_no_layer_call(tmp_path,
+                                                                              monkeypatch):
+    """The other way round: attnd in a network namespace whose gRPC address the client reaches
+    and whose UCX address it does not (frames to it go to a link-layer address nobody has: a
+    network policy that admits gRPC and not UCX). The client's background probe connects a
+    plane on the server, cannot reach the server's worker (the connect's 5 s), closes that plane
+    and asks again only later; its layer calls go as bytes all along, none held by the probe."""
+    net = Netns()
+    proc = None
+    try:
+        grpc_ip = net.inside.rsplit(".", 1)[0] + ".250"  # a second address, for gRPC only
+        _ip("-n", net.name, "addr", "add", f"{grpc_ip}/32", "dev", net.inner)
+        _ip("route", "add", f"{grpc_ip}/32", "dev", net.outer)
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        monkeypatch.setenv("UCX_NET_DEVICES", net.inner)  # the server's: its first address
+        proc, local, mport = start(["--data-plane=ucx", f"--grpc-address={grpc_ip}"],
+                                   wrap=net.run_inside(), log=tmp_path / "attnd.log")
+        target = f"{grpc_ip}:{local.rsplit(':', 1)[1]}"
+        _ip("neigh", "replace", net.inside, "lladdr", "02:00:00:00:00:01", "dev", net.outer,
+            "nud", "permanent")
+        monkeypatch.setenv("UCX_NET_DEVICES", net.outer)  # the client's
+        with AttndClient(target, timeout=30.0) as c:
+            h = Harness(c, c.info(), seed=11, tag="ucx-unreachable")
+            sid = h.open("seq")
+            slowest, t0 = 0.0, time.monotonic()
+            while time.monotonic() - t0 < CONNECT_LIMIT_S + 2:
+                t = time.monotonic()
+                h.step(c, [(sid, 1)])  # checked against float64, as bytes in the message
+                slowest = max(slowest, time.monotonic() - t)
+            assert c.data_plane_name == "", c.data_plane_name
+            assert slowest < 2.0, f"a layer call took {slowest:.2f} s while the plane connected"
+            # The plane the probe made on the server was closed by the client, not left to
+            # stand until reaped.
+            metrics = f"http://{grpc_ip}:{mport}/metrics"
+            rpcs = 'attnd_rpc_requests_total{{code="OK",method="{}DataPlane"}}'
+            wait_for(lambda: _gauge(metrics, rpcs.format("Close")) == 1,
+                     "the client closes the plane it could not reach", timeout_s=5)
+            assert _gauge(metrics, rpcs.format("Connect")) == 1  # one probe: then it waits
+            assert _gauge(metrics, "attnd_data_plane_planes") == 0
+            h.close_all()
+        # The C++ client does the same (attnctl's demo: its layer calls checked against float64
+        # go as bytes; it waits for its probe as it exits).
+        demo = subprocess.run([str(ATTNCTL), f"--target={target}", "demo", "--prompt=300",
+                               "--decode=40"], capture_output=True, text=True, timeout=120)
+        assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+        assert _gauge(metrics, rpcs.format("Connect")) == 2
+        assert _gauge(metrics, rpcs.format("Close")) == 2
+        assert _gauge(metrics, "attnd_data_plane_planes") == 0
+        print(f"slowest layer call {slowest:.3f} s while the probe failed")
+    finally:
+        try:
+            if proc is not None:
+                stop(proc)
+        finally:
+            net.close()
+
+
+def _gauge(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    raise AssertionError(f"{name} is not exposed at {url}")
