@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <array>
 #include <fstream>
 #include <sstream>
 
@@ -301,6 +302,14 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
       "sent).");
   plane_bytes_[0] = &plane_bytes.Add({{"direction", "in"}});
   plane_bytes_[1] = &plane_bytes.Add({{"direction", "out"}});
+  auto& planes_closed = registry->AddCounter(
+      "attnd_data_plane_planes_closed_total",
+      "UCX data planes closed, by reason: closed (by their client), idle (unused ten minutes), "
+      "silent (their client's keepalives stopped: it died), stalled (a message its client "
+      "began never ended), lost (the endpoint to their client failed).");
+  for (int r = 0; r < 5; ++r)
+    planes_closed_[r] = &planes_closed.Add(
+        {{"reason", std::array{"closed", "idle", "silent", "stalled", "lost"}[r]}});
   plane_refused_ = &registry
                         ->AddCounter("attnd_data_plane_refused_messages_total",
                                      "UCX messages dropped: unknown plane, wrong secret, "
@@ -407,6 +416,9 @@ void ServiceMetrics::Refresh() {
     CatchUp(plane_bytes_[0], static_cast<double>(dp->bytes_in()));
     CatchUp(plane_bytes_[1], static_cast<double>(dp->bytes_out()));
     CatchUp(plane_refused_, static_cast<double>(dp->refused_messages()));
+    const transport::UcxPlane::ClosedCounts c = dp->closed_counts();
+    const int64_t closed[] = {c.closed, c.idle, c.silent, c.stalled, c.lost};
+    for (int r = 0; r < 5; ++r) CatchUp(planes_closed_[r], static_cast<double>(closed[r]));
     CatchUp(ucx_log_held_, static_cast<double>(transport::UcxLogLinesSuppressed()));
   }
   if (const KvEventPublisher* ev = kv_events_.load()) {

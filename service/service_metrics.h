@@ -134,7 +134,8 @@ class ServiceMetrics {
   metrics::Gauge* planes_;
   metrics::Counter* plane_bytes_[2];  // in, out
   metrics::Counter* plane_refused_;
-  metrics::Counter* ucx_log_held_;  // transport::UcxLogLinesSuppressed
+  metrics::Counter* planes_closed_[5];  // closed, idle, silent, stalled, lost
+  metrics::Counter* ucx_log_held_;      // transport::UcxLogLinesSuppressed
   metrics::Gauge* calls_waiting_;
   // process_*
   metrics::Gauge* rss_;

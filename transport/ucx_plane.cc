@@ -157,8 +157,16 @@ std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
     const absl::Duration keepalive = it->second->keepalive;
     const int64_t cutoff = absl::ToUnixNanos(
         now - (keepalive > absl::ZeroDuration() ? 3 * keepalive : options_.idle_timeout));
-    if (it->second->last_used.load(std::memory_order_relaxed) < cutoff ||
-        it->second->worker->stalled() || !it->second->Lost().ok()) {
+    const bool quiet = it->second->last_used.load(std::memory_order_relaxed) < cutoff;
+    int64_t* why = nullptr;  // the count it goes to, if it goes
+    if (!it->second->Lost().ok())
+      why = &closed_.lost;
+    else if (it->second->worker->stalled())
+      why = &closed_.stalled;
+    else if (quiet)
+      why = keepalive > absl::ZeroDuration() ? &closed_.silent : &closed_.idle;
+    if (why != nullptr) {
+      ++*why;
       idle.push_back(it->second);
       closing_.push_back(it->second);
       it = planes_.erase(it);
@@ -390,6 +398,7 @@ absl::Status UcxPlane::Close(const std::string& tenant, const std::string& name)
         s = it->second;
         closing_.push_back(s);
         planes_.erase(it);
+        ++closed_.closed;
         break;
       }
   }
@@ -437,6 +446,11 @@ absl::StatusOr<std::shared_ptr<const Region>> UcxPlane::Resolve(const std::strin
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": [", offset, ", +", size, ") lies outside ", name, " (", bytes, " bytes)"));
   return PlaneRegion(std::move(s), name, in);
+}
+
+UcxPlane::ClosedCounts UcxPlane::closed_counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
 }
 
 int UcxPlane::num_planes() const {

@@ -117,6 +117,13 @@ class UcxPlane {
   int planes_of(const std::string& tenant) const;
   // Messages dropped: unknown plane, wrong secret, malformed header.
   int64_t refused_messages() const { return refused_.load(); }
+  // Planes closed, by why: their client closed them (or gave up on the handshake), they stood
+  // idle, their client stopped its keepalives, their worker stalled, their endpoint to the
+  // client failed.
+  struct ClosedCounts {
+    int64_t closed = 0, idle = 0, silent = 0, stalled = 0, lost = 0;
+  };
+  ClosedCounts closed_counts() const;
   // Bytes landed in input regions, and sent from outputs to their clients.
   int64_t bytes_in() const { return bytes_in_.load(); }
   int64_t bytes_out() const { return bytes_out_->load(); }
@@ -159,6 +166,7 @@ class UcxPlane {
   std::vector<std::weak_ptr<State>> closing_;  // closed planes, until no receive of theirs is on
   uint64_t next_id_ = 1;
   std::atomic<int64_t> refused_{0};
+  ClosedCounts closed_;  // mu_
   std::atomic<int64_t> bytes_in_{0};
   // Shared with the planes, which count the outputs they push (a plane may outlive this).
   std::shared_ptr<std::atomic<int64_t>> bytes_out_ = std::make_shared<std::atomic<int64_t>>(0);

@@ -60,6 +60,9 @@ TEST(UcxKeepalive, APlaneWhoseClientStoppedSayingItLivesIsClosedAtTheNextHandsha
   // The next handshake closes the silent plane, and only it.
   End next = ConnectEnd(**server, false);
   EXPECT_EQ((*server)->num_planes(), 3);
+  const UcxPlane::ClosedCounts closed = (*server)->closed_counts();
+  EXPECT_EQ(closed.silent, 1);
+  EXPECT_EQ(closed.idle + closed.closed + closed.stalled + closed.lost, 0);
   EXPECT_EQ((*server)->Close("tenant-a", dying.conn.name).code(), absl::StatusCode::kNotFound);
   uint64_t seed = 40;
   for (End* e : {&live, &quiet, &next}) ExpectServes(**server, *e, ++seed);
@@ -76,6 +79,9 @@ TEST(UcxKeepalive, AServerThatAsksForNoneTellsClientsToSendNone) {
   End next = ConnectEnd(**server, true);
   EXPECT_EQ((*server)->num_planes(), 2);
   ExpectServes(**server, e, 7);
+  ASSERT_TRUE((*server)->Close("tenant-a", next.conn.name).ok());
+  EXPECT_EQ((*server)->closed_counts().closed, 1);
+  EXPECT_EQ((*server)->closed_counts().silent, 0);
 }
 
 }  // namespace

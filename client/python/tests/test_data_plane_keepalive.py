@@ -67,6 +67,8 @@ def test_the_plane_of_a_killed_worker_closes_at_the_next_handshake(tmp_path):
             with AttndClient(target, timeout=30.0) as other:
                 other.connect_data_plane()
                 assert _planes(mport) == 2, "the killed worker's plane is still there"
+                assert 'attnd_data_plane_planes_closed_total{reason="silent"} 1' in \
+                    scrape(mport)
             expect(grpc.StatusCode.NOT_FOUND, c._call, c._stub.CloseDataPlane,
                    pb.CloseDataPlaneRequest(plane=dead))
             # The idle client's plane serves on: a step over it, checked against float64.
