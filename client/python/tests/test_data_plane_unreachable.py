@@ -107,12 +107,12 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
         stub = attention_pb2_grpc.AttentionStub(channel)
         took, replies, errors = {}, {}, []
 
-        def hostile(i: int) -> None:
+        def hostile(i: int, timeout: float = 60) -> None:
             t0 = time.monotonic()
             try:
                 replies[i] = stub.ConnectDataPlane(pb.ConnectDataPlaneRequest(
                     input_bytes=1 << 20, output_bytes=1 << 20, worker_address=address),
-                    timeout=60)
+                    timeout=timeout)
             except grpc.RpcError as e:  # recorded, asserted below
                 errors.append(e)
             took[i] = time.monotonic() - t0
@@ -170,7 +170,7 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
         assert _metric(mport, "attnd_data_plane_planes") == 0
         # A caller that gives up before its plane is ready leaves none behind: the server closes
         # the plane it was making (else it would stand idle ten minutes against the limits).
-        pending = stub.ConnectDataPlane.future(request)  # no deadline: the 5 s limit
+        pending = stub.ConnectDataPlane.future(request, timeout=3.0)  # the server's limit: 2.25 s
         time.sleep(0.5)
         pending.cancel()
         cancelled = 'attnd_rpc_requests_total{code="CANCELLED",method="ConnectDataPlane"}'
@@ -180,10 +180,10 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
                  "the plane of the handshake given up on is closed")
         print(f"a caller allowing 2 s answered in {quick_s:.2f} s")
 
-        # A server asked to stop while such handshakes are under way stops within the limit
-        # (they are answered; nothing waits on the kernel's retries).
+        # A server asked to stop while such handshakes are under way stops within their limit
+        # (they are answered; nothing waits on the kernel's retries): 3/4 of the 2.4 s given.
         took.clear()
-        threads = [threading.Thread(target=hostile, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=hostile, args=(i, 2.4)) for i in range(2)]
         for t in threads:
             t.start()
         time.sleep(0.5)
@@ -194,7 +194,7 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
         for t in threads:
             t.join(timeout=60)
         assert len(took) == 2, took
-        assert stop_s < CONNECT_LIMIT_S + 3.0, stop_s
+        assert stop_s < 1.8 + 3.0, stop_s
         print(f"stopped in {stop_s:.2f} s with two such handshakes under way")
         channel.close()
     finally:
