@@ -471,10 +471,17 @@ def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def scrape(mport: int) -> str:
+def scrape(mport: int, host: str = "127.0.0.1") -> str:
     """attnd's /metrics text."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{host}:{mport}/metrics", timeout=5) as r:
         return r.read().decode()
+
+
+def sample(text: str, name: str) -> float:
+    """The sum of `name`'s samples in /metrics text `text` (a name with its labels: that sample
+    alone); 0 when there are none."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{")))
 
 
 def layer_inputs(spec, T, rng):

@@ -30,7 +30,7 @@ from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
 
 from attnd_process import ROOT, start, stop
-from attnd_testlib import Harness, bits, scrape
+from attnd_testlib import Harness, bits, sample, scrape
 
 pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
 
@@ -385,10 +385,10 @@ def test_calls_waiting_for_transfers_hold_no_executor_thread():
             for t in threads:
                 t.start()
             deadline = time.monotonic() + 2
-            while (_sample(scrape(mport), "attnd_data_plane_calls_waiting") < 3
+            while (sample(scrape(mport), "attnd_data_plane_calls_waiting") < 3
                    and time.monotonic() < deadline):
                 time.sleep(0.01)
-            assert _sample(scrape(mport), "attnd_data_plane_calls_waiting") == 3
+            assert sample(scrape(mport), "attnd_data_plane_calls_waiting") == 3
             t0 = time.monotonic()
             hb.step(b, [(other, 1)])
             served_in = time.monotonic() - t0
@@ -403,7 +403,7 @@ def test_calls_waiting_for_transfers_hold_no_executor_thread():
             ha.assert_unchanged(stalled)
             ha.assert_serves(stalled)
             hb.assert_serves([other])
-            assert _sample(scrape(mport), "attnd_data_plane_calls_waiting") == 0
+            assert sample(scrape(mport), "attnd_data_plane_calls_waiting") == 0
     finally:
         stop(proc)
 
@@ -506,12 +506,6 @@ def test_the_micro_batch_example_runs_over_the_plane(plane_server):
     assert line.startswith("data plane: ucx-") and "24 layer calls" in line, r.stdout
 
 
-def _sample(text: str, name: str) -> float:
-    """The sum of `name`'s samples (a name with its labels: that sample alone)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{")))
-
-
 def test_the_plane_is_counted_in_the_metrics(plane_harness, plane_server):
     h = plane_harness
     mport = _METRICS[plane_server]
@@ -521,7 +515,7 @@ def test_the_plane_is_counted_in_the_metrics(plane_harness, plane_server):
         c.connect_data_plane()
         sid = h.open("metered")
         h.step(c, [(sid, 4)])
-        assert _sample(scrape(mport), "attnd_data_plane_planes") >= 1
+        assert sample(scrape(mport), "attnd_data_plane_planes") >= 1
         # A second worker that knows the plane's id and the server's address, not its secret.
         plane = c._plane_obj
         lib, err = plane._lib, ctypes.create_string_buffer(256)
@@ -532,16 +526,16 @@ def test_the_plane_is_counted_in_the_metrics(plane_harness, plane_server):
                                       1 << 20, err, len(err)) == 0, err.value
         _put(lib, forger, b"forged" * 100, 0, 5)
         deadline = time.monotonic() + 5
-        while (_sample(scrape(mport), refused) <= _sample(before, refused)
+        while (sample(scrape(mport), refused) <= sample(before, refused)
                and time.monotonic() < deadline):
             time.sleep(0.05)
         lib.attnd_plane_destroy(forger)
     now = scrape(mport)
-    assert _sample(now, 'attnd_data_plane_bytes_total{direction="in"}') > _sample(
+    assert sample(now, 'attnd_data_plane_bytes_total{direction="in"}') > sample(
         before, 'attnd_data_plane_bytes_total{direction="in"}'), now
-    assert _sample(now, 'attnd_data_plane_bytes_total{direction="out"}') > _sample(
+    assert sample(now, 'attnd_data_plane_bytes_total{direction="out"}') > sample(
         before, 'attnd_data_plane_bytes_total{direction="out"}'), now
-    assert _sample(now, refused) == _sample(before, refused) + 1, now
+    assert sample(now, refused) == sample(before, refused) + 1, now
 
 
 def test_a_plane_the_server_no_longer_holds_is_replaced(plane_harness, plane_server):
@@ -582,7 +576,7 @@ def test_the_async_client_moves_its_layers_through_the_plane_with_the_same_bits(
         async with AsyncAttndClient(plane_server, timeout=30.0) as c:
             for k, inputs in enumerate(steps):
                 T = len(inputs[0]["kv_latent"])
-                before = _sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
+                before = sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
                 step = await c.begin_step([(unary, T)])
                 outs[unary].append([await c.attend_layer(step.step_id, LayerInputs(i, **x))
                                     for i, x in enumerate(inputs)])
@@ -590,7 +584,7 @@ def test_the_async_client_moves_its_layers_through_the_plane_with_the_same_bits(
                     await s.begin([(streamed, T)])
                     outs[streamed].append([await s.layer(LayerInputs(i, **x))
                                            for i, x in enumerate(inputs)])
-                moved.append(_sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
+                moved.append(sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
                              - before)
                 if k == 0:  # the background connect, started by the first call
                     deadline = time.monotonic() + 10
@@ -642,14 +636,14 @@ def test_a_failed_async_call_gives_its_space_back_and_a_cancelled_one_retires_th
             while plane._calls and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             # With any of that space still taken these would go as bytes (the counter still).
-            before = _sample(scrape(_METRICS[plane_server]), counter)
+            before = sample(scrape(_METRICS[plane_server]), counter)
             for _ in range(8):
                 step = await c.begin_step([(sid, T)])
                 x = h.inputs(T)
                 outs = [await c.attend_layer(step.step_id, LayerInputs(i, **y))
                         for i, y in enumerate(x)]
                 h.check(outs, h.ref.step([(sid, T)], x), x, "after the failures", 1e-2)
-            after = _sample(scrape(_METRICS[plane_server]), counter)
+            after = sample(scrape(_METRICS[plane_server]), counter)
             assert after - before >= 8 * sum(a.nbytes for a in x[0].values()), (before, after)
             assert c.data_plane_name == first and not plane.broken
             async with c.stream() as s:

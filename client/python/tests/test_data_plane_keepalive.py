@@ -22,7 +22,7 @@ from attnd.data_plane import find_library
 from attnd.v1 import attention_pb2 as pb
 
 from attnd_process import start, stop
-from attnd_testlib import Harness, expect, scrape
+from attnd_testlib import Harness, expect, sample, scrape
 
 pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
 
@@ -39,10 +39,7 @@ _WORKER = textwrap.dedent("""
 
 
 def _planes(mport: int) -> float:
-    for line in scrape(mport).splitlines():
-        if line.startswith("attnd_data_plane_planes "):
-            return float(line.split()[-1])
-    raise AssertionError("attnd_data_plane_planes is not exposed")
+    return sample(scrape(mport), "attnd_data_plane_planes")
 
 
 def test_the_plane_of_a_killed_worker_closes_at_the_next_handshake(tmp_path):
@@ -67,8 +64,8 @@ def test_the_plane_of_a_killed_worker_closes_at_the_next_handshake(tmp_path):
             with AttndClient(target, timeout=30.0) as other:
                 other.connect_data_plane()
                 assert _planes(mport) == 2, "the killed worker's plane is still there"
-                assert 'attnd_data_plane_planes_closed_total{reason="silent"} 1' in \
-                    scrape(mport)
+                assert sample(scrape(mport),
+                              'attnd_data_plane_planes_closed_total{reason="silent"}') == 1
             expect(grpc.StatusCode.NOT_FOUND, c._call, c._stub.CloseDataPlane,
                    pb.CloseDataPlaneRequest(plane=dead))
             # The idle client's plane serves on: a step over it, checked against float64.

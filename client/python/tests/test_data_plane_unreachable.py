@@ -20,7 +20,6 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -32,7 +31,7 @@ from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc
 
 from attnd_process import ATTND_BIN, start, stop
-from attnd_testlib import Harness, scrape, wait_for
+from attnd_testlib import Harness, sample, scrape, wait_for
 
 pytestmark = [
     pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built"),
@@ -74,12 +73,8 @@ def _black_hole(net: Netns) -> None:
     _ip("neigh", "replace", net.inside, "lladdr", mac, "dev", net.outer, "nud", "permanent")
 
 
-def _metric(mport: int, sample: str) -> float:
-    """The value of `sample` (a metric's name and labels as exposed) on /metrics; 0 if absent."""
-    for line in scrape(mport).splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return 0.0
+def _metric(mport: int, name: str, host: str = "127.0.0.1") -> float:
+    return sample(scrape(mport, host), name)
 
 
 def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, monkeypatch):
@@ -242,21 +237,20 @@ def test_a_server_whose_ucx_cannot_be_reached_costs_the_client_no_layer_call(tmp
             assert slowest < 2.0, f"a layer call took {slowest:.2f} s while the plane connected"
             # The plane the probe made on the server was closed by the client, not left to
             # stand until reaped.
-            metrics = f"http://{grpc_ip}:{mport}/metrics"
             rpcs = 'attnd_rpc_requests_total{{code="OK",method="{}DataPlane"}}'
-            wait_for(lambda: _gauge(metrics, rpcs.format("Close")) == 1,
+            wait_for(lambda: _metric(mport, rpcs.format("Close"), grpc_ip) == 1,
                      "the client closes the plane it could not reach", timeout_s=5)
-            assert _gauge(metrics, rpcs.format("Connect")) == 1  # one probe: then it waits
-            assert _gauge(metrics, "attnd_data_plane_planes") == 0
+            assert _metric(mport, rpcs.format("Connect"), grpc_ip) == 1  # one probe: then it waits
+            assert _metric(mport, "attnd_data_plane_planes", grpc_ip) == 0
             h.close_all()
         # The C++ client does the same (attnctl's demo: its layer calls checked against float64
         # go as bytes; it waits for its probe as it exits).
         demo = subprocess.run([str(ATTNCTL), f"--target={target}", "demo", "--prompt=300",
                                "--decode=40"], capture_output=True, text=True, timeout=120)
         assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
-        assert _gauge(metrics, rpcs.format("Connect")) == 2
-        assert _gauge(metrics, rpcs.format("Close")) == 2
-        assert _gauge(metrics, "attnd_data_plane_planes") == 0
+        assert _metric(mport, rpcs.format("Connect"), grpc_ip) == 2
+        assert _metric(mport, rpcs.format("Close"), grpc_ip) == 2
+        assert _metric(mport, "attnd_data_plane_planes", grpc_ip) == 0
         print(f"slowest layer call {slowest:.3f} s while the probe failed")
     finally:
         try:
@@ -265,10 +259,3 @@ def test_a_server_whose_ucx_cannot_be_reached_costs_the_client_no_layer_call(tmp
         finally:
             net.close()
 
-
-def _gauge(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    raise AssertionError(f"{name} is not exposed at {url}")
