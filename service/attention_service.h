@@ -254,6 +254,11 @@ class AttentionService final : public v1::Attention::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Posted(grpc::CallbackServerContext* ctx, const char* method, Fn fn,
                                    Executor* on = nullptr);
+  // The same for a call that answers later: `fn(caller, finish)` calls `finish` once, on any
+  // thread (an exception before it answers with the exception's status).
+  template <typename Fn>
+  grpc::ServerUnaryReactor* PostedAsync(grpc::CallbackServerContext* ctx, const char* method, Fn fn,
+                                        Executor* on = nullptr);
   ServiceOptions options_;
   ShardGather shards_;
   ShmRegistry shm_;

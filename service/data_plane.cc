@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "common/guarded.h"
 #include "common/status_macros.h"
 #include "service/attention_service.h"
 #include "service/service_internal.h"
@@ -96,13 +95,6 @@ void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,
                                                              const v1::ConnectDataPlaneRequest* req,
                                                              v1::ConnectDataPlaneResponse* resp) {
-  const auto started = std::chrono::steady_clock::now();
-  absl::StatusOr<Caller> caller = Authenticate(*ctx);
-  if (!caller.ok()) {
-    Report("ConnectDataPlane", caller.status(), started);
-    return Done(ctx, caller.status());
-  }
-  auto* reactor = ctx->DefaultReactor();
   // Connecting to a pushing client's worker ends by 3/4 of the time the caller gave the call
   // (a plane it pulls from, beyond), so that the answer comes before the caller gives up (the
   // C++ client's probe allows 2 s).
@@ -114,31 +106,27 @@ grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServe
   // Making the plane's worker and registering its regions run on the handshakes' own threads,
   // off gRPC's and the executor's; connecting to a pushing client's worker then holds none (the
   // answer comes from the plane's thread or its timer: UcxPlane::Connect).
-  (plane_handshakes_ != nullptr ? plane_handshakes_.get() : executor_)
-      ->Post([this, ctx, caller = *std::move(caller), req, resp, reactor, started, wire_limit] {
-        auto answered = std::make_shared<std::atomic<bool>>(false);
-        auto finish = [this, ctx, tenant = caller.tenant, resp, reactor, started,
-                       answered](absl::Status s) {
-          if (answered->exchange(true)) return;
-          if (s.ok() && ctx->IsCancelled()) {
-            // The caller gave up (its deadline, a cancel) before its plane was ready: nobody
-            // will use the plane or close it, so it is closed here rather than left to stand
-            // idle against the limits. Not on this thread, which may be the plane's own.
-            plane_handshakes_->Post([this, tenant, plane = resp->plane()] {
-              (void)options_.data_plane->Close(tenant, plane);
-            });
-            s = absl::CancelledError("the caller gave up on the handshake; its plane is closed");
-          }
-          Report("ConnectDataPlane", s, started);
-          reactor->Finish(ToGrpcStatus(s));
-        };
-        const absl::Status s = Guarded([&] {
-          StartConnectDataPlane(caller, *req, resp, wire_limit, finish);
-          return absl::OkStatus();
-        });
-        if (!s.ok()) finish(s);  // thrown before an answer (after one, the plane's stands)
-      });
-  return reactor;
+  return PostedAsync(
+      ctx, "ConnectDataPlane",
+      [this, ctx, req, resp, wire_limit](const Caller& caller,
+                                         std::function<void(absl::Status)> finish) {
+        StartConnectDataPlane(caller, *req, resp, wire_limit,
+                              [this, ctx, tenant = caller.tenant, resp, finish](absl::Status s) {
+                                if (s.ok() && ctx->IsCancelled()) {
+                                  // The caller gave up (its deadline, a cancel) before its plane
+                                  // was ready: nobody will use the plane or close it, so it is
+                                  // closed here rather than left to stand idle against the limits.
+                                  // Not on this thread, which may be the plane's own.
+                                  plane_handshakes_->Post([this, tenant, plane = resp->plane()] {
+                                    (void)options_.data_plane->Close(tenant, plane);
+                                  });
+                                  s = absl::CancelledError(
+                                      "the caller gave up on the handshake; its plane is closed");
+                                }
+                                finish(s);
+                              });
+      },
+      plane_handshakes_.get());
 }
 
 grpc::ServerUnaryReactor* AttentionService::CloseDataPlane(grpc::CallbackServerContext* ctx,

@@ -5,6 +5,9 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -87,8 +90,8 @@ grpc::ServerUnaryReactor* AttentionService::Unary(grpc::CallbackServerContext* c
 }
 
 template <typename Fn>
-grpc::ServerUnaryReactor* AttentionService::Posted(grpc::CallbackServerContext* ctx,
-                                                   const char* method, Fn fn, Executor* on) {
+grpc::ServerUnaryReactor* AttentionService::PostedAsync(grpc::CallbackServerContext* ctx,
+                                                        const char* method, Fn fn, Executor* on) {
   const auto started = std::chrono::steady_clock::now();
   absl::StatusOr<Caller> caller = Authenticate(*ctx);
   if (!caller.ok()) {
@@ -98,11 +101,31 @@ grpc::ServerUnaryReactor* AttentionService::Posted(grpc::CallbackServerContext* 
   auto* reactor = ctx->DefaultReactor();
   (on != nullptr ? on : executor_)
       ->Post([this, caller = *std::move(caller), fn = std::move(fn), reactor, method, started] {
-        const absl::Status s = Guarded([&] { return fn(caller); });
-        Report(method, s, started);
-        reactor->Finish(ToGrpcStatus(s));
+        auto answered = std::make_shared<std::atomic<bool>>(false);
+        std::function<void(absl::Status)> finish = [this, reactor, method, started,
+                                                    answered](absl::Status s) {
+          if (answered->exchange(true)) return;
+          Report(method, s, started);
+          reactor->Finish(ToGrpcStatus(s));
+        };
+        const absl::Status s = Guarded([&] {
+          fn(caller, finish);
+          return absl::OkStatus();
+        });
+        if (!s.ok()) finish(s);  // thrown before an answer (after one, that answer stands)
       });
   return reactor;
+}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* AttentionService::Posted(grpc::CallbackServerContext* ctx,
+                                                   const char* method, Fn fn, Executor* on) {
+  return PostedAsync(
+      ctx, method,
+      [fn = std::move(fn)](const Caller& c, const std::function<void(absl::Status)>& finish) {
+        finish(fn(c));
+      },
+      on);
 }
 
 }  // namespace attnd

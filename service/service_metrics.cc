@@ -4,7 +4,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <array>
 #include <fstream>
 #include <sstream>
 
@@ -307,9 +306,9 @@ ServiceMetrics::ServiceMetrics(metrics::Registry* registry, const Engine* engine
       "UCX data planes closed, by reason: closed (by their client), idle (unused ten minutes), "
       "silent (their client's keepalives stopped: it died), stalled (a message its client "
       "began never ended), lost (the endpoint to their client failed).");
-  for (int r = 0; r < 5; ++r)
-    planes_closed_[r] = &planes_closed.Add(
-        {{"reason", std::array{"closed", "idle", "silent", "stalled", "lost"}[r]}});
+  int r = 0;
+  for (const char* reason : {"closed", "idle", "silent", "stalled", "lost"})  // ClosedCounts' order
+    planes_closed_[r++] = &planes_closed.Add({{"reason", reason}});
   plane_refused_ = &registry
                         ->AddCounter("attnd_data_plane_refused_messages_total",
                                      "UCX messages dropped: unknown plane, wrong secret, "
