@@ -224,6 +224,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   void AbortEverywhere(const StepRef& step, const absl::Status& why, AbortReason reason);
   // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.
   void ReapShards(std::chrono::steady_clock::duration idle);
+  // Closes the data planes whose client is gone (UcxPlane::CloseIdle); how many.
+  int CloseIdlePlanes();
   // Shutdown: answers every parked shard message (CANCELLED) so no call outlives the server.
   void FailParkedShards();
   Executor* executor() { return executor_; }

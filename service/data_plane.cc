@@ -92,6 +92,10 @@ void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs
   }
 }
 
+int AttentionService::CloseIdlePlanes() {
+  return options_.data_plane == nullptr ? 0 : options_.data_plane->CloseIdle();
+}
+
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,
                                                              const v1::ConnectDataPlaneRequest* req,
                                                              v1::ConnectDataPlaneResponse* resp) {

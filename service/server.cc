@@ -216,8 +216,8 @@ class Server {
     return absl::OkStatus();
   }
 
-  // Idle steps expire, shard messages nobody claims are dropped and the token file is reread
-  // when it changes, in the background, until ShutDown.
+  // Idle steps expire, shard messages nobody claims are dropped, data planes whose client is
+  // gone close and the token file is reread when it changes, in the background, until ShutDown.
   void StartHousekeeping() {
     housekeeping_ = std::thread([this] { Housekeeping(); });
   }
@@ -600,6 +600,10 @@ class Server {
                 engine_->SpillIdleSequences(std::chrono::milliseconds(flags_.spill_idle_ms));
             n > 0)
           VLOG(1) << n << " idle sequence(s) spilled (--spill-idle-ms)";
+      if (const int n = service_->CloseIdlePlanes(); n > 0)
+        LOG(INFO) << n
+                  << " data plane(s) closed: their client is gone (silent, idle, stalled or "
+                     "unreachable; attnd_data_plane_planes_closed_total says which)";
       if (idle_ms <= 0) continue;
       if (const int n = engine_->ExpireIdleSteps(idle); n > 0)
         LOG(WARNING) << n << " idle step(s) expired after " << idle_ms

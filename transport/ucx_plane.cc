@@ -148,8 +148,22 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
                   [s](absl::Status) { s->in_flight.fetch_sub(1); });
 }
 
-std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
-  std::vector<std::shared_ptr<State>> idle;
+int UcxPlane::CloseIdle() {
+  // Shut after mu_ (stopping a worker waits for its thread, whose handlers take mu_).
+  std::vector<std::pair<std::shared_ptr<State>, const char*>> idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle = TakeIdle();
+  }
+  for (auto& [gone, why] : idle) {
+    gone->Lose(absl::UnavailableError(absl::StrCat("data plane closed: ", why)));
+    gone->Shut();
+  }
+  return static_cast<int>(idle.size());
+}
+
+std::vector<std::pair<std::shared_ptr<UcxPlane::State>, const char*>> UcxPlane::TakeIdle() {
+  std::vector<std::pair<std::shared_ptr<State>, const char*>> idle;
   const absl::Time now = absl::Now();
   for (auto it = planes_.begin(); it != planes_.end();) {
     // A stalled worker's client is gone (it died mid-message), and so is one whose push
@@ -158,16 +172,24 @@ std::vector<std::shared_ptr<UcxPlane::State>> UcxPlane::TakeIdle() {
     const int64_t cutoff = absl::ToUnixNanos(
         now - (keepalive > absl::ZeroDuration() ? 3 * keepalive : options_.idle_timeout));
     const bool quiet = it->second->last_used.load(std::memory_order_relaxed) < cutoff;
-    int64_t* why = nullptr;  // the count it goes to, if it goes
-    if (!it->second->Lost().ok())
-      why = &closed_.lost;
-    else if (it->second->worker->stalled())
-      why = &closed_.stalled;
-    else if (quiet)
-      why = keepalive > absl::ZeroDuration() ? &closed_.silent : &closed_.idle;
-    if (why != nullptr) {
-      ++*why;
-      idle.push_back(it->second);
+    int64_t* count = nullptr;  // the count it goes to, if it goes
+    const char* why = nullptr;
+    if (!it->second->Lost().ok()) {
+      count = &closed_.lost;
+      why = "its endpoint to the client failed";
+    } else if (it->second->worker->stalled()) {
+      count = &closed_.stalled;
+      why = "its worker stalled (a message its client began never ended)";
+    } else if (quiet && keepalive > absl::ZeroDuration()) {
+      count = &closed_.silent;
+      why = "its client stopped sending keepalives";
+    } else if (quiet) {
+      count = &closed_.idle;
+      why = "it stood idle";
+    }
+    if (count != nullptr) {
+      ++*count;
+      idle.emplace_back(it->second, why);
       closing_.push_back(it->second);
       it = planes_.erase(it);
     } else {
@@ -210,20 +232,7 @@ absl::StatusOr<std::shared_ptr<UcxPlane::State>> UcxPlane::Prepare(
     return absl::InvalidArgumentError(absl::StrCat("worker_address: ", client_address.size(),
                                                    " bytes; a UCX worker address has at most ",
                                                    kMaxClientAddressBytes));
-  // Planes closed for idleness are shut after mu_ (stopping a worker waits for its thread, whose
-  // handlers take mu_).
-  std::vector<std::shared_ptr<State>> idle;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    idle = TakeIdle();
-  }
-  for (auto& gone : idle) {
-    gone->Lose(absl::UnavailableError(
-        gone->worker != nullptr && gone->worker->stalled()
-            ? "data plane closed: its worker stalled (a message its client began never ended)"
-            : "data plane closed after it stood idle"));
-    gone->Shut();
-  }
+  (void)CloseIdle();
   auto s = std::make_shared<State>();
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -21,8 +21,9 @@
 // one (a damaged address crashed ucp_ep_create in a probe), nor the address in every peer's
 // wireup message, which it parses the same way (ucp_address_unpack) before any check of ours
 // can run (docs/trust.md: UCX trusts its peers). A plane idle for `idle_timeout` (its client gone
-// without closing it), or whose worker stalled (UcxWorker::stalled: its client died mid-message),
-// is closed when a new one is connected.
+// without closing it), silent past its keepalives, or whose worker stalled (UcxWorker::stalled: its
+// client died mid-message) is closed by CloseIdle: at the next handshake and by the server's
+// housekeeping.
 #pragma once
 
 #include <atomic>
@@ -33,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -103,6 +105,11 @@ class UcxPlane {
   absl::Status Close(const std::string& tenant, const std::string& name);
   // Closes every plane (the server is stopping).
   void CloseAll();
+  // Closes the planes whose client is gone: idle beyond options().idle_timeout (or, of a client
+  // that sends keepalives, silent three of them), whose worker stalled or whose endpoint to their
+  // client failed. Returns how many. Each handshake runs it, and the server's housekeeping every
+  // second, so that a dead client's memory and place go without waiting for another client.
+  int CloseIdle();
 
   // Whether `region` is a name this plane gives out ("ucx-" ...).
   static bool Names(const std::string& region);
@@ -142,10 +149,9 @@ class UcxPlane {
 
  private:
   explicit UcxPlane(const Options& options) : options_(options) {}
-  // Closes planes idle beyond options_.idle_timeout (or, of a client that sends keepalives,
-  // silent three of them), whose worker stalled or whose endpoint to their client failed (mu_
-  // held); returns them to shut outside.
-  std::vector<std::shared_ptr<State>> TakeIdle();
+  // Takes out the planes CloseIdle closes (mu_ held); returns them, each with why, to shut
+  // outside.
+  std::vector<std::pair<std::shared_ptr<State>, const char*>> TakeIdle();
   struct Reservation;  // a handshake's place against the limits (ucx_plane.cc)
   // A handshake's plane, checked against the limits (the place it takes in *reserved), its
   // worker made and its regions registered; not yet published.

@@ -1,8 +1,9 @@
 // Keepalives: a client that offers them in the handshake says it lives every
 // UcxPlane::Options::keepalive (UcxPlaneClient::KeepAlive), and the plane of one that stopped
-// (its process died, leaving no endpoint of the server's to fail) is closed at the next handshake
-// once it was silent three of them; a plane whose client offers none keeps the idle rule. Built
-// into ucx_plane_test, so these run under UCX's default transports, UCX_TLS=sm and tcp too.
+// (its process died, leaving no endpoint of the server's to fail) is closed (at the next handshake
+// or the server's housekeeping: UcxPlane::CloseIdle) once it was silent three of them; a plane
+// whose client offers none keeps the idle rule. Built into ucx_plane_test, so these run under UCX's
+// default transports, UCX_TLS=sm and tcp too.
 #include <memory>
 #include <string>
 
@@ -66,6 +67,28 @@ TEST(UcxKeepalive, APlaneWhoseClientStoppedSayingItLivesIsClosedAtTheNextHandsha
   EXPECT_EQ((*server)->Close("tenant-a", dying.conn.name).code(), absl::StatusCode::kNotFound);
   uint64_t seed = 40;
   for (End* e : {&live, &quiet, &next}) ExpectServes(**server, *e, ++seed);
+}
+
+TEST(UcxKeepalive, CloseIdleClosesASilentPlaneWithNoHandshakeAndOnlyIt) {
+  // What the server's housekeeping runs every second: a dead client's plane goes without waiting
+  // for another client to connect.
+  UcxPlane::Options o;
+  o.keepalive = kKeepalive;
+  auto server = UcxPlane::Create(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  End live = ConnectEnd(**server, true);
+  End dying = ConnectEnd(**server, true);
+  End quiet = ConnectEnd(**server, false);
+  dying.client.reset();
+  absl::SleepFor(8 * kKeepalive);
+  EXPECT_EQ((*server)->CloseIdle(), 1);
+  EXPECT_EQ((*server)->num_planes(), 2);
+  EXPECT_EQ((*server)->closed_counts().silent, 1);
+  EXPECT_EQ((*server)->Resolve("tenant-a", "q", dying.conn.input_region, 0, 16).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ((*server)->CloseIdle(), 0);  // the live ones stay, however often it runs
+  uint64_t seed = 50;
+  for (End* e : {&live, &quiet}) ExpectServes(**server, *e, ++seed);
 }
 
 TEST(UcxKeepalive, AServerThatAsksForNoneTellsClientsToSendNone) {

@@ -400,6 +400,7 @@ def test_the_schema_is_draft_07_and_types_every_value():
     ({"kvEvents": {"enabled": "yes"}}, "kvEvents.enabled"),
     ({"drain": {"parallel": 0}}, "drain.parallel"),               # out of range
     ({"drain": {"parallel": 65}}, "drain.parallel"),
+    ({"dataPlane": {"keepaliveMs": 50}}, "dataPlane.keepaliveMs"),  # attnd refuses 1-99
     ({"ports": {"grpc": 70000}}, "ports.grpc"),
     ({"replicas": 0}, "replicas"),
     ({"cache": {"fraction": 1.5}}, "cache.fraction"),
@@ -467,10 +468,11 @@ def test_configurations_that_cannot_work_are_refused_with_a_reason(values, error
       "--standby-cache-bytes=8589934592"]),
     ({"dataPlane": {"enabled": True, "regionBytes": 67108864, "timeoutMs": 500}},
      ["--data-plane=ucx", "--data-plane-region-bytes=67108864", "--data-plane-max-planes=64",
-      "--data-plane-timeout-ms=500", "--data-plane-push=false"]),
-    ({"dataPlane": {"enabled": True, "withoutTls": True, "push": True}},
+      "--data-plane-timeout-ms=500", "--data-plane-push=false", "--data-plane-keepalive-ms=5000"]),
+    ({"dataPlane": {"enabled": True, "withoutTls": True, "push": True, "keepaliveMs": 0}},
      ["--data-plane=ucx", "--data-plane-region-bytes=268435456", "--data-plane-max-planes=64",
-      "--data-plane-timeout-ms=2000", "--data-plane-push=true", "--data-plane-without-tls=true"]),
+      "--data-plane-timeout-ms=2000", "--data-plane-push=true", "--data-plane-keepalive-ms=0",
+      "--data-plane-without-tls=true"]),
     ({"quotas": {"pages": 5000000}, "drain": {"timeoutMs": 3600000},
       "terminationGracePeriodSeconds": 3700},
      ["--quota-pages=5000000", "--drain-timeout-ms=3600000"]),
