@@ -224,8 +224,8 @@ class AttentionService final : public v1::Attention::CallbackService {
   void AbortEverywhere(const StepRef& step, const absl::Status& why, AbortReason reason);
   // Aborts sharded steps whose parked messages waited longer than `idle` for another shard.
   void ReapShards(std::chrono::steady_clock::duration idle);
-  // Closes the data planes whose client is gone (UcxPlane::CloseIdle); how many.
-  int CloseIdlePlanes();
+  // Closes the data planes whose client is gone (UcxPlane::CloseIdle), in the background.
+  void CloseIdlePlanes();
   // Shutdown: answers every parked shard message (CANCELLED) so no call outlives the server.
   void FailParkedShards();
   Executor* executor() { return executor_; }
@@ -279,6 +279,7 @@ class AttentionService final : public v1::Attention::CallbackService {
   std::string replica_name_;               // guarded by name_mu_
   std::atomic<uint64_t> next_channel_{1};  // Step streams' channels
   StepLog step_log_;
+  std::atomic<bool> closing_idle_planes_{false};  // a CloseIdlePlanes round is queued
   // The data plane's handshakes and closes (with the plane on): they wait on the network (a
   // client's worker being connected, up to 5 s) and on UCX threads, so never on the executor's
   // threads, which layer calls of every tenant need. Last: gone (its tasks run) before the rest.

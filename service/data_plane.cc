@@ -1,6 +1,9 @@
 // The data plane's RPCs (docs/data-plane.md): ConnectDataPlane hands the authenticated caller's
 // tenant a UCX plane (transport/ucx_plane.h); its regions are then named in layer calls like
-// shared-memory regions (ShmAccess::Resolve). CloseDataPlane ends one.
+// shared-memory regions (ShmAccess::Resolve). CloseDataPlane ends one; CloseIdlePlanes (the
+// server's housekeeping) those whose client is gone.
+#include <glog/logging.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -92,8 +95,18 @@ void AttentionService::AfterLandings(const Caller& caller, const v1::LayerInputs
   }
 }
 
-int AttentionService::CloseIdlePlanes() {
-  return options_.data_plane == nullptr ? 0 : options_.data_plane->CloseIdle();
+void AttentionService::CloseIdlePlanes() {
+  // On the handshakes' threads, not the caller's (the housekeeping, which expires steps): shutting
+  // a plane joins its progress thread, and a round may shut many (a fleet restarted at once). One
+  // round queued at a time.
+  if (options_.data_plane == nullptr || closing_idle_planes_.exchange(true)) return;
+  plane_handshakes_->Post([this] {
+    const int n = options_.data_plane->CloseIdle();
+    closing_idle_planes_.store(false);
+    if (n > 0)
+      LOG(INFO) << n << " data plane(s) closed: their client is gone (silent, idle, stalled or "
+                << "unreachable; attnd_data_plane_planes_closed_total says which)";
+  });
 }
 
 grpc::ServerUnaryReactor* AttentionService::ConnectDataPlane(grpc::CallbackServerContext* ctx,

@@ -600,10 +600,7 @@ class Server {
                 engine_->SpillIdleSequences(std::chrono::milliseconds(flags_.spill_idle_ms));
             n > 0)
           VLOG(1) << n << " idle sequence(s) spilled (--spill-idle-ms)";
-      if (const int n = service_->CloseIdlePlanes(); n > 0)
-        LOG(INFO) << n
-                  << " data plane(s) closed: their client is gone (silent, idle, stalled or "
-                     "unreachable; attnd_data_plane_planes_closed_total says which)";
+      service_->CloseIdlePlanes();
       if (idle_ms <= 0) continue;
       if (const int n = engine_->ExpireIdleSteps(idle); n > 0)
         LOG(WARNING) << n << " idle step(s) expired after " << idle_ms

@@ -59,6 +59,21 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+# A worker in the namespace with a pushing plane: one prefill step over it (outputs pushed to it,
+# checked against float64), then "plane <name> <pushes>", then it lives until its stdin closes.
+_PUSHED_WORKER = textwrap.dedent("""
+    import sys
+    from attnd import AttndClient
+    from attnd_testlib import Harness
+    c = AttndClient(sys.argv[1], timeout=30.0)
+    name = c.connect_data_plane()
+    h = Harness(c, c.info(), seed=13, tag="partitioned")
+    h.step(c, [(h.open("seq"), 4)])
+    print("plane", name, int(c._plane_obj.pushes), flush=True)
+    sys.stdin.read()
+""")
+
+
 def _ip(*args: str) -> str:
     return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
 
@@ -202,6 +217,69 @@ def test_an_unreachable_pushing_client_costs_its_own_handshake_only(tmp_path, mo
         finally:
             net.close()
 
+
+
+def test_a_pushing_client_cut_off_after_connecting_loses_its_plane_in_seconds(tmp_path,
+                                                                              monkeypatch):
+    """A worker whose plane the server pushes outputs to, cut off the network after it connected
+    and used it (its node lost, a partition): its keepalives stop, and the server closes its plane
+    within a second of the third missed one (no other client needing to connect), shutting the
+    plane's endpoint to the unreachable worker without waiting on it; the server serves others
+    meanwhile and stops within its grace. (gRPC waits for every connection to close before
+    a server stops, and the cut-off worker's never does: any server with such a client takes the
+    whole --shutdown-grace-ms, data plane or not.)"""
+    keepalive_ms = 300
+    net = Netns()
+    worker = proc = None
+    try:
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        monkeypatch.setenv("UCX_NET_DEVICES", net.outer)
+        proc, local, mport = start(["--data-plane=ucx", "--data-plane-push=true",
+                                    f"--data-plane-keepalive-ms={keepalive_ms}",
+                                    f"--grpc-address={net.outside}", "--shutdown-grace-ms=1500"],
+                                   log=tmp_path / "attnd.log")
+        target = f"{net.outside}:{local.rsplit(':', 1)[1]}"
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": net.inner, "PYTHONPATH": ":".join(sys.path)}
+        worker = subprocess.Popen([*net.run_inside(), "env", *(f"{k}={v}" for k, v in env.items()),
+                                   sys.executable, "-c", _PUSHED_WORKER, target],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        seen = []
+        while not (line := worker.stdout.readline()).startswith("plane ") and line:
+            seen.append(line)
+        assert line, "".join(seen) + worker.stderr.read()[-3000:]
+        assert line.split()[2] == "1", f"the worker's plane does not push: {line}"
+        assert _metric(mport, "attnd_data_plane_planes", net.outside) == 1
+        net.cut()
+        cut = time.monotonic()
+        with AttndClient(target, timeout=30.0, data_plane="off") as c:
+            h = Harness(c, c.info(), seed=17, tag="beside")
+            sid = h.open("seq")
+            while (_metric(mport, "attnd_data_plane_planes", net.outside) > 0
+                   and time.monotonic() - cut < 15):
+                h.step(c, [(sid, 1)])  # served meanwhile, checked against float64
+            closed_s = time.monotonic() - cut
+            silent = 'attnd_data_plane_planes_closed_total{reason="silent"}'
+            assert _metric(mport, "attnd_data_plane_planes", net.outside) == 0, closed_s
+            assert _metric(mport, silent, net.outside) == 1
+            assert closed_s < 3 * keepalive_ms / 1000 + 3, closed_s
+            h.step(c, [(sid, 2)])  # the housekeeping that closed it is not held by the worker
+            h.close_all()
+        t0 = time.monotonic()
+        stop(proc)
+        proc, stop_s = None, time.monotonic() - t0
+        assert stop_s < 1.5 + 3, stop_s
+        print(f"cut-off pushing worker's plane closed in {closed_s:.2f} s; "
+              f"stopped in {stop_s:.2f} s")
+    finally:
+        try:
+            if worker is not None:
+                worker.kill()
+                worker.wait(timeout=30)
+            if proc is not None:
+                stop(proc)
+        finally:
+            net.close()
 
 
 def test_a_server_whose_ucx_cannot_be_reached_costs_the_client_no_layer_call(tmp_path,
