@@ -83,16 +83,19 @@ DataPlaneSession::Call::~Call() {
   if (session == nullptr) return;
   for (auto& p : sends)
     if (!p->Wait(absl::Now() + kSettle).ok()) session->broken_ = true;  // the endpoint is closed
+  if (output_offset >= 0) session->ends_->Forget(output_transfer);
+  // A broken plane takes no more calls, and the server may still be using a failed call's space
+  // (Failed: its outcome unknown): that space goes to no other call (one that took the plane
+  // before it broke stages on).
+  if (session->broken()) return;
   for (int64_t off : input_space) session->ends_->input_space().Give(off);
-  if (output_offset >= 0) {
-    session->ends_->Forget(output_transfer);
-    session->ends_->output_space().Give(output_offset);
-  }
+  if (output_offset >= 0) session->ends_->output_space().Give(output_offset);
 }
 
 bool DataPlaneSession::Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call,
                              char* dest, size_t dest_bytes) {
   call->session = this;
+  if (broken()) return false;  // it broke since the caller took it: this call goes as bytes
   // Everything but the tensors' bytes, copied field by field (the bytes are the bulk).
   wire->Clear();
   wire->set_layer(in.layer());

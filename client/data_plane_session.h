@@ -43,11 +43,11 @@ class DataPlaneSession {
     size_t output_bytes = 0;
     bool to_dest = false;  // the output lands in the caller's buffer
     DataPlaneSession* session = nullptr;
-    ~Call();  // waits for the sends (bounded) and gives the space back
+    ~Call();  // waits for the sends (bounded) and gives the space back unless the plane broke
   };
   // `in` as the message to send (*wire) with its tensors' bytes sent by the plane, and the output
-  // asked for in the output region when the reply would carry one. False (wire untouched) when
-  // the call is better sent as it is: nothing to move, or the regions are full now.
+  // asked for in the output region when the reply would carry one. False when the call is
+  // better sent as it is: the plane broke, nothing to move, or the regions are full now.
   // With `dest`: the output lands there (dest_bytes, the caller's buffer) rather than in the
   // output region.
   bool Stage(const v1::LayerInputs& in, v1::LayerInputs* wire, Call* call, char* dest = nullptr,
@@ -58,7 +58,9 @@ class DataPlaneSession {
 
   const std::string& plane() const { return plane_; }
   // A call that used the plane failed with `s`: when it says the server holds the plane no more
-  // (closed, or idle too long), the session is of no further use.
+  // (closed, or idle too long), the session is of no further use; so it is when the call's
+  // outcome is unknown (a deadline, a cancel, the connection lost: the server may still be using
+  // the call's space, which then goes to no other call). Before the call's Call goes.
   void Failed(const absl::Status& s);
   // The plane can no longer carry calls (its endpoint failed, a send never completed, the server
   // dropped it): the client connects a new one, or sends bytes.

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/attnd_client.h"
+#include "client/data_plane_session.h"
 #include "client/workload.h"
 #include "tests/server_process.h"
 
@@ -193,6 +194,33 @@ TEST_F(DataPlaneTest, APlaneTheServerNoLongerHoldsFailsOneCallThenIsReplaced) {
   EXPECT_NE(client_->DataPlaneName(), first);
   EXPECT_EQ(client_->DataPlaneName().rfind("ucx-", 0), 0u);
   EXPECT_EQ(client_->DescribeSequence("dropped")->length(), 3);
+}
+
+TEST_F(DataPlaneTest, APlaneWhoseCallHasAnUnknownOutcomeStagesNoMoreCalls) {
+  // A call the client gave up on (its deadline) may still be read and written by the server in
+  // the plane's regions: the plane takes no more calls (they go as bytes, the client connects a
+  // new plane), and the call's space is not given back (a call that took the plane before it
+  // broke finishes on it).
+  auto info = client_->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto session = client::DataPlaneSession::Connect(
+      client_->stub(), *info, 1 << 20,
+      [this](grpc::ClientContext* ctx) { client_->PrepareUnary(ctx); }, true);
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto g = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
+  v1::LayerInputs a_wire, b_wire, c_wire;
+  client::DataPlaneSession::Call b;
+  {
+    client::DataPlaneSession::Call a;
+    ASSERT_TRUE((*session)->Stage(g[0].wire, &a_wire, &a));
+    ASSERT_TRUE((*session)->Stage(g[0].wire, &b_wire, &b));
+    EXPECT_FALSE((*session)->broken());
+    (*session)->Failed(absl::DeadlineExceededError("Deadline Exceeded"));
+    EXPECT_TRUE((*session)->broken());
+  }
+  client::DataPlaneSession::Call c;
+  EXPECT_FALSE((*session)->Stage(g[0].wire, &c_wire, &c)) << "a broken plane staged a call";
+  EXPECT_FALSE(c_wire.q_latent().has_shm());
 }
 
 }  // namespace

@@ -362,8 +362,9 @@ class DataPlane:
         return call
 
     def finish(self, call: Optional[_Call], out: Optional[pb.LayerOutput]) -> None:
-        """After the reply (``out``; None when the call failed): waits for the send, puts an
-        output the plane carried into ``out.out.data`` and gives the call's space back."""
+        """After the reply (``out``; None when the call failed, after :meth:`failed`): waits for
+        the send, puts an output the plane carried into ``out.out.data`` and gives the call's
+        space back (unless the plane broke)."""
         if call is None:
             return
         lib, p = self._lib, self._p
@@ -392,9 +393,11 @@ class DataPlane:
                 lib.attnd_plane_wait(call.send, _SETTLE_S, err, len(err))
             if call.output_transfer:
                 lib.attnd_plane_forget(p, call.output_transfer)
-            if call.input_offset >= 0:
+            # A broken plane takes no more calls, and the server may still be using a failed
+            # call's space (its outcome unknown: see failed): that space goes to no other call.
+            if call.input_offset >= 0 and not self.broken:
                 lib.attnd_plane_give_input(p, call.input_offset)
-            if call.output_offset >= 0:
+            if call.output_offset >= 0 and not self.broken:
                 lib.attnd_plane_give_output(p, call.output_offset)
             call.keep.clear()
             self._release()
@@ -531,8 +534,8 @@ class PlaneUse(_PlaneHolder):
         try:
             reply = self._call(self._stub.AttendLayer, request)
         except BaseException as e:
+            plane.failed(e)  # first: a call whose outcome is unknown keeps its space
             plane.finish(call, None)
-            plane.failed(e)
             raise
         plane.finish(call, reply.output)
         return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)
@@ -548,10 +551,10 @@ async def finish_async(plane: DataPlane, call: Optional[_Call], out: pb.LayerOut
 def abandon(plane: DataPlane, call: Optional[_Call], error: BaseException) -> None:
     """A call over the plane failed (or its task was cancelled): its space is given back once
     its send settles, in a worker thread, and the plane learns whether it broke."""
+    plane.failed(error)  # first: a call whose outcome is unknown keeps its space
     if call is not None:
         threading.Thread(target=plane.finish, args=(call, None), name="attnd-plane-abandon",
                          daemon=True).start()
-    plane.failed(error)
 
 
 class AsyncPlaneUse(_PlaneHolder):

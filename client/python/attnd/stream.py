@@ -215,8 +215,8 @@ class StepStream(_StepBookkeeping):
             response = self._roundtrip(request, "layer")
         except BaseException as e:
             if call is not None:
+                self._plane.failed(e)  # first: a call whose outcome is unknown keeps its space
                 self._plane.finish(call, None)
-                self._plane.failed(e)
             raise
         if call is not None:
             self._plane.finish(call, response.layer)
