@@ -77,6 +77,14 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
     return;  // not this plane's: dropped, nothing written
   }
   s->Touch();
+  if (m.rndv && s->in_flight.load() > options_.max_transfers_under_way) {
+    s->in_flight.fetch_sub(1);
+    s->Land(h.transfer, h.offset, 0,
+            absl::ResourceExhaustedError(absl::StrCat(
+                "data plane transfer ", h.transfer, ": ", options_.max_transfers_under_way,
+                " transfers already under way on ", s->name, "; nothing written")));
+    return;  // not received: UCX drops it
+  }
   // m.length is the sender's word (a rendezvous's claimed size): compared unsigned, before any
   // conversion, so no claim wraps past the checks.
   if (m.length > static_cast<size_t>(s->input_bytes) || h.offset < 0 ||
@@ -135,8 +143,16 @@ void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
     if (found) s->staged.erase(it);
   }
   if (!found) {
-    reply.refused = 1;  // answered, so that the client's wait ends at once
-    m.worker->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, nullptr, nullptr);
+    // Answered, so that the client's wait ends at once; counted as under way (a client that does
+    // not take its answers leaves them queued in UCX), and beyond the plane's limit not answered.
+    if (s->in_flight.fetch_add(1) >= options_.max_transfers_under_way) {
+      s->in_flight.fetch_sub(1);
+      refused_.fetch_add(1);
+      return;
+    }
+    reply.refused = 1;
+    m.worker->Reply(m.reply_ep, kToClient, PackHeader(reply), nullptr, 0, s,
+                    [s](absl::Status) { s->in_flight.fetch_sub(1); });
     return;
   }
   bytes_out_->fetch_add(h.length, std::memory_order_relaxed);

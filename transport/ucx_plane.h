@@ -55,6 +55,11 @@ class UcxPlane {
     // Calls waiting for their transfers to land, per plane; beyond, a call runs at once (and
     // fails if its bytes are not there).
     int max_waiting_calls = 1024;
+    // Transfers under way on one plane at once (receives of its client's inputs, outputs and
+    // answers sent to it); beyond, an input is refused to the call that names it (nothing
+    // written) and a pull that names no output goes unanswered. Each holds UCX memory until its
+    // peer completes it, which a client that stalls never does.
+    int max_transfers_under_way = 1024;
     absl::Duration idle_timeout = absl::Minutes(10);
     // The network devices the planes' workers use where UCX_NET_DEVICES names none ("": UCX's
     // choice, every interface; LoopbackDevices() for a server reachable on loopback only).
