@@ -188,13 +188,22 @@ class DataPlane:
     @classmethod
     async def connect_async(cls, stub, metadata, info: pb.ServerInfoResponse, region_bytes: int,
                             timeout: Optional[float] = None, local: bool = False) -> DataPlane:
-        """The plane over a grpc.aio ``stub`` (for :class:`AsyncAttndClient`)."""
+        """The plane over a grpc.aio ``stub`` (for :class:`AsyncAttndClient`). Making this end
+        (UCX's start-up), attaching it (up to 5 s for a server whose UCX port does not answer)
+        and a failed try's teardown run in worker threads: the loop serves other calls."""
         plane = cls.__new__(cls)
-        request = plane._create(info, region_bytes, local)
-        reply = await stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout)
+        plane._p = None
         try:
-            plane._attach(reply, info)
+            request = await _off_loop(plane._create, info, region_bytes, local)
+            reply = await stub.ConnectDataPlane(request, metadata=metadata, timeout=timeout)
         except BaseException:
+            if plane._p:
+                await _off_loop(plane.close)
+            raise
+        try:
+            await _off_loop(plane._attach, reply, info)
+        except BaseException:
+            await _off_loop(plane.close)
             try:  # as __init__ does
                 await stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=reply.plane),
                                           metadata=metadata, timeout=1.0)
@@ -260,6 +269,8 @@ class DataPlane:
         self._v = info.absorption.v_head_dim if info.HasField("absorption") else 0
 
     def close(self) -> None:
+        if not getattr(self, "_p", None):
+            return  # never made (or closed)
         with self._lock:
             self._closing = True
             if self._calls:
@@ -541,6 +552,20 @@ class PlaneUse(_PlaneHolder):
         return decode_layer(reply.output, inputs, self._uint16_as_bf16, kind)
 
 
+async def _off_loop(fn, *args):
+    """``fn(*args)`` in a worker thread (ctypes lets go of the GIL); a cancel propagates once it
+    has ended, so that what it made is there for the caller to clean up."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        try:
+            await work
+        except BaseException:  # its own failure: the cancel is what the caller hears of
+            pass
+        raise
+
+
 async def finish_async(plane: DataPlane, call: Optional[_Call], out: pb.LayerOutput) -> None:
     """:meth:`DataPlane.finish` from an event loop: the wait for the output runs in a worker
     thread (ctypes lets go of the GIL), so the loop serves other calls meanwhile."""
@@ -590,7 +615,7 @@ class AsyncPlaneUse(_PlaneHolder):
         """As :meth:`PlaneUse._retire`, awaited."""
         if plane is None:
             return
-        plane.close()
+        await _off_loop(plane.close)  # waits for this end's thread (and transfers, 200 ms)
         try:
             await self._stub.CloseDataPlane(pb.CloseDataPlaneRequest(plane=plane.name),
                                             metadata=self._metadata, timeout=1.0)

@@ -15,6 +15,7 @@ skipped where either is missing."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,7 @@ import grpc
 import pytest
 from netns import Netns, netns_available
 
-from attnd import AttndClient
+from attnd import AsyncAttndClient, AttndClient, LayerInputs
 from attnd.data_plane import find_library
 from attnd.v1 import attention_pb2 as pb
 from attnd.v1 import attention_pb2_grpc
@@ -72,6 +73,32 @@ _PUSHED_WORKER = textwrap.dedent("""
     print("plane", name, int(c._plane_obj.pushes), flush=True)
     sys.stdin.read()
 """)
+
+
+async def _async_calls(target: str, h: Harness, sid: str) -> float:
+    """Layer calls from an asyncio client for the connect's limit and more, with a tick every
+    10 ms beside them; returns the longest the loop was held (a tick's lateness)."""
+    async with AsyncAttndClient(target, timeout=30.0) as ac:
+        done, stall = False, 0.0
+
+        async def tick() -> None:
+            nonlocal stall
+            while not done:
+                t = time.monotonic()
+                await asyncio.sleep(0.01)
+                stall = max(stall, time.monotonic() - t - 0.01)
+        ticker = asyncio.ensure_future(tick())
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < CONNECT_LIMIT_S + 2:
+            x = h.inputs(1)
+            step = await ac.begin_step([(sid, 1)])
+            outs = [await ac.attend_layer(step.step_id, LayerInputs(i, **y))
+                    for i, y in enumerate(x)]
+            h.check(outs, h.ref.step([(sid, 1)], x), x, "asyncio, as bytes", 1e-2)
+        done = True
+        await ticker
+        assert ac.data_plane_name == "", ac.data_plane_name
+        return stall
 
 
 def _ip(*args: str) -> str:
@@ -306,28 +333,39 @@ def test_a_server_whose_ucx_cannot_be_reached_costs_the_client_no_layer_call(tmp
         with AttndClient(target, timeout=30.0) as c:
             h = Harness(c, c.info(), seed=11, tag="ucx-unreachable")
             sid = h.open("seq")
+            ha = Harness(c, c.info(), seed=12, tag="ucx-unreachable-async")  # its own rng, ref
+            other = ha.open("seq")
+            # Meanwhile an asyncio client's probe fails the same way, in worker threads: its
+            # loop is never held (a tick every 10 ms) and its layer calls go as bytes too.
+            stalls = []
+            loop_thread = threading.Thread(target=lambda: stalls.append(
+                asyncio.run(_async_calls(target, ha, other))))
+            loop_thread.start()
             slowest, t0 = 0.0, time.monotonic()
             while time.monotonic() - t0 < CONNECT_LIMIT_S + 2:
                 t = time.monotonic()
                 h.step(c, [(sid, 1)])  # checked against float64, as bytes in the message
                 slowest = max(slowest, time.monotonic() - t)
+            loop_thread.join(timeout=60)
             assert c.data_plane_name == "", c.data_plane_name
             assert slowest < 2.0, f"a layer call took {slowest:.2f} s while the plane connected"
-            # The plane the probe made on the server was closed by the client, not left to
+            assert stalls and stalls[0] < 1.0, f"the asyncio client's loop stalled {stalls} s"
+            # The planes the probes made on the server were closed by the clients, not left to
             # stand until reaped.
             rpcs = 'attnd_rpc_requests_total{{code="OK",method="{}DataPlane"}}'
-            wait_for(lambda: _metric(mport, rpcs.format("Close"), grpc_ip) == 1,
-                     "the client closes the plane it could not reach", timeout_s=5)
-            assert _metric(mport, rpcs.format("Connect"), grpc_ip) == 1  # one probe: then it waits
+            wait_for(lambda: _metric(mport, rpcs.format("Close"), grpc_ip) == 2,
+                     "the clients close the planes they could not reach", timeout_s=5)
+            assert _metric(mport, rpcs.format("Connect"), grpc_ip) == 2  # a probe each
             assert _metric(mport, "attnd_data_plane_planes", grpc_ip) == 0
             h.close_all()
+            ha.close_all()
         # The C++ client does the same (attnctl's demo: its layer calls checked against float64
         # go as bytes; it waits for its probe as it exits).
         demo = subprocess.run([str(ATTNCTL), f"--target={target}", "demo", "--prompt=300",
                                "--decode=40"], capture_output=True, text=True, timeout=120)
         assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
-        assert _metric(mport, rpcs.format("Connect"), grpc_ip) == 2
-        assert _metric(mport, rpcs.format("Close"), grpc_ip) == 2
+        assert _metric(mport, rpcs.format("Connect"), grpc_ip) == 3
+        assert _metric(mport, rpcs.format("Close"), grpc_ip) == 3
         assert _metric(mport, "attnd_data_plane_planes", grpc_ip) == 0
         print(f"slowest layer call {slowest:.3f} s while the probe failed")
     finally:
