@@ -551,7 +551,7 @@ class AttndClient(PlaneUse, _Api):
         """Opens a ``Step`` stream (many steps, one at a time). ``timeout`` bounds the whole
         stream."""
         return StepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
-                          metadata=self._metadata, plane=self._plane())
+                          metadata=self._metadata, plane=self._plane)
 
     # -- lifetime --
 
@@ -646,7 +646,7 @@ class AsyncAttndClient(AsyncPlaneUse, _Api):
     def stream(self, *, timeout: Optional[float] = None) -> AsyncStepStream:
         """Opens a ``Step`` stream on this client's channel (see :class:`AsyncStepStream`)."""
         return AsyncStepStream(self._stub, timeout=timeout, uint16_as_bf16=self._uint16_as_bf16,
-                               metadata=self._metadata, plane=self._plane())
+                               metadata=self._metadata, plane=self._plane)
 
     async def close(self) -> None:
         await self._aclose_plane()

@@ -132,7 +132,10 @@ class StepStream(_StepBookkeeping):
                  uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = (),
                  plane=None) -> None:
         self._init_bookkeeping(stub, metadata, uint16_as_bf16)
-        self._plane = plane  # a DataPlane: layer tensors travel through it (docs/data-plane.md)
+        # Layer tensors travel through the plane this gives at each call (docs/data-plane.md):
+        # the client's current one, connected or replaced since the stream opened; or a
+        # DataPlane, or None.
+        self._planes = plane if callable(plane) else lambda: plane
         self._requests: queue.Queue[Optional[pb.StepRequest]] = queue.Queue()
         self._call = stub.Step(self._request_iterator(), timeout=timeout, metadata=self._metadata)
 
@@ -210,16 +213,17 @@ class StepStream(_StepBookkeeping):
 
     def _layer(self, inputs: LayerInputs, kind: str):
         request = self._layer_request(inputs, kind)
-        call = self._plane.stage(request.layer) if self._plane is not None else None
+        plane = self._planes()
+        call = plane.stage(request.layer) if plane is not None else None
         try:
             response = self._roundtrip(request, "layer")
         except BaseException as e:
             if call is not None:
-                self._plane.failed(e)  # first: a call whose outcome is unknown keeps its space
-                self._plane.finish(call, None)
+                plane.failed(e)  # first: a call whose outcome is unknown keeps its space
+                plane.finish(call, None)
             raise
         if call is not None:
-            self._plane.finish(call, response.layer)
+            plane.finish(call, response.layer)
         return self._layered(response, inputs, kind)
 
     def abort(self) -> None:
@@ -281,7 +285,7 @@ class AsyncStepStream(_StepBookkeeping):
                  uint16_as_bf16: bool = False, metadata: Sequence[Tuple[str, str]] = (),
                  plane=None) -> None:
         self._init_bookkeeping(stub, metadata, uint16_as_bf16)
-        self._plane = plane  # a DataPlane, as for StepStream
+        self._planes = plane if callable(plane) else lambda: plane  # as for StepStream
         self._call = stub.Step(timeout=timeout, metadata=self._metadata)
 
     def _ended(self) -> None:
@@ -344,15 +348,16 @@ class AsyncStepStream(_StepBookkeeping):
 
     async def _layer(self, inputs: LayerInputs, kind: str):
         request = self._layer_request(inputs, kind)
-        call = self._plane.stage(request.layer) if self._plane is not None else None
+        plane = self._planes()
+        call = plane.stage(request.layer) if plane is not None else None
         try:
             response = await self._roundtrip(request, "layer")
         except BaseException as e:
             if call is not None:
-                abandon(self._plane, call, e)
+                abandon(plane, call, e)
             raise
         if call is not None:
-            await finish_async(self._plane, call, response.layer)
+            await finish_async(plane, call, response.layer)
         return self._layered(response, inputs, kind)
 
     async def abort(self) -> None:

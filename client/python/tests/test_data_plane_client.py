@@ -1,0 +1,116 @@
+"""How the Python clients use their plane (docs/data-plane.md).
+
+A layer call whose outcome the client cannot know (its deadline passed, its task was cancelled,
+the connection failed) may still have the server reading its inputs in the plane's input region
+and building its output in the output region. That space must go to no other call, or a later
+call's bytes would overwrite inputs the server is still reading, and its output could be
+another's. The plane is retired instead: the space it holds is never given back, and no call
+stages on it once it broke.
+
+A Step stream uses the client's plane of the moment: one opened before the plane connected (the
+first calls of a client go as bytes while it connects) or before it was replaced moves its
+layers through the new one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from attnd import AsyncAttndClient, AttndClient, AttndError, LayerInputs
+from attnd.data_plane import find_library
+from attnd.wire import encode_layer
+
+from attnd_process import start, stop
+from attnd_testlib import Harness, sample, scrape, wait_for
+
+pytestmark = pytest.mark.skipif(find_library() is None, reason="libattnd_plane.so not built")
+
+
+def test_a_call_given_up_on_keeps_its_space_and_retires_its_plane():
+    proc, target, _ = start(["--data-plane=ucx", "--drain-timeout-ms=500"], kv_pages=512)
+    try:
+        with AttndClient(target, timeout=30.0) as c:
+            first = c.connect_data_plane()
+            plane = c._plane_obj
+            h = Harness(c, c.info(), seed=21, tag="outcome")
+            sid = h.open("seq")
+            h.step(c, [(sid, 3)])  # over the plane: its space is given back after each call
+            lib, p = plane._lib, plane._p
+            assert lib.attnd_plane_take_input(p, 1) == 0, "a finished call kept its space"
+            lib.attnd_plane_give_input(p, 0)
+            # A prefill long enough that the call's 5 ms deadline passes while the server is
+            # still at it: the client cannot know what the server did with the call's space.
+            step = c.begin_step([(sid, 2048)])
+            c._timeout = 0.005
+            with pytest.raises(AttndError) as e:
+                c.attend_layer(step.step_id, LayerInputs(0, **h.inputs(2048)[0]))
+            c._timeout = 30.0
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+            assert plane.broken
+            assert plane.stage(_request(h)) is None, "a broken plane staged a call"
+            # The call's space is still taken: the regions' first bytes are not free.
+            assert lib.attnd_plane_take_input(p, 1) > 0
+            assert lib.attnd_plane_take_output(p, 1) > 0
+            c.abort_step(step.step_id)  # taken at once; it ends when the layer under way does
+            wait_for(lambda: not c.describe_sequence(sid).in_step, "the step ends", timeout_s=10)
+            h.assert_unchanged([sid])
+            # The next calls go as bytes while a new plane connects, and then over it.
+            h.step(c, [(sid, 1)])
+            deadline = time.monotonic() + 10
+            while c.data_plane_name in ("", first) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c.data_plane_name.startswith("ucx-") and c.data_plane_name != first
+            h.step(c, [(sid, 1)])
+            h.close_all()
+    finally:
+        stop(proc)
+
+
+def _request(h: Harness):
+    return encode_layer(LayerInputs(0, **h.inputs(1)[0]), uint16_as_bf16=False)
+
+
+def _moved_in(mport: int) -> float:
+    return sample(scrape(mport), 'attnd_data_plane_bytes_total{direction="in"}')
+
+
+def test_a_stream_opened_before_the_plane_connected_uses_it_once_it_has():
+    proc, target, mport = start(["--data-plane=ucx"])
+    try:
+        with AttndClient(target, timeout=30.0) as c:
+            h = Harness(c, c.info(), seed=23, tag="stream-plane")
+            sid = h.open("seq")
+            with c.stream() as s:  # the client's first call: its plane is not there yet
+                assert c.data_plane_name == ""
+                h.step(s, [(sid, 2)])
+                wait_for(lambda: c.data_plane_name != "", "the plane connects", timeout_s=10)
+                before = _moved_in(mport)
+                h.step(s, [(sid, 1)])  # checked against float64
+                assert _moved_in(mport) > before, "the stream's layers did not use the plane"
+
+            async def run():
+                async with AsyncAttndClient(target, timeout=30.0) as ac:
+                    async with ac.stream() as s:
+                        for _ in range(200):  # the plane connects meanwhile (a task on the loop)
+                            if ac.data_plane_name:
+                                break
+                            x = h.inputs(1)
+                            await s.begin([(sid, 1)])
+                            outs = [await s.layer(LayerInputs(i, **y)) for i, y in enumerate(x)]
+                            h.check(outs, h.ref.step([(sid, 1)], x), x, "as bytes", 1e-2)
+                            await asyncio.sleep(0.01)
+                        assert ac.data_plane_name.startswith("ucx-")
+                        before = _moved_in(mport)
+                        x = h.inputs(1)
+                        await s.begin([(sid, 1)])
+                        outs = [await s.layer(LayerInputs(i, **y)) for i, y in enumerate(x)]
+                        h.check(outs, h.ref.step([(sid, 1)], x), x, "over the plane", 1e-2)
+                        assert _moved_in(mport) > before, "the async stream did not use the plane"
+
+            asyncio.run(run())
+            h.close_all()
+    finally:
+        stop(proc)
