@@ -48,6 +48,10 @@ class InputRegion final : public Region {
     auto it = s.landed.find(transfer);
     if (it == s.landed.end()) {
       if (!s.lost.ok()) return s.lost;
+      if (static_cast<int>(s.waiting.size()) >= s.max_waiting)  // so this call could not wait
+        return absl::ResourceExhaustedError(
+            absl::StrCat("data plane transfer ", transfer, " had not arrived, and ", s.max_waiting,
+                         " calls already wait for transfers on ", name_, "; this one could not"));
       return absl::DeadlineExceededError(
           absl::StrCat("data plane transfer ", transfer, " did not arrive in time (", name_, ")"));
     }
@@ -90,13 +94,19 @@ class InputRegion final : public Region {
                         UcxPlane::State::Waiter{id, 0, std::move(ready)});
     }
     // The deadline set after the waiter is in place, so that it cannot pass unseen; its timer id
-    // kept for the landing to cancel, unless the waiter ran meanwhile.
+    // kept for the landing to cancel, or cancelled here when the waiter ran meanwhile.
     const uint64_t timer = s.link->timer->At(
         absl::Now() + s.timeout, [w = std::weak_ptr<UcxPlane::State>(s_), transfer, id] {
           if (auto live = w.lock()) live->Expire(transfer, id);
         });
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (auto it = s.waiting.find({transfer, id}); it != s.waiting.end()) it->second.timer = timer;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (auto it = s.waiting.find({transfer, id}); it != s.waiting.end()) {
+        it->second.timer = timer;
+        return true;
+      }
+    }
+    s.link->timer->Cancel(timer);  // it ran meanwhile (landed): no deadline left pending
     return true;
   }
 
