@@ -85,6 +85,8 @@ void attnd_plane_keepalive(attnd_plane* p, int64_t period_ms) {
   if (period_ms > 0) p->client->KeepAlive(absl::Milliseconds(period_ms));
 }
 
+int attnd_plane_lost(attnd_plane* p) { return p->client->Lost().ok() ? 0 : 1; }
+
 attnd_plane_send* attnd_plane_put(attnd_plane* p, const void* const* pieces, const size_t* lengths,
                                   size_t n, int64_t offset, uint64_t transfer) {
   std::vector<attnd::transport::UcxWorker::Piece> v;

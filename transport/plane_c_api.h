@@ -36,6 +36,9 @@ int attnd_plane_attach_with(attnd_plane* p, uint64_t plane_id, const char* token
 /* After attaching: says to the server every period_ms (the reply's keepalive_ms, when the request
  * offered sends_keepalives) that this end lives. */
 void attnd_plane_keepalive(attnd_plane* p, int64_t period_ms);
+/* 1 once this end's endpoint to the server failed (the server's worker went, or the network to
+ * it): the plane carries nothing more; 0 while it may. */
+int attnd_plane_lost(attnd_plane* p);
 /* Space in the server's input region / the output region for one call: an offset, or -1 when
  * it does not fit now. */
 int64_t attnd_plane_take_input(attnd_plane* p, int64_t bytes);

@@ -92,6 +92,9 @@ def _load() -> Optional[ctypes.CDLL]:
             if hasattr(lib, "attnd_plane_keepalive"):  # absent before keepalives
                 lib.attnd_plane_keepalive.restype = None
                 lib.attnd_plane_keepalive.argtypes = [c_p, c_i64]
+            if hasattr(lib, "attnd_plane_lost"):  # absent in older libraries
+                lib.attnd_plane_lost.restype = ctypes.c_int
+                lib.attnd_plane_lost.argtypes = [c_p]
             for name, res, args in [
                 ("attnd_plane_create", c_p, [c_i64, *err]),
                 ("attnd_plane_destroy", None, [c_p]),
@@ -320,6 +323,9 @@ class DataPlane:
         with self._lock:
             if self._closing or not self._p:
                 return None
+            if hasattr(self._lib, "attnd_plane_lost") and self._lib.attnd_plane_lost(self._p):
+                self.broken = True  # its endpoint failed: this call goes as bytes, the next
+                return None  # connects a new plane (a call sent naming it would wait in vain)
             self._calls += 1
         try:
             call = self._stage(msg)

@@ -21,6 +21,7 @@ import pytest
 
 from attnd import AsyncAttndClient, AttndClient, AttndError, LayerInputs
 from attnd.data_plane import find_library
+from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
 
 from attnd_process import start, stop
@@ -111,6 +112,33 @@ def test_a_stream_opened_before_the_plane_connected_uses_it_once_it_has():
                         assert _moved_in(mport) > before, "the async stream did not use the plane"
 
             asyncio.run(run())
+            h.close_all()
+    finally:
+        stop(proc)
+
+
+def test_a_plane_whose_endpoint_failed_is_not_used_again(monkeypatch):
+    """The server's end of a plane went (closed as an idle one is, its worker stopped) and this
+    end's UCX noticed (its keepalives over TCP met a closed port): the next layer call goes as
+    bytes rather than through the plane (which failed it, NOT_FOUND, and aborted its step), and
+    a new plane is connected."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc, target, _ = start(["--data-plane=ucx", "--data-plane-keepalive-ms=200",
+                             "--data-plane-push=false"])
+    try:
+        with AttndClient(target, timeout=30.0) as c:
+            first = c.connect_data_plane()
+            plane = c._plane_obj
+            h = Harness(c, c.info(), seed=29, tag="lost")
+            sid = h.open("seq")
+            h.step(c, [(sid, 2)])
+            c._call(c._stub.CloseDataPlane, pb.CloseDataPlaneRequest(plane=first))
+            wait_for(lambda: plane._lib.attnd_plane_lost(plane._p) == 1,
+                     "this end notices the server's end is gone", timeout_s=10)
+            h.step(c, [(sid, 1)])  # as bytes, checked against float64: no failure
+            assert plane.broken
+            wait_for(lambda: c.data_plane_name not in ("", first), "a new plane", timeout_s=10)
+            h.step(c, [(sid, 1)])
             h.close_all()
     finally:
         stop(proc)
