@@ -327,17 +327,20 @@ class DataPlane:
                 self.broken = True  # its endpoint failed: this call goes as bytes, the next
                 return None  # connects a new plane (a call sent naming it would wait in vain)
             self._calls += 1
+        call = _Call()
         try:
-            call = self._stage(msg)
+            staged = self._stage(msg, call)
         except BaseException:
-            self._release()
+            # An interrupt part-way (the message is not sent): a send already under way still
+            # reads call.keep, and the space it took is given back only once it settled.
+            self.finish(call, None)
             raise
-        if call is None:
+        if staged is None:
             self._release()
-        return call
+        return staged
 
-    def _stage(self, msg: pb.LayerInputs) -> Optional[_Call]:
-        call, refs, total = _Call(), [], 0
+    def _stage(self, msg: pb.LayerInputs, call: _Call) -> Optional[_Call]:
+        refs, total = [], 0
         for name in _FIELDS:
             if not msg.HasField(name):
                 continue
