@@ -97,9 +97,9 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
     return;
   }
   const int64_t length = static_cast<int64_t>(m.length);
-  bytes_in_.fetch_add(length, std::memory_order_relaxed);
   if (!m.rndv) {
     std::memcpy(s->input + h.offset, m.data, m.length);
+    bytes_in_->fetch_add(length, std::memory_order_relaxed);
     s->Land(h.transfer, h.offset, length, absl::OkStatus());
     return;
   }
@@ -108,10 +108,13 @@ void UcxPlane::OnToServer(const UcxWorker::Message& m, uint64_t arrived_on) {
     return s->Land(h.transfer, h.offset, 0, absl::InternalError("no worker to receive with"));
   }
   // On this plane's own worker (the handler runs on its thread).
-  m.worker->Receive(m.data, s->input + h.offset, m.length, [s, h, length](absl::Status st) {
-    s->in_flight.fetch_sub(1);
-    s->Land(h.transfer, h.offset, length, st);
-  });
+  // Counted once every byte landed (a receive that fails brought none).
+  m.worker->Receive(m.data, s->input + h.offset, m.length,
+                    [s, h, length, in = bytes_in_](absl::Status st) {
+                      if (st.ok()) in->fetch_add(length, std::memory_order_relaxed);
+                      s->in_flight.fetch_sub(1);
+                      s->Land(h.transfer, h.offset, length, st);
+                    });
 }
 
 void UcxPlane::OnPull(const UcxWorker::Message& m, uint64_t arrived_on) {
@@ -227,10 +230,9 @@ struct UcxPlane::Reservation {
   }
   ~Reservation() {
     if (!held) return;
-    {
-      std::lock_guard<std::mutex> lock(p->mu_);
-      Release();
-    }
+    // Notified under mu_: once it is released, ~UcxPlane may go on (and its condition with it).
+    std::lock_guard<std::mutex> lock(p->mu_);
+    Release();
     p->connects_done_.notify_all();
   }
 };
@@ -326,8 +328,8 @@ UcxPlane::Connection UcxPlane::Publish(const std::shared_ptr<State>& s, Reservat
     std::lock_guard<std::mutex> lock(mu_);
     reserved.Release();
     planes_[s->id] = s;
+    connects_done_.notify_all();  // under mu_, as in ~Reservation
   }
-  connects_done_.notify_all();
   return c;
 }
 

@@ -137,7 +137,7 @@ class UcxPlane {
   };
   ClosedCounts closed_counts() const;
   // Bytes landed in input regions, and sent from outputs to their clients.
-  int64_t bytes_in() const { return bytes_in_.load(); }
+  int64_t bytes_in() const { return bytes_in_->load(); }
   int64_t bytes_out() const { return bytes_out_->load(); }
   const Options& options() const { return options_; }
   // Deadlines of waits for a landing not yet passed nor cancelled (tests).
@@ -178,8 +178,9 @@ class UcxPlane {
   uint64_t next_id_ = 1;
   std::atomic<int64_t> refused_{0};
   ClosedCounts closed_;  // mu_
-  std::atomic<int64_t> bytes_in_{0};
-  // Shared with the planes, which count the outputs they push (a plane may outlive this).
+  // Shared with the planes' receives and pushes, which count what they moved (a plane may
+  // outlive this).
+  std::shared_ptr<std::atomic<int64_t>> bytes_in_ = std::make_shared<std::atomic<int64_t>>(0);
   std::shared_ptr<std::atomic<int64_t>> bytes_out_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
