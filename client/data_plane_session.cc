@@ -1,5 +1,6 @@
 #include "client/data_plane_session.h"
 
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -211,6 +212,17 @@ absl::Status DataPlaneSession::Finish(Call* call, v1::LayerOutput* out) {
   v1::Tensor* t = out->mutable_out();
   t->clear_shm();
   if (!call->to_dest) t->mutable_data()->assign(*bytes, call->output_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status IntoCallerBuffer(v1::LayerOutput* out, void* dest, size_t bytes) {
+  if (dest == nullptr || out->out().data().empty()) return absl::OkStatus();
+  if (out->out().data().size() != bytes || out->out().has_scales())
+    return absl::InvalidArgumentError(
+        absl::StrCat("out_bytes: ", bytes, ", the output has ", out->out().data().size(),
+                     out->out().has_scales() ? " bytes with scales (an FP8 reply)" : " bytes"));
+  std::memcpy(dest, out->out().data().data(), bytes);
+  out->mutable_out()->clear_data();
   return absl::OkStatus();
 }
 

@@ -74,4 +74,8 @@ class DataPlaneSession {
   std::atomic<bool> broken_{false};
 };
 
+// The reply's output copied into the caller's buffer (dest, `bytes` long) when the plane did not
+// land it there, its data then cleared; INVALID_ARGUMENT when the sizes differ or it is FP8.
+absl::Status IntoCallerBuffer(v1::LayerOutput* out, void* dest, size_t bytes);
+
 }  // namespace attnd::client
