@@ -369,7 +369,7 @@ std::vector<Flag> Table(ServerFlags* f) {
        Limit(&f->data_plane_timeout_ms)},
       {"data-plane-keepalive-ms", "N",
        "clients that offer keepalives send one this often, and a plane\nsilent three times as "
-       "long (its client died) is closed at the\nnext handshake (default 5000; 0: none asked, "
+       "long (its client died) is closed within a\nsecond (default 5000; 0: none asked, "
        "planes close\nafter ten idle minutes)",
        Int(&f->data_plane_keepalive_ms)},
       {"data-plane-push", "true|false",

@@ -68,7 +68,7 @@ class UcxPlane {
     // (--data-plane-push); false: every client pulls them (and no client address is parsed).
     bool push = false;
     // Clients that offer keepalives are told to send one this often, and a plane of such a
-    // client silent three times as long (its process died) is closed at the next handshake
+    // client silent three times as long (its process died) is closed by CloseIdle
     // (--data-plane-keepalive-ms). Zero: none asked; planes close when idle_timeout passes.
     absl::Duration keepalive = absl::Seconds(5);
   };

@@ -48,10 +48,6 @@ class InputRegion final : public Region {
     auto it = s.landed.find(transfer);
     if (it == s.landed.end()) {
       if (!s.lost.ok()) return s.lost;
-      if (static_cast<int>(s.waiting.size()) >= s.max_waiting)  // so this call could not wait
-        return absl::ResourceExhaustedError(
-            absl::StrCat("data plane transfer ", transfer, " had not arrived, and ", s.max_waiting,
-                         " calls already wait for transfers on ", name_, "; this one could not"));
       return absl::DeadlineExceededError(
           absl::StrCat("data plane transfer ", transfer, " did not arrive in time (", name_, ")"));
     }
@@ -86,9 +82,17 @@ class InputRegion final : public Region {
     uint64_t id = 0;
     {
       std::lock_guard<std::mutex> lock(s.mu);
-      if (s.landed.count(transfer) != 0 || !s.lost.ok() ||
-          static_cast<int>(s.waiting.size()) >= s.max_waiting)
+      if (s.landed.count(transfer) != 0 || !s.lost.ok()) return false;
+      if (static_cast<int>(s.waiting.size()) >= s.max_waiting) {
+        // Not waited for: the call runs now and finds this, unless the bytes land first (their
+        // landing replaces it).
+        s.RecordLocked(
+            transfer, 0, 0,
+            absl::ResourceExhaustedError(absl::StrCat(
+                "data plane transfer ", transfer, " had not arrived, and ", s.max_waiting,
+                " calls already wait for transfers on ", name_, "; this one could not")));
         return false;
+      }
       id = s.next_waiter++;
       s.waiting.emplace(std::make_pair(transfer, id),
                         UcxPlane::State::Waiter{id, 0, std::move(ready)});

@@ -568,10 +568,15 @@ async def _off_loop(fn, *args):
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
-        try:
-            await work
-        except BaseException:  # its own failure: the cancel is what the caller hears of
-            pass
+        # The thread runs on whatever is cancelled: wait for it, through further cancels too
+        # (each shielded: a cancelled to_thread future ends at once, its thread still running).
+        while not work.done():
+            try:
+                await asyncio.wait({work})
+            except asyncio.CancelledError:
+                pass
+        if not work.cancelled():
+            work.exception()  # seen: the cancel is what the caller hears of
         raise
 
 

@@ -14,13 +14,14 @@ layers through the new one."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
 import pytest
 
 from attnd import AsyncAttndClient, AttndClient, AttndError, LayerInputs
-from attnd.data_plane import find_library
+from attnd.data_plane import _off_loop, find_library
 from attnd.v1 import attention_pb2 as pb
 from attnd.wire import encode_layer
 
@@ -42,10 +43,10 @@ def test_a_call_given_up_on_keeps_its_space_and_retires_its_plane():
             lib, p = plane._lib, plane._p
             assert lib.attnd_plane_take_input(p, 1) == 0, "a finished call kept its space"
             lib.attnd_plane_give_input(p, 0)
-            # A prefill long enough that the call's 5 ms deadline passes while the server is
+            # A prefill long enough that the call's 1 ms deadline passes while the server is
             # still at it: the client cannot know what the server did with the call's space.
             step = c.begin_step([(sid, 2048)])
-            c._timeout = 0.005
+            c._timeout = 0.001
             with pytest.raises(AttndError) as e:
                 c.attend_layer(step.step_id, LayerInputs(0, **h.inputs(2048)[0]))
             c._timeout = 30.0
@@ -142,3 +143,26 @@ def test_a_plane_whose_endpoint_failed_is_not_used_again(monkeypatch):
             h.close_all()
     finally:
         stop(proc)
+
+
+def test_work_taken_off_the_loop_ends_before_a_cancel_does():
+    """The asyncio client makes, attaches and closes a plane's end in worker threads
+    (_off_loop). A cancel (a second one too: a close with its own timeout) must not let the
+    caller clean up while the thread still works on that end (destroying it under an attach)."""
+    ended = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.3)
+        ended.set()
+
+    async def run() -> None:
+        task = asyncio.ensure_future(_off_loop(slow))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended.is_set(), "the cancel came back while the thread still ran"
+
+    asyncio.run(run())

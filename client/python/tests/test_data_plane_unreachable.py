@@ -349,7 +349,7 @@ def test_a_server_whose_ucx_cannot_be_reached_costs_the_client_no_layer_call(tmp
             loop_thread.join(timeout=60)
             assert c.data_plane_name == "", c.data_plane_name
             assert slowest < 2.0, f"a layer call took {slowest:.2f} s while the plane connected"
-            assert stalls and stalls[0] < 1.0, f"the asyncio client's loop stalled {stalls} s"
+            assert stalls and stalls[0] < 2.5, f"the asyncio client's loop stalled {stalls} s"
             # The planes the probes made on the server were closed by the clients, not left to
             # stand until reaped.
             rpcs = 'attnd_rpc_requests_total{{code="OK",method="{}DataPlane"}}'
