@@ -63,10 +63,10 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from .data_plane import AsyncPlaneUse, PlaneUse
 from .errors import AttndError
 from .handoff import drive, handoff_call, handoff_plan
 from .merge import merge_attention, merge_candidates
+from .plane_use import AsyncPlaneUse, PlaneUse
 from .shm import ShmArena, ShmTensor, TensorArg
 from .stream import AsyncStepStream, StepStream
 from .sync import run_sync

@@ -11,8 +11,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from . import wire
-from .data_plane import abandon, finish_async
 from .errors import AttndError
+from .plane_use import abandon, finish_async
 from .sync import run_sync
 from .types import Batch, Candidates, LayerResult, StepInfo
 from .v1 import attention_pb2 as pb
