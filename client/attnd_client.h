@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -229,7 +230,8 @@ class Client {
 };
 
 // One Step RPC. After any error the stream is finished (the server aborted the open step) and
-// every later call returns that error.
+// every later call returns that error. It uses its Client (the channel, the data plane): destroy
+// it before the Client.
 class StepStream {
  public:
   ~StepStream();
@@ -251,7 +253,8 @@ class StepStream {
   // the future holds its outcome. Calls run one at a time, in the order they were made. The
   // micro-batch pattern (docs/data-plane.md#micro-batches, examples/microbatch.cc): one stream
   // per micro-batch, a micro-batch's attention in flight while the worker runs another's FFN.
-  // Other calls on this stream wait until the futures they follow are ready.
+  // Other calls on this stream wait until the futures they follow are ready (Cancel, from any
+  // thread, ends them first). Destroying the stream cancels those not ready.
   std::future<absl::StatusOr<v1::LayerOutput>> LayerAsync(v1::LayerInputs in, void* out = nullptr,
                                                           size_t out_bytes = 0);
   absl::Status Abort();
@@ -266,6 +269,13 @@ class StepStream {
   friend class Client;
   StepStream(const Client& client, v1::Attention::Stub* stub, int64_t deadline_ms);
   absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
+  // OK while the stream can carry calls; why not otherwise.
+  absl::Status Usable() const;
+  // Layer without waiting for LayerAsync's queue (what its thread runs).
+  absl::StatusOr<v1::LayerOutput> LayerNow(const v1::LayerInputs& in, void* dest,
+                                           size_t dest_bytes);
+  // Waits until LayerAsync's queue is empty and nothing of it runs.
+  void AwaitQueued();
 
   void RunQueued();
 
@@ -275,6 +285,9 @@ class StepStream {
   std::mutex async_mu_;
   std::condition_variable async_cv_;
   std::deque<std::function<void()>> async_queue_;
+  std::condition_variable async_idle_;  // the queue emptied and nothing of it runs
+  bool async_running_ = false;
+  std::atomic<bool> cancelled_{false};  // Cancel (or the destructor) cancelled the call
   bool async_stop_ = false;
   std::thread async_thread_;
   grpc::ClientContext ctx_;

@@ -20,12 +20,20 @@ StepStream::StepStream(const Client& client, v1::Attention::Stub* stub, int64_t 
 
 StepStream::~StepStream() {
   if (async_thread_.joinable()) {
+    bool pending;
     {
       std::lock_guard<std::mutex> lock(async_mu_);
       async_stop_ = true;
+      pending = async_running_ || !async_queue_.empty();
+    }
+    // Layers still queued or running when the stream goes were given up on: cancelled, so that
+    // they end now (their futures CANCELLED) rather than whenever the server answers.
+    if (pending) {
+      cancelled_.store(true);
+      ctx_.TryCancel();
     }
     async_cv_.notify_all();
-    async_thread_.join();  // runs what was queued first
+    async_thread_.join();
   }
   if (!closed_) {
     ctx_.TryCancel();
@@ -33,13 +41,25 @@ StepStream::~StepStream() {
   }
 }
 
-absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& req) {
+absl::Status StepStream::Usable() const {
   if (!error_.ok()) return error_;
   if (closed_) return absl::FailedPreconditionError("stream closed");
+  return absl::OkStatus();
+}
+
+void StepStream::AwaitQueued() {
+  std::unique_lock<std::mutex> lock(async_mu_);
+  async_idle_.wait(lock, [&] { return !async_running_ && async_queue_.empty(); });
+}
+
+absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& req) {
+  if (absl::Status s = Usable(); !s.ok()) return s;
   v1::StepResponse resp;
   if (!rw_->Write(req) || !rw_->Read(&resp)) {
     closed_ = true;
-    error_ = FromGrpcNotCancelled(rw_->Finish());
+    // CANCELLED is the server going away, unless this stream was cancelled (Cancel, or its
+    // destruction with layers queued).
+    error_ = cancelled_.load() ? FromGrpc(rw_->Finish()) : FromGrpcNotCancelled(rw_->Finish());
     if (error_.ok()) error_ = absl::UnavailableError("stream ended without a reply");
     return error_;
   }
@@ -52,6 +72,7 @@ absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const Batch& batch, bool
 }
 
 absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const v1::BeginStepRequest& request) {
+  AwaitQueued();
   v1::StepRequest req;
   *req.mutable_begin() = request;
   auto resp = RoundTrip(req);
@@ -62,6 +83,7 @@ absl::StatusOr<v1::BeginStepResponse> StepStream::Begin(const v1::BeginStepReque
 }
 
 absl::StatusOr<v1::BeginStepResponse> StepStream::Join(uint64_t step_id, int shard) {
+  AwaitQueued();
   v1::StepRequest req;
   req.mutable_join()->set_step_id(step_id);
   req.mutable_join()->set_shard(shard);
@@ -76,6 +98,15 @@ absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in) {
 
 absl::StatusOr<v1::LayerOutput> StepStream::Layer(const v1::LayerInputs& in, void* dest,
                                                   size_t dest_bytes) {
+  AwaitQueued();
+  return LayerNow(in, dest, dest_bytes);
+}
+
+absl::StatusOr<v1::LayerOutput> StepStream::LayerNow(const v1::LayerInputs& in, void* dest,
+                                                     size_t dest_bytes) {
+  // A stream that failed or closed sends nothing: its plane is neither used nor told of a
+  // failure (an unknown outcome breaks the plane every other caller shares).
+  if (absl::Status s = Usable(); !s.ok()) return s;
   v1::StepRequest req;
   std::shared_ptr<DataPlaneSession> plane = client_.Plane();
   DataPlaneSession::Call call;
@@ -99,10 +130,13 @@ void StepStream::RunQueued() {
     std::function<void()> fn;
     {
       std::unique_lock<std::mutex> lock(async_mu_);
+      async_running_ = false;
+      async_idle_.notify_all();
       async_cv_.wait(lock, [&] { return async_stop_ || !async_queue_.empty(); });
       if (async_queue_.empty()) return;
       fn = std::move(async_queue_.front());
       async_queue_.pop_front();
+      async_running_ = true;
     }
     fn();
   }
@@ -111,7 +145,7 @@ void StepStream::RunQueued() {
 std::future<absl::StatusOr<v1::LayerOutput>> StepStream::LayerAsync(v1::LayerInputs in, void* out,
                                                                     size_t out_bytes) {
   auto task = std::make_shared<std::packaged_task<absl::StatusOr<v1::LayerOutput>()>>(
-      [this, in = std::move(in), out, out_bytes] { return Layer(in, out, out_bytes); });
+      [this, in = std::move(in), out, out_bytes] { return LayerNow(in, out, out_bytes); });
   std::future<absl::StatusOr<v1::LayerOutput>> result = task->get_future();
   {
     std::lock_guard<std::mutex> lock(async_mu_);
@@ -123,6 +157,7 @@ std::future<absl::StatusOr<v1::LayerOutput>> StepStream::LayerAsync(v1::LayerInp
 }
 
 absl::Status StepStream::Abort() {
+  AwaitQueued();
   v1::StepRequest req;
   req.mutable_abort();
   open_ids_.clear();  // the reply comes after the server released the step
@@ -130,6 +165,7 @@ absl::Status StepStream::Abort() {
 }
 
 absl::Status StepStream::Close() {
+  AwaitQueued();
   if (closed_) return error_;
   closed_ = true;
   rw_->WritesDone();
@@ -138,7 +174,9 @@ absl::Status StepStream::Close() {
 }
 
 void StepStream::Cancel() {
+  cancelled_.store(true);
   ctx_.TryCancel();
+  AwaitQueued();  // layers under way or queued end at once (the stream is cancelled)
   if (!closed_) {
     closed_ = true;
     error_ = FromGrpc(rw_->Finish());

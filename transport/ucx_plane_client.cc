@@ -15,8 +15,9 @@ constexpr size_t kMaxLanded = 4096;  // outputs landed and not awaited (a bound,
 }  // namespace
 
 int64_t SpaceMap::Take(int64_t bytes) {
-  bytes = (std::max<int64_t>(bytes, 1) + kPiece - 1) / kPiece * kPiece;
   std::lock_guard<std::mutex> lock(mu_);
+  if (bytes <= 0 || bytes > size_) return -1;  // checked before rounding: no overflow
+  bytes = (bytes + kPiece - 1) / kPiece * kPiece;
   int64_t at = 0;
   for (const auto& [off, len] : used_) {
     if (off - at >= bytes) break;

@@ -25,7 +25,8 @@ class SpaceMap {
   explicit SpaceMap(int64_t size) : size_(size) {}
   // Empties the map and makes it `size` bytes.
   void Reset(int64_t size);
-  // The offset of `bytes` free bytes (aligned to 256), or -1 when they do not fit now.
+  // The offset of `bytes` free bytes (aligned to 256), or -1 when they do not fit now (or
+  // bytes <= 0).
   int64_t Take(int64_t bytes);
   void Give(int64_t offset);
   int64_t size() const { return size_; }

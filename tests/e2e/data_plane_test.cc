@@ -196,6 +196,42 @@ TEST_F(DataPlaneTest, APlaneTheServerNoLongerHoldsFailsOneCallThenIsReplaced) {
   EXPECT_EQ(client_->DescribeSequence("dropped")->length(), 3);
 }
 
+TEST_F(DataPlaneTest, ACancelledStreamEndsItsQueuedLayersAndLeavesThePlaneToOthers) {
+  // Cancel (from another thread, as a worker giving up on a micro-batch does) while layers are
+  // queued: it waits for the one running, the rest end at once, nothing uses the stream's gRPC
+  // call at the same time, and they say CANCELLED.
+  ASSERT_TRUE(client_->OpenSequence("cancelled").ok());
+  auto s = client_->OpenStream();
+  auto g = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
+  ASSERT_TRUE(s->Begin({{"cancelled", 2}}).ok());
+  std::vector<std::future<absl::StatusOr<v1::LayerOutput>>> f;
+  for (const auto& l : g) f.push_back(s->LayerAsync(l.wire));
+  std::thread canceller([&] { s->Cancel(); });
+  canceller.join();
+  for (auto& r : f) {
+    ASSERT_EQ(r.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+    auto out = r.get();  // those that ran before the cancel went through
+    if (!out.ok()) {
+      EXPECT_EQ(out.status().code(), absl::StatusCode::kCancelled) << out.status();
+    }
+  }
+  EXPECT_EQ(client_->DescribeSequence("cancelled")->length(), 0) << "its step aborted";
+  // A stream cancelled with no layer under way: its later calls send nothing and do not break
+  // the plane every other call of the client shares (a layer in flight at a cancel does: its
+  // outcome is unknown).
+  EXPECT_FALSE(Step(*client_, "cancelled", 1).empty());
+  ASSERT_TRUE(GetsAPlane(*client_));
+  const std::string plane = client_->DataPlaneName();
+  auto idle = client_->OpenStream();
+  ASSERT_TRUE(idle->Begin({{"cancelled", 1}}).ok());
+  idle->Cancel();
+  auto late = idle->Layer(g[0].wire);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kCancelled) << late.status();
+  EXPECT_FALSE(Step(*client_, "cancelled", 1).empty());
+  EXPECT_EQ(client_->DataPlaneName(), plane) << "the cancelled stream broke the client's plane";
+  EXPECT_EQ(client_->DescribeSequence("cancelled")->length(), 2);
+}
+
 TEST_F(DataPlaneTest, APlaneWhoseCallHasAnUnknownOutcomeStagesNoMoreCalls) {
   // A call the client gave up on (its deadline) may still be read and written by the server in
   // the plane's regions: the plane takes no more calls (they go as bytes, the client connects a

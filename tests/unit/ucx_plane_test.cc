@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <string>
@@ -580,6 +581,11 @@ TEST(UcxPlane, SpaceMapHandsOutDisjointPieces) {
   EXPECT_EQ(m.Take(1024), 0);
   EXPECT_EQ(m.Take(2048), 2048);
   EXPECT_EQ(m.Take(1), -1);
+  m.Give(0);
+  EXPECT_EQ(m.Take(0), -1) << "nothing to place";
+  EXPECT_EQ(m.Take(-5), -1);
+  EXPECT_EQ(m.Take(std::numeric_limits<int64_t>::max()), -1) << "refused before rounding";
+  EXPECT_EQ(m.Take(1024), 0) << "the refusals took nothing";
 }
 
 }  // namespace

@@ -212,6 +212,8 @@ class StepStream(_StepBookkeeping):
         return self._layer(inputs, "candidates")
 
     def _layer(self, inputs: LayerInputs, kind: str):
+        # A closed stream stages nothing: its refusal is no failure of the shared plane.
+        self._check_open()
         request = self._layer_request(inputs, kind)
         plane = self._planes()
         call = plane.stage(request.layer) if plane is not None else None
@@ -347,6 +349,7 @@ class AsyncStepStream(_StepBookkeeping):
         return await self._layer(inputs, "candidates")
 
     async def _layer(self, inputs: LayerInputs, kind: str):
+        self._check_open()  # as StepStream._layer
         request = self._layer_request(inputs, kind)
         plane = self._planes()
         call = plane.stage(request.layer) if plane is not None else None
