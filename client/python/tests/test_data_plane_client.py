@@ -118,6 +118,40 @@ def test_a_stream_opened_before_the_plane_connected_uses_it_once_it_has():
         stop(proc)
 
 
+def test_a_closed_stream_leaves_the_clients_plane_alone():
+    # A layer on a closed stream is the caller's mistake, refused before anything is staged: it
+    # must not break the plane every other call of the client shares.
+    proc, target, _ = start(["--data-plane=ucx"])
+    try:
+        with AttndClient(target, timeout=30.0) as c:
+            c.connect_data_plane()
+            plane, name = c._plane_obj, c.data_plane_name
+            h = Harness(c, c.info(), seed=29, tag="closed-stream")
+            sid = h.open("seq")
+            s = c.stream()
+            s.close()
+            with pytest.raises(RuntimeError, match="closed"):
+                s.layer(LayerInputs(0, **h.inputs(1)[0]))
+            assert not plane.broken and c.data_plane_name == name
+
+            async def run():
+                async with AsyncAttndClient(target, timeout=30.0) as ac:
+                    await ac.connect_data_plane()
+                    aplane, aname = ac._plane_obj, ac.data_plane_name
+                    s = ac.stream()
+                    await s.close()
+                    with pytest.raises(RuntimeError, match="closed"):
+                        await s.layer(LayerInputs(0, **h.inputs(1)[0]))
+                    assert not aplane.broken and ac.data_plane_name == aname
+
+            asyncio.run(run())
+            h.step(c, [(sid, 1)])  # the plane still carries calls, checked against float64
+            assert c.data_plane_name == name
+            h.close_all()
+    finally:
+        stop(proc)
+
+
 def test_a_plane_whose_endpoint_failed_is_not_used_again(monkeypatch):
     """The server's end of a plane went (closed as an idle one is, its worker stopped) and this
     end's UCX noticed (its keepalives over TCP met a closed port): the next layer call goes as
