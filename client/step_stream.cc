@@ -44,6 +44,9 @@ StepStream::~StepStream() {
 absl::Status StepStream::Usable() const {
   if (!error_.ok()) return error_;
   if (closed_) return absl::FailedPreconditionError("stream closed");
+  // Layers queued behind a cancel stage nothing: only one under way at the cancel has an
+  // unknown outcome (and breaks the plane).
+  if (cancelled_.load()) return absl::CancelledError("stream cancelled");
   return absl::OkStatus();
 }
 
