@@ -262,13 +262,15 @@ class StepStream {
   absl::Status Close();
   // Cancels the call (as a crashed client would): the server aborts any open step. Returns once
   // the server has released the open step's sequences (bounded wait), so a new step may use
-  // them at once.
+  // them at once. It may be called from another thread while LayerAsync calls are queued or
+  // being made (they end CANCELLED); not while a thread makes a synchronous call on the stream.
   void Cancel();
 
  private:
   friend class Client;
   StepStream(const Client& client, v1::Attention::Stub* stub, int64_t deadline_ms);
-  absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req);
+  // `sent` (when given) is set once the request may have reached the server.
+  absl::StatusOr<v1::StepResponse> RoundTrip(const v1::StepRequest& req, bool* sent = nullptr);
   // OK while the stream can carry calls; why not otherwise.
   absl::Status Usable() const;
   // Layer without waiting for LayerAsync's queue (what its thread runs).

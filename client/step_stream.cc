@@ -55,8 +55,9 @@ void StepStream::AwaitQueued() {
   async_idle_.wait(lock, [&] { return !async_running_ && async_queue_.empty(); });
 }
 
-absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& req) {
+absl::StatusOr<v1::StepResponse> StepStream::RoundTrip(const v1::StepRequest& req, bool* sent) {
   if (absl::Status s = Usable(); !s.ok()) return s;
+  if (sent != nullptr) *sent = true;  // from here the server may have it
   v1::StepResponse resp;
   if (!rw_->Write(req) || !rw_->Read(&resp)) {
     closed_ = true;
@@ -116,9 +117,12 @@ absl::StatusOr<v1::LayerOutput> StepStream::LayerNow(const v1::LayerInputs& in, 
   if (plane == nullptr ||
       !plane->Stage(in, req.mutable_layer(), &call, static_cast<char*>(dest), dest_bytes))
     *req.mutable_layer() = in;
-  auto resp = RoundTrip(req);
+  bool sent = false;
+  auto resp = RoundTrip(req, &sent);
   if (!resp.ok()) {
-    if (plane != nullptr) plane->Failed(resp.status());
+    // Not sent (the stream was cancelled or closed meanwhile): the call's space goes back as
+    // after any call. Sent: its outcome is unknown and the plane breaks.
+    if (plane != nullptr && sent) plane->Failed(resp.status());
     return resp.status();
   }
   if (plane != nullptr)
@@ -152,6 +156,11 @@ std::future<absl::StatusOr<v1::LayerOutput>> StepStream::LayerAsync(v1::LayerInp
   std::future<absl::StatusOr<v1::LayerOutput>> result = task->get_future();
   {
     std::lock_guard<std::mutex> lock(async_mu_);
+    if (cancelled_.load()) {  // queued after a Cancel's wait would race with its Finish
+      std::promise<absl::StatusOr<v1::LayerOutput>> now;
+      now.set_value(absl::CancelledError("stream cancelled"));
+      return now.get_future();
+    }
     if (!async_thread_.joinable()) async_thread_ = std::thread([this] { RunQueued(); });
     async_queue_.push_back([task] { (*task)(); });
   }

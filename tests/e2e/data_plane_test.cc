@@ -205,9 +205,13 @@ TEST_F(DataPlaneTest, ACancelledStreamEndsItsQueuedLayersAndLeavesThePlaneToOthe
   auto g = client::GenerateStep(spec_, 2, DType::kBF16, false, rng_);
   ASSERT_TRUE(s->Begin({{"cancelled", 2}}).ok());
   std::vector<std::future<absl::StatusOr<v1::LayerOutput>>> f;
-  for (const auto& l : g) f.push_back(s->LayerAsync(l.wire));
+  // All but the last layer (which commits): the step stays open whenever the cancel comes.
+  for (size_t i = 0; i + 1 < g.size(); ++i) f.push_back(s->LayerAsync(g[i].wire));
   std::thread canceller([&] { s->Cancel(); });
   canceller.join();
+  auto after = s->LayerAsync(g.back().wire);  // queued after the cancel: ends at once
+  ASSERT_EQ(after.wait_for(std::chrono::seconds(0)), std::future_status::ready);
+  EXPECT_EQ(after.get().status().code(), absl::StatusCode::kCancelled);
   for (auto& r : f) {
     ASSERT_EQ(r.wait_for(std::chrono::seconds(0)), std::future_status::ready);
     auto out = r.get();  // those that ran before the cancel went through

@@ -38,6 +38,10 @@ async def _await_released(ids, timeout: float, describe, sleep) -> None:
             await sleep(0.002)
 
 
+class _StreamClosed(RuntimeError):
+    """A call on a closed stream: nothing was sent."""
+
+
 class _StepBookkeeping:
     """What :class:`StepStream` and :class:`AsyncStepStream` share: the open step's state, each
     message's request and how its reply is taken in. The transport (blocking or asyncio) is
@@ -74,7 +78,7 @@ class _StepBookkeeping:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the step stream is closed; open a new one with client.stream()")
+            raise _StreamClosed("the step stream is closed; open a new one with client.stream()")
 
     def _check_kind(self, response: pb.StepResponse, expect: str) -> pb.StepResponse:
         kind = response.WhichOneof("kind")
@@ -221,7 +225,9 @@ class StepStream(_StepBookkeeping):
             response = self._roundtrip(request, "layer")
         except BaseException as e:
             if call is not None:
-                plane.failed(e)  # first: a call whose outcome is unknown keeps its space
+                # Closed meanwhile (a cancel from another thread): not sent, its space goes back.
+                if not isinstance(e, _StreamClosed):
+                    plane.failed(e)  # first: a call whose outcome is unknown keeps its space
                 plane.finish(call, None)
             raise
         if call is not None:

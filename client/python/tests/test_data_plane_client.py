@@ -133,6 +133,25 @@ def test_a_closed_stream_leaves_the_clients_plane_alone():
             with pytest.raises(RuntimeError, match="closed"):
                 s.layer(LayerInputs(0, **h.inputs(1)[0]))
             assert not plane.broken and c.data_plane_name == name
+            # Closed (a cancel from another thread) after its call was staged, before it went:
+            # nothing was sent, so the call's space goes back and the plane stays whole.
+            s = c.stream()
+            s.begin([(sid, 1)])
+            stage = plane.stage
+
+            def stage_then_cancel(msg):
+                staged = stage(msg)
+                s.cancel()
+                return staged
+            plane.stage = stage_then_cancel
+            try:
+                with pytest.raises(RuntimeError, match="closed"):
+                    s.layer(LayerInputs(0, **h.inputs(1)[0]))
+            finally:
+                plane.stage = stage
+            assert not plane.broken and c.data_plane_name == name
+            assert plane._lib.attnd_plane_take_input(plane._p, 1) == 0, "its space was kept"
+            plane._lib.attnd_plane_give_input(plane._p, 0)
 
             async def run():
                 async with AsyncAttndClient(target, timeout=30.0) as ac:
