@@ -18,6 +18,20 @@ BUILD_DIR=${BUILD_DIR:-build}
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnd-ccache}
 # Paths relative to the checkout, so a fresh clone (CI) hits the same cache entries.
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+# The transformers stage's torch venv (a CUDA build of torch from PyPI, 5.6 GB: 161 s to make on
+# a fresh machine, mostly waiting on the network and the disk) is made while the build keeps the
+# cores busy; a no-op once it is cached (scripts/test_transformers.sh --prepare).
+torch_venv=""
+if [ -d client/python/tests ]; then
+  mkdir -p "$BUILD_DIR"
+  setsid nice -n 10 ./scripts/test_transformers.sh --prepare >"$BUILD_DIR/torch-venv.log" 2>&1 &
+  torch_venv=$!
+fi
+cleanup() {
+  [ -z "$torch_venv" ] || kill -- -"$torch_venv" 2>/dev/null || true
+  [ -z "${sanitizer_build:-}" ] || kill -- -"$sanitizer_build" 2>/dev/null || true
+}
+trap cleanup EXIT
 stage build
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTND_BUILD_TESTS=ON \
   -DATTND_BUILD_BENCH=ON >/dev/null  # ON: a build dir run.sh configured has them OFF
@@ -32,7 +46,6 @@ if [ "${ATTND_QUICK:-0}" != 1 ]; then
   "${idle[@]}" true 2>/dev/null || idle=(nice -n 19)
   setsid "${idle[@]}" ./scripts/sanitize.sh build >"$BUILD_DIR/sanitizer-build.log" 2>&1 &
   sanitizer_build=$!
-  trap '[ -z "$sanitizer_build" ] || kill -- -"$sanitizer_build" 2>/dev/null || true' EXIT
 fi
 stage ctest
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
@@ -53,6 +66,14 @@ if [ -d client/python/tests ]; then
   stage python-package
   BUILD_DIR="$BUILD_DIR" ./scripts/test_python_package.sh
   stage transformers
+  if ! wait "$torch_venv"; then
+    torch_venv=""
+    echo "test.sh: the torch venv was not made; the end of $BUILD_DIR/torch-venv.log:"
+    tail -n 30 "$BUILD_DIR/torch-venv.log"
+    exit 1
+  fi
+  torch_venv=""
+  cat "$BUILD_DIR/torch-venv.log"
   BUILD_DIR="$BUILD_DIR" ./scripts/test_transformers.sh
 fi
 # With the CUDA backend built: gpu-check goes through every stage without a GPU and must say that

@@ -3,7 +3,7 @@
 # (client/python/tests/test_transformers.py) in a venv cached under ~/.cache, as ccache is:
 # torch from PyPI is a CUDA build of about 5.6 GB installed, so the venv is made once (about 3
 # minutes on the CI machine) and reused while its requirement list is unchanged. Needs the built
-# attnd.
+# attnd, except with --prepare (makes the venv only: scripts/test.sh runs it during the build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
@@ -19,5 +19,6 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$requireme
   echo "$requirements" > "$stamp"
   echo "test_transformers: made $venv in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))"
 fi
+if [ "${1:-}" = --prepare ]; then exit 0; fi
 ATTND_REQUIRE_TORCH=1 ATTND_BIN="$PWD/$BUILD_DIR/service/attnd" "$venv/bin/python" -m pytest -q \
   -p no:cacheprovider client/python/tests/test_transformers.py
