@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import grpc
 
-from .errors import AttndError
+from .errors import AttndError, _StreamClosed
 from .v1 import attention_pb2 as pb
 
 __all__ = ["DataPlane", "find_library"]
@@ -321,7 +321,10 @@ class DataPlane:
         no more (closed, or idle too long), the plane is broken and the client replaces it; so
         it is when the call's outcome on the server is unknown (the client gave up: a deadline,
         a cancelled task; or the connection failed), since the server may still be using the
-        call's space, which must then go to no other call."""
+        call's space, which must then go to no other call. A stream closed before the call was
+        sent (:class:`_StreamClosed`) tells it nothing."""
+        if isinstance(error, _StreamClosed):
+            return
         text = str(error)
         if f"no data plane region {self.name}." in text or f"data plane {self.name} was closed" \
                 in text:

@@ -28,3 +28,8 @@ class AttndError(Exception):
                        "the server shut down before handling the call (gRPC said CANCELLED); "
                        "retry")
         return cls(code or grpc.StatusCode.UNKNOWN, details or str(error))
+
+
+class _StreamClosed(RuntimeError):
+    """A call on a closed Step stream (one cancelled from another thread, say): nothing was sent,
+    so a plane it staged on learns nothing of the server (:meth:`DataPlane.failed`)."""

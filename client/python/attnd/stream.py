@@ -11,7 +11,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from . import wire
-from .errors import AttndError
+from .errors import AttndError, _StreamClosed
 from .plane_use import abandon, finish_async
 from .sync import run_sync
 from .types import Batch, Candidates, LayerResult, StepInfo
@@ -36,10 +36,6 @@ async def _await_released(ids, timeout: float, describe, sleep) -> None:
             if not info.in_step:
                 break
             await sleep(0.002)
-
-
-class _StreamClosed(RuntimeError):
-    """A call on a closed stream: nothing was sent."""
 
 
 class _StepBookkeeping:
@@ -225,9 +221,7 @@ class StepStream(_StepBookkeeping):
             response = self._roundtrip(request, "layer")
         except BaseException as e:
             if call is not None:
-                # Closed meanwhile (a cancel from another thread): not sent, its space goes back.
-                if not isinstance(e, _StreamClosed):
-                    plane.failed(e)  # first: a call whose outcome is unknown keeps its space
+                plane.failed(e)  # first: a call whose outcome is unknown keeps its space
                 plane.finish(call, None)
             raise
         if call is not None:
